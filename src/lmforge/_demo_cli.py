@@ -1,0 +1,41 @@
+"""``lmforge demo``: registered here so the demo's heavy imports wait until it runs."""
+
+from __future__ import annotations
+
+import argparse
+
+EXAMPLES = """examples:
+  lmforge demo                                 # ~10 min on 2 CPU cores, stdlib corpus
+  lmforge demo --out runs/demo --max-minutes 3 # shorter CPU run
+  lmforge demo --preset gpt2-small --data ../shared/data/text/gutenberg --device cuda
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``demo`` subcommand."""
+    p = sub.add_parser(
+        "demo",
+        help="the main job: tokenizer → model → training → samples on the embedded default corpus",
+        description=(
+            "Train a byte-level BPE tokenizer, encode train/validation splits, train a small "
+            "Transformer LM, report validation loss, perplexity and bits per byte next to a "
+            "unigram baseline, save a checkpoint and print samples. With no --data the corpus "
+            "is the Python standard library's own sources."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--data", nargs="+", help="text inputs (files, folders, globs); default: stdlib")
+    p.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
+    p.add_argument("--preset", default="demo", help="model preset from configs/ (default: demo)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary size")
+    p.add_argument("--max-minutes", type=float, default=7.0, help="training time budget")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from lmforge.demo import run_demo
+
+    return run_demo(args)

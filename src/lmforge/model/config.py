@@ -1,0 +1,77 @@
+"""The model's configuration branch (``[model]`` in a run TOML)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+
+def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
+    """SwiGLU hidden size: 8/3 · d_model rounded up to a multiple of ``multiple_of``."""
+    return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and options of a decoder-only Transformer LM (pre-norm, RoPE, SwiGLU, GQA)."""
+
+    vocab_size: int = 50304
+    "vocabulary size (embedding rows and LM-head outputs)"
+    context_length: int = 1024
+    "longest sequence the RoPE tables cover"
+    d_model: int = 768
+    "residual stream width"
+    n_layers: int = 12
+    "number of Transformer blocks"
+    n_heads: int = 12
+    "query heads"
+    n_kv_heads: int | None = None
+    "key/value heads for grouped-query attention (None = n_heads)"
+    d_ff: int | None = None
+    "SwiGLU hidden size (None = 8/3·d_model rounded up to a multiple of 64)"
+    rope_theta: float = 10000.0
+    "RoPE base θ"
+    norm_eps: float = 1e-5
+    "RMSNorm epsilon"
+    qk_norm: bool = False
+    "RMS-normalise queries and keys per head before RoPE"
+    tie_embeddings: bool = False
+    "share the token-embedding matrix with the LM head"
+    logit_soft_cap: float | None = None
+    "cap logits to ±c via c·tanh(x/c) (None = off)"
+    attention: Literal["reference", "sdpa", "flash", "auto"] = "sdpa"
+    "attention backend: reference (own math), sdpa (torch), flash (lmforge Triton), auto"
+    norm: Literal["reference", "triton", "auto"] = "reference"
+    "RMSNorm backend: reference (own math) or lmforge's fused Triton kernel"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head dim (d_model / n_heads) must be even for RoPE")
+        kv = self.kv_heads
+        if kv <= 0 or self.n_heads % kv:
+            raise ValueError(f"n_kv_heads ({kv}) must divide n_heads ({self.n_heads})")
+        if self.d_ff is not None and self.d_ff <= 0:
+            raise ValueError(f"d_ff must be positive, got {self.d_ff}")
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width E = d_model / n_heads."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Resolved number of key/value heads K."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """Resolved SwiGLU hidden size F."""
+        return default_d_ff(self.d_model) if self.d_ff is None else self.d_ff

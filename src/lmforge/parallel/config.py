@@ -1,0 +1,32 @@
+"""The ``[parallel]`` branch of a run config: how the single-device model is distributed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees and options of data, tensor and pipeline parallelism."""
+
+    dp: int = 0
+    "data-parallel degree (0 = world_size / (tp·pp))"
+    tp: int = 1
+    "tensor-parallel degree"
+    pp: int = 1
+    "pipeline-parallel degree (stages)"
+    fsdp: bool = False
+    "shard parameters, gradients and optimizer state across the data-parallel group (ZeRO-3)"
+    zero1: bool = False
+    "shard only optimizer state (ZeRO-1); ignored with fsdp"
+    bucket_size_mb: float = 25.0
+    "DDP gradient bucket size"
+    microbatches: int = 4
+    "pipeline micro-batches per step"
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    "pipeline schedule"
+    domain_size: int = 0
+    "hierarchical all-reduce domain size (0 = flat)"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    "torch.distributed backend"

@@ -1,0 +1,92 @@
+"""The training branches of a run config: ``[train]`` (optimisation, loop) and ``[data]`` (inputs)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Token-shard inputs for pretraining."""
+
+    train: tuple[str, ...] = ()
+    "training token shards (.bin files from `lmforge tokenizer encode`, folders or globs)"
+    val: tuple[str, ...] = ()
+    "validation token shards (sequential windows)"
+    weights: tuple[float, ...] = ()
+    "mixing weight per training source (empty = proportional to size)"
+    tokenizer: str = ""
+    "tokenizer folder (copied into checkpoints; needed for bits per byte and sampling)"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and loop settings."""
+
+    out_dir: str = "runs/train"
+    "folder for checkpoints, metrics and the resolved config"
+    device: str = "auto"
+    "cpu, cuda, cuda:N or auto"
+    seed: int = 0
+    "random seed"
+    batch_size: int = 8
+    "sequences per micro-batch (per process)"
+    grad_accum: int = 1
+    "micro-batches accumulated per optimizer step"
+    context_length: int = 0
+    "training sequence length (0 = the model's context_length)"
+    max_steps: int = 1000
+    "optimizer steps"
+    max_minutes: float = 0.0
+    "stop early after this much wall time (0 = no limit)"
+    lr: float = 3e-4
+    "peak learning rate"
+    min_lr: float = 3e-5
+    "final learning rate"
+    warmup_steps: int = 100
+    "linear warm-up steps"
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    "learning-rate schedule"
+    decay_fraction: float = 0.2
+    "wsd: fraction of steps spent decaying"
+    beta1: float = 0.9
+    "AdamW β1"
+    beta2: float = 0.95
+    "AdamW β2"
+    eps: float = 1e-8
+    "AdamW ε"
+    weight_decay: float = 0.1
+    "AdamW decoupled weight decay"
+    grad_clip: float = 1.0
+    "clip the global gradient norm to this (0 = off)"
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    "autocast dtype for compute; master weights and optimizer state stay fp32"
+    compile: bool = False
+    "torch.compile the model"
+    activation_checkpointing: bool = False
+    "recompute each block's activations in backward"
+    loss: Literal["reference", "fused", "auto"] = "reference"
+    "loss path: reference (logits + cross-entropy) or fused linear + cross-entropy"
+    z_loss: float = 0.0
+    "z-loss coefficient on log Z² (0 = off)"
+    eval_every: int = 200
+    "validate every N steps (0 = only at the end)"
+    eval_batches: int = 20
+    "validation batches per evaluation"
+    log_every: int = 10
+    "write a metrics line every N steps"
+    save_every: int = 500
+    "checkpoint every N steps (0 = only at the end)"
+    keep_last: int = 3
+    "checkpoints kept"
+    resume: bool = True
+    "resume from the latest checkpoint in out_dir when one exists"
+    spike_factor: float = 0.0
+    "skip a step whose loss exceeds this × the running mean (0 = off)"
+    max_bad_steps: int = 5
+    "stop after this many consecutive skipped (NaN/inf/spike) steps"
+    tensorboard: bool = False
+    "also log to TensorBoard"
+    wandb: str = ""
+    "Weights & Biases project name (empty = off)"
