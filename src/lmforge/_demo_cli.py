@@ -29,7 +29,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     p.add_argument("--preset", default="demo", help="model preset from configs/ (default: demo)")
     p.add_argument("--vocab-size", type=int, default=4096, help="tokenizer vocabulary size")
-    p.add_argument("--max-minutes", type=float, default=7.0, help="training time budget")
+    p.add_argument("--max-minutes", type=float, default=6.5, help="training time budget (minutes)")
+    p.add_argument("--max-steps", type=int, default=100000, help="training steps cap")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--eval-every", type=int, default=250, help="validate every N steps")
+    p.add_argument("--eval-batches", type=int, default=20, help="validation batches per evaluation")
+    p.add_argument(
+        "--tokenizer-mb", type=float, default=12.0, help="train the tokenizer on this many MB"
+    )
+    p.add_argument("--sample-tokens", type=int, default=120, help="tokens per printed sample")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run)
