@@ -42,6 +42,7 @@ def test_int_promotes_to_float_and_tuples() -> None:
     cfg = load_run_config(None, ["train.lr=1", "data.train=['a.bin', 'b.bin']"])
     assert isinstance(cfg.train.lr, float) and cfg.train.lr == 1.0
     assert cfg.data.train == ("a.bin", "b.bin")
+    assert load_run_config(None, ["data.train=one.bin"]).data.train == ("one.bin",)
 
 
 @pytest.mark.parametrize(

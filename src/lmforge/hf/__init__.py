@@ -1,1 +1,67 @@
-"""lmforge.hf"""
+"""Hugging Face interoperability: export lmforge models as Llama/Qwen3 folders, import them back.
+
+This is the public API of ``lmforge.hf``. transformers is not needed at run time (only the tests
+use it, to check that logits agree); ``tokenizers`` is needed to wrap non-GPT-2 tokenizers.
+CLI: ``lmforge hf export --checkpoint DIR --out DIR``, ``lmforge hf import --model DIR --out DIR``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmforge.hf.api import export_model, import_model, load_pretrained, save_as_checkpoint
+    from lmforge.hf.convert import (
+        hf_config_to_model_config,
+        hf_to_lmforge_state,
+        lmforge_to_hf_state,
+        model_config_to_hf_config,
+        rope_permutation,
+    )
+    from lmforge.hf.tokenizer import HFTokenizer, load_hf_tokenizer, save_tokenizer_for_hf
+
+# name → defining module; resolved on first access so ``lmforge hf --help`` (which imports
+# this package's ``_cli``) does not pull in torch.
+_EXPORTS = {
+    "HFTokenizer": "lmforge.hf.tokenizer",
+    "export_model": "lmforge.hf.api",
+    "hf_config_to_model_config": "lmforge.hf.convert",
+    "hf_to_lmforge_state": "lmforge.hf.convert",
+    "import_model": "lmforge.hf.api",
+    "lmforge_to_hf_state": "lmforge.hf.convert",
+    "load_hf_tokenizer": "lmforge.hf.tokenizer",
+    "load_pretrained": "lmforge.hf.api",
+    "model_config_to_hf_config": "lmforge.hf.convert",
+    "rope_permutation": "lmforge.hf.convert",
+    "save_as_checkpoint": "lmforge.hf.api",
+    "save_tokenizer_for_hf": "lmforge.hf.tokenizer",
+}
+
+__all__ = [
+    "HFTokenizer",
+    "export_model",
+    "hf_config_to_model_config",
+    "hf_to_lmforge_state",
+    "import_model",
+    "lmforge_to_hf_state",
+    "load_hf_tokenizer",
+    "load_pretrained",
+    "model_config_to_hf_config",
+    "rope_permutation",
+    "save_as_checkpoint",
+    "save_tokenizer_for_hf",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,1 +1,54 @@
-"""lmforge.kernels"""
+"""Fused kernels: FlashAttention-2, RMSNorm, linear + cross-entropy, RoPE, SwiGLU gate.
+
+This is the public API.
+
+Each op has a Triton fast path (GPU, or CPU under ``TRITON_INTERPRET=1``) and a plain-torch
+reference. Importing this package never imports Triton; the Triton modules load on first use, and
+inputs a kernel cannot handle raise :class:`KernelUnsupportedError` (a ``ValueError``) naming the
+constraint, so callers can fall back (the model's ``auto`` backends use ``flash_supported``).
+"""
+
+from lmforge.kernels._common import KernelUnsupportedError, triton_available
+from lmforge.kernels.cross_entropy import (
+    FusedLinearCrossEntropy,
+    fused_linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from lmforge.kernels.flash_attention import (
+    FlashAttentionTorch,
+    FlashAttentionTriton,
+    attention_reference,
+    flash_attention,
+    flash_supported,
+)
+from lmforge.kernels.rms_norm import (
+    RMSNormTriton,
+    rms_norm,
+    rms_norm_reference,
+    rms_norm_supported,
+)
+from lmforge.kernels.rope import RoPETriton, rope, rope_reference
+from lmforge.kernels.swiglu import SwiGLUTriton, swiglu, swiglu_reference
+
+__all__ = [
+    "FlashAttentionTorch",
+    "FlashAttentionTriton",
+    "FusedLinearCrossEntropy",
+    "KernelUnsupportedError",
+    "RMSNormTriton",
+    "RoPETriton",
+    "SwiGLUTriton",
+    "attention_reference",
+    "flash_attention",
+    "flash_supported",
+    "fused_linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "rms_norm_supported",
+    "rope",
+    "rope_reference",
+    "swiglu",
+    "swiglu_reference",
+    "triton_available",
+]

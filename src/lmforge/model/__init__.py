@@ -1,8 +1,68 @@
 """The Transformer language model (single-device code; parallelism wraps it from outside).
 
-Public API is listed in ``__all__``; the rest is internal.
+This is the public API of ``lmforge.model``; everything else is internal. Shape legend used in
+every file here: B batch, T sequence, S key/value slots, D model dim, H heads, K kv-heads,
+E head dim, V vocab, F ffn dim.
 """
 
-from lmforge.model.config import ModelConfig, default_d_ff
+from __future__ import annotations
 
-__all__ = ["ModelConfig", "default_d_ff"]
+from typing import TYPE_CHECKING
+
+from lmforge.utils.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from lmforge.model import accounting
+    from lmforge.model.config import ModelConfig, default_d_ff
+    from lmforge.model.kv_cache import KVCache
+    from lmforge.model.layers import (
+        Embedding,
+        Linear,
+        RMSNorm,
+        RotaryEmbedding,
+        SwiGLU,
+        scaled_dot_product_attention,
+        silu,
+        softmax,
+    )
+    from lmforge.model.presets import load_preset
+    from lmforge.model.transformer import CausalSelfAttention, TransformerBlock, TransformerLM
+
+__all__ = [
+    "CausalSelfAttention",
+    "Embedding",
+    "KVCache",
+    "Linear",
+    "ModelConfig",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLU",
+    "TransformerBlock",
+    "TransformerLM",
+    "accounting",
+    "default_d_ff",
+    "load_preset",
+    "scaled_dot_product_attention",
+    "silu",
+    "softmax",
+]
+
+_EXPORTS = {
+    "CausalSelfAttention": "transformer",
+    "Embedding": "layers",
+    "KVCache": "kv_cache",
+    "Linear": "layers",
+    "ModelConfig": "config",
+    "RMSNorm": "layers",
+    "RotaryEmbedding": "layers",
+    "SwiGLU": "layers",
+    "TransformerBlock": "transformer",
+    "TransformerLM": "transformer",
+    "accounting": "accounting",
+    "default_d_ff": "config",
+    "load_preset": "presets",
+    "scaled_dot_product_attention": "layers",
+    "silu": "layers",
+    "softmax": "layers",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

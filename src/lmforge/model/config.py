@@ -60,6 +60,14 @@ class ModelConfig:
             raise ValueError(f"n_kv_heads ({kv}) must divide n_heads ({self.n_heads})")
         if self.d_ff is not None and self.d_ff <= 0:
             raise ValueError(f"d_ff must be positive, got {self.d_ff}")
+        if self.logit_soft_cap is not None and self.logit_soft_cap <= 0:
+            raise ValueError(f"logit_soft_cap must be positive or unset, got {self.logit_soft_cap}")
+        if self.attention not in ("reference", "sdpa", "flash", "auto"):
+            raise ValueError(
+                f"attention must be reference, sdpa, flash or auto, got {self.attention!r}"
+            )
+        if self.norm not in ("reference", "triton", "auto"):
+            raise ValueError(f"norm must be reference, triton or auto, got {self.norm!r}")
 
     @property
     def head_dim(self) -> int:

@@ -30,3 +30,5 @@ class ParallelConfig:
     "hierarchical all-reduce domain size (0 = flat)"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     "torch.distributed backend"
+    fsdp_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    "dtype of FSDP's gathered weights (master shards and gradient reductions stay fp32)"

@@ -1,5 +1,78 @@
-"""Pretraining: losses, optimizer, schedules, data loading, the trainer and checkpoints."""
+"""Pretraining: losses, optimizer, schedules, data loading, the trainer and checkpoints.
 
-from lmforge.train.config import DataConfig, TrainConfig
+This is the public API; everything else in ``lmforge.train`` is internal.
+"""
 
-__all__ = ["DataConfig", "TrainConfig"]
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmforge.utils.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from lmforge.train.checkpoint import (
+        latest_checkpoint,
+        load_checkpoint,
+        load_for_inference,
+        save_checkpoint,
+    )
+    from lmforge.train.config import DataConfig, TrainConfig
+    from lmforge.train.data import MixtureSampler, TokenShard, eval_batches, get_batch, open_shard
+    from lmforge.train.loss import cross_entropy
+    from lmforge.train.optim import AdamW, clip_grad_norm
+    from lmforge.train.plan import TrainingPlan, training_plan
+    from lmforge.train.schedule import constant_schedule, cosine_schedule, lr_at, wsd_schedule
+    from lmforge.train.trainer import Trainer, apply_activation_checkpointing, train
+
+__all__ = [
+    "AdamW",
+    "DataConfig",
+    "MixtureSampler",
+    "TokenShard",
+    "TrainConfig",
+    "Trainer",
+    "TrainingPlan",
+    "apply_activation_checkpointing",
+    "clip_grad_norm",
+    "constant_schedule",
+    "cosine_schedule",
+    "cross_entropy",
+    "eval_batches",
+    "get_batch",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_for_inference",
+    "lr_at",
+    "open_shard",
+    "save_checkpoint",
+    "train",
+    "training_plan",
+    "wsd_schedule",
+]
+
+_EXPORTS = {
+    "AdamW": "optim",
+    "DataConfig": "config",
+    "MixtureSampler": "data",
+    "TokenShard": "data",
+    "TrainConfig": "config",
+    "Trainer": "trainer",
+    "TrainingPlan": "plan",
+    "apply_activation_checkpointing": "trainer",
+    "clip_grad_norm": "optim",
+    "constant_schedule": "schedule",
+    "cosine_schedule": "schedule",
+    "cross_entropy": "loss",
+    "eval_batches": "data",
+    "get_batch": "data",
+    "latest_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "load_for_inference": "checkpoint",
+    "lr_at": "schedule",
+    "open_shard": "data",
+    "save_checkpoint": "checkpoint",
+    "train": "trainer",
+    "training_plan": "plan",
+    "wsd_schedule": "schedule",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

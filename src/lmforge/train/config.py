@@ -90,3 +90,9 @@ class TrainConfig:
     "also log to TensorBoard"
     wandb: str = ""
     "Weights & Biases project name (empty = off)"
+    peak_tflops: float = 989.0
+    "device peak dense TFLOP/s that MFU is measured against (H200 bf16: 989)"
+    progress: bool = True
+    "show a live progress bar on stderr"
+    plot: bool = True
+    "write loss_curve.png at the end"

@@ -96,6 +96,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 continue
         fail()
     if origin in (tuple, list):
+        if isinstance(value, str) and get_args(tp)[-1:] == (Ellipsis,) and get_args(tp)[0] is str:
+            value = [value]  # "--data.train=a.bin" means a one-element list
         if not isinstance(value, list | tuple):
             fail()
         args = get_args(tp)

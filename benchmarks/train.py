@@ -1,0 +1,413 @@
+"""Training-step throughput of lmforge against a nanoGPT-style peer, on one GPU.
+
+Throughput mode (default): GPT-2-small shape (12 layers, d_model 768, 12 heads, vocab 50304,
+sequence 1024), batch 32, bf16 autocast, torch.compile, SDPA attention, random tokens.
+
+* lmforge: the real trainer step (``Trainer.train_step``: data sampler → Strategy.forward_backward
+  → clip_grad_norm → lmforge's foreach AdamW, one host sync per step) on ``TransformerLM``
+  (RoPE, RMSNorm, SwiGLU); the embedding is tied by default so both models have the same
+  parameters (``--untied`` for the preset as is).
+* peer: GPT-2 written here as nanoGPT does it (nn.Linear/LayerNorm/GELU MLP, learned positions,
+  ``F.scaled_dot_product_attention``, tied embedding), ``torch.optim.AdamW(fused=True)``,
+  ``torch.compile``, same batch, same clipping.
+
+Both do the same matmul FLOPs per token (SwiGLU 3·D·F with F = 8/3·D equals GELU's 2·D·4D);
+MFU = tokens/s · FLOPs/token / 989 TFLOP/s, FLOPs from ``lmforge.model.accounting``.
+Correctness is checked first on the device (AdamW vs torch, cross_entropy vs F.cross_entropy).
+Timing: warm-up steps (compilation), then CUDA events around each step; medians reported.
+
+Real-data mode (``--real-data DIR``): trains ``configs/gpt2-small-train.toml`` on the token
+shards in DIR (``*val*.bin`` = validation, the other ``.bin`` files = training) for
+``--minutes`` minutes and reports the final validation loss and bits per byte; the run folder
+holds ``loss_curve.png`` and ``metrics.jsonl``.
+
+    PYTHONPATH=src python benchmarks/train.py
+    PYTHONPATH=src python benchmarks/train.py --results benchmarks/RESULTS.md
+    PYTHONPATH=src python benchmarks/train.py --real-data shards/ --minutes 10 --out runs/gpt2-real
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PEAK_TFLOPS = 989.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="examples:\n" + __doc__[__doc__.index("    PYTHONPATH") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per model")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps (include compilation)")
+    p.add_argument(
+        "--attention", default="sdpa", help="lmforge attention backend (sdpa, flash, auto)"
+    )
+    p.add_argument(
+        "--norm", default="reference", help="lmforge RMSNorm backend (reference, triton, auto)"
+    )
+    p.add_argument(
+        "--loss",
+        default="reference,fused",
+        help="lmforge loss paths to measure, comma-separated (reference, fused, auto)",
+    )
+    p.add_argument(
+        "--untied", action="store_true", help="untied LM head (the gpt2-small preset as is)"
+    )
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--results", help="append the table to this markdown file")
+    p.add_argument("--real-data", metavar="DIR", help="train on token shards in DIR instead")
+    p.add_argument("--minutes", type=float, default=10.0, help="real-data training time")
+    p.add_argument("--out", default="runs/gpt2-small-real", help="real-data run folder")
+    p.add_argument("--device", default="cuda")
+    return p.parse_args()
+
+
+# ----------------------------------------------------------------------------- the peer (nanoGPT)
+
+
+def _peer_model(vocab: int, seq: int, n_layer: int, n_head: int, d: int):
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c_attn = nn.Linear(d, 3 * d)
+            self.c_proj = nn.Linear(d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(d, dim=2)  # 3 × (B, T, D)
+            q = q.view(B, T, n_head, C // n_head).transpose(1, 2)  # (B, H, T, E)
+            k = k.view(B, T, n_head, C // n_head).transpose(1, 2)  # (B, H, T, E)
+            v = v.view(B, T, n_head, C // n_head).transpose(1, 2)  # (B, H, T, E)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, E)
+            return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))  # (B, T, D)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_1, self.attn = nn.LayerNorm(d), Attention()
+            self.ln_2 = nn.LayerNorm(d)
+            self.mlp = nn.Sequential(
+                nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+            self.h = nn.ModuleList(Block() for _ in range(n_layer))
+            self.ln_f = nn.LayerNorm(d)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+            self.lm_head.weight = self.wte.weight
+            for m in self.modules():
+                if isinstance(m, nn.Linear | nn.Embedding):
+                    nn.init.normal_(m.weight, std=0.02)
+
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            T = idx.shape[1]
+            x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, D)
+            for block in self.h:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))  # (B, T, V)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    return GPT()
+
+
+def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    model = _peer_model(vocab, args.seq, 12, 12, 768).to(args.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    cuda = args.device.startswith("cuda")
+    opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
+    fwd = model if args.no_compile else torch.compile(model)
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def step() -> None:
+        x = torch.randint(0, vocab, (args.batch_size, args.seq + 1), generator=g)
+        x = x.pin_memory().to(args.device, non_blocking=True) if cuda else x
+        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16):
+            loss = fwd(x[:, :-1], x[:, 1:])
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.stack([loss.float(), norm]).tolist()  # the same one sync per step as lmforge
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    n_params = sum(p.numel() for p in params)
+    return _time(step, args) | {"params": n_params}
+
+
+# ----------------------------------------------------------------------------- lmforge
+
+
+def _random_shards(folder: Path, vocab: int, n_tokens: int) -> Path:
+    import numpy as np
+
+    from lmforge.train.data import write_shard
+
+    rng = np.random.default_rng(0)
+    return write_shard(folder / "random.bin", rng.integers(0, vocab, n_tokens), vocab)
+
+
+def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
+    import dataclasses
+
+    from lmforge.config import RunConfig
+    from lmforge.model import load_preset
+    from lmforge.train import DataConfig, TrainConfig
+
+    mcfg = dataclasses.replace(
+        load_preset("gpt2-small"),
+        attention=args.attention,
+        norm=args.norm,
+        tie_embeddings=not args.untied,
+        context_length=args.seq,
+    )
+    tcfg = TrainConfig(
+        out_dir=out_dir,
+        device=args.device,
+        batch_size=args.batch_size,
+        context_length=args.seq,
+        max_steps=10**6,
+        lr=6e-4,
+        min_lr=6e-5,
+        warmup_steps=10,
+        precision="bf16",
+        compile=not args.no_compile,
+        loss=args.loss,
+        progress=False,
+        plot=False,
+        resume=False,
+    )
+    return RunConfig(model=mcfg, train=tcfg, data=DataConfig(train=(str(shard),)))
+
+
+def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
+    import torch
+
+    from lmforge.train import Trainer
+
+    shard = _random_shards(tmp, 50304, 4_000_000)
+    trainer = Trainer(_lmforge_cfg(args, str(tmp / "run"), shard))
+    out = _time(trainer.train_step, args)
+    out["params"] = sum(p.numel() for p in trainer.model.parameters())
+    out["flops_per_token"] = trainer.plan.flops_per_token
+    # Free everything before the next model: compiled-code caches can hold the module alive,
+    # which would inflate the next row's peak memory.
+    trainer = None
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _time(step, args: argparse.Namespace) -> dict:
+    import torch
+
+    cuda = args.device.startswith("cuda")
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:  # CPU smoke runs of this script (correctness of the code paths, not speed)
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    return {
+        "step_s": med,
+        "tokens_per_s": args.batch_size * args.seq / med,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+    }
+
+
+def _check_correctness(device: str) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from lmforge.train import AdamW, cross_entropy
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ps = [torch.randn(s, generator=g).to(device).requires_grad_() for s in ((64, 32), (32,))]
+    qs = [p.detach().clone().requires_grad_() for p in ps]
+    a = AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    b = torch.optim.AdamW(qs, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+    for _ in range(50):
+        for p, q in zip(ps, qs):
+            gr = torch.randn(p.shape, generator=g).to(device)
+            p.grad, q.grad = gr, gr.clone()
+        a.step()
+        b.step()
+    err = max((p - q).abs().max().item() for p, q in zip(ps, qs))
+    assert err < 1e-6, f"AdamW differs from torch by {err}"
+    logits = (100 * torch.randn(64, 50304, generator=g)).to(device, torch.bfloat16)
+    t = torch.randint(0, 50304, (64,), generator=g).to(device)
+    ce = (cross_entropy(logits, t) - F.cross_entropy(logits.float(), t)).abs().item()
+    assert ce < 1e-4, f"cross_entropy differs from torch by {ce}"
+    print(
+        f"correctness: AdamW max |Δ| {err:.1e} after 50 steps, cross_entropy |Δ| {ce:.1e}",
+        file=sys.stderr,
+    )
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+
+
+def _versions() -> str:
+    import torch
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "n/a"
+    return f"torch {torch.__version__}, triton {tv}"
+
+
+def _throughput(args: argparse.Namespace) -> str:
+    from lmforge.model import load_preset
+    from lmforge.model.accounting import flops_per_token
+    from lmforge.utils.errors import LmforgeError
+
+    _check_correctness(args.device)
+    rows = []
+    for loss in args.loss.split(","):
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                r = _bench_lmforge(argparse.Namespace(**{**vars(args), "loss": loss}), Path(tmp))
+        except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
+            print(f"skipping loss={loss}: {e}", file=sys.stderr)
+            continue
+        rows.append((f"lmforge (loss={loss}, own AdamW foreach)", r))
+    peer = None
+    if not args.no_peer:
+        peer = _bench_peer(args, 50304)
+        # Same matmul shapes per token as lmforge (see the module docstring).
+        peer["flops_per_token"] = flops_per_token(load_preset("gpt2-small"), args.seq)
+    head = (
+        f"GPT-2-small shape, batch {args.batch_size} × {args.seq}, bf16 autocast, "
+        f"compile={not args.no_compile}, attention={args.attention}, norm={args.norm}, "
+        f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}\n\n"
+    )
+    lines = [
+        "| model | params | step (ms, median) | tokens/s | MFU | peak memory (GiB) | vs peer (tokens/s, memory) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    all_rows = rows + ([("peer (nanoGPT-style, torch AdamW fused)", peer)] if peer else [])
+    for name, r in all_rows:
+        mfu = r["tokens_per_s"] * r["flops_per_token"] / (PEAK_TFLOPS * 1e12)
+        vs = ""
+        if peer is not None and r is not peer:
+            vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}×, {r['peak_gib'] / peer['peak_gib']:.3f}×"
+        lines.append(
+            f"| {name} | {r['params'] / 1e6:.1f}M | {1e3 * r['step_s']:.1f} | "
+            f"{r['tokens_per_s']:,.0f} | {100 * mfu:.1f}% | {r['peak_gib']:.2f} | {vs} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def _real_data(args: argparse.Namespace) -> str:
+    import dataclasses
+
+    from lmforge.config import load_run_config
+    from lmforge.train import train
+    from lmforge.train.data import expand_shards
+
+    shards = expand_shards(args.real_data)
+    val = tuple(str(p) for p in shards if "val" in p.name)
+    tr = tuple(str(p) for p in shards if "val" not in p.name)
+    if not tr or not val:
+        raise SystemExit(f"{args.real_data}: need training .bin shards and *val*.bin shards")
+    cfg = load_run_config(REPO / "configs" / "gpt2-small-train.toml")
+    cfg = dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(
+            cfg.train, out_dir=args.out, max_minutes=args.minutes, device=args.device, resume=False
+        ),
+        data=dataclasses.replace(cfg.data, train=tr, val=val),
+    )
+    t0 = time.monotonic()
+    res = train(cfg)
+    bpb = res.get("val_bpb", math.nan)
+    return (
+        f"real data {args.real_data}: {res['iteration']} steps, {res['tokens'] / 1e6:.1f}M tokens in "
+        f"{(time.monotonic() - t0) / 60:.1f} min\n\n"
+        "| final val loss | val perplexity | val bits/byte | loss curve |\n|---|---|---|---|\n"
+        f"| {res.get('val_loss', math.nan):.4f} | {res.get('val_ppl', math.nan):.2f} | {bpb:.4f} | "
+        f"{args.out}/loss_curve.png |\n"
+    )
+
+
+def main() -> int:
+    args = _parse()
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(
+            "benchmarks/train.py needs a CUDA GPU (--device cpu only for a smoke run)",
+            file=sys.stderr,
+        )
+        return 1
+    device_name = _device_name(args.device)
+    table = _real_data(args) if args.real_data else _throughput(args)
+    print(table)
+    if args.results:
+        entry = (
+            f"\n## benchmarks/train.py — {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
+            f"Device: {device_name}; {_versions()}\n\n"
+            f"Command: `PYTHONPATH=src python {' '.join(sys.argv)}`\n\n{table}"
+        )
+        with open(args.results, "a", encoding="utf-8") as f:
+            f.write(entry)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,226 @@
+"""Readers: WARC (fastwarc), WET, JSONL (.gz/.zst), Parquet and plain text into :class:`Document`.
+
+A bad record or a bad file never stops a run: malformed JSON lines, records without text, WARC
+records that fail to parse and files that cannot be opened are counted in the reader's
+:class:`ReadStats` (``malformed``, ``bad_files``) and skipped. Because a WARC stream cannot be
+re-synchronised after a broken header, a truncated WARC yields the records before the break.
+
+Exercised by ``lmforge data run configs/pipelines/web.toml`` and ``tests/test_data_readers.py``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lmforge.data.core import Document
+
+FORMATS = ("auto", "warc", "wet", "jsonl", "parquet", "text")
+
+
+@dataclass
+class ReadStats:
+    """What reading saw: files, records read, records skipped by reason, files that failed."""
+
+    files: int = 0
+    records: int = 0
+    malformed: Counter = field(default_factory=Counter)
+    bad_files: list[str] = field(default_factory=list)
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """Guess a reader format from a file name (``.warc.wet.gz`` → wet, ``.jsonl.zst`` → jsonl)."""
+    name = Path(path).name.lower()
+    for ext in (".gz", ".zst", ".lz4", ".bad"):
+        if name.endswith(ext):
+            name = name[: -len(ext)]
+    if name.endswith(".wet"):
+        return "wet"
+    if name.endswith((".warc", ".arc")):
+        return "warc"
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return "text"
+
+
+def _open_binary(path: Path) -> io.BufferedIOBase:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def _read_warc(path: Path, stats: ReadStats, wet: bool) -> Iterator[Document]:
+    from fastwarc.warc import ArchiveIterator, WarcRecordType
+
+    # fastwarc detects gzip/lz4 itself from the magic bytes, so the raw file goes in.
+    wanted = WarcRecordType.conversion if wet else WarcRecordType.response
+    with open(path, "rb") as f:
+        it = iter(ArchiveIterator(f, record_types=wanted, parse_http=not wet))
+        idx = 0
+        while True:
+            try:
+                rec = next(it)
+            except StopIteration:
+                return
+            except Exception:  # fastwarc raises OSError/ValueError variants on broken headers
+                stats.malformed["warc_header"] += 1
+                return
+            idx += 1
+            try:
+                body = rec.reader.read()
+                rid = rec.record_id or f"{path.name}/{idx}"
+                url = rec.headers.get("WARC-Target-URI", "")
+                date = rec.headers.get("WARC-Date", "")
+            except Exception:
+                stats.malformed["warc_record"] += 1
+                continue
+            stats.records += 1
+            meta = {"url": url, "date": date, "source": path.name}
+            if wet:
+                yield Document(rid, body.decode("utf-8", errors="replace"), meta)
+                continue
+            ctype = ""
+            if rec.http_headers is not None:
+                ctype = rec.http_headers.get("Content-Type", "") or ""
+            if ctype and "html" not in ctype.lower():
+                stats.malformed["not_html"] += 1
+                continue
+            meta["html_bytes"] = body
+            yield Document(rid, "", meta)
+
+
+def _read_jsonl(path: Path, stats: ReadStats, text_key: str, id_key: str) -> Iterator[Document]:
+    with io.TextIOWrapper(_open_binary(path), encoding="utf-8", errors="replace") as f:
+        lineno = 0
+        while True:
+            try:
+                line = f.readline()
+            except (OSError, EOFError, ValueError):
+                # A truncated .gz/.zst ends here; what was read so far stands.
+                stats.malformed["truncated_file"] += 1
+                return
+            if not line:
+                return
+            lineno += 1
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                stats.malformed["bad_json"] += 1
+                continue
+            if not isinstance(rec, dict) or not isinstance(rec.get(text_key), str):
+                stats.malformed["no_text"] += 1
+                continue
+            stats.records += 1
+            meta = rec.get("metadata") if isinstance(rec.get("metadata"), dict) else {}
+            extra = {k: v for k, v in rec.items() if k not in (text_key, id_key, "metadata")}
+            rid = str(rec.get(id_key, f"{path.name}/{lineno}"))
+            yield Document(rid, rec[text_key], {**extra, **meta})
+
+
+def _read_parquet(path: Path, stats: ReadStats, text_key: str, id_key: str) -> Iterator[Document]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    if text_key not in names:
+        stats.malformed["no_text_column"] += 1
+        return
+    cols = [text_key] + ([id_key] if id_key in names else [])
+    row = 0
+    for batch in pf.iter_batches(columns=cols, batch_size=1024):
+        texts = batch.column(0).to_pylist()
+        ids = batch.column(1).to_pylist() if len(cols) > 1 else [None] * len(texts)
+        for text, rid in zip(texts, ids):
+            row += 1
+            if not isinstance(text, str):
+                stats.malformed["no_text"] += 1
+                continue
+            stats.records += 1
+            yield Document(str(rid) if rid is not None else f"{path.name}/{row}", text, {})
+
+
+def read_documents(
+    path: str | os.PathLike,
+    fmt: str = "auto",
+    *,
+    text_key: str = "text",
+    id_key: str = "id",
+    stats: ReadStats | None = None,
+) -> Iterator[Document]:
+    """Yield the documents of one file; never raises for bad content (see ``stats``).
+
+    ``fmt`` is one of ``auto, warc, wet, jsonl, parquet, text``. WARC yields HTML responses with
+    the raw body in ``metadata["html_bytes"]`` and empty text (the ``html`` step extracts it); WET
+    yields the extracted text; ``text`` treats the whole file as one document.
+    """
+    p = Path(path)
+    st = stats if stats is not None else ReadStats()
+    st.files += 1
+    kind = detect_format(p) if fmt == "auto" else fmt
+    if kind not in FORMATS:
+        raise ValueError(f"unknown input format {fmt!r} (known: {', '.join(FORMATS)})")
+    try:
+        if kind in ("warc", "wet"):
+            yield from _read_warc(p, st, wet=kind == "wet")
+        elif kind == "jsonl":
+            yield from _read_jsonl(p, st, text_key, id_key)
+        elif kind == "parquet":
+            yield from _read_parquet(p, st, text_key, id_key)
+        else:
+            with _open_binary(p) as f:
+                data = f.read()
+            st.records += 1
+            yield Document(p.name, data.decode("utf-8", errors="replace"), {"source": p.name})
+    except (OSError, EOFError, ValueError) as e:
+        # An unreadable file (missing, permissions, corrupt container) is recorded, not fatal.
+        st.bad_files.append(f"{p}: {type(e).__name__}: {e}")
+
+
+def read_warc(path: str | os.PathLike, stats: ReadStats | None = None) -> Iterator[Document]:
+    """HTML responses of a WARC file (plain, .gz or .lz4); see :func:`read_documents`."""
+    return read_documents(path, "warc", stats=stats)
+
+
+def read_wet(path: str | os.PathLike, stats: ReadStats | None = None) -> Iterator[Document]:
+    """Text conversion records of a WET file; see :func:`read_documents`."""
+    return read_documents(path, "wet", stats=stats)
+
+
+def read_jsonl(
+    path: str | os.PathLike, text_key: str = "text", stats: ReadStats | None = None
+) -> Iterator[Document]:
+    """Records of a JSONL file (.jsonl, .jsonl.gz, .jsonl.zst); see :func:`read_documents`."""
+    return read_documents(path, "jsonl", text_key=text_key, stats=stats)
+
+
+def read_parquet(
+    path: str | os.PathLike, text_key: str = "text", stats: ReadStats | None = None
+) -> Iterator[Document]:
+    """Rows of a Parquet file's ``text_key`` column; see :func:`read_documents`."""
+    return read_documents(path, "parquet", text_key=text_key, stats=stats)
+
+
+def read_text(path: str | os.PathLike, stats: ReadStats | None = None) -> Iterator[Document]:
+    """A plain text file as one document; see :func:`read_documents`."""
+    return read_documents(path, "text", stats=stats)
+
+
+def document_to_json(doc: Document) -> str:
+    """One JSONL line for ``doc`` (metadata values that are bytes are left out)."""
+    meta = {k: v for k, v in doc.metadata.items() if not isinstance(v, bytes | bytearray)}
+    return json.dumps({"id": doc.id, "text": doc.text, "metadata": meta}, ensure_ascii=False)

@@ -1,0 +1,166 @@
+"""``lmforge eval``: registered here so torch is imported only when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXAMPLES = """examples:
+  lmforge eval --checkpoint runs/demo --tasks ppl,arc --limit 200 --device cpu
+  lmforge eval --checkpoint runs/gpt2s --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir ../shared/data/eval
+  lmforge eval --checkpoint ckpt/qwen3 --tasks gsm8k --samples 8 --temperature 0.7 --limit 100
+  lmforge eval --checkpoint hf/Qwen3-1.7B --tasks mmlu --shots 5 --out qwen3_mmlu.json
+  lmforge eval --pairwise battles.jsonl          # Bradley–Terry/Elo from {"model_a","model_b","winner"}
+
+tasks: ppl (bits per byte on --ppl-text files, default DATA/../text/wikitext2/test.txt),
+mmlu, arc, hellaswag (multiple choice: acc and length-normalised acc_norm), mmlu_gen (MMLU by
+generating the letter), gsm8k, math500, math (generation; pass@1, and pass@k up to --samples).
+DATA is laid out like /work/shared/data/eval.
+lm-evaluation-harness: python -m lmforge.eval.harness --model lmforge --model_args checkpoint=DIR --tasks ...
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``eval`` subcommand."""
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a checkpoint: perplexity, MMLU, ARC, GSM8K, MATH-500",
+        description=(
+            "Evaluate an lmforge checkpoint (or a Hugging Face Llama/Qwen3 folder) on local "
+            "benchmark files; write a JSON report and print a table."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--checkpoint", metavar="DIR", help="checkpoint, run folder or HF model folder")
+    p.add_argument(
+        "--tasks",
+        default="ppl,mmlu,arc,gsm8k,math500",
+        help="comma-separated: ppl,mmlu,mmlu_gen,arc,hellaswag,gsm8k,math500,math "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default="../shared/data/eval",
+        metavar="DIR",
+        help="benchmark folder (default: %(default)s)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="at most N examples per task")
+    p.add_argument("--shots", type=int, default=None, help="few-shot examples (default: per task)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=256, help="generation budget (default 256)"
+    )
+    p.add_argument("--samples", type=int, default=1, help="generations per problem, for pass@k")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--ppl-text", nargs="+", default=(), metavar="FILE", help="text for ppl")
+    p.add_argument("--ppl-max-tokens", type=int, default=None, help="tokens scored per ppl file")
+    p.add_argument("--seed", type=int, default=1234, help="few-shot/subsample/sampling seed")
+    p.add_argument("--out", default="eval_report.json", metavar="FILE", help="JSON report path")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument(
+        "--pairwise",
+        metavar="JSONL",
+        help="instead of evaluating: fit Bradley–Terry/Elo ratings to comparison records",
+    )
+    p.add_argument("--bootstrap", type=int, default=200, help="pairwise: bootstrap resamples")
+    p.set_defaults(func=_run)
+
+
+def _device(name: str) -> str:
+    import torch
+
+    from lmforge.utils.runtime import resolve_device
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(name)
+
+
+def _pairwise(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from lmforge.eval.metrics import fit_bradley_terry
+    from lmforge.utils.errors import LmforgeError
+    from lmforge.utils.io import atomic_write_text
+
+    path = Path(args.pairwise)
+    if not path.is_file():
+        raise LmforgeError(f"pairwise records file not found: {path}")
+    records = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            records.append((str(obj["model_a"]), str(obj["model_b"]), obj.get("winner")))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise LmforgeError(
+                f'{path}:{lineno}: expected {{"model_a", "model_b", "winner"}}'
+            ) from None
+    try:
+        ratings = fit_bradley_terry(records, bootstrap=args.bootstrap, seed=args.seed)
+    except ValueError as e:
+        raise LmforgeError(f"{path}: {e}") from None
+    report = {"ratings": ratings.ratings, "ci95": ratings.ci, "n_games": ratings.n_games}
+    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
+    print(ratings.table())
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.pairwise:
+        return _pairwise(args)
+    import json
+
+    from lmforge.eval.runner import TASKS, EvalOptions, format_table, run_eval
+    from lmforge.hf import load_pretrained
+    from lmforge.utils.config import config_to_dict
+    from lmforge.utils.errors import LmforgeError
+    from lmforge.utils.io import atomic_write_text
+
+    if not args.checkpoint:
+        raise LmforgeError("--checkpoint DIR is required (or --pairwise FILE)")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if not tasks or unknown:
+        raise LmforgeError(f"unknown task(s) {','.join(unknown)!r}; expected {', '.join(TASKS)}")
+    for name in ("limit", "batch_size", "max_new_tokens", "samples"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise LmforgeError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
+    if args.samples > 1 and args.temperature <= 0:
+        raise LmforgeError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
+    options = EvalOptions(
+        data_dir=args.data_dir,
+        limit=args.limit,
+        shots=args.shots,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        samples=args.samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        ppl_files=tuple(args.ppl_text),
+        ppl_max_tokens=args.ppl_max_tokens,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    model, tokenizer = load_pretrained(args.checkpoint, _device(args.device))
+    if tokenizer is None:
+        raise LmforgeError(
+            f"{args.checkpoint}: no tokenizer in the checkpoint (tokenizer/ missing)"
+        )
+    report = run_eval(model, tokenizer, tasks, options)
+    report = {
+        "checkpoint": str(args.checkpoint),
+        "model": config_to_dict(model.config),
+        "parameters": model.num_parameters(),
+        **report,
+    }
+    atomic_write_text(args.out, json.dumps(report, indent=2, default=str) + "\n")
+    print(format_table(report))
+    print(f"report: {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,180 @@
+"""lm-evaluation-harness adapter: ``lm_eval --model lmforge --model_args checkpoint=DIR``.
+
+:class:`LmforgeLM` implements the harness's ``LM`` interface (``loglikelihood``,
+``loglikelihood_rolling``, ``generate_until``) on top of :mod:`lmforge.eval.scoring` and
+:func:`lmforge.generate.generate`, and is registered under the name ``lmforge`` when this module
+is imported. lm-eval 0.4 finds models only in its own registry (it does not scan entry points),
+so this module must be imported before the harness runs; ``python -m lmforge.eval.harness`` does
+exactly that and then hands the command line to lm-eval::
+
+    python -m lmforge.eval.harness --model lmforge --model_args checkpoint=runs/demo \\
+        --device cuda --tasks hellaswag,arc_easy --batch_size 16
+
+(``--device`` goes to the harness, not into ``--model_args``: the harness passes it on itself.)
+
+From Python: ``import lmforge.eval.harness`` then ``lm_eval.simple_evaluate(model="lmforge", ...)``,
+or pass ``LmforgeLM(model=m, tokenizer=tok)`` as the model object. Needs ``pip install lm-eval``.
+Exercised by ``pytest tests/test_eval_harness.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from lmforge.eval.scoring import (
+    _document_items,
+    encode_pair,
+    score_continuations,
+    score_sequences,
+)
+
+__all__ = ["LmforgeLM", "main"]
+
+
+@register_model("lmforge")
+class LmforgeLM(LM):
+    """An lmforge model as an lm-evaluation-harness ``LM``.
+
+    Construct from ``checkpoint`` (an lmforge checkpoint/run folder or an HF Llama/Qwen3 folder,
+    loaded with :func:`lmforge.hf.load_pretrained`) or from an in-memory ``model`` + ``tokenizer``.
+    Simplification: one process (no data-parallel ranks); ``batch_size="auto"`` means 8.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        device: str | None = "cpu",
+        batch_size: int | str | None = 8,
+        max_gen_toks: int = 256,
+        model: Any = None,
+        tokenizer: Any = None,
+        **_: Any,
+    ) -> None:
+        super().__init__()
+        if model is None:
+            if checkpoint is None:
+                raise ValueError("LmforgeLM needs checkpoint=DIR (or model= and tokenizer=)")
+            from lmforge.hf import load_pretrained
+
+            model, tokenizer = load_pretrained(checkpoint, device or "cpu")
+        if tokenizer is None:
+            raise ValueError("LmforgeLM needs a tokenizer (the checkpoint has none)")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        try:
+            self.batch_size = int(batch_size)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            self.batch_size = 8
+        self.max_gen_toks = int(max_gen_toks)
+        self._device = next(model.parameters()).device
+        self.checkpoint = checkpoint
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What the harness records about the model in its results ``config``."""
+        return {
+            "model_num_parameters": int(self.model.num_parameters()),
+            "model_checkpoint": str(self.checkpoint or "<in memory>"),
+            "model_context_length": self.max_length,
+        }
+
+    @property
+    def max_length(self) -> int:
+        """The model's context length."""
+        return int(self.model.config.context_length)
+
+    @property
+    def eot_token_id(self) -> int | None:
+        """The tokenizer's end-of-text id."""
+        return self.tokenizer.eot_id
+
+    def tok_encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        return self.tokenizer.encode(text)
+
+    def tok_decode(self, ids: list[int]) -> str:
+        """Text of ``ids``."""
+        return self.tokenizer.decode(ids)
+
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        """``(log p(continuation | context), is_greedy)`` per ``(context, continuation)``."""
+        pairs = [encode_pair(self.tokenizer, *req.args) for req in requests]
+        # An empty continuation scores 0 (the harness never sends one, but guard anyway).
+        keep = [i for i, (_, cont) in enumerate(pairs) if cont]
+        scored = score_continuations(
+            self.model, [pairs[i] for i in keep], batch_size=self.batch_size
+        )
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+        for i, s in zip(keep, scored):
+            out[i] = s
+        return out
+
+    def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
+        """Log-likelihood of each whole string, every token scored once (after the EOT prefix)."""
+        per_doc: list[list[tuple[list[int], int]]] = []
+        prefix = [] if self.eot_token_id is None else [self.eot_token_id]
+        for req in requests:
+            (text,) = req.args[:1]
+            s = [*prefix, *self.tok_encode(text)]
+            per_doc.append(_document_items(s, self.max_length, None) if len(s) > 1 else [])
+        flat = [item for items in per_doc for item in items]
+        scored = score_sequences(self.model, flat, batch_size=self.batch_size)
+        out, k = [], 0
+        for items in per_doc:
+            out.append(math.fsum(x for lp, _ in scored[k : k + len(items)] for x in lp))
+            k += len(items)
+        return out
+
+    def generate_until(self, requests: list[Any]) -> list[str]:
+        """Greedy (or sampled, with ``do_sample`` and ``temperature``) text cut at ``until``.
+
+        Requests with the same generation settings decode together, ``batch_size`` at a time
+        (left-padded by :func:`lmforge.generate.generate`); the end-of-text id always stops.
+        """
+        from lmforge.generate import generate
+
+        groups: dict[tuple, list[int]] = {}
+        settings = []
+        for i, req in enumerate(requests):
+            _, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = (until,) if isinstance(until, str) else tuple(until)
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            max_new = max(1, min(max_new, self.max_length // 2))
+            sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0.0)) > 0
+            temperature = float(kwargs["temperature"]) if sample else 0.0
+            key = (max_new, temperature)
+            settings.append(until)
+            groups.setdefault(key, []).append(i)
+        prefix = [] if self.eot_token_id is None else [self.eot_token_id]
+        outs = [""] * len(requests)
+        for (max_new, temperature), idx in groups.items():
+            for start in range(0, len(idx), self.batch_size):
+                chunk = idx[start : start + self.batch_size]
+                prompts = [
+                    [*prefix, *self.tok_encode(requests[i].args[0])][-(self.max_length - max_new) :]
+                    for i in chunk
+                ]
+                new = generate(
+                    self.model, prompts, max_new, temperature=temperature, stop_tokens=prefix
+                )
+                for i, ids in zip(chunk, new):
+                    text = self.tok_decode(ids)
+                    cuts = [j for j in (text.find(u) for u in settings[i] if u) if j >= 0]
+                    outs[i] = text[: min(cuts, default=len(text))]
+        return outs
+
+
+def main() -> None:
+    """``python -m lmforge.eval.harness ARGS``: lm-eval's command line with ``lmforge`` registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

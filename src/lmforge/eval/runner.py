@@ -1,0 +1,526 @@
+"""The evaluation suite: run tasks on a model, collect a JSON-ready report, print a table.
+
+Tasks (``--tasks`` names):
+
+- ``ppl``: perplexity and bits per byte of held-out text files (each file one document);
+- ``mmlu``, ``arc``, ``hellaswag``: multiple choice by log-likelihood; ``acc`` picks the choice
+  with the highest summed log-probability, ``acc_norm`` the highest log-probability per byte of
+  the choice text (HellaSwag-style length normalisation);
+- ``mmlu_gen``: MMLU answered by generation (for instruction-tuned models), the letter read by
+  :func:`~lmforge.eval.parse_mmlu_response`; an unparsable answer counts as wrong;
+- ``gsm8k``, ``math500``, ``math``: generation, answer extraction (last number / last ``\\boxed{}``)
+  and normalised comparison; ``pass@1`` (and ``pass@k`` for k ≤ ``samples``) with the unbiased
+  estimator.
+
+Every accuracy comes with its standard error. Exercised by ``pytest tests/test_eval_runner.py``
+and ``lmforge eval --checkpoint DIR --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir DATA``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from lmforge.eval import tasks as T
+from lmforge.eval.answers import (
+    math_answers_equal,
+    parse_gsm8k_response,
+    parse_math_response,
+    parse_mmlu_response,
+)
+from lmforge.eval.metrics import mean_stderr, pass_at_k
+from lmforge.eval.scoring import TextTokenizer, encode_pair, perplexity, score_continuations
+from lmforge.utils.errors import LmforgeError
+
+__all__ = [
+    "DEFAULT_SHOTS",
+    "TASKS",
+    "EvalOptions",
+    "evaluate_generative_math",
+    "evaluate_mmlu_generative",
+    "evaluate_multiple_choice",
+    "format_table",
+    "run_eval",
+]
+
+TASKS = ("ppl", "mmlu", "mmlu_gen", "arc", "hellaswag", "gsm8k", "math500", "math")
+DEFAULT_SHOTS = {
+    "mmlu": 5,
+    "mmlu_gen": 5,
+    "arc": 0,
+    "hellaswag": 0,
+    "gsm8k": 5,
+    "math500": 4,
+    "math": 4,
+}
+# Text after which a generated answer is over: the model starts the next few-shot example.
+_STOP_STRINGS = {
+    "gsm8k": ("\n\nQuestion:", "\nQuestion:", "\n\n\n"),
+    "math500": ("\n\nProblem:", "\nProblem:", "\n\n\n"),
+    "math": ("\n\nProblem:", "\nProblem:", "\n\n\n"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """Settings shared by all tasks of one evaluation run."""
+
+    data_dir: str = "../shared/data/eval"
+    "folder laid out like /work/shared/data/eval (see lmforge.eval.tasks)"
+    limit: int | None = None
+    "evaluate at most this many examples per task (ppl: documents)"
+    shots: int | None = None
+    "few-shot examples per prompt (None = each task's default)"
+    batch_size: int = 8
+    "sequences per forward pass"
+    max_new_tokens: int = 256
+    "generation budget for gsm8k/math"
+    samples: int = 1
+    "generations per problem (pass@k for k ≤ samples)"
+    temperature: float = 0.0
+    "sampling temperature for generation (0 = greedy; use > 0 with samples > 1)"
+    top_p: float = 1.0
+    "nucleus sampling threshold for generation"
+    ppl_files: tuple[str, ...] = ()
+    "text files for the ppl task (default: DATA/../text/wikitext2/test.txt)"
+    ppl_max_tokens: int | None = None
+    "score at most this many tokens per ppl document"
+    seed: int = 1234
+    "seed for few-shot selection, subsampling and sampling"
+    progress: bool = True
+    "show tqdm progress bars on stderr"
+
+
+# ---------------------------------------------------------------- multiple choice
+
+
+def evaluate_multiple_choice(
+    model: Any,
+    tokenizer: TextTokenizer,
+    prompts: Sequence[tuple[str, list[str], int]],
+    *,
+    batch_size: int = 8,
+    progress: bool = False,
+    desc: str = "choices",
+) -> dict[str, Any]:
+    """Accuracy of ``(context, continuations, answer index)`` items scored by log-likelihood.
+
+    ``acc`` picks argmax of the summed log-probability; ``acc_norm`` of log-probability divided by
+    the continuation's UTF-8 byte length. Both with standard errors; ``n`` items.
+    """
+    requests: list[tuple[list[int], list[int]]] = []
+    spans = []
+    for context, conts, _ in prompts:
+        start = len(requests)
+        for c in conts:
+            requests.append(encode_pair(tokenizer, context, c))
+        spans.append((start, len(requests)))
+    scores = score_continuations(
+        model, requests, batch_size=batch_size, progress=progress, desc=desc
+    )
+    correct, correct_norm = [], []
+    for (_, conts, answer), (a, b) in zip(prompts, spans):
+        lls = [scores[k][0] for k in range(a, b)]
+        norm = [ll / max(1, len(c.encode("utf-8"))) for ll, c in zip(lls, conts)]
+        correct.append(float(max(range(len(lls)), key=lls.__getitem__) == answer))
+        correct_norm.append(float(max(range(len(norm)), key=norm.__getitem__) == answer))
+    acc, acc_se = mean_stderr(correct)
+    acc_n, acc_n_se = mean_stderr(correct_norm)
+    return {
+        "acc": acc,
+        "acc_stderr": acc_se,
+        "acc_norm": acc_n,
+        "acc_norm_stderr": acc_n_se,
+        "n": len(prompts),
+        "_correct": correct,
+    }
+
+
+# ---------------------------------------------------------------- generation
+
+
+def _truncate_at_stop(text: str, stops: Sequence[str]) -> str:
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def _generate_texts(
+    model: Any,
+    tokenizer: TextTokenizer,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    batch_size: int,
+    stops: Sequence[str],
+    progress: bool,
+    desc: str,
+    seed: int = 0,
+) -> list[str]:
+    """Decode a continuation of each prompt with ``lmforge.generate.generate``.
+
+    Prompts longer than ``context_length - max_new_tokens`` keep their rightmost tokens.
+    """
+    from lmforge.generate import generate
+
+    ctx_len = int(getattr(getattr(model, "config", None), "context_length", 1 << 30))
+    new_tokens = max(1, min(max_new_tokens, ctx_len // 2))
+    keep = ctx_len - new_tokens
+    stop_tokens = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    encoded = []
+    for p in prompts:
+        ids = tokenizer.encode(p)
+        if tokenizer.eot_id is not None:
+            ids = [tokenizer.eot_id, *ids]
+        encoded.append(ids[-keep:])
+    outs: list[str] = []
+    for start in tqdm(
+        range(0, len(encoded), batch_size), desc=desc, disable=not progress, leave=False
+    ):
+        chunk = encoded[start : start + batch_size]
+        new = generate(
+            model,
+            chunk,
+            new_tokens,
+            temperature=temperature,
+            top_p=top_p if top_p < 1.0 else None,
+            stop_tokens=stop_tokens,
+            seed=seed + start,
+        )
+        for ids in new:
+            ids = [t for t in ids if t not in stop_tokens]
+            outs.append(_truncate_at_stop(tokenizer.decode(ids), stops))
+    return outs
+
+
+def evaluate_generative_math(
+    model: Any,
+    tokenizer: TextTokenizer,
+    examples: Sequence[T.MathExample],
+    shots: Sequence[T.MathExample],
+    *,
+    kind: str,
+    max_new_tokens: int = 256,
+    samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    progress: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """pass@1 (and pass@k for k = 2, 4, 8, … ≤ samples and k = samples) on GSM8K (``kind="gsm8k"``) or MATH.
+
+    Each problem is answered ``samples`` times; with c correct of n, pass@k is the unbiased
+    estimate 1 - C(n-c, k)/C(n, k), averaged over problems with its standard error.
+    """
+    if kind == "gsm8k":
+        prompts = [T.gsm8k_prompt(ex, list(shots)) for ex in examples]
+        stops = _STOP_STRINGS["gsm8k"]
+    else:
+        prompts = [T.math_prompt(ex, list(shots)) for ex in examples]
+        stops = _STOP_STRINGS["math"]
+    repeated = [p for p in prompts for _ in range(samples)]
+    outputs = _generate_texts(
+        model,
+        tokenizer,
+        repeated,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        batch_size=batch_size,
+        stops=stops,
+        progress=progress,
+        desc=kind,
+        seed=seed,
+    )
+    n_correct = []
+    records = []
+    for i, ex in enumerate(examples):
+        outs = outputs[i * samples : (i + 1) * samples]
+        if kind == "gsm8k":
+            preds = [parse_gsm8k_response(o) for o in outs]
+            ok = [p is not None and p == ex.answer for p in preds]
+        else:
+            preds = [parse_math_response(o) for o in outs]
+            ok = [math_answers_equal(p, ex.answer) for p in preds]
+        n_correct.append(sum(ok))
+        records.append({"answer": ex.answer, "predictions": preds, "correct": ok})
+    result: dict[str, Any] = {"n": len(examples), "samples": samples}
+    ks = sorted({1, samples, *(k for k in (2, 4, 8, 16, 32, 64, 128) if k <= samples)})
+    for k in ks:
+        vals = [pass_at_k(samples, c, k) for c in n_correct]
+        mean, se = mean_stderr(vals)
+        result[f"pass@{k}"] = mean
+        result[f"pass@{k}_stderr"] = se
+    result["_records"] = records
+    return result
+
+
+def evaluate_mmlu_generative(
+    model: Any,
+    tokenizer: TextTokenizer,
+    items: Sequence[tuple[T.MultipleChoiceExample, str]],
+    *,
+    max_new_tokens: int = 16,
+    batch_size: int = 8,
+    progress: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Accuracy of letters generated after each ``(example, prompt)`` (greedy, one line)."""
+    outputs = _generate_texts(
+        model,
+        tokenizer,
+        [prompt for _, prompt in items],
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        top_p=1.0,
+        batch_size=batch_size,
+        stops=("\n",),
+        progress=progress,
+        desc="mmlu_gen",
+        seed=seed,
+    )
+    preds = [parse_mmlu_response(ex, out) for (ex, _), out in zip(items, outputs)]
+    correct = [float(p == ex.labels[ex.answer]) for (ex, _), p in zip(items, preds)]
+    acc, se = mean_stderr(correct)
+    unparsed = sum(p is None for p in preds) / max(1, len(preds))
+    return {
+        "acc": acc,
+        "acc_stderr": se,
+        "unparsed": unparsed,
+        "n": len(items),
+        "_records": [
+            {"answer": ex.labels[ex.answer], "output": out, "prediction": p}
+            for (ex, _), out, p in zip(items, outputs, preds)
+        ],
+    }
+
+
+# ---------------------------------------------------------------- the suite
+
+
+def _subsample(items: list, limit: int | None, seed: int, shuffle: bool) -> list:
+    if limit is None or limit >= len(items):
+        return items
+    if shuffle:
+        items = list(items)
+        random.Random(seed).shuffle(items)
+    return items[:limit]
+
+
+def _ppl_texts(options: EvalOptions) -> list[tuple[str, str]]:
+    files = [Path(f) for f in options.ppl_files] or [
+        Path(options.data_dir).parent / "text" / "wikitext2" / "test.txt"
+    ]
+    out = []
+    for f in files:
+        if not f.is_file():
+            raise LmforgeError(f"ppl text file not found: {f} (give --ppl-text FILE)")
+        try:
+            out.append((str(f), f.read_text(encoding="utf-8")))
+        except UnicodeDecodeError:
+            raise LmforgeError(f"ppl text file is not UTF-8: {f}") from None
+    return out[: options.limit] if options.limit else out
+
+
+def _mmlu_items(task: str, options: EvalOptions) -> list[tuple[T.MultipleChoiceExample, str]]:
+    """(example, prompt) pairs: the first k dev questions of the subject as shots (the standard)."""
+    files = T.task_files(options.data_dir, "mmlu")
+    k = DEFAULT_SHOTS[task] if options.shots is None else options.shots
+    evals = T.load_mmlu(files["eval"], "test")
+    devs = T.load_mmlu(files["shots"], "dev") if k > 0 else {}
+    flat = [ex for subject in sorted(evals) for ex in evals[subject]]
+    flat = _subsample(flat, options.limit, options.seed, shuffle=True)
+    items = []
+    for ex in flat:
+        pool = devs.get(ex.subject, [])
+        if k > 0 and len(pool) < k:
+            raise LmforgeError(
+                f"MMLU dev file for '{ex.subject}' has {len(pool)} questions, need {k} shots"
+            )
+        items.append((ex, T.mmlu_prompt(ex, pool[:k])[0]))
+    return items
+
+
+def _mc_prompts(task: str, options: EvalOptions) -> list[tuple[str, list[str], int]]:
+    files = T.task_files(options.data_dir, task)
+    k = DEFAULT_SHOTS[task] if options.shots is None else options.shots
+    if task == "mmlu":
+        return [
+            (prompt, [f" {label}" for label in ex.labels], ex.answer)
+            for ex, prompt in _mmlu_items(task, options)
+        ]
+    loader, prompt_fn = {
+        "arc": (T.load_arc, T.arc_prompt),
+        "hellaswag": (T.load_hellaswag, T.hellaswag_prompt),
+    }[task]
+    examples = _subsample(loader(files["eval"]), options.limit, options.seed, shuffle=False)
+    pool = loader(files["shots"]) if k > 0 else []
+    avoid = {ex.question for ex in examples}
+    shots = T.choose_shots(pool, k, options.seed, avoid)
+    out = []
+    for ex in examples:
+        ctx, conts = prompt_fn(ex, shots)
+        out.append((ctx, conts, ex.answer))
+    return out
+
+
+def _math_examples(
+    task: str, options: EvalOptions
+) -> tuple[list[T.MathExample], list[T.MathExample]]:
+    files = T.task_files(options.data_dir, task)
+    k = DEFAULT_SHOTS[task] if options.shots is None else options.shots
+    loader = T.load_gsm8k if task == "gsm8k" else T.load_math
+    examples = _subsample(loader(files["eval"]), options.limit, options.seed, shuffle=False)
+    shots: list[T.MathExample] = []
+    if task != "gsm8k":
+        shots = list(T.MATH_FEWSHOT[:k])  # fixed demonstrations; more come from the file
+    if k > len(shots):
+        if not files["shots"].is_file():
+            raise LmforgeError(f"few-shot file not found: {files['shots']} (or lower --shots)")
+        pool = loader(files["shots"])
+        if task != "gsm8k":
+            # MATH demonstrations must show a final \boxed{} answer to imitate.
+            pool = [p for p in pool if "\\boxed" in p.solution and len(p.solution) < 1500]
+        avoid = {ex.problem for ex in examples}
+        shots += T.choose_shots(pool, k - len(shots), options.seed, avoid)
+    return examples, shots
+
+
+def _check_compatible(model: Any, tokenizer: Any, where: str = "checkpoint") -> None:
+    """Raise one line when the tokenizer emits ids the model has no embedding for."""
+    model_vocab = int(model.config.vocab_size)
+    tok_vocab = int(tokenizer.vocab_size)
+    if tok_vocab > model_vocab:
+        raise LmforgeError(
+            f"{where}: tokenizer has {tok_vocab} ids but the model's vocab_size is {model_vocab} "
+            "(checkpoint/tokenizer mismatch)"
+        )
+
+
+def run_eval(
+    model: Any,
+    tokenizer: TextTokenizer,
+    tasks: Sequence[str],
+    options: EvalOptions = EvalOptions(),
+) -> dict[str, Any]:
+    """Run ``tasks`` on ``model`` and return the report ``{"results": {task: metrics}, ...}``.
+
+    Task inputs are read before any model work, so a missing or malformed file stops the run at
+    once. Per-example records (``_correct``, ``_records``) are kept under ``"details"``.
+    """
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise LmforgeError(f"unknown task(s) {', '.join(unknown)} (expected {', '.join(TASKS)})")
+    _check_compatible(model, tokenizer)
+    inputs: dict[str, Any] = {}
+    for task in tasks:
+        if task == "ppl":
+            inputs[task] = _ppl_texts(options)
+        elif task in ("mmlu", "arc", "hellaswag"):
+            inputs[task] = _mc_prompts(task, options)
+        elif task == "mmlu_gen":
+            inputs[task] = _mmlu_items(task, options)
+        else:
+            inputs[task] = _math_examples(task, options)
+    results: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+    bar = tqdm(list(tasks), desc="eval", disable=not options.progress)
+    for task in bar:
+        bar.set_postfix_str(task)
+        t0 = time.perf_counter()
+        if task == "ppl":
+            docs = inputs[task]
+            res = perplexity(
+                model,
+                tokenizer,
+                [text for _, text in docs],
+                batch_size=options.batch_size,
+                max_tokens=options.ppl_max_tokens,
+                progress=options.progress,
+            )
+            results[task] = {**res.as_dict(), "files": [name for name, _ in docs]}
+        elif task in ("mmlu", "arc", "hellaswag"):
+            res = evaluate_multiple_choice(
+                model,
+                tokenizer,
+                inputs[task],
+                batch_size=options.batch_size,
+                progress=options.progress,
+                desc=task,
+            )
+            details[task] = res.pop("_correct")
+            results[task] = res
+        elif task == "mmlu_gen":
+            res = evaluate_mmlu_generative(
+                model,
+                tokenizer,
+                inputs[task],
+                max_new_tokens=min(options.max_new_tokens, 16),
+                batch_size=options.batch_size,
+                progress=options.progress,
+                seed=options.seed,
+            )
+            details[task] = res.pop("_records")
+            results[task] = res
+        else:
+            examples, shots = inputs[task]
+            res = evaluate_generative_math(
+                model,
+                tokenizer,
+                examples,
+                shots,
+                kind="gsm8k" if task == "gsm8k" else "math",
+                max_new_tokens=options.max_new_tokens,
+                samples=options.samples,
+                temperature=options.temperature,
+                top_p=options.top_p,
+                batch_size=options.batch_size,
+                progress=options.progress,
+                seed=options.seed,
+            )
+            details[task] = res.pop("_records")
+            results[task] = res
+        if task != "ppl":
+            results[task]["shots"] = DEFAULT_SHOTS[task] if options.shots is None else options.shots
+        timings[task] = time.perf_counter() - t0
+    return {
+        "results": results,
+        "seconds": timings,
+        "options": dataclasses.asdict(options),
+        "details": details,
+    }
+
+
+_MAIN_METRICS = {
+    "ppl": ("bits_per_byte", "perplexity"),
+    "mmlu": ("acc", "acc_norm"),
+    "mmlu_gen": ("acc", "unparsed"),
+    "arc": ("acc", "acc_norm"),
+    "hellaswag": ("acc", "acc_norm"),
+}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Markdown table ``| task | metric | value | ± stderr | n |`` of a :func:`run_eval` report."""
+    rows = ["| task | metric | value | ± stderr | n |", "|---|---|---:|---:|---:|"]
+    for task, res in report["results"].items():
+        names = _MAIN_METRICS.get(task) or tuple(
+            k for k in res if k.startswith("pass@") and not k.endswith("_stderr")
+        )
+        n = res.get("n", res.get("tokens", ""))
+        for name in names:
+            value = res[name]
+            se = res.get(f"{name}_stderr")
+            se_s = "" if se is None or (isinstance(se, float) and math.isnan(se)) else f"{se:.4f}"
+            rows.append(f"| {task} | {name} | {value:.4f} | {se_s} | {n} |")
+    return "\n".join(rows)

@@ -1,0 +1,86 @@
+"""``lmforge hf export|import``: registered here so torch is imported only when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXAMPLES = """examples:
+  lmforge hf export --checkpoint runs/demo --out hf/demo          # latest checkpoint of a run
+  lmforge hf export --checkpoint runs/demo/checkpoints/step_0001000 --out hf/demo-1k
+  lmforge hf import --model ~/models/Qwen3-1.7B --out ckpt/qwen3-1.7b --context-length 4096
+  lmforge hf import --model ~/models/SmolLM2-135M --out ckpt/smollm2   # then: lmforge eval --checkpoint ckpt/smollm2
+
+export writes config.json (LlamaForCausalLM; Qwen3ForCausalLM when model.qk_norm), model.safetensors
+and tokenizer.json; transformers.AutoModelForCausalLM.from_pretrained(OUT) gives the same logits.
+import reads Llama- and Qwen3-family folders (no downloads: point it at a local folder) and writes
+an lmforge checkpoint folder (model.safetensors, config.toml, meta.json, tokenizer/). Not
+representable (one error line says which): scaled RoPE (Llama 3.1+ "llama3" rope_type), a head_dim
+other than hidden_size / num_attention_heads (Qwen3-0.6B and -4B), biases, sliding windows.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``hf`` subcommand with ``export`` and ``import``."""
+    p = sub.add_parser(
+        "hf",
+        help="export to / import from Hugging Face Llama-style folders",
+        description="Convert between lmforge checkpoints and Hugging Face Llama/Qwen3 folders.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    hsub = p.add_subparsers(dest="hf_command", metavar="ACTION", required=True)
+    e = hsub.add_parser(
+        "export",
+        help="lmforge checkpoint → Hugging Face folder",
+        description="Write an lmforge checkpoint as a Hugging Face Llama/Qwen3 folder.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    e.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint or run folder")
+    e.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    e.set_defaults(func=_export)
+    i = hsub.add_parser(
+        "import",
+        help="Hugging Face folder → lmforge checkpoint",
+        description="Read a local Hugging Face Llama/Qwen3 folder into an lmforge checkpoint.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    i.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model folder")
+    i.add_argument("--out", required=True, metavar="DIR", help="lmforge checkpoint folder to write")
+    i.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="context length of the lmforge model (default: max_position_embeddings)",
+    )
+    i.set_defaults(func=_import)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from lmforge.hf import export_model, load_pretrained
+
+    model, tokenizer = load_pretrained(args.checkpoint, "cpu")
+    out = export_model(model, args.out, tokenizer)
+    note = "" if tokenizer is not None else " (no tokenizer in the checkpoint: weights only)"
+    print(f"exported {args.checkpoint} → {out}{note}", file=sys.stderr)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from lmforge.hf import HFTokenizer, import_model, save_as_checkpoint
+    from lmforge.hf.tokenizer import gpt2_incompatibility
+
+    model, tokenizer = import_model(args.model, context_length=args.context_length)
+    out = save_as_checkpoint(model, tokenizer, args.out, args.model)
+    if tokenizer is None:
+        note = " (the folder has no tokenizer.json: weights only)"
+    elif isinstance(tokenizer, HFTokenizer):
+        why = gpt2_incompatibility(args.model) or "an added token collides with ordinary bytes"
+        note = f" (tokenizer kept in HF format under hf_tokenizer/: {why})"
+    else:
+        note = ""
+    n = model.num_parameters()
+    print(f"imported {args.model} ({n / 1e6:.1f}M parameters) → {out}{note}", file=sys.stderr)
+    return 0

@@ -1,0 +1,77 @@
+"""Triton kernel for one chunk of the fused linear + cross-entropy (see ``cross_entropy.py``).
+
+One program per logit row. Pass 1 streams the row in BLOCK_V slices keeping a per-lane running
+max and rescaled sum (no cross-lane reduction inside the loop), then reduces once to the
+logsumexp. Pass 2 re-reads the row and overwrites it in place with the scaled gradient
+``(softmax·(1 + 2ζ·lse) − onehot) · scale``, so the chunk's logits buffer becomes its gradient
+without a second allocation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmforge.kernels._common import ensure_interpreter_compat, interpreting
+
+
+@triton.jit(do_not_specialize=["V", "ignore_index"])
+def _ce_row(
+    Z, stride_z, T, SCALE, LOSS, V, ignore_index, z_loss,
+    COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    target = tl.load(T + row).to(tl.int64)
+    valid = target != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+    # A finite floor instead of -inf keeps exp(m_old − m_new) defined on lanes never written.
+    m = tl.full([BLOCK_V], -1e30, dtype=tl.float32)
+    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        z = tl.load(z_row + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+        m = m_new
+    m_row = tl.max(m, 0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), 0))
+    safe_t = tl.where(valid, target, 0)
+    z_t = tl.load(z_row + safe_t).to(tl.float32)
+    loss = tl.where(valid, lse - z_t + z_loss * lse * lse, 0.0)
+    tl.store(LOSS + row, loss)
+    if COMPUTE_GRAD:
+        scale = tl.where(valid, tl.load(SCALE + row).to(tl.float32), 0.0)
+        coef = 1.0 + 2.0 * z_loss * lse
+        for v0 in range(0, V, BLOCK_V):
+            in_row = v0 + cols < V
+            z = tl.load(z_row + v0 + cols, mask=in_row, other=0.0).to(tl.float32)
+            g = tl.exp(z - lse) * coef
+            g = tl.where(v0 + cols == safe_t, g - 1.0, g) * scale
+            tl.store(z_row + v0 + cols, g.to(Z.dtype.element_ty), mask=in_row)
+
+
+def loss_and_grad_(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    compute_grad: bool,
+) -> torch.Tensor:
+    """Loss per row (n,) (scale's dtype: float32, or float64); logits (n, V) become the gradient."""
+    if interpreting():
+        ensure_interpreter_compat()
+    if logits.stride(-1) != 1:
+        raise ValueError("cross-entropy chunk: logits need a unit column stride")
+    n, v = logits.shape
+    loss = torch.empty(n, dtype=scale.dtype, device=logits.device)
+    # Chunks have only a few hundred rows (1-2 programs per SM), so each program keeps many
+    # loads in flight: wide slices and many warps.
+    block_v = 1024 if interpreting() else min(8192, triton.next_power_of_2(v))
+    warps = 16 if block_v >= 8192 else (8 if block_v >= 2048 else 4)
+    _ce_row[(n,)](
+        logits, logits.stride(0), targets, scale, loss, v, ignore_index, z_loss,
+        COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=warps,
+    )  # fmt: skip
+    return loss

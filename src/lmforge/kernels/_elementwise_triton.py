@@ -1,0 +1,96 @@
+"""Triton kernels of the elementwise fusions: the SwiGLU gate and RoPE (see swiglu.py, rope.py).
+
+Both operate on contiguous buffers in flat BLOCK-sized slices (SwiGLU) or (rows × E/2) pair
+tiles (RoPE), computing in float32 and storing in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lmforge.kernels._common import ensure_interpreter_compat, interpreting
+
+_BLOCK = 4096
+
+
+@triton.jit(do_not_specialize=["n"])
+def _swiglu_fwd(A, B, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    y = a * tl.sigmoid(a) * b
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _swiglu_bwd(A, B, DY, DA, DB, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(a)
+    da = dy * b * sig * (1.0 + a * (1.0 - sig))
+    db = dy * a * sig
+    tl.store(DA + offs, da.to(DA.dtype.element_ty), mask=mask)
+    tl.store(DB + offs, db.to(DB.dtype.element_ty), mask=mask)
+
+
+def _launch_args(n: int) -> tuple[tuple[int], dict]:
+    if interpreting():
+        ensure_interpreter_compat()
+    return (triton.cdiv(n, _BLOCK),), {"BLOCK": _BLOCK, "num_warps": 8}
+
+
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a)·b for contiguous a, b."""
+    y = torch.empty_like(a)
+    grid, kw = _launch_args(a.numel())
+    _swiglu_fwd[grid](a, b, y, a.numel(), **kw)
+    return y
+
+
+def swiglu_backward(
+    a: torch.Tensor, b: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db) for contiguous a, b, dy."""
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    grid, kw = _launch_args(a.numel())
+    _swiglu_bwd[grid](a, b, dy, da, db, a.numel(), **kw)
+    return da, db
+
+
+@triton.jit(do_not_specialize=["rows", "T", "HALF"])
+def _rope(X, C, S, Y, rows, T, HALF, SIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # X, Y: (rows, 2·HALF) contiguous, row r at position r % T; C, S: (T, HALF) float32.
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    i = tl.arange(0, BLOCK_H)
+    mask = (r[:, None] < rows) & (i[None, :] < HALF)
+    t = r % T
+    c = tl.load(C + t[:, None] * HALF + i[None, :], mask=mask, other=0.0)
+    s = tl.load(S + t[:, None] * HALF + i[None, :], mask=mask, other=0.0) * SIGN
+    base = r[:, None] * (2 * HALF) + 2 * i[None, :]
+    x0 = tl.load(X + base, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(X + base + 1, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + base, (x0 * c - x1 * s).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + base + 1, (x0 * s + x1 * c).to(Y.dtype.element_ty), mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Rotate pairs of contiguous x (…, T, E) by float32 cos/sin (T, E/2); inverse: by −θ."""
+    if interpreting():
+        ensure_interpreter_compat()
+    t, e = x.shape[-2], x.shape[-1]
+    rows = x.numel() // e
+    half = e // 2
+    block_h = triton.next_power_of_2(half)
+    n_rows = max(1, min(64, 2048 // block_h))
+    y = torch.empty_like(x)
+    _rope[(triton.cdiv(rows, n_rows),)](
+        x, cos, sin, y, rows, t, half,
+        SIGN=-1.0 if inverse else 1.0, ROWS=n_rows, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return y

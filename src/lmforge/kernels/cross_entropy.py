@@ -1,0 +1,294 @@
+"""Fused linear + cross-entropy: the LM-head loss without ever materialising (N, V) logits.
+
+Math, per row n with hidden h_n, logits z_n = W h_n, target t_n (rows with t_n = ignore_index
+contribute nothing), z-loss weight ζ:
+    lse_n = log Σ_v exp(z_nv)          loss_n = lse_n − z_{n,t_n} + ζ·lse_n²
+    ∂loss_n/∂z_nv = softmax(z_n)_v · (1 + 2ζ·lse_n) − [v = t_n]
+    dh_n = Σ_v ∂z_nv · W_v             dW_v = Σ_n ∂z_nv · h_n
+Rows are processed chunk by chunk: one chunk of logits (rows × V) exists at a time; for "mean"
+and "sum" the gradients are computed during the forward (the loss is a scalar, so backward only
+rescales them by the incoming gradient) — three matmuls in all, like Liger-Kernel. For
+reduction="none" backward recomputes each chunk's logits, since it needs the per-row gradient.
+
+The per-chunk softmax/loss/gradient step has two implementations: plain torch (any device, used
+on CPU) and a Triton kernel that reads each logit row twice and overwrites it with its gradient in
+place. :func:`linear_cross_entropy_reference` is the unchunked definition the tests compare with.
+
+Exercise: ``pytest tests/test_kernels.py -k cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from lmforge.kernels._common import (
+    KernelUnsupportedError,
+    autocast_dtype,
+    check_triton_tensors,
+    interpreting,
+    triton_available,
+)
+
+Reduction = Literal["mean", "sum", "none"]
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+    reduction: Reduction = "mean",
+) -> torch.Tensor:
+    """Unfused definition: full logits, logsumexp, NLL + z-loss; float32 math (float64 kept).
+
+    "mean" divides by the number of non-ignored rows (0 when every row is ignored).
+    """
+    acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = (hidden @ weight.T).to(acc_t)  # (N, V)
+    lse = torch.logsumexp(logits, -1)  # (N,)
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    loss = lse - logits.gather(1, safe[:, None])[:, 0] + z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return _reduce(loss, valid, reduction)
+
+
+def _reduce(loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp(min=1)
+
+
+def default_chunk_rows(n: int, d: int, v: int) -> int:
+    """Rows per chunk: the power of two that makes a chunk of logits about as large as the hidden
+    states (N·D values), at least 16 rows.
+
+    Fewer, larger chunks keep the LM-head matmuls efficient and cut the read-modify-write passes
+    over dW (one per chunk); smaller ones save memory. This is Liger-Kernel's choice too, so the
+    two are compared at equal chunk memory.
+    """
+    rows = math.ceil(n / max(1, math.ceil(v / d)))
+    return max(16, 1 << max(0, (rows - 1).bit_length()))
+
+
+def _torch_chunk_(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # logits (n, V); returns loss rows (n,) float32 and the gradient (scaled by `scale` (n,)).
+    acc_t = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(acc_t)
+    lse = torch.logsumexp(z, -1)  # (n,)
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    loss = lse - z.gather(1, safe[:, None])[:, 0] + z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if not compute_grad:
+        return loss, logits
+    grad = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * z_loss * lse)[:, None]  # (n, V)
+    grad.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
+    grad *= (scale.to(acc_t) * valid)[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+def _chunk_(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    scale: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    compute_grad: bool,
+    use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton:
+        from lmforge.kernels import _cross_entropy_triton
+
+        loss = _cross_entropy_triton.loss_and_grad_(
+            logits, targets, scale, ignore_index, z_loss, compute_grad
+        )
+        return loss, logits  # the gradient overwrote the logits
+    return _torch_chunk_(logits, targets, scale, ignore_index, z_loss, compute_grad)
+
+
+def _accumulate(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    row_scale: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    chunk: int,
+    use_triton: bool,
+    want_dh: bool,
+    want_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One pass over the chunks: loss rows (N,) float32 and, if asked, dh (N, D) and dW (V, D)."""
+    n = hidden.shape[0]
+    w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    loss = torch.empty(n, dtype=acc_t, device=hidden.device)  # (N,)
+    dh = torch.empty_like(hidden) if want_dh else None  # (N, D)
+    dw = torch.zeros_like(weight) if want_dw else None  # (V, D), accumulated in weight.dtype
+    grad = want_dh or want_dw
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        h = hidden[r0:r1]  # (n, D)
+        logits = h @ w.T  # (n, V): the only logits alive at any time
+        loss_c, g = _chunk_(
+            logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton
+        )
+        loss[r0:r1] = loss_c
+        if dh is not None:
+            torch.mm(g, w, out=dh[r0:r1])  # (n, D)
+        if dw is not None:
+            if dw.dtype == g.dtype:
+                dw.addmm_(g.T, h)  # (V, D)
+            else:
+                dw += (g.T @ h).to(dw.dtype)
+        del logits, g
+    return loss, dh, dw
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """``apply(hidden (N, D), weight (V, D), targets (N,), ignore_index, z_loss, reduction,
+    chunk, use_triton, needs_grad)`` → loss; see the module docstring for the scheme."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton, needs_grad
+    ):
+        # The public op already cast for autocast; run the chunk matmuls in exactly these dtypes.
+        with torch.autocast(hidden.device.type, enabled=False):
+            return FusedLinearCrossEntropy._forward(
+                ctx, hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton,
+                needs_grad,
+            )  # fmt: skip
+
+    @staticmethod
+    def _forward(
+        ctx, hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton, needs_grad
+    ):
+        valid = targets != ignore_index
+        n_valid = int(valid.sum())  # one host sync: the mean's divisor
+        v = weight.shape[0]
+        if n_valid and bool((((targets < 0) | (targets >= v)) & valid).any()):
+            raise KernelUnsupportedError(
+                f"fused_linear_cross_entropy: targets must lie in [0, {v}) or equal "
+                f"ignore_index={ignore_index}"
+            )
+        ctx.meta = (ignore_index, z_loss, reduction, chunk, use_triton)
+        eager = needs_grad and reduction != "none"
+        divisor = max(n_valid, 1) if reduction == "mean" else 1
+        acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        row_scale = torch.full((hidden.shape[0],), 1.0 / divisor, dtype=acc_t, device=hidden.device)
+        want_dh = eager and ctx.needs_input_grad[0]
+        want_dw = eager and ctx.needs_input_grad[1]
+        loss, dh, dw = _accumulate(
+            hidden, weight, targets, row_scale, ignore_index, z_loss, chunk, use_triton,
+            want_dh, want_dw,
+        )  # fmt: skip
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, targets)
+            return loss  # float32 (float64 for float64 inputs)
+        ctx.save_for_backward(dh, dw)
+        ctx.eager = (want_dh, want_dw)
+        total = loss.sum() / divisor
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return FusedLinearCrossEntropy._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
+        ignore_index, z_loss, reduction, chunk, use_triton = ctx.meta
+        if reduction == "none":
+            hidden, weight, targets = ctx.saved_tensors
+            _, dh, dw = _accumulate(
+                hidden, weight, targets, grad_out.contiguous(), ignore_index, z_loss, chunk,
+                use_triton, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            )  # fmt: skip
+        else:
+            dh, dw = ctx.saved_tensors
+            want_dh, want_dw = ctx.eager
+            dh = dh if want_dh else None
+            dw = dw if want_dw else None
+            # The loss is usually the root (grad 1): skip a full-size rescale then.
+            if not bool(grad_out == 1):
+                dh = None if dh is None else dh * grad_out.to(dh.dtype)
+                dw = None if dw is None else dw * grad_out.to(dw.dtype)
+        return dh, dw, None, None, None, None, None, None, None
+
+
+# torch.compile treats the op as opaque (a graph break) rather than tracing into Triton launches.
+@torch.compiler.disable
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+    reduction: Reduction = "mean",
+    *,
+    backend: Literal["auto", "triton", "torch"] = "auto",
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``targets`` without full (N, V) logits.
+
+    hidden (N, D) (or (…, D) with targets (…)), weight (V, D), targets int (N,). ``z_loss`` adds
+    ζ·lse² per row. "mean" averages over non-ignored rows. ``backend="auto"`` uses the Triton
+    chunk kernel on CUDA (or under ``TRITON_INTERPRET=1``) and the chunked torch path elsewhere;
+    both never hold more than one chunk of logits. Differentiable in hidden and weight.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise KernelUnsupportedError(
+            f"fused_linear_cross_entropy: reduction must be mean, sum or none, got {reduction!r}"
+        )
+    if backend not in ("auto", "triton", "torch"):
+        raise KernelUnsupportedError(
+            f"fused_linear_cross_entropy: backend must be auto, triton or torch, got {backend!r}"
+        )
+    dtype = autocast_dtype(hidden.device.type)
+    if dtype is not None:  # the LM-head matmul runs in autocast's dtype, as nn.Linear would
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    lead = hidden.shape[:-1]
+    hidden2 = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
+    targets1 = targets.reshape(-1)  # (N,)
+    if weight.dim() != 2 or weight.shape[1] != hidden2.shape[1]:
+        raise KernelUnsupportedError(
+            f"fused_linear_cross_entropy: weight must be (V, {hidden2.shape[1]}), got "
+            f"{tuple(weight.shape)}"
+        )
+    if targets1.shape[0] != hidden2.shape[0]:
+        raise KernelUnsupportedError(
+            f"fused_linear_cross_entropy: {targets1.shape[0]} targets for {hidden2.shape[0]} rows"
+        )
+    use_triton = backend == "triton"
+    if backend == "triton":
+        check_triton_tensors("fused_linear_cross_entropy", hidden2, weight)
+    elif backend == "auto":
+        use_triton = (
+            triton_available()
+            and (hidden2.is_cuda or interpreting())
+            and hidden2.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        )
+    n, d = hidden2.shape
+    chunk = chunk_rows or default_chunk_rows(n, d, weight.shape[0])
+    needs_grad = torch.is_grad_enabled() and (hidden2.requires_grad or weight.requires_grad)
+    loss = FusedLinearCrossEntropy.apply(
+        hidden2, weight, targets1, ignore_index, float(z_loss), reduction, chunk, use_triton,
+        needs_grad,
+    )  # fmt: skip
+    return loss.reshape(lead) if reduction == "none" else loss

@@ -1,0 +1,65 @@
+"""Fused rotary position embedding (interleaved pairs, Meta's Llama layout), forward and backward.
+
+Math: each consecutive pair (x[2i], x[2i+1]) of a head vector at position t is rotated by the
+angle θ_ti whose cosine and sine are the tables cos[t, i], sin[t, i]:
+    y[2i]   = x[2i]·cos − x[2i+1]·sin        y[2i+1] = x[2i]·sin + x[2i+1]·cos
+The backward is the inverse rotation (sin → −sin) applied to dy, so nothing but the tables is
+saved. The fused op reads and writes each element once instead of the several gathers,
+multiplies and stacks of the torch version. Same layout as ``lmforge.model.RotaryEmbedding``.
+Exercise: ``pytest tests/test_kernels_interp.py`` (interpreter) and ``-m gpu``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of x (…, T, E) by cos/sin (T, E/2); math in float32 (float64 kept)."""
+    acc_t = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pairs = x.to(acc_t).unflatten(-1, (-1, 2))  # (…, T, E/2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    c, s = cos.to(acc_t), sin.to(acc_t)
+    y = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)  # (…, T, E/2, 2)
+    return y.flatten(-2).to(x.dtype)
+
+
+def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    check_triton_tensors("rope", x)
+    if x.dim() < 2 or x.shape[-1] % 2:
+        raise KernelUnsupportedError(f"rope: x must be (…, T, E) with even E, got {tuple(x.shape)}")
+    want = (x.shape[-2], x.shape[-1] // 2)
+    if tuple(cos.shape) != want or tuple(sin.shape) != want:
+        raise KernelUnsupportedError(
+            f"rope: cos/sin must be {want} (T, E/2), got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+
+
+class RoPETriton(torch.autograd.Function):
+    """``RoPETriton.apply(x, cos, sin)`` → rotated x; no gradient for the tables."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):  # type: ignore[override]
+        _check(x, cos, sin)
+        from lmforge.kernels import _elementwise_triton
+
+        c, s = cos.float().contiguous(), sin.float().contiguous()
+        ctx.save_for_backward(c, s)
+        return _elementwise_triton.rope(x.contiguous(), c, s, inverse=False)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        from lmforge.kernels import _elementwise_triton
+
+        c, s = ctx.saved_tensors
+        return _elementwise_triton.rope(dy.contiguous(), c, s, inverse=True), None, None
+
+
+@torch.compiler.disable
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Fused RoPE: rotate consecutive pairs of x (…, T, E) by cos/sin tables (T, E/2) for the
+    positions of x's T axis; differentiable in x. Raises KernelUnsupportedError for inputs the
+    kernel cannot handle (use :func:`rope_reference` there)."""
+    return RoPETriton.apply(x, cos, sin)

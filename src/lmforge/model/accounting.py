@@ -1,0 +1,257 @@
+"""Exact parameter counts, FLOPs per token and a memory model of :class:`TransformerLM`.
+
+Pure functions of a :class:`ModelConfig` (no model is built), so the trainer, the parallelism
+planner and the scaling code can all size a model before allocating it. Derived quantities come
+from here and nowhere else.
+
+FLOP convention (used for MFU): a matmul of (m×k)·(k×n) costs 2·m·k·n; the backward pass costs
+twice the forward (one matmul for the input gradient, one for the weight gradient). Elementwise
+work (norms, softmax, SiLU, RoPE, residual adds) and the embedding lookup are not counted. The
+attention terms count the full T×T score matrix a dense kernel computes, as PaLM's MFU definition
+does (pass ``causal=True`` to halve them, as causal-aware FlashAttention benchmarks do). The
+familiar approximation results exactly::
+
+    flops_per_token(cfg, T, backward=True) == 6·N_matmul + 12·L·H·E·T
+
+with N_matmul the weights that take part in matmuls (every Linear, the LM head included even when
+tied; not the embedding lookup, not the norm gains) — see :func:`matmul_parameters`.
+
+Exercised by ``pytest tests/test_accounting.py`` (parameter counts against ``sum(p.numel())``,
+FLOPs against ``torch.utils.flop_counter.FlopCounterMode`` and activations against the tensors
+autograd actually saves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from lmforge.model.config import ModelConfig
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+FLOP_COMPONENTS: tuple[str, ...] = (
+    "embedding",
+    "qkv",
+    "attn_scores",
+    "attn_values",
+    "output_proj",
+    "ffn",
+    "lm_head",
+)
+"""Keys of :func:`flops_breakdown`, in forward order."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter count per component (all layers summed); ``lm_head`` is 0 when tied."""
+    d, e, h, k, f, v, n = (
+        cfg.d_model,
+        cfg.head_dim,
+        cfg.n_heads,
+        cfg.kv_heads,
+        cfg.ffn_dim,
+        cfg.vocab_size,
+        cfg.n_layers,
+    )
+    return {
+        "embedding": v * d,
+        "attention": n * (d * h * e + 2 * d * k * e + h * e * d),
+        "qk_norm": n * 2 * e if cfg.qk_norm else 0,
+        "ffn": n * 3 * d * f,
+        "norms": n * 2 * d + d,
+        "lm_head": 0 if cfg.tie_embeddings else v * d,
+    }
+
+
+def parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
+    """Exact number of distinct parameters, as ``TransformerLM(cfg).num_parameters(...)``."""
+    parts = parameter_breakdown(cfg)
+    total = sum(parts.values())
+    return total - parts["embedding"] if exclude_embeddings else total
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """N_matmul: weights used in matmuls (projections, FFN and the LM head, tied or not)."""
+    parts = parameter_breakdown(cfg)
+    return parts["attention"] + parts["ffn"] + cfg.vocab_size * cfg.d_model
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def flops_breakdown(
+    cfg: ModelConfig, seq_len: int, backward: bool = False, causal: bool = False
+) -> dict[str, float]:
+    """FLOPs per token per component (:data:`FLOP_COMPONENTS`), all layers summed.
+
+    ``seq_len`` is the length of the sequences the tokens belong to (attention work grows with
+    it). ``backward=True`` gives forward + backward (3× forward); ``causal=True`` halves the two
+    attention terms (the work a causal kernel can skip).
+    """
+    d, e, h, k, f, v, n = (
+        cfg.d_model,
+        cfg.head_dim,
+        cfg.n_heads,
+        cfg.kv_heads,
+        cfg.ffn_dim,
+        cfg.vocab_size,
+        cfg.n_layers,
+    )
+    attn_len = seq_len / 2 if causal else seq_len
+    fwd = {
+        "embedding": 0.0,  # a row lookup, no arithmetic
+        "qkv": 2.0 * n * d * (h * e + 2 * k * e),
+        "attn_scores": 2.0 * n * h * e * attn_len,  # one query row against T keys
+        "attn_values": 2.0 * n * h * e * attn_len,
+        "output_proj": 2.0 * n * h * e * d,
+        "ffn": 2.0 * n * 3 * d * f,
+        "lm_head": 2.0 * d * v,
+    }
+    factor = 3.0 if backward else 1.0
+    return {name: factor * value for name, value in fwd.items()}
+
+
+def flops_per_token(
+    cfg: ModelConfig, seq_len: int, backward: bool = True, causal: bool = False
+) -> float:
+    """Model FLOPs per token: ``6·N_matmul + 12·L·H·E·T`` with backward, a third of it without."""
+    return sum(flops_breakdown(cfg, seq_len, backward, causal).values())
+
+
+def model_flops_utilization(
+    tokens_per_s: float, cfg: ModelConfig, seq_len: int, peak_flops: float
+) -> float:
+    """MFU: achieved model FLOP/s (training, forward + backward) over the hardware peak.
+
+    ``peak_flops`` is the dense peak of all devices together (e.g. 989e12 per H100/H200 in bf16).
+    Recomputation from activation checkpointing is not counted (that would be HFU).
+    """
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+    return tokens_per_s * flops_per_token(cfg, seq_len, backward=True) / peak_flops
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of one training step's persistent state and saved activations (one device)."""
+
+    parameters: int
+    "fp32 master weights"
+    gradients: int
+    "fp32 gradients"
+    optimizer: int
+    "optimizer state (AdamW: two fp32 moments)"
+    activations: int
+    "tensors saved for backward, including the loss's logits and autocast weight copies"
+
+    @property
+    def total(self) -> int:
+        """Sum of the four parts (allocator fragmentation and workspaces not included)."""
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _layer_activation_bytes(
+    cfg: ModelConfig, batch_size: int, seq_len: int, precision: Precision, fused_attention: bool
+) -> float:
+    """Bytes one block saves for backward per token (reference norm/FFN code paths)."""
+    a = _BYTES[precision]
+    autocast = precision != "fp32"
+    d, e, h, k, f = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim
+    # RMSNorm (fp32 math on the fp32 residual): its input, the normalised x and 1/rms.
+    norm = 4 * (2 * d + 1)
+    # The matmul inputs: autocast makes one bf16 copy per consuming matmul (q, k, v; w1, w3).
+    attn_in = a * d * (3 if autocast else 1)
+    ffn_in = a * d * (2 if autocast else 1)
+    qk_norm = 4 * (2 * h * e + h + 2 * k * e + k) if cfg.qk_norm else 0
+    # RoPE keeps the gathered cos/sin (fp32, one (T, E/2) pair each for q and k, shared by rows).
+    rope = 4 * 2 * e / batch_size
+    if fused_attention:
+        # q, k, v, the output and the fp32 log-sum-exp per head.
+        attn = a * (2 * h * e + 2 * k * e) + 4 * h
+    else:
+        # q and the repeated k, v, plus the T-long score rows: masked scores and exp (fp32),
+        # probabilities (compute dtype), and the row max.
+        attn = a * 3 * h * e + (8 + a) * h * seq_len + 4 * h
+    out_proj_in = a * h * e
+    # SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x and their product (w2's input).
+    ffn = a * 5 * f
+    return norm + attn_in + qk_norm + rope + attn + out_proj_in + norm + ffn_in + ffn
+
+
+def activation_bytes(
+    cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    precision: Precision = "bf16",
+    activation_checkpointing: bool = False,
+    fused_attention: bool | None = None,
+    include_loss: bool = True,
+) -> int:
+    """Bytes of activations saved for backward by one forward of ``batch_size × seq_len`` tokens.
+
+    A model of what autograd keeps on the reference code paths (RMSNorm, SwiGLU, RoPE as written
+    in :mod:`lmforge.model.layers`), checked against the measured saved tensors in the tests.
+    ``precision`` is the autocast dtype (master weights stay fp32, so the residual stream and
+    norms are fp32). ``fused_attention`` (default: any backend but ``reference``) means the
+    T×T scores are not stored. ``include_loss`` adds the fp32 log-probabilities (V per token) a
+    full-logit cross-entropy keeps. With ``activation_checkpointing`` each block keeps only its
+    input and one block's activations exist at a time (during its recomputation).
+    Simplifications: masks, position ids and allocator rounding are ignored; the fused Triton
+    RMSNorm and loss kernels save less than modelled.
+    """
+    if fused_attention is None:
+        fused_attention = cfg.attention != "reference"
+    tokens = batch_size * seq_len
+    per_layer = _layer_activation_bytes(cfg, batch_size, seq_len, precision, fused_attention)
+    a = _BYTES[precision]
+    d = cfg.d_model
+    final = 4 * (2 * d + 1) + a * d + 8  # ln_final, the LM head's input, the token ids (int64)
+    loss = 4 * cfg.vocab_size if include_loss else 0
+    if activation_checkpointing:
+        blocks = cfg.n_layers * 4 * d + per_layer  # every block input (fp32), one block live
+    else:
+        blocks = cfg.n_layers * per_layer
+    weight_copies = 0
+    if precision != "fp32":
+        # autocast's bf16/fp16 copies of the matmul weights, saved for backward.
+        head = cfg.vocab_size * d
+        per_block = (matmul_parameters(cfg) - head) / cfg.n_layers
+        weight_copies = a * (head + per_block * (1 if activation_checkpointing else cfg.n_layers))
+    return int(tokens * (blocks + final + loss) + weight_copies)
+
+
+def memory_estimate(
+    cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    precision: Precision = "bf16",
+    activation_checkpointing: bool = False,
+    optimizer_states: int = 2,
+    fused_attention: bool | None = None,
+) -> MemoryEstimate:
+    """Training memory on one device: fp32 weights, fp32 grads, optimizer state, activations.
+
+    ``optimizer_states`` is the number of fp32 tensors per parameter the optimizer keeps (AdamW:
+    2, SGD with momentum: 1). Activations as in :func:`activation_bytes`.
+    """
+    n = parameter_count(cfg)
+    return MemoryEstimate(
+        parameters=4 * n,
+        gradients=4 * n,
+        optimizer=4 * optimizer_states * n,
+        activations=activation_bytes(
+            cfg, batch_size, seq_len, precision, activation_checkpointing, fused_attention
+        ),
+    )

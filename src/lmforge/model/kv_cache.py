@@ -1,0 +1,140 @@
+"""The explicit key/value cache for incremental decoding.
+
+Shape legend: L layers, B batch, K kv-heads, S cache slots, T new tokens, E head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer for a batch of sequences decoded in lockstep.
+
+    Layout:
+
+    - ``k``, ``v``: (L, B, K, S, E) tensors, S = ``max_seq_len`` slots. Slot ``s`` of row ``b``
+      holds the key/value of the ``s``-th token that was fed to the model for that row (after
+      RoPE for keys). Slots ``[0, length)`` are filled; every row advances together.
+    - ``valid``: (B, S) bool, True where the slot holds a real token. Padding slots (left padding
+      of a batch of prompts of different lengths, or a finished row's filler tokens) are False
+      and no query ever attends to them.
+    - ``next_position``: (B,) long, the RoPE position the next real token of each row gets, i.e.
+      the number of real tokens that row has seen. Positions therefore ignore padding: a prompt
+      gets positions 0, 1, 2, … wherever its first real token sits in the slot layout.
+
+    A forward with a cache: the model calls :meth:`begin` once with the new tokens' validity,
+    which reserves slots ``[length, length + T)`` and returns the new tokens' positions and the
+    attention mask; each layer then calls :meth:`update`, which writes its new keys/values into
+    those slots and returns all filled slots. A query attends to key slot ``j`` iff ``j`` is at
+    or before its own slot and valid; a padding query attends to itself only (its output is
+    garbage that nothing reads, but it is never NaN).
+
+    Simplification: one contiguous buffer sized up front (no paging, no eviction). Exercised by
+    ``pytest tests/test_model.py -k kv_cache`` and ``pytest tests/test_generate.py``.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.valid = torch.zeros(batch_size, max_seq_len, device=device, dtype=torch.bool)
+        self.next_position = torch.zeros(batch_size, device=device, dtype=torch.long)
+        self.length = 0
+        self._start = 0
+        self._mask: torch.Tensor | None = None
+
+    @classmethod
+    def for_model(
+        cls,
+        model: torch.nn.Module,
+        batch_size: int,
+        max_seq_len: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> KVCache:
+        """An empty cache shaped for ``model`` (a TransformerLM), on its device and dtype."""
+        cfg = model.config
+        param = next(model.parameters())
+        return cls(
+            n_layers=cfg.n_layers,
+            batch_size=batch_size,
+            n_kv_heads=cfg.kv_heads,
+            max_seq_len=cfg.context_length if max_seq_len is None else max_seq_len,
+            head_dim=cfg.head_dim,
+            device=param.device,
+            dtype=param.dtype if dtype is None else dtype,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """Rows B."""
+        return self.k.shape[1]
+
+    @property
+    def max_seq_len(self) -> int:
+        """Slots S."""
+        return self.k.shape[3]
+
+    def reset(self) -> None:
+        """Empty the cache (keeps its memory)."""
+        self.valid.zero_()
+        self.next_position.zero_()
+        self.length = 0
+        self._start = 0
+        self._mask = None
+
+    def begin(
+        self, num_new: int, valid: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reserve slots for ``num_new`` tokens; return their positions (B, T) and mask (B, 1, T, S').
+
+        ``valid`` (B, T) bool marks real tokens (None = all real). S' = ``length`` after the
+        call, the number of filled slots the layers attend over.
+        """
+        start, end = self.length, self.length + num_new
+        if end > self.max_seq_len:
+            raise ValueError(
+                f"KV cache overflow: {end} slots needed, cache holds {self.max_seq_len}"
+            )
+        device = self.valid.device
+        if valid is None:
+            valid = torch.ones(self.batch_size, num_new, dtype=torch.bool, device=device)
+        valid = valid.to(device=device, dtype=torch.bool)
+        counts = valid.long().cumsum(dim=1)  # (B, T) real tokens up to and including each slot
+        positions = (self.next_position[:, None] + counts - 1).clamp_min(0)  # (B, T)
+        self.next_position = self.next_position + counts[:, -1]
+        self.valid[:, start:end] = valid
+
+        q_slot = torch.arange(start, end, device=device)[:, None]  # (T, 1)
+        k_slot = torch.arange(end, device=device)[None, :]  # (1, S')
+        causal = k_slot <= q_slot  # (T, S')
+        own = k_slot == q_slot  # (T, S')
+        mask = (causal[None] & self.valid[:, None, :end]) | own[None]  # (B, T, S')
+        self._mask = mask[:, None]  # (B, 1, T, S')
+        self._start, self.length = start, end
+        return positions, self._mask
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer ``layer``'s new keys/values (B, K, T, E); return all filled (B, K, S', E)."""
+        start, end = self._start, self.length
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The attention mask (B, 1, T, S') of the current forward (set by :meth:`begin`)."""
+        if self._mask is None:
+            raise RuntimeError("KVCache.begin must be called before the layers run")
+        return self._mask

@@ -1,0 +1,273 @@
+"""The model's building blocks, written out as plain tensor math.
+
+The reference path uses none of ``nn.Linear``, ``nn.Embedding``, ``nn.RMSNorm`` or
+``F.scaled_dot_product_attention``: every block here is its own few lines, so a reader sees the
+whole computation and faster paths (torch SDPA, lmforge's Triton kernels) have an obvious
+reference to be tested against. Exercised by ``pytest tests/test_model_layers.py``.
+
+Shape legend (all of ``lmforge.model``): B batch, T sequence (queries), S key/value slots,
+D model dim, H query heads, K kv-heads, E head dim, V vocab, F ffn dim; ``...`` any leading dims.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.model.config import default_d_ff
+
+
+def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
+    """Fill ``weight`` from N(0, std²) truncated at ±3·std (in place, no autograd)."""
+    with torch.no_grad():
+        nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
+
+
+class Linear(nn.Module):
+    """``y = x Wᵀ`` without bias; ``weight`` is (d_out, d_in) like ``nn.Linear``.
+
+    Init: truncated normal with σ = sqrt(2 / (d_in + d_out)) clipped at ±3σ (Glorot-style variance,
+    which keeps activations near unit scale for the square-ish matrices of a Transformer).
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_in = d_in
+        self.d_out = d_out
+        self.weight = nn.Parameter(torch.empty(d_out, d_in, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    @property
+    def init_std(self) -> float:
+        """σ of the initial weights."""
+        return math.sqrt(2.0 / (self.d_in + self.d_out))
+
+    def reset_parameters(self) -> None:
+        """Re-draw the weights (deterministic under ``torch.manual_seed``)."""
+        _trunc_normal_(self.weight, self.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., d_in) -> (..., d_out)."""
+        # matmul with the transposed view lets autocast pick the bf16 kernel and keeps the
+        # (d_out, d_in) layout that HF and nn.Linear checkpoints use.
+        return x @ self.weight.t()  # (..., d_out)
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, d_out={self.d_out}"
+
+
+class Embedding(nn.Module):
+    """Row lookup into a (num_embeddings, embedding_dim) matrix.
+
+    Init: truncated normal N(0, 1) clipped at ±3 (the model re-initialises it with the LM head's
+    smaller σ when the two share weights; see :class:`lmforge.model.TransformerLM`).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Re-draw the weights (deterministic under ``torch.manual_seed``)."""
+        _trunc_normal_(self.weight, 1.0)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(...) long -> (..., D)."""
+        return self.weight[token_ids]  # (..., D)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x²) + eps) · weight``, computed in fp32 and cast back to x's dtype.
+
+    fp32 matters under bf16 autocast: the mean of squares over D entries loses most of its digits
+    in bf16. The weight starts at ones.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        eps: float = 1e-5,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        """Set the gain back to ones."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D)."""
+        in_dtype = x.dtype
+        x32 = x.float()
+        rms_inv = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
+        return (x32 * rms_inv * self.weight.float()).to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU / swish: ``x · sigmoid(x)``."""
+    return x * torch.sigmoid(x)
+
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Softmax along ``dim``, stable for large inputs (subtracts the max before ``exp``).
+
+    A row that is entirely ``-inf`` yields NaN, as ``torch.softmax`` does; the attention masks in
+    lmforge always leave each query at least one key.
+    """
+    shifted = x - x.amax(dim=dim, keepdim=True)
+    e = torch.exp(shifted)
+    return e / e.sum(dim=dim, keepdim=True)
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward ``w2(silu(w1 x) ⊙ w3 x)`` (Shazeer 2020), no biases.
+
+    ``d_ff`` defaults to 8/3·d_model rounded up to a multiple of 64, which keeps the parameter
+    count of a 4·d_model ReLU MLP while staying friendly to matmul tiling.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        d_ff = default_d_ff(d_model) if d_ff is None else d_ff
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D)."""
+        return self.w2(silu(self.w1(x)) * self.w3(x))  # (..., F) -> (..., D)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoFormer; Meta's Llama layout).
+
+    Consecutive pairs ``(x[2i], x[2i+1])`` of each head vector are rotated by the angle
+    ``position · θ^(−2i/d_k)``. This is the interleaved layout of the RoFormer paper and Meta's
+    reference Llama code; Hugging Face's "rotate half" layout pairs ``x[i]`` with ``x[i + d_k/2]``
+    instead, so an HF export permutes the rows of the q/k projections.
+
+    cos/sin tables for positions ``0 .. max_seq_len-1`` are precomputed in fp32 and held as
+    non-persistent buffers: they never appear in a state dict, and :meth:`reset_parameters`
+    rebuilds them (needed after materialising a model created on the meta device).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(
+        self,
+        theta: float,
+        d_k: int,
+        max_seq_len: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if d_k % 2:
+            raise ValueError(f"RoPE needs an even head dim, got {d_k}")
+        self.theta = theta
+        self.d_k = d_k
+        self.max_seq_len = max_seq_len
+        self.register_buffer("cos", torch.empty(max_seq_len, d_k // 2, device=device), False)
+        self.register_buffer("sin", torch.empty(max_seq_len, d_k // 2, device=device), False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)compute the cos/sin tables in fp32 on the buffers' device."""
+        device = self.cos.device
+        if device.type == "meta":
+            return
+        inv_freq = self.theta ** (
+            -torch.arange(0, self.d_k, 2, device=device, dtype=torch.float64) / self.d_k
+        )  # (E/2,)
+        pos = torch.arange(self.max_seq_len, device=device, dtype=torch.float64)  # (T,)
+        angles = torch.outer(pos, inv_freq)  # (T, E/2)
+        # float64 for the angles keeps the large-position entries exact before rounding to fp32.
+        with torch.no_grad():
+            self.cos.copy_(angles.cos().to(self.cos.dtype))
+            self.sin.copy_(angles.sin().to(self.sin.dtype))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        # model.to(torch.bfloat16) would round the tables to bf16; keep them fp32 and exact.
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32:
+            self.cos = self.cos.float()
+            self.sin = self.sin.float()
+            self.reset_parameters()
+        return self
+
+    def forward(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` (..., T, E) at ``token_positions`` (broadcastable to (..., T)).
+
+        The rotation runs in fp32 and the result is cast back to ``x``'s dtype.
+        """
+        cos = self.cos[token_positions].float()  # (..., T, E/2)
+        sin = self.sin[token_positions].float()  # (..., T, E/2)
+        x32 = x.float()
+        x_even = x32[..., 0::2]  # (..., T, E/2)
+        x_odd = x32[..., 1::2]  # (..., T, E/2)
+        out_even = x_even * cos - x_odd * sin
+        out_odd = x_even * sin + x_odd * cos
+        out = torch.stack((out_even, out_odd), dim=-1).flatten(-2)  # (..., T, E)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
+
+
+def scaled_dot_product_attention(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``softmax(Q Kᵀ / sqrt(E)) V`` over any leading dims; the reference attention.
+
+    Q (..., T, E), K (..., S, E), V (..., S, Ev); ``mask`` is boolean, broadcastable to
+    (..., T, S), True = may attend. Returns (..., T, Ev). The full T×S score matrix is
+    materialised (that is what makes it the slow reference).
+    """
+    scale = 1.0 / math.sqrt(Q.shape[-1])
+    scores = (Q @ K.transpose(-2, -1)) * scale  # (..., T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = softmax(scores.float(), dim=-1).to(V.dtype)  # (..., T, S)
+    return probs @ V  # (..., T, Ev)

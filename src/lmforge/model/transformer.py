@@ -1,0 +1,375 @@
+"""The decoder-only Transformer LM: GQA attention with RoPE, pre-norm blocks, SwiGLU, RMSNorm.
+
+Single-device code. Kernels, ``torch.compile``, activation checkpointing and parallelism are applied
+from outside: every block is a self-contained module called as ``block(x, token_positions)`` that
+takes and returns tensors only, so a wrapper can replace ``model.layers[i]``.
+
+Shape legend: B batch, T sequence, S key/value slots, D model dim, H query heads, K kv-heads,
+E head dim, V vocab, F ffn dim.
+
+Attention backends (``ModelConfig.attention``):
+
+- ``reference``: :func:`lmforge.model.scaled_dot_product_attention` with an explicit causal mask
+  (K/V heads repeated for GQA);
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``, with
+  ``enable_gqa`` on torch ≥ 2.5 (K/V repeated before that);
+- ``flash``: ``lmforge.kernels.flash_attention(q, k, v, is_causal=True)`` (lmforge's Triton
+  FlashAttention), resolved when the model is built;
+- ``auto``: ``flash`` when ``lmforge.kernels.flash_supported(q, k, v)`` says so, else ``sdpa``.
+
+With a :class:`~lmforge.model.KVCache` every backend but ``reference`` uses torch SDPA with the
+cache's boolean mask (prefill of padded prompts and one-token decode are both just masked
+attention over the filled slots).
+
+RMSNorm backends (``ModelConfig.norm``): ``reference`` (:class:`lmforge.model.RMSNorm`),
+``triton`` (``lmforge.kernels.rms_norm``), ``auto`` (the kernel where
+``lmforge.kernels.rms_norm_supported`` accepts the input, i.e. on CUDA; else the reference).
+
+Exercised by ``pytest tests/test_model.py`` (and ``pytest -m gpu tests/test_model.py`` for the
+Triton backends).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.model.config import ModelConfig
+from lmforge.model.kv_cache import KVCache
+from lmforge.model.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    _trunc_normal_,
+    scaled_dot_product_attention,
+)
+from lmforge.utils.errors import LmforgeError
+
+
+def _kernel(name: str) -> Callable[..., Any] | None:
+    """``lmforge.kernels.<name>`` or None when the kernels package does not provide it."""
+    try:
+        module = importlib.import_module("lmforge.kernels")
+    except ImportError:
+        return None
+    return getattr(module, name, None)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+class _Norm(RMSNorm):
+    """RMSNorm with a selectable backend: the reference math or lmforge's fused Triton kernel."""
+
+    def __init__(self, d_model: int, eps: float, backend: str = "reference") -> None:
+        super().__init__(d_model, eps)
+        self.backend = backend
+        self._fused: Callable[..., torch.Tensor] | None = None
+        self._supported: Callable[..., bool] | None = None
+        if backend in ("triton", "auto"):
+            self._fused = _kernel("rms_norm")
+            self._supported = _kernel("rms_norm_supported")
+            if self._fused is None and backend == "triton":
+                raise LmforgeError(
+                    "model.norm = 'triton' needs lmforge.kernels.rms_norm, which is not available"
+                )
+
+    def _use_fused(self, x: torch.Tensor) -> bool:
+        if self._fused is None:
+            return False
+        if self.backend == "triton":
+            return True
+        if self._supported is not None:
+            return self._supported(x, self.weight)
+        return x.is_cuda
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D)."""
+        if self._use_fused(x):
+            return self._fused(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention with grouped-query heads, optional QK-norm and RoPE.
+
+    ``q_proj`` maps D -> H·E, ``k_proj``/``v_proj`` map D -> K·E (K = ``n_kv_heads`` ≤ H, query
+    head h reads kv-head h // (H/K)), ``output_proj`` maps H·E -> D. QK-norm (when enabled) is an
+    RMSNorm over each head vector with one E-sized gain shared by all heads, applied before RoPE.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
+        self.head_dim = config.head_dim
+        d, e = config.d_model, config.head_dim
+        self.q_proj = Linear(d, self.n_heads * e)
+        self.k_proj = Linear(d, self.n_kv_heads * e)
+        self.v_proj = Linear(d, self.n_kv_heads * e)
+        self.output_proj = Linear(self.n_heads * e, d)
+        if config.qk_norm:
+            self.q_norm = _Norm(e, config.norm_eps, config.norm)
+            self.k_norm = _Norm(e, config.norm_eps, config.norm)
+        self.rope = RotaryEmbedding(config.rope_theta, e, config.context_length)
+        self.backend = config.attention
+        self._sdpa_gqa = _torch_version() >= (2, 5)
+        self._flash: Callable[..., torch.Tensor] | None = None
+        self._flash_supported: Callable[..., bool] | None = None
+        if self.backend in ("flash", "auto"):
+            self._flash = _kernel("flash_attention")
+            self._flash_supported = _kernel("flash_supported")
+            if self.backend == "flash" and self._flash is None:
+                raise LmforgeError(
+                    "model.attention = 'flash' needs lmforge.kernels.flash_attention, "
+                    "which is not available (use 'sdpa' or 'auto')"
+                )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1."""
+        b, t, _ = x.shape
+        h, k_heads, e = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, t, h, e)  # (B, T, H, E)
+        k = self.k_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
+        v = self.v_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
+        if self.config.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, E)
+        if token_positions is None:
+            token_positions = torch.arange(t, device=x.device)  # (T,)
+        if token_positions.dim() == 2:
+            token_positions = token_positions[:, None, :]  # (B, 1, T) broadcasts over heads
+        q = self.rope(q, token_positions)
+        k = self.rope(k, token_positions)
+        if kv_cache is None:
+            out = self._causal(q, k, v)  # (B, H, T, E)
+        else:
+            k_all, v_all = kv_cache.update(self.layer_idx, k, v)  # (B, K, S, E)
+            out = self._masked(q, k_all, v_all, kv_cache.mask)  # (B, H, T, E)
+        out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
+        return self.output_proj(out)  # (B, T, D)
+
+    def _repeat_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """(B, K, S, E) -> (B, H, S, E): each kv-head serves H/K consecutive query heads."""
+        groups = self.n_heads // self.n_kv_heads
+        return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        backend = self.backend
+        if backend == "auto":
+            ok = self._flash is not None and (
+                self._flash_supported is None or self._flash_supported(q, k, v)
+            )
+            backend = "flash" if ok else "sdpa"
+        if backend == "flash":
+            assert self._flash is not None
+            return self._flash(q, k, v, is_causal=True)
+        if backend == "sdpa":
+            return self._sdpa(q, k, v, None)
+        t = q.shape[-2]
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
+        return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
+
+    def _masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        if self.backend == "reference":
+            return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
+        return self._sdpa(q, k, v, mask)
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        gqa = self.n_kv_heads != self.n_heads
+        kwargs: dict[str, Any] = {}
+        if gqa and self._sdpa_gqa:
+            kwargs["enable_gqa"] = True
+        elif gqa:
+            k, v = self._repeat_kv(k), self._repeat_kv(v)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``+ ffn(ln2(x))``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.ln1 = _Norm(config.d_model, config.norm_eps, config.norm)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.ln2 = _Norm(config.d_model, config.norm_eps, config.norm)
+        self.ffn = SwiGLU(config.d_model, config.ffn_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D)."""
+        x = x + self.attn(self.ln1(x), token_positions, kv_cache=kv_cache)
+        return x + self.ffn(self.ln2(x))
+
+
+def _tied_state_dict_hook(
+    module: TransformerLM, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    # Tied: both keys are kept (checkpoints look the same tied or not), but as separate tensors
+    # so safetensors, which refuses aliased storage, can save them.
+    if module.config.tie_embeddings:
+        emb, head = prefix + "token_embeddings.weight", prefix + "lm_head.weight"
+        if emb in state_dict and head in state_dict:
+            value = state_dict[emb]
+            if not isinstance(value, nn.Parameter):
+                state_dict[head] = value.clone()
+
+
+def _tied_load_hook(
+    module: TransformerLM,
+    state_dict: dict[str, Any],
+    prefix: str,
+    *args: Any,
+) -> None:
+    # A tied checkpoint written elsewhere (e.g. Hugging Face) may carry only the embedding.
+    if module.config.tie_embeddings:
+        emb, head = prefix + "token_embeddings.weight", prefix + "lm_head.weight"
+        if emb in state_dict and head not in state_dict:
+            state_dict[head] = state_dict[emb]
+
+
+class TransformerLM(nn.Module):
+    """Token embeddings → N pre-norm blocks → final RMSNorm → LM head (→ optional soft-cap).
+
+    Weight tying (``config.tie_embeddings``): ``lm_head.weight`` IS ``token_embeddings.weight``
+    (one Parameter, counted once by ``parameters()``). ``state_dict()`` still holds both keys, the
+    LM-head entry being a copy of the embedding, so checkpoints have the same keys tied or untied
+    and safetensors can write them; ``load_state_dict`` accepts a tied checkpoint with only
+    ``token_embeddings.weight``. The shared matrix is initialised like the LM head (σ =
+    sqrt(2/(V+D))) rather than like an embedding (σ = 1), which would make the initial logits
+    ~sqrt(D) times too large.
+
+    Construction builds the modules on the meta device, materialises them on ``device`` and calls
+    :meth:`reset_parameters`; so ``torch.manual_seed(s); TransformerLM(cfg)`` and a meta-built model
+    after ``to_empty(device)`` + ``torch.manual_seed(s)`` + ``reset_parameters()`` are identical.
+
+    Exercised by ``pytest tests/test_model.py``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):
+            self.token_embeddings = Embedding(config.vocab_size, config.d_model)
+            self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+            self.ln_final = _Norm(config.d_model, config.norm_eps, config.norm)
+            self.lm_head = Linear(config.d_model, config.vocab_size)
+        target = torch.device("cpu") if device is None else torch.device(device)
+        if target.type != "meta":
+            self.to_empty(device=target)
+        self.tie_weights()
+        if dtype is not None:
+            self.to(dtype=dtype)
+        self.reset_parameters()
+        self.register_state_dict_post_hook(_tied_state_dict_hook)
+        self.register_load_state_dict_pre_hook(_tied_load_hook)
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding Parameter when tied (again after ``to_empty``)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter and RoPE table (deterministic under ``torch.manual_seed``)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        if self.config.tie_embeddings:
+            _trunc_normal_(self.lm_head.weight, self.lm_head.init_std)
+
+    def forward_hidden(
+        self,
+        idx: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        valid_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids (B, T) -> hidden states after ``ln_final`` (B, T, D).
+
+        ``token_positions`` (T,) or (B, T) default to 0..T-1, or with a ``kv_cache`` to each row's
+        next positions. ``valid_mask`` (B, T) bool marks real tokens (False = padding) and is only
+        used with a ``kv_cache`` (see :class:`~lmforge.model.KVCache`).
+        """
+        _, t = idx.shape
+        if kv_cache is not None:
+            positions, _ = kv_cache.begin(t, valid_mask)  # (B, T)
+            if token_positions is None:
+                token_positions = positions
+        else:
+            if valid_mask is not None:
+                raise ValueError("valid_mask is only supported together with a kv_cache")
+            if t > self.config.context_length:
+                raise ValueError(
+                    f"sequence length {t} exceeds context_length {self.config.context_length}"
+                )
+        x = self.token_embeddings(idx)  # (B, T, D)
+        for layer in self.layers:
+            if kv_cache is None:
+                x = layer(x, token_positions)  # (B, T, D)
+            else:
+                x = layer(x, token_positions, kv_cache=kv_cache)  # (B, T, D)
+        return self.ln_final(x)  # (B, T, D)
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states (..., D) -> logits (..., V): LM head, then the soft-cap when set."""
+        logits = self.lm_head(h)  # (..., V)
+        cap = self.config.logit_soft_cap
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        valid_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids (B, T) long -> logits (B, T, V). Arguments as in :meth:`forward_hidden`."""
+        h = self.forward_hidden(idx, token_positions, kv_cache, valid_mask)  # (B, T, D)
+        return self.logits_from_hidden(h)  # (B, T, V)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of distinct parameters; ``exclude_embeddings`` drops the token-embedding matrix.
+
+        When tied the LM head is that same matrix, so it is dropped too; an untied LM head counts.
+        """
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.token_embeddings.weight.numel()
+        return total

@@ -1,0 +1,442 @@
+"""The parallelism planner: a cost model of memory, compute and communication per strategy mix.
+
+All pure functions of a :class:`ModelSpec`, a :class:`Hardware` and a :class:`Mix`, built from
+the formulas the strategies embody:
+
+* memory per GPU (bytes), mixed-precision Adam: bf16 weights (2) + bf16 gradients (2) + fp32
+  master, m, v (12) = 16 bytes per parameter (the ZeRO paper's accounting); ZeRO-1 divides the
+  12 by the data-parallel degree, ZeRO-2 also the gradients, ZeRO-3 also the weights. Tensor and
+  pipeline parallelism divide everything by tp·pp. Activations per layer and sequence:
+  s·h·(10 + 24/t) bytes (Korthikanti et al., FlashAttention so no s² term, no sequence
+  parallelism), or 2·s·h bytes with full recomputation (only each layer's input is kept);
+* compute: 6·N_active·tokens / (GPUs · peak · MFU) (8·N_active with recomputation);
+* communication per step: DP all-reduce moves 2× the (per-replica) parameter bytes, ZeRO-3 3×
+  (all-gather forward, all-gather backward, reduce-scatter); over more GPUs than one domain the
+  collectives are hierarchical: NVLink inside the domain, and only 1/k of the bytes per GPU over
+  the inter-domain links (k = domain size). DP/FSDP traffic overlaps compute, so the step takes
+  the larger of the two. TP all-reduces 8·b·s·h·(t−1)/t activation elements per layer (two
+  all-reduces forward, two backward) on the critical path; PP sends b·s·h per micro-batch per
+  boundary each way;
+* pipeline bubble: the step stretches by (p − 1)/m for m micro-batches;
+* batch-size floor: at least one sequence per data-parallel rank (dp ≤ global batch).
+
+Why FSDP stops scaling: with the global batch fixed, compute per GPU falls as 1/N while the
+ZeRO-3 bytes per GPU do not fall at all (each GPU still gathers every parameter), so past the
+*crossover* N the step is communication-bound. A larger batch moves the crossover right
+(more compute per parameter byte), sparsity (MoE: compute ∝ active, bytes ∝ total) moves it
+left, and bigger fast domains (TPU-like pods) move it right (fewer bytes on the slow links).
+
+Simplifications: no collective latency term, no expert parallelism, no logits memory, perfect
+overlap of DP/FSDP communication with compute, even layer split, inputs in decimal units.
+
+Exercise: ``lmforge plan --model 70b --gpus 1024`` and ``pytest tests/test_planner.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The model as the cost model sees it."""
+
+    name: str
+    "label"
+    total_params: float
+    "all parameters (memory, communication)"
+    n_layers: int
+    "Transformer blocks"
+    d_model: int
+    "hidden size h"
+    active_params: float = 0.0
+    "parameters used per token (MoE); 0 = dense (= total)"
+
+    @property
+    def active(self) -> float:
+        """Parameters that do work per token."""
+        return self.active_params or self.total_params
+
+
+MODELS: dict[str, ModelSpec] = {
+    "gpt2-small": ModelSpec("gpt2-small", 124e6, 12, 768),
+    "7b": ModelSpec("7b", 6.7e9, 32, 4096),
+    "70b": ModelSpec("70b", 70e9, 80, 8192),
+    "405b": ModelSpec("405b", 405e9, 126, 16384),
+    "moe-47b-a13b": ModelSpec("moe-47b-a13b", 47e9, 32, 4096, active_params=13e9),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One accelerator type and its interconnect (defaults: NVIDIA H200 in 8-GPU NVLink hosts)."""
+
+    name: str = "H200"
+    "label"
+    peak_flops: float = 989e12
+    "peak dense bf16 FLOP/s per GPU"
+    mfu: float = 0.45
+    "achievable fraction of peak on the model's matmuls"
+    memory_bytes: float = 141e9
+    "memory per GPU"
+    nvlink_bw: float = 450e9
+    "intra-domain bandwidth per GPU per direction (B/s)"
+    ib_bw: float = 50e9
+    "inter-domain bandwidth per GPU per direction (B/s)"
+    domain_size: int = 8
+    "GPUs in one fast (NVLink) domain"
+    usable_memory: float = 0.9
+    "fraction of memory the model may use (allocator, workspace)"
+    latency: float = 10e-6
+    "latency of one collective hop (s): a ring inside the domain, a tree across domains"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """One strategy mix."""
+
+    dp: int
+    "data-parallel degree"
+    tp: int = 1
+    "tensor-parallel degree"
+    pp: int = 1
+    "pipeline stages"
+    zero: int = 0
+    "ZeRO stage over dp: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ weights, FSDP)"
+    recompute: bool = False
+    "full activation recomputation"
+
+    @property
+    def gpus(self) -> int:
+        """GPUs used."""
+        return self.dp * self.tp * self.pp
+
+    def label(self) -> str:
+        """Short human label, e.g. ``dp64·tp8 zero3 +rc``."""
+        parts = [f"dp{self.dp}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
+        name = "·".join(parts) + ("" if self.zero == 0 else f" zero{self.zero}")
+        return name + (" +rc" if self.recompute else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The cost model's verdict on one mix."""
+
+    mix: Mix
+    "the strategy mix"
+    memory: dict[str, float]
+    "bytes per GPU: weights, grads, optimizer, activations"
+    compute_s: float
+    "compute time per step (incl. recomputation)"
+    comm_s: dict[str, float]
+    "communication time per step: dp (overlapped), tp and pp (exposed)"
+    bubble: float
+    "pipeline bubble as a fraction of the busy time, (p − 1)/m"
+    step_s: float
+    "predicted step time"
+    mfu: float
+    "model FLOPs utilisation: 6·N_active·tokens / (step · GPUs · peak)"
+    feasible: bool
+    "fits in memory and respects the batch floor"
+    binding: str
+    "what limits this mix: memory, batch floor, compute, dp-comm, tp-comm, bubble"
+
+    @property
+    def memory_total(self) -> float:
+        """All bytes per GPU."""
+        return sum(self.memory.values())
+
+
+def collective_time(
+    nbytes: float, n: int, hw: Hardware, kind: str = "all_reduce", count: int = 1
+) -> float:
+    """Seconds for ``count`` collectives over ``n`` GPUs moving ``nbytes`` in total (full size).
+
+    ``kind`` is ``all_gather``/``reduce_scatter`` (each GPU sends (n−1)/n of the bytes) or
+    ``all_reduce`` (twice that). Beyond one domain it is hierarchical: the intra-domain phase at
+    NVLink speed, and 1/k of the bytes per GPU across domains at the inter-domain speed. Each
+    collective also pays ``hw.latency`` per hop: k − 1 ring hops inside the domain plus
+    ⌈log2 D⌉ tree hops across D domains.
+    """
+    if n <= 1:
+        return 0.0
+    k = min(hw.domain_size, n)
+    d = n / k
+    one = nbytes * (k - 1) / k / hw.nvlink_bw
+    hops = k - 1
+    if d > 1:
+        one += (nbytes / k) * (d - 1) / d / hw.ib_bw
+        hops += math.ceil(math.log2(d))
+    one += count * hops * hw.latency
+    return 2 * one if kind == "all_reduce" else one
+
+
+def memory_per_gpu(
+    model: ModelSpec,
+    mix: Mix,
+    seq_len: int,
+    micro_batch: int,
+    in_flight: int,
+) -> dict[str, float]:
+    """Bytes per GPU for weights, gradients, optimizer state and activations."""
+    p = model.total_params / (mix.tp * mix.pp)
+    weights, grads, optim = 2.0 * p, 2.0 * p, 12.0 * p
+    if mix.zero >= 1:
+        optim /= mix.dp
+    if mix.zero >= 2:
+        grads /= mix.dp
+    if mix.zero >= 3:
+        weights /= mix.dp
+    s, h, t = seq_len, model.d_model, mix.tp
+    per_layer = 2.0 * s * h if mix.recompute else s * h * (10 + 24 / t)
+    layers = model.n_layers / mix.pp
+    acts = per_layer * micro_batch * layers * in_flight
+    return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
+
+
+def compute_time(
+    model: ModelSpec, tokens: float, gpus: int, hw: Hardware, recompute: bool = False
+) -> float:
+    """6·N_active·tokens / (GPUs · peak · MFU); 8·N_active with recomputation."""
+    factor = 8.0 if recompute else 6.0
+    return factor * model.active * tokens / (gpus * hw.peak_flops * hw.mfu)
+
+
+def dp_comm_time(
+    model: ModelSpec,
+    mix: Mix,
+    hw: Hardware,
+    comm_bytes: float = 2.0,
+    reduce_bytes: float | None = None,
+) -> float:
+    """Gradient/parameter traffic over the data-parallel group per step.
+
+    DP and ZeRO-1/2: one all-reduce (≈ reduce-scatter + all-gather) of the replica's parameters,
+    2× the bytes; ZeRO-3: all-gather twice plus reduce-scatter, 3×. ``comm_bytes`` per element
+    for gathers, ``reduce_bytes`` for gradient reductions (default the same; lmforge reduces in
+    fp32, 4). With tp·pp > 1 the data-parallel peers sit in different domains.
+    """
+    rb = comm_bytes if reduce_bytes is None else reduce_bytes
+    p = model.total_params / (mix.tp * mix.pp)
+    if mix.dp <= 1:
+        return 0.0
+    stride_hw = hw
+    if mix.tp * mix.pp > 1:
+        # dp peers are tp·pp ranks apart: fewer of them share a domain.
+        k = max(1, hw.domain_size // (mix.tp * mix.pp))
+        stride_hw = dataclasses.replace(hw, domain_size=k)
+    if mix.zero >= 3:
+        return 2 * collective_time(
+            p * comm_bytes, mix.dp, stride_hw, "all_gather"
+        ) + collective_time(p * rb, mix.dp, stride_hw, "reduce_scatter")
+    return collective_time(p * rb, mix.dp, stride_hw, "all_reduce")
+
+
+def estimate(
+    model: ModelSpec,
+    hw: Hardware,
+    mix: Mix,
+    global_batch: int,
+    seq_len: int,
+    micro_batch: int = 1,
+    comm_bytes: float = 2.0,
+    reduce_bytes: float | None = None,
+) -> Estimate:
+    """Memory, time and MFU of one mix for one step of ``global_batch`` sequences of ``seq_len``."""
+    tokens = global_batch * seq_len
+    local = global_batch / mix.dp  # sequences per data-parallel rank per step
+    m = max(1, int(local // micro_batch))  # micro-batches per step
+    in_flight = min(mix.pp, m) if mix.pp > 1 else 1
+    mem = memory_per_gpu(model, mix, seq_len, micro_batch, in_flight)
+    compute = compute_time(model, tokens, mix.gpus, hw, mix.recompute)
+    dp_s = dp_comm_time(model, mix, hw, comm_bytes, reduce_bytes)
+    tp_s = 0.0
+    if mix.tp > 1:
+        elems = 8 * micro_batch * seq_len * model.d_model * (mix.tp - 1) / mix.tp
+        tp_bw = hw.nvlink_bw if mix.tp <= hw.domain_size else hw.ib_bw
+        tp_s = elems * comm_bytes * (model.n_layers / mix.pp) * m / tp_bw
+    pp_s = 0.0
+    bubble = 0.0
+    if mix.pp > 1:
+        pp_bw = hw.nvlink_bw if mix.tp * mix.pp <= hw.domain_size else hw.ib_bw
+        pp_s = 2 * micro_batch * seq_len * model.d_model * comm_bytes * m / pp_bw
+        bubble = (mix.pp - 1) / m
+    busy = (compute + tp_s) * (1 + bubble) + pp_s
+    step = max(busy, dp_s)
+    mfu = 6.0 * model.active * tokens / (step * mix.gpus * hw.peak_flops) if step > 0 else 0.0
+    fits = sum(mem.values()) <= hw.memory_bytes * hw.usable_memory
+    floor_ok = local >= 1
+    if not floor_ok:
+        binding = "batch floor"
+    elif not fits:
+        binding = "memory"
+    elif dp_s > busy:
+        binding = "dp-comm"
+    else:
+        parts = {"compute": compute, "tp-comm": tp_s, "bubble": (compute + tp_s) * bubble}
+        binding = max(parts, key=lambda k: parts[k])
+    return Estimate(
+        mix=mix,
+        memory=mem,
+        compute_s=compute,
+        comm_s={"dp": dp_s, "tp": tp_s, "pp": pp_s},
+        bubble=bubble,
+        step_s=step,
+        mfu=mfu,
+        feasible=fits and floor_ok,
+        binding=binding,
+    )
+
+
+def _powers_of_two_dividing(n: int, limit: int) -> list[int]:
+    out, d = [], 1
+    while d <= min(n, limit):
+        if n % d == 0:
+            out.append(d)
+        d *= 2
+    return out
+
+
+def candidate_mixes(model: ModelSpec, hw: Hardware, gpus: int) -> Iterable[Mix]:
+    """Every mix with tp ≤ domain size, pp dividing the layers, zero 0–3, recompute on/off."""
+    for tp in _powers_of_two_dividing(gpus, hw.domain_size):
+        for pp in [
+            p for p in range(1, min(model.n_layers, gpus // tp) + 1) if (gpus // tp) % p == 0
+        ]:
+            if model.n_layers % pp:
+                continue
+            dp = gpus // (tp * pp)
+            for zero in (0, 1, 2, 3):
+                if zero and dp == 1:
+                    continue
+                for rc in (False, True):
+                    yield Mix(dp=dp, tp=tp, pp=pp, zero=zero, recompute=rc)
+
+
+def plan(
+    model: ModelSpec,
+    hw: Hardware,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    micro_batch: int = 1,
+    comm_bytes: float = 2.0,
+) -> list[Estimate]:
+    """All candidate mixes, feasible ones first, each group fastest first."""
+    ests = [
+        estimate(model, hw, mix, global_batch, seq_len, micro_batch, comm_bytes)
+        for mix in candidate_mixes(model, hw, gpus)
+    ]
+    return sorted(ests, key=lambda e: (not e.feasible, e.step_s))
+
+
+def fsdp_times(
+    model: ModelSpec,
+    hw: Hardware,
+    gpus: int,
+    global_batch: int,
+    seq_len: int,
+    comm_bytes: float = 2.0,
+) -> tuple[float, float]:
+    """(compute, communication) seconds per step of pure FSDP (ZeRO-3, dp = GPUs)."""
+    mix = Mix(dp=gpus, zero=3)
+    return (
+        compute_time(model, global_batch * seq_len, gpus, hw),
+        dp_comm_time(model, mix, hw, comm_bytes),
+    )
+
+
+def fsdp_crossover(
+    model: ModelSpec,
+    hw: Hardware,
+    global_batch: int,
+    seq_len: int,
+    comm_bytes: float = 2.0,
+    max_gpus: int = 1 << 20,
+) -> float | None:
+    """GPU count where pure FSDP's communication time reaches its compute time.
+
+    Found by bisection on the GPU count between 2 and ``max_gpus`` (integers; the curves are
+    monotone up to the latency term's ⌈log2⌉ steps); None if communication never catches up. Ignores the batch floor: compare
+    the result with ``global_batch`` (the most data-parallel ranks the batch allows).
+    """
+
+    def gap(n: float) -> float:
+        c, comm = fsdp_times(model, hw, n, global_batch, seq_len, comm_bytes)
+        return comm - c
+
+    lo, hi = 2.0, float(max_gpus)
+    if gap(hi) < 0:
+        return None
+    if gap(lo) >= 0:
+        return lo
+    lo_i, hi_i = 2, max_gpus
+    while hi_i - lo_i > 1:
+        mid = (lo_i + hi_i) // 2
+        if gap(mid) >= 0:
+            hi_i = mid
+        else:
+            lo_i = mid
+    return float(hi_i)
+
+
+def predict_step_time(
+    n_params: float,
+    tokens_per_step: float,
+    gpus: int,
+    strategy: str = "ddp",
+    hw: Hardware | None = None,
+    gather_bytes: float = 2.0,
+    reduce_bytes: float = 4.0,
+    flops_per_token: float | None = None,
+    n_units: int = 14,
+) -> float:
+    """Predicted seconds per optimizer step for lmforge's own strategies on ``gpus`` GPUs.
+
+    ``strategy``: ``single``, ``ddp``, ``zero1`` (DDP traffic) or ``fsdp``. ``tokens_per_step``
+    is global. Compute is ``flops_per_token`` (default 6·N) · tokens / (GPUs · peak · MFU);
+    communication overlaps compute, so the step is the larger of the two. lmforge reduces
+    gradients in fp32 (``reduce_bytes`` 4) and FSDP gathers in the compute dtype.
+    The default H200 inputs are meant to be calibrated against measured 1- and 2-GPU steps
+    (``benchmarks/parallel.py`` prints both). ``n_units``: FSDP units (blocks + 2), for the
+    latency term.
+    """
+    hw = hw or Hardware()
+    fpt = flops_per_token if flops_per_token is not None else 6.0 * n_params
+    compute = fpt * tokens_per_step / (gpus * hw.peak_flops * hw.mfu)
+    if gpus <= 1 or strategy == "single":
+        return compute
+    if strategy == "fsdp":
+        comm = 2 * collective_time(n_params * gather_bytes, gpus, hw, "all_gather", n_units)
+        comm += collective_time(n_params * reduce_bytes, gpus, hw, "reduce_scatter", n_units)
+    elif strategy in ("ddp", "zero1"):
+        buckets = max(1, math.ceil(n_params * reduce_bytes / 25e6))
+        comm = collective_time(n_params * reduce_bytes, gpus, hw, "all_reduce", buckets)
+    else:
+        raise ValueError(f"unknown strategy '{strategy}' (single, ddp, zero1, fsdp)")
+    return max(compute, comm)
+
+
+def format_table(ests: list[Estimate], top: int = 15) -> str:
+    """A markdown table of the first ``top`` estimates."""
+    rows = [
+        "| mix | mem/GPU GB | weights+grads+opt GB | act GB | compute s | dp comm s | tp comm s "
+        "| bubble | step s | MFU | binding |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in ests[:top]:
+        m = e.memory
+        rows.append(
+            f"| {e.mix.label()} | {e.memory_total / 1e9:.1f} | "
+            f"{(m['weights'] + m['grads'] + m['optimizer']) / 1e9:.1f} | "
+            f"{m['activations'] / 1e9:.1f} | {e.compute_s:.3f} | {e.comm_s['dp']:.3f} | "
+            f"{e.comm_s['tp']:.3f} | {e.bubble:.2f} | {e.step_s:.3f} | {e.mfu:.1%} | "
+            f"{e.binding} |"
+        )
+    return "\n".join(rows)

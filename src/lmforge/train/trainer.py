@@ -1,0 +1,743 @@
+"""The pretraining loop: data → strategy.forward_backward → clip → AdamW, with eval, logs, checkpoints.
+
+The model is built single-device, then wrapped from outside in one fixed order:
+
+    1. activation checkpointing (each block's ``forward`` recomputed in backward; names unchanged)
+    2. ``torch.compile`` (``module.compile()`` in place, so parameter names stay unchanged)
+    3. the parallelism :class:`~lmforge.parallel.Strategy` (``Strategy(model)`` on one process,
+       ``lmforge.parallel.build_strategy`` under torchrun)
+
+One step: ``grad_accum`` micro-batches through ``strategy.forward_backward`` (bf16 autocast over
+fp32 master weights and fp32 AdamW state), global-norm clipping, then one host sync that reads the
+loss and the gradient norm together. A NaN/inf loss or norm, or a loss above
+``spike_factor × running mean``, skips the update (logged); ``max_bad_steps`` consecutive skips
+stop the run with a clear message and the last good checkpoint untouched.
+
+Exact resume: a checkpoint holds weights, optimizer state (gathered under ZeRO-1; one file per
+rank under FSDP/TP/PP, which must resume with the same layout), every data-parallel replica's
+sampler state, the RNG states and the spike statistics; on resume ``metrics.jsonl`` is cut back
+to the checkpoint's step, so the logged loss curve continues exactly as if never interrupted.
+Simplification: a skipped step still consumes its data and advances the iteration/schedule.
+Exercised by ``lmforge train --config configs/tiny.toml`` and ``pytest tests/test_train_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lmforge.train.checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    load_optimizer_state,
+    prune_checkpoints,
+    read_trainer_state,
+    save_checkpoint,
+    save_optimizer_state,
+)
+from lmforge.train.data import (
+    MixtureSampler,
+    TokenShard,
+    _to_device,
+    bits_per_byte,
+    bytes_per_token,
+    eval_batches,
+    open_source,
+)
+from lmforge.train.loss import cross_entropy
+from lmforge.train.optim import AdamW
+from lmforge.train.plan import TrainingPlan, training_plan
+from lmforge.train.schedule import lr_at
+from lmforge.utils.config import config_to_dict, save_config
+from lmforge.utils.errors import LmforgeError
+from lmforge.utils.io import atomic_write, atomic_write_text
+from lmforge.utils.runtime import Runtime, resolve_device
+
+if TYPE_CHECKING:
+    from lmforge.config import RunConfig
+    from lmforge.parallel import Strategy
+
+
+# ----------------------------------------------------------------------------- outside wrappers
+
+
+@functools.cache
+def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(cls):  # type: ignore[misc, valid-type]
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return super().forward(*args, **kwargs)
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+    Checkpointed.__name__ = Checkpointed.__qualname__ = f"Checkpointed{cls.__name__}"
+    return Checkpointed
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each block of ``model.layers`` in backward instead of storing its activations.
+
+    Each block's class is swapped for a subclass whose ``forward`` runs under
+    ``torch.utils.checkpoint`` (non-reentrant), so module and parameter names do not change and
+    checkpoints stay interchangeable. Returns ``model`` (modified in place).
+    """
+    for block in model.layers:
+        block.__class__ = _checkpointed_class(type(block))
+    return model
+
+
+def _param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    # Matrices (projections, embeddings) decay; gains (norm weights) do not.
+    decay = [p for p in params if p.ndim >= 2]
+    other = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if other:
+        groups.append({"params": other, "weight_decay": 0.0})
+    return groups
+
+
+def _auto_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(device)
+
+
+# ----------------------------------------------------------------------------- RNG state
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [
+            np_state[0],
+            np_state[1].tolist(),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = [torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+class _Loggers:
+    """metrics.jsonl always; TensorBoard and W&B only when asked for (imported then)."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, wandb_project: str, config: dict) -> None:
+        self.path = out_dir / "metrics.jsonl"
+        self.file = open(self.path, "a", encoding="utf-8")
+        self.tb = None
+        self.wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise LmforgeError(
+                    "train.tensorboard=true needs the tensorboard package (pip install tensorboard)"
+                ) from None
+            self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise LmforgeError(
+                    "train.wandb is set but the wandb package is missing (pip install wandb)"
+                ) from None
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=str(out_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        # One line per record, flushed, so a killed run loses at most the line being written.
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = int(record.get("step", 0))
+        scalars = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "step"}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` (a torn last line from a killed run is skipped)."""
+    out = []
+    p = Path(path)
+    if not p.is_file():
+        return out
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def _truncate_metrics(path: Path, iteration: int) -> None:
+    # A killed run may have logged steps after its last checkpoint; the resumed run redoes them.
+    records = [r for r in read_metrics(path) if int(r.get("step", 0)) <= iteration]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+def plot_loss_curve(metrics: list[dict[str, Any]], path: str | Path) -> None:
+    """Write train (and validation) loss against step to a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in metrics if r.get("event") == "train"]
+    val = [(r["step"], r["val_loss"]) for r in metrics if r.get("event") == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1.2)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """One training run from a :class:`~lmforge.config.RunConfig`.
+
+    Uses only the ``model``, ``train``, ``data`` and ``parallel`` branches. ``Trainer(cfg,
+    runtime).run()`` returns the final metrics; construction builds the model, strategy,
+    optimizer and data and restores the latest checkpoint when ``train.resume`` is on.
+    """
+
+    def __init__(self, cfg: RunConfig, runtime: Runtime | None = None) -> None:
+        self.run_config = cfg
+        self.mcfg, self.tcfg, self.dcfg, self.pcfg = cfg.model, cfg.train, cfg.data, cfg.parallel
+        tc = self.tcfg
+        if runtime is None:
+            runtime = Runtime(device=_auto_device(tc.device), seed=tc.seed)
+        self.runtime = runtime
+        self.device = runtime.device
+        self.device_type = torch.device(self.device).type
+        self.T = tc.context_length or self.mcfg.context_length
+        self._validate()
+        # Data first: a missing shard or a vocabulary mismatch fails before a big model is built.
+        sources = [open_source(src, self.mcfg.vocab_size) for src in self.dcfg.train]
+        self.val_shards: list[TokenShard] = [
+            s for src in self.dcfg.val for s in open_source(src, self.mcfg.vocab_size)
+        ]
+        self.val_bytes_per_token = bytes_per_token(self.val_shards) if self.val_shards else None
+
+        from lmforge.model import TransformerLM
+
+        torch.manual_seed(tc.seed)  # same initial weights on every rank and every rerun
+        model = TransformerLM(self.mcfg, device=self.device)
+        self.model = model
+        if tc.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        self._ce: Callable[..., torch.Tensor] = cross_entropy
+        self._hidden = model.forward_hidden
+        if tc.compile:
+            model.compile()
+            self._ce = torch.compile(cross_entropy)
+            self._hidden = torch.compile(model.forward_hidden)
+        self.fused = self._pick_fused_loss()
+        self.strategy = self._build_strategy(model)
+        self.is_main = self.strategy.is_main
+        self.optimizer = self.strategy.make_optimizer(
+            lambda ps: AdamW(
+                _param_groups(list(ps), tc.weight_decay),
+                lr=tc.lr,
+                betas=(tc.beta1, tc.beta2),
+                eps=tc.eps,
+                weight_decay=tc.weight_decay,
+            )
+        )
+        # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
+        # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
+        dp_size = int(getattr(self.strategy, "dp_size", self.strategy.world_size))
+        dp_rank = int(getattr(self.strategy, "dp_rank", self.strategy.rank))
+        self.plan: TrainingPlan = training_plan(self.mcfg, tc, dp_size)
+
+        self.dp_rank = dp_rank
+        seed = tc.seed + 1_000_003 * dp_rank  # each replica draws its own windows
+        self.sampler_sources = sources
+        self.sampler = MixtureSampler(sources, self.T, self.dcfg.weights, seed=seed)
+
+        self.out_dir = Path(tc.out_dir)
+        self.iteration = 0
+        self.bad_steps = 0
+        self.loss_ema: float | None = None
+        self.good_steps = 0
+        self.resumed_from: Path | None = None
+        latest = latest_checkpoint(self.out_dir)
+        if latest is not None:
+            if not tc.resume:
+                raise LmforgeError(
+                    f"train.out_dir {self.out_dir} already holds checkpoints (latest {latest.name}); "
+                    "use a new train.out_dir or train.resume=true"
+                )
+            self._restore(latest)
+
+    # -- setup helpers
+
+    def _validate(self) -> None:
+        tc, mc = self.tcfg, self.mcfg
+        if not self.dcfg.train:
+            raise LmforgeError(
+                "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
+            )
+        if self.T > mc.context_length:
+            raise LmforgeError(
+                f"train.context_length {self.T} exceeds model.context_length {mc.context_length}"
+            )
+        for key in ("batch_size", "grad_accum", "max_steps"):
+            if getattr(tc, key) <= 0:
+                raise LmforgeError(f"train.{key} must be positive, got {getattr(tc, key)}")
+        if tc.precision == "fp16":
+            raise LmforgeError(
+                "train.precision=fp16 needs loss scaling, which is not implemented; use bf16"
+            )
+        if tc.loss == "fused" and mc.logit_soft_cap is not None:
+            raise LmforgeError(
+                "train.loss=fused cannot apply model.logit_soft_cap (the fused kernel never forms "
+                "the logits); use train.loss=reference or unset the soft-cap"
+            )
+
+    def _pick_fused_loss(self) -> Callable[..., torch.Tensor] | None:
+        tc = self.tcfg
+        if tc.loss == "reference" or (tc.loss == "auto" and self.mcfg.logit_soft_cap is not None):
+            return None
+        if self.runtime.world_size > 1:
+            # The fused loss reads lm_head.weight directly, outside the wrapped model's forward,
+            # which distributed wrappers (DDP hooks, FSDP/TP shards) do not see.
+            if tc.loss == "fused":
+                raise LmforgeError(
+                    "train.loss=fused is single-process only for now; use train.loss=reference"
+                )
+            return None
+        try:
+            from lmforge.kernels import fused_linear_cross_entropy
+        except ImportError:
+            if tc.loss == "fused":
+                raise LmforgeError(
+                    "train.loss=fused but lmforge.kernels.fused_linear_cross_entropy is unavailable"
+                ) from None
+            return None
+        if tc.loss == "auto" and self.device_type != "cuda":
+            return None
+        return fused_linear_cross_entropy
+
+    def _build_strategy(self, model: nn.Module) -> Strategy:
+        from lmforge.parallel import Strategy
+
+        if self.runtime.world_size > 1:
+            try:
+                from lmforge.parallel import build_strategy
+            except ImportError:
+                raise LmforgeError(
+                    "distributed launch (WORLD_SIZE>1) but lmforge.parallel.build_strategy is unavailable"
+                ) from None
+            return build_strategy(model, self.pcfg, self.runtime)
+        return Strategy(model)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.tcfg.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=torch.bfloat16)
+
+    def loss_fn(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of one micro-batch x (B, T), y (B, T) (the strategy's LossFn)."""
+        with self._autocast():
+            if self.fused is not None:
+                h = self._hidden(x)  # (B, T, D)
+                D = h.shape[-1]
+                return self.fused(
+                    h.reshape(-1, D),  # (B·T, D)
+                    self.model.lm_head.weight,  # (V, D)
+                    y.reshape(-1),  # (B·T,)
+                    ignore_index=-100,
+                    z_loss=self.tcfg.z_loss,
+                )
+            logits = model(x)  # (B, T, V)
+            return self._ce(logits, y, z_loss=self.tcfg.z_loss)
+
+    # -- checkpoints
+
+    def _sampler_states(self) -> dict[str, Any]:
+        # Every data-parallel replica has its own data position; all go into the checkpoint.
+        mine = (self.dp_rank, self.sampler.state_dict())
+        if self.strategy.world_size == 1 or not torch.distributed.is_initialized():
+            return {str(mine[0]): mine[1]}
+        gathered: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+        return {str(r): st for r, st in gathered}
+
+    def _trainer_state(self, samplers: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "schedule": {
+                "name": self.tcfg.schedule,
+                "lr": self.current_lr,
+                "max_steps": self.tcfg.max_steps,
+            },
+            "samplers": samplers,
+            "rng": _rng_state(),
+            "bad_steps": self.bad_steps,
+            "loss_ema": self.loss_ema,
+            "good_steps": self.good_steps,
+        }
+
+    def _restore(self, ckpt: Path) -> None:
+        meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
+        saved_ranks = int(meta.get("optimizer_ranks", 1))
+        per_rank = self._optimizer_is_per_rank()
+        want = self.strategy.world_size if per_rank else 1
+        if saved_ranks != want:
+            raise LmforgeError(
+                f"checkpoint {ckpt} holds {saved_ranks} optimizer state(s) but this parallel "
+                f"layout needs {want}; resume with the layout that wrote it"
+            )
+        rank = self.strategy.rank
+        own = per_rank and rank > 0
+        it = load_checkpoint(
+            ckpt,
+            None,
+            None if own else self.optimizer,
+            load_model=self.strategy.load_full_state_dict,
+        )
+        if own:
+            load_optimizer_state(ckpt / f"optimizer-rank{rank:05d}.safetensors", self.optimizer)
+        state = read_trainer_state(ckpt)
+        samplers = state.get("samplers", {})
+        if str(self.dp_rank) in samplers:
+            self.sampler.load_state_dict(samplers[str(self.dp_rank)])
+        else:
+            # A replica the checkpoint did not have (more data-parallel ranks than before):
+            # a fresh stream, seeded by rank and step, so replicas still differ.
+            self.sampler = MixtureSampler(
+                self.sampler_sources,
+                self.T,
+                self.dcfg.weights,
+                seed=self.tcfg.seed + 1_000_003 * self.dp_rank + it,
+            )
+        _set_rng_state(state["rng"])
+        self.bad_steps = int(state.get("bad_steps", 0))
+        self.loss_ema = state.get("loss_ema")
+        self.good_steps = int(state.get("good_steps", 0))
+        self.iteration = it
+        self.resumed_from = ckpt
+
+    def _optimizer_is_per_rank(self) -> bool:
+        # Single process, DDP and ZeRO-1 (whose state_dict gathers) have one optimizer state;
+        # FSDP, tensor and pipeline parallelism keep a different local state on every rank.
+        if self.strategy.world_size == 1:
+            return False
+        return bool(getattr(self.strategy, "per_rank_optimizer_state", True))
+
+    def save(self, val_loss: float | None = None) -> Path:
+        """Checkpoint the current state to ``out_dir/checkpoints/step_…`` and prune old ones.
+
+        Every rank must call it (the gathers are collectives). With a per-rank optimizer state
+        (FSDP, TP, PP) rank r > 0 writes ``optimizer-rank{r}.safetensors`` into a staging folder
+        that rank 0 moves into the checkpoint before the atomic rename.
+        """
+        state = self.strategy.full_state_dict()  # a collective in sharded strategies: every rank
+        samplers = self._sampler_states()  # also a collective
+        opt_state = self.optimizer.state_dict()  # gathered (a collective) under ZeRO-1
+        path = checkpoint_path(self.out_dir, self.iteration)
+        per_rank = self._optimizer_is_per_rank()
+        staging = path.parent / f".staging-{path.name}"
+        if per_rank:
+            rank = self.strategy.rank
+            if rank > 0:
+                staging.mkdir(parents=True, exist_ok=True)
+                save_optimizer_state(staging / f"optimizer-rank{rank:05d}.safetensors", opt_state)
+            self.strategy.barrier()
+        if self.is_main:
+            save_checkpoint(
+                path,
+                state,
+                opt_state,
+                self.iteration,
+                trainer_state=self._trainer_state(samplers),
+                config=self.run_config,
+                tokenizer_dir=self.dcfg.tokenizer or None,
+                meta={
+                    "val_loss": val_loss,
+                    "tokens": self.iteration * self.plan.tokens_per_step,
+                    "optimizer_ranks": self.strategy.world_size if per_rank else 1,
+                },
+                extra_dir=staging if per_rank else None,
+            )
+            prune_checkpoints(self.out_dir, self.tcfg.keep_last)
+        self.strategy.barrier()
+        return path
+
+    # -- evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss, perplexity and bits per byte over fixed sequential windows."""
+        if not self.val_shards:
+            return {}
+        model = self.strategy.model
+        model.eval()
+        total = 0.0
+        count = 0
+        for x_np, y_np in eval_batches(
+            self.val_shards, self.tcfg.batch_size, self.T, self.tcfg.eval_batches
+        ):
+            x, y = _to_device(x_np, self.device), _to_device(y_np, self.device)
+            loss = self.loss_fn(model, x, y)
+            n = y.numel()
+            total += float(loss) * n
+            count += n
+        model.train()
+        if count == 0:
+            return {}
+        val = total / count
+        out = {"val_loss": val, "val_ppl": math.exp(min(val, 50.0))}
+        if self.val_bytes_per_token:
+            out["val_bpb"] = bits_per_byte(val, self.val_bytes_per_token)
+        return out
+
+    # -- the loop
+
+    def _bad_reason(self, loss: float, norm: float) -> str | None:
+        if not math.isfinite(loss):
+            return f"non-finite loss {loss}"
+        if not math.isfinite(norm):
+            return f"non-finite gradient norm {norm}"
+        f = self.tcfg.spike_factor
+        if (
+            f > 0
+            and self.loss_ema is not None
+            and self.good_steps >= 10
+            and loss > f * self.loss_ema
+        ):
+            return f"loss spike {loss:.4f} > {f} × running mean {self.loss_ema:.4f}"
+        return None
+
+    def _time_is_up(self, mine: bool) -> bool:
+        # Every rank must stop at the same step, or the next collective hangs.
+        if self.strategy.world_size == 1 or not torch.distributed.is_initialized():
+            return mine
+        flag = torch.tensor([1.0 if mine else 0.0], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def train_step(self) -> tuple[float, float, str | None]:
+        """One optimizer step (or a skipped one); returns (loss, grad norm, skip reason)."""
+        tc = self.tcfg
+        self.current_lr = lr_at(
+            self.iteration,
+            tc.schedule,
+            tc.lr,
+            tc.min_lr,
+            tc.warmup_steps,
+            tc.max_steps,
+            tc.decay_fraction,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.current_lr
+        micro = [self.sampler.next_batch(tc.batch_size, self.device) for _ in range(tc.grad_accum)]
+        loss = self.strategy.forward_backward(micro, self.loss_fn)
+        norm = self.strategy.clip_grad_norm(tc.grad_clip if tc.grad_clip > 0 else math.inf)
+        # The one host sync of a step: loss and norm decide whether the update is applied.
+        loss_v, norm_v = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()
+        reason = self._bad_reason(loss_v, norm_v)
+        if reason is None:
+            self.optimizer.step()
+            self.bad_steps = 0
+            self.good_steps += 1
+            self.loss_ema = (
+                loss_v if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss_v
+            )
+        else:
+            self.bad_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iteration += 1
+        return loss_v, norm_v, reason
+
+    def run(self) -> dict[str, Any]:
+        """Train until ``max_steps`` or ``max_minutes``; final eval, checkpoint and plot."""
+        from tqdm import tqdm
+
+        tc, plan = self.tcfg, self.plan
+        self.current_lr = 0.0
+        loggers = None
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.run_config, self.out_dir / "config.toml")
+            if self.resumed_from is not None:
+                _truncate_metrics(self.out_dir / "metrics.jsonl", self.iteration)
+            else:  # a fresh run: nothing from an earlier attempt that never checkpointed
+                atomic_write_text(self.out_dir / "metrics.jsonl", "")
+            loggers = _Loggers(
+                self.out_dir, tc.tensorboard, tc.wandb, config_to_dict(self.run_config)
+            )
+            plan_rec = {
+                "event": "plan",
+                "step": self.iteration,
+                **{k: v for k, v in vars(plan).items()},
+            }
+            if self.resumed_from is not None:
+                plan_rec["resumed_from"] = str(self.resumed_from)
+            loggers.log(plan_rec)
+            print(
+                f"lmforge train: {plan.n_params / 1e6:.2f}M params, {plan.tokens_per_step} tokens/step, "
+                f"{plan.max_steps} steps = {plan.total_tokens / 1e6:.2f}M tokens, "
+                f"{plan.flops_per_step:.3g} FLOPs/step, device {self.device}"
+                + (f", resumed from {self.resumed_from}" if self.resumed_from else ""),
+                file=sys.stderr,
+            )
+        bar = tqdm(
+            total=tc.max_steps,
+            initial=self.iteration,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not (tc.progress and self.is_main),
+        )
+        start = time.monotonic()
+        last_t, last_it = start, self.iteration
+        last_eval: dict[str, float] = {}
+        last_loss = float("nan")
+        stopped = "max_steps"
+        try:
+            while self.iteration < tc.max_steps:
+                loss_v, norm_v, reason = self.train_step()
+                it = self.iteration
+                bar.update(1)
+                if reason is not None:
+                    if loggers:
+                        loggers.log(
+                            {
+                                "event": "skip",
+                                "step": it,
+                                "loss": loss_v,
+                                "grad_norm": norm_v,
+                                "reason": reason,
+                            }
+                        )
+                    if self.is_main:
+                        bar.write(f"step {it}: skipped ({reason})", file=sys.stderr)
+                    if self.bad_steps >= tc.max_bad_steps:
+                        latest = latest_checkpoint(self.out_dir)
+                        raise LmforgeError(
+                            f"stopped at step {it} after {self.bad_steps} consecutive bad steps "
+                            f"(last: {reason}); last good checkpoint: {latest or 'none'}"
+                        )
+                else:
+                    last_loss = loss_v
+                if it % tc.log_every == 0 or it == tc.max_steps:
+                    now = time.monotonic()
+                    dt = max(now - last_t, 1e-9)
+                    tok_s = (it - last_it) * plan.tokens_per_step / dt
+                    mfu = tok_s * plan.flops_per_token / (tc.peak_tflops * 1e12)
+                    last_t, last_it = now, it
+                    rec = {
+                        "event": "train",
+                        "step": it,
+                        "loss": loss_v,
+                        "lr": self.current_lr,
+                        "grad_norm": norm_v,
+                        "tokens": it * plan.tokens_per_step,
+                        "tokens_per_s": tok_s,
+                        "mfu": mfu,
+                        "elapsed_s": now - start,
+                    }
+                    if loggers:
+                        loggers.log(rec)
+                    bar.set_postfix(
+                        loss=f"{loss_v:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%"
+                    )
+                if tc.eval_every and it % tc.eval_every == 0 and it < tc.max_steps:
+                    last_eval = self.evaluate()
+                    if last_eval and loggers:
+                        loggers.log({"event": "eval", "step": it, **last_eval})
+                if tc.save_every and it % tc.save_every == 0 and it < tc.max_steps:
+                    self.save(last_eval.get("val_loss"))
+                if tc.max_minutes and self._time_is_up(
+                    time.monotonic() - start > 60 * tc.max_minutes
+                ):
+                    stopped = "max_minutes"
+                    break
+            bar.close()
+            final = self.evaluate()
+            if final and loggers:
+                loggers.log({"event": "eval", "step": self.iteration, **final})
+            # Saved even if a periodic save just wrote this step: the final one records val_loss.
+            ckpt = self.save(final.get("val_loss"))
+            elapsed = time.monotonic() - start
+            result: dict[str, Any] = {
+                "iteration": self.iteration,
+                "stopped": stopped,
+                "train_loss": last_loss,
+                **final,
+                "tokens": self.iteration * plan.tokens_per_step,
+                "tokens_seen": self.iteration * plan.tokens_per_step,
+                "elapsed_s": elapsed,
+                "checkpoint": str(ckpt),
+            }
+            if loggers:
+                loggers.log({"event": "final", "step": self.iteration, **result})
+                if tc.plot:
+                    plot_loss_curve(read_metrics(loggers.path), self.out_dir / "loss_curve.png")
+            return result
+        finally:
+            bar.close()
+            if loggers:
+                loggers.close()
+
+
+def train(cfg: RunConfig, runtime: Runtime | None = None) -> dict[str, Any]:
+    """Run one training job from a RunConfig; returns the final metrics (see :class:`Trainer`).
+
+    Exercised by ``lmforge train --config configs/tiny.toml`` and by ``lmforge demo``.
+    """
+    return Trainer(cfg, runtime).run()

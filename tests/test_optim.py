@@ -1,0 +1,92 @@
+"""AdamW and clip_grad_norm against their torch counterparts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.train import AdamW, clip_grad_norm
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(16, 8), (8,), (3, 4, 5), (1,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _clone(ps: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(p.detach().clone()) for p in ps]
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_adamw_matches_torch_over_1000_steps(foreach: bool) -> None:
+    ours_p = _params(0)
+    ref_p = _clone(ours_p)
+
+    def groups(ps: list[torch.nn.Parameter]) -> list[dict]:
+        # Two groups with different decay, as the trainer builds them.
+        return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    ours = AdamW(groups(ours_p), weight_decay=0.1, foreach=foreach, **kw)
+    ref = torch.optim.AdamW(groups(ref_p), weight_decay=0.1, foreach=False, **kw)
+    for step in range(1000):
+        g = torch.Generator().manual_seed(1000 + step)
+        grads = [torch.randn(p.shape, generator=g) for p in ours_p]
+        for p, q, gr in zip(ours_p, ref_p, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        if step == 500:  # schedules change lr between steps
+            for opt in (ours, ref):
+                for group in opt.param_groups:
+                    group["lr"] = 1e-3
+        ours.step()
+        ref.step()
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(
+            ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], atol=1e-6, rtol=0
+        )
+
+
+def test_adamw_skips_params_without_grad_and_state_dict_roundtrip() -> None:
+    ps = _params(1)
+    opt = AdamW(ps, lr=1e-2)
+    ps[0].grad = torch.ones_like(ps[0])
+    before = ps[1].detach().clone()
+    opt.step()
+    assert torch.equal(ps[1], before)
+    assert ps[1] not in opt.state
+    opt2 = AdamW(_clone(ps), lr=1e-2)
+    opt2.load_state_dict(opt.state_dict())
+    assert float(opt2.state_dict()["state"][0]["step"]) == 1.0
+
+
+def test_adamw_rejects_bad_hyperparameters() -> None:
+    with pytest.raises(ValueError):
+        AdamW(_params(0), lr=-1.0)
+    with pytest.raises(ValueError):
+        AdamW(_params(0), betas=(1.0, 0.9))
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+@pytest.mark.parametrize("foreach", [True, False])
+def test_clip_grad_norm_matches_torch(max_norm: float, foreach: bool) -> None:
+    ours_p, ref_p = _params(2), _params(2)
+    g = torch.Generator().manual_seed(3)
+    for p, q in zip(ours_p, ref_p):
+        gr = 3 * torch.randn(p.shape, generator=g)
+        p.grad, q.grad = gr.clone(), gr.clone()
+    ours_p[-1].grad = ref_p[-1].grad = None  # a parameter without gradient is skipped
+    n_ours = clip_grad_norm(ours_p, max_norm, foreach=foreach)
+    n_ref = torch.nn.utils.clip_grad_norm_(ref_p, max_norm)
+    torch.testing.assert_close(n_ours, n_ref)
+    for p, q in zip(ours_p[:-1], ref_p[:-1]):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_clip_grad_norm_no_grads_and_nan() -> None:
+    assert float(clip_grad_norm(_params(0), 1.0)) == 0.0
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.tensor([1.0, float("nan"), 0.0])
+    assert torch.isnan(clip_grad_norm([p], 1.0))

@@ -1,0 +1,139 @@
+"""The planner's cost model: formulas, monotonic trends, crossover shifts, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from lmforge.parallel.planner import (
+    MODELS,
+    Hardware,
+    Mix,
+    ModelSpec,
+    collective_time,
+    compute_time,
+    dp_comm_time,
+    estimate,
+    fsdp_crossover,
+    fsdp_times,
+    memory_per_gpu,
+    plan,
+    predict_step_time,
+)
+
+HW = Hardware(latency=0.0)  # pure bandwidth terms make the formulas checkable by hand
+M7 = MODELS["7b"]
+
+
+def test_memory_zero_stages_divide_the_right_terms() -> None:
+    full = memory_per_gpu(M7, Mix(dp=8), 4096, 1, 1)
+    assert full["weights"] == pytest.approx(2 * M7.total_params)
+    assert full["grads"] == pytest.approx(2 * M7.total_params)
+    assert full["optimizer"] == pytest.approx(12 * M7.total_params)
+    z1 = memory_per_gpu(M7, Mix(dp=8, zero=1), 4096, 1, 1)
+    z2 = memory_per_gpu(M7, Mix(dp=8, zero=2), 4096, 1, 1)
+    z3 = memory_per_gpu(M7, Mix(dp=8, zero=3), 4096, 1, 1)
+    assert z1["optimizer"] == pytest.approx(full["optimizer"] / 8)
+    assert z1["grads"] == full["grads"] and z2["grads"] == pytest.approx(full["grads"] / 8)
+    assert z2["weights"] == full["weights"] and z3["weights"] == pytest.approx(full["weights"] / 8)
+    rc = memory_per_gpu(M7, Mix(dp=8, recompute=True), 4096, 1, 1)
+    assert rc["activations"] == pytest.approx(2 * 4096 * 4096 * 32)
+    assert full["activations"] == pytest.approx(4096 * 4096 * 34 * 32)
+    tp = memory_per_gpu(M7, Mix(dp=1, tp=8), 4096, 1, 1)
+    assert tp["weights"] == pytest.approx(full["weights"] / 8)
+
+
+def test_compute_and_communication_formulas() -> None:
+    tokens = 1024 * 4096
+    assert compute_time(M7, tokens, 64, HW) == pytest.approx(
+        6 * M7.total_params * tokens / (64 * 989e12 * 0.45)
+    )
+    p = M7.total_params
+    # Inside one NVLink domain: a ring all-reduce sends 2·(n−1)/n of the bytes per GPU.
+    assert collective_time(p * 2, 8, HW) == pytest.approx(2 * p * 2 * 7 / 8 / 450e9)
+    # ZeRO-3 moves 3× the parameter bytes, DDP 2×: the 1.5× of the issue.
+    ddp = dp_comm_time(M7, Mix(dp=8), HW)
+    z3 = dp_comm_time(M7, Mix(dp=8, zero=3), HW)
+    assert z3 / ddp == pytest.approx(1.5)
+    # Across domains only 1/k of the bytes per GPU go over the slow links.
+    t = collective_time(1e9, 64, HW, "all_gather")
+    assert t == pytest.approx(1e9 * 7 / 8 / 450e9 + 1e9 / 8 * 7 / 8 / 50e9)
+
+
+def test_fsdp_crossover_moves_with_batch_sparsity_and_domain() -> None:
+    base = fsdp_crossover(M7, HW, 1024, 4096)
+    assert base is not None
+    c, m = fsdp_times(M7, HW, int(base), 1024, 4096)
+    assert m >= c  # communication has caught up at the crossover …
+    c, m = fsdp_times(M7, HW, int(base) - 1, 1024, 4096)
+    assert m < c  # … and not one GPU earlier
+    bigger = fsdp_crossover(M7, HW, 4096, 4096)
+    sparse = fsdp_crossover(
+        dataclasses.replace(M7, active_params=M7.total_params / 4), HW, 1024, 4096
+    )
+    tpu = fsdp_crossover(M7, dataclasses.replace(HW, domain_size=64), 1024, 4096)
+    assert bigger > base  # a larger batch moves it right
+    assert sparse < base  # sparsity moves it left
+    assert tpu > base  # bigger fast domains help
+    # Pure bandwidth model: crossover ∝ tokens per step (4× batch → ~4× GPUs).
+    assert bigger / base == pytest.approx(4, rel=0.02)
+
+
+def test_plan_finds_feasible_mixes_and_binding_constraints() -> None:
+    ests = plan(MODELS["70b"], Hardware(), 1024, 1024, 4096)
+    feasible = [e for e in ests if e.feasible]
+    assert feasible and all(e.memory_total <= 141e9 * 0.9 for e in feasible)
+    assert feasible[0].step_s == min(e.step_s for e in feasible)
+    assert all(0 < e.mfu <= 0.45 + 1e-9 for e in feasible)
+    # Plain DDP of a 70B model cannot fit 16 bytes/param on one GPU.
+    ddp = estimate(MODELS["70b"], Hardware(), Mix(dp=1024), 1024, 4096)
+    assert not ddp.feasible and ddp.binding == "memory"
+    # More data-parallel ranks than sequences: the batch floor.
+    floor = estimate(M7, Hardware(), Mix(dp=2048, zero=3), 1024, 4096)
+    assert not floor.feasible and floor.binding == "batch floor"
+    # Far past the crossover FSDP is communication-bound.
+    comm_bound = estimate(M7, Hardware(), Mix(dp=8192, zero=3), 8192, 512)
+    assert comm_bound.binding == "dp-comm"
+
+
+def test_pipeline_bubble_and_tp_cost() -> None:
+    e = estimate(M7, HW, Mix(dp=8, pp=4), 256, 4096)
+    m = 256 // 8
+    assert e.bubble == pytest.approx(3 / m)
+    assert e.step_s >= e.compute_s * (1 + 3 / m)
+    t = estimate(M7, HW, Mix(dp=8, tp=8), 256, 4096)
+    assert t.comm_s["tp"] > 0 and t.step_s > t.compute_s
+
+
+def test_predict_step_time() -> None:
+    single = predict_step_time(124e6, 16 * 1024, 1)
+    assert single == pytest.approx(6 * 124e6 * 16 * 1024 / (989e12 * 0.45))
+    two = predict_step_time(124e6, 2 * 16 * 1024, 2, "ddp")
+    assert two >= single  # same per-GPU work, plus whatever communication is not hidden
+    assert predict_step_time(124e6, 2 * 16 * 1024, 2, "fsdp") >= single
+    with pytest.raises(ValueError):
+        predict_step_time(1e9, 1e6, 2, "nope")
+    assert math.isfinite(predict_step_time(405e9, 16e6, 16384, "fsdp"))
+
+
+def test_custom_model_spec_active_defaults_to_total() -> None:
+    m = ModelSpec("x", 1e9, 10, 1024)
+    assert m.active == 1e9
+    assert dataclasses.replace(m, active_params=2e8).active == 2e8
+
+
+def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmforge.cli import main
+
+    assert main(["plan", "--model", "70b", "--gpus", "1024", "--top", "3", "--crossover"]) == 0
+    out = capsys.readouterr().out
+    assert "| mix |" in out and "best:" in out and "4× global batch" in out
+    assert main(["plan", "--model", "nope"]) == 2
+    assert "unknown --model 'nope'" in capsys.readouterr().err
+    assert (
+        main(["plan", "--params", "1e12", "--layers", "100", "--d-model", "20000", "--gpus", "8"])
+        == 0
+    )
+    assert "no feasible mix" in capsys.readouterr().out

@@ -1,0 +1,161 @@
+"""Trainer pieces: activation checkpointing, loss paths, RNG state, metrics, plotting."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.config import RunConfig
+from lmforge.model import ModelConfig, TransformerLM, load_preset
+from lmforge.train import DataConfig, TrainConfig, Trainer, apply_activation_checkpointing
+from lmforge.train.data import write_shard
+from lmforge.train.trainer import (
+    _rng_state,
+    _set_rng_state,
+    _truncate_metrics,
+    plot_loss_curve,
+    read_metrics,
+)
+from lmforge.utils.errors import LmforgeError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matmuls on a shared 2-core machine: extra intra-op threads only contend.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_activation_checkpointing_same_grads_same_names() -> None:
+    cfg = load_preset("tiny")
+    torch.manual_seed(0)
+    plain = TransformerLM(cfg)
+    torch.manual_seed(0)
+    ckpt = apply_activation_checkpointing(TransformerLM(cfg))
+    assert list(plain.state_dict()) == list(ckpt.state_dict())
+    assert type(ckpt.layers[0]).__name__ == "CheckpointedTransformerBlock"
+    idx = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    for m in (plain, ckpt):
+        m(idx).float().pow(2).mean().backward()
+    for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=n)
+
+
+def _cfg(tmp: Path, **train: object) -> RunConfig:
+    toks = np.arange(4000) % 97
+    shard = write_shard(tmp / "t.bin", toks, 512)
+    base = dict(out_dir=str(tmp / "run"), device="cpu", precision="fp32", batch_size=2)
+    base.update(train)
+    base.setdefault("context_length", 16)
+    return RunConfig(
+        model=load_preset("tiny"), train=TrainConfig(**base), data=DataConfig(train=(str(shard),))
+    )
+
+
+def test_fused_loss_path_matches_reference(tmp_path: Path) -> None:
+    pytest.importorskip("lmforge.kernels")
+    ref = Trainer(_cfg(tmp_path, loss="reference", z_loss=1e-3))
+    fused = Trainer(_cfg(tmp_path, loss="fused", z_loss=1e-3))
+    assert ref.fused is None and fused.fused is not None
+    x, y = ref.sampler.next_batch(2, "cpu")
+    a = ref.loss_fn(ref.model, x, y)
+    b = fused.loss_fn(fused.model, x, y)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    a.backward()
+    b.backward()
+    torch.testing.assert_close(
+        ref.model.lm_head.weight.grad, fused.model.lm_head.weight.grad, rtol=1e-4, atol=1e-6
+    )
+
+
+def test_fused_with_soft_cap_is_an_error(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, loss="fused")
+    capped = ModelConfig(**{**vars(cfg.model), "logit_soft_cap": 30.0})
+    with pytest.raises(LmforgeError, match="logit_soft_cap"):
+        Trainer(RunConfig(model=capped, train=cfg.train, data=cfg.data))
+
+
+def test_bf16_autocast_step_runs_on_cpu(tmp_path: Path) -> None:
+    trainer = Trainer(_cfg(tmp_path, precision="bf16", activation_checkpointing=True))
+    loss, norm, reason = trainer.train_step()
+    assert reason is None and np.isfinite(loss) and np.isfinite(norm)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+    state = next(iter(trainer.optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.float32
+
+
+def test_rng_state_roundtrip_through_json() -> None:
+    torch.manual_seed(3)
+    np.random.seed(3)
+    random.seed(3)
+    state = json.loads(json.dumps(_rng_state()))
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(9)
+    np.random.seed(9)
+    random.seed(9)
+    _set_rng_state(state)
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], expected[0])
+    assert np.array_equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+def test_truncate_metrics_drops_steps_after_checkpoint_and_torn_lines(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"event": "train", "step": s, "loss": 1.0 / s}) for s in range(1, 8)]
+    path.write_text("\n".join(lines) + '\n{"event": "tra')
+    _truncate_metrics(path, 5)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5]
+
+
+def test_plot_loss_curve(tmp_path: Path) -> None:
+    recs = [{"event": "train", "step": s, "loss": 5.0 / s} for s in range(1, 20)]
+    recs.append({"event": "eval", "step": 10, "val_loss": 0.6})
+    plot_loss_curve(recs, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_compiled_steps_match_eager(tmp_path: Path, activation_checkpointing: bool) -> None:
+    # ~90 s on 2 CPU cores (inductor compiles C++); the order AC → compile keeps parameter names.
+    eager = Trainer(_cfg(tmp_path, activation_checkpointing=activation_checkpointing))
+    comp = Trainer(_cfg(tmp_path, compile=True, activation_checkpointing=activation_checkpointing))
+    assert list(comp.model.state_dict()) == list(eager.model.state_dict())
+    for _ in range(3):
+        (la, na, _), (lb, nb, _) = eager.train_step(), comp.train_step()
+        assert la == pytest.approx(lb, rel=1e-5) and na == pytest.approx(nb, rel=1e-5)
+
+
+def test_optional_loggers_and_out_dir_guard(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(LmforgeError, match="tensorboard package"):
+            Trainer(_cfg(tmp_path, tensorboard=True, max_steps=1)).run()
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(LmforgeError, match="wandb package"):
+            Trainer(_cfg(tmp_path, wandb="proj", max_steps=1)).run()
+    Trainer(_cfg(tmp_path, max_steps=2, eval_every=0, plot=False, progress=False)).run()
+    with pytest.raises(LmforgeError, match="already holds checkpoints"):
+        Trainer(_cfg(tmp_path, resume=False))
+
+
+def test_max_minutes_stops_with_final_eval_and_checkpoint(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, max_steps=10_000, max_minutes=1e-6, eval_every=0, plot=False)
+    val = write_shard(tmp_path / "v.bin", np.arange(500) % 97, 512, num_bytes=1000)
+    cfg = RunConfig(
+        model=cfg.model, train=cfg.train, data=DataConfig(train=cfg.data.train, val=(str(val),))
+    )
+    result = Trainer(cfg).run()
+    assert result["stopped"] == "max_minutes" and result["iteration"] < 10_000
+    assert np.isfinite(result["val_loss"]) and result["val_bpb"] > 0
+    assert Path(result["checkpoint"]).name == f"step_{result['iteration']:07d}"
+    plan = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert plan["event"] == "plan" and plan["tokens_per_step"] == 2 * 16
