@@ -70,6 +70,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--results", help="append the table to this markdown file")
     p.add_argument("--real-data", metavar="DIR", help="train on token shards in DIR instead")
     p.add_argument("--minutes", type=float, default=10.0, help="real-data training time")
+    p.add_argument(
+        "--real-steps",
+        type=int,
+        default=3000,
+        help="real-data schedule length in steps (cosine decays to min_lr at this step)",
+    )
     p.add_argument("--out", default="runs/gpt2-small-real", help="real-data run folder")
     p.add_argument("--device", default="cuda")
     return p.parse_args()
@@ -325,7 +331,12 @@ def _throughput(args: argparse.Namespace) -> str:
         except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
             print(f"skipping loss={loss}: {e}", file=sys.stderr)
             continue
-        rows.append((f"lmforge (loss={loss}, own AdamW foreach)", r))
+        rows.append(
+            (
+                f"lmforge (loss={loss}, own AdamW{' compiled' if not args.no_compile else ' foreach'})",
+                r,
+            )
+        )
     peer = None
     if not args.no_peer:
         peer = _bench_peer(args, 50304)
@@ -366,12 +377,24 @@ def _real_data(args: argparse.Namespace) -> str:
     if not tr or not val:
         raise SystemExit(f"{args.real_data}: need training .bin shards and *val*.bin shards")
     cfg = load_run_config(REPO / "configs" / "gpt2-small-train.toml")
+    tok_dir = Path(args.real_data) / "tokenizer"
     cfg = dataclasses.replace(
         cfg,
+        model=dataclasses.replace(cfg.model, attention=args.attention, norm=args.norm),
         train=dataclasses.replace(
-            cfg.train, out_dir=args.out, max_minutes=args.minutes, device=args.device, resume=False
+            cfg.train,
+            out_dir=args.out,
+            max_minutes=args.minutes,
+            max_steps=args.real_steps,
+            warmup_steps=max(1, args.real_steps // 20),
+            device=args.device,
+            resume=False,
+            loss=args.loss.split(",")[0],
+            save_every=0,
         ),
-        data=dataclasses.replace(cfg.data, train=tr, val=val),
+        data=dataclasses.replace(
+            cfg.data, train=tr, val=val, tokenizer=str(tok_dir) if tok_dir.is_dir() else ""
+        ),
     )
     t0 = time.monotonic()
     res = train(cfg)

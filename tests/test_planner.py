@@ -8,10 +8,13 @@ import math
 import pytest
 
 from lmforge.parallel.planner import (
+    GPT2_SMALL_BENCH,
+    HARDWARE,
     MODELS,
     Hardware,
     Mix,
     ModelSpec,
+    calibrate,
     collective_time,
     compute_time,
     dp_comm_time,
@@ -115,6 +118,8 @@ def test_predict_step_time() -> None:
     assert predict_step_time(124e6, 2 * 16 * 1024, 2, "fsdp") >= single
     with pytest.raises(ValueError):
         predict_step_time(1e9, 1e6, 2, "nope")
+    with pytest.raises(ValueError):
+        predict_step_time(1e9, 1e6, 1, "nope")
     assert math.isfinite(predict_step_time(405e9, 16e6, 16384, "fsdp"))
 
 
@@ -137,3 +142,135 @@ def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
         == 0
     )
     assert "no feasible mix" in capsys.readouterr().out
+
+
+def _predict(hw: Hardware, strategy: str, gpus: int, tokens_per_gpu: int) -> float:
+    m = GPT2_SMALL_BENCH
+    return predict_step_time(
+        m.total_params,
+        tokens_per_gpu * gpus,
+        gpus,
+        strategy,
+        hw,
+        flops_per_token=m.flops_per_token,
+        n_units=m.n_layers + 2,
+    )
+
+
+def test_bench_model_spec_matches_accounting() -> None:
+    from lmforge.model import ModelConfig, accounting
+
+    cfg = ModelConfig(vocab_size=50304, context_length=1024, d_model=768, n_layers=12, n_heads=12)
+    assert GPT2_SMALL_BENCH.total_params == accounting.parameter_count(cfg)
+    assert GPT2_SMALL_BENCH.flops_per_token == accounting.flops_per_token(cfg, 1024)
+    # The MFU the fit implies is lmforge's own MFU of the measured throughput.
+    hw = calibrate(0.0689, GPT2_SMALL_BENCH, 32 * 1024)
+    assert hw.mfu == pytest.approx(
+        accounting.model_flops_utilization(32 * 1024 / 0.0689, cfg, 1024, 989e12)
+    )
+
+
+@pytest.mark.parametrize(("step_s", "tokens"), [(0.0814, 16 * 1024), (0.0689, 32 * 1024)])
+def test_calibrate_round_trip_single_gpu(step_s: float, tokens: int) -> None:
+    hw = calibrate(step_s, GPT2_SMALL_BENCH, tokens)
+    assert _predict(hw, "single", 1, tokens) == pytest.approx(step_s, rel=0.01)
+    # Same per-GPU work on more GPUs with no communication model: the same step.
+    assert _predict(hw, "single", 4, tokens) == pytest.approx(step_s, rel=0.01)
+    # Only the MFU moved; the interconnect stays nominal.
+    assert dataclasses.replace(hw, mfu=0.45, source=Hardware().source) == Hardware()
+    # Twice the tokens at the fitted MFU: twice the time (compute-bound, linear).
+    assert _predict(hw, "single", 1, 2 * tokens) == pytest.approx(2 * step_s, rel=1e-9)
+
+
+def test_presets_are_the_documented_fits() -> None:
+    assert HARDWARE["h200"] == Hardware()
+    eager = calibrate(0.0814, GPT2_SMALL_BENCH, 16 * 1024)
+    compiled = calibrate(0.0689, GPT2_SMALL_BENCH, 32 * 1024)
+    assert HARDWARE["h200-eager"].mfu == pytest.approx(eager.mfu, rel=1e-4)
+    assert HARDWARE["h200-compiled"].mfu == pytest.approx(compiled.mfu, rel=1e-4)
+    assert "81.4 ms" in HARDWARE["h200-eager"].source
+    assert "68.9 ms" in HARDWARE["h200-compiled"].source
+    assert _predict(HARDWARE["h200-eager"], "single", 1, 16 * 1024) == pytest.approx(
+        0.0814, rel=0.01
+    )
+    assert _predict(HARDWARE["h200-compiled"], "single", 1, 32 * 1024) == pytest.approx(
+        0.0689, rel=0.01
+    )
+
+
+@pytest.mark.parametrize("ddp_ms", [81.0, 81.9, 85.8, 120.0])
+def test_calibrate_communication_round_trip(ddp_ms: float) -> None:
+    tokens = 16 * 1024
+    hw = calibrate(0.0814, GPT2_SMALL_BENCH, tokens, ddp_step_s=ddp_ms / 1e3)
+    pred = _predict(hw, "ddp", 2, tokens)
+    # A DDP step faster than the 1-GPU compute cannot be matched (the model never beats compute):
+    # perfect overlap is the closest; otherwise the fit reproduces the DDP step.
+    assert pred == pytest.approx(max(ddp_ms, 81.4) / 1e3, rel=0.01)
+    assert _predict(hw, "single", 1, tokens) == pytest.approx(0.0814, rel=0.01)
+    assert 0.0 <= hw.comm_overlap <= 1.0
+    if ddp_ms <= 81.4:
+        assert hw.comm_overlap == 1.0 and hw.nvlink_bw == Hardware().nvlink_bw
+    elif ddp_ms < 82.0:  # a little exposed: partial overlap at nominal bandwidth
+        assert 0.0 < hw.comm_overlap < 1.0 and hw.nvlink_bw == Hardware().nvlink_bw
+    else:  # more than the whole nominal all-reduce: no overlap and a lower bandwidth
+        assert hw.comm_overlap == 0.0 and hw.nvlink_bw < Hardware().nvlink_bw
+    # The fitted hardware predicts the other strategies too, each at least the compute.
+    assert _predict(hw, "fsdp", 2, tokens) >= 0.0814 * 0.999
+    assert _predict(hw, "zero1", 2, tokens) > pred  # plus the exposed parameter broadcast
+
+
+def test_calibrate_rejects_impossible_inputs() -> None:
+    with pytest.raises(ValueError, match="of peak"):
+        calibrate(1e-6, GPT2_SMALL_BENCH, 16 * 1024)
+    with pytest.raises(ValueError):
+        calibrate(0.0, GPT2_SMALL_BENCH, 16 * 1024)
+    with pytest.raises(ValueError, match="one domain"):
+        calibrate(0.0814, GPT2_SMALL_BENCH, 16 * 1024, ddp_step_s=0.09, ddp_gpus=16)
+
+
+def test_comm_overlap_interpolates_between_max_and_sum() -> None:
+    m, tokens = GPT2_SMALL_BENCH, 16 * 1024
+    full = _predict(Hardware(mfu=0.17), "ddp", 2, tokens)
+    none = _predict(Hardware(mfu=0.17, comm_overlap=0.0), "ddp", 2, tokens)
+    compute = _predict(Hardware(mfu=0.17), "single", 1, tokens)
+    comm = collective_time(
+        m.total_params * 4, 2, Hardware(), "all_reduce", math.ceil(m.total_params * 4 / 25e6)
+    )
+    assert full == pytest.approx(max(compute, comm))
+    assert none == pytest.approx(compute + comm)
+    half = _predict(Hardware(mfu=0.17, comm_overlap=0.5), "ddp", 2, tokens)
+    assert half == pytest.approx(compute + comm / 2)
+    # estimate() applies the same rule to the overlapped DP traffic.
+    e1 = estimate(M7, HW, Mix(dp=64, zero=3), 64, 4096)
+    e0 = estimate(M7, dataclasses.replace(HW, comm_overlap=0.0), Mix(dp=64, zero=3), 64, 4096)
+    assert e0.step_s == pytest.approx(e1.compute_s + e1.comm_s["dp"])
+    assert e1.step_s == pytest.approx(max(e1.compute_s, e1.comm_s["dp"]))
+
+
+def test_plan_cli_hardware_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmforge.cli import main
+
+    assert main(["plan", "--model", "7b", "--gpus", "64", "--hardware", "h200-eager"]) == 0
+    assert "17.4%" in capsys.readouterr().out  # compute-bound at the eager MFU
+    assert main(["plan", "--hardware", "nope"]) == 2
+    assert "unknown --hardware 'nope'" in capsys.readouterr().err
+    # An explicit flag overrides the preset.
+    args = ["plan", "--model", "7b", "--gpus", "64", "--hardware", "h200-eager", "--mfu", "0.3"]
+    assert main(args) == 0
+    assert "30.0%" in capsys.readouterr().out
+
+
+def test_calibration_benchmark_table() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "planner.py"
+    spec = importlib.util.spec_from_file_location("_planner_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, table = mod.calibration_table()
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(mod.MEASURED)
+    calib = [ln for ln in lines if ln.endswith("| calibration point |")]
+    assert len(calib) == 2 and all("(+0.0%) |" in ln.split("|")[7] + "|" for ln in calib)

@@ -10,6 +10,7 @@ EPILOG = """examples:
   lmforge plan --params 13e9 --layers 40 --d-model 5120 --gpus 256 --domain-size 8
   lmforge plan --model moe-47b-a13b --gpus 512 --crossover      # where FSDP stops scaling
   lmforge plan --model 7b --gpus 64 --peak-tflops 1979 --mfu 0.4 --ib-gbps 100
+  lmforge plan --model 7b --gpus 64 --hardware h200-compiled   # MFU fitted to a measured step
 """
 
 
@@ -36,11 +37,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=4096, help="sequence length")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--domain-size", type=int, default=8, help="GPUs per NVLink domain")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s per GPU")
-    p.add_argument("--mfu", type=float, default=0.45, help="achievable fraction of peak")
-    p.add_argument("--memory-gb", type=float, default=141.0, help="memory per GPU (GB)")
-    p.add_argument("--nvlink-gbps", type=float, default=450.0, help="NVLink GB/s per GPU")
-    p.add_argument("--ib-gbps", type=float, default=50.0, help="inter-domain GB/s per GPU")
+    p.add_argument(
+        "--hardware",
+        default="h200",
+        help="preset: h200 (assumed 45%% MFU), h200-eager, h200-compiled (fitted to measured "
+        "steps); the flags below override it",
+    )
+    p.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per GPU (preset: 989)")
+    p.add_argument("--mfu", type=float, help="achievable fraction of peak (preset's)")
+    p.add_argument("--memory-gb", type=float, help="memory per GPU (GB; preset: 141)")
+    p.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU (preset: 450)")
+    p.add_argument("--ib-gbps", type=float, help="inter-domain GB/s per GPU (preset: 50)")
     p.add_argument("--top", type=int, default=15, help="rows to print")
     p.add_argument("--all", action="store_true", help="also list infeasible mixes")
     p.add_argument("--crossover", action="store_true", help="print FSDP crossover analysis")
@@ -51,8 +58,8 @@ def _handler(args: argparse.Namespace) -> int:
     import dataclasses
 
     from lmforge.parallel.planner import (
+        HARDWARE,
         MODELS,
-        Hardware,
         ModelSpec,
         format_table,
         fsdp_crossover,
@@ -77,15 +84,20 @@ def _handler(args: argparse.Namespace) -> int:
     for name in ("gpus", "global_batch", "seq", "micro_batch", "domain_size"):
         if getattr(args, name) <= 0:
             raise LmforgeError(f"--{name.replace('_', '-')} must be positive")
-    if not 0 < args.mfu <= 1:
+    if args.hardware not in HARDWARE:
+        raise LmforgeError(f"unknown --hardware '{args.hardware}' (choose {', '.join(HARDWARE)})")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
         raise LmforgeError(f"--mfu must be in (0, 1], got {args.mfu}")
-    hw = Hardware(
-        peak_flops=args.peak_tflops * 1e12,
-        mfu=args.mfu,
-        memory_bytes=args.memory_gb * 1e9,
-        nvlink_bw=args.nvlink_gbps * 1e9,
-        ib_bw=args.ib_gbps * 1e9,
-        domain_size=args.domain_size,
+    overrides = {
+        "peak_flops": None if args.peak_tflops is None else args.peak_tflops * 1e12,
+        "mfu": args.mfu,
+        "memory_bytes": None if args.memory_gb is None else args.memory_gb * 1e9,
+        "nvlink_bw": None if args.nvlink_gbps is None else args.nvlink_gbps * 1e9,
+        "ib_bw": None if args.ib_gbps is None else args.ib_gbps * 1e9,
+        "domain_size": args.domain_size,
+    }
+    hw = dataclasses.replace(
+        HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None}
     )
     ests = plan(model, hw, args.gpus, args.global_batch, args.seq, args.micro_batch)
     feasible = [e for e in ests if e.feasible]

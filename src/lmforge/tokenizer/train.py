@@ -24,11 +24,14 @@ from pathlib import Path
 from lmforge.tokenizer._pretokenize import count_pretokens, default_workers
 from lmforge.utils.errors import LmforgeError
 
+_COMPLEMENT = bytes(range(255, -1, -1))  # byte x → 255 - x
 
-def _desc_key(token: bytes) -> tuple[int, ...]:
+
+def _desc_key(token: bytes) -> str:
     # Ascending order of this key is descending lexicographic order of the bytes: complemented
     # bytes, and a terminator above every byte so a proper prefix sorts after its extensions.
-    return (*(255 - x for x in token), 256)
+    # A str (one character per byte) is built and compared in C, unlike a tuple of ints.
+    return token.translate(_COMPLEMENT).decode("latin-1") + "\u0100"
 
 
 def check_special_tokens(special_tokens: Sequence[str] | None) -> list[str]:
@@ -69,7 +72,7 @@ def merge_words(
     # A word is a str with one character per token (chr(id)), so finding and replacing a pair
     # are single C-level str.find / str.replace calls; a pair is the 2-character string "ab".
     tokens: list[bytes] = [bytes([i]) for i in range(256)]
-    keys: list[tuple[int, ...]] = [_desc_key(t) for t in tokens]
+    keys: list[str] = [_desc_key(t) for t in tokens]
     words: list[str] = []
     counts: list[int] = []
     for w, c in word_counts.items():

@@ -280,10 +280,14 @@ class Trainer:
             apply_activation_checkpointing(model)
         self._ce: Callable[..., torch.Tensor] = cross_entropy
         self._hidden = model.forward_hidden
+        self._model_loss: Callable[..., torch.Tensor] | None = None
         if tc.compile:
             model.compile()
             self._ce = torch.compile(cross_entropy)
             self._hidden = torch.compile(model.forward_hidden)
+            # Forward and loss in one graph: the (B, T, V) logits and their fp32 upcast stay inside
+            # it (fused by the compiler) instead of being materialised between two graphs.
+            self._model_loss = torch.compile(_model_loss)
         self.fused = self._pick_fused_loss()
         self.strategy = self._build_strategy(model)
         self.is_main = self.strategy.is_main
@@ -294,6 +298,8 @@ class Trainer:
                 betas=(tc.beta1, tc.beta2),
                 eps=tc.eps,
                 weight_decay=tc.weight_decay,
+                # With compile on a GPU the update is compiled too (one fused kernel a tensor).
+                compiled=tc.compile and self.device_type == "cuda",
             )
         )
         # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
@@ -402,6 +408,8 @@ class Trainer:
                     ignore_index=-100,
                     z_loss=self.tcfg.z_loss,
                 )
+            if self._model_loss is not None and self.strategy.world_size == 1:
+                return self._model_loss(model, x, y, self.tcfg.z_loss)
             logits = model(x)  # (B, T, V)
             return self._ce(logits, y, z_loss=self.tcfg.z_loss)
 
@@ -733,6 +741,11 @@ class Trainer:
             bar.close()
             if loggers:
                 loggers.close()
+
+
+def _model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """Mean cross-entropy of ``model(x)`` against ``y``; compiled as one graph by the trainer."""
+    return cross_entropy(model(x), y, z_loss=z_loss)  # logits (B, T, V) never leave the graph
 
 
 def train(cfg: RunConfig, runtime: Runtime | None = None) -> dict[str, Any]:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of lmforge, in the parts one lease can hold (≤ 10 min each).
+# Run from the repository root on a CUDA machine:  bash benchmarks/h200_session.sh PART
+#   PART = kernels  : GPU tests (-m gpu) + benchmarks/kernels.py
+#          train    : benchmarks/train.py (throughput vs a nanoGPT-style peer)
+#          parallel : benchmarks/parallel.py on 1 and 2 GPUs (torchrun)
+#          realdata : a timed GPT-2-small run on token shards in .carry/gutenberg + bench model
+# Logs and result tables go to $OUT (default: runs/h200); RESULTS-*.md there are appended to
+# benchmarks/RESULTS.md by hand after review.
+set -u
+OUT="${OUT:-runs/h200}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0), 'gpus', torch.cuda.device_count())" | tee "$OUT/env.txt"
+case "${1:-kernels}" in
+    kernels)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+        timeout 330 python3 benchmarks/kernels.py --results "$OUT/RESULTS-kernels.md" 2>&1 | tee "$OUT/kernels.log"
+        ;;
+    train)
+        timeout 300 python3 benchmarks/train.py --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log"
+        timeout 270 python3 benchmarks/train.py --real-data .carry/gutenberg --minutes 3.3 --real-steps 2500 \
+            --attention sdpa --norm reference --loss reference --out "$OUT/gutenberg" \
+            --results "$OUT/RESULTS-realdata.md" 2>&1 | tee "$OUT/realdata.log" | grep -v "it/s\]$" | tail -40
+        cp "$OUT"/gutenberg/loss_curve.png "$OUT/" 2>/dev/null
+        cp "$OUT"/gutenberg/metrics.jsonl "$OUT/realdata-metrics.jsonl" 2>/dev/null
+        rm -rf "$OUT/gutenberg"
+        ;;
+    parallel)
+        timeout 170 torchrun --nproc_per_node 1 benchmarks/parallel.py --results "$OUT/RESULTS-parallel1.md" 2>&1 | tee "$OUT/parallel1.log"
+        timeout 300 torchrun --nproc_per_node 2 benchmarks/parallel.py --results "$OUT/RESULTS-parallel2.md" 2>&1 | tee "$OUT/parallel2.log"
+        ;;
+    realdata)
+        timeout 400 python3 benchmarks/train.py --real-data .carry/gutenberg --minutes 5 --out "$OUT/gutenberg" --results "$OUT/RESULTS-realdata.md" 2>&1 | tee "$OUT/realdata.log"
+        cp "$OUT"/gutenberg/loss_curve.png "$OUT/" 2>/dev/null
+        timeout 150 python3 -m lmforge bench model --preset gpt2-small 2>&1 | tee "$OUT/bench-model.log"
+        ;;
+    *) echo "unknown part $1"; exit 2 ;;
+esac
