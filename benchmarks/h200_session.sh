@@ -4,6 +4,7 @@
 #   PART = kernels  : GPU tests (-m gpu) + benchmarks/kernels.py
 #          train    : benchmarks/train.py (throughput vs a nanoGPT-style peer)
 #          parallel : benchmarks/parallel.py on 1 and 2 GPUs (torchrun)
+#          round2   : GPU tests of train/RMSNorm/CE, train.py (sdpa and flash+triton+fused), RMSNorm/CE kernels
 #          realdata : a timed GPT-2-small run on token shards in .carry/gutenberg + bench model
 # Logs and result tables go to $OUT (default: runs/h200); RESULTS-*.md there are appended to
 # benchmarks/RESULTS.md by hand after review.
@@ -33,6 +34,14 @@ case "${1:-kernels}" in
     parallel)
         timeout 170 torchrun --nproc_per_node 1 benchmarks/parallel.py --results "$OUT/RESULTS-parallel1.md" 2>&1 | tee "$OUT/parallel1.log"
         timeout 300 torchrun --nproc_per_node 2 benchmarks/parallel.py --results "$OUT/RESULTS-parallel2.md" 2>&1 | tee "$OUT/parallel2.log"
+        ;;
+    round2)
+        timeout 140 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            tests/test_kernels_gpu.py -k "rms or entropy or train" 2>&1 | tee "$OUT/gpu-tests2.log" | tail -8
+        timeout 260 python3 benchmarks/train.py --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | tail -12
+        timeout 100 python3 benchmarks/train.py --attention flash --norm triton --loss fused --no-peer \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-fused.log" | tail -8
+        timeout 90 python3 benchmarks/kernels.py --only rmsnorm,ce --results "$OUT/RESULTS-kernels.md" 2>&1 | tee "$OUT/kernels.log" | tail -30
         ;;
     realdata)
         timeout 400 python3 benchmarks/train.py --real-data .carry/gutenberg --minutes 5 --out "$OUT/gutenberg" --results "$OUT/RESULTS-realdata.md" 2>&1 | tee "$OUT/realdata.log"

@@ -25,8 +25,10 @@ POINTERS = {"Q", "K", "V", "Out", "L", "DO", "Dl", "DK", "DV", "DQ", "X", "W", "
 
 
 def _compile(
-    jitfn, dtype: str, constexprs: dict, warps: int, stages: int, ptr_types: dict, ints=()
-):
+    jitfn, dtype: str, constexprs: dict, warps: int, stages: int, ptr_types: dict, ints=(),
+    div16=(),
+):  # fmt: skip
+    # div16: integer arguments Triton specialises as divisible by 16 at run time (e.g. D, V)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -42,7 +44,7 @@ def _compile(
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-            if name.startswith("stride"):
+            if name.startswith("stride") or name in div16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(jitfn, signature, constexprs, attrs)
     options = {"num_warps": warps, "num_stages": stages}
@@ -71,22 +73,29 @@ def test_norm_loss_and_elementwise_kernels_compile_for_sm90() -> None:
     from lmforge.kernels import _rms_norm_triton as rn
 
     for d in (768, 4096, 16384):
-        block_d, rows, warps = rn._tile(d)
-        for kernel in (rn._rms_fwd, rn._rms_bwd):
+        for kernel, bwd in ((rn._rms_fwd, False), (rn._rms_bwd, True)):
+            block_d, rows, warps = rn._tile(d, backward=bwd)
             compiled = _compile(kernel, "bf16", {"BLOCK_D": block_d, "ROWS": rows}, warps, 1,
-                                {"RSTD": "*fp32", "DWP": "*fp32"})  # fmt: skip
+                                {"RSTD": "*fp32", "DWP": "*fp32"}, div16=("D",))  # fmt: skip
             assert compiled.metadata.shared <= SMEM_LIMIT
+            # D specialised as a multiple of 16 → 16-byte row accesses, not 2-byte ones.
+            assert "ld.global.v4" in compiled.asm["ptx"], "rms_norm loads should vectorise"
+            assert "st.global.v4" in compiled.asm["ptx"], "rms_norm stores should vectorise"
     ptrs = {"T": "*i64", "SCALE": "*fp32", "LOSS": "*fp32"}
     for grad in (True, False):
         # V is the vocabulary size (an int) in the cross-entropy kernel
         compiled = _compile(ce._ce_row, "bf16", {"COMPUTE_GRAD": grad, "BLOCK_V": 8192}, 16, 1,
-                            ptrs, ints=("V",))  # fmt: skip
+                            ptrs, ints=("V",), div16=("V",))  # fmt: skip
         assert compiled.metadata.shared <= SMEM_LIMIT
+        assert "ld.global.v4" in compiled.asm["ptx"], "cross-entropy row loads should vectorise"
     from lmforge.kernels import _elementwise_triton as ew
 
     for kernel in (ew._swiglu_fwd, ew._swiglu_bwd):
-        compiled = _compile(kernel, "bf16", {"BLOCK": ew._BLOCK}, 8, 1, {"A": "*bf16"})
+        compiled = _compile(kernel, "bf16", {"BLOCK": ew._BLOCK}, 8, 1, {"A": "*bf16"},
+                            div16=("n",))  # fmt: skip
         assert compiled.metadata.shared <= SMEM_LIMIT
+        assert "ld.global.v4" in compiled.asm["ptx"], "swiglu loads should vectorise"
     consts = {"SIGN": 1.0, "ROWS": 32, "BLOCK_H": 64}
-    compiled = _compile(ew._rope, "bf16", consts, 4, 1, {"C": "*fp32", "S": "*fp32"}, ints=("T",))
+    compiled = _compile(ew._rope, "bf16", consts, 4, 1, {"C": "*fp32", "S": "*fp32"}, ints=("T",),
+                        div16=("HALF",))  # fmt: skip
     assert compiled.metadata.shared <= SMEM_LIMIT

@@ -88,7 +88,10 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return flash_attention(q, k, v, causal, backend="triton")
 
 
-def _liger_rms_norm(d: int, weight: torch.Tensor, eps: float) -> Callable | None:
+def _liger_rms_norm(
+    d: int, weight: torch.Tensor, eps: float
+) -> tuple[Callable, torch.Tensor] | None:
+    # (forward, its weight parameter): the f+b timing differentiates w.r.t. the weight too.
     try:
         from liger_kernel.transformers.rms_norm import LigerRMSNorm
     except ImportError:
@@ -96,7 +99,7 @@ def _liger_rms_norm(d: int, weight: torch.Tensor, eps: float) -> Callable | None
     module = LigerRMSNorm(d, eps=eps).to(device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         module.weight.copy_(weight)
-    return lambda x: module(x)
+    return (lambda x: module(x)), module.weight
 
 
 def _liger_ce() -> Callable | None:
@@ -347,17 +350,19 @@ def bench_rms_norm(
         fwd_bytes = 2 * (2 * n * d + d)
         fb_bytes = fwd_bytes + 2 * (3 * n * d + 2 * d)
         liger = _liger_rms_norm(d, w.detach(), eps)
-        impls: list[tuple[Callable | None, tuple]] = [
-            (rms_norm, (x, w, eps)),
-            (F.rms_norm, (x, (d,), w, eps)),
-            (liger, (x,)),
+        # f+b differentiates w.r.t. x AND the weight for every implementation (the byte count
+        # includes dw; a peer asked only for dx could skip its weight-gradient reduction).
+        impls: list[tuple[Callable | None, tuple, tuple]] = [
+            (rms_norm, (x, w, eps), (x, w)),
+            (F.rms_norm, (x, (d,), w, eps), (x, w)),
+            (None, (), ()) if liger is None else (liger[0], (x,), (x, liger[1])),
         ]
         row: list[object] = [f"{n}×{d}"]
-        for fn, args in impls:
+        for fn, args, wrt in impls:
             if fn is None:
                 row += ["-", "-"]
                 continue
-            t_f, t_fb = _fwd_and_fwd_bwd(fn, args, (x,), dy, iters, 5, device)
+            t_f, t_fb = _fwd_and_fwd_bwd(fn, args, wrt, dy, iters, 5, device)
             row += [_rate(fwd_bytes, t_f), _rate(fb_bytes, t_fb)]
         row.append(copy_gbs)
         rows.append(row)

@@ -109,15 +109,19 @@ def _chunk_(
     z_loss: float,
     compute_grad: bool,
     use_triton: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    loss_out: torch.Tensor,
+) -> torch.Tensor:
+    # Writes the chunk's loss rows into loss_out (n,); returns the (scaled) logit gradient.
     if use_triton:
         from lmforge.kernels import _cross_entropy_triton
 
-        loss = _cross_entropy_triton.loss_and_grad_(
-            logits, targets, scale, ignore_index, z_loss, compute_grad
+        _cross_entropy_triton.loss_and_grad_(
+            logits, targets, scale, ignore_index, z_loss, compute_grad, loss_out
         )
-        return loss, logits  # the gradient overwrote the logits
-    return _torch_chunk_(logits, targets, scale, ignore_index, z_loss, compute_grad)
+        return logits  # the gradient overwrote the logits
+    loss, grad = _torch_chunk_(logits, targets, scale, ignore_index, z_loss, compute_grad)
+    loss_out.copy_(loss)
+    return grad
 
 
 def _accumulate(
@@ -144,10 +148,10 @@ def _accumulate(
         r1 = min(n, r0 + chunk)
         h = hidden[r0:r1]  # (n, D)
         logits = h @ w.T  # (n, V): the only logits alive at any time
-        loss_c, g = _chunk_(
-            logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton
-        )
-        loss[r0:r1] = loss_c
+        g = _chunk_(
+            logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton,
+            loss[r0:r1],
+        )  # fmt: skip
         if dh is not None:
             torch.mm(g, w, out=dh[r0:r1])  # (n, D)
         if dw is not None:
@@ -179,9 +183,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         ctx, hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton, needs_grad
     ):
         valid = targets != ignore_index
-        n_valid = int(valid.sum())  # one host sync: the mean's divisor
         v = weight.shape[0]
-        if n_valid and bool((((targets < 0) | (targets >= v)) & valid).any()):
+        bad = ((targets < 0) | (targets >= v)) & valid
+        # One host sync for both: the mean's divisor and the range check.
+        n_valid, n_bad = (int(c) for c in torch.stack((valid.sum(), bad.sum())).tolist())
+        del valid, bad  # (N,) temporaries: not alive during the chunk loop
+        if n_bad:
             raise KernelUnsupportedError(
                 f"fused_linear_cross_entropy: targets must lie in [0, {v}) or equal "
                 f"ignore_index={ignore_index}"
@@ -190,7 +197,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         eager = needs_grad and reduction != "none"
         divisor = max(n_valid, 1) if reduction == "mean" else 1
         acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        row_scale = torch.full((hidden.shape[0],), 1.0 / divisor, dtype=acc_t, device=hidden.device)
+        # One scale for every row, expanded (stride 0) rather than an (N,) buffer.
+        row_scale = torch.full((1,), 1.0 / divisor, dtype=acc_t, device=hidden.device)
+        row_scale = row_scale.expand(hidden.shape[0])
         want_dh = eager and ctx.needs_input_grad[0]
         want_dw = eager and ctx.needs_input_grad[1]
         loss, dh, dw = _accumulate(
