@@ -194,3 +194,32 @@ def test_gutenberg_exports_agree(shared_data: Path, tmp_path: Path) -> None:
     hf = HFTokenizer.from_file(str(save_hf_tokenizer_json(tok, tmp_path / "tokenizer.json")))
     assert hf.encode(held, add_special_tokens=False).ids == ids
     assert tok.decode(ids) == held
+
+
+def test_cli_train_accepts_jsonl_and_parquet(tmp_path: Path) -> None:
+    """`tokenizer train` takes .jsonl.gz and .parquet like every data argument; documents are
+    joined by the special token, so the trained vocabulary has it and no merge spans two docs."""
+    import gzip
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from lmforge.cli import main
+    from lmforge.tokenizer import Tokenizer
+
+    docs = [f"document number {i} talks about tokenizers and merges" for i in range(200)]
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"body": d}) + "\n" for d in docs[:100])
+    pq.write_table(pa.table({"body": docs[100:]}), tmp_path / "b.parquet")
+    out = tmp_path / "tok"
+    rc = main(
+        ["tokenizer", "train", "--input", str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.parquet"),
+         "--text-key", "body", "--vocab-size", "300", "--out", str(out), "--holdout-files", "0"]
+    )  # fmt: skip
+    assert rc == 0
+    tok = Tokenizer.load(out)
+    assert tok.vocab_size == 300 and tok.eot_id is not None
+    text = "document number 7 talks about tokenizers"
+    assert tok.decode(tok.encode(text)) == text
+    assert len(tok.encode(text)) < len(text.encode())  # merges were learned from the records

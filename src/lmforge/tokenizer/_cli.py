@@ -40,7 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=TRAIN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files/folders/globs")
+    t.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="files/folders/globs of .txt/.py/.md, .jsonl[.gz|.zst] or .parquet",
+    )
+    t.add_argument("--text-key", default="text", help="JSONL/Parquet text field (default text)")
     t.add_argument("--vocab-size", type=int, required=True, help="256 bytes + merges + specials")
     t.add_argument(
         "--special-token",
@@ -99,22 +106,48 @@ def _peak_rss_mb() -> tuple[float, float]:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from lmforge.utils.corpus import expand_inputs
+
+    specials = args.special_tokens if args.special_tokens is not None else ["<|endoftext|>"]
+    files = expand_inputs(args.input)
+    with tempfile.TemporaryDirectory(prefix="lmforge-tok-") as tmp:
+        files = _as_plain_text(files, specials, Path(tmp), args.text_key)
+        return _train_files(args, files, specials)
+
+
+def _as_plain_text(files: list[Path], specials: list[str], tmp: Path, text_key: str) -> list[Path]:
+    """Plain files pass through; each JSONL/Parquet file is streamed into a temporary .txt whose
+    documents are joined by the first special token, so no merge crosses a document boundary."""
+    from lmforge.utils.corpus import iter_texts
+
+    sep = specials[0] if specials else "\n\n"
+    out: list[Path] = []
+    for i, f in enumerate(files):
+        name = f.name.lower()
+        if not (".jsonl" in name or name.endswith((".json.gz", ".json.zst", ".parquet"))):
+            out.append(f)
+            continue
+        dest = tmp / f"{i:05d}-{f.stem}.txt"
+        with open(dest, "w", encoding="utf-8") as w:
+            for j, text in enumerate(iter_texts(f, text_key=text_key)):
+                if j:
+                    w.write(sep)
+                w.write(text)
+        out.append(dest)
+    return out
+
+
+def _train_files(args: argparse.Namespace, files: list[Path], specials: list[str]) -> int:
     import time
 
     from lmforge.tokenizer.export import save_hf_tokenizer_json
     from lmforge.tokenizer.tokenizer import Tokenizer
     from lmforge.tokenizer.train import train_bpe
-    from lmforge.utils.corpus import expand_inputs, iter_texts
+    from lmforge.utils.corpus import iter_texts
     from lmforge.utils.errors import LmforgeError
 
-    specials = args.special_tokens if args.special_tokens is not None else ["<|endoftext|>"]
-    files = expand_inputs(args.input, suffixes=(".txt", ".py", ".md"))
-    for f in files:
-        if f.suffix.lower() not in (".txt", ".py", ".md"):
-            raise LmforgeError(
-                f"{f}: training reads plain text files (.txt/.py/.md); extract JSONL/Parquet "
-                "text to .txt first"
-            )
     held: list[Path] = []
     if len(files) > 1 and args.holdout_files > 0:
         # Every k-th file, deterministic, so the held-out text is spread over the corpus.

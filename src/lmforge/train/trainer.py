@@ -661,6 +661,12 @@ class Trainer:
                 loss_v, norm_v, reason = self.train_step()
                 it = self.iteration
                 bar.update(1)
+                if tc.max_minutes and it - bar.initial == 20:
+                    # A time-limited run: size the bar (and its ETA) to the steps the budget allows.
+                    per_step = (time.monotonic() - start) / 20
+                    budget = int(60 * tc.max_minutes / max(per_step, 1e-9))
+                    bar.total = min(tc.max_steps, bar.initial + budget)
+                    bar.refresh()
                 if reason is not None:
                     if loggers:
                         loggers.log(
