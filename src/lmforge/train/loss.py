@@ -30,8 +30,9 @@ def cross_entropy(
     t = targets.reshape(-1)  # (N,)
     valid = t != ignore_index  # (N,)
     safe_t = torch.where(valid, t, torch.zeros_like(t))
-    m = z.amax(dim=-1, keepdim=True).detach()  # (N, 1); shift only, the gradient is unchanged
-    lse = (z - m).exp().sum(dim=-1).log() + m.squeeze(-1)  # (N,)
+    # torch.logsumexp subtracts the row max internally (finite for ×1000 logits) and its backward
+    # recomputes exp(z − lse) from z, so no (N, V) fp32 exp tensor is kept for backward.
+    lse = torch.logsumexp(z, dim=-1)  # (N,)
     picked = z.gather(1, safe_t.unsqueeze(1)).squeeze(1)  # (N,)
     per_token = lse - picked
     if z_loss:
