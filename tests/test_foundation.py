@@ -154,3 +154,37 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path: Path) -> None:
         raise RuntimeError("crash mid-write")
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_cli_and_config_import_without_torch() -> None:
+    """`lmforge --help` and config loading stay light: no stage imports torch at import time."""
+    code = (
+        "import sys, lmforge.cli as c, lmforge.config as k; c.build_parser(); "
+        "k.load_run_config(None); print('torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "package",
+    [
+        "utils",
+        "tokenizer",
+        "data",
+        "model",
+        "kernels",
+        "train",
+        "parallel",
+        "generate",
+        "eval",
+        "hf",
+    ],
+)
+def test_public_api_names_resolve(package: str) -> None:
+    """Every name a package lists in __all__ (lazily exported or not) can be imported."""
+    import importlib
+
+    mod = importlib.import_module(f"lmforge.{package}")
+    missing = [n for n in mod.__all__ if getattr(mod, n, None) is None]
+    assert not missing, f"lmforge.{package} lists but cannot provide: {missing}"

@@ -7,6 +7,20 @@ and roofline numbers. Modules load lazily (``from lmforge.bench import kernels``
 the package costs nothing.
 """
 
-from lmforge.bench.timing import markdown_table, peak_extra_bytes, time_ms
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lmforge.utils.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from lmforge.bench.timing import markdown_table, peak_extra_bytes, time_ms
 
 __all__ = ["markdown_table", "peak_extra_bytes", "time_ms"]
+
+_EXPORTS = {
+    "markdown_table": "timing",
+    "peak_extra_bytes": "timing",
+    "time_ms": "timing",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

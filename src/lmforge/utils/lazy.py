@@ -17,6 +17,8 @@ def lazy_exports(
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Return ``(__getattr__, __dir__)`` for ``package`` given ``{name: submodule}``.
 
+    Submodules are named relative to ``package`` (``"layers"``) or in full
+    (``"lmforge.model.layers"``).
     A submodule value equal to the name itself (``{"accounting": "accounting"}``) exports the
     submodule.
     """
@@ -26,7 +28,8 @@ def lazy_exports(
             sub = exports[name]
         except KeyError:
             raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
-        module = importlib.import_module(f"{package}.{sub}")
+        full = sub if sub.startswith(f"{package}.") else f"{package}.{sub}"
+        module = importlib.import_module(full)
         value = module if sub == name else getattr(module, name)
         globals_ = importlib.import_module(package).__dict__
         globals_[name] = value  # cache: later lookups skip __getattr__
