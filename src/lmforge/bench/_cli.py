@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=MODEL_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_args(m)
+    add_model_args(m)
     m.set_defaults(func=_model)
 
 
@@ -69,7 +69,8 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", metavar="FILE", help="append the tables to this markdown file")
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model benchmark's flags (kept here so ``--help`` needs no torch)."""
     p.add_argument("--preset", required=True, help="model preset name (configs/NAME.toml) or path")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq", type=int, default=None, help="sequence length (default ≤ 1024)")

@@ -221,18 +221,10 @@ def format_result(r: ModelBenchResult) -> str:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Arguments of the model benchmark (shared by the CLI)."""
+    from lmforge.bench._cli import add_model_args  # one declaration, shared with `lmforge bench`
+
     p = parser or argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", required=True, help="model preset name (configs/NAME.toml) or path")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default ≤ 1024)")
-    p.add_argument("--steps", type=int, default=10, help="timed calls per measurement")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--attention", choices=["reference", "sdpa", "flash", "auto"], default=None)
-    p.add_argument("--norm", choices=["reference", "triton", "auto"], default=None)
-    p.add_argument("--loss", choices=["reference", "fused"], default="reference")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU")
-    p.add_argument("--no-profile", action="store_true")
+    add_model_args(p)
     return p
 
 
