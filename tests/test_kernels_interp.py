@@ -160,6 +160,33 @@ else:
         for name, a, b in zip(("dh", "dW"), got, want):
             _close(a, b, dtype, name)
 
+    def test_rms_norm_writes_the_autocast_dtype_directly() -> None:
+        # out_dtype=bf16 on fp32 input: y is the fp32 result in bf16; dx stays fp32 and
+        # takes a bf16 upstream gradient; the model's triton norm does this under autocast.
+        gen = torch.Generator().manual_seed(12)
+        x = torch.randn(37, 40, generator=gen)
+        w = torch.rand(40, generator=gen) + 0.5
+        dy = torch.randn(37, 40, generator=gen).bfloat16()
+        xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = rms_norm(xt, wt, 1e-5, out_dtype=torch.bfloat16)
+        assert y.dtype == torch.bfloat16
+        want = rms_norm_reference(x.double(), w.double(), 1e-5)
+        # One bf16 rounding (the interpreter may truncate where the GPU rounds to nearest).
+        torch.testing.assert_close(y.double(), want, atol=1e-2, rtol=8e-3)
+        dx, dw = torch.autograd.grad(y, (xt, wt), dy)
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        rdx, rdw = torch.autograd.grad(rms_norm_reference(xr, wr, 1e-5), (xr, wr), dy.double())
+        assert dx.dtype == torch.float32
+        torch.testing.assert_close(dx.double(), rdx, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dw.double(), rdw, atol=1e-4, rtol=1e-5)
+        from lmforge.model import ModelConfig
+        from lmforge.model.transformer import _Norm
+
+        norm = _Norm(40, 1e-5, "triton")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert norm(x).dtype == torch.bfloat16
+        assert norm(x).dtype == torch.float32 and ModelConfig  # outside autocast: x's dtype
+
     def test_bench_kernels_code_paths_run_on_cpu() -> None:
         # The GPU benchmark's check and timing code, on CPU through the interpreter with tiny
         # shapes: proves the code paths run (peers without a CPU build report "n/a").

@@ -12,15 +12,19 @@ import torch
 def time_ms(
     fn: Callable[[], object], warmup: int = 3, iters: int = 10, device: str = "cuda"
 ) -> float:
-    """Median wall time of ``fn()`` in milliseconds after ``warmup`` untimed calls.
+    """Median time of ``fn()`` in milliseconds after ``warmup`` untimed calls.
 
-    On CUDA each call is bracketed by CUDA events (device time, no host sync inside the loop);
-    on CPU by ``time.perf_counter``. Simplification: no L2 flush between calls — the benchmarked
-    tensors are far larger than the 50-60 MB L2 of an H100/H200.
+    On CUDA each call is bracketed by CUDA events and the calls are queued behind a GPU sleep as
+    long as the warmup says they take (at most 200 ms): the host has enqueued them all before
+    the GPU starts, so what is timed is the GPU's work, not the host's launch overhead — the
+    situation of a training step, where the host runs ahead of the GPU. Every implementation
+    compared in one table is timed the same way. On CPU: ``time.perf_counter``.
+    Simplification: no L2 flush between calls — the benchmarked tensors are far larger than the
+    50-60 MB L2 of an H100/H200.
     """
-    for _ in range(warmup):
-        fn()
     if device != "cuda":
+        for _ in range(warmup):
+            fn()
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
@@ -28,14 +32,37 @@ def time_ms(
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        fn()
+    torch.cuda.synchronize()
+    per_call_ms = (time.perf_counter() - t0) * 1e3 / max(1, warmup)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    sleep_ms = min(200.0, 1.2 * per_call_ms * iters + 0.2)
+    torch.cuda._sleep(int(sleep_ms * _cycles_per_ms()))
     for s, e in zip(starts, ends):
         s.record()
         fn()
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+_CYCLES_PER_MS: list[float] = []
+
+
+def _cycles_per_ms() -> float:
+    """GPU clock cycles per millisecond of ``torch.cuda._sleep`` (measured once)."""
+    if not _CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # load the kernel before timing it
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        torch.cuda.synchronize()
+        _CYCLES_PER_MS.append(10_000_000 / max(start.elapsed_time(end), 1e-3))
+    return _CYCLES_PER_MS[0]
 
 
 def peak_extra_bytes(fn: Callable[[], object]) -> int:

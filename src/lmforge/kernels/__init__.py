@@ -6,6 +6,8 @@ Each op has a Triton fast path (GPU, or CPU under ``TRITON_INTERPRET=1``) and a 
 reference. Importing this package never imports Triton; the Triton modules load on first use, and
 inputs a kernel cannot handle raise :class:`KernelUnsupportedError` (a ``ValueError``) naming the
 constraint, so callers can fall back (the model's ``auto`` backends use ``flash_supported``).
+The Triton paths run as torch custom ops (``torch.ops.lmforge.*``, registered by ``_ops`` on
+import), so ``torch.compile(fullgraph=True)`` traces a model that uses them in one graph.
 """
 
 from lmforge.kernels._common import KernelUnsupportedError, triton_available

@@ -20,12 +20,24 @@ class KernelUnsupportedError(ValueError):
 
 
 @functools.cache
-def triton_available() -> bool:
-    """Whether ``import triton`` would succeed (checked without importing it)."""
+def _find_triton() -> bool:
     try:
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):
         return False
+
+
+def triton_available() -> bool:
+    """Whether ``import triton`` would succeed (checked once, without importing it).
+
+    While torch.compile traces it answers True without looking: Dynamo cannot trace importlib
+    (torch < 2.13 graph-breaks on ``find_spec``), and the case it would catch — CUDA, no Triton —
+    cannot compile anyway (Inductor generates Triton for CUDA); off CUDA the device check that
+    follows it in :func:`check_triton_tensors` still refuses.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    return _find_triton()
 
 
 def interpreting() -> bool:

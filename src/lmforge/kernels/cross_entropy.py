@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from lmforge.kernels import _ops
 from lmforge.kernels._common import (
     KernelUnsupportedError,
     autocast_dtype,
@@ -163,85 +164,132 @@ def _accumulate(
     return loss, dh, dw
 
 
+def _fused_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    reduction: str,
+    chunk: int,
+    use_triton: bool,
+    want_dh: bool,
+    want_dw: bool,
+    check_targets: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Body of the custom op ``lmforge::linear_ce_fwd``: (loss, dh, dW), dh/dW empty (0,) when
+    not wanted; "none" returns per-row losses and never computes gradients here.
+
+    ``check_targets`` validates the targets (one host sync, which also gives the mean's
+    divisor); without it the divisor stays on the device and nothing waits for the GPU.
+    chunk = 0 picks :func:`default_chunk_rows`. Autocast is off inside: the caller already cast,
+    and the chunk matmuls must run in exactly these dtypes.
+    """
+    with torch.autocast(hidden.device.type, enabled=False):
+        hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+        n, v = hidden.shape[0], weight.shape[0]
+        acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        valid = targets != ignore_index
+        divisor: float | torch.Tensor
+        if check_targets:
+            bad = ((targets < 0) | (targets >= v)) & valid
+            # One host sync for both: the mean's divisor and the range check.
+            n_valid, n_bad = (int(c) for c in torch.stack((valid.sum(), bad.sum())).tolist())
+            del bad
+            if n_bad:
+                raise KernelUnsupportedError(
+                    f"fused_linear_cross_entropy: targets must lie in [0, {v}) or equal "
+                    f"ignore_index={ignore_index}"
+                )
+            divisor = max(n_valid, 1) if reduction == "mean" else 1
+            scale = torch.full((1,), 1.0 / divisor, dtype=acc_t, device=hidden.device)
+        elif reduction == "mean":
+            divisor = valid.sum().clamp(min=1).to(acc_t).reshape(1)  # stays on the device
+            scale = 1.0 / divisor
+        else:
+            divisor = 1
+            scale = torch.ones(1, dtype=acc_t, device=hidden.device)
+        del valid  # (N,) temporary: not alive during the chunk loop
+        eager = reduction != "none"
+        # One scale for every row, expanded (stride 0) rather than an (N,) buffer.
+        row_scale = scale.expand(n)
+        chunk = chunk or default_chunk_rows(n, hidden.shape[1], v)
+        loss, dh, dw = _accumulate(
+            hidden, weight, targets, row_scale, ignore_index, z_loss, chunk, use_triton,
+            eager and want_dh, eager and want_dw,
+        )  # fmt: skip
+        if eager:
+            loss = (loss.sum() / divisor).reshape(())
+        dh = hidden.new_empty(0) if dh is None else dh
+        dw = weight.new_empty(0) if dw is None else dw
+        return loss, dh, dw
+
+
+def _fused_backward_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    grad_rows: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    chunk: int,
+    use_triton: bool,
+    want_dh: bool,
+    want_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Body of ``lmforge::linear_ce_bwd`` (reduction "none"): recompute each chunk's logits and
+    scale row n's gradient by ``grad_rows[n]``; (dh, dW), empty (0,) when not wanted."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+        chunk = chunk or default_chunk_rows(hidden.shape[0], hidden.shape[1], weight.shape[0])
+        _, dh, dw = _accumulate(
+            hidden, weight, targets, grad_rows.contiguous(), ignore_index, z_loss, chunk,
+            use_triton, want_dh, want_dw,
+        )  # fmt: skip
+        dh = hidden.new_empty(0) if dh is None else dh
+        dw = weight.new_empty(0) if dw is None else dw
+        return dh, dw
+
+
 class FusedLinearCrossEntropy(torch.autograd.Function):
     """``apply(hidden (N, D), weight (V, D), targets (N,), ignore_index, z_loss, reduction,
-    chunk, use_triton, needs_grad)`` → loss; see the module docstring for the scheme."""
+    chunk, use_triton, needs_grad)`` → loss; see the module docstring for the scheme.
+
+    Runs the custom ops ``torch.ops.lmforge.linear_ce_fwd/bwd`` that
+    :func:`fused_linear_cross_entropy` uses with their own (compile-traceable) autograd; kept
+    for callers of ``.apply``.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx, hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton, needs_grad
     ):
-        # The public op already cast for autocast; run the chunk matmuls in exactly these dtypes.
-        with torch.autocast(hidden.device.type, enabled=False):
-            return FusedLinearCrossEntropy._forward(
-                ctx, hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton,
-                needs_grad,
-            )  # fmt: skip
-
-    @staticmethod
-    def _forward(
-        ctx, hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton, needs_grad
-    ):
-        valid = targets != ignore_index
-        v = weight.shape[0]
-        bad = ((targets < 0) | (targets >= v)) & valid
-        # One host sync for both: the mean's divisor and the range check.
-        n_valid, n_bad = (int(c) for c in torch.stack((valid.sum(), bad.sum())).tolist())
-        del valid, bad  # (N,) temporaries: not alive during the chunk loop
-        if n_bad:
-            raise KernelUnsupportedError(
-                f"fused_linear_cross_entropy: targets must lie in [0, {v}) or equal "
-                f"ignore_index={ignore_index}"
-            )
-        ctx.meta = (ignore_index, z_loss, reduction, chunk, use_triton)
-        eager = needs_grad and reduction != "none"
-        divisor = max(n_valid, 1) if reduction == "mean" else 1
-        acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        # One scale for every row, expanded (stride 0) rather than an (N,) buffer.
-        row_scale = torch.full((1,), 1.0 / divisor, dtype=acc_t, device=hidden.device)
-        row_scale = row_scale.expand(hidden.shape[0])
-        want_dh = eager and ctx.needs_input_grad[0]
-        want_dw = eager and ctx.needs_input_grad[1]
-        loss, dh, dw = _accumulate(
-            hidden, weight, targets, row_scale, ignore_index, z_loss, chunk, use_triton,
-            want_dh, want_dw,
+        want_dh = bool(needs_grad) and ctx.needs_input_grad[0] and reduction != "none"
+        want_dw = bool(needs_grad) and ctx.needs_input_grad[1] and reduction != "none"
+        loss, dh, dw = _ops.linear_ce_fwd(
+            hidden, weight, targets, ignore_index, float(z_loss), reduction, chunk, use_triton,
+            want_dh, want_dw, True,
         )  # fmt: skip
+        ctx.reduction = reduction
+        ctx.meta = (ignore_index, float(z_loss), chunk, use_triton)
+        ctx.want = (want_dh, want_dw)
         if reduction == "none":
             ctx.save_for_backward(hidden, weight, targets)
-            return loss  # float32 (float64 for float64 inputs)
-        ctx.save_for_backward(dh, dw)
-        ctx.eager = (want_dh, want_dw)
-        total = loss.sum() / divisor
-        return total
+        else:
+            ctx.save_for_backward(dh, dw)
+        return loss  # float32 (float64 for float64 inputs)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return FusedLinearCrossEntropy._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx, grad_out):
-        ignore_index, z_loss, reduction, chunk, use_triton = ctx.meta
-        if reduction == "none":
-            hidden, weight, targets = ctx.saved_tensors
-            _, dh, dw = _accumulate(
-                hidden, weight, targets, grad_out.contiguous(), ignore_index, z_loss, chunk,
-                use_triton, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-            )  # fmt: skip
-        else:
-            dh, dw = ctx.saved_tensors
-            want_dh, want_dw = ctx.eager
-            dh = dh if want_dh else None
-            dw = dw if want_dw else None
-            # The loss is usually the root (grad 1): skip a full-size rescale then.
-            if not bool(grad_out == 1):
-                dh = None if dh is None else dh * grad_out.to(dh.dtype)
-                dw = None if dw is None else dw * grad_out.to(dw.dtype)
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if ctx.reduction != "none":
+            need_h, need_w = need_h and ctx.want[0], need_w and ctx.want[1]
+        dh, dw = _ops.linear_ce_grads(
+            ctx.reduction, ctx.saved_tensors, ctx.meta, (need_h, need_w), grad_out
+        )
         return dh, dw, None, None, None, None, None, None, None
 
 
-# torch.compile treats the op as opaque (a graph break) rather than tracing into Triton launches.
-@torch.compiler.disable
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -252,6 +300,7 @@ def fused_linear_cross_entropy(
     *,
     backend: Literal["auto", "triton", "torch"] = "auto",
     chunk_rows: int | None = None,
+    check_targets: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``targets`` without full (N, V) logits.
 
@@ -259,6 +308,15 @@ def fused_linear_cross_entropy(
     ζ·lse² per row. "mean" averages over non-ignored rows. ``backend="auto"`` uses the Triton
     chunk kernel on CUDA (or under ``TRITON_INTERPRET=1``) and the chunked torch path elsewhere;
     both never hold more than one chunk of logits. Differentiable in hidden and weight.
+    ``check_targets=False`` skips the range check of the targets and with it the op's one host
+    sync (for callers that validated them already, like the trainer's sampler): the host then
+    runs ahead of the GPU; an out-of-range target gives a wrong loss instead of an error.
+
+    Both chunk paths run inside the custom op ``torch.ops.lmforge.linear_ce_fwd``, so
+    torch.compile traces through this function without a graph break (the targets check's host
+    sync happens inside the op, at run time). For "mean"/"sum" the op returns dh and dW with the
+    loss and backward rescales them; for "none" backward recomputes the logits chunk by chunk
+    (``linear_ce_bwd``), also traceable.
     """
     if reduction not in ("mean", "sum", "none"):
         raise KernelUnsupportedError(
@@ -293,11 +351,10 @@ def fused_linear_cross_entropy(
             and hidden2.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
         )
-    n, d = hidden2.shape
-    chunk = chunk_rows or default_chunk_rows(n, d, weight.shape[0])
     needs_grad = torch.is_grad_enabled() and (hidden2.requires_grad or weight.requires_grad)
-    loss = FusedLinearCrossEntropy.apply(
-        hidden2, weight, targets1, ignore_index, float(z_loss), reduction, chunk, use_triton,
-        needs_grad,
+    want = reduction != "none" and needs_grad  # mean/sum: gradients computed in the forward
+    loss, _, _ = _ops.linear_ce_fwd(
+        hidden2, weight, targets1, ignore_index, float(z_loss), reduction, chunk_rows or 0,
+        use_triton, want and hidden2.requires_grad, want and weight.requires_grad, check_targets,
     )  # fmt: skip
     return loss.reshape(lead) if reduction == "none" else loss

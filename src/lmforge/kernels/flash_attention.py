@@ -15,7 +15,8 @@ key/value head h // (H / K) without repeating K/V in memory.
 Two implementations share this algorithm:
   * :class:`FlashAttentionTorch` — plain PyTorch tiles; for CPU and for reading.
   * :class:`FlashAttentionTriton` — the Triton kernels in ``_flash_triton`` (GPU, or CPU through
-    ``TRITON_INTERPRET=1``).
+    ``TRITON_INTERPRET=1``), run as the custom ops ``torch.ops.lmforge.flash_attn_fwd/bwd``
+    (``_ops.py``) so that torch.compile traces :func:`flash_attention` without a graph break.
 :func:`attention_reference` is the naive O(T²)-memory definition used by the tests (float64).
 
 Shapes: q (…, H, T, E), k/v (…, K, S, E) with H % K == 0; 3-D inputs (N, T, E) treat N as heads
@@ -29,6 +30,7 @@ from typing import Literal
 
 import torch
 
+from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, autocast_dtype, check_triton_tensors
 
 
@@ -236,16 +238,17 @@ class FlashAttentionTriton(torch.autograd.Function):
     Saves q, k, v, O and the logsumexp L (B × H × T, float32). Raises
     :class:`~lmforge.kernels.KernelUnsupportedError` for inputs it cannot handle (non-CUDA tensor
     outside the interpreter, dtype other than fp16/bf16/fp32, head dim not a power of two in
-    16..256, head dim not contiguous). Exercise: ``pytest -m gpu tests/test_kernels_gpu.py``.
+    16..256, head dim not contiguous). Runs the same custom ops as :func:`flash_attention`
+    (``torch.ops.lmforge.flash_attn_fwd/bwd``); kept for callers of ``.apply``, while
+    :func:`flash_attention` uses the ops' own autograd, which torch.compile can trace.
+    Exercise: ``pytest -m gpu tests/test_kernels_gpu.py``.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=True):  # type: ignore[override]
         _check_triton(q, k, v)
-        from lmforge.kernels import _flash_triton
-
         q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-        out, lse = _flash_triton.forward(q4, k4, v4, bool(is_causal))
+        out, lse = _ops.flash_attn_fwd(q4, k4, v4, bool(is_causal))
         ctx.save_for_backward(q4, k4, v4, out, lse)
         ctx.is_causal = bool(is_causal)
         ctx.shapes = (q.shape, k.shape, v.shape)
@@ -253,11 +256,9 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        from lmforge.kernels import _flash_triton
-
         q4, k4, v4, out, lse = ctx.saved_tensors
         qs, ks, vs = ctx.shapes
-        dq, dk, dv = _flash_triton.backward(
+        dq, dk, dv = _ops.flash_attn_bwd(
             q4, k4, v4, out, lse, _as_4d(dout.reshape(qs)), ctx.is_causal
         )
         return dq.reshape(qs), dk.reshape(ks), dv.reshape(vs), None
@@ -282,8 +283,6 @@ def flash_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return True
 
 
-# torch.compile treats the op as opaque (a graph break) rather than tracing into Triton launches.
-@torch.compiler.disable
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -296,11 +295,20 @@ def flash_attention(
     q (B, H, T, E), k/v (B, K, S, E) with H % K == 0 (GQA), or (…, T, E) forms. ``backend``
     picks the Triton kernels or the pure-PyTorch tiles. Raises KernelUnsupportedError (a
     ValueError) for inputs the chosen backend cannot run. Under autocast the inputs are cast to
-    the autocast dtype first.
+    the autocast dtype first (here, outside the op: custom ops do not see autocast).
+
+    The Triton backend is the custom op ``torch.ops.lmforge.flash_attn_fwd`` (backward
+    ``flash_attn_bwd``), so ``torch.compile(fullgraph=True)`` traces through it; the checks and
+    reshapes around it are traced too. The torch backend is a graph break (Dynamo cannot trace
+    its autograd.Function and runs it eagerly); it exists for CPU and for reading, not speed.
+    No ``torch.compiler.disable`` marks it: that would import Dynamo, and with it Triton, when
+    this package is imported.
     """
     q, k, v = _autocast(q, k, v)
     if backend == "triton":
-        return FlashAttentionTriton.apply(q, k, v, is_causal)
+        _check_triton(q, k, v)
+        out, _ = _ops.flash_attn_fwd(_as_4d(q), _as_4d(k), _as_4d(v), bool(is_causal))
+        return out.reshape(q.shape)  # (…, H, T, E)
     if backend == "torch":
         return FlashAttentionTorch.apply(q, k, v, is_causal)
     raise KernelUnsupportedError(

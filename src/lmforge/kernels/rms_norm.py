@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
 
 MAX_DIM = 16384  # one row (a block of ≤ 16384 values) is held in registers
@@ -48,41 +49,52 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return True
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])  # (N, D): rows of any leading shape
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 class RMSNormTriton(torch.autograd.Function):
-    """Autograd wrapper over the Triton kernels; ``RMSNormTriton.apply(x, weight, eps)``."""
+    """Autograd wrapper over the Triton kernels; ``RMSNormTriton.apply(x, weight, eps)``.
+
+    Runs the custom ops ``torch.ops.lmforge.rms_norm_fwd/bwd`` that :func:`rms_norm` uses with
+    their own (compile-traceable) autograd; kept for callers of ``.apply``.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, eps=1e-5):  # type: ignore[override]
         _check(x, weight)
-        from lmforge.kernels import _rms_norm_triton
-
-        x2 = x.reshape(-1, x.shape[-1])  # (N, D): rows of any leading shape
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        y, rstd = _rms_norm_triton.forward(x2, weight, float(eps))
+        x2 = _rows(x)  # (N, D)
+        y, rstd = _ops.rms_norm_fwd(x2, weight, float(eps), None)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
         return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        from lmforge.kernels import _rms_norm_triton
-
         x2, weight, rstd = ctx.saved_tensors
-        dy2 = dy.reshape(-1, x2.shape[-1])  # (N, D)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        dx, dw = _rms_norm_triton.backward(x2, weight, rstd, dy2)
+        dx, dw = _ops.rms_norm_bwd(x2, weight, rstd, dy.reshape(-1, x2.shape[-1]))
         return dx.reshape(ctx.x_shape), dw, None
 
 
-# torch.compile treats the op as opaque (a graph break) rather than tracing into Triton launches.
-@torch.compiler.disable
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Fused RMSNorm over the last dim: y = x / sqrt(mean(x²) + eps) · weight; differentiable.
 
     x (…, D) in fp16/bf16/fp32 on CUDA (or CPU under ``TRITON_INTERPRET=1``), weight (D,);
-    y has x's dtype, statistics are float32. Raises KernelUnsupportedError otherwise — use
-    :func:`rms_norm_reference` there.
+    y has x's dtype unless ``out_dtype`` (fp16/bf16/fp32) says otherwise — e.g. the autocast
+    dtype, so a norm of the fp32 residual stream feeding a matmul writes its bf16 input directly
+    instead of an fp32 output and a separate cast. Statistics are float32. Raises KernelUnsupportedError otherwise — use
+    :func:`rms_norm_reference` there. The kernels run as the custom op
+    ``torch.ops.lmforge.rms_norm_fwd`` (backward ``rms_norm_bwd``), so torch.compile traces
+    through this function without a graph break.
     """
-    return RMSNormTriton.apply(x, weight, eps)
+    _check(x, weight)
+    if out_dtype is not None and out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise KernelUnsupportedError(f"rms_norm: out_dtype {out_dtype} is not supported")
+    y, _ = _ops.rms_norm_fwd(_rows(x), weight, float(eps), out_dtype)  # (N, D)
+    return y.reshape(x.shape)

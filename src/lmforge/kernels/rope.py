@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
 
 
@@ -38,28 +39,27 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 class RoPETriton(torch.autograd.Function):
-    """``RoPETriton.apply(x, cos, sin)`` → rotated x; no gradient for the tables."""
+    """``RoPETriton.apply(x, cos, sin)`` → rotated x; no gradient for the tables. Runs the custom
+    op ``torch.ops.lmforge.rope`` that :func:`rope` uses with its own autograd."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):  # type: ignore[override]
         _check(x, cos, sin)
-        from lmforge.kernels import _elementwise_triton
-
-        c, s = cos.float().contiguous(), sin.float().contiguous()
+        c, s = cos.float(), sin.float()
         ctx.save_for_backward(c, s)
-        return _elementwise_triton.rope(x.contiguous(), c, s, inverse=False)
+        return _ops.rope(x, c, s, False)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        from lmforge.kernels import _elementwise_triton
-
         c, s = ctx.saved_tensors
-        return _elementwise_triton.rope(dy.contiguous(), c, s, inverse=True), None, None
+        return _ops.rope(dy, c, s, True), None, None
 
 
-@torch.compiler.disable
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Fused RoPE: rotate consecutive pairs of x (…, T, E) by cos/sin tables (T, E/2) for the
     positions of x's T axis; differentiable in x. Raises KernelUnsupportedError for inputs the
-    kernel cannot handle (use :func:`rope_reference` there)."""
-    return RoPETriton.apply(x, cos, sin)
+    kernel cannot handle (use :func:`rope_reference` there). A custom op
+    (``torch.ops.lmforge.rope``, its backward the inverse rotation), so torch.compile traces
+    through it."""
+    _check(x, cos, sin)
+    return _ops.rope(x, cos.float(), sin.float(), False)

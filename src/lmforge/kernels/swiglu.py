@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
 
 
@@ -32,27 +33,24 @@ def _check(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 class SwiGLUTriton(torch.autograd.Function):
-    """``SwiGLUTriton.apply(a, b)`` → silu(a)·b; saves a and b only."""
+    """``SwiGLUTriton.apply(a, b)`` → silu(a)·b; saves a and b only. Runs the custom ops
+    ``torch.ops.lmforge.swiglu_fwd/bwd`` that :func:`swiglu` uses with their own autograd."""
 
     @staticmethod
     def forward(ctx, a, b):  # type: ignore[override]
         _check(a, b)
-        from lmforge.kernels import _elementwise_triton
-
-        a_c, b_c = a.contiguous(), b.contiguous()
-        ctx.save_for_backward(a_c, b_c)
-        return _elementwise_triton.swiglu_forward(a_c, b_c)
+        ctx.save_for_backward(a, b)
+        return _ops.swiglu_fwd(a, b)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        from lmforge.kernels import _elementwise_triton
-
         a, b = ctx.saved_tensors
-        return _elementwise_triton.swiglu_backward(a, b, dy.contiguous())
+        return _ops.swiglu_bwd(a, b, dy)
 
 
-@torch.compiler.disable
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Fused silu(a) ⊙ b (the SwiGLU gate); a, b same shape and dtype (fp16/bf16/fp32) on CUDA
-    (or CPU under ``TRITON_INTERPRET=1``); differentiable. Raises KernelUnsupportedError else."""
-    return SwiGLUTriton.apply(a, b)
+    (or CPU under ``TRITON_INTERPRET=1``); differentiable. Raises KernelUnsupportedError else.
+    A custom op (``torch.ops.lmforge.swiglu_fwd``), so torch.compile traces through it."""
+    _check(a, b)
+    return _ops.swiglu_fwd(a, b)

@@ -1,0 +1,186 @@
+"""Fused linear + cross-entropy on one GPU: where the time goes, and which launch choices win.
+
+Correctness first (every variant against a float64 reference, then loss and gradients within
+bf16 tolerance), then forward + backward time (warmup, CUDA events, median; see
+``lmforge.bench.timing.time_ms``) and extra peak memory for each variant of lmforge's fused op
+next to unfused torch (bf16 matmul + fp32 cross-entropy) and Liger-Kernel (when installed),
+then a torch-profiler table of the default variant's CUDA kernels. Variants: rows per chunk
+(memory against fewer, larger GEMMs and fewer read-modify-write passes over dW) and the target
+range check (one host sync) on or off. An earlier version also swept a split-row schedule of the
+chunk kernel and a hand split-K of dh; neither helped (benchmarks/RESULTS.md) and both are gone.
+Shapes are the kernels issue's: N=16384 rows, (D, V) = (768, 50304) and (2048, 128256).
+
+    PYTHONPATH=src python benchmarks/ce_sweep.py
+    PYTHONPATH=src python benchmarks/ce_sweep.py --shapes 16384x768x50304 --iters 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
+
+MIB = 2**20
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="examples:\n" + __doc__[__doc__.index("    PYTHONPATH") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--shapes", default="16384x768x50304,16384x2048x128256", help="NxDxV,...")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--results", help="append the tables to this markdown file")
+    return p.parse_args()
+
+
+def _variants() -> list[dict]:
+    out = []
+    for chunk in (0, 512, 1024):
+        for check in (True, False):
+            out.append({"chunk": chunk, "check_targets": check})
+    return out
+
+
+def _name(variant: dict) -> str:
+    chunk = variant["chunk"] or "default"
+    check = "checked targets" if variant["check_targets"] else "no target check (no host sync)"
+    return f"chunk {chunk}, {check}"
+
+
+def _call(variant: dict):
+    from lmforge.kernels import fused_linear_cross_entropy
+
+    def ours(h, w, t, **kw):
+        return fused_linear_cross_entropy(
+            h, w, t, backend="triton", chunk_rows=variant["chunk"] or None,
+            check_targets=variant["check_targets"], **kw,
+        )  # fmt: skip
+
+    return ours
+
+
+def _check(variants: list[dict]) -> bool:
+    import torch
+
+    from lmforge.kernels import linear_cross_entropy_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, d, v = 1000, 256, 20011
+    h = torch.randn(n, d, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(v, d, device="cuda", generator=gen) / math.sqrt(d)).bfloat16()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    t[::7] = -100
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = linear_cross_entropy_reference(hr, wr, t, z_loss=1e-4)
+    want = torch.autograd.grad(ref, (hr, wr))
+    ok = True
+    for variant in variants:
+        ht, wt = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = _call(variant)(ht, wt, t, z_loss=1e-4)
+        got = torch.autograd.grad(loss, (ht, wt))
+        errs = [abs(loss.item() - ref.item())] + [
+            ((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)
+        ]
+        good = errs[0] < 2e-3 and max(errs[1:]) < 2e-2
+        ok &= good
+        print(
+            f"check {_name(variant)}: |Δloss| {errs[0]:.1e}, rel dh {errs[1]:.1e}, "
+            f"rel dW {errs[2]:.1e} {'ok' if good else 'FAIL'}",
+            file=sys.stderr,
+        )
+    return ok
+
+
+def _profile_table(fn, top: int = 12) -> str:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+
+
+def main() -> int:
+    args = _parse()
+    import torch
+
+    from lmforge.bench.timing import environment_line
+
+    if not torch.cuda.is_available():
+        print("ce_sweep.py: error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    variants = _variants()
+    if not _check(variants):
+        print("ce_sweep.py: correctness check failed", file=sys.stderr)
+        return 1
+    out = [f"## ce_sweep — {environment_line()}", ""]
+    for spec in args.shapes.split(","):
+        n, d, v = (int(x) for x in spec.split("x"))
+        out += _shape(n, d, v, variants, args.iters)
+        torch.cuda.empty_cache()
+    text = "\n".join(out)
+    print(text)
+    if args.results:
+        with open(args.results, "a", encoding="utf-8") as f:
+            f.write("\n" + text + "\n")
+    return 0
+
+
+def _shape(n: int, d: int, v: int, variants: list[dict], iters: int) -> list[str]:
+    import functools
+
+    import torch
+
+    from lmforge.bench.kernels import _liger_ce, _unfused_ce
+    from lmforge.bench.timing import markdown_table, peak_extra_bytes, time_ms
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = (torch.randn(v, d, device="cuda", generator=gen) / math.sqrt(d)).bfloat16()
+    h.requires_grad_()
+    w.requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+
+    def fwd_bwd(fn):
+        return torch.autograd.grad(fn(h, w, t), (h, w))
+
+    rows: list[list[object]] = []
+    liger = _liger_ce()
+    peers = [("torch unfused", _unfused_ce)] + ([("liger", liger)] if liger else [])
+    for name, fn in peers:
+        call = functools.partial(fwd_bwd, fn)
+        rows.append([name, time_ms(call, 2, iters), peak_extra_bytes(call) / MIB])
+    for variant in variants:
+        call = functools.partial(fwd_bwd, _call(variant))
+        try:
+            rows.append([_name(variant), time_ms(call, 2, iters), peak_extra_bytes(call) / MIB])
+        except Exception as e:  # a variant that fails to launch is reported, not fatal
+            rows.append([_name(variant), f"failed: {type(e).__name__}: {e}"[:80], "-"])
+        print(f"{n}x{d}x{v} {rows[-1]}", file=sys.stderr)
+    floor = 6 * n * d * v / 700e12 * 1e3
+    out = [
+        f"### N×D→V = {n}×{d}→{v} (GEMM floor at 700 TFLOP/s: {floor:.1f} ms)",
+        "",
+        markdown_table(["variant", "fwd+bwd ms", "extra MiB"], rows),
+        "",
+    ]
+    out += [
+        "CUDA kernels of one fwd+bwd, default variant:",
+        "```",
+        _profile_table(functools.partial(fwd_bwd, _call(variants[0]))),
+        "```",
+        "",
+    ]
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
