@@ -171,9 +171,11 @@ def _layer_activation_bytes(
     d, e, h, k, f = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim
     # RMSNorm (fp32 math on the fp32 residual): its input, the normalised x and 1/rms.
     norm = 4 * (2 * d + 1)
-    # The matmul inputs: autocast makes one bf16 copy per consuming matmul (q, k, v; w1, w3).
-    attn_in = a * d * (3 if autocast else 1)
-    ffn_in = a * d * (2 if autocast else 1)
+    # The matmul inputs: autocast makes one bf16 copy per consuming matmul (q, k, v; w1, w3),
+    # so one each with fused projections (one matmul for q|k|v, one for w1|w3).
+    separate = autocast and not cfg.fused_projections
+    attn_in = a * d * (3 if separate else 1)
+    ffn_in = a * d * (2 if separate else 1)
     qk_norm = 4 * (2 * h * e + h + 2 * k * e + k) if cfg.qk_norm else 0
     # RoPE keeps the gathered cos/sin (fp32, one (T, E/2) pair each for q and k, shared by rows).
     rope = 4 * 2 * e / batch_size
@@ -185,9 +187,19 @@ def _layer_activation_bytes(
         # probabilities (compute dtype), and the row max.
         attn = a * 3 * h * e + (8 + a) * h * seq_len + 4 * h
     out_proj_in = a * h * e
+    # Fused projections: q, k, v are views of one (H+2K)·E matmul output, kept whole while any
+    # view of it is saved (v by SDPA/flash; q and k by QK-norm in fp32, where .float() is not a
+    # copy); what is held beyond the parts counted above.
+    qkv_buffer = 0
+    fp32_qk_norm = cfg.qk_norm and not autocast
+    if cfg.fused_projections and (fused_attention or fp32_qk_norm):
+        qkv_buffer = a * (h + 2 * k) * e
+        qkv_buffer -= a * k * e if fused_attention else 0
+        qkv_buffer -= 4 * (h + k) * e if fp32_qk_norm else 0
     # SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x and their product (w2's input).
     ffn = a * 5 * f
-    return norm + attn_in + qk_norm + rope + attn + out_proj_in + norm + ffn_in + ffn
+    attn_total = attn_in + qk_norm + rope + attn + qkv_buffer + out_proj_in
+    return norm + attn_total + norm + ffn_in + ffn
 
 
 def activation_bytes(
@@ -208,8 +220,10 @@ def activation_bytes(
     T×T scores are not stored. ``include_loss`` adds the fp32 log-probabilities (V per token) a
     full-logit cross-entropy keeps. With ``activation_checkpointing`` each block keeps only its
     input and one block's activations exist at a time (during its recomputation).
-    Simplifications: masks, position ids and allocator rounding are ignored; the fused Triton
-    RMSNorm and loss kernels save less than modelled.
+    ``cfg.fused_projections`` is followed (one autocast copy of each block input instead of
+    three and two; in fp32 the concatenated weights are saved). Simplifications: masks, position
+    ids and allocator rounding are ignored; the fused Triton RMSNorm and loss kernels save less
+    than modelled; tensor parallelism (which disables fused projections) is not modelled.
     """
     if fused_attention is None:
         fused_attention = cfg.attention != "reference"
@@ -223,12 +237,18 @@ def activation_bytes(
         blocks = cfg.n_layers * 4 * d + per_layer  # every block input (fp32), one block live
     else:
         blocks = cfg.n_layers * per_layer
-    weight_copies = 0
+    live_blocks = 1 if activation_checkpointing else cfg.n_layers
+    weight_copies = 0.0
     if precision != "fp32":
-        # autocast's bf16/fp16 copies of the matmul weights, saved for backward.
+        # autocast's bf16/fp16 copies of the matmul weights, saved for backward (with fused
+        # projections the q|k|v and w1|w3 copies are one concatenated copy each: same bytes).
         head = cfg.vocab_size * d
         per_block = (matmul_parameters(cfg) - head) / cfg.n_layers
-        weight_copies = a * (head + per_block * (1 if activation_checkpointing else cfg.n_layers))
+        weight_copies = a * (head + per_block * live_blocks)
+    elif cfg.fused_projections:
+        # In fp32 the concatenated q|k|v and w1|w3 weights are new tensors the matmuls save.
+        e, h, k, f = cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim
+        weight_copies = 4 * d * ((h + 2 * k) * e + 2 * f) * live_blocks
     return int(tokens * (blocks + final + loss) + weight_copies)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from lmforge.model.config import default_d_ff
 
@@ -63,6 +64,58 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_out={self.d_out}"
+
+
+def _fusable(*linears: nn.Module) -> bool:
+    """Whether one matmul against the concatenated weights of ``linears`` computes exactly what
+    calling each module on the same input does.
+
+    The rule: every module is a plain :class:`Linear` (not a subclass, no per-instance
+    ``forward``), none has forward/backward (pre-)hooks and torch's global module hooks are empty
+    (``Module.__call__`` would run none, so skipping it changes nothing; tensor parallelism's
+    ``copy_to_tp``/``reduce_from_tp`` are such hooks), and the weights share one dtype and one
+    device. Otherwise callers call the modules one by one. A few dict/attribute checks per call;
+    ``torch.compile`` evaluates them while tracing (no graph break), so, as for any module hook
+    under compile, hooks must be registered before compiling (tensor parallelism is applied first).
+    """
+    hooks = _torch_module
+    if (
+        hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    ):
+        return False
+    first = linears[0].weight
+    for m in linears:
+        if type(m) is not Linear or "forward" in m.__dict__:
+            return False
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return False
+        w = m.weight
+        if w.dtype != first.dtype or w.device != first.device:
+            return False
+    return True
+
+
+def _cat_weights(weights: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(weights)`` along dim 0 (output rows), in autocast's dtype when it is on.
+
+    Autocast would cast the concatenation for the matmul anyway (same values: rounding is
+    elementwise); casting the pieces first spares writing a full-precision copy of the
+    concatenated weights, in eager mode and in the kernel Inductor generates.
+    """
+    first = weights[0]
+    device_type = first.device.type
+    if (
+        device_type in ("cuda", "cpu")
+        and torch.is_autocast_enabled(device_type)
+        and first.is_floating_point()
+        and first.dtype != torch.float64  # autocast leaves float64 alone
+    ):
+        dtype = torch.get_autocast_dtype(device_type)
+        weights = [w.to(dtype) for w in weights]
+    return torch.cat(weights)
 
 
 class Embedding(nn.Module):
@@ -155,6 +208,16 @@ class SwiGLU(nn.Module):
 
     ``d_ff`` defaults to 8/3·d_model rounded up to a multiple of 64, which keeps the parameter
     count of a 4·d_model ReLU MLP while staying friendly to matmul tiling.
+
+    With ``fused`` (the default) ``w1 x`` and ``w3 x`` come from one matmul against
+    ``cat([w1.weight, w3.weight])``: one larger GEMM instead of two (forward and backward), and
+    one autocast cast of ``x`` instead of two. The price is a copy of the two (F, D) weights per
+    call (written by the cast that autocast does anyway, see :func:`_cat_weights`); gradients
+    flow back through
+    the concatenation into ``w1.weight`` and ``w3.weight``, so names, shapes, init and state dicts
+    are those of the three modules. Falls back to calling ``w1`` and ``w3`` when that is not
+    equivalent (hooks, e.g. tensor parallelism's; see :func:`_fusable`). ``fused=False`` is the
+    reference the fused path is tested against.
     """
 
     def __init__(
@@ -163,18 +226,27 @@ class SwiGLU(nn.Module):
         d_ff: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         d_ff = default_d_ff(d_model) if d_ff is None else d_ff
         self.d_model = d_model
         self.d_ff = d_ff
+        self.fused = fused
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., D)."""
-        return self.w2(silu(self.w1(x)) * self.w3(x))  # (..., F) -> (..., D)
+        if self.fused and _fusable(self.w1, self.w3):
+            w1, w3 = self.w1.weight, self.w3.weight
+            w13 = _cat_weights([w1, w3])  # (2F, D)
+            gate, up = (x @ w13.t()).split([w1.shape[0], w3.shape[0]], dim=-1)  # (..., F) each
+        else:
+            gate, up = self.w1(x), self.w3(x)  # (..., F) each
+        return self.w2(silu(gate) * up)  # (..., F) -> (..., D)
 
 
 class RotaryEmbedding(nn.Module):

@@ -47,6 +47,8 @@ from lmforge.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     SwiGLU,
+    _cat_weights,
+    _fusable,
     _trunc_normal_,
     scaled_dot_product_attention,
 )
@@ -95,7 +97,13 @@ class _Norm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., D)."""
         if self._use_fused(x):
-            return self._fused(x, self.weight, self.eps)
+            # Under autocast the norm's consumers are matmuls that would cast its output to the
+            # autocast dtype anyway: the kernel writes that dtype directly (one bf16 write
+            # instead of an fp32 write, a read and a bf16 write). Values are identical.
+            out_dtype = None
+            if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+                out_dtype = torch.get_autocast_dtype(x.device.type)
+            return self._fused(x, self.weight, self.eps, out_dtype)
         return super().forward(x)
 
 
@@ -105,6 +113,15 @@ class CausalSelfAttention(nn.Module):
     ``q_proj`` maps D -> H·E, ``k_proj``/``v_proj`` map D -> K·E (K = ``n_kv_heads`` ≤ H, query
     head h reads kv-head h // (H/K)), ``output_proj`` maps H·E -> D. QK-norm (when enabled) is an
     RMSNorm over each head vector with one E-sized gain shared by all heads, applied before RoPE.
+
+    With ``config.fused_projections`` (attribute ``fused_projections``, default off) q, k and v
+    come from one matmul against ``cat([q_proj.weight, k_proj.weight, v_proj.weight])``, split
+    afterwards: one larger GEMM instead of three, forward and backward, and one autocast cast of
+    the input instead of three. The concatenation copies the three weights each call (written by
+    the cast autocast does anyway) and its backward hands each named weight its own rows of the
+    gradient, so parameters and state dicts are unchanged. When the modules carry hooks (tensor
+    parallelism) or the weights differ in dtype/device, the three modules are called as before
+    (rule: :func:`lmforge.model.layers._fusable`).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
@@ -114,6 +131,7 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
+        self.fused_projections = config.fused_projections
         d, e = config.d_model, config.head_dim
         self.q_proj = Linear(d, self.n_heads * e)
         self.k_proj = Linear(d, self.n_kv_heads * e)
@@ -146,9 +164,10 @@ class CausalSelfAttention(nn.Module):
         """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1."""
         b, t, _ = x.shape
         h, k_heads, e = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(b, t, h, e)  # (B, T, H, E)
-        k = self.k_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
-        v = self.v_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
+        q, k, v = self._qkv(x)  # (B, T, H·E), (B, T, K·E), (B, T, K·E)
+        q = q.view(b, t, h, e)  # (B, T, H, E)
+        k = k.view(b, t, k_heads, e)  # (B, T, K, E)
+        v = v.view(b, t, k_heads, e)  # (B, T, K, E)
         if self.config.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -166,6 +185,17 @@ class CausalSelfAttention(nn.Module):
             out = self._masked(q, k_all, v_all, kv_cache.mask)  # (B, H, T, E)
         out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
         return self.output_proj(out)  # (B, T, D)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, D) -> q (B, T, H·E), k and v (B, T, K·E): one GEMM when equivalent, else three."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not (self.fused_projections and _fusable(*projs)):
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        weights = [p.weight for p in projs]
+        w = _cat_weights(weights)  # (H·E + 2·K·E, D)
+        qkv = x @ w.t()  # (B, T, H·E + 2·K·E)
+        q, k, v = qkv.split([wt.shape[0] for wt in weights], dim=-1)  # (B, T, H·E|K·E|K·E)
+        return q, k, v
 
     def _repeat_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """(B, K, S, E) -> (B, H, S, E): each kv-head serves H/K consecutive query heads."""
@@ -218,7 +248,7 @@ class TransformerBlock(nn.Module):
         self.ln1 = _Norm(config.d_model, config.norm_eps, config.norm)
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln2 = _Norm(config.d_model, config.norm_eps, config.norm)
-        self.ffn = SwiGLU(config.d_model, config.ffn_dim)
+        self.ffn = SwiGLU(config.d_model, config.ffn_dim, fused=config.fused_projections)
 
     def forward(
         self,
