@@ -111,3 +111,42 @@ def test_adamw_compiled_path_matches_torch() -> None:
         ref.step()
     for p, q in zip(ours_p, ref_p):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_adamw_step_if_matches_torch_and_skips_exactly(compiled: bool) -> None:
+    # The device-gated update: with ok=True it is torch's AdamW (1000 steps, lr change midway);
+    # with ok=False (here with NaN gradients) parameters, moments and step counts stay as they
+    # were, bit for bit, and the bias correction continues from the last applied step.
+    ours_p = _params(2)
+    ref_p = _clone(ours_p)
+    groups = lambda ps: [
+        {"params": ps[:2], "weight_decay": 0.1},
+        {"params": ps[2:], "weight_decay": 0.0},
+    ]
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    ours = AdamW(groups(ours_p), weight_decay=0.1, compiled=compiled, **kw)
+    ref = torch.optim.AdamW(groups(ref_p), weight_decay=0.1, foreach=False, **kw)
+    n = 120 if compiled else 1000
+    for step in range(n):
+        g = torch.Generator().manual_seed(2000 + step)
+        grads = [torch.randn(p.shape, generator=g) for p in ours_p]
+        skip = step % 37 == 5
+        for p, q, gr in zip(ours_p, ref_p, grads):
+            p.grad = torch.full_like(gr, float("nan")) if skip else gr.clone()
+            q.grad = gr.clone()
+        if step == n // 2:
+            for opt in (ours, ref):
+                for group in opt.param_groups:
+                    group["lr"] = 1e-3
+        if skip:
+            before = [(p.detach().clone(), ours.state[p]["exp_avg"].clone()) for p in ours_p]
+            ours.step_if(torch.tensor(False))
+            for p, (b, m) in zip(ours_p, before):
+                assert torch.equal(p, b) and torch.equal(ours.state[p]["exp_avg"], m)
+            continue
+        ours.step_if(torch.tensor(True))
+        ref.step()
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
+        assert float(ours.state[p]["step"]) == float(ref.state[q]["step"])

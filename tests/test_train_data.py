@@ -119,3 +119,23 @@ def test_bits_per_byte() -> None:
 
     assert bits_per_byte(math.log(2), 1.0) == pytest.approx(1.0)
     assert bits_per_byte(2.0, 4.0) == pytest.approx(2.0 / (math.log(2) * 4.0))
+
+
+def test_out_of_vocabulary_ids_fail_with_one_line(tmp_path) -> None:
+    # write_shard refuses ids past the vocabulary; a shard corrupted afterwards is caught when
+    # a batch is sampled, on the host, before any kernel reads the ids.
+    import numpy as np
+    import pytest
+
+    from lmforge.train.data import MixtureSampler, open_shard, write_shard
+    from lmforge.utils.errors import LmforgeError
+
+    with pytest.raises(LmforgeError, match=r"token ids must lie in \[0, 50\)"):
+        write_shard(tmp_path / "bad.bin", np.array([1, 2, 50]), 50)
+    path = write_shard(tmp_path / "ok.bin", np.arange(40) % 50, 50)
+    raw = bytearray(path.read_bytes())
+    raw[10:12] = (60000).to_bytes(2, "little")  # corrupt one uint16 id
+    path.write_bytes(bytes(raw))
+    sampler = MixtureSampler([[open_shard(path)]], 39, vocab_size=50)
+    with pytest.raises(LmforgeError, match=r"token id 60000 .* outside the model's vocabulary"):
+        sampler.sample(1)

@@ -226,6 +226,44 @@ def test_nan_step_is_skipped(shards: tuple[Path, Path], tmp_path: Path) -> None:
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def test_sync_free_steps_equal_synchronous_steps(shards: tuple[Path, Path], tmp_path: Path) -> None:
+    # The device-gated, one-step-late loop (the default on one process) against the synchronous
+    # host-decided loop: same logged records (skips, spike statistics, losses) and the same
+    # final weights, with a NaN step and a loss spike along the way.
+    runs = []
+    for name, deferred in (("sync", False), ("deferred", True)):
+        trainer = Trainer(_cfg(shards, tmp_path / name, max_steps=16, spike_factor=2.0))
+        trainer.deferred = deferred  # the default on CUDA; forced here on the CPU
+        real = trainer.loss_fn
+
+        def faulty(model, x, y, trainer=trainer, real=real):  # type: ignore[no-untyped-def]
+            loss = real(model, x, y)
+            if trainer.iteration == 4:
+                return loss * float("nan")
+            return loss * 100.0 if trainer.iteration == 13 else loss
+
+        trainer.loss_fn = faulty  # type: ignore[method-assign]
+        trainer.run()
+        recs = [
+            {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "elapsed_s")}
+            for r in read_metrics(tmp_path / name / "metrics.jsonl")
+            if r.get("event") in ("train", "skip")
+        ]
+        runs.append((recs, [p.detach().clone() for p in trainer.model.parameters()], trainer))
+    (recs_a, params_a, a), (recs_b, params_b, b) = runs
+    assert [r["step"] for r in recs_b if r["event"] == "skip"] == [5, 14]
+    assert len(recs_a) == len(recs_b)
+    for ra, rb in zip(recs_a, recs_b):
+        assert ra.keys() == rb.keys() and ra["step"] == rb["step"]
+        for k in ("loss", "grad_norm", "lr"):
+            if k in ra:
+                assert ra[k] == pytest.approx(rb[k], rel=1e-6, abs=1e-7, nan_ok=True), (k, ra, rb)
+    for pa, pb in zip(params_a, params_b):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
+    assert (a.good_steps, a.bad_steps) == (b.good_steps, b.bad_steps)
+    assert a.loss_ema == pytest.approx(b.loss_ema, rel=1e-6)
+
+
 def test_bad_steps_in_a_row_stop_the_run(shards: tuple[Path, Path], tmp_path: Path) -> None:
     trainer = Trainer(_cfg(shards, tmp_path / "run", max_bad_steps=3))
     _poison(trainer, set(range(6, 100)))

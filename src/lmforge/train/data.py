@@ -176,6 +176,7 @@ class MixtureSampler:
         context_length: int,
         weights: Sequence[float] = (),
         seed: int = 0,
+        vocab_size: int | None = None,
     ) -> None:
         if not sources:
             raise LmforgeError("no training sources (data.train is empty)")
@@ -205,6 +206,7 @@ class MixtureSampler:
             )
         self.weights = w / w.sum()
         self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.vocab_size = vocab_size
 
     def sample(self, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """x (B, T) and y (B, T) as int64 NumPy arrays."""
@@ -216,6 +218,14 @@ class MixtureSampler:
             k = self.rng.choice(len(shards), p=self._shard_p[s]) if len(shards) > 1 else 0
             start = int(self.rng.integers(0, len(shards[k]) - T))
             out[b] = shards[k].tokens[start : start + T + 1]
+        # A corrupt shard (ids past the vocabulary) fails here with one line, on the host, rather
+        # than as a device-side assert or an out-of-range read inside a fused loss kernel.
+        if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
+            bad = int(out.max())
+            raise LmforgeError(
+                f"token id {bad} in a training batch is outside the model's vocabulary "
+                f"({self.vocab_size}): a shard is corrupt or was written by another tokenizer"
+            )
         return out[:, :-1], out[:, 1:]
 
     def next_batch(self, batch_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +292,13 @@ def write_shard(path: str | Path, tokens: np.ndarray, vocab_size: int, num_bytes
 
     p = Path(path)
     dtype = "uint16" if vocab_size <= 65536 else "uint32"
-    arr = np.asarray(tokens).astype(_DTYPES[dtype])
+    tokens = np.asarray(tokens)
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
+        raise LmforgeError(
+            f"write_shard {p}: token ids must lie in [0, {vocab_size}), got "
+            f"[{int(tokens.min())}, {int(tokens.max())}]"
+        )
+    arr = tokens.astype(_DTYPES[dtype])
     atomic_write_bytes(p, arr.tobytes())
     meta = {
         "format": SHARD_FORMAT,

@@ -42,7 +42,9 @@ class _CrossEntropy(torch.autograd.Function):
         g.sub_(lse.unsqueeze(1)).exp_()
         if ctx.z_loss:
             g.mul_((1.0 + 2.0 * ctx.z_loss * lse).unsqueeze(1))
-        if torch.compiler.is_compiling():
+        # (torch < 2.13 does not report is_compiling() while AOTAutograd traces a backward on
+        # fake/functional tensors, hence the type check.)
+        if torch.compiler.is_compiling() or type(g) is not torch.Tensor:
             # Element-wise, so the compiler fuses it (a scatter would force a float32 buffer).
             cols = torch.arange(g.shape[1], device=g.device)  # (V,)
             g = torch.where(cols.unsqueeze(0) == targets.unsqueeze(1), g - 1.0, g)

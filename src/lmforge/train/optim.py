@@ -31,6 +31,8 @@ class AdamW(torch.optim.Optimizer):
     read-modify-write kernel per parameter instead of eight passes over memory; hyperparameters
     travel as a device tensor so schedule changes never recompile). Simplification: no amsgrad,
     maximize, capturable or sparse gradients.
+    :meth:`step_if` applies the same update only where a device-side flag says so, without the
+    host ever reading it (the trainer's sync-free step).
     Exercised by ``pytest tests/test_optim.py`` and ``python benchmarks/train.py``.
     """
 
@@ -57,6 +59,7 @@ class AdamW(torch.optim.Optimizer):
         self.foreach = foreach
         self.compiled = compiled
         self._compiled_update: Callable[..., None] | None = None
+        self._compiled_gated: Callable[..., None] | None = None
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -88,6 +91,52 @@ class AdamW(torch.optim.Optimizer):
                 for p in params:
                     self._step_single(group, p)
         return loss
+
+    @torch.no_grad()
+    def step_if(self, ok: torch.Tensor) -> None:
+        """One update where the 0-d bool tensor ``ok`` is True; nothing at all where it is False.
+
+        The decision stays on the device: parameters, moments and step counts are written as
+        ``where(ok, new, old)``, so a skipped step (NaN/inf gradients included) leaves every
+        value bit-identical, and the host never waits for the GPU. The step counts move to the
+        parameters' device (as torch's ``capturable`` AdamW keeps them) and the bias corrections
+        are computed there in float64. With ``ok`` True the result equals :meth:`step`.
+        """
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            hp = [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]]
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients")
+                state = self._state_for(p)
+                if state["step"].device != p.device or state["step"].dtype != torch.float64:
+                    state["step"] = state["step"].to(p.device, torch.float64)
+                by_device.setdefault(p.device, []).append(p)
+            for device, ps in by_device.items():
+                hp_cpu = torch.tensor(hp, dtype=torch.float64)
+                if device.type == "cuda":  # pinned, so the copy does not wait for the stream
+                    hp_cpu = hp_cpu.pin_memory()
+                hp_t = hp_cpu.to(device, non_blocking=True)
+                update = _adamw_gated_update
+                if self.compiled:
+                    if self._compiled_gated is None:
+                        self._compiled_gated = torch.compile(_adamw_gated_update)
+                    update = self._compiled_gated
+                update(
+                    ps,
+                    [p.grad for p in ps],
+                    [self.state[p]["exp_avg"] for p in ps],
+                    [self.state[p]["exp_avg_sq"] for p in ps],
+                    # (1,) views: torch.compile treats 0-d CPU tensors as scalars and would not
+                    # write the incremented count back.
+                    [self.state[p]["step"].view(1) for p in ps],
+                    hp_t,
+                    ok.to(device),
+                )
 
     def _step_single(self, group: dict, p: torch.Tensor) -> None:
         # The reference: one parameter at a time, the formula read top to bottom.
@@ -165,6 +214,34 @@ def _adamw_update(
         m.lerp_(g, one_m_b1)
         v.mul_(b2).add_(g * g * one_m_b2)
         p.add_(m / (v.sqrt() / sqrt_bc2 + eps) * neg_step)
+
+
+def _adamw_gated_update(
+    ps: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    ms: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    hp: torch.Tensor,
+    ok: torch.Tensor,
+) -> None:
+    """AdamW where ``ok`` (0-d bool) holds, else no change; ``hp`` = [lr, λ, β1, β2, ε] float64,
+    ``steps`` float64 0-d counts. Same operation order as :func:`_adamw_update`."""
+    lr, wd, b1, b2, eps = hp.unbind(0)
+    for p, g, m, v, t in zip(ps, grads, ms, vs, steps):
+        t_new = t + ok.to(t.dtype)
+        # Scalars in float64 (as the host computes them), then rounded once to the state dtype.
+        decay = (1 - lr * wd).to(p.dtype)
+        neg_step = (-lr / (1 - b1**t_new)).to(p.dtype)
+        sqrt_bc2 = torch.sqrt(1 - b2**t_new).to(p.dtype)
+        m_new = torch.lerp(m, g, (1 - b1).to(m.dtype))
+        v_new = v * b2.to(v.dtype) + g * g * (1 - b2).to(v.dtype)
+        p_new = p * decay
+        p_new = p_new + m_new / (v_new.sqrt() / sqrt_bc2 + eps.to(p.dtype)) * neg_step
+        p.copy_(torch.where(ok, p_new, p))
+        m.copy_(torch.where(ok, m_new, m))
+        v.copy_(torch.where(ok, v_new, v))
+        t.copy_(t_new)
 
 
 @torch.no_grad()

@@ -8,10 +8,18 @@ The model is built single-device, then wrapped from outside in one fixed order:
        ``lmforge.parallel.build_strategy`` under torchrun)
 
 One step: ``grad_accum`` micro-batches through ``strategy.forward_backward`` (bf16 autocast over
-fp32 master weights and fp32 AdamW state), global-norm clipping, then one host sync that reads the
-loss and the gradient norm together. A NaN/inf loss or norm, or a loss above
-``spike_factor × running mean``, skips the update (logged); ``max_bad_steps`` consecutive skips
-stop the run with a clear message and the last good checkpoint untouched.
+fp32 master weights and fp32 AdamW state), global-norm clipping, then the update. A NaN/inf loss
+or norm, or a loss above ``spike_factor × running mean``, skips the update (logged);
+``max_bad_steps`` consecutive skips stop the run with a clear message and the last good
+checkpoint untouched.
+
+On one CUDA process the step never waits for the GPU: the skip decision, the running mean and the
+update are computed on the device (``AdamW.step_if``), the step's loss and norm travel to pinned
+host memory behind a CUDA event, and the loop reads them one step later, while the GPU already
+runs the next step. (A host sync per step leaves the GPU idle while the host prepares the next
+batch and launches the next forward: ~6 ms of a 65 ms GPT-2-small step on an H200.) Steps after
+which the loop must look at the model (eval, save, time limit, the last step) are read at once.
+Distributed strategies keep the synchronous step: one host read of loss and norm per step.
 
 Exact resume: a checkpoint holds weights, optimizer state (gathered under ZeRO-1; one file per
 rank under FSDP/TP/PP, which must resume with the same layout), every data-parallel replica's
@@ -24,6 +32,7 @@ Exercised by ``lmforge train --config configs/tiny.toml`` and ``pytest tests/tes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -245,6 +254,16 @@ def plot_loss_curve(metrics: list[dict[str, Any]], path: str | Path) -> None:
 # ----------------------------------------------------------------------------- the trainer
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A launched step whose loss and norm may still be on their way to the host."""
+
+    iteration: int  # the trainer's iteration after this step
+    lr: float
+    values: torch.Tensor  # (loss, norm, ok, running mean before, running mean after, good before)
+    event: Any = None  # torch.cuda.Event recorded after the copy (CUDA only)
+
+
 class Trainer:
     """One training run from a :class:`~lmforge.config.RunConfig`.
 
@@ -279,15 +298,17 @@ class Trainer:
         if tc.activation_checkpointing:
             apply_activation_checkpointing(model)
         self._ce: Callable[..., torch.Tensor] = cross_entropy
-        self._hidden = model.forward_hidden
+        self._fused_loss: Callable[..., torch.Tensor] = _fused_model_loss
         self._model_loss: Callable[..., torch.Tensor] | None = None
         if tc.compile:
             model.compile()
             self._ce = torch.compile(cross_entropy)
-            self._hidden = torch.compile(model.forward_hidden)
             # Forward and loss in one graph: the (B, T, V) logits and their fp32 upcast stay inside
             # it (fused by the compiler) instead of being materialised between two graphs.
             self._model_loss = torch.compile(_model_loss)
+            # Likewise hidden states + fused loss: the kernels are custom ops the compiler traces,
+            # so model and LM-head loss are one graph (the fused loss is single-process only).
+            self._fused_loss = torch.compile(_fused_model_loss)
         self.fused = self._pick_fused_loss()
         self.strategy = self._build_strategy(model)
         self.is_main = self.strategy.is_main
@@ -302,6 +323,15 @@ class Trainer:
                 compiled=tc.compile and self.device_type == "cuda",
             )
         )
+        # The sync-free step (see the module docstring) on one CUDA process with lmforge's AdamW.
+        # (On a CPU nothing runs ahead of the host, and the gated update's per-tensor
+        # where(...) costs more than the foreach update; tests switch it on to compare.)
+        self.deferred = (
+            self.strategy.world_size == 1
+            and isinstance(self.optimizer, AdamW)
+            and self.device_type == "cuda"
+        )
+        self._dev_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # (ema, good) on device
         # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
         # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
         dp_size = int(getattr(self.strategy, "dp_size", self.strategy.world_size))
@@ -311,7 +341,9 @@ class Trainer:
         self.dp_rank = dp_rank
         seed = tc.seed + 1_000_003 * dp_rank  # each replica draws its own windows
         self.sampler_sources = sources
-        self.sampler = MixtureSampler(sources, self.T, self.dcfg.weights, seed=seed)
+        self.sampler = MixtureSampler(
+            sources, self.T, self.dcfg.weights, seed=seed, vocab_size=self.mcfg.vocab_size
+        )
 
         self.out_dir = Path(tc.out_dir)
         self.iteration = 0
@@ -399,15 +431,7 @@ class Trainer:
         """Mean next-token loss of one micro-batch x (B, T), y (B, T) (the strategy's LossFn)."""
         with self._autocast():
             if self.fused is not None:
-                h = self._hidden(x)  # (B, T, D)
-                D = h.shape[-1]
-                return self.fused(
-                    h.reshape(-1, D),  # (B·T, D)
-                    self.model.lm_head.weight,  # (V, D)
-                    y.reshape(-1),  # (B·T,)
-                    ignore_index=-100,
-                    z_loss=self.tcfg.z_loss,
-                )
+                return self._fused_loss(self.model, self.fused, x, y, self.tcfg.z_loss)
             if self._model_loss is not None and self.strategy.world_size == 1:
                 return self._model_loss(model, x, y, self.tcfg.z_loss)
             logits = model(x)  # (B, T, V)
@@ -470,8 +494,10 @@ class Trainer:
                 self.T,
                 self.dcfg.weights,
                 seed=self.tcfg.seed + 1_000_003 * self.dp_rank + it,
+                vocab_size=self.mcfg.vocab_size,
             )
         _set_rng_state(state["rng"])
+        self._dev_stats = None  # rebuilt from the restored host values at the next step
         self.bad_steps = int(state.get("bad_steps", 0))
         self.loss_ema = state.get("loss_ema")
         self.good_steps = int(state.get("good_steps", 0))
@@ -578,7 +604,15 @@ class Trainer:
         return bool(flag.item())
 
     def train_step(self) -> tuple[float, float, str | None]:
-        """One optimizer step (or a skipped one); returns (loss, grad norm, skip reason)."""
+        """One optimizer step (or a skipped one); returns (loss, grad norm, skip reason).
+
+        Waits for the step to finish; :meth:`run` instead reads each step one step late
+        (:meth:`launch_step` the next, then :meth:`finish_step` the previous).
+        """
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> _Pending:
+        """Launch one step without waiting for it; :meth:`finish_step` reads its result."""
         tc = self.tcfg
         self.current_lr = lr_at(
             self.iteration,
@@ -594,20 +628,78 @@ class Trainer:
         micro = [self.sampler.next_batch(tc.batch_size, self.device) for _ in range(tc.grad_accum)]
         loss = self.strategy.forward_backward(micro, self.loss_fn)
         norm = self.strategy.clip_grad_norm(tc.grad_clip if tc.grad_clip > 0 else math.inf)
-        # The one host sync of a step: loss and norm decide whether the update is applied.
-        loss_v, norm_v = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()
-        reason = self._bad_reason(loss_v, norm_v)
-        if reason is None:
-            self.optimizer.step()
-            self.bad_steps = 0
-            self.good_steps += 1
-            self.loss_ema = (
-                loss_v if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss_v
-            )
+        loss32, norm32 = loss.float(), norm.float().to(loss.device)
+        if self.deferred:
+            values = self._gated_update(loss32, norm32)
         else:
-            self.bad_steps += 1
+            # The one host sync of a step: loss and norm decide whether the update is applied.
+            values = torch.stack([loss32, norm32])
+            loss_v, norm_v = values.tolist()
+            if self._bad_reason(loss_v, norm_v) is None:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.iteration += 1
+        pending = _Pending(self.iteration, self.current_lr, values)
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            pending.values = host.copy_(values, non_blocking=True)
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        return pending
+
+    def _gated_update(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """Decide on the device whether the step is good, update only then; return the record
+        (loss, norm, ok, mean before, mean after, good steps before) as a device tensor."""
+        if self._dev_stats is None:  # from the host mirrors (fresh run or resumed checkpoint)
+            ema = math.nan if self.loss_ema is None else self.loss_ema
+            self._dev_stats = (
+                torch.tensor(ema, dtype=torch.float32, device=loss.device),
+                torch.tensor(float(self.good_steps), dtype=torch.float32, device=loss.device),
+            )
+        ema, good = self._dev_stats
+        ok = torch.isfinite(loss) & torch.isfinite(norm)
+        f = self.tcfg.spike_factor
+        if f > 0:  # NaN mean (no good step yet) compares False: no spike
+            ok = ok & ~((good >= 10) & (loss > f * ema))
+        self.optimizer.step_if(ok)
+        new_ema = torch.where(
+            ok, torch.where(torch.isnan(ema), loss, 0.95 * ema + 0.05 * loss), ema
+        )
+        new_good = good + ok.float()
+        self._dev_stats = (new_ema, new_good)
+        return torch.stack([loss, norm, ok.float(), ema, new_ema, good])
+
+    def finish_step(self, pending: _Pending) -> tuple[float, float, str | None]:
+        """Wait for a launched step's record; update the host counters; (loss, norm, reason).
+
+        Launched steps must be finished in order (the counters are updated step by step).
+        """
+        if pending.event is not None:
+            pending.event.synchronize()
+        vals = pending.values.tolist()
+        loss_v, norm_v = vals[0], vals[1]
+        if not self.deferred:
+            reason = self._bad_reason(loss_v, norm_v)
+            if reason is None:
+                self.loss_ema = (
+                    loss_v if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss_v
+                )
+        else:
+            ok, ema_before, ema_after, good_before = vals[2:]
+            reason = None
+            if not ok:  # the device's decision, explained with the same rules
+                saved = self.loss_ema, self.good_steps
+                self.loss_ema = None if math.isnan(ema_before) else ema_before
+                self.good_steps = int(good_before)
+                reason = self._bad_reason(loss_v, norm_v) or "skipped on the device"
+                self.loss_ema, self.good_steps = saved
+            # The device's fp32 mean, exactly: a resume starts the device from this value.
+            self.loss_ema = None if math.isnan(ema_after) else ema_after
+        if reason is None:
+            self.bad_steps = 0
+            self.good_steps += 1
+        else:
+            self.bad_steps += 1
         return loss_v, norm_v, reason
 
     def run(self) -> dict[str, Any]:
@@ -656,9 +748,60 @@ class Trainer:
         last_eval: dict[str, float] = {}
         last_loss = float("nan")
         stopped = "max_steps"
+
+        def report(p: _Pending) -> None:
+            # Host side of a finished step: skip handling and logs (reads its record).
+            nonlocal last_t, last_it, last_loss
+            loss_v, norm_v, reason = self.finish_step(p)
+            it = p.iteration
+            if reason is not None:
+                if loggers:
+                    loggers.log(
+                        {
+                            "event": "skip",
+                            "step": it,
+                            "loss": loss_v,
+                            "grad_norm": norm_v,
+                            "reason": reason,
+                        }
+                    )
+                if self.is_main:
+                    bar.write(f"step {it}: skipped ({reason})", file=sys.stderr)
+                if self.bad_steps >= tc.max_bad_steps:
+                    latest = latest_checkpoint(self.out_dir)
+                    raise LmforgeError(
+                        f"stopped at step {it} after {self.bad_steps} consecutive bad steps "
+                        f"(last: {reason}); last good checkpoint: {latest or 'none'}"
+                    )
+            else:
+                last_loss = loss_v
+            if it % tc.log_every == 0 or it == tc.max_steps:
+                now = time.monotonic()
+                dt = max(now - last_t, 1e-9)
+                tok_s = (it - last_it) * plan.tokens_per_step / dt
+                mfu = tok_s * plan.flops_per_token / (tc.peak_tflops * 1e12)
+                last_t, last_it = now, it
+                rec = {
+                    "event": "train",
+                    "step": it,
+                    "loss": loss_v,
+                    "lr": p.lr,
+                    "grad_norm": norm_v,
+                    "tokens": it * plan.tokens_per_step,
+                    "tokens_per_s": tok_s,
+                    "mfu": mfu,
+                    "elapsed_s": now - start,
+                }
+                if loggers:
+                    loggers.log(rec)
+                bar.set_postfix(
+                    loss=f"{loss_v:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%"
+                )
+
+        pending: _Pending | None = None
         try:
             while self.iteration < tc.max_steps:
-                loss_v, norm_v, reason = self.train_step()
+                launched = self.launch_step()
                 it = self.iteration
                 bar.update(1)
                 if tc.max_minutes and it - bar.initial == 20:
@@ -667,60 +810,29 @@ class Trainer:
                     budget = int(60 * tc.max_minutes / max(per_step, 1e-9))
                     bar.total = min(tc.max_steps, bar.initial + budget)
                     bar.refresh()
-                if reason is not None:
-                    if loggers:
-                        loggers.log(
-                            {
-                                "event": "skip",
-                                "step": it,
-                                "loss": loss_v,
-                                "grad_norm": norm_v,
-                                "reason": reason,
-                            }
-                        )
-                    if self.is_main:
-                        bar.write(f"step {it}: skipped ({reason})", file=sys.stderr)
-                    if self.bad_steps >= tc.max_bad_steps:
-                        latest = latest_checkpoint(self.out_dir)
-                        raise LmforgeError(
-                            f"stopped at step {it} after {self.bad_steps} consecutive bad steps "
-                            f"(last: {reason}); last good checkpoint: {latest or 'none'}"
-                        )
+                if pending is not None:
+                    report(pending)  # the previous step, read while this one runs
+                    pending = None
+                eval_due = bool(tc.eval_every) and it % tc.eval_every == 0 and it < tc.max_steps
+                save_due = bool(tc.save_every) and it % tc.save_every == 0 and it < tc.max_steps
+                time_up = bool(tc.max_minutes) and self._time_is_up(
+                    time.monotonic() - start > 60 * tc.max_minutes
+                )
+                if not self.deferred or eval_due or save_due or time_up or it == tc.max_steps:
+                    report(launched)  # the loop looks at the model after this step: read it now
                 else:
-                    last_loss = loss_v
-                if it % tc.log_every == 0 or it == tc.max_steps:
-                    now = time.monotonic()
-                    dt = max(now - last_t, 1e-9)
-                    tok_s = (it - last_it) * plan.tokens_per_step / dt
-                    mfu = tok_s * plan.flops_per_token / (tc.peak_tflops * 1e12)
-                    last_t, last_it = now, it
-                    rec = {
-                        "event": "train",
-                        "step": it,
-                        "loss": loss_v,
-                        "lr": self.current_lr,
-                        "grad_norm": norm_v,
-                        "tokens": it * plan.tokens_per_step,
-                        "tokens_per_s": tok_s,
-                        "mfu": mfu,
-                        "elapsed_s": now - start,
-                    }
-                    if loggers:
-                        loggers.log(rec)
-                    bar.set_postfix(
-                        loss=f"{loss_v:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%"
-                    )
-                if tc.eval_every and it % tc.eval_every == 0 and it < tc.max_steps:
+                    pending = launched
+                if eval_due:
                     last_eval = self.evaluate()
                     if last_eval and loggers:
                         loggers.log({"event": "eval", "step": it, **last_eval})
-                if tc.save_every and it % tc.save_every == 0 and it < tc.max_steps:
+                if save_due:
                     self.save(last_eval.get("val_loss"))
-                if tc.max_minutes and self._time_is_up(
-                    time.monotonic() - start > 60 * tc.max_minutes
-                ):
+                if time_up:
                     stopped = "max_minutes"
                     break
+            if pending is not None:
+                report(pending)
             bar.close()
             final = self.evaluate()
             if final and loggers:
@@ -752,6 +864,27 @@ class Trainer:
 def _model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, z_loss: float) -> torch.Tensor:
     """Mean cross-entropy of ``model(x)`` against ``y``; compiled as one graph by the trainer."""
     return cross_entropy(model(x), y, z_loss=z_loss)  # logits (B, T, V) never leave the graph
+
+
+def _fused_model_loss(
+    model: nn.Module,
+    fused: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    z_loss: float,
+) -> torch.Tensor:
+    """Mean fused linear + cross-entropy of ``model``'s hidden states against ``y``; compiled as
+    one graph by the trainer. ``fused``: ``lmforge.kernels.fused_linear_cross_entropy``."""
+    h = model.forward_hidden(x)  # (B, T, D)
+    D = h.shape[-1]
+    return fused(
+        h.reshape(-1, D),  # (B·T, D)
+        model.lm_head.weight,  # (V, D)
+        y.reshape(-1),  # (B·T,)
+        ignore_index=-100,
+        z_loss=z_loss,
+        check_targets=False,  # the sampler checked every id against the vocabulary
+    )
 
 
 def train(cfg: RunConfig, runtime: Runtime | None = None) -> dict[str, Any]:
