@@ -6,6 +6,11 @@
 #          parallel : benchmarks/parallel.py on 1 and 2 GPUs (torchrun)
 #          round2   : GPU tests of train/RMSNorm/CE, train.py (sdpa and flash+triton+fused), RMSNorm/CE kernels
 #          realdata : a timed GPT-2-small run on token shards in .carry/gutenberg + bench model
+#          round3   : GPU tests of trainer/kernels/custom ops, train.py (sdpa: reference and fused
+#                     loss, vs peer; fused-projections A/B)
+#          round3b  : GPU tests; RMSNorm/CE kernel tables; train.py {reference,triton} norm ×
+#                     {reference,fused} loss vs peer; flash+triton+fused
+#          sweeps   : benchmarks/rmsnorm_sweep.py and benchmarks/ce_sweep.py
 # Logs and result tables go to $OUT (default: runs/h200); RESULTS-*.md there are appended to
 # benchmarks/RESULTS.md by hand after review.
 set -u
@@ -42,6 +47,28 @@ case "${1:-kernels}" in
         timeout 100 python3 benchmarks/train.py --attention flash --norm triton --loss fused --no-peer \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-fused.log" | tail -8
         timeout 90 python3 benchmarks/kernels.py --only rmsnorm,ce --results "$OUT/RESULTS-kernels.md" 2>&1 | tee "$OUT/kernels.log" | tail -30
+        ;;
+    round3)
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            tests/test_kernels_gpu.py tests/test_kernels_compile.py -k "rms or entropy or train or compile or sync" \
+            2>&1 | tee "$OUT/gpu-tests3.log" | tail -6
+        timeout 240 python3 benchmarks/train.py --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | tail -9
+        timeout 100 python3 benchmarks/train.py --loss reference --fused-projections --no-peer \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-fusedproj.log" | tail -5
+        ;;
+    round3b)
+        timeout 90 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            tests/test_kernels_gpu.py -k "rms or sync or trains" 2>&1 | tee "$OUT/gpu-tests3b.log" | tail -4
+        timeout 90 python3 benchmarks/kernels.py --only rmsnorm,ce --results "$OUT/RESULTS-kernels.md" 2>&1 | tee "$OUT/kernels.log" | tail -16
+        timeout 300 python3 benchmarks/train.py --norm reference,triton --loss reference,fused \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | tail -9
+        timeout 95 python3 benchmarks/train.py --attention flash --norm triton --loss fused --no-peer \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-fused.log" | tail -4
+        ;;
+    sweeps)
+        timeout 210 python3 benchmarks/rmsnorm_sweep.py --jobs 15 --results "$OUT/RESULTS-rmsnorm.md" > "$OUT/rmsnorm_sweep.log" 2>&1
+        timeout 150 python3 benchmarks/ce_sweep.py --results "$OUT/RESULTS-ce.md" > "$OUT/ce.log" 2>&1
+        tail -30 "$OUT/rmsnorm_sweep.log"; tail -40 "$OUT/ce.log"
         ;;
     realdata)
         timeout 400 python3 benchmarks/train.py --real-data .carry/gutenberg --minutes 5 --out "$OUT/gutenberg" --results "$OUT/RESULTS-realdata.md" 2>&1 | tee "$OUT/realdata.log"

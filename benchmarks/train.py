@@ -3,18 +3,22 @@
 Throughput mode (default): GPT-2-small shape (12 layers, d_model 768, 12 heads, vocab 50304,
 sequence 1024), batch 32, bf16 autocast, torch.compile, SDPA attention, random tokens.
 
-* lmforge: the real trainer step (``Trainer.train_step``: data sampler → Strategy.forward_backward
-  → clip_grad_norm → lmforge's foreach AdamW, one host sync per step) on ``TransformerLM``
+* lmforge: the real trainer step as ``Trainer.run`` drives it (``launch_step``: data sampler →
+  Strategy.forward_backward → clip_grad_norm → AdamW.step_if with the skip decision on the
+  device; then ``finish_step`` reads the previous step's loss and norm) on ``TransformerLM``
   (RoPE, RMSNorm, SwiGLU); the embedding is tied by default so both models have the same
   parameters (``--untied`` for the preset as is).
 * peer: GPT-2 written here as nanoGPT does it (nn.Linear/LayerNorm/GELU MLP, learned positions,
   ``F.scaled_dot_product_attention``, tied embedding), ``torch.optim.AdamW(fused=True)``,
-  ``torch.compile``, same batch, same clipping.
+  ``torch.compile``, same batch, same clipping, and nanoGPT's loop: the loss is read on the host
+  every 10th step (its log interval), never otherwise.
 
 Both do the same matmul FLOPs per token (SwiGLU 3·D·F with F = 8/3·D equals GELU's 2·D·4D);
 MFU = tokens/s · FLOPs/token / 989 TFLOP/s, FLOPs from ``lmforge.model.accounting``.
 Correctness is checked first on the device (AdamW vs torch, cross_entropy vs F.cross_entropy).
-Timing: warm-up steps (compilation), then CUDA events around each step; medians reported.
+Timing: warm-up steps (compilation), then CUDA events around each step with no host sync in
+between (the host runs ahead as in training), one sync at the end; medians reported.
+``--profile K`` adds each model's top-K CUDA kernels and GPU time per step by kind.
 
 Real-data mode (``--real-data DIR``): trains ``configs/gpt2-small-train.toml`` on the token
 shards in DIR (``*val*.bin`` = validation, the other ``.bin`` files = training) for
@@ -55,7 +59,9 @@ def _parse() -> argparse.Namespace:
         "--attention", default="sdpa", help="lmforge attention backend (sdpa, flash, auto)"
     )
     p.add_argument(
-        "--norm", default="reference", help="lmforge RMSNorm backend (reference, triton, auto)"
+        "--norm",
+        default="reference",
+        help="lmforge RMSNorm backends to measure, comma-separated (reference, triton, auto)",
     )
     p.add_argument(
         "--loss",
@@ -64,6 +70,18 @@ def _parse() -> argparse.Namespace:
     )
     p.add_argument(
         "--untied", action="store_true", help="untied LM head (the gpt2-small preset as is)"
+    )
+    p.add_argument(
+        "--fused-projections",
+        action="store_true",
+        help="one GEMM for q/k/v and one for w1/w3 (model.fused_projections=true), for an A/B",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after timing, profile 3 steps of each model and print its top K CUDA kernels",
     )
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-peer", action="store_true")
@@ -154,6 +172,7 @@ def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
     opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
     fwd = model if args.no_compile else torch.compile(model)
     g = torch.Generator(device="cpu").manual_seed(1)
+    count = [0]
 
     def step() -> None:
         x = torch.randint(0, vocab, (args.batch_size, args.seq + 1), generator=g)
@@ -161,13 +180,15 @@ def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
         with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16):
             loss = fwd(x[:, :-1], x[:, 1:])
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        torch.stack([loss.float(), norm]).tolist()  # the same one sync per step as lmforge
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        count[0] += 1
+        if count[0] % 10 == 0:  # nanoGPT reads the loss every log_interval (10) steps
+            loss.item()
 
     n_params = sum(p.numel() for p in params)
-    return _time(step, args) | {"params": n_params}
+    return _time(step, argparse.Namespace(**vars(args), label="peer")) | {"params": n_params}
 
 
 # ----------------------------------------------------------------------------- lmforge
@@ -194,6 +215,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         attention=args.attention,
         norm=args.norm,
         tie_embeddings=not args.untied,
+        fused_projections=args.fused_projections,
         context_length=args.seq,
     )
     tcfg = TrainConfig(
@@ -222,7 +244,17 @@ def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
 
     shard = _random_shards(tmp, 50304, 4_000_000)
     trainer = Trainer(_lmforge_cfg(args, str(tmp / "run"), shard))
-    out = _time(trainer.train_step, args)
+    pending: list = []
+
+    def step() -> None:
+        # As Trainer.run does it: launch this step, then read the previous one's loss and norm.
+        launched = trainer.launch_step()
+        if pending:
+            trainer.finish_step(pending.pop())
+        pending.append(launched)
+
+    out = _time(step, argparse.Namespace(**vars(args), label=f"lmforge {args.loss}"))
+    trainer.finish_step(pending.pop())
     out["params"] = sum(p.numel() for p in trainer.model.parameters())
     out["flops_per_token"] = trainer.plan.flops_per_token
     # Free everything before the next model: compiled-code caches can hold the module alive,
@@ -250,24 +282,75 @@ def _time(step, args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(args.steps):
-        if cuda:
+    if cuda:
+        # No host sync between steps (the host runs ahead, as in training); an event pair
+        # around each step measures its span on the GPU's timeline.
+        events = []
+        for _ in range(args.steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             step()
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:  # CPU smoke runs of this script (correctness of the code paths, not speed)
+            events.append((start, end))
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) / 1e3 for s, e in events]
+    else:  # CPU smoke runs of this script (correctness of the code paths, not speed)
+        for _ in range(args.steps):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
     med = statistics.median(times)
+    if cuda and getattr(args, "profile", 0):
+        print(_kernel_profile(step, args.profile, getattr(args, "label", "")), file=sys.stderr)
     return {
         "step_s": med,
         "tokens_per_s": args.batch_size * args.seq / med,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
     }
+
+
+def _kernel_profile(step, top: int, label: str, steps: int = 3) -> str:
+    """Per-step CUDA time of the ``top`` heaviest kernels, and totals by kind (GEMM, attention,
+    Triton/inductor-generated, other), from torch.profiler over ``steps`` steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [
+        e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total
+    ]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+
+    def kind(name: str) -> str:
+        low = name.lower()
+        if any(k in low for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
+            return "GEMM"
+        if any(k in low for k in ("flash", "fmha", "attention", "_attn")):
+            return "attention"
+        if low.startswith(("triton", "_")) or "triton" in low:
+            return "triton / inductor"
+        return "other"
+
+    totals: dict[str, float] = {}
+    for e in kernels:
+        totals[kind(e.key)] = totals.get(kind(e.key), 0.0) + e.self_device_time_total
+    lines = [
+        f"profile ({label}): GPU ms per step by kind: "
+        + ", ".join(f"{k} {v / steps / 1e3:.2f}" for k, v in sorted(totals.items()))
+        + f"; total {sum(totals.values()) / steps / 1e3:.2f}",
+        "| ms/step | calls/step | kind | kernel |",
+        "|---|---|---|---|",
+    ]
+    for e in kernels[:top]:
+        lines.append(
+            f"| {e.self_device_time_total / steps / 1e3:.3f} | {e.count / steps:.0f} | "
+            f"{kind(e.key)} | {e.key[:90]} |"
+        )
+    return "\n".join(lines)
 
 
 def _check_correctness(device: str) -> None:
@@ -324,19 +407,19 @@ def _throughput(args: argparse.Namespace) -> str:
 
     _check_correctness(args.device)
     rows = []
-    for loss in args.loss.split(","):
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                r = _bench_lmforge(argparse.Namespace(**{**vars(args), "loss": loss}), Path(tmp))
-        except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
-            print(f"skipping loss={loss}: {e}", file=sys.stderr)
-            continue
-        rows.append(
-            (
-                f"lmforge (loss={loss}, own AdamW{' compiled' if not args.no_compile else ' foreach'})",
-                r,
-            )
-        )
+    norms = args.norm.split(",")
+    for norm in norms:
+        for loss in args.loss.split(","):
+            one = argparse.Namespace(**{**vars(args), "loss": loss, "norm": norm})
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    r = _bench_lmforge(one, Path(tmp))
+            except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
+                print(f"skipping norm={norm} loss={loss}: {e}", file=sys.stderr)
+                continue
+            opt = " compiled" if not args.no_compile else " foreach"
+            label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
+            rows.append((f"lmforge ({label}, own AdamW{opt})", r))
     peer = None
     if not args.no_peer:
         peer = _bench_peer(args, 50304)
@@ -345,6 +428,7 @@ def _throughput(args: argparse.Namespace) -> str:
     head = (
         f"GPT-2-small shape, batch {args.batch_size} × {args.seq}, bf16 autocast, "
         f"compile={not args.no_compile}, attention={args.attention}, norm={args.norm}, "
+        f"fused projections={args.fused_projections}, "
         f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}\n\n"
     )
     lines = [
