@@ -262,6 +262,7 @@ class _Pending:
     lr: float
     values: torch.Tensor  # (loss, norm, ok, running mean before, running mean after, good before)
     event: Any = None  # torch.cuda.Event recorded after the copy (CUDA only)
+    reason: str | None = None  # the host's skip reason (synchronous steps only)
 
 
 class Trainer:
@@ -629,17 +630,18 @@ class Trainer:
         loss = self.strategy.forward_backward(micro, self.loss_fn)
         norm = self.strategy.clip_grad_norm(tc.grad_clip if tc.grad_clip > 0 else math.inf)
         loss32, norm32 = loss.float(), norm.float().to(loss.device)
+        reason = None
         if self.deferred:
             values = self._gated_update(loss32, norm32)
         else:
             # The one host sync of a step: loss and norm decide whether the update is applied.
             values = torch.stack([loss32, norm32])
-            loss_v, norm_v = values.tolist()
-            if self._bad_reason(loss_v, norm_v) is None:
+            reason = self._bad_reason(*values.tolist())
+            if reason is None:
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.iteration += 1
-        pending = _Pending(self.iteration, self.current_lr, values)
+        pending = _Pending(self.iteration, self.current_lr, values, reason=reason)
         if values.is_cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             pending.values = host.copy_(values, non_blocking=True)
@@ -679,7 +681,7 @@ class Trainer:
         vals = pending.values.tolist()
         loss_v, norm_v = vals[0], vals[1]
         if not self.deferred:
-            reason = self._bad_reason(loss_v, norm_v)
+            reason = pending.reason  # decided in launch_step, before the counters below move
             if reason is None:
                 self.loss_ema = (
                     loss_v if self.loss_ema is None else 0.95 * self.loss_ema + 0.05 * loss_v
