@@ -11,6 +11,8 @@
 #          round3b  : GPU tests; RMSNorm/CE kernel tables; train.py {reference,triton} norm ×
 #                     {reference,fused} loss vs peer; flash+triton+fused
 #          sweeps   : benchmarks/rmsnorm_sweep.py and benchmarks/ce_sweep.py
+#          round4   : GPU tests of the CUDA-graph and sync-free steps; train.py reference loss with
+#                     train.cuda_graph off/on vs peer; fused-CE kernel table
 # Logs and result tables go to $OUT (default: runs/h200); RESULTS-*.md there are appended to
 # benchmarks/RESULTS.md by hand after review.
 set -u
@@ -74,6 +76,14 @@ case "${1:-kernels}" in
         timeout 400 python3 benchmarks/train.py --real-data .carry/gutenberg --minutes 5 --out "$OUT/gutenberg" --results "$OUT/RESULTS-realdata.md" 2>&1 | tee "$OUT/realdata.log"
         cp "$OUT"/gutenberg/loss_curve.png "$OUT/" 2>/dev/null
         timeout 150 python3 -m lmforge bench model --preset gpt2-small 2>&1 | tee "$OUT/bench-model.log"
+        ;;
+    round4)
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            -k "graph or sync" 2>&1 | tee "$OUT/gpu-tests4.log" | tail -6
+        timeout 300 python3 benchmarks/train.py --loss reference --graph off,on \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | tail -9
+        timeout 100 python3 benchmarks/kernels.py --only ce --results "$OUT/RESULTS-kernels.md" \
+            2>&1 | tee "$OUT/kernels.log" | tail -12
         ;;
     *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -19,6 +19,9 @@ Correctness is checked first on the device (AdamW vs torch, cross_entropy vs F.c
 Timing: warm-up steps (compilation), then CUDA events around each step with no host sync in
 between (the host runs ahead as in training), one sync at the end; medians reported.
 ``--profile K`` adds each model's top-K CUDA kernels and GPU time per step by kind.
+``--graph off,on`` adds rows with ``train.cuda_graph`` (the whole step replayed as one CUDA graph
+after 3 eager warm-up steps); their peak memory is the capture step's (replays allocate nothing),
+the other rows' the timed steps'.
 
 Real-data mode (``--real-data DIR``): trains ``configs/gpt2-small-train.toml`` on the token
 shards in DIR (``*val*.bin`` = validation, the other ``.bin`` files = training) for
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import math
 import statistics
 import sys
@@ -67,6 +71,11 @@ def _parse() -> argparse.Namespace:
         "--loss",
         default="reference,fused",
         help="lmforge loss paths to measure, comma-separated (reference, fused, auto)",
+    )
+    p.add_argument(
+        "--graph",
+        default="off",
+        help="lmforge train.cuda_graph settings to measure, comma-separated (off, on)",
     )
     p.add_argument(
         "--untied", action="store_true", help="untied LM head (the gpt2-small preset as is)"
@@ -218,6 +227,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         fused_projections=args.fused_projections,
         context_length=args.seq,
     )
+    graph = getattr(args, "graph", "off") == "on"
     tcfg = TrainConfig(
         out_dir=out_dir,
         device=args.device,
@@ -230,6 +240,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         precision="bf16",
         compile=not args.no_compile,
         loss=args.loss,
+        cuda_graph=graph,
         progress=False,
         plot=False,
         resume=False,
@@ -245,15 +256,22 @@ def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
     shard = _random_shards(tmp, 50304, 4_000_000)
     trainer = Trainer(_lmforge_cfg(args, str(tmp / "run"), shard))
     pending: list = []
+    graph = trainer.tcfg.cuda_graph and args.device.startswith("cuda")
 
     def step() -> None:
         # As Trainer.run does it: launch this step, then read the previous one's loss and norm.
+        if graph and trainer._graph is None and trainer._graph_warmups == 3:
+            # The capture step: replays allocate nothing, so the peak is the capture's (the
+            # eager warm-up's cached blocks were released before it).
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         launched = trainer.launch_step()
         if pending:
             trainer.finish_step(pending.pop())
         pending.append(launched)
 
-    out = _time(step, argparse.Namespace(**vars(args), label=f"lmforge {args.loss}"))
+    label = f"lmforge {args.loss}{' graph' if graph else ''}"
+    out = _time(step, argparse.Namespace(**vars(args), label=label, keep_peak=graph))
     trainer.finish_step(pending.pop())
     out["params"] = sum(p.numel() for p in trainer.model.parameters())
     out["flops_per_token"] = trainer.plan.flops_per_token
@@ -280,7 +298,8 @@ def _time(step, args: argparse.Namespace) -> dict:
         step()
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        if not getattr(args, "keep_peak", False):
+            torch.cuda.reset_peak_memory_stats()
     times = []
     if cuda:
         # No host sync between steps (the host runs ahead, as in training); an event pair
@@ -407,19 +426,19 @@ def _throughput(args: argparse.Namespace) -> str:
 
     _check_correctness(args.device)
     rows = []
-    norms = args.norm.split(",")
-    for norm in norms:
-        for loss in args.loss.split(","):
-            one = argparse.Namespace(**{**vars(args), "loss": loss, "norm": norm})
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    r = _bench_lmforge(one, Path(tmp))
-            except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
-                print(f"skipping norm={norm} loss={loss}: {e}", file=sys.stderr)
-                continue
-            opt = " compiled" if not args.no_compile else " foreach"
-            label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
-            rows.append((f"lmforge ({label}, own AdamW{opt})", r))
+    norms, graphs = args.norm.split(","), args.graph.split(",")
+    for norm, loss, graph in itertools.product(norms, args.loss.split(","), graphs):
+        one = argparse.Namespace(**{**vars(args), "loss": loss, "norm": norm, "graph": graph})
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                r = _bench_lmforge(one, Path(tmp))
+        except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
+            print(f"skipping norm={norm} loss={loss}: {e}", file=sys.stderr)
+            continue
+        opt = " compiled" if not args.no_compile else " foreach"
+        label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
+        label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
+        rows.append((f"lmforge ({label}, own AdamW{opt})", r))
     peer = None
     if not args.no_peer:
         peer = _bench_peer(args, 50304)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmforge.train import AdamW, clip_grad_norm
+from lmforge.train.optim import grad_norm_and_clip_coef
 
 
 def _params(seed: int) -> list[torch.nn.Parameter]:
@@ -150,3 +151,42 @@ def test_adamw_step_if_matches_torch_and_skips_exactly(compiled: bool) -> None:
     for p, q in zip(ours_p, ref_p):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
         assert float(ours.state[p]["step"]) == float(ref.state[q]["step"])
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_step_if_with_grad_scale_equals_clip_then_step(compiled: bool) -> None:
+    # Clipping folded into the update (the trainer's one-process path): the norm and factor
+    # from grad_norm_and_clip_coef, the factor applied as the update reads each gradient, give
+    # bit-identical results to clip_grad_norm scaling the gradients in place first.
+    a_p = _params(3)
+    b_p = _clone(a_p)
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, compiled=compiled)
+    a, b = AdamW(a_p, **kw), AdamW(b_p, **kw)
+    for step in range(12):
+        g = torch.Generator().manual_seed(7000 + step)
+        for p, q in zip(a_p, b_p):
+            gr = 3.0 * torch.randn(p.shape, generator=g)
+            p.grad, q.grad = gr.clone(), gr.clone()
+        norm_a, coef = grad_norm_and_clip_coef(a_p, 1.0)
+        assert 0 < float(coef) < 1  # the gradients really are clipped
+        a.step_if(torch.tensor(True), grad_scale=coef)
+        norm_b = clip_grad_norm(b_p, 1.0)
+        b.step_if(torch.tensor(True))
+        assert torch.equal(norm_a, norm_b)
+    for p, q in zip(a_p, b_p):
+        assert torch.equal(p, q)
+        assert torch.equal(a.state[p]["exp_avg_sq"], b.state[q]["exp_avg_sq"])
+
+
+def test_step_if_without_refresh_needs_loaded_hyperparameters() -> None:
+    p = _params(1)
+    opt = AdamW(p, lr=1e-2)
+    for q in p:
+        q.grad = torch.ones_like(q)
+    with pytest.raises(RuntimeError, match="load_hyperparameters"):
+        opt.step_if(torch.tensor(True), refresh=False)
+    opt.load_hyperparameters()
+    before = [q.detach().clone() for q in p]
+    opt.param_groups[0]["lr"] = 0.0  # not loaded: the update still uses lr 1e-2
+    opt.step_if(torch.tensor(True), refresh=False)
+    assert all(not torch.equal(q, b) for q, b in zip(p, before))

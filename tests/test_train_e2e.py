@@ -342,3 +342,11 @@ def test_real_text_bits_per_byte(shared_data: Path, tmp_path: Path) -> None:
     result = Trainer(cfg).run()
     assert result["val_loss"] < np.log(256)  # better than uniform over bytes
     assert result["val_bpb"] == pytest.approx(result["val_loss"] / np.log(2))
+
+
+def test_cuda_graph_option_is_ignored_off_cuda(shards: tuple[Path, Path], tmp_path: Path) -> None:
+    # train.cuda_graph only applies to one CUDA process; on the CPU the run is the plain one.
+    a = Trainer(_cfg(shards, tmp_path / "a", max_steps=4, cuda_graph=True))
+    b = Trainer(_cfg(shards, tmp_path / "b", max_steps=4))
+    ra, rb = a.run(), b.run()
+    assert a._graph is None and ra["train_loss"] == rb["train_loss"]

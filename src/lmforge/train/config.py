@@ -64,6 +64,8 @@ class TrainConfig:
     "autocast dtype for compute; master weights and optimizer state stay fp32"
     compile: bool = False
     "torch.compile the model"
+    cuda_graph: bool = False
+    "replay the whole step (forward, backward, clip, AdamW) as one CUDA graph after 3 warm-up steps (one CUDA process; ignored elsewhere)"
     activation_checkpointing: bool = False
     "recompute each block's activations in backward"
     loss: Literal["reference", "fused", "auto"] = "reference"

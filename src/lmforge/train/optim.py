@@ -60,6 +60,7 @@ class AdamW(torch.optim.Optimizer):
         self.compiled = compiled
         self._compiled_update: Callable[..., None] | None = None
         self._compiled_gated: Callable[..., None] | None = None
+        self._hp_device: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -93,7 +94,12 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_if(self, ok: torch.Tensor) -> None:
+    def step_if(
+        self,
+        ok: torch.Tensor,
+        grad_scale: torch.Tensor | None = None,
+        refresh: bool = True,
+    ) -> None:
         """One update where the 0-d bool tensor ``ok`` is True; nothing at all where it is False.
 
         The decision stays on the device: parameters, moments and step counts are written as
@@ -101,13 +107,19 @@ class AdamW(torch.optim.Optimizer):
         value bit-identical, and the host never waits for the GPU. The step counts move to the
         parameters' device (as torch's ``capturable`` AdamW keeps them) and the bias corrections
         are computed there in float64. With ``ok`` True the result equals :meth:`step`.
+
+        ``grad_scale`` (0-d device tensor) multiplies every gradient inside the update, as
+        gradient clipping would have scaled it in place (same fp32 product, one pass less over
+        the gradients). The hyperparameters (lr, λ, β, ε) live in one device tensor per group and
+        device; ``refresh=False`` uses it as it stands (a CUDA-graph capture must not record the
+        host-to-device copy; call :meth:`load_hyperparameters` before each replay instead).
         """
-        for group in self.param_groups:
+        if refresh:
+            self.load_hyperparameters()
+        for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
-            hp = [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]]
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for p in params:
                 if p.grad.is_sparse:
@@ -117,15 +129,17 @@ class AdamW(torch.optim.Optimizer):
                     state["step"] = state["step"].to(p.device, torch.float64)
                 by_device.setdefault(p.device, []).append(p)
             for device, ps in by_device.items():
-                hp_cpu = torch.tensor(hp, dtype=torch.float64)
-                if device.type == "cuda":  # pinned, so the copy does not wait for the stream
-                    hp_cpu = hp_cpu.pin_memory()
-                hp_t = hp_cpu.to(device, non_blocking=True)
+                hp_t = self._hp_device.get((gi, device))
+                if hp_t is None:
+                    raise RuntimeError(
+                        f"AdamW.step_if(refresh=False) before load_hyperparameters() on {device}"
+                    )
                 update = _adamw_gated_update
                 if self.compiled:
                     if self._compiled_gated is None:
                         self._compiled_gated = torch.compile(_adamw_gated_update)
                     update = self._compiled_gated
+                scale = torch.ones((), device=device) if grad_scale is None else grad_scale
                 update(
                     ps,
                     [p.grad for p in ps],
@@ -136,7 +150,24 @@ class AdamW(torch.optim.Optimizer):
                     [self.state[p]["step"].view(1) for p in ps],
                     hp_t,
                     ok.to(device),
+                    scale.to(device, torch.float32),
                 )
+
+    def load_hyperparameters(self) -> None:
+        """Copy each group's (lr, λ, β1, β2, ε) into its persistent float64 device tensor, one per
+        device holding its parameters (written in place, so a captured CUDA graph sees them)."""
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            hp = [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]]
+            for device in {p.device for p in group["params"]}:
+                hp_cpu = torch.tensor(hp, dtype=torch.float64)
+                if device.type == "cuda":  # pinned, so the copy does not wait for the stream
+                    hp_cpu = hp_cpu.pin_memory()
+                dev = self._hp_device.get((gi, device))
+                if dev is None:
+                    self._hp_device[(gi, device)] = hp_cpu.to(device, non_blocking=True)
+                else:
+                    dev.copy_(hp_cpu, non_blocking=True)
 
     def _step_single(self, group: dict, p: torch.Tensor) -> None:
         # The reference: one parameter at a time, the formula read top to bottom.
@@ -224,11 +255,14 @@ def _adamw_gated_update(
     steps: list[torch.Tensor],
     hp: torch.Tensor,
     ok: torch.Tensor,
+    scale: torch.Tensor,
 ) -> None:
     """AdamW where ``ok`` (0-d bool) holds, else no change; ``hp`` = [lr, λ, β1, β2, ε] float64,
-    ``steps`` float64 0-d counts. Same operation order as :func:`_adamw_update`."""
+    ``steps`` float64 0-d counts, ``scale`` an fp32 factor on every gradient (clipping). Same
+    operation order as :func:`_adamw_update`."""
     lr, wd, b1, b2, eps = hp.unbind(0)
     for p, g, m, v, t in zip(ps, grads, ms, vs, steps):
+        g = g * scale.to(g.dtype)
         t_new = t + ok.to(t.dtype)
         # Scalars in float64 (as the host computes them), then rounded once to the state dtype.
         decay = (1 - lr * wd).to(p.dtype)
@@ -256,11 +290,40 @@ def clip_grad_norm(
     Simplification: L2 norm only, no ``error_if_nonfinite``. Exercised by
     ``pytest tests/test_optim.py``.
     """
+    total, by_device = _grad_norm(params, foreach)
+    if not by_device:
+        return total
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (dev, _), gs in by_device.items():
+        if foreach:
+            torch._foreach_mul_(gs, coef.to(dev))
+        else:
+            for g in gs:
+                g.mul_(coef.to(dev))
+    return total
+
+
+@torch.no_grad()
+def grad_norm_and_clip_coef(
+    params: Iterable[torch.Tensor], max_norm: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global L2 norm of the gradients and the factor :func:`clip_grad_norm` would scale them
+    by, ``min(1, max_norm / (norm + 1e-6))``, without touching them: pass the factor to
+    :meth:`AdamW.step_if` as ``grad_scale`` to clip inside the update."""
+    total, _ = _grad_norm(params, True)
+    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def _grad_norm(
+    params: Iterable[torch.Tensor] | torch.Tensor, foreach: bool
+) -> tuple[torch.Tensor, dict[tuple, list[torch.Tensor]]]:
+    # Global L2 norm of the gradients (on the first gradient's device) and the gradients grouped
+    # by (device, dtype); a zero norm and no groups when nothing has a gradient.
     if isinstance(params, torch.Tensor):
         params = [params]
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros(()), {}
     by_device: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault((g.device, g.dtype), []).append(g)
@@ -271,12 +334,4 @@ def clip_grad_norm(
             norms.extend(n.to(device) for n in torch._foreach_norm(gs, 2.0))
         else:
             norms.extend(torch.linalg.vector_norm(g, 2.0).to(device) for g in gs)
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for (dev, _), gs in by_device.items():
-        if foreach:
-            torch._foreach_mul_(gs, coef.to(dev))
-        else:
-            for g in gs:
-                g.mul_(coef.to(dev))
-    return total
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0), by_device

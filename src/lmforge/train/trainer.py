@@ -20,6 +20,12 @@ runs the next step. (A host sync per step leaves the GPU idle while the host pre
 batch and launches the next forward: ~6 ms of a 65 ms GPT-2-small step on an H200.) Steps after
 which the loop must look at the model (eval, save, time limit, the last step) are read at once.
 Distributed strategies keep the synchronous step: one host read of loss and norm per step.
+There, clipping is folded into the update: the norm is computed, and AdamW scales each gradient by
+the clip factor as it reads it (one pass less over the gradients). ``train.cuda_graph`` goes one
+step further: after three eager warm-up steps the whole step (forward, backward, norm, gated
+update, running mean, record) is captured once as a CUDA graph and replayed, with the batch
+copied into fixed input buffers and the learning rate written into AdamW's device
+hyperparameters before each replay; the GPU then runs the step without per-kernel launch gaps.
 
 Exact resume: a checkpoint holds weights, optimizer state (gathered under ZeRO-1; one file per
 rank under FSDP/TP/PP, which must resume with the same layout), every data-parallel replica's
@@ -67,7 +73,7 @@ from lmforge.train.data import (
     open_source,
 )
 from lmforge.train.loss import cross_entropy
-from lmforge.train.optim import AdamW
+from lmforge.train.optim import AdamW, grad_norm_and_clip_coef
 from lmforge.train.plan import TrainingPlan, training_plan
 from lmforge.train.schedule import lr_at
 from lmforge.utils.config import config_to_dict, save_config
@@ -265,6 +271,18 @@ class _Pending:
     reason: str | None = None  # the host's skip reason (synchronous steps only)
 
 
+_GRAPH_WARMUP_STEPS = 3
+
+
+@dataclasses.dataclass
+class _StepGraph:
+    """A captured training step: replaying ``graph`` reads ``inputs`` and writes ``values``."""
+
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: list[tuple[torch.Tensor, torch.Tensor]]  # fixed (x, y) buffers per micro-batch
+    values: torch.Tensor  # the step's record, as _gated_update returns it
+
+
 class Trainer:
     """One training run from a :class:`~lmforge.config.RunConfig`.
 
@@ -333,6 +351,10 @@ class Trainer:
             and self.device_type == "cuda"
         )
         self._dev_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # (ema, good) on device
+        self._graph: _StepGraph | None = None
+        self._graph_warmups = 0  # eager steps run on the capture stream so far
+        self._graph_off = False  # a capture failed: eager steps from then on
+        self._graph_stream: torch.cuda.Stream | None = None
         # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
         # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
         dp_size = int(getattr(self.strategy, "dp_size", self.strategy.world_size))
@@ -627,19 +649,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.current_lr
         micro = [self.sampler.next_batch(tc.batch_size, self.device) for _ in range(tc.grad_accum)]
-        loss = self.strategy.forward_backward(micro, self.loss_fn)
-        norm = self.strategy.clip_grad_norm(tc.grad_clip if tc.grad_clip > 0 else math.inf)
-        loss32, norm32 = loss.float(), norm.float().to(loss.device)
-        reason = None
-        if self.deferred:
-            values = self._gated_update(loss32, norm32)
+        if self._graph_wanted():
+            values, reason = self._graph_step(micro), None
         else:
-            # The one host sync of a step: loss and norm decide whether the update is applied.
-            values = torch.stack([loss32, norm32])
-            reason = self._bad_reason(*values.tolist())
-            if reason is None:
-                self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            values, reason = self._step_body(micro)
         self.iteration += 1
         pending = _Pending(self.iteration, self.current_lr, values, reason=reason)
         if values.is_cuda:
@@ -649,9 +662,105 @@ class Trainer:
             pending.event.record()
         return pending
 
-    def _gated_update(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    def _step_body(
+        self, micro: list[tuple[torch.Tensor, torch.Tensor]], capturing: bool = False
+    ) -> tuple[torch.Tensor, str | None]:
+        # Forward/backward, clip and update of one step; (record, host skip reason). Everything
+        # here is also what a CUDA graph captures, so no host reads on the deferred path.
+        tc = self.tcfg
+        loss = self.strategy.forward_backward(micro, self.loss_fn)
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+        reason = None
+        if self.deferred:
+            from lmforge.parallel import Strategy
+
+            scale = None
+            if type(self.strategy).clip_grad_norm is Strategy.clip_grad_norm:
+                # One process, plain gradients: clip inside the update.
+                norm, scale = grad_norm_and_clip_coef(self.model.parameters(), max_norm)
+            else:
+                norm = self.strategy.clip_grad_norm(max_norm)
+            values = self._gated_update(
+                loss.float(), norm.float().to(loss.device), scale, refresh=not capturing
+            )
+        else:
+            norm = self.strategy.clip_grad_norm(max_norm)
+            # The one host sync of a step: loss and norm decide whether the update is applied.
+            values = torch.stack([loss.float(), norm.float().to(loss.device)])
+            reason = self._bad_reason(*values.tolist())
+            if reason is None:
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return values, reason
+
+    # -- CUDA graph of the whole step
+
+    def _graph_wanted(self) -> bool:
+        from lmforge.parallel import Strategy
+
+        return (
+            self.tcfg.cuda_graph
+            and not self._graph_off
+            and self.deferred
+            and self.device_type == "cuda"
+            and type(self.strategy) is Strategy
+        )
+
+    def _graph_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One step through the captured graph (capturing it first, after the warm-up steps)."""
+        g = self._graph
+        if g is None:
+            stream = self._graph_stream
+            if stream is None:
+                stream = self._graph_stream = torch.cuda.Stream(device=self.device)
+            cur = torch.cuda.current_stream(self.device)
+            stream.wait_stream(cur)
+            if self._graph_warmups < _GRAPH_WARMUP_STEPS:
+                # Warm-up on the capture stream: compilation, autotuning, lazy library set-up and
+                # optimizer state all happen here, outside the capture.
+                with torch.cuda.stream(stream):
+                    values, _ = self._step_body(micro)
+                cur.wait_stream(stream)
+                self._graph_warmups += 1
+                return values
+            static = [(x.clone(), y.clone()) for x, y in micro]
+            self.optimizer.load_hyperparameters()
+            cur.synchronize()
+            # The graph gets its own memory pool: hand the eager warm-up's cached blocks back
+            # first, so the footprint is one step's working set, not two.
+            torch.cuda.empty_cache()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, stream=stream):
+                    values, _ = self._step_body(static, capturing=True)
+            except Exception as e:  # e.g. an op that cannot be captured: stay eager
+                self._graph_off = True
+                self.optimizer.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                print(
+                    f"lmforge train: CUDA graph capture failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); continuing without it",
+                    file=sys.stderr,
+                )
+                return self._step_body(micro)[0]
+            g = self._graph = _StepGraph(graph, static, values)
+        for (sx, sy), (x, y) in zip(g.inputs, micro):
+            sx.copy_(x, non_blocking=True)
+            sy.copy_(y, non_blocking=True)
+        self.optimizer.load_hyperparameters()
+        g.graph.replay()
+        return g.values
+
+    def _gated_update(
+        self,
+        loss: torch.Tensor,
+        norm: torch.Tensor,
+        grad_scale: torch.Tensor | None = None,
+        refresh: bool = True,
+    ) -> torch.Tensor:
         """Decide on the device whether the step is good, update only then; return the record
-        (loss, norm, ok, mean before, mean after, good steps before) as a device tensor."""
+        (loss, norm, ok, mean before, mean after, good steps before) as a device tensor.
+        The running statistics are updated in place (a captured graph keeps their addresses)."""
         if self._dev_stats is None:  # from the host mirrors (fresh run or resumed checkpoint)
             ema = math.nan if self.loss_ema is None else self.loss_ema
             self._dev_stats = (
@@ -663,13 +772,14 @@ class Trainer:
         f = self.tcfg.spike_factor
         if f > 0:  # NaN mean (no good step yet) compares False: no spike
             ok = ok & ~((good >= 10) & (loss > f * ema))
-        self.optimizer.step_if(ok)
+        self.optimizer.step_if(ok, grad_scale=grad_scale, refresh=refresh)
         new_ema = torch.where(
             ok, torch.where(torch.isnan(ema), loss, 0.95 * ema + 0.05 * loss), ema
         )
-        new_good = good + ok.float()
-        self._dev_stats = (new_ema, new_good)
-        return torch.stack([loss, norm, ok.float(), ema, new_ema, good])
+        record = torch.stack([loss, norm, ok.float(), ema, new_ema, good])
+        ema.copy_(new_ema)
+        good.add_(ok.float())
+        return record
 
     def finish_step(self, pending: _Pending) -> tuple[float, float, str | None]:
         """Wait for a launched step's record; update the host counters; (loss, norm, reason).
