@@ -13,6 +13,11 @@
 #          sweeps   : benchmarks/rmsnorm_sweep.py and benchmarks/ce_sweep.py
 #          round4   : GPU tests of the CUDA-graph and sync-free steps; train.py reference loss with
 #                     train.cuda_graph off/on vs peer; fused-CE kernel table
+#          round6   : rope_bench.py; train.py reference loss with a kernel profile vs peer; the
+#                     previous RoPE formulation (A/B)
+#          round7   : train.py reference loss vs peer, in both orders
+#          round5   : train.py reference loss, compile mode default / max-autotune-no-cudagraphs,
+#                     for lmforge and the peer
 # Logs and result tables go to $OUT (default: runs/h200); RESULTS-*.md there are appended to
 # benchmarks/RESULTS.md by hand after review.
 set -u
@@ -84,6 +89,25 @@ case "${1:-kernels}" in
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | tail -9
         timeout 100 python3 benchmarks/kernels.py --only ce --results "$OUT/RESULTS-kernels.md" \
             2>&1 | tee "$OUT/kernels.log" | tail -12
+        ;;
+    round5)
+        timeout 580 python3 benchmarks/train.py --loss reference \
+            --compile-mode default,max-autotune-no-cudagraphs \
+            --peer-compile-mode default,max-autotune-no-cudagraphs \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -14
+        ;;
+    round6)
+        timeout 100 python3 benchmarks/rope_bench.py --results "$OUT/RESULTS-rope.md" 2>&1 | tee "$OUT/rope.log" | tail -9
+        timeout 260 python3 benchmarks/train.py --loss reference --profile 30 \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -5
+        timeout 140 python3 benchmarks/train.py --loss reference --no-peer --previous-rope \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-prev.log" | grep -v Warning | tail -4
+        ;;
+    round7)
+        timeout 200 python3 benchmarks/train.py --loss reference \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -5
+        timeout 200 python3 benchmarks/train.py --loss reference --peer-first \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train2.log" | grep -v Warning | tail -5
         ;;
     *) echo "unknown part $1"; exit 2 ;;
 esac

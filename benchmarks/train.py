@@ -78,6 +78,17 @@ def _parse() -> argparse.Namespace:
         help="lmforge train.cuda_graph settings to measure, comma-separated (off, on)",
     )
     p.add_argument(
+        "--compile-mode",
+        default="default",
+        help="lmforge train.compile_mode settings, comma-separated "
+        "(default, max-autotune-no-cudagraphs)",
+    )
+    p.add_argument(
+        "--peer-compile-mode",
+        default="default",
+        help="torch.compile modes for the peer, comma-separated (one peer row each)",
+    )
+    p.add_argument(
         "--untied", action="store_true", help="untied LM head (the gpt2-small preset as is)"
     )
     p.add_argument(
@@ -92,8 +103,14 @@ def _parse() -> argparse.Namespace:
         metavar="K",
         help="after timing, profile 3 steps of each model and print its top K CUDA kernels",
     )
+    p.add_argument(
+        "--previous-rope",
+        action="store_true",
+        help="lmforge rows with RoPE written as before (halves + stack; rope_bench.py), for an A/B",
+    )
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--peer-first", action="store_true", help="measure the peer before lmforge")
     p.add_argument("--results", help="append the table to this markdown file")
     p.add_argument("--real-data", metavar="DIR", help="train on token shards in DIR instead")
     p.add_argument("--minutes", type=float, default=10.0, help="real-data training time")
@@ -179,7 +196,8 @@ def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
     ]
     cuda = args.device.startswith("cuda")
     opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
-    fwd = model if args.no_compile else torch.compile(model)
+    mode = getattr(args, "peer_compile_mode", "default")
+    fwd = model if args.no_compile else torch.compile(model, mode=mode)
     g = torch.Generator(device="cpu").manual_seed(1)
     count = [0]
 
@@ -197,7 +215,11 @@ def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
             loss.item()
 
     n_params = sum(p.numel() for p in params)
-    return _time(step, argparse.Namespace(**vars(args), label="peer")) | {"params": n_params}
+    label = f"peer {getattr(args, 'peer_compile_mode', 'default')}"
+    out = _time(step, argparse.Namespace(**vars(args), label=label)) | {"params": n_params}
+    model = fwd = opt = params = groups = None  # free before the next row (see _bench_lmforge)
+    _release()
+    return out
 
 
 # ----------------------------------------------------------------------------- lmforge
@@ -239,6 +261,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         warmup_steps=10,
         precision="bf16",
         compile=not args.no_compile,
+        compile_mode=getattr(args, "compile_mode", "default"),
         loss=args.loss,
         cuda_graph=graph,
         progress=False,
@@ -252,6 +275,12 @@ def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
     import torch
 
     from lmforge.train import Trainer
+
+    if args.previous_rope:
+        from lmforge.model.layers import RotaryEmbedding
+        from rope_bench import _previous  # this folder is on sys.path when run as a script
+
+        RotaryEmbedding.forward = _previous  # type: ignore[method-assign]
 
     shard = _random_shards(tmp, 50304, 4_000_000)
     trainer = Trainer(_lmforge_cfg(args, str(tmp / "run"), shard))
@@ -270,7 +299,7 @@ def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
             trainer.finish_step(pending.pop())
         pending.append(launched)
 
-    label = f"lmforge {args.loss}{' graph' if graph else ''}"
+    label = f"lmforge {args.loss}{' graph' if graph else ''} {trainer.tcfg.compile_mode}"
     out = _time(step, argparse.Namespace(**vars(args), label=label, keep_peak=graph))
     trainer.finish_step(pending.pop())
     out["params"] = sum(p.numel() for p in trainer.model.parameters())
@@ -278,13 +307,19 @@ def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
     # Free everything before the next model: compiled-code caches can hold the module alive,
     # which would inflate the next row's peak memory.
     trainer = None
+    _release()
+    return out
+
+
+def _release() -> None:
     import gc
+
+    import torch
 
     torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return out
 
 
 # ----------------------------------------------------------------------------- timing
@@ -319,12 +354,18 @@ def _time(step, args: argparse.Namespace) -> dict:
             step()
             times.append(time.perf_counter() - t0)
     med = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    print(  # each row as it finishes, in case a time limit cuts the run short
+        f"{getattr(args, 'label', '')}: {1e3 * med:.1f} ms/step, "
+        f"{args.batch_size * args.seq / med:,.0f} tok/s, peak {peak:.2f} GiB",
+        file=sys.stderr,
+    )
     if cuda and getattr(args, "profile", 0):
         print(_kernel_profile(step, args.profile, getattr(args, "label", "")), file=sys.stderr)
     return {
         "step_s": med,
         "tokens_per_s": args.batch_size * args.seq / med,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        "peak_gib": peak,
     }
 
 
@@ -425,40 +466,64 @@ def _throughput(args: argparse.Namespace) -> str:
     from lmforge.utils.errors import LmforgeError
 
     _check_correctness(args.device)
-    rows = []
-    norms, graphs = args.norm.split(","), args.graph.split(",")
-    for norm, loss, graph in itertools.product(norms, args.loss.split(","), graphs):
-        one = argparse.Namespace(**{**vars(args), "loss": loss, "norm": norm, "graph": graph})
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                r = _bench_lmforge(one, Path(tmp))
-        except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
-            print(f"skipping norm={norm} loss={loss}: {e}", file=sys.stderr)
-            continue
-        opt = " compiled" if not args.no_compile else " foreach"
-        label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
-        label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
-        rows.append((f"lmforge ({label}, own AdamW{opt})", r))
-    peer = None
-    if not args.no_peer:
-        peer = _bench_peer(args, 50304)
-        # Same matmul shapes per token as lmforge (see the module docstring).
-        peer["flops_per_token"] = flops_per_token(load_preset("gpt2-small"), args.seq)
+    rows: list = []
+    peers: list = []
+
+    def run_lmforge() -> None:
+        norms, graphs, modes = (
+            args.norm.split(","),
+            args.graph.split(","),
+            args.compile_mode.split(","),
+        )
+        for norm, loss, graph, mode in itertools.product(
+            norms, args.loss.split(","), graphs, modes
+        ):
+            one = argparse.Namespace(
+                **{**vars(args), "loss": loss, "norm": norm, "graph": graph, "compile_mode": mode}
+            )
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    r = _bench_lmforge(one, Path(tmp))
+            except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
+                print(f"skipping norm={norm} loss={loss}: {e}", file=sys.stderr)
+                continue
+            opt = " compiled" if not args.no_compile else " foreach"
+            label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
+            label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
+            label += f", mode {mode}" if len(modes) > 1 or mode != "default" else ""
+            label += ", previous RoPE" if args.previous_rope else ""
+            rows.append((f"lmforge ({label}, own AdamW{opt})", r))
+
+    def run_peers() -> None:
+        peer_modes = [] if args.no_peer else args.peer_compile_mode.split(",")
+        for mode in peer_modes:
+            one = argparse.Namespace(**{**vars(args), "peer_compile_mode": mode})
+            r = _bench_peer(one, 50304)
+            # Same matmul shapes per token as lmforge (see the module docstring).
+            r["flops_per_token"] = flops_per_token(load_preset("gpt2-small"), args.seq)
+            name = "peer (nanoGPT-style, torch AdamW fused"
+            name += f", mode {mode})" if len(peer_modes) > 1 or mode != "default" else ")"
+            peers.append((name, r))
+
+    for part in (run_peers, run_lmforge) if args.peer_first else (run_lmforge, run_peers):
+        part()
+    peer = peers[0][1] if peers else None  # ratios are against the first peer row
     head = (
         f"GPT-2-small shape, batch {args.batch_size} × {args.seq}, bf16 autocast, "
         f"compile={not args.no_compile}, attention={args.attention}, norm={args.norm}, "
         f"fused projections={args.fused_projections}, "
-        f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}\n\n"
+        f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}"
+        f"{'; peer measured first' if args.peer_first else ''}\n\n"
     )
     lines = [
         "| model | params | step (ms, median) | tokens/s | MFU | peak memory (GiB) | vs peer (tokens/s, memory) |",
         "|---|---|---|---|---|---|---|",
     ]
-    all_rows = rows + ([("peer (nanoGPT-style, torch AdamW fused)", peer)] if peer else [])
+    all_rows = rows + peers
     for name, r in all_rows:
         mfu = r["tokens_per_s"] * r["flops_per_token"] / (PEAK_TFLOPS * 1e12)
         vs = ""
-        if peer is not None and r is not peer:
+        if peer is not None and all(r is not q for _, q in peers):
             vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}×, {r['peak_gib'] / peer['peak_gib']:.3f}×"
         lines.append(
             f"| {name} | {r['params'] / 1e6:.1f}M | {1e3 * r['step_s']:.1f} | "

@@ -313,13 +313,13 @@ class RotaryEmbedding(nn.Module):
         """
         cos = self.cos[token_positions].float()  # (..., T, E/2)
         sin = self.sin[token_positions].float()  # (..., T, E/2)
-        x32 = x.float()
-        x_even = x32[..., 0::2]  # (..., T, E/2)
-        x_odd = x32[..., 1::2]  # (..., T, E/2)
-        out_even = x_even * cos - x_odd * sin
-        out_odd = x_even * sin + x_odd * cos
-        out = torch.stack((out_even, out_odd), dim=-1).flatten(-2)  # (..., T, E)
-        return out.to(x.dtype)
+        pairs = x.float().unflatten(-1, (-1, 2))  # (..., T, E/2, 2): (x[2i], x[2i+1])
+        # out[2i] = x[2i]·cos − x[2i+1]·sin, out[2i+1] = x[2i+1]·cos + x[2i]·sin, written as one
+        # element-wise expression over the pairs and their swap (same fp32 products and sums as
+        # the two-halves form, so the same values).
+        signed_sin = torch.stack((-sin, sin), dim=-1)  # (..., T, E/2, 2)
+        out = pairs * cos.unsqueeze(-1) + pairs.flip(-1) * signed_sin  # (..., T, E/2, 2)
+        return out.flatten(-2).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"

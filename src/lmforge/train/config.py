@@ -64,6 +64,8 @@ class TrainConfig:
     "autocast dtype for compute; master weights and optimizer state stay fp32"
     compile: bool = False
     "torch.compile the model"
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
+    "torch.compile mode (max-autotune-no-cudagraphs: autotuned GEMMs and tuned launch configs; longer compile)"
     cuda_graph: bool = False
     "replay the whole step (forward, backward, clip, AdamW) as one CUDA graph after 3 warm-up steps (one CUDA process; ignored elsewhere)"
     activation_checkpointing: bool = False

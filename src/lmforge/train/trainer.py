@@ -320,14 +320,15 @@ class Trainer:
         self._fused_loss: Callable[..., torch.Tensor] = _fused_model_loss
         self._model_loss: Callable[..., torch.Tensor] | None = None
         if tc.compile:
-            model.compile()
-            self._ce = torch.compile(cross_entropy)
+            mode = tc.compile_mode
+            model.compile(mode=mode)
+            self._ce = torch.compile(cross_entropy, mode=mode)
             # Forward and loss in one graph: the (B, T, V) logits and their fp32 upcast stay inside
             # it (fused by the compiler) instead of being materialised between two graphs.
-            self._model_loss = torch.compile(_model_loss)
+            self._model_loss = torch.compile(_model_loss, mode=mode)
             # Likewise hidden states + fused loss: the kernels are custom ops the compiler traces,
             # so model and LM-head loss are one graph (the fused loss is single-process only).
-            self._fused_loss = torch.compile(_fused_model_loss)
+            self._fused_loss = torch.compile(_fused_model_loss, mode=mode)
         self.fused = self._pick_fused_loss()
         self.strategy = self._build_strategy(model)
         self.is_main = self.strategy.is_main
