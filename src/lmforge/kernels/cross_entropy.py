@@ -143,7 +143,8 @@ def _accumulate(
     acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     loss = torch.empty(n, dtype=acc_t, device=hidden.device)  # (N,)
     dh = torch.empty_like(hidden) if want_dh else None  # (N, D)
-    dw = torch.zeros_like(weight) if want_dw else None  # (V, D), accumulated in weight.dtype
+    # (V, D), accumulated in weight.dtype; the first chunk writes it (no zero fill, no read).
+    dw = torch.empty_like(weight) if want_dw else None
     grad = want_dh or want_dw
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
@@ -156,11 +157,18 @@ def _accumulate(
         if dh is not None:
             torch.mm(g, w, out=dh[r0:r1])  # (n, D)
         if dw is not None:
-            if dw.dtype == g.dtype:
+            if r0 == 0:
+                if dw.dtype == g.dtype:
+                    torch.mm(g.T, h, out=dw)  # (V, D)
+                else:
+                    dw.copy_(g.T @ h)
+            elif dw.dtype == g.dtype:
                 dw.addmm_(g.T, h)  # (V, D)
             else:
                 dw += (g.T @ h).to(dw.dtype)
         del logits, g
+    if dw is not None and n == 0:
+        dw.zero_()
     return loss, dh, dw
 
 

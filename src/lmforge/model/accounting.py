@@ -177,8 +177,9 @@ def _layer_activation_bytes(
     attn_in = a * d * (3 if separate else 1)
     ffn_in = a * d * (2 if separate else 1)
     qk_norm = 4 * (2 * h * e + h + 2 * k * e + k) if cfg.qk_norm else 0
-    # RoPE keeps the gathered cos/sin (fp32, one (T, E/2) pair each for q and k, shared by rows).
-    rope = 4 * 2 * e / batch_size
+    # RoPE keeps, for q and for k, the gathered cos (fp32, (T, E/2)) and the signed sin pairs
+    # ((T, E/2, 2)), shared by the rows of the batch.
+    rope = 2 * 4 * (e // 2 + e) / batch_size
     if fused_attention:
         # q, k, v, the output and the fp32 log-sum-exp per head.
         attn = a * (2 * h * e + 2 * k * e) + 4 * h
@@ -186,7 +187,10 @@ def _layer_activation_bytes(
         # q and the repeated k, v, plus the T-long score rows: masked scores and exp (fp32),
         # probabilities (compute dtype), and the row max.
         attn = a * 3 * h * e + (8 + a) * h * seq_len + 4 * h
-    out_proj_in = a * h * e
+    # RoPE's output keeps q's (B, T, H, E) memory order, and so does the fused attention's
+    # output: output_proj's input is then a view of the tensor attention saved. The reference
+    # attention's (B, H, T, E) output is copied by the reshape.
+    out_proj_in = 0 if fused_attention else a * h * e
     # Fused projections: q, k, v are views of one (H+2K)·E matmul output, kept whole while any
     # view of it is saved (v by SDPA/flash; q and k by QK-norm in fp32, where .float() is not a
     # copy); what is held beyond the parts counted above.
