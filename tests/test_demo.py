@@ -31,6 +31,14 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert Path(report["checkpoint"]).is_dir() and len(report["samples"]) == 4
     printed = capsys.readouterr().out
     assert "bits per byte" in printed and "unigram" in printed
+    # Run again into the same folder: the earlier training run is set aside, not an error.
+    rc = main(
+        ["demo", "--data", str(data), "--out", str(out), "--preset", "tiny", "--vocab-size", "300",
+         "--max-minutes", "0.05", "--max-steps", "5", "--eval-every", "5", "--eval-batches", "1",
+         "--sample-tokens", "4", "--tokenizer-mb", "0.5", "--device", "cpu"]
+    )  # fmt: skip
+    assert rc == 0 and (out / "train.previous").is_dir()
+    assert json.loads((out / "report.json").read_text())["steps"] == 5
 
 
 def test_demo_bad_data_path_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

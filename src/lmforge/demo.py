@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -73,6 +74,19 @@ def unigram_baseline(
     return float(-logp[np.asarray(val_tokens, dtype=np.int64)].mean())
 
 
+def _set_aside_previous_run(train_dir: Path) -> None:
+    # Each demo trains from scratch on freshly built tokenizer and shards: an earlier demo's run
+    # folder (the trainer refuses to overwrite checkpoints) moves to train.previous, replacing
+    # an older one, so rerunning the README's first command just works.
+    if not train_dir.is_dir() or not any(train_dir.iterdir()):
+        return
+    previous = train_dir.with_name(train_dir.name + ".previous")
+    if previous.exists():
+        shutil.rmtree(previous)
+    train_dir.rename(previous)
+    _log(f"an earlier demo run was in {train_dir}; moved it to {previous}")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo from parsed CLI arguments; returns the exit status."""
     from lmforge.config import RunConfig
@@ -86,6 +100,7 @@ def run_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = expand_inputs(args.data) if args.data else default_corpus_files()
+    _set_aside_previous_run(out / "train")
     train_files, val_files = split_files(files)
     n_bytes = sum(f.stat().st_size for f in files)
     _log(
