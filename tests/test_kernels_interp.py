@@ -243,6 +243,11 @@ else:
         )
         got, g = _grads(y, (xt,))
         _close(got[0], torch.autograd.grad(ref, (xr,), g.double())[0], dtype, "rope dx")
+        # A head dim that is not a power of two: padded pair lanes, masked on load and store.
+        x = torch.randn(3, 5, 48, generator=gen).to(dtype)
+        tab = RotaryEmbedding(10000.0, 48, 8)
+        y = rope(x, tab.cos[:5], tab.sin[:5])
+        _close(y, rope_reference(x.double(), tab.cos[:5], tab.sin[:5]), dtype, "rope e=48")
 
     def test_model_with_lmforge_kernels_matches_reference_backends() -> None:
         # The model's flash / triton backends and the trainer's fused loss against sdpa +

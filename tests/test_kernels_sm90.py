@@ -99,3 +99,6 @@ def test_norm_loss_and_elementwise_kernels_compile_for_sm90() -> None:
     compiled = _compile(ew._rope, "bf16", consts, 4, 1, {"C": "*fp32", "S": "*fp32"}, ints=("T",),
                         div16=("HALF",))  # fmt: skip
     assert compiled.metadata.shared <= SMEM_LIMIT
+    # Whole rows, not stride-2 pairs: 16-byte loads and stores of x and y.
+    assert "ld.global.v4" in compiled.asm["ptx"], "rope loads should vectorise"
+    assert "st.global.v4" in compiled.asm["ptx"], "rope stores should vectorise"

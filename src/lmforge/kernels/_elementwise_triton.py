@@ -65,20 +65,25 @@ def swiglu_backward(
     return da, db
 
 
-@triton.jit(do_not_specialize=["rows", "T"])  # HALF specialised: vector cos/sin loads
+@triton.jit(do_not_specialize=["rows", "T"])  # HALF specialised: vector loads and stores
 def _rope(X, C, S, Y, rows, T, HALF, SIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     # X, Y: (rows, 2·HALF) contiguous, row r at position r % T; C, S: (T, HALF) float32.
+    # Whole rows are loaded and stored contiguously (16-byte accesses); the (x[2i], x[2i+1])
+    # pairs are separated and re-interleaved in registers.
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     i = tl.arange(0, BLOCK_H)
-    mask = (r[:, None] < rows) & (i[None, :] < HALF)
+    j = tl.arange(0, 2 * BLOCK_H)
+    row_ok = r[:, None] < rows
     t = r % T
-    c = tl.load(C + t[:, None] * HALF + i[None, :], mask=mask, other=0.0)
-    s = tl.load(S + t[:, None] * HALF + i[None, :], mask=mask, other=0.0) * SIGN
-    base = r[:, None] * (2 * HALF) + 2 * i[None, :]
-    x0 = tl.load(X + base, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(X + base + 1, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + base, (x0 * c - x1 * s).to(Y.dtype.element_ty), mask=mask)
-    tl.store(Y + base + 1, (x0 * s + x1 * c).to(Y.dtype.element_ty), mask=mask)
+    cs_mask = row_ok & (i[None, :] < HALF)
+    c = tl.load(C + t[:, None] * HALF + i[None, :], mask=cs_mask, other=0.0)
+    s = tl.load(S + t[:, None] * HALF + i[None, :], mask=cs_mask, other=0.0) * SIGN
+    offs = r[:, None] * (2 * HALF) + j[None, :]
+    x_mask = row_ok & (j[None, :] < 2 * HALF)
+    x = tl.load(X + offs, mask=x_mask, other=0.0).to(tl.float32)  # (ROWS, 2·BLOCK_H)
+    x0, x1 = tl.split(tl.reshape(x, (ROWS, BLOCK_H, 2)))  # even and odd elements
+    y = tl.join(x0 * c - x1 * s, x0 * s + x1 * c)  # (ROWS, BLOCK_H, 2)
+    tl.store(Y + offs, tl.reshape(y, (ROWS, 2 * BLOCK_H)).to(Y.dtype.element_ty), mask=x_mask)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
