@@ -352,6 +352,10 @@ class Trainer:
             and self.device_type == "cuda"
         )
         self._dev_stats: tuple[torch.Tensor, torch.Tensor] | None = None  # (ema, good) on device
+        # One plain process: clipping can go into the update, and the step can be captured.
+        from lmforge.parallel import Strategy
+
+        self._single_process = type(self.strategy) is Strategy
         self._graph: _StepGraph | None = None
         self._graph_warmups = 0  # eager steps run on the capture stream so far
         self._graph_off = False  # a capture failed: eager steps from then on
@@ -673,11 +677,8 @@ class Trainer:
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
         reason = None
         if self.deferred:
-            from lmforge.parallel import Strategy
-
             scale = None
-            if type(self.strategy).clip_grad_norm is Strategy.clip_grad_norm:
-                # One process, plain gradients: clip inside the update.
+            if self._single_process:  # plain gradients: clip inside the update
                 norm, scale = grad_norm_and_clip_coef(self.model.parameters(), max_norm)
             else:
                 norm = self.strategy.clip_grad_norm(max_norm)
@@ -697,14 +698,12 @@ class Trainer:
     # -- CUDA graph of the whole step
 
     def _graph_wanted(self) -> bool:
-        from lmforge.parallel import Strategy
-
         return (
             self.tcfg.cuda_graph
             and not self._graph_off
             and self.deferred
             and self.device_type == "cuda"
-            and type(self.strategy) is Strategy
+            and self._single_process
         )
 
     def _graph_step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
