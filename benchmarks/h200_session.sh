@@ -16,8 +16,9 @@
 #          round6   : rope_bench.py; train.py reference loss with a kernel profile vs peer; the
 #                     previous RoPE formulation (A/B)
 #          round7   : train.py reference loss vs peer, in both orders
-#          round8   : (not yet run) GPU tests of RoPE/CE kernels; rope_bench.py (row-wise Triton
-#                     RoPE); CE kernel table (dW written by the first chunk); train.py vs peer
+#          round8   : GPU tests of RoPE/CE kernels and of attention='cudnn'; rope_bench.py (row-wise
+#                     Triton RoPE); CE kernel table (dW written by the first chunk); train.py with
+#                     SDPA default vs cuDNN-first, lmforge and peer
 #          round5   : train.py reference loss, compile mode default / max-autotune-no-cudagraphs,
 #                     for lmforge and the peer
 # Logs and result tables go to $OUT (default: runs/h200); RESULTS-*.md there are appended to
@@ -117,8 +118,11 @@ case "${1:-kernels}" in
         timeout 100 python3 benchmarks/rope_bench.py --results "$OUT/RESULTS-rope.md" 2>&1 | tee "$OUT/rope.log" | tail -9
         timeout 100 python3 benchmarks/kernels.py --only ce --results "$OUT/RESULTS-kernels.md" \
             2>&1 | tee "$OUT/kernels.log" | tail -8
-        timeout 200 python3 benchmarks/train.py --loss reference --results "$OUT/RESULTS-train.md" \
-            2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -5
+        timeout 60 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_model.py \
+            -k "cudnn or kernel_backends" 2>&1 | tee "$OUT/gpu-tests8b.log" | tail -4
+        timeout 330 python3 benchmarks/train.py --loss reference --attention sdpa,cudnn \
+            --peer-attention default,cudnn --results "$OUT/RESULTS-train.md" \
+            2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -8
         ;;
     *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -36,6 +36,7 @@ holds ``loss_curve.png`` and ``metrics.jsonl``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import math
@@ -60,7 +61,14 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (include compilation)")
     p.add_argument(
-        "--attention", default="sdpa", help="lmforge attention backend (sdpa, flash, auto)"
+        "--attention",
+        default="sdpa",
+        help="lmforge attention backends to measure, comma-separated (sdpa, cudnn, flash, auto)",
+    )
+    p.add_argument(
+        "--peer-attention",
+        default="default",
+        help="SDPA backend order for the peer, comma-separated (default, cudnn); one row each",
     )
     p.add_argument(
         "--norm",
@@ -184,6 +192,14 @@ def _peer_model(vocab: int, seq: int, n_layer: int, n_head: int, d: int):
     return GPT()
 
 
+def _cudnn_first():
+    """torch SDPA with cuDNN attention tried first (as lmforge's ``attention='cudnn'``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return sdpa_kernel([*order, SDPBackend.MATH], set_priority=True)
+
+
 def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
     import torch
 
@@ -200,11 +216,15 @@ def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
     fwd = model if args.no_compile else torch.compile(model, mode=mode)
     g = torch.Generator(device="cpu").manual_seed(1)
     count = [0]
+    att = getattr(args, "peer_attention", "default")
+    if att not in ("default", "cudnn"):
+        raise SystemExit(f"--peer-attention: expected default or cudnn, got {att!r}")
+    sdpa_order = _cudnn_first if att == "cudnn" else contextlib.nullcontext
 
     def step() -> None:
         x = torch.randint(0, vocab, (args.batch_size, args.seq + 1), generator=g)
         x = x.pin_memory().to(args.device, non_blocking=True) if cuda else x
-        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16):
+        with sdpa_order(), torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16):
             loss = fwd(x[:, :-1], x[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -215,7 +235,7 @@ def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
             loss.item()
 
     n_params = sum(p.numel() for p in params)
-    label = f"peer {getattr(args, 'peer_compile_mode', 'default')}"
+    label = f"peer {getattr(args, 'peer_compile_mode', 'default')} SDPA {att}"
     out = _time(step, argparse.Namespace(**vars(args), label=label)) | {"params": n_params}
     model = fwd = opt = params = groups = None  # free before the next row (see _bench_lmforge)
     _release()
@@ -470,16 +490,24 @@ def _throughput(args: argparse.Namespace) -> str:
     peers: list = []
 
     def run_lmforge() -> None:
-        norms, graphs, modes = (
+        atts, norms, graphs, modes = (
+            args.attention.split(","),
             args.norm.split(","),
             args.graph.split(","),
             args.compile_mode.split(","),
         )
-        for norm, loss, graph, mode in itertools.product(
-            norms, args.loss.split(","), graphs, modes
+        for att, norm, loss, graph, mode in itertools.product(
+            atts, norms, args.loss.split(","), graphs, modes
         ):
             one = argparse.Namespace(
-                **{**vars(args), "loss": loss, "norm": norm, "graph": graph, "compile_mode": mode}
+                **{
+                    **vars(args),
+                    "attention": att,
+                    "loss": loss,
+                    "norm": norm,
+                    "graph": graph,
+                    "compile_mode": mode,
+                }
             )
             try:
                 with tempfile.TemporaryDirectory() as tmp:
@@ -489,6 +517,7 @@ def _throughput(args: argparse.Namespace) -> str:
                 continue
             opt = " compiled" if not args.no_compile else " foreach"
             label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
+            label += f", attention={att}" if len(atts) > 1 else ""
             label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
             label += f", mode {mode}" if len(modes) > 1 or mode != "default" else ""
             label += ", previous RoPE" if args.previous_rope else ""
@@ -496,14 +525,19 @@ def _throughput(args: argparse.Namespace) -> str:
 
     def run_peers() -> None:
         peer_modes = [] if args.no_peer else args.peer_compile_mode.split(",")
-        for mode in peer_modes:
-            one = argparse.Namespace(**{**vars(args), "peer_compile_mode": mode})
+        peer_atts = args.peer_attention.split(",")
+        for mode, att in itertools.product(peer_modes, peer_atts):
+            one = argparse.Namespace(
+                **{**vars(args), "peer_compile_mode": mode, "peer_attention": att}
+            )
             r = _bench_peer(one, 50304)
             # Same matmul shapes per token as lmforge (see the module docstring).
             r["flops_per_token"] = flops_per_token(load_preset("gpt2-small"), args.seq)
-            name = "peer (nanoGPT-style, torch AdamW fused"
-            name += f", mode {mode})" if len(peer_modes) > 1 or mode != "default" else ")"
-            peers.append((name, r))
+            extra = [f"mode {mode}"] if len(peer_modes) > 1 or mode != "default" else []
+            extra += [f"SDPA {att}"] if len(peer_atts) > 1 or att != "default" else []
+            peers.append(
+                (f"peer (nanoGPT-style, torch AdamW fused{''.join(', ' + x for x in extra)})", r)
+            )
 
     for part in (run_peers, run_lmforge) if args.peer_first else (run_lmforge, run_peers):
         part()

@@ -88,6 +88,25 @@ def test_reference_and_sdpa_backends_agree_bf16_autocast():
     torch.testing.assert_close(a.float(), fp32, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("kv", [4, 2])
+def test_cudnn_backend_falls_back_to_sdpa_off_cuda(kv):
+    """``attention='cudnn'`` only reorders torch's SDPA backends: on CPU it equals ``sdpa``,
+    gradients included, and the backend order outside the call is left as it was."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    before = _cur_sdpa_kernel_backends(with_priority=True)
+    sdpa = _model(attention="sdpa", n_kv_heads=kv)
+    cudnn = _model(attention="cudnn", n_kv_heads=kv)
+    ids = _ids()
+    a, b = sdpa(ids), cudnn(ids)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for (name, p), q in zip(sdpa.named_parameters(), cudnn.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    assert _cur_sdpa_kernel_backends(with_priority=True) == before
+
+
 def test_gqa_equals_mha_with_repeated_kv_heads():
     """A GQA model equals an MHA model whose k/v rows repeat each kv-head H/K times."""
     gqa = _model(n_kv_heads=2)
@@ -108,7 +127,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
         torch.testing.assert_close(gqa(ids), mha(ids), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "cudnn"])
 def test_causal_masking(backend):
     model = _model(attention=backend)
     ids = _ids(t=16)
@@ -375,7 +394,12 @@ def test_gpu_kernel_backends_match_reference(kv):
     torch.manual_seed(0)
     ref = TransformerLM(dataclasses.replace(cfg, attention="reference"), device="cuda")
     ids = torch.randint(0, 1000, (2, 256), device="cuda")
-    for attention, norm in [("sdpa", "reference"), ("flash", "triton"), ("auto", "auto")]:
+    for attention, norm in [
+        ("sdpa", "reference"),
+        ("cudnn", "reference"),
+        ("flash", "triton"),
+        ("auto", "auto"),
+    ]:
         torch.manual_seed(0)
         fast = TransformerLM(dataclasses.replace(cfg, attention=attention, norm=norm), "cuda")
         # fp32 tolerance allows for TF32 dot products inside the Triton kernel.
@@ -414,9 +438,47 @@ def test_gpu_compile_with_kernel_backends_matches_eager():
         torch.testing.assert_close(q.grad, p.grad, rtol=0.1, atol=1e-3, msg=name)
 
 
+@pytest.mark.gpu
+def test_gpu_cudnn_backend_runs_cudnn_kernels_compiled_and_eager():
+    """``attention='cudnn'`` really dispatches to cuDNN (not flash) in eager and compiled models,
+    and agrees with the default SDPA choice in outputs and gradients."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = ModelConfig(
+        vocab_size=1000, context_length=256, d_model=512, n_layers=2, n_heads=8, tie_embeddings=True
+    )
+    ids = torch.randint(0, 1000, (4, 256), device="cuda")
+    runs = {}
+    for attention, compiled in [("sdpa", False), ("cudnn", False), ("cudnn", True)]:
+        torch.manual_seed(0)
+        model = TransformerLM(dataclasses.replace(cfg, attention=attention), device="cuda")
+        if compiled:
+            model.compile()
+        for _ in range(2):  # the second call is profiled (after compilation)
+            model.zero_grad(set_to_none=True)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = model(ids).float()
+                out.square().mean().backward()
+                torch.cuda.synchronize()
+        names = {e.name.lower() for e in prof.events() if e.device_type.name == "CUDA"}
+        grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        runs[(attention, compiled)] = (out.detach(), grads, names)
+    flash_names = {n for n in runs[("sdpa", False)][2] if "flash" in n}
+    assert flash_names, "the default SDPA choice should be the flash kernel here"
+    for key in [("cudnn", False), ("cudnn", True)]:
+        out, grads, names = runs[key]
+        assert not names & flash_names, f"{key}: still runs {names & flash_names}"
+        torch.testing.assert_close(out, runs[("sdpa", False)][0], rtol=0.05, atol=0.05)
+        for name, g in grads.items():
+            ref = runs[("sdpa", False)][1][name]
+            torch.testing.assert_close(g, ref, rtol=0.1, atol=2e-3, msg=f"{key} {name}")
+
+
 @pytest.mark.slow
-def test_torch_compile_matches_eager():
-    model = _model(attention="sdpa")
+@pytest.mark.parametrize("attention", ["sdpa", "cudnn"])
+def test_torch_compile_matches_eager(attention):
+    model = _model(attention=attention)
     compiled = torch.compile(model)
     ids = _ids()
     torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)

@@ -77,7 +77,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed calls per measurement")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--attention", choices=["reference", "sdpa", "flash", "auto"], default=None)
+    p.add_argument(
+        "--attention", choices=["reference", "sdpa", "cudnn", "flash", "auto"], default=None
+    )
     p.add_argument("--norm", choices=["reference", "triton", "auto"], default=None)
     p.add_argument("--loss", choices=["reference", "fused"], default="reference")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU")

@@ -40,8 +40,10 @@ class ModelConfig:
     "share the token-embedding matrix with the LM head"
     logit_soft_cap: float | None = None
     "cap logits to ±c via c·tanh(x/c) (None = off)"
-    attention: Literal["reference", "sdpa", "flash", "auto"] = "sdpa"
-    "attention backend: reference (own math), sdpa (torch), flash (lmforge Triton), auto"
+    attention: Literal["reference", "sdpa", "cudnn", "flash", "auto"] = "sdpa"
+    "attention backend: reference (own math), sdpa (torch's default choice), cudnn (torch SDPA"
+    " with its cuDNN kernel first; on an H200, GPT-2-small compiled, 63.8 vs 63.6 ms/step for"
+    " sdpa), flash (lmforge Triton), auto"
     norm: Literal["reference", "triton", "auto"] = "reference"
     "RMSNorm backend: reference (own math) or lmforge's fused Triton kernel"
     fused_projections: bool = False
@@ -66,9 +68,9 @@ class ModelConfig:
             raise ValueError(f"d_ff must be positive, got {self.d_ff}")
         if self.logit_soft_cap is not None and self.logit_soft_cap <= 0:
             raise ValueError(f"logit_soft_cap must be positive or unset, got {self.logit_soft_cap}")
-        if self.attention not in ("reference", "sdpa", "flash", "auto"):
+        if self.attention not in ("reference", "sdpa", "cudnn", "flash", "auto"):
             raise ValueError(
-                f"attention must be reference, sdpa, flash or auto, got {self.attention!r}"
+                f"attention must be reference, sdpa, cudnn, flash or auto, got {self.attention!r}"
             )
         if self.norm not in ("reference", "triton", "auto"):
             raise ValueError(f"norm must be reference, triton or auto, got {self.norm!r}")

@@ -13,6 +13,9 @@ Attention backends (``ModelConfig.attention``):
   (K/V heads repeated for GQA);
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``, with
   ``enable_gqa`` on torch ≥ 2.5 (K/V repeated before that);
+- ``cudnn``: the same SDPA call with cuDNN's fused attention put first in torch's backend order
+  (``torch.nn.attention.sdpa_kernel(..., set_priority=True)``); where cuDNN does not take the
+  input (CPU, a layout or head dim it lacks) torch picks its next backend as ``sdpa`` would;
 - ``flash``: ``lmforge.kernels.flash_attention(q, k, v, is_causal=True)`` (lmforge's Triton
   FlashAttention), resolved when the model is built;
 - ``auto``: ``flash`` when ``lmforge.kernels.flash_supported(q, k, v)`` says so, else ``sdpa``.
@@ -214,6 +217,9 @@ class CausalSelfAttention(nn.Module):
             return self._flash(q, k, v, is_causal=True)
         if backend == "sdpa":
             return self._sdpa(q, k, v, None)
+        if backend == "cudnn":
+            with _cudnn_first():
+                return self._sdpa(q, k, v, None)
         t = q.shape[-2]
         mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
         return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
@@ -237,6 +243,19 @@ class CausalSelfAttention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+def _cudnn_first() -> Any:
+    """A context in which torch SDPA tries cuDNN attention before its other backends."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    return sdpa_kernel(order, set_priority=True)
 
 
 class TransformerBlock(nn.Module):
