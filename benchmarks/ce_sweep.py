@@ -5,9 +5,11 @@ bf16 tolerance), then forward + backward time (warmup, CUDA events, median; see
 ``lmforge.bench.timing.time_ms``) and extra peak memory for each variant of lmforge's fused op
 next to unfused torch (bf16 matmul + fp32 cross-entropy) and Liger-Kernel (when installed),
 then a torch-profiler table of the default variant's CUDA kernels. Variants: rows per chunk
-(memory against fewer, larger GEMMs and fewer read-modify-write passes over dW) and the target
-range check (one host sync) on or off. An earlier version also swept a split-row schedule of the
-chunk kernel and a hand split-K of dh; neither helped (benchmarks/RESULTS.md) and both are gone.
+(memory against fewer, larger GEMMs and fewer read-modify-write passes over dW) and the chunk
+kernel's launch for long rows. First, the chunk kernel alone at the chunk shapes over its launch
+configs. (Split-row schedules — two kernels, or one with row slices held in registers and a
+per-row wait — persistent programs, and a hand split-K of dh were measured slower:
+benchmarks/RESULTS.md.)
 Shapes are the kernels issue's: N=16384 rows, (D, V) = (768, 50304) and (2048, 128256).
 
     PYTHONPATH=src python benchmarks/ce_sweep.py
@@ -34,34 +36,99 @@ def _parse() -> argparse.Namespace:
     )
     p.add_argument("--shapes", default="16384x768x50304,16384x2048x128256", help="NxDxV,...")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--kernel-shapes",
+        default="256x50304,512x50304,512x128256",
+        help="ROWSxV chunk shapes for the chunk-kernel sweep ('' skips it)",
+    )
     p.add_argument("--results", help="append the tables to this markdown file")
     return p.parse_args()
 
 
 def _variants() -> list[dict]:
-    out = []
-    for chunk in (0, 512, 1024):
-        for check in (True, False):
-            out.append({"chunk": chunk, "check_targets": check})
-    return out
+    return [
+        {"chunk": 0, "long": None},
+        {"chunk": 0, "long": (32768, 32)},
+        {"chunk": 1024, "long": None},
+    ]
 
 
 def _name(variant: dict) -> str:
     chunk = variant["chunk"] or "default"
-    check = "checked targets" if variant["check_targets"] else "no target check (no host sync)"
-    return f"chunk {chunk}, {check}"
+    long = variant["long"]
+    launch = f"rows > 65536: BLOCK_V {long[0]}, {long[1]} warps" if long else "default launch"
+    return f"chunk {chunk}, {launch}"
 
 
 def _call(variant: dict):
+    from lmforge.kernels import _cross_entropy_triton as k
     from lmforge.kernels import fused_linear_cross_entropy
 
     def ours(h, w, t, **kw):
-        return fused_linear_cross_entropy(
-            h, w, t, backend="triton", chunk_rows=variant["chunk"] or None,
-            check_targets=variant["check_targets"], **kw,
-        )  # fmt: skip
+        before = (k.LONG_BLOCK_V, k.LONG_WARPS)
+        k.LONG_BLOCK_V, k.LONG_WARPS = variant["long"] or before
+        try:  # as the trainer calls it: no target check, no host sync
+            return fused_linear_cross_entropy(
+                h, w, t, backend="triton", chunk_rows=variant["chunk"] or None,
+                check_targets=False, **kw,
+            )  # fmt: skip
+        finally:
+            k.LONG_BLOCK_V, k.LONG_WARPS = before
 
     return ours
+
+
+def _kernel_sweep(shapes: list[tuple[int, int]], iters: int) -> list[str]:
+    """The chunk step alone on (rows, V) bf16 logits over launch configs (slice width, warps),
+    each checked against the default launch first."""
+    import functools
+
+    import torch
+
+    from lmforge.bench.timing import copy_bandwidth_gbs, markdown_table, time_ms
+    from lmforge.kernels import _cross_entropy_triton as k
+
+    bw = copy_bandwidth_gbs()
+    out = []
+    for rows_n, v in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        z0 = (torch.randn(rows_n, v, device="cuda", generator=gen) * 3).bfloat16()
+        t = torch.randint(0, v, (rows_n,), device="cuda", generator=gen)
+        scale = torch.full((1,), 1.0 / rows_n, device="cuda").expand(rows_n)
+        loss = torch.empty(rows_n, device="cuda")
+        ref, ref_loss = z0.clone(), torch.empty(rows_n, device="cuda")
+        k.loss_and_grad_(ref, t, scale, -100, 0.0, True, ref_loss)
+        z = z0.clone()
+        floor = 3 * z.numel() * 2 / (bw * 1e9) * 1e3  # read, read again, write
+        table = []
+        for block, warps in ((8192, 16), (16384, 16), (16384, 32), (32768, 16), (32768, 32)):
+            cfg = [block, warps]
+            kw = {"block": block, "num_warps": warps}
+            try:
+                z.copy_(z0)
+                k.loss_and_grad_(z, t, scale, -100, 0.0, True, loss, **kw)
+                # Other slice widths sum in another order: equal within rounding.
+                same = (z.float() - ref.float()).abs().max().item() <= 1e-3 and (
+                    torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)
+                )
+                if not same:
+                    table.append([*cfg, "MISMATCH", "-"])
+                    continue
+                step = functools.partial(k.loss_and_grad_, z, t, scale, -100, 0.0, True, loss, **kw)
+                ms = time_ms(step, 3, iters)
+                table.append([*cfg, round(ms * 1e3, 1), round(ms / floor, 2)])
+            except Exception as e:  # a config that does not compile is reported
+                table.append([*cfg, f"failed: {type(e).__name__}"[:60], "-"])
+            print(f"kernel {rows_n}x{v} {table[-1]}", file=sys.stderr)
+        out += [
+            f"### Chunk step alone, {rows_n}×{v} bf16 logits (µs; three-pass floor "
+            f"{floor * 1e3:.1f} µs, two-pass {floor * 2e3 / 3:.1f} µs, at the copy bandwidth "
+            f"{bw:,.0f} GB/s)",
+            "",
+            markdown_table(["BLOCK_V", "warps", "µs", "× 3-pass floor"], table),
+            "",
+        ]
+    return out
 
 
 def _check(variants: list[dict]) -> bool:
@@ -122,6 +189,9 @@ def main() -> int:
         print("ce_sweep.py: correctness check failed", file=sys.stderr)
         return 1
     out = [f"## ce_sweep — {environment_line()}", ""]
+    if args.kernel_shapes:
+        shapes = [tuple(int(x) for x in sp.split("x")) for sp in args.kernel_shapes.split(",")]
+        out += _kernel_sweep(shapes, args.iters)
     for spec in args.shapes.split(","):
         n, d, v = (int(x) for x in spec.split("x"))
         out += _shape(n, d, v, variants, args.iters)
@@ -179,6 +249,14 @@ def _shape(n: int, d: int, v: int, variants: list[dict], iters: int) -> list[str
         "```",
         "",
     ]
+    if liger:
+        out += [
+            "CUDA kernels of one fwd+bwd, Liger-Kernel:",
+            "```",
+            _profile_table(functools.partial(fwd_bwd, liger)),
+            "```",
+            "",
+        ]
     return out
 
 

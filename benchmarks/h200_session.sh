@@ -16,6 +16,8 @@
 #          round6   : rope_bench.py; train.py reference loss with a kernel profile vs peer; the
 #                     previous RoPE formulation (A/B)
 #          round7   : train.py reference loss vs peer, in both orders
+#          round9   : GPU tests of the CE kernels; ce_sweep.py (chunk-kernel launch configs incl.
+#                     persistent programs, fused CE variants, Liger, torch)
 #          round8   : GPU tests of RoPE/CE kernels and of attention='cudnn'; rope_bench.py (row-wise
 #                     Triton RoPE); CE kernel table (dW written by the first chunk); train.py with
 #                     SDPA default vs cuDNN-first, lmforge and peer
@@ -111,6 +113,14 @@ case "${1:-kernels}" in
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -5
         timeout 200 python3 benchmarks/train.py --loss reference --peer-first \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train2.log" | grep -v Warning | tail -5
+        ;;
+    round9)
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            -k "entropy" 2>&1 | tee "$OUT/gpu-tests9.log" | tail -4
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_model.py \
+            -k "cudnn_backend_runs" 2>&1 | tee "$OUT/gpu-tests9b.log" | tail -4
+        timeout 300 python3 benchmarks/ce_sweep.py --iters 10 --results "$OUT/RESULTS-ce.md" \
+            2>&1 | tee "$OUT/ce.log" | grep -v "^kernel \|^16384x\|^check" | grep -v "^ \|^---" | tail -100
         ;;
     round8)
         timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \

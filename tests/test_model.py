@@ -440,8 +440,9 @@ def test_gpu_compile_with_kernel_backends_matches_eager():
 
 @pytest.mark.gpu
 def test_gpu_cudnn_backend_runs_cudnn_kernels_compiled_and_eager():
-    """``attention='cudnn'`` really dispatches to cuDNN (not flash) in eager and compiled models,
-    and agrees with the default SDPA choice in outputs and gradients."""
+    """``attention='cudnn'`` dispatches to cuDNN's fused attention in eager and compiled models
+    (torch 2.11 on an H200 already picks it for plain ``sdpa``) and agrees with ``sdpa`` in
+    outputs and gradients."""
     from torch.profiler import ProfilerActivity, profile
 
     cfg = ModelConfig(
@@ -464,11 +465,10 @@ def test_gpu_cudnn_backend_runs_cudnn_kernels_compiled_and_eager():
         names = {e.name.lower() for e in prof.events() if e.device_type.name == "CUDA"}
         grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
         runs[(attention, compiled)] = (out.detach(), grads, names)
-    flash_names = {n for n in runs[("sdpa", False)][2] if "flash" in n}
-    assert flash_names, "the default SDPA choice should be the flash kernel here"
     for key in [("cudnn", False), ("cudnn", True)]:
         out, grads, names = runs[key]
-        assert not names & flash_names, f"{key}: still runs {names & flash_names}"
+        attn = {n for n in names if "sdpa" in n or "flash" in n or "fmha" in n or "attention" in n}
+        assert attn and all("cudnn" in n for n in attn), f"{key}: attention kernels {attn}"
         torch.testing.assert_close(out, runs[("sdpa", False)][0], rtol=0.05, atol=0.05)
         for name, g in grads.items():
             ref = runs[("sdpa", False)][1][name]

@@ -55,6 +55,25 @@ def _ce_row(
             tl.store(z_row + v0 + cols, g.to(Z.dtype.element_ty), mask=in_row)
 
 
+# Launch choice on CUDA, from benchmarks/ce_sweep.py's chunk-kernel sweep on an H200 (RESULTS.md,
+# fourth session): a chunk has only a few hundred rows (one program each, 1-4 per SM), so each
+# program keeps many loads in flight — wide slices, many warps, and wider still for long rows
+# (512×128256: 16384 columns × 32 warps 115 µs vs 8192 × 16 134 µs; 256×50304 and 512×50304:
+# 8192 × 16 best, 22.0 and 47.2 µs).
+BLOCK_V = 8192
+LONG_ROW = 65536  # rows longer than this use the LONG_* launch
+LONG_BLOCK_V = 16384
+LONG_WARPS = 32
+
+
+def launch_config(v: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the chunk kernel for rows of ``v`` logits on CUDA."""
+    if v > LONG_ROW:
+        return LONG_BLOCK_V, LONG_WARPS
+    block_v = min(BLOCK_V, triton.next_power_of_2(v))
+    return block_v, 16 if block_v >= 8192 else (8 if block_v >= 2048 else 4)
+
+
 def loss_and_grad_(
     logits: torch.Tensor,
     targets: torch.Tensor,
@@ -63,18 +82,23 @@ def loss_and_grad_(
     z_loss: float,
     compute_grad: bool,
     loss: torch.Tensor,
+    *,
+    block: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Writes the loss per row into ``loss`` (n,) (contiguous; float32, or float64); logits (n, V)
-    become the gradient. ``scale`` (n,) may be an expanded scalar (stride 0)."""
+    become the gradient. ``scale`` (n,) may be an expanded scalar (stride 0). ``block`` and
+    ``num_warps`` override :func:`launch_config` on CUDA (for sweeps)."""
     if interpreting():
         ensure_interpreter_compat()
     if logits.stride(-1) != 1:
         raise ValueError("cross-entropy chunk: logits need a unit column stride")
     n, v = logits.shape
-    # Chunks have only a few hundred rows (1-2 programs per SM), so each program keeps many
-    # loads in flight: wide slices and many warps.
-    block_v = 1024 if interpreting() else min(8192, triton.next_power_of_2(v))
-    warps = 16 if block_v >= 8192 else (8 if block_v >= 2048 else 4)
+    if interpreting():
+        block_v, warps = 1024, 4
+    else:
+        block_v, warps = launch_config(v)
+        block_v, warps = block or block_v, num_warps or warps
     _ce_row[(n,)](
         logits, logits.stride(0), targets, scale, scale.stride(0), loss, v, ignore_index, z_loss,
         COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=warps,
