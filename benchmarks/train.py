@@ -81,6 +81,11 @@ def _parse() -> argparse.Namespace:
         help="lmforge loss paths to measure, comma-separated (reference, fused, auto)",
     )
     p.add_argument(
+        "--loss-chunk",
+        default="0",
+        help="train.loss_chunk_rows values for the fused-loss rows, comma-separated (0 = default)",
+    )
+    p.add_argument(
         "--graph",
         default="off",
         help="lmforge train.cuda_graph settings to measure, comma-separated (off, on)",
@@ -283,6 +288,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         compile=not args.no_compile,
         compile_mode=getattr(args, "compile_mode", "default"),
         loss=args.loss,
+        loss_chunk_rows=int(getattr(args, "loss_chunk", 0) or 0),
         cuda_graph=graph,
         progress=False,
         plot=False,
@@ -496,14 +502,18 @@ def _throughput(args: argparse.Namespace) -> str:
             args.graph.split(","),
             args.compile_mode.split(","),
         )
-        for att, norm, loss, graph, mode in itertools.product(
-            atts, norms, args.loss.split(","), graphs, modes
+        chunks = args.loss_chunk.split(",")
+        for att, norm, loss, chunk, graph, mode in itertools.product(
+            atts, norms, args.loss.split(","), chunks, graphs, modes
         ):
+            if loss == "reference" and chunk != chunks[0]:
+                continue  # the chunk size only matters to the fused loss
             one = argparse.Namespace(
                 **{
                     **vars(args),
                     "attention": att,
                     "loss": loss,
+                    "loss_chunk": chunk,
                     "norm": norm,
                     "graph": graph,
                     "compile_mode": mode,
@@ -518,6 +528,8 @@ def _throughput(args: argparse.Namespace) -> str:
             opt = " compiled" if not args.no_compile else " foreach"
             label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
             label += f", attention={att}" if len(atts) > 1 else ""
+            if loss != "reference" and (len(chunks) > 1 or chunk != "0"):
+                label += f", chunk {chunk if chunk != '0' else 'default'}"
             label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
             label += f", mode {mode}" if len(modes) > 1 or mode != "default" else ""
             label += ", previous RoPE" if args.previous_rope else ""
@@ -582,7 +594,9 @@ def _real_data(args: argparse.Namespace) -> str:
     tok_dir = Path(args.real_data) / "tokenizer"
     cfg = dataclasses.replace(
         cfg,
-        model=dataclasses.replace(cfg.model, attention=args.attention, norm=args.norm),
+        model=dataclasses.replace(
+            cfg.model, attention=args.attention.split(",")[0], norm=args.norm.split(",")[0]
+        ),
         train=dataclasses.replace(
             cfg.train,
             out_dir=args.out,

@@ -75,6 +75,32 @@ def test_fused_loss_path_matches_reference(tmp_path: Path) -> None:
     )
 
 
+def test_fused_loss_chunk_rows_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.loss_chunk_rows reaches the fused op (as its chunk size) and changes only the
+    schedule, not the loss or gradients; a negative value is one clear error."""
+    kernels = pytest.importorskip("lmforge.kernels")
+    seen: list[object] = []
+    real = kernels.fused_linear_cross_entropy
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(kwargs.get("chunk_rows"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "fused_linear_cross_entropy", spy)
+    results = []
+    for rows in (0, 5):
+        t = Trainer(_cfg(tmp_path, loss="fused", loss_chunk_rows=rows))
+        x, y = t.sampler.next_batch(2, "cpu")
+        loss = t.loss_fn(t.model, x, y)
+        loss.backward()
+        results.append((loss.detach(), t.model.lm_head.weight.grad.clone()))
+    assert seen == [None, 5]
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-7)
+    with pytest.raises(LmforgeError, match="loss_chunk_rows"):
+        Trainer(_cfg(tmp_path, loss="fused", loss_chunk_rows=-1))
+
+
 def test_fused_with_soft_cap_is_an_error(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, loss="fused")
     capped = ModelConfig(**{**vars(cfg.model), "logit_soft_cap": 30.0})

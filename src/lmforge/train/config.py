@@ -72,6 +72,8 @@ class TrainConfig:
     "recompute each block's activations in backward"
     loss: Literal["reference", "fused", "auto"] = "reference"
     "loss path: reference (logits + cross-entropy) or fused linear + cross-entropy"
+    loss_chunk_rows: int = 0
+    "fused loss: rows of logits per chunk (0 = Liger's rule: a chunk about the hidden states' size). Larger chunks hold chunk × vocab logits and run faster: GPT-2-small on an H200, 8192 rows: 62.7 ms/step at 12.77 GiB vs 63.4 ms at 15.03 GiB for the reference loss"
     z_loss: float = 0.0
     "z-loss coefficient on log Z² (0 = off)"
     eval_every: int = 200

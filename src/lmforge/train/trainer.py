@@ -415,6 +415,8 @@ class Trainer:
 
     def _pick_fused_loss(self) -> Callable[..., torch.Tensor] | None:
         tc = self.tcfg
+        if tc.loss_chunk_rows < 0:
+            raise LmforgeError(f"train.loss_chunk_rows must be 0 or more, got {tc.loss_chunk_rows}")
         if tc.loss == "reference" or (tc.loss == "auto" and self.mcfg.logit_soft_cap is not None):
             return None
         if self.runtime.world_size > 1:
@@ -459,7 +461,9 @@ class Trainer:
         """Mean next-token loss of one micro-batch x (B, T), y (B, T) (the strategy's LossFn)."""
         with self._autocast():
             if self.fused is not None:
-                return self._fused_loss(self.model, self.fused, x, y, self.tcfg.z_loss)
+                return self._fused_loss(
+                    self.model, self.fused, x, y, self.tcfg.z_loss, self.tcfg.loss_chunk_rows
+                )
             if self._model_loss is not None and self.strategy.world_size == 1:
                 return self._model_loss(model, x, y, self.tcfg.z_loss)
             logits = model(x)  # (B, T, V)
@@ -984,9 +988,11 @@ def _fused_model_loss(
     x: torch.Tensor,
     y: torch.Tensor,
     z_loss: float,
+    chunk_rows: int = 0,
 ) -> torch.Tensor:
     """Mean fused linear + cross-entropy of ``model``'s hidden states against ``y``; compiled as
-    one graph by the trainer. ``fused``: ``lmforge.kernels.fused_linear_cross_entropy``."""
+    one graph by the trainer. ``fused``: ``lmforge.kernels.fused_linear_cross_entropy``;
+    ``chunk_rows`` 0 = its default chunk."""
     h = model.forward_hidden(x)  # (B, T, D)
     D = h.shape[-1]
     return fused(
@@ -995,6 +1001,7 @@ def _fused_model_loss(
         y.reshape(-1),  # (B·T,)
         ignore_index=-100,
         z_loss=z_loss,
+        chunk_rows=chunk_rows or None,
         check_targets=False,  # the sampler checked every id against the vocabulary
     )
 
