@@ -42,8 +42,8 @@ class ModelConfig:
     "cap logits to ±c via c·tanh(x/c) (None = off)"
     attention: Literal["reference", "sdpa", "cudnn", "flash", "auto"] = "sdpa"
     "attention backend: reference (own math), sdpa (torch's default choice), cudnn (torch SDPA"
-    " with its cuDNN kernel first; on an H200, GPT-2-small compiled, 63.8 vs 63.6 ms/step for"
-    " sdpa), flash (lmforge Triton), auto"
+    " with its cuDNN kernel first, for torch builds or GPUs whose default picks another; torch"
+    " 2.11 on an H200 already picks cuDNN for sdpa), flash (lmforge Triton), auto"
     norm: Literal["reference", "triton", "auto"] = "reference"
     "RMSNorm backend: reference (own math) or lmforge's fused Triton kernel"
     fused_projections: bool = False
