@@ -14,6 +14,7 @@ Shapes are the kernels issue's: N=16384 rows, (D, V) = (768, 50304) and (2048, 1
 
     PYTHONPATH=src python benchmarks/ce_sweep.py
     PYTHONPATH=src python benchmarks/ce_sweep.py --shapes 16384x768x50304 --iters 20
+    PYTHONPATH=src python benchmarks/ce_sweep.py --launches
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ def _parse() -> argparse.Namespace:
         "--kernel-shapes",
         default="256x50304,512x50304,512x128256",
         help="ROWSxV chunk shapes for the chunk-kernel sweep ('' skips it)",
+    )
+    p.add_argument(
+        "--launches",
+        action="store_true",
+        help="only the chunk kernel's launch sweep, alone and inside the op, next to Liger",
     )
     p.add_argument("--results", help="append the tables to this markdown file")
     return p.parse_args()
@@ -131,6 +137,112 @@ def _kernel_sweep(shapes: list[tuple[int, int]], iters: int) -> list[str]:
     return out
 
 
+# Chunk-kernel launches (BLOCK_V, warps) timed alone and inside the op by --launches.
+LAUNCHES_LONG = [(16384, 32), (16384, 16), (32768, 32), (8192, 16), (8192, 32), (4096, 16)]
+LAUNCHES_SHORT = [(8192, 16), (8192, 32), (4096, 8), (4096, 16), (16384, 32)]
+
+
+def _kernel_us_in_op(fn, name: str) -> float:
+    """Mean GPU µs per launch of the kernels whose name contains ``name`` during ``fn()``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    total, count = 0.0, 0
+    for ev in prof.key_averages():
+        if name in ev.key:
+            total += getattr(ev, "device_time_total", 0.0) or ev.cuda_time_total
+            count += ev.count
+    return total / max(count, 1)
+
+
+def _launch_sweep(n: int, d: int, v: int, iters: int) -> list[str]:
+    """The chunk kernel's launches, each timed three ways: alone on one chunk's logits, inside
+    the whole fused op (profiler, per launch) and the whole op; Liger's kernel and op in the
+    same run."""
+    import functools
+
+    import torch
+
+    from lmforge.bench.kernels import _liger_ce
+    from lmforge.bench.timing import markdown_table, time_ms
+    from lmforge.kernels import _cross_entropy_triton as k
+    from lmforge.kernels import fused_linear_cross_entropy
+    from lmforge.kernels.cross_entropy import default_chunk_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(n, d, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, d, device="cuda", generator=gen) / math.sqrt(d)).bfloat16()
+    w.requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    rows_n = default_chunk_rows(n, d, v)
+    z0 = (torch.randn(rows_n, v, device="cuda", generator=gen) * 3).bfloat16()
+    tc = t[:rows_n].contiguous()
+    scale = torch.full((1,), 1.0 / rows_n, device="cuda").expand(rows_n)
+    loss = torch.empty(rows_n, device="cuda")
+    z = z0.clone()
+
+    def op():
+        out = fused_linear_cross_entropy(h, w, t, backend="triton", check_targets=False)
+        return torch.autograd.grad(out, (h, w))
+
+    liger = _liger_ce()
+
+    def lig():
+        return torch.autograd.grad(liger(h, w, t), (h, w))
+
+    saved = k.launch_config
+
+    def use(block: int, warps: int) -> None:
+        k.launch_config = lambda _v: (block, warps)  # the op's launch, too
+
+    def restore() -> None:
+        k.launch_config = saved
+
+    # Wall times first: after a torch.profiler session the host launches more slowly, and a
+    # chunked op of hundreds of launches would be timed host-bound.
+    launches = LAUNCHES_LONG if v > k.LONG_ROW else LAUNCHES_SHORT
+    table = [["Liger", "-", "-", "-", "-", round(time_ms(lig, 2, iters), 2)]] if liger else []
+    for block, warps in launches:
+        name = "lmforge" + (" (default)" if (block, warps) == saved(v) else "")
+        try:
+            use(block, warps)
+            step = functools.partial(k.loss_and_grad_, z, tc, scale, -100, 0.0, True, loss)
+            alone = time_ms(step, 3, iters) * 1e3
+            table.append(
+                [name, block, warps, round(alone, 1), "-", round(time_ms(op, 2, iters), 2)]
+            )
+        except Exception as e:  # a launch that fails to compile is reported
+            table.append([name, block, warps, f"failed: {type(e).__name__}"[:60], "-", "-"])
+        finally:
+            restore()
+        print(f"launch {n}x{d}x{v} {table[-1]}", file=sys.stderr)
+    # Then each kernel's GPU time per launch inside the op, from the profiler.
+    if liger:
+        table[0][4] = round(_kernel_us_in_op(lig, "liger_cross_entropy"), 1)
+    for row, (block, warps) in zip(table[1 if liger else 0 :], launches):
+        if row[4] == "-" and not str(row[3]).startswith("failed"):
+            try:
+                use(block, warps)
+                row[4] = round(_kernel_us_in_op(op, "_ce_row"), 1)
+            finally:
+                restore()
+    return [
+        f"### Chunk-kernel launches, N×D→V = {n}×{d}→{v} ({rows_n}-row chunks)",
+        "",
+        markdown_table(
+            ["kernel", "BLOCK_V", "warps", "alone µs", "in the op µs/launch", "op fwd+bwd ms"],
+            table,
+        ),
+        "",
+    ]
+
+
 def _check(variants: list[dict]) -> bool:
     import torch
 
@@ -189,10 +301,15 @@ def main() -> int:
         print("ce_sweep.py: correctness check failed", file=sys.stderr)
         return 1
     out = [f"## ce_sweep — {environment_line()}", ""]
+    if args.launches:
+        for spec in args.shapes.split(","):
+            out += _launch_sweep(*(int(x) for x in spec.split("x")), args.iters)
+            torch.cuda.empty_cache()
+        args.kernel_shapes, args.shapes = "", ""
     if args.kernel_shapes:
         shapes = [tuple(int(x) for x in sp.split("x")) for sp in args.kernel_shapes.split(",")]
         out += _kernel_sweep(shapes, args.iters)
-    for spec in args.shapes.split(","):
+    for spec in filter(None, args.shapes.split(",")):
         n, d, v = (int(x) for x in spec.split("x"))
         out += _shape(n, d, v, variants, args.iters)
         torch.cuda.empty_cache()

@@ -16,6 +16,16 @@
 #          round6   : rope_bench.py; train.py reference loss with a kernel profile vs peer; the
 #                     previous RoPE formulation (A/B)
 #          round7   : train.py reference loss vs peer, in both orders
+#          round11  : GPU tests of CE/RoPE kernels and model backends (rope='triton'); rope_bench.py;
+#                     ce_sweep.py (fused CE variants, Liger, torch, kernel profiles); kernels.py ce
+#          round14  : GPU tests of the CE kernels; ce_sweep.py --launches at 16384×2048→128256;
+#                     kernels.py ce (the final chunk kernel against Liger)
+#          round13  : GPU tests (CE/RoPE kernels, model backends); train.py fused loss (8192-row
+#                     chunks), RoPE reference vs auto, peer measured first
+#          round12  : rope_bench.py (incl. the Triton kernel's launches); train.py fused loss
+#                     (8192-row chunks), RoPE reference vs triton (fastest launch), profile, peer
+#          round10  : GPU tests of the CE chunk kernel (every launch); ce_sweep.py
+#                     --launches (each schedule alone, inside the op, the whole op; Liger)
 #          round9   : GPU tests of the CE kernels; ce_sweep.py (chunk-kernel launch configs incl.
 #                     persistent programs, fused CE variants, Liger, torch)
 #          round8   : GPU tests of RoPE/CE kernels and of attention='cudnn'; rope_bench.py (row-wise
@@ -113,6 +123,47 @@ case "${1:-kernels}" in
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -5
         timeout 200 python3 benchmarks/train.py --loss reference --peer-first \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train2.log" | grep -v Warning | tail -5
+        ;;
+    round11)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            tests/test_model.py -k "entropy or rope or kernel_backends or compile_with" 2>&1 \
+            | tee "$OUT/gpu-tests11.log" | tail -4
+        timeout 100 python3 benchmarks/rope_bench.py --results "$OUT/RESULTS-rope.md" 2>&1 \
+            | tee "$OUT/rope.log" | tail -10
+        timeout 200 python3 benchmarks/ce_sweep.py --kernel-shapes "" --iters 10 \
+            --results "$OUT/RESULTS-ce.md" 2>&1 | tee "$OUT/ce.log" | grep "^|" | tail -20
+        timeout 100 python3 benchmarks/kernels.py --only ce --results "$OUT/RESULTS-kernels.md" \
+            2>&1 | tee "$OUT/kernels.log" | tail -8
+        ;;
+    round14)
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            -k "entropy" 2>&1 | tee "$OUT/gpu-tests14.log" | tail -4
+        timeout 200 python3 benchmarks/ce_sweep.py --launches --shapes 16384x2048x128256 \
+            --iters 10 --results "$OUT/RESULTS-ce.md" 2>&1 | tee "$OUT/ce.log" | grep "^|"
+        timeout 100 python3 benchmarks/kernels.py --only ce --results "$OUT/RESULTS-kernels.md" \
+            2>&1 | tee "$OUT/kernels.log" | tail -5
+        ;;
+    round13)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            tests/test_model.py -k "entropy or rope or kernel_backends or compile_with" 2>&1 \
+            | tee "$OUT/gpu-tests13.log" | tail -4
+        timeout 380 python3 benchmarks/train.py --loss fused --loss-chunk 8192 \
+            --rope reference,auto --peer-first --results "$OUT/RESULTS-train.md" \
+            2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -12
+        ;;
+    round12)
+        timeout 100 python3 benchmarks/rope_bench.py --results "$OUT/RESULTS-rope.md" \
+            --best-out "$OUT/rope_best.txt" 2>&1 | tee "$OUT/rope.log" | tail -14
+        timeout 480 python3 benchmarks/train.py --loss fused --loss-chunk 8192 \
+            --rope reference,triton --rope-kernel-config "$(cat "$OUT/rope_best.txt")" \
+            --profile 30 --results "$OUT/RESULTS-train.md" \
+            2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -80
+        ;;
+    round10)
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            -k "entropy" 2>&1 | tee "$OUT/gpu-tests10.log" | tail -4
+        timeout 420 python3 benchmarks/ce_sweep.py --launches --iters 10 \
+            --results "$OUT/RESULTS-ce.md" 2>&1 | tee "$OUT/ce.log" | grep -v "^launch" | tail -60
         ;;
     round9)
         timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \

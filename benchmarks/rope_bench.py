@@ -4,9 +4,10 @@ Shape: GPT-2-small training (batch 32, 12 heads, 1024 positions, head dim 64), b
 the projections write them, (B, T, H, E), rotated through the (B, H, T, E) transposed view the
 attention takes. Rows: the model's current formulation (one element-wise expression over the
 (x[2i], x[2i+1]) pairs and their swap), the previous one (rotate the even and odd halves, then
-re-interleave with stack), and lmforge's Triton RoPE op (contiguous input). Correctness first
-(outputs and gradients of the formulations must be equal, and within bf16 tolerance of a float64
-reference), then GPU time (``lmforge.bench.timing.time_ms``) and the floor: bytes moved (read
+re-interleave with stack), and lmforge's Triton RoPE op (on a contiguous copy of the transposed
+view, and on the (B, T, H, E) layout before the transpose, as ``model.rope='triton'`` runs it).
+Correctness first (outputs and gradients of the two formulations must be equal, and every row
+within bf16 tolerance of a float64 reference), then GPU time (``lmforge.bench.timing.time_ms``) and the floor: bytes moved (read
 q, k; write both; the same in backward) over the measured device copy bandwidth.
 
     PYTHONPATH=src python benchmarks/rope_bench.py
@@ -35,8 +36,13 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--results", help="append the table to this markdown file")
+    p.add_argument("--best-out", help="write the fastest Triton launch as ELEMS,WARPS to this file")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code paths only")
     return p.parse_args()
+
+
+# (elements per program, warps) launches of the Triton kernel timed alone
+ROPE_CONFIGS = [(2048, 4), (4096, 4), (8192, 8), (1024, 2), (2048, 2), (4096, 8)]
 
 
 def _previous(rope, x, positions):  # the formulation the model used before (for the A/B)
@@ -89,8 +95,15 @@ def main() -> int:
             kt = k.transpose(1, 2).contiguous()
             return rope_triton(qt, cos, sin), rope_triton(kt, cos, sin)
 
+        def triton_heads(q, k):  # as model.rope='triton' runs it: before the transpose
+            cos, sin = rope.cos[:t], rope.sin[:t]
+            qo = rope_triton(q, cos, sin, seq_dim=-3)
+            ko = rope_triton(k, cos, sin, seq_dim=-3)
+            return qo.transpose(1, 2), ko.transpose(1, 2)
+
         if dev == "cuda":
             impls["lmforge Triton op (after .contiguous())"] = triton_op
+            impls["lmforge Triton op on (B, T, H, E), model.rope='triton'"] = triton_heads
     except ImportError:
         pass
 
@@ -111,6 +124,10 @@ def main() -> int:
     gerr = (a[2].double() - ref_g).abs().max().item()
     assert err < 2e-2 and gerr < 2e-2, (err, gerr)
     print(f"correctness: formulations equal; vs float64 |Δ| out {err:.1e}, grad {gerr:.1e}")
+    for name, got in outs.items():  # every implementation within bf16 rounding of float64
+        e_out = (got[0].double() - ref).abs().max().item()
+        e_grad = (got[2].double() - ref_g).abs().max().item()
+        assert e_out < 2e-2 and e_grad < 2e-2, (name, e_out, e_grad)
 
     # GPU time of compiled fwd+bwd.
     nbytes = 2 * 2 * q.numel() * q.element_size() * 2  # q and k; read + write; fwd + bwd
@@ -129,6 +146,31 @@ def main() -> int:
         ms = time_ms(step, iters=args.iters, device=dev)
         rows.append((name, ms, nbytes / ms / 1e6))
     floor_ms = nbytes / copy_gbs / 1e6
+    if dev == "cuda":  # the Triton kernel's launch configs alone, as model.rope='triton' runs it
+        from lmforge.kernels import _elementwise_triton as ew
+
+        cos32, sin32 = rope.cos[:t].float(), rope.sin[:t].float()
+        qd, kd = q.detach(), k.detach()
+        want = ew.rope(qd, cos32, sin32, False, h)
+        best = None
+        for cfg in ROPE_CONFIGS:
+
+            def fwd_bwd(cfg=cfg):  # forward of q and k, then the inverse rotation of each
+                for x in (qd, kd):
+                    ew.rope(x, cos32, sin32, False, h, config=cfg)
+                    ew.rope(x, cos32, sin32, True, h, config=cfg)
+
+            torch.testing.assert_close(ew.rope(qd, cos32, sin32, False, h, config=cfg), want)
+            ms = time_ms(fwd_bwd, iters=args.iters, device=dev)
+            default = cfg == (ew.ROPE_ELEMS, ew.ROPE_WARPS)
+            name = (
+                f"Triton kernel alone, {cfg[0]} elements/program, {cfg[1]} warps"
+                f"{' (default)' if default else ''}"
+            )
+            rows.append((name, ms, nbytes / ms / 1e6))
+            best = min(best, (ms, cfg)) if best else (ms, cfg)
+        if args.best_out and best:
+            Path(args.best_out).write_text(",".join(str(int(v)) for v in best[1]) + "\n")
     table = (
         f"RoPE fwd+bwd of q and k, (B, H, T, E) = ({b}, {h}, {t}, {e}) bf16, compiled; "
         f"floor {floor_ms:.3f} ms at the copy bandwidth {copy_gbs:,.0f} GB/s\n\n"

@@ -76,6 +76,17 @@ def _parse() -> argparse.Namespace:
         help="lmforge RMSNorm backends to measure, comma-separated (reference, triton, auto)",
     )
     p.add_argument(
+        "--rope",
+        default=None,
+        help="lmforge RoPE backends to measure, comma-separated (reference, triton, auto); "
+        "default reference (real-data mode: the config's)",
+    )
+    p.add_argument(
+        "--rope-kernel-config",
+        help="launch of the Triton RoPE kernel for rope=triton rows: ELEMS,WARPS "
+        "(rope_bench.py --best-out writes it)",
+    )
+    p.add_argument(
         "--loss",
         default="reference,fused",
         help="lmforge loss paths to measure, comma-separated (reference, fused, auto)",
@@ -270,6 +281,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         load_preset("gpt2-small"),
         attention=args.attention,
         norm=args.norm,
+        rope=args.rope,
         tie_embeddings=not args.untied,
         fused_projections=args.fused_projections,
         context_length=args.seq,
@@ -502,9 +514,9 @@ def _throughput(args: argparse.Namespace) -> str:
             args.graph.split(","),
             args.compile_mode.split(","),
         )
-        chunks = args.loss_chunk.split(",")
-        for att, norm, loss, chunk, graph, mode in itertools.product(
-            atts, norms, args.loss.split(","), chunks, graphs, modes
+        chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
+        for att, norm, rope, loss, chunk, graph, mode in itertools.product(
+            atts, norms, ropes, args.loss.split(","), chunks, graphs, modes
         ):
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -515,6 +527,7 @@ def _throughput(args: argparse.Namespace) -> str:
                     "loss": loss,
                     "loss_chunk": chunk,
                     "norm": norm,
+                    "rope": rope,
                     "graph": graph,
                     "compile_mode": mode,
                 }
@@ -528,6 +541,7 @@ def _throughput(args: argparse.Namespace) -> str:
             opt = " compiled" if not args.no_compile else " foreach"
             label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
             label += f", attention={att}" if len(atts) > 1 else ""
+            label += f", rope={rope}" if len(ropes) > 1 or rope != "reference" else ""
             if loss != "reference" and (len(chunks) > 1 or chunk != "0"):
                 label += f", chunk {chunk if chunk != '0' else 'default'}"
             label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
@@ -557,6 +571,8 @@ def _throughput(args: argparse.Namespace) -> str:
     head = (
         f"GPT-2-small shape, batch {args.batch_size} × {args.seq}, bf16 autocast, "
         f"compile={not args.no_compile}, attention={args.attention}, norm={args.norm}, "
+        f"rope={args.rope or 'reference'}"
+        f"{f' (Triton launch {args.rope_kernel_config})' if args.rope_kernel_config else ''}, "
         f"fused projections={args.fused_projections}, "
         f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}"
         f"{'; peer measured first' if args.peer_first else ''}\n\n"
@@ -595,7 +611,10 @@ def _real_data(args: argparse.Namespace) -> str:
     cfg = dataclasses.replace(
         cfg,
         model=dataclasses.replace(
-            cfg.model, attention=args.attention.split(",")[0], norm=args.norm.split(",")[0]
+            cfg.model,
+            attention=args.attention.split(",")[0],
+            norm=args.norm.split(",")[0],
+            rope=args.rope.split(",")[0] if args.rope else cfg.model.rope,
         ),
         train=dataclasses.replace(
             cfg.train,
@@ -634,6 +653,16 @@ def main() -> int:
             file=sys.stderr,
         )
         return 1
+    if args.rope_kernel_config:
+        from lmforge.kernels import _elementwise_triton as ew
+
+        try:
+            elems, warps = (int(v) for v in args.rope_kernel_config.split(","))
+        except ValueError:
+            print(f"--rope-kernel-config: want ELEMS,WARPS, got {args.rope_kernel_config!r}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        ew.ROPE_ELEMS, ew.ROPE_WARPS = elems, warps
     device_name = _device_name(args.device)
     table = _real_data(args) if args.real_data else _throughput(args)
     print(table)

@@ -118,7 +118,11 @@ else:
             ("rms_norm_bwd", (ops.rms_norm_bwd, (x.detach(), w.detach(), rstd, _randn(10, 24)))),
             ("swiglu_fwd", (ops.swiglu_fwd, (a, b))),
             ("swiglu_bwd", (ops.swiglu_bwd, (a.detach(), b.detach(), _randn(3, 40)))),
-            ("rope", (ops.rope, (_randn(2, 7, 16, seed=12, grad=True), cos, sin, False))),
+            ("rope", (ops.rope, (_randn(2, 7, 16, seed=12, grad=True), cos, sin, False, 1))),
+            (
+                "rope heads",
+                (ops.rope, (_randn(2, 7, 3, 16, seed=13, grad=True), cos, sin, False, 3)),
+            ),
             ("ce mean", (ops.linear_ce_fwd, (h, wv, t, *ce, "mean", 8, True, True, True, True))),
             (
                 "ce sum dh only",
@@ -167,6 +171,7 @@ else:
             "rms_norm": (lambda x, w: rms_norm(x, w, 1e-5), ((2, 5, 24), (24,))),
             "swiglu": (swiglu, ((3, 40), (3, 40))),
             "rope": (lambda x: rope(x, cos, sin), ((2, 7, 16),)),
+            "rope (T, H, E)": (lambda x: rope(x, cos, sin, seq_dim=-3), ((2, 7, 3, 16),)),
             "ce mean": ce("mean"),
             "ce sum": ce("sum"),
             "ce none": ce("none"),

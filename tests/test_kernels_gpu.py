@@ -206,6 +206,7 @@ def test_cross_entropy_chunk_launches_agree(v) -> None:
     t[::7] = -100
     t[1] = v - 1  # the target in the last (ragged) column
     scale = torch.rand(n, device="cuda", generator=gen) + 0.5
+    scale[3] = -0.7  # a negative scale: multiplied, not folded into the exponent
     z64 = z.double()
     lse = torch.logsumexp(z64, -1)
     valid = t != -100
@@ -283,3 +284,14 @@ def test_swiglu_and_rope_gpu(dtype) -> None:
     py = layer(xp, torch.arange(1000, device="cuda"))
     peer = [py, *torch.autograd.grad(py, (xp,), g)]
     _assert_like_peer(got, peer, want, dtype, "rope")
+    # (B, T, H, E), positions on the third-last axis: the head-transposed rotation's values.
+    xh = x.transpose(1, 2).contiguous().requires_grad_()  # (2, 1000, 8, 128)
+    yh = rope(xh, cos, sin, seq_dim=-3)
+    torch.testing.assert_close(yh.transpose(1, 2), y.detach(), rtol=0, atol=0)
+    (gh,) = torch.autograd.grad(yh, (xh,), g.transpose(1, 2))
+    torch.testing.assert_close(gh.transpose(1, 2), got[1], rtol=0, atol=0)
+    from lmforge.kernels import _elementwise_triton as ew
+
+    for cfg in [(8192, 8), (4096, 4), (1024, 2)]:  # rope_bench.py's sweep
+        yc = ew.rope(xh.detach(), cos.float(), sin.float(), False, 8, config=cfg)
+        torch.testing.assert_close(yc, yh.detach(), rtol=0, atol=0)

@@ -160,6 +160,35 @@ else:
         for name, a, b in zip(("dh", "dW"), got, want):
             _close(a, b, dtype, name)
 
+    def test_cross_entropy_chunk_kernel_interpreted() -> None:
+        # The chunk kernel alone: loss rows and the in-place gradient against float64, ragged
+        # last slice, ignored rows, the target in the last column, and a negative row scale
+        # (the path that multiplies instead of folding the scale into the exponent).
+        from lmforge.kernels import _cross_entropy_triton as k
+
+        gen = torch.Generator().manual_seed(9)
+        n, v, z_loss = 7, 2500, 1e-3
+        z = torch.randn(n, v, generator=gen) * 3
+        t = torch.randint(0, v, (n,), generator=gen)
+        t[2], t[4] = -100, v - 1
+        scale = torch.rand(n, generator=gen) + 0.5
+        scale[4] = -0.7
+        loss = torch.empty(n)
+        got = z.clone()
+        k.loss_and_grad_(got, t, scale, -100, z_loss, True, loss)
+        z64 = z.double()
+        lse = torch.logsumexp(z64, -1)
+        valid = t != -100
+        safe = torch.where(valid, t, 0)
+        want_loss = torch.where(
+            valid, lse - z64.gather(1, safe[:, None])[:, 0] + z_loss * lse**2, 0
+        )
+        want = torch.softmax(z64, -1) * (1 + 2 * z_loss * lse)[:, None]
+        want[torch.arange(n), safe] -= 1
+        want *= (scale.double() * valid)[:, None]
+        torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
     def test_rms_norm_writes_the_autocast_dtype_directly() -> None:
         # out_dtype=bf16 on fp32 input: y is the fp32 result in bf16; dx stays fp32 and
         # takes a bf16 upstream gradient; the model's triton norm does this under autocast.
@@ -248,10 +277,31 @@ else:
         tab = RotaryEmbedding(10000.0, 48, 8)
         y = rope(x, tab.cos[:5], tab.sin[:5])
         _close(y, rope_reference(x.double(), tab.cos[:5], tab.sin[:5]), dtype, "rope e=48")
+        # The (…, T, H, E) layout (seq_dim=-3), as the projections write q and k: the same
+        # values as rotating the head-transposed view, forward and backward.
+        x = torch.randn(2, t, 3, 32, generator=gen).to(dtype)
+        xt, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+        y = rope(xt, cos, sin, seq_dim=-3)
+        ref = rope_reference(xr, cos, sin, seq_dim=-3)
+        _close(y, ref, dtype, "rope (T, H, E)")
+        torch.testing.assert_close(
+            y.transpose(1, 2), rope(x.transpose(1, 2).contiguous(), cos, sin)
+        )
+        got, g = _grads(y, (xt,))
+        _close(got[0], torch.autograd.grad(ref, (xr,), g.double())[0], dtype, "rope (T, H, E) dx")
+        # Another launch (more rows per program): the same values.
+        from lmforge.kernels import _elementwise_triton as ew
+
+        c32, s32 = cos.float(), sin.float()
+        for inverse in (False, True):
+            want = ew.rope(x, c32, s32, inverse, 3)
+            got_s = ew.rope(x, c32, s32, inverse, 3, config=(8192, 8))
+            torch.testing.assert_close(got_s, want, rtol=0, atol=0)
 
     def test_model_with_lmforge_kernels_matches_reference_backends() -> None:
-        # The model's flash / triton backends and the trainer's fused loss against sdpa +
-        # reference norm + full-logit cross-entropy, forward and every parameter gradient.
+        # The model's flash / triton norm / triton RoPE backends and the trainer's fused loss
+        # against sdpa + reference norm and RoPE + full-logit cross-entropy, forward and every
+        # parameter gradient.
         import dataclasses
 
         import torch.nn.functional as F
@@ -261,7 +311,9 @@ else:
         cfg = load_preset("tiny")  # GQA: 4 query heads over 2 key/value heads, head dim 16
         torch.manual_seed(0)
         ref = TransformerLM(dataclasses.replace(cfg, attention="sdpa", norm="reference"))
-        fast = TransformerLM(dataclasses.replace(cfg, attention="flash", norm="triton"))
+        fast = TransformerLM(
+            dataclasses.replace(cfg, attention="flash", norm="triton", rope="triton")
+        )
         fast.load_state_dict(ref.state_dict())
         x = torch.randint(0, cfg.vocab_size, (2, 21))  # 21: ragged against the 32×16 tiles
         y = torch.randint(0, cfg.vocab_size, (2, 21))
@@ -275,3 +327,7 @@ else:
         ref_params = dict(ref.named_parameters())
         for name, p in fast.named_parameters():
             torch.testing.assert_close(p.grad, ref_params[name].grad, atol=1e-5, rtol=1e-4)
+        # Explicit positions fall back to the reference rotation: the same logits as 0..T-1.
+        pos = torch.arange(21)
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x, pos), fast(x), atol=1e-5, rtol=1e-4)

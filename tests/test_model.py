@@ -274,6 +274,8 @@ def test_config_validation():
         ModelConfig(d_model=64, n_heads=4, n_kv_heads=3)
     with pytest.raises(ValueError, match="attention"):
         ModelConfig(attention="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rope must be"):
+        ModelConfig(rope="fast")  # type: ignore[arg-type]
 
 
 def test_flash_backend_without_kernel_is_a_clear_error(monkeypatch):
@@ -284,8 +286,10 @@ def test_flash_backend_without_kernel_is_a_clear_error(monkeypatch):
         _model(attention="flash")
     with pytest.raises(LmforgeError, match="rms_norm"):
         _model(norm="triton")
-    # auto quietly falls back to torch SDPA and the reference norm.
-    auto = _model(attention="auto", norm="auto")
+    with pytest.raises(LmforgeError, match=r"kernels\.rope"):
+        _model(rope="triton")
+    # auto quietly falls back to torch SDPA and the reference norm and RoPE.
+    auto = _model(attention="auto", norm="auto", rope="auto")
     torch.testing.assert_close(auto(_ids()), _model(attention="sdpa")(_ids()))
 
 
@@ -394,14 +398,16 @@ def test_gpu_kernel_backends_match_reference(kv):
     torch.manual_seed(0)
     ref = TransformerLM(dataclasses.replace(cfg, attention="reference"), device="cuda")
     ids = torch.randint(0, 1000, (2, 256), device="cuda")
-    for attention, norm in [
-        ("sdpa", "reference"),
-        ("cudnn", "reference"),
-        ("flash", "triton"),
-        ("auto", "auto"),
+    for attention, norm, rope in [
+        ("sdpa", "reference", "reference"),
+        ("cudnn", "reference", "reference"),
+        ("sdpa", "reference", "triton"),
+        ("flash", "triton", "triton"),
+        ("auto", "auto", "auto"),
     ]:
         torch.manual_seed(0)
-        fast = TransformerLM(dataclasses.replace(cfg, attention=attention, norm=norm), "cuda")
+        changes = {"attention": attention, "norm": norm, "rope": rope}
+        fast = TransformerLM(dataclasses.replace(cfg, **changes), "cuda")
         # fp32 tolerance allows for TF32 dot products inside the Triton kernel.
         torch.testing.assert_close(fast(ids), ref(ids), rtol=5e-3, atol=5e-3)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -422,6 +428,7 @@ def test_gpu_compile_with_kernel_backends_matches_eager():
         qk_norm=True,
         attention="auto",
         norm="auto",
+        rope="auto",
     )
     torch.manual_seed(0)
     eager = TransformerLM(cfg, device="cuda")

@@ -81,6 +81,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--attention", choices=["reference", "sdpa", "cudnn", "flash", "auto"], default=None
     )
     p.add_argument("--norm", choices=["reference", "triton", "auto"], default=None)
+    p.add_argument("--rope", choices=["reference", "triton", "auto"], default=None)
     p.add_argument("--loss", choices=["reference", "fused"], default="reference")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU")
     p.add_argument("--no-profile", action="store_true")

@@ -66,15 +66,20 @@ def swiglu_backward(
 
 
 @triton.jit(do_not_specialize=["rows", "T"])  # HALF specialised: vector loads and stores
-def _rope(X, C, S, Y, rows, T, HALF, SIGN: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    # X, Y: (rows, 2·HALF) contiguous, row r at position r % T; C, S: (T, HALF) float32.
+def _rope(
+    X, C, S, Y, rows, T, HALF, HEADS, SIGN: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    # X, Y: (rows, 2·HALF) contiguous, row r at position (r // HEADS) % T — (…, T, E) with
+    # HEADS = 1, (…, T, H, E) with HEADS = H; C, S: (T, HALF) float32.
     # Whole rows are loaded and stored contiguously (16-byte accesses); the (x[2i], x[2i+1])
-    # pairs are separated and re-interleaved in registers.
+    # pairs are separated and re-interleaved in registers. (Loading even and odd elements as
+    # two stride-2 accesses instead measured 14× slower on an H200: RESULTS.md.)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     i = tl.arange(0, BLOCK_H)
     j = tl.arange(0, 2 * BLOCK_H)
     row_ok = r[:, None] < rows
-    t = r % T
+    t = (r // HEADS) % T
     cs_mask = row_ok & (i[None, :] < HALF)
     c = tl.load(C + t[:, None] * HALF + i[None, :], mask=cs_mask, other=0.0)
     s = tl.load(S + t[:, None] * HALF + i[None, :], mask=cs_mask, other=0.0) * SIGN
@@ -86,18 +91,36 @@ def _rope(X, C, S, Y, rows, T, HALF, SIGN: tl.constexpr, ROWS: tl.constexpr, BLO
     tl.store(Y + offs, tl.reshape(y, (ROWS, 2 * BLOCK_H)).to(Y.dtype.element_ty), mask=x_mask)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Rotate pairs of contiguous x (…, T, E) by float32 cos/sin (T, E/2); inverse: by −θ."""
+# RoPE launch: elements per program and warps. benchmarks/rope_bench.py sweeps them; on an H200
+# (q and k of GPT-2-small, fwd + inverse, RESULTS.md fifth session) 2048 × 4 warps 0.119 ms
+# (1.22× the copy-bandwidth floor), 4096 × 4 0.125, 8192 × 8 0.129.
+ROPE_ELEMS = 2048
+ROPE_WARPS = 4
+
+
+def rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool,
+    heads: int = 1,
+    *,
+    config: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Rotate pairs of contiguous x by float32 cos/sin (T, E/2); inverse: by −θ. x is
+    (…, T, E) for ``heads`` = 1, (…, T, heads, E) otherwise. ``config`` = (elements per
+    program, warps) overrides the launch (for sweeps)."""
     if interpreting():
         ensure_interpreter_compat()
-    t, e = x.shape[-2], x.shape[-1]
+    elems, warps = config or (ROPE_ELEMS, ROPE_WARPS)
+    t, e = cos.shape[0], x.shape[-1]
     rows = x.numel() // e
     half = e // 2
     block_h = triton.next_power_of_2(half)
-    n_rows = max(1, min(64, 2048 // block_h))
+    n_rows = max(1, min(128, elems // (2 * block_h)))
     y = torch.empty_like(x)
     _rope[(triton.cdiv(rows, n_rows),)](
-        x, cos, sin, y, rows, t, half,
-        SIGN=-1.0 if inverse else 1.0, ROWS=n_rows, BLOCK_H=block_h, num_warps=4,
+        x, cos, sin, y, rows, t, half, heads,
+        SIGN=-1.0 if inverse else 1.0, ROWS=n_rows, BLOCK_H=block_h, num_warps=warps,
     )  # fmt: skip
     return y

@@ -16,7 +16,8 @@ Triton backward needs and calls the backward op, which AOTAutograd records in th
     rms_norm_fwd                x (N,D), w (D,), eps → y (N,D), ·r (N,) f32
     rms_norm_bwd                x, w, r, dy → dx, dw
     swiglu_fwd / swiglu_bwd     a, b → y;  a, b, dy → da, db
-    rope                        x (…,T,E), cos, sin (T,E/2) f32, inverse → y  (backward: rope⁻¹)
+    rope                        x (…,T,E) or (…,T,H,E), cos, sin (T,E/2) f32, inverse, heads
+                                → y  (backward: rope⁻¹)
     linear_ce_fwd               h (N,D), W (V,D), t (N,), … → loss, ·dh, ·dW (see below)
     linear_ce_bwd               h, W, t, dloss (N,), … → dh, dW
 
@@ -197,26 +198,29 @@ def _swiglu_backward(ctx, dy):
 # -- RoPE -------------------------------------------------------------------------------------
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+def _rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, heads: int) -> Tensor:
+    # heads = 1: x (…, T, E); heads = H: x (…, T, H, E) (positions on the third-last axis).
     from lmforge.kernels import _elementwise_triton
 
-    return _elementwise_triton.rope(x.contiguous(), cos.contiguous(), sin.contiguous(), inverse)
+    return _elementwise_triton.rope(
+        x.contiguous(), cos.contiguous(), sin.contiguous(), inverse, heads
+    )
 
 
-def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, heads: int) -> Tensor:
     return x.new_empty(x.shape)
 
 
 def _rope_setup(ctx, inputs, output) -> None:
-    _x, cos, sin, inverse = inputs
+    _x, cos, sin, inverse, heads = inputs
     ctx.save_for_backward(cos, sin)
-    ctx.inverse = inverse
+    ctx.inverse, ctx.heads = inverse, heads
 
 
 def _rope_backward(ctx, dy):
     cos, sin = ctx.saved_tensors
     # The rotation's adjoint is the inverse rotation; the tables get no gradient.
-    return rope(dy, cos, sin, not ctx.inverse), None, None, None
+    return rope(dy, cos, sin, not ctx.inverse, ctx.heads), None, None, None, None
 
 
 # -- fused linear + cross-entropy -------------------------------------------------------------

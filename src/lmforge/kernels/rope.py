@@ -17,21 +17,29 @@ from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
 
 
-def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of x (…, T, E) by cos/sin (T, E/2); math in float32 (float64 kept)."""
+def rope_reference(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, seq_dim: int = -2
+) -> torch.Tensor:
+    """Rotate pairs of x (…, T, E) — or (…, T, H, E) with ``seq_dim=-3`` — by cos/sin (T, E/2);
+    math in float32 (float64 kept)."""
     acc_t = torch.float64 if x.dtype == torch.float64 else torch.float32
     pairs = x.to(acc_t).unflatten(-1, (-1, 2))  # (…, T, E/2, 2)
     x0, x1 = pairs[..., 0], pairs[..., 1]
     c, s = cos.to(acc_t), sin.to(acc_t)
+    if seq_dim == -3:
+        c, s = c[:, None], s[:, None]  # (T, 1, E/2): the same angle for every head
     y = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)  # (…, T, E/2, 2)
     return y.flatten(-2).to(x.dtype)
 
 
-def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_dim: int = -2) -> None:
     check_triton_tensors("rope", x)
-    if x.dim() < 2 or x.shape[-1] % 2:
-        raise KernelUnsupportedError(f"rope: x must be (…, T, E) with even E, got {tuple(x.shape)}")
-    want = (x.shape[-2], x.shape[-1] // 2)
+    if seq_dim not in (-2, -3):
+        raise KernelUnsupportedError(f"rope: seq_dim must be -2 or -3, got {seq_dim}")
+    if x.dim() < -seq_dim or x.shape[-1] % 2:
+        layout = "(…, T, E)" if seq_dim == -2 else "(…, T, H, E)"
+        raise KernelUnsupportedError(f"rope: x must be {layout} with even E, got {tuple(x.shape)}")
+    want = (x.shape[seq_dim], x.shape[-1] // 2)
     if tuple(cos.shape) != want or tuple(sin.shape) != want:
         raise KernelUnsupportedError(
             f"rope: cos/sin must be {want} (T, E/2), got {tuple(cos.shape)}, {tuple(sin.shape)}"
@@ -47,19 +55,23 @@ class RoPETriton(torch.autograd.Function):
         _check(x, cos, sin)
         c, s = cos.float(), sin.float()
         ctx.save_for_backward(c, s)
-        return _ops.rope(x, c, s, False)
+        return _ops.rope(x, c, s, False, 1)
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         c, s = ctx.saved_tensors
-        return _ops.rope(dy, c, s, True), None, None
+        return _ops.rope(dy, c, s, True, 1), None, None
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, seq_dim: int = -2
+) -> torch.Tensor:
     """Fused RoPE: rotate consecutive pairs of x (…, T, E) by cos/sin tables (T, E/2) for the
-    positions of x's T axis; differentiable in x. Raises KernelUnsupportedError for inputs the
-    kernel cannot handle (use :func:`rope_reference` there). A custom op
-    (``torch.ops.lmforge.rope``, its backward the inverse rotation), so torch.compile traces
-    through it."""
-    _check(x, cos, sin)
-    return _ops.rope(x, cos.float(), sin.float(), False)
+    positions of x's T axis; differentiable in x. ``seq_dim=-3`` takes x as (…, T, H, E), the
+    layout the q/k projections write, so the model rotates before its head transpose without a
+    copy. Raises KernelUnsupportedError for inputs the kernel cannot handle (use
+    :func:`rope_reference` there). A custom op (``torch.ops.lmforge.rope``, its backward the
+    inverse rotation), so torch.compile traces through it."""
+    _check(x, cos, sin, seq_dim)
+    heads = 1 if seq_dim == -2 else x.shape[-2]
+    return _ops.rope(x, cos.float(), sin.float(), False, heads)

@@ -46,6 +46,11 @@ class ModelConfig:
     " 2.11 on an H200 already picks cuDNN for sdpa), flash (lmforge Triton), auto"
     norm: Literal["reference", "triton", "auto"] = "reference"
     "RMSNorm backend: reference (own math) or lmforge's fused Triton kernel"
+    rope: Literal["reference", "triton", "auto"] = "reference"
+    "RoPE backend: reference (own math, compiler-fused) or lmforge's Triton kernel, which"
+    " rotates q and k in the layout the projections write, before the head transpose (training"
+    " and prefill without explicit positions or a KV cache; otherwise the reference); auto ="
+    " the kernel on CUDA"
     fused_projections: bool = False
     "one matmul for q/k/v and one for SwiGLU's w1/w3 (same weights and names). Off by default:"
     " on an H200 (GPT-2-small, batch 32, compiled) it measured 64.7 ms/step at 16.71 GiB vs"
@@ -74,6 +79,8 @@ class ModelConfig:
             )
         if self.norm not in ("reference", "triton", "auto"):
             raise ValueError(f"norm must be reference, triton or auto, got {self.norm!r}")
+        if self.rope not in ("reference", "triton", "auto"):
+            raise ValueError(f"rope must be reference, triton or auto, got {self.rope!r}")
 
     @property
     def head_dim(self) -> int:

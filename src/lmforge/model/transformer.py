@@ -24,6 +24,11 @@ With a :class:`~lmforge.model.KVCache` every backend but ``reference`` uses torc
 cache's boolean mask (prefill of padded prompts and one-token decode are both just masked
 attention over the filled slots).
 
+RoPE backends (``ModelConfig.rope``): ``reference`` (:class:`lmforge.model.RotaryEmbedding`),
+``triton`` (``lmforge.kernels.rope`` on q and k as the projections lay them out, (B, T, H, E),
+before the head transpose; used when positions are 0..T-1 and there is no KV cache), ``auto``
+(the kernel on CUDA).
+
 RMSNorm backends (``ModelConfig.norm``): ``reference`` (:class:`lmforge.model.RMSNorm`),
 ``triton`` (``lmforge.kernels.rms_norm``), ``auto`` (the kernel where
 ``lmforge.kernels.rms_norm_supported`` accepts the input, i.e. on CUDA; else the reference).
@@ -144,6 +149,15 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = _Norm(e, config.norm_eps, config.norm)
             self.k_norm = _Norm(e, config.norm_eps, config.norm)
         self.rope = RotaryEmbedding(config.rope_theta, e, config.context_length)
+        self._rope_fused: Callable[..., torch.Tensor] | None = None
+        self._triton_available: Callable[[], bool] | None = None
+        if config.rope in ("triton", "auto"):
+            self._rope_fused = _kernel("rope")
+            self._triton_available = _kernel("triton_available")
+            if self._rope_fused is None and config.rope == "triton":
+                raise LmforgeError(
+                    "model.rope = 'triton' needs lmforge.kernels.rope, which is not available"
+                )
         self.backend = config.attention
         self._sdpa_gqa = _torch_version() >= (2, 5)
         self._flash: Callable[..., torch.Tensor] | None = None
@@ -174,13 +188,19 @@ class CausalSelfAttention(nn.Module):
         if self.config.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
+        fused_rope = self._use_fused_rope(q, token_positions, kv_cache)
+        if fused_rope:  # positions 0..T-1, rotated in the (B, T, H|K, E) layout: no copy
+            cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
+            q = self._rope_fused(q, cos, sin, seq_dim=-3)
+            k = self._rope_fused(k, cos, sin, seq_dim=-3)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, E)
-        if token_positions is None:
-            token_positions = torch.arange(t, device=x.device)  # (T,)
-        if token_positions.dim() == 2:
-            token_positions = token_positions[:, None, :]  # (B, 1, T) broadcasts over heads
-        q = self.rope(q, token_positions)
-        k = self.rope(k, token_positions)
+        if not fused_rope:
+            if token_positions is None:
+                token_positions = torch.arange(t, device=x.device)  # (T,)
+            if token_positions.dim() == 2:
+                token_positions = token_positions[:, None, :]  # (B, 1, T) broadcasts over heads
+            q = self.rope(q, token_positions)
+            k = self.rope(k, token_positions)
         if kv_cache is None:
             out = self._causal(q, k, v)  # (B, H, T, E)
         else:
@@ -188,6 +208,18 @@ class CausalSelfAttention(nn.Module):
             out = self._masked(q, k_all, v_all, kv_cache.mask)  # (B, H, T, E)
         out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
         return self.output_proj(out)  # (B, T, D)
+
+    def _use_fused_rope(
+        self, q: torch.Tensor, token_positions: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> bool:
+        if self._rope_fused is None or token_positions is not None or kv_cache is not None:
+            return False
+        if self.config.rope == "triton":
+            return True
+        # auto: the kernel where it runs
+        fits = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        available = self._triton_available
+        return q.is_cuda and fits and available is not None and available()
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, T, D) -> q (B, T, H·E), k and v (B, T, K·E): one GEMM when equivalent, else three."""
