@@ -22,18 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from _interp import SRC, run_pytest_in_interpreter
+
 _CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
-_SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def _run_child(marker: str) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SRC, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", marker]
-    done = subprocess.run([*cmd, __file__], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
+    run_pytest_in_interpreter(__file__, "-m", marker, timeout=900)
 
 
 def test_importing_kernels_registers_ops_without_importing_triton() -> None:
@@ -46,7 +42,7 @@ def test_importing_kernels_registers_ops_without_importing_triton() -> None:
         "print('ok')\n"
     )
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SRC, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [SRC, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 

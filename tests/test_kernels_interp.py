@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from _interp import run_pytest_in_interpreter
 
 _CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -26,18 +25,7 @@ if not _CHILD:
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
     def test_triton_kernels_in_interpreter_subprocess() -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        src = str(Path(__file__).resolve().parents[1] / "src")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-        assert " passed" in done.stdout and " failed" not in done.stdout
+        run_pytest_in_interpreter(__file__)
 
 else:
     from lmforge.kernels import (

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from _interp import run_pytest_in_interpreter
 
 _CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -38,19 +39,7 @@ def _sweep_module():
 if not _CHILD:
 
     def test_rms_norm_variants_in_interpreter_subprocess() -> None:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [str(_ROOT / "src"), env.get("PYTHONPATH")])
-        )
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-        assert " passed" in done.stdout and " failed" not in done.stdout
+        run_pytest_in_interpreter(__file__)
 
     def test_configs_validate_and_defaults_cover_the_table() -> None:
         from lmforge.kernels import _rms_norm_triton as rn

@@ -568,20 +568,21 @@ print("ok")
 def test_triton_backends_through_the_interpreter():
     """The flash/triton backends call lmforge's real Triton kernels (CPU interpreter, fp32)."""
     import importlib.util
-    import os
     import subprocess
     import sys
-    from pathlib import Path
+
+    from _interp import interpreter_env
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     kernels = importlib.import_module("lmforge.kernels")
     if not all(hasattr(kernels, n) for n in ("flash_attention", "rms_norm", "flash_supported")):
         pytest.skip("lmforge.kernels lacks the Triton ops in this checkout")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _INTERP_SCRIPT],
+        env=interpreter_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
