@@ -276,6 +276,33 @@ def test_config_validation():
         ModelConfig(attention="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rope must be"):
         ModelConfig(rope="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="residual_dtype must be"):
+        ModelConfig(residual_dtype="bf16")  # type: ignore[arg-type]
+
+
+def test_residual_stream_in_the_autocast_dtype():
+    # residual_dtype="autocast": under autocast the stream between blocks is bf16 (every block
+    # sees bf16 input); without autocast, and with the default, the model is unchanged.
+    fp = _model()
+    half = _model(residual_dtype="autocast")
+    ids = _ids()
+    seen: dict[str, list[torch.dtype]] = {"param": [], "autocast": []}
+    for name, m in (("param", fp), ("autocast", half)):
+        for layer in m.layers:
+            layer.register_forward_pre_hook(lambda mod, args, n=name: seen[n].append(args[0].dtype))
+    torch.testing.assert_close(half(ids), fp(ids), rtol=0, atol=0)
+    seen = {"param": [], "autocast": []}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = fp(ids), half(ids)
+        h = half.forward_hidden(ids)
+    assert set(seen["param"]) == {torch.float32} and set(seen["autocast"]) == {torch.bfloat16}
+    assert h.dtype == torch.bfloat16
+    torch.testing.assert_close(b.float(), a.float(), rtol=0.05, atol=0.05)
+    # Gradients reach every parameter, in the parameters' fp32.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = half(ids).float().logsumexp(-1).mean()
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in half.parameters())
 
 
 def test_flash_backend_without_kernel_is_a_clear_error(monkeypatch):

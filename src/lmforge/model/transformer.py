@@ -418,13 +418,22 @@ class TransformerLM(nn.Module):
                 raise ValueError(
                     f"sequence length {t} exceeds context_length {self.config.context_length}"
                 )
-        x = self.token_embeddings(idx)  # (B, T, D)
+        x = self.residual_stream(self.token_embeddings(idx))  # (B, T, D)
         for layer in self.layers:
             if kv_cache is None:
                 x = layer(x, token_positions)  # (B, T, D)
             else:
                 x = layer(x, token_positions, kv_cache=kv_cache)  # (B, T, D)
         return self.ln_final(x)  # (B, T, D)
+
+    def residual_stream(self, x: torch.Tensor) -> torch.Tensor:
+        """x (…, D) in the residual stream's dtype: unchanged, or with
+        ``config.residual_dtype = "autocast"`` under autocast, cast to autocast's dtype."""
+        if self.config.residual_dtype == "autocast" and x.is_floating_point():
+            dev = x.device.type
+            if dev in ("cuda", "cpu") and torch.is_autocast_enabled(dev):
+                return x.to(torch.get_autocast_dtype(dev))
+        return x
 
     def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Hidden states (..., D) -> logits (..., V): LM head, then the soft-cap when set."""

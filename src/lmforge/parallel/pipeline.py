@@ -56,10 +56,13 @@ class PipelineStage(nn.Module):
         self.ln_final = model.ln_final if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self._logits = model.logits_from_hidden if self.is_last else None
+        self._residual = getattr(model, "residual_stream", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) on stage 0, else activations (B, T, D) -> (B, T, D) or logits."""
         h = self.token_embeddings(x) if self.token_embeddings is not None else x  # (B, T, D)
+        if self._residual is not None:  # received activations travel as fp32
+            h = self._residual(h)
         for layer in self.layers:
             h = layer(h, None)  # (B, T, D)
         if self.is_last:
