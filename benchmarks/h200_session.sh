@@ -18,6 +18,14 @@
 #          round7   : train.py reference loss vs peer, in both orders
 #          round11  : GPU tests of CE/RoPE kernels and model backends (rope='triton'); rope_bench.py;
 #                     ce_sweep.py (fused CE variants, Liger, torch, kernel profiles); kernels.py ce
+#          round15  : GPU tests (Triton AdamW, CUDA graph, model backends); train.py fused loss,
+#                     RoPE auto, train.adamw compiled vs triton, peer measured first
+#          round16  : adamw_bench.py; train.py residual autocast, train.adamw compiled vs triton, profile
+#          round19  : GPU tests (Triton AdamW); train.py residual autocast, train.adamw compiled
+#                     vs triton (address tables from a pinned ring), peer first; adamw_bench.py
+#          round17  : real-data GPT-2-small runs (1500 steps each), residual param vs autocast
+#          round18  : GPU tests (Triton AdamW); adamw_bench.py; train.py residual autocast,
+#                     train.adamw compiled vs triton, CUDA graph off/on, peer measured first
 #          round14  : GPU tests of the CE kernels; ce_sweep.py --launches at 16384×2048→128256;
 #                     kernels.py ce (the final chunk kernel against Liger)
 #          round13  : GPU tests (CE/RoPE kernels, model backends); train.py fused loss (8192-row
@@ -134,6 +142,53 @@ case "${1:-kernels}" in
             --results "$OUT/RESULTS-ce.md" 2>&1 | tee "$OUT/ce.log" | grep "^|" | tail -20
         timeout 100 python3 benchmarks/kernels.py --only ce --results "$OUT/RESULTS-kernels.md" \
             2>&1 | tee "$OUT/kernels.log" | tail -8
+        ;;
+    round15)
+        timeout 170 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            tests/test_model.py -k "adamw or graph or kernel_backends or compile_with" 2>&1 \
+            | tee "$OUT/gpu-tests15.log" | tail -4
+        timeout 400 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --adamw compiled,triton --peer-first --results "$OUT/RESULTS-train.md" \
+            2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -12
+        ;;
+    round16)
+        timeout 120 python3 benchmarks/adamw_bench.py --results "$OUT/RESULTS-adamw.md" 2>&1 \
+            | tee "$OUT/adamw.log" | tail -12
+        timeout 420 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --adamw compiled,triton --residual autocast --profile 45 --no-peer \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning \
+            | tail -150
+        ;;
+    round18)
+        timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            -k "adamw" 2>&1 | tee "$OUT/gpu-tests18.log" | tail -4
+        timeout 100 python3 benchmarks/adamw_bench.py --results "$OUT/RESULTS-adamw.md" 2>&1 \
+            | tee "$OUT/adamw.log" | tail -12
+        timeout 360 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --adamw compiled,triton --residual autocast --graph off,on --peer-first \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning \
+            | tail -14
+        ;;
+    round19)
+        timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            -k "adamw" 2>&1 | tee "$OUT/gpu-tests19.log" | tail -4
+        timeout 250 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --adamw compiled,triton --residual autocast --peer-first \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning \
+            | tail -12
+        timeout 100 python3 benchmarks/adamw_bench.py --kinds "lmforge triton,torch fused" \
+            --results "$OUT/RESULTS-adamw.md" 2>&1 | tee "$OUT/adamw.log" | tail -12
+        ;;
+    round17)
+        for r in param autocast; do
+            timeout 280 python3 benchmarks/train.py --real-data .carry/gutenberg --minutes 20 \
+                --real-steps 1500 --loss auto --residual $r --out "$OUT/gutenberg-$r" \
+                --results "$OUT/RESULTS-realdata.md" 2>&1 | tee "$OUT/realdata-$r.log" \
+                | grep -v "step/s" | tail -8
+            cp "$OUT/gutenberg-$r/metrics.jsonl" "$OUT/realdata-$r-metrics.jsonl" 2>/dev/null
+            cp "$OUT/gutenberg-$r/loss_curve.png" "$OUT/loss_curve-$r.png" 2>/dev/null
+            rm -rf "$OUT/gutenberg-$r"
+        done
         ;;
     round14)
         timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \

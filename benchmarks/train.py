@@ -87,6 +87,17 @@ def _parse() -> argparse.Namespace:
         "(rope_bench.py --best-out writes it)",
     )
     p.add_argument(
+        "--residual",
+        default="param",
+        help="lmforge model.residual_dtype values, comma-separated (param = fp32 stream as the "
+        "peer, autocast = bf16 stream)",
+    )
+    p.add_argument(
+        "--adamw",
+        default="auto",
+        help="lmforge train.adamw values, comma-separated (auto, compiled, triton, foreach)",
+    )
+    p.add_argument(
         "--loss",
         default="reference,fused",
         help="lmforge loss paths to measure, comma-separated (reference, fused, auto)",
@@ -282,6 +293,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         attention=args.attention,
         norm=args.norm,
         rope=args.rope,
+        residual_dtype=getattr(args, "residual", "param"),
         tie_embeddings=not args.untied,
         fused_projections=args.fused_projections,
         context_length=args.seq,
@@ -301,6 +313,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         compile_mode=getattr(args, "compile_mode", "default"),
         loss=args.loss,
         loss_chunk_rows=int(getattr(args, "loss_chunk", 0) or 0),
+        adamw=getattr(args, "adamw", "auto"),
         cuda_graph=graph,
         progress=False,
         plot=False,
@@ -342,6 +355,8 @@ def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
     trainer.finish_step(pending.pop())
     out["params"] = sum(p.numel() for p in trainer.model.parameters())
     out["flops_per_token"] = trainer.plan.flops_per_token
+    opt = trainer.optimizer
+    out["adamw"] = "triton" if opt.fused else "compiled" if opt.compiled else "foreach"
     # Free everything before the next model: compiled-code caches can hold the module alive,
     # which would inflate the next row's peak memory.
     trainer = None
@@ -515,8 +530,9 @@ def _throughput(args: argparse.Namespace) -> str:
             args.compile_mode.split(","),
         )
         chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
-        for att, norm, rope, loss, chunk, graph, mode in itertools.product(
-            atts, norms, ropes, args.loss.split(","), chunks, graphs, modes
+        resids, adamws = args.residual.split(","), args.adamw.split(",")
+        for att, norm, rope, loss, chunk, graph, mode, resid, adamw in itertools.product(
+            atts, norms, ropes, args.loss.split(","), chunks, graphs, modes, resids, adamws
         ):
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -530,6 +546,8 @@ def _throughput(args: argparse.Namespace) -> str:
                     "rope": rope,
                     "graph": graph,
                     "compile_mode": mode,
+                    "residual": resid,
+                    "adamw": adamw,
                 }
             )
             try:
@@ -538,7 +556,7 @@ def _throughput(args: argparse.Namespace) -> str:
             except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
                 print(f"skipping norm={norm} loss={loss}: {e}", file=sys.stderr)
                 continue
-            opt = " compiled" if not args.no_compile else " foreach"
+            opt = f" {r['adamw']}"
             label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
             label += f", attention={att}" if len(atts) > 1 else ""
             label += f", rope={rope}" if len(ropes) > 1 or rope != "reference" else ""
@@ -547,6 +565,7 @@ def _throughput(args: argparse.Namespace) -> str:
             label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
             label += f", mode {mode}" if len(modes) > 1 or mode != "default" else ""
             label += ", previous RoPE" if args.previous_rope else ""
+            label += f", residual {resid}" if len(resids) > 1 or resid != "param" else ""
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))
 
     def run_peers() -> None:
@@ -571,7 +590,7 @@ def _throughput(args: argparse.Namespace) -> str:
     head = (
         f"GPT-2-small shape, batch {args.batch_size} × {args.seq}, bf16 autocast, "
         f"compile={not args.no_compile}, attention={args.attention}, norm={args.norm}, "
-        f"rope={args.rope or 'reference'}"
+        f"rope={args.rope or 'reference'}, residual={args.residual}, adamw={args.adamw}"
         f"{f' (Triton launch {args.rope_kernel_config})' if args.rope_kernel_config else ''}, "
         f"fused projections={args.fused_projections}, "
         f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}"
@@ -615,6 +634,7 @@ def _real_data(args: argparse.Namespace) -> str:
             attention=args.attention.split(",")[0],
             norm=args.norm.split(",")[0],
             rope=args.rope.split(",")[0] if args.rope else cfg.model.rope,
+            residual_dtype=args.residual.split(",")[0],
         ),
         train=dataclasses.replace(
             cfg.train,
@@ -625,6 +645,7 @@ def _real_data(args: argparse.Namespace) -> str:
             device=args.device,
             resume=False,
             loss=args.loss.split(",")[0],
+            adamw=args.adamw.split(",")[0],
             save_every=0,
         ),
         data=dataclasses.replace(
@@ -635,7 +656,8 @@ def _real_data(args: argparse.Namespace) -> str:
     res = train(cfg)
     bpb = res.get("val_bpb", math.nan)
     return (
-        f"real data {args.real_data}: {res['iteration']} steps, {res['tokens'] / 1e6:.1f}M tokens in "
+        f"real data {args.real_data} (model.residual_dtype={cfg.model.residual_dtype}, "
+        f"train.adamw={cfg.train.adamw}): {res['iteration']} steps, {res['tokens'] / 1e6:.1f}M tokens in "
         f"{(time.monotonic() - t0) / 60:.1f} min\n\n"
         "| final val loss | val perplexity | val bits/byte | loss curve |\n|---|---|---|---|\n"
         f"| {res.get('val_loss', math.nan):.4f} | {res.get('val_ppl', math.nan):.2f} | {bpb:.4f} | "

@@ -229,6 +229,88 @@ else:
         assert all(isinstance(x, float) for row in ew for x in row[2:])
         assert markdown_table(["a", "b"], [[1.5, "x"]]).count("|") == 9
 
+    def test_adamw_multi_tensor_kernel_interpreted() -> None:
+        # One launch over tensors smaller and larger than a 4096-element slice (ragged edges),
+        # against the per-tensor torch formula; a False flag leaves every value as it was.
+        from lmforge.kernels import adamw_multi_tensor_, adamw_reference_
+
+        gen = torch.Generator().manual_seed(11)
+        shapes = [(5000,), (7, 3), (4096,), (1,), (64, 130)]
+
+        def state():
+            return [
+                [torch.randn(s, generator=gen) for s in shapes],  # params
+                [torch.randn(s, generator=gen) * 2 for s in shapes],  # grads
+                [torch.randn(s, generator=gen) * 0.1 for s in shapes],  # first moments
+                [torch.rand(s, generator=gen) * 0.01 + 1e-4 for s in shapes],  # second moments
+                [torch.tensor(float(t), dtype=torch.float64) for t in (0, 3, 10, 1, 250)],
+            ]
+
+        hp = torch.tensor([3e-3, 0.1, 0.9, 0.95, 1e-8], dtype=torch.float64)
+        scale = torch.tensor(0.37)
+        a = state()
+        b = [[x.clone() for x in xs] for xs in a]
+        for i in range(4):
+            if i == 2:  # new gradients elsewhere (as every training step has): the table follows
+                a[1] = [g * -0.5 for g in a[1]]
+                b[1] = [g * -0.5 for g in b[1]]
+            adamw_multi_tensor_(*a, hp, torch.tensor(True), scale)
+            adamw_reference_(*b, hp, torch.tensor(True), scale)
+        for xs, ys in zip(a, b):
+            for x, y in zip(xs, ys):
+                torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-7)
+        before = [[x.clone() for x in xs] for xs in a]
+        adamw_multi_tensor_(*a, hp, torch.tensor(False), scale)
+        for xs, ys in zip(a, before):
+            assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+        with pytest.raises(KernelUnsupportedError, match="float32"):
+            adamw_multi_tensor_([x.bfloat16() for x in a[0]], *a[1:], hp, torch.tensor(True), scale)
+
+    def test_adamw_fused_optimizer_matches_torch_interpreted() -> None:
+        # AdamW(fused=True): step() and step_if() (skips with NaN gradients, a clip factor, an
+        # lr change) against torch.optim.AdamW over 60 steps with two parameter groups.
+        from lmforge.train import AdamW
+        from lmforge.train.optim import grad_norm_and_clip_coef
+
+        gen = torch.Generator().manual_seed(3)
+        shapes = [(40, 130), (130,), (4100,), (3, 5)]
+        ours_p = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+        ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+
+        def groups(ps):
+            return [
+                {"params": ps[::2], "weight_decay": 0.1},
+                {"params": ps[1::2], "weight_decay": 0.0},
+            ]
+
+        kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        ours = AdamW(groups(ours_p), fused=True, **kw)
+        ref = torch.optim.AdamW(groups(ref_p), foreach=False, **kw)
+        for step in range(60):
+            g = torch.Generator().manual_seed(900 + step)
+            grads = [torch.randn(p.shape, generator=g) * 3 for p in ours_p]
+            skip = step % 17 == 4
+            for p, q, gr in zip(ours_p, ref_p, grads):
+                p.grad = torch.full_like(gr, float("nan")) if skip else gr.clone()
+                q.grad = gr.clone()
+            if step == 30:
+                for opt in (ours, ref):
+                    for group in opt.param_groups:
+                        group["lr"] = 1e-3
+            if skip:
+                ours.step_if(torch.tensor(False))
+                continue
+            if step % 2:
+                ours.step()
+            else:
+                _, coef = grad_norm_and_clip_coef(ours_p, 1.0)
+                ours.step_if(torch.tensor(True), grad_scale=coef)
+                torch.nn.utils.clip_grad_norm_(ref_p, 1.0)
+            ref.step()
+        for p, q in zip(ours_p, ref_p):
+            torch.testing.assert_close(p, q, atol=2e-6, rtol=0)
+            assert float(ours.state[p]["step"]) == float(ref.state[q]["step"])
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_swiglu_and_rope_triton_interpreted(dtype) -> None:
         from lmforge.kernels import rope, rope_reference, swiglu, swiglu_reference

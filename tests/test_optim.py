@@ -190,3 +190,22 @@ def test_step_if_without_refresh_needs_loaded_hyperparameters() -> None:
     opt.param_groups[0]["lr"] = 0.0  # not loaded: the update still uses lr 1e-2
     opt.step_if(torch.tensor(True), refresh=False)
     assert all(not torch.equal(q, b) for q, b in zip(p, before))
+
+
+def test_fused_adamw_off_cuda_says_what_it_needs() -> None:
+    # The Triton update runs on CUDA (or under TRITON_INTERPRET=1, tested in
+    # test_kernels_interp.py); elsewhere one clear error, and nothing is changed.
+    import os
+
+    from lmforge.kernels import KernelUnsupportedError
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter runs the kernel on CPU")
+    p = _params(1)
+    before = [q.detach().clone() for q in p]
+    opt = AdamW(p, lr=1e-2, fused=True)
+    for q in p:
+        q.grad = torch.ones_like(q)
+    with pytest.raises(KernelUnsupportedError, match=r"CUDA|triton"):
+        opt.step()
+    assert all(torch.equal(q, b) for q, b in zip(p, before))

@@ -108,6 +108,26 @@ def test_fused_with_soft_cap_is_an_error(tmp_path: Path) -> None:
         Trainer(RunConfig(model=capped, train=cfg.train, data=cfg.data))
 
 
+def test_adamw_setting_resolves_and_refuses_clearly(tmp_path: Path) -> None:
+    # On a CPU auto keeps the foreach update; triton needs one CUDA process and no CUDA graph.
+    t = Trainer(_cfg(tmp_path, adamw="auto"))
+    assert not t.optimizer.fused and not t.optimizer.compiled
+    with pytest.raises(LmforgeError, match=r"train\.adamw=triton needs one CUDA process"):
+        Trainer(_cfg(tmp_path, adamw="triton"))
+    with pytest.raises(LmforgeError, match=r"train\.adamw must be"):
+        Trainer(_cfg(tmp_path, adamw="fast"))
+
+
+def test_bf16_residual_stream_step_runs_on_cpu(tmp_path: Path) -> None:
+    # model.residual_dtype=autocast under bf16: a finite step, fp32 master weights and state.
+    cfg = _cfg(tmp_path, precision="bf16")
+    model = ModelConfig(**{**vars(cfg.model), "residual_dtype": "autocast"})
+    trainer = Trainer(RunConfig(model=model, train=cfg.train, data=cfg.data))
+    loss, norm, reason = trainer.train_step()
+    assert reason is None and np.isfinite(loss) and np.isfinite(norm)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+
+
 def test_bf16_autocast_step_runs_on_cpu(tmp_path: Path) -> None:
     trainer = Trainer(_cfg(tmp_path, precision="bf16", activation_checkpointing=True))
     loss, norm, reason = trainer.train_step()

@@ -1,4 +1,4 @@
-"""Fused kernels: FlashAttention-2, RMSNorm, linear + cross-entropy, RoPE, SwiGLU gate.
+"""Fused kernels: FlashAttention-2, RMSNorm, linear + cross-entropy, RoPE, SwiGLU gate, AdamW.
 
 This is the public API.
 
@@ -11,6 +11,7 @@ import), so ``torch.compile(fullgraph=True)`` traces a model that uses them in o
 """
 
 from lmforge.kernels._common import KernelUnsupportedError, triton_available
+from lmforge.kernels.adamw import adamw_multi_tensor_, adamw_reference_, adamw_supported
 from lmforge.kernels.cross_entropy import (
     FusedLinearCrossEntropy,
     fused_linear_cross_entropy,
@@ -40,6 +41,9 @@ __all__ = [
     "RMSNormTriton",
     "RoPETriton",
     "SwiGLUTriton",
+    "adamw_multi_tensor_",
+    "adamw_reference_",
+    "adamw_supported",
     "attention_reference",
     "flash_attention",
     "flash_supported",

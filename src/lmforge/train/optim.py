@@ -29,7 +29,10 @@ class AdamW(torch.optim.Optimizer):
     ``foreach=True`` (default) uses the multi-tensor path; ``False`` the readable per-parameter
     loop. ``compiled=True`` runs the same update through ``torch.compile`` (one fused
     read-modify-write kernel per parameter instead of eight passes over memory; hyperparameters
-    travel as a device tensor so schedule changes never recompile). Simplification: no amsgrad,
+    travel as a device tensor so schedule changes never recompile). ``fused=True`` runs every
+    update of a group as one Triton launch (:func:`lmforge.kernels.adamw_multi_tensor_`: float32
+    tensors on CUDA, one read and one write of each); :meth:`step` then goes through
+    :meth:`step_if` (device-side step counts). Simplification: no amsgrad,
     maximize, capturable or sparse gradients.
     :meth:`step_if` applies the same update only where a device-side flag says so, without the
     host ever reading it (the trainer's sync-free step).
@@ -45,6 +48,7 @@ class AdamW(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         foreach: bool = True,
         compiled: bool = False,
+        fused: bool = False,
     ) -> None:
         if lr < 0:
             raise ValueError(f"invalid learning rate {lr}")
@@ -58,6 +62,7 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.foreach = foreach
         self.compiled = compiled
+        self.fused = fused
         self._compiled_update: Callable[..., None] | None = None
         self._compiled_gated: Callable[..., None] | None = None
         self._hp_device: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -77,6 +82,9 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.fused:
+            self.step_if(torch.ones((), dtype=torch.bool))
+            return loss
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -134,17 +142,26 @@ class AdamW(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"AdamW.step_if(refresh=False) before load_hyperparameters() on {device}"
                     )
+                scale = torch.ones((), device=device) if grad_scale is None else grad_scale
+                args = (
+                    ps,
+                    [p.grad for p in ps],
+                    [self.state[p]["exp_avg"] for p in ps],
+                    [self.state[p]["exp_avg_sq"] for p in ps],
+                )
+                if self.fused:
+                    from lmforge.kernels import adamw_multi_tensor_
+
+                    steps = [self.state[p]["step"] for p in ps]
+                    adamw_multi_tensor_(*args, steps, hp_t, ok.to(device), scale.to(device))
+                    continue
                 update = _adamw_gated_update
                 if self.compiled:
                     if self._compiled_gated is None:
                         self._compiled_gated = torch.compile(_adamw_gated_update)
                     update = self._compiled_gated
-                scale = torch.ones((), device=device) if grad_scale is None else grad_scale
                 update(
-                    ps,
-                    [p.grad for p in ps],
-                    [self.state[p]["exp_avg"] for p in ps],
-                    [self.state[p]["exp_avg_sq"] for p in ps],
+                    *args,
                     # (1,) views: torch.compile treats 0-d CPU tensors as scalars and would not
                     # write the incremented count back.
                     [self.state[p]["step"].view(1) for p in ps],

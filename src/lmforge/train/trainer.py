@@ -332,6 +332,7 @@ class Trainer:
         self.fused = self._pick_fused_loss()
         self.strategy = self._build_strategy(model)
         self.is_main = self.strategy.is_main
+        adamw = self._pick_adamw()
         self.optimizer = self.strategy.make_optimizer(
             lambda ps: AdamW(
                 _param_groups(list(ps), tc.weight_decay),
@@ -339,8 +340,8 @@ class Trainer:
                 betas=(tc.beta1, tc.beta2),
                 eps=tc.eps,
                 weight_decay=tc.weight_decay,
-                # With compile on a GPU the update is compiled too (one fused kernel a tensor).
-                compiled=tc.compile and self.device_type == "cuda",
+                compiled=adamw == "compiled",
+                fused=adamw == "triton",
             )
         )
         # The sync-free step (see the module docstring) on one CUDA process with lmforge's AdamW.
@@ -412,6 +413,35 @@ class Trainer:
                 "train.loss=fused cannot apply model.logit_soft_cap (the fused kernel never forms "
                 "the logits); use train.loss=reference or unset the soft-cap"
             )
+
+    def _pick_adamw(self) -> str:
+        # train.adamw resolved: the Triton update needs CUDA, Triton and one process (sharded
+        # strategies hand the optimizer shards or DTensors); auto falls back as documented.
+        tc = self.tcfg
+        if tc.adamw not in ("auto", "foreach", "compiled", "triton"):
+            raise LmforgeError(
+                f"train.adamw must be auto, foreach, compiled or triton, got {tc.adamw!r}"
+            )
+        from lmforge.kernels import triton_available
+
+        usable = self.device_type == "cuda" and triton_available()
+        if tc.adamw == "triton" and not (usable and self.runtime.world_size == 1):
+            raise LmforgeError(
+                "train.adamw=triton needs one CUDA process with the 'triton' package; "
+                "use train.adamw=auto"
+            )
+        if tc.adamw == "triton" and tc.cuda_graph:
+            # Its address tables are built on the host when gradients move (as they do into a
+            # graph's memory pool), which a capture cannot record.
+            raise LmforgeError(
+                "train.adamw=triton cannot run inside train.cuda_graph; use train.adamw=compiled"
+            )
+        if tc.adamw != "auto":
+            return tc.adamw
+        if usable and self.runtime.world_size == 1 and not tc.cuda_graph:
+            return "triton"
+        # With compile on a GPU the update is compiled too (one fused kernel a tensor).
+        return "compiled" if tc.compile and self.device_type == "cuda" else "foreach"
 
     def _pick_fused_loss(self) -> Callable[..., torch.Tensor] | None:
         tc = self.tcfg

@@ -1,0 +1,156 @@
+"""Triton kernel of the multi-tensor AdamW update (see adamw.py).
+
+One launch updates every tensor: each program owns one BLOCK-sized slice of one tensor, found
+through two small tables (slice → tensor index, slice → first element); the tensors' addresses
+come from per-tensor pointer tables (int64), so parameters, gradients and moments stay where
+they are (no flat buffer, no copies).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lmforge.kernels._common import ensure_interpreter_compat, interpreting
+
+BLOCK = 4096
+WARPS = 8
+
+
+@triton.jit
+def _pow_int(base, e):
+    # base ** e for a non-negative integer e (int64 scalar), by squaring: exact enough in
+    # float64 (a few ulps) that the float32 coefficients below round as torch's pow gives them.
+    r = base * 0.0 + 1.0
+    b = base
+    while e > 0:
+        if e % 2 == 1:
+            r = r * b
+        b = b * b
+        e = e // 2
+    return r
+
+
+@triton.jit
+def _slice_update(
+    p_ptr,
+    g_ptr,
+    m_ptr,
+    v_ptr,
+    offs,
+    n,
+    scale,
+    w,
+    b2f,
+    one_m_b2,
+    sqrt_bc2,
+    eps,
+    decay,
+    neg_step,
+    MASKED: tl.constexpr,
+):
+    if MASKED:
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0) * scale
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    else:  # a whole slice: no mask, so the accesses vectorise
+        g = tl.load(g_ptr + offs) * scale
+        m = tl.load(m_ptr + offs)
+        v = tl.load(v_ptr + offs)
+        p = tl.load(p_ptr + offs)
+    # torch.lerp's two forms (the one for weights below one half is exact at weight 0).
+    if w < 0.5:
+        m_new = m + w * (g - m)
+    else:
+        m_new = g - (g - m) * (1.0 - w)
+    v_new = v * b2f + g * g * one_m_b2
+    denom = tl.div_rn(tl.sqrt_rn(v_new), sqrt_bc2) + eps
+    p_new = p * decay + tl.div_rn(m_new, denom) * neg_step
+    if MASKED:
+        tl.store(m_ptr + offs, m_new, mask=mask)
+        tl.store(v_ptr + offs, v_new, mask=mask)
+        tl.store(p_ptr + offs, p_new, mask=mask)
+    else:
+        tl.store(m_ptr + offs, m_new)
+        tl.store(v_ptr + offs, v_new)
+        tl.store(p_ptr + offs, p_new)
+
+
+@triton.jit
+def _adamw_multi(
+    P_TAB,  # int64 (n,) addresses of the fp32 parameters (16-byte aligned: checked on the host)
+    G_TAB,  # gradients (fp32)
+    M_TAB,  # first moments (fp32)
+    V_TAB,  # second moments (fp32)
+    T_TAB,  # step counts (0-d float64 each), read before this step's increment
+    NUMEL,  # int64 (n,)
+    SLICE_TENSOR,  # int32 (slices,)
+    SLICE_START,  # int64 (slices,)
+    HP,  # float64 (5,): lr, weight decay, beta1, beta2, eps
+    OK,  # bool (): apply the update at all
+    SCALE,  # fp32 (): factor on every gradient (clipping)
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ok = tl.load(OK)
+    if ok != 0:
+        tid = tl.load(SLICE_TENSOR + pid)
+        start = tl.multiple_of(tl.load(SLICE_START + pid), BLOCK)
+        n = tl.load(NUMEL + tid)
+        # Alignment hints: addresses loaded from memory carry none, and without them every
+        # access would be a scalar 4-byte load.
+        p_ptr = tl.multiple_of(tl.load(P_TAB + tid).to(tl.pointer_type(tl.float32)), 16)
+        g_ptr = tl.multiple_of(tl.load(G_TAB + tid).to(tl.pointer_type(tl.float32)), 16)
+        m_ptr = tl.multiple_of(tl.load(M_TAB + tid).to(tl.pointer_type(tl.float32)), 16)
+        v_ptr = tl.multiple_of(tl.load(V_TAB + tid).to(tl.pointer_type(tl.float32)), 16)
+        t_ptr = tl.load(T_TAB + tid).to(tl.pointer_type(tl.float64))
+        # Per-tensor scalars in float64 (as the host or torch.pow computes them), then rounded
+        # once to float32 — the operation order of lmforge.train.optim._adamw_gated_update.
+        lr = tl.load(HP)
+        wd = tl.load(HP + 1)
+        b1 = tl.load(HP + 2)
+        b2 = tl.load(HP + 3)
+        eps = tl.load(HP + 4).to(tl.float32)
+        t_new = (tl.load(t_ptr) + 1.0).to(tl.int64)
+        decay = (1.0 - lr * wd).to(tl.float32)
+        neg_step = (-lr / (1.0 - _pow_int(b1, t_new))).to(tl.float32)
+        sqrt_bc2 = tl.sqrt(1.0 - _pow_int(b2, t_new)).to(tl.float32)
+        w = (1.0 - b1).to(tl.float32)
+        b2f = b2.to(tl.float32)
+        one_m_b2 = (1.0 - b2).to(tl.float32)
+        scale = tl.load(SCALE)
+        offs = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= n:
+            _slice_update(
+                p_ptr, g_ptr, m_ptr, v_ptr, offs, n, scale, w, b2f, one_m_b2, sqrt_bc2, eps,
+                decay, neg_step, MASKED=False,
+            )  # fmt: skip
+        else:
+            _slice_update(
+                p_ptr, g_ptr, m_ptr, v_ptr, offs, n, scale, w, b2f, one_m_b2, sqrt_bc2, eps,
+                decay, neg_step, MASKED=True,
+            )  # fmt: skip
+
+
+def launch(tables, numel, slice_tensor, slice_start, hp, ok, scale) -> None:
+    """One launch over every slice; ``tables`` is the (5, n) int64 address table (p, g, m, v, t)."""
+    if interpreting():
+        ensure_interpreter_compat()
+    grid = (slice_tensor.numel(),)
+    _adamw_multi[grid](
+        tables[0],
+        tables[1],
+        tables[2],
+        tables[3],
+        tables[4],
+        numel,
+        slice_tensor,
+        slice_start,
+        hp,
+        ok,
+        scale,
+        BLOCK=BLOCK,
+        num_warps=WARPS,
+    )

@@ -1,0 +1,213 @@
+"""Multi-tensor AdamW update in one Triton launch (the optimizer's fast path on CUDA).
+
+Math per tensor (θ parameter, g gradient, m/v moments, t the step count after this step; lr, λ,
+β1, β2, ε hyperparameters; c the gradient scale from clipping), skipped entirely unless ``ok``::
+
+    g ← c·g
+    m ← m + (1 − β1)·(g − m)                 v ← β2·v + (1 − β2)·g²
+    θ ← θ·(1 − lr·λ) + m / (√v / √(1 − β2ᵗ) + ε) · (−lr / (1 − β1ᵗ))
+
+with the per-tensor coefficients computed in float64 and rounded once to float32, as
+``lmforge.train.optim.AdamW.step_if`` computes them. ``torch.optim.AdamW`` needs eight passes over
+memory when unfused; this kernel reads θ, g, m, v once and writes θ, m, v once (28 bytes a
+parameter), all tensors of a group in one launch. The step counts are incremented afterwards by
+one multi-tensor add. Exercise: ``pytest tests/test_optim.py`` (interpreter) and ``-m gpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lmforge.kernels._common import KernelUnsupportedError, interpreting, triton_available
+
+_CACHE_SIZE = 8  # parameter sets whose tables are kept
+
+
+def adamw_reference_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    hp: torch.Tensor,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """The update in plain torch, one tensor at a time (in place): ``hp`` = [lr, λ, β1, β2, ε]
+    float64, ``steps`` float64 0-d (or (1,)) counts incremented where ``ok``, ``scale`` fp32."""
+    lr, wd, b1, b2, eps = (float(x) for x in hp.tolist())
+    if not bool(ok):
+        return
+    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        t += 1
+        tn = float(t.reshape(-1)[0])
+        g = g * scale.to(g.dtype)
+        m.lerp_(g, torch.tensor(1 - b1, dtype=torch.float64).to(m.dtype).item())
+        v.mul_(torch.tensor(b2, dtype=torch.float64).to(v.dtype).item())
+        v.add_(g * g * torch.tensor(1 - b2, dtype=torch.float64).to(v.dtype))
+        decay = torch.tensor(1 - lr * wd, dtype=torch.float64).to(p.dtype)
+        neg_step = torch.tensor(-lr / (1 - b1**tn), dtype=torch.float64).to(p.dtype)
+        sqrt_bc2 = torch.tensor((1 - b2**tn) ** 0.5, dtype=torch.float64).to(p.dtype)
+        p.copy_(p * decay + m / (v.sqrt() / sqrt_bc2 + torch.tensor(eps).to(p.dtype)) * neg_step)
+
+
+def adamw_supported(*tensor_lists: Sequence[torch.Tensor]) -> str | None:
+    """None when :func:`adamw_multi_tensor_` can run on these lists (params, grads, moments),
+    else the reason: Triton, CUDA (or the interpreter), float32, contiguous, one device."""
+    if not triton_available():
+        return "the Triton path needs the 'triton' package"
+    devices = set()
+    for ts in tensor_lists:
+        for x in ts:
+            if x.dtype != torch.float32:
+                return f"tensors must be float32, got {x.dtype}"
+            if not x.is_contiguous():
+                return "tensors must be contiguous"
+            if x.device.type != "cuda" and not interpreting():
+                return f"the Triton path needs CUDA tensors, got device {x.device}"
+            devices.add(x.device)
+    if len(devices) > 1:
+        return f"tensors on different devices {sorted(map(str, devices))}"
+    return None
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Pinned, so the copy is asynchronous; the caching host allocator keeps the block until the
+    # copy has run.
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+_slices: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _slice_tables(
+    numels: tuple[int, ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (numel per tensor, tensor index per slice, first element per slice) on the device; they
+    # depend on the shapes only, so they are built once per parameter set.
+    from lmforge.kernels import _adamw_triton
+
+    block = _adamw_triton.BLOCK
+    key = (device, numels, block)
+    tabs = _slices.get(key)
+    if tabs is None:
+        counts = torch.tensor([-(-k // block) for k in numels], dtype=torch.int64)
+        tensor_idx = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
+        firsts = torch.cumsum(counts, 0) - counts  # first slice of each tensor
+        starts = (torch.arange(int(counts.sum()), dtype=torch.int64) - firsts[tensor_idx]) * block
+        host = (torch.tensor(numels, dtype=torch.int64), tensor_idx, starts)
+        tabs = _slices[key] = tuple(_to_device(h, device) for h in host)  # type: ignore[assignment]
+    return tabs
+
+
+class _AddressTable:
+    """The (5, n) int64 address table (θ, g, m, v, t) of one parameter set on the device.
+
+    Gradients are freed and reallocated every step and may land elsewhere, so the table is
+    rewritten whenever the addresses change — from a small ring of pinned host buffers, each
+    reused only after the copy that read it has run (an event recorded ``_RING`` updates ago).
+    No per-step pinned allocation, which would synchronise the host with the device.
+    """
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.device = device
+        self.addrs: tuple[int, ...] | None = None
+        self.table = torch.empty((5, n), dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self.host = [torch.empty((5, n), dtype=torch.int64, pin_memory=pin) for _ in range(_RING)]
+        self.events: list = [None] * _RING
+        self.slot = 0
+
+    def update(self, addrs: tuple[int, ...]) -> torch.Tensor:
+        if addrs != self.addrs:
+            host, event = self.host[self.slot], self.events[self.slot]
+            if event is not None:
+                event.synchronize()  # normally long done: the host runs ≤ a step or two ahead
+            host.view(-1).copy_(torch.tensor(addrs, dtype=torch.int64))
+            self.table.copy_(host, non_blocking=True)
+            if self.device.type == "cuda":
+                self.events[self.slot] = torch.cuda.Event()
+                self.events[self.slot].record()
+            self.slot = (self.slot + 1) % _RING
+            self.addrs = addrs
+        return self.table
+
+
+_RING = 4
+_address_tables: dict[tuple, _AddressTable] = {}
+
+
+def adamw_multi_tensor_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    hp: torch.Tensor,
+    ok: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """One AdamW update of every (θ, g, m, v) in one Triton launch, in place, where the 0-d bool
+    ``ok`` holds (nothing at all where it does not); arguments as :func:`adamw_reference_`.
+
+    Float32 contiguous tensors on one CUDA device (or CPU under ``TRITON_INTERPRET=1``); raises
+    :class:`KernelUnsupportedError` naming the constraint otherwise. Never reads a device value
+    on the host (no sync). The address tables are copied to the device when the tensors'
+    addresses change (cached otherwise), so a CUDA-graph capture would have to find them cached."""
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    n = len(params)
+    if any(len(x) != n for x in (*lists, steps)):
+        raise KernelUnsupportedError("adamw: params, grads, moments and steps differ in length")
+    if n == 0:
+        return
+    addrs = tuple(x.data_ptr() for ts in (*lists, steps) for x in ts)
+    device = params[0].device
+    numels = tuple(p.numel() for p in params)
+    # One table per parameter set (the parameters' addresses and shapes identify it).
+    key = (device, addrs[:n], numels)
+    table = _address_tables.get(key)
+    if table is None or table.addrs != addrs:  # checked whenever an address moves
+        _check(lists, steps, hp, addrs)
+        if table is None:
+            if len(_address_tables) >= _CACHE_SIZE:
+                _address_tables.pop(next(iter(_address_tables)))
+            table = _address_tables[key] = _AddressTable(n, device)
+    tables = table.update(addrs)
+    numel, slice_tensor, slice_start = _slice_tables(numels, device)
+    from lmforge.kernels import _adamw_triton
+
+    ok = ok.to(device=device, dtype=torch.bool)
+    _adamw_triton.launch(
+        tables,
+        numel,
+        slice_tensor,
+        slice_start,
+        hp.to(device),
+        ok,
+        scale.to(device=device, dtype=torch.float32),
+    )
+    # The list form: the (Tensor[], Tensor) form reads its scalar on the host, a device sync.
+    one = ok.to(torch.float64)
+    torch._foreach_add_(list(steps), [one] * n)
+
+
+def _check(lists, steps, hp: torch.Tensor, addrs: tuple[int, ...]) -> None:
+    reason = adamw_supported(*lists)
+    if reason is not None:
+        raise KernelUnsupportedError(f"adamw: {reason}")
+    for p, g, m, v, t in zip(*lists, steps):
+        if not (p.shape == g.shape == m.shape == v.shape):
+            raise KernelUnsupportedError(
+                f"adamw: shapes differ: {tuple(p.shape)}, {tuple(g.shape)}, "
+                f"{tuple(m.shape)}, {tuple(v.shape)}"
+            )
+        if t.dtype != torch.float64 or t.numel() != 1 or t.device != p.device:
+            raise KernelUnsupportedError("adamw: step counts must be one float64 value each")
+    if hp.dtype != torch.float64 or hp.numel() != 5:
+        raise KernelUnsupportedError("adamw: hp must be float64 [lr, weight_decay, b1, b2, eps]")
+    if any(a % 16 for a in addrs):
+        raise KernelUnsupportedError("adamw: tensors must start at 16-byte aligned addresses")
