@@ -350,3 +350,12 @@ def test_cuda_graph_option_is_ignored_off_cuda(shards: tuple[Path, Path], tmp_pa
     b = Trainer(_cfg(shards, tmp_path / "b", max_steps=4))
     ra, rb = a.run(), b.run()
     assert a._graph is None and ra["train_loss"] == rb["train_loss"]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
+def test_shipped_run_configs_load(name: str) -> None:
+    # Every run config in configs/ parses and validates (keys, types, allowed values).
+    from lmforge.config import load_run_config
+
+    cfg = load_run_config(REPO / "configs" / name)
+    assert cfg.model.d_model > 0 and cfg.train.batch_size > 0
