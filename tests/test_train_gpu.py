@@ -69,6 +69,37 @@ def test_fused_and_reference_losses_agree_on_gpu(tmp_path: Path) -> None:
     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)  # bf16 logits
 
 
+def _run_with_nan_step(trainer: Trainer, run_dir: Path, nan_at: int):
+    # Run with the loss made NaN at iteration nan_at; (train/skip records, final weights).
+    real = trainer.loss_fn
+
+    def faulty(model, x, y, trainer=trainer, real=real):  # type: ignore[no-untyped-def]
+        loss = real(model, x, y)
+        return loss * float("nan") if trainer.iteration == nan_at else loss
+
+    trainer.loss_fn = faulty  # type: ignore[method-assign]
+    trainer.run()
+    recs = [
+        (r["event"], r["step"], r["loss"])
+        for r in read_metrics(run_dir / "run" / "metrics.jsonl")
+        if r.get("event") in ("train", "skip")
+    ]
+    return recs, [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def _same_run(a, b, skipped_step: int) -> None:
+    # Same records (the NaN step skipped in both), same weights within the atomics noise: not
+    # bitwise, as CUDA's embedding backward accumulates with atomics (run-to-run noise) and
+    # Adam's m/√v amplifies it on rows whose gradients are ~0 (a few embedding entries).
+    (ra, pa), (rb, pb) = a, b
+    assert [r[:2] for r in ra] == [r[:2] for r in rb]
+    assert ("skip", skipped_step) in [r[:2] for r in rb]
+    np.testing.assert_allclose([r[2] for r in ra], [r[2] for r in rb], rtol=2e-3)
+    for x, y in zip(pa, pb):
+        off = ((x - y).abs() > 2e-3 + 2e-3 * y.abs()).float().mean().item()
+        assert off < 1e-3, off
+
+
 @pytest.mark.parametrize("compile_", [False, True])
 def test_sync_free_step_equals_synchronous_step_on_gpu(tmp_path: Path, compile_: bool) -> None:
     # On CUDA the trainer defaults to the device-gated step read one step late; with a NaN step
@@ -80,28 +111,8 @@ def test_sync_free_step_equals_synchronous_step_on_gpu(tmp_path: Path, compile_:
         trainer = Trainer(cfg)
         assert trainer.deferred
         trainer.deferred = deferred
-        real = trainer.loss_fn
-
-        def faulty(model, x, y, trainer=trainer, real=real):  # type: ignore[no-untyped-def]
-            loss = real(model, x, y)
-            return loss * float("nan") if trainer.iteration == 7 else loss
-
-        trainer.loss_fn = faulty  # type: ignore[method-assign]
-        trainer.run()
-        recs = [
-            (r["event"], r["step"], r["loss"])
-            for r in read_metrics(tmp_path / name / "run" / "metrics.jsonl")
-            if r.get("event") in ("train", "skip")
-        ]
-        runs.append((recs, [p.detach().clone() for p in trainer.model.parameters()]))
-    (ra, pa), (rb, pb) = runs
-    assert [r[:2] for r in ra] == [r[:2] for r in rb] and ("skip", 8) in [r[:2] for r in rb]
-    # Not bitwise: CUDA's embedding backward accumulates with atomics (run-to-run noise), and
-    # Adam's m/√v amplifies it on rows whose gradients are ~0 (a few embedding entries).
-    np.testing.assert_allclose([r[2] for r in ra], [r[2] for r in rb], rtol=2e-3)
-    for x, y in zip(pa, pb):
-        off = ((x - y).abs() > 2e-3 + 2e-3 * y.abs()).float().mean().item()
-        assert off < 1e-3, off
+        runs.append(_run_with_nan_step(trainer, tmp_path / name, nan_at=7))
+    _same_run(*runs, skipped_step=8)
 
 
 @pytest.mark.parametrize("compile_", [False, True])
@@ -161,26 +172,8 @@ def test_triton_adamw_trains_like_the_compiled_update(tmp_path: Path) -> None:
         cfg = _cfg(tmp_path / name, adamw=name, max_steps=20, eval_every=0, save_every=0)
         trainer = Trainer(cfg)
         assert trainer.optimizer.fused == (name == "triton")
-        real = trainer.loss_fn
-
-        def faulty(model, x, y, trainer=trainer, real=real):  # type: ignore[no-untyped-def]
-            loss = real(model, x, y)
-            return loss * float("nan") if trainer.iteration == 9 else loss
-
-        trainer.loss_fn = faulty  # type: ignore[method-assign]
-        trainer.run()
-        recs = [
-            (r["event"], r["step"], r["loss"])
-            for r in read_metrics(tmp_path / name / "run" / "metrics.jsonl")
-            if r.get("event") in ("train", "skip")
-        ]
-        runs.append((recs, [p.detach().clone() for p in trainer.model.parameters()]))
-    (ra, pa), (rb, pb) = runs
-    assert [r[:2] for r in ra] == [r[:2] for r in rb] and ("skip", 10) in [r[:2] for r in rb]
-    np.testing.assert_allclose([r[2] for r in ra], [r[2] for r in rb], rtol=2e-3)
-    for x, y in zip(pa, pb):
-        off = ((x - y).abs() > 2e-3 + 2e-3 * y.abs()).float().mean().item()
-        assert off < 1e-3, off
+        runs.append(_run_with_nan_step(trainer, tmp_path / name, nan_at=9))
+    _same_run(*runs, skipped_step=10)
 
 
 def test_triton_adamw_kernel_matches_reference_on_gpu() -> None:
