@@ -82,6 +82,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--norm", choices=["reference", "triton", "auto"], default=None)
     p.add_argument("--rope", choices=["reference", "triton", "auto"], default=None)
+    p.add_argument(
+        "--residual",
+        choices=["param", "autocast"],
+        default=None,
+        help="model.residual_dtype (autocast: the residual stream in bf16 under autocast)",
+    )
     p.add_argument("--loss", choices=["reference", "fused"], default="reference")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU")
     p.add_argument("--no-profile", action="store_true")

@@ -72,12 +72,18 @@ def bench_model(
     peak_tflops: float = 989.0,
     profile: bool = True,
     rope: str | None = None,
+    residual_dtype: str | None = None,
 ) -> ModelBenchResult:
     """Time and profile one preset; see the module docstring for what is measured."""
     from lmforge.model import TransformerLM, accounting, load_preset
 
     cfg = load_preset(preset)
-    pairs = (("attention", attention), ("norm", norm), ("rope", rope))
+    pairs = (
+        ("attention", attention),
+        ("norm", norm),
+        ("rope", rope),
+        ("residual_dtype", residual_dtype),
+    )
     changes = {k: v for k, v in pairs if v is not None}
     cfg = dataclasses.replace(cfg, **changes)
     t = seq_len or min(cfg.context_length, 1024)
@@ -242,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     result = bench_model(
         args.preset, args.batch_size, args.seq, args.steps, args.warmup, args.device,
         args.attention, args.norm, args.loss, args.peak_tflops, not args.no_profile,
-        getattr(args, "rope", None),
+        getattr(args, "rope", None), getattr(args, "residual", None),
     )  # fmt: skip
     print(format_result(result))
     if not math.isfinite(result.step_ms):
