@@ -11,7 +11,8 @@ with the per-tensor coefficients computed in float64 and rounded once to float32
 ``lmforge.train.optim.AdamW.step_if`` computes them. ``torch.optim.AdamW`` needs eight passes over
 memory when unfused; this kernel reads θ, g, m, v once and writes θ, m, v once (28 bytes a
 parameter), all tensors of a group in one launch. The step counts are incremented afterwards by
-one multi-tensor add. Exercise: ``pytest tests/test_optim.py`` (interpreter) and ``-m gpu``.
+one multi-tensor add. Exercise: ``pytest tests/test_kernels_interp.py`` (interpreter) and
+``pytest -m gpu tests/test_train_gpu.py``.
 """
 
 from __future__ import annotations
