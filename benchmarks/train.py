@@ -554,7 +554,8 @@ def _throughput(args: argparse.Namespace) -> str:
                 with tempfile.TemporaryDirectory() as tmp:
                     r = _bench_lmforge(one, Path(tmp))
             except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
-                print(f"skipping norm={norm} loss={loss}: {e}", file=sys.stderr)
+                print(f"skipping the row (norm={norm}, loss={loss}, adamw={adamw}): {e}",
+                      file=sys.stderr)  # fmt: skip
                 continue
             opt = f" {r['adamw']}"
             label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")

@@ -83,7 +83,11 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.fused:
-            self.step_if(torch.ones((), dtype=torch.bool))
+            # The flag made on the parameters' device: a CPU flag would be copied to it with a
+            # synchronising (pageable) host-to-device copy every step.
+            first = next((p for g in self.param_groups for p in g["params"]), None)
+            device = first.device if first is not None else None
+            self.step_if(torch.ones((), dtype=torch.bool, device=device))
             return loss
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
