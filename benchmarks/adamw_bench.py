@@ -1,12 +1,13 @@
 """AdamW update over GPT-2-small's parameters: lmforge's Triton multi-tensor kernel, its compiled
 update and torch.optim.AdamW (fused and foreach), in one run on one GPU.
 
-Correctness first: 5 steps of each lmforge path against torch.optim.AdamW(foreach=False) from the
-same state (max |Δθ|), and one Triton update under ``torch.cuda.set_sync_debug_mode("error")``
-(no host sync). Then, per path, two figures:
+Correctness first: 5 steps of each lmforge path (each Triton launch of ``--launches``) against
+torch.optim.AdamW(foreach=False) from the same state (max |Δθ|), and one Triton update under
+``torch.cuda.set_sync_debug_mode("error")`` (no host sync). Then, per path, three figures:
 
-* GPU ms per update: a queued ``torch.cuda._sleep`` keeps the GPU busy while the host enqueues
-  ``--iters`` updates, so the events around them time the device only (medians of 5 repeats);
+* GPU ms per update, with global-norm clipping as training runs it and without (the update
+  alone, for the floor): a queued ``torch.cuda._sleep`` keeps the GPU busy while the host
+  enqueues ``--iters`` updates, so the events around them time the device only (medians of 5);
 * host ms per call: the Python and launch time of one update (the training loop's host runs
   ahead of the GPU, so this matters only when it exceeds the GPU time of a step).
 
@@ -42,9 +43,10 @@ def _parse() -> argparse.Namespace:
         help="updates to measure, comma-separated (the compiled one compiles for about a minute)",
     )
     p.add_argument(
-        "--blocks",
+        "--launches",
         default="",
-        help="elements per program of the Triton kernel to sweep, comma-separated (default: its own)",
+        help="Triton kernel launches to sweep, comma-separated BLOCKxWARPSxSLICES (elements per "
+        "slice, warps, slices per program), e.g. 4096x8x1,2048x8x4 (default: its own)",
     )
     p.add_argument("--results", help="append the table to this markdown file")
     return p.parse_args()
@@ -93,25 +95,43 @@ def main() -> int:
 
         return ps, step
 
-    kinds = args.kinds.split(",")
+    from lmforge.kernels import _adamw_triton
+
+    default = (_adamw_triton.BLOCK, _adamw_triton.WARPS, _adamw_triton.SLICES)
+    launches = [tuple(int(x) for x in a.split("x")) for a in args.launches.split(",") if a]
+    if any(len(a) != 3 for a in launches):
+        print("--launches: each entry is BLOCKxWARPSxSLICES, e.g. 2048x8x4", file=sys.stderr)
+        return 2
+    runs = []  # (label, kind, launch or None)
+    for k in args.kinds.split(","):
+        for launch in (launches or [default]) if k == "lmforge triton" else [None]:
+            label = k if launch is None or not launches else f"{k} {'×'.join(map(str, launch))}"
+            runs.append((label, k, launch))
+
+    def use(launch) -> None:
+        for name, value in zip(("BLOCK", "WARPS", "SLICES"), launch or default):
+            setattr(_adamw_triton, name, value)
+
     # Correctness without clipping (torch's in-place clip rescales the stored gradients every
     # step; the folded factor does not, so with it the paths differ by design).
     ref_ps, ref_step = make("torch single-tensor", clip=False)
     for _ in range(5):
         ref_step()
     print("correctness (5 steps vs torch.optim.AdamW single-tensor):", file=sys.stderr)
-    for kind in [k for k in kinds if k.startswith("lmforge")]:
+    for label, kind, launch in [r for r in runs if r[1].startswith("lmforge")]:
+        use(launch)
         ps, step = make(kind, clip=False)
         for _ in range(5):
             step()
         err = max((p - q).abs().max().item() for p, q in zip(ps, ref_ps))
-        print(f"  {kind}: max |Δθ| {err:.2e}", file=sys.stderr)
+        print(f"  {label}: max |Δθ| {err:.2e}", file=sys.stderr)
         if err > 2e-6:  # a few float32 ulps of O(1) weights (fused multiply-adds)
-            print(f"FAILED: {kind} differs from torch by {err:.2e}", file=sys.stderr)
+            print(f"FAILED: {label} differs from torch by {err:.2e}", file=sys.stderr)
             return 1
 
     # No host sync inside the Triton update (one per step cost 3 ms end to end once).
-    for kind in [k for k in kinds if k == "lmforge triton"]:
+    for _label, kind, launch in [r for r in runs if r[1] == "lmforge triton"][:1]:
+        use(launch)
         ps, step = make(kind)
         step()
         torch.cuda.synchronize()
@@ -124,26 +144,11 @@ def main() -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         print(f"  {kind}: no host sync", file=sys.stderr)
-    from lmforge.kernels import _adamw_triton
 
-    rows = []
-    floor_ms = 28 * n / (args.bandwidth * 1e12) * 1e3
-    blocks = [int(b) for b in args.blocks.split(",") if b] or [_adamw_triton.BLOCK]
-    runs = [(k, b) for k in kinds for b in (blocks if k == "lmforge triton" else [None])]
-    for kind, block in runs:
-        if block is not None:
-            _adamw_triton.BLOCK = block
-            kind = f"{kind} ({block} elements/program)"
-        ps, step = make(kind.split(" (")[0])
+    def gpu_ms(step) -> float:
         for _ in range(3):  # compile, tables, state allocation
             step()
         torch.cuda.synchronize()
-        host = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            step()
-            host.append(time.perf_counter() - t0)
-            torch.cuda.synchronize()
         gpu = []
         for _ in range(5):
             torch.cuda._sleep(int(2e8))  # ~0.1 s of GPU work while the host enqueues
@@ -154,22 +159,45 @@ def main() -> int:
             end.record()
             torch.cuda.synchronize()
             gpu.append(start.elapsed_time(end) / args.iters)
-        ms = statistics.median(gpu)
-        rows.append((kind, ms, 1e3 * statistics.median(host), 28 * n / ms / 1e6, ms / floor_ms))
-        print(f"{kind}: {ms:.3f} ms GPU, {rows[-1][2]:.3f} ms host", file=sys.stderr)
+        return statistics.median(gpu)
+
+    rows = []
+    floor_ms = 28 * n / (args.bandwidth * 1e12) * 1e3
+    for label, kind, launch in runs:
+        use(launch)
+        ps, step = make(kind)
+        ms = gpu_ms(step)
+        host = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
         del ps, step
+        ps, step = make(kind, clip=False)
+        alone = gpu_ms(step)
+        del ps, step
+        rows.append((label, ms, alone, 1e3 * statistics.median(host), 28 * n / alone / 1e6,
+                     alone / floor_ms))  # fmt: skip
+        print(f"{label}: {ms:.3f} ms GPU ({alone:.3f} without clipping), "
+              f"{rows[-1][3]:.3f} ms host", file=sys.stderr)  # fmt: skip
+    use(None)
     fused = {r[0]: r[1] for r in rows}.get("torch fused", math.nan)
-    floor_note = "the update alone; the clipping norm adds a read of the gradients"
     lines = [
         f"AdamW update with global-norm clipping (lmforge: the factor folded into the update; "
-        f"torch: clip_grad_norm_ in place, then step), {args.preset} "
-        f"({n / 1e6:.1f}M fp32 parameters); floor {floor_ms:.3f} ms (28 B/param at "
-        f"{args.bandwidth} TB/s, {floor_note}); {torch.cuda.get_device_name(0)}\n",
-        "| update | GPU ms | host ms/call | GB/s | × floor | vs torch fused (time) |",
-        "|---|---|---|---|---|---|",
+        f"torch: clip_grad_norm_ in place, then step) and without, {args.preset} "
+        f"({n / 1e6:.1f}M fp32 parameters); floor of the update alone {floor_ms:.3f} ms (28 "
+        f"B/param at {args.bandwidth} TB/s; GB/s and × floor are of the update without "
+        f"clipping); {torch.cuda.get_device_name(0)}\n",
+        "| update | GPU ms, clipped | GPU ms, update alone | host ms/call | GB/s | × floor "
+        "| vs torch fused (time, clipped) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for kind, ms, h, gbs, xf in rows:
-        lines.append(f"| {kind} | {ms:.3f} | {h:.3f} | {gbs:,.0f} | {xf:.2f} | {ms / fused:.2f} |")
+    for kind, ms, alone, h, gbs, xf in rows:
+        lines.append(
+            f"| {kind} | {ms:.3f} | {alone:.3f} | {h:.3f} | {gbs:,.0f} | {xf:.2f} "
+            f"| {ms / fused:.2f} |"
+        )
     table = "\n".join(lines) + "\n"
     print(table)
     if args.results:

@@ -115,12 +115,15 @@ def test_sync_free_step_equals_synchronous_step_on_gpu(tmp_path: Path, compile_:
     _same_run(*runs, skipped_step=8)
 
 
-@pytest.mark.parametrize("compile_", [False, True])
-def test_cuda_graph_step_equals_eager_step(tmp_path: Path, compile_: bool) -> None:
+@pytest.mark.parametrize(
+    "compile_,adamw", [(False, "compiled"), (True, "compiled"), (False, "triton"), (True, "triton")]
+)
+def test_cuda_graph_step_equals_eager_step(tmp_path: Path, compile_: bool, adamw: str) -> None:
     # train.cuda_graph: after 3 warm-up steps the whole step is captured once and replayed.
     # Same records (a NaN step skipped on the device included), same weights as the eager
     # sync-free step; the NaN comes from a device factor set before each step, which the
-    # captured graph reads like any input.
+    # captured graph reads like any input. With the Triton update the graph holds the copy of
+    # its address table (the gradients live in the graph's pool, not where eager steps had them).
     runs = []
     for name, graph in (("eager", False), ("graph", True)):
         (tmp_path / name).mkdir()
@@ -128,7 +131,7 @@ def test_cuda_graph_step_equals_eager_step(tmp_path: Path, compile_: bool) -> No
             tmp_path / name,
             compile=compile_,
             cuda_graph=graph,
-            adamw="compiled",  # the one update both can run (triton is not capturable)
+            adamw=adamw,
             max_steps=20,
             eval_every=10,
             save_every=0,
@@ -176,13 +179,18 @@ def test_triton_adamw_trains_like_the_compiled_update(tmp_path: Path) -> None:
     _same_run(*runs, skipped_step=10)
 
 
-def test_triton_adamw_kernel_matches_reference_on_gpu() -> None:
+@pytest.mark.parametrize("launch", [None, (4096, 8, 1), (2048, 8, 4), (1024, 4, 8)])
+def test_triton_adamw_kernel_matches_reference_on_gpu(launch, monkeypatch) -> None:
     # The kernel on CUDA against the torch formula (float64 scalars, fp32 tensors), 5 steps,
-    # tensors around the 4096-element slice size, a clip factor; then a skipped step.
-    from lmforge.kernels import adamw_multi_tensor_, adamw_reference_
+    # tensors around the slice and chunk sizes, a clip factor; then a skipped step. ``launch``:
+    # (BLOCK, WARPS, SLICES), None for the default.
+    from lmforge.kernels import _adamw_triton, adamw_multi_tensor_, adamw_reference_
 
+    if launch is not None:
+        for name, value in zip(("BLOCK", "WARPS", "SLICES"), launch):
+            monkeypatch.setattr(_adamw_triton, name, value)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    shapes = [(4097,), (768, 768), (3,), (50304, 64), (4096,)]
+    shapes = [(4097,), (768, 768), (3,), (50304, 64), (4096,), (10000,)]
 
     def rand(s, lo=0.0):
         return (
@@ -196,7 +204,10 @@ def test_triton_adamw_kernel_matches_reference_on_gpu() -> None:
         [rand(s) for s in shapes],
         [rand(s) * 0.1 for s in shapes],
         [rand(s, lo=1) for s in shapes],
-        [torch.tensor(float(t), dtype=torch.float64, device="cuda") for t in (0, 1, 7, 100, 2999)],
+        [
+            torch.tensor(float(t), dtype=torch.float64, device="cuda")
+            for t in (0, 1, 7, 100, 2999, 5)
+        ],
     ]
     b = [[x.clone() for x in xs] for xs in a]
     hp = torch.tensor([6e-4, 0.1, 0.9, 0.95, 1e-8], dtype=torch.float64, device="cuda")

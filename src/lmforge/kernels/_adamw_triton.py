@@ -1,7 +1,8 @@
 """Triton kernel of the multi-tensor AdamW update (see adamw.py).
 
-One launch updates every tensor: each program owns one BLOCK-sized slice of one tensor, found
-through two small tables (slice → tensor index, slice → first element); the tensors' addresses
+One launch updates every tensor: each program owns one chunk (SLICES consecutive BLOCK-sized
+slices) of one tensor, found through two small tables (chunk → tensor index, chunk → first
+element); the tensors' addresses
 come from per-tensor pointer tables (int64), so parameters, gradients and moments stay where
 they are (no flat buffer, no copies).
 """
@@ -13,8 +14,15 @@ import triton.language as tl
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
 
-BLOCK = 4096
-WARPS = 8
+# Launch: BLOCK elements per slice, SLICES slices per program, WARPS warps. What limits the
+# kernel is how many programs an SM holds while others wait on their table loads: 4096 × 8 warps
+# needs 170 registers a thread, so one program per SM; 2048 × 8 and 1024 × 4 need 64 (ptxas -v
+# for sm_90a, tests/test_kernels_sm90.py). GPT-2-small's update alone on an H200 (RESULTS.md,
+# seventh session): 4096×8×1 1.510 ms, 2048×8×1 1.129, 2048×8×4 1.157, 1024×4×1 1.093 (1.03×
+# the 28 B/param floor), 1024×4×8 1.132; torch's fused AdamW 1.296.
+BLOCK = 1024
+WARPS = 4
+SLICES = 1
 
 
 @triton.jit
@@ -86,18 +94,19 @@ def _adamw_multi(
     V_TAB,  # second moments (fp32)
     T_TAB,  # step counts (0-d float64 each), read before this step's increment
     NUMEL,  # int64 (n,)
-    SLICE_TENSOR,  # int32 (slices,)
-    SLICE_START,  # int64 (slices,)
+    CHUNK_TENSOR,  # int32 (chunks,): the tensor each program updates
+    CHUNK_START,  # int64 (chunks,): the first element of its chunk (BLOCK·SLICES elements)
     HP,  # float64 (5,): lr, weight decay, beta1, beta2, eps
     OK,  # bool (): apply the update at all
     SCALE,  # fp32 (): factor on every gradient (clipping)
     BLOCK: tl.constexpr,
+    SLICES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ok = tl.load(OK)
     if ok != 0:
-        tid = tl.load(SLICE_TENSOR + pid)
-        start = tl.multiple_of(tl.load(SLICE_START + pid), BLOCK)
+        tid = tl.load(CHUNK_TENSOR + pid)
+        start = tl.multiple_of(tl.load(CHUNK_START + pid), BLOCK * SLICES)
         n = tl.load(NUMEL + tid)
         # Alignment hints: addresses loaded from memory carry none, and without them every
         # access would be a scalar 4-byte load.
@@ -121,24 +130,33 @@ def _adamw_multi(
         b2f = b2.to(tl.float32)
         one_m_b2 = (1.0 - b2).to(tl.float32)
         scale = tl.load(SCALE)
-        offs = start + tl.arange(0, BLOCK)
-        if start + BLOCK <= n:
-            _slice_update(
-                p_ptr, g_ptr, m_ptr, v_ptr, offs, n, scale, w, b2f, one_m_b2, sqrt_bc2, eps,
-                decay, neg_step, MASKED=False,
-            )  # fmt: skip
-        else:
-            _slice_update(
-                p_ptr, g_ptr, m_ptr, v_ptr, offs, n, scale, w, b2f, one_m_b2, sqrt_bc2, eps,
-                decay, neg_step, MASKED=True,
-            )  # fmt: skip
+        # The chunk's start goes into the (scalar) base addresses and the offsets stay int32:
+        # int64 offsets per element would make every address a 64-bit vector of registers.
+        p_ptr, g_ptr, m_ptr, v_ptr = p_ptr + start, g_ptr + start, m_ptr + start, v_ptr + start
+        offs = tl.arange(0, BLOCK)
+        n = n - start  # elements left from the chunk's start
+        # SLICES consecutive BLOCK slices of one tensor per program: the loads of the tables and
+        # the scalar math above are paid once per chunk.
+        for i in tl.static_range(SLICES):
+            if (i + 1) * BLOCK <= n:
+                _slice_update(
+                    p_ptr + i * BLOCK, g_ptr + i * BLOCK, m_ptr + i * BLOCK, v_ptr + i * BLOCK,
+                    offs, n, scale, w, b2f, one_m_b2, sqrt_bc2, eps, decay, neg_step,
+                    MASKED=False,
+                )  # fmt: skip
+            elif i * BLOCK < n:
+                _slice_update(
+                    p_ptr + i * BLOCK, g_ptr + i * BLOCK, m_ptr + i * BLOCK, v_ptr + i * BLOCK,
+                    offs, n - i * BLOCK, scale, w, b2f, one_m_b2, sqrt_bc2, eps, decay, neg_step,
+                    MASKED=True,
+                )  # fmt: skip
 
 
-def launch(tables, numel, slice_tensor, slice_start, hp, ok, scale) -> None:
-    """One launch over every slice; ``tables`` is the (5, n) int64 address table (p, g, m, v, t)."""
+def launch(tables, numel, chunk_tensor, chunk_start, hp, ok, scale) -> None:
+    """One launch over every chunk; ``tables`` is the (5, n) int64 address table (p, g, m, v, t)."""
     if interpreting():
         ensure_interpreter_compat()
-    grid = (slice_tensor.numel(),)
+    grid = (chunk_tensor.numel(),)
     _adamw_multi[grid](
         tables[0],
         tables[1],
@@ -146,11 +164,12 @@ def launch(tables, numel, slice_tensor, slice_start, hp, ok, scale) -> None:
         tables[3],
         tables[4],
         numel,
-        slice_tensor,
-        slice_start,
+        chunk_tensor,
+        chunk_start,
         hp,
         ok,
         scale,
         BLOCK=BLOCK,
+        SLICES=SLICES,
         num_warps=WARPS,
     )

@@ -82,26 +82,26 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-_slices: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_chunks: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _slice_tables(
+def _chunk_tables(
     numels: tuple[int, ...], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (numel per tensor, tensor index per slice, first element per slice) on the device; they
+    # (numel per tensor, tensor index per chunk, first element per chunk) on the device; they
     # depend on the shapes only, so they are built once per parameter set.
     from lmforge.kernels import _adamw_triton
 
-    block = _adamw_triton.BLOCK
-    key = (device, numels, block)
-    tabs = _slices.get(key)
+    chunk = _adamw_triton.BLOCK * _adamw_triton.SLICES
+    key = (device, numels, chunk)
+    tabs = _chunks.get(key)
     if tabs is None:
-        counts = torch.tensor([-(-k // block) for k in numels], dtype=torch.int64)
+        counts = torch.tensor([-(-k // chunk) for k in numels], dtype=torch.int64)
         tensor_idx = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-        firsts = torch.cumsum(counts, 0) - counts  # first slice of each tensor
-        starts = (torch.arange(int(counts.sum()), dtype=torch.int64) - firsts[tensor_idx]) * block
+        firsts = torch.cumsum(counts, 0) - counts  # first chunk of each tensor
+        starts = (torch.arange(int(counts.sum()), dtype=torch.int64) - firsts[tensor_idx]) * chunk
         host = (torch.tensor(numels, dtype=torch.int64), tensor_idx, starts)
-        tabs = _slices[key] = tuple(_to_device(h, device) for h in host)  # type: ignore[assignment]
+        tabs = _chunks[key] = tuple(_to_device(h, device) for h in host)  # type: ignore[assignment]
     return tabs
 
 
@@ -112,6 +112,11 @@ class _AddressTable:
     rewritten whenever the addresses change — from a small ring of pinned host buffers, each
     reused only after the copy that read it has run (an event recorded ``_RING`` updates ago).
     No per-step pinned allocation, which would synchronise the host with the device.
+
+    Inside a CUDA-graph capture the copy becomes a node of the graph that every replay runs
+    again, so it reads from a pinned buffer of its own that nothing rewrites afterwards (one
+    capture per table: a second capture would change the first graph's source). The table is
+    then marked stale, so the next eager update writes it again whatever the addresses.
     """
 
     def __init__(self, n: int, device: torch.device) -> None:
@@ -120,11 +125,16 @@ class _AddressTable:
         self.table = torch.empty((5, n), dtype=torch.int64, device=device)
         pin = device.type == "cuda"
         self.host = [torch.empty((5, n), dtype=torch.int64, pin_memory=pin) for _ in range(_RING)]
+        self.graph_host = torch.empty((5, n), dtype=torch.int64, pin_memory=pin)
         self.events: list = [None] * _RING
         self.slot = 0
 
     def update(self, addrs: tuple[int, ...]) -> torch.Tensor:
-        if addrs != self.addrs:
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.graph_host.view(-1).copy_(torch.tensor(addrs, dtype=torch.int64))
+            self.table.copy_(self.graph_host, non_blocking=True)
+            self.addrs = None  # what the table holds now depends on which graph ran last
+        elif addrs != self.addrs:
             host, event = self.host[self.slot], self.events[self.slot]
             if event is not None:
                 event.synchronize()  # normally long done: the host runs ≤ a step or two ahead
@@ -158,7 +168,8 @@ def adamw_multi_tensor_(
     Float32 contiguous tensors on one CUDA device (or CPU under ``TRITON_INTERPRET=1``); raises
     :class:`KernelUnsupportedError` naming the constraint otherwise. Never reads a device value
     on the host (no sync). The address tables are copied to the device when the tensors'
-    addresses change (cached otherwise), so a CUDA-graph capture would have to find them cached."""
+    addresses change (cached otherwise); inside a CUDA-graph capture that copy is part of the
+    graph, from a pinned buffer kept for it (see :class:`_AddressTable`)."""
     lists = (params, grads, exp_avgs, exp_avg_sqs)
     n = len(params)
     if any(len(x) != n for x in (*lists, steps)):
@@ -171,22 +182,23 @@ def adamw_multi_tensor_(
     # One table per parameter set (the parameters' addresses and shapes identify it).
     key = (device, addrs[:n], numels)
     table = _address_tables.get(key)
-    if table is None or table.addrs != addrs:  # checked whenever an address moves
+    if table is None or table.addrs != addrs:  # checked whenever an address moves (or after
+        # a capture)
         _check(lists, steps, hp, addrs)
         if table is None:
             if len(_address_tables) >= _CACHE_SIZE:
                 _address_tables.pop(next(iter(_address_tables)))
             table = _address_tables[key] = _AddressTable(n, device)
     tables = table.update(addrs)
-    numel, slice_tensor, slice_start = _slice_tables(numels, device)
+    numel, chunk_tensor, chunk_start = _chunk_tables(numels, device)
     from lmforge.kernels import _adamw_triton
 
     ok = ok.to(device=device, dtype=torch.bool)
     _adamw_triton.launch(
         tables,
         numel,
-        slice_tensor,
-        slice_start,
+        chunk_tensor,
+        chunk_start,
         hp.to(device),
         ok,
         scale.to(device=device, dtype=torch.float32),

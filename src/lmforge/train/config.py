@@ -67,7 +67,7 @@ class TrainConfig:
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
     "torch.compile mode (max-autotune-no-cudagraphs: autotuned GEMMs and tuned launch configs; longer compile)"
     adamw: Literal["auto", "foreach", "compiled", "triton"] = "auto"
-    "AdamW update path: foreach (torch multi-tensor ops), compiled (the update through torch.compile), triton (lmforge's one-launch multi-tensor kernel: CUDA, fp32 state, one process, not with cuda_graph); auto = triton on one CUDA process with Triton installed (no cuda_graph), else compiled when compile is on with CUDA, else foreach"
+    "AdamW update path: foreach (torch multi-tensor ops), compiled (the update through torch.compile), triton (lmforge's one-launch multi-tensor kernel: CUDA, fp32 state, one process; capturable by cuda_graph); auto = triton on one CUDA process with Triton installed, else compiled when compile is on with CUDA, else foreach"
     cuda_graph: bool = False
     "replay the whole step (forward, backward, clip, AdamW) as one CUDA graph after 3 warm-up steps (one CUDA process; ignored elsewhere)"
     activation_checkpointing: bool = False

@@ -430,15 +430,9 @@ class Trainer:
                 "train.adamw=triton needs one CUDA process with the 'triton' package; "
                 "use train.adamw=auto"
             )
-        if tc.adamw == "triton" and tc.cuda_graph:
-            # Its address tables are built on the host when gradients move (as they do into a
-            # graph's memory pool), which a capture cannot record.
-            raise LmforgeError(
-                "train.adamw=triton cannot run inside train.cuda_graph; use train.adamw=compiled"
-            )
         if tc.adamw != "auto":
             return tc.adamw
-        if usable and self.runtime.world_size == 1 and not tc.cuda_graph:
+        if usable and self.runtime.world_size == 1:
             return "triton"
         # With compile on a GPU the update is compiled too (one fused kernel a tensor).
         return "compiled" if tc.compile and self.device_type == "cuda" else "foreach"
