@@ -12,12 +12,14 @@ import torch
 from lmforge.bench.model import bench_model, format_result
 
 
-@pytest.mark.parametrize("residual", [None, "autocast"])
-def test_bench_model_runs_on_cpu(residual: str | None) -> None:
+@pytest.mark.parametrize("residual,swiglu", [(None, None), ("autocast", "auto")])
+def test_bench_model_runs_on_cpu(residual: str | None, swiglu: str | None) -> None:
+    # swiglu="auto" on the CPU takes the reference gate (the packed kernel is CUDA's).
     torch.manual_seed(0)
     r = bench_model(
-        "tiny", 2, 32, 1, 1, "cpu", profile=False, residual_dtype=residual, rope="reference"
-    )
+        "tiny", 2, 32, 1, 1, "cpu", profile=False, residual_dtype=residual, rope="reference",
+        swiglu=swiglu,
+    )  # fmt: skip
     assert math.isfinite(r.step_ms) and r.step_ms > 0
     table = format_result(r)
     assert "| tiny | 2×32 |" in table and "parameters" in table

@@ -69,6 +69,7 @@ else:
         rms_norm,
         rope,
         swiglu,
+        swiglu_packed,
     )
     from lmforge.model import TransformerLM, load_preset
 
@@ -114,6 +115,8 @@ else:
             ("rms_norm_bwd", (ops.rms_norm_bwd, (x.detach(), w.detach(), rstd, _randn(10, 24)))),
             ("swiglu_fwd", (ops.swiglu_fwd, (a, b))),
             ("swiglu_bwd", (ops.swiglu_bwd, (a.detach(), b.detach(), _randn(3, 40)))),
+            ("swiglu_packed_fwd", (ops.swiglu_packed_fwd, (_randn(3, 80, seed=14, grad=True),))),
+            ("swiglu_packed_bwd", (ops.swiglu_packed_bwd, (_randn(3, 80), _randn(3, 40)))),
             ("rope", (ops.rope, (_randn(2, 7, 16, seed=12, grad=True), cos, sin, False, 1))),
             (
                 "rope heads",
@@ -166,6 +169,7 @@ else:
             "flash 3-D": (lambda q, k, v: flash_attention(q, k, v, False), ((2, 9, 16),) * 3),
             "rms_norm": (lambda x, w: rms_norm(x, w, 1e-5), ((2, 5, 24), (24,))),
             "swiglu": (swiglu, ((3, 40), (3, 40))),
+            "swiglu_packed": (swiglu_packed, ((3, 80),)),
             "rope": (lambda x: rope(x, cos, sin), ((2, 7, 16),)),
             "rope (T, H, E)": (lambda x: rope(x, cos, sin, seq_dim=-3), ((2, 7, 3, 16),)),
             "ce mean": ce("mean"),
@@ -195,7 +199,9 @@ else:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
     def _model_and_loss(autocast: bool = False):
-        cfg = dataclasses.replace(load_preset("tiny"), attention="flash", norm="triton")
+        cfg = dataclasses.replace(
+            load_preset("tiny"), attention="flash", norm="triton", swiglu="triton"
+        )
         torch.manual_seed(0)
         eager = TransformerLM(cfg)
         comp = TransformerLM(cfg)

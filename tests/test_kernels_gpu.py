@@ -272,6 +272,19 @@ def test_swiglu_and_rope_gpu(dtype) -> None:
     py = F.silu(p_in[0]) * p_in[1]
     peer = [py, *torch.autograd.grad(py, p_in, g)]
     _assert_like_peer(got, peer, want, dtype, "swiglu")
+    # The packed gate on [a | b] (F = 2731: ragged against its 2048-column block).
+    from lmforge.kernels import swiglu_packed, swiglu_packed_reference
+
+    ab = torch.cat([a, b], -1)
+    abt, abr, abp = (ab.clone().requires_grad_(), ab.double().requires_grad_(),
+                     ab.clone().requires_grad_())  # fmt: skip
+    y, ref = swiglu_packed(abt), swiglu_packed_reference(abr)
+    got = [y, *torch.autograd.grad(y, (abt,), g)]
+    want = [ref, *torch.autograd.grad(ref, (abr,), g.double())]
+    pa, pb = abp.chunk(2, -1)
+    py = F.silu(pa) * pb
+    peer = [py, *torch.autograd.grad(py, (abp,), g)]
+    _assert_like_peer(got, peer, want, dtype, "swiglu_packed")
     layer = RotaryEmbedding(10000.0, 128, 4096, device="cuda")
     x = torch.randn(2, 8, 1000, 128, device="cuda", generator=gen, dtype=dtype)
     cos, sin = layer.cos[:1000], layer.sin[:1000]

@@ -229,13 +229,17 @@ else:
         assert all(isinstance(x, float) for row in ew for x in row[2:])
         assert markdown_table(["a", "b"], [[1.5, "x"]]).count("|") == 9
 
-    def test_adamw_multi_tensor_kernel_interpreted() -> None:
-        # One launch over tensors smaller and larger than a 4096-element slice (ragged edges),
-        # against the per-tensor torch formula; a False flag leaves every value as it was.
-        from lmforge.kernels import adamw_multi_tensor_, adamw_reference_
+    @pytest.mark.parametrize("block,warps,slices", [(4096, 8, 1), (1024, 4, 4)])
+    def test_adamw_multi_tensor_kernel_interpreted(block, warps, slices, monkeypatch) -> None:
+        # One launch over tensors smaller and larger than a slice and a chunk (ragged edges: a
+        # chunk's last slice partial, or its later slices empty), against the per-tensor torch
+        # formula; a False flag leaves every value as it was.
+        from lmforge.kernels import _adamw_triton, adamw_multi_tensor_, adamw_reference_
 
+        for name, value in (("BLOCK", block), ("WARPS", warps), ("SLICES", slices)):
+            monkeypatch.setattr(_adamw_triton, name, value)
         gen = torch.Generator().manual_seed(11)
-        shapes = [(5000,), (7, 3), (4096,), (1,), (64, 130)]
+        shapes = [(5000,), (7, 3), (4096,), (1,), (64, 130), (2500,)]
 
         def state():
             return [
@@ -243,7 +247,7 @@ else:
                 [torch.randn(s, generator=gen) * 2 for s in shapes],  # grads
                 [torch.randn(s, generator=gen) * 0.1 for s in shapes],  # first moments
                 [torch.rand(s, generator=gen) * 0.01 + 1e-4 for s in shapes],  # second moments
-                [torch.tensor(float(t), dtype=torch.float64) for t in (0, 3, 10, 1, 250)],
+                [torch.tensor(float(t), dtype=torch.float64) for t in (0, 3, 10, 1, 250, 7)],
             ]
 
         hp = torch.tensor([3e-3, 0.1, 0.9, 0.95, 1e-8], dtype=torch.float64)
@@ -325,6 +329,20 @@ else:
         got, g = _grads(y, ins)
         for name, x, w in zip(("da", "db"), got, torch.autograd.grad(ref, ref_in, g.double())):
             _close(x, w, dtype, name)
+        # The packed gate on one [a | b] buffer: the same values and gradients, the gradient
+        # written as one [da | db] buffer; F = 2500 is ragged against the 2048-column block.
+        from lmforge.kernels import KernelUnsupportedError, swiglu_packed, swiglu_packed_reference
+
+        ab = torch.cat([a[:, :2500], b[:, :2500]], -1)  # (3, 5000)
+        abt, abr = ab.clone().requires_grad_(), ab.double().requires_grad_()
+        y, ref = swiglu_packed(abt), swiglu_packed_reference(abr)
+        assert y.shape == (3, 2500)
+        _close(y, ref, dtype, "swiglu_packed")
+        _close(y, swiglu(a[:, :2500], b[:, :2500]), dtype, "swiglu_packed vs swiglu")
+        got, g = _grads(y, (abt,))
+        _close(got[0], torch.autograd.grad(ref, (abr,), g.double())[0], dtype, "dab")
+        with pytest.raises(KernelUnsupportedError, match="even"):
+            swiglu_packed(ab[:, :4999])
         # RoPE against the model's own rotary layer, forward and backward.
         from lmforge.model import RotaryEmbedding
 
@@ -369,9 +387,9 @@ else:
             torch.testing.assert_close(got_s, want, rtol=0, atol=0)
 
     def test_model_with_lmforge_kernels_matches_reference_backends() -> None:
-        # The model's flash / triton norm / triton RoPE backends and the trainer's fused loss
-        # against sdpa + reference norm and RoPE + full-logit cross-entropy, forward and every
-        # parameter gradient.
+        # The model's flash / triton norm / triton RoPE / packed Triton SwiGLU backends and the
+        # trainer's fused loss against sdpa + reference norm, RoPE and gate + full-logit
+        # cross-entropy, forward and every parameter gradient.
         import dataclasses
 
         import torch.nn.functional as F
@@ -382,7 +400,9 @@ else:
         torch.manual_seed(0)
         ref = TransformerLM(dataclasses.replace(cfg, attention="sdpa", norm="reference"))
         fast = TransformerLM(
-            dataclasses.replace(cfg, attention="flash", norm="triton", rope="triton")
+            dataclasses.replace(
+                cfg, attention="flash", norm="triton", rope="triton", swiglu="triton"
+            )
         )
         fast.load_state_dict(ref.state_dict())
         x = torch.randint(0, cfg.vocab_size, (2, 21))  # 21: ragged against the 32×16 tiles

@@ -95,6 +95,13 @@ def test_norm_loss_and_elementwise_kernels_compile_for_sm90() -> None:
                             div16=("n",))  # fmt: skip
         assert compiled.metadata.shared <= SMEM_LIMIT
         assert "ld.global.v4" in compiled.asm["ptx"], "swiglu loads should vectorise"
+    for kernel in (ew._swiglu_packed_fwd, ew._swiglu_packed_bwd):
+        # F specialised as a multiple of 16: both halves of a row load 16 bytes at a time
+        compiled = _compile(kernel, "bf16", {"BLOCK": ew._PACKED_BLOCK}, ew._PACKED_WARPS, 1,
+                            {"AB": "*bf16", "DAB": "*bf16"}, div16=("F",))  # fmt: skip
+        assert compiled.metadata.shared <= SMEM_LIMIT
+        assert "ld.global.v4" in compiled.asm["ptx"], "packed swiglu loads should vectorise"
+        assert "st.global.v4" in compiled.asm["ptx"], "packed swiglu stores should vectorise"
     consts = {"SIGN": 1.0, "ROWS": 32, "BLOCK_H": 64}
     compiled = _compile(ew._rope, "bf16", consts, 4, 1, {"C": "*fp32", "S": "*fp32"}, ints=("T",),
                         div16=("HALF",))  # fmt: skip
@@ -102,3 +109,44 @@ def test_norm_loss_and_elementwise_kernels_compile_for_sm90() -> None:
     # Whole rows, not stride-2 pairs: 16-byte loads and stores of x and y.
     assert "ld.global.v4" in compiled.asm["ptx"], "rope loads should vectorise"
     assert "st.global.v4" in compiled.asm["ptx"], "rope stores should vectorise"
+
+
+def _ptxas_registers(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) of ``ptx`` for sm_90a, from Triton's ptxas."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton wheel bundles no ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run(
+            [ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
+    return regs, spills
+
+
+def test_adamw_kernel_compiles_for_sm90_without_spills() -> None:
+    # The default launch: vectorised accesses, no spills, and registers for at least two
+    # programs per SM (65536 registers), so one program's table loads overlap another's data.
+    from lmforge.kernels import _adamw_triton as at
+
+    ptrs = {"P_TAB": "*i64", "G_TAB": "*i64", "M_TAB": "*i64", "V_TAB": "*i64", "T_TAB": "*i64",
+            "NUMEL": "*i64", "CHUNK_TENSOR": "*i32", "CHUNK_START": "*i64", "HP": "*fp64",
+            "OK": "*i1", "SCALE": "*fp32"}  # fmt: skip
+    consts = {"BLOCK": at.BLOCK, "SLICES": at.SLICES}
+    compiled = _compile(at._adamw_multi, "fp32", consts, at.WARPS, 1, ptrs)
+    assert "ld.global.v4" in compiled.asm["ptx"], "adamw loads should vectorise"
+    assert "st.global.v4" in compiled.asm["ptx"], "adamw stores should vectorise"
+    regs, spills = _ptxas_registers(compiled.asm["ptx"])
+    assert spills == 0
+    assert regs * 32 * at.WARPS * 2 <= 65536, f"{regs} registers a thread"

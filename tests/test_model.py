@@ -276,6 +276,8 @@ def test_config_validation():
         ModelConfig(attention="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rope must be"):
         ModelConfig(rope="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="swiglu must be"):
+        ModelConfig(swiglu="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="residual_dtype must be"):
         ModelConfig(residual_dtype="bf16")  # type: ignore[arg-type]
 
@@ -315,8 +317,10 @@ def test_flash_backend_without_kernel_is_a_clear_error(monkeypatch):
         _model(norm="triton")
     with pytest.raises(LmforgeError, match=r"kernels\.rope"):
         _model(rope="triton")
-    # auto quietly falls back to torch SDPA and the reference norm and RoPE.
-    auto = _model(attention="auto", norm="auto", rope="auto")
+    with pytest.raises(LmforgeError, match=r"kernels\.swiglu_packed"):
+        _model(swiglu="triton")
+    # auto quietly falls back to torch SDPA and the reference norm, RoPE and gate.
+    auto = _model(attention="auto", norm="auto", rope="auto", swiglu="auto")
     torch.testing.assert_close(auto(_ids()), _model(attention="sdpa")(_ids()))
 
 
@@ -456,6 +460,7 @@ def test_gpu_compile_with_kernel_backends_matches_eager():
         attention="auto",
         norm="auto",
         rope="auto",
+        swiglu="auto",
     )
     torch.manual_seed(0)
     eager = TransformerLM(cfg, device="cuda")

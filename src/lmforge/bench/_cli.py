@@ -83,6 +83,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--norm", choices=["reference", "triton", "auto"], default=None)
     p.add_argument("--rope", choices=["reference", "triton", "auto"], default=None)
     p.add_argument(
+        "--swiglu",
+        choices=["reference", "triton", "auto"],
+        default=None,
+        help="model.swiglu (triton: w1/w3 as one GEMM into lmforge's packed gate)",
+    )
+    p.add_argument(
         "--residual",
         choices=["param", "autocast"],
         default=None,

@@ -73,6 +73,7 @@ def bench_model(
     profile: bool = True,
     rope: str | None = None,
     residual_dtype: str | None = None,
+    swiglu: str | None = None,
 ) -> ModelBenchResult:
     """Time and profile one preset; see the module docstring for what is measured."""
     from lmforge.model import TransformerLM, accounting, load_preset
@@ -83,6 +84,7 @@ def bench_model(
         ("norm", norm),
         ("rope", rope),
         ("residual_dtype", residual_dtype),
+        ("swiglu", swiglu),
     )
     changes = {k: v for k, v in pairs if v is not None}
     cfg = dataclasses.replace(cfg, **changes)
@@ -249,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
         args.preset, args.batch_size, args.seq, args.steps, args.warmup, args.device,
         args.attention, args.norm, args.loss, args.peak_tflops, not args.no_profile,
         getattr(args, "rope", None), getattr(args, "residual", None),
+        getattr(args, "swiglu", None),
     )  # fmt: skip
     print(format_result(result))
     if not math.isfinite(result.step_ms):

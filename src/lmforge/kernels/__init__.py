@@ -31,7 +31,13 @@ from lmforge.kernels.rms_norm import (
     rms_norm_supported,
 )
 from lmforge.kernels.rope import RoPETriton, rope, rope_reference
-from lmforge.kernels.swiglu import SwiGLUTriton, swiglu, swiglu_reference
+from lmforge.kernels.swiglu import (
+    SwiGLUTriton,
+    swiglu,
+    swiglu_packed,
+    swiglu_packed_reference,
+    swiglu_reference,
+)
 
 __all__ = [
     "FlashAttentionTorch",
@@ -55,6 +61,8 @@ __all__ = [
     "rope",
     "rope_reference",
     "swiglu",
+    "swiglu_packed",
+    "swiglu_packed_reference",
     "swiglu_reference",
     "triton_available",
 ]

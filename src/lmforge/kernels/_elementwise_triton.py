@@ -1,7 +1,8 @@
 """Triton kernels of the elementwise fusions: the SwiGLU gate and RoPE (see swiglu.py, rope.py).
 
-Both operate on contiguous buffers in flat BLOCK-sized slices (SwiGLU) or (rows × E/2) pair
-tiles (RoPE), computing in float32 and storing in the input dtype.
+All operate on contiguous buffers — in flat BLOCK-sized slices (SwiGLU on separate a, b), in
+(row, column block) tiles (SwiGLU on one packed [a | b] buffer) or in (rows × E/2) pair tiles
+(RoPE) — computing in float32 and storing in the input dtype.
 """
 
 from __future__ import annotations
@@ -63,6 +64,71 @@ def swiglu_backward(
     grid, kw = _launch_args(a.numel())
     _swiglu_bwd[grid](a, b, dy, da, db, a.numel(), **kw)
     return da, db
+
+
+# Packed gate: one (rows, 2F) buffer holds a = w1 x in its first F columns and b = w3 x in the
+# last F (the output of one GEMM against cat([w1, w3])). One program per (row, column block);
+# F stays specialised (divisible by 16) so both halves' accesses vectorise.
+@triton.jit(do_not_specialize=["rows"])
+def _swiglu_packed_fwd(AB, Y, rows, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    a_ptr = AB + row * (2 * F) + cols
+    a = tl.load(a_ptr, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(a_ptr + F, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * F + cols, (a * tl.sigmoid(a) * b).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _swiglu_packed_bwd(AB, DY, DAB, rows, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    a_ptr = AB + row * (2 * F) + cols
+    a = tl.load(a_ptr, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(a_ptr + F, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * F + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(a)
+    da = dy * b * sig * (1.0 + a * (1.0 - sig))
+    db = dy * a * sig
+    d_ptr = DAB + row * (2 * F) + cols
+    tl.store(d_ptr, da.to(DAB.dtype.element_ty), mask=mask)
+    tl.store(d_ptr + F, db.to(DAB.dtype.element_ty), mask=mask)
+
+
+# Packed launch: up to 2048 columns of one row per program, 4 warps (16 elements a thread, as
+# the flat kernels' 4096 × 8 warps).
+_PACKED_BLOCK = 2048
+_PACKED_WARPS = 4
+
+
+def _packed_launch(rows: int, f: int) -> tuple[tuple[int, int], dict]:
+    if interpreting():
+        ensure_interpreter_compat()
+    block = min(_PACKED_BLOCK, triton.next_power_of_2(f))
+    warps = _PACKED_WARPS if block >= 512 else 1
+    return (rows, triton.cdiv(f, block)), {"BLOCK": block, "num_warps": warps}
+
+
+def swiglu_packed_forward(ab: torch.Tensor) -> torch.Tensor:
+    """silu(a)·b for contiguous ab (…, 2F) = [a | b]; returns (…, F)."""
+    f = ab.shape[-1] // 2
+    rows = ab.numel() // (2 * f)
+    y = ab.new_empty((*ab.shape[:-1], f))
+    grid, kw = _packed_launch(rows, f)
+    _swiglu_packed_fwd[grid](ab, y, rows, f, **kw)
+    return y
+
+
+def swiglu_packed_backward(ab: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """[da | db] (…, 2F) for contiguous ab (…, 2F) and dy (…, F)."""
+    f = ab.shape[-1] // 2
+    rows = ab.numel() // (2 * f)
+    dab = torch.empty_like(ab)
+    grid, kw = _packed_launch(rows, f)
+    _swiglu_packed_bwd[grid](ab, dy, dab, rows, f, **kw)
+    return dab
 
 
 @triton.jit(do_not_specialize=["rows", "T"])  # HALF specialised: vector loads and stores

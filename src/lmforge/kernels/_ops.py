@@ -16,6 +16,7 @@ Triton backward needs and calls the backward op, which AOTAutograd records in th
     rms_norm_fwd                x (N,D), w (D,), eps → y (N,D), ·r (N,) f32
     rms_norm_bwd                x, w, r, dy → dx, dw
     swiglu_fwd / swiglu_bwd     a, b → y;  a, b, dy → da, db
+    swiglu_packed_fwd / _bwd    ab (…,2F) = [a | b] → y (…,F);  ab, dy → dab (…,2F)
     rope                        x (…,T,E) or (…,T,H,E), cos, sin (T,E/2) f32, inverse, heads
                                 → y  (backward: rope⁻¹)
     linear_ce_fwd               h (N,D), W (V,D), t (N,), … → loss, ·dh, ·dW (see below)
@@ -193,6 +194,35 @@ def _swiglu_setup(ctx, inputs, output) -> None:
 def _swiglu_backward(ctx, dy):
     a, b = ctx.saved_tensors
     return swiglu_bwd(a, b, dy)
+
+
+def _swiglu_packed_fwd(ab: Tensor) -> Tensor:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.swiglu_packed_forward(ab.contiguous())
+
+
+def _swiglu_packed_fwd_fake(ab: Tensor) -> Tensor:
+    return ab.new_empty((*ab.shape[:-1], ab.shape[-1] // 2))
+
+
+def _swiglu_packed_bwd(ab: Tensor, dy: Tensor) -> Tensor:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.swiglu_packed_backward(ab.contiguous(), dy.contiguous())
+
+
+def _swiglu_packed_bwd_fake(ab: Tensor, dy: Tensor) -> Tensor:
+    return ab.new_empty(ab.shape)
+
+
+def _swiglu_packed_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_packed_backward(ctx, dy):
+    (ab,) = ctx.saved_tensors
+    return swiglu_packed_bwd(ab, dy)
 
 
 # -- RoPE -------------------------------------------------------------------------------------
@@ -384,6 +414,14 @@ rms_norm_fwd = _define("rms_norm_fwd", _rms_norm_fwd, _rms_norm_fwd_fake, _rms_b
 rms_norm_bwd = _define("rms_norm_bwd", _rms_norm_bwd, _rms_norm_bwd_fake)
 swiglu_fwd = _define("swiglu_fwd", _swiglu_fwd, _swiglu_fwd_fake, _swiglu_backward, _swiglu_setup)
 swiglu_bwd = _define("swiglu_bwd", _swiglu_bwd, _swiglu_bwd_fake)
+swiglu_packed_fwd = _define(
+    "swiglu_packed_fwd",
+    _swiglu_packed_fwd,
+    _swiglu_packed_fwd_fake,
+    _swiglu_packed_backward,
+    _swiglu_packed_setup,
+)
+swiglu_packed_bwd = _define("swiglu_packed_bwd", _swiglu_packed_bwd, _swiglu_packed_bwd_fake)
 rope = _define("rope", _rope, _rope_fake, _rope_backward, _rope_setup)
 linear_ce_fwd = _define(
     "linear_ce_fwd", _linear_ce_fwd, _linear_ce_fwd_fake, _linear_ce_backward, _linear_ce_setup

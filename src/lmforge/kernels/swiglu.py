@@ -54,3 +54,24 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     A custom op (``torch.ops.lmforge.swiglu_fwd``), so torch.compile traces through it."""
     _check(a, b)
     return _ops.swiglu_fwd(a, b)
+
+
+def swiglu_packed_reference(ab: torch.Tensor) -> torch.Tensor:
+    """silu(a) · b for ab (…, 2F) = [a | b] (a the first F columns), in float32 (float64
+    kept); returns (…, F) in ab's dtype."""
+    a, b = ab.chunk(2, dim=-1)
+    return swiglu_reference(a, b)
+
+
+def swiglu_packed(ab: torch.Tensor) -> torch.Tensor:
+    """Fused SwiGLU gate on one packed buffer ab (…, 2F) = [a | b] — the output of a single
+    matmul against ``cat([w1, w3])`` — returning silu(a) ⊙ b (…, F); differentiable, its
+    backward writes [da | db] into one (…, 2F) buffer (the gradient of that matmul's output,
+    with no concatenation). fp16/bf16/fp32 on CUDA (or CPU under ``TRITON_INTERPRET=1``);
+    raises KernelUnsupportedError else. A custom op (``torch.ops.lmforge.swiglu_packed_fwd``)."""
+    check_triton_tensors("swiglu_packed", ab)
+    if ab.dim() < 1 or ab.shape[-1] % 2:
+        raise KernelUnsupportedError(
+            f"swiglu_packed: the last dimension must be even (2F), got {tuple(ab.shape)}"
+        )
+    return _ops.swiglu_packed_fwd(ab)

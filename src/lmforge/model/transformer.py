@@ -115,6 +115,43 @@ class _Norm(RMSNorm):
         return super().forward(x)
 
 
+class _FFN(SwiGLU):
+    """SwiGLU with a selectable gate backend: the reference (compiler-fused) math, or one matmul
+    against ``cat([w1, w3])`` whose packed (…, 2F) output goes through lmforge's Triton gate,
+    forward and backward — the backward writes the gradient of that matmul's output directly,
+    so neither the split nor its concatenation in backward costs a copy."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config.d_model, config.ffn_dim, fused=config.fused_projections)
+        self.backend = config.swiglu
+        self._packed: Callable[..., torch.Tensor] | None = None
+        self._triton_available: Callable[[], bool] | None = None
+        if self.backend in ("triton", "auto"):
+            self._packed = _kernel("swiglu_packed")
+            self._triton_available = _kernel("triton_available")
+            if self._packed is None and self.backend == "triton":
+                raise LmforgeError(
+                    "model.swiglu = 'triton' needs lmforge.kernels.swiglu_packed, "
+                    "which is not available"
+                )
+
+    def _use_packed(self, x: torch.Tensor) -> bool:
+        if self._packed is None or not _fusable(self.w1, self.w3):
+            return False
+        if self.backend == "triton":
+            return True
+        available = self._triton_available
+        return x.is_cuda and available is not None and available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D)."""
+        if not self._use_packed(x):
+            return super().forward(x)
+        assert self._packed is not None
+        w13 = _cat_weights([self.w1.weight, self.w3.weight])  # (2F, D)
+        return self.w2(self._packed(x @ w13.t()))  # (..., 2F) -> (..., F) -> (..., D)
+
+
 class CausalSelfAttention(nn.Module):
     """Causal multi-head self-attention with grouped-query heads, optional QK-norm and RoPE.
 
@@ -299,7 +336,7 @@ class TransformerBlock(nn.Module):
         self.ln1 = _Norm(config.d_model, config.norm_eps, config.norm)
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln2 = _Norm(config.d_model, config.norm_eps, config.norm)
-        self.ffn = SwiGLU(config.d_model, config.ffn_dim, fused=config.fused_projections)
+        self.ffn = _FFN(config)
 
     def forward(
         self,
