@@ -21,6 +21,16 @@
 #          round15  : GPU tests (Triton AdamW, CUDA graph, model backends); train.py fused loss,
 #                     RoPE auto, train.adamw compiled vs triton, peer measured first
 #          round16  : adamw_bench.py; train.py residual autocast, train.adamw compiled vs triton, profile
+#          round20  : GPU tests (Triton AdamW launches, trainer); adamw_bench.py launch sweep;
+#                     train.py separate vs fused projections with profile (idle gaps, GEMM shapes)
+#          round21  : GPU tests (CUDA graph × compiled/Triton AdamW, AdamW launches); train.py with
+#                     the Triton AdamW, CUDA graph off/on, profile, peer measured first
+#          round22  : train.py CUDA graph on, Inductor combo kernels off/on × BLAS default/cublaslt,
+#                     profile (no peer)
+#          round23  : GPU tests (packed SwiGLU gate, compiled model backends); train.py
+#                     model.swiglu reference vs auto, profile, peer measured first
+#          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
+#                     then CUDA graph on (chunk 8192)
 #          round19  : GPU tests (Triton AdamW); train.py residual autocast, train.adamw compiled
 #                     vs triton (address tables from a pinned ring), peer first; adamw_bench.py
 #          round17  : real-data GPT-2-small runs (1500 steps each), residual param vs autocast
@@ -168,6 +178,50 @@ case "${1:-kernels}" in
             --adamw compiled,triton --residual autocast --graph off,on --peer-first \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning \
             | tail -14
+        ;;
+    round20)
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            -k "adamw" 2>&1 | tee "$OUT/gpu-tests20.log" | tail -4
+        timeout 120 python3 benchmarks/adamw_bench.py --kinds "lmforge triton,torch fused" \
+            --launches 4096x8x1,2048x8x1,2048x8x4,2048x8x8,1024x4x1,1024x4x8 \
+            --results "$OUT/RESULTS-adamw.md" 2>&1 | tee "$OUT/adamw.log" | tail -14
+        timeout 300 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --projections separate,fused --no-peer --steps 15 --warmup 4 \
+            --profile 45 --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" \
+            | grep -v Warning | tail -5
+        ;;
+    round21)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            -k "cuda_graph or adamw_kernel" 2>&1 | tee "$OUT/gpu-tests21.log" | tail -4
+        timeout 370 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --graph off,on --peer-first --steps 15 --warmup 4 --profile 30 \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning \
+            | tail -7
+        ;;
+    round22)
+        timeout 560 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --graph on --combo off,on --blas default,cublaslt --no-peer \
+            --steps 15 --warmup 4 --profile 12 --results "$OUT/RESULTS-train.md" 2>&1 \
+            | tee "$OUT/train.log" | grep -v Warning | tail -8
+        ;;
+    round23)
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            tests/test_model.py -k "swiglu or kernel_backends" 2>&1 | tee "$OUT/gpu-tests23.log" \
+            | tail -4
+        timeout 400 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu reference,auto --peer-first --steps 15 --warmup 4 \
+            --profile 30 --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" \
+            | grep -v Warning | tail -7
+        ;;
+    round24)
+        timeout 380 python3 benchmarks/train.py --loss fused --loss-chunk 8192,16384,32768 \
+            --rope auto --residual autocast --swiglu auto --peer-first --steps 20 --warmup 4 \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning \
+            | tail -8
+        timeout 150 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
+            | grep -v Warning | tail -4
         ;;
     round19)
         timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \

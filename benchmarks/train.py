@@ -127,9 +127,34 @@ def _parse() -> argparse.Namespace:
         "--untied", action="store_true", help="untied LM head (the gpt2-small preset as is)"
     )
     p.add_argument(
+        "--projections",
+        default="separate",
+        help="lmforge q/k/v and w1/w3 projections, comma-separated: separate (three and two "
+        "GEMMs) or fused (one each, model.fused_projections=true)",
+    )
+    p.add_argument(
+        "--swiglu",
+        default=None,
+        help="lmforge SwiGLU gate backends to measure, comma-separated (reference, triton, auto: "
+        "w1 and w3 as one GEMM into lmforge's packed Triton gate); default reference "
+        "(real-data mode: the config's)",
+    )
+    p.add_argument(
+        "--combo",
+        default="off",
+        help="Inductor's combo kernels (independent small kernels launched as one) for the "
+        "lmforge rows, comma-separated (off, on)",
+    )
+    p.add_argument(
+        "--blas",
+        default="default",
+        help="torch.backends.cuda.preferred_blas_library for the lmforge rows, comma-separated "
+        "(default, cublas, cublaslt)",
+    )
+    p.add_argument(
         "--fused-projections",
         action="store_true",
-        help="one GEMM for q/k/v and one for w1/w3 (model.fused_projections=true), for an A/B",
+        help="the same as --projections fused",
     )
     p.add_argument(
         "--profile",
@@ -293,9 +318,10 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         attention=args.attention,
         norm=args.norm,
         rope=args.rope,
+        swiglu=getattr(args, "swiglu", None) or "reference",
         residual_dtype=getattr(args, "residual", "param"),
         tie_embeddings=not args.untied,
-        fused_projections=args.fused_projections,
+        fused_projections=getattr(args, "projections", "separate") == "fused",
         context_length=args.seq,
     )
     graph = getattr(args, "graph", "off") == "on"
@@ -323,9 +349,6 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
 
 
 def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
-    import torch
-
-    from lmforge.train import Trainer
 
     if args.previous_rope:
         from lmforge.model.layers import RotaryEmbedding
@@ -334,6 +357,37 @@ def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
         RotaryEmbedding.forward = _previous  # type: ignore[method-assign]
 
     shard = _random_shards(tmp, 50304, 4_000_000)
+    with _lmforge_settings(args):
+        return _bench_lmforge_row(args, tmp, shard)
+
+
+@contextlib.contextmanager
+def _lmforge_settings(args: argparse.Namespace):
+    """Process-wide switches of one lmforge row (Inductor combo kernels, BLAS library), put
+    back afterwards so that the next row and the peer run as they would alone."""
+    import torch
+    import torch._inductor.config as inductor_config
+
+    combo = getattr(args, "combo", "off") == "on"
+    blas = getattr(args, "blas", "default")
+    old_combo = inductor_config.combo_kernels
+    old_blas = torch.backends.cuda.preferred_blas_library() if blas != "default" else None
+    inductor_config.combo_kernels = combo
+    if blas != "default":
+        torch.backends.cuda.preferred_blas_library(blas)
+    try:
+        yield
+    finally:
+        inductor_config.combo_kernels = old_combo
+        if old_blas is not None:
+            torch.backends.cuda.preferred_blas_library(old_blas)
+
+
+def _bench_lmforge_row(args: argparse.Namespace, tmp: Path, shard: Path) -> dict:
+    import torch
+
+    from lmforge.train import Trainer
+
     trainer = Trainer(_lmforge_cfg(args, str(tmp / "run"), shard))
     pending: list = []
     graph = trainer.tcfg.cuda_graph and args.device.startswith("cuda")
@@ -414,7 +468,10 @@ def _time(step, args: argparse.Namespace) -> dict:
         file=sys.stderr,
     )
     if cuda and getattr(args, "profile", 0):
-        print(_kernel_profile(step, args.profile, getattr(args, "label", "")), file=sys.stderr)
+        try:
+            print(_kernel_profile(step, args.profile, getattr(args, "label", "")), file=sys.stderr)
+        except Exception as e:  # a profiler problem must not cost the timing rows
+            print(f"profile failed: {type(e).__name__}: {e}", file=sys.stderr)
     return {
         "step_s": med,
         "tokens_per_s": args.batch_size * args.seq / med,
@@ -423,8 +480,14 @@ def _time(step, args: argparse.Namespace) -> dict:
 
 
 def _kernel_profile(step, top: int, label: str, steps: int = 3) -> str:
-    """Per-step CUDA time of the ``top`` heaviest kernels, and totals by kind (GEMM, attention,
-    Triton/inductor-generated, other), from torch.profiler over ``steps`` steps."""
+    """Per-step CUDA time of the ``top`` heaviest kernels, totals by kind (GEMM, attention,
+    Triton/inductor-generated, other), the GPU timeline's idle time (the step span minus the
+    union of kernel, copy and memset intervals, with the largest gaps and the kernels around
+    them) from a CUDA-only torch.profiler trace over ``steps`` steps; then GEMM time by operand
+    shapes with achieved TFLOP/s from a second trace that records host ops and their shapes."""
+    import json
+    import os
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -437,33 +500,141 @@ def _kernel_profile(step, top: int, label: str, steps: int = 3) -> str:
         e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total
     ]
     kernels.sort(key=lambda e: -e.self_device_time_total)
-
-    def kind(name: str) -> str:
-        low = name.lower()
-        if any(k in low for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
-            return "GEMM"
-        if any(k in low for k in ("flash", "fmha", "attention", "_attn")):
-            return "attention"
-        if low.startswith(("triton", "_")) or "triton" in low:
-            return "triton / inductor"
-        return "other"
-
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            events = json.load(f).get("traceEvents", [])
     totals: dict[str, float] = {}
     for e in kernels:
-        totals[kind(e.key)] = totals.get(kind(e.key), 0.0) + e.self_device_time_total
+        totals[_kernel_kind(e.key)] = (
+            totals.get(_kernel_kind(e.key), 0.0) + e.self_device_time_total
+        )
     lines = [
         f"profile ({label}): GPU ms per step by kind: "
         + ", ".join(f"{k} {v / steps / 1e3:.2f}" for k, v in sorted(totals.items()))
         + f"; total {sum(totals.values()) / steps / 1e3:.2f}",
+        _timeline_gaps(events, steps),
         "| ms/step | calls/step | kind | kernel |",
         "|---|---|---|---|",
     ]
     for e in kernels[:top]:
         lines.append(
             f"| {e.self_device_time_total / steps / 1e3:.3f} | {e.count / steps:.0f} | "
-            f"{kind(e.key)} | {e.key[:90]} |"
+            f"{_kernel_kind(e.key)} | {e.key[:90]} |"
         )
+    lines.append(_gemm_shapes(step, steps))
     return "\n".join(lines)
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
+        return "GEMM"
+    if any(k in low for k in ("flash", "fmha", "attention", "_attn")):
+        return "attention"
+    if low.startswith(("triton", "_")) or "triton" in low:
+        return "triton / inductor"
+    return "other"
+
+
+def _timeline_gaps(events: list, steps: int, top: int = 8) -> str:
+    """Idle time of the GPU's timeline in a chrome trace: span of the device events minus the
+    union of their intervals, per step, and the ``top`` largest gaps with their neighbours."""
+    dev = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    if not dev:
+        return "timeline: no device events in the trace"
+    busy, gaps = 0.0, []
+    cur_start, cur_end, cur_name = dev[0]
+    for start, end, name in dev[1:]:
+        if start > cur_end:  # an idle gap between cur_name (ending) and name (starting)
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end, cur_name, name))
+            cur_start = start
+        if end >= cur_end:
+            cur_end, cur_name = end, name
+    busy += cur_end - cur_start
+    span = max(e for _, e, _ in dev) - dev[0][0]
+    idle = span - busy
+    gaps.sort(reverse=True)
+    small = sum(g for g, _, _ in gaps if g < 5.0)
+    out = [
+        f"timeline: span {span / steps / 1e3:.2f} ms/step, busy {busy / steps / 1e3:.2f}, "
+        f"idle {idle / steps / 1e3:.2f} ({len(gaps) / steps:.0f} gaps/step; those under 5 µs "
+        f"{small / steps / 1e3:.2f} ms/step); largest gaps (µs, after → before):"
+    ]
+    for g, a, b in gaps[:top]:
+        out.append(f"  {g:8.1f}  {a[:60]} → {b[:60]}")
+    # Small copies and memsets are launches too (each with its gap): what runs next to them.
+    around: dict[str, int] = {}
+    for i, (_, _, name) in enumerate(dev):
+        if name.startswith(("Memset", "Memcpy")) and i + 1 < len(dev):
+            key = f"{name[:22]} → {dev[i + 1][2][:60]}"
+            around[key] = around.get(key, 0) + 1
+    if around:
+        out.append("memsets and copies per step, by the device event after them:")
+        for key, n in sorted(around.items(), key=lambda kv: -kv[1])[:6]:
+            out.append(f"  {n / steps:6.1f}  {key}")
+    return "\n".join(out)
+
+
+_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
+
+
+def _gemm_shapes(step, steps: int, top: int = 16) -> str:
+    """GEMM device time per step grouped by op and operand shapes, with TFLOP/s (2·M·N·K)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows, others = [], []
+    for e in p.key_averages(group_by_input_shape=True):
+        if not e.device_time_total or not e.key.startswith("aten::"):
+            continue
+        if e.key not in _GEMM_OPS:
+            if e.self_device_time_total:  # launched kernels itself (not through a child op)
+                shp = " ".join("×".join(map(str, s)) or "()" for s in e.input_shapes if s)
+                others.append((e.self_device_time_total / 1e3 / steps, e.count / steps, e.key,
+                               shp[:70]))  # fmt: skip
+            continue
+        # Operands: mm/bmm/_scaled_mm (A, B, ...), addmm/baddbmm (C, A, B, ...); inductor
+        # passes out= as a further input.
+        first = 1 if e.key in ("aten::addmm", "aten::baddbmm") else 0
+        shapes = [s for s in e.input_shapes[first : first + 2] if isinstance(s, list | tuple)]
+        flops = 0.0
+        if len(shapes) == 2 and len(shapes[0]) >= 2 and len(shapes[1]) >= 2:
+            a, b = shapes
+            batch = math.prod(a[:-2]) if len(a) > 2 else 1
+            flops = 2.0 * batch * a[-2] * a[-1] * b[-1] * e.count
+        ms = e.device_time_total / 1e3
+        tflops = flops / (ms * 1e-3) / 1e12 if ms else 0.0
+        rows.append((ms / steps, e.count / steps, e.key, shapes, tflops))
+    rows.sort(key=lambda r: -r[0])
+    total = sum(r[0] for r in rows)
+    out = [
+        f"GEMM ops by shape ({total:.2f} ms/step in all):",
+        "| ms/step | calls/step | op | shapes | TFLOP/s |",
+        "|---|---|---|---|---|",
+    ]
+    for ms, calls, key, shapes, tf in rows[:top]:
+        shp = " @ ".join("×".join(str(d) for d in s) for s in shapes)
+        out.append(f"| {ms:.3f} | {calls:.0f} | {key} | {shp} | {tf:.0f} |")
+    others.sort(key=lambda r: -r[0])
+    out += [
+        "Other aten ops launching kernels of their own (not compiler-generated), by device time:",
+        "| ms/step | calls/step | op | input shapes |",
+        "|---|---|---|---|",
+    ]
+    out += [f"| {ms:.3f} | {calls:.1f} | {key} | {shp} |" for ms, calls, key, shp in others[:10]]
+    return "\n".join(out)
 
 
 def _check_correctness(device: str) -> None:
@@ -531,9 +702,18 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
         resids, adamws = args.residual.split(","), args.adamw.split(",")
-        for att, norm, rope, loss, chunk, graph, mode, resid, adamw in itertools.product(
-            atts, norms, ropes, args.loss.split(","), chunks, graphs, modes, resids, adamws
-        ):
+        projs, combos, blases, gates = (
+            args.projections.split(","),
+            args.combo.split(","),
+            args.blas.split(","),
+            (args.swiglu or "reference").split(","),
+        )
+        for att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas in (
+            itertools.product(
+                atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
+                adamws, projs, combos, blases,
+            )
+        ):  # fmt: skip
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
             one = argparse.Namespace(
@@ -544,10 +724,14 @@ def _throughput(args: argparse.Namespace) -> str:
                     "loss_chunk": chunk,
                     "norm": norm,
                     "rope": rope,
+                    "swiglu": gate,
                     "graph": graph,
                     "compile_mode": mode,
                     "residual": resid,
                     "adamw": adamw,
+                    "projections": proj,
+                    "combo": combo,
+                    "blas": blas,
                 }
             )
             try:
@@ -561,12 +745,16 @@ def _throughput(args: argparse.Namespace) -> str:
             label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
             label += f", attention={att}" if len(atts) > 1 else ""
             label += f", rope={rope}" if len(ropes) > 1 or rope != "reference" else ""
+            label += f", swiglu={gate}" if len(gates) > 1 or gate != "reference" else ""
             if loss != "reference" and (len(chunks) > 1 or chunk != "0"):
                 label += f", chunk {chunk if chunk != '0' else 'default'}"
             label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
             label += f", mode {mode}" if len(modes) > 1 or mode != "default" else ""
             label += ", previous RoPE" if args.previous_rope else ""
             label += f", residual {resid}" if len(resids) > 1 or resid != "param" else ""
+            label += f", {proj} projections" if len(projs) > 1 or proj != "separate" else ""
+            label += f", combo kernels {combo}" if len(combos) > 1 or combo != "off" else ""
+            label += f", BLAS {blas}" if len(blases) > 1 or blas != "default" else ""
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))
 
     def run_peers() -> None:
@@ -591,9 +779,11 @@ def _throughput(args: argparse.Namespace) -> str:
     head = (
         f"GPT-2-small shape, batch {args.batch_size} × {args.seq}, bf16 autocast, "
         f"compile={not args.no_compile}, attention={args.attention}, norm={args.norm}, "
-        f"rope={args.rope or 'reference'}, residual={args.residual}, adamw={args.adamw}"
+        f"rope={args.rope or 'reference'}, swiglu={args.swiglu or 'reference'}, "
+        f"residual={args.residual}, "
+        f"adamw={args.adamw}"
         f"{f' (Triton launch {args.rope_kernel_config})' if args.rope_kernel_config else ''}, "
-        f"fused projections={args.fused_projections}, "
+        f"projections={args.projections}, "
         f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}"
         f"{'; peer measured first' if args.peer_first else ''}\n\n"
     )
@@ -635,6 +825,7 @@ def _real_data(args: argparse.Namespace) -> str:
             attention=args.attention.split(",")[0],
             norm=args.norm.split(",")[0],
             rope=args.rope.split(",")[0] if args.rope else cfg.model.rope,
+            swiglu=args.swiglu.split(",")[0] if args.swiglu else cfg.model.swiglu,
             residual_dtype=args.residual.split(",")[0],
         ),
         train=dataclasses.replace(
@@ -668,6 +859,8 @@ def _real_data(args: argparse.Namespace) -> str:
 
 def main() -> int:
     args = _parse()
+    if args.fused_projections:
+        args.projections = "fused"
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
