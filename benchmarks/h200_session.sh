@@ -31,6 +31,8 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round25  : train.py swiglu auto with Inductor's PDL launches and mix-order-reduction
+#                     split 64 (each, both), peer measured first
 #          round19  : GPU tests (Triton AdamW); train.py residual autocast, train.adamw compiled
 #                     vs triton (address tables from a pinned ring), peer first; adamw_bench.py
 #          round17  : real-data GPT-2-small runs (1500 steps each), residual param vs autocast
@@ -222,6 +224,13 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round25)
+        timeout 480 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --peer-first --steps 20 --warmup 4 \
+            --inductor "default;triton.enable_pdl=1;triton.mix_order_reduction_split_size=64;triton.enable_pdl=1+triton.mix_order_reduction_split_size=64" \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning \
+            | tail -9
         ;;
     round19)
         timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \

@@ -146,6 +146,13 @@ def _parse() -> argparse.Namespace:
         "lmforge rows, comma-separated (off, on)",
     )
     p.add_argument(
+        "--inductor",
+        default="default",
+        help="torch._inductor.config settings for the lmforge rows, one row per ';'-separated "
+        "entry: 'default' or KEY=VALUE pairs joined by '+', e.g. "
+        "'default;triton.enable_pdl=1;triton.mix_order_reduction_split_size=64'",
+    )
+    p.add_argument(
         "--blas",
         default="default",
         help="torch.backends.cuda.preferred_blas_library for the lmforge rows, comma-separated "
@@ -370,17 +377,39 @@ def _lmforge_settings(args: argparse.Namespace):
 
     combo = getattr(args, "combo", "off") == "on"
     blas = getattr(args, "blas", "default")
+    patch = _inductor_settings(getattr(args, "inductor", "default"))
     old_combo = inductor_config.combo_kernels
     old_blas = torch.backends.cuda.preferred_blas_library() if blas != "default" else None
     inductor_config.combo_kernels = combo
     if blas != "default":
         torch.backends.cuda.preferred_blas_library(blas)
     try:
-        yield
+        with inductor_config.patch(patch):
+            yield
     finally:
         inductor_config.combo_kernels = old_combo
         if old_blas is not None:
             torch.backends.cuda.preferred_blas_library(old_blas)
+
+
+def _inductor_settings(entry: str) -> dict:
+    """'default' → {}; 'a.b=1+c=x' → {'a.b': 1, 'c': 'x'} (ints, floats, else strings)."""
+    out: dict = {}
+    if entry.strip() in ("", "default"):
+        return out
+    for pair in entry.split("+"):
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--inductor: {pair!r} is not KEY=VALUE")
+        value: object = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        out[key.strip()] = value
+    return out
 
 
 def _bench_lmforge_row(args: argparse.Namespace, tmp: Path, shard: Path) -> dict:
@@ -702,17 +731,18 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
         resids, adamws = args.residual.split(","), args.adamw.split(",")
-        projs, combos, blases, gates = (
+        projs, combos, blases, gates, inductors = (
             args.projections.split(","),
             args.combo.split(","),
             args.blas.split(","),
             (args.swiglu or "reference").split(","),
+            args.inductor.split(";"),
         )
-        for att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas in (
-            itertools.product(
-                atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
-                adamws, projs, combos, blases,
-            )
+        for (
+            att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind
+        ) in itertools.product(
+            atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
+            adamws, projs, combos, blases, inductors,
         ):  # fmt: skip
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -732,6 +762,7 @@ def _throughput(args: argparse.Namespace) -> str:
                     "projections": proj,
                     "combo": combo,
                     "blas": blas,
+                    "inductor": ind,
                 }
             )
             try:
@@ -755,6 +786,7 @@ def _throughput(args: argparse.Namespace) -> str:
             label += f", {proj} projections" if len(projs) > 1 or proj != "separate" else ""
             label += f", combo kernels {combo}" if len(combos) > 1 or combo != "off" else ""
             label += f", BLAS {blas}" if len(blases) > 1 or blas != "default" else ""
+            label += f", Inductor {ind}" if len(inductors) > 1 or ind != "default" else ""
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))
 
     def run_peers() -> None:
