@@ -12,8 +12,8 @@ error as the yardstick), then timing (warmup, CUDA events, medians), then markdo
   device copy bandwidth measured in the same run.
 * Fused linear + cross-entropy vs unfused torch (bf16 matmul, float32 cross-entropy) and Liger:
   forward + backward time and the extra peak memory over the inputs.
-* SwiGLU gate and RoPE vs ``F.silu(a)·b`` and ``lmforge.model.RotaryEmbedding``: GB/s of
-  activation reads + writes.
+* SwiGLU gate (a and b separate, and packed as one [a | b] buffer) and RoPE vs ``F.silu(a)·b``
+  and ``lmforge.model.RotaryEmbedding``: GB/s of activation reads + writes.
 
 Run: ``lmforge bench kernels`` or ``PYTHONPATH=src python benchmarks/kernels.py``.
 """
@@ -47,6 +47,8 @@ from lmforge.kernels import (
     rope,
     rope_reference,
     swiglu,
+    swiglu_packed,
+    swiglu_packed_reference,
     swiglu_reference,
 )
 
@@ -411,7 +413,8 @@ def _rope_peer(device: str, t: int, e: int):
 
 
 def check_elementwise(device: str = "cuda", small: bool = False) -> tuple[list[list[object]], bool]:
-    """SwiGLU gate and RoPE vs float64 references next to the torch peers' errors (bf16)."""
+    """SwiGLU gate (separate and packed halves) and RoPE vs float64 references next to the torch
+    peers' errors (bf16)."""
     gen = torch.Generator(device=device).manual_seed(4)
     n, f = (8, 100) if small else (4099, 2731)
     b, h, t, e = (1, 2, 9, 16) if small else (2, 8, 1000, 128)
@@ -422,8 +425,10 @@ def check_elementwise(device: str = "cuda", small: bool = False) -> tuple[list[l
     dx = torch.randn(b, h, t, e, device=device, generator=gen).bfloat16()
     layer, rope_peer = _rope_peer(device, t, e)
     cos, sin = layer.cos[:t], layer.sin[:t]
+    ag = torch.cat([a, g], -1)  # the packed [a | b] layout of one w1/w3 GEMM
     cases = [
         ("swiglu", (a, g), swiglu, swiglu_reference, lambda a, g: F.silu(a) * g, dy),
+        ("swiglu packed", (ag,), swiglu_packed, swiglu_packed_reference, _packed_peer, dy),
         ("rope", (x,), lambda x: rope(x, cos, sin), lambda x: rope_reference(x, cos, sin),
          rope_peer, dx),
     ]  # fmt: skip
@@ -446,8 +451,15 @@ def check_elementwise(device: str = "cuda", small: bool = False) -> tuple[list[l
     return rows, ok_all
 
 
+def _packed_peer(ab: torch.Tensor) -> torch.Tensor:
+    # torch on the packed [a | b] layout: silu of the first half times the second.
+    a, b = ab.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
 def bench_elementwise(iters: int, device: str = "cuda", small: bool = False):
-    """GB/s forward and forward + backward of the SwiGLU gate and RoPE vs their torch peers."""
+    """GB/s forward and forward + backward of the SwiGLU gate (separate halves and packed) and
+    RoPE vs their torch peers."""
     n, f = (64, 256) if small else SWIGLU_SHAPE
     b, h, t, e = (1, 2, 16, 16) if small else ROPE_SHAPE
     a, g = (torch.randn(n, f, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -458,8 +470,11 @@ def bench_elementwise(iters: int, device: str = "cuda", small: bool = False):
     layer, rope_peer = _rope_peer(device, t, e)
     cos, sin = layer.cos[:t], layer.sin[:t]
     el = 2  # bytes per bf16 element
+    ag = torch.randn(n, 2 * f, device=device, dtype=torch.bfloat16, requires_grad=True)
     cases = [
         ("swiglu", (a, g), (a, g), dy, swiglu, lambda a, g: F.silu(a) * g,
+         3 * n * f * el, 8 * n * f * el),
+        ("swiglu packed", (ag,), (ag,), dy, swiglu_packed, _packed_peer,
          3 * n * f * el, 8 * n * f * el),
         ("rope", (x,), (x,), dx, lambda x: rope(x, cos, sin), rope_peer,
          2 * x.numel() * el, 4 * x.numel() * el),
