@@ -140,8 +140,13 @@ class _FFN(SwiGLU):
             return False
         if self.backend == "triton":
             return True
+        # auto: the kernel where it runs (the GEMM's output dtype: autocast's, else x's)
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type) and dtype == torch.float32:
+            dtype = torch.get_autocast_dtype(x.device.type)
+        fits = dtype in (torch.float16, torch.bfloat16, torch.float32)
         available = self._triton_available
-        return x.is_cuda and available is not None and available()
+        return x.is_cuda and fits and available is not None and available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., D)."""
