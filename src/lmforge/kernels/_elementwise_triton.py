@@ -69,25 +69,27 @@ def swiglu_backward(
 # Packed gate: one (rows, 2F) buffer holds a = w1 x in its first F columns and b = w3 x in the
 # last F (the output of one GEMM against cat([w1, w3])). One program per (row, column block);
 # F stays specialised (divisible by 16) so both halves' accesses vectorise.
-@triton.jit(do_not_specialize=["rows"])
-def _swiglu_packed_fwd(AB, Y, rows, F, BLOCK: tl.constexpr):
+@triton.jit
+def _packed_halves(AB, F, BLOCK: tl.constexpr):
+    # This program's row and column block of a and b (float32) from a packed [a | b] row.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
     a_ptr = AB + row * (2 * F) + cols
     a = tl.load(a_ptr, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(a_ptr + F, mask=mask, other=0.0).to(tl.float32)
+    return row, cols, mask, a, b
+
+
+@triton.jit
+def _swiglu_packed_fwd(AB, Y, F, BLOCK: tl.constexpr):
+    row, cols, mask, a, b = _packed_halves(AB, F, BLOCK)
     tl.store(Y + row * F + cols, (a * tl.sigmoid(a) * b).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rows"])
-def _swiglu_packed_bwd(AB, DY, DAB, rows, F, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < F
-    a_ptr = AB + row * (2 * F) + cols
-    a = tl.load(a_ptr, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(a_ptr + F, mask=mask, other=0.0).to(tl.float32)
+@triton.jit
+def _swiglu_packed_bwd(AB, DY, DAB, F, BLOCK: tl.constexpr):
+    row, cols, mask, a, b = _packed_halves(AB, F, BLOCK)
     dy = tl.load(DY + row * F + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(a)
     da = dy * b * sig * (1.0 + a * (1.0 - sig))
@@ -117,7 +119,7 @@ def swiglu_packed_forward(ab: torch.Tensor) -> torch.Tensor:
     rows = ab.numel() // (2 * f)
     y = ab.new_empty((*ab.shape[:-1], f))
     grid, kw = _packed_launch(rows, f)
-    _swiglu_packed_fwd[grid](ab, y, rows, f, **kw)
+    _swiglu_packed_fwd[grid](ab, y, f, **kw)
     return y
 
 
@@ -127,7 +129,7 @@ def swiglu_packed_backward(ab: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     rows = ab.numel() // (2 * f)
     dab = torch.empty_like(ab)
     grid, kw = _packed_launch(rows, f)
-    _swiglu_packed_bwd[grid](ab, dy, dab, rows, f, **kw)
+    _swiglu_packed_bwd[grid](ab, dy, dab, f, **kw)
     return dab
 
 
