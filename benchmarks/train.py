@@ -140,6 +140,13 @@ def _parse() -> argparse.Namespace:
         "(real-data mode: the config's)",
     )
     p.add_argument(
+        "--master-weights",
+        default="auto",
+        help="lmforge train.master_weights values to measure, comma-separated (off: bf16 "
+        "autocast over fp32 weights; on: bf16 matmul weights written by AdamW from fp32 "
+        "masters; auto: the trainer's choice, on here)",
+    )
+    p.add_argument(
         "--combo",
         default="off",
         help="Inductor's combo kernels (independent small kernels launched as one) for the "
@@ -347,6 +354,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         loss=args.loss,
         loss_chunk_rows=int(getattr(args, "loss_chunk", 0) or 0),
         adamw=getattr(args, "adamw", "auto"),
+        master_weights=getattr(args, "master_weights", "auto"),
         cuda_graph=graph,
         progress=False,
         plot=False,
@@ -731,18 +739,20 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
         resids, adamws = args.residual.split(","), args.adamw.split(",")
-        projs, combos, blases, gates, inductors = (
+        projs, combos, blases, gates, inductors, masters = (
             args.projections.split(","),
             args.combo.split(","),
             args.blas.split(","),
             (args.swiglu or "reference").split(","),
             args.inductor.split(";"),
+            args.master_weights.split(","),
         )
         for (
-            att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind
+            att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind,
+            master,
         ) in itertools.product(
             atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
-            adamws, projs, combos, blases, inductors,
+            adamws, projs, combos, blases, inductors, masters,
         ):  # fmt: skip
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -763,6 +773,7 @@ def _throughput(args: argparse.Namespace) -> str:
                     "combo": combo,
                     "blas": blas,
                     "inductor": ind,
+                    "master_weights": master,
                 }
             )
             try:
@@ -787,6 +798,7 @@ def _throughput(args: argparse.Namespace) -> str:
             label += f", combo kernels {combo}" if len(combos) > 1 or combo != "off" else ""
             label += f", BLAS {blas}" if len(blases) > 1 or blas != "default" else ""
             label += f", Inductor {ind}" if len(inductors) > 1 or ind != "default" else ""
+            label += f", master weights {master}" if len(masters) > 1 or master != "auto" else ""
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))
 
     def run_peers() -> None:
@@ -815,7 +827,7 @@ def _throughput(args: argparse.Namespace) -> str:
         f"residual={args.residual}, "
         f"adamw={args.adamw}"
         f"{f' (Triton launch {args.rope_kernel_config})' if args.rope_kernel_config else ''}, "
-        f"projections={args.projections}, "
+        f"projections={args.projections}, master_weights={args.master_weights}, "
         f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}"
         f"{'; peer measured first' if args.peer_first else ''}\n\n"
     )

@@ -270,6 +270,41 @@ else:
         with pytest.raises(KernelUnsupportedError, match="float32"):
             adamw_multi_tensor_([x.bfloat16() for x in a[0]], *a[1:], hp, torch.tensor(True), scale)
 
+    def test_adamw_kernel_master_weights_interpreted() -> None:
+        # Master weights: bf16 gradients (a bf16 model's) upcast as they are read, fp32 masters
+        # and moments updated as the reference does, and every bf16 copy rewritten from its new
+        # master, rounded to nearest even exactly as copy_ rounds; nothing moves on a False flag.
+        from lmforge.kernels import adamw_multi_tensor_, adamw_reference_
+
+        gen = torch.Generator().manual_seed(12)
+        shapes = [(3000,), (5, 7), (1024,), (33, 65)]
+        masters = [torch.randn(s, generator=gen) for s in shapes]
+        grads = [(torch.randn(s, generator=gen) * 2).bfloat16() for s in shapes]
+        ms = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+        vs = [torch.rand(s, generator=gen) * 0.01 + 1e-4 for s in shapes]
+        steps = [torch.tensor(float(t), dtype=torch.float64) for t in (0, 4, 9, 100)]
+        copies = [torch.zeros(s, dtype=torch.bfloat16) for s in shapes]
+        a = [masters, grads, ms, vs, steps, copies]
+        b = [[x.clone() for x in xs] for xs in a]
+        hp = torch.tensor([3e-3, 0.1, 0.9, 0.95, 1e-8], dtype=torch.float64)
+        scale = torch.tensor(0.61)
+        for _ in range(3):
+            adamw_multi_tensor_(*a[:5], hp, torch.tensor(True), scale, a[5])
+            adamw_reference_(*b[:5], hp, torch.tensor(True), scale, b[5])
+        for xs, ys in zip(a, b):
+            for x, y in zip(xs, ys):
+                torch.testing.assert_close(x, y, rtol=2e-6, atol=1e-7)
+        for m, c in zip(a[0], a[5]):
+            assert torch.equal(c, m.bfloat16())
+        before = [c.clone() for c in a[5]]
+        adamw_multi_tensor_(*a[:5], hp, torch.tensor(False), scale, a[5])
+        assert all(torch.equal(c, d) for c, d in zip(a[5], before))
+        with pytest.raises(KernelUnsupportedError, match="copies must be all bf16 or all fp16"):
+            adamw_multi_tensor_(*a[:5], hp, torch.tensor(True), scale, [c.float() for c in a[5]])
+        with pytest.raises(KernelUnsupportedError, match="gradients must be float32 or"):
+            mixed = [g.half() for g in a[1]]
+            adamw_multi_tensor_(a[0], mixed, *a[2:5], hp, torch.tensor(True), scale, a[5])
+
     def test_adamw_fused_optimizer_matches_torch_interpreted() -> None:
         # AdamW(fused=True): step() and step_if() (skips with NaN gradients, a clip factor, an
         # lr change) against torch.optim.AdamW over 60 steps with two parameter groups.

@@ -135,15 +135,20 @@ def _ptxas_registers(ptx: str) -> tuple[int, int]:
     return regs, spills
 
 
-def test_adamw_kernel_compiles_for_sm90_without_spills() -> None:
+@pytest.mark.parametrize("master", [False, True])
+def test_adamw_kernel_compiles_for_sm90_without_spills(master: bool) -> None:
     # The default launch: vectorised accesses, no spills, and registers for at least two
     # programs per SM (65536 registers), so one program's table loads overlap another's data.
+    # master: bf16 gradients read and bf16 copies written (master weights).
+    import triton.language as tl
+
     from lmforge.kernels import _adamw_triton as at
 
     ptrs = {"P_TAB": "*i64", "G_TAB": "*i64", "M_TAB": "*i64", "V_TAB": "*i64", "T_TAB": "*i64",
-            "NUMEL": "*i64", "CHUNK_TENSOR": "*i32", "CHUNK_START": "*i64", "HP": "*fp64",
-            "OK": "*i1", "SCALE": "*fp32"}  # fmt: skip
-    consts = {"BLOCK": at.BLOCK, "SLICES": at.SLICES}
+            "C_TAB": "*i64", "NUMEL": "*i64", "CHUNK_TENSOR": "*i32", "CHUNK_START": "*i64",
+            "HP": "*fp64", "OK": "*i1", "SCALE": "*fp32"}  # fmt: skip
+    consts = {"BLOCK": at.BLOCK, "SLICES": at.SLICES, "C_DTYPE": tl.bfloat16, "HAS_COPY": master,
+              "G_DTYPE": tl.bfloat16 if master else tl.float32}  # fmt: skip
     compiled = _compile(at._adamw_multi, "fp32", consts, at.WARPS, 1, ptrs)
     assert "ld.global.v4" in compiled.asm["ptx"], "adamw loads should vectorise"
     assert "st.global.v4" in compiled.asm["ptx"], "adamw stores should vectorise"

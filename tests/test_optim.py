@@ -209,3 +209,71 @@ def test_fused_adamw_off_cuda_says_what_it_needs() -> None:
     with pytest.raises(KernelUnsupportedError, match=r"CUDA|triton"):
         opt.step()
     assert all(torch.equal(q, b) for q, b in zip(p, before))
+
+
+@pytest.mark.parametrize("path", ["foreach", "single", "compiled", "step_if", "step_if_compiled"])
+def test_master_weights_update_fp32_masters_and_round_their_copies(path: str) -> None:
+    # AdamW(copies=...): the gradient comes from each bf16 copy, the fp32 master is updated
+    # exactly as an fp32 parameter holding that (upcast) gradient would be, and the copy is
+    # rewritten as the master rounded to bf16. Parameters without copies update as before,
+    # and zero_grad clears the copies' gradients.
+    masters = _params(4)
+    ref_p = _clone(masters)
+    copies = {m: torch.nn.Parameter(m.detach().bfloat16()) for m in masters[:3]}
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    flags = dict(
+        foreach=dict(foreach=True),
+        single=dict(foreach=False),
+        compiled=dict(compiled=True),
+        step_if=dict(),
+        step_if_compiled=dict(compiled=True),
+    )[path]
+    ours = AdamW(masters, copies=copies, **kw, **flags)
+    ref = AdamW(ref_p, **kw, **flags)
+    for step in range(6):
+        g = torch.Generator().manual_seed(800 + step)
+        for m, q in zip(masters, ref_p):
+            gr = torch.randn(m.shape, generator=g)
+            if m in copies:
+                copies[m].grad = gr.bfloat16()
+                q.grad = gr.bfloat16().float()  # what autocast's cast backward would hand over
+            else:
+                m.grad, q.grad = gr.clone(), gr.clone()
+        if path.startswith("step_if"):
+            ours.step_if(torch.tensor(True))
+            ref.step_if(torch.tensor(True))
+        else:
+            ours.step()
+            ref.step()
+        ours.zero_grad()
+        assert all(c.grad is None for c in copies.values())
+    for m, q in zip(masters, ref_p):
+        assert torch.equal(m, q)
+        assert torch.equal(ours.state[m]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+        if m in copies:
+            assert copies[m].dtype == torch.bfloat16 and torch.equal(copies[m], m.bfloat16())
+    assert "copies" not in str(ours.state_dict().keys())
+
+
+def test_master_weight_copies_are_checked() -> None:
+    ps = _params(5)
+    with pytest.raises(ValueError, match="not among the parameters"):
+        AdamW(ps[:1], copies={ps[1]: ps[1].detach().bfloat16()})
+    with pytest.raises(ValueError, match="differ"):
+        AdamW(ps, copies={ps[0]: torch.zeros(3, dtype=torch.bfloat16)})
+
+
+def test_grad_norm_of_bf16_gradients_is_summed_in_fp32() -> None:
+    # A bf16 model's gradients: the norm is accumulated and returned in float32 (a bf16 norm
+    # would carry 3 significant digits into the clip factor).
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.nn.Parameter(torch.zeros(s, dtype=torch.bfloat16)) for s in [(300, 7), (1000,)]]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g).bfloat16()
+    want = torch.linalg.vector_norm(torch.cat([p.grad.double().flatten() for p in ps]))
+    for foreach in (True, False):
+        norm, _ = grad_norm_and_clip_coef(ps, 1.0) if foreach else (None, None)
+        if not foreach:
+            norm = clip_grad_norm(ps, 1e9, foreach=False)
+        assert norm.dtype == torch.float32
+        assert abs(float(norm) - float(want)) / float(want) < 1e-6

@@ -179,6 +179,52 @@ def test_triton_adamw_trains_like_the_compiled_update(tmp_path: Path) -> None:
     _same_run(*runs, skipped_step=10)
 
 
+@pytest.mark.parametrize(
+    "adamw,graph", [("triton", False), ("triton", True), ("compiled", False), ("foreach", False)]
+)
+def test_master_weights_train_like_autocast_over_fp32_on_gpu(
+    tmp_path: Path, adamw: str, graph: bool
+) -> None:
+    # train.master_weights (auto's choice here): bf16 matmul weights written by the update from
+    # fp32 masters, against bf16 autocast over fp32 weights — the same records (a NaN step
+    # skipped by both) and masters within the atomics noise; each copy is its master rounded.
+    runs = []
+    for mw in ("off", "on"):
+        (tmp_path / mw).mkdir()
+        cfg = _cfg(
+            tmp_path / mw, compile=True, adamw=adamw, master_weights=mw, cuda_graph=graph,
+            max_steps=20, eval_every=0, save_every=0,
+        )  # fmt: skip
+        trainer = Trainer(cfg)
+        assert bool(trainer.masters) == (mw == "on")
+        # The NaN comes from a device factor (a captured graph reads it like any input).
+        factor = torch.ones((), device="cuda")
+        real, launch = trainer.loss_fn, trainer.launch_step
+
+        def faulty(model, x, y, real=real, factor=factor):  # type: ignore[no-untyped-def]
+            return real(model, x, y) * factor
+
+        def launch_step(trainer=trainer, launch=launch, factor=factor):  # type: ignore[no-untyped-def]
+            factor.fill_(float("nan") if trainer.iteration == 9 else 1.0)
+            return launch()
+
+        trainer.loss_fn = faulty  # type: ignore[method-assign]
+        trainer.launch_step = launch_step  # type: ignore[method-assign]
+        trainer.run()
+        assert (trainer._graph is not None) == graph
+        recs = [
+            (r["event"], r["step"], r["loss"])
+            for r in read_metrics(tmp_path / mw / "run" / "metrics.jsonl")
+            if r.get("event") in ("train", "skip")
+        ]
+        weights = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
+        for name, (copy, master) in trainer.masters.items():
+            assert copy.dtype == torch.bfloat16 and torch.equal(copy, master.bfloat16()), name
+            weights[name] = master.detach().clone()
+        runs.append((recs, list(weights.values())))
+    _same_run(*runs, skipped_step=10)
+
+
 @pytest.mark.parametrize("launch", [None, (4096, 8, 1), (2048, 8, 4), (1024, 4, 8)])
 def test_triton_adamw_kernel_matches_reference_on_gpu(launch, monkeypatch) -> None:
     # The kernel on CUDA against the torch formula (float64 scalars, fp32 tensors), 5 steps,

@@ -205,3 +205,58 @@ def test_max_minutes_stops_with_final_eval_and_checkpoint(tmp_path: Path) -> Non
     assert Path(result["checkpoint"]).name == f"step_{result['iteration']:07d}"
     plan = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     assert plan["event"] == "plan" and plan["tokens_per_step"] == 2 * 16
+
+
+def _master_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    # The model's weights as fp32: the masters where the model holds bf16 copies.
+    state = {k: v.detach().float().clone() for k, v in trainer.model.state_dict().items()}
+    for name, (_, master) in trainer.masters.items():
+        state[name] = master.detach().clone()
+    return state
+
+
+def test_master_weights_train_exactly_like_autocast_over_fp32(tmp_path: Path) -> None:
+    # bf16 copies of fp32 masters (train.master_weights=on) against bf16 autocast over fp32
+    # weights: the same losses, norms and weights, bit for bit, with clipping active; the
+    # checkpoint holds the fp32 masters, and a resumed run continues exactly.
+    from lmforge.train.checkpoint import latest_checkpoint, load_model_state
+
+    kw = dict(precision="bf16", grad_clip=0.5, lr=3e-3, warmup_steps=2, max_steps=8)
+    runs = {}
+    for mw in ("off", "on"):
+        t = Trainer(_cfg(tmp_path / mw, master_weights=mw, **kw))
+        t.deferred = True  # the same (sync-free) step on both
+        t.current_lr = 0.0
+        runs[mw] = (t, [t.train_step() for _ in range(4)])
+    off, on = runs["off"][0], runs["on"][0]
+    assert not off.masters
+    linear = [n for n, p in on.model.named_parameters() if p.dtype == torch.bfloat16]
+    assert linear and sorted(linear) == sorted(on.masters)
+    assert "token_embeddings.weight" not in on.masters
+    assert runs["off"][1] == runs["on"][1]
+    ref = _master_state(off)
+    assert all(torch.equal(ref[k], v) for k, v in _master_state(on).items())
+    for _, (copy, master) in on.masters.items():
+        assert torch.equal(copy, master.bfloat16())
+    on.save()
+    saved = load_model_state(latest_checkpoint(on.out_dir) / "model.safetensors")
+    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], ref[k]) for k in ref)
+    # Resume from the checkpoint and compare four more steps with the uninterrupted run.
+    resumed = Trainer(_cfg(tmp_path / "on", master_weights="on", **kw))
+    resumed.deferred = True
+    assert resumed.iteration == 4
+    more = [resumed.train_step() for _ in range(4)]
+    assert more == [off.train_step() for _ in range(4)]
+    ref = _master_state(off)
+    assert all(torch.equal(ref[k], v) for k, v in _master_state(resumed).items())
+
+
+def test_master_weights_setting_resolves_and_refuses_clearly(tmp_path: Path) -> None:
+    # auto stays off on a CPU; on needs bf16 autocast, one process and no accumulation.
+    assert not Trainer(_cfg(tmp_path / "a", precision="bf16")).masters
+    with pytest.raises(LmforgeError, match=r"master_weights=on needs train\.precision=bf16"):
+        Trainer(_cfg(tmp_path / "b", master_weights="on"))
+    with pytest.raises(LmforgeError, match=r"train\.grad_accum=1 \(got 2"):
+        Trainer(_cfg(tmp_path / "c", master_weights="on", precision="bf16", grad_accum=2))
+    with pytest.raises(LmforgeError, match=r"train\.master_weights must be auto, on or off"):
+        Trainer(_cfg(tmp_path / "d", master_weights="yes"))

@@ -75,11 +75,16 @@ def check_triton_tensors(op: str, *tensors: torch.Tensor, dtype: torch.dtype | N
 
 @functools.cache
 def ensure_interpreter_compat() -> None:
-    """Let Triton 3.6's CPU interpreter run loops whose bounds derive from ``tl.program_id``.
+    """Make Triton 3.6's CPU interpreter behave as the GPU does where our kernels need it.
 
-    The interpreter stores scalars as 1-element arrays and converts them with ``int(array)``,
-    which NumPy ≥ 2.4 rejects; we add the same hook converting with ``.item()``. Only called
-    when ``TRITON_INTERPRET=1`` (tests on CPU); GPU runs never touch the interpreter.
+    1. Loops whose bounds derive from ``tl.program_id``: the interpreter stores scalars as
+       1-element arrays and converts them with ``int(array)``, which NumPy ≥ 2.4 rejects; we add
+       the same hook converting with ``.item()``.
+    2. float32 → bfloat16 casts: the interpreter drops the low mantissa bits (round toward
+       zero) where the GPU's ``cvt.rn.bf16.f32`` rounds to nearest even; we round as torch (and
+       the GPU) do, so bf16 results can be compared bit for bit.
+
+    Only called when ``TRITON_INTERPRET=1`` (tests on CPU); GPU runs never touch the interpreter.
     """
     from triton.runtime import interpreter
 
@@ -93,6 +98,21 @@ def ensure_interpreter_compat() -> None:
 
     patched._lmforge_compat = True  # type: ignore[attr-defined]
     interpreter._patch_lang_tensor = patched
+
+    import numpy as np
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    truncate = builder.create_fp_trunc
+
+    def fp_trunc(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, dst_type.scalar)
+        return truncate(self, src, dst_type)
+
+    builder.create_fp_trunc = fp_trunc
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -35,16 +35,19 @@ def adamw_reference_(
     hp: torch.Tensor,
     ok: torch.Tensor,
     scale: torch.Tensor,
+    copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """The update in plain torch, one tensor at a time (in place): ``hp`` = [lr, λ, β1, β2, ε]
-    float64, ``steps`` float64 0-d (or (1,)) counts incremented where ``ok``, ``scale`` fp32."""
+    float64, ``steps`` float64 0-d (or (1,)) counts incremented where ``ok``, ``scale`` fp32.
+    Gradients are upcast to the parameters' dtype first; ``copies`` (optional, one per
+    parameter) receive the updated parameters in their own dtype."""
     lr, wd, b1, b2, eps = (float(x) for x in hp.tolist())
     if not bool(ok):
         return
-    for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+    for i, (p, g, m, v, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
         t += 1
         tn = float(t.reshape(-1)[0])
-        g = g * scale.to(g.dtype)
+        g = g.to(p.dtype) * scale.to(p.dtype)
         m.lerp_(g, torch.tensor(1 - b1, dtype=torch.float64).to(m.dtype).item())
         v.mul_(torch.tensor(b2, dtype=torch.float64).to(v.dtype).item())
         v.add_(g * g * torch.tensor(1 - b2, dtype=torch.float64).to(v.dtype))
@@ -52,18 +55,34 @@ def adamw_reference_(
         neg_step = torch.tensor(-lr / (1 - b1**tn), dtype=torch.float64).to(p.dtype)
         sqrt_bc2 = torch.tensor((1 - b2**tn) ** 0.5, dtype=torch.float64).to(p.dtype)
         p.copy_(p * decay + m / (v.sqrt() / sqrt_bc2 + torch.tensor(eps).to(p.dtype)) * neg_step)
+        if copies is not None:
+            copies[i].copy_(p)
 
 
-def adamw_supported(*tensor_lists: Sequence[torch.Tensor]) -> str | None:
-    """None when :func:`adamw_multi_tensor_` can run on these lists (params, grads, moments),
-    else the reason: Triton, CUDA (or the interpreter), float32, contiguous, one device."""
+def adamw_supported(
+    *tensor_lists: Sequence[torch.Tensor], copies: Sequence[torch.Tensor] | None = None
+) -> str | None:
+    """None when :func:`adamw_multi_tensor_` can run on these lists (params, grads, moments)
+    and ``copies``, else the reason: Triton, CUDA (or the interpreter), contiguous, one device;
+    everything float32 except, with copies, the gradients (float32, or all in the copies'
+    dtype) and the copies (all bf16 or all fp16)."""
     if not triton_available():
         return "the Triton path needs the 'triton' package"
+    lists = list(tensor_lists)
+    if copies is not None:
+        low = {c.dtype for c in copies}
+        if len(low) > 1 or not low <= {torch.bfloat16, torch.float16}:
+            return f"copies must be all bf16 or all fp16, got {sorted(map(str, low))}"
+        grad_dtypes = {g.dtype for g in lists[1]} if len(lists) > 1 else set()
+        if len(grad_dtypes) > 1 or not grad_dtypes <= low | {torch.float32}:
+            return f"gradients must be float32 or the copies' dtype, got {sorted(map(str, grad_dtypes))}"
+        lists = [ts for i, ts in enumerate(lists) if i != 1] + [lists[1], copies]
     devices = set()
-    for ts in tensor_lists:
+    for i, ts in enumerate(lists):
         for x in ts:
-            if x.dtype != torch.float32:
-                return f"tensors must be float32, got {x.dtype}"
+            if copies is None or i < len(lists) - 2:  # dtypes of gradients/copies checked above
+                if x.dtype != torch.float32:
+                    return f"tensors must be float32, got {x.dtype}"
             if not x.is_contiguous():
                 return "tensors must be contiguous"
             if x.device.type != "cuda" and not interpreting():
@@ -106,7 +125,8 @@ def _chunk_tables(
 
 
 class _AddressTable:
-    """The (5, n) int64 address table (θ, g, m, v, t) of one parameter set on the device.
+    """The (rows, n) int64 address table (θ, g, m, v, t[, copy]) of one parameter set on the
+    device.
 
     Gradients are freed and reallocated every step and may land elsewhere, so the table is
     rewritten whenever the addresses change — from a small ring of pinned host buffers, each
@@ -119,13 +139,14 @@ class _AddressTable:
     then marked stale, so the next eager update writes it again whatever the addresses.
     """
 
-    def __init__(self, n: int, device: torch.device) -> None:
+    def __init__(self, n: int, device: torch.device, rows: int = 5) -> None:
         self.device = device
         self.addrs: tuple[int, ...] | None = None
-        self.table = torch.empty((5, n), dtype=torch.int64, device=device)
+        self.table = torch.empty((rows, n), dtype=torch.int64, device=device)
         pin = device.type == "cuda"
-        self.host = [torch.empty((5, n), dtype=torch.int64, pin_memory=pin) for _ in range(_RING)]
-        self.graph_host = torch.empty((5, n), dtype=torch.int64, pin_memory=pin)
+        shape = (rows, n)
+        self.host = [torch.empty(shape, dtype=torch.int64, pin_memory=pin) for _ in range(_RING)]
+        self.graph_host = torch.empty(shape, dtype=torch.int64, pin_memory=pin)
         self.events: list = [None] * _RING
         self.slot = 0
 
@@ -161,9 +182,14 @@ def adamw_multi_tensor_(
     hp: torch.Tensor,
     ok: torch.Tensor,
     scale: torch.Tensor,
+    copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """One AdamW update of every (θ, g, m, v) in one Triton launch, in place, where the 0-d bool
     ``ok`` holds (nothing at all where it does not); arguments as :func:`adamw_reference_`.
+
+    Master weights: with ``copies`` (the model's bf16 or fp16 weights, one per fp32 parameter
+    θ) the gradients may be in the copies' dtype; each is upcast as it is read, and the kernel
+    writes every copy from the new θ in the same pass (round to nearest even, as ``copy_``).
 
     Float32 contiguous tensors on one CUDA device (or CPU under ``TRITON_INTERPRET=1``); raises
     :class:`KernelUnsupportedError` naming the constraint otherwise. Never reads a device value
@@ -172,23 +198,26 @@ def adamw_multi_tensor_(
     graph, from a pinned buffer kept for it (see :class:`_AddressTable`)."""
     lists = (params, grads, exp_avgs, exp_avg_sqs)
     n = len(params)
-    if any(len(x) != n for x in (*lists, steps)):
-        raise KernelUnsupportedError("adamw: params, grads, moments and steps differ in length")
+    rows = (*lists, steps) if copies is None else (*lists, steps, copies)
+    if any(len(x) != n for x in rows):
+        raise KernelUnsupportedError(
+            "adamw: params, grads, moments, steps and copies differ in length"
+        )
     if n == 0:
         return
-    addrs = tuple(x.data_ptr() for ts in (*lists, steps) for x in ts)
+    addrs = tuple(x.data_ptr() for ts in rows for x in ts)
     device = params[0].device
     numels = tuple(p.numel() for p in params)
     # One table per parameter set (the parameters' addresses and shapes identify it).
-    key = (device, addrs[:n], numels)
+    key = (device, addrs[:n], numels, len(rows))
     table = _address_tables.get(key)
     if table is None or table.addrs != addrs:  # checked whenever an address moves (or after
         # a capture)
-        _check(lists, steps, hp, addrs)
+        _check(lists, steps, hp, addrs, copies)
         if table is None:
             if len(_address_tables) >= _CACHE_SIZE:
                 _address_tables.pop(next(iter(_address_tables)))
-            table = _address_tables[key] = _AddressTable(n, device)
+            table = _address_tables[key] = _AddressTable(n, device, len(rows))
     tables = table.update(addrs)
     numel, chunk_tensor, chunk_start = _chunk_tables(numels, device)
     from lmforge.kernels import _adamw_triton
@@ -202,21 +231,24 @@ def adamw_multi_tensor_(
         hp.to(device),
         ok,
         scale.to(device=device, dtype=torch.float32),
+        str(grads[0].dtype).removeprefix("torch."),
+        None if copies is None else str(copies[0].dtype).removeprefix("torch."),
     )
     # The list form: the (Tensor[], Tensor) form reads its scalar on the host, a device sync.
     one = ok.to(torch.float64)
     torch._foreach_add_(list(steps), [one] * n)
 
 
-def _check(lists, steps, hp: torch.Tensor, addrs: tuple[int, ...]) -> None:
-    reason = adamw_supported(*lists)
+def _check(lists, steps, hp: torch.Tensor, addrs: tuple[int, ...], copies) -> None:
+    reason = adamw_supported(*lists, copies=copies)
     if reason is not None:
         raise KernelUnsupportedError(f"adamw: {reason}")
-    for p, g, m, v, t in zip(*lists, steps):
-        if not (p.shape == g.shape == m.shape == v.shape):
+    cs = copies if copies is not None else lists[0]
+    for p, g, m, v, t, c in zip(*lists, steps, cs):
+        if not (p.shape == g.shape == m.shape == v.shape == c.shape):
             raise KernelUnsupportedError(
                 f"adamw: shapes differ: {tuple(p.shape)}, {tuple(g.shape)}, "
-                f"{tuple(m.shape)}, {tuple(v.shape)}"
+                f"{tuple(m.shape)}, {tuple(v.shape)}, {tuple(c.shape)}"
             )
         if t.dtype != torch.float64 or t.numel() != 1 or t.device != p.device:
             raise KernelUnsupportedError("adamw: step counts must be one float64 value each")

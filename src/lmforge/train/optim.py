@@ -9,7 +9,7 @@ Both are tested against ``torch.optim.AdamW`` (``tests/test_optim.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -36,6 +36,13 @@ class AdamW(torch.optim.Optimizer):
     maximize, capturable or sparse gradients.
     :meth:`step_if` applies the same update only where a device-side flag says so, without the
     host ever reading it (the trainer's sync-free step).
+
+    Master weights: ``copies`` maps some of the (float32) parameters given to the optimizer to
+    the lower-precision tensors the model computes with (bf16 or fp16, same shape). For such a
+    master θ the gradient is read from its copy's ``.grad`` (upcast exactly), and after every
+    applied update the copy is overwritten with θ rounded to its dtype (in the same kernel on
+    the Triton path). :meth:`zero_grad` clears the copies' gradients too. The copies are not
+    part of :meth:`state_dict`: they are derived from the masters.
     Exercised by ``pytest tests/test_optim.py`` and ``python benchmarks/train.py``.
     """
 
@@ -49,6 +56,7 @@ class AdamW(torch.optim.Optimizer):
         foreach: bool = True,
         compiled: bool = False,
         fused: bool = False,
+        copies: Mapping[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if lr < 0:
             raise ValueError(f"invalid learning rate {lr}")
@@ -66,6 +74,40 @@ class AdamW(torch.optim.Optimizer):
         self._compiled_update: Callable[..., None] | None = None
         self._compiled_gated: Callable[..., None] | None = None
         self._hp_device: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self.copies: dict[torch.Tensor, torch.Tensor] = dict(copies or {})
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        for master, copy in self.copies.items():
+            if id(master) not in mine:
+                raise ValueError("AdamW copies: a master tensor is not among the parameters")
+            if master.shape != copy.shape or master.device != copy.device:
+                raise ValueError(
+                    f"AdamW copies: master {tuple(master.shape)} on {master.device} and copy "
+                    f"{tuple(copy.shape)} on {copy.device} differ"
+                )
+            if not (master.is_floating_point() and copy.is_floating_point()):
+                raise ValueError("AdamW copies: masters and copies must be floating point")
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        # The gradient of p: its copy's, for a master weight.
+        copy = self.copies.get(p)
+        return p.grad if copy is None else copy.grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the parameters and of their copies (master weights)."""
+        super().zero_grad(set_to_none=set_to_none)
+        for copy in self.copies.values():
+            if copy.grad is not None:
+                if set_to_none:
+                    copy.grad = None
+                else:
+                    copy.grad.zero_()
+
+    def _write_copies(self, params: list[torch.Tensor]) -> None:
+        # The copies of these (just updated) masters, rounded from them.
+        for p in params:
+            copy = self.copies.get(p)
+            if copy is not None:
+                copy.copy_(p)
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -90,11 +132,11 @@ class AdamW(torch.optim.Optimizer):
             self.step_if(torch.ones((), dtype=torch.bool, device=device))
             return loss
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if self._grad(p) is not None]
             if not params:
                 continue
             for p in params:
-                if p.grad.is_sparse:
+                if self._grad(p).is_sparse:
                     raise RuntimeError("AdamW does not support sparse gradients")
             if self.compiled:
                 self._step_compiled(group, params)
@@ -103,6 +145,7 @@ class AdamW(torch.optim.Optimizer):
             else:
                 for p in params:
                     self._step_single(group, p)
+            self._write_copies(params)
         return loss
 
     @torch.no_grad()
@@ -129,18 +172,19 @@ class AdamW(torch.optim.Optimizer):
         if refresh:
             self.load_hyperparameters()
         for gi, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if self._grad(p) is not None]
             if not params:
                 continue
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            by_device: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
             for p in params:
-                if p.grad.is_sparse:
+                if self._grad(p).is_sparse:
                     raise RuntimeError("AdamW does not support sparse gradients")
                 state = self._state_for(p)
                 if state["step"].device != p.device or state["step"].dtype != torch.float64:
                     state["step"] = state["step"].to(p.device, torch.float64)
-                by_device.setdefault(p.device, []).append(p)
-            for device, ps in by_device.items():
+                # Masters and plain parameters apart: their gradients differ in dtype.
+                by_device.setdefault((p.device, p in self.copies), []).append(p)
+            for (device, copied), ps in by_device.items():
                 hp_t = self._hp_device.get((gi, device))
                 if hp_t is None:
                     raise RuntimeError(
@@ -149,15 +193,16 @@ class AdamW(torch.optim.Optimizer):
                 scale = torch.ones((), device=device) if grad_scale is None else grad_scale
                 args = (
                     ps,
-                    [p.grad for p in ps],
+                    [self._grad(p) for p in ps],
                     [self.state[p]["exp_avg"] for p in ps],
                     [self.state[p]["exp_avg_sq"] for p in ps],
                 )
+                copies = [self.copies[p] for p in ps] if copied else None
                 if self.fused:
                     from lmforge.kernels import adamw_multi_tensor_
 
                     steps = [self.state[p]["step"] for p in ps]
-                    adamw_multi_tensor_(*args, steps, hp_t, ok.to(device), scale.to(device))
+                    adamw_multi_tensor_(*args, steps, hp_t, ok.to(device), scale.to(device), copies)
                     continue
                 update = _adamw_gated_update
                 if self.compiled:
@@ -172,6 +217,7 @@ class AdamW(torch.optim.Optimizer):
                     hp_t,
                     ok.to(device),
                     scale.to(device, torch.float32),
+                    copies,
                 )
 
     def load_hyperparameters(self) -> None:
@@ -195,7 +241,7 @@ class AdamW(torch.optim.Optimizer):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         state = self._state_for(p)
-        g, m, v = p.grad, state["exp_avg"], state["exp_avg_sq"]
+        g, m, v = self._grad(p).to(p.dtype), state["exp_avg"], state["exp_avg_sq"]
         state["step"] += 1
         t = state["step"].item()
         p.mul_(1 - lr * wd)
@@ -217,7 +263,7 @@ class AdamW(torch.optim.Optimizer):
             key = (p.device, p.dtype, state["step"].item())
             buckets.setdefault(key, []).append(p)
         for (_, _, t), ps in buckets.items():
-            grads = [p.grad for p in ps]
+            grads = [self._grad(p).to(p.dtype) for p in ps]
             ms = [self.state[p]["exp_avg"] for p in ps]
             vs = [self.state[p]["exp_avg_sq"] for p in ps]
             if wd != 0:
@@ -245,7 +291,7 @@ class AdamW(torch.optim.Optimizer):
             hp = [1 - lr * wd, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**t), eps]
             hp.append(-lr / (1 - beta1**t))
             hp_t = torch.tensor(hp, dtype=torch.float32).to(device, non_blocking=True)
-            grads = [p.grad for p in ps]
+            grads = [self._grad(p).to(p.dtype) for p in ps]
             ms = [self.state[p]["exp_avg"] for p in ps]
             vs = [self.state[p]["exp_avg_sq"] for p in ps]
             self._compiled_update(ps, grads, ms, vs, hp_t)
@@ -277,13 +323,15 @@ def _adamw_gated_update(
     hp: torch.Tensor,
     ok: torch.Tensor,
     scale: torch.Tensor,
+    copies: list[torch.Tensor] | None = None,
 ) -> None:
     """AdamW where ``ok`` (0-d bool) holds, else no change; ``hp`` = [lr, λ, β1, β2, ε] float64,
-    ``steps`` float64 0-d counts, ``scale`` an fp32 factor on every gradient (clipping). Same
-    operation order as :func:`_adamw_update`."""
+    ``steps`` float64 0-d counts, ``scale`` an fp32 factor on every gradient (clipping), each
+    gradient upcast to its parameter's dtype first. ``copies`` (master weights) receive the
+    parameters in their own dtype. Same operation order as :func:`_adamw_update`."""
     lr, wd, b1, b2, eps = hp.unbind(0)
-    for p, g, m, v, t in zip(ps, grads, ms, vs, steps):
-        g = g * scale.to(g.dtype)
+    for i, (p, g, m, v, t) in enumerate(zip(ps, grads, ms, vs, steps)):
+        g = g.to(p.dtype) * scale.to(p.dtype)
         t_new = t + ok.to(t.dtype)
         # Scalars in float64 (as the host computes them), then rounded once to the state dtype.
         decay = (1 - lr * wd).to(p.dtype)
@@ -297,6 +345,8 @@ def _adamw_gated_update(
         m.copy_(torch.where(ok, m_new, m))
         v.copy_(torch.where(ok, v_new, v))
         t.copy_(t_new)
+        if copies is not None:
+            copies[i].copy_(p)
 
 
 @torch.no_grad()
@@ -350,9 +400,12 @@ def _grad_norm(
         by_device.setdefault((g.device, g.dtype), []).append(g)
     device = grads[0].device
     norms: list[torch.Tensor] = []
-    for gs in by_device.values():
+    for (_, dtype), gs in by_device.items():
+        # Low-precision gradients (a bf16 model's) are summed in float32 and their norms kept
+        # in float32; float32 and float64 gradients as they are.
+        acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
         if foreach:
-            norms.extend(n.to(device) for n in torch._foreach_norm(gs, 2.0))
+            norms.extend(n.to(device) for n in torch._foreach_norm(gs, 2.0, dtype=acc))
         else:
-            norms.extend(torch.linalg.vector_norm(g, 2.0).to(device) for g in gs)
+            norms.extend(torch.linalg.vector_norm(g, 2.0, dtype=acc).to(device) for g in gs)
     return torch.linalg.vector_norm(torch.stack(norms), 2.0), by_device
