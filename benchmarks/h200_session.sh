@@ -31,6 +31,8 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round26  : GPU tests (master weights in the trainer and the Triton AdamW); train.py
+#                     swiglu auto with train.master_weights off/on, peer measured first
 #          round25  : train.py swiglu auto with Inductor's PDL launches and mix-order-reduction
 #                     split 64 (each, both), peer measured first
 #          round19  : GPU tests (Triton AdamW); train.py residual autocast, train.adamw compiled
@@ -224,6 +226,14 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round26)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            -k "master or adamw or trains_on" 2>&1 | tee "$OUT/gpu-tests26.log" | tail -4
+        timeout 390 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --master-weights off,on --peer-first --steps 20 \
+            --warmup 4 --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" \
+            | grep -v Warning | tail -8
         ;;
     round25)
         timeout 480 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
