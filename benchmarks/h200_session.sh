@@ -31,6 +31,8 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round27  : GPU tests (packed RoPE kernel, model backends, trainer); train.py rope
+#                     triton vs packed (master weights on), peer measured first
 #          round26  : GPU tests (master weights in the trainer and the Triton AdamW); train.py
 #                     swiglu auto with train.master_weights off/on, peer measured first
 #          round25  : train.py swiglu auto with Inductor's PDL launches and mix-order-reduction
@@ -226,6 +228,14 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round27)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            tests/test_model.py tests/test_train_gpu.py -k "rope or backends or master or trains_on" \
+            2>&1 | tee "$OUT/gpu-tests27.log" | tail -4
+        timeout 390 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope triton,packed \
+            --residual autocast --swiglu auto --peer-first --steps 20 --warmup 4 \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -8
         ;;
     round26)
         timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \

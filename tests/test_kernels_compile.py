@@ -37,7 +37,8 @@ def test_importing_kernels_registers_ops_without_importing_triton() -> None:
         "import sys, torch, lmforge.kernels\n"
         "assert 'triton' not in sys.modules, 'lmforge.kernels imported triton'\n"
         "for name in ('flash_attn_fwd', 'flash_attn_bwd', 'rms_norm_fwd', 'rms_norm_bwd',\n"
-        "             'swiglu_fwd', 'swiglu_bwd', 'rope', 'linear_ce_fwd', 'linear_ce_bwd'):\n"
+        "             'swiglu_fwd', 'swiglu_bwd', 'rope', 'rope_packed_split', 'rope_packed_join',\n"
+        "             'linear_ce_fwd', 'linear_ce_bwd'):\n"
         "    assert hasattr(torch.ops.lmforge, name), name\n"
         "print('ok')\n"
     )
@@ -68,6 +69,7 @@ else:
         fused_linear_cross_entropy,
         rms_norm,
         rope,
+        rope_packed,
         swiglu,
         swiglu_packed,
     )
@@ -122,6 +124,28 @@ else:
                 "rope heads",
                 (ops.rope, (_randn(2, 7, 3, 16, seed=13, grad=True), cos, sin, False, 3)),
             ),
+            (
+                "rope_packed_split",
+                (
+                    ops.rope_packed_split,
+                    (_randn(2, 7, 48, seed=15, grad=True), cos, sin, 2, 1, False),
+                ),
+            ),
+            (
+                "rope_packed_join",
+                (
+                    ops.rope_packed_join,
+                    (
+                        _randn(2, 7, 2, 16, seed=16, grad=True),
+                        _randn(2, 7, 1, 16, seed=17, grad=True),
+                        cos,
+                        sin,
+                        2,
+                        1,
+                        True,
+                    ),
+                ),
+            ),
             ("ce mean", (ops.linear_ce_fwd, (h, wv, t, *ce, "mean", 8, True, True, True, True))),
             (
                 "ce sum dh only",
@@ -172,6 +196,11 @@ else:
             "swiglu_packed": (swiglu_packed, ((3, 80),)),
             "rope": (lambda x: rope(x, cos, sin), ((2, 7, 16),)),
             "rope (T, H, E)": (lambda x: rope(x, cos, sin, seq_dim=-3), ((2, 7, 3, 16),)),
+            # q and k out of one packed buffer, joined again so the check sees one tensor.
+            "rope_packed": (
+                lambda qk: torch.cat([t.flatten(-2) for t in rope_packed(qk, cos, sin, 2, 1)], -1),
+                ((2, 7, 48),),
+            ),
             "ce mean": ce("mean"),
             "ce sum": ce("sum"),
             "ce none": ce("none"),
@@ -200,7 +229,7 @@ else:
 
     def _model_and_loss(autocast: bool = False):
         cfg = dataclasses.replace(
-            load_preset("tiny"), attention="flash", norm="triton", swiglu="triton"
+            load_preset("tiny"), attention="flash", norm="triton", swiglu="triton", rope="packed"
         )
         torch.manual_seed(0)
         eager = TransformerLM(cfg)

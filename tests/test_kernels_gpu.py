@@ -308,3 +308,34 @@ def test_swiglu_and_rope_gpu(dtype) -> None:
     for cfg in [(8192, 8), (4096, 4), (1024, 2)]:  # rope_bench.py's sweep
         yc = ew.rope(xh.detach(), cos.float(), sin.float(), False, 8, config=cfg)
         torch.testing.assert_close(yc, yh.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_packed_gpu(dtype) -> None:
+    # q and k of one (B, T, (Hq + Hk)·E) GEMM output: bit-identical to the one-tensor kernel on
+    # each half (the same rotation), gradient included; and against float64.
+    from lmforge.kernels import rope, rope_packed, rope_packed_reference
+    from lmforge.model import RotaryEmbedding
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    hq, hk, e, t = 12, 4, 64, 1000
+    layer = RotaryEmbedding(10000.0, e, 4096, device="cuda")
+    cos, sin = layer.cos[:t], layer.sin[:t]
+    qk = torch.randn(3, t, (hq + hk) * e, device="cuda", generator=gen, dtype=dtype)
+    qkt, qkr = qk.clone().requires_grad_(), qk.double().requires_grad_()
+    q, k = rope_packed(qkt, cos, sin, hq, hk)
+    qr, kr = rope_packed_reference(qkr, cos, sin, hq, hk)
+    split = qk.unflatten(-1, (hq + hk, e))
+    q1 = split[:, :, :hq].contiguous().requires_grad_()
+    k1 = split[:, :, hq:].contiguous().requires_grad_()
+    yq, yk = rope(q1, cos, sin, seq_dim=-3), rope(k1, cos, sin, seq_dim=-3)
+    torch.testing.assert_close(q, yq, rtol=0, atol=0)
+    torch.testing.assert_close(k, yk, rtol=0, atol=0)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    (dqk,) = torch.autograd.grad((q * gq).sum() + (k * gk).sum(), (qkt,))
+    dq1, dk1 = torch.autograd.grad((yq * gq).sum() + (yk * gk).sum(), (q1, k1))
+    torch.testing.assert_close(dqk, torch.cat([dq1.flatten(2), dk1.flatten(2)], -1), rtol=0, atol=0)
+    (dref,) = torch.autograd.grad((qr * gq.double()).sum() + (kr * gk.double()).sum(), (qkr,))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(q.double(), qr, rtol=tol, atol=tol)
+    torch.testing.assert_close(dqk.double(), dref, rtol=tol, atol=tol)

@@ -421,7 +421,47 @@ else:
             got_s = ew.rope(x, c32, s32, inverse, 3, config=(8192, 8))
             torch.testing.assert_close(got_s, want, rtol=0, atol=0)
 
-    def test_model_with_lmforge_kernels_matches_reference_backends() -> None:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_rope_packed_interpreted(dtype) -> None:
+        # q and k rotated out of one (B, T, (Hq + Hk)·E) buffer into separate (B, T, H, E)
+        # buffers, against the float64 reference, forward and backward (the gradient written as
+        # one packed buffer); E = 48 pads the pair lanes; a gradient through q alone; the same
+        # values as the one-tensor kernel on each half.
+        from lmforge.kernels import KernelUnsupportedError, rope, rope_packed, rope_packed_reference
+        from lmforge.model import RotaryEmbedding
+
+        gen = torch.Generator().manual_seed(14)
+        for hq, hk, e, t in ((4, 2, 32, 37), (3, 3, 48, 5)):
+            layer = RotaryEmbedding(10000.0, e, 64)
+            cos, sin = layer.cos[:t], layer.sin[:t]
+            qk = torch.randn(2, t, (hq + hk) * e, generator=gen).to(dtype)
+            qkt, qkr = qk.clone().requires_grad_(), qk.double().requires_grad_()
+            (q, k), (qr, kr) = (
+                rope_packed(qkt, cos, sin, hq, hk),
+                rope_packed_reference(qkr, cos, sin, hq, hk),
+            )
+            assert q.shape == (2, t, hq, e) and k.shape == (2, t, hk, e) and q.is_contiguous()
+            _close(q, qr, dtype, "rope_packed q")
+            _close(k, kr, dtype, "rope_packed k")
+            split = qk.unflatten(-1, (hq + hk, e))
+            torch.testing.assert_close(q, rope(split[:, :, :hq].contiguous(), cos, sin, seq_dim=-3))
+            gq, gk = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
+            got = torch.autograd.grad((q.float() * gq).sum() + (k.float() * gk).sum(), qkt)[0]
+            want = torch.autograd.grad(
+                (qr * gq.double()).sum() + (kr * gk.double()).sum(), qkr, retain_graph=True
+            )[0]
+            _close(got, want, dtype, "rope_packed dqk")
+            q_only = torch.autograd.grad(
+                (rope_packed(qkt, cos, sin, hq, hk)[0].float() * gq).sum(), qkt
+            )[0]
+            _close(q_only, torch.autograd.grad((qr * gq.double()).sum(), qkr)[0], dtype, "dq only")
+        with pytest.raises(KernelUnsupportedError, match="even E"):
+            rope_packed(torch.randn(2, 5, 33), cos[:5], sin[:5], 2, 1)
+        with pytest.raises(KernelUnsupportedError, match="cos/sin must be"):
+            rope_packed(torch.randn(2, 6, 6 * 48), cos[:5], sin[:5], 3, 3)
+
+    @pytest.mark.parametrize("rope_backend", ["triton", "packed"])
+    def test_model_with_lmforge_kernels_matches_reference_backends(rope_backend) -> None:
         # The model's flash / triton norm / triton RoPE / packed Triton SwiGLU backends and the
         # trainer's fused loss against sdpa + reference norm, RoPE and gate + full-logit
         # cross-entropy, forward and every parameter gradient.
@@ -436,7 +476,7 @@ else:
         ref = TransformerLM(dataclasses.replace(cfg, attention="sdpa", norm="reference"))
         fast = TransformerLM(
             dataclasses.replace(
-                cfg, attention="flash", norm="triton", rope="triton", swiglu="triton"
+                cfg, attention="flash", norm="triton", rope=rope_backend, swiglu="triton"
             )
         )
         fast.load_state_dict(ref.state_dict())

@@ -109,6 +109,14 @@ def test_norm_loss_and_elementwise_kernels_compile_for_sm90() -> None:
     # Whole rows, not stride-2 pairs: 16-byte loads and stores of x and y.
     assert "ld.global.v4" in compiled.asm["ptx"], "rope loads should vectorise"
     assert "st.global.v4" in compiled.asm["ptx"], "rope stores should vectorise"
+    # The packed form, both directions: whole rows on the packed side and on each of q and k.
+    for to_split in (True, False):
+        consts = {"SIGN": 1.0, "TO_SPLIT": to_split, "ROWS": 32, "BLOCK_H": 32}
+        compiled = _compile(ew._rope_packed, "bf16", consts, 4, 1,
+                            {"P": "*bf16", "C": "*fp32", "S": "*fp32"}, ints=("T",),
+                            div16=("HALF",))  # fmt: skip
+        assert "ld.global.v4" in compiled.asm["ptx"], f"packed rope loads ({to_split})"
+        assert "st.global.v4" in compiled.asm["ptx"], f"packed rope stores ({to_split})"
 
 
 def _ptxas_registers(ptx: str) -> tuple[int, int]:

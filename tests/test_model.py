@@ -433,6 +433,7 @@ def test_gpu_kernel_backends_match_reference(kv):
         ("sdpa", "reference", "reference"),
         ("cudnn", "reference", "reference"),
         ("sdpa", "reference", "triton"),
+        ("sdpa", "reference", "packed"),
         ("flash", "triton", "triton"),
         ("auto", "auto", "auto"),
     ]:

@@ -30,7 +30,13 @@ from lmforge.kernels.rms_norm import (
     rms_norm_reference,
     rms_norm_supported,
 )
-from lmforge.kernels.rope import RoPETriton, rope, rope_reference
+from lmforge.kernels.rope import (
+    RoPETriton,
+    rope,
+    rope_packed,
+    rope_packed_reference,
+    rope_reference,
+)
 from lmforge.kernels.swiglu import (
     SwiGLUTriton,
     swiglu,
@@ -59,6 +65,8 @@ __all__ = [
     "rms_norm_reference",
     "rms_norm_supported",
     "rope",
+    "rope_packed",
+    "rope_packed_reference",
     "rope_reference",
     "swiglu",
     "swiglu_packed",

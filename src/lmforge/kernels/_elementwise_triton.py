@@ -192,3 +192,79 @@ def rope(
         SIGN=-1.0 if inverse else 1.0, ROWS=n_rows, BLOCK_H=block_h, num_warps=warps,
     )  # fmt: skip
     return y
+
+
+# Packed RoPE: q and k of one matmul against cat([Wq, Wk]), a (tokens, NQ + NK, E) buffer, on
+# one side; q (tokens, NQ, E) and k (tokens, NK, E) as separate contiguous buffers on the other.
+# TO_SPLIT (forward): rotate the packed rows into q and k; otherwise (backward, inverse
+# rotation): rotate dq and dk back into one packed gradient — the gradient of that matmul's
+# output, with no concatenation. Row r of the packed side is head r % (NQ + NK) of token
+# r // (NQ + NK), at position token % T.
+@triton.jit(do_not_specialize=["rows", "T"])  # HALF specialised: vector loads and stores
+def _rope_packed(
+    P, Q, K, C, S, rows, T, HALF, NQ, NK, SIGN: tl.constexpr, TO_SPLIT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    i = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, 2 * BLOCK_H)
+    row_ok = r[:, None] < rows
+    token = r // (NQ + NK)
+    head = r % (NQ + NK)
+    t = token % T
+    is_q = (head < NQ)[:, None]
+    cs_mask = row_ok & (i[None, :] < HALF)
+    c = tl.load(C + t[:, None] * HALF + i[None, :], mask=cs_mask, other=0.0)
+    s = tl.load(S + t[:, None] * HALF + i[None, :], mask=cs_mask, other=0.0) * SIGN
+    x_mask = row_ok & (j[None, :] < 2 * HALF)
+    p_offs = r[:, None] * (2 * HALF) + j[None, :]
+    q_offs = (token * NQ + head)[:, None] * (2 * HALF) + j[None, :]
+    k_offs = (token * NK + head - NQ)[:, None] * (2 * HALF) + j[None, :]
+    if TO_SPLIT:
+        x = tl.load(P + p_offs, mask=x_mask, other=0.0).to(tl.float32)
+    else:
+        xq = tl.load(Q + q_offs, mask=x_mask & is_q, other=0.0)
+        xk = tl.load(K + k_offs, mask=x_mask & (~is_q), other=0.0)
+        x = tl.where(is_q, xq, xk).to(tl.float32)
+    x0, x1 = tl.split(tl.reshape(x, (ROWS, BLOCK_H, 2)))  # even and odd elements
+    y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (ROWS, 2 * BLOCK_H))
+    if TO_SPLIT:
+        tl.store(Q + q_offs, y.to(Q.dtype.element_ty), mask=x_mask & is_q)
+        tl.store(K + k_offs, y.to(K.dtype.element_ty), mask=x_mask & (~is_q))
+    else:
+        tl.store(P + p_offs, y.to(P.dtype.element_ty), mask=x_mask)
+
+
+def rope_packed(
+    packed: torch.Tensor | None,
+    q: torch.Tensor | None,
+    k: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_q: int,
+    n_k: int,
+    inverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """With ``packed`` (…, T, (n_q + n_k)·E) contiguous: rotate into new q (…, T, n_q, E) and
+    k (…, T, n_k, E). With ``q`` and ``k`` (contiguous, those shapes) instead: rotate into a new
+    packed buffer. cos/sin (T, E/2) float32; inverse rotates by −θ."""
+    if interpreting():
+        ensure_interpreter_compat()
+    t, half = cos.shape
+    e = 2 * half
+    block_h = triton.next_power_of_2(half)
+    n_rows = max(1, min(128, ROPE_ELEMS // (2 * block_h)))
+    to_split = packed is not None
+    if to_split:
+        lead = packed.shape[:-1]
+        q = packed.new_empty((*lead, n_q, e))
+        k = packed.new_empty((*lead, n_k, e))
+    else:
+        lead = q.shape[:-2]
+        packed = q.new_empty((*lead, (n_q + n_k) * e))
+    rows = packed.numel() // e
+    _rope_packed[(triton.cdiv(rows, n_rows),)](
+        packed, q, k, cos, sin, rows, t, half, n_q, n_k, SIGN=-1.0 if inverse else 1.0,
+        TO_SPLIT=to_split, ROWS=n_rows, BLOCK_H=block_h, num_warps=ROPE_WARPS,
+    )  # fmt: skip
+    return (q, k) if to_split else packed

@@ -19,6 +19,8 @@ Triton backward needs and calls the backward op, which AOTAutograd records in th
     swiglu_packed_fwd / _bwd    ab (…,2F) = [a | b] → y (…,F);  ab, dy → dab (…,2F)
     rope                        x (…,T,E) or (…,T,H,E), cos, sin (T,E/2) f32, inverse, heads
                                 → y  (backward: rope⁻¹)
+    rope_packed_split / _join   qk (…,T,(Hq+Hk)·E), cos, sin, Hq, Hk, inverse → q (…,T,Hq,E),
+                                k (…,T,Hk,E);  q, k, … → qk  (each the other's backward)
     linear_ce_fwd               h (N,D), W (V,D), t (N,), … → loss, ·dh, ·dW (see below)
     linear_ce_bwd               h, W, t, dloss (N,), … → dh, dW
 
@@ -253,6 +255,62 @@ def _rope_backward(ctx, dy):
     return rope(dy, cos, sin, not ctx.inverse, ctx.heads), None, None, None, None
 
 
+def _rope_packed_split(
+    qk: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_k: int, inverse: bool
+) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.rope_packed(
+        qk.contiguous(), None, None, cos.contiguous(), sin.contiguous(), n_q, n_k, inverse
+    )
+
+
+def _rope_packed_split_fake(
+    qk: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_k: int, inverse: bool
+) -> tuple[Tensor, Tensor]:
+    e = qk.shape[-1] // (n_q + n_k)
+    lead = qk.shape[:-1]
+    return qk.new_empty((*lead, n_q, e)), qk.new_empty((*lead, n_k, e))
+
+
+def _rope_packed_join(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_k: int, inverse: bool
+) -> Tensor:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.rope_packed(
+        None, q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous(), n_q, n_k,
+        inverse,
+    )  # fmt: skip
+
+
+def _rope_packed_join_fake(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_k: int, inverse: bool
+) -> Tensor:
+    return q.new_empty((*q.shape[:-2], (n_q + n_k) * q.shape[-1]))
+
+
+def _rope_packed_setup(ctx, inputs, output) -> None:
+    cos, sin, n_q, n_k, inverse = inputs[-5:]
+    ctx.save_for_backward(cos, sin)
+    ctx.meta = (n_q, n_k, not inverse)
+
+
+def _rope_packed_split_backward(ctx, dq, dk):
+    cos, sin = ctx.saved_tensors
+    if dq is None:
+        dq = torch.zeros_like(dk[..., :1, :]).expand(*dk.shape[:-2], ctx.meta[0], dk.shape[-1])
+    if dk is None:
+        dk = torch.zeros_like(dq[..., :1, :]).expand(*dq.shape[:-2], ctx.meta[1], dq.shape[-1])
+    return rope_packed_join(dq, dk, cos, sin, *ctx.meta), None, None, None, None, None
+
+
+def _rope_packed_join_backward(ctx, dqk):
+    cos, sin = ctx.saved_tensors
+    dq, dk = rope_packed_split(dqk, cos, sin, *ctx.meta)
+    return dq, dk, None, None, None, None, None
+
+
 # -- fused linear + cross-entropy -------------------------------------------------------------
 #
 # For "mean" and "sum" the forward already computes dh and dW (scaled by the reduction), so they
@@ -423,6 +481,20 @@ swiglu_packed_fwd = _define(
 )
 swiglu_packed_bwd = _define("swiglu_packed_bwd", _swiglu_packed_bwd, _swiglu_packed_bwd_fake)
 rope = _define("rope", _rope, _rope_fake, _rope_backward, _rope_setup)
+rope_packed_split = _define(
+    "rope_packed_split",
+    _rope_packed_split,
+    _rope_packed_split_fake,
+    _rope_packed_split_backward,
+    _rope_packed_setup,
+)
+rope_packed_join = _define(
+    "rope_packed_join",
+    _rope_packed_join,
+    _rope_packed_join_fake,
+    _rope_packed_join_backward,
+    _rope_packed_setup,
+)
 linear_ce_fwd = _define(
     "linear_ce_fwd", _linear_ce_fwd, _linear_ce_fwd_fake, _linear_ce_backward, _linear_ce_setup
 )

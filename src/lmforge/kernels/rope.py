@@ -75,3 +75,38 @@ def rope(
     _check(x, cos, sin, seq_dim)
     heads = 1 if seq_dim == -2 else x.shape[-2]
     return _ops.rope(x, cos.float(), sin.float(), False, heads)
+
+
+def rope_packed_reference(
+    qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k from one packed buffer qk (…, T, (n_q + n_k)·E) — q's heads first — each
+    rotated as :func:`rope_reference` with ``seq_dim=-3``: (…, T, n_q, E), (…, T, n_k, E)."""
+    e = qk.shape[-1] // (n_q + n_k)
+    q, k = qk.unflatten(-1, (n_q + n_k, e)).split([n_q, n_k], dim=-2)
+    return rope_reference(q, cos, sin, seq_dim=-3), rope_reference(k, cos, sin, seq_dim=-3)
+
+
+def rope_packed(
+    qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused RoPE on q and k in one launch, from one packed buffer qk (…, T, (n_q + n_k)·E) —
+    the output of a single matmul against ``cat([Wq, Wk])``, q's n_q heads first — into
+    separate contiguous q (…, T, n_q, E) and k (…, T, n_k, E); cos/sin (T, E/2). Differentiable:
+    the backward rotates dq and dk back into one (…, T, (n_q + n_k)·E) buffer, the gradient of
+    that matmul's output, with no concatenation. fp16/bf16/fp32 on CUDA (or CPU under
+    ``TRITON_INTERPRET=1``); raises KernelUnsupportedError for inputs it cannot handle. Custom
+    ops ``torch.ops.lmforge.rope_packed_split`` / ``rope_packed_join``."""
+    check_triton_tensors("rope_packed", qk)
+    heads = n_q + n_k
+    if n_q < 1 or n_k < 1 or qk.dim() < 2 or qk.shape[-1] % heads or (qk.shape[-1] // heads) % 2:
+        raise KernelUnsupportedError(
+            f"rope_packed: qk must be (…, T, ({n_q} + {n_k})·E) with even E, got {tuple(qk.shape)}"
+        )
+    want = (qk.shape[-2], qk.shape[-1] // heads // 2)
+    if tuple(cos.shape) != want or tuple(sin.shape) != want:
+        raise KernelUnsupportedError(
+            f"rope_packed: cos/sin must be {want} (T, E/2), got {tuple(cos.shape)}, "
+            f"{tuple(sin.shape)}"
+        )
+    return _ops.rope_packed_split(qk, cos.float(), sin.float(), n_q, n_k, False)

@@ -46,11 +46,13 @@ class ModelConfig:
     " 2.11 on an H200 already picks cuDNN for sdpa), flash (lmforge Triton), auto"
     norm: Literal["reference", "triton", "auto"] = "reference"
     "RMSNorm backend: reference (own math) or lmforge's fused Triton kernel"
-    rope: Literal["reference", "triton", "auto"] = "reference"
+    rope: Literal["reference", "triton", "packed", "auto"] = "reference"
     "RoPE backend: reference (own math, compiler-fused) or lmforge's Triton kernel, which"
     " rotates q and k in the layout the projections write, before the head transpose (training"
-    " and prefill without explicit positions or a KV cache; otherwise the reference); auto ="
-    " the kernel on CUDA"
+    " and prefill without explicit positions or a KV cache; otherwise the reference); packed ="
+    " the kernel with q and k from one GEMM against cat([Wq, Wk]), rotated out of its output in"
+    " one launch (its backward writes that GEMM's gradient directly; triton where QK-norm or"
+    " fused_projections is on); auto = packed on CUDA"
     swiglu: Literal["reference", "triton", "auto"] = "reference"
     "SwiGLU gate backend: reference (own math, compiler-fused) or lmforge's Triton gate on one"
     " packed matmul output (w1 and w3 as one GEMM; the gate's backward writes that GEMM's"
@@ -95,8 +97,8 @@ class ModelConfig:
             raise ValueError(
                 f"residual_dtype must be param or autocast, got {self.residual_dtype!r}"
             )
-        if self.rope not in ("reference", "triton", "auto"):
-            raise ValueError(f"rope must be reference, triton or auto, got {self.rope!r}")
+        if self.rope not in ("reference", "triton", "packed", "auto"):
+            raise ValueError(f"rope must be reference, triton, packed or auto, got {self.rope!r}")
         if self.swiglu not in ("reference", "triton", "auto"):
             raise ValueError(f"swiglu must be reference, triton or auto, got {self.swiglu!r}")
 

@@ -26,8 +26,11 @@ attention over the filled slots).
 
 RoPE backends (``ModelConfig.rope``): ``reference`` (:class:`lmforge.model.RotaryEmbedding`),
 ``triton`` (``lmforge.kernels.rope`` on q and k as the projections lay them out, (B, T, H, E),
-before the head transpose; used when positions are 0..T-1 and there is no KV cache), ``auto``
-(the kernel on CUDA).
+before the head transpose; used when positions are 0..T-1 and there is no KV cache), ``packed``
+(q and k from one matmul against ``cat([Wq, Wk])``, rotated by ``lmforge.kernels.rope_packed``
+in one launch into separate q and k, its backward writing that matmul's gradient directly;
+``triton`` where the projections cannot be fused or QK-norm sits between them and RoPE),
+``auto`` (``packed`` on CUDA).
 
 RMSNorm backends (``ModelConfig.norm``): ``reference`` (:class:`lmforge.model.RMSNorm`),
 ``triton`` (``lmforge.kernels.rms_norm``), ``auto`` (the kernel where
@@ -192,13 +195,19 @@ class CausalSelfAttention(nn.Module):
             self.k_norm = _Norm(e, config.norm_eps, config.norm)
         self.rope = RotaryEmbedding(config.rope_theta, e, config.context_length)
         self._rope_fused: Callable[..., torch.Tensor] | None = None
+        self._rope_packed: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._triton_available: Callable[[], bool] | None = None
-        if config.rope in ("triton", "auto"):
+        if config.rope in ("triton", "packed", "auto"):
             self._rope_fused = _kernel("rope")
             self._triton_available = _kernel("triton_available")
-            if self._rope_fused is None and config.rope == "triton":
+            if config.rope != "triton":
+                self._rope_packed = _kernel("rope_packed")
+            if config.rope != "auto" and (self._rope_fused is None or (
+                config.rope == "packed" and self._rope_packed is None
+            )):  # fmt: skip
                 raise LmforgeError(
-                    "model.rope = 'triton' needs lmforge.kernels.rope, which is not available"
+                    f"model.rope = {config.rope!r} needs lmforge.kernels.rope and rope_packed, "
+                    "which are not available"
                 )
         self.backend = config.attention
         self._sdpa_gqa = _torch_version() >= (2, 5)
@@ -223,18 +232,26 @@ class CausalSelfAttention(nn.Module):
         """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1."""
         b, t, _ = x.shape
         h, k_heads, e = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self._qkv(x)  # (B, T, H·E), (B, T, K·E), (B, T, K·E)
-        q = q.view(b, t, h, e)  # (B, T, H, E)
-        k = k.view(b, t, k_heads, e)  # (B, T, K, E)
-        v = v.view(b, t, k_heads, e)  # (B, T, K, E)
-        if self.config.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        fused_rope = self._use_fused_rope(q, token_positions, kv_cache)
-        if fused_rope:  # positions 0..T-1, rotated in the (B, T, H|K, E) layout: no copy
+        fused_rope = self._use_fused_rope(x, token_positions, kv_cache)
+        if fused_rope and self._use_packed_rope():
+            # q and k as one GEMM; one launch rotates them out of its (B, T, (H+K)·E) output.
+            w = _cat_weights([self.q_proj.weight, self.k_proj.weight])  # ((H+K)·E, D)
             cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
-            q = self._rope_fused(q, cos, sin, seq_dim=-3)
-            k = self._rope_fused(k, cos, sin, seq_dim=-3)
+            assert self._rope_packed is not None
+            q, k = self._rope_packed(x @ w.t(), cos, sin, h, k_heads)  # (B, T, H|K, E)
+            v = self.v_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
+        else:
+            q, k, v = self._qkv(x)  # (B, T, H·E), (B, T, K·E), (B, T, K·E)
+            q = q.view(b, t, h, e)  # (B, T, H, E)
+            k = k.view(b, t, k_heads, e)  # (B, T, K, E)
+            v = v.view(b, t, k_heads, e)  # (B, T, K, E)
+            if self.config.qk_norm:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            if fused_rope:  # positions 0..T-1, rotated in the (B, T, H|K, E) layout: no copy
+                cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
+                q = self._rope_fused(q, cos, sin, seq_dim=-3)
+                k = self._rope_fused(k, cos, sin, seq_dim=-3)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, E)
         if not fused_rope:
             if token_positions is None:
@@ -252,16 +269,30 @@ class CausalSelfAttention(nn.Module):
         return self.output_proj(out)  # (B, T, D)
 
     def _use_fused_rope(
-        self, q: torch.Tensor, token_positions: torch.Tensor | None, kv_cache: KVCache | None
+        self, x: torch.Tensor, token_positions: torch.Tensor | None, kv_cache: KVCache | None
     ) -> bool:
         if self._rope_fused is None or token_positions is not None or kv_cache is not None:
             return False
-        if self.config.rope == "triton":
+        if self.config.rope in ("triton", "packed"):
             return True
-        # auto: the kernel where it runs
-        fits = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        # auto: the kernel where it runs (on q/k in the projections' output dtype)
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type) and dtype == torch.float32:
+            dtype = torch.get_autocast_dtype(x.device.type)
+        fits = dtype in (torch.float16, torch.bfloat16, torch.float32)
         available = self._triton_available
-        return q.is_cuda and fits and available is not None and available()
+        return x.is_cuda and fits and available is not None and available()
+
+    def _use_packed_rope(self) -> bool:
+        # Once the rotation runs in Triton: q and k from one GEMM unless the layer asks for the
+        # separate path (QK-norm between projection and rotation, fused q/k/v projections) or
+        # the two modules cannot be merged (hooks, dtypes).
+        return (
+            self._rope_packed is not None
+            and not self.config.qk_norm
+            and not self.fused_projections
+            and _fusable(self.q_proj, self.k_proj)
+        )
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, T, D) -> q (B, T, H·E), k and v (B, T, K·E): one GEMM when equivalent, else three."""
