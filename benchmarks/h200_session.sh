@@ -31,6 +31,9 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round28  : train.py (rope packed, master weights on) with Inductor's coordinate-descent
+#                     tuning and aggressive fusion, peer first; then cuBLAS without bf16 split-K
+#                     reductions (no peer)
 #          round27  : GPU tests (packed RoPE kernel, model backends, trainer); train.py rope
 #                     triton vs packed (master weights on), peer measured first
 #          round26  : GPU tests (master weights in the trainer and the Triton AdamW); train.py
@@ -228,6 +231,15 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round28)
+        timeout 400 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope packed \
+            --residual autocast --swiglu auto --peer-first --steps 15 --warmup 4 \
+            --inductor "default;coordinate_descent_tuning=1;aggressive_fusion=1" \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning | tail -9
+        timeout 150 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope packed \
+            --residual autocast --swiglu auto --no-peer --steps 15 --warmup 4 --bf16-reduction off \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train2.log" | grep -v Warning | tail -4
         ;;
     round27)
         timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \

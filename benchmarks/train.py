@@ -166,6 +166,13 @@ def _parse() -> argparse.Namespace:
         "(default, cublas, cublaslt)",
     )
     p.add_argument(
+        "--bf16-reduction",
+        default="default",
+        help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction for the lmforge "
+        "rows, comma-separated (default, on, off): whether cuBLAS may reduce split-K partial "
+        "sums in bf16, which changes the algorithms it picks",
+    )
+    p.add_argument(
         "--fused-projections",
         action="store_true",
         help="the same as --projections fused",
@@ -385,6 +392,11 @@ def _lmforge_settings(args: argparse.Namespace):
 
     combo = getattr(args, "combo", "off") == "on"
     blas = getattr(args, "blas", "default")
+    reduction = getattr(args, "bf16_reduction", "default")
+    matmul = torch.backends.cuda.matmul
+    old_reduction = matmul.allow_bf16_reduced_precision_reduction
+    if reduction != "default":
+        matmul.allow_bf16_reduced_precision_reduction = reduction == "on"
     patch = _inductor_settings(getattr(args, "inductor", "default"))
     old_combo = inductor_config.combo_kernels
     old_blas = torch.backends.cuda.preferred_blas_library() if blas != "default" else None
@@ -395,6 +407,7 @@ def _lmforge_settings(args: argparse.Namespace):
         with inductor_config.patch(patch):
             yield
     finally:
+        matmul.allow_bf16_reduced_precision_reduction = old_reduction
         inductor_config.combo_kernels = old_combo
         if old_blas is not None:
             torch.backends.cuda.preferred_blas_library(old_blas)
@@ -739,6 +752,7 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
         resids, adamws = args.residual.split(","), args.adamw.split(",")
+        reductions = args.bf16_reduction.split(",")
         projs, combos, blases, gates, inductors, masters = (
             args.projections.split(","),
             args.combo.split(","),
@@ -749,10 +763,10 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         for (
             att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind,
-            master,
+            master, reduction,
         ) in itertools.product(
             atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
-            adamws, projs, combos, blases, inductors, masters,
+            adamws, projs, combos, blases, inductors, masters, reductions,
         ):  # fmt: skip
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -774,6 +788,7 @@ def _throughput(args: argparse.Namespace) -> str:
                     "blas": blas,
                     "inductor": ind,
                     "master_weights": master,
+                    "bf16_reduction": reduction,
                 }
             )
             try:
@@ -799,6 +814,8 @@ def _throughput(args: argparse.Namespace) -> str:
             label += f", BLAS {blas}" if len(blases) > 1 or blas != "default" else ""
             label += f", Inductor {ind}" if len(inductors) > 1 or ind != "default" else ""
             label += f", master weights {master}" if len(masters) > 1 or master != "auto" else ""
+            if len(reductions) > 1 or reduction != "default":
+                label += f", bf16 reduced-precision reduction {reduction}"
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))
 
     def run_peers() -> None:
