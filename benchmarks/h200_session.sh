@@ -31,6 +31,8 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round29  : every GPU test (-m gpu); then train.py as configs/gpt2-small-train.toml runs
+#                     it (rope packed, master weights on) with a profile, peer measured first
 #          round28  : train.py (rope packed, master weights on) with Inductor's coordinate-descent
 #                     tuning and aggressive fusion, peer first; then cuBLAS without bf16 split-K
 #                     reductions (no peer)
@@ -231,6 +233,16 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round29)
+        timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
+            | tee "$OUT/gpu-tests29.log" | tail -6
+        ;;
+    round29b)
+        timeout 560 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --peer-first --steps 20 --warmup 4 --profile 30 \
+            --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" | grep -v Warning \
+            | tail -9
         ;;
     round28)
         timeout 400 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope packed \
