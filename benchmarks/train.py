@@ -166,12 +166,6 @@ def _parse() -> argparse.Namespace:
         "(default, cublas, cublaslt)",
     )
     p.add_argument(
-        "--ce-kernel",
-        default="default",
-        help="the fused loss's chunk kernel for the lmforge rows, comma-separated (default, "
-        "row: two passes over each logit row, whole: the row held in registers where it fits)",
-    )
-    p.add_argument(
         "--bf16-reduction",
         default="default",
         help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction for the lmforge "
@@ -399,12 +393,6 @@ def _lmforge_settings(args: argparse.Namespace):
     combo = getattr(args, "combo", "off") == "on"
     blas = getattr(args, "blas", "default")
     reduction = getattr(args, "bf16_reduction", "default")
-    from lmforge.kernels import _cross_entropy_triton as ce_kernels
-
-    ce_kernel = getattr(args, "ce_kernel", "default")
-    old_whole = ce_kernels.WHOLE_ROW
-    if ce_kernel != "default":
-        ce_kernels.WHOLE_ROW = ce_kernel == "whole"
     matmul = torch.backends.cuda.matmul
     old_reduction = matmul.allow_bf16_reduced_precision_reduction
     if reduction != "default":
@@ -419,7 +407,6 @@ def _lmforge_settings(args: argparse.Namespace):
         with inductor_config.patch(patch):
             yield
     finally:
-        ce_kernels.WHOLE_ROW = old_whole
         matmul.allow_bf16_reduced_precision_reduction = old_reduction
         inductor_config.combo_kernels = old_combo
         if old_blas is not None:
@@ -766,7 +753,6 @@ def _throughput(args: argparse.Namespace) -> str:
         chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
         resids, adamws = args.residual.split(","), args.adamw.split(",")
         reductions = args.bf16_reduction.split(",")
-        ce_kernels = args.ce_kernel.split(",")
         projs, combos, blases, gates, inductors, masters = (
             args.projections.split(","),
             args.combo.split(","),
@@ -777,10 +763,10 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         for (
             att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind,
-            master, reduction, ce_kernel,
+            master, reduction,
         ) in itertools.product(
             atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
-            adamws, projs, combos, blases, inductors, masters, reductions, ce_kernels,
+            adamws, projs, combos, blases, inductors, masters, reductions,
         ):  # fmt: skip
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -803,7 +789,6 @@ def _throughput(args: argparse.Namespace) -> str:
                     "inductor": ind,
                     "master_weights": master,
                     "bf16_reduction": reduction,
-                    "ce_kernel": ce_kernel,
                 }
             )
             try:
@@ -829,8 +814,6 @@ def _throughput(args: argparse.Namespace) -> str:
             label += f", BLAS {blas}" if len(blases) > 1 or blas != "default" else ""
             label += f", Inductor {ind}" if len(inductors) > 1 or ind != "default" else ""
             label += f", master weights {master}" if len(masters) > 1 or master != "auto" else ""
-            if len(ce_kernels) > 1 or ce_kernel != "default":
-                label += f", CE chunk kernel {ce_kernel}"
             if len(reductions) > 1 or reduction != "default":
                 label += f", bf16 reduced-precision reduction {reduction}"
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))

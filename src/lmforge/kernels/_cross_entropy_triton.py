@@ -84,48 +84,6 @@ def _ce_row(
         tl.store(z_row + safe_t, g_t.to(Z.dtype.element_ty))
 
 
-# The whole row in registers: one read and one write of the logits instead of the row kernel's
-# two reads and one write. At the trainer's chunk shapes (8192 rows of 50304 logits) the row
-# kernel runs ~2 rows per SM × 100 KB each and its second pass misses L2 (0.59 ms a chunk on an
-# H200, 1.5× the read+write floor). One program of 32 warps holds a row of up to WHOLE_ROW_MAX
-# 2-byte logits (64 a thread, kept in their 2-byte dtype until used).
-@triton.jit(do_not_specialize=["ignore_index"])
-def _ce_row_whole(
-    Z, stride_z, T, SCALE, stride_s, LOSS, V, ignore_index, z_loss,
-    COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    z_row = Z + row * stride_z
-    target = tl.load(T + row).to(tl.int64)
-    valid = target != ignore_index
-    cols = tl.arange(0, BLOCK_V)
-    z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))  # (BLOCK_V,) in Z's dtype
-    m = tl.max(z, 0).to(tl.float32)
-    lse = m + tl.log(tl.sum(tl.exp2(z.to(tl.float32) * _LOG2E - m * _LOG2E), 0))
-    safe_t = tl.where(valid, target, 0)
-    z_t = tl.load(z_row + safe_t).to(tl.float32)  # the target's logit, before the stores below
-    loss = tl.where(valid, lse - z_t + z_loss * lse * lse, 0.0)
-    tl.store(LOSS + row, loss)
-    if COMPUTE_GRAD:
-        scale = tl.where(valid, tl.load(SCALE + row * stride_s).to(tl.float32), 0.0)
-        coef = 1.0 + 2.0 * z_loss * lse
-        c = coef * scale
-        if c >= 0:  # the row's factor folded into the exponent, as in _ce_row
-            g = tl.exp2(z.to(tl.float32) * _LOG2E - (lse - tl.log(c)) * _LOG2E)
-        else:
-            g = tl.exp2(z.to(tl.float32) * _LOG2E - lse * _LOG2E) * c
-        tl.debug_barrier()  # every warp has read z_t
-        tl.store(z_row + cols, g.to(Z.dtype.element_ty), mask=cols < V)
-        tl.debug_barrier()  # every store has landed before the target column's
-        g_t = (tl.exp(z_t - lse) * coef - 1.0) * scale
-        tl.store(z_row + safe_t, g_t.to(Z.dtype.element_ty))
-
-
-WHOLE_ROW = True  # use _ce_row_whole where it applies (a switch for A/B runs)
-WHOLE_ROW_MAX = 65536
-WHOLE_ROW_WARPS = 32
-
-
 # Launch choice on CUDA, from benchmarks/ce_sweep.py's chunk-kernel sweeps on an H200 (RESULTS.md,
 # fourth and fifth sessions): a chunk has only a few hundred rows (one program each, 1-4 per SM),
 # so each program keeps many loads in flight — wide slices, many warps, and wider still for long
@@ -166,13 +124,6 @@ def loss_and_grad_(
     if logits.stride(-1) != 1:
         raise ValueError("cross-entropy chunk: logits need a unit column stride")
     n, v = logits.shape
-    if WHOLE_ROW and v <= WHOLE_ROW_MAX and logits.element_size() == 2 and block is None:
-        _ce_row_whole[(n,)](
-            logits, logits.stride(0), targets, scale, scale.stride(0), loss, v, ignore_index,
-            z_loss, COMPUTE_GRAD=compute_grad, BLOCK_V=triton.next_power_of_2(v),
-            num_warps=4 if interpreting() else WHOLE_ROW_WARPS,
-        )  # fmt: skip
-        return
     if interpreting():
         block_v, warps = 1024, 4
     else:
