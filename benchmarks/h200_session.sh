@@ -31,6 +31,10 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round31  : GPU tests of the CE kernels (persistent row launch); ce_sweep.py chunk kernel
+#                     alone at 8192×50304 and 512×128256; train.py CE kernel one program a row vs
+#                     2 and 3 persistent programs per SM, peer measured first
+#          round30  : (the whole-row CE kernel, removed since: see RESULTS.md)
 #          round29  : every GPU test (-m gpu); then train.py as configs/gpt2-small-train.toml runs
 #                     it (rope packed, master weights on) with a profile, peer measured first
 #          round28  : train.py (rope packed, master weights on) with Inductor's coordinate-descent
@@ -233,6 +237,17 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round31)
+        timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            -k "entropy or chunk" 2>&1 | tee "$OUT/gpu-tests31.log" | tail -3
+        timeout 100 python3 benchmarks/ce_sweep.py --shapes "" \
+            --kernel-shapes 8192x50304,512x128256 --results "$OUT/RESULTS-ce.md" \
+            > "$OUT/ce.log" 2>&1; grep -A12 "Chunk step alone" "$OUT/ce.log" | head -30
+        timeout 330 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --ce-programs 0,2,3 --peer-first --steps 15 \
+            --warmup 4 --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train.log" \
+            | grep -v Warning | tail -8
         ;;
     round29)
         timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \

@@ -166,6 +166,12 @@ def _parse() -> argparse.Namespace:
         "(default, cublas, cublaslt)",
     )
     p.add_argument(
+        "--ce-programs",
+        default="0",
+        help="the fused loss's chunk kernel launch for the lmforge rows, comma-separated: 0 = "
+        "one program a logit row, K = a persistent grid of K programs per SM",
+    )
+    p.add_argument(
         "--bf16-reduction",
         default="default",
         help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction for the lmforge "
@@ -393,6 +399,10 @@ def _lmforge_settings(args: argparse.Namespace):
     combo = getattr(args, "combo", "off") == "on"
     blas = getattr(args, "blas", "default")
     reduction = getattr(args, "bf16_reduction", "default")
+    from lmforge.kernels import _cross_entropy_triton as ce_kernels
+
+    old_programs = ce_kernels.PROGRAMS_PER_SM
+    ce_kernels.PROGRAMS_PER_SM = int(getattr(args, "ce_programs", 0) or 0)
     matmul = torch.backends.cuda.matmul
     old_reduction = matmul.allow_bf16_reduced_precision_reduction
     if reduction != "default":
@@ -407,6 +417,7 @@ def _lmforge_settings(args: argparse.Namespace):
         with inductor_config.patch(patch):
             yield
     finally:
+        ce_kernels.PROGRAMS_PER_SM = old_programs
         matmul.allow_bf16_reduced_precision_reduction = old_reduction
         inductor_config.combo_kernels = old_combo
         if old_blas is not None:
@@ -753,6 +764,7 @@ def _throughput(args: argparse.Namespace) -> str:
         chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
         resids, adamws = args.residual.split(","), args.adamw.split(",")
         reductions = args.bf16_reduction.split(",")
+        ce_programs = args.ce_programs.split(",")
         projs, combos, blases, gates, inductors, masters = (
             args.projections.split(","),
             args.combo.split(","),
@@ -763,10 +775,10 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         for (
             att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind,
-            master, reduction,
+            master, reduction, ce_prog,
         ) in itertools.product(
             atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
-            adamws, projs, combos, blases, inductors, masters, reductions,
+            adamws, projs, combos, blases, inductors, masters, reductions, ce_programs,
         ):  # fmt: skip
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -789,6 +801,7 @@ def _throughput(args: argparse.Namespace) -> str:
                     "inductor": ind,
                     "master_weights": master,
                     "bf16_reduction": reduction,
+                    "ce_programs": ce_prog,
                 }
             )
             try:
@@ -814,6 +827,8 @@ def _throughput(args: argparse.Namespace) -> str:
             label += f", BLAS {blas}" if len(blases) > 1 or blas != "default" else ""
             label += f", Inductor {ind}" if len(inductors) > 1 or ind != "default" else ""
             label += f", master weights {master}" if len(masters) > 1 or master != "auto" else ""
+            if len(ce_programs) > 1 or ce_prog != "0":
+                label += f", CE kernel {ce_prog + ' programs/SM' if ce_prog != '0' else 'one program a row'}"
             if len(reductions) > 1 or reduction != "default":
                 label += f", bf16 reduced-precision reduction {reduction}"
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))

@@ -215,9 +215,14 @@ def test_cross_entropy_chunk_launches_agree(v) -> None:
     want_g = torch.softmax(z64, -1)
     want_g[torch.arange(n), safe] -= 1
     want_g *= (scale.double() * valid)[:, None]
-    for block, warps in [(None, None), (8192, 16), (16384, 32), (32768, 32), (4096, 8)]:
+    for block, warps, programs in [
+        (None, None, None), (8192, 16, None), (16384, 32, None), (32768, 32, None),
+        (4096, 8, None), (8192, 16, 64), (None, None, 7),
+    ]:  # fmt: skip
         a, la = z.clone(), torch.empty(n, device="cuda")
-        k.loss_and_grad_(a, t, scale, -100, 0.0, True, la, block=block, num_warps=warps)
+        k.loss_and_grad_(
+            a, t, scale, -100, 0.0, True, la, block=block, num_warps=warps, programs=programs
+        )
         torch.testing.assert_close(la.double(), want_loss, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(a.double(), want_g, rtol=0.02, atol=2e-3)
 

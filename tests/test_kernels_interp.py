@@ -164,6 +164,11 @@ else:
         loss = torch.empty(n)
         got = z.clone()
         k.loss_and_grad_(got, t, scale, -100, z_loss, True, loss)
+        # A persistent launch (3 programs walking the 7 rows): the same values.
+        got_p, loss_p = z.clone(), torch.empty(n)
+        k.loss_and_grad_(got_p, t, scale, -100, z_loss, True, loss_p, programs=3)
+        torch.testing.assert_close(got_p, got, rtol=0, atol=0)
+        torch.testing.assert_close(loss_p, loss, rtol=0, atol=0)
         z64 = z.double()
         lse = torch.logsumexp(z64, -1)
         valid = t != -100

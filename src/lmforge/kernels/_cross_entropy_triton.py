@@ -35,7 +35,7 @@ def _grad_slices(z_row, cols, V, bias, mul, BLOCK_V: tl.constexpr, MUL: tl.const
 # 16-byte accesses instead of predicated 2-byte ones.
 @triton.jit(do_not_specialize=["ignore_index"])
 def _ce_row(
-    Z, stride_z, T, SCALE, stride_s, LOSS, V, ignore_index, z_loss,
+    Z, stride_z, T, SCALE, stride_s, LOSS, V, ignore_index, z_loss, n_rows,
     COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     # A few hundred rows per chunk give one or two programs per SM, and at that occupancy the
@@ -45,43 +45,45 @@ def _ce_row(
     # column's −1 applied after pass 2 by one scalar store instead of a compare and select per
     # logit (→ 108 µs); the row's scale folded into the exponent, 2^(x − b + log2 c), instead of
     # a multiply per logit (256×50304: 19.3 → 17.6 µs). Liger's kernel: 110–112 and 25 µs.
-    row = tl.program_id(0).to(tl.int64)
-    z_row = Z + row * stride_z
-    target = tl.load(T + row).to(tl.int64)
-    valid = target != ignore_index
-    cols = tl.arange(0, BLOCK_V)
-    # Pass 1: one running max per row (a block max per slice, so one exp per logit, not two)
-    # and per-lane rescaled sums reduced once at the end. The finite floor keeps m − m_new
-    # defined; every slice holds at least one real logit, so m_new is finite after slice 0.
-    m = tl.full([], -1e30, dtype=tl.float32)
-    s = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        z = tl.load(z_row + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        m2 = m_new * _LOG2E
-        s = s * tl.exp2(m * _LOG2E - m2) + tl.exp2(z * _LOG2E - m2)
-        m = m_new
-    lse = m + tl.log(tl.sum(s, 0))
-    safe_t = tl.where(valid, target, 0)
-    z_t = tl.load(z_row + safe_t).to(tl.float32)  # the target's logit, before pass 2 writes
-    loss = tl.where(valid, lse - z_t + z_loss * lse * lse, 0.0)
-    tl.store(LOSS + row, loss)
-    if COMPUTE_GRAD:
-        scale = tl.where(valid, tl.load(SCALE + row * stride_s).to(tl.float32), 0.0)
-        coef = 1.0 + 2.0 * z_loss * lse
-        # Every warp has read z_t before any warp's pass-2 store can overwrite it. (Reading it
-        # before pass 1 instead measured slower: the load's address waits on the target's.)
-        tl.debug_barrier()
-        c = coef * scale  # softmax·c everywhere but the target column
-        if c >= 0:  # c = 0 (ignored row): log c = −inf, the exponent −inf, g = 0
-            _grad_slices(z_row, cols, V, (lse - tl.log(c)) * _LOG2E, 1.0, BLOCK_V, False)
-        else:  # a negative upstream gradient: no logarithm, one multiply per logit
-            _grad_slices(z_row, cols, V, lse * _LOG2E, c, BLOCK_V, True)
-        # Every thread's pass-2 stores land before this one overwrites the target column;
-        # (p_t·coef − 1)·scale is formed in fp32 from the saved logit, then rounded once.
-        tl.debug_barrier()
-        g_t = (tl.exp(z_t - lse) * coef - 1.0) * scale
-        tl.store(z_row + safe_t, g_t.to(Z.dtype.element_ty))
+    # One row per program, or (persistent launch) rows pid, pid + programs, … in turn.
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(r, tl.int64)
+        z_row = Z + row * stride_z
+        target = tl.load(T + row).to(tl.int64)
+        valid = target != ignore_index
+        cols = tl.arange(0, BLOCK_V)
+        # Pass 1: one running max per row (a block max per slice, so one exp per logit, not two)
+        # and per-lane rescaled sums reduced once at the end. The finite floor keeps m − m_new
+        # defined; every slice holds at least one real logit, so m_new is finite after slice 0.
+        m = tl.full([], -1e30, dtype=tl.float32)
+        s = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for v0 in range(0, V, BLOCK_V):
+            z = tl.load(z_row + v0 + cols, mask=v0 + cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, 0))
+            m2 = m_new * _LOG2E
+            s = s * tl.exp2(m * _LOG2E - m2) + tl.exp2(z * _LOG2E - m2)
+            m = m_new
+        lse = m + tl.log(tl.sum(s, 0))
+        safe_t = tl.where(valid, target, 0)
+        z_t = tl.load(z_row + safe_t).to(tl.float32)  # the target's logit, before pass 2 writes
+        loss = tl.where(valid, lse - z_t + z_loss * lse * lse, 0.0)
+        tl.store(LOSS + row, loss)
+        if COMPUTE_GRAD:
+            scale = tl.where(valid, tl.load(SCALE + row * stride_s).to(tl.float32), 0.0)
+            coef = 1.0 + 2.0 * z_loss * lse
+            # Every warp has read z_t before any warp's pass-2 store can overwrite it. (Reading it
+            # before pass 1 instead measured slower: the load's address waits on the target's.)
+            tl.debug_barrier()
+            c = coef * scale  # softmax·c everywhere but the target column
+            if c >= 0:  # c = 0 (ignored row): log c = −inf, the exponent −inf, g = 0
+                _grad_slices(z_row, cols, V, (lse - tl.log(c)) * _LOG2E, 1.0, BLOCK_V, False)
+            else:  # a negative upstream gradient: no logarithm, one multiply per logit
+                _grad_slices(z_row, cols, V, lse * _LOG2E, c, BLOCK_V, True)
+            # Every thread's pass-2 stores land before this one overwrites the target column;
+            # (p_t·coef − 1)·scale is formed in fp32 from the saved logit, then rounded once.
+            tl.debug_barrier()
+            g_t = (tl.exp(z_t - lse) * coef - 1.0) * scale
+            tl.store(z_row + safe_t, g_t.to(Z.dtype.element_ty))
 
 
 # Launch choice on CUDA, from benchmarks/ce_sweep.py's chunk-kernel sweeps on an H200 (RESULTS.md,
@@ -91,6 +93,9 @@ def _ce_row(
 # 109.7, 32768 × 32 113.9, 8192 × 16 119.5); 256×50304 8192 × 16 17.6 µs (× 32 warps 18.8,
 # 4096 × 16 20.9, 16384 × 32 23.1).
 BLOCK_V = 8192
+# Programs per SM of a persistent launch (0: one program a row). A switch for sweeps and A/B
+# runs (benchmarks/ce_sweep.py, benchmarks/train.py --ce-programs).
+PROGRAMS_PER_SM = 0
 LONG_ROW = 65536  # rows longer than this use the LONG_* launch
 LONG_BLOCK_V = 16384
 LONG_WARPS = 32
@@ -115,10 +120,13 @@ def loss_and_grad_(
     *,
     block: int | None = None,
     num_warps: int | None = None,
+    programs: int | None = None,
 ) -> None:
     """Writes the loss per row into ``loss`` (n,) (contiguous; float32, or float64); logits (n, V)
     become the gradient. ``scale`` (n,) may be an expanded scalar (stride 0). ``block`` and
-    ``num_warps`` override :func:`launch_config` on CUDA (for sweeps)."""
+    ``num_warps`` override :func:`launch_config` on CUDA (for sweeps); ``programs`` caps the
+    grid (a persistent launch: each program walks rows with that stride; default one program
+    a row)."""
     if interpreting():
         ensure_interpreter_compat()
     if logits.stride(-1) != 1:
@@ -129,7 +137,11 @@ def loss_and_grad_(
     else:
         block_v, warps = launch_config(v)
         block_v, warps = block or block_v, num_warps or warps
-    _ce_row[(n,)](
+    if programs is None and PROGRAMS_PER_SM and logits.is_cuda:
+        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
+        programs = PROGRAMS_PER_SM * sms
+    grid = (max(1, min(n, programs or n)),)
+    _ce_row[grid](
         logits, logits.stride(0), targets, scale, scale.stride(0), loss, v, ignore_index, z_loss,
-        COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=warps,
+        n, COMPUTE_GRAD=compute_grad, BLOCK_V=block_v, num_warps=warps,
     )  # fmt: skip
