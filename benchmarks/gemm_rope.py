@@ -74,6 +74,55 @@ def _mm_rope(
         tl.store(Y + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(Y.dtype.element_ty))
 
 
+@triton.jit
+def _mm_tma(
+    a_desc, w_desc, y_desc, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    # Y = A @ Wᵀ with tensor-memory-accelerator (TMA) loads and stores through host-built
+    # descriptors; NUM_PROGRAMS = 0: one program a tile, else a persistent grid of that many
+    # programs walking the tiles in the same grouped order.
+    num_m = M // BLOCK_M
+    num_n = N // BLOCK_N
+    per_group = GROUP_M * num_n
+    tiles = num_m * num_n
+    step = NUM_PROGRAMS if NUM_PROGRAMS > 0 else tiles
+    for tile in range(tl.program_id(0), tiles, step):
+        group = tile // per_group
+        first_m = group * GROUP_M
+        size_m = min(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % size_m
+        pid_n = (tile % per_group) // size_m
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k])
+            w = w_desc.load([pid_n * BLOCK_N, k])
+            acc = tl.dot(a, w.T, acc)
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(y_desc.dtype))
+
+
+def mm_tma(x, w, config, programs=0):
+    """x (M, K) @ w (N, K)ᵀ through TMA descriptors (``programs`` > 0: a persistent grid)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk, warps, stages, group = config
+    m, kdim = x.shape
+    n = w.shape[0]
+    assert m % bm == 0 and n % bn == 0 and kdim % bk == 0, (m, n, kdim, config)
+    y = x.new_empty((m, n))
+    a_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
+    y_desc = TensorDescriptor.from_tensor(y, [bm, bn])
+    tiles = (m // bm) * (n // bn)
+    grid = (min(programs, tiles) if programs else tiles,)
+    _mm_tma[grid](
+        a_desc, w_desc, y_desc, m, n, kdim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group,
+        NUM_PROGRAMS=grid[0] if programs else 0, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
 def mm_rope(x, w, cos, sin, n_q, n_k, config, rope=True):
     """x (M, K) @ w (N, K)ᵀ; with ``rope``: (q (M, n_q·E), k (M, n_k·E)) rotated, else y (M, N)."""
     bm, bn, bk, warps, stages, group = config
@@ -109,6 +158,14 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M)
     (64, 128, 64, 4, 4, 8),
     (128, 64, 64, 4, 4, 8),
     (128, 256, 64, 8, 3, 8),
+]
+
+
+TMA_CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M)
+    (128, 128, 64, 4, 4, 8),
+    (128, 128, 64, 8, 4, 8),
+    (128, 256, 64, 8, 3, 8),
+    (256, 128, 64, 8, 3, 8),
 ]
 
 
@@ -179,6 +236,26 @@ def main() -> int:
         print(rows[-1], file=sys.stderr)
     head = ["kernel (BM×BN×BK×warps×stages×group)", "max error", "µs", "TFLOP/s",
             "× the model's time"]  # fmt: skip
+    # The same GEMM through TMA descriptors (one program a tile, or persistent).
+    want = x.float() @ w.float().t()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in TMA_CONFIGS:
+        for programs in (0, sms):
+            name = "×".join(map(str, cfg)) + (f", {programs} persistent" if programs else "")
+            try:
+                y = mm_tma(x, w, cfg, programs)
+                err = (y.float() - want).abs().max().item()
+                good = err <= 2e-2 * want.abs().max().item()
+                ok &= good
+                t_mm = time_ms(lambda cfg=cfg, programs=programs: mm_tma(x, w, cfg, programs), 5,
+                               args.iters)  # fmt: skip
+                rows.append([f"Triton TMA GEMM {name}", f"{err:.1e}{'' if good else ' FAIL'}",
+                             round(t_mm * 1e3, 1), round(flops / t_mm / 1e9),
+                             round(t_mm / base, 3)])  # fmt: skip
+            except Exception as exc:
+                rows.append([f"Triton TMA {name}", f"failed: {type(exc).__name__}"[:50], "-", "-",
+                             "-"])  # fmt: skip
+            print(rows[-1], file=sys.stderr)
     text = "\n".join(
         [
             f"## gemm_rope.py — {environment_line()}",

@@ -31,6 +31,8 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round33  : GPU tests of the CUDA-graph and master-weight trainer runs; gemm_rope.py
+#                     with the TMA-descriptor GEMMs
 #          round32  : gemm_rope.py (the q‖k GEMM with RoPE in a Triton epilogue vs cuBLAS + the
 #                     packed RoPE kernel)
 #          round31  : GPU tests of the CE kernels (persistent row launch); ce_sweep.py chunk kernel
@@ -239,6 +241,12 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round33)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            -k "cuda_graph or master" 2>&1 | tee "$OUT/gpu-tests33.log" | tail -3
+        timeout 150 python3 benchmarks/gemm_rope.py --results "$OUT/RESULTS-gemm.md" \
+            > "$OUT/gemm.log" 2>&1; tail -30 "$OUT/gemm.log"
         ;;
     round32)
         timeout 240 python3 benchmarks/gemm_rope.py --results "$OUT/RESULTS-gemm.md" \

@@ -87,6 +87,31 @@ def _run_with_nan_step(trainer: Trainer, run_dir: Path, nan_at: int):
     return recs, [p.detach().clone() for p in trainer.model.parameters()]
 
 
+def _run_with_device_nan(trainer: Trainer, run_dir: Path, nan_at: int):
+    # Run with the loss multiplied by a device factor that is NaN at iteration nan_at (set
+    # before each launch, so a captured CUDA graph reads it like any input); (train/skip
+    # records, the run's result).
+    factor = torch.ones((), device="cuda")
+    real, launch = trainer.loss_fn, trainer.launch_step
+
+    def faulty(model, x, y, real=real, factor=factor):  # type: ignore[no-untyped-def]
+        return real(model, x, y) * factor
+
+    def launch_step(trainer=trainer, launch=launch, factor=factor):  # type: ignore[no-untyped-def]
+        factor.fill_(float("nan") if trainer.iteration == nan_at else 1.0)
+        return launch()
+
+    trainer.loss_fn = faulty  # type: ignore[method-assign]
+    trainer.launch_step = launch_step  # type: ignore[method-assign]
+    result = trainer.run()
+    recs = [
+        (r["event"], r["step"], r["loss"])
+        for r in read_metrics(run_dir / "run" / "metrics.jsonl")
+        if r.get("event") in ("train", "skip")
+    ]
+    return recs, result
+
+
 def _same_run(a, b, skipped_step: int) -> None:
     # Same records (the NaN step skipped in both), same weights within the atomics noise: not
     # bitwise, as CUDA's embedding backward accumulates with atomics (run-to-run noise) and
@@ -137,25 +162,8 @@ def test_cuda_graph_step_equals_eager_step(tmp_path: Path, compile_: bool, adamw
             save_every=0,
         )
         trainer = Trainer(cfg)
-        factor = torch.ones((), device="cuda")
-        real, launch = trainer.loss_fn, trainer.launch_step
-
-        def faulty(model, x, y, real=real, factor=factor):  # type: ignore[no-untyped-def]
-            return real(model, x, y) * factor
-
-        def launch_step(trainer=trainer, launch=launch, factor=factor):  # type: ignore[no-untyped-def]
-            factor.fill_(float("nan") if trainer.iteration == 11 else 1.0)
-            return launch()
-
-        trainer.loss_fn = faulty  # type: ignore[method-assign]
-        trainer.launch_step = launch_step  # type: ignore[method-assign]
-        result = trainer.run()
+        recs, result = _run_with_device_nan(trainer, tmp_path / name, nan_at=11)
         assert (trainer._graph is not None) == graph and not trainer._graph_off
-        recs = [
-            (r["event"], r["step"], r["loss"])
-            for r in read_metrics(tmp_path / name / "run" / "metrics.jsonl")
-            if r.get("event") in ("train", "skip")
-        ]
         runs.append((recs, [p.detach().clone() for p in trainer.model.parameters()], result))
     (ra, pa, res_a), (rb, pb, res_b) = runs
     assert [r[:2] for r in ra] == [r[:2] for r in rb] and ("skip", 12) in [r[:2] for r in rb]
@@ -197,26 +205,8 @@ def test_master_weights_train_like_autocast_over_fp32_on_gpu(
         )  # fmt: skip
         trainer = Trainer(cfg)
         assert bool(trainer.masters) == (mw == "on")
-        # The NaN comes from a device factor (a captured graph reads it like any input).
-        factor = torch.ones((), device="cuda")
-        real, launch = trainer.loss_fn, trainer.launch_step
-
-        def faulty(model, x, y, real=real, factor=factor):  # type: ignore[no-untyped-def]
-            return real(model, x, y) * factor
-
-        def launch_step(trainer=trainer, launch=launch, factor=factor):  # type: ignore[no-untyped-def]
-            factor.fill_(float("nan") if trainer.iteration == 9 else 1.0)
-            return launch()
-
-        trainer.loss_fn = faulty  # type: ignore[method-assign]
-        trainer.launch_step = launch_step  # type: ignore[method-assign]
-        trainer.run()
+        recs, _ = _run_with_device_nan(trainer, tmp_path / mw, nan_at=9)
         assert (trainer._graph is not None) == graph
-        recs = [
-            (r["event"], r["step"], r["loss"])
-            for r in read_metrics(tmp_path / mw / "run" / "metrics.jsonl")
-            if r.get("event") in ("train", "skip")
-        ]
         weights = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
         for name, (copy, master) in trainer.masters.items():
             assert copy.dtype == torch.bfloat16 and torch.equal(copy, master.bfloat16()), name
