@@ -31,6 +31,7 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round34  : GPU tests of the model's auto backends and a compiled bf16 training run
 #          round33  : GPU tests of the CUDA-graph and master-weight trainer runs; gemm_rope.py
 #                     with the TMA-descriptor GEMMs
 #          round32  : gemm_rope.py (the q‖k GEMM with RoPE in a Triton epilogue vs cuBLAS + the
@@ -241,6 +242,11 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round34)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_model.py \
+            tests/test_train_gpu.py -k "backends or trains_on" 2>&1 | tee "$OUT/gpu-tests34.log" \
+            | tail -3
         ;;
     round33)
         timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \

@@ -75,6 +75,17 @@ def _kernel(name: str) -> Callable[..., Any] | None:
     return getattr(module, name, None)
 
 
+def _triton_runs_on(x: torch.Tensor, available: Callable[[], bool] | None) -> bool:
+    """Whether an ``auto`` backend takes its Triton kernel for input x: CUDA, the 'triton'
+    package present, and the dtype of the matmul output the kernel reads (autocast's for an
+    fp32 x under autocast, else x's) one of fp16/bf16/fp32."""
+    dtype = x.dtype
+    if torch.is_autocast_enabled(x.device.type) and dtype == torch.float32:
+        dtype = torch.get_autocast_dtype(x.device.type)
+    fits = dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return x.is_cuda and fits and available is not None and available()
+
+
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
@@ -143,13 +154,7 @@ class _FFN(SwiGLU):
             return False
         if self.backend == "triton":
             return True
-        # auto: the kernel where it runs (the GEMM's output dtype: autocast's, else x's)
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type) and dtype == torch.float32:
-            dtype = torch.get_autocast_dtype(x.device.type)
-        fits = dtype in (torch.float16, torch.bfloat16, torch.float32)
-        available = self._triton_available
-        return x.is_cuda and fits and available is not None and available()
+        return _triton_runs_on(x, self._triton_available)  # auto: the kernel where it runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., D)."""
@@ -275,13 +280,7 @@ class CausalSelfAttention(nn.Module):
             return False
         if self.config.rope in ("triton", "packed"):
             return True
-        # auto: the kernel where it runs (on q/k in the projections' output dtype)
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type) and dtype == torch.float32:
-            dtype = torch.get_autocast_dtype(x.device.type)
-        fits = dtype in (torch.float16, torch.bfloat16, torch.float32)
-        available = self._triton_available
-        return x.is_cuda and fits and available is not None and available()
+        return _triton_runs_on(x, self._triton_available)  # auto: the kernel where it runs
 
     def _use_packed_rope(self) -> bool:
         # Once the rotation runs in Triton: q and k from one GEMM unless the layer asks for the
