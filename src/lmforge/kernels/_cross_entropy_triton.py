@@ -1,6 +1,6 @@
 """Triton kernel for one chunk of the fused linear + cross-entropy (see ``cross_entropy.py``).
 
-One program per logit row. Pass 1 streams the row in BLOCK_V slices keeping a per-lane running
+One program per logit row (or a persistent grid walking the rows, a sweep option). Pass 1 streams the row in BLOCK_V slices keeping a per-lane running
 max and rescaled sum (no cross-lane reduction inside the loop), then reduces once to the
 logsumexp. Pass 2 re-reads the row and overwrites it in place with the scaled gradient
 ``(softmax·(1 + 2ζ·lse) − onehot) · scale``, so the chunk's logits buffer becomes its gradient
@@ -94,7 +94,9 @@ def _ce_row(
 # 4096 × 16 20.9, 16384 × 32 23.1).
 BLOCK_V = 8192
 # Programs per SM of a persistent launch (0: one program a row). A switch for sweeps and A/B
-# runs (benchmarks/ce_sweep.py, benchmarks/train.py --ce-programs).
+# runs (benchmarks/ce_sweep.py, benchmarks/train.py --ce-programs). At the trainer's 8192 × 50304
+# chunks on an H200 it measured slower (1, 2, 3 per SM: 794, 593, 637 vs 562 µs; RESULTS.md,
+# eighth session run 7), as at Liger's chunk shapes in the fourth session.
 PROGRAMS_PER_SM = 0
 LONG_ROW = 65536  # rows longer than this use the LONG_* launch
 LONG_BLOCK_V = 16384
