@@ -69,20 +69,23 @@ def adamw_supported(
     if not triton_available():
         return "the Triton path needs the 'triton' package"
     lists = list(tensor_lists)
+    grads = lists[1] if len(lists) > 1 else []
+    grad_dtypes = {torch.float32}  # without copies
     if copies is not None:
         low = {c.dtype for c in copies}
         if len(low) > 1 or not low <= {torch.bfloat16, torch.float16}:
             return f"copies must be all bf16 or all fp16, got {sorted(map(str, low))}"
-        grad_dtypes = {g.dtype for g in lists[1]} if len(lists) > 1 else set()
-        if len(grad_dtypes) > 1 or not grad_dtypes <= low | {torch.float32}:
-            return f"gradients must be float32 or the copies' dtype, got {sorted(map(str, grad_dtypes))}"
-        lists = [ts for i, ts in enumerate(lists) if i != 1] + [lists[1], copies]
+        dtypes = {g.dtype for g in grads}
+        grad_dtypes = low | {torch.float32}
+        if len(dtypes) > 1 or not dtypes <= grad_dtypes:
+            return f"gradients must be float32 or the copies' dtype, got {sorted(map(str, dtypes))}"
     devices = set()
-    for i, ts in enumerate(lists):
+    for i, ts in enumerate([*lists, copies or []]):
         for x in ts:
-            if copies is None or i < len(lists) - 2:  # dtypes of gradients/copies checked above
-                if x.dtype != torch.float32:
-                    return f"tensors must be float32, got {x.dtype}"
+            if i != 1 and i != len(lists) and x.dtype != torch.float32:
+                return f"tensors must be float32, got {x.dtype}"
+            if i == 1 and x.dtype not in grad_dtypes:
+                return f"tensors must be float32, got {x.dtype}"
             if not x.is_contiguous():
                 return "tensors must be contiguous"
             if x.device.type != "cuda" and not interpreting():
