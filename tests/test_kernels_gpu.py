@@ -315,10 +315,13 @@ def test_swiglu_and_rope_gpu(dtype) -> None:
         torch.testing.assert_close(yc, yh.detach(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rope_packed_gpu(dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_packed_gpu(dtype, monkeypatch) -> None:
     # q and k of one (B, T, (Hq + Hk)·E) GEMM output: bit-identical to the one-tensor kernel on
-    # each half (the same rotation), gradient included; and against float64.
+    # each half (the same rotation), gradient included; and against float64. Then the launches
+    # (per-row, token-block default, other token blocks / head groups / warps: other layouts,
+    # where the compiler once fused other products) against each other, bit for bit, split and
+    # join, both signs, on full and ragged shapes (E = 128; E = 48 with 3 + 1 heads; (T,) alone).
     from lmforge.kernels import rope, rope_packed, rope_packed_reference
     from lmforge.model import RotaryEmbedding
 
@@ -341,6 +344,30 @@ def test_rope_packed_gpu(dtype) -> None:
     dq1, dk1 = torch.autograd.grad((yq * gq).sum() + (yk * gk).sum(), (q1, k1))
     torch.testing.assert_close(dqk, torch.cat([dq1.flatten(2), dk1.flatten(2)], -1), rtol=0, atol=0)
     (dref,) = torch.autograd.grad((qr * gq.double()).sum() + (kr * gk.double()).sum(), (qkr,))
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    tol = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
     torch.testing.assert_close(q.double(), qr, rtol=tol, atol=tol)
     torch.testing.assert_close(dqk.double(), dref, rtol=tol, atol=tol)
+    from lmforge.kernels import _elementwise_triton as ew
+
+    launches = [(0, 4, 4), (ew.ROPE_PACKED_TOKENS, ew.ROPE_PACKED_HEADS, ew.ROPE_PACKED_WARPS),
+                (16, 4, 4), (32, 4, 8), (8, 2, 2), (4, 1, 1)]  # fmt: skip
+    shapes = [((3, t), hq, hk, e), ((2, 333), 12, 12, 128), ((77,), 3, 1, 48)]
+    for lead, nq, nk, width in shapes:
+        tab = RotaryEmbedding(10000.0, width, 4096, device="cuda")
+        c, s = tab.cos[: lead[-1]].float(), tab.sin[: lead[-1]].float()
+        x = torch.randn(*lead, (nq + nk) * width, device="cuda", generator=gen, dtype=dtype)
+        dq = torch.randn(*lead, nq, width, device="cuda", generator=gen, dtype=dtype)
+        dk = torch.randn(*lead, nk, width, device="cuda", generator=gen, dtype=dtype)
+        outs = []
+        for tokens, heads, warps in launches:
+            monkeypatch.setattr(ew, "ROPE_PACKED_TOKENS", tokens)
+            monkeypatch.setattr(ew, "ROPE_PACKED_HEADS", heads)
+            monkeypatch.setattr(ew, "ROPE_PACKED_WARPS", warps)
+            got = []
+            for inverse in (False, True):  # both signs of the rotation, in both directions
+                got += ew.rope_packed(x, None, None, c, s, nq, nk, inverse)
+                got.append(ew.rope_packed(None, dq, dk, c, s, nq, nk, not inverse))
+            outs.append(got)
+        for launch, got in zip(launches[1:], outs[1:]):
+            for a, b in zip(got, outs[0]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{launch} {lead} {width}")

@@ -465,6 +465,53 @@ else:
         with pytest.raises(KernelUnsupportedError, match="cos/sin must be"):
             rope_packed(torch.randn(2, 6, 6 * 48), cos[:5], sin[:5], 3, 3)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_rope_packed_launches_interpreted(dtype, monkeypatch) -> None:
+        # The per-row launch (ROPE_PACKED_TOKENS = 0), the token-block default and an odd token
+        # block / head group: bit-identical to each other and close to float64, forward (split)
+        # and backward (join, by −θ). Ragged edges: tokens not a multiple of the block, E = 48
+        # (padded pair lanes), 3 + 1 heads (a partial head group); 4 + 4 heads of E = 32 and
+        # 2 + 2 of E = 16 also fill whole tiles (the unmasked path); (T,) leading dims alone.
+        from lmforge.kernels import _elementwise_triton as ew
+        from lmforge.kernels import rope_packed_reference
+        from lmforge.model import RotaryEmbedding
+
+        gen = torch.Generator().manual_seed(15)
+        launches = {
+            "per-row": (0, ew.ROPE_PACKED_HEADS, ew.ROPE_PACKED_WARPS),
+            "default": (ew.ROPE_PACKED_TOKENS, ew.ROPE_PACKED_HEADS, ew.ROPE_PACKED_WARPS),
+            "odd": (4, 2, 2),
+        }
+        for lead, hq, hk, e in (((2, 37), 3, 1, 48), ((2, 20), 4, 4, 32), ((21,), 2, 2, 16)):
+            t = lead[-1]
+            layer = RotaryEmbedding(10000.0, e, 64)
+            cos, sin = layer.cos[:t].float(), layer.sin[:t].float()
+            qk = torch.randn(*lead, (hq + hk) * e, generator=gen).to(dtype)
+            q_in = torch.randn(*lead, hq, e, generator=gen).to(dtype)
+            k_in = torch.randn(*lead, hk, e, generator=gen).to(dtype)
+            qr, kr = rope_packed_reference(qk.double(), cos, sin, hq, hk)
+            back = torch.cat([q_in, k_in], -2).flatten(-2).double()
+            dr = torch.cat(
+                [x.flatten(-2) for x in rope_packed_reference(back, cos, -sin, hq, hk)], -1
+            )
+            outs = {}
+            for name, (tokens, heads, warps) in launches.items():
+                monkeypatch.setattr(ew, "ROPE_PACKED_TOKENS", tokens)
+                monkeypatch.setattr(ew, "ROPE_PACKED_HEADS", heads)
+                monkeypatch.setattr(ew, "ROPE_PACKED_WARPS", warps)
+                q, k = ew.rope_packed(qk, None, None, cos, sin, hq, hk, False)
+                d = ew.rope_packed(None, q_in, k_in, cos, sin, hq, hk, True)
+                assert q.shape == (*lead, hq, e) and k.shape == (*lead, hk, e)
+                assert d.shape == qk.shape and q.dtype == k.dtype == d.dtype == dtype
+                what = f"{name} {lead} {hq}+{hk}×{e}"
+                _close(q, qr, dtype, f"{what} q")
+                _close(k, kr, dtype, f"{what} k")
+                _close(d, dr, dtype, f"{what} join")
+                outs[name] = (q, k, d)
+            for name, got in outs.items():
+                for a, b in zip(got, outs["per-row"]):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} vs per-row")
+
     @pytest.mark.parametrize("rope_backend", ["triton", "packed"])
     def test_model_with_lmforge_kernels_matches_reference_backends(rope_backend) -> None:
         # The model's flash / triton norm / triton RoPE / packed Triton SwiGLU backends and the

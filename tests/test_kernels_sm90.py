@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -102,6 +103,11 @@ def test_norm_loss_and_elementwise_kernels_compile_for_sm90() -> None:
         assert compiled.metadata.shared <= SMEM_LIMIT
         assert "ld.global.v4" in compiled.asm["ptx"], "packed swiglu loads should vectorise"
         assert "st.global.v4" in compiled.asm["ptx"], "packed swiglu stores should vectorise"
+
+
+def test_rope_kernels_compile_for_sm90() -> None:
+    from lmforge.kernels import _elementwise_triton as ew
+
     consts = {"SIGN": 1.0, "ROWS": 32, "BLOCK_H": 64}
     compiled = _compile(ew._rope, "bf16", consts, 4, 1, {"C": "*fp32", "S": "*fp32"}, ints=("T",),
                         div16=("HALF",))  # fmt: skip
@@ -117,11 +123,31 @@ def test_norm_loss_and_elementwise_kernels_compile_for_sm90() -> None:
                             div16=("HALF",))  # fmt: skip
         assert "ld.global.v4" in compiled.asm["ptx"], f"packed rope loads ({to_split})"
         assert "st.global.v4" in compiled.asm["ptx"], f"packed rope stores ({to_split})"
+    # The token-block launch (the default), both directions, as the launcher picks it for
+    # 32768 tokens × (12 + 12) heads of E = 64 and of E = 128.
+    for e in (64, 128):
+        _, bt, hg, warps = ew._tokens_launch(32768, 12, 12, e // 2)
+        for to_split in (True, False):
+            consts = {"SIGN": 1.0, "TO_SPLIT": to_split, "BT": bt, "HG": hg, "BLOCK_H": e // 2}
+            compiled = _compile(ew._rope_packed_tokens, "bf16", consts, warps, 1,
+                                {"P": "*bf16", "C": "*fp32", "S": "*fp32"}, ints=("T",),
+                                div16=("HALF",))  # fmt: skip
+            ptx, what = compiled.asm["ptx"], f"token-block rope (E = {e}, split {to_split})"
+            # A full tile's accesses: 16 bytes and unpredicated (no '@%p' guard on the line).
+            assert re.search(r"^\s*ld\.global\.v4", ptx, re.M), f"{what}: loads"
+            assert re.search(r"^\s*st\.global\.v4", ptx, re.M), f"{what}: stores"
+            # cos/sin broadcast over the heads in registers, with no layout conversion through
+            # shared memory (tokens lead the tile: each thread holds all HG heads of its token).
+            assert compiled.metadata.shared == 0, f"{what}: {compiled.metadata.shared} B smem"
+            # Registers for 32 resident warps per SM (65536 registers): all 32 programs an SM
+            # can hold at 1 warp, many loads in flight (fewer measured well below the floor).
+            regs, spills = _ptxas_registers(ptx)
+            assert spills == 0, what
+            assert regs * 32 * 32 <= 65536, f"{what}: {regs} registers a thread"
 
 
 def _ptxas_registers(ptx: str) -> tuple[int, int]:
     """(registers per thread, spill-store bytes) of ``ptx`` for sm_90a, from Triton's ptxas."""
-    import re
     import subprocess
     import tempfile
 

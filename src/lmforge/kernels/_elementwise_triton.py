@@ -133,6 +133,25 @@ def swiglu_packed_backward(ab: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     return dab
 
 
+# The rotation of every RoPE kernel: (x0·c − x1·s, x0·s + x1·c) in float32, s already signed,
+# as a (…, 2) join. The FMAs are written out so that every kernel and launch rounds alike: left
+# to contract x0·c − x1·s itself, the compiler fuses whichever product LLVM's canonicalisation
+# puts first, which varied with the layout (the commutative sum's operands swapped for some
+# tiles; an fp32 sin that reaches the arithmetic through shared memory hides SIGN's negation),
+# so kernels differed in the last bit on an H200. The forms are the ones the contraction gave
+# the per-row kernels for bf16/fp16: fma(x0, c, −x1·s), and fma(x0, s, x1·c) for SIGN = 1 but
+# fma(x1, c, x0·s) for SIGN = −1. `* -1.0` is an exact sign flip (unary minus is 0 − x). The
+# interpreter's fma rounds twice, which is the unfused arithmetic.
+@triton.jit
+def _rotate(x0, x1, c, s, SIGN: tl.constexpr):
+    y0 = tl.fma(x0, c, (x1 * s) * -1.0)
+    if SIGN > 0:
+        y1 = tl.fma(x0, s, x1 * c)
+    else:
+        y1 = tl.fma(x1, c, x0 * s)
+    return tl.join(y0, y1)
+
+
 @triton.jit(do_not_specialize=["rows", "T"])  # HALF specialised: vector loads and stores
 def _rope(
     X, C, S, Y, rows, T, HALF, HEADS, SIGN: tl.constexpr, ROWS: tl.constexpr,
@@ -155,7 +174,7 @@ def _rope(
     x_mask = row_ok & (j[None, :] < 2 * HALF)
     x = tl.load(X + offs, mask=x_mask, other=0.0).to(tl.float32)  # (ROWS, 2·BLOCK_H)
     x0, x1 = tl.split(tl.reshape(x, (ROWS, BLOCK_H, 2)))  # even and odd elements
-    y = tl.join(x0 * c - x1 * s, x0 * s + x1 * c)  # (ROWS, BLOCK_H, 2)
+    y = _rotate(x0, x1, c, s, SIGN)  # (ROWS, BLOCK_H, 2)
     tl.store(Y + offs, tl.reshape(y, (ROWS, 2 * BLOCK_H)).to(Y.dtype.element_ty), mask=x_mask)
 
 
@@ -227,12 +246,126 @@ def _rope_packed(
         xk = tl.load(K + k_offs, mask=x_mask & (~is_q), other=0.0)
         x = tl.where(is_q, xq, xk).to(tl.float32)
     x0, x1 = tl.split(tl.reshape(x, (ROWS, BLOCK_H, 2)))  # even and odd elements
-    y = tl.reshape(tl.join(x0 * c - x1 * s, x0 * s + x1 * c), (ROWS, 2 * BLOCK_H))
+    y = tl.reshape(_rotate(x0, x1, c, s, SIGN), (ROWS, 2 * BLOCK_H))
     if TO_SPLIT:
         tl.store(Q + q_offs, y.to(Q.dtype.element_ty), mask=x_mask & is_q)
         tl.store(K + k_offs, y.to(K.dtype.element_ty), mask=x_mask & (~is_q))
     else:
         tl.store(P + p_offs, y.to(P.dtype.element_ty), mask=x_mask)
+
+
+# Token-block launch of packed RoPE. One program: BT consecutive tokens × HG consecutive heads of
+# one side (q or k), a (BT, HG, E) tile. Why: cos/sin are loaded once per token and reused for
+# the HG heads in registers (tokens lead the tile, so Triton's layout spreads threads over
+# tokens and pairs and gives each thread all HG heads of its token) instead of once per row;
+# the q/k choice is one scalar branch per program, so a full tile's loads and stores are
+# unpredicated 16-byte accesses issued together (the per-row launch masked half the lanes of
+# both q and k accesses); token and head come from one int32 division per program, not int64
+# divisions per row. Programs run head group fastest, so neighbours read adjacent stretches of
+# the packed buffer and share cos/sin in L2.
+@triton.jit
+def _rope_tokens_tile(
+    P, X, C, S, tok, n_tok, T, HALF, heads, nh, h0, p_h0, SIGN: tl.constexpr,
+    TO_SPLIT: tl.constexpr, BT: tl.constexpr, HG: tl.constexpr, BLOCK_H: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    # X: the side's own buffer (Q or K, nh heads a token); its heads h0 … h0 + HG − 1 are heads
+    # p_h0 … of the packed buffer (heads a token). MASKED: the ragged edges (last token block,
+    # a partial head group, E/2 below BLOCK_H); otherwise every access is unpredicated.
+    hh = tl.arange(0, HG)
+    i = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, 2 * BLOCK_H)
+    cs_offs = (tok % T)[:, None] * HALF + i[None, :]  # (BT, BLOCK_H)
+    tok64 = tok.to(tl.int64)[:, None]
+    p_offs = ((tok64 * heads + p_h0 + hh[None, :]) * (2 * HALF))[:, :, None] + j[None, None, :]
+    x_offs = ((tok64 * nh + h0 + hh[None, :]) * (2 * HALF))[:, :, None] + j[None, None, :]
+    if MASKED:
+        tok_ok = tok < n_tok
+        cs_mask = tok_ok[:, None] & (i[None, :] < HALF)
+        c = tl.load(C + cs_offs, mask=cs_mask, other=0.0)
+        s = tl.load(S + cs_offs, mask=cs_mask, other=0.0) * SIGN
+        row_ok = tok_ok[:, None] & (h0 + hh[None, :] < nh)
+        x_mask = row_ok[:, :, None] & (j[None, None, :] < 2 * HALF)
+        if TO_SPLIT:
+            x = tl.load(P + p_offs, mask=x_mask, other=0.0)
+        else:
+            x = tl.load(X + x_offs, mask=x_mask, other=0.0)
+    else:
+        c = tl.load(C + cs_offs)
+        s = tl.load(S + cs_offs) * SIGN
+        if TO_SPLIT:
+            x = tl.load(P + p_offs)
+        else:
+            x = tl.load(X + x_offs)
+    x0, x1 = tl.split(tl.reshape(x.to(tl.float32), (BT, HG, BLOCK_H, 2)))
+    c = c[:, None, :]  # broadcast over the heads
+    s = s[:, None, :]
+    y = tl.reshape(_rotate(x0, x1, c, s, SIGN), (BT, HG, 2 * BLOCK_H))
+    if TO_SPLIT:
+        if MASKED:
+            tl.store(X + x_offs, y.to(X.dtype.element_ty), mask=x_mask)
+        else:
+            tl.store(X + x_offs, y.to(X.dtype.element_ty))
+    else:
+        if MASKED:
+            tl.store(P + p_offs, y.to(P.dtype.element_ty), mask=x_mask)
+        else:
+            tl.store(P + p_offs, y.to(P.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["n_tok", "T"])  # HALF specialised: vector loads and stores
+def _rope_packed_tokens(
+    P, Q, K, C, S, n_tok, T, HALF, NQ, NK, SIGN: tl.constexpr, TO_SPLIT: tl.constexpr,
+    BT: tl.constexpr, HG: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    gq = tl.cdiv(NQ, HG)
+    groups = gq + tl.cdiv(NK, HG)
+    pid = tl.program_id(0)
+    tb = pid // groups
+    g = pid % groups
+    X = Q
+    nh = NQ
+    h0 = g * HG
+    p_h0 = h0
+    if g >= gq:  # a k head group: head groups never straddle q and k
+        X = K
+        nh = NK
+        h0 = (g - gq) * HG
+        p_h0 = NQ + h0
+    tok = tb * BT + tl.arange(0, BT)
+    if (tb * BT + BT <= n_tok) & (h0 + HG <= nh) & (HALF == BLOCK_H):
+        _rope_tokens_tile(P, X, C, S, tok, n_tok, T, HALF, NQ + NK, nh, h0, p_h0, SIGN, TO_SPLIT,
+                          BT, HG, BLOCK_H, MASKED=False)  # fmt: skip
+    else:
+        _rope_tokens_tile(P, X, C, S, tok, n_tok, T, HALF, NQ + NK, nh, h0, p_h0, SIGN, TO_SPLIT,
+                          BT, HG, BLOCK_H, MASKED=True)  # fmt: skip
+
+
+# Packed RoPE launch: tiles of ROPE_PACKED_TOKENS tokens × ROPE_PACKED_HEADS heads at E = 64 (the
+# same number of elements at other E: more tokens for narrower heads, fewer for wider), powers
+# of two, ROPE_PACKED_WARPS warps; ROPE_PACKED_TOKENS = 0 selects the per-row `_rope_packed`
+# (ROPE_ELEMS elements a program) for A/B runs. On an H200 (32768 tokens × (12 + 12) heads,
+# E = 64, bf16, kernel time under CUDA graphs, against a 49.3 µs copy of the same bytes): per-row
+# 56.7 / 57.0 µs (fwd / bwd); 4 × 4, 1 warp 50.2 / 49.9; 8 × 2, 1 warp 50.4 / 50.1; 16 × 4,
+# 4 warps 51.2 / 51.1; 8 × 4, 2 warps 51.1 / 50.9; at 512 elements (4 × 2 or 2 × 4, 1 warp)
+# 61.2 / 61.1, too little in flight per SM (32 resident programs at most). 4 × 4, 1 warp was
+# also the best or within 1% at 12 + 4 heads, at 32 + 8 heads of E = 128 (as 2 × 4), and in fp32.
+ROPE_PACKED_TOKENS = 4
+ROPE_PACKED_HEADS = 4
+ROPE_PACKED_WARPS = 1
+
+
+def _tokens_launch(n_tok: int, n_q: int, n_k: int, block_h: int) -> tuple[int, int, int, int]:
+    # (programs, BT, HG, warps). HG: up to ROPE_PACKED_HEADS, never above the larger side's head
+    # count (a group is all-q or all-k; a wider one would only be masked), with BT grown to keep
+    # the tile's elements, since smaller tiles fall off the cliff above. BT: no more than the
+    # tokens there are. Warps: at least 1024 elements each (32 a thread).
+    hg = min(ROPE_PACKED_HEADS, triton.next_power_of_2(max(n_q, n_k)))
+    bt = max(1, ROPE_PACKED_TOKENS * ROPE_PACKED_HEADS * 64 // (hg * 2 * block_h))
+    bt = min(bt, triton.next_power_of_2(max(1, n_tok)))
+    warps = max(1, min(ROPE_PACKED_WARPS, hg * bt * 2 * block_h // 1024))
+    groups = triton.cdiv(n_q, hg) + triton.cdiv(n_k, hg)
+    return triton.cdiv(n_tok, bt) * groups, bt, hg, warps
 
 
 def rope_packed(
@@ -253,7 +386,6 @@ def rope_packed(
     t, half = cos.shape
     e = 2 * half
     block_h = triton.next_power_of_2(half)
-    n_rows = max(1, min(128, ROPE_ELEMS // (2 * block_h)))
     to_split = packed is not None
     if to_split:
         lead = packed.shape[:-1]
@@ -263,8 +395,18 @@ def rope_packed(
         lead = q.shape[:-2]
         packed = q.new_empty((*lead, (n_q + n_k) * e))
     rows = packed.numel() // e
-    _rope_packed[(triton.cdiv(rows, n_rows),)](
-        packed, q, k, cos, sin, rows, t, half, n_q, n_k, SIGN=-1.0 if inverse else 1.0,
-        TO_SPLIT=to_split, ROWS=n_rows, BLOCK_H=block_h, num_warps=ROPE_WARPS,
-    )  # fmt: skip
+    sign = -1.0 if inverse else 1.0
+    if ROPE_PACKED_TOKENS:
+        n_tok = rows // (n_q + n_k)
+        programs, bt, hg, warps = _tokens_launch(n_tok, n_q, n_k, block_h)
+        _rope_packed_tokens[(programs,)](
+            packed, q, k, cos, sin, n_tok, t, half, n_q, n_k, SIGN=sign, TO_SPLIT=to_split,
+            BT=bt, HG=hg, BLOCK_H=block_h, num_warps=warps,
+        )  # fmt: skip
+    else:
+        n_rows = max(1, min(128, ROPE_ELEMS // (2 * block_h)))
+        _rope_packed[(triton.cdiv(rows, n_rows),)](
+            packed, q, k, cos, sin, rows, t, half, n_q, n_k, SIGN=sign, TO_SPLIT=to_split,
+            ROWS=n_rows, BLOCK_H=block_h, num_warps=ROPE_WARPS,
+        )  # fmt: skip
     return (q, k) if to_split else packed
