@@ -179,6 +179,12 @@ def _parse() -> argparse.Namespace:
         "sums in bf16, which changes the algorithms it picks",
     )
     p.add_argument(
+        "--matmul",
+        default="torch",
+        help="lmforge train.matmul values to measure, comma-separated (torch, tuned: the fastest "
+        "cuBLASLt candidate per GEMM problem, auto)",
+    )
+    p.add_argument(
         "--fused-projections",
         action="store_true",
         help="the same as --projections fused",
@@ -368,6 +374,7 @@ def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
         loss_chunk_rows=int(getattr(args, "loss_chunk", 0) or 0),
         adamw=getattr(args, "adamw", "auto"),
         master_weights=getattr(args, "master_weights", "auto"),
+        matmul=getattr(args, "matmul", "torch"),
         cuda_graph=graph,
         progress=False,
         plot=False,
@@ -472,6 +479,10 @@ def _bench_lmforge_row(args: argparse.Namespace, tmp: Path, shard: Path) -> dict
     out["flops_per_token"] = trainer.plan.flops_per_token
     opt = trainer.optimizer
     out["adamw"] = "triton" if opt.fused else "compiled" if opt.compiled else "foreach"
+    if trainer.tuned_matmul:
+        from lmforge.kernels import _cublaslt
+
+        print("tuned GEMMs:\n  " + "\n  ".join(_cublaslt.TUNING_LOG), file=sys.stderr)
     # Free everything before the next model: compiled-code caches can hold the module alive,
     # which would inflate the next row's peak memory.
     trainer = None
@@ -765,6 +776,7 @@ def _throughput(args: argparse.Namespace) -> str:
         resids, adamws = args.residual.split(","), args.adamw.split(",")
         reductions = args.bf16_reduction.split(",")
         ce_programs = args.ce_programs.split(",")
+        matmuls = args.matmul.split(",")
         projs, combos, blases, gates, inductors, masters = (
             args.projections.split(","),
             args.combo.split(","),
@@ -775,10 +787,10 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         for (
             att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind,
-            master, reduction, ce_prog,
+            master, reduction, ce_prog, mm,
         ) in itertools.product(
             atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
-            adamws, projs, combos, blases, inductors, masters, reductions, ce_programs,
+            adamws, projs, combos, blases, inductors, masters, reductions, ce_programs, matmuls,
         ):  # fmt: skip
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -802,6 +814,7 @@ def _throughput(args: argparse.Namespace) -> str:
                     "master_weights": master,
                     "bf16_reduction": reduction,
                     "ce_programs": ce_prog,
+                    "matmul": mm,
                 }
             )
             try:
@@ -829,6 +842,7 @@ def _throughput(args: argparse.Namespace) -> str:
             label += f", master weights {master}" if len(masters) > 1 or master != "auto" else ""
             if len(ce_programs) > 1 or ce_prog != "0":
                 label += f", CE kernel {ce_prog + ' programs/SM' if ce_prog != '0' else 'one program a row'}"
+            label += f", matmul {mm}" if len(matmuls) > 1 or mm != "torch" else ""
             if len(reductions) > 1 or reduction != "default":
                 label += f", bf16 reduced-precision reduction {reduction}"
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))

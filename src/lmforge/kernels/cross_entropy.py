@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from lmforge.kernels import _ops
+from lmforge.kernels import _ops, matmul
 from lmforge.kernels._common import (
     KernelUnsupportedError,
     autocast_dtype,
@@ -149,21 +149,25 @@ def _accumulate(
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
         h = hidden[r0:r1]  # (n, D)
-        logits = h @ w.T  # (n, V): the only logits alive at any time
+        if matmul.TUNED:  # the tuned GEMMs where they apply (CUDA bf16/fp16), else torch's
+            logits = h.new_empty((r1 - r0, w.shape[0]))
+            matmul.mm_into(h, w.T, logits)  # (n, V): the only logits alive at any time
+        else:
+            logits = h @ w.T  # (n, V): the only logits alive at any time
         g = _chunk_(
             logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton,
             loss[r0:r1],
         )  # fmt: skip
         if dh is not None:
-            torch.mm(g, w, out=dh[r0:r1])  # (n, D)
+            matmul.mm_into(g, w, dh[r0:r1])  # (n, D)
         if dw is not None:
             if r0 == 0:
                 if dw.dtype == g.dtype:
-                    torch.mm(g.T, h, out=dw)  # (V, D)
+                    matmul.mm_into(g.T, h, dw)  # (V, D)
                 else:
                     dw.copy_(g.T @ h)
             elif dw.dtype == g.dtype:
-                dw.addmm_(g.T, h)  # (V, D)
+                matmul.mm_into(g.T, h, dw, accumulate=True)  # (V, D)
             else:
                 dw += (g.T @ h).to(dw.dtype)
         del logits, g

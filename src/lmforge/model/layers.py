@@ -12,6 +12,7 @@ D model dim, H query heads, K kv-heads, E head dim, V vocab, F ffn dim; ``...`` 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,14 +57,27 @@ class Linear(nn.Module):
         """Re-draw the weights (deterministic under ``torch.manual_seed``)."""
         _trunc_normal_(self.weight, self.init_std)
 
+    # How x @ Wᵀ runs: None is torch's matmul; the trainer sets lmforge.kernels.matmul.linear
+    # here for train.matmul = tuned (the same product through the tuned GEMM op). An attribute,
+    # not a parameter: checkpoints and state dicts never see it.
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_in) -> (..., d_out)."""
-        # matmul with the transposed view lets autocast pick the bf16 kernel and keeps the
-        # (d_out, d_in) layout that HF and nn.Linear checkpoints use.
-        return x @ self.weight.t()  # (..., d_out)
+        return project(x, self.weight, self)
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_out={self.d_out}"
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, like: Linear) -> torch.Tensor:
+    """``x @ weight.t()`` run as the Linear ``like`` runs its own (its ``matmul``), for weights
+    it owns or concatenations of them (one GEMM for several projections)."""
+    if like.matmul is not None:
+        return like.matmul(x, weight)
+    # matmul with the transposed view lets autocast pick the bf16 kernel and keeps the
+    # (d_out, d_in) layout that HF and nn.Linear checkpoints use.
+    return x @ weight.t()  # (..., d_out)
 
 
 def _fusable(*linears: nn.Module) -> bool:
@@ -88,7 +102,7 @@ def _fusable(*linears: nn.Module) -> bool:
         return False
     first = linears[0].weight
     for m in linears:
-        if type(m) is not Linear or "forward" in m.__dict__:
+        if type(m) is not Linear or "forward" in m.__dict__ or m.matmul is not linears[0].matmul:
             return False
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             return False
@@ -243,7 +257,7 @@ class SwiGLU(nn.Module):
         if self.fused and _fusable(self.w1, self.w3):
             w1, w3 = self.w1.weight, self.w3.weight
             w13 = _cat_weights([w1, w3])  # (2F, D)
-            gate, up = (x @ w13.t()).split([w1.shape[0], w3.shape[0]], dim=-1)  # (..., F) each
+            gate, up = project(x, w13, self.w1).split([w1.shape[0], w3.shape[0]], dim=-1)
         else:
             gate, up = self.w1(x), self.w3(x)  # (..., F) each
         return self.w2(silu(gate) * up)  # (..., F) -> (..., D)

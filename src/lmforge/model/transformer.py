@@ -61,6 +61,7 @@ from lmforge.model.layers import (
     _cat_weights,
     _fusable,
     _trunc_normal_,
+    project,
     scaled_dot_product_attention,
 )
 from lmforge.utils.errors import LmforgeError
@@ -162,7 +163,7 @@ class _FFN(SwiGLU):
             return super().forward(x)
         assert self._packed is not None
         w13 = _cat_weights([self.w1.weight, self.w3.weight])  # (2F, D)
-        return self.w2(self._packed(x @ w13.t()))  # (..., 2F) -> (..., F) -> (..., D)
+        return self.w2(self._packed(project(x, w13, self.w1)))  # (…, 2F) -> (…, F) -> (…, D)
 
 
 class CausalSelfAttention(nn.Module):
@@ -243,7 +244,7 @@ class CausalSelfAttention(nn.Module):
             w = _cat_weights([self.q_proj.weight, self.k_proj.weight])  # ((H+K)·E, D)
             cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
             assert self._rope_packed is not None
-            q, k = self._rope_packed(x @ w.t(), cos, sin, h, k_heads)  # (B, T, H|K, E)
+            q, k = self._rope_packed(project(x, w, self.q_proj), cos, sin, h, k_heads)
             v = self.v_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
         else:
             q, k, v = self._qkv(x)  # (B, T, H·E), (B, T, K·E), (B, T, K·E)
@@ -300,7 +301,7 @@ class CausalSelfAttention(nn.Module):
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         weights = [p.weight for p in projs]
         w = _cat_weights(weights)  # (H·E + 2·K·E, D)
-        qkv = x @ w.t()  # (B, T, H·E + 2·K·E)
+        qkv = project(x, w, self.q_proj)  # (B, T, H·E + 2·K·E)
         q, k, v = qkv.split([wt.shape[0] for wt in weights], dim=-1)  # (B, T, H·E|K·E|K·E)
         return q, k, v
 
