@@ -31,6 +31,17 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round39  : every GPU test (-m gpu)
+#          round38  : GPU tests of the tuned GEMM; train.py as configs/gpt2-small-train.toml
+#                     runs it (CUDA graph, tuned GEMMs), loss chunks 8192 and 16384, peer first
+#          round37  : GPU tests (CUDA-graph trainer steps, model backends); rope_packed_bench.py;
+#                     train.py shipped settings with the CUDA graph on, train.matmul torch vs
+#                     tuned, profile, peer measured first
+#          round36  : GPU tests of the tuned GEMM (tests/test_matmul.py); train.py (shipped
+#                     settings) train.matmul torch vs tuned, peer measured first; then tuned with
+#                     the CUDA graph on
+#          round35  : rope_packed_bench.py (per-row vs
+#                     token×head launches); gemm_algos.py (cuBLASLt candidates vs torch.mm)
 #          round34  : GPU tests of the model's auto backends and a compiled bf16 training run
 #          round33  : GPU tests of the CUDA-graph and master-weight trainer runs; gemm_rope.py
 #                     with the TMA-descriptor GEMMs
@@ -242,6 +253,48 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round39)
+        timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
+            | tee "$OUT/gpu-tests39.log" | tail -12
+        ;;
+    round38)
+        timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_matmul.py \
+            2>&1 | tee "$OUT/gpu-tests38.log" | tail -3
+        timeout 300 python3 benchmarks/train.py --loss fused --loss-chunk 8192,16384 --rope auto \
+            --residual autocast --swiglu auto --graph on --matmul auto --peer-first \
+            --steps 20 --warmup 4 --results "$OUT/RESULTS-train.md" > "$OUT/train.log" 2>&1
+        grep -v Warning "$OUT/train.log" | grep -v "^  [0-9]" | tail -9
+        ;;
+    round37)
+        timeout 150 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_train_gpu.py \
+            tests/test_model.py -k "cuda_graph or backends" 2>&1 | tee "$OUT/gpu-tests37.log" \
+            | tail -3
+        timeout 60 python3 benchmarks/rope_packed_bench.py --results "$OUT/RESULTS-rope.md" \
+            > "$OUT/rope.log" 2>&1; tail -9 "$OUT/rope.log"
+        timeout 330 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --graph on --matmul torch,tuned --peer-first \
+            --steps 15 --warmup 4 --profile 25 --results "$OUT/RESULTS-train.md" \
+            > "$OUT/train.log" 2>&1
+        grep -v Warning "$OUT/train.log" | grep -v "^  [0-9]" | tail -12
+        ;;
+    round36)
+        timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_matmul.py \
+            2>&1 | tee "$OUT/gpu-tests36.log" | tail -3
+        timeout 270 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --matmul torch,tuned --peer-first --steps 15 \
+            --warmup 4 --results "$OUT/RESULTS-train.md" > "$OUT/train.log" 2>&1
+        grep -v Warning "$OUT/train.log" | tail -30
+        timeout 120 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --matmul tuned --graph on --no-peer --steps 15 \
+            --warmup 4 --results "$OUT/RESULTS-train.md" > "$OUT/train-graph.log" 2>&1
+        grep -v Warning "$OUT/train-graph.log" | tail -8
+        ;;
+    round35)
+        timeout 90 python3 benchmarks/rope_packed_bench.py --results "$OUT/RESULTS-rope.md" \
+            > "$OUT/rope.log" 2>&1; tail -14 "$OUT/rope.log"
+        timeout 300 python3 benchmarks/gemm_algos.py --results "$OUT/RESULTS-algos.md" \
+            > "$OUT/algos.log" 2>&1; tail -30 "$OUT/algos.log"
         ;;
     round34)
         timeout 200 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_model.py \
