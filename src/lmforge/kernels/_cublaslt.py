@@ -8,10 +8,11 @@ loaded (found in the process's memory map), descriptors are built once per probl
 planned GEMM runs on torch's current stream with a workspace torch allocates, so it can be
 captured in a CUDA graph.
 
-Row-major torch tensors map onto cuBLASLt's column-major convention as Dᵀ = opB(b)ᵀ… in short:
-``a @ b`` (M, K) @ (K, N) is computed as the column-major (N, M) product of b's and a's memory,
-each operand either contiguous or the transpose of a contiguous tensor (what autograd hands a
-Linear layer: x, Wᵀ, dy, dyᵀ).
+Layouts: a row-major (M, N) result is, read column-major, its transpose, so ``a @ b`` with
+a (M, K) and b (K, N) is computed as the column-major product (b's memory) · (a's memory) =
+(a @ b)ᵀ of shape (N, M). Each operand is either contiguous or the transpose of a contiguous
+tensor (what autograd hands a Linear layer: x, Wᵀ, dy, dyᵀ), which becomes cuBLASLt's "N" or
+"T" operation on the same memory.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ _WORKSPACE: dict[int, torch.Tensor] = {}
 
 
 def _find_library() -> str | None:
-    """The libcublasLt torch loaded (after its first CUDA matmul), else one beside torch."""
+    """The path of the libcublasLt torch loaded (after its first CUDA matmul), or None."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:

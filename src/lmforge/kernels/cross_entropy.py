@@ -149,11 +149,9 @@ def _accumulate(
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
         h = hidden[r0:r1]  # (n, D)
-        if matmul.TUNED:  # the tuned GEMMs where they apply (CUDA bf16/fp16), else torch's
-            logits = h.new_empty((r1 - r0, w.shape[0]))
-            matmul.mm_into(h, w.T, logits)  # (n, V): the only logits alive at any time
-        else:
-            logits = h @ w.T  # (n, V): the only logits alive at any time
+        # The chunk's GEMMs: tuned (train.matmul) where that applies, torch's otherwise.
+        logits = h.new_empty((r1 - r0, w.shape[0]))  # (n, V): the only logits alive at any time
+        matmul.mm_into(h, w.T, logits)
         g = _chunk_(
             logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton,
             loss[r0:r1],

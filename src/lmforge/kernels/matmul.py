@@ -24,15 +24,10 @@ import torch
 
 from lmforge.kernels._common import autocast_dtype
 
-__all__ = ["TUNED", "linear", "matmul_reference", "mm_into", "tuned_applies"]
+__all__ = ["TUNED", "linear", "matmul_reference", "mm_into"]
 
 TUNED = False
 "Process-wide switch of the tuned path (set by the trainer from ``train.matmul``)."
-
-
-def tuned_applies(x: torch.Tensor) -> bool:
-    """Whether :func:`linear` takes the tuned path for input ``x`` (CUDA, ``TUNED`` on)."""
-    return TUNED and x.is_cuda
 
 
 def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
