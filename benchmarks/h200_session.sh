@@ -31,6 +31,9 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
+#          round40  : (prepared, not run yet) train.py as configs/gpt2-small-train.toml runs it,
+#                     with the loss's logits GEMM + chunk kernel in 256/384-row sub-chunks
+#                     (cross_entropy.SUBCHUNK_ROWS) vs whole chunks, peer first
 #          round39  : every GPU test (-m gpu)
 #          round38  : GPU tests of the tuned GEMM; train.py as configs/gpt2-small-train.toml
 #                     runs it (CUDA graph, tuned GEMMs), loss chunks 8192 and 16384, peer first
@@ -253,6 +256,15 @@ case "${1:-kernels}" in
             --residual autocast --swiglu auto --graph on --no-peer --steps 20 --warmup 4 \
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
+        ;;
+    round40)
+        timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
+            -k "entropy" 2>&1 | tee "$OUT/gpu-tests40.log" | tail -3
+        timeout 420 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --graph on --matmul auto --ce-subchunk 0,256,384 \
+            --peer-first --steps 20 --warmup 4 --results "$OUT/RESULTS-train.md" \
+            > "$OUT/train.log" 2>&1
+        grep -v Warning "$OUT/train.log" | grep -v "^  [0-9]" | tail -10
         ;;
     round39)
         timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
