@@ -31,9 +31,16 @@
 #                     model.swiglu reference vs auto, profile, peer measured first
 #          round24  : train.py swiglu auto, loss chunk 8192/16384/32768 vs peer (measured first);
 #                     then CUDA graph on (chunk 8192)
-#          round40  : (prepared, not run yet) train.py as configs/gpt2-small-train.toml runs it,
-#                     with the loss's logits GEMM + chunk kernel in 256/384-row sub-chunks
-#                     (cross_entropy.SUBCHUNK_ROWS) vs whole chunks, peer first
+#          round41  : GPU tests of the tuned GEMM; gemm_algos.py --wide, then a full grid (634
+#                     tiles × 8 custom options × 7 clusters: too many; timed out after 11 GEMMs)
+#          round42  : GPU tests of the tuned GEMM; gemm_algos.py --wide on the LM head; train.py
+#                     as configs/gpt2-small-train.toml runs it, tuned GEMMs from the heuristic
+#                     list vs the wide search (two stages), peer first
+#          round43  : GPU tests of the wide search; train.py as configs/gpt2-small-train.toml
+#                     runs it with the wide search (tile × custom option, then clusters), peer first
+#          round44  : every tuned-GEMM GPU test; train.py heuristic vs wide search, peer first
+#          round40  : (historical) the loss's logits GEMM + chunk kernel in 256/384-row
+#                     sub-chunks vs whole chunks, peer first; the switch is gone
 #          round39  : every GPU test (-m gpu)
 #          round38  : GPU tests of the tuned GEMM; train.py as configs/gpt2-small-train.toml
 #                     runs it (CUDA graph, tuned GEMMs), loss chunks 8192 and 16384, peer first
@@ -257,14 +264,48 @@ case "${1:-kernels}" in
             --results "$OUT/RESULTS-train.md" 2>&1 | tee "$OUT/train-graph.log" \
             | grep -v Warning | tail -4
         ;;
-    round40)
-        timeout 120 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_kernels_gpu.py \
-            -k "entropy" 2>&1 | tee "$OUT/gpu-tests40.log" | tail -3
-        timeout 420 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
-            --residual autocast --swiglu auto --graph on --matmul auto --ce-subchunk 0,256,384 \
+    round41)
+        timeout 100 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_matmul.py \
+            2>&1 | tee "$OUT/gpu-tests41.log" | tail -3
+        timeout 420 python3 benchmarks/gemm_algos.py --wide --iters 20 \
+            --results "$OUT/RESULTS-algos.md" > "$OUT/algos.log" 2>&1
+        grep -v Warning "$OUT/algos.log" | grep "searched\|^Per step" | tail -24
+        ;;
+    round42)
+        timeout 100 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_matmul.py \
+            2>&1 | tee "$OUT/gpu-tests42.log" | tail -3
+        timeout 100 python3 benchmarks/gemm_algos.py --wide --only "LM head" --iters 20 \
+            --results "$OUT/RESULTS-algos.md" > "$OUT/algos.log" 2>&1
+        grep -v Warning "$OUT/algos.log" | grep "^| LM\|^Per step" | cut -c1-200
+        timeout 330 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --graph on --matmul auto:heuristic,auto:wide \
             --peer-first --steps 20 --warmup 4 --results "$OUT/RESULTS-train.md" \
             > "$OUT/train.log" 2>&1
-        grep -v Warning "$OUT/train.log" | grep -v "^  [0-9]" | tail -10
+        grep -v Warning "$OUT/train.log" | grep -v "^  [0-9]" | tail -8
+        ;;
+    round44)
+        timeout 110 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_matmul.py \
+            2>&1 | tee "$OUT/gpu-tests44.log" | tail -3
+        timeout 330 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --graph on --matmul auto:heuristic,auto:wide \
+            --peer-first --steps 20 --warmup 4 --results "$OUT/RESULTS-train.md" \
+            > "$OUT/train.log" 2>&1
+        grep -v Warning "$OUT/train.log" | grep -v "^  [0-9]" | tail -7
+        ;;
+    round43)
+        timeout 100 python3 -m pytest -q -m gpu -x -p no:cacheprovider tests/test_matmul.py \
+            -k "wide or float64" 2>&1 | tee "$OUT/gpu-tests43.log" | tail -3
+        timeout 420 python3 benchmarks/train.py --loss fused --loss-chunk 8192 --rope auto \
+            --residual autocast --swiglu auto --graph on --matmul auto:wide \
+            --peer-first --steps 20 --warmup 4 --results "$OUT/RESULTS-train.md" \
+            > "$OUT/train.log" 2>&1
+        grep -v Warning "$OUT/train.log" | grep -v "^  [0-9]" | tail -6
+        ;;
+    round40)
+        # measured (sub-chunks 256/384 rows: 55.1/55.4 vs 54.2 ms whole chunks); the switch
+        # (cross_entropy.SUBCHUNK_ROWS, train.py --ce-subchunk) was removed afterwards
+        echo "round40 measured cross_entropy.SUBCHUNK_ROWS, since removed" >&2
+        exit 2
         ;;
     round39)
         timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \

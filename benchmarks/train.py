@@ -172,12 +172,6 @@ def _parse() -> argparse.Namespace:
         "one program a logit row, K = a persistent grid of K programs per SM",
     )
     p.add_argument(
-        "--ce-subchunk",
-        default="0",
-        help="lmforge.kernels.cross_entropy.SUBCHUNK_ROWS for the lmforge rows, comma-separated: "
-        "rows of each logits GEMM + chunk-kernel step inside a loss chunk (0 = whole chunks)",
-    )
-    p.add_argument(
         "--bf16-reduction",
         default="default",
         help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction for the lmforge "
@@ -188,7 +182,9 @@ def _parse() -> argparse.Namespace:
         "--matmul",
         default="torch",
         help="lmforge train.matmul values to measure, comma-separated (torch, tuned: the fastest "
-        "cuBLASLt candidate per GEMM problem, auto)",
+        "cuBLASLt candidate per GEMM problem, auto); tuned:heuristic or auto:heuristic tune over "
+        "cuBLASLt's heuristic list only (lmforge.kernels._cublaslt.SEARCH), :wide also over the "
+        "configurations around it (the default)",
     )
     p.add_argument(
         "--fused-projections",
@@ -413,12 +409,12 @@ def _lmforge_settings(args: argparse.Namespace):
     blas = getattr(args, "blas", "default")
     reduction = getattr(args, "bf16_reduction", "default")
     from lmforge.kernels import _cross_entropy_triton as ce_kernels
-    from lmforge.kernels import cross_entropy as ce_module
+    from lmforge.kernels import _cublaslt
 
     old_programs = ce_kernels.PROGRAMS_PER_SM
     ce_kernels.PROGRAMS_PER_SM = int(getattr(args, "ce_programs", 0) or 0)
-    old_subchunk = ce_module.SUBCHUNK_ROWS
-    ce_module.SUBCHUNK_ROWS = int(getattr(args, "ce_subchunk", 0) or 0)
+    old_search = _cublaslt.SEARCH
+    _cublaslt.SEARCH = getattr(args, "gemm_search", None) or old_search
     matmul = torch.backends.cuda.matmul
     old_reduction = matmul.allow_bf16_reduced_precision_reduction
     if reduction != "default":
@@ -434,7 +430,7 @@ def _lmforge_settings(args: argparse.Namespace):
             yield
     finally:
         ce_kernels.PROGRAMS_PER_SM = old_programs
-        ce_module.SUBCHUNK_ROWS = old_subchunk
+        _cublaslt.SEARCH = old_search
         matmul.allow_bf16_reduced_precision_reduction = old_reduction
         inductor_config.combo_kernels = old_combo
         if old_blas is not None:
@@ -787,7 +783,6 @@ def _throughput(args: argparse.Namespace) -> str:
         reductions = args.bf16_reduction.split(",")
         ce_programs = args.ce_programs.split(",")
         matmuls = args.matmul.split(",")
-        subchunks = args.ce_subchunk.split(",")
         projs, combos, blases, gates, inductors, masters = (
             args.projections.split(","),
             args.combo.split(","),
@@ -798,11 +793,10 @@ def _throughput(args: argparse.Namespace) -> str:
         )
         for (
             att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind,
-            master, reduction, ce_prog, mm, sub,
+            master, reduction, ce_prog, mm,
         ) in itertools.product(
             atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
             adamws, projs, combos, blases, inductors, masters, reductions, ce_programs, matmuls,
-            subchunks,
         ):  # fmt: skip
             if loss == "reference" and chunk != chunks[0]:
                 continue  # the chunk size only matters to the fused loss
@@ -826,8 +820,8 @@ def _throughput(args: argparse.Namespace) -> str:
                     "master_weights": master,
                     "bf16_reduction": reduction,
                     "ce_programs": ce_prog,
-                    "matmul": mm,
-                    "ce_subchunk": sub,
+                    "matmul": mm.partition(":")[0],
+                    "gemm_search": mm.partition(":")[2],
                 }
             )
             try:
@@ -856,8 +850,6 @@ def _throughput(args: argparse.Namespace) -> str:
             if len(ce_programs) > 1 or ce_prog != "0":
                 label += f", CE kernel {ce_prog + ' programs/SM' if ce_prog != '0' else 'one program a row'}"
             label += f", matmul {mm}" if len(matmuls) > 1 or mm != "torch" else ""
-            if len(subchunks) > 1 or sub != "0":
-                label += f", CE sub-chunks {sub + ' rows' if sub != '0' else 'off'}"
             if len(reductions) > 1 or reduction != "default":
                 label += f", bf16 reduced-precision reduction {reduction}"
             rows.append((f"lmforge ({label}, own AdamW{opt})", r))

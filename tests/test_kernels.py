@@ -176,29 +176,6 @@ def test_fused_linear_cross_entropy_torch_matches_reference(reduction, z_loss) -
             torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_fused_cross_entropy_subchunks_give_the_same_values(monkeypatch, reduction) -> None:
-    # cross_entropy.SUBCHUNK_ROWS: the logits GEMM and the chunk step in row blocks inside each
-    # chunk (ragged: 7-row blocks of 16-row chunks of 45 rows); loss and gradients unchanged.
-    from lmforge.kernels import cross_entropy
-
-    gen = torch.Generator().manual_seed(16)
-    h = torch.randn(45, 24, generator=gen, dtype=torch.float64)
-    w = torch.randn(103, 24, generator=gen, dtype=torch.float64) * 0.5
-    t = torch.randint(0, 103, (45,), generator=gen)
-    t[::4] = -100
-    runs = []
-    for rows in (0, 7):
-        monkeypatch.setattr(cross_entropy, "SUBCHUNK_ROWS", rows)
-        ins = (_leaf(h, torch.float64), _leaf(w, torch.float64))
-        loss = fused_linear_cross_entropy(
-            *ins, t, z_loss=1e-2, reduction=reduction, backend="torch", chunk_rows=16
-        )
-        runs.append((loss, *_grads(loss, ins)))
-    for a, b in zip(*runs, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
-
-
 def test_cross_entropy_matches_torch_and_never_builds_full_logits(monkeypatch) -> None:
     from lmforge.kernels import cross_entropy
 

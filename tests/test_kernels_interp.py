@@ -148,26 +148,6 @@ else:
         for name, a, b in zip(("dh", "dW"), got, want):
             _close(a, b, dtype, name)
 
-    def test_fused_cross_entropy_subchunks_interpreted(monkeypatch) -> None:
-        # The Triton chunk kernel on row blocks of each chunk (cross_entropy.SUBCHUNK_ROWS): the
-        # same loss and gradients as whole chunks (rows are independent; the CPU matmul of a
-        # smaller row block may round its logits differently in the last bit).
-        from lmforge.kernels import cross_entropy
-
-        gen = torch.Generator().manual_seed(4)
-        h = torch.randn(37, 16, generator=gen)
-        w = torch.randn(1037, 16, generator=gen) * 0.3
-        t = torch.randint(0, 1037, (37,), generator=gen)
-        t[::5] = -100
-        runs = []
-        for rows in (0, 5):
-            monkeypatch.setattr(cross_entropy, "SUBCHUNK_ROWS", rows)
-            ins = (h.clone().requires_grad_(), w.clone().requires_grad_())
-            loss = fused_linear_cross_entropy(*ins, t, backend="triton", chunk_rows=16)
-            runs.append((loss, *_grads(loss, ins)[0]))
-        for a, b in zip(*runs, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-
     def test_cross_entropy_chunk_kernel_interpreted() -> None:
         # The chunk kernel alone: loss rows and the in-place gradient against float64, ragged
         # last slice, ignored rows, the target in the last column, and a negative row scale

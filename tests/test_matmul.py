@@ -124,6 +124,41 @@ def test_choices_round_trip_through_a_checkpoint_record() -> None:
         lt._PRESET.clear()
 
 
+def test_wide_search_variants_cover_the_grid_once() -> None:
+    # The configurations tried around one candidate: the grid of the axes given (tiles, custom
+    # options, cluster shapes: its own cluster first; an omitted axis keeps the base's value),
+    # then split-K factors on its own tile, reducing in the compute type where it had no
+    # reduction; never the candidate itself, never twice.
+    from lmforge.kernels import _cublaslt as lt
+
+    base = {"tile": 20, "custom": 1, "cluster": 3, "splitk": 1, "reduction": 0}
+    got = lt.variants(base, tiles=[20, 29], customs=2, clusters=(2, 3), splits=(1, 2, 4))
+    keys = [tuple(sorted(v.items())) for v in got]
+    assert len(keys) == len(set(keys)) and tuple(sorted(base.items())) not in keys
+    grid = {(v["tile"], v["custom"], v["cluster"]) for v in got if v["splitk"] == 1}
+    assert grid == {(t, c, k) for t in (20, 29) for c in range(3) for k in (2, 3)} - {(20, 1, 3)}
+    assert got[0] == {**base, "custom": 0}  # ordered: tiles, then customs, then clusters
+    splits = [v for v in got if v["splitk"] != 1]
+    assert splits == [{**base, "splitk": s, "reduction": 2} for s in (2, 4)]
+    tiles_only = lt.variants(base, tiles=[7, 20, 29])
+    assert tiles_only == [{**base, "tile": 7}, {**base, "tile": 29}]
+    shapes = lt.variants(base, customs=1, clusters=(2,))
+    assert [(v["custom"], v["cluster"]) for v in shapes] == [(0, 3), (0, 2), (1, 2)]
+    assert lt.variants(base) == []
+
+
+def test_tuning_summary_counts_problems(monkeypatch) -> None:
+    from lmforge.kernels import _cublaslt as lt
+
+    monkeypatch.setattr(lt, "_TUNED", [])
+    assert lt.summary() == ""
+    lt._TUNED.extend([(1.5, True), (0.25, False)])
+    assert lt.summary() == (
+        f"tuned 2 GEMM problems in 1.8 s ({lt.SEARCH} search): "
+        "1 run a faster cuBLASLt kernel than torch's"
+    )
+
+
 def test_fusable_needs_one_matmul() -> None:
     a, b = Linear(4, 3), Linear(4, 3)
     assert _fusable(a, b)
@@ -270,3 +305,61 @@ def test_checkpoint_records_tuned_gemms_and_resume_reuses_them_on_gpu(tmp_path: 
     finally:
         lt._PRESET.clear()
         lt._CHOICE.update(before)
+
+
+@pytest.mark.gpu
+@cuda
+def test_wide_search_lists_checked_configurations_on_gpu() -> None:
+    # The wide plan keeps the heuristic's candidates first and in order, adds configurations
+    # cuBLASLt accepts (all distinct), each of which computes the product; the tuner picks
+    # among them and its choice is correct (as in the float64 test above).
+    from lmforge.kernels import _cublaslt as lt
+
+    torch.manual_seed(3)
+    a = (torch.randn(2048, 768, device="cuda") / 768**0.5).bfloat16()
+    b = (torch.randn(768, 1536, device="cuda") / 768**0.5).bfloat16()
+    narrow = lt.plan(a, b)
+    wide = lt.plan(a, b, wide=True)
+    n = len(narrow.algos)
+    assert [wide.describe(i) for i in range(n)] == [narrow.describe(i) for i in range(n)]
+    out = torch.empty(2048, 1536, device="cuda", dtype=torch.bfloat16)
+
+    def time_one(i: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        wide.run(a, b, out, i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    ranked = lt.search(wide, time_one)
+    assert len(wide.algos) > n and set(ranked) <= set(range(len(wide.algos)))
+    assert len(ranked) > n and wide.listed == n
+    # A second search of the same plan (dW and dW += share one) tries the same configurations
+    # again, already listed: nothing appended, the same indices.
+    tiles = lt._extend(wide, [0], tiles=True, customs=True)
+    listed = len(wide.algos)
+    assert tiles and lt._extend(wide, [0], tiles=True, customs=True) == tiles
+    assert len(wide.algos) == listed
+    described = [wide.describe(i) for i in range(len(wide.algos))]
+    assert len(set(described)) == len(described)
+    want = a.double() @ b.double()
+    ref = (a @ b).double()
+    tol = 2 * (ref - want).abs().max().item() + 1e-3
+    step = max(1, (len(wide.algos) - n) // 24)  # a sample of the searched ones
+    for i in range(n, len(wide.algos), step):
+        out.fill_(float("nan"))
+        try:
+            wide.run(a, b, out, i)
+        except lt.LtError:  # accepted by the check, refused at the call: the tuner skips it too
+            continue
+        assert (out.double() - want).abs().max().item() <= tol, wide.describe(i)
+    matmul.TUNED = True
+    old = lt.SEARCH
+    lt.SEARCH = "wide"
+    try:
+        out.zero_()
+        matmul.mm_into(a, b, out)
+        assert (out.double() - want).abs().max().item() <= tol
+    finally:
+        lt.SEARCH = old

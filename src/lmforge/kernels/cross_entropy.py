@@ -125,16 +125,6 @@ def _chunk_(
     return grad
 
 
-# Experimental switch (off): rows of each logits GEMM + chunk-kernel step inside a loss chunk.
-# The chunk kernel reads each row twice; at 8192 × 50304 bf16 (824 MB) the second read misses L2
-# and the kernel costs three passes over the logits (RESULTS.md, eighth session runs 6–7). In
-# sub-chunks whose logits fit in L2 (256 rows × 50304 × 2 B = 26 MB on an H200's 50 MB), the
-# kernel would read what the GEMM just wrote from L2, at the cost of more, smaller GEMM launches;
-# dh and dW still run over the whole chunk. Not measured yet: `benchmarks/train.py
-# --ce-subchunk 0,256,384`. Same values either way (rows are independent).
-SUBCHUNK_ROWS = 0
-
-
 def _accumulate(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -161,24 +151,11 @@ def _accumulate(
         h = hidden[r0:r1]  # (n, D)
         # The chunk's GEMMs: tuned (train.matmul) where that applies, torch's otherwise.
         logits = h.new_empty((r1 - r0, w.shape[0]))  # (n, V): the only logits alive at any time
-        if not 0 < SUBCHUNK_ROWS < r1 - r0:
-            matmul.mm_into(h, w.T, logits)
-            g = _chunk_(
-                logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton,
-                loss[r0:r1],
-            )  # fmt: skip
-        else:
-            for s0 in range(0, r1 - r0, SUBCHUNK_ROWS):
-                s1 = min(r1 - r0, s0 + SUBCHUNK_ROWS)
-                part = logits[s0:s1]
-                matmul.mm_into(h[s0:s1], w.T, part)
-                gs = _chunk_(
-                    part, targets[r0 + s0 : r0 + s1], row_scale[r0 + s0 : r0 + s1],
-                    ignore_index, z_loss, grad, use_triton, loss[r0 + s0 : r0 + s1],
-                )  # fmt: skip
-                if grad and gs.data_ptr() != part.data_ptr():  # the torch path's new tensor
-                    part.copy_(gs)
-            g = logits  # now the gradient
+        matmul.mm_into(h, w.T, logits)
+        g = _chunk_(
+            logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton,
+            loss[r0:r1],
+        )  # fmt: skip
         if dh is not None:
             matmul.mm_into(g, w, dh[r0:r1])  # (n, D)
         if dw is not None:

@@ -7,9 +7,11 @@ e.g. the K = 768 projections and the LM head's logits run 8–10% faster with an
 With ``TUNED`` on (the trainer sets it from ``train.matmul``), :func:`linear` — which the
 model's Linear layers and packed projections call — runs ``x @ Wᵀ`` and its two backward GEMMs
 through the custom op ``lmforge::mm_tuned``; its first call for a problem (shapes, layouts,
-dtype) checks every candidate against torch's result on the real operands, times them with
-torch's kernel in interleaved rounds and keeps the fastest (torch's unless another is 2% faster;
-``_cublaslt.TUNING_LOG`` says what was chosen). Results are the same product in fp32 accumulation
+dtype) searches cuBLASLt's configurations (the heuristic's candidates, then every tile × custom
+option and the cluster shapes of the fastest: ``_cublaslt.search``, about 1,300–5,000 a problem
+on an H200, one quick timing each), checks the fastest against torch's result on the real
+operands, times them with torch's kernel in interleaved rounds and keeps the fastest (torch's
+unless another is 2% faster; ``_cublaslt.TUNING_LOG`` says what was chosen). Results are the same product in fp32 accumulation
 with one bf16/fp16 rounding; only the kernel (tile shape, split) changes, so values can differ
 from torch's in the last bit, and the choice (timed) can differ between runs: ``train.matmul =
 "torch"`` keeps runs bit-reproducible.

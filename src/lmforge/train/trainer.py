@@ -1023,9 +1023,15 @@ class Trainer:
         last_loss = float("nan")
         stopped = "max_steps"
 
+        tuning: str | None = None  # the tuned GEMMs' summary before this run's first step
+        if self.tuned_matmul:
+            from lmforge.kernels import _cublaslt
+
+            tuning = _cublaslt.summary()
+
         def report(p: _Pending) -> None:
             # Host side of a finished step: skip handling and logs (reads its record).
-            nonlocal last_t, last_it, last_loss
+            nonlocal last_t, last_it, last_loss, tuning
             loss_v, norm_v, reason = self.finish_step(p)
             it = p.iteration
             if reason is not None:
@@ -1049,6 +1055,13 @@ class Trainer:
                     )
             else:
                 last_loss = loss_v
+            if tuning is not None and self.is_main:  # the first step tuned the GEMMs
+                from lmforge.kernels import _cublaslt
+
+                line = _cublaslt.summary()
+                if line and line != tuning:
+                    bar.write(f"lmforge train: {line}", file=sys.stderr)
+                tuning = None
             if it % tc.log_every == 0 or it == tc.max_steps:
                 now = time.monotonic()
                 dt = max(now - last_t, 1e-9)
