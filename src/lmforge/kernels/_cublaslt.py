@@ -344,12 +344,24 @@ def _config(algo: _Algo) -> dict[str, int] | None:
     return None if any(v is None for v in current.values()) else current  # type: ignore[return-value]
 
 
+def _accepted(p: LtPlan, algo: _Algo) -> _Heuristic | None:
+    """``algo`` as a candidate of ``p`` (its workspace size filled in) if cuBLASLt's check
+    accepts it for this problem within our workspace, else None."""
+    result = _Heuristic()
+    if _lib().cublasLtMatmulAlgoCheck(_HANDLE, p.desc, p.a_desc, p.b_desc, p.c_desc, p.c_desc,
+                                      ctypes.byref(algo), ctypes.byref(result)) != 0:  # fmt: skip
+        return None
+    if result.state != 0 or result.workspace_size > WORKSPACE_BYTES:
+        return None
+    result.algo = algo
+    return result
+
+
 def _extend(p: LtPlan, around: list[int], **axes: object) -> list[int]:
     """The indices in ``p.algos`` of the configurations :func:`variants` lists around each
     candidate in ``around`` (``axes``: its keyword arguments; tiles=True means every tile the
     algorithm id has, customs=True every custom option) that cuBLASLt's check accepts with a
     workspace within ours, appending those not there yet."""
-    lib = _lib()
     seen = {_signature(h.algo): i for i, h in enumerate(p.algos)}
     added: list[int] = []
     taken: set[int] = set()
@@ -369,16 +381,11 @@ def _extend(p: LtPlan, around: list[int], **axes: object) -> list[int]:
             algo = _Algo.from_buffer_copy(h.algo)
             if not all(_set_config(algo, _CONFIG_ATTRS[n], v) for n, v in trial.items()):
                 continue
-            result = _Heuristic()
-            if lib.cublasLtMatmulAlgoCheck(_HANDLE, p.desc, p.a_desc, p.b_desc, p.c_desc,
-                                           p.c_desc, ctypes.byref(algo),
-                                           ctypes.byref(result)) != 0:  # fmt: skip
-                continue
-            if result.state != 0 or result.workspace_size > WORKSPACE_BYTES:
+            result = _accepted(p, algo)
+            if result is None:
                 continue
             sig = _signature(algo)
             if sig not in seen:
-                result.algo = algo
                 p.algos.append(result)
                 seen[sig] = len(p.algos) - 1
             if seen[sig] not in taken:
@@ -667,13 +674,9 @@ def _rebuild(p: LtPlan, text: str) -> int | None:
     for name, attr in _CONFIG_ATTRS.items():
         if name != "id" and name in values and not _set_config(algo, attr, values[name]):
             return None
-    result = _Heuristic()
-    if _lib().cublasLtMatmulAlgoCheck(_HANDLE, p.desc, p.a_desc, p.b_desc, p.c_desc, p.c_desc,
-                                      ctypes.byref(algo), ctypes.byref(result)) != 0:  # fmt: skip
+    result = _accepted(p, algo)
+    if result is None:
         return None
-    if result.state != 0 or result.workspace_size > WORKSPACE_BYTES:
-        return None
-    result.algo = algo
     p.algos.append(result)
     if p.describe(len(p.algos) - 1) != text:
         p.algos.pop()
