@@ -11,10 +11,10 @@ dtype) searches cuBLASLt's configurations (the heuristic's candidates, then ever
 option and the cluster shapes of the fastest: ``_cublaslt.search``, about 1,300–5,000 a problem
 on an H200, one quick timing each), checks the fastest against torch's result on the real
 operands, times them with torch's kernel in interleaved rounds and keeps the fastest (torch's
-unless another is 2% faster; ``_cublaslt.TUNING_LOG`` says what was chosen). Results are the same product in fp32 accumulation
-with one bf16/fp16 rounding; only the kernel (tile shape, split) changes, so values can differ
-from torch's in the last bit, and the choice (timed) can differ between runs: ``train.matmul =
-"torch"`` keeps runs bit-reproducible.
+unless another is 2% faster; ``_cublaslt.TUNING_LOG`` says what was chosen). Results are the
+same product in fp32 accumulation with one bf16/fp16 rounding; only the kernel (tile shape,
+split) changes, so values can differ from torch's in the last bit, and the choice (timed) can
+differ between runs: ``train.matmul = "torch"`` keeps runs bit-reproducible.
 
 Only CUDA bf16/fp16 operands take the tuned path; everything else (CPU, fp32, fp64) runs torch's
 matmul, so the op and its gradients are exercised everywhere (``pytest tests/test_matmul.py``).
