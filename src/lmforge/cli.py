@@ -29,6 +29,10 @@ _STAGES: tuple[tuple[str, str], ...] = (
     ("lmforge.hf._cli", "export to / import from Hugging Face Llama-style folders"),
     ("lmforge.bench._cli", "benchmark kernels and model steps against their peers"),
     ("lmforge.parallel._cli", "plan parallelism: memory, step time and MFU per strategy mix"),
+    ("lmforge.serve._cli", "serve a model over an OpenAI-compatible HTTP API; chat in a terminal"),
+    ("lmforge.posttrain._cli", "post-train: SFT, DPO, RL (GRPO family, PPO), distillation"),
+    ("lmforge.scaling._cli", "scaling laws: plan and run sweeps, fit and predict, muP coord check"),
+    ("lmforge.probe._cli", "probe a model: causality of MoE routing and of KV-cache decoding"),
 )
 
 EPILOG = """examples:
