@@ -7,7 +7,8 @@
 #   kernels    benchmarks/kernels.py: attention, RMSNorm, fused linear + CE, SwiGLU/RoPE, packed
 #              RoPE, AdamW, each against its peer (torch, cuDNN, Liger when its wheel is in .whl/)
 #   train      benchmarks/train.py: the shipped configuration vs the nanoGPT-style peer; then a
-#              timed real-data run when token shards are in .carry/gutenberg
+#              3-minute real-data run when token shards are in .carry/gutenberg (the two
+#              together take most of one 10-minute device call)
 #   parallel   benchmarks/parallel.py on 1 GPU, then on every GPU (torchrun) when there are two+
 #   serve      benchmarks/serve.py            (issue 22)
 #   moe        benchmarks/moe.py              (issue 25)
@@ -80,8 +81,14 @@ part_train() {
     step train 420 "$PY" benchmarks/train.py "${res[@]}"
     if [ -d .carry/gutenberg ]; then
         mapfile -t res < <(results realdata)
-        step realdata 330 "$PY" benchmarks/train.py --real-data .carry/gutenberg --minutes 4 \
-            --out "${OUT:-runs}/realdata" "${res[@]}"
+        # The run folder (checkpoints of GBs) stays out of $OUT; its curve and metrics go there.
+        rm -rf /tmp/lmforge-realdata
+        step realdata 300 "$PY" benchmarks/train.py --real-data .carry/gutenberg --minutes 3 \
+            --real-steps 2000 --out /tmp/lmforge-realdata "${res[@]}"
+        if [ -n "${OUT:-}" ]; then
+            cp /tmp/lmforge-realdata/loss_curve.png "$OUT/realdata-loss_curve.png" 2>/dev/null
+            cp /tmp/lmforge-realdata/metrics.jsonl "$OUT/realdata-metrics.jsonl" 2>/dev/null
+        fi
     else
         echo "== realdata: no token shards in .carry/gutenberg; skipped"
     fi
