@@ -578,3 +578,32 @@ def jaccard(a: str, b: str, ngrams: int = 5) -> float:
     if not x and not y:
         return 1.0
     return len(x & y) / len(x | y)
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+@dataclass(frozen=True)
+class DedupOptions:
+    """``exact_dedup`` / ``line_dedup``: exact document or line deduplication over the corpus."""
+
+    num_buckets: int = 16
+    "hash buckets on disk (reduce tasks)"
+
+
+@dataclass(frozen=True)
+class MinhashOptions:
+    """``minhash_dedup``: MinHash + LSH near-duplicate removal over the corpus."""
+
+    num_hashes: int = 120
+    "MinHash permutations"
+    num_bands: int = 20
+    "LSH bands (num_hashes must be a multiple); 20 × 6 rows catch J = 0.8 pairs 99.8% of the time"
+    ngrams: int = 5
+    "word n-gram shingle length"
+    jaccard_threshold: float = 0.8
+    "true Jaccard similarity at or above which two documents are duplicates"
+    seed: int = 0
+    "seed of the permutations"
+    num_partitions: int = 8
+    "LSH bucket partitions on disk (reduce tasks)"
