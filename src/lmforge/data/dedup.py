@@ -38,6 +38,7 @@ from typing import Any
 from lmforge.data.core import Document
 from lmforge.data.readers import detect_format, document_to_json, read_documents
 from lmforge.utils.io import atomic_write
+from lmforge.utils.procs import exit_with_parent
 
 _P = 4294967291  # largest prime below 2**32
 _MASK64 = (1 << 64) - 1
@@ -105,7 +106,12 @@ def _check_names(inputs: Sequence[Path], output_directory: Path) -> list[Path]:
 def _pmap(fn: Callable[..., Any], jobs: Sequence[tuple], workers: int) -> list[Any]:
     if workers <= 1 or len(jobs) <= 1:
         return [fn(*j) for j in jobs]
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as ex:
+    # Workers exit if this process is killed (kill -9 leaves no chance to shut the pool down).
+    with ProcessPoolExecutor(
+        max_workers=min(workers, len(jobs)),
+        initializer=exit_with_parent,
+        initargs=(os.getpid(),),
+    ) as ex:
         return list(ex.map(fn, *zip(*jobs)))
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import regex
 
+from lmforge.utils.procs import exit_with_parent
+
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 "The GPT-2 pre-tokenization pattern (identical to tiktoken's ``gpt2`` pat_str)."
 
@@ -165,7 +167,8 @@ def count_pretokens(
         else:
             # spawn: safe even when the parent already runs threads (torch, tqdm monitors).
             ctx = mp.get_context("spawn")
-            with ctx.Pool(min(workers, len(tasks))) as pool:
+            n = min(workers, len(tasks))
+            with ctx.Pool(n, initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
                 for nbytes, c in pool.imap_unordered(_count_task_star, jobs):
                     counts.update(c)
                     if bar is not None:

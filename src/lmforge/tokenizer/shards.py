@@ -26,6 +26,7 @@ from lmforge.tokenizer.tokenizer import Tokenizer
 from lmforge.utils.corpus import expand_inputs, iter_texts
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write, atomic_write_text
+from lmforge.utils.procs import exit_with_parent
 
 SHARD_FORMAT = "lmforge-tokens-v1"
 _DOCS_PER_WRITE = 256  # documents encoded per batch before their ids are written out
@@ -129,7 +130,8 @@ def _make_encoder(tokenizer: Tokenizer, fast: bool, threads: int = 1):
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Tokenizer, fast: bool) -> None:
+def _init_worker(tokenizer: Tokenizer, fast: bool, parent_pid: int | None = None) -> None:
+    exit_with_parent(parent_pid)
     _WORKER["encode"] = _make_encoder(tokenizer, fast)
     _WORKER["eot"] = tokenizer.eot_id
 
@@ -245,7 +247,8 @@ def encode_files(
                 # spawn: safe even when the parent already runs threads (torch, tqdm monitors).
                 ctx = mp.get_context("spawn")
                 n = min(nworkers, len(jobs))
-                with ctx.Pool(n, initializer=_init_worker, initargs=(tok, fast)) as pool:
+                init = (tok, fast, os.getpid())
+                with ctx.Pool(n, initializer=_init_worker, initargs=init) as pool:
                     # imap keeps input order, so parts concatenate in input order.
                     for r in pool.imap(_encode_job_in_worker, jobs):
                         stats.append(r)
