@@ -108,10 +108,23 @@ def _peak_rss_mb() -> tuple[float, float]:
 def _train(args: argparse.Namespace) -> int:
     import tempfile
 
-    from lmforge.utils.corpus import expand_inputs
+    from lmforge.utils.corpus import expand_inputs, looks_binary
+    from lmforge.utils.errors import LmforgeError
 
+    if args.workers is not None and args.workers < 1:
+        raise LmforgeError(f"--workers must be at least 1, got {args.workers}")
+    if not 0 <= args.holdout_files < 1:
+        raise LmforgeError(f"--holdout-files must be in [0, 1), got {args.holdout_files}")
     specials = args.special_tokens if args.special_tokens is not None else ["<|endoftext|>"]
     files = expand_inputs(args.input)
+    for f in files:
+        why = looks_binary(f)
+        if why:
+            print(
+                f"lmforge tokenizer train: warning: {f} does not look like text ({why}); "
+                "training on it anyway",
+                file=sys.stderr,
+            )
     with tempfile.TemporaryDirectory(prefix="lmforge-tok-") as tmp:
         files = _as_plain_text(files, specials, Path(tmp), args.text_key)
         return _train_files(args, files, specials)
@@ -193,7 +206,10 @@ def _encode(args: argparse.Namespace) -> int:
     import time
 
     from lmforge.tokenizer.shards import encode_files
+    from lmforge.utils.errors import LmforgeError
 
+    if args.workers is not None and args.workers < 1:
+        raise LmforgeError(f"--workers must be at least 1, got {args.workers}")
     t0 = time.perf_counter()
     meta = encode_files(
         args.tokenizer,

@@ -14,6 +14,7 @@ parts in input order, so the shard does not depend on the number of workers.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -223,6 +224,30 @@ def encode_files(
         raise LmforgeError(f"--out {out_path} is a folder; give a file name such as train.bin")
     dtype = shard_dtype(tok.vocab_size)
     nworkers = default_workers() if workers is None else max(1, workers)
+    had = out_path.exists()
+    try:
+        return _encode_into(tok, files, out_path, dtype, nworkers, text_key, progress, fast)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        kept = f"the earlier {out_path.name} is kept unchanged" if had else "nothing was kept"
+        raise LmforgeError(
+            f"no space left on the device holding {out_path.parent}: {out_path} not written "
+            f"({kept}; temporary parts removed); free space and rerun"
+        ) from None
+
+
+def _encode_into(
+    tok: Tokenizer,
+    files: list[Path],
+    out_path: Path,
+    dtype: str,
+    nworkers: int,
+    text_key: str,
+    progress: bool,
+    fast: bool,
+) -> dict[str, Any]:
+    # Parts per job into a temporary folder beside the shard, then one atomic concatenation.
     out_path.parent.mkdir(parents=True, exist_ok=True)
     total = sum(f.stat().st_size for f in files)
     # Several jobs per worker balance uneven files; one job per file when files are big.

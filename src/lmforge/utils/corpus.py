@@ -77,6 +77,35 @@ def expand_inputs(
     return unique
 
 
+def looks_binary(path: str | os.PathLike, probe: int = 8192) -> str | None:
+    """Why the start of a (plain, uncompressed) file does not look like text, or ``None``.
+
+    NUL bytes, over 5% control characters (other than whitespace) or over 40% invalid UTF-8 in
+    the first ``probe`` bytes mark an executable, image or archive given as text; legacy 8-bit
+    text stays below those (its invalid bytes are counted by the readers instead).
+    Compressed (.gz/.zst) and Parquet inputs are not probed.
+    """
+    p = Path(path)
+    if p.name.lower().endswith((".gz", ".zst", ".parquet", ".lz4")):
+        return None
+    try:
+        with open(p, "rb") as f:
+            head = f.read(probe)
+    except OSError:
+        return None
+    if not head:
+        return None
+    if b"\x00" in head:
+        return "it holds NUL bytes"
+    text = head.decode("utf-8", errors="surrogateescape")
+    invalid = sum(1 for ch in text if "\udc80" <= ch <= "\udcff")
+    control = sum(1 for ch in text if ch < " " and ch not in "\t\n\r\f\v\x1b")
+    # Legacy 8-bit text (Latin-1) has invalid UTF-8 bytes but few controls; binary has both.
+    if control > max(4, len(text) // 20) or invalid > max(4, len(text) * 2 // 5):
+        return f"{control + invalid} of its first {len(head)} bytes are not UTF-8 text"
+    return None
+
+
 def _open_text_lines(path: Path) -> io.TextIOBase:
     suf = _suffix(path)
     if suf == ".jsonl.gz":
