@@ -45,7 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="benchmark folder (default: %(default)s)",
     )
-    p.add_argument("--limit", type=int, default=None, help="at most N examples per task")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="at most N examples per task (ppl: N context-length windows of tokens)",
+    )
     p.add_argument("--shots", type=int, default=None, help="few-shot examples (default: per task)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
@@ -58,7 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ppl-text", nargs="+", default=(), metavar="FILE", help="text for ppl")
     p.add_argument("--ppl-max-tokens", type=int, default=None, help="tokens scored per ppl file")
     p.add_argument("--seed", type=int, default=1234, help="few-shot/subsample/sampling seed")
-    p.add_argument("--out", default="eval_report.json", metavar="FILE", help="JSON report path")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="JSON report path (default: eval_report.json in the run folder of --checkpoint; "
+        "for --pairwise, ratings.json beside the records)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
         "--pairwise",
@@ -67,6 +78,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--bootstrap", type=int, default=200, help="pairwise: bootstrap resamples")
     p.set_defaults(func=_run)
+
+
+def default_report_path(checkpoint: str) -> str:
+    """Where a report goes without --out: the run folder (not the current directory).
+
+    ``runs/x/checkpoints/step_N`` → ``runs/x/eval_report.json``; any other folder (a run, an HF
+    or imported model folder) holds its own report.
+    """
+    from pathlib import Path
+
+    p = Path(checkpoint)
+    if p.parent.name == "checkpoints" and p.name.startswith("step_"):
+        p = p.parent.parent
+    return str(p / "eval_report.json")
 
 
 def _device(name: str) -> str:
@@ -106,7 +131,9 @@ def _pairwise(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise LmforgeError(f"{path}: {e}") from None
     report = {"ratings": ratings.ratings, "ci95": ratings.ci, "n_games": ratings.n_games}
-    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
+    atomic_write_text(
+        args.out or path.with_name("ratings.json"), json.dumps(report, indent=2) + "\n"
+    )
     print(ratings.table())
     return 0
 
@@ -160,7 +187,13 @@ def _run(args: argparse.Namespace) -> int:
         "parameters": model.num_parameters(),
         **report,
     }
-    atomic_write_text(args.out, json.dumps(report, indent=2, default=str) + "\n")
+    out = args.out or default_report_path(args.checkpoint)
+    try:
+        atomic_write_text(out, json.dumps(report, indent=2, default=str) + "\n")
+    except OSError as e:
+        raise LmforgeError(
+            f"cannot write the report {out}: {e.strerror} (give --out FILE)"
+        ) from None
     print(format_table(report))
-    print(f"report: {args.out}", file=sys.stderr)
+    print(f"report: {out}", file=sys.stderr)
     return 0
