@@ -138,10 +138,14 @@ def test_wet_and_wat_records_are_detected_in_a_warc(tmp_path: Path) -> None:
     )
     docs, st = _read(path, "warc")
     assert [d.text for d in docs] == [text.decode(), "\ufffd\ufffdbad utf-8 \ufffd"]
-    assert st.malformed == {"wat_metadata": 1}
+    assert not st.malformed  # metadata beside documents (as in crawl WARCs) is not an error
     assert st.invalid_utf8_bytes == 3 and st.invalid_utf8_records == 1
     wet_docs, _ = _read(path, "wet")
     assert [d.text for d in wet_docs] == [d.text for d in docs]
+    wat = tmp_path / "only.warc"
+    wat.write_bytes(_warc_record(b"{}", "metadata", "application/json") * 3)
+    docs, st = _read(wat, "warc")
+    assert docs == [] and st.malformed == {"wat_metadata": 3}
 
 
 def test_jsonl_and_text_count_invalid_utf8(tmp_path: Path) -> None:

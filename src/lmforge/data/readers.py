@@ -7,9 +7,10 @@ re-synchronised after a broken header, a truncated WARC yields the records befor
 
 A WARC file is read by record type, whatever its name says: ``response`` records give HTML
 (their HTTP body with ``Transfer-Encoding: chunked`` and ``Content-Encoding`` gzip/deflate/br
-undone first, as a browser would), ``conversion`` records (WET) give text, ``metadata`` records
-(WAT) hold no text and are counted as malformed ``wat_metadata``. Invalid UTF-8 is replaced by
-U+FFFD and counted (``invalid_utf8_bytes``/``invalid_utf8_records``), never silently.
+undone first, as a browser would), ``conversion`` records (WET) give text; a file of
+``metadata`` records only (WAT) holds no text, and its records are counted as malformed
+``wat_metadata``. Invalid UTF-8 is replaced by U+FFFD and counted
+(``invalid_utf8_bytes``/``invalid_utf8_records``), never silently.
 
 Exercised by ``lmforge data run configs/pipelines/web.toml`` and ``tests/test_data_readers.py``.
 """
@@ -199,15 +200,15 @@ def _read_warc(path: Path, stats: ReadStats, wet: bool) -> Iterator[Document]:
     wanted = WarcRecordType.response | WarcRecordType.conversion | WarcRecordType.metadata
     with open(path, "rb") as f:
         it = iter(ArchiveIterator(f, record_types=wanted, parse_http=False))
-        idx = 0
+        idx = docs = metadata = 0
         while True:
             try:
                 rec = next(it)
             except StopIteration:
-                return
+                break
             except Exception:  # fastwarc raises OSError/ValueError variants on broken headers
                 stats.malformed["warc_header"] += 1
-                return
+                break
             idx += 1
             try:
                 kind = rec.record_type
@@ -222,10 +223,11 @@ def _read_warc(path: Path, stats: ReadStats, wet: bool) -> Iterator[Document]:
                 continue
             meta = {"url": url, "date": date, "source": path.name}
             if kind == WarcRecordType.metadata:
-                stats.malformed["wat_metadata"] += 1  # WAT: JSON metadata, no document text
+                metadata += 1  # crawl metadata beside responses, or a WAT file's JSON
                 continue
             stats.records += 1
             if kind == WarcRecordType.conversion:
+                docs += 1
                 yield Document(rid, decode_utf8(body, stats), meta)
                 continue
             if wet:
@@ -250,7 +252,11 @@ def _read_warc(path: Path, stats: ReadStats, wet: bool) -> Iterator[Document]:
                 stats.malformed["bad_content_encoding"] += 1
                 continue
             meta["html_bytes"] = body
+            docs += 1
             yield Document(rid, "", meta)
+    if metadata and not docs:
+        # A WAT file (metadata only): none of it is document text, which must not pass unseen.
+        stats.malformed["wat_metadata"] += metadata
 
 
 def _read_jsonl(path: Path, stats: ReadStats, text_key: str, id_key: str) -> Iterator[Document]:
