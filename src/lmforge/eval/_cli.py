@@ -5,17 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXAMPLES = """examples:
-  lmforge eval --checkpoint runs/demo --tasks ppl,arc --limit 200 --device cpu
-  lmforge eval --checkpoint runs/gpt2s --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir ../shared/data/eval
-  lmforge eval --checkpoint ckpt/qwen3 --tasks gsm8k --samples 8 --temperature 0.7 --limit 100
-  lmforge eval --checkpoint hf/Qwen3-1.7B --tasks mmlu --shots 5 --out qwen3_mmlu.json
-  lmforge eval --pairwise battles.jsonl          # Bradley–Terry/Elo from {"model_a","model_b","winner"}
+EXAMPLES = """examples (runs/demo/train is the run ./run demo writes; DATA defaults to examples/eval):
+  lmforge eval --checkpoint runs/demo/train --tasks ppl,arc --limit 200 --device cpu
+  lmforge eval --checkpoint runs/demo/train --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir examples/eval
+  lmforge eval --checkpoint runs/demo/train --tasks gsm8k --samples 4 --temperature 0.7 --limit 5
+  lmforge eval --checkpoint hf/demo --tasks mmlu --shots 2 --out runs/demo/mmlu.json   # an HF folder
+  lmforge eval --pairwise examples/eval/battles.jsonl   # Bradley–Terry/Elo from {"model_a","model_b","winner"}
 
 tasks: ppl (bits per byte on --ppl-text files, default DATA/../text/wikitext2/test.txt),
 mmlu, arc, hellaswag (multiple choice: acc and length-normalised acc_norm), mmlu_gen (MMLU by
 generating the letter), gsm8k, math500, math (generation; pass@1, and pass@k up to --samples).
-DATA is laid out like /work/shared/data/eval.
+DATA is laid out like examples/eval, which holds a few items per task (examples/README.md); give
+--data-dir a folder of the same layout with the full sets for real numbers.
 lm-evaluation-harness: python -m lmforge.eval.harness --model lmforge --model_args checkpoint=DIR --tasks ...
 """
 
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--data-dir",
-        default="../shared/data/eval",
+        default="examples/eval",
         metavar="DIR",
         help="benchmark folder (default: %(default)s)",
     )

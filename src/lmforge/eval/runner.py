@@ -72,8 +72,8 @@ _STOP_STRINGS = {
 class EvalOptions:
     """Settings shared by all tasks of one evaluation run."""
 
-    data_dir: str = "../shared/data/eval"
-    "folder laid out like /work/shared/data/eval (see lmforge.eval.tasks)"
+    data_dir: str = "examples/eval"
+    "folder laid out like examples/eval (see lmforge.eval.tasks)"
     limit: int | None = None
     "evaluate at most this many examples per task (ppl: context-length windows of tokens)"
     shots: int | None = None

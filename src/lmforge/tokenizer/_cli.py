@@ -6,15 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
-TRAIN_EXAMPLES = """examples:
-  lmforge tokenizer train --input data/corpus.txt --vocab-size 32000 \\
-      --special-token '<|endoftext|>' --out tok/
-  lmforge tokenizer train --input 'books/*.txt' --vocab-size 4096 --out tok/ --workers 2
+TRAIN_EXAMPLES = """examples (inputs under examples/ ship with the repository):
+  lmforge tokenizer train --input examples/text/tinyshakespeare/input.txt --vocab-size 4096 \\
+      --special-token '<|endoftext|>' --out runs/tok/
+  lmforge tokenizer train --input 'examples/text/*/*.txt' --vocab-size 4096 --out runs/tok/ --workers 2
 """
 
-ENCODE_EXAMPLES = """examples:
-  lmforge tokenizer encode --tokenizer tok/ --input data/train/ --out tokens/train.bin
-  lmforge tokenizer encode --tokenizer tok/ --input web.jsonl.zst --text-key text --out web.bin
+ENCODE_EXAMPLES = """examples (runs/demo/tokenizer is what ./run demo trains):
+  lmforge tokenizer encode --tokenizer runs/demo/tokenizer --input examples/text/ --out runs/tokens/text.bin
+  lmforge tokenizer encode --tokenizer runs/demo/tokenizer --input examples/web/cc_en_head-0091.jsonl \\
+      --text-key text --out runs/tokens/web.bin
 """
 
 
