@@ -173,3 +173,33 @@ def test_pipeline_modules_stay_small() -> None:
     sizes = {f.name: len(f.read_text().splitlines()) for f in data.glob("*.py")}
     assert {"schema.py", "executors.py", "pipeline.py"} <= set(sizes)
     assert max(sizes.values()) <= 620, sizes
+
+
+@pytest.mark.parametrize(
+    ("step", "needle"),
+    [
+        ('type = "gopher"\nmin_words = -5', "steps[0](gopher).min_words': must be >= 0, got -5"),
+        ('type = "gopher"\nmin_words = 500\nmax_words = 100', "must be <= max_words (100)"),
+        ('type = "gopher"\nmax_dup_line_fraction = 1.5', "is a fraction, must be in [0, 1]"),
+        ('type = "language"\nthreshold = 2.0', "steps[0](language).threshold"),
+        ('type = "language"\nlanguages = []', "must list at least one language"),
+        ('type = "minhash_dedup"\nnum_hashes = 100\nnum_bands = 30', "multiple of num_bands"),
+        ('type = "minhash_dedup"\nnum_bands = 0', "num_bands': must be >= 1"),
+        ('type = "c4"\nmin_sentences = -1', "steps[0](c4).min_sentences"),
+        ('type = "exact_dedup"\nnum_buckets = 0', "num_buckets': must be >= 1"),
+    ],
+)
+def test_invalid_step_values_are_refused_before_work(
+    tmp_path: Path, step: str, needle: str
+) -> None:
+    inputs = _corpus(tmp_path / "in", files=1, docs=2)
+    p = tmp_path / "p.toml"
+    out = tmp_path / "out"
+    p.write_text(
+        f'[input]\npaths = ["{inputs}"]\nformat = "jsonl"\n[output]\ndir = "{out}"\n'
+        f"[[steps]]\n{step}\n"
+    )
+    with pytest.raises(LmforgeError) as e:
+        load_pipeline(p)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not out.exists()

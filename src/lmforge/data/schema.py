@@ -146,6 +146,7 @@ def parse_pipeline(data: dict[str, Any], source: str = "<pipeline>") -> Pipeline
                 {k: v for k, v in raw.items() if k != "type"},
                 prefix=f"{where}({kind})",
             )
+            check_step_values(kind, opts, f"{where}({kind})")
             steps.append(StepSpec(kind, opts))
         for i, s in enumerate(steps):
             if STEP_TYPES[s.type].kind == "sink" and i != len(steps) - 1:
@@ -163,6 +164,57 @@ def parse_pipeline(data: dict[str, Any], source: str = "<pipeline>") -> Pipeline
     except ConfigError as e:
         raise LmforgeError(f"{source}: {e}") from None
     return dataclasses.replace(base, steps=tuple(steps))
+
+
+# Fields that are fractions or probabilities: in [0, 1].
+_UNIT = ("threshold", "ratio", "fraction")
+# Counts that must be at least 1 to mean anything.
+_POSITIVE = (
+    "num_buckets",
+    "num_hashes",
+    "num_bands",
+    "ngrams",
+    "num_partitions",
+    "n",
+    "min_matches",
+)
+
+
+def check_step_values(kind: str, opts: Any, where: str) -> None:
+    """Refuse option values outside their meaning (negative counts, fractions above 1, …)."""
+
+    def bad(key: str, why: str, value: Any) -> ConfigError:
+        return ConfigError(f"config key '{where}.{key}': {why}, got {value!r}")
+
+    for f in dataclasses.fields(opts):
+        value = getattr(opts, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        nums = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+        if not nums or f.name == "seed":
+            continue
+        if any(v < 0 for v in nums):
+            raise bad(f.name, "must be >= 0", value)
+        if any(part in f.name for part in _UNIT) and any(v > 1 for v in nums):
+            raise bad(f.name, "is a fraction, must be in [0, 1]", value)
+        if f.name in _POSITIVE and any(v < 1 for v in nums):
+            raise bad(f.name, "must be >= 1", value)
+    if kind == "gopher":
+        if opts.min_words > opts.max_words:
+            raise bad("min_words", f"must be <= max_words ({opts.max_words})", opts.min_words)
+        if opts.min_mean_word_length > opts.max_mean_word_length:
+            raise bad(
+                "min_mean_word_length",
+                f"must be <= max_mean_word_length ({opts.max_mean_word_length})",
+                opts.min_mean_word_length,
+            )
+    if kind == "minhash_dedup" and opts.num_hashes % opts.num_bands:
+        raise bad(
+            "num_hashes", f"must be a multiple of num_bands ({opts.num_bands})", opts.num_hashes
+        )
+    if kind == "classifier" and opts.pareto_alpha <= 0:
+        raise bad("pareto_alpha", "must be > 0", opts.pareto_alpha)
+    if kind == "language" and not opts.languages:
+        raise bad("languages", "must list at least one language", opts.languages)
 
 
 def load_pipeline(
