@@ -25,10 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "data",
         help="download corpora; run WARC → text → filter → dedup → mix pipelines",
         description=_wrap("Data: downloads and streaming pipelines (lmforge.data)."),
-        epilog="examples (inputs under examples/ ship with the repository):\n"
+        epilog="examples:\n"
         "  lmforge data run configs/pipelines/web.toml\n"
         "  lmforge data dedup minhash 'examples/web/*.jsonl' --out runs/dedup/\n"
-        "  lmforge data download tinystories-valid --out data/     # needs the network\n",
+        "  lmforge data download tinystories-valid --out data/     # needs the network\n"
+        "\ninputs under examples/ ship with the repository (examples/README.md).\n",
         formatter_class=_RAW,
     )
     ds = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
@@ -44,10 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             "records it in FILE.sha256 and later runs verify against that sidecar "
             "(trust on first use). A mismatch deletes the partial file and fails with one line."
         ),
-        epilog="examples (all but --list need the network):\n"
+        epilog="examples:\n"
         "  lmforge data download --list\n"
         "  lmforge data download tinystories-valid --out data/\n"
-        "  lmforge data download fineweb-edu-sample --out data/ --url https://mirror/f.parquet\n",
+        "  lmforge data download fineweb-edu-sample --out data/ --url https://mirror/f.parquet\n"
+        "\nall but --list need the network.\n",
         formatter_class=_RAW,
     )
     d.add_argument("name", nargs="?", help="dataset name (see --list)")
@@ -94,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "  lmforge data train-classifier --positive examples/text/wikitext2 "
         "--negative examples/web/cc_en_head-0091.jsonl --out models/quality.bin\n"
         "  lmforge data train-classifier --input labelled.jsonl --out models/tox.bin"
-        "   # lines {\"label\", \"text\"}\n",
+        '   # lines {"label", "text"}\n',
         formatter_class=_RAW,
     )
     t.add_argument("--input", nargs="*", default=[], help="labelled JSONL files")

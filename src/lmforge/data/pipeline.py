@@ -261,7 +261,15 @@ def run_pipeline(
     report.outputs = [Path(f) for f in files]
     report.seconds = time.perf_counter() - t0
     # Written last: it describes outputs that are all there and all made by this setting.
-    atomic_write_text(record, resolved)
+    try:
+        atomic_write_text(record, resolved)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise LmforgeError(
+            f"no space left on the device holding {root} (every stage is done and marked; "
+            "only pipeline.json is missing); free space and rerun"
+        ) from None
     return report
 
 

@@ -6,16 +6,20 @@ import argparse
 import sys
 from pathlib import Path
 
-TRAIN_EXAMPLES = """examples (inputs under examples/ ship with the repository):
+TRAIN_EXAMPLES = """examples:
   lmforge tokenizer train --input examples/text/tinyshakespeare/input.txt --vocab-size 4096 \\
       --special-token '<|endoftext|>' --out runs/tok/
   lmforge tokenizer train --input 'examples/text/*/*.txt' --vocab-size 4096 --out runs/tok/ --workers 2
 """
 
-ENCODE_EXAMPLES = """examples (runs/demo/tokenizer is what ./run demo trains):
+ENCODE_EXAMPLES = """examples:
   lmforge tokenizer encode --tokenizer runs/demo/tokenizer --input examples/text/ --out runs/tokens/text.bin
   lmforge tokenizer encode --tokenizer runs/demo/tokenizer --input examples/web/cc_en_head-0091.jsonl \\
       --text-key text --out runs/tokens/web.bin
+"""
+
+_NOTE = """
+inputs under examples/ ship with the repository; runs/demo/tokenizer is what ./run demo trains.
 """
 
 
@@ -25,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tokenizer",
         help="train a byte-level BPE tokenizer, encode text into token shards",
         description="Byte-level BPE (GPT-2 style): train a vocabulary, encode text to shards.",
-        epilog=TRAIN_EXAMPLES + ENCODE_EXAMPLES.replace("examples:\n", ""),
+        epilog=TRAIN_EXAMPLES + ENCODE_EXAMPLES.replace("examples:\n", "") + _NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tsub = p.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
@@ -38,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Train byte-level BPE merges on files, folders or globs (.txt/.py/.md are used "
             "as-is). Prints time, peak memory and compression (bytes/token) on held-out text."
         ),
-        epilog=TRAIN_EXAMPLES,
+        epilog=TRAIN_EXAMPLES + _NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument(
@@ -81,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Encode every document of the inputs into one shard: uint16 ids when the vocabulary "
             "fits, else uint32, eot after each document, plus a JSON sidecar."
         ),
-        epilog=ENCODE_EXAMPLES,
+        epilog=ENCODE_EXAMPLES + _NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     e.add_argument("--tokenizer", required=True, metavar="DIR", help="folder from 'train'")
