@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lmforge.cli import main
@@ -126,3 +127,24 @@ def test_looks_binary(tmp_path: Path) -> None:
     nul = tmp_path / "n.bin"
     nul.write_bytes(b"abc\x00def")
     assert looks_binary(nul) == "it holds NUL bytes"
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_encode_counts_invalid_utf8(
+    tmp_path: Path, tok_dir: Path, workers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_bytes(b"caf\xe9 au lait \xff\xfe\n" + TEXT.encode())
+    (data / "b.jsonl").write_bytes(b'{"text": "ok \\u00e9"}\n{"text": "bad \xc3 end"}\n')
+    out = tmp_path / "t.bin"
+    rc = main(["tokenizer", "encode", "--tokenizer", str(tok_dir), "--input", str(data),
+               "--out", str(out), "--workers", workers])  # fmt: skip
+    assert rc == 0
+    import json
+
+    meta = json.loads((tmp_path / "t.bin.json").read_text())
+    assert meta["invalid_utf8_bytes"] == 4 and meta["documents"] == 3
+    assert "4 bytes of the input were not valid UTF-8" in capsys.readouterr().err
+    ids = np.fromfile(out, dtype=np.uint16).tolist()
+    assert Tokenizer.load(tok_dir).decode(ids).count("\ufffd") == 4

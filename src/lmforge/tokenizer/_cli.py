@@ -232,4 +232,10 @@ def _encode(args: argparse.Namespace) -> int:
         f"{meta['bytes'] / max(meta['count'], 1):.3f} bytes/token",
         file=sys.stdout,
     )
+    if meta.get("invalid_utf8_bytes"):
+        print(
+            f"lmforge tokenizer encode: warning: {meta['invalid_utf8_bytes']:,} bytes of the "
+            "input were not valid UTF-8; each was encoded as U+FFFD",
+            file=sys.stderr,
+        )
     return 0

@@ -137,21 +137,22 @@ def _init_worker(tokenizer: Tokenizer, fast: bool, parent_pid: int | None = None
     _WORKER["eot"] = tokenizer.eot_id
 
 
-def _encode_job_in_worker(job: tuple[list[str], str, str, str]) -> tuple[int, int, int, int]:
+def _encode_job_in_worker(job: tuple[list[str], str, str, str]) -> tuple[int, ...]:
     return _encode_job(job, _WORKER["encode"], _WORKER["eot"])
 
 
 def _encode_job(
     job: tuple[list[str], str, str, str], encode_batch, eot: int | None
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, int, int]:
     """Encode a group of input files into one raw part file.
 
-    Returns (count, documents, text bytes, input file bytes).
+    Returns (count, documents, text bytes, input file bytes, invalid UTF-8 bytes replaced).
     """
     import numpy as np
 
     srcs, part, dtype, text_key = job
     count = docs = nbytes = 0
+    invalid = [0]
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")
     with open(part, "wb") as f:
         batch: list[str] = []
@@ -167,7 +168,7 @@ def _encode_job(
             return n
 
         for src in srcs:
-            for text in iter_texts(src, text_key=text_key):
+            for text in iter_texts(src, text_key=text_key, invalid=invalid):
                 if not text:
                     continue  # an empty document would add a lone eot
                 batch.append(text)
@@ -176,7 +177,7 @@ def _encode_job(
                 if len(batch) >= _DOCS_PER_WRITE:
                     count += flush()
         count += flush()
-    return count, docs, nbytes, sum(os.path.getsize(x) for x in srcs)
+    return count, docs, nbytes, sum(os.path.getsize(x) for x in srcs), invalid[0]
 
 
 def _group_files(files: Sequence[Path], target: int) -> list[list[str]]:
@@ -260,7 +261,7 @@ def _encode_into(
             from tqdm import tqdm
 
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="encode", leave=False)
-        stats: list[tuple[int, int, int, int]] = []
+        stats: list[tuple[int, ...]] = []
         try:
             if nworkers <= 1 or len(jobs) <= 1:
                 encode_batch = _make_encoder(tok, fast, threads=nworkers)
@@ -283,7 +284,7 @@ def _encode_into(
             if bar is not None:
                 bar.close()
         with atomic_write(out_path, "wb") as f:
-            for (c, d, b, _), job in zip(stats, jobs):
+            for (c, d, b, _, _), job in zip(stats, jobs):
                 count, docs, nbytes = count + c, docs + d, nbytes + b
                 with open(job[1], "rb") as part:
                     while chunk := part.read(1 << 24):
@@ -297,6 +298,7 @@ def _encode_into(
         "documents": docs,
         "source_files": [str(f) for f in files],
         "bytes": nbytes,
+        "invalid_utf8_bytes": sum(s[4] for s in stats),
     }
     atomic_write_text(_sidecar(out_path), json.dumps(meta, indent=1) + "\n")
     return meta

@@ -12,6 +12,7 @@ import gzip
 import io
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -109,18 +110,36 @@ def looks_binary(path: str | os.PathLike, probe: int = 8192) -> str | None:
 def _open_text_lines(path: Path) -> io.TextIOBase:
     suf = _suffix(path)
     if suf == ".jsonl.gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="surrogateescape")
     if suf == ".jsonl.zst":
         import zstandard
 
         raw = open(path, "rb")
         reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.TextIOWrapper(reader, encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+        return io.TextIOWrapper(reader, encoding="utf-8", errors="surrogateescape")
+    return open(path, encoding="utf-8", errors="surrogateescape")
 
 
-def iter_texts(path: str | os.PathLike, text_key: str = "text") -> Iterator[str]:
+_LONE_SURROGATE = re.compile("[\udc80-\udcff]")
+
+
+def _replaced(text: str, invalid: list[int] | None) -> str:
+    # Read with errors="surrogateescape": one lone surrogate per invalid byte. Count them, then
+    # show each as U+FFFD, as errors="replace" would have silently.
+    n = len(_LONE_SURROGATE.findall(text))
+    if not n:
+        return text
+    if invalid is not None:
+        invalid[0] += n
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+def iter_texts(
+    path: str | os.PathLike, text_key: str = "text", invalid: list[int] | None = None
+) -> Iterator[str]:
     """Yield the documents of one file.
+
+    Bytes that are not UTF-8 become U+FFFD; ``invalid[0]`` (when given) counts them.
 
     ``.txt``/``.py``/``.md``: the whole file is one document. ``.jsonl`` (optionally gzip or zstd):
     one document per line, its ``text_key`` field; malformed lines raise one clear error naming the
@@ -147,7 +166,7 @@ def iter_texts(path: str | os.PathLike, text_key: str = "text") -> Iterator[str]
     if suf.startswith(".jsonl") or suf == ".json":
         with _open_text_lines(p) as f:
             for lineno, line in enumerate(f, 1):
-                line = line.strip()
+                line = _replaced(line.strip(), invalid)
                 if not line:
                     continue
                 try:
@@ -159,6 +178,6 @@ def iter_texts(path: str | os.PathLike, text_key: str = "text") -> Iterator[str]
                 yield rec[text_key]
         return
     try:
-        yield p.read_text(encoding="utf-8", errors="replace")
+        yield _replaced(p.read_text(encoding="utf-8", errors="surrogateescape"), invalid)
     except OSError as e:
         raise LmforgeError(f"{p}: cannot read ({e.strerror})") from None
