@@ -105,3 +105,14 @@ def test_eval_limit_and_default_report_path(
     assert (
         json.loads((run_dir / "eval_report.json").read_text())["results"]["ppl"]["tokens"] == 1200
     )
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_pointing_at_the_demo_folder_names_its_run(
+    run_dir: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `lmforge demo --out runs/demo` writes its run to runs/demo/train (issue 21 item 2).
+    args = ["--prompt", "x"] if command == "generate" else ["--tasks", "ppl"]
+    rc = main([command, "--checkpoint", str(run_dir.parent), *args, "--device", "cpu"])
+    errs = _errors(capsys)
+    assert rc == 2 and len(errs) == 1 and f"(did you mean {run_dir}?)" in errs[0]

@@ -177,7 +177,12 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
     )
-    model, tokenizer = load_pretrained(args.checkpoint, _device(args.device))
+    try:
+        model, tokenizer = load_pretrained(args.checkpoint, _device(args.device))
+    except LmforgeError as e:
+        from lmforge.utils.corpus import run_folder_hint
+
+        raise LmforgeError(f"{e}{run_folder_hint(args.checkpoint)}") from None
     if tokenizer is None:
         raise LmforgeError(
             f"{args.checkpoint}: no tokenizer in the checkpoint (tokenizer/ missing)"

@@ -181,3 +181,16 @@ def iter_texts(
         yield _replaced(p.read_text(encoding="utf-8", errors="surrogateescape"), invalid)
     except OSError as e:
         raise LmforgeError(f"{p}: cannot read ({e.strerror})") from None
+
+
+def run_folder_hint(path: str | os.PathLike) -> str:
+    """``" (did you mean runs/demo/train?)"`` when ``path`` holds a training run one level down.
+
+    ``lmforge demo --out runs/demo`` writes its run to ``runs/demo/train``; pointing a command at
+    ``runs/demo`` is the usual slip, and the error should say where the run is.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return ""
+    runs = sorted(c for c in p.iterdir() if (c / "checkpoints").is_dir())
+    return f" (did you mean {runs[0]}?)" if runs else ""
