@@ -157,6 +157,12 @@ def test_jsonl_and_text_count_invalid_utf8(tmp_path: Path) -> None:
     docs, st = _read(jl, "jsonl")
     assert [d.text for d in docs] == ["fine", "caf\ufffd \ufffd"]
     assert (st.invalid_utf8_bytes, st.invalid_utf8_records) == (2, 1)
+    # A cut multi-byte character: 2 bad bytes, one U+FFFD, exactly as errors="replace" shows it.
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes(b"price \xe2\x82 euro")
+    docs, st = _read(cut, "text")
+    assert docs[0].text == b"price \xe2\x82 euro".decode("utf-8", "replace") == "price \ufffd euro"
+    assert st.invalid_utf8_bytes == 2
     txt = tmp_path / "a.txt"
     txt.write_bytes("clean \ufffd already".encode() + b" \x80")
     docs, st = _read(txt, "text")

@@ -110,7 +110,9 @@ def test_binary_training_file_warns(tmp_path: Path, capsys: pytest.CaptureFixtur
     )  # fmt: skip
     assert rc == 0
     warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
-    assert len(warnings) == 1 and "b.txt" in warnings[0] and "NUL" in warnings[0]
+    binary = [ln for ln in warnings if "does not look like text" in ln]
+    assert len(binary) == 1 and "b.txt" in binary[0] and "NUL" in binary[0]
+    assert any("were not valid UTF-8" in ln for ln in warnings)  # and its bytes are counted
 
 
 def test_looks_binary(tmp_path: Path) -> None:
@@ -148,3 +150,32 @@ def test_encode_counts_invalid_utf8(
     assert "4 bytes of the input were not valid UTF-8" in capsys.readouterr().err
     ids = np.fromfile(out, dtype=np.uint16).tolist()
     assert Tokenizer.load(tok_dir).decode(ids).count("\ufffd") == 4
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_train_counts_invalid_utf8(
+    tmp_path: Path, workers: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(2):
+        (data / f"{i}.txt").write_bytes(TEXT.encode() * 2 + b"na\xefve \xe2\x82 cut\n")
+    rc = main(["tokenizer", "train", "--input", str(data), "--vocab-size", "300", "--out",
+               str(tmp_path / "tok"), "--workers", workers, "--holdout-files", "0"])  # fmt: skip
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "6 bytes of the training text were not valid UTF-8" in err  # 3 per file
+
+
+def test_train_bpe_matches_the_replace_decoding(tmp_path: Path) -> None:
+    # Counting must not change what is trained on: errors="replace" text, one U+FFFD per bad run.
+    raw = TEXT.encode() + b"caf\xe9 \xe2\x82\xe2\x82 end\n"
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(raw)
+    clean = tmp_path / "clean.txt"
+    clean.write_text(raw.decode("utf-8", "replace"))
+    stats: dict[str, int] = {}
+    assert train_bpe([bad], 320, [EOT], workers=1, stats=stats) == train_bpe(
+        [clean], 320, [EOT], workers=1
+    )
+    assert stats == {"invalid_utf8_bytes": 5}

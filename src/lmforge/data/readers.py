@@ -21,7 +21,6 @@ import gzip
 import io
 import json
 import os
-import re
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmforge.data.core import Document
+from lmforge.utils.corpus import count_replaced, decode_counted
 
 FORMATS = ("auto", "warc", "wet", "jsonl", "parquet", "text")
 
@@ -49,26 +49,21 @@ class ReadStats:
     "HTTP bodies decoded before extraction, by encoding (chunked, gzip, deflate, br)"
 
 
-_LONE_SURROGATE = re.compile("[\udc80-\udcff]")
+def _counted(text: str, n: int, stats: ReadStats) -> str:
+    if n:
+        stats.invalid_utf8_bytes += n
+        stats.invalid_utf8_records += 1
+    return text
 
 
 def _count_invalid(text: str, stats: ReadStats) -> str:
-    # Text decoded with errors="surrogateescape" holds one lone surrogate per invalid byte:
-    # count them, then show each as U+FFFD as errors="replace" would.
-    n = len(_LONE_SURROGATE.findall(text))
-    if not n:
-        return text
-    stats.invalid_utf8_bytes += n
-    stats.invalid_utf8_records += 1
-    return _LONE_SURROGATE.sub("\ufffd", text)
+    # Text read with errors="surrogateescape": counted, then shown as errors="replace" would.
+    return _counted(*count_replaced(text), stats)
 
 
 def decode_utf8(data: bytes, stats: ReadStats) -> str:
-    """``data`` as UTF-8; invalid bytes become U+FFFD and are counted in ``stats``."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return _count_invalid(data.decode("utf-8", errors="surrogateescape"), stats)
+    """``data`` as UTF-8 (``errors="replace"``); the invalid bytes are counted in ``stats``."""
+    return _counted(*decode_counted(data), stats)
 
 
 class HttpBodyError(ValueError):

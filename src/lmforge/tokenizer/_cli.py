@@ -173,7 +173,10 @@ def _train_files(args: argparse.Namespace, files: list[Path], specials: list[str
         held = files[k - 1 :: k] or files[-1:]
         files = [f for f in files if f not in held]
     t0 = time.perf_counter()
-    vocab, merges = train_bpe(files, args.vocab_size, specials, workers=args.workers, progress=True)
+    stats: dict[str, int] = {}
+    vocab, merges = train_bpe(
+        files, args.vocab_size, specials, workers=args.workers, progress=True, stats=stats
+    )
     seconds = time.perf_counter() - t0
     tok = Tokenizer(vocab, merges, specials)
     out = tok.save(args.out)
@@ -186,6 +189,12 @@ def _train_files(args: argparse.Namespace, files: list[Path], specials: list[str
     )
     workers = f"{kids:.0f} MB largest worker" if kids else "no worker processes"
     print(f"peak RSS: {own:.0f} MB main process, {workers}")
+    if stats.get("invalid_utf8_bytes"):
+        print(
+            f"lmforge tokenizer train: warning: {stats['invalid_utf8_bytes']:,} bytes of the "
+            "training text were not valid UTF-8; each was read as U+FFFD",
+            file=sys.stderr,
+        )
     # Compression on up to 4 MB of held-out text (or of training text when only one file).
     eval_files, label = (held, "held-out") if held else (files, "training (no file held out)")
     texts: list[str] = []

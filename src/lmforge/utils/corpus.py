@@ -123,15 +123,31 @@ def _open_text_lines(path: Path) -> io.TextIOBase:
 _LONE_SURROGATE = re.compile("[\udc80-\udcff]")
 
 
-def _replaced(text: str, invalid: list[int] | None) -> str:
-    # Read with errors="surrogateescape": one lone surrogate per invalid byte. Count them, then
-    # show each as U+FFFD, as errors="replace" would have silently.
+def count_replaced(text: str) -> tuple[str, int]:
+    """Text read with ``errors="surrogateescape"`` → (the ``errors="replace"`` text, bad bytes).
+
+    surrogateescape keeps one lone surrogate per invalid byte, so they can be counted; the text
+    returned is exactly what ``errors="replace"`` gives (one U+FFFD per maximal bad sequence).
+    """
     n = len(_LONE_SURROGATE.findall(text))
     if not n:
-        return text
+        return text, 0
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"), n
+
+
+def decode_counted(data: bytes) -> tuple[str, int]:
+    """``data`` decoded as UTF-8 with ``errors="replace"``, and the number of invalid bytes."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        return count_replaced(data.decode("utf-8", "surrogateescape"))
+
+
+def _replaced(text: str, invalid: list[int] | None) -> str:
+    text, n = count_replaced(text)
     if invalid is not None:
         invalid[0] += n
-    return _LONE_SURROGATE.sub("\ufffd", text)
+    return text
 
 
 def iter_texts(
