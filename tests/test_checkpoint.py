@@ -23,15 +23,6 @@ from lmforge.train.checkpoint import checkpoint_path, list_checkpoints, prune_ch
 from lmforge.utils.errors import LmforgeError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra intra-op threads only contend.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _trained(seed: int = 0, cfg: ModelConfig | None = None) -> tuple[TransformerLM, AdamW]:
     cfg = cfg or load_preset("tiny")
     torch.manual_seed(seed)

@@ -19,6 +19,9 @@ from lmforge.data import (
 )
 from lmforge.data.dedup import minhash_params, minhash_signature, shingle_hashes
 
+# Every test here hashes through xxhash, part of the [data] extra.
+pytestmark = pytest.mark.requires("xxhash")
+
 VOCAB = [f"w{i}" for i in range(5000)]
 
 

@@ -160,6 +160,7 @@ def test_pipeline_run_counts_excludes_and_is_idempotent(tmp_path: Path) -> None:
     assert rep2.steps[0].docs_in == 120  # totals come back from the markers
 
 
+@pytest.mark.requires("xxhash")
 def test_pipeline_with_corpus_stages_and_token_shards(tmp_path: Path) -> None:
     rng = random.Random(5)
     d = tmp_path / "in"
@@ -221,6 +222,7 @@ def test_kill_and_resume(tmp_path: Path) -> None:
     assert not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.requires("fastwarc", "resiliparse", "fasttext")
 def test_pipeline_on_real_warc(tmp_path: Path, shared_data: Path) -> None:
     web = shared_data / "web"
     p = tmp_path / "w.toml"
@@ -241,6 +243,7 @@ def test_pipeline_on_real_warc(tmp_path: Path, shared_data: Path) -> None:
 # ----------------------------------------------------------------------------- classifier, contamination, mixing
 
 
+@pytest.mark.requires("fasttext")
 def test_train_classifier_and_filter(tmp_path: Path) -> None:
     rng = random.Random(0)
     spam = "buy cheap pills now click here free casino bonus win money fast offer".split()
@@ -296,6 +299,7 @@ def test_train_classifier_and_filter(tmp_path: Path) -> None:
     assert classify(_prose(rng, 30), str(tmp_path / "pn.bin"))[0] == "hq"
 
 
+@pytest.mark.requires("xxhash")
 def test_contamination_report_and_remove(tmp_path: Path) -> None:
     ev = tmp_path / "eval.jsonl"
     q = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May"
@@ -317,6 +321,7 @@ def test_contamination_report_and_remove(tmp_path: Path) -> None:
         assert rep.steps[0].docs_out == kept and rep.steps[0].notes["contaminated_docs"] == 1
 
 
+@pytest.mark.requires("xxhash")
 def test_contamination_against_real_eval_sets(shared_data: Path) -> None:
     from lmforge.data import ContaminationIndex
 
@@ -386,6 +391,7 @@ def test_tokenize_step_with_lmforge_tokenizer(tmp_path: Path) -> None:
     assert ids.tolist() == want
 
 
+@pytest.mark.requires("xxhash")
 def test_mix_cli_writes_mixture(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for name, n in (("big", 200), ("small", 20)):
         d = tmp_path / name
@@ -411,6 +417,7 @@ def test_example_pipelines_validate(name: str) -> None:
     assert cfg.steps and cfg.output.dir.startswith("runs/data/")
 
 
+@pytest.mark.requires("xxhash")
 def test_corpus_stage_restarts_after_a_kill(tmp_path: Path) -> None:
     inputs = _corpus(tmp_path / "in", 2, 20)[0].parent
     body = '[[steps]]\ntype = "gopher"\nmin_words = 20\n[[steps]]\ntype = "exact_dedup"\n'

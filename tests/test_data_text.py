@@ -140,6 +140,7 @@ def test_c4_rules() -> None:
 # ----------------------------------------------------------------------------- language, HTML
 
 
+@pytest.mark.requires("fasttext")
 def test_identify_language_offline_bundled_model() -> None:
     label, score = identify_language(PROSE)
     assert label == "en" and score > 0.8
@@ -166,6 +167,7 @@ def test_identify_language_loads_with_no_network(tmp_path: Path) -> None:
     assert out.stdout.strip() == "en"
 
 
+@pytest.mark.requires("resiliparse")
 def test_extract_text_detects_charset() -> None:
     html = "<html><head><meta charset='windows-1252'></head><body><p>Café crème</p></body></html>"
     assert extract_text_from_html_bytes(html.encode("cp1252")) == "Café crème"
@@ -223,6 +225,7 @@ def test_zstd_parquet_and_text_readers(tmp_path: Path) -> None:
     assert len(stats3.bad_files) == 1
 
 
+@pytest.mark.requires("fastwarc")
 def test_warc_readers_on_real_and_malformed_files(shared_data: Path) -> None:
     web = shared_data / "web"
     stats = ReadStats()
@@ -261,6 +264,7 @@ def test_vectorised_ngram_stats_match_reference(words: list[str]) -> None:
         assert ng.dup_fraction(n) == pytest.approx(_dup_ngram_fraction_reference(words, n, total))
 
 
+@pytest.mark.requires("resiliparse")
 def test_extract_trafilatura_backend_option() -> None:
     pytest.importorskip("trafilatura")
     html = f"<html><body><nav>Home | About</nav><article><p>{PROSE}</p></article></body></html>"

@@ -21,12 +21,12 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     out = tmp_path / "demo"
     rc = main(
         ["demo", "--data", str(data), "--out", str(out), "--preset", "tiny", "--vocab-size", "300",
-         "--max-minutes", "0.05", "--max-steps", "30", "--eval-every", "10", "--eval-batches", "2",
+         "--max-steps", "30", "--eval-every", "10", "--eval-batches", "2",
          "--sample-tokens", "8", "--tokenizer-mb", "0.5", "--device", "cpu"]
     )  # fmt: skip
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["vocab_size"] == 300 and report["steps"] > 0
+    assert report["vocab_size"] == 300 and report["steps"] == 30  # the step budget, exactly
     assert report["val_loss"] > 0 and report["unigram_val_loss"] > 0
     assert Path(report["checkpoint"]).is_dir() and len(report["samples"]) == 4
     printed = capsys.readouterr().out
@@ -34,11 +34,23 @@ def test_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     # Run again into the same folder: the earlier training run is set aside, not an error.
     rc = main(
         ["demo", "--data", str(data), "--out", str(out), "--preset", "tiny", "--vocab-size", "300",
-         "--max-minutes", "0.05", "--max-steps", "5", "--eval-every", "5", "--eval-batches", "1",
+         "--max-steps", "5", "--eval-every", "5", "--eval-batches", "1",
          "--sample-tokens", "4", "--tokenizer-mb", "0.5", "--device", "cpu"]
     )  # fmt: skip
     assert rc == 0 and (out / "train.previous").is_dir()
     assert json.loads((out / "report.json").read_text())["steps"] == 5
+
+
+def test_demo_defaults_are_a_step_budget() -> None:
+    # A wall-clock budget made the demo's quality depend on the machine's load (issue 21 item 4).
+    import argparse
+
+    from lmforge._demo_cli import DEMO_STEPS, register
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    args = sub.choices["demo"].parse_args([])
+    assert args.max_minutes == 0 and args.max_steps == DEMO_STEPS > 0
 
 
 def test_demo_bad_data_path_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

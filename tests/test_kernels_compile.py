@@ -77,14 +77,6 @@ else:
 
     ops = torch.ops.lmforge
 
-    @pytest.fixture(autouse=True)
-    def _one_thread():
-        # Tiny tensors on a shared 2-core machine: extra intra-op threads only contend.
-        n = torch.get_num_threads()
-        torch.set_num_threads(1)
-        yield
-        torch.set_num_threads(n)
-
     def _randn(*shape: int, seed: int = 0, grad: bool = False) -> torch.Tensor:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
         return x.requires_grad_(grad)

@@ -27,14 +27,6 @@ TINY = ModelConfig(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _model(seed: int = 0, **overrides) -> TransformerLM:
     torch.manual_seed(seed)
     return TransformerLM(dataclasses.replace(TINY, **overrides))

@@ -25,14 +25,6 @@ TINY = ModelConfig(
 _GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _pair(**overrides) -> tuple[TransformerLM, TransformerLM]:
     """(fused, unfused) models with identical weights."""
     models = []

@@ -21,15 +21,6 @@ from lmforge.model import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CI box is 2 shared cores; tiny ops are far faster single-threaded than contended.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_linear_matches_functional_and_shape():
     torch.manual_seed(0)
     lin = Linear(16, 24)

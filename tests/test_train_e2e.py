@@ -32,15 +32,6 @@ from lmforge.utils.errors import LmforgeError
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra intra-op threads only contend.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _make_shards(folder: Path) -> tuple[Path, Path]:
     # A learnable stream: a repeating 50-token cycle with 10% random tokens.
     rng = np.random.default_rng(0)

@@ -24,15 +24,6 @@ from lmforge.train.trainer import (
 from lmforge.utils.errors import LmforgeError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra intra-op threads only contend.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_activation_checkpointing_same_grads_same_names() -> None:
     cfg = load_preset("tiny")
     torch.manual_seed(0)

@@ -1,11 +1,12 @@
 """``lmforge demo``: the whole stack end to end on one machine.
 
 Corpus (default: the Python standard library's own sources) → byte-level BPE tokenizer →
-train/validation token shards → a small Transformer LM trained for a fixed time budget →
+train/validation token shards → a small Transformer LM trained for a fixed step budget →
 validation loss, perplexity and bits per byte beside a unigram baseline → checkpoint → samples.
 
 Simplification: the tokenizer is trained on at most ``--tokenizer-mb`` of the training split so
-the demo stays inside its 10-minute CPU budget; every byte is still encoded with it.
+the demo stays within a few minutes on 2 CPU cores; every byte is still encoded with it. The
+training length is a step budget, never a time budget, so the result is the same on a busy machine.
 Exercise it with ``./run demo`` (or ``lmforge demo --help``).
 """
 

@@ -26,9 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="download corpora; run WARC → text → filter → dedup → mix pipelines",
         description=_wrap("Data: downloads and streaming pipelines (lmforge.data)."),
         epilog="examples:\n"
-        "  lmforge data download tinystories-valid --out data/\n"
         "  lmforge data run configs/pipelines/web.toml\n"
-        "  lmforge data dedup minhash data/*.jsonl --out dedup/\n",
+        "  lmforge data dedup minhash 'examples/web/*.jsonl' --out runs/dedup/\n"
+        "  lmforge data download tinystories-valid --out data/     # needs the network\n"
+        "\ninputs under examples/ ship with the repository (examples/README.md).\n",
         formatter_class=_RAW,
     )
     ds = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
@@ -47,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  lmforge data download --list\n"
         "  lmforge data download tinystories-valid --out data/\n"
-        "  lmforge data download fineweb-edu-sample --out data/ --url https://mirror/f.parquet\n",
+        "  lmforge data download fineweb-edu-sample --out data/ --url https://mirror/f.parquet\n"
+        "\nall but --list need the network.\n",
         formatter_class=_RAW,
     )
     d.add_argument("name", nargs="?", help="dataset name (see --list)")
@@ -68,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
         epilog="examples:\n"
         "  lmforge data run configs/pipelines/web.toml\n"
-        "  lmforge data run configs/pipelines/web.toml --workers 2 --output.dir=/tmp/out\n"
+        "  lmforge data run configs/pipelines/web.toml --workers 2 --output.dir=runs/data/web2\n"
         "  lmforge data run configs/pipelines/web.toml --executor ray\n"
         "step types: html, language, gopher, c4, pii, classifier, contamination,\n"
         "  exact_dedup, line_dedup, minhash_dedup, tokenize (last)\n",
@@ -91,9 +93,10 @@ def register(sub: argparse._SubParsersAction) -> None:
             "same step (label 'non-hate' / 'non-nsfw')."
         ),
         epilog="examples:\n"
-        "  lmforge data train-classifier --input labelled.jsonl --out models/tox.bin\n"
-        "  lmforge data train-classifier --positive wiki/ --negative cc.warc.wet.gz "
-        "--out models/quality.bin\n",
+        "  lmforge data train-classifier --positive examples/text/wikitext2 "
+        "--negative examples/web/cc_en_head-0091.jsonl --out models/quality.bin\n"
+        "  lmforge data train-classifier --input labelled.jsonl --out models/tox.bin"
+        '   # lines {"label", "text"}\n',
         formatter_class=_RAW,
     )
     t.add_argument("--input", nargs="*", default=[], help="labelled JSONL files")
@@ -117,8 +120,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Writes one output per input into --out."
         ),
         epilog="examples:\n"
-        "  lmforge data dedup lines docs/*.txt --out dedup/\n"
-        "  lmforge data dedup minhash data/ --out dedup/ --num-hashes 120 --num-bands 20\n",
+        "  lmforge data dedup lines 'examples/text/*/*.txt' --out runs/dedup-lines/\n"
+        "  lmforge data dedup minhash examples/web/ --out runs/dedup/ --num-hashes 120 "
+        "--num-bands 20\n",
         formatter_class=_RAW,
     )
     dd.add_argument("method", choices=("exact", "lines", "minhash"))
@@ -141,8 +145,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  lmforge data mix --source web=9e9 --source code=1e9:2 --source wiki=3e8 "
         "--tokens 2e10 --max-epochs 4\n"
-        "  lmforge data mix --source web=cc/:3 --source books=books/ --tokens 5e8 "
-        "--tokenizer tok/ --out mixed/\n",
+        "  lmforge data mix --source web=examples/web/:3 --source books=examples/text/ "
+        "--tokens 5e5 --tokenizer runs/demo/tokenizer --out runs/mixed/\n",
         formatter_class=_RAW,
     )
     m.add_argument(

@@ -18,9 +18,11 @@ import os
 import random
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from lmforge.data.core import Document, Filter
 from lmforge.data.readers import read_documents
 
 
@@ -164,3 +166,42 @@ def dump_labelled(path: str | os.PathLike, labelled: Sequence[tuple[str, str]]) 
     with open(path, "w", encoding="utf-8") as f:
         for label, text in labelled:
             f.write(json.dumps({"label": label, "text": text}, ensure_ascii=False) + "\n")
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+@dataclass(frozen=True)
+class ClassifierOptions:
+    """``classifier``: score with a fastText model; keep by threshold or Pareto sampling."""
+
+    model: str
+    "path of a fastText .bin/.ftz model"
+    label: str
+    "the label whose probability is the keep score (e.g. hq, non-nsfw)"
+    threshold: float = 0.5
+    "keep when the score is at least this (mode threshold)"
+    mode: Literal["threshold", "pareto"] = "threshold"
+    "threshold, or GPT-3 Pareto sampling (keep when pareto(alpha) > 1 - score)"
+    pareto_alpha: float = 9.0
+    "shape of the Pareto draw"
+    seed: int = 0
+    "seed of the per-document Pareto draw"
+
+
+class ClassifierFilter(Filter):
+    """Keep by a fastText label probability: threshold or GPT-3 Pareto sampling."""
+
+    name = "classifier"
+
+    def __init__(self, opts: ClassifierOptions, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.opts = opts
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        score = label_probability(doc.text, self.opts.model, self.opts.label)
+        doc.metadata[f"score_{self.opts.label}"] = round(score, 4)
+        if self.opts.mode == "pareto":
+            keep = pareto_keep(score, doc.id, self.opts.pareto_alpha, self.opts.seed)
+            return True if keep else (False, "classifier_pareto")
+        return True if score >= self.opts.threshold else (False, "classifier_below_threshold")

@@ -12,11 +12,15 @@ Exercised by the ``contamination`` pipeline step and ``tests/test_data_pipeline.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
+from lmforge.data.core import Document, Filter
 from lmforge.data.dedup import normalize_for_shingles
 
 
@@ -89,3 +93,46 @@ class ContaminationIndex:
     def matches(self, text: str) -> int:
         """How many of ``text``'s distinct n-grams occur in the evaluation sets."""
         return len(ngram_hashes(text, self.n) & self.hashes)
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+@dataclass(frozen=True)
+class ContaminationOptions:
+    """``contamination``: n-gram overlap with evaluation sets, reported and optionally removed."""
+
+    eval_paths: tuple[str, ...]
+    "evaluation files or folders (.jsonl/.json/.csv/.txt)"
+    n: int = 13
+    "n-gram length in words"
+    min_matches: int = 1
+    "shared n-grams that make a document contaminated"
+    action: Literal["report", "remove"] = "remove"
+    "report only (metadata + counters) or also drop"
+
+
+class ContaminationFilter(Filter):
+    """Count (and optionally drop) documents sharing n-grams with evaluation sets."""
+
+    name = "contamination"
+
+    def __init__(self, opts: ContaminationOptions, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.opts = opts
+        self.index = _contamination_index(opts.eval_paths, opts.n)
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        m = self.index.matches(doc.text)
+        if m >= self.opts.min_matches:
+            doc.metadata["contaminated_ngrams"] = m
+            self.stats.notes["contaminated_docs"] += 1
+            if self.opts.action == "remove":
+                return False, "contaminated"
+        return True
+
+
+@functools.cache
+def _contamination_index(paths: tuple[str, ...], n: int) -> Any:
+    # Built once per process: every shard a worker runs shares it.
+    return ContaminationIndex.from_paths(paths, n)

@@ -38,6 +38,7 @@ from typing import Any
 from lmforge.data.core import Document
 from lmforge.data.readers import detect_format, document_to_json, read_documents
 from lmforge.utils.io import atomic_write
+from lmforge.utils.procs import exit_with_parent
 
 _P = 4294967291  # largest prime below 2**32
 _MASK64 = (1 << 64) - 1
@@ -105,7 +106,12 @@ def _check_names(inputs: Sequence[Path], output_directory: Path) -> list[Path]:
 def _pmap(fn: Callable[..., Any], jobs: Sequence[tuple], workers: int) -> list[Any]:
     if workers <= 1 or len(jobs) <= 1:
         return [fn(*j) for j in jobs]
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as ex:
+    # Workers exit if this process is killed (kill -9 leaves no chance to shut the pool down).
+    with ProcessPoolExecutor(
+        max_workers=min(workers, len(jobs)),
+        initializer=exit_with_parent,
+        initargs=(os.getpid(),),
+    ) as ex:
         return list(ex.map(fn, *zip(*jobs)))
 
 
@@ -578,3 +584,32 @@ def jaccard(a: str, b: str, ngrams: int = 5) -> float:
     if not x and not y:
         return 1.0
     return len(x & y) / len(x | y)
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+@dataclass(frozen=True)
+class DedupOptions:
+    """``exact_dedup`` / ``line_dedup``: exact document or line deduplication over the corpus."""
+
+    num_buckets: int = 16
+    "hash buckets on disk (reduce tasks)"
+
+
+@dataclass(frozen=True)
+class MinhashOptions:
+    """``minhash_dedup``: MinHash + LSH near-duplicate removal over the corpus."""
+
+    num_hashes: int = 120
+    "MinHash permutations"
+    num_bands: int = 20
+    "LSH bands (num_hashes must be a multiple); 20 × 6 rows catch J = 0.8 pairs 99.8% of the time"
+    ngrams: int = 5
+    "word n-gram shingle length"
+    jaccard_threshold: float = 0.8
+    "true Jaccard similarity at or above which two documents are duplicates"
+    seed: int = 0
+    "seed of the permutations"
+    num_partitions: int = 8
+    "LSH bucket partitions on disk (reduce tasks)"

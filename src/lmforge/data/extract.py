@@ -5,6 +5,11 @@ Exercised by the ``html`` pipeline step (``lmforge data run configs/pipelines/we
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lmforge.data.core import Document, Mapper
+
 
 def extract_text_from_html_bytes(html_bytes: bytes, backend: str = "resiliparse") -> str | None:
     """Plain text of an HTML page given as raw bytes, or ``None`` when nothing can be extracted.
@@ -36,3 +41,34 @@ def extract_text_from_html_bytes(html_bytes: bytes, backend: str = "resiliparse"
         return None
     text = text.strip()
     return text or None
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+@dataclass(frozen=True)
+class HtmlOptions:
+    """``html``: extract text from the raw HTML a WARC reader parked in ``html_bytes``."""
+
+    backend: Literal["resiliparse", "trafilatura"] = "resiliparse"
+    "text extractor"
+
+
+class HtmlStep(Mapper):
+    """Extract text from ``metadata['html_bytes']``; pages with no text are dropped."""
+
+    name = "html"
+
+    def __init__(self, opts: HtmlOptions = HtmlOptions(), **kw: Any) -> None:
+        super().__init__(**kw)
+        self.opts = opts
+
+    def map(self, doc: Document) -> Document | str:
+        raw = doc.metadata.pop("html_bytes", None)
+        if raw is None:
+            return doc if doc.text else "no_html"
+        text = extract_text_from_html_bytes(raw, self.opts.backend)
+        if not text:
+            return "no_text"
+        doc.text = text
+        return doc

@@ -10,8 +10,11 @@ Exercised by the ``language`` pipeline step and ``tests/test_data_text.py``.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lmforge.data.core import Document, Filter
 
 
 @functools.cache
@@ -47,3 +50,35 @@ def identify_language(text: str, model_path: str | None = None) -> tuple[str, fl
     if not labels:
         return "unknown", 0.0
     return labels[0].removeprefix("__label__"), float(min(1.0, probs[0]))
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+@dataclass(frozen=True)
+class LanguageOptions:
+    """``language``: keep documents whose fastText LID-176 language is listed, above a score."""
+
+    languages: tuple[str, ...] = ("en",)
+    "ISO 639 codes to keep"
+    threshold: float = 0.65
+    "minimum language probability"
+
+
+class LanguageFilter(Filter):
+    """Keep documents in the wanted languages; records ``language``/``language_score``."""
+
+    name = "language"
+
+    def __init__(self, opts: LanguageOptions = LanguageOptions(), **kw: Any) -> None:
+        super().__init__(**kw)
+        self.opts = opts
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        label, score = identify_language(doc.text)
+        doc.metadata["language"], doc.metadata["language_score"] = label, round(score, 4)
+        if label not in self.opts.languages:
+            return False, "language_other"
+        if score < self.opts.threshold:
+            return False, "language_low_score"
+        return True

@@ -6,6 +6,10 @@ Exercised by the ``pii`` pipeline step and ``tests/test_data_text.py``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any
+
+from lmforge.data.core import Document, Mapper
 
 EMAIL_PLACEHOLDER = "|||EMAIL_ADDRESS|||"
 PHONE_PLACEHOLDER = "|||PHONE_NUMBER|||"
@@ -42,3 +46,42 @@ def mask_pii(text: str) -> tuple[str, dict[str, int]]:
     text, p = mask_phone_numbers(text)
     text, i = mask_ips(text)
     return text, {"emails": e, "phones": p, "ips": i}
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+@dataclass(frozen=True)
+class PiiOptions:
+    """``pii``: mask e-mail addresses, phone numbers and IPv4 addresses."""
+
+    emails: bool = True
+    "mask e-mail addresses"
+    phones: bool = True
+    "mask US phone numbers"
+    ips: bool = True
+    "mask IPv4 addresses"
+
+
+class PiiStep(Mapper):
+    """Mask PII; counts of masked items go to the step's ``notes`` counter."""
+
+    name = "pii"
+
+    def __init__(self, opts: PiiOptions = PiiOptions(), **kw: Any) -> None:
+        super().__init__(**kw)
+        self.opts = opts
+
+    def map(self, doc: Document) -> Document | str:
+        text = doc.text
+        for on, fn, key in (
+            (self.opts.emails, mask_emails, "emails"),
+            (self.opts.phones, mask_phone_numbers, "phones"),
+            (self.opts.ips, mask_ips, "ips"),
+        ):
+            if on:
+                text, n = fn(text)
+                if n:
+                    self.stats.notes[f"masked_{key}"] += n
+        doc.text = text
+        return doc

@@ -14,6 +14,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
+
+from lmforge.data.core import Document, Filter, Mapper
 
 _PUNCT = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~“”‘’«»…"
 _STOP_WORDS = frozenset(("the", "be", "to", "of", "and", "that", "have", "with"))
@@ -272,3 +275,37 @@ def c4_clean(text: str, cfg: C4Config = C4Config()) -> tuple[str | None, str]:
     if len(_SENTENCE_END.findall(cleaned)) < cfg.min_sentences:
         return None, "c4_too_few_sentences"
     return cleaned, ""
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+class GopherFilter(Filter):
+    """Gopher quality and repetition rules; each drop names the rule."""
+
+    name = "gopher"
+
+    def __init__(self, opts: GopherConfig | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.opts = opts or GopherConfig()
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        reason = gopher_reason(doc.text, self.opts)
+        return True if reason is None else (False, reason)
+
+
+class C4Step(Mapper):
+    """C4 line cleaning then document rules."""
+
+    name = "c4"
+
+    def __init__(self, opts: C4Config | None = None, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.opts = opts or C4Config()
+
+    def map(self, doc: Document) -> Document | str:
+        text, reason = c4_clean(doc.text, self.opts)
+        if text is None:
+            return reason
+        doc.text = text
+        return doc

@@ -5,6 +5,13 @@ records that fail to parse and files that cannot be opened are counted in the re
 :class:`ReadStats` (``malformed``, ``bad_files``) and skipped. Because a WARC stream cannot be
 re-synchronised after a broken header, a truncated WARC yields the records before the break.
 
+A WARC file is read by record type, whatever its name says: ``response`` records give HTML
+(their HTTP body with ``Transfer-Encoding: chunked`` and ``Content-Encoding`` gzip/deflate/br
+undone first, as a browser would), ``conversion`` records (WET) give text; a file of
+``metadata`` records only (WAT) holds no text, and its records are counted as malformed
+``wat_metadata``. Invalid UTF-8 is replaced by U+FFFD and counted
+(``invalid_utf8_bytes``/``invalid_utf8_records``), never silently.
+
 Exercised by ``lmforge data run configs/pipelines/web.toml`` and ``tests/test_data_readers.py``.
 """
 
@@ -14,12 +21,14 @@ import gzip
 import io
 import json
 import os
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmforge.data.core import Document
+from lmforge.utils.corpus import count_replaced, decode_counted
 
 FORMATS = ("auto", "warc", "wet", "jsonl", "parquet", "text")
 
@@ -32,6 +41,121 @@ class ReadStats:
     records: int = 0
     malformed: Counter = field(default_factory=Counter)
     bad_files: list[str] = field(default_factory=list)
+    invalid_utf8_bytes: int = 0
+    "bytes that were not valid UTF-8, each replaced by U+FFFD"
+    invalid_utf8_records: int = 0
+    "records holding at least one such byte"
+    decoded: Counter = field(default_factory=Counter)
+    "HTTP bodies decoded before extraction, by encoding (chunked, gzip, deflate, br)"
+
+
+def _counted(text: str, n: int, stats: ReadStats) -> str:
+    if n:
+        stats.invalid_utf8_bytes += n
+        stats.invalid_utf8_records += 1
+    return text
+
+
+def _count_invalid(text: str, stats: ReadStats) -> str:
+    # Text read with errors="surrogateescape": counted, then shown as errors="replace" would.
+    return _counted(*count_replaced(text), stats)
+
+
+def decode_utf8(data: bytes, stats: ReadStats) -> str:
+    """``data`` as UTF-8 (``errors="replace"``); the invalid bytes are counted in ``stats``."""
+    return _counted(*decode_counted(data), stats)
+
+
+class HttpBodyError(ValueError):
+    """An HTTP body whose transfer or content encoding cannot be undone."""
+
+
+def dechunk(body: bytes) -> bytes:
+    """Undo ``Transfer-Encoding: chunked`` (RFC 9112 §7.1): hex size line, data, CRLF, …, 0.
+
+    Chunk extensions and trailers are ignored. A body cut off inside a chunk (WARC records of
+    truncated fetches) keeps what arrived; a body that does not start with a size line raises.
+    """
+    out = bytearray()
+    pos, n = 0, len(body)
+    while pos < n:
+        eol = body.find(b"\n", pos)
+        if eol < 0:
+            eol = n
+        line = body[pos:eol].split(b";", 1)[0].strip()
+        try:
+            size = int(line, 16)
+        except ValueError:
+            if not out and pos == 0:
+                raise HttpBodyError("not chunked: no chunk size line") from None
+            break  # garbage after the last chunk: what came before stands
+        if size == 0:
+            break
+        start = eol + 1
+        out += body[start : start + size]
+        pos = start + size
+        # Each chunk's data ends with CRLF (tolerate a bare LF).
+        if body[pos : pos + 2] == b"\r\n":
+            pos += 2
+        elif body[pos : pos + 1] == b"\n":
+            pos += 1
+    return bytes(out)
+
+
+def decode_content(body: bytes, encoding: str) -> bytes:
+    """Undo one ``Content-Encoding``: gzip/x-gzip, deflate (zlib or raw), br, identity."""
+    enc = encoding.strip().lower()
+    try:
+        if enc in ("", "identity", "none"):
+            return body
+        if enc in ("gzip", "x-gzip"):
+            if body[:2] != b"\x1f\x8b":
+                return body  # already decoded by the crawler that kept the header
+            # A stream object, so a truncated fetch keeps what decompressed.
+            return zlib.decompressobj(wbits=31).decompress(body)
+        if enc == "deflate":
+            try:
+                return zlib.decompress(body)  # RFC 1950 zlib framing, as the RFC says
+            except zlib.error:
+                return zlib.decompress(body, wbits=-15)  # the raw deflate many servers send
+        if enc == "br":
+            try:
+                import brotli
+            except ImportError:
+                raise HttpBodyError("br body needs the brotli package") from None
+            return brotli.decompress(body)
+        if enc == "zstd":
+            import zstandard
+
+            return zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 30)
+    except HttpBodyError:
+        raise
+    except Exception as e:  # zlib.error, brotli.error, zstd errors: a corrupt body
+        raise HttpBodyError(f"{enc} body does not decode: {e}") from None
+    raise HttpBodyError(f"unknown content encoding {enc!r}")
+
+
+def decode_http_body(
+    body: bytes, transfer_encoding: str, content_encoding: str, stats: ReadStats
+) -> bytes:
+    """The entity an HTTP response carried: transfer codings, then content codings, undone."""
+    codings = [c.strip().lower() for c in transfer_encoding.split(",") if c.strip()]
+    if "chunked" in codings:
+        try:
+            body = dechunk(body)
+            stats.decoded["chunked"] += 1
+        except HttpBodyError:
+            pass  # the archiver de-chunked the body but kept the header
+        codings.remove("chunked")
+    # Content codings apply in the order listed, so they are undone in reverse; a transfer
+    # coding other than chunked (gzip, rare) is undone the same way.
+    encs = [c.strip() for c in content_encoding.split(",") if c.strip()] + codings
+    for enc in reversed(encs):
+        if enc.lower() in ("identity", "none"):
+            continue
+        body = decode_content(body, enc)
+        stats.decoded[enc.lower()] += 1
+    return body
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -65,21 +189,26 @@ def _open_binary(path: Path) -> io.BufferedIOBase:
 def _read_warc(path: Path, stats: ReadStats, wet: bool) -> Iterator[Document]:
     from fastwarc.warc import ArchiveIterator, WarcRecordType
 
-    # fastwarc detects gzip/lz4 itself from the magic bytes, so the raw file goes in.
-    wanted = WarcRecordType.conversion if wet else WarcRecordType.response
+    # fastwarc detects gzip/lz4 itself from the magic bytes, so the raw file goes in. Every
+    # record type is read: a WET or WAT file named or configured as WARC is detected from its
+    # records, not read as empty.
+    wanted = WarcRecordType.response | WarcRecordType.conversion | WarcRecordType.metadata
     with open(path, "rb") as f:
-        it = iter(ArchiveIterator(f, record_types=wanted, parse_http=not wet))
-        idx = 0
+        it = iter(ArchiveIterator(f, record_types=wanted, parse_http=False))
+        idx = docs = metadata = 0
         while True:
             try:
                 rec = next(it)
             except StopIteration:
-                return
+                break
             except Exception:  # fastwarc raises OSError/ValueError variants on broken headers
                 stats.malformed["warc_header"] += 1
-                return
+                break
             idx += 1
             try:
+                kind = rec.record_type
+                if kind == WarcRecordType.response:
+                    rec.parse_http()
                 body = rec.reader.read()
                 rid = rec.record_id or f"{path.name}/{idx}"
                 url = rec.headers.get("WARC-Target-URI", "")
@@ -87,23 +216,46 @@ def _read_warc(path: Path, stats: ReadStats, wet: bool) -> Iterator[Document]:
             except Exception:
                 stats.malformed["warc_record"] += 1
                 continue
-            stats.records += 1
             meta = {"url": url, "date": date, "source": path.name}
-            if wet:
-                yield Document(rid, body.decode("utf-8", errors="replace"), meta)
+            if kind == WarcRecordType.metadata:
+                metadata += 1  # crawl metadata beside responses, or a WAT file's JSON
                 continue
-            ctype = ""
-            if rec.http_headers is not None:
-                ctype = rec.http_headers.get("Content-Type", "") or ""
+            stats.records += 1
+            if kind == WarcRecordType.conversion:
+                docs += 1
+                yield Document(rid, decode_utf8(body, stats), meta)
+                continue
+            if wet:
+                stats.malformed["html_response_in_wet"] += 1  # needs format "warc" + html step
+                continue
+            h = rec.http_headers
+            if h is None:
+                stats.malformed["no_http_headers"] += 1
+                continue
+            ctype = h.get("Content-Type", "") or ""
             if ctype and "html" not in ctype.lower():
                 stats.malformed["not_html"] += 1
                 continue
+            try:
+                body = decode_http_body(
+                    body,
+                    h.get("Transfer-Encoding", "") or "",
+                    h.get("Content-Encoding", "") or "",
+                    stats,
+                )
+            except HttpBodyError:
+                stats.malformed["bad_content_encoding"] += 1
+                continue
             meta["html_bytes"] = body
+            docs += 1
             yield Document(rid, "", meta)
+    if metadata and not docs:
+        # A WAT file (metadata only): none of it is document text, which must not pass unseen.
+        stats.malformed["wat_metadata"] += metadata
 
 
 def _read_jsonl(path: Path, stats: ReadStats, text_key: str, id_key: str) -> Iterator[Document]:
-    with io.TextIOWrapper(_open_binary(path), encoding="utf-8", errors="replace") as f:
+    with io.TextIOWrapper(_open_binary(path), encoding="utf-8", errors="surrogateescape") as f:
         lineno = 0
         while True:
             try:
@@ -117,6 +269,7 @@ def _read_jsonl(path: Path, stats: ReadStats, text_key: str, id_key: str) -> Ite
             lineno += 1
             if not line.strip():
                 continue
+            line = _count_invalid(line, stats)
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
@@ -185,7 +338,7 @@ def read_documents(
             with _open_binary(p) as f:
                 data = f.read()
             st.records += 1
-            yield Document(p.name, data.decode("utf-8", errors="replace"), {"source": p.name})
+            yield Document(p.name, decode_utf8(data, st), {"source": p.name})
     except (OSError, EOFError, ValueError) as e:
         # An unreadable file (missing, permissions, corrupt container) is recorded, not fatal.
         st.bad_files.append(f"{p}: {type(e).__name__}: {e}")

@@ -107,3 +107,14 @@ def write_token_shard(
     }
     atomic_write_text(f"{path}.json", json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+# ----------------------------------------------------------------------------- pipeline step
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """``tokenize`` (last step only): write token shards instead of JSONL."""
+
+    tokenizer: str
+    "folder of a saved lmforge tokenizer, or 'bytes' for the byte-level stand-in"

@@ -2,7 +2,7 @@
 pass@k, pairwise (Bradley–Terry/Elo) ratings, and an lm-evaluation-harness adapter.
 
 This is the public API of ``lmforge.eval``; everything else is internal. Benchmarks are read from
-local files laid out like ``/work/shared/data/eval`` (see :mod:`lmforge.eval.tasks`); nothing is
+local files laid out like ``examples/eval`` (see :mod:`lmforge.eval.tasks`); nothing is
 downloaded. CLI: ``lmforge eval --checkpoint DIR --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir D``.
 The harness adapter lives in :mod:`lmforge.eval.harness` (imported only on demand: it needs
 ``lm-eval``).

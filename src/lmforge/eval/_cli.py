@@ -6,16 +6,18 @@ import argparse
 import sys
 
 EXAMPLES = """examples:
-  lmforge eval --checkpoint runs/demo --tasks ppl,arc --limit 200 --device cpu
-  lmforge eval --checkpoint runs/gpt2s --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir ../shared/data/eval
-  lmforge eval --checkpoint ckpt/qwen3 --tasks gsm8k --samples 8 --temperature 0.7 --limit 100
-  lmforge eval --checkpoint hf/Qwen3-1.7B --tasks mmlu --shots 5 --out qwen3_mmlu.json
-  lmforge eval --pairwise battles.jsonl          # Bradley–Terry/Elo from {"model_a","model_b","winner"}
+  lmforge eval --checkpoint runs/demo/train --tasks ppl,arc --limit 200 --device cpu
+  lmforge eval --checkpoint runs/demo/train --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir examples/eval
+  lmforge eval --checkpoint runs/demo/train --tasks gsm8k --samples 4 --temperature 0.7 --limit 5
+  lmforge eval --checkpoint hf/demo --tasks mmlu --shots 2 --out runs/demo/mmlu.json   # an HF folder
+  lmforge eval --pairwise examples/eval/battles.jsonl   # Bradley–Terry/Elo from {"model_a","model_b","winner"}
 
+runs/demo/train is the run ./run demo writes; DATA (--data-dir) defaults to examples/eval.
 tasks: ppl (bits per byte on --ppl-text files, default DATA/../text/wikitext2/test.txt),
 mmlu, arc, hellaswag (multiple choice: acc and length-normalised acc_norm), mmlu_gen (MMLU by
 generating the letter), gsm8k, math500, math (generation; pass@1, and pass@k up to --samples).
-DATA is laid out like /work/shared/data/eval.
+DATA is laid out like examples/eval, which holds a few items per task (examples/README.md); give
+--data-dir a folder of the same layout with the full sets for real numbers.
 lm-evaluation-harness: python -m lmforge.eval.harness --model lmforge --model_args checkpoint=DIR --tasks ...
 """
 
@@ -41,11 +43,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--data-dir",
-        default="../shared/data/eval",
+        default="examples/eval",
         metavar="DIR",
         help="benchmark folder (default: %(default)s)",
     )
-    p.add_argument("--limit", type=int, default=None, help="at most N examples per task")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="at most N examples per task (ppl: N context-length windows of tokens)",
+    )
     p.add_argument("--shots", type=int, default=None, help="few-shot examples (default: per task)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
@@ -58,7 +65,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ppl-text", nargs="+", default=(), metavar="FILE", help="text for ppl")
     p.add_argument("--ppl-max-tokens", type=int, default=None, help="tokens scored per ppl file")
     p.add_argument("--seed", type=int, default=1234, help="few-shot/subsample/sampling seed")
-    p.add_argument("--out", default="eval_report.json", metavar="FILE", help="JSON report path")
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="JSON report path (default: eval_report.json in the run folder of --checkpoint; "
+        "for --pairwise, ratings.json beside the records)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
         "--pairwise",
@@ -67,6 +80,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--bootstrap", type=int, default=200, help="pairwise: bootstrap resamples")
     p.set_defaults(func=_run)
+
+
+def default_report_path(checkpoint: str) -> str:
+    """Where a report goes without --out: the run folder (not the current directory).
+
+    ``runs/x/checkpoints/step_N`` → ``runs/x/eval_report.json``; any other folder (a run, an HF
+    or imported model folder) holds its own report.
+    """
+    from pathlib import Path
+
+    p = Path(checkpoint)
+    if p.parent.name == "checkpoints" and p.name.startswith("step_"):
+        p = p.parent.parent
+    return str(p / "eval_report.json")
 
 
 def _device(name: str) -> str:
@@ -106,7 +133,9 @@ def _pairwise(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise LmforgeError(f"{path}: {e}") from None
     report = {"ratings": ratings.ratings, "ci95": ratings.ci, "n_games": ratings.n_games}
-    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")
+    atomic_write_text(
+        args.out or path.with_name("ratings.json"), json.dumps(report, indent=2) + "\n"
+    )
     print(ratings.table())
     return 0
 
@@ -148,7 +177,12 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
     )
-    model, tokenizer = load_pretrained(args.checkpoint, _device(args.device))
+    try:
+        model, tokenizer = load_pretrained(args.checkpoint, _device(args.device))
+    except LmforgeError as e:
+        from lmforge.utils.corpus import run_folder_hint
+
+        raise LmforgeError(f"{e}{run_folder_hint(args.checkpoint)}") from None
     if tokenizer is None:
         raise LmforgeError(
             f"{args.checkpoint}: no tokenizer in the checkpoint (tokenizer/ missing)"
@@ -160,7 +194,13 @@ def _run(args: argparse.Namespace) -> int:
         "parameters": model.num_parameters(),
         **report,
     }
-    atomic_write_text(args.out, json.dumps(report, indent=2, default=str) + "\n")
+    out = args.out or default_report_path(args.checkpoint)
+    try:
+        atomic_write_text(out, json.dumps(report, indent=2, default=str) + "\n")
+    except OSError as e:
+        raise LmforgeError(
+            f"cannot write the report {out}: {e.strerror} (give --out FILE)"
+        ) from None
     print(format_table(report))
-    print(f"report: {args.out}", file=sys.stderr)
+    print(f"report: {out}", file=sys.stderr)
     return 0

@@ -72,10 +72,10 @@ _STOP_STRINGS = {
 class EvalOptions:
     """Settings shared by all tasks of one evaluation run."""
 
-    data_dir: str = "../shared/data/eval"
-    "folder laid out like /work/shared/data/eval (see lmforge.eval.tasks)"
+    data_dir: str = "examples/eval"
+    "folder laid out like examples/eval (see lmforge.eval.tasks)"
     limit: int | None = None
-    "evaluate at most this many examples per task (ppl: documents)"
+    "evaluate at most this many examples per task (ppl: context-length windows of tokens)"
     shots: int | None = None
     "few-shot examples per prompt (None = each task's default)"
     batch_size: int = 8
@@ -325,10 +325,13 @@ def _ppl_texts(options: EvalOptions) -> list[tuple[str, str]]:
         if not f.is_file():
             raise LmforgeError(f"ppl text file not found: {f} (give --ppl-text FILE)")
         try:
-            out.append((str(f), f.read_text(encoding="utf-8")))
+            text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise LmforgeError(f"ppl text file is not UTF-8: {f}") from None
-    return out[: options.limit] if options.limit else out
+        if not text.strip():
+            raise LmforgeError(f"ppl text file is empty: {f} (nothing to score)")
+        out.append((str(f), text))
+    return out
 
 
 def _mmlu_items(task: str, options: EvalOptions) -> list[tuple[T.MultipleChoiceExample, str]]:
@@ -446,6 +449,7 @@ def run_eval(
                 [text for _, text in docs],
                 batch_size=options.batch_size,
                 max_tokens=options.ppl_max_tokens,
+                max_windows=options.limit,
                 progress=options.progress,
             )
             results[task] = {**res.as_dict(), "files": [name for name, _ in docs]}

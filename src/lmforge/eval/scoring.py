@@ -20,6 +20,8 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
+from lmforge.utils.errors import LmforgeError
+
 __all__ = [
     "PerplexityResult",
     "TextTokenizer",
@@ -235,6 +237,7 @@ def perplexity(
     batch_size: int = 8,
     stride: int | None = None,
     max_tokens: int | None = None,
+    max_windows: int | None = None,
     progress: bool = False,
 ) -> PerplexityResult:
     """Perplexity and bits per byte of ``texts`` (each an independent document).
@@ -242,6 +245,9 @@ def perplexity(
     Each document is scored from its start (after the end-of-text id, which acts as BOS) in
     rolling windows of the model's context length (see :func:`rolling_windows`). ``max_tokens``
     caps the tokens scored per document; its bytes are then those of the scored prefix.
+    ``max_windows`` caps the work in all: at most that many context-length windows of tokens are
+    scored, from the first document on (``lmforge eval --limit``). Text with no token to score
+    raises :class:`~lmforge.utils.errors.LmforgeError` (its perplexity would read as 1.0).
     Simplification: with a tokenizer that has no end-of-text id the first token of each document
     is context only (its bytes still count).
     """
@@ -249,10 +255,18 @@ def perplexity(
     items: list[tuple[list[int], int]] = []
     n_bytes = 0
     n_tokens = 0
+    budget = None if max_windows is None else max_windows * max_len
     for text in texts:
+        if budget is not None and n_tokens >= budget:
+            break
         ids = tokenizer.encode(text)
-        if max_tokens is not None and len(ids) > max_tokens:
-            ids = ids[:max_tokens]
+        cap = max_tokens
+        if budget is not None:
+            # One scored target per input token (the eot prefix, when there is one, is context).
+            left = budget - n_tokens + (0 if tokenizer.eot_id is not None else 1)
+            cap = left if cap is None else min(cap, left)
+        if cap is not None and len(ids) > cap:
+            ids = ids[:cap]
             n_bytes += len(tokenizer.decode(ids).encode("utf-8"))
         else:
             n_bytes += len(text.encode("utf-8"))
@@ -262,6 +276,8 @@ def perplexity(
             continue
         n_tokens += len(s) - 1
         items += _document_items(s, max_len, stride)
+    if n_tokens == 0:
+        raise LmforgeError("perplexity: no tokens to score (the text is empty)")
     scored = score_sequences(model, items, batch_size=batch_size, progress=progress, desc="ppl")
     nll = -math.fsum(x for lp, _ in scored for x in lp)
     return PerplexityResult(nll=nll, tokens=n_tokens, bytes=n_bytes)

@@ -1,6 +1,7 @@
 """Benchmark files and prompts: MMLU, ARC, HellaSwag-style, GSM8K and MATH read from local files.
 
-The file layout is the one of ``/work/shared/data/eval`` (``DATA`` below is ``--data-dir``)::
+The file layout is the one of ``examples/eval`` (``DATA`` below is ``--data-dir``; a few items per
+task ship there, the full sets go in a folder of the same layout)::
 
     DATA/mmlu/{dev,val,test}/<subject>_<split>.csv    question,A,B,C,D,answer (no header)
     DATA/arc_challenge/ARC-Challenge-{Dev,Test}.jsonl {"question": {"stem", "choices": [{text,

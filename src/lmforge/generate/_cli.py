@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 
 EXAMPLES = """examples:
-  lmforge generate --checkpoint runs/demo/ckpt --prompt "def main(" --max-new-tokens 100
-  lmforge generate --checkpoint runs/demo --prompt "import os" --temperature 0.8 --top-p 0.95 \\
+  lmforge generate --checkpoint runs/demo/train --prompt "def main(" --max-new-tokens 100
+  lmforge generate --checkpoint runs/demo/train --prompt "import os" --temperature 0.8 --top-p 0.95 \\
       --num-samples 3 --seed 1
-  lmforge generate --checkpoint runs/demo/ckpt --prompt "x = " --temperature 0   # greedy
-  lmforge generate --checkpoint CKPT --prompt-ids "1 2 3" --stop-id 0  # no tokenizer needed
+  lmforge generate --checkpoint runs/demo/train --prompt "x = " --temperature 0   # greedy
+  lmforge generate --checkpoint runs/demo/train --prompt-ids "1 2 3" --stop-id 0  # token ids in and out
+
+runs/demo/train is the run ./run demo writes; a run folder loads its latest checkpoint.
 """
 
 

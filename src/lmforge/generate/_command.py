@@ -59,7 +59,12 @@ def load_model(path: str | Path, device: str) -> tuple[TransformerLM, Any]:
         from lmforge.train import load_for_inference
     except ImportError:
         return _load_checkpoint(path, device)
-    return load_for_inference(path, device)
+    try:
+        return load_for_inference(path, device)
+    except LmforgeError as e:
+        from lmforge.utils.corpus import run_folder_hint
+
+        raise LmforgeError(f"{e}{run_folder_hint(path)}") from None
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -7,14 +7,19 @@ import sys
 from pathlib import Path
 
 TRAIN_EXAMPLES = """examples:
-  lmforge tokenizer train --input data/corpus.txt --vocab-size 32000 \\
-      --special-token '<|endoftext|>' --out tok/
-  lmforge tokenizer train --input 'books/*.txt' --vocab-size 4096 --out tok/ --workers 2
+  lmforge tokenizer train --input examples/text/tinyshakespeare/input.txt --vocab-size 4096 \\
+      --special-token '<|endoftext|>' --out runs/tok/
+  lmforge tokenizer train --input 'examples/text/*/*.txt' --vocab-size 4096 --out runs/tok/ --workers 2
 """
 
 ENCODE_EXAMPLES = """examples:
-  lmforge tokenizer encode --tokenizer tok/ --input data/train/ --out tokens/train.bin
-  lmforge tokenizer encode --tokenizer tok/ --input web.jsonl.zst --text-key text --out web.bin
+  lmforge tokenizer encode --tokenizer runs/demo/tokenizer --input examples/text/ --out runs/tokens/text.bin
+  lmforge tokenizer encode --tokenizer runs/demo/tokenizer --input examples/web/cc_en_head-0091.jsonl \\
+      --text-key text --out runs/tokens/web.bin
+"""
+
+_NOTE = """
+inputs under examples/ ship with the repository; runs/demo/tokenizer is what ./run demo trains.
 """
 
 
@@ -24,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tokenizer",
         help="train a byte-level BPE tokenizer, encode text into token shards",
         description="Byte-level BPE (GPT-2 style): train a vocabulary, encode text to shards.",
-        epilog=TRAIN_EXAMPLES + ENCODE_EXAMPLES.replace("examples:\n", ""),
+        epilog=TRAIN_EXAMPLES + ENCODE_EXAMPLES.replace("examples:\n", "") + _NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tsub = p.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND")
@@ -37,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Train byte-level BPE merges on files, folders or globs (.txt/.py/.md are used "
             "as-is). Prints time, peak memory and compression (bytes/token) on held-out text."
         ),
-        epilog=TRAIN_EXAMPLES,
+        epilog=TRAIN_EXAMPLES + _NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument(
@@ -80,7 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Encode every document of the inputs into one shard: uint16 ids when the vocabulary "
             "fits, else uint32, eot after each document, plus a JSON sidecar."
         ),
-        epilog=ENCODE_EXAMPLES,
+        epilog=ENCODE_EXAMPLES + _NOTE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     e.add_argument("--tokenizer", required=True, metavar="DIR", help="folder from 'train'")
@@ -108,10 +113,23 @@ def _peak_rss_mb() -> tuple[float, float]:
 def _train(args: argparse.Namespace) -> int:
     import tempfile
 
-    from lmforge.utils.corpus import expand_inputs
+    from lmforge.utils.corpus import expand_inputs, looks_binary
+    from lmforge.utils.errors import LmforgeError
 
+    if args.workers is not None and args.workers < 1:
+        raise LmforgeError(f"--workers must be at least 1, got {args.workers}")
+    if not 0 <= args.holdout_files < 1:
+        raise LmforgeError(f"--holdout-files must be in [0, 1), got {args.holdout_files}")
     specials = args.special_tokens if args.special_tokens is not None else ["<|endoftext|>"]
     files = expand_inputs(args.input)
+    for f in files:
+        why = looks_binary(f)
+        if why:
+            print(
+                f"lmforge tokenizer train: warning: {f} does not look like text ({why}); "
+                "training on it anyway",
+                file=sys.stderr,
+            )
     with tempfile.TemporaryDirectory(prefix="lmforge-tok-") as tmp:
         files = _as_plain_text(files, specials, Path(tmp), args.text_key)
         return _train_files(args, files, specials)
@@ -155,7 +173,10 @@ def _train_files(args: argparse.Namespace, files: list[Path], specials: list[str
         held = files[k - 1 :: k] or files[-1:]
         files = [f for f in files if f not in held]
     t0 = time.perf_counter()
-    vocab, merges = train_bpe(files, args.vocab_size, specials, workers=args.workers, progress=True)
+    stats: dict[str, int] = {}
+    vocab, merges = train_bpe(
+        files, args.vocab_size, specials, workers=args.workers, progress=True, stats=stats
+    )
     seconds = time.perf_counter() - t0
     tok = Tokenizer(vocab, merges, specials)
     out = tok.save(args.out)
@@ -168,6 +189,12 @@ def _train_files(args: argparse.Namespace, files: list[Path], specials: list[str
     )
     workers = f"{kids:.0f} MB largest worker" if kids else "no worker processes"
     print(f"peak RSS: {own:.0f} MB main process, {workers}")
+    if stats.get("invalid_utf8_bytes"):
+        print(
+            f"lmforge tokenizer train: warning: {stats['invalid_utf8_bytes']:,} bytes of the "
+            "training text were not valid UTF-8; each was read as U+FFFD",
+            file=sys.stderr,
+        )
     # Compression on up to 4 MB of held-out text (or of training text when only one file).
     eval_files, label = (held, "held-out") if held else (files, "training (no file held out)")
     texts: list[str] = []
@@ -193,7 +220,10 @@ def _encode(args: argparse.Namespace) -> int:
     import time
 
     from lmforge.tokenizer.shards import encode_files
+    from lmforge.utils.errors import LmforgeError
 
+    if args.workers is not None and args.workers < 1:
+        raise LmforgeError(f"--workers must be at least 1, got {args.workers}")
     t0 = time.perf_counter()
     meta = encode_files(
         args.tokenizer,
@@ -211,4 +241,10 @@ def _encode(args: argparse.Namespace) -> int:
         f"{meta['bytes'] / max(meta['count'], 1):.3f} bytes/token",
         file=sys.stdout,
     )
+    if meta.get("invalid_utf8_bytes"):
+        print(
+            f"lmforge tokenizer encode: warning: {meta['invalid_utf8_bytes']:,} bytes of the "
+            "input were not valid UTF-8; each was encoded as U+FFFD",
+            file=sys.stderr,
+        )
     return 0

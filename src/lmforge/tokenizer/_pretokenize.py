@@ -16,6 +16,9 @@ from pathlib import Path
 
 import regex
 
+from lmforge.utils.corpus import decode_counted
+from lmforge.utils.procs import exit_with_parent
+
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 "The GPT-2 pre-tokenization pattern (identical to tiktoken's ``gpt2`` pat_str)."
 
@@ -112,24 +115,34 @@ def iter_ordinary_parts(text: str, special_re: regex.Pattern | None) -> Iterator
     yield from special_re.split(text)
 
 
-def count_task(task: Task, special_tokens: Sequence[str]) -> Counter[str]:
-    """Count the pre-tokens of one task's byte ranges (runs in a worker process)."""
+def count_task(
+    task: Task, special_tokens: Sequence[str], invalid: list[int] | None = None
+) -> Counter[str]:
+    """Count the pre-tokens of one task's byte ranges (runs in a worker process).
+
+    Invalid UTF-8 bytes become U+FFFD; ``invalid[0]`` (when given) counts them.
+    """
     pat = regex.compile(GPT2_PATTERN)
     special_re = special_split_regex(special_tokens)
     counts: Counter[str] = Counter()
     for path, start, end in task:
         with open(path, "rb") as f:
             f.seek(start)
-            text = f.read(end - start).decode("utf-8", errors="replace")
+            # Ranges end on newlines or special tokens, so no character is cut at a boundary.
+            text, n = decode_counted(f.read(end - start))
+        if invalid is not None:
+            invalid[0] += n
         for part in iter_ordinary_parts(text, special_re):
             if part:
                 counts.update(pat.findall(part))
     return counts
 
 
-def _count_task_star(args: tuple[Task, Sequence[str]]) -> tuple[int, Counter[str]]:
+def _count_task_star(args: tuple[Task, Sequence[str]]) -> tuple[int, Counter[str], int]:
     task, specials = args
-    return sum(e - s for _, s, e in task), count_task(task, specials)
+    invalid = [0]
+    counts = count_task(task, specials, invalid)
+    return sum(e - s for _, s, e in task), counts, invalid[0]
 
 
 def count_pretokens(
@@ -138,10 +151,12 @@ def count_pretokens(
     workers: int,
     chunk_bytes: int | None = None,
     progress: bool = False,
+    stats: dict[str, int] | None = None,
 ) -> Counter[str]:
     """Distinct pre-tokens of all files with their counts, counted in ``workers`` processes.
 
     Memory stays bounded by ``workers × chunk_bytes`` of text plus the distinct pre-tokens.
+    ``stats["invalid_utf8_bytes"]`` (when given) receives the invalid bytes replaced by U+FFFD.
     """
     total = sum(p.stat().st_size for p in paths)
     if chunk_bytes is None:
@@ -155,24 +170,30 @@ def count_pretokens(
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="pre-tokenize", leave=False)
     jobs = [(t, list(special_tokens)) for t in tasks]
+    invalid = 0
     try:
         if workers <= 1 or len(tasks) <= 1:
-            results: Iterator[tuple[int, Counter[str]]] = map(_count_task_star, jobs)
-            for nbytes, c in results:
+            results: Iterator[tuple[int, Counter[str], int]] = map(_count_task_star, jobs)
+            for nbytes, c, bad in results:
                 counts.update(c)
+                invalid += bad
                 if bar is not None:
                     bar.update(nbytes)
         else:
             # spawn: safe even when the parent already runs threads (torch, tqdm monitors).
             ctx = mp.get_context("spawn")
-            with ctx.Pool(min(workers, len(tasks))) as pool:
-                for nbytes, c in pool.imap_unordered(_count_task_star, jobs):
+            n = min(workers, len(tasks))
+            with ctx.Pool(n, initializer=exit_with_parent, initargs=(os.getpid(),)) as pool:
+                for nbytes, c, bad in pool.imap_unordered(_count_task_star, jobs):
                     counts.update(c)
+                    invalid += bad
                     if bar is not None:
                         bar.update(nbytes)
     finally:
         if bar is not None:
             bar.close()
+    if stats is not None:
+        stats["invalid_utf8_bytes"] = stats.get("invalid_utf8_bytes", 0) + invalid
     return counts
 
 

@@ -14,6 +14,7 @@ parts in input order, so the shard does not depend on the number of workers.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -26,6 +27,7 @@ from lmforge.tokenizer.tokenizer import Tokenizer
 from lmforge.utils.corpus import expand_inputs, iter_texts
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write, atomic_write_text
+from lmforge.utils.procs import exit_with_parent
 
 SHARD_FORMAT = "lmforge-tokens-v1"
 _DOCS_PER_WRITE = 256  # documents encoded per batch before their ids are written out
@@ -129,26 +131,28 @@ def _make_encoder(tokenizer: Tokenizer, fast: bool, threads: int = 1):
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(tokenizer: Tokenizer, fast: bool) -> None:
+def _init_worker(tokenizer: Tokenizer, fast: bool, parent_pid: int | None = None) -> None:
+    exit_with_parent(parent_pid)
     _WORKER["encode"] = _make_encoder(tokenizer, fast)
     _WORKER["eot"] = tokenizer.eot_id
 
 
-def _encode_job_in_worker(job: tuple[list[str], str, str, str]) -> tuple[int, int, int, int]:
+def _encode_job_in_worker(job: tuple[list[str], str, str, str]) -> tuple[int, ...]:
     return _encode_job(job, _WORKER["encode"], _WORKER["eot"])
 
 
 def _encode_job(
     job: tuple[list[str], str, str, str], encode_batch, eot: int | None
-) -> tuple[int, int, int, int]:
+) -> tuple[int, int, int, int, int]:
     """Encode a group of input files into one raw part file.
 
-    Returns (count, documents, text bytes, input file bytes).
+    Returns (count, documents, text bytes, input file bytes, invalid UTF-8 bytes replaced).
     """
     import numpy as np
 
     srcs, part, dtype, text_key = job
     count = docs = nbytes = 0
+    invalid = [0]
     np_dtype = np.dtype("<u2" if dtype == "uint16" else "<u4")
     with open(part, "wb") as f:
         batch: list[str] = []
@@ -164,7 +168,7 @@ def _encode_job(
             return n
 
         for src in srcs:
-            for text in iter_texts(src, text_key=text_key):
+            for text in iter_texts(src, text_key=text_key, invalid=invalid):
                 if not text:
                     continue  # an empty document would add a lone eot
                 batch.append(text)
@@ -173,7 +177,7 @@ def _encode_job(
                 if len(batch) >= _DOCS_PER_WRITE:
                     count += flush()
         count += flush()
-    return count, docs, nbytes, sum(os.path.getsize(x) for x in srcs)
+    return count, docs, nbytes, sum(os.path.getsize(x) for x in srcs), invalid[0]
 
 
 def _group_files(files: Sequence[Path], target: int) -> list[list[str]]:
@@ -221,6 +225,30 @@ def encode_files(
         raise LmforgeError(f"--out {out_path} is a folder; give a file name such as train.bin")
     dtype = shard_dtype(tok.vocab_size)
     nworkers = default_workers() if workers is None else max(1, workers)
+    had = out_path.exists()
+    try:
+        return _encode_into(tok, files, out_path, dtype, nworkers, text_key, progress, fast)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        kept = f"the earlier {out_path.name} is kept unchanged" if had else "nothing was kept"
+        raise LmforgeError(
+            f"no space left on the device holding {out_path.parent}: {out_path} not written "
+            f"({kept}; temporary parts removed); free space and rerun"
+        ) from None
+
+
+def _encode_into(
+    tok: Tokenizer,
+    files: list[Path],
+    out_path: Path,
+    dtype: str,
+    nworkers: int,
+    text_key: str,
+    progress: bool,
+    fast: bool,
+) -> dict[str, Any]:
+    # Parts per job into a temporary folder beside the shard, then one atomic concatenation.
     out_path.parent.mkdir(parents=True, exist_ok=True)
     total = sum(f.stat().st_size for f in files)
     # Several jobs per worker balance uneven files; one job per file when files are big.
@@ -233,7 +261,7 @@ def encode_files(
             from tqdm import tqdm
 
             bar = tqdm(total=total, unit="B", unit_scale=True, desc="encode", leave=False)
-        stats: list[tuple[int, int, int, int]] = []
+        stats: list[tuple[int, ...]] = []
         try:
             if nworkers <= 1 or len(jobs) <= 1:
                 encode_batch = _make_encoder(tok, fast, threads=nworkers)
@@ -245,7 +273,8 @@ def encode_files(
                 # spawn: safe even when the parent already runs threads (torch, tqdm monitors).
                 ctx = mp.get_context("spawn")
                 n = min(nworkers, len(jobs))
-                with ctx.Pool(n, initializer=_init_worker, initargs=(tok, fast)) as pool:
+                init = (tok, fast, os.getpid())
+                with ctx.Pool(n, initializer=_init_worker, initargs=init) as pool:
                     # imap keeps input order, so parts concatenate in input order.
                     for r in pool.imap(_encode_job_in_worker, jobs):
                         stats.append(r)
@@ -255,7 +284,7 @@ def encode_files(
             if bar is not None:
                 bar.close()
         with atomic_write(out_path, "wb") as f:
-            for (c, d, b, _), job in zip(stats, jobs):
+            for (c, d, b, _, _), job in zip(stats, jobs):
                 count, docs, nbytes = count + c, docs + d, nbytes + b
                 with open(job[1], "rb") as part:
                     while chunk := part.read(1 << 24):
@@ -269,6 +298,7 @@ def encode_files(
         "documents": docs,
         "source_files": [str(f) for f in files],
         "bytes": nbytes,
+        "invalid_utf8_bytes": sum(s[4] for s in stats),
     }
     atomic_write_text(_sidecar(out_path), json.dumps(meta, indent=1) + "\n")
     return meta

@@ -179,6 +179,7 @@ def train_bpe(
     workers: int | None = None,
     progress: bool = False,
     chunk_bytes: int | None = None,
+    stats: dict[str, int] | None = None,
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Train a byte-level BPE tokenizer on one file or a list of files.
 
@@ -190,7 +191,7 @@ def train_bpe(
     streamed chunks that end on a special token.
 
     Simplification: text is decoded as UTF-8 with invalid bytes replaced (U+FFFD), as every reader
-    in lmforge does. Exercised by ``lmforge tokenizer train --input F --vocab-size N --out DIR``.
+    in lmforge does; ``stats["invalid_utf8_bytes"]`` (when given) counts them. Exercised by ``lmforge tokenizer train --input F --vocab-size N --out DIR``.
     """
     specials = check_special_tokens(special_tokens)
     if isinstance(vocab_size, bool) or not hasattr(vocab_size, "__index__"):
@@ -208,7 +209,7 @@ def train_bpe(
         names = paths[0] if len(paths) == 1 else f"{len(paths)} input files"
         raise LmforgeError(f"empty corpus: {names} holds no text")
     nworkers = default_workers() if workers is None else max(1, workers)
-    pretokens = count_pretokens(paths, specials, nworkers, chunk_bytes, progress)
+    pretokens = count_pretokens(paths, specials, nworkers, chunk_bytes, progress, stats)
     if not pretokens:
         raise LmforgeError(f"empty corpus: {paths[0]} holds nothing but special tokens")
     word_counts: dict[bytes, int] = {}

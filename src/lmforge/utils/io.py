@@ -1,6 +1,8 @@
 """Atomic file writes: write to a temporary name in the same folder, fsync, then rename.
 
 A crash at any point leaves either the old file or the new one, never a half-written file.
+``mkstemp`` creates its file 0600; the result is given the mode a plain ``open`` would have
+(0666 less the process umask), so outputs stay readable to others as usual.
 """
 
 from __future__ import annotations
@@ -11,6 +13,21 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+
+def _umask() -> int:
+    # Linux reports the umask in /proc without changing it; elsewhere it can only be read by
+    # setting it, so it is set straight back.
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(path: Path) -> None:
@@ -41,6 +58,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator:
         with os.fdopen(fd, mode, encoding=encoding) as f:
             yield f
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, target)
         _fsync_dir(target.parent)
