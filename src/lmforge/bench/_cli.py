@@ -77,9 +77,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed calls per measurement")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda")
-    p.add_argument(
-        "--attention", choices=["reference", "sdpa", "cudnn", "flash", "auto"], default=None
-    )
+    p.add_argument("--attention", choices=["reference", "sdpa", "flash", "auto"], default=None)
     p.add_argument("--norm", choices=["reference", "triton", "auto"], default=None)
     p.add_argument("--rope", choices=["reference", "triton", "auto"], default=None)
     p.add_argument(

@@ -8,8 +8,6 @@ inputs a kernel cannot handle raise :class:`KernelUnsupportedError` (a ``ValueEr
 constraint, so callers can fall back (the model's ``auto`` backends use ``flash_supported``).
 The Triton paths run as torch custom ops (``torch.ops.lmforge.*``, registered by ``_ops`` on
 import), so ``torch.compile(fullgraph=True)`` traces a model that uses them in one graph.
-``lmforge.kernels.matmul`` (not re-exported here) runs GEMMs on the fastest of torch's cuBLAS
-kernel and cuBLASLt's other candidates, tuned per problem (the trainer's ``train.matmul``).
 """
 
 from lmforge.kernels._common import KernelUnsupportedError, triton_available

@@ -21,7 +21,6 @@ Triton backward needs and calls the backward op, which AOTAutograd records in th
                                 → y  (backward: rope⁻¹)
     rope_packed_split / _join   qk (…,T,(Hq+Hk)·E), cos, sin, Hq, Hk, inverse → q (…,T,Hq,E),
                                 k (…,T,Hk,E);  q, k, … → qk  (each the other's backward)
-    mm_tuned                    a (M,K), b (K,N) → a @ b (M,N) (the tuned GEMM of ``matmul``)
     linear_ce_fwd               h (N,D), W (V,D), t (N,), … → loss, ·dh, ·dW (see below)
     linear_ce_bwd               h, W, t, dloss (N,), … → dh, dW
 
@@ -312,38 +311,6 @@ def _rope_packed_join_backward(ctx, dqk):
     return dq, dk, None, None, None, None, None
 
 
-# -- tuned GEMM ------------------------------------------------------------------------------
-# The gradient of b comes out in b's own layout: for b = Wᵀ (a transposed contiguous weight, as
-# every Linear passes it) it is computed as (gᵀ @ a)ᵀ, so W's gradient is contiguous without a
-# copy; dA = g @ bᵀ. Both through the same op, so the backward GEMMs are tuned too.
-
-
-def _mm_tuned(a: Tensor, b: Tensor) -> Tensor:
-    from lmforge.kernels import matmul
-
-    return matmul._mm(a, b)
-
-
-def _mm_tuned_fake(a: Tensor, b: Tensor) -> Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
-def _mm_setup(ctx, inputs, output) -> None:
-    a, b = inputs
-    ctx.save_for_backward(a, b)
-    ctx.b_transposed = b.stride(0) == 1 and b.stride(1) != 1
-
-
-def _mm_backward(ctx, g):
-    a, b = ctx.saved_tensors
-    da = db = None
-    if ctx.needs_input_grad[0]:
-        da = mm_tuned(g, b.t())  # (M, N) @ (N, K)
-    if ctx.needs_input_grad[1]:
-        db = mm_tuned(g.t(), a).t() if ctx.b_transposed else mm_tuned(a.t(), g)  # (K, N)
-    return da, db
-
-
 # -- fused linear + cross-entropy -------------------------------------------------------------
 #
 # For "mean" and "sum" the forward already computes dh and dW (scaled by the reduction), so they
@@ -528,7 +495,6 @@ rope_packed_join = _define(
     _rope_packed_join_backward,
     _rope_packed_setup,
 )
-mm_tuned = _define("mm_tuned", _mm_tuned, _mm_tuned_fake, _mm_backward, _mm_setup)
 linear_ce_fwd = _define(
     "linear_ce_fwd", _linear_ce_fwd, _linear_ce_fwd_fake, _linear_ce_backward, _linear_ce_setup
 )

@@ -20,11 +20,12 @@ Exercise: ``pytest tests/test_kernels.py -k cross_entropy``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 
-from lmforge.kernels import _ops, matmul
+from lmforge.kernels import _ops
 from lmforge.kernels._common import (
     KernelUnsupportedError,
     autocast_dtype,
@@ -34,6 +35,19 @@ from lmforge.kernels._common import (
 )
 
 Reduction = Literal["mean", "sum", "none"]
+
+MatmulInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
+"""``mm(a, b, out, accumulate)``: ``out = a @ b`` (or ``out += a @ b``), no autograd."""
+
+
+def torch_matmul_into(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool
+) -> None:
+    """The chunk loop's default GEMM: torch's (cuBLAS on CUDA), written into ``out``."""
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
 
 
 def linear_cross_entropy_reference(
@@ -136,8 +150,12 @@ def _accumulate(
     use_triton: bool,
     want_dh: bool,
     want_dw: bool,
+    mm: MatmulInto = torch_matmul_into,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One pass over the chunks: loss rows (N,) float32 and, if asked, dh (N, D) and dW (V, D)."""
+    """One pass over the chunks: loss rows (N,) float32 and, if asked, dh (N, D) and dW (V, D).
+
+    ``mm`` runs the chunk's three GEMMs (an argument, not a process global, so an experiment
+    with another GEMM passes its own without touching the library)."""
     n = hidden.shape[0]
     w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
     acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -149,23 +167,22 @@ def _accumulate(
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
         h = hidden[r0:r1]  # (n, D)
-        # The chunk's GEMMs: tuned (train.matmul) where that applies, torch's otherwise.
         logits = h.new_empty((r1 - r0, w.shape[0]))  # (n, V): the only logits alive at any time
-        matmul.mm_into(h, w.T, logits)
+        mm(h, w.T, logits, False)
         g = _chunk_(
             logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton,
             loss[r0:r1],
         )  # fmt: skip
         if dh is not None:
-            matmul.mm_into(g, w, dh[r0:r1])  # (n, D)
+            mm(g, w, dh[r0:r1], False)  # (n, D)
         if dw is not None:
             if r0 == 0:
                 if dw.dtype == g.dtype:
-                    matmul.mm_into(g.T, h, dw)  # (V, D)
+                    mm(g.T, h, dw, False)  # (V, D)
                 else:
                     dw.copy_(g.T @ h)
             elif dw.dtype == g.dtype:
-                matmul.mm_into(g.T, h, dw, accumulate=True)  # (V, D)
+                mm(g.T, h, dw, True)  # (V, D)
             else:
                 dw += (g.T @ h).to(dw.dtype)
         del logits, g

@@ -64,12 +64,8 @@ class TrainConfig:
     "autocast dtype for compute; master weights and optimizer state stay fp32"
     master_weights: Literal["auto", "on", "off"] = "auto"
     "on: the model's matmul weights are bf16 copies of fp32 master weights that AdamW updates and rewrites each step (same results as bf16 autocast over fp32 weights, without its per-step weight and gradient casts; checkpoints hold the fp32 masters); needs precision=bf16, one process and grad_accum=1. auto = on where those hold on CUDA. GPT-2-small on an H200: 56.3 vs 56.6 ms/step"
-    matmul: Literal["auto", "torch", "tuned"] = "torch"
-    "tuned: the model's Linear GEMMs (forward and both backward GEMMs) and the fused loss's LM-head GEMMs run the fastest of torch's cuBLAS kernel, cuBLASLt's heuristic candidates and the configurations around them that cuBLASLt accepts (tile × custom option, then cluster shape), timed once per problem on the first step (lmforge.kernels.matmul; results can differ from torch's in the last bit, and between runs); needs CUDA and one process. auto = tuned where that holds and the step runs as a CUDA graph (train.cuda_graph; eager, the op's host cost outweighed the faster kernels). torch: torch's matmul (bit-reproducible runs)"
     compile: bool = False
     "torch.compile the model"
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
-    "torch.compile mode (max-autotune-no-cudagraphs: autotuned GEMMs and tuned launch configs; longer compile)"
     adamw: Literal["auto", "foreach", "compiled", "triton"] = "auto"
     "AdamW update path: foreach (torch multi-tensor ops), compiled (the update through torch.compile), triton (lmforge's one-launch multi-tensor kernel: CUDA, fp32 state, one process; capturable by cuda_graph); auto = triton on one CUDA process with Triton installed, else compiled when compile is on with CUDA, else foreach"
     cuda_graph: bool = False

@@ -35,8 +35,6 @@ Exact resume: a checkpoint holds weights, optimizer state (gathered under ZeRO-1
 rank under FSDP/TP/PP, which must resume with the same layout), every data-parallel replica's
 sampler state, the RNG states and the spike statistics; on resume ``metrics.jsonl`` is cut back
 to the checkpoint's step, so the logged loss curve continues exactly as if never interrupted.
-With ``train.matmul`` tuned it also records which GEMM kernel each problem chose, and a resumed
-run uses the same ones (on the same GPU and cuBLAS) rather than timing them again.
 Simplification: a skipped step still consumes its data and advances the iteration/schedule.
 Exercised by ``lmforge train --config configs/tiny.toml`` and ``pytest tests/test_train_e2e.py``.
 """
@@ -140,24 +138,6 @@ def _resolve(forced: str | None, blockers: list[str], auto_wants: bool) -> bool:
             raise LmforgeError(f"{forced} needs " + " and ".join(blockers))
         return True
     return not blockers and auto_wants
-
-
-def _tuned_choices() -> dict[str, dict]:
-    from lmforge.kernels import _cublaslt
-
-    return _cublaslt.choices()
-
-
-def _set_tuned_matmul(model: torch.nn.Module, on: bool) -> None:
-    """Route the model's Linear GEMMs (and the fused loss's) through the tuned GEMM op, or back
-    to torch's matmul."""
-    from lmforge.kernels import matmul
-    from lmforge.model.layers import Linear
-
-    matmul.TUNED = on
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.matmul = matmul.linear if on else None
 
 
 def bf16_weight_copies(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
@@ -377,23 +357,20 @@ class Trainer:
         self.model = model
         # name -> (bf16 parameter, fp32 master) under train.master_weights
         self.masters = bf16_weight_copies(model) if self._pick_master_weights() else {}
-        self.tuned_matmul = self._pick_matmul()
-        _set_tuned_matmul(model, self.tuned_matmul)  # also resets a previous trainer's switch
         if tc.activation_checkpointing:
             apply_activation_checkpointing(model)
         self._ce: Callable[..., torch.Tensor] = cross_entropy
         self._fused_loss: Callable[..., torch.Tensor] = _fused_model_loss
         self._model_loss: Callable[..., torch.Tensor] | None = None
         if tc.compile:
-            mode = tc.compile_mode
-            model.compile(mode=mode)
-            self._ce = torch.compile(cross_entropy, mode=mode)
+            model.compile()
+            self._ce = torch.compile(cross_entropy)
             # Forward and loss in one graph: the (B, T, V) logits and their fp32 upcast stay inside
             # it (fused by the compiler) instead of being materialised between two graphs.
-            self._model_loss = torch.compile(_model_loss, mode=mode)
+            self._model_loss = torch.compile(_model_loss)
             # Likewise hidden states + fused loss: the kernels are custom ops the compiler traces,
             # so model and LM-head loss are one graph (the fused loss is single-process only).
-            self._fused_loss = torch.compile(_fused_model_loss, mode=mode)
+            self._fused_loss = torch.compile(_fused_model_loss)
         self.fused = self._pick_fused_loss()
         self.strategy = self._build_strategy(model)
         self.is_main = self.strategy.is_main
@@ -531,31 +508,6 @@ class Trainer:
         forced = "train.master_weights=on" if tc.master_weights == "on" else None
         return _resolve(forced, blockers, self.device_type == "cuda")
 
-    def _pick_matmul(self) -> bool:
-        # train.matmul resolved: the tuned GEMMs need CUDA (cuBLASLt) and one plain process
-        # (sharded strategies hand the layers DTensors or wrap them).
-        tc = self.tcfg
-        if tc.matmul not in ("auto", "torch", "tuned"):
-            raise LmforgeError(f"train.matmul must be auto, torch or tuned, got {tc.matmul!r}")
-        if tc.matmul == "torch":
-            return False
-        blockers = []
-        if self.device_type != "cuda":
-            blockers.append(f"a CUDA device (got {self.device})")
-        if self.runtime.world_size > 1:
-            blockers.append("one process")
-        if not blockers:
-            from lmforge.kernels import _cublaslt
-
-            if not _cublaslt.available():
-                blockers.append("cuBLASLt (not found in this process)")
-        # auto: only for a captured step. Eager, each tuned GEMM costs the host a Python custom
-        # op and a ctypes call, and the GPT-2-small step on an H200 came out slower (55.6 vs
-        # 55.3 ms/step); replayed from a CUDA graph it costs nothing (benchmarks/RESULTS.md,
-        # ninth session).
-        return _resolve("train.matmul=tuned" if tc.matmul == "tuned" else None, blockers,
-                        tc.cuda_graph)  # fmt: skip
-
     def _pick_fused_loss(self) -> Callable[..., torch.Tensor] | None:
         tc = self.tcfg
         if tc.loss_chunk_rows < 0:
@@ -635,7 +587,6 @@ class Trainer:
             "bad_steps": self.bad_steps,
             "loss_ema": self.loss_ema,
             "good_steps": self.good_steps,
-            "tuned_gemms": _tuned_choices() if self.tuned_matmul else {},
         }
 
     def _restore(self, ckpt: Path) -> None:
@@ -673,10 +624,6 @@ class Trainer:
                 vocab_size=self.mcfg.vocab_size,
             )
         _set_rng_state(state["rng"])
-        if self.tuned_matmul and state.get("tuned_gemms"):
-            from lmforge.kernels import _cublaslt
-
-            _cublaslt.preset_choices(state["tuned_gemms"])  # the same kernels, the same bits
         self._dev_stats = None  # rebuilt from the restored host values at the next step
         self.bad_steps = int(state.get("bad_steps", 0))
         self.loss_ema = state.get("loss_ema")
@@ -1023,15 +970,9 @@ class Trainer:
         last_loss = float("nan")
         stopped = "max_steps"
 
-        tuning: str | None = None  # the tuned GEMMs' summary before this run's first step
-        if self.tuned_matmul:
-            from lmforge.kernels import _cublaslt
-
-            tuning = _cublaslt.summary()
-
         def report(p: _Pending) -> None:
             # Host side of a finished step: skip handling and logs (reads its record).
-            nonlocal last_t, last_it, last_loss, tuning
+            nonlocal last_t, last_it, last_loss
             loss_v, norm_v, reason = self.finish_step(p)
             it = p.iteration
             if reason is not None:
@@ -1055,13 +996,6 @@ class Trainer:
                     )
             else:
                 last_loss = loss_v
-            if tuning is not None and self.is_main:  # the first step tuned the GEMMs
-                from lmforge.kernels import _cublaslt
-
-                line = _cublaslt.summary()
-                if line and line != tuning:
-                    bar.write(f"lmforge train: {line}", file=sys.stderr)
-                tuning = None
             if it % tc.log_every == 0 or it == tc.max_steps:
                 now = time.monotonic()
                 dt = max(now - last_t, 1e-9)
