@@ -104,3 +104,39 @@ class TrainConfig:
     "show a live progress bar on stderr"
     plot: bool = True
     "write loss_curve.png at the end"
+    allow_config_change: bool = False
+    "resume even though the checkpoint was written under a different config (the differing keys are logged); off: such a resume stops and names them"
+
+    def __post_init__(self) -> None:
+        # One line per mistake at config load (lmforge.utils.config turns ValueError into it).
+        checks = [
+            (self.lr > 0, f"train.lr must be positive, got {self.lr}"),
+            (self.min_lr >= 0, f"train.min_lr must be 0 or more, got {self.min_lr}"),
+            (
+                self.min_lr <= self.lr,
+                f"train.min_lr ({self.min_lr}) must not exceed train.lr ({self.lr})",
+            ),
+            (
+                self.warmup_steps >= 0,
+                f"train.warmup_steps must be 0 or more, got {self.warmup_steps}",
+            ),
+            (0 <= self.beta1 < 1, f"train.beta1 must lie in [0, 1), got {self.beta1}"),
+            (0 <= self.beta2 < 1, f"train.beta2 must lie in [0, 1), got {self.beta2}"),
+            (self.eps > 0, f"train.eps must be positive, got {self.eps}"),
+            (
+                self.weight_decay >= 0,
+                f"train.weight_decay must be 0 or more, got {self.weight_decay}",
+            ),
+            (
+                self.context_length >= 0,
+                f"train.context_length must be 0 (the model's) or more, got {self.context_length}",
+            ),
+            (self.grad_clip >= 0, f"train.grad_clip must be 0 (off) or more, got {self.grad_clip}"),
+            (
+                0 <= self.decay_fraction <= 1,
+                f"train.decay_fraction must lie in [0, 1], got {self.decay_fraction}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
