@@ -115,13 +115,15 @@ class Trainer:
         self.val_shards: list[TokenShard] = self._open_val()
         self.val_bytes_per_token = bytes_per_token(self.val_shards) if self.val_shards else None
 
+        kind = strategy_kind(self.pcfg, runtime.world_size)
+        self._replicated_grads = kind in ("single", "ddp")  # clipping may go into the update
         self.fast: FastPath = resolve_fast_path(
             self.mcfg,
             tc,
             FastPathRuntime(
                 device_type=self.device_type,
                 world_size=runtime.world_size,
-                strategy=strategy_kind(self.pcfg, runtime.world_size),
+                strategy=kind,
                 triton=self.device_type == "cuda" and _triton_installed(),
             ),
         )
@@ -206,6 +208,7 @@ class Trainer:
     @deferred.setter
     def deferred(self, on: bool) -> None:
         self.stepper.sync_free = on
+        self.stepper.clip_in_update = on and self._replicated_grads
 
     @property
     def _graph(self) -> Any:
