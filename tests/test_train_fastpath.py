@@ -156,3 +156,8 @@ def test_presets_agree_with_the_measurements() -> None:
     for cfg in (a, b):
         r = resolve_backends(cfg, "cuda", triton=True)
         assert (r.attention, r.norm, r.rope, r.swiglu) == ("sdpa", "reference", "packed", "triton")
+
+
+def test_a_joined_process_group_counts_as_distributed() -> None:
+    assert strategy_kind(ParallelConfig(), 1, process_group=True) == "ddp"
+    assert strategy_kind(ParallelConfig(fsdp=True), 1, process_group=True) == "fsdp"

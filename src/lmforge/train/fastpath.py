@@ -114,9 +114,13 @@ class FastPath:
         )
 
 
-def strategy_kind(pcfg: ParallelConfig, world_size: int) -> StrategyKind:
-    """The strategy :func:`lmforge.parallel.build_strategy` builds for this layout."""
-    if world_size <= 1:
+def strategy_kind(
+    pcfg: ParallelConfig, world_size: int, process_group: bool = False
+) -> StrategyKind:
+    """The strategy :func:`lmforge.parallel.build_strategy` builds for this layout
+    (``process_group``: a default group is already joined, e.g. a single-rank NCCL group, so
+    even one process runs the distributed strategy)."""
+    if world_size <= 1 and not process_group:
         return "single"
     if pcfg.pp > 1:
         return "pp"

@@ -79,6 +79,11 @@ def _auto_device(device: str) -> str:
     return resolve_device(device)
 
 
+def _group_joined() -> bool:
+    # A process group joined before the trainer (torchrun, or a test's single-rank group).
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _triton_installed() -> bool:
     from lmforge.kernels import triton_available
 
@@ -115,7 +120,7 @@ class Trainer:
         self.val_shards: list[TokenShard] = self._open_val()
         self.val_bytes_per_token = bytes_per_token(self.val_shards) if self.val_shards else None
 
-        kind = strategy_kind(self.pcfg, runtime.world_size)
+        kind = strategy_kind(self.pcfg, runtime.world_size, _group_joined())
         self._replicated_grads = kind in ("single", "ddp")  # clipping may go into the update
         self.fast: FastPath = resolve_fast_path(
             self.mcfg,
@@ -257,7 +262,7 @@ class Trainer:
     def _build_strategy(self, model: nn.Module) -> Strategy:
         from lmforge.parallel import Strategy
 
-        if self.runtime.world_size > 1:
+        if self.runtime.world_size > 1 or _group_joined():
             from lmforge.parallel import build_strategy
 
             return build_strategy(model, self.pcfg, self.runtime)
