@@ -13,7 +13,6 @@ import), so ``torch.compile(fullgraph=True)`` traces a model that uses them in o
 from lmforge.kernels._common import KernelUnsupportedError, triton_available
 from lmforge.kernels.adamw import adamw_multi_tensor_, adamw_reference_, adamw_supported
 from lmforge.kernels.cross_entropy import (
-    FusedLinearCrossEntropy,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
 )
@@ -25,20 +24,17 @@ from lmforge.kernels.flash_attention import (
     flash_supported,
 )
 from lmforge.kernels.rms_norm import (
-    RMSNormTriton,
     rms_norm,
     rms_norm_reference,
     rms_norm_supported,
 )
 from lmforge.kernels.rope import (
-    RoPETriton,
     rope,
     rope_packed,
     rope_packed_reference,
     rope_reference,
 )
 from lmforge.kernels.swiglu import (
-    SwiGLUTriton,
     swiglu,
     swiglu_packed,
     swiglu_packed_reference,
@@ -48,11 +44,7 @@ from lmforge.kernels.swiglu import (
 __all__ = [
     "FlashAttentionTorch",
     "FlashAttentionTriton",
-    "FusedLinearCrossEntropy",
     "KernelUnsupportedError",
-    "RMSNormTriton",
-    "RoPETriton",
-    "SwiGLUTriton",
     "adamw_multi_tensor_",
     "adamw_reference_",
     "adamw_supported",

@@ -16,7 +16,7 @@ Two implementations share this algorithm:
   * :class:`FlashAttentionTorch` — plain PyTorch tiles; for CPU and for reading.
   * :class:`FlashAttentionTriton` — the Triton kernels in ``_flash_triton`` (GPU, or CPU through
     ``TRITON_INTERPRET=1``), run as the custom ops ``torch.ops.lmforge.flash_attn_fwd/bwd``
-    (``_ops.py``) so that torch.compile traces :func:`flash_attention` without a graph break.
+    (``py``) so that torch.compile traces :func:`flash_attention` without a graph break.
 :func:`attention_reference` is the naive O(T²)-memory definition used by the tests (float64).
 
 Shapes: q (…, H, T, E), k/v (…, K, S, E) with H % K == 0; 3-D inputs (N, T, E) treat N as heads
@@ -29,9 +29,62 @@ import math
 from typing import Literal
 
 import torch
+from torch import Tensor
 
-from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, autocast_dtype, check_triton_tensors
+from lmforge.kernels._ops import _define, _unit_stride
+
+
+# -- the custom ops (torch.ops.lmforge.*) --------------------------------------------------
+def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _flash_triton
+
+    return _flash_triton.forward(_unit_stride(q), _unit_stride(k), _unit_stride(v), causal)
+
+
+def _flash_attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    b, h, t, e = q.shape
+    out = q.new_empty((b, h, t, e))  # (B, H, T, E)
+    lse = q.new_empty((b, h, t), dtype=torch.float32)  # (B, H, T)
+    return out, lse
+
+
+def _flash_attn_bwd(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    from lmforge.kernels import _flash_triton
+
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    return _flash_triton.backward(q, k, v, out.contiguous(), lse.contiguous(), dout, causal)
+
+
+def _flash_attn_bwd_fake(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flash_setup(ctx, inputs, output) -> None:
+    q, k, v, causal = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero-filled dL for the logsumexp output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+
+
+def _flash_backward(ctx, dout, _dlse):
+    if dout is None:
+        return None, None, None, None
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(q, k, v, out, lse, dout, ctx.causal)
+    return dq, dk, dv, None
+
+
+flash_attn_fwd = _define(
+    "flash_attn_fwd", _flash_attn_fwd, _flash_attn_fwd_fake, _flash_backward, _flash_setup
+)
+flash_attn_bwd = _define("flash_attn_bwd", _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
@@ -248,7 +301,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, is_causal=True):  # type: ignore[override]
         _check_triton(q, k, v)
         q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-        out, lse = _ops.flash_attn_fwd(q4, k4, v4, bool(is_causal))
+        out, lse = flash_attn_fwd(q4, k4, v4, bool(is_causal))
         ctx.save_for_backward(q4, k4, v4, out, lse)
         ctx.is_causal = bool(is_causal)
         ctx.shapes = (q.shape, k.shape, v.shape)
@@ -258,9 +311,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q4, k4, v4, out, lse = ctx.saved_tensors
         qs, ks, vs = ctx.shapes
-        dq, dk, dv = _ops.flash_attn_bwd(
-            q4, k4, v4, out, lse, _as_4d(dout.reshape(qs)), ctx.is_causal
-        )
+        dq, dk, dv = flash_attn_bwd(q4, k4, v4, out, lse, _as_4d(dout.reshape(qs)), ctx.is_causal)
         return dq.reshape(qs), dk.reshape(ks), dv.reshape(vs), None
 
 
@@ -307,7 +358,7 @@ def flash_attention(
     q, k, v = _autocast(q, k, v)
     if backend == "triton":
         _check_triton(q, k, v)
-        out, _ = _ops.flash_attn_fwd(_as_4d(q), _as_4d(k), _as_4d(v), bool(is_causal))
+        out, _ = flash_attn_fwd(_as_4d(q), _as_4d(k), _as_4d(v), bool(is_causal))
         return out.reshape(q.shape)  # (…, H, T, E)
     if backend == "torch":
         return FlashAttentionTorch.apply(q, k, v, is_causal)
