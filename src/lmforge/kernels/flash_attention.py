@@ -230,7 +230,8 @@ class FlashAttentionTorch(torch.autograd.Function):
     """FlashAttention-2 in plain PyTorch tiles: ``FlashAttentionTorch.apply(q, k, v, is_causal)``.
 
     Simplification: tile loops run in Python (one tile size, no fused kernels), so it is slow; it
-    exists to run anywhere (CPU, float64) and to read the algorithm. Saves q, k, v, O and L only.
+    exists to run anywhere (CPU, float64) and to read the algorithm. Saves q, k, v, O and L only,
+    L with q's leading dims (``q.shape[:-1]``).
     """
 
     BLOCK = 64
@@ -241,7 +242,8 @@ class FlashAttentionTorch(torch.autograd.Function):
         qg, kg, vg = _grouped(q, k, v)
         out, lse = _torch_forward(qg, kg, vg, bool(is_causal), FlashAttentionTorch.BLOCK)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # L is saved with q's leading dims: (batch, queries) for q of shape (batch, queries, d).
+        ctx.save_for_backward(q, k, v, out, lse.reshape(q.shape[:-1]))
         ctx.is_causal = bool(is_causal)
         return out.reshape(q.shape)
 
@@ -249,6 +251,7 @@ class FlashAttentionTorch(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         qg, kg, vg = _grouped(q, k, v)
+        lse = lse.reshape(out.shape[:-1])  # back to the grouped (B, K, G, T) layout
         dq, dk, dv = _torch_backward(
             qg, kg, vg, out, lse, dout.reshape(out.shape), ctx.is_causal, FlashAttentionTorch.BLOCK
         )
@@ -288,7 +291,8 @@ def _check_triton(
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton: ``FlashAttentionTriton.apply(q, k, v, is_causal)`` → O.
 
-    Saves q, k, v, O and the logsumexp L (B × H × T, float32). Raises
+    Saves q, k, v, O and the logsumexp L (float32, with q's leading dims: (batch, queries) for q
+    of shape (batch, queries, d)). Raises
     :class:`~lmforge.kernels.KernelUnsupportedError` for inputs it cannot handle (non-CUDA tensor
     outside the interpreter, dtype other than fp16/bf16/fp32, head dim not a power of two in
     16..256, head dim not contiguous). Runs the same custom ops as :func:`flash_attention`
@@ -302,7 +306,8 @@ class FlashAttentionTriton(torch.autograd.Function):
         _check_triton(q, k, v)
         q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
         out, lse = flash_attn_fwd(q4, k4, v4, bool(is_causal))
-        ctx.save_for_backward(q4, k4, v4, out, lse)
+        # L is saved with q's leading dims: (batch, queries) for q of shape (batch, queries, d).
+        ctx.save_for_backward(q4, k4, v4, out, lse.reshape(q.shape[:-1]))
         ctx.is_causal = bool(is_causal)
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out.reshape(q.shape)
@@ -311,6 +316,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q4, k4, v4, out, lse = ctx.saved_tensors
         qs, ks, vs = ctx.shapes
+        lse = lse.reshape(out.shape[:-1])  # (B, H, T) for the kernel
         dq, dk, dv = flash_attn_bwd(q4, k4, v4, out, lse, _as_4d(dout.reshape(qs)), ctx.is_causal)
         return dq.reshape(qs), dk.reshape(ks), dv.reshape(vs), None
 
