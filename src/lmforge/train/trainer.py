@@ -80,8 +80,11 @@ def _auto_device(device: str) -> str:
 
 
 def _group_joined() -> bool:
-    # A process group joined before the trainer (torchrun, or a test's single-rank group).
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    # A single-rank process group joined before the trainer (e.g. one NCCL rank): the run then
+    # goes through the distributed strategy even on one process. A larger group joined by a
+    # caller that asks for one process (world_size 1) does not make this run distributed.
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
 
 
 def _triton_installed() -> bool:
