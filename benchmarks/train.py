@@ -1,44 +1,35 @@
-"""Training-step throughput of lmforge against a nanoGPT-style peer, on one GPU.
+"""Training-step throughput of the shipped configuration against a nanoGPT-style peer, on one GPU.
 
-Throughput mode (default): GPT-2-small shape (12 layers, d_model 768, 12 heads, vocab 50304,
-sequence 1024), batch 32, bf16 autocast, torch.compile, SDPA attention, random tokens.
+lmforge: ``configs/gpt2-small-train.toml`` as shipped (its [model] and [train]: the resolved
+fast path — packed RoPE, Triton SwiGLU gate, bf16 residual stream, fused linear + cross-entropy
+in 8192-row chunks, Triton AdamW with bf16 master weights, the sync-free step captured as one
+CUDA graph, torch.compile), driven as ``Trainer.run`` drives it (``launch_step`` this step,
+``finish_step`` the previous one), on random tokens. The embedding is tied by default so both
+models have the same parameters (``--untied`` keeps the preset's untied head). ``--set KEY=VALUE``
+changes the lmforge row's config (dotted keys, as ``lmforge train`` takes them) for an A/B.
 
-* lmforge: the real trainer step as ``Trainer.run`` drives it (``launch_step``: data sampler →
-  Strategy.forward_backward → clip_grad_norm → AdamW.step_if with the skip decision on the
-  device; then ``finish_step`` reads the previous step's loss and norm) on ``TransformerLM``
-  (RoPE, RMSNorm, SwiGLU); the embedding is tied by default so both models have the same
-  parameters (``--untied`` for the preset as is).
-* peer: GPT-2 written here as nanoGPT does it (nn.Linear/LayerNorm/GELU MLP, learned positions,
-  ``F.scaled_dot_product_attention``, tied embedding), ``torch.optim.AdamW(fused=True)``,
-  ``torch.compile``, same batch, same clipping, and nanoGPT's loop: the loss is read on the host
-  every 10th step (its log interval), never otherwise.
+peer (measured in the same run): GPT-2 as nanoGPT writes it (nn.Linear/LayerNorm/GELU MLP,
+learned positions, ``F.scaled_dot_product_attention``, tied embedding), torch.compile,
+``torch.optim.AdamW(fused=True)``, same batch, same clipping, the loss read on the host every
+10th step (nanoGPT's log interval). Both do the same matmul FLOPs per token (SwiGLU 3·D·F with
+F = 8/3·D equals GELU's 2·D·4D); MFU = tokens/s · FLOPs/token / 989 TFLOP/s, FLOPs from
+``lmforge.model.accounting``.
 
-Both do the same matmul FLOPs per token (SwiGLU 3·D·F with F = 8/3·D equals GELU's 2·D·4D);
-MFU = tokens/s · FLOPs/token / 989 TFLOP/s, FLOPs from ``lmforge.model.accounting``.
-Correctness is checked first on the device (AdamW vs torch, cross_entropy vs F.cross_entropy).
-Timing: warm-up steps (compilation), then CUDA events around each step with no host sync in
-between (the host runs ahead as in training), one sync at the end; medians reported.
-``--profile K`` adds each model's top-K CUDA kernels and GPU time per step by kind.
-``--graph off,on`` adds rows with ``train.cuda_graph`` (the whole step replayed as one CUDA graph
-after 3 eager warm-up steps); their peak memory is the capture step's (replays allocate nothing),
-the other rows' the timed steps'.
-
-Real-data mode (``--real-data DIR``): trains ``configs/gpt2-small-train.toml`` on the token
-shards in DIR (``*val*.bin`` = validation, the other ``.bin`` files = training) for
-``--minutes`` minutes and reports the final validation loss and bits per byte; the run folder
-holds ``loss_curve.png`` and ``metrics.jsonl``.
+Correctness first (AdamW vs torch, cross_entropy vs F.cross_entropy on the device); then warm-up
+steps (compilation, graph capture), CUDA events around each step with no host sync between
+them, medians; peak memory of the timed steps (of the capture step for a graph: replays allocate
+nothing). The table comes last, with the ratios against the peer.
 
     PYTHONPATH=src python benchmarks/train.py
-    PYTHONPATH=src python benchmarks/train.py --results benchmarks/RESULTS.md
-    PYTHONPATH=src python benchmarks/train.py --real-data shards/ --minutes 10 --out runs/gpt2-real
+    PYTHONPATH=src python benchmarks/train.py --set train.cuda_graph=false --profile 15
+    PYTHONPATH=src python benchmarks/train.py --results /tmp/RESULTS-train.md
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import datetime
-import itertools
 import math
 import statistics
 import sys
@@ -48,6 +39,7 @@ from pathlib import Path
 
 PEAK_TFLOPS = 989.0
 REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "gpt2-small-train.toml"
 
 
 def _parse() -> argparse.Namespace:
@@ -56,166 +48,20 @@ def _parse() -> argparse.Namespace:
         epilog="examples:\n" + __doc__[__doc__.index("    PYTHONPATH") :],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--config", default=str(CONFIG), help="the lmforge run config measured")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a key of the lmforge config (e.g. train.cuda_graph=false); repeatable",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=0, help="sequences per step (0 = config's)")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (0 = config's)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per model")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps (include compilation)")
-    p.add_argument(
-        "--attention",
-        default="sdpa",
-        help="lmforge attention backends to measure, comma-separated (sdpa, cudnn, flash, auto)",
-    )
-    p.add_argument(
-        "--peer-attention",
-        default="default",
-        help="SDPA backend order for the peer, comma-separated (default, cudnn); one row each",
-    )
-    p.add_argument(
-        "--norm",
-        default="reference",
-        help="lmforge RMSNorm backends to measure, comma-separated (reference, triton, auto)",
-    )
-    p.add_argument(
-        "--rope",
-        default=None,
-        help="lmforge RoPE backends to measure, comma-separated (reference, triton, auto); "
-        "default reference (real-data mode: the config's)",
-    )
-    p.add_argument(
-        "--rope-kernel-config",
-        help="launch of the Triton RoPE kernel for rope=triton rows: ELEMS,WARPS "
-        "(rope_bench.py --best-out writes it)",
-    )
-    p.add_argument(
-        "--residual",
-        default="param",
-        help="lmforge model.residual_dtype values, comma-separated (param = fp32 stream as the "
-        "peer, autocast = bf16 stream)",
-    )
-    p.add_argument(
-        "--adamw",
-        default="auto",
-        help="lmforge train.adamw values, comma-separated (auto, compiled, triton, foreach)",
-    )
-    p.add_argument(
-        "--loss",
-        default="reference,fused",
-        help="lmforge loss paths to measure, comma-separated (reference, fused, auto)",
-    )
-    p.add_argument(
-        "--loss-chunk",
-        default="0",
-        help="train.loss_chunk_rows values for the fused-loss rows, comma-separated (0 = default)",
-    )
-    p.add_argument(
-        "--graph",
-        default="off",
-        help="lmforge train.cuda_graph settings to measure, comma-separated (off, on)",
-    )
-    p.add_argument(
-        "--compile-mode",
-        default="default",
-        help="lmforge train.compile_mode settings, comma-separated "
-        "(default, max-autotune-no-cudagraphs)",
-    )
-    p.add_argument(
-        "--peer-compile-mode",
-        default="default",
-        help="torch.compile modes for the peer, comma-separated (one peer row each)",
-    )
-    p.add_argument(
-        "--untied", action="store_true", help="untied LM head (the gpt2-small preset as is)"
-    )
-    p.add_argument(
-        "--projections",
-        default="separate",
-        help="lmforge q/k/v and w1/w3 projections, comma-separated: separate (three and two "
-        "GEMMs) or fused (one each, model.fused_projections=true)",
-    )
-    p.add_argument(
-        "--swiglu",
-        default=None,
-        help="lmforge SwiGLU gate backends to measure, comma-separated (reference, triton, auto: "
-        "w1 and w3 as one GEMM into lmforge's packed Triton gate); default reference "
-        "(real-data mode: the config's)",
-    )
-    p.add_argument(
-        "--master-weights",
-        default="auto",
-        help="lmforge train.master_weights values to measure, comma-separated (off: bf16 "
-        "autocast over fp32 weights; on: bf16 matmul weights written by AdamW from fp32 "
-        "masters; auto: the trainer's choice, on here)",
-    )
-    p.add_argument(
-        "--combo",
-        default="off",
-        help="Inductor's combo kernels (independent small kernels launched as one) for the "
-        "lmforge rows, comma-separated (off, on)",
-    )
-    p.add_argument(
-        "--inductor",
-        default="default",
-        help="torch._inductor.config settings for the lmforge rows, one row per ';'-separated "
-        "entry: 'default' or KEY=VALUE pairs joined by '+', e.g. "
-        "'default;triton.enable_pdl=1;triton.mix_order_reduction_split_size=64'",
-    )
-    p.add_argument(
-        "--blas",
-        default="default",
-        help="torch.backends.cuda.preferred_blas_library for the lmforge rows, comma-separated "
-        "(default, cublas, cublaslt)",
-    )
-    p.add_argument(
-        "--ce-programs",
-        default="0",
-        help="the fused loss's chunk kernel launch for the lmforge rows, comma-separated: 0 = "
-        "one program a logit row, K = a persistent grid of K programs per SM",
-    )
-    p.add_argument(
-        "--bf16-reduction",
-        default="default",
-        help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction for the lmforge "
-        "rows, comma-separated (default, on, off): whether cuBLAS may reduce split-K partial "
-        "sums in bf16, which changes the algorithms it picks",
-    )
-    p.add_argument(
-        "--matmul",
-        default="torch",
-        help="lmforge train.matmul values to measure, comma-separated (torch, tuned: the fastest "
-        "cuBLASLt candidate per GEMM problem, auto); tuned:heuristic or auto:heuristic tune over "
-        "cuBLASLt's heuristic list only (lmforge.kernels._cublaslt.SEARCH), :wide also over the "
-        "configurations around it (the default)",
-    )
-    p.add_argument(
-        "--fused-projections",
-        action="store_true",
-        help="the same as --projections fused",
-    )
-    p.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        metavar="K",
-        help="after timing, profile 3 steps of each model and print its top K CUDA kernels",
-    )
-    p.add_argument(
-        "--previous-rope",
-        action="store_true",
-        help="lmforge rows with RoPE written as before (halves + stack; rope_bench.py), for an A/B",
-    )
-    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps (compilation, capture)")
+    p.add_argument("--untied", action="store_true", help="keep the preset's untied LM head")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--peer-first", action="store_true", help="measure the peer before lmforge")
+    p.add_argument("--profile", type=int, default=0, metavar="K", help="top-K kernels per model")
     p.add_argument("--results", help="append the table to this markdown file")
-    p.add_argument("--real-data", metavar="DIR", help="train on token shards in DIR instead")
-    p.add_argument("--minutes", type=float, default=10.0, help="real-data training time")
-    p.add_argument(
-        "--real-steps",
-        type=int,
-        default=3000,
-        help="real-data schedule length in steps (cosine decays to min_lr at this step)",
-    )
-    p.add_argument("--out", default="runs/gpt2-small-real", help="real-data run folder")
     p.add_argument("--device", default="cuda")
     return p.parse_args()
 
@@ -279,14 +125,6 @@ def _peer_model(vocab: int, seq: int, n_layer: int, n_head: int, d: int):
     return GPT()
 
 
-def _cudnn_first():
-    """torch SDPA with cuDNN attention tried first (as lmforge's ``attention='cudnn'``)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    return sdpa_kernel([*order, SDPBackend.MATH], set_priority=True)
-
-
 def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
     import torch
 
@@ -299,19 +137,14 @@ def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
     ]
     cuda = args.device.startswith("cuda")
     opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=cuda)
-    mode = getattr(args, "peer_compile_mode", "default")
-    fwd = model if args.no_compile else torch.compile(model, mode=mode)
+    fwd = torch.compile(model)
     g = torch.Generator(device="cpu").manual_seed(1)
     count = [0]
-    att = getattr(args, "peer_attention", "default")
-    if att not in ("default", "cudnn"):
-        raise SystemExit(f"--peer-attention: expected default or cudnn, got {att!r}")
-    sdpa_order = _cudnn_first if att == "cudnn" else contextlib.nullcontext
 
     def step() -> None:
         x = torch.randint(0, vocab, (args.batch_size, args.seq + 1), generator=g)
         x = x.pin_memory().to(args.device, non_blocking=True) if cuda else x
-        with sdpa_order(), torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16):
+        with torch.autocast("cuda" if cuda else "cpu", dtype=torch.bfloat16):
             loss = fwd(x[:, :-1], x[:, 1:])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -322,9 +155,8 @@ def _bench_peer(args: argparse.Namespace, vocab: int) -> dict:
             loss.item()
 
     n_params = sum(p.numel() for p in params)
-    label = f"peer {getattr(args, 'peer_compile_mode', 'default')} SDPA {att}"
-    out = _time(step, argparse.Namespace(**vars(args), label=label)) | {"params": n_params}
-    model = fwd = opt = params = groups = None  # free before the next row (see _bench_lmforge)
+    out = _time(step, argparse.Namespace(**vars(args), label="peer")) | {"params": n_params}
+    model = fwd = opt = params = groups = None  # free before the next row
     _release()
     return out
 
@@ -342,133 +174,37 @@ def _random_shards(folder: Path, vocab: int, n_tokens: int) -> Path:
 
 
 def _lmforge_cfg(args: argparse.Namespace, out_dir: str, shard: Path):
-    import dataclasses
+    from lmforge.config import load_run_config
+    from lmforge.train import DataConfig
 
-    from lmforge.config import RunConfig
-    from lmforge.model import load_preset
-    from lmforge.train import DataConfig, TrainConfig
-
-    mcfg = dataclasses.replace(
-        load_preset("gpt2-small"),
-        attention=args.attention,
-        norm=args.norm,
-        rope=args.rope,
-        swiglu=getattr(args, "swiglu", None) or "reference",
-        residual_dtype=getattr(args, "residual", "param"),
-        tie_embeddings=not args.untied,
-        fused_projections=getattr(args, "projections", "separate") == "fused",
-        context_length=args.seq,
+    cfg = load_run_config(args.config, args.set)
+    model = dataclasses.replace(
+        cfg.model,
+        context_length=max(cfg.model.context_length, args.seq),
+        tie_embeddings=cfg.model.tie_embeddings or not args.untied,
     )
-    graph = getattr(args, "graph", "off") == "on"
-    tcfg = TrainConfig(
-        out_dir=out_dir,
-        device=args.device,
-        batch_size=args.batch_size,
-        context_length=args.seq,
-        max_steps=10**6,
-        lr=6e-4,
-        min_lr=6e-5,
-        warmup_steps=10,
-        precision="bf16",
-        compile=not args.no_compile,
-        compile_mode=getattr(args, "compile_mode", "default"),
-        loss=args.loss,
-        loss_chunk_rows=int(getattr(args, "loss_chunk", 0) or 0),
-        adamw=getattr(args, "adamw", "auto"),
-        master_weights=getattr(args, "master_weights", "auto"),
-        matmul=getattr(args, "matmul", "torch"),
-        cuda_graph=graph,
-        progress=False,
-        plot=False,
-        resume=False,
-    )
-    return RunConfig(model=mcfg, train=tcfg, data=DataConfig(train=(str(shard),)))
+    train = dataclasses.replace(
+        cfg.train, out_dir=out_dir, device=args.device, batch_size=args.batch_size,
+        context_length=args.seq, max_steps=10**6, resume=False, progress=False, plot=False,
+        eval_every=0, save_every=0,
+    )  # fmt: skip
+    return dataclasses.replace(cfg, model=model, train=train, data=DataConfig(train=(str(shard),)))
 
 
 def _bench_lmforge(args: argparse.Namespace, tmp: Path) -> dict:
-
-    if args.previous_rope:
-        from lmforge.model.layers import RotaryEmbedding
-        from rope_bench import _previous  # this folder is on sys.path when run as a script
-
-        RotaryEmbedding.forward = _previous  # type: ignore[method-assign]
-
-    shard = _random_shards(tmp, 50304, 4_000_000)
-    with _lmforge_settings(args):
-        return _bench_lmforge_row(args, tmp, shard)
-
-
-@contextlib.contextmanager
-def _lmforge_settings(args: argparse.Namespace):
-    """Process-wide switches of one lmforge row (Inductor combo kernels, BLAS library), put
-    back afterwards so that the next row and the peer run as they would alone."""
-    import torch
-    import torch._inductor.config as inductor_config
-
-    combo = getattr(args, "combo", "off") == "on"
-    blas = getattr(args, "blas", "default")
-    reduction = getattr(args, "bf16_reduction", "default")
-    from lmforge.kernels import _cross_entropy_triton as ce_kernels
-    from lmforge.kernels import _cublaslt
-
-    old_programs = ce_kernels.PROGRAMS_PER_SM
-    ce_kernels.PROGRAMS_PER_SM = int(getattr(args, "ce_programs", 0) or 0)
-    old_search = _cublaslt.SEARCH
-    _cublaslt.SEARCH = getattr(args, "gemm_search", None) or old_search
-    matmul = torch.backends.cuda.matmul
-    old_reduction = matmul.allow_bf16_reduced_precision_reduction
-    if reduction != "default":
-        matmul.allow_bf16_reduced_precision_reduction = reduction == "on"
-    patch = _inductor_settings(getattr(args, "inductor", "default"))
-    old_combo = inductor_config.combo_kernels
-    old_blas = torch.backends.cuda.preferred_blas_library() if blas != "default" else None
-    inductor_config.combo_kernels = combo
-    if blas != "default":
-        torch.backends.cuda.preferred_blas_library(blas)
-    try:
-        with inductor_config.patch(patch):
-            yield
-    finally:
-        ce_kernels.PROGRAMS_PER_SM = old_programs
-        _cublaslt.SEARCH = old_search
-        matmul.allow_bf16_reduced_precision_reduction = old_reduction
-        inductor_config.combo_kernels = old_combo
-        if old_blas is not None:
-            torch.backends.cuda.preferred_blas_library(old_blas)
-
-
-def _inductor_settings(entry: str) -> dict:
-    """'default' → {}; 'a.b=1+c=x' → {'a.b': 1, 'c': 'x'} (ints, floats, else strings)."""
-    out: dict = {}
-    if entry.strip() in ("", "default"):
-        return out
-    for pair in entry.split("+"):
-        key, sep, raw = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--inductor: {pair!r} is not KEY=VALUE")
-        value: object = raw
-        for cast in (int, float):
-            try:
-                value = cast(raw)
-                break
-            except ValueError:
-                continue
-        out[key.strip()] = value
-    return out
-
-
-def _bench_lmforge_row(args: argparse.Namespace, tmp: Path, shard: Path) -> dict:
     import torch
 
     from lmforge.train import Trainer
 
+    shard = _random_shards(tmp, 50304, 4_000_000)
     trainer = Trainer(_lmforge_cfg(args, str(tmp / "run"), shard))
+    stepper = trainer.stepper
+    graph = stepper.cuda_graph and args.device.startswith("cuda")
     pending: list = []
-    graph = trainer.tcfg.cuda_graph and args.device.startswith("cuda")
 
     def step() -> None:
         # As Trainer.run does it: launch this step, then read the previous one's loss and norm.
-        if graph and trainer._graph is None and trainer._graph_warmups == 3:
+        if graph and stepper.graph is None and stepper._graph_warmups == 3:
             # The capture step: replays allocate nothing, so the peak is the capture's (the
             # eager warm-up's cached blocks were released before it).
             torch.cuda.synchronize()
@@ -478,20 +214,13 @@ def _bench_lmforge_row(args: argparse.Namespace, tmp: Path, shard: Path) -> dict
             trainer.finish_step(pending.pop())
         pending.append(launched)
 
-    label = f"lmforge {args.loss}{' graph' if graph else ''} {trainer.tcfg.compile_mode}"
-    out = _time(step, argparse.Namespace(**vars(args), label=label, keep_peak=graph))
+    print(f"lmforge fast path: {trainer.fast.summary()}", file=sys.stderr)
+    out = _time(step, argparse.Namespace(**vars(args), label="lmforge", keep_peak=graph))
     trainer.finish_step(pending.pop())
     out["params"] = sum(p.numel() for p in trainer.model.parameters())
     out["flops_per_token"] = trainer.plan.flops_per_token
-    opt = trainer.optimizer
-    out["adamw"] = "triton" if opt.fused else "compiled" if opt.compiled else "foreach"
-    if trainer.tuned_matmul:
-        from lmforge.kernels import _cublaslt
-
-        print("tuned GEMMs:\n  " + "\n  ".join(_cublaslt.TUNING_LOG), file=sys.stderr)
-    # Free everything before the next model: compiled-code caches can hold the module alive,
-    # which would inflate the next row's peak memory.
-    trainer = None
+    out["fast_path"] = trainer.fast.summary()
+    trainer = stepper = None  # compiled-code caches can hold the module alive
     _release()
     return out
 
@@ -765,219 +494,73 @@ def _versions() -> str:
 def _throughput(args: argparse.Namespace) -> str:
     from lmforge.model import load_preset
     from lmforge.model.accounting import flops_per_token
-    from lmforge.utils.errors import LmforgeError
 
     _check_correctness(args.device)
-    rows: list = []
-    peers: list = []
+    results: dict[str, dict] = {}
 
     def run_lmforge() -> None:
-        atts, norms, graphs, modes = (
-            args.attention.split(","),
-            args.norm.split(","),
-            args.graph.split(","),
-            args.compile_mode.split(","),
-        )
-        chunks, ropes = args.loss_chunk.split(","), (args.rope or "reference").split(",")
-        resids, adamws = args.residual.split(","), args.adamw.split(",")
-        reductions = args.bf16_reduction.split(",")
-        ce_programs = args.ce_programs.split(",")
-        matmuls = args.matmul.split(",")
-        projs, combos, blases, gates, inductors, masters = (
-            args.projections.split(","),
-            args.combo.split(","),
-            args.blas.split(","),
-            (args.swiglu or "reference").split(","),
-            args.inductor.split(";"),
-            args.master_weights.split(","),
-        )
-        for (
-            att, norm, rope, gate, loss, chunk, graph, mode, resid, adamw, proj, combo, blas, ind,
-            master, reduction, ce_prog, mm,
-        ) in itertools.product(
-            atts, norms, ropes, gates, args.loss.split(","), chunks, graphs, modes, resids,
-            adamws, projs, combos, blases, inductors, masters, reductions, ce_programs, matmuls,
-        ):  # fmt: skip
-            if loss == "reference" and chunk != chunks[0]:
-                continue  # the chunk size only matters to the fused loss
-            one = argparse.Namespace(
-                **{
-                    **vars(args),
-                    "attention": att,
-                    "loss": loss,
-                    "loss_chunk": chunk,
-                    "norm": norm,
-                    "rope": rope,
-                    "swiglu": gate,
-                    "graph": graph,
-                    "compile_mode": mode,
-                    "residual": resid,
-                    "adamw": adamw,
-                    "projections": proj,
-                    "combo": combo,
-                    "blas": blas,
-                    "inductor": ind,
-                    "master_weights": master,
-                    "bf16_reduction": reduction,
-                    "ce_programs": ce_prog,
-                    "matmul": mm.partition(":")[0],
-                    "gemm_search": mm.partition(":")[2],
-                }
-            )
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    r = _bench_lmforge(one, Path(tmp))
-            except LmforgeError as e:  # e.g. loss=fused without lmforge.kernels
-                print(f"skipping the row (norm={norm}, loss={loss}, adamw={adamw}): {e}",
-                      file=sys.stderr)  # fmt: skip
-                continue
-            opt = f" {r['adamw']}"
-            label = f"loss={loss}" + (f", norm={norm}" if len(norms) > 1 else "")
-            label += f", attention={att}" if len(atts) > 1 else ""
-            label += f", rope={rope}" if len(ropes) > 1 or rope != "reference" else ""
-            label += f", swiglu={gate}" if len(gates) > 1 or gate != "reference" else ""
-            if loss != "reference" and (len(chunks) > 1 or chunk != "0"):
-                label += f", chunk {chunk if chunk != '0' else 'default'}"
-            label += f", CUDA graph {graph}" if len(graphs) > 1 or graph == "on" else ""
-            label += f", mode {mode}" if len(modes) > 1 or mode != "default" else ""
-            label += ", previous RoPE" if args.previous_rope else ""
-            label += f", residual {resid}" if len(resids) > 1 or resid != "param" else ""
-            label += f", {proj} projections" if len(projs) > 1 or proj != "separate" else ""
-            label += f", combo kernels {combo}" if len(combos) > 1 or combo != "off" else ""
-            label += f", BLAS {blas}" if len(blases) > 1 or blas != "default" else ""
-            label += f", Inductor {ind}" if len(inductors) > 1 or ind != "default" else ""
-            label += f", master weights {master}" if len(masters) > 1 or master != "auto" else ""
-            if len(ce_programs) > 1 or ce_prog != "0":
-                label += f", CE kernel {ce_prog + ' programs/SM' if ce_prog != '0' else 'one program a row'}"
-            label += f", matmul {mm}" if len(matmuls) > 1 or mm != "torch" else ""
-            if len(reductions) > 1 or reduction != "default":
-                label += f", bf16 reduced-precision reduction {reduction}"
-            rows.append((f"lmforge ({label}, own AdamW{opt})", r))
+        with tempfile.TemporaryDirectory() as tmp:
+            results["lmforge"] = _bench_lmforge(args, Path(tmp))
 
-    def run_peers() -> None:
-        peer_modes = [] if args.no_peer else args.peer_compile_mode.split(",")
-        peer_atts = args.peer_attention.split(",")
-        for mode, att in itertools.product(peer_modes, peer_atts):
-            one = argparse.Namespace(
-                **{**vars(args), "peer_compile_mode": mode, "peer_attention": att}
-            )
-            r = _bench_peer(one, 50304)
-            # Same matmul shapes per token as lmforge (see the module docstring).
+    def run_peer() -> None:
+        if not args.no_peer:
+            r = _bench_peer(args, 50304)
             r["flops_per_token"] = flops_per_token(load_preset("gpt2-small"), args.seq)
-            extra = [f"mode {mode}"] if len(peer_modes) > 1 or mode != "default" else []
-            extra += [f"SDPA {att}"] if len(peer_atts) > 1 or att != "default" else []
-            peers.append(
-                (f"peer (nanoGPT-style, torch AdamW fused{''.join(', ' + x for x in extra)})", r)
-            )
+            results["peer"] = r
 
-    for part in (run_peers, run_lmforge) if args.peer_first else (run_lmforge, run_peers):
+    for part in (run_peer, run_lmforge) if args.peer_first else (run_lmforge, run_peer):
         part()
-    peer = peers[0][1] if peers else None  # ratios are against the first peer row
+    mine, peer = results["lmforge"], results.get("peer")
+    overrides = ", ".join(args.set) or "none"
     head = (
-        f"GPT-2-small shape, batch {args.batch_size} × {args.seq}, bf16 autocast, "
-        f"compile={not args.no_compile}, attention={args.attention}, norm={args.norm}, "
-        f"rope={args.rope or 'reference'}, swiglu={args.swiglu or 'reference'}, "
-        f"residual={args.residual}, "
-        f"adamw={args.adamw}"
-        f"{f' (Triton launch {args.rope_kernel_config})' if args.rope_kernel_config else ''}, "
-        f"projections={args.projections}, master_weights={args.master_weights}, "
-        f"{'untied' if args.untied else 'tied'} embeddings; {_device_name(args.device)}"
-        f"{'; peer measured first' if args.peer_first else ''}\n\n"
+        f"{Path(args.config).relative_to(REPO) if Path(args.config).is_relative_to(REPO) else args.config}"
+        f" (overrides: {overrides}; {'untied' if args.untied else 'tied'} embeddings), batch "
+        f"{args.batch_size} × {args.seq}, bf16; {_device_name(args.device)}"
+        f"{'; peer measured first' if args.peer_first else ''}\n\nlmforge fast path: "
+        f"{mine['fast_path']}\n\n"
     )
     lines = [
-        "| model | params | step (ms, median) | tokens/s | MFU | peak memory (GiB) | vs peer (tokens/s, memory) |",
+        "| model | params | step (ms, median) | tokens/s | MFU | peak memory (GiB) |"
+        " vs peer (tokens/s, memory) |",
         "|---|---|---|---|---|---|---|",
     ]
-    all_rows = rows + peers
-    for name, r in all_rows:
+    names = {
+        "lmforge": "lmforge (shipped config)",
+        "peer": "peer (nanoGPT-style, torch AdamW fused)",
+    }
+    for key, r in results.items():
         mfu = r["tokens_per_s"] * r["flops_per_token"] / (PEAK_TFLOPS * 1e12)
         vs = ""
-        if peer is not None and all(r is not q for _, q in peers):
-            vs = f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}×, {r['peak_gib'] / peer['peak_gib']:.3f}×"
+        if key == "lmforge" and peer is not None:
+            vs = (f"{r['tokens_per_s'] / peer['tokens_per_s']:.3f}×, "
+                  f"{r['peak_gib'] / peer['peak_gib']:.3f}×")  # fmt: skip
         lines.append(
-            f"| {name} | {r['params'] / 1e6:.1f}M | {1e3 * r['step_s']:.1f} | "
+            f"| {names[key]} | {r['params'] / 1e6:.1f}M | {1e3 * r['step_s']:.1f} | "
             f"{r['tokens_per_s']:,.0f} | {100 * mfu:.1f}% | {r['peak_gib']:.2f} | {vs} |"
         )
     return head + "\n".join(lines) + "\n"
 
 
-def _real_data(args: argparse.Namespace) -> str:
-    import dataclasses
-
-    from lmforge.config import load_run_config
-    from lmforge.train import train
-    from lmforge.train.data import expand_shards
-
-    shards = expand_shards(args.real_data)
-    val = tuple(str(p) for p in shards if "val" in p.name)
-    tr = tuple(str(p) for p in shards if "val" not in p.name)
-    if not tr or not val:
-        raise SystemExit(f"{args.real_data}: need training .bin shards and *val*.bin shards")
-    cfg = load_run_config(REPO / "configs" / "gpt2-small-train.toml")
-    tok_dir = Path(args.real_data) / "tokenizer"
-    cfg = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(
-            cfg.model,
-            attention=args.attention.split(",")[0],
-            norm=args.norm.split(",")[0],
-            rope=args.rope.split(",")[0] if args.rope else cfg.model.rope,
-            swiglu=args.swiglu.split(",")[0] if args.swiglu else cfg.model.swiglu,
-            residual_dtype=args.residual.split(",")[0],
-        ),
-        train=dataclasses.replace(
-            cfg.train,
-            out_dir=args.out,
-            max_minutes=args.minutes,
-            max_steps=args.real_steps,
-            warmup_steps=max(1, args.real_steps // 20),
-            device=args.device,
-            resume=False,
-            loss=args.loss.split(",")[0],
-            adamw=args.adamw.split(",")[0],
-            save_every=0,
-        ),
-        data=dataclasses.replace(
-            cfg.data, train=tr, val=val, tokenizer=str(tok_dir) if tok_dir.is_dir() else ""
-        ),
-    )
-    t0 = time.monotonic()
-    res = train(cfg)
-    bpb = res.get("val_bpb", math.nan)
-    return (
-        f"real data {args.real_data} (model.residual_dtype={cfg.model.residual_dtype}, "
-        f"train.adamw={cfg.train.adamw}): {res['iteration']} steps, {res['tokens'] / 1e6:.1f}M tokens in "
-        f"{(time.monotonic() - t0) / 60:.1f} min\n\n"
-        "| final val loss | val perplexity | val bits/byte | loss curve |\n|---|---|---|---|\n"
-        f"| {res.get('val_loss', math.nan):.4f} | {res.get('val_ppl', math.nan):.2f} | {bpb:.4f} | "
-        f"{args.out}/loss_curve.png |\n"
-    )
-
-
 def main() -> int:
     args = _parse()
-    if args.fused_projections:
-        args.projections = "fused"
     import torch
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(
-            "benchmarks/train.py needs a CUDA GPU (--device cpu only for a smoke run)",
-            file=sys.stderr,
-        )
-        return 1
-    if args.rope_kernel_config:
-        from lmforge.kernels import _elementwise_triton as ew
+    from lmforge.config import load_run_config
+    from lmforge.utils.errors import LmforgeError
 
-        try:
-            elems, warps = (int(v) for v in args.rope_kernel_config.split(","))
-        except ValueError:
-            print(f"--rope-kernel-config: want ELEMS,WARPS, got {args.rope_kernel_config!r}",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        ew.ROPE_ELEMS, ew.ROPE_WARPS = elems, warps
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("benchmarks/train.py needs a CUDA GPU (--device cpu only for a smoke run)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        cfg = load_run_config(args.config, args.set)
+    except LmforgeError as e:
+        print(f"benchmarks/train.py: {e}", file=sys.stderr)
+        return 2
+    args.batch_size = args.batch_size or cfg.train.batch_size
+    args.seq = args.seq or cfg.train.context_length or cfg.model.context_length
     device_name = _device_name(args.device)
-    table = _real_data(args) if args.real_data else _throughput(args)
+    table = _throughput(args)
     print(table)
     if args.results:
         entry = (

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -282,3 +283,21 @@ def test_cross_entropy_without_target_check_matches(reduction) -> None:
         out.append((loss.detach(), *torch.autograd.grad(loss, (h, w))))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(3, 20, 16), (2, 4, 20, 16), (20, 16)])
+def test_flash_attention_torch_saves_the_logsumexp_with_q_leading_dims(shape) -> None:
+    # Issue 20 item 7: L comes back shaped like q without its last dim ((batch, queries) for
+    # q (batch, queries, d)), and it is the row logsumexp of the scaled scores.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    out = FlashAttentionTorch.apply(q, k, v, True)
+    saved = [t for t in out.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
+    assert len(saved) == 1, [tuple(t.shape) for t in out.grad_fn.saved_tensors]
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(shape[-1])
+    keep = torch.ones(shape[-2], shape[-2], dtype=torch.bool).tril()
+    want = scores.masked_fill(~keep, float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(saved[0], want.detach(), rtol=1e-10, atol=1e-10)
+    out.sum().backward()  # the backward reads it back in its own layout
+    assert q.grad is not None and q.grad.shape == q.shape

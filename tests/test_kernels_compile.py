@@ -303,33 +303,12 @@ else:
 
     def test_autograd_function_classes_match_the_public_ops() -> None:
         # The .apply entry points run the same ops under their own autograd.Function.
-        from lmforge.kernels import (
-            FlashAttentionTriton,
-            FusedLinearCrossEntropy,
-            RMSNormTriton,
-            RoPETriton,
-            SwiGLUTriton,
-        )
+        from lmforge.kernels import FlashAttentionTriton
 
-        cos, sin = _randn(7, 8, seed=50), _randn(7, 8, seed=51)
-        t = _targets(12, 50)
         pairs = [
             (lambda q, k, v: FlashAttentionTriton.apply(q, k, v, True), flash_attention,
              ((2, 9, 16),) * 3),
-            (lambda x, w: RMSNormTriton.apply(x, w, 1e-5), rms_norm, ((2, 5, 24), (24,))),
-            (SwiGLUTriton.apply, swiglu, ((3, 40), (3, 40))),
-            (lambda x: RoPETriton.apply(x, cos, sin), lambda x: rope(x, cos, sin), ((2, 7, 16),)),
         ]  # fmt: skip
-        for reduction in ("mean", "none"):
-            pairs.append((
-                lambda h, w, r=reduction: FusedLinearCrossEntropy.apply(
-                    h, w, t, -100, 1e-3, r, 8, True, True
-                ),
-                lambda h, w, r=reduction: fused_linear_cross_entropy(
-                    h, w, t, z_loss=1e-3, reduction=r, backend="triton", chunk_rows=8
-                ),
-                ((12, 16), (50, 16)),
-            ))  # fmt: skip
         for via_class, public, shapes in pairs:
             inputs = [_randn(*s, seed=60 + i, grad=True) for i, s in enumerate(shapes)]
             a, b = via_class(*inputs), public(*inputs)
@@ -338,16 +317,16 @@ else:
             for x, y in zip(torch.autograd.grad(a, inputs, g), torch.autograd.grad(b, inputs, g)):
                 torch.testing.assert_close(x, y, rtol=0, atol=0)
 
-    def test_reloading_the_ops_module_keeps_the_ops() -> None:
+    def test_reloading_a_kernel_module_keeps_its_ops() -> None:
         import importlib
 
-        from lmforge.kernels import _ops
-
-        importlib.reload(_ops)
+        # The module (the package's attribute of that name is the function it exports).
+        rms_norm_module = importlib.import_module("lmforge.kernels.rms_norm")
+        importlib.reload(rms_norm_module)
         x = _randn(4, 24, grad=True)
         y = rms_norm(x, torch.ones(24), 1e-5)
         (dx,) = torch.autograd.grad(y.sum(), x)
-        assert dx.shape == x.shape and _ops.rms_norm_fwd is ops.rms_norm_fwd.default
+        assert dx.shape == x.shape and rms_norm_module.rms_norm_fwd is ops.rms_norm_fwd.default
 
     @pytest.mark.slow
     def test_tiny_model_inductor_matches_eager() -> None:

@@ -371,3 +371,23 @@ def test_rope_packed_gpu(dtype, monkeypatch) -> None:
         for launch, got in zip(launches[1:], outs[1:]):
             for a, b in zip(got, outs[0]):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{launch} {lead} {width}")
+
+
+def test_flash_attention_triton_saves_the_logsumexp_with_q_leading_dims() -> None:
+    # Issue 20 item 7 for the Triton class: L saved as q.shape[:-1], float32.
+    import math
+
+    from lmforge.kernels import FlashAttentionTriton
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(3, 64, 32, generator=g, device="cuda", requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    saved = [t for t in out.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
+    assert len(saved) == 1 and saved[0].dtype == torch.float32
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
+    keep = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
+    want = scores.masked_fill(~keep, float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(saved[0].double(), want.detach(), rtol=1e-3, atol=1e-3)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

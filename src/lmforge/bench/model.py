@@ -231,7 +231,7 @@ def format_result(r: ModelBenchResult) -> str:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Arguments of the model benchmark (shared by the CLI)."""
-    from lmforge.bench._cli import add_model_args  # one declaration, shared with `lmforge bench`
+    from lmforge.bench._args import add_model_args  # one declaration, shared with `lmforge bench`
 
     p = parser or argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)

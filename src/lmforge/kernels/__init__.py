@@ -8,14 +8,11 @@ inputs a kernel cannot handle raise :class:`KernelUnsupportedError` (a ``ValueEr
 constraint, so callers can fall back (the model's ``auto`` backends use ``flash_supported``).
 The Triton paths run as torch custom ops (``torch.ops.lmforge.*``, registered by ``_ops`` on
 import), so ``torch.compile(fullgraph=True)`` traces a model that uses them in one graph.
-``lmforge.kernels.matmul`` (not re-exported here) runs GEMMs on the fastest of torch's cuBLAS
-kernel and cuBLASLt's other candidates, tuned per problem (the trainer's ``train.matmul``).
 """
 
 from lmforge.kernels._common import KernelUnsupportedError, triton_available
 from lmforge.kernels.adamw import adamw_multi_tensor_, adamw_reference_, adamw_supported
 from lmforge.kernels.cross_entropy import (
-    FusedLinearCrossEntropy,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
 )
@@ -27,20 +24,17 @@ from lmforge.kernels.flash_attention import (
     flash_supported,
 )
 from lmforge.kernels.rms_norm import (
-    RMSNormTriton,
     rms_norm,
     rms_norm_reference,
     rms_norm_supported,
 )
 from lmforge.kernels.rope import (
-    RoPETriton,
     rope,
     rope_packed,
     rope_packed_reference,
     rope_reference,
 )
 from lmforge.kernels.swiglu import (
-    SwiGLUTriton,
     swiglu,
     swiglu_packed,
     swiglu_packed_reference,
@@ -50,11 +44,7 @@ from lmforge.kernels.swiglu import (
 __all__ = [
     "FlashAttentionTorch",
     "FlashAttentionTriton",
-    "FusedLinearCrossEntropy",
     "KernelUnsupportedError",
-    "RMSNormTriton",
-    "RoPETriton",
-    "SwiGLUTriton",
     "adamw_multi_tensor_",
     "adamw_reference_",
     "adamw_supported",

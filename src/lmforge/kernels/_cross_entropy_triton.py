@@ -93,11 +93,6 @@ def _ce_row(
 # 109.7, 32768 × 32 113.9, 8192 × 16 119.5); 256×50304 8192 × 16 17.6 µs (× 32 warps 18.8,
 # 4096 × 16 20.9, 16384 × 32 23.1).
 BLOCK_V = 8192
-# Programs per SM of a persistent launch (0: one program a row). A switch for sweeps and A/B
-# runs (benchmarks/ce_sweep.py, benchmarks/train.py --ce-programs). At the trainer's 8192 × 50304
-# chunks on an H200 it measured slower (1, 2, 3 per SM: 794, 593, 637 vs 562 µs; RESULTS.md,
-# eighth session run 7), as at Liger's chunk shapes in the fourth session.
-PROGRAMS_PER_SM = 0
 LONG_ROW = 65536  # rows longer than this use the LONG_* launch
 LONG_BLOCK_V = 16384
 LONG_WARPS = 32
@@ -139,9 +134,6 @@ def loss_and_grad_(
     else:
         block_v, warps = launch_config(v)
         block_v, warps = block or block_v, num_warps or warps
-    if programs is None and PROGRAMS_PER_SM and logits.is_cuda:
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
-        programs = PROGRAMS_PER_SM * sms
     grid = (max(1, min(n, programs or n)),)
     _ce_row[grid](
         logits, logits.stride(0), targets, scale, scale.stride(0), loss, v, ignore_index, z_loss,

@@ -20,11 +20,12 @@ Exercise: ``pytest tests/test_kernels.py -k cross_entropy``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
+from torch import Tensor
 
-from lmforge.kernels import _ops, matmul
 from lmforge.kernels._common import (
     KernelUnsupportedError,
     autocast_dtype,
@@ -32,8 +33,177 @@ from lmforge.kernels._common import (
     interpreting,
     triton_available,
 )
+from lmforge.kernels._ops import _define
+
+# -- the custom ops (torch.ops.lmforge.*) --------------------------------------------------
+#
+# For "mean" and "sum" the forward already computes dh and dW (scaled by the reduction), so they
+# are outputs of the forward op, saved for backward, which only multiplies them by the incoming
+# gradient. want_dh / want_dw (known when the caller traces: requires_grad and grad mode) say
+# which to compute; one not wanted comes back as an empty (0,) tensor. For "none" the forward
+# returns per-row losses and empty gradients; backward recomputes the chunks' logits with the
+# per-row incoming gradient as row scale (linear_ce_bwd). chunk = 0 picks the default chunk size
+# at run time from the concrete shapes (so a traced caller never computes it from symbolic ones).
+
+
+def _linear_ce_fwd(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    ignore_index: int,
+    z_loss: float,
+    reduction: str,
+    chunk: int,
+    use_triton: bool,
+    want_dh: bool,
+    want_dw: bool,
+    check_targets: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _fused_forward(
+        hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton, want_dh,
+        want_dw, check_targets,
+    )  # fmt: skip
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _linear_ce_fwd_fake(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    ignore_index: int,
+    z_loss: float,
+    reduction: str,
+    chunk: int,
+    use_triton: bool,
+    want_dh: bool,
+    want_dw: bool,
+    check_targets: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows = hidden.shape[:1] if reduction == "none" else ()
+    loss = hidden.new_empty(rows, dtype=_acc_dtype(hidden))  # (N,) or ()
+    dh = hidden.new_empty(hidden.shape if want_dh else (0,))  # (N, D)
+    dw = weight.new_empty(weight.shape if want_dw else (0,))  # (V, D)
+    return loss, dh, dw
+
+
+def _linear_ce_bwd(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    grad_rows: Tensor,
+    ignore_index: int,
+    z_loss: float,
+    chunk: int,
+    use_triton: bool,
+    want_dh: bool,
+    want_dw: bool,
+) -> tuple[Tensor, Tensor]:
+    return _fused_backward_rows(
+        hidden, weight, targets, grad_rows, ignore_index, z_loss, chunk, use_triton, want_dh,
+        want_dw,
+    )  # fmt: skip
+
+
+def _linear_ce_bwd_fake(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    grad_rows: Tensor,
+    ignore_index: int,
+    z_loss: float,
+    chunk: int,
+    use_triton: bool,
+    want_dh: bool,
+    want_dw: bool,
+) -> tuple[Tensor, Tensor]:
+    dh = hidden.new_empty(hidden.shape if want_dh else (0,))
+    dw = weight.new_empty(weight.shape if want_dw else (0,))
+    return dh, dw
+
+
+def _linear_ce_setup(ctx, inputs, output) -> None:
+    hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton, dh_on, dw_on = (
+        inputs[:10]
+    )
+    _loss, dh, dw = output
+    ctx.mark_non_differentiable(dh, dw)
+    ctx.set_materialize_grads(False)  # no zero-filled (N, D) and (V, D) grads for dh, dW
+    ctx.reduction = reduction
+    ctx.meta = (ignore_index, z_loss, chunk, use_triton)
+    ctx.want = (dh_on, dw_on)
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, targets)
+    else:
+        ctx.save_for_backward(dh, dw)
+
+
+def _traced(t: Tensor) -> bool:
+    # AOTAutograd traces backward on fake/functional tensor subclasses, where a value cannot be
+    # read; torch < 2.13 does not report is_compiling() there, so the type is checked too.
+    return torch.compiler.is_compiling() or type(t) is not torch.Tensor
+
+
+def linear_ce_grads(
+    reduction: str,
+    saved: tuple[Tensor, ...],
+    meta: tuple[int, float, int, bool],
+    want: tuple[bool, bool],
+    grad_out: Tensor,
+) -> tuple[Tensor | None, Tensor | None]:
+    """(dh, dW) of the fused loss given the incoming gradient (the op's autograd). ``saved``:
+    (dh, dW) from the forward for mean/sum, (hidden, weight, targets) for "none"; ``want``:
+    which gradients are needed."""
+    want_dh, want_dw = want
+    if reduction == "none":
+        hidden, weight, targets = saved
+        ignore_index, z_loss, chunk, use_triton = meta
+        dh, dw = linear_ce_bwd(
+            hidden, weight, targets, grad_out, ignore_index, z_loss, chunk, use_triton, want_dh,
+            want_dw,
+        )  # fmt: skip
+    else:
+        dh, dw = saved
+        # Eager: the loss is usually the root (grad 1), so skip two full-size rescales (one
+        # host sync). Traced, the value is unknown and the multiply is one fused pass.
+        if _traced(grad_out) or not bool(grad_out == 1):
+            dh = dh * grad_out.to(dh.dtype) if want_dh else dh
+            dw = dw * grad_out.to(dw.dtype) if want_dw else dw
+    return (dh if want_dh else None), (dw if want_dw else None)
+
+
+def _linear_ce_backward(ctx, grad_out, _ddh, _ddw):
+    if grad_out is None:
+        return (None,) * 11
+    need_h, need_w = ctx.needs_input_grad[:2]
+    if ctx.reduction != "none":  # only what the forward computed can be scaled
+        need_h, need_w = need_h and ctx.want[0], need_w and ctx.want[1]
+    dh, dw = linear_ce_grads(ctx.reduction, ctx.saved_tensors, ctx.meta, (need_h, need_w), grad_out)
+    return (dh, dw) + (None,) * 9
+
+
+linear_ce_fwd = _define(
+    "linear_ce_fwd", _linear_ce_fwd, _linear_ce_fwd_fake, _linear_ce_backward, _linear_ce_setup
+)
+linear_ce_bwd = _define("linear_ce_bwd", _linear_ce_bwd, _linear_ce_bwd_fake)
+
 
 Reduction = Literal["mean", "sum", "none"]
+
+MatmulInto = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None]
+"""``mm(a, b, out, accumulate)``: ``out = a @ b`` (or ``out += a @ b``), no autograd."""
+
+
+def torch_matmul_into(
+    a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool
+) -> None:
+    """The chunk loop's default GEMM: torch's (cuBLAS on CUDA), written into ``out``."""
+    if accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
 
 
 def linear_cross_entropy_reference(
@@ -136,8 +306,12 @@ def _accumulate(
     use_triton: bool,
     want_dh: bool,
     want_dw: bool,
+    mm: MatmulInto = torch_matmul_into,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """One pass over the chunks: loss rows (N,) float32 and, if asked, dh (N, D) and dW (V, D)."""
+    """One pass over the chunks: loss rows (N,) float32 and, if asked, dh (N, D) and dW (V, D).
+
+    ``mm`` runs the chunk's three GEMMs (an argument, not a process global, so an experiment
+    with another GEMM passes its own without touching the library)."""
     n = hidden.shape[0]
     w = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
     acc_t = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -149,23 +323,22 @@ def _accumulate(
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
         h = hidden[r0:r1]  # (n, D)
-        # The chunk's GEMMs: tuned (train.matmul) where that applies, torch's otherwise.
         logits = h.new_empty((r1 - r0, w.shape[0]))  # (n, V): the only logits alive at any time
-        matmul.mm_into(h, w.T, logits)
+        mm(h, w.T, logits, False)
         g = _chunk_(
             logits, targets[r0:r1], row_scale[r0:r1], ignore_index, z_loss, grad, use_triton,
             loss[r0:r1],
         )  # fmt: skip
         if dh is not None:
-            matmul.mm_into(g, w, dh[r0:r1])  # (n, D)
+            mm(g, w, dh[r0:r1], False)  # (n, D)
         if dw is not None:
             if r0 == 0:
                 if dw.dtype == g.dtype:
-                    matmul.mm_into(g.T, h, dw)  # (V, D)
+                    mm(g.T, h, dw, False)  # (V, D)
                 else:
                     dw.copy_(g.T @ h)
             elif dw.dtype == g.dtype:
-                matmul.mm_into(g.T, h, dw, accumulate=True)  # (V, D)
+                mm(g.T, h, dw, True)  # (V, D)
             else:
                 dw += (g.T @ h).to(dw.dtype)
         del logits, g
@@ -261,45 +434,6 @@ def _fused_backward_rows(
         return dh, dw
 
 
-class FusedLinearCrossEntropy(torch.autograd.Function):
-    """``apply(hidden (N, D), weight (V, D), targets (N,), ignore_index, z_loss, reduction,
-    chunk, use_triton, needs_grad)`` → loss; see the module docstring for the scheme.
-
-    Runs the custom ops ``torch.ops.lmforge.linear_ce_fwd/bwd`` that
-    :func:`fused_linear_cross_entropy` uses with their own (compile-traceable) autograd; kept
-    for callers of ``.apply``.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, hidden, weight, targets, ignore_index, z_loss, reduction, chunk, use_triton, needs_grad
-    ):
-        want_dh = bool(needs_grad) and ctx.needs_input_grad[0] and reduction != "none"
-        want_dw = bool(needs_grad) and ctx.needs_input_grad[1] and reduction != "none"
-        loss, dh, dw = _ops.linear_ce_fwd(
-            hidden, weight, targets, ignore_index, float(z_loss), reduction, chunk, use_triton,
-            want_dh, want_dw, True,
-        )  # fmt: skip
-        ctx.reduction = reduction
-        ctx.meta = (ignore_index, float(z_loss), chunk, use_triton)
-        ctx.want = (want_dh, want_dw)
-        if reduction == "none":
-            ctx.save_for_backward(hidden, weight, targets)
-        else:
-            ctx.save_for_backward(dh, dw)
-        return loss  # float32 (float64 for float64 inputs)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        need_h, need_w = ctx.needs_input_grad[:2]
-        if ctx.reduction != "none":
-            need_h, need_w = need_h and ctx.want[0], need_w and ctx.want[1]
-        dh, dw = _ops.linear_ce_grads(
-            ctx.reduction, ctx.saved_tensors, ctx.meta, (need_h, need_w), grad_out
-        )
-        return dh, dw, None, None, None, None, None, None, None
-
-
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -363,7 +497,7 @@ def fused_linear_cross_entropy(
         )
     needs_grad = torch.is_grad_enabled() and (hidden2.requires_grad or weight.requires_grad)
     want = reduction != "none" and needs_grad  # mean/sum: gradients computed in the forward
-    loss, _, _ = _ops.linear_ce_fwd(
+    loss, _, _ = linear_ce_fwd(
         hidden2, weight, targets1, ignore_index, float(z_loss), reduction, chunk_rows or 0,
         use_triton, want and hidden2.requires_grad, want and weight.requires_grad, check_targets,
     )  # fmt: skip

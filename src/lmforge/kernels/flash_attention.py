@@ -16,7 +16,7 @@ Two implementations share this algorithm:
   * :class:`FlashAttentionTorch` — plain PyTorch tiles; for CPU and for reading.
   * :class:`FlashAttentionTriton` — the Triton kernels in ``_flash_triton`` (GPU, or CPU through
     ``TRITON_INTERPRET=1``), run as the custom ops ``torch.ops.lmforge.flash_attn_fwd/bwd``
-    (``_ops.py``) so that torch.compile traces :func:`flash_attention` without a graph break.
+    (``py``) so that torch.compile traces :func:`flash_attention` without a graph break.
 :func:`attention_reference` is the naive O(T²)-memory definition used by the tests (float64).
 
 Shapes: q (…, H, T, E), k/v (…, K, S, E) with H % K == 0; 3-D inputs (N, T, E) treat N as heads
@@ -29,9 +29,62 @@ import math
 from typing import Literal
 
 import torch
+from torch import Tensor
 
-from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, autocast_dtype, check_triton_tensors
+from lmforge.kernels._ops import _define, _unit_stride
+
+
+# -- the custom ops (torch.ops.lmforge.*) --------------------------------------------------
+def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _flash_triton
+
+    return _flash_triton.forward(_unit_stride(q), _unit_stride(k), _unit_stride(v), causal)
+
+
+def _flash_attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    b, h, t, e = q.shape
+    out = q.new_empty((b, h, t, e))  # (B, H, T, E)
+    lse = q.new_empty((b, h, t), dtype=torch.float32)  # (B, H, T)
+    return out, lse
+
+
+def _flash_attn_bwd(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    from lmforge.kernels import _flash_triton
+
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    return _flash_triton.backward(q, k, v, out.contiguous(), lse.contiguous(), dout, causal)
+
+
+def _flash_attn_bwd_fake(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _flash_setup(ctx, inputs, output) -> None:
+    q, k, v, causal = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero-filled dL for the logsumexp output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+
+
+def _flash_backward(ctx, dout, _dlse):
+    if dout is None:
+        return None, None, None, None
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(q, k, v, out, lse, dout, ctx.causal)
+    return dq, dk, dv, None
+
+
+flash_attn_fwd = _define(
+    "flash_attn_fwd", _flash_attn_fwd, _flash_attn_fwd_fake, _flash_backward, _flash_setup
+)
+flash_attn_bwd = _define("flash_attn_bwd", _flash_attn_bwd, _flash_attn_bwd_fake)
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +230,8 @@ class FlashAttentionTorch(torch.autograd.Function):
     """FlashAttention-2 in plain PyTorch tiles: ``FlashAttentionTorch.apply(q, k, v, is_causal)``.
 
     Simplification: tile loops run in Python (one tile size, no fused kernels), so it is slow; it
-    exists to run anywhere (CPU, float64) and to read the algorithm. Saves q, k, v, O and L only.
+    exists to run anywhere (CPU, float64) and to read the algorithm. Saves q, k, v, O and L only,
+    L with q's leading dims (``q.shape[:-1]``).
     """
 
     BLOCK = 64
@@ -188,7 +242,8 @@ class FlashAttentionTorch(torch.autograd.Function):
         qg, kg, vg = _grouped(q, k, v)
         out, lse = _torch_forward(qg, kg, vg, bool(is_causal), FlashAttentionTorch.BLOCK)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        # L is saved with q's leading dims: (batch, queries) for q of shape (batch, queries, d).
+        ctx.save_for_backward(q, k, v, out, lse.reshape(q.shape[:-1]))
         ctx.is_causal = bool(is_causal)
         return out.reshape(q.shape)
 
@@ -196,6 +251,7 @@ class FlashAttentionTorch(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         qg, kg, vg = _grouped(q, k, v)
+        lse = lse.reshape(out.shape[:-1])  # back to the grouped (B, K, G, T) layout
         dq, dk, dv = _torch_backward(
             qg, kg, vg, out, lse, dout.reshape(out.shape), ctx.is_causal, FlashAttentionTorch.BLOCK
         )
@@ -235,7 +291,8 @@ def _check_triton(
 class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton: ``FlashAttentionTriton.apply(q, k, v, is_causal)`` → O.
 
-    Saves q, k, v, O and the logsumexp L (B × H × T, float32). Raises
+    Saves q, k, v, O and the logsumexp L (float32, with q's leading dims: (batch, queries) for q
+    of shape (batch, queries, d)). Raises
     :class:`~lmforge.kernels.KernelUnsupportedError` for inputs it cannot handle (non-CUDA tensor
     outside the interpreter, dtype other than fp16/bf16/fp32, head dim not a power of two in
     16..256, head dim not contiguous). Runs the same custom ops as :func:`flash_attention`
@@ -248,8 +305,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, is_causal=True):  # type: ignore[override]
         _check_triton(q, k, v)
         q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
-        out, lse = _ops.flash_attn_fwd(q4, k4, v4, bool(is_causal))
-        ctx.save_for_backward(q4, k4, v4, out, lse)
+        out, lse = flash_attn_fwd(q4, k4, v4, bool(is_causal))
+        # L is saved with q's leading dims: (batch, queries) for q of shape (batch, queries, d).
+        ctx.save_for_backward(q4, k4, v4, out, lse.reshape(q.shape[:-1]))
         ctx.is_causal = bool(is_causal)
         ctx.shapes = (q.shape, k.shape, v.shape)
         return out.reshape(q.shape)
@@ -258,9 +316,8 @@ class FlashAttentionTriton(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q4, k4, v4, out, lse = ctx.saved_tensors
         qs, ks, vs = ctx.shapes
-        dq, dk, dv = _ops.flash_attn_bwd(
-            q4, k4, v4, out, lse, _as_4d(dout.reshape(qs)), ctx.is_causal
-        )
+        lse = lse.reshape(out.shape[:-1])  # (B, H, T) for the kernel
+        dq, dk, dv = flash_attn_bwd(q4, k4, v4, out, lse, _as_4d(dout.reshape(qs)), ctx.is_causal)
         return dq.reshape(qs), dk.reshape(ks), dv.reshape(vs), None
 
 
@@ -307,7 +364,7 @@ def flash_attention(
     q, k, v = _autocast(q, k, v)
     if backend == "triton":
         _check_triton(q, k, v)
-        out, _ = _ops.flash_attn_fwd(_as_4d(q), _as_4d(k), _as_4d(v), bool(is_causal))
+        out, _ = flash_attn_fwd(_as_4d(q), _as_4d(k), _as_4d(v), bool(is_causal))
         return out.reshape(q.shape)  # (…, H, T, E)
     if backend == "torch":
         return FlashAttentionTorch.apply(q, k, v, is_causal)

@@ -15,9 +15,60 @@ Exercise: ``pytest tests/test_kernels.py -k rms`` (CPU interpreter) and
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
+from lmforge.kernels._ops import _define, _unit_stride
+
+
+# -- the custom ops (torch.ops.lmforge.*) --------------------------------------------------
+def _rms_norm_fwd(
+    x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _rms_norm_triton
+
+    return _rms_norm_triton.forward(_unit_stride(x), weight.contiguous(), eps, out_dtype=out_dtype)
+
+
+def _rms_norm_fwd_fake(
+    x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor]:
+    y = x.new_empty(x.shape, dtype=out_dtype or x.dtype)  # (N, D)
+    return y, x.new_empty(x.shape[:1], dtype=torch.float32)  # (N,)
+
+
+def _rms_norm_bwd(x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _rms_norm_triton
+
+    x, weight, rstd = _unit_stride(x), weight.contiguous(), rstd.contiguous()
+    return _rms_norm_triton.backward(x, weight, rstd, _unit_stride(dy))
+
+
+def _rms_norm_bwd_fake(
+    x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor
+) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _rms_setup(ctx, inputs, output) -> None:
+    x, weight, _eps, _out_dtype = inputs
+    _y, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _rms_backward(ctx, dy, _drstd):
+    if dy is None:
+        return None, None, None, None
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_bwd(x, weight, rstd, dy)
+    return dx, dw if ctx.needs_input_grad[1] else None, None, None
+
+
+rms_norm_fwd = _define("rms_norm_fwd", _rms_norm_fwd, _rms_norm_fwd_fake, _rms_backward, _rms_setup)
+rms_norm_bwd = _define("rms_norm_bwd", _rms_norm_bwd, _rms_norm_bwd_fake)
+
 
 MAX_DIM = 16384  # one row (a block of ≤ 16384 values) is held in registers
 
@@ -54,29 +105,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-class RMSNormTriton(torch.autograd.Function):
-    """Autograd wrapper over the Triton kernels; ``RMSNormTriton.apply(x, weight, eps)``.
-
-    Runs the custom ops ``torch.ops.lmforge.rms_norm_fwd/bwd`` that :func:`rms_norm` uses with
-    their own (compile-traceable) autograd; kept for callers of ``.apply``.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, eps=1e-5):  # type: ignore[override]
-        _check(x, weight)
-        x2 = _rows(x)  # (N, D)
-        y, rstd = _ops.rms_norm_fwd(x2, weight, float(eps), None)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.x_shape = x.shape
-        return y.reshape(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        x2, weight, rstd = ctx.saved_tensors
-        dx, dw = _ops.rms_norm_bwd(x2, weight, rstd, dy.reshape(-1, x2.shape[-1]))
-        return dx.reshape(ctx.x_shape), dw, None
-
-
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -96,5 +124,5 @@ def rms_norm(
     _check(x, weight)
     if out_dtype is not None and out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise KernelUnsupportedError(f"rms_norm: out_dtype {out_dtype} is not supported")
-    y, _ = _ops.rms_norm_fwd(_rows(x), weight, float(eps), out_dtype)  # (N, D)
+    y, _ = rms_norm_fwd(_rows(x), weight, float(eps), out_dtype)  # (N, D)
     return y.reshape(x.shape)

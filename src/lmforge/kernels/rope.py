@@ -12,9 +12,109 @@ Exercise: ``pytest tests/test_kernels_interp.py`` (interpreter) and ``-m gpu``.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
+from lmforge.kernels._ops import _define
+
+
+# -- the custom ops (torch.ops.lmforge.*) --------------------------------------------------
+def _rope(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, heads: int) -> Tensor:
+    # heads = 1: x (…, T, E); heads = H: x (…, T, H, E) (positions on the third-last axis).
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.rope(
+        x.contiguous(), cos.contiguous(), sin.contiguous(), inverse, heads
+    )
+
+
+def _rope_fake(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, heads: int) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    _x, cos, sin, inverse, heads = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.inverse, ctx.heads = inverse, heads
+
+
+def _rope_backward(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    # The rotation's adjoint is the inverse rotation; the tables get no gradient.
+    return rope_op(dy, cos, sin, not ctx.inverse, ctx.heads), None, None, None, None
+
+
+def _rope_packed_split(
+    qk: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_k: int, inverse: bool
+) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.rope_packed(
+        qk.contiguous(), None, None, cos.contiguous(), sin.contiguous(), n_q, n_k, inverse
+    )
+
+
+def _rope_packed_split_fake(
+    qk: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_k: int, inverse: bool
+) -> tuple[Tensor, Tensor]:
+    e = qk.shape[-1] // (n_q + n_k)
+    lead = qk.shape[:-1]
+    return qk.new_empty((*lead, n_q, e)), qk.new_empty((*lead, n_k, e))
+
+
+def _rope_packed_join(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_k: int, inverse: bool
+) -> Tensor:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.rope_packed(
+        None, q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous(), n_q, n_k,
+        inverse,
+    )  # fmt: skip
+
+
+def _rope_packed_join_fake(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_k: int, inverse: bool
+) -> Tensor:
+    return q.new_empty((*q.shape[:-2], (n_q + n_k) * q.shape[-1]))
+
+
+def _rope_packed_setup(ctx, inputs, output) -> None:
+    cos, sin, n_q, n_k, inverse = inputs[-5:]
+    ctx.save_for_backward(cos, sin)
+    ctx.meta = (n_q, n_k, not inverse)
+
+
+def _rope_packed_split_backward(ctx, dq, dk):
+    cos, sin = ctx.saved_tensors
+    if dq is None:
+        dq = torch.zeros_like(dk[..., :1, :]).expand(*dk.shape[:-2], ctx.meta[0], dk.shape[-1])
+    if dk is None:
+        dk = torch.zeros_like(dq[..., :1, :]).expand(*dq.shape[:-2], ctx.meta[1], dq.shape[-1])
+    return rope_packed_join(dq, dk, cos, sin, *ctx.meta), None, None, None, None, None
+
+
+def _rope_packed_join_backward(ctx, dqk):
+    cos, sin = ctx.saved_tensors
+    dq, dk = rope_packed_split(dqk, cos, sin, *ctx.meta)
+    return dq, dk, None, None, None, None, None
+
+
+rope_op = _define("rope", _rope, _rope_fake, _rope_backward, _rope_setup)
+rope_packed_split = _define(
+    "rope_packed_split",
+    _rope_packed_split,
+    _rope_packed_split_fake,
+    _rope_packed_split_backward,
+    _rope_packed_setup,
+)
+rope_packed_join = _define(
+    "rope_packed_join",
+    _rope_packed_join,
+    _rope_packed_join_fake,
+    _rope_packed_join_backward,
+    _rope_packed_setup,
+)
 
 
 def rope_reference(
@@ -46,23 +146,6 @@ def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seq_dim: int =
         )
 
 
-class RoPETriton(torch.autograd.Function):
-    """``RoPETriton.apply(x, cos, sin)`` → rotated x; no gradient for the tables. Runs the custom
-    op ``torch.ops.lmforge.rope`` that :func:`rope` uses with its own autograd."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):  # type: ignore[override]
-        _check(x, cos, sin)
-        c, s = cos.float(), sin.float()
-        ctx.save_for_backward(c, s)
-        return _ops.rope(x, c, s, False, 1)
-
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        c, s = ctx.saved_tensors
-        return _ops.rope(dy, c, s, True, 1), None, None
-
-
 def rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, seq_dim: int = -2
 ) -> torch.Tensor:
@@ -74,7 +157,7 @@ def rope(
     inverse rotation), so torch.compile traces through it."""
     _check(x, cos, sin, seq_dim)
     heads = 1 if seq_dim == -2 else x.shape[-2]
-    return _ops.rope(x, cos.float(), sin.float(), False, heads)
+    return rope_op(x, cos.float(), sin.float(), False, heads)
 
 
 def rope_packed_reference(
@@ -109,4 +192,4 @@ def rope_packed(
             f"rope_packed: cos/sin must be {want} (T, E/2), got {tuple(cos.shape)}, "
             f"{tuple(sin.shape)}"
         )
-    return _ops.rope_packed_split(qk, cos.float(), sin.float(), n_q, n_k, False)
+    return rope_packed_split(qk, cos.float(), sin.float(), n_q, n_k, False)

@@ -11,9 +11,81 @@ Exercise: ``pytest tests/test_kernels_interp.py`` (interpreter) and ``-m gpu``.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from lmforge.kernels import _ops
 from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
+from lmforge.kernels._ops import _define
+
+
+# -- the custom ops (torch.ops.lmforge.*) --------------------------------------------------
+def _swiglu_fwd(a: Tensor, b: Tensor) -> Tensor:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.swiglu_forward(a.contiguous(), b.contiguous())
+
+
+def _swiglu_fwd_fake(a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty(a.shape)
+
+
+def _swiglu_bwd(a: Tensor, b: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.swiglu_backward(a.contiguous(), b.contiguous(), dy.contiguous())
+
+
+def _swiglu_bwd_fake(a: Tensor, b: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    return a.new_empty(a.shape), b.new_empty(b.shape)
+
+
+def _swiglu_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dy):
+    a, b = ctx.saved_tensors
+    return swiglu_bwd(a, b, dy)
+
+
+def _swiglu_packed_fwd(ab: Tensor) -> Tensor:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.swiglu_packed_forward(ab.contiguous())
+
+
+def _swiglu_packed_fwd_fake(ab: Tensor) -> Tensor:
+    return ab.new_empty((*ab.shape[:-1], ab.shape[-1] // 2))
+
+
+def _swiglu_packed_bwd(ab: Tensor, dy: Tensor) -> Tensor:
+    from lmforge.kernels import _elementwise_triton
+
+    return _elementwise_triton.swiglu_packed_backward(ab.contiguous(), dy.contiguous())
+
+
+def _swiglu_packed_bwd_fake(ab: Tensor, dy: Tensor) -> Tensor:
+    return ab.new_empty(ab.shape)
+
+
+def _swiglu_packed_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_packed_backward(ctx, dy):
+    (ab,) = ctx.saved_tensors
+    return swiglu_packed_bwd(ab, dy)
+
+
+swiglu_fwd = _define("swiglu_fwd", _swiglu_fwd, _swiglu_fwd_fake, _swiglu_backward, _swiglu_setup)
+swiglu_bwd = _define("swiglu_bwd", _swiglu_bwd, _swiglu_bwd_fake)
+swiglu_packed_fwd = _define(
+    "swiglu_packed_fwd",
+    _swiglu_packed_fwd,
+    _swiglu_packed_fwd_fake,
+    _swiglu_packed_backward,
+    _swiglu_packed_setup,
+)
+swiglu_packed_bwd = _define("swiglu_packed_bwd", _swiglu_packed_bwd, _swiglu_packed_bwd_fake)
 
 
 def swiglu_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -32,28 +104,12 @@ def _check(a: torch.Tensor, b: torch.Tensor) -> None:
         )
 
 
-class SwiGLUTriton(torch.autograd.Function):
-    """``SwiGLUTriton.apply(a, b)`` → silu(a)·b; saves a and b only. Runs the custom ops
-    ``torch.ops.lmforge.swiglu_fwd/bwd`` that :func:`swiglu` uses with their own autograd."""
-
-    @staticmethod
-    def forward(ctx, a, b):  # type: ignore[override]
-        _check(a, b)
-        ctx.save_for_backward(a, b)
-        return _ops.swiglu_fwd(a, b)
-
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        a, b = ctx.saved_tensors
-        return _ops.swiglu_bwd(a, b, dy)
-
-
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Fused silu(a) ⊙ b (the SwiGLU gate); a, b same shape and dtype (fp16/bf16/fp32) on CUDA
     (or CPU under ``TRITON_INTERPRET=1``); differentiable. Raises KernelUnsupportedError else.
     A custom op (``torch.ops.lmforge.swiglu_fwd``), so torch.compile traces through it."""
     _check(a, b)
-    return _ops.swiglu_fwd(a, b)
+    return swiglu_fwd(a, b)
 
 
 def swiglu_packed_reference(ab: torch.Tensor) -> torch.Tensor:
@@ -74,4 +130,4 @@ def swiglu_packed(ab: torch.Tensor) -> torch.Tensor:
         raise KernelUnsupportedError(
             f"swiglu_packed: the last dimension must be even (2F), got {tuple(ab.shape)}"
         )
-    return _ops.swiglu_packed_fwd(ab)
+    return swiglu_packed_fwd(ab)

@@ -171,11 +171,9 @@ def _layer_activation_bytes(
     d, e, h, k, f = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim
     # RMSNorm (fp32 math on the fp32 residual): its input, the normalised x and 1/rms.
     norm = 4 * (2 * d + 1)
-    # The matmul inputs: autocast makes one bf16 copy per consuming matmul (q, k, v; w1, w3),
-    # so one each with fused projections (one matmul for q|k|v, one for w1|w3).
-    separate = autocast and not cfg.fused_projections
-    attn_in = a * d * (3 if separate else 1)
-    ffn_in = a * d * (2 if separate else 1)
+    # The matmul inputs: autocast makes one bf16 copy per consuming matmul (q, k, v; w1, w3).
+    attn_in = a * d * (3 if autocast else 1)
+    ffn_in = a * d * (2 if autocast else 1)
     qk_norm = 4 * (2 * h * e + h + 2 * k * e + k) if cfg.qk_norm else 0
     # RoPE keeps, for q and for k, the gathered cos (fp32, (T, E/2)) and the signed sin pairs
     # ((T, E/2, 2)), shared by the rows of the batch.
@@ -191,18 +189,9 @@ def _layer_activation_bytes(
     # output: output_proj's input is then a view of the tensor attention saved. The reference
     # attention's (B, H, T, E) output is copied by the reshape.
     out_proj_in = 0 if fused_attention else a * h * e
-    # Fused projections: q, k, v are views of one (H+2K)·E matmul output, kept whole while any
-    # view of it is saved (v by SDPA/flash; q and k by QK-norm in fp32, where .float() is not a
-    # copy); what is held beyond the parts counted above.
-    qkv_buffer = 0
-    fp32_qk_norm = cfg.qk_norm and not autocast
-    if cfg.fused_projections and (fused_attention or fp32_qk_norm):
-        qkv_buffer = a * (h + 2 * k) * e
-        qkv_buffer -= a * k * e if fused_attention else 0
-        qkv_buffer -= 4 * (h + k) * e if fp32_qk_norm else 0
     # SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x and their product (w2's input).
     ffn = a * 5 * f
-    attn_total = attn_in + qk_norm + rope + attn + qkv_buffer + out_proj_in
+    attn_total = attn_in + qk_norm + rope + attn + out_proj_in
     return norm + attn_total + norm + ffn_in + ffn
 
 
@@ -224,10 +213,9 @@ def activation_bytes(
     T×T scores are not stored. ``include_loss`` adds the fp32 log-probabilities (V per token) a
     full-logit cross-entropy keeps. With ``activation_checkpointing`` each block keeps only its
     input and one block's activations exist at a time (during its recomputation).
-    ``cfg.fused_projections`` is followed (one autocast copy of each block input instead of
-    three and two; in fp32 the concatenated weights are saved). Simplifications: masks, position
-    ids and allocator rounding are ignored; the fused Triton RMSNorm and loss kernels save less
-    than modelled; tensor parallelism (which disables fused projections) is not modelled.
+    Simplifications: masks, position ids and allocator rounding are ignored; the fused Triton
+    RMSNorm, RoPE, SwiGLU and loss kernels save less than modelled; tensor parallelism is not
+    modelled.
     """
     if fused_attention is None:
         fused_attention = cfg.attention != "reference"
@@ -244,15 +232,10 @@ def activation_bytes(
     live_blocks = 1 if activation_checkpointing else cfg.n_layers
     weight_copies = 0.0
     if precision != "fp32":
-        # autocast's bf16/fp16 copies of the matmul weights, saved for backward (with fused
-        # projections the q|k|v and w1|w3 copies are one concatenated copy each: same bytes).
+        # autocast's bf16/fp16 copies of the matmul weights, saved for backward.
         head = cfg.vocab_size * d
         per_block = (matmul_parameters(cfg) - head) / cfg.n_layers
         weight_copies = a * (head + per_block * live_blocks)
-    elif cfg.fused_projections:
-        # In fp32 the concatenated q|k|v and w1|w3 weights are new tensors the matmuls save.
-        e, h, k, f = cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim
-        weight_copies = 4 * d * ((h + 2 * k) * e + 2 * f) * live_blocks
     return int(tokens * (blocks + final + loss) + weight_copies)
 
 

@@ -40,36 +40,28 @@ class ModelConfig:
     "share the token-embedding matrix with the LM head"
     logit_soft_cap: float | None = None
     "cap logits to ±c via c·tanh(x/c) (None = off)"
-    attention: Literal["reference", "sdpa", "cudnn", "flash", "auto"] = "sdpa"
-    "attention backend: reference (own math), sdpa (torch's default choice), cudnn (torch SDPA"
-    " with its cuDNN kernel first, for torch builds or GPUs whose default picks another; torch"
-    " 2.11 on an H200 already picks cuDNN for sdpa), flash (lmforge Triton), auto"
+    attention: Literal["reference", "sdpa", "flash", "auto"] = "sdpa"
+    "attention backend: reference (own math), sdpa (torch's; cuDNN's kernel on an H200), flash"
+    " (lmforge's Triton FlashAttention-2), auto = the measured-best here (sdpa; see"
+    " lmforge.model.fastpath)"
     norm: Literal["reference", "triton", "auto"] = "reference"
-    "RMSNorm backend: reference (own math) or lmforge's fused Triton kernel"
+    "RMSNorm backend: reference (own math, compiler-fused) or lmforge's Triton kernel; auto ="
+    " the measured-best here (reference)"
     rope: Literal["reference", "triton", "packed", "auto"] = "reference"
-    "RoPE backend: reference (own math, compiler-fused) or lmforge's Triton kernel, which"
-    " rotates q and k in the layout the projections write, before the head transpose (training"
-    " and prefill without explicit positions or a KV cache; otherwise the reference); packed ="
-    " the kernel with q and k from one GEMM against cat([Wq, Wk]), rotated out of its output in"
-    " one launch (its backward writes that GEMM's gradient directly; triton where QK-norm or"
-    " fused_projections is on); auto = packed on CUDA. GPT-2-small on an H200: 55.7 vs 55.9"
-    " ms/step for triton"
+    "RoPE backend: reference (own math, compiler-fused), triton (lmforge's kernel on q and k in"
+    " the projections' layout, before the head transpose; training and prefill without explicit"
+    " positions or a KV cache), packed (q and k from one GEMM against cat([Wq, Wk]), rotated in"
+    " one launch; triton under QK-norm); auto = packed on CUDA (59.9 vs 61.1 ms/step for the"
+    " reference, GPT-2-small on an H200), else reference"
     swiglu: Literal["reference", "triton", "auto"] = "reference"
     "SwiGLU gate backend: reference (own math, compiler-fused) or lmforge's Triton gate on one"
     " packed matmul output (w1 and w3 as one GEMM; the gate's backward writes that GEMM's"
-    " gradient directly, no concatenation); auto = the kernel on CUDA. GPT-2-small on an H200:"
-    " 56.4 vs 56.8 ms/step (the w1/w3 GEMMs at 726-800 instead of 689-766 TFLOP/s)"
+    " gradient directly); auto = triton on CUDA (56.4 vs 56.8 ms/step on an H200), else reference"
     residual_dtype: Literal["param", "autocast"] = "param"
     "dtype of the residual stream (the sum the blocks add into): param = the embedding's (fp32"
     " master weights keep an fp32 stream under autocast, as nanoGPT does); autocast = under"
     " autocast the stream is held in its dtype (bf16), as bf16 training stacks hold activations:"
     " the norms and residual adds then read and write half the bytes. No effect without autocast"
-    fused_projections: bool = False
-    "one matmul for q/k/v and one for SwiGLU's w1/w3 (same weights and names). Off by default:"
-    " on an H200 (GPT-2-small, batch 32, compiled) it measured 59.2 vs 57.1 ms/step, at 12.77 vs"
-    " 11.65 GiB: the GEMMs get faster, but q and k become strided copies before RoPE, backward"
-    " concatenates dq/dk/dv and w1/w3's gradients, and the qkv output is kept whole. swiglu ="
-    " 'auto' fuses w1/w3 alone without those copies"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -88,9 +80,9 @@ class ModelConfig:
             raise ValueError(f"d_ff must be positive, got {self.d_ff}")
         if self.logit_soft_cap is not None and self.logit_soft_cap <= 0:
             raise ValueError(f"logit_soft_cap must be positive or unset, got {self.logit_soft_cap}")
-        if self.attention not in ("reference", "sdpa", "cudnn", "flash", "auto"):
+        if self.attention not in ("reference", "sdpa", "flash", "auto"):
             raise ValueError(
-                f"attention must be reference, sdpa, cudnn, flash or auto, got {self.attention!r}"
+                f"attention must be reference, sdpa, flash or auto, got {self.attention!r}"
             )
         if self.norm not in ("reference", "triton", "auto"):
             raise ValueError(f"norm must be reference, triton or auto, got {self.norm!r}")

@@ -12,7 +12,6 @@ D model dim, H query heads, K kv-heads, E head dim, V vocab, F ffn dim; ``...`` 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,24 +56,17 @@ class Linear(nn.Module):
         """Re-draw the weights (deterministic under ``torch.manual_seed``)."""
         _trunc_normal_(self.weight, self.init_std)
 
-    # How x @ Wᵀ runs: None is torch's matmul; the trainer sets lmforge.kernels.matmul.linear
-    # here for train.matmul = tuned (the same product through the tuned GEMM op). An attribute,
-    # not a parameter: checkpoints and state dicts never see it.
-    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_in) -> (..., d_out)."""
-        return project(x, self.weight, self)
+        return project(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_out={self.d_out}"
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, like: Linear) -> torch.Tensor:
-    """``x @ weight.t()`` run as the Linear ``like`` runs its own (its ``matmul``), for weights
-    it owns or concatenations of them (one GEMM for several projections)."""
-    if like.matmul is not None:
-        return like.matmul(x, weight)
+def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.t()``, for a Linear's own weight or a concatenation of several (one GEMM for
+    several projections)."""
     # matmul with the transposed view lets autocast pick the bf16 kernel and keeps the
     # (d_out, d_in) layout that HF and nn.Linear checkpoints use.
     return x @ weight.t()  # (..., d_out)
@@ -102,7 +94,7 @@ def _fusable(*linears: nn.Module) -> bool:
         return False
     first = linears[0].weight
     for m in linears:
-        if type(m) is not Linear or "forward" in m.__dict__ or m.matmul is not linears[0].matmul:
+        if type(m) is not Linear or "forward" in m.__dict__:
             return False
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             return False
@@ -223,15 +215,8 @@ class SwiGLU(nn.Module):
     ``d_ff`` defaults to 8/3·d_model rounded up to a multiple of 64, which keeps the parameter
     count of a 4·d_model ReLU MLP while staying friendly to matmul tiling.
 
-    With ``fused`` (the default) ``w1 x`` and ``w3 x`` come from one matmul against
-    ``cat([w1.weight, w3.weight])``: one larger GEMM instead of two (forward and backward), and
-    one autocast cast of ``x`` instead of two. The price is a copy of the two (F, D) weights per
-    call (written by the cast that autocast does anyway, see :func:`_cat_weights`); gradients
-    flow back through
-    the concatenation into ``w1.weight`` and ``w3.weight``, so names, shapes, init and state dicts
-    are those of the three modules. Falls back to calling ``w1`` and ``w3`` when that is not
-    equivalent (hooks, e.g. tensor parallelism's; see :func:`_fusable`). ``fused=False`` is the
-    reference the fused path is tested against.
+    The packed fast path (one GEMM for w1 and w3, lmforge's Triton gate) lives in
+    :class:`lmforge.model.transformer._FFN`; this is its reference.
     """
 
     def __init__(
@@ -240,26 +225,18 @@ class SwiGLU(nn.Module):
         d_ff: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        *,
-        fused: bool = True,
     ) -> None:
         super().__init__()
         d_ff = default_d_ff(d_model) if d_ff is None else d_ff
         self.d_model = d_model
         self.d_ff = d_ff
-        self.fused = fused
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., D)."""
-        if self.fused and _fusable(self.w1, self.w3):
-            w1, w3 = self.w1.weight, self.w3.weight
-            w13 = _cat_weights([w1, w3])  # (2F, D)
-            gate, up = project(x, w13, self.w1).split([w1.shape[0], w3.shape[0]], dim=-1)
-        else:
-            gate, up = self.w1(x), self.w3(x)  # (..., F) each
+        gate, up = self.w1(x), self.w3(x)  # (..., F) each
         return self.w2(silu(gate) * up)  # (..., F) -> (..., D)
 
 

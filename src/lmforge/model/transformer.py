@@ -7,34 +7,25 @@ takes and returns tensors only, so a wrapper can replace ``model.layers[i]``.
 Shape legend: B batch, T sequence, S key/value slots, D model dim, H query heads, K kv-heads,
 E head dim, V vocab, F ffn dim.
 
-Attention backends (``ModelConfig.attention``):
+Backends (``ModelConfig.attention``, ``norm``, ``rope``, ``swiglu``): each module is built with a
+concrete backend; ``auto`` is resolved once, at construction, by
+:func:`lmforge.model.fastpath.resolve_backends` for the device the model is built on (the
+measured-best path there), so the trainer's :class:`~lmforge.train.FastPath` and a model built on
+its own agree. A Triton backend still falls back to its reference per call where the kernel does
+not apply (a CPU tensor, explicit positions, a KV cache, hooks on the projections).
 
-- ``reference``: :func:`lmforge.model.scaled_dot_product_attention` with an explicit causal mask
-  (K/V heads repeated for GQA);
-- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``, with
-  ``enable_gqa`` on torch ≥ 2.5 (K/V repeated before that);
-- ``cudnn``: the same SDPA call with cuDNN's fused attention put first in torch's backend order
-  (``torch.nn.attention.sdpa_kernel(..., set_priority=True)``); where cuDNN does not take the
-  input (CPU, a layout or head dim it lacks) torch picks its next backend as ``sdpa`` would;
-- ``flash``: ``lmforge.kernels.flash_attention(q, k, v, is_causal=True)`` (lmforge's Triton
-  FlashAttention), resolved when the model is built;
-- ``auto``: ``flash`` when ``lmforge.kernels.flash_supported(q, k, v)`` says so, else ``sdpa``.
-
-With a :class:`~lmforge.model.KVCache` every backend but ``reference`` uses torch SDPA with the
-cache's boolean mask (prefill of padded prompts and one-token decode are both just masked
-attention over the filled slots).
-
-RoPE backends (``ModelConfig.rope``): ``reference`` (:class:`lmforge.model.RotaryEmbedding`),
-``triton`` (``lmforge.kernels.rope`` on q and k as the projections lay them out, (B, T, H, E),
-before the head transpose; used when positions are 0..T-1 and there is no KV cache), ``packed``
-(q and k from one matmul against ``cat([Wq, Wk])``, rotated by ``lmforge.kernels.rope_packed``
-in one launch into separate q and k, its backward writing that matmul's gradient directly;
-``triton`` where the projections cannot be fused or QK-norm sits between them and RoPE),
-``auto`` (``packed`` on CUDA).
-
-RMSNorm backends (``ModelConfig.norm``): ``reference`` (:class:`lmforge.model.RMSNorm`),
-``triton`` (``lmforge.kernels.rms_norm``), ``auto`` (the kernel where
-``lmforge.kernels.rms_norm_supported`` accepts the input, i.e. on CUDA; else the reference).
+- attention: ``reference`` (:func:`lmforge.model.scaled_dot_product_attention`, explicit causal
+  mask, K/V repeated for GQA), ``sdpa`` (``F.scaled_dot_product_attention(is_causal=True)``, which
+  picks cuDNN's kernel on an H200), ``flash`` (lmforge's Triton FlashAttention-2 where
+  ``flash_supported`` accepts the input, else sdpa). With a :class:`~lmforge.model.KVCache` every
+  backend but ``reference`` uses torch SDPA with the cache's boolean mask.
+- norm: ``reference`` (:class:`lmforge.model.RMSNorm`) or ``triton`` (``lmforge.kernels.rms_norm``).
+- rope: ``reference`` (:class:`lmforge.model.RotaryEmbedding`), ``triton`` (``lmforge.kernels.rope``
+  on q and k as the projections lay them out, (B, T, H, E), before the head transpose), ``packed``
+  (q and k from one matmul against ``cat([Wq, Wk])``, rotated by ``lmforge.kernels.rope_packed`` in
+  one launch, its backward writing that matmul's gradient directly; ``triton`` under QK-norm).
+- swiglu: ``reference`` (:class:`lmforge.model.SwiGLU`) or ``triton`` (one GEMM against
+  ``cat([w1, w3])`` through ``lmforge.kernels.swiglu_packed``).
 
 Exercised by ``pytest tests/test_model.py`` (and ``pytest -m gpu tests/test_model.py`` for the
 Triton backends).
@@ -42,15 +33,23 @@ Triton backends).
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.kernels import (
+    flash_attention,
+    flash_supported,
+    rms_norm,
+    rms_norm_supported,
+    rope,
+    rope_packed,
+    swiglu_packed,
+)
 from lmforge.model.config import ModelConfig
+from lmforge.model.fastpath import resolve_backends
 from lmforge.model.kv_cache import KVCache
 from lmforge.model.layers import (
     Embedding,
@@ -64,27 +63,19 @@ from lmforge.model.layers import (
     project,
     scaled_dot_product_attention,
 )
-from lmforge.utils.errors import LmforgeError
 
 
-def _kernel(name: str) -> Callable[..., Any] | None:
-    """``lmforge.kernels.<name>`` or None when the kernels package does not provide it."""
-    try:
-        module = importlib.import_module("lmforge.kernels")
-    except ImportError:
-        return None
-    return getattr(module, name, None)
+def _kernel_runs_on(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel takes input x: a CUDA tensor (or the CPU interpreter under
+    ``TRITON_INTERPRET=1``) whose matmul-output dtype (autocast's for an fp32 x under autocast)
+    is fp16/bf16/fp32."""
+    from lmforge.kernels._common import interpreting
 
-
-def _triton_runs_on(x: torch.Tensor, available: Callable[[], bool] | None) -> bool:
-    """Whether an ``auto`` backend takes its Triton kernel for input x: CUDA, the 'triton'
-    package present, and the dtype of the matmul output the kernel reads (autocast's for an
-    fp32 x under autocast, else x's) one of fp16/bf16/fp32."""
     dtype = x.dtype
     if torch.is_autocast_enabled(x.device.type) and dtype == torch.float32:
         dtype = torch.get_autocast_dtype(x.device.type)
     fits = dtype in (torch.float16, torch.bfloat16, torch.float32)
-    return x.is_cuda and fits and available is not None and available()
+    return fits and (x.is_cuda or interpreting())
 
 
 def _torch_version() -> tuple[int, int]:
@@ -98,35 +89,17 @@ class _Norm(RMSNorm):
     def __init__(self, d_model: int, eps: float, backend: str = "reference") -> None:
         super().__init__(d_model, eps)
         self.backend = backend
-        self._fused: Callable[..., torch.Tensor] | None = None
-        self._supported: Callable[..., bool] | None = None
-        if backend in ("triton", "auto"):
-            self._fused = _kernel("rms_norm")
-            self._supported = _kernel("rms_norm_supported")
-            if self._fused is None and backend == "triton":
-                raise LmforgeError(
-                    "model.norm = 'triton' needs lmforge.kernels.rms_norm, which is not available"
-                )
-
-    def _use_fused(self, x: torch.Tensor) -> bool:
-        if self._fused is None:
-            return False
-        if self.backend == "triton":
-            return True
-        if self._supported is not None:
-            return self._supported(x, self.weight)
-        return x.is_cuda
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., D)."""
-        if self._use_fused(x):
+        if self.backend == "triton" and rms_norm_supported(x, self.weight):
             # Under autocast the norm's consumers are matmuls that would cast its output to the
             # autocast dtype anyway: the kernel writes that dtype directly (one bf16 write
             # instead of an fp32 write, a read and a bf16 write). Values are identical.
             out_dtype = None
             if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
                 out_dtype = torch.get_autocast_dtype(x.device.type)
-            return self._fused(x, self.weight, self.eps, out_dtype)
+            return rms_norm(x, self.weight, self.eps, out_dtype)
         return super().forward(x)
 
 
@@ -137,33 +110,15 @@ class _FFN(SwiGLU):
     so neither the split nor its concatenation in backward costs a copy."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config.d_model, config.ffn_dim, fused=config.fused_projections)
+        super().__init__(config.d_model, config.ffn_dim)
         self.backend = config.swiglu
-        self._packed: Callable[..., torch.Tensor] | None = None
-        self._triton_available: Callable[[], bool] | None = None
-        if self.backend in ("triton", "auto"):
-            self._packed = _kernel("swiglu_packed")
-            self._triton_available = _kernel("triton_available")
-            if self._packed is None and self.backend == "triton":
-                raise LmforgeError(
-                    "model.swiglu = 'triton' needs lmforge.kernels.swiglu_packed, "
-                    "which is not available"
-                )
-
-    def _use_packed(self, x: torch.Tensor) -> bool:
-        if self._packed is None or not _fusable(self.w1, self.w3):
-            return False
-        if self.backend == "triton":
-            return True
-        return _triton_runs_on(x, self._triton_available)  # auto: the kernel where it runs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., D) -> (..., D)."""
-        if not self._use_packed(x):
+        if not (self.backend == "triton" and _kernel_runs_on(x) and _fusable(self.w1, self.w3)):
             return super().forward(x)
-        assert self._packed is not None
         w13 = _cat_weights([self.w1.weight, self.w3.weight])  # (2F, D)
-        return self.w2(self._packed(project(x, w13, self.w1)))  # (…, 2F) -> (…, F) -> (…, D)
+        return self.w2(swiglu_packed(project(x, w13)))  # (…, 2F) -> (…, F) -> (…, D)
 
 
 class CausalSelfAttention(nn.Module):
@@ -172,15 +127,6 @@ class CausalSelfAttention(nn.Module):
     ``q_proj`` maps D -> H·E, ``k_proj``/``v_proj`` map D -> K·E (K = ``n_kv_heads`` ≤ H, query
     head h reads kv-head h // (H/K)), ``output_proj`` maps H·E -> D. QK-norm (when enabled) is an
     RMSNorm over each head vector with one E-sized gain shared by all heads, applied before RoPE.
-
-    With ``config.fused_projections`` (attribute ``fused_projections``, default off) q, k and v
-    come from one matmul against ``cat([q_proj.weight, k_proj.weight, v_proj.weight])``, split
-    afterwards: one larger GEMM instead of three, forward and backward, and one autocast cast of
-    the input instead of three. The concatenation copies the three weights each call (written by
-    the cast autocast does anyway) and its backward hands each named weight its own rows of the
-    gradient, so parameters and state dicts are unchanged. When the modules carry hooks (tensor
-    parallelism) or the weights differ in dtype/device, the three modules are called as before
-    (rule: :func:`lmforge.model.layers._fusable`).
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
@@ -190,7 +136,6 @@ class CausalSelfAttention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
-        self.fused_projections = config.fused_projections
         d, e = config.d_model, config.head_dim
         self.q_proj = Linear(d, self.n_heads * e)
         self.k_proj = Linear(d, self.n_kv_heads * e)
@@ -200,33 +145,9 @@ class CausalSelfAttention(nn.Module):
             self.q_norm = _Norm(e, config.norm_eps, config.norm)
             self.k_norm = _Norm(e, config.norm_eps, config.norm)
         self.rope = RotaryEmbedding(config.rope_theta, e, config.context_length)
-        self._rope_fused: Callable[..., torch.Tensor] | None = None
-        self._rope_packed: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._triton_available: Callable[[], bool] | None = None
-        if config.rope in ("triton", "packed", "auto"):
-            self._rope_fused = _kernel("rope")
-            self._triton_available = _kernel("triton_available")
-            if config.rope != "triton":
-                self._rope_packed = _kernel("rope_packed")
-            if config.rope != "auto" and (self._rope_fused is None or (
-                config.rope == "packed" and self._rope_packed is None
-            )):  # fmt: skip
-                raise LmforgeError(
-                    f"model.rope = {config.rope!r} needs lmforge.kernels.rope and rope_packed, "
-                    "which are not available"
-                )
+        self.rope_backend = config.rope
         self.backend = config.attention
         self._sdpa_gqa = _torch_version() >= (2, 5)
-        self._flash: Callable[..., torch.Tensor] | None = None
-        self._flash_supported: Callable[..., bool] | None = None
-        if self.backend in ("flash", "auto"):
-            self._flash = _kernel("flash_attention")
-            self._flash_supported = _kernel("flash_supported")
-            if self.backend == "flash" and self._flash is None:
-                raise LmforgeError(
-                    "model.attention = 'flash' needs lmforge.kernels.flash_attention, "
-                    "which is not available (use 'sdpa' or 'auto')"
-                )
 
     def forward(
         self,
@@ -243,11 +164,10 @@ class CausalSelfAttention(nn.Module):
             # q and k as one GEMM; one launch rotates them out of its (B, T, (H+K)·E) output.
             w = _cat_weights([self.q_proj.weight, self.k_proj.weight])  # ((H+K)·E, D)
             cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
-            assert self._rope_packed is not None
-            q, k = self._rope_packed(project(x, w, self.q_proj), cos, sin, h, k_heads)
+            q, k = rope_packed(project(x, w), cos, sin, h, k_heads)
             v = self.v_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
         else:
-            q, k, v = self._qkv(x)  # (B, T, H·E), (B, T, K·E), (B, T, K·E)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H·E|K·E|K·E)
             q = q.view(b, t, h, e)  # (B, T, H, E)
             k = k.view(b, t, k_heads, e)  # (B, T, K, E)
             v = v.view(b, t, k_heads, e)  # (B, T, K, E)
@@ -256,8 +176,8 @@ class CausalSelfAttention(nn.Module):
                 k = self.k_norm(k)
             if fused_rope:  # positions 0..T-1, rotated in the (B, T, H|K, E) layout: no copy
                 cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
-                q = self._rope_fused(q, cos, sin, seq_dim=-3)
-                k = self._rope_fused(k, cos, sin, seq_dim=-3)
+                q = rope(q, cos, sin, seq_dim=-3)
+                k = rope(k, cos, sin, seq_dim=-3)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, E)
         if not fused_rope:
             if token_positions is None:
@@ -277,33 +197,22 @@ class CausalSelfAttention(nn.Module):
     def _use_fused_rope(
         self, x: torch.Tensor, token_positions: torch.Tensor | None, kv_cache: KVCache | None
     ) -> bool:
-        if self._rope_fused is None or token_positions is not None or kv_cache is not None:
-            return False
-        if self.config.rope in ("triton", "packed"):
-            return True
-        return _triton_runs_on(x, self._triton_available)  # auto: the kernel where it runs
-
-    def _use_packed_rope(self) -> bool:
-        # Once the rotation runs in Triton: q and k from one GEMM unless the layer asks for the
-        # separate path (QK-norm between projection and rotation, fused q/k/v projections) or
-        # the two modules cannot be merged (hooks, dtypes).
+        # The kernels rotate positions 0..T-1 only, in the projections' (B, T, H, E) layout.
         return (
-            self._rope_packed is not None
-            and not self.config.qk_norm
-            and not self.fused_projections
-            and _fusable(self.q_proj, self.k_proj)
+            self.rope_backend in ("triton", "packed")
+            and token_positions is None
+            and kv_cache is None
+            and _kernel_runs_on(x)
         )
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T, D) -> q (B, T, H·E), k and v (B, T, K·E): one GEMM when equivalent, else three."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not (self.fused_projections and _fusable(*projs)):
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        weights = [p.weight for p in projs]
-        w = _cat_weights(weights)  # (H·E + 2·K·E, D)
-        qkv = project(x, w, self.q_proj)  # (B, T, H·E + 2·K·E)
-        q, k, v = qkv.split([wt.shape[0] for wt in weights], dim=-1)  # (B, T, H·E|K·E|K·E)
-        return q, k, v
+    def _use_packed_rope(self) -> bool:
+        # q and k from one GEMM unless QK-norm sits between projection and rotation or the two
+        # modules cannot be merged (hooks, dtypes).
+        return (
+            self.rope_backend == "packed"
+            and not self.config.qk_norm
+            and _fusable(self.q_proj, self.k_proj)
+        )
 
     def _repeat_kv(self, kv: torch.Tensor) -> torch.Tensor:
         """(B, K, S, E) -> (B, H, S, E): each kv-head serves H/K consecutive query heads."""
@@ -311,20 +220,10 @@ class CausalSelfAttention(nn.Module):
         return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        backend = self.backend
-        if backend == "auto":
-            ok = self._flash is not None and (
-                self._flash_supported is None or self._flash_supported(q, k, v)
-            )
-            backend = "flash" if ok else "sdpa"
-        if backend == "flash":
-            assert self._flash is not None
-            return self._flash(q, k, v, is_causal=True)
-        if backend == "sdpa":
+        if self.backend == "flash" and flash_supported(q, k, v):
+            return flash_attention(q, k, v, is_causal=True)
+        if self.backend != "reference":
             return self._sdpa(q, k, v, None)
-        if backend == "cudnn":
-            with _cudnn_first():
-                return self._sdpa(q, k, v, None)
         t = q.shape[-2]
         mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
         return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
@@ -348,19 +247,6 @@ class CausalSelfAttention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
-
-
-def _cudnn_first() -> Any:
-    """A context in which torch SDPA tries cuDNN attention before its other backends."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [
-        SDPBackend.CUDNN_ATTENTION,
-        SDPBackend.FLASH_ATTENTION,
-        SDPBackend.EFFICIENT_ATTENTION,
-        SDPBackend.MATH,
-    ]
-    return sdpa_kernel(order, set_priority=True)
 
 
 class TransformerBlock(nn.Module):
@@ -437,13 +323,15 @@ class TransformerLM(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        target = torch.device("cpu") if device is None else torch.device(device)
+        # "auto" backends become the measured-best concrete ones for the device built on.
+        config = resolve_backends(config, target.type)
         self.config = config
         with torch.device("meta"):
             self.token_embeddings = Embedding(config.vocab_size, config.d_model)
             self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
             self.ln_final = _Norm(config.d_model, config.norm_eps, config.norm)
             self.lm_head = Linear(config.d_model, config.vocab_size)
-        target = torch.device("cpu") if device is None else torch.device(device)
         if target.type != "meta":
             self.to_empty(device=target)
         self.tie_weights()

@@ -11,6 +11,9 @@ EPILOG = """examples:
   lmforge plan --model moe-47b-a13b --gpus 512 --crossover      # where FSDP stops scaling
   lmforge plan --model 7b --gpus 64 --peak-tflops 1979 --mfu 0.4 --ib-gbps 100
   lmforge plan --model 7b --gpus 64 --hardware h200-compiled   # MFU fitted to a measured step
+  lmforge plan --model 1b --gpus 8 --global-batch 256 --seq 2048   # a configs/ preset
+
+Exits with status 1 when no mix is feasible (out of memory, or a batch the ranks cannot split).
 """
 
 
@@ -27,7 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="7b", help="preset: gpt2-small, 7b, 70b, 405b, moe-47b-a13b")
+    p.add_argument(
+        "--model",
+        default="7b",
+        help="gpt2-small, 7b, 70b, 405b, moe-47b-a13b, or a configs/ preset (1b, 350m, tiny, …)",
+    )
     p.add_argument("--params", type=float, help="total parameters (overrides the preset)")
     p.add_argument("--active-params", type=float, help="active parameters per token (MoE)")
     p.add_argument("--layers", type=int, help="Transformer blocks")
@@ -64,14 +71,23 @@ def _handler(args: argparse.Namespace) -> int:
         format_table,
         fsdp_crossover,
         plan,
+        spec_from_config,
     )
     from lmforge.utils.errors import LmforgeError
 
-    if args.model not in MODELS and args.params is None:
-        raise LmforgeError(
-            f"unknown --model '{args.model}' (choose {', '.join(MODELS)} or give --params)"
-        )
-    base = MODELS.get(args.model, MODELS["7b"])
+    base = MODELS.get(args.model)
+    if base is None and args.params is None:
+        from lmforge.model import load_preset
+
+        try:
+            cfg = load_preset(args.model)
+        except LmforgeError as e:
+            raise LmforgeError(
+                f"unknown --model '{args.model}' (choose {', '.join(MODELS)}, a configs/ preset, "
+                f"or give --params): {e}"
+            ) from None
+        base = spec_from_config(args.model, cfg, args.seq)
+    base = base or MODELS["7b"]
     model = ModelSpec(
         name=args.model if args.params is None else "custom",
         total_params=args.params or base.total_params,
@@ -80,6 +96,7 @@ def _handler(args: argparse.Namespace) -> int:
         active_params=args.active_params
         if args.active_params is not None
         else (base.active_params if args.params is None else 0.0),
+        flops_per_token=base.flops_per_token if args.params is None else 0.0,
     )
     for name in ("gpus", "global_batch", "seq", "micro_batch", "domain_size"):
         if getattr(args, name) <= 0:
@@ -100,6 +117,7 @@ def _handler(args: argparse.Namespace) -> int:
         HARDWARE[args.hardware], **{k: v for k, v in overrides.items() if v is not None}
     )
     ests = plan(model, hw, args.gpus, args.global_batch, args.seq, args.micro_batch)
+    status = 0
     feasible = [e for e in ests if e.feasible]
     print(
         f"# {model.name}: {model.total_params / 1e9:.1f}B params"
@@ -112,7 +130,9 @@ def _handler(args: argparse.Namespace) -> int:
         print("no feasible mix: every candidate runs out of memory or violates the batch floor")
         reasons = sorted({e.binding for e in ests})
         print(f"binding constraints seen: {', '.join(reasons)} (use --all to list them)")
-    else:
+    if not feasible:
+        status = 1
+    if shown:
         print(format_table(shown, args.top))
         best = shown[0]
         print(f"\nbest: {best.mix.label()}  step {best.step_s:.3f} s  MFU {best.mfu:.1%}")
@@ -139,4 +159,4 @@ def _handler(args: argparse.Namespace) -> int:
         for label, m, h, gb in rows:
             x = fsdp_crossover(m, h, gb, args.seq)
             print(f"| {label} | {'never' if x is None else f'{x:.0f}'} | {gb} |")
-    return 0
+    return status

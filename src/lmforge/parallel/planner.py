@@ -18,7 +18,8 @@ the formulas the strategies embody:
   all-reduces forward, two backward) on the critical path; PP sends b·s·h per micro-batch per
   boundary each way;
 * pipeline bubble: the step stretches by (p − 1)/m for m micro-batches;
-* batch-size floor: at least one sequence per data-parallel rank (dp ≤ global batch).
+* batch-size floor: at least one sequence per data-parallel rank (dp ≤ global batch), and the
+  same whole number on each (dp divides the global batch; else "batch split").
 
 Why FSDP stops scaling: with the global batch fixed, compute per GPU falls as 1/N while the
 ZeRO-3 bytes per GPU do not fall at all (each GPU still gathers every parameter), so past the
@@ -90,6 +91,20 @@ MODELS: dict[str, ModelSpec] = {
 GPT2_SMALL_BENCH = ModelSpec(
     "gpt2-small-bench", 162_220_800, 12, 768, flops_per_token=854_654_976.0
 )
+
+
+def spec_from_config(name: str, cfg: object, seq_len: int) -> ModelSpec:
+    """A :class:`ModelSpec` for a ``ModelConfig`` (e.g. a ``configs/`` preset), with its exact
+    parameter count and FLOPs per token at ``seq_len`` from :mod:`lmforge.model.accounting`."""
+    from lmforge.model import accounting
+
+    return ModelSpec(
+        name,
+        float(accounting.parameter_count(cfg)),  # type: ignore[arg-type]
+        cfg.n_layers,  # type: ignore[attr-defined]
+        cfg.d_model,  # type: ignore[attr-defined]
+        flops_per_token=accounting.flops_per_token(cfg, seq_len),  # type: ignore[arg-type]
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +201,7 @@ class Estimate:
     feasible: bool
     "fits in memory and respects the batch floor"
     binding: str
-    "what limits this mix: memory, batch floor, compute, dp-comm, tp-comm, bubble"
+    "what limits this mix: memory, batch floor, batch split, compute, dp-comm, tp-comm, bubble"
 
     @property
     def memory_total(self) -> float:
@@ -317,9 +332,12 @@ def estimate(
     flops = model.train_flops_per_token * tokens
     mfu = flops / (step * mix.gpus * hw.peak_flops) if step > 0 else 0.0
     fits = sum(mem.values()) <= hw.memory_bytes * hw.usable_memory
-    floor_ok = local >= 1
-    if not floor_ok:
+    # Every data-parallel rank gets the same whole number of sequences: dp divides the batch.
+    floor_ok = local >= 1 and global_batch % mix.dp == 0
+    if local < 1:
         binding = "batch floor"
+    elif not floor_ok:
+        binding = "batch split"
     elif not fits:
         binding = "memory"
     elif dp_s > busy:

@@ -83,7 +83,7 @@ class Strategy:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip gradients to a global L2 norm of ``max_norm``; return the norm before clipping."""
-        from lmforge.train.optim import clip_grad_norm
+        from lmforge.optim.clip import clip_grad_norm
 
         return clip_grad_norm(self.model.parameters(), max_norm)
 

@@ -18,21 +18,27 @@ if TYPE_CHECKING:
     )
     from lmforge.train.config import DataConfig, TrainConfig
     from lmforge.train.data import MixtureSampler, TokenShard, eval_batches, get_batch, open_shard
+    from lmforge.train.fastpath import FastPath, FastPathRuntime, resolve_fast_path
     from lmforge.train.loss import cross_entropy
-    from lmforge.train.optim import AdamW, clip_grad_norm
+    from lmforge.train.optim import AdamW, build_optimizer, clip_grad_norm
     from lmforge.train.plan import TrainingPlan, training_plan
     from lmforge.train.schedule import constant_schedule, cosine_schedule, lr_at, wsd_schedule
-    from lmforge.train.trainer import Trainer, apply_activation_checkpointing, train
+    from lmforge.train.trainer import Trainer, train
+    from lmforge.train.wrap import apply_activation_checkpointing, bf16_weight_copies
 
 __all__ = [
     "AdamW",
     "DataConfig",
+    "FastPath",
+    "FastPathRuntime",
     "MixtureSampler",
     "TokenShard",
     "TrainConfig",
     "Trainer",
     "TrainingPlan",
     "apply_activation_checkpointing",
+    "bf16_weight_copies",
+    "build_optimizer",
     "clip_grad_norm",
     "constant_schedule",
     "cosine_schedule",
@@ -44,6 +50,7 @@ __all__ = [
     "load_for_inference",
     "lr_at",
     "open_shard",
+    "resolve_fast_path",
     "save_checkpoint",
     "train",
     "training_plan",
@@ -53,12 +60,16 @@ __all__ = [
 _EXPORTS = {
     "AdamW": "optim",
     "DataConfig": "config",
+    "FastPath": "fastpath",
+    "FastPathRuntime": "fastpath",
     "MixtureSampler": "data",
     "TokenShard": "data",
     "TrainConfig": "config",
     "Trainer": "trainer",
     "TrainingPlan": "plan",
-    "apply_activation_checkpointing": "trainer",
+    "apply_activation_checkpointing": "wrap",
+    "bf16_weight_copies": "wrap",
+    "build_optimizer": "optim",
     "clip_grad_norm": "optim",
     "constant_schedule": "schedule",
     "cosine_schedule": "schedule",
@@ -70,6 +81,7 @@ _EXPORTS = {
     "load_for_inference": "checkpoint",
     "lr_at": "schedule",
     "open_shard": "data",
+    "resolve_fast_path": "fastpath",
     "save_checkpoint": "checkpoint",
     "train": "trainer",
     "training_plan": "plan",

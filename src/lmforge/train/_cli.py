@@ -18,8 +18,6 @@ metrics.jsonl, loss_curve.png, checkpoints/step_NNNNNNN/.
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``train`` subcommand."""
-    from lmforge.cli import add_config_arguments
-
     p = sub.add_parser(
         "train",
         help="pretrain a Transformer LM from a TOML config",
@@ -32,7 +30,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config_arguments(p)
+    # --config and the dotted overrides (parsed by lmforge.cli, which sees accepts_overrides);
+    # declared here so this stage never imports the CLI above it.
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML run config (see configs/); keys not given take their defaults",
+    )
+    p.set_defaults(accepts_overrides=True)
     p.set_defaults(func=_run)
 
 

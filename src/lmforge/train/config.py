@@ -64,12 +64,8 @@ class TrainConfig:
     "autocast dtype for compute; master weights and optimizer state stay fp32"
     master_weights: Literal["auto", "on", "off"] = "auto"
     "on: the model's matmul weights are bf16 copies of fp32 master weights that AdamW updates and rewrites each step (same results as bf16 autocast over fp32 weights, without its per-step weight and gradient casts; checkpoints hold the fp32 masters); needs precision=bf16, one process and grad_accum=1. auto = on where those hold on CUDA. GPT-2-small on an H200: 56.3 vs 56.6 ms/step"
-    matmul: Literal["auto", "torch", "tuned"] = "torch"
-    "tuned: the model's Linear GEMMs (forward and both backward GEMMs) and the fused loss's LM-head GEMMs run the fastest of torch's cuBLAS kernel, cuBLASLt's heuristic candidates and the configurations around them that cuBLASLt accepts (tile × custom option, then cluster shape), timed once per problem on the first step (lmforge.kernels.matmul; results can differ from torch's in the last bit, and between runs); needs CUDA and one process. auto = tuned where that holds and the step runs as a CUDA graph (train.cuda_graph; eager, the op's host cost outweighed the faster kernels). torch: torch's matmul (bit-reproducible runs)"
     compile: bool = False
     "torch.compile the model"
-    compile_mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
-    "torch.compile mode (max-autotune-no-cudagraphs: autotuned GEMMs and tuned launch configs; longer compile)"
     adamw: Literal["auto", "foreach", "compiled", "triton"] = "auto"
     "AdamW update path: foreach (torch multi-tensor ops), compiled (the update through torch.compile), triton (lmforge's one-launch multi-tensor kernel: CUDA, fp32 state, one process; capturable by cuda_graph); auto = triton on one CUDA process with Triton installed, else compiled when compile is on with CUDA, else foreach"
     cuda_graph: bool = False
@@ -108,3 +104,39 @@ class TrainConfig:
     "show a live progress bar on stderr"
     plot: bool = True
     "write loss_curve.png at the end"
+    allow_config_change: bool = False
+    "resume even though the checkpoint was written under a different config (the differing keys are logged); off: such a resume stops and names them"
+
+    def __post_init__(self) -> None:
+        # One line per mistake at config load (lmforge.utils.config turns ValueError into it).
+        checks = [
+            (self.lr > 0, f"train.lr must be positive, got {self.lr}"),
+            (self.min_lr >= 0, f"train.min_lr must be 0 or more, got {self.min_lr}"),
+            (
+                self.min_lr <= self.lr,
+                f"train.min_lr ({self.min_lr}) must not exceed train.lr ({self.lr})",
+            ),
+            (
+                self.warmup_steps >= 0,
+                f"train.warmup_steps must be 0 or more, got {self.warmup_steps}",
+            ),
+            (0 <= self.beta1 < 1, f"train.beta1 must lie in [0, 1), got {self.beta1}"),
+            (0 <= self.beta2 < 1, f"train.beta2 must lie in [0, 1), got {self.beta2}"),
+            (self.eps > 0, f"train.eps must be positive, got {self.eps}"),
+            (
+                self.weight_decay >= 0,
+                f"train.weight_decay must be 0 or more, got {self.weight_decay}",
+            ),
+            (
+                self.context_length >= 0,
+                f"train.context_length must be 0 (the model's) or more, got {self.context_length}",
+            ),
+            (self.grad_clip >= 0, f"train.grad_clip must be 0 (off) or more, got {self.grad_clip}"),
+            (
+                0 <= self.decay_fraction <= 1,
+                f"train.decay_fraction must lie in [0, 1], got {self.decay_fraction}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

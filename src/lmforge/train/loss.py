@@ -13,7 +13,10 @@ their gradient (in the logits' dtype).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -80,3 +83,32 @@ def cross_entropy(
     w = valid.to(torch.float32)
     w = w / w.sum().clamp_min(1.0)  # (N,): 1/count on counted positions, 0 elsewhere
     return _CrossEntropy.apply(z, safe_t, w, float(z_loss))
+
+
+def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """Mean cross-entropy of ``model(x)`` against ``y``; compiled as one graph by the trainer."""
+    return cross_entropy(model(x), y, z_loss=z_loss)  # logits (B, T, V) never leave the graph
+
+
+def fused_model_loss(
+    model: nn.Module,
+    fused: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    z_loss: float,
+    chunk_rows: int = 0,
+) -> torch.Tensor:
+    """Mean fused linear + cross-entropy of ``model``'s hidden states against ``y``; compiled as
+    one graph by the trainer. ``fused``: ``lmforge.kernels.fused_linear_cross_entropy``;
+    ``chunk_rows`` 0 = its default chunk."""
+    h = model.forward_hidden(x)  # (B, T, D)
+    D = h.shape[-1]
+    return fused(
+        h.reshape(-1, D),  # (B·T, D)
+        model.lm_head.weight,  # (V, D)
+        y.reshape(-1),  # (B·T,)
+        ignore_index=-100,
+        z_loss=z_loss,
+        chunk_rows=chunk_rows or None,
+        check_targets=False,  # the sampler checked every id against the vocabulary
+    )

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
+
+from lmforge.optim.clip import clip_grad_norm, grad_norm_and_clip_coef
+
+if TYPE_CHECKING:
+    from lmforge.train.config import TrainConfig
+
+__all__ = ["AdamW", "build_optimizer", "clip_grad_norm", "grad_norm_and_clip_coef", "param_groups"]
 
 
 class AdamW(torch.optim.Optimizer):
@@ -349,63 +358,43 @@ def _adamw_gated_update(
             copies[i].copy_(p)
 
 
-@torch.no_grad()
-def clip_grad_norm(
-    params: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, foreach: bool = True
-) -> torch.Tensor:
-    """Scale gradients so their global L2 norm is at most ``max_norm``; return the norm before.
+def param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: matrices (projections, embeddings) decay, gains (norm weights) do not."""
+    params = list(params)
+    decay = [p for p in params if p.ndim >= 2]
+    other = [p for p in params if p.ndim < 2]
+    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay}]
+    if other:
+        groups.append({"params": other, "weight_decay": 0.0})
+    return groups
 
-    Matches ``torch.nn.utils.clip_grad_norm_`` (L2 only): the coefficient is
-    ``max_norm / (norm + 1e-6)`` clamped to 1, applied without a host sync (no ``if`` on the norm).
-    Parameters without a gradient are skipped; with none at all the norm is 0.
-    Simplification: L2 norm only, no ``error_if_nonfinite``. Exercised by
-    ``pytest tests/test_optim.py``.
+
+def build_optimizer(
+    model: nn.Module | Iterable[torch.Tensor],
+    cfg: TrainConfig,
+    *,
+    adamw: str = "foreach",
+    copies: Mapping[torch.Tensor, torch.Tensor] | None = None,
+) -> AdamW:
+    """The run's optimizer: AdamW over ``model``'s trainable parameters (or the given tensors,
+    e.g. a sharded strategy's local shards) with ``cfg``'s hyperparameters.
+
+    ``adamw`` is the resolved update path (``FastPath.adamw``: foreach, compiled or triton);
+    ``copies`` maps fp32 master tensors among the parameters to the bf16 copies the model
+    computes with (master weights). The one place parameter groups are formed, so per-parameter
+    learning-rate multipliers (muP) are added here.
     """
-    total, by_device = _grad_norm(params, foreach)
-    if not by_device:
-        return total
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for (dev, _), gs in by_device.items():
-        if foreach:
-            torch._foreach_mul_(gs, coef.to(dev))
-        else:
-            for g in gs:
-                g.mul_(coef.to(dev))
-    return total
-
-
-@torch.no_grad()
-def grad_norm_and_clip_coef(
-    params: Iterable[torch.Tensor], max_norm: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global L2 norm of the gradients and the factor :func:`clip_grad_norm` would scale them
-    by, ``min(1, max_norm / (norm + 1e-6))``, without touching them: pass the factor to
-    :meth:`AdamW.step_if` as ``grad_scale`` to clip inside the update."""
-    total, _ = _grad_norm(params, True)
-    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
-
-
-def _grad_norm(
-    params: Iterable[torch.Tensor] | torch.Tensor, foreach: bool
-) -> tuple[torch.Tensor, dict[tuple, list[torch.Tensor]]]:
-    # Global L2 norm of the gradients (on the first gradient's device) and the gradients grouped
-    # by (device, dtype); a zero norm and no groups when nothing has a gradient.
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(()), {}
-    by_device: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault((g.device, g.dtype), []).append(g)
-    device = grads[0].device
-    norms: list[torch.Tensor] = []
-    for (_, dtype), gs in by_device.items():
-        # Low-precision gradients (a bf16 model's) are summed in float32 and their norms kept
-        # in float32; float32 and float64 gradients as they are.
-        acc = torch.float32 if dtype in (torch.bfloat16, torch.float16) else None
-        if foreach:
-            norms.extend(n.to(device) for n in torch._foreach_norm(gs, 2.0, dtype=acc))
-        else:
-            norms.extend(torch.linalg.vector_norm(g, 2.0, dtype=acc).to(device) for g in gs)
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0), by_device
+    if isinstance(model, nn.Module):
+        params = [p for p in model.parameters() if p.requires_grad]
+    else:
+        params = list(model)
+    return AdamW(
+        param_groups(params, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        compiled=adamw == "compiled",
+        fused=adamw == "triton",
+        copies=copies,
+    )

@@ -1,0 +1,66 @@
+"""What the trainer applies to the single-device model from outside, before compiling it.
+
+* :func:`apply_activation_checkpointing`: each block recomputed in backward (names unchanged).
+* :func:`bf16_weight_copies`: master weights — the matmul weights become bf16 copies of fp32
+  masters the optimizer keeps (``FastPath.master_weights``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.model.layers import Linear
+
+
+@functools.cache
+def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(cls):  # type: ignore[misc, valid-type]
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return super().forward(*args, **kwargs)
+            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)
+
+    Checkpointed.__name__ = Checkpointed.__qualname__ = f"Checkpointed{cls.__name__}"
+    return Checkpointed
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Recompute each block of ``model.layers`` in backward instead of storing its activations.
+
+    Each block's class is swapped for a subclass whose ``forward`` runs under
+    ``torch.utils.checkpoint`` (non-reentrant), so module and parameter names do not change and
+    checkpoints stay interchangeable. Returns ``model`` (modified in place).
+    """
+    for block in model.layers:
+        block.__class__ = _checkpointed_class(type(block))
+    return model
+
+
+def bf16_weight_copies(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.Tensor]]:
+    """Turn the matmul weights of ``model`` into bf16 copies of fp32 master weights, in place.
+
+    Every :class:`~lmforge.model.layers.Linear` weight (not one tied to the token embedding)
+    becomes a bf16 Parameter (same object, same name); its fp32 values move to a master tensor
+    the optimizer updates (``AdamW(copies=…)``), rewriting the copy each step. Under bf16
+    autocast the forward and backward are then exactly those of fp32 weights — autocast would
+    round each weight to bf16 for its matmul, and its weight gradient comes out of the matmul
+    in bf16 — without the per-step cast kernels: ~170 fewer kernels a GPT-2-small step.
+    Embeddings and norm gains stay fp32. Returns ``{name: (copy parameter, fp32 master)}``.
+    """
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    embeddings = getattr(model, "token_embeddings", None)
+    if embeddings is not None:
+        linear.discard(id(embeddings.weight))  # tied LM head: the embedding stays fp32
+    out: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        if id(p) in linear and p.dtype == torch.float32:
+            master = p.detach().clone()
+            p.data = p.data.to(torch.bfloat16)
+            out[name] = (p, master)
+    return out

@@ -1,0 +1,219 @@
+"""A training out_dir under faults and reruns (issue 21 items 7, 8, 9, 13 for train).
+
+The lock, the config check on resume, one-line config validation, a full disk, an empty
+validation shard, a rerun of a finished run and a corrupt latest checkpoint; plus the trainer's
+extension points (callbacks, aux_loss, build_optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.config import RunConfig, load_run_config
+from lmforge.model import load_preset
+from lmforge.train import DataConfig, TrainConfig, Trainer, build_optimizer
+from lmforge.train.checkpoint import list_checkpoints
+from lmforge.train.data import write_shard
+from lmforge.train.metrics import read_metrics
+from lmforge.train.state import OutDirLock, config_changes
+from lmforge.utils.errors import LmforgeError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny matmuls on a shared 2-core machine: extra intra-op threads only contend.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(tmp: Path, val_tokens: int = 0, **train: object) -> RunConfig:
+    shard = write_shard(tmp / "t.bin", np.arange(4000) % 97, 512)
+    val = (str(write_shard(tmp / "v.bin", np.arange(val_tokens) % 97, 512)),) if val_tokens else ()
+    base = dict(out_dir=str(tmp / "run"), device="cpu", precision="fp32", batch_size=2,
+                context_length=16, max_steps=4, eval_every=0, save_every=2, plot=False,
+                progress=False)  # fmt: skip
+    base.update(train)
+    return RunConfig(
+        model=load_preset("tiny"),
+        train=TrainConfig(**base),
+        data=DataConfig(train=(str(shard),), val=val),
+    )
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.lr=-1e-3", "train.lr must be positive"),
+        ("train.beta1=1.5", r"train.beta1 must lie in \[0, 1\)"),
+        ("train.beta2=-0.1", r"train.beta2 must lie in \[0, 1\)"),
+        ("train.eps=-1", "train.eps must be positive"),
+        ("train.weight_decay=-0.1", "train.weight_decay must be 0 or more"),
+        ("train.context_length=-3", "train.context_length must be 0"),
+        ("train.min_lr=1.0", r"train.min_lr \(1.0\) must not exceed train.lr"),
+        ("train.warmup_steps=-1", "train.warmup_steps must be 0 or more"),
+    ],
+)
+def test_invalid_optimizer_values_are_one_line_at_load(override: str, message: str) -> None:
+    with pytest.raises(LmforgeError, match=message):
+        load_run_config(None, [override])
+
+
+def test_cli_prints_one_line_for_an_invalid_value() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "lmforge", "train", "--train.lr=-1e-3"],
+        capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO / "src")},
+    )  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "train.lr must be positive" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_out_dir_lock_refuses_a_second_holder(tmp_path: Path) -> None:
+    a = OutDirLock(tmp_path)
+    a.acquire()
+    try:
+        with pytest.raises(LmforgeError, match=r"is in use by another run \(pid \d+\)"):
+            OutDirLock(tmp_path).acquire()
+    finally:
+        a.release()
+    b = OutDirLock(tmp_path)  # released: free again
+    b.acquire()
+    b.release()
+
+
+def test_a_run_into_a_locked_out_dir_stops_with_one_line(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    holder = OutDirLock(cfg.train.out_dir)
+    holder.acquire()
+    try:
+        with pytest.raises(LmforgeError, match="is in use by another run"):
+            Trainer(cfg).run()
+    finally:
+        holder.release()
+    assert Trainer(cfg).run()["iteration"] == 4
+
+
+def test_config_changes_name_the_keys() -> None:
+    old = {"train": {"lr": 1e-3, "max_steps": 10}, "model": {"d_model": 64}}
+    new = {"train": {"lr": 2e-3, "max_steps": 20}, "model": {"d_model": 64}}
+    assert config_changes(old, new) == ["train.lr: 0.001 -> 0.002"]  # max_steps may change
+    assert config_changes(old, old) == []
+
+
+def test_resume_with_a_changed_config_needs_the_flag(tmp_path: Path) -> None:
+    Trainer(_cfg(tmp_path, max_steps=2)).run()
+    changed = _cfg(tmp_path, max_steps=4, lr=1e-3)
+    with pytest.raises(LmforgeError, match=r"different config \(train\.lr: 0\.0003 -> 0\.001\)"):
+        Trainer(changed)
+    t = Trainer(_cfg(tmp_path, max_steps=4, lr=1e-3, allow_config_change=True))
+    assert t.iteration == 2 and t.run()["iteration"] == 4
+    # Only a longer run (max_steps is a free key): resumes without the flag.
+    assert Trainer(_cfg(tmp_path, max_steps=6, lr=1e-3, allow_config_change=True)).iteration == 4
+
+
+def test_rerun_of_a_finished_run_appends_nothing(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, val_tokens=400)
+    first = Trainer(cfg).run()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    again = Trainer(cfg).run()
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() == lines
+    assert again["stopped"] == "already_finished"
+    assert again["train_loss"] == first["train_loss"] and np.isfinite(again["train_loss"])
+    assert again["val_loss"] == first["val_loss"]
+
+
+def test_empty_validation_shard_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(LmforgeError, match=r"validation shard .*v\.bin holds 5 tokens"):
+        Trainer(_cfg(tmp_path, val_tokens=5))
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path: Path, capsys) -> None:
+    Trainer(_cfg(tmp_path, max_steps=4, save_every=2, keep_last=3)).run()
+    ckpts = list_checkpoints(tmp_path / "run")
+    assert [c.name for c in ckpts] == ["step_0000002", "step_0000004"]
+    (ckpts[-1] / "model.safetensors").write_bytes(b"not a safetensors file")
+    t = Trainer(_cfg(tmp_path, max_steps=4, save_every=2, keep_last=3))
+    assert t.iteration == 2 and t.resumed_from == ckpts[0]
+    err = capsys.readouterr().err
+    assert "step_0000004 is corrupt" in err and "resumed from" in err
+    assert t.run()["iteration"] == 4
+
+
+def test_disk_full_during_a_checkpoint_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    import lmforge.train.resume as resume
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(resume, "save_checkpoint", full)
+    with pytest.raises(LmforgeError, match=r"no space left on the device holding .*checkpoints"):
+        Trainer(_cfg(tmp_path, max_steps=2, save_every=0)).run()
+
+
+def test_disk_full_while_logging_is_one_line(tmp_path: Path) -> None:
+    from lmforge.train.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, False, "", {})
+
+    class Full:
+        def write(self, _):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    log.file = Full()  # type: ignore[assignment]
+    with pytest.raises(LmforgeError, match=r"kept: metrics\.jsonl up to the previous line"):
+        log.log({"event": "train", "step": 1})
+
+
+def test_callbacks_see_each_step_and_their_keys_are_logged(tmp_path: Path) -> None:
+    seen = []
+
+    def cb(trainer, step, metrics):
+        seen.append(step)
+        metrics["double_loss"] = 2 * metrics["loss"]
+
+    t = Trainer(_cfg(tmp_path, max_steps=4, log_every=2), callbacks=[cb])
+    t.deferred = True  # callbacks still see every step at once
+    t.run()
+    assert seen == [1, 2, 3, 4]
+    recs = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["event"] == "train"]
+    assert [r["step"] for r in recs] == [2, 4]
+    assert all(r["double_loss"] == pytest.approx(2 * r["loss"]) for r in recs)
+
+
+def test_aux_losses_of_modules_join_the_loss(tmp_path: Path) -> None:
+    t = Trainer(_cfg(tmp_path))
+    x, y = t.sampler.next_batch(2, "cpu")
+    base = t.loss_fn(t.model, x, y)
+    t.model.layers[0].aux_loss = lambda: torch.tensor(0.25)
+    t._aux_modules = [t.model.layers[0]]
+    assert float(t.loss_fn(t.model, x, y).detach()) == pytest.approx(float(base.detach()) + 0.25)
+
+
+def test_build_optimizer_groups_and_hyperparameters(tmp_path: Path) -> None:
+    from lmforge.model import TransformerLM
+
+    model = TransformerLM(load_preset("tiny"))
+    cfg = dataclasses.replace(TrainConfig(), lr=1e-3, weight_decay=0.2, beta1=0.8)
+    opt = build_optimizer(model, cfg)
+    decay, other = opt.param_groups
+    assert decay["weight_decay"] == 0.2 and other["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in other["params"])
+    assert decay["lr"] == 1e-3 and decay["betas"] == (0.8, cfg.beta2)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
