@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from lmforge.model.moe_config import MoEConfig
+
 
 def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
     """SwiGLU hidden size: 8/3 · d_model rounded up to a multiple of ``multiple_of``."""
@@ -70,6 +72,8 @@ class ModelConfig:
     " 11.65 GiB: the GEMMs get faster, but q and k become strided copies before RoPE, backward"
     " concatenates dq/dk/dv and w1/w3's gradients, and the qkv output is kept whole. swiglu ="
     " 'auto' fuses w1/w3 alone without those copies"
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    "mixture-of-experts feed-forward (default: dense; e.g. --model.moe.n_experts=8)"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -117,3 +121,8 @@ class ModelConfig:
     def ffn_dim(self) -> int:
         """Resolved SwiGLU hidden size F."""
         return default_d_ff(self.d_model) if self.d_ff is None else self.d_ff
+
+    @property
+    def expert_dim(self) -> int:
+        """Resolved hidden size of one MoE expert (``moe.expert_d_ff``, default F)."""
+        return self.ffn_dim if self.moe.expert_d_ff is None else self.moe.expert_d_ff
