@@ -237,7 +237,7 @@ def test_every_k_th_layer_and_config_overrides(tmp_path) -> None:
 
     rc = load_config(RunConfig, path, ["--model.moe.n_experts=8", "--model.moe.top_k=2"])
     assert rc.model.moe.n_experts == 8 and rc.model.moe.top_k == 2
-    with pytest.raises(ConfigError, match="model.moe.nexperts"):
+    with pytest.raises(ConfigError, match=r"model\.moe\.nexperts"):
         load_config(RunConfig, path, ["--model.moe.nexperts=8"])
     with pytest.raises(ConfigError, match="top_k"):
         load_config(RunConfig, path, ["--model.moe.n_experts=2", "--model.moe.top_k=3"])
@@ -274,9 +274,9 @@ def test_kv_cache_generation_matches_full_recompute() -> None:
 
 
 def test_invalid_moe_config_names_the_key() -> None:
-    with pytest.raises(ValueError, match="moe.routing"):
+    with pytest.raises(ValueError, match=r"moe\.routing"):
         MoEConfig(n_experts=4, routing="random")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="moe.every"):
+    with pytest.raises(ValueError, match=r"moe\.every"):
         MoEConfig(n_experts=4, every=0)
 
 
