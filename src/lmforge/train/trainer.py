@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lmforge.model import moe
 from lmforge.train.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
@@ -464,6 +465,7 @@ class Trainer:
 
     def _validate(self) -> None:
         tc, mc = self.tcfg, self.mcfg
+        moe.check_causal_routing(mc)  # non-causal routing needs model.moe.allow_noncausal
         if not self.dcfg.train:
             raise LmforgeError(
                 "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
@@ -604,13 +606,15 @@ class Trainer:
         """Mean next-token loss of one micro-batch x (B, T), y (B, T) (the strategy's LossFn)."""
         with self._autocast():
             if self.fused is not None:
-                return self._fused_loss(
+                loss = self._fused_loss(
                     self.model, self.fused, x, y, self.tcfg.z_loss, self.tcfg.loss_chunk_rows
                 )
-            if self._model_loss is not None and self.strategy.world_size == 1:
-                return self._model_loss(model, x, y, self.tcfg.z_loss)
-            logits = model(x)  # (B, T, V)
-            return self._ce(logits, y, z_loss=self.tcfg.z_loss)
+            elif self._model_loss is not None and self.strategy.world_size == 1:
+                loss = self._model_loss(model, x, y, self.tcfg.z_loss)
+            else:
+                loss = self._ce(model(x), y, z_loss=self.tcfg.z_loss)  # logits (B, T, V)
+        aux = moe.aux_loss(self.model) if self.mcfg.moe.enabled else None  # None in eval
+        return loss if aux is None else loss + aux
 
     # -- checkpoints
 
@@ -820,6 +824,8 @@ class Trainer:
             values, reason = self._graph_step(micro), None
         else:
             values, reason = self._step_body(micro)
+        if self.mcfg.moe.bias_update_rate > 0:  # aux-free balancing, between steps
+            moe.update_expert_bias(self.model)
         self.iteration += 1
         pending = _Pending(self.iteration, self.current_lr, values, reason=reason)
         if values.is_cuda:
@@ -1079,6 +1085,8 @@ class Trainer:
                     "mfu": mfu,
                     "elapsed_s": now - start,
                 }
+                if self.mcfg.moe.enabled:
+                    rec.update(moe.moe_metrics(self.model))  # per-layer load, drops, entropy
                 if loggers:
                     loggers.log(rec)
                 bar.set_postfix(
