@@ -237,6 +237,41 @@ def grouped_mm(
     return torch.cat([p @ w[e].to(p.dtype) for e, p in enumerate(parts)])  # (A, O)
 
 
+class _Gather(torch.autograd.Function):
+    """``x[src]`` for the sorted token-major assignments: row i of the output is token
+    ``src[i] = order[i] // k``. Backward without scatter-adds: un-permute the gradient rows
+    (``inv``, the inverse of ``order``) into token-major (M, k, D) and sum over k."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, k: int
+    ) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x[torch.div(order, k, rounding_mode="floor")]  # (M·k, D)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (inv,) = ctx.saved_tensors
+        d = g.shape[-1]
+        return g[inv].view(-1, ctx.k, d).sum(1), None, None, None  # (M, D)
+
+
+class _Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` with inverse ``inv``: the backward is the gather
+    ``g[inv]`` (indexing's own backward would scatter-add into zeros)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(perm, inv)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        _, inv = ctx.saved_tensors
+        return g[inv], None, None
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32, or the input's dtype when wider (float64 tests stay float64)."""
     return torch.promote_types(dtype, torch.float32)
@@ -258,13 +293,17 @@ def experts_grouped(
     order = torch.argsort(r.expert_idx, stable=True)  # (A,)
     counts = torch.bincount(r.expert_idx, minlength=n)  # (N,)
     offs = torch.cumsum(counts, 0).to(torch.int32)  # (N,)
-    xs = x.to(dtype)[r.token_idx[order]]  # (A, D) sorted by expert
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
+    if r.top_k:  # token-major: token of row order[i] is order[i] // k
+        xs = _Gather.apply(x.to(dtype), order, inv, r.top_k)  # (A, D) sorted by expert
+    else:
+        xs = x.to(dtype)[r.token_idx[order]]  # (A, D) sorted by expert
     w13 = torch.cat([w1, w3], dim=1).to(dtype)  # (N, 2F, D)
     h = grouped_mm(xs, w13.transpose(1, 2), counts, offs)  # (A, 2F)
     gate, up = h.split(f, dim=-1)  # (A, F) each
     ys = grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), counts, offs)  # (A, D)
-    y = torch.empty_like(ys)
-    y[order] = ys  # (A, D) back in assignment order
+    y = _Permute.apply(ys, inv, order)  # (A, D) back in assignment order
     m = x.shape[0]
     if r.top_k:  # token-major, k per token: a (1, k) @ (k, D) weighted sum per token
         wk = r.weight.view(m, 1, r.top_k).to(y.dtype)  # (M, 1, k)
