@@ -283,32 +283,50 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def expert_rows(
+    xs: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """Every expert's SwiGLU on its rows: xs (A, D) sorted by expert, ``counts`` (N,) rows per
+    expert -> (A, D); w1|w3 as one grouped GEMM, then w2. Weights are cast to xs's dtype."""
+    f = w1.shape[1]
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # (N,)
+    w13 = torch.cat([w1, w3], dim=1).to(xs.dtype)  # (N, 2F, D)
+    h = grouped_mm(xs, w13.transpose(1, 2), counts, offs)  # (A, 2F)
+    gate, up = h.split(f, dim=-1)  # (A, F) each
+    return grouped_mm(F.silu(gate) * up, w2.to(xs.dtype).transpose(1, 2), counts, offs)  # (A, D)
+
+
 def experts_grouped(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, r: Routing
 ) -> torch.Tensor:
     """Fast expert compute: sort assignments by expert, three grouped GEMMs (w1|w3 as one),
     un-permute, combine. Same arguments and result as :func:`experts_reference`."""
-    n, f, d = w1.shape
+    n, _, d = w1.shape
     dtype = _compute_dtype(x)
     order = torch.argsort(r.expert_idx, stable=True)  # (A,)
     counts = torch.bincount(r.expert_idx, minlength=n)  # (N,)
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # (N,)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
     if r.top_k:  # token-major: token of row order[i] is order[i] // k
         xs = _Gather.apply(x.to(dtype), order, inv, r.top_k)  # (A, D) sorted by expert
     else:
         xs = x.to(dtype)[r.token_idx[order]]  # (A, D) sorted by expert
-    w13 = torch.cat([w1, w3], dim=1).to(dtype)  # (N, 2F, D)
-    h = grouped_mm(xs, w13.transpose(1, 2), counts, offs)  # (A, 2F)
-    gate, up = h.split(f, dim=-1)  # (A, F) each
-    ys = grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), counts, offs)  # (A, D)
+    ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
     y = _Permute.apply(ys, inv, order)  # (A, D) back in assignment order
-    m = x.shape[0]
+    return combine(y, r, x.shape[0])
+
+
+def combine(y: torch.Tensor, r: Routing, m: int) -> torch.Tensor:
+    """Assignment outputs y (A, D), in assignment order, weighted and summed per token -> (M, D)."""
+    d = y.shape[-1]
     if r.top_k:  # token-major, k per token: a (1, k) @ (k, D) weighted sum per token
         wk = r.weight.view(m, 1, r.top_k).to(y.dtype)  # (M, 1, k)
         return torch.bmm(wk, y.view(m, r.top_k, d)).view(m, d).to(_acc_dtype(y.dtype))
-    out = torch.zeros((m, d), dtype=_acc_dtype(y.dtype), device=x.device)
+    out = torch.zeros((m, d), dtype=_acc_dtype(y.dtype), device=y.device)
     return out.index_add_(0, r.token_idx, y.to(out.dtype) * r.weight[:, None])  # (M, D)
 
 
