@@ -305,7 +305,7 @@ def experts_grouped(
 ) -> torch.Tensor:
     """Fast expert compute: sort assignments by expert, three grouped GEMMs (w1|w3 as one),
     un-permute, combine. Same arguments and result as :func:`experts_reference`."""
-    n, _, d = w1.shape
+    n = w1.shape[0]
     dtype = _compute_dtype(x)
     order = torch.argsort(r.expert_idx, stable=True)  # (A,)
     counts = torch.bincount(r.expert_idx, minlength=n)  # (N,)
