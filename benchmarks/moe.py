@@ -1,6 +1,8 @@
 """MoE expert compute on the GPU: grouped GEMM vs one dense GEMM vs a Python loop; the whole MoE
 layer (route, permute, grouped GEMMs, combine) forward+backward vs a dense SwiGLU of equal FLOPs;
-optionally a GPT-2-small training step, MoE (same active compute) vs dense.
+optionally a GPT-2-small training step, MoE (same active compute) vs dense; and (``--balance``,
+CPU-sized) expert load over training with no balancing, the Switch aux loss, and the
+auxiliary-loss-free bias, on byte-level tinyshakespeare from ``../shared`` (plot + table).
 
 Shape (issue 25): GPT-2-small width D = 768, 64 experts, top-8, expert width 256, 32k tokens,
 so the up-projection (w1|w3, one grouped GEMM) is 262,144×768 @ 768×512 spread over 64 groups.
@@ -11,6 +13,7 @@ grouped path against its reference loop on the same routing), then CUDA-event me
     PYTHONPATH=src python benchmarks/moe.py
     PYTHONPATH=src python benchmarks/moe.py --train            # + the training-step ratio
     PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 512 --d 64 --experts 8 --width 32
+    PYTHONPATH=src python benchmarks/moe.py --balance --device cpu --balance-out notes/moe_balance.png
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
+
+
+def _shared() -> Path:
+    """``../shared`` beside the checkout, else /work/shared (the worktrees' layout)."""
+    here = Path(__file__).resolve().parents[2] / "shared"
+    return here if here.is_dir() else Path("/work/shared")
 
 
 def _parse() -> argparse.Namespace:
@@ -37,6 +46,14 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--train", action="store_true", help="also time a GPT-2-small training step")
     p.add_argument("--train-batch", type=int, default=8)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code paths only")
+    p.add_argument("--balance", action="store_true", help="only the load-balance training runs")
+    p.add_argument("--balance-steps", type=int, default=300)
+    p.add_argument("--balance-out", default="moe_balance.png", help="PNG of max/mean load")
+    p.add_argument(
+        "--text",
+        default=str(_shared() / "data/text/tinyshakespeare"),
+        help="folder or file of text for --balance (bytes are the tokens)",
+    )
     return p.parse_args()
 
 
@@ -51,6 +68,9 @@ def main() -> None:
     from lmforge.model.moe_config import MoEConfig
 
     dev = args.device
+    if args.balance:
+        _balance(args, dev)
+        return
     cuda = dev == "cuda"
     dt = torch.bfloat16 if cuda else torch.float32
     torch.manual_seed(0)
@@ -256,5 +276,107 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
     print(markdown_table(["model", "params", "active", "ms/step", "tokens/s"], rows))
 
 
+def _balance(args: argparse.Namespace, dev: str) -> None:
+    """Three short runs of one tiny MoE LM (byte tokens): max/mean expert load per logged step
+    and the final validation loss, for no balancing / Switch aux loss / aux-free bias."""
+    import tempfile
+
+    import numpy as np
+
+    from lmforge.bench.timing import markdown_table
+    from lmforge.config import RunConfig
+    from lmforge.model import ModelConfig
+    from lmforge.model.moe_config import MoEConfig
+    from lmforge.train import DataConfig, TrainConfig, Trainer
+    from lmforge.train.data import write_shard
+    from lmforge.train.trainer import read_metrics
+    from lmforge.utils.errors import LmforgeError
+
+    src = Path(args.text)
+    files = sorted(src.glob("*.txt")) if src.is_dir() else [src]
+    if not files or not all(f.is_file() for f in files):
+        raise LmforgeError(f"--text {src}: no text files found")
+    data = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
+    tmp = Path(tempfile.mkdtemp(prefix="moe_balance_"))
+    cut = int(0.95 * data.size)
+    train = write_shard(tmp / "train.bin", data[:cut], 256)
+    val = write_shard(tmp / "val.bin", data[cut:], 256)
+    variants = {
+        "none": MoEConfig(n_experts=8, top_k=2, expert_d_ff=64, aux_loss_coef=0.0),
+        "Switch aux loss 0.01": MoEConfig(n_experts=8, top_k=2, expert_d_ff=64, aux_loss_coef=0.01),
+        "aux-free bias 0.01": MoEConfig(
+            n_experts=8, top_k=2, expert_d_ff=64, aux_loss_coef=0.0, bias_update_rate=0.01
+        ),
+    }
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    rows = []
+    for name, moe in variants.items():
+        model = ModelConfig(
+            vocab_size=256, context_length=128, d_model=96, n_layers=2, n_heads=4, moe=moe
+        )
+        train_cfg = TrainConfig(
+            out_dir=str(tmp / name.split()[0]),
+            device=dev,
+            precision="fp32" if dev == "cpu" else "bf16",
+            batch_size=16,
+            context_length=128,
+            max_steps=args.balance_steps,
+            lr=3e-3,
+            min_lr=3e-4,
+            warmup_steps=20,
+            log_every=10,
+            eval_every=0,
+            eval_batches=10,
+            save_every=0,
+            progress=False,
+            plot=False,
+        )
+        cfg = RunConfig(
+            model=model, train=train_cfg, data=DataConfig(train=(str(train),), val=(str(val),))
+        )
+        result = Trainer(cfg).run()
+        recs = [r for r in read_metrics(Path(train_cfg.out_dir) / "metrics.jsonl")]
+        recs = [r for r in recs if r.get("event") == "train"]
+        steps = [r["step"] for r in recs]
+        loads = [max(v for k, v in r.items() if k.endswith("load_max_mean")) for r in recs]
+        curves[name] = (steps, loads)
+        late = loads[len(loads) // 2 :]
+        rows.append([name, loads[0], sum(late) / len(late), max(late), result["val_loss"]])
+    print(f"\nLoad balance, {args.balance_steps} steps × 16 × 128 byte tokens ({dev})")
+    print(
+        markdown_table(
+            [
+                "balancing",
+                "max/mean load, first log",
+                "mean of 2nd half",
+                "max of 2nd half",
+                "val loss (nats/byte)",
+            ],
+            rows,
+        )
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, (steps, loads) in curves.items():
+        ax.plot(steps, loads, label=name, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max / mean expert load (worst layer)")
+    ax.set_title("8 experts, top-2: load over training")
+    ax.axhline(1.0, color="grey", lw=0.6)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.balance_out, dpi=120)
+    print(f"plot: {args.balance_out}")
+
+
 if __name__ == "__main__":
-    main()
+    from lmforge.utils.errors import LmforgeError
+
+    try:
+        main()
+    except LmforgeError as e:
+        sys.exit(f"benchmarks/moe.py: error: {e}")
