@@ -89,3 +89,16 @@ def test_train_logs_moe_metrics_and_updates_bias(tmp_path: Path) -> None:
     # 6 steps of ±0.01: every entry a multiple of 0.01 within ±0.06, and not all zero.
     assert all(b.abs().max() <= 0.06 + 1e-6 for b in bias)
     assert any(b.abs().sum() > 0 for b in bias)
+
+
+@pytest.mark.parametrize("name", ["moe-tiny", "moe-gpt2-small"])
+def test_moe_configs_load_and_build(name: str) -> None:
+    from lmforge.config import load_run_config
+    from lmforge.model import TransformerLM, accounting
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_run_config(root / "configs" / f"{name}.toml").model
+    assert cfg.moe.enabled and cfg.moe.causal
+    model = TransformerLM(cfg, device="meta")
+    assert model.num_parameters() == accounting.parameter_count(cfg)
+    assert accounting.active_parameter_count(cfg) < accounting.parameter_count(cfg)
