@@ -279,6 +279,7 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
 def _balance(args: argparse.Namespace, dev: str) -> None:
     """Three short runs of one tiny MoE LM (byte tokens): max/mean expert load per logged step
     and the final validation loss, for no balancing / Switch aux loss / aux-free bias."""
+    import shutil
     import tempfile
 
     import numpy as np
@@ -371,6 +372,7 @@ def _balance(args: argparse.Namespace, dev: str) -> None:
     fig.tight_layout()
     fig.savefig(args.balance_out, dpi=120)
     print(f"plot: {args.balance_out}")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
