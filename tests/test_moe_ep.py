@@ -62,21 +62,22 @@ def _reference(world: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _ep_worker(rank: int, world: int) -> dict[str, float]:
+def _ep_worker(rank: int, world: int, ep_size: int) -> dict[str, float]:
     from lmforge.model import moe as M
     from lmforge.parallel import ep
 
     want = _reference(world)  # in the worker: tensors do not travel back through the queue
-    model = ep.apply_expert_parallel(_model())
-    assert model.layers[0].ffn.w1.shape[0] == MOE["n_experts"] // world
+    ep_group, edp_group = ep.expert_parallel_groups(ep_size)
+    model = ep.apply_expert_parallel(_model(), ep_group)
+    assert model.layers[0].ffn.w1.shape[0] == MOE["n_experts"] // ep_size
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for x, y in _batches(world):
         _loss(model, x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B]).backward()
-        ep.sync_gradients(model)
+        ep.sync_gradients(model, edp_group)
         opt.step()
         opt.zero_grad()
-        M.update_expert_bias(model)
-    got = ep.gather_expert_state(model)
+        M.update_expert_bias(model)  # loads summed over the world: every replica agrees
+    got = ep.gather_expert_state(model, ep_group)
     assert set(got) == set(want)
     out = {k: (got[k] - want[k]).abs().max().item() for k in want}
     out["bias_moved"] = float(_bias_moves(want))
@@ -89,7 +90,15 @@ def _bias_moves(state: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.dist
 def test_expert_parallel_matches_single_process() -> None:
-    for diffs in run_workers(_ep_worker, 2, timeout=90):
+    for diffs in run_workers(_ep_worker, 2, 2, timeout=90):
+        assert diffs.pop("bias_moved") == 1.0
+        assert max(diffs.values()) < 1e-10, max(diffs.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.dist_slow
+def test_expert_parallel_composed_with_data_parallel_matches_single_process() -> None:
+    # 4 ranks: two EP groups {0, 1} and {2, 3}, each holding all experts once.
+    for diffs in run_workers(_ep_worker, 4, 2, timeout=150):
         assert diffs.pop("bias_moved") == 1.0
         assert max(diffs.values()) < 1e-10, max(diffs.items(), key=lambda kv: kv[1])
 

@@ -18,8 +18,13 @@ averages the replicated parameters' gradients over the ranks and divides the exp
 each rank's loss is the mean over its own batch, so this is the gradient of the mean over the
 global batch, as one process training on all ranks' batches computes it (the gloo tests).
 
-Simplifications: the EP group is the whole world (EP degree = DP degree, as DeepSpeed-MoE's
-default); counts are read on the host each layer (one sync per all-to-all pair); the Switch
+Composed with data parallelism: :func:`expert_parallel_groups` splits the world of W ranks into
+W/E expert-parallel groups of E consecutive ranks (each holds all experts once) and E
+expert-data-parallel groups (the ranks holding the same shard); :func:`sync_gradients` then
+averages expert gradients over their expert-data-parallel group. E = W (the default, the whole
+world as one EP group) is DeepSpeed-MoE's default layout.
+
+Simplifications: counts are read on the host each layer (one sync per all-to-all pair); the Switch
 auxiliary loss is computed from each rank's own tokens (the auxiliary-loss-free bias sums the
 loads over the group, so it matches one process exactly). Checkpoints of a sharded model need
 :func:`gather_expert_state`. Exercised by ``pytest -m dist tests/test_moe_ep.py``.
@@ -93,6 +98,28 @@ def _dispatch_compute(group: Any) -> Any:
     return compute
 
 
+def expert_parallel_groups(ep_size: int) -> tuple[Any, Any]:
+    """(this rank's EP group, its expert-data-parallel group) for EP degree ``ep_size``.
+
+    EP groups are blocks of ``ep_size`` consecutive ranks; the expert-data-parallel group of
+    rank r holds the ranks with the same ``r % ep_size`` (the same expert shard). Collective:
+    every rank must call it."""
+    world = dist.get_world_size()
+    if ep_size < 1 or world % ep_size:
+        raise LmforgeError(f"expert-parallel size {ep_size} must divide the world size {world}")
+    rank = dist.get_rank()
+    ep_group = edp_group = None
+    for start in range(0, world, ep_size):  # new_group is collective: every rank makes all
+        g = dist.new_group(list(range(start, start + ep_size)))
+        if start <= rank < start + ep_size:
+            ep_group = g
+    for shard in range(ep_size):
+        g = dist.new_group(list(range(shard, world, ep_size)))
+        if rank % ep_size == shard:
+            edp_group = g
+    return ep_group, edp_group
+
+
 def apply_expert_parallel(model: nn.Module, group: Any = None) -> nn.Module:
     """Shard every MoE layer's experts over ``group`` (default: the world), in place.
 
@@ -123,18 +150,20 @@ def is_expert_parameter(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ("w1", "w2", "w3") and ".ffn." in f".{name}"
 
 
-def sync_gradients(model: nn.Module, group: Any = None) -> None:
-    """After backward: average replicated parameters' gradients over ``group``; divide the
-    sharded experts' (already summed over every rank's tokens) by the group size."""
-    _, world = _group_size(group)
+def sync_gradients(model: nn.Module, expert_dp_group: Any = None) -> None:
+    """After backward: average the replicated parameters' gradients over the world; sum each
+    expert shard's (already summed over its EP group's tokens) over ``expert_dp_group`` (the
+    ranks holding that shard; None = the shard is on this rank only, EP over the whole world),
+    then divide by the world size: the gradient of the mean over the global batch."""
+    world = dist.get_world_size()
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        if is_expert_parameter(name):
-            p.grad.div_(world)
-        else:
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(world)
+        if not is_expert_parameter(name):
+            dist.all_reduce(p.grad)
+        elif expert_dp_group is not None and dist.get_world_size(expert_dp_group) > 1:
+            dist.all_reduce(p.grad, group=expert_dp_group)
+        p.grad.div_(world)
 
 
 def gather_expert_state(model: nn.Module, group: Any = None) -> dict[str, torch.Tensor]:
