@@ -2,7 +2,8 @@
 layer (route, permute, grouped GEMMs, combine) forward+backward vs a dense SwiGLU of equal FLOPs;
 optionally a GPT-2-small training step, MoE (same active compute) vs dense; and (``--balance``,
 CPU-sized) expert load over training with no balancing, the Switch aux loss, and the
-auxiliary-loss-free bias, on byte-level tinyshakespeare from ``../shared`` (plot + table).
+auxiliary-loss-free bias, on byte-level tinyshakespeare from ``../shared`` (plot + table); and
+(``--curves``) validation loss at equal tokens, dense vs an MoE of the same active compute.
 
 Shape (issue 25): GPT-2-small width D = 768, 64 experts, top-8, expert width 256, 32k tokens,
 so the up-projection (w1|w3, one grouped GEMM) is 262,144×768 @ 768×512 spread over 64 groups.
@@ -14,6 +15,8 @@ grouped path against its reference loop on the same routing), then CUDA-event me
     PYTHONPATH=src python benchmarks/moe.py --train            # + the training-step ratio
     PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 512 --d 64 --experts 8 --width 32
     PYTHONPATH=src python benchmarks/moe.py --balance --device cpu --balance-out notes/moe_balance.png
+    PYTHONPATH=src python benchmarks/moe.py --curves --device cpu \
+        --text ../shared/data/text/gutenberg --curve-out notes/moe_curves.png
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--balance", action="store_true", help="only the load-balance training runs")
     p.add_argument("--balance-steps", type=int, default=300)
     p.add_argument("--balance-out", default="moe_balance.png", help="PNG of max/mean load")
+    p.add_argument("--curves", action="store_true", help="only dense vs MoE val-loss curves")
+    p.add_argument("--curve-steps", type=int, default=600)
+    p.add_argument("--curve-out", default="moe_curves.png", help="PNG of the val-loss curves")
     p.add_argument(
         "--text",
         default=str(_shared() / "data/text/tinyshakespeare"),
@@ -70,6 +76,9 @@ def main() -> None:
     dev = args.device
     if args.balance:
         _balance(args, dev)
+        return
+    if args.curves:
+        _curves(args, dev)
         return
     cuda = dev == "cuda"
     dt = torch.bfloat16 if cuda else torch.float32
@@ -276,67 +285,104 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
     print(markdown_table(["model", "params", "active", "ms/step", "tokens/s"], rows))
 
 
+def _byte_shards(text: str, tmp: Path, max_bytes: int) -> tuple[Path, Path]:
+    """Train/val shards (95 % / 5 %) of the bytes of the text file(s) at ``text``."""
+    import numpy as np
+
+    from lmforge.train.data import write_shard
+    from lmforge.utils.errors import LmforgeError
+
+    src = Path(text)
+    files = sorted(src.glob("*.txt")) if src.is_dir() else [src]
+    if not files or not all(f.is_file() for f in files):
+        raise LmforgeError(f"--text {src}: no text files found")
+    raw = b""
+    for f in files:
+        raw += f.read_bytes()
+        if len(raw) >= max_bytes:
+            break
+    data = np.frombuffer(raw[:max_bytes], dtype=np.uint8)
+    cut = int(0.95 * data.size)
+    return write_shard(tmp / "train.bin", data[:cut], 256), write_shard(
+        tmp / "val.bin", data[cut:], 256
+    )
+
+
+def _train_run(
+    model: object, shards: tuple[Path, Path], out: Path, dev: str, steps: int, eval_every: int
+) -> tuple[dict, list[dict]]:
+    """One Trainer run of ``model`` (a ModelConfig) on byte shards: (result, metrics records)."""
+    from lmforge.config import RunConfig
+    from lmforge.train import DataConfig, TrainConfig, Trainer
+    from lmforge.train.trainer import read_metrics
+
+    train_cfg = TrainConfig(
+        out_dir=str(out),
+        device=dev,
+        precision="fp32" if dev == "cpu" else "bf16",
+        batch_size=16,
+        context_length=128,
+        max_steps=steps,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=20,
+        log_every=10,
+        eval_every=eval_every,
+        eval_batches=10,
+        save_every=0,
+        progress=False,
+        plot=False,
+    )
+    data = DataConfig(train=(str(shards[0]),), val=(str(shards[1]),))
+    result = Trainer(RunConfig(model=model, train=train_cfg, data=data)).run()
+    return result, read_metrics(out / "metrics.jsonl")
+
+
+def _plot(
+    curves: dict[str, tuple[list[int], list[float]]], ylabel: str, title: str, path: str
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, (steps, values) in curves.items():
+        ax.plot(steps, values, label=name, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def _balance(args: argparse.Namespace, dev: str) -> None:
     """Three short runs of one tiny MoE LM (byte tokens): max/mean expert load per logged step
     and the final validation loss, for no balancing / Switch aux loss / aux-free bias."""
     import shutil
     import tempfile
 
-    import numpy as np
-
     from lmforge.bench.timing import markdown_table
-    from lmforge.config import RunConfig
     from lmforge.model import ModelConfig
     from lmforge.model.moe_config import MoEConfig
-    from lmforge.train import DataConfig, TrainConfig, Trainer
-    from lmforge.train.data import write_shard
-    from lmforge.train.trainer import read_metrics
-    from lmforge.utils.errors import LmforgeError
 
-    src = Path(args.text)
-    files = sorted(src.glob("*.txt")) if src.is_dir() else [src]
-    if not files or not all(f.is_file() for f in files):
-        raise LmforgeError(f"--text {src}: no text files found")
-    data = np.frombuffer(b"".join(f.read_bytes() for f in files), dtype=np.uint8)
     tmp = Path(tempfile.mkdtemp(prefix="moe_balance_"))
-    cut = int(0.95 * data.size)
-    train = write_shard(tmp / "train.bin", data[:cut], 256)
-    val = write_shard(tmp / "val.bin", data[cut:], 256)
+    shards = _byte_shards(args.text, tmp, 1 << 26)
+    moe = dict(n_experts=8, top_k=2, expert_d_ff=64, aux_loss_coef=0.0)
     variants = {
-        "none": MoEConfig(n_experts=8, top_k=2, expert_d_ff=64, aux_loss_coef=0.0),
-        "Switch aux loss 0.01": MoEConfig(n_experts=8, top_k=2, expert_d_ff=64, aux_loss_coef=0.01),
-        "aux-free bias 0.01": MoEConfig(
-            n_experts=8, top_k=2, expert_d_ff=64, aux_loss_coef=0.0, bias_update_rate=0.01
-        ),
+        "none": MoEConfig(**moe),
+        "Switch aux loss 0.01": MoEConfig(**{**moe, "aux_loss_coef": 0.01}),
+        "aux-free bias 0.01": MoEConfig(**moe, bias_update_rate=0.01),
     }
     curves: dict[str, tuple[list[int], list[float]]] = {}
     rows = []
-    for name, moe in variants.items():
+    for name, mc in variants.items():
         model = ModelConfig(
-            vocab_size=256, context_length=128, d_model=96, n_layers=2, n_heads=4, moe=moe
+            vocab_size=256, context_length=128, d_model=96, n_layers=2, n_heads=4, moe=mc
         )
-        train_cfg = TrainConfig(
-            out_dir=str(tmp / name.split()[0]),
-            device=dev,
-            precision="fp32" if dev == "cpu" else "bf16",
-            batch_size=16,
-            context_length=128,
-            max_steps=args.balance_steps,
-            lr=3e-3,
-            min_lr=3e-4,
-            warmup_steps=20,
-            log_every=10,
-            eval_every=0,
-            eval_batches=10,
-            save_every=0,
-            progress=False,
-            plot=False,
-        )
-        cfg = RunConfig(
-            model=model, train=train_cfg, data=DataConfig(train=(str(train),), val=(str(val),))
-        )
-        result = Trainer(cfg).run()
-        recs = [r for r in read_metrics(Path(train_cfg.out_dir) / "metrics.jsonl")]
+        result, recs = _train_run(model, shards, tmp / name.split()[0], dev, args.balance_steps, 0)
         recs = [r for r in recs if r.get("event") == "train"]
         steps = [r["step"] for r in recs]
         loads = [max(v for k, v in r.items() if k.endswith("load_max_mean")) for r in recs]
@@ -344,34 +390,54 @@ def _balance(args: argparse.Namespace, dev: str) -> None:
         late = loads[len(loads) // 2 :]
         rows.append([name, loads[0], sum(late) / len(late), max(late), result["val_loss"]])
     print(f"\nLoad balance, {args.balance_steps} steps × 16 × 128 byte tokens ({dev})")
-    print(
-        markdown_table(
-            [
-                "balancing",
-                "max/mean load, first log",
-                "mean of 2nd half",
-                "max of 2nd half",
-                "val loss (nats/byte)",
-            ],
-            rows,
+    header = ["balancing", "max/mean load, first log", "mean of 2nd half", "max of 2nd half"]
+    print(markdown_table([*header, "val loss (nats/byte)"], rows))
+    _plot(curves, "max / mean expert load (worst layer)", "8 experts, top-2", args.balance_out)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _curves(args: argparse.Namespace, dev: str) -> None:
+    """Validation loss at equal tokens: a dense LM vs an MoE with the same active compute (8
+    experts of width F/2, top-2, aux-free bias), byte-level text, CPU-sized."""
+    import shutil
+    import tempfile
+
+    from lmforge.bench.timing import markdown_table
+    from lmforge.model import ModelConfig, accounting
+    from lmforge.model.moe_config import MoEConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="moe_curves_"))
+    shards = _byte_shards(args.text, tmp, 1 << 23)
+    base = dict(vocab_size=256, context_length=128, d_model=96, n_layers=2, n_heads=4, d_ff=256)
+    moe = MoEConfig(n_experts=8, top_k=2, expert_d_ff=128, aux_loss_coef=0.0, bias_update_rate=0.01)
+    variants = {
+        "dense, d_ff 256": ModelConfig(**base),
+        "MoE 8 × 128, top-2": ModelConfig(**base, moe=moe),
+    }
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    rows = []
+    for name, model in variants.items():
+        result, recs = _train_run(
+            model, shards, tmp / name.split()[0].strip(","), dev, args.curve_steps, 50
         )
-    )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, (steps, loads) in curves.items():
-        ax.plot(steps, loads, label=name, lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("max / mean expert load (worst layer)")
-    ax.set_title("8 experts, top-2: load over training")
-    ax.axhline(1.0, color="grey", lw=0.6)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.balance_out, dpi=120)
-    print(f"plot: {args.balance_out}")
+        evals = [r for r in recs if r.get("event") == "eval"]
+        train = [r for r in recs if r.get("event") == "train"]
+        curves[name] = ([r["step"] for r in evals], [r["val_loss"] for r in evals])
+        tok_s = sorted(r["tokens_per_s"] for r in train[1:])[len(train[1:]) // 2]
+        rows.append(
+            [
+                name,
+                f"{accounting.parameter_count(model) / 1e6:.2f}M",
+                f"{accounting.active_parameter_count(model) / 1e6:.2f}M",
+                accounting.flops_per_token(model, 128) / 1e6,
+                result["val_loss"],
+                tok_s,
+            ]
+        )
+    print(f"\nDense vs MoE at equal tokens: {args.curve_steps} steps × 16 × 128 bytes ({dev})")
+    header = ["model", "params", "active", "MFLOP/token", "final val loss", "tokens/s (median)"]
+    print(markdown_table(header, rows))
+    _plot(curves, "validation loss (nats/byte)", "dense vs MoE, same active FLOPs", args.curve_out)
     shutil.rmtree(tmp, ignore_errors=True)
 
 
