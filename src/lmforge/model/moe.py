@@ -197,9 +197,11 @@ def experts_reference(
     return out
 
 
-def grouped_mm_available(x: torch.Tensor) -> bool:
-    """Whether :func:`grouped_mm` runs ``torch._grouped_mm`` (bf16 on CUDA) for input x."""
-    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+def grouped_mm_available(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+    """Whether :func:`grouped_mm` runs ``torch._grouped_mm`` for x (A, K) @ w (N, K, O): bf16 on
+    CUDA, with K and O multiples of 8 (the op wants 16-byte aligned rows and columns)."""
+    dims_ok = x.shape[-1] % 8 == 0 and (w is None or w.shape[-1] % 8 == 0)
+    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and dims_ok
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -231,7 +233,7 @@ def grouped_mm(
 
     ``torch._grouped_mm`` where :func:`grouped_mm_available`; otherwise one matmul per segment
     (the readable fallback, which reads ``counts`` on the host)."""
-    if grouped_mm_available(x):
+    if grouped_mm_available(x, w):
         return _GroupedMM.apply(x, w.to(x.dtype), offs)
     parts = torch.split(x, counts.tolist())
     return torch.cat([p @ w[e].to(p.dtype) for e, p in enumerate(parts)])  # (A, O)
