@@ -57,7 +57,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument(
         "--text",
         default=str(_shared() / "data/text/tinyshakespeare"),
-        help="folder or file of text for --balance (bytes are the tokens)",
+        help="folder or file of text for --balance and --curves (bytes are the tokens)",
     )
     return p.parse_args()
 
