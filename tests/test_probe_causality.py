@@ -35,6 +35,7 @@ def _model(**moe) -> TransformerLM:
 def test_dense_model_is_causal() -> None:
     report = probe_causality(_model(), batch=3, seq_len=16)
     assert report.causal and report.routing == "dense"
+    assert all(not c.positions for c in report.changes)
     assert {c.check for c in report.changes} == {"future", "other_rows", "incremental"}
     assert all(c.assignments_changed is None for c in report.changes)
 
@@ -69,6 +70,9 @@ def test_noncausal_routing_is_flagged_in_every_check(moe) -> None:
         assert c.assignments_changed and c.layer == "L0" and c.where is not None
     future = leaks["future"]
     assert future.where[1] <= report.position  # the change is at a position <= t
+    assert future.positions and all(t <= report.position for _, t in future.positions)
+    assert all(r == 0 for r, _ in leaks["other_rows"].positions)  # only row 0 is compared
+    assert len(future.positions) >= max(future.changed, future.assignments_changed)
 
 
 def test_aux_free_bias_is_causal_after_bias_updates() -> None:

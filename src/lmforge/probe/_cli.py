@@ -101,4 +101,7 @@ def _run_causality(args: argparse.Namespace) -> int:
                 f"{c.assignments_changed or 0} expert assignments, largest at {c.where} "
                 f"({c.max_change:.2e} of the layer's max)"
             )
+            shown = ", ".join(f"{r}:{t}" for r, t in c.positions[:12])
+            more = f" and {len(c.positions) - 12} more" if len(c.positions) > 12 else ""
+            print(f"  (row:position) changed in {c.layer}: {shown}{more}")
     return 0 if report.causal else 1

@@ -53,6 +53,8 @@ class LayerChange:
     "(row, position) of the largest change, when any changed"
     assignments_changed: int | None
     "positions whose set of experts changed (None for a dense layer or logits)"
+    positions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    "every (row, position) whose output or expert set changed, in row-major order"
 
     @property
     def broken(self) -> bool:
@@ -204,7 +206,8 @@ def _compare(
         a, b = ref[name][rows, cols], new[name][rows, cols]  # (B', T', D|V)
         scale = a.abs().max().clamp_min(1e-12)
         diff = (a - b).abs().amax(-1) / scale  # (B', T')
-        changed = int((diff > atol).sum())
+        moved_any = diff > atol  # (B', T')
+        changed = int(moved_any.sum())
         flat = int(diff.argmax())
         where = (
             flat // diff.shape[1] + (rows.start or 0),
@@ -215,8 +218,13 @@ def _compare(
         if key in ref:
             moved = (ref[key][rows, cols] != new[key][rows, cols]).any(-1)  # (B', T')
             assign = int(moved.sum())
+            moved_any = moved_any | moved
+        r0, c0 = rows.start or 0, cols.start or 0
+        positions = [(int(i) + r0, int(j) + c0) for i, j in moved_any.nonzero().tolist()]
         out.append(
-            LayerChange(check, name, diff.numel(), changed, float(diff.max()), where, assign)
+            LayerChange(
+                check, name, diff.numel(), changed, float(diff.max()), where, assign, positions
+            )
         )
     return out
 
