@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmforge.hf import _moe
 from lmforge.model.config import ModelConfig
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write_text
@@ -46,7 +47,11 @@ __all__ = [
     "rope_permutation",
 ]
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",  # MoE models: lmforge.hf._moe
+}
 
 
 def rope_permutation(head_dim: int) -> torch.Tensor:
@@ -75,9 +80,7 @@ def _layer_names(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
         (lm + "attn.k_proj.weight", hf + "self_attn.k_proj.weight"),
         (lm + "attn.v_proj.weight", hf + "self_attn.v_proj.weight"),
         (lm + "attn.output_proj.weight", hf + "self_attn.o_proj.weight"),
-        (lm + "ffn.w1.weight", hf + "mlp.gate_proj.weight"),
-        (lm + "ffn.w3.weight", hf + "mlp.up_proj.weight"),
-        (lm + "ffn.w2.weight", hf + "mlp.down_proj.weight"),
+        *_ffn_names(cfg, lm, hf, i),
         (lm + "ln1.weight", hf + "input_layernorm.weight"),
         (lm + "ln2.weight", hf + "post_attention_layernorm.weight"),
     ]
@@ -87,6 +90,13 @@ def _layer_names(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
             (lm + "attn.k_norm.weight", hf + "self_attn.k_norm.weight"),
         ]
     return pairs
+
+
+def _ffn_names(cfg: ModelConfig, lm: str, hf: str, i: int) -> list[tuple[str, str]]:
+    if cfg.moe.is_moe_layer(i):  # the router; the experts are stacked (lmforge.hf._moe)
+        return [(lm + "ffn.router.weight", hf + "mlp.gate.weight")]
+    names = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    return [(f"{lm}ffn.{a}.weight", f"{hf}mlp.{b}.weight") for a, b in names]
 
 
 def _name_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -124,6 +134,8 @@ def lmforge_to_hf_state(
         if order is not None:
             t = _permute_heads(t, order[0], cfg.head_dim, perm)
         out[hf_name] = t.contiguous()
+    if cfg.moe.enabled:
+        out.update(_moe.experts_to_hf(state, cfg))
     return out
 
 
@@ -147,6 +159,8 @@ def hf_to_lmforge_state(
             t = _permute_heads(t, order[0], cfg.head_dim, inv)
         state[lm_name] = t.contiguous()
         used.add(hf_name)
+    if cfg.moe.enabled:
+        _moe.experts_from_hf(hf_state, cfg, state, used, source)
     if cfg.tie_embeddings:
         used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
         state["lm_head.weight"] = state["token_embeddings.weight"]
@@ -196,7 +210,7 @@ def model_config_to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None)
     if eos_token_id is not None:
         out["eos_token_id"] = eos_token_id
         out["bos_token_id"] = eos_token_id
-    return out
+    return _moe.hf_config(cfg, out) if cfg.moe.enabled else out
 
 
 def _rope_theta(hf: dict[str, Any], where: str) -> float:
@@ -264,7 +278,8 @@ def hf_config_to_model_config(
             d_ff=d_ff,
             rope_theta=theta,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=_moe.moe_from_hf(hf, where),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention="sdpa",
         )

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
         silu,
         softmax,
     )
+    from lmforge.model.moe import MoEFFN
+    from lmforge.model.moe_config import MoEConfig
     from lmforge.model.presets import load_preset
     from lmforge.model.transformer import CausalSelfAttention, TransformerBlock, TransformerLM
 
@@ -33,6 +35,8 @@ __all__ = [
     "Embedding",
     "KVCache",
     "Linear",
+    "MoEConfig",
+    "MoEFFN",
     "ModelConfig",
     "RMSNorm",
     "RotaryEmbedding",
@@ -53,6 +57,8 @@ _EXPORTS = {
     "KVCache": "kv_cache",
     "Linear": "layers",
     "ModelConfig": "config",
+    "MoEConfig": "moe_config",
+    "MoEFFN": "moe",
     "RMSNorm": "layers",
     "RotaryEmbedding": "layers",
     "SwiGLU": "layers",

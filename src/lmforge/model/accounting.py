@@ -9,7 +9,8 @@ twice the forward (one matmul for the input gradient, one for the weight gradien
 work (norms, softmax, SiLU, RoPE, residual adds) and the embedding lookup are not counted. The
 attention terms count the full T×T score matrix a dense kernel computes, as PaLM's MFU definition
 does (pass ``causal=True`` to halve them, as causal-aware FlashAttention benchmarks do). The
-familiar approximation results exactly::
+familiar approximation results exactly (for a dense model; an MoE model counts the *active*
+weights, :func:`active_parameter_count`, so MFU is computed on active FLOPs)::
 
     flops_per_token(cfg, T, backward=True) == 6·N_matmul + 12·L·H·E·T
 
@@ -61,7 +62,7 @@ def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
         "embedding": v * d,
         "attention": n * (d * h * e + 2 * d * k * e + h * e * d),
         "qk_norm": n * 2 * e if cfg.qk_norm else 0,
-        "ffn": n * 3 * d * f,
+        "ffn": int(_ffn_parameters(cfg, active=False)) if cfg.moe.enabled else n * 3 * d * f,
         "norms": n * 2 * d + d,
         "lm_head": 0 if cfg.tie_embeddings else v * d,
     }
@@ -70,6 +71,38 @@ def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
 def parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     """Exact number of distinct parameters, as ``TransformerLM(cfg).num_parameters(...)``."""
     parts = parameter_breakdown(cfg)
+    total = sum(parts.values())
+    return total - parts["embedding"] if exclude_embeddings else total
+
+
+def _moe_layer_count(cfg: ModelConfig) -> int:
+    return sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
+
+
+def _experts_per_token(cfg: ModelConfig) -> float:
+    """Routed experts a token runs through on average: top_k (token choice; capacity-dropped
+    choices are computed and weighed 0 by lmforge's kernels), capacity_factor · top_k for
+    expert choice (N experts × C slots over M tokens)."""
+    mc = cfg.moe
+    return mc.top_k * (mc.capacity_factor if mc.routing == "expert_choice" else 1.0)
+
+
+def _ffn_parameters(cfg: ModelConfig, active: bool) -> float:
+    """FFN weights of all layers: dense SwiGLUs, and per MoE layer the router (N·D), the shared
+    experts and the routed experts (all N, or the ones a token uses when ``active``)."""
+    mc, d = cfg.moe, cfg.d_model
+    n_moe = _moe_layer_count(cfg)
+    dense = (cfg.n_layers - n_moe) * 3 * d * cfg.ffn_dim
+    routed = _experts_per_token(cfg) if active else mc.n_experts
+    per_moe = mc.n_experts * d + 3 * d * cfg.expert_dim * (mc.n_shared_experts + routed)
+    return dense + n_moe * per_moe
+
+
+def active_parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
+    """Parameters one token's forward uses: the total minus the routed experts it skips
+    (:func:`parameter_count` for a dense model)."""
+    parts = parameter_breakdown(cfg)
+    parts["ffn"] = round(_ffn_parameters(cfg, active=True)) if cfg.moe.enabled else parts["ffn"]
     total = sum(parts.values())
     return total - parts["embedding"] if exclude_embeddings else total
 
@@ -109,7 +142,8 @@ def flops_breakdown(
         "attn_scores": 2.0 * n * h * e * attn_len,  # one query row against T keys
         "attn_values": 2.0 * n * h * e * attn_len,
         "output_proj": 2.0 * n * h * e * d,
-        "ffn": 2.0 * n * 3 * d * f,
+        # MoE: the active weights (top-k routed + shared experts + router) per token.
+        "ffn": 2.0 * (_ffn_parameters(cfg, active=True) if cfg.moe.enabled else n * 3 * d * f),
         "lm_head": 2.0 * d * v,
     }
     factor = 3.0 if backward else 1.0

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Literal
 
+from lmforge.model.moe_config import MoEConfig
+
 
 def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
     """SwiGLU hidden size: 8/3 · d_model rounded up to a multiple of ``multiple_of``."""
@@ -62,6 +64,8 @@ class ModelConfig:
     " master weights keep an fp32 stream under autocast, as nanoGPT does); autocast = under"
     " autocast the stream is held in its dtype (bf16), as bf16 training stacks hold activations:"
     " the norms and residual adds then read and write half the bytes. No effect without autocast"
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    "mixture-of-experts feed-forward (default: dense; e.g. --model.moe.n_experts=8)"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -109,3 +113,8 @@ class ModelConfig:
     def ffn_dim(self) -> int:
         """Resolved SwiGLU hidden size F."""
         return default_d_ff(self.d_model) if self.d_ff is None else self.d_ff
+
+    @property
+    def expert_dim(self) -> int:
+        """Resolved hidden size of one MoE expert (``moe.expert_d_ff``, default F)."""
+        return self.ffn_dim if self.moe.expert_d_ff is None else self.moe.expert_d_ff

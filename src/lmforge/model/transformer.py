@@ -63,6 +63,7 @@ from lmforge.model.layers import (
     project,
     scaled_dot_product_attention,
 )
+from lmforge.model.moe import MoEFFN
 
 
 def _kernel_runs_on(x: torch.Tensor) -> bool:
@@ -258,7 +259,8 @@ class TransformerBlock(nn.Module):
         self.ln1 = _Norm(config.d_model, config.norm_eps, config.norm)
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln2 = _Norm(config.d_model, config.norm_eps, config.norm)
-        self.ffn = _FFN(config)
+        moe = config.moe.is_moe_layer(layer_idx)
+        self.ffn: nn.Module = MoEFFN(config, layer_idx) if moe else _FFN(config)
 
     def forward(
         self,

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lmforge.model.moe import check_causal_routing
 from lmforge.train import resume
 from lmforge.train.data import (
     MixtureSampler,
@@ -52,6 +53,7 @@ from lmforge.train.data import (
     open_source,
 )
 from lmforge.train.fastpath import FastPath, FastPathRuntime, resolve_fast_path, strategy_kind
+from lmforge.train.hooks import model_callbacks
 from lmforge.train.loss import cross_entropy, fused_model_loss, model_loss
 from lmforge.train.metrics import read_metrics, start_run_log
 from lmforge.train.optim import build_optimizer
@@ -146,6 +148,7 @@ class Trainer:
             apply_activation_checkpointing(model)
         # Modules whose aux_loss() (e.g. MoE balancing terms of the last forward) joins the loss.
         self._aux_modules = [m for m in model.modules() if callable(getattr(m, "aux_loss", None))]
+        self.callbacks[:0] = model_callbacks(self.mcfg, model)  # e.g. MoE bias and routing stats
         self._ce: Callable[..., torch.Tensor] = cross_entropy
         self._fused_loss: Callable[..., torch.Tensor] = fused_model_loss
         self._model_loss: Callable[..., torch.Tensor] | None = None
@@ -234,6 +237,7 @@ class Trainer:
 
     def _validate(self) -> None:
         tc, mc = self.tcfg, self.mcfg
+        check_causal_routing(mc)  # non-causal MoE routing needs model.moe.allow_noncausal
         if not self.dcfg.train:
             raise LmforgeError(
                 "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"

@@ -1,0 +1,449 @@
+"""MoE expert compute on the GPU: grouped GEMM vs one dense GEMM vs a Python loop; the whole MoE
+layer (route, permute, grouped GEMMs, combine) forward+backward vs a dense SwiGLU of equal FLOPs;
+optionally a GPT-2-small training step, MoE (same active compute) vs dense; and (``--balance``,
+CPU-sized) expert load over training with no balancing, the Switch aux loss, and the
+auxiliary-loss-free bias, on byte-level tinyshakespeare from ``../shared`` (plot + table); and
+(``--curves``) validation loss at equal tokens, dense vs an MoE of the same active compute.
+
+Shape (issue 25): GPT-2-small width D = 768, 64 experts, top-8, expert width 256, 32k tokens,
+so the up-projection (w1|w3, one grouped GEMM) is 262,144×768 @ 768×512 spread over 64 groups.
+Correctness first (the grouped GEMM and its backward against a float64 loop; the MoE layer's
+grouped path against its reference loop on the same routing), then CUDA-event medians
+(``lmforge.bench.timing.time_ms``), each row with its peer from the same run.
+
+    PYTHONPATH=src python benchmarks/moe.py
+    PYTHONPATH=src python benchmarks/moe.py --train            # + the training-step ratio
+    PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 512 --d 64 --experts 8 --width 32
+    PYTHONPATH=src python benchmarks/moe.py --balance --device cpu --balance-out notes/moe_balance.png
+    PYTHONPATH=src python benchmarks/moe.py --curves --device cpu --text ../shared/data/text/gutenberg
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
+
+
+def _shared() -> Path:
+    """``../shared`` beside the checkout, else /work/shared (the worktrees' layout)."""
+    here = Path(__file__).resolve().parents[2] / "shared"
+    return here if here.is_dir() else Path("/work/shared")
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="examples:\n" + __doc__[__doc__.index("    PYTHONPATH") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--d", type=int, default=768)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--train", action="store_true", help="also time a GPT-2-small training step")
+    p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code paths only")
+    p.add_argument("--balance", action="store_true", help="only the load-balance training runs")
+    p.add_argument("--balance-steps", type=int, default=300)
+    p.add_argument("--balance-out", default="moe_balance.png", help="PNG of max/mean load")
+    p.add_argument("--curves", action="store_true", help="only dense vs MoE val-loss curves")
+    p.add_argument("--curve-steps", type=int, default=600)
+    p.add_argument("--curve-out", default="moe_curves.png", help="PNG of the val-loss curves")
+    p.add_argument(
+        "--text",
+        default=str(_shared() / "data/text/tinyshakespeare"),
+        help="folder or file of text for --balance and --curves (bytes are the tokens)",
+    )
+    return p.parse_args()
+
+
+def main() -> None:
+    args = _parse()
+    import torch
+
+    from lmforge.bench.timing import environment_line, markdown_table, time_ms
+    from lmforge.model import ModelConfig
+    from lmforge.model import moe as M
+    from lmforge.model.layers import SwiGLU
+    from lmforge.model.moe_config import MoEConfig
+
+    dev = args.device
+    if args.balance:
+        _balance(args, dev)
+        return
+    if args.curves:
+        _curves(args, dev)
+        return
+    cuda = dev == "cuda"
+    dt = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    n, k, d, f, m = args.experts, args.top_k, args.d, args.width, args.tokens
+    a = m * k
+    print(environment_line() if cuda else f"device cpu, torch {torch.__version__}")
+    print(f"shape: {m} tokens, D={d}, {n} experts, top-{k}, expert width {f}: A={a} rows")
+
+    def tflops(flop: float, ms: float) -> float:
+        return flop / (ms * 1e-3) / 1e12
+
+    # -- correctness: grouped GEMM (fwd + both grads) against a float64 loop, ragged groups
+    counts = torch.bincount(torch.randint(0, n, (4096,), device=dev), minlength=n)
+    counts[1] = 0  # an empty group
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = int(counts.sum())
+    xs = torch.randn(rows, d, device=dev, dtype=dt, requires_grad=True)
+    w = (torch.randn(n, 2 * f, d, device=dev, dtype=dt) / d**0.5).requires_grad_()
+    use_grouped = M.grouped_mm_available(xs)
+    y = M.grouped_mm(xs, w.transpose(1, 2), counts, offs)
+    g = torch.randn_like(y)
+    y.backward(g)
+    x64 = xs.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    parts = torch.split(x64, counts.tolist())
+    ref = torch.cat([p @ w64[e].t() for e, p in enumerate(parts)])
+    ref.backward(g.double())
+    for name, got, want in (
+        ("y", y, ref),
+        ("dx", xs.grad, x64.grad),
+        ("dw", w.grad, w64.grad),
+    ):
+        err = (got.double() - want).abs().max().item() / want.abs().max().item()
+        print(f"check grouped_mm {name}: max err / max |ref| = {err:.2e}")
+        assert err < 2e-2, f"grouped_mm {name} is wrong ({err:.2e})"
+    print(f"grouped path: {'torch._grouped_mm' if use_grouped else 'loop over segments'}")
+
+    # -- correctness: MoE layer grouped vs reference, same routing, bf16 vs float64
+    cfg_small = ModelConfig(
+        d_model=d,
+        n_heads=12 if d % 12 == 0 else 4,
+        moe=MoEConfig(n_experts=n, top_k=k, expert_d_ff=f),
+    )
+    layer64 = M.MoEFFN(cfg_small).to(dev, torch.float64)
+    x = torch.randn(2048, d, device=dev, dtype=torch.float64)
+    r, _ = M.route(x @ layer64.router.weight.t(), cfg_small, layer64.expert_bias)
+    want = M.experts_reference(x, layer64.w1, layer64.w2, layer64.w3, r)
+    wb = [p.detach().to(dt) for p in (layer64.w1, layer64.w2, layer64.w3)]
+    got = M.experts_grouped(x.to(dt), *wb, r._replace(weight=r.weight.float()))
+    err = (got.double() - want).abs().max().item() / want.abs().max().item()
+    print(f"check MoE layer grouped vs reference: max err / max |ref| = {err:.2e}")
+    assert err < 3e-2
+
+    # -- table 1: the up-projection GEMM, grouped vs dense vs loop
+    rows_out = []
+    for routing in ("balanced", "random router"):
+        if routing == "balanced":
+            cnt = torch.full((n,), a // n, device=dev, dtype=torch.long)
+        else:
+            logits = torch.randn(m, d, device=dev) @ (torch.randn(d, n, device=dev) / d**0.5)
+            idx = logits.topk(k, dim=-1).indices
+            cnt = torch.bincount(idx.reshape(-1), minlength=n)
+        o = torch.cumsum(cnt, 0).to(torch.int32)
+        X = torch.randn(a, d, device=dev, dtype=dt)
+        W = torch.randn(n, 2 * f, d, device=dev, dtype=dt) / d**0.5
+        Wt = W.transpose(1, 2)
+        flop = 2.0 * a * d * 2 * f
+        lst = cnt.tolist()
+
+        def grouped(X=X, Wt=Wt, o=o, cnt=cnt) -> object:
+            if use_grouped:
+                return torch._grouped_mm(X, Wt, offs=o)
+            return M.grouped_mm(X, Wt, cnt, o)
+
+        def loop(X=X, Wt=Wt, lst=lst) -> object:
+            return [p @ Wt[e] for e, p in enumerate(torch.split(X, lst))]
+
+        Wd = Wt[0].contiguous()
+
+        def dense(X=X, Wd=Wd) -> object:
+            return X @ Wd
+
+        t_g = time_ms(grouped, iters=args.iters, device=dev)
+        t_d = time_ms(dense, iters=args.iters, device=dev)
+        t_l = time_ms(loop, iters=args.iters, device=dev)
+        load = cnt.max().item() / cnt.float().mean().item()
+        for name, t in (("grouped GEMM", t_g), ("one dense GEMM", t_d), ("loop of matmuls", t_l)):
+            rows_out.append(
+                [routing, f"{load:.2f}", name, t, tflops(flop, t), t_d / t if t else 0.0]
+            )
+    print("\nUp-projection (w1|w3): A×D @ D×2F per expert group")
+    print(
+        markdown_table(
+            ["groups", "max/mean load", "implementation", "ms", "TFLOP/s", "× dense speed"],
+            rows_out,
+        )
+    )
+
+    # -- table 2: whole MoE layer fwd+bwd vs dense SwiGLU of equal FLOPs
+    cfg = ModelConfig(
+        d_model=d,
+        n_heads=12 if d % 12 == 0 else 4,
+        moe=MoEConfig(n_experts=n, top_k=k, expert_d_ff=f, aux_loss_coef=0.01),
+    )
+    torch.manual_seed(0)
+    moe_layer = M.MoEFFN(cfg).to(dev).train()
+    ref_layer = M.MoEFFN(cfg).to(dev).train()
+    ref_layer.backend = "reference"
+    dense = SwiGLU(d, k * f).to(dev)
+    xin = torch.randn(m, d, device=dev, requires_grad=True)
+    gout = torch.randn(m, d, device=dev)
+
+    def step(mod: torch.nn.Module, with_aux: bool) -> None:
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
+            out = mod(xin[None])[0]
+            loss = (out.float() * gout).sum()
+            if with_aux:
+                loss = loss + M.aux_loss(mod)
+        loss.backward()
+
+    t_moe = time_ms(lambda: step(moe_layer, True), iters=args.iters, device=dev)
+    t_dense = time_ms(lambda: step(dense, False), iters=args.iters, device=dev)
+    t_ref = time_ms(lambda: step(ref_layer, True), iters=max(3, args.iters // 4), device=dev)
+    load = moe_layer._stats[0].item()
+    f_moe = 6.0 * m * (3 * d * f * k + d * n)
+    f_dense = 6.0 * m * 3 * d * k * f
+    print(f"\nMoE layer forward+backward, {m} tokens (router max/mean load {load:.2f})")
+    print(
+        markdown_table(
+            ["implementation", "ms", "TFLOP/s (model FLOPs)", "dense time / this time"],
+            [
+                ["dense SwiGLU, F = top_k·width", t_dense, tflops(f_dense, t_dense), 1.0],
+                ["MoE grouped (lmforge fast path)", t_moe, tflops(f_moe, t_moe), t_dense / t_moe],
+                ["MoE reference (loop over experts)", t_ref, tflops(f_moe, t_ref), t_dense / t_ref],
+            ],
+        )
+    )
+
+    if args.train:
+        _train_ratio(args, dev)
+
+
+def _train_ratio(args: argparse.Namespace, dev: str) -> None:
+    """Tokens/s of a GPT-2-small step (eager, bf16 autocast, fused torch AdamW): dense vs MoE
+    with the same active FFN (top-k · width = the dense d_ff)."""
+    import torch
+
+    from lmforge.bench.timing import markdown_table, time_ms
+    from lmforge.model import ModelConfig, TransformerLM, accounting
+    from lmforge.model import moe as M
+    from lmforge.model.moe_config import MoEConfig
+
+    t = 1024
+    b = args.train_batch
+    base = ModelConfig(d_model=768, n_layers=12, n_heads=12, d_ff=args.top_k * args.width)
+    moe_cfg = ModelConfig(
+        d_model=768,
+        n_layers=12,
+        n_heads=12,
+        d_ff=args.top_k * args.width,
+        moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_d_ff=args.width),
+    )
+    rows = []
+    times = {}
+    for name, cfg in (("dense GPT-2 small", base), ("MoE, same active compute", moe_cfg)):
+        torch.manual_seed(0)
+        model = TransformerLM(cfg, device=dev).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
+        ids = torch.randint(0, cfg.vocab_size, (b, t + 1), device=dev)
+
+        def step(model=model, opt=opt, ids=ids) -> None:
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                logits = model(ids[:, :-1])
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().view(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+                )
+                aux = M.aux_loss(model)
+                if aux is not None:
+                    loss = loss + aux
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        ms = time_ms(step, warmup=3, iters=8, device=dev)
+        times[name] = ms
+        tok_s = b * t / (ms * 1e-3)
+        rows.append(
+            [
+                name,
+                f"{accounting.parameter_count(cfg) / 1e6:.0f}M",
+                f"{accounting.active_parameter_count(cfg) / 1e6:.0f}M",
+                ms,
+                tok_s,
+            ]
+        )
+        del model, opt
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    ratio = times["dense GPT-2 small"] / times["MoE, same active compute"]
+    print(
+        f"\nTraining step, batch {b}×{t}, eager + bf16 autocast (MoE/dense tokens/s = {ratio:.3f})"
+    )
+    print(markdown_table(["model", "params", "active", "ms/step", "tokens/s"], rows))
+
+
+def _byte_shards(text: str, tmp: Path, max_bytes: int) -> tuple[Path, Path]:
+    """Train/val shards (95 % / 5 %) of the bytes of the text file(s) at ``text``."""
+    import numpy as np
+
+    from lmforge.train.data import write_shard
+    from lmforge.utils.errors import LmforgeError
+
+    src = Path(text)
+    files = sorted(src.glob("*.txt")) if src.is_dir() else [src]
+    if not files or not all(f.is_file() for f in files):
+        raise LmforgeError(f"--text {src}: no text files found")
+    raw = b""
+    for f in files:
+        raw += f.read_bytes()
+        if len(raw) >= max_bytes:
+            break
+    data = np.frombuffer(raw[:max_bytes], dtype=np.uint8)
+    cut = int(0.95 * data.size)
+    return write_shard(tmp / "train.bin", data[:cut], 256), write_shard(
+        tmp / "val.bin", data[cut:], 256
+    )
+
+
+def _train_run(
+    model: object, shards: tuple[Path, Path], out: Path, dev: str, steps: int, eval_every: int
+) -> tuple[dict, list[dict]]:
+    """One Trainer run of ``model`` (a ModelConfig) on byte shards: (result, metrics records)."""
+    from lmforge.config import RunConfig
+    from lmforge.train import DataConfig, TrainConfig, Trainer
+    from lmforge.train.trainer import read_metrics
+
+    train_cfg = TrainConfig(
+        out_dir=str(out),
+        device=dev,
+        precision="fp32" if dev == "cpu" else "bf16",
+        batch_size=16,
+        context_length=128,
+        max_steps=steps,
+        lr=3e-3,
+        min_lr=3e-4,
+        warmup_steps=20,
+        log_every=10,
+        eval_every=eval_every,
+        eval_batches=10,
+        save_every=0,
+        progress=False,
+        plot=False,
+    )
+    data = DataConfig(train=(str(shards[0]),), val=(str(shards[1]),))
+    result = Trainer(RunConfig(model=model, train=train_cfg, data=data)).run()
+    return result, read_metrics(out / "metrics.jsonl")
+
+
+def _plot(
+    curves: dict[str, tuple[list[int], list[float]]], ylabel: str, title: str, path: str
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, (steps, values) in curves.items():
+        ax.plot(steps, values, label=name, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def _balance(args: argparse.Namespace, dev: str) -> None:
+    """Three short runs of one tiny MoE LM (byte tokens): max/mean expert load per logged step
+    and the final validation loss, for no balancing / Switch aux loss / aux-free bias."""
+    import shutil
+    import tempfile
+
+    from lmforge.bench.timing import markdown_table
+    from lmforge.model import ModelConfig
+    from lmforge.model.moe_config import MoEConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="moe_balance_"))
+    shards = _byte_shards(args.text, tmp, 1 << 26)
+    moe = dict(n_experts=8, top_k=2, expert_d_ff=64, aux_loss_coef=0.0)
+    variants = {
+        "none": MoEConfig(**moe),
+        "Switch aux loss 0.01": MoEConfig(**{**moe, "aux_loss_coef": 0.01}),
+        "aux-free bias 0.01": MoEConfig(**moe, bias_update_rate=0.01),
+    }
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    rows = []
+    for name, mc in variants.items():
+        model = ModelConfig(
+            vocab_size=256, context_length=128, d_model=96, n_layers=2, n_heads=4, moe=mc
+        )
+        result, recs = _train_run(model, shards, tmp / name.split()[0], dev, args.balance_steps, 0)
+        recs = [r for r in recs if r.get("event") == "train"]
+        steps = [r["step"] for r in recs]
+        loads = [max(v for k, v in r.items() if k.endswith("load_max_mean")) for r in recs]
+        curves[name] = (steps, loads)
+        late = loads[len(loads) // 2 :]
+        rows.append([name, loads[0], sum(late) / len(late), max(late), result["val_loss"]])
+    print(f"\nLoad balance, {args.balance_steps} steps × 16 × 128 byte tokens ({dev})")
+    header = ["balancing", "max/mean load, first log", "mean of 2nd half", "max of 2nd half"]
+    print(markdown_table([*header, "val loss (nats/byte)"], rows))
+    _plot(curves, "max / mean expert load (worst layer)", "8 experts, top-2", args.balance_out)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _curves(args: argparse.Namespace, dev: str) -> None:
+    """Validation loss at equal tokens: a dense LM vs an MoE with the same active compute (8
+    experts of width F/2, top-2, aux-free bias), byte-level text, CPU-sized."""
+    import shutil
+    import tempfile
+
+    from lmforge.bench.timing import markdown_table
+    from lmforge.model import ModelConfig, accounting
+    from lmforge.model.moe_config import MoEConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="moe_curves_"))
+    shards = _byte_shards(args.text, tmp, 1 << 23)
+    base = dict(vocab_size=256, context_length=128, d_model=96, n_layers=2, n_heads=4, d_ff=256)
+    moe = MoEConfig(n_experts=8, top_k=2, expert_d_ff=128, aux_loss_coef=0.0, bias_update_rate=0.01)
+    variants = {
+        "dense, d_ff 256": ModelConfig(**base),
+        "MoE 8 × 128, top-2": ModelConfig(**base, moe=moe),
+    }
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    rows = []
+    for name, model in variants.items():
+        result, recs = _train_run(
+            model, shards, tmp / name.split()[0].strip(","), dev, args.curve_steps, 50
+        )
+        evals = [r for r in recs if r.get("event") == "eval"]
+        train = [r for r in recs if r.get("event") == "train"]
+        curves[name] = ([r["step"] for r in evals], [r["val_loss"] for r in evals])
+        tok_s = sorted(r["tokens_per_s"] for r in train[1:])[len(train[1:]) // 2]
+        rows.append(
+            [
+                name,
+                f"{accounting.parameter_count(model) / 1e6:.2f}M",
+                f"{accounting.active_parameter_count(model) / 1e6:.2f}M",
+                accounting.flops_per_token(model, 128) / 1e6,
+                result["val_loss"],
+                tok_s,
+            ]
+        )
+    print(f"\nDense vs MoE at equal tokens: {args.curve_steps} steps × 16 × 128 bytes ({dev})")
+    header = ["model", "params", "active", "MFLOP/token", "final val loss", "tokens/s (median)"]
+    print(markdown_table(header, rows))
+    _plot(curves, "validation loss (nats/byte)", "dense vs MoE, same active FLOPs", args.curve_out)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    from lmforge.utils.errors import LmforgeError
+
+    try:
+        main()
+    except LmforgeError as e:
+        sys.exit(f"benchmarks/moe.py: error: {e}")

@@ -1,0 +1,579 @@
+"""Mixture-of-experts feed-forward: router, three routing modes, balancing, expert compute.
+
+One MoE layer replaces a block's SwiGLU (``model.moe.*``, every ``moe.every``-th layer). Each
+token's hidden state x (D) is scored against N experts by a linear router (fp32, outside
+autocast): ``s = softmax(x Wr)`` or ``sigmoid(x Wr)``. Routing turns the (M, N) scores of the
+M = B·T tokens of a batch into *assignments* (token, expert, gate weight):
+
+- ``token_choice`` (dropless): each token takes its top-k experts of ``s + b`` (b: the
+  auxiliary-loss-free selection bias, zero unless ``bias_update_rate > 0``); the gate weights
+  are the unbiased scores of those experts, divided by their sum when ``norm_top_k``. A token's
+  output depends on that token alone: causal.
+- ``token_choice_capacity``: the same choices, but an expert takes at most
+  C = ⌈capacity_factor · M · k / N⌉ of them; the rest are dropped (gate weight 0, the residual
+  carries the token). Priority is GShard/V-MoE's batch-prioritised order: all first choices
+  before second choices, higher scores first. Which tokens survive depends on the other tokens of
+  the batch, later positions and other sequences included: NOT causal.
+- ``expert_choice`` (Zhou et al. 2022): each expert takes the C tokens of the batch with its
+  highest scores (``C = ⌈capacity_factor · M · k / N⌉``); a token gets 0..N experts: NOT causal.
+
+Balancing (training forwards only): the Switch/GShard loss ``N · Σ_e f_e · P_e`` (f_e the share
+of top-k choices that picked e before dropping, P_e the mean normalised score), the router
+z-loss ``mean(logsumexp(x Wr)²)``, both scaled by their coefficients and exposed through
+:meth:`MoEFFN.aux_loss`; and DeepSeek-V3's auxiliary-loss-free bias, moved by
+:func:`update_expert_bias` *between* steps (±rate toward the mean load), used only to select
+experts, never in the gate weights.
+
+Expert compute, on assignments: the reference (:func:`experts_reference`) loops over experts,
+gathers each expert's tokens and adds the weighted outputs back; the fast path
+(:func:`experts_grouped`) sorts assignments by expert and runs each projection as one grouped
+GEMM over the sorted rows (``torch._grouped_mm`` for bf16 on CUDA; elsewhere a loop over the
+sorted segments), then un-permutes and combines. Dropped assignments (weight 0) are computed and
+multiplied by 0, which keeps every shape static (no host sync, CUDA-graph friendly); outputs and
+gradients are those of skipping them.
+
+Shape legend: B batch, T sequence, D model dim, M = B·T tokens, N experts, k top-k,
+A assignments, F expert hidden size. Exercised by ``pytest tests/test_moe_layer.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.model.config import ModelConfig
+from lmforge.model.layers import Linear, SwiGLU, _trunc_normal_
+
+
+class Routing(NamedTuple):
+    """The assignments of one routing decision (A of them), plus what balancing needs."""
+
+    token_idx: torch.Tensor
+    "(A,) long: row of the flattened (M, D) input each assignment reads"
+    expert_idx: torch.Tensor
+    "(A,) long: expert of each assignment"
+    weight: torch.Tensor
+    "(A,) fp32 gate weight (0 for a dropped assignment)"
+    top_k: int
+    "k when the assignments are token-major, k per token (token i owns rows i·k..i·k+k-1); else 0"
+    load: torch.Tensor
+    "(N,) fp32: top-k choices per expert before dropping (expert_choice: tokens taken)"
+    kept: torch.Tensor
+    "(A,) bool: assignment not dropped"
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing: pure functions of the scores
+
+
+def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
+    """(M, N) router logits -> (M, N) scores (fp32 or wider): softmax or per-expert sigmoid."""
+    logits = logits.to(_acc_dtype(logits.dtype))
+    return logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+
+
+def expert_capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
+    """Slots per expert: ⌈factor · tokens · k / N⌉, at most the number of tokens."""
+    return max(1, min(n_tokens, math.ceil(factor * n_tokens * top_k / n_experts)))
+
+
+def route_token_choice(
+    scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm_top_k: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts per token: (M, k) expert ids chosen on ``scores + bias``, (M, k) weights
+    from the unbiased scores (renormalised to sum 1 with ``norm_top_k``)."""
+    select = scores if bias is None else scores + bias  # (M, N)
+    idx = select.topk(top_k, dim=-1).indices  # (M, k)
+    w = scores.gather(-1, idx)  # (M, k)
+    if norm_top_k:
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+    return idx, w
+
+
+def capacity_keep(
+    idx: torch.Tensor, w: torch.Tensor, capacity: int, n_experts: int
+) -> torch.Tensor:
+    """(M, k) bool: which top-k choices fit into their expert's ``capacity`` slots.
+
+    Batch-prioritised order: slot j of every token before slot j+1, and within a slot higher
+    weights first (ties by token order). Sort-based, so shapes stay static.
+    """
+    m, k = idx.shape
+    flat_e = idx.t().reshape(-1)  # (k·M,) slot-major
+    flat_w = w.detach().t().reshape(-1).float()  # (k·M,)
+    slot = torch.arange(k, device=idx.device).repeat_interleave(m)  # (k·M,)
+    # weights lie in [0, 1] (normalised scores or sigmoids): slot·2 + (1 - w) orders slot first.
+    order = torch.argsort(slot * 2.0 + (1.0 - flat_w.clamp(0, 1)), stable=True)  # (k·M,)
+    prio = torch.empty_like(order)
+    prio[order] = torch.arange(order.numel(), device=idx.device)
+    by_expert = torch.argsort(flat_e * order.numel() + prio)  # expert-major, priority within
+    counts = torch.bincount(flat_e, minlength=n_experts)  # (N,)
+    starts = torch.cumsum(counts, 0) - counts  # (N,)
+    rank = torch.empty_like(order)
+    rank[by_expert] = torch.arange(order.numel(), device=idx.device) - starts[flat_e[by_expert]]
+    return (rank < capacity).view(k, m).t()  # (M, k)
+
+
+def route(
+    logits: torch.Tensor,
+    cfg: ModelConfig,
+    bias: torch.Tensor | None = None,
+) -> tuple[Routing, torch.Tensor]:
+    """(M, N) router logits -> (assignments, (M, N) fp32 scores) for ``cfg.moe.routing``."""
+    mc = cfg.moe
+    m, n = logits.shape
+    scores = router_scores(logits, mc.score)  # (M, N)
+    dev = logits.device
+    if mc.routing == "expert_choice":
+        cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
+        w, tok = scores.t().topk(cap, dim=-1)  # (N, C) each
+        expert = torch.arange(n, device=dev).repeat_interleave(cap)  # (N·C,)
+        load = torch.full((n,), float(cap), device=dev)
+        kept = torch.ones(n * cap, dtype=torch.bool, device=dev)
+        return Routing(tok.reshape(-1), expert, w.reshape(-1), 0, load, kept), scores
+    idx, w = route_token_choice(scores, bias, mc.top_k, mc.norm_top_k)  # (M, k) each
+    load = torch.bincount(idx.reshape(-1), minlength=n).float()  # (N,)
+    if mc.routing == "token_choice_capacity":
+        cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
+        keep = capacity_keep(idx, scores.gather(-1, idx), cap, n)  # priority: raw scores
+        w = w * keep  # (M, k): dropped choices weigh 0
+    else:
+        keep = torch.ones_like(idx, dtype=torch.bool)
+    token = torch.arange(m, device=dev).repeat_interleave(mc.top_k)  # (M·k,)
+    routing = Routing(token, idx.reshape(-1), w.reshape(-1), mc.top_k, load, keep.reshape(-1))
+    return routing, scores
+
+
+def switch_aux_loss(scores: torch.Tensor, load: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch/GShard balance loss ``N · Σ_e f_e · P_e``: f_e = load share (no gradient),
+    P_e = mean score share (sigmoid scores normalised per token). 1 when perfectly balanced."""
+    m, n = scores.shape
+    p = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)  # (M, N)
+    f = load / max(m * top_k, 1)  # (N,)
+    return n * (f.detach() * p.mean(0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean over tokens of logsumexp(logits)²."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def routing_entropy(scores: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the entropy (nats) of the normalised router scores."""
+    p = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)  # (M, N)
+    return -(p * p.clamp_min(1e-20).log()).sum(-1).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert compute: the reference loop and the sorted, grouped fast path
+
+
+def _swiglu_rows(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """One expert on its rows: (n, D) -> (n, D) with w1, w3 (F, D) and w2 (D, F)."""
+    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+
+
+def experts_reference(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, r: Routing
+) -> torch.Tensor:
+    """Readable expert compute: for each expert, gather its tokens, run its SwiGLU, add the
+    gate-weighted result to those tokens. x (M, D); w1, w3 (N, F, D); w2 (N, D, F) -> (M, D)
+    fp32."""
+    out = torch.zeros(x.shape, dtype=_acc_dtype(x.dtype), device=x.device)  # (M, D)
+    for e in range(w1.shape[0]):
+        sel = (r.expert_idx == e).nonzero().squeeze(1)  # (n_e,)
+        if sel.numel() == 0:
+            continue
+        tok = r.token_idx[sel]  # (n_e,)
+        y = _swiglu_rows(x[tok], w1[e], w2[e], w3[e])  # (n_e, D)
+        out.index_add_(0, tok, y.to(out.dtype) * r.weight[sel, None])
+    return out
+
+
+def grouped_mm_available(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+    """Whether :func:`grouped_mm` runs ``torch._grouped_mm`` for x (A, K) @ w (N, K, O): bf16 on
+    CUDA, with K and O multiples of 8 (the op wants 16-byte aligned rows and columns)."""
+    dims_ok = x.shape[-1] % 8 == 0 and (w is None or w.shape[-1] % 8 == 0)
+    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and dims_ok
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` with its backward written out (two more grouped GEMMs), with
+    contiguous incoming gradients (the op rejects the stride-0 gradients of e.g. ``sum()``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w, offs=offs)  # (A, O)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        x, w, offs = ctx.saved_tensors
+        gy = gy.contiguous()
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = torch._grouped_mm(gy, w.transpose(-2, -1), offs=offs)  # (A, K)
+        if ctx.needs_input_grad[1]:
+            gw = torch._grouped_mm(x.t(), gy, offs=offs)  # (N, K, O): groups along A
+        return gx, gw, None
+
+
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """Rows of x sorted by group (``counts`` (N,) rows each, ``offs`` their int32 cumulative
+    ends) times that group's matrix: x (A, K), w (N, K, O) -> (A, O).
+
+    ``torch._grouped_mm`` where :func:`grouped_mm_available`; otherwise one matmul per segment
+    (the readable fallback, which reads ``counts`` on the host)."""
+    if grouped_mm_available(x, w):
+        return _GroupedMM.apply(x, w.to(x.dtype), offs)
+    parts = torch.split(x, counts.tolist())
+    return torch.cat([p @ w[e].to(p.dtype) for e, p in enumerate(parts)])  # (A, O)
+
+
+class _Gather(torch.autograd.Function):
+    """``x[src]`` for the sorted token-major assignments: row i of the output is token
+    ``src[i] = order[i] // k``. Backward without scatter-adds: un-permute the gradient rows
+    (``inv``, the inverse of ``order``) into token-major (M, k, D) and sum over k."""
+
+    @staticmethod
+    def forward(
+        ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, k: int
+    ) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x[torch.div(order, k, rounding_mode="floor")]  # (M·k, D)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (inv,) = ctx.saved_tensors
+        d = g.shape[-1]
+        return g[inv].view(-1, ctx.k, d).sum(1), None, None, None  # (M, D)
+
+
+class _Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` with inverse ``inv``: the backward is the gather
+    ``g[inv]`` (indexing's own backward would scatter-add into zeros)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(perm, inv)
+        return x[perm]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        _, inv = ctx.saved_tensors
+        return g[inv], None, None
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or the input's dtype when wider (float64 tests stay float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type) and x.dtype == torch.float32:
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def expert_rows(
+    xs: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor:
+    """Every expert's SwiGLU on its rows: xs (A, D) sorted by expert, ``counts`` (N,) rows per
+    expert -> (A, D); w1|w3 as one grouped GEMM, then w2. Weights are cast to xs's dtype."""
+    f = w1.shape[1]
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # (N,)
+    w13 = torch.cat([w1, w3], dim=1).to(xs.dtype)  # (N, 2F, D)
+    h = grouped_mm(xs, w13.transpose(1, 2), counts, offs)  # (A, 2F)
+    gate, up = h.split(f, dim=-1)  # (A, F) each
+    return grouped_mm(F.silu(gate) * up, w2.to(xs.dtype).transpose(1, 2), counts, offs)  # (A, D)
+
+
+def experts_grouped(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, r: Routing
+) -> torch.Tensor:
+    """Fast expert compute: sort assignments by expert, three grouped GEMMs (w1|w3 as one),
+    un-permute, combine. Same arguments and result as :func:`experts_reference`."""
+    n = w1.shape[0]
+    dtype = _compute_dtype(x)
+    order = torch.argsort(r.expert_idx, stable=True)  # (A,)
+    counts = torch.bincount(r.expert_idx, minlength=n)  # (N,)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
+    if r.top_k:  # token-major: token of row order[i] is order[i] // k
+        xs = _Gather.apply(x.to(dtype), order, inv, r.top_k)  # (A, D) sorted by expert
+    else:
+        xs = x.to(dtype)[r.token_idx[order]]  # (A, D) sorted by expert
+    ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
+    y = _Permute.apply(ys, inv, order)  # (A, D) back in assignment order
+    return combine(y, r, x.shape[0])
+
+
+def combine(y: torch.Tensor, r: Routing, m: int) -> torch.Tensor:
+    """Assignment outputs y (A, D), in assignment order, weighted and summed per token -> (M, D)."""
+    d = y.shape[-1]
+    if r.top_k:  # token-major, k per token: a (1, k) @ (k, D) weighted sum per token
+        wk = r.weight.view(m, 1, r.top_k).to(y.dtype)  # (M, 1, k)
+        return torch.bmm(wk, y.view(m, r.top_k, d)).view(m, d).to(_acc_dtype(y.dtype))
+    out = torch.zeros((m, d), dtype=_acc_dtype(y.dtype), device=y.device)
+    return out.index_add_(0, r.token_idx, y.to(out.dtype) * r.weight[:, None])  # (M, D)
+
+
+ExpertCompute = Callable[["MoEFFN", torch.Tensor, Routing], torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+
+
+class MoEFFN(nn.Module):
+    """Router + N routed SwiGLU experts (+ optional shared experts), in place of a block's FFN.
+
+    Parameters: ``router.weight`` (N, D); ``w1``, ``w3`` (N, F, D) and ``w2`` (N, D, F), one
+    stacked tensor per projection (the layout of Linear weights, one per expert); ``shared`` a
+    SwiGLU of width ``n_shared_experts · F`` (equal to that many experts summed). Buffers:
+    ``expert_bias`` (N,) fp32, the auxiliary-loss-free selection bias (in checkpoints);
+    ``load_acc`` (N,), the choices counted since the last :func:`update_expert_bias` (not saved).
+
+    ``expert_compute`` (None = :attr:`backend`'s function) may be replaced from outside, as
+    expert parallelism does (:mod:`lmforge.parallel.ep`); it receives the layer, the flattened
+    input (M, D) and the :class:`Routing`. ``record_routing = True`` keeps the last routing in
+    ``last_routing`` (the causality probe reads it).
+    """
+
+    expert_bias: torch.Tensor
+    load_acc: torch.Tensor
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        mc = config.moe
+        self.config = config
+        self.layer_idx = layer_idx
+        n, d, f = mc.n_experts, config.d_model, config.expert_dim
+        self.n_experts, self.d_model, self.d_expert = n, d, f
+        self.router = Linear(d, n)
+        self.w1 = nn.Parameter(torch.empty(n, f, d))
+        self.w2 = nn.Parameter(torch.empty(n, d, f))
+        self.w3 = nn.Parameter(torch.empty(n, f, d))
+        self.shared = (
+            SwiGLU(d, mc.n_shared_experts * f, fused=False) if mc.n_shared_experts else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(n))
+        self.register_buffer("load_acc", torch.zeros(n), persistent=False)
+        self.backend = "reference" if mc.backend == "reference" else "grouped"
+        self.expert_compute: ExpertCompute | None = None
+        self.record_routing = False
+        self.last_routing: Routing | None = None
+        self._aux: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Experts like Linear weights (σ = sqrt(2/(D+F)), ±3σ); bias and load to zero."""
+        std = math.sqrt(2.0 / (self.d_model + self.d_expert))
+        for w in (self.w1, self.w2, self.w3):
+            _trunc_normal_(w, std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.load_acc.zero_()
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The balancing + z-loss term of the last training forward (None in eval / when off)."""
+        return self._aux
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D)."""
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])  # (M, D)
+        with torch.autocast(x.device.type, enabled=False):
+            acc = _acc_dtype(xf.dtype)
+            logits = xf.to(acc) @ self.router.weight.to(acc).t()  # (M, N) fp32
+        r, scores = route(logits, self.config, self.expert_bias.to(logits.dtype))
+        compute = self.expert_compute
+        if compute is None:
+            compute = _compute_reference if self.backend == "reference" else _compute_grouped
+        out = compute(self, xf, r)  # (M, D) fp32
+        if self.shared is not None:
+            out = out + self.shared(xf).to(out.dtype)
+        if self.record_routing:
+            self.last_routing = r
+        if self.training:
+            self._balance(logits, scores, r)
+        else:
+            self._aux = None
+        return out.to(_out_dtype(x)).view(shape)  # (B, T, D)
+
+    def _balance(self, logits: torch.Tensor, scores: torch.Tensor, r: Routing) -> None:
+        mc = self.config.moe
+        aux = None
+        if mc.aux_loss_coef > 0 and mc.routing != "expert_choice":
+            aux = mc.aux_loss_coef * switch_aux_loss(scores, r.load, mc.top_k)
+        if mc.z_loss_coef > 0:
+            z = mc.z_loss_coef * router_z_loss(logits)
+            aux = z if aux is None else aux + z
+        self._aux = aux
+        with torch.no_grad():
+            if mc.bias_update_rate > 0:
+                self.load_acc.add_(r.load)
+            chosen = max(r.kept.numel(), 1)
+            dropped = 1.0 - r.kept.float().sum() / chosen
+            load_ratio = r.load.max() / r.load.mean().clamp_min(1e-20)
+            self._stats = torch.stack([load_ratio, dropped, routing_entropy(scores)])
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    # The dense FFN returns autocast's dtype under autocast; the residual add promotes either way.
+    return _compute_dtype(x)
+
+
+def _compute_reference(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tensor:
+    dtype = _compute_dtype(x)
+    w = [p.to(dtype) for p in (layer.w1, layer.w2, layer.w3)]
+    return experts_reference(x.to(dtype), *w, r)
+
+
+def _compute_grouped(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tensor:
+    return experts_grouped(x, layer.w1, layer.w2, layer.w3, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model-level helpers (the trainer's hooks)
+
+
+def moe_layers(model: nn.Module) -> Iterator[MoEFFN]:
+    """Every MoE layer of ``model``, in module order."""
+    for m in model.modules():
+        if isinstance(m, MoEFFN):
+            yield m
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the MoE layers' auxiliary losses from the last training forward (None if none)."""
+    total = None
+    for layer in moe_layers(model):
+        a = layer.aux_loss()
+        if a is not None:
+            total = a if total is None else total + a
+    return total
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: object | None = None) -> None:
+    """DeepSeek-V3's auxiliary-loss-free step, between optimizer steps: every expert's selection
+    bias moves by ``+rate`` when its load (choices counted since the last call) is below the
+    mean, ``-rate`` when above. Loads are summed over the process ``group`` when distributed, so
+    data-parallel replicas keep equal biases."""
+    import torch.distributed as dist
+
+    for layer in moe_layers(model):
+        rate = layer.config.moe.bias_update_rate
+        if rate <= 0:
+            continue
+        load = layer.load_acc
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(load, group=group)  # type: ignore[arg-type]
+        layer.expert_bias.add_(rate * torch.sign(load.mean() - load))
+        load.zero_()
+
+
+def moe_metrics(model: nn.Module) -> dict[str, float]:
+    """Per-layer routing statistics of the last training forward, for metrics.jsonl:
+    ``moe/L{i}/load_max_mean`` (max over mean expert load), ``moe/L{i}/dropped`` (share of
+    choices dropped), ``moe/L{i}/entropy`` (router entropy, nats). Reads them to the host."""
+    layers = [m for m in moe_layers(model) if m._stats is not None]
+    if not layers:
+        return {}
+    stats = torch.stack([m._stats for m in layers]).tolist()  # one host read
+    out: dict[str, float] = {}
+    for m, (ratio, dropped, ent) in zip(layers, stats):
+        out[f"moe/L{m.layer_idx}/load_max_mean"] = ratio
+        out[f"moe/L{m.layer_idx}/dropped"] = dropped
+        out[f"moe/L{m.layer_idx}/entropy"] = ent
+    return out
+
+
+def check_causal_routing(cfg: ModelConfig) -> None:
+    """Raise :class:`LmforgeError` for a non-causal routing unless ``moe.allow_noncausal``."""
+    from lmforge.utils.errors import LmforgeError
+
+    mc = cfg.moe
+    if mc.enabled and not mc.causal and not mc.allow_noncausal:
+        raise LmforgeError(
+            f"model.moe.routing = '{mc.routing}' is not causal: a token's output depends on later "
+            "tokens and other sequences of the batch, which inference cannot see (check with "
+            "`lmforge probe causality`); use routing='token_choice' or set "
+            "model.moe.allow_noncausal=true to train anyway"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Upcycling a dense model
+
+
+def upcycle(
+    dense: nn.Module, moe: object, *, seed: int = 0, zero_router: bool = False
+) -> nn.Module:
+    """An MoE :class:`~lmforge.model.TransformerLM` built from a dense one (sparse upcycling,
+    Komatsuzaki et al. 2022). ``moe`` is the :class:`~lmforge.model.moe_config.MoEConfig`.
+
+    Every weight outside the MoE layers' FFNs is copied. In an MoE layer, with g = d_ff /
+    expert_d_ff (the granularity), expert e gets slice e mod g of the dense SwiGLU (rows
+    ``[j·F, (j+1)·F)`` of w1 and w3, those columns of w2, times g); g = 1 makes every expert a
+    copy. The router is fresh (σ as any Linear, from ``seed``; or zero with ``zero_router``),
+    the selection bias zero, and shared experts get fresh w1/w3 and a zero w2 (they add nothing
+    until trained). The output equals the dense model's at initialisation when the weights of
+    the chosen experts sum to 1 and cover every slice: copies (g = 1) with ``norm_top_k`` and
+    any router, or g slices with n_experts = top_k = g and a zero router (uniform weights 1/g).
+    """
+    import dataclasses
+
+    from lmforge.model.transformer import TransformerLM
+    from lmforge.utils.errors import LmforgeError
+
+    dcfg = dense.config
+    if dcfg.moe.enabled:
+        raise LmforgeError("upcycle needs a dense model (model.moe.n_experts = 0)")
+    cfg = dataclasses.replace(dcfg, moe=moe)
+    if not cfg.moe.enabled:
+        raise LmforgeError("upcycle needs model.moe.n_experts > 0")
+    f, fe = dcfg.ffn_dim, cfg.expert_dim
+    if f % fe:
+        raise LmforgeError(f"moe.expert_d_ff ({fe}) must divide the dense d_ff ({f}) to upcycle")
+    g = f // fe
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg, device=next(dense.parameters()).device)
+    state = dense.state_dict()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name in state and ".ffn." not in name:
+                t.copy_(state[name])
+        for i, block in enumerate(model.layers):
+            pre = f"layers.{i}.ffn."
+            w1, w2, w3 = (state[pre + f"{w}.weight"] for w in ("w1", "w2", "w3"))
+            ffn = block.ffn
+            if not isinstance(ffn, MoEFFN):
+                ffn.load_state_dict({"w1.weight": w1, "w2.weight": w2, "w3.weight": w3})
+                continue
+            for e in range(ffn.n_experts):
+                rows = slice((e % g) * fe, (e % g + 1) * fe)
+                ffn.w1[e].copy_(w1[rows])
+                ffn.w3[e].copy_(w3[rows])
+                ffn.w2[e].copy_(w2[:, rows] * g)
+            if zero_router:
+                ffn.router.weight.zero_()
+            if ffn.shared is not None:
+                ffn.shared.w2.weight.zero_()
+    return model

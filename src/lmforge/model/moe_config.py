@@ -1,0 +1,99 @@
+"""The mixture-of-experts branch of the model config (``[model.moe]`` in a run TOML).
+
+Pure data (no torch), imported by :mod:`lmforge.model.config`. ``n_experts = 0`` (the default)
+is a dense model; the layer itself lives in :mod:`lmforge.model.moe`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+Routing = Literal["token_choice", "token_choice_capacity", "expert_choice"]
+
+CAUSAL_ROUTINGS: tuple[str, ...] = ("token_choice",)
+"""Routing modes in which a token's output depends on that token alone (see ``lmforge probe``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward options; ``n_experts = 0`` keeps every layer dense."""
+
+    n_experts: int = 0
+    "routed experts per MoE layer (0 = dense model, no MoE layers)"
+    top_k: int = 2
+    "experts chosen per token (token_choice*); expert_choice: the average experts per token"
+    n_shared_experts: int = 0
+    "always-on experts added to every token's output (DeepSeek-MoE), each of width expert_d_ff"
+    expert_d_ff: int | None = None
+    "hidden size of one expert (None = model.d_ff; smaller = fine-grained experts)"
+    every: int = 1
+    "MoE on every k-th layer: layer i (0-based) is MoE when (i + 1) % every == 0 (Qwen3-MoE's"
+    " decoder_sparse_step); the others stay dense"
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    "router score: softmax over experts (Switch, Qwen3-MoE) or per-expert sigmoid (DeepSeek-V3)"
+    norm_top_k: bool = True
+    "divide the chosen experts' scores by their sum (Qwen3-MoE's norm_topk_prob)"
+    routing: Routing = "token_choice"
+    "token_choice (top-k, dropless, causal), token_choice_capacity (top-k with a per-expert"
+    " capacity over the batch, overflow dropped: NOT causal), expert_choice (each expert takes"
+    " its top tokens of the batch: NOT causal)"
+    capacity_factor: float = 1.25
+    "expert capacity = capacity_factor · tokens · top_k / n_experts (the two non-causal routings)"
+    aux_loss_coef: float = 0.01
+    "Switch/GShard load-balancing loss weight α · N · Σ f_e · P_e (0 = off)"
+    z_loss_coef: float = 0.0
+    "router z-loss weight · mean(logsumexp(router logits)²) (ST-MoE uses 1e-3; 0 = off)"
+    bias_update_rate: float = 0.0
+    "DeepSeek-V3 auxiliary-loss-free balancing: after each step every expert's selection bias"
+    " moves by ±rate toward the mean load (0 = off; DeepSeek-V3 used 1e-3)"
+    backend: Literal["reference", "grouped", "auto"] = "auto"
+    "expert compute: reference (loop over experts), grouped (tokens sorted by expert, one"
+    " grouped GEMM per projection: torch._grouped_mm on CUDA, a loop over the sorted segments"
+    " elsewhere), auto = grouped"
+    allow_noncausal: bool = False
+    "let the trainer train with a non-causal routing (expert_choice, token_choice_capacity)"
+
+    def __post_init__(self) -> None:
+        if self.n_experts < 0:
+            raise ValueError(f"moe.n_experts must be >= 0, got {self.n_experts}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"moe.n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"moe.top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}"
+            )
+        if self.expert_d_ff is not None and self.expert_d_ff <= 0:
+            raise ValueError(f"moe.expert_d_ff must be positive, got {self.expert_d_ff}")
+        if self.every < 1:
+            raise ValueError(f"moe.every must be >= 1, got {self.every}")
+        if self.capacity_factor <= 0:
+            raise ValueError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"moe.{name} must be >= 0, got {getattr(self, name)}")
+        if self.score not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe.score must be softmax or sigmoid, got {self.score!r}")
+        if self.routing not in ("token_choice", "token_choice_capacity", "expert_choice"):
+            raise ValueError(
+                "moe.routing must be token_choice, token_choice_capacity or expert_choice, "
+                f"got {self.routing!r}"
+            )
+        if self.backend not in ("reference", "grouped", "auto"):
+            raise ValueError(
+                f"moe.backend must be reference, grouped or auto, got {self.backend!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model has MoE layers at all."""
+        return self.n_experts > 0
+
+    @property
+    def causal(self) -> bool:
+        """Whether the routing keeps each token's output a function of that token alone."""
+        return self.routing in CAUSAL_ROUTINGS
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether block ``layer_idx`` (0-based) gets the MoE feed-forward."""
+        return self.enabled and (layer_idx + 1) % self.every == 0

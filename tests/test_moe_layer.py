@@ -1,0 +1,311 @@
+"""MoE layer: routing modes, balancing terms, reference vs grouped expert compute (fwd + bwd),
+config wiring, checkpoints and KV-cache generation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model import moe as M
+from lmforge.model.moe_config import MoEConfig
+from lmforge.utils.config import ConfigError, load_config
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(**moe) -> ModelConfig:
+    base = dict(n_experts=4, top_k=2, expert_d_ff=16)
+    base.update(moe)
+    return ModelConfig(
+        vocab_size=97,
+        context_length=32,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        moe=MoEConfig(**base),
+    )
+
+
+def _layer(cfg: ModelConfig, seed: int = 0, dtype=torch.float64) -> M.MoEFFN:
+    torch.manual_seed(seed)
+    layer = M.MoEFFN(cfg).to(dtype)
+    with torch.no_grad():  # a router of realistic spread, so top-k choices are not near-ties
+        layer.router.weight.normal_(0, 0.5)
+    return layer
+
+
+ROUTINGS = ["token_choice", "token_choice_capacity", "expert_choice"]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_grouped_matches_reference_forward_backward(routing: str, shared: int, score: str) -> None:
+    cfg = _cfg(routing=routing, n_shared_experts=shared, score=score, capacity_factor=0.8)
+    ref = _layer(cfg)
+    fast = _layer(cfg)
+    fast.backend = "grouped"
+    ref.backend = "reference"
+    x = torch.randn(3, 7, 32, dtype=torch.float64)
+    xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, yf = ref(xr), fast(xf)
+    torch.testing.assert_close(yf, yr, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(yr)
+    (yr * g).sum().backward()
+    (yf * g).sum().backward()
+    torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-10, atol=1e-10)
+    for (name, pr), pf in zip(ref.named_parameters(), fast.parameters()):
+        assert pr.grad is not None and pf.grad is not None, name
+        torch.testing.assert_close(pf.grad, pr.grad, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_reference_equals_per_token_float64_sum() -> None:
+    # The reference against the definition, token by token: Σ_k w_k · SwiGLU_e_k(x).
+    cfg = _cfg(n_experts=5, top_k=3)
+    layer = _layer(cfg)
+    x = torch.randn(6, 32, dtype=torch.float64)
+    scores = (x @ layer.router.weight.t()).softmax(-1)
+    want = torch.zeros_like(x)
+    for i in range(6):
+        top = scores[i].topk(3).indices
+        w = scores[i, top] / scores[i, top].sum()
+        for e, we in zip(top.tolist(), w):
+            h = torch.nn.functional.silu(layer.w1[e] @ x[i]) * (layer.w3[e] @ x[i])
+            want[i] += we * (layer.w2[e] @ h)
+    torch.testing.assert_close(layer(x[None])[0], want.detach())
+
+
+def test_grouped_mm_function_matches_float64_loop() -> None:
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch has no _grouped_mm")
+    torch.manual_seed(0)
+    counts = torch.tensor([3, 0, 5, 1])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(9, 16, requires_grad=True)
+    w = torch.randn(4, 16, 8, requires_grad=True)
+    try:
+        y = M._GroupedMM.apply(x, w, offs)
+    except RuntimeError as e:  # some builds run _grouped_mm on CUDA only
+        pytest.skip(f"torch._grouped_mm does not run on this CPU build: {e}")
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = torch.cat([p @ w64[e] for e, p in enumerate(torch.split(x64, counts.tolist()))])
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn(9, 8)
+    y.backward(g)
+    ref.backward(g.double())
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_token_choice_is_top_k_and_dropless() -> None:
+    cfg = _cfg(n_experts=6, top_k=2)
+    scores = torch.rand(10, 6, dtype=torch.float64).softmax(-1)
+    r, _ = M.route(scores.log(), cfg, torch.zeros(6))
+    idx = r.expert_idx.view(10, 2)
+    assert torch.equal(idx.sort(-1).values, scores.topk(2).indices.sort(-1).values)
+    assert r.kept.all() and r.top_k == 2
+    torch.testing.assert_close(r.weight.view(10, 2).sum(-1), torch.ones(10, dtype=torch.float64))
+    assert r.load.sum() == 20
+
+
+def test_capacity_drops_overflow_in_priority_order() -> None:
+    cfg = _cfg(n_experts=4, top_k=1, routing="token_choice_capacity", capacity_factor=1.0)
+    # Every token prefers expert 0; capacity = ceil(8 · 1 / 4) = 2: the two highest scores stay.
+    logits = torch.full((8, 4), -5.0)
+    logits[:, 0] = torch.linspace(0, 1, 8)
+    r, _ = M.route(logits, cfg, torch.zeros(4))
+    assert r.kept.sum() == 2
+    assert r.kept.nonzero().squeeze(1).tolist() == [6, 7]
+    assert (r.weight[~r.kept] == 0).all()
+
+
+def test_capacity_never_exceeds_slots() -> None:
+    torch.manual_seed(1)
+    idx = torch.randint(0, 5, (40, 3))
+    w = torch.rand(40, 3)
+    keep = M.capacity_keep(idx, w, 9, 5)
+    per_expert = torch.bincount(idx[keep], minlength=5)
+    want = torch.minimum(torch.bincount(idx.reshape(-1), minlength=5), torch.tensor(9))
+    assert torch.equal(per_expert, want)
+
+
+def test_expert_choice_gives_each_expert_capacity_tokens() -> None:
+    cfg = _cfg(n_experts=4, top_k=2, routing="expert_choice", capacity_factor=1.0)
+    r, scores = M.route(torch.randn(12, 4), cfg)
+    cap = M.expert_capacity(12, 2, 4, 1.0)
+    assert cap == 6
+    assert torch.equal(torch.bincount(r.expert_idx, minlength=4), torch.full((4,), cap))
+    for e in range(4):
+        mine = r.token_idx[r.expert_idx == e]
+        assert set(mine.tolist()) == set(scores[:, e].topk(cap).indices.tolist())
+
+
+def test_bias_selects_but_does_not_weigh() -> None:
+    cfg = _cfg(n_experts=4, top_k=1, norm_top_k=False)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    r, scores = M.route(logits, cfg, bias)
+    assert r.expert_idx.tolist() == [3]  # selected through the bias
+    torch.testing.assert_close(r.weight, scores[0, 3:4])  # weighed by the unbiased score
+
+
+def test_update_expert_bias_moves_toward_mean_load() -> None:
+    cfg = _cfg(bias_update_rate=0.01)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    layer = next(M.moe_layers(model))
+    layer.load_acc.copy_(torch.tensor([10.0, 2.0, 5.0, 3.0]))  # mean 5
+    M.update_expert_bias(model)
+    assert layer.expert_bias.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.01])
+    assert layer.load_acc.sum() == 0
+
+
+def test_bias_update_balances_a_skewed_router() -> None:
+    # Aux-free balancing on its own: a router that sends every token to expert 0 gets balanced
+    # by the selection bias alone (sigmoid scores, as DeepSeek-V3).
+    cfg = _cfg(n_experts=4, top_k=1, score="sigmoid", bias_update_rate=0.01, aux_loss_coef=0.0)
+    layer = _layer(cfg, dtype=torch.float32)
+    torch.manual_seed(0)
+    x = torch.randn(1, 256, 32)
+    x[..., 0] = 3.0
+    with torch.no_grad():
+        layer.router.weight[0, 0] = 3.0  # expert 0's logit +9 for every token
+    layer.train()
+    layer(x)
+    before = layer._stats[0].item()
+    for _ in range(150):
+        layer(x)
+        M.update_expert_bias(layer)
+    layer(x)
+    after = layer._stats[0].item()
+    assert before > 3.9  # max/mean load 4 = all tokens on one expert
+    assert after < 1.3
+    assert layer.expert_bias[0] < 0 < layer.expert_bias[1:].min()
+
+
+def test_switch_aux_and_z_loss_values() -> None:
+    n, m = 4, 8
+    uniform = torch.full((m, n), 1.0 / n)
+    balanced = torch.full((n,), m * 2 / n)
+    assert M.switch_aux_loss(uniform, balanced, 2).item() == pytest.approx(1.0)
+    skewed = torch.tensor([m * 2.0, 0, 0, 0])
+    p = torch.tensor([[0.7, 0.1, 0.1, 0.1]]).expand(m, n)
+    assert M.switch_aux_loss(p, skewed, 2).item() == pytest.approx(4 * 0.7)
+    logits = torch.randn(5, n, dtype=torch.float64)
+    want = torch.log(logits.exp().sum(-1)).pow(2).mean()
+    torch.testing.assert_close(M.router_z_loss(logits).double(), want)
+    assert M.routing_entropy(uniform).item() == pytest.approx(math.log(n))
+
+
+def test_aux_loss_only_in_training_and_has_router_gradient() -> None:
+    cfg = _cfg(aux_loss_coef=0.1, z_loss_coef=1e-3)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    x = torch.randint(0, 97, (2, 16))
+    model(x)
+    aux = M.aux_loss(model)
+    assert aux is not None and aux.item() > 0
+    aux.backward()
+    assert all(layer.router.weight.grad.abs().sum() > 0 for layer in M.moe_layers(model))
+    model.eval()
+    model(x)
+    assert M.aux_loss(model) is None
+    metrics = M.moe_metrics(model)
+    assert set(metrics) >= {"moe/L0/load_max_mean", "moe/L1/dropped", "moe/L1/entropy"}
+
+
+def test_every_k_th_layer_and_config_overrides(tmp_path) -> None:
+    from lmforge.model.transformer import _FFN
+
+    cfg = _cfg(every=2)
+    model = TransformerLM(cfg)
+    assert isinstance(model.layers[0].ffn, _FFN)
+    assert isinstance(model.layers[1].ffn, M.MoEFFN)
+    path = tmp_path / "m.toml"
+    path.write_text("[model]\nd_model = 64\nn_heads = 4\n", encoding="utf-8")
+    from lmforge.config import RunConfig
+
+    rc = load_config(RunConfig, path, ["--model.moe.n_experts=8", "--model.moe.top_k=2"])
+    assert rc.model.moe.n_experts == 8 and rc.model.moe.top_k == 2
+    with pytest.raises(ConfigError, match=r"model\.moe\.nexperts"):
+        load_config(RunConfig, path, ["--model.moe.nexperts=8"])
+    with pytest.raises(ConfigError, match="top_k"):
+        load_config(RunConfig, path, ["--model.moe.n_experts=2", "--model.moe.top_k=3"])
+
+
+def test_checkpoint_round_trip_keeps_bias(tmp_path) -> None:
+    from lmforge.config import RunConfig
+    from lmforge.train import load_for_inference, save_checkpoint
+
+    cfg = _cfg(bias_update_rate=0.01, n_shared_experts=1)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    for layer in M.moe_layers(model):
+        layer.expert_bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    run = RunConfig(model=cfg)
+    path = save_checkpoint(tmp_path / "ck", model, None, 3, config=run)
+    loaded, _ = load_for_inference(path)
+    x = torch.randint(0, 97, (2, 12))
+    model.eval()
+    torch.testing.assert_close(loaded(x), model(x))
+    assert loaded.layers[0].ffn.expert_bias.tolist() == pytest.approx([0.1, -0.2, 0.3, 0.0])
+
+
+def test_kv_cache_generation_matches_full_recompute() -> None:
+    from lmforge.generate.engine import generate, greedy_generate_reference
+
+    cfg = _cfg(n_shared_experts=1)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    prompt = [5, 17, 3, 44, 2]
+    want = greedy_generate_reference(model, prompt, 8)
+    got = generate(model, [prompt, [9, 9]], 8, temperature=0.0)[0]
+    assert got == want
+
+
+def test_invalid_moe_config_names_the_key() -> None:
+    with pytest.raises(ValueError, match=r"moe\.routing"):
+        MoEConfig(n_experts=4, routing="random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"moe\.every"):
+        MoEConfig(n_experts=4, every=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", [400, 333])
+def test_grouped_bf16_cuda_matches_float64_reference(routing: str, tokens: int) -> None:
+    # The same routing decisions for both; the bf16 grouped GEMMs against float64 math.
+    cfg = ModelConfig(
+        d_model=128,
+        n_heads=4,
+        moe=MoEConfig(n_experts=8, top_k=2, expert_d_ff=64, routing=routing, capacity_factor=1.0),
+    )
+    layer = _layer(cfg).cuda()
+    x = torch.randn(tokens, 128, device="cuda", dtype=torch.float64)
+    r, _ = M.route(x @ layer.router.weight.t(), cfg, layer.expert_bias)
+    r = r._replace(weight=r.weight.float())
+    w64 = [p.detach().clone().requires_grad_() for p in (layer.w1, layer.w2, layer.w3)]
+    x64 = x.clone().requires_grad_()
+    want = M.experts_reference(x64, *w64, r._replace(weight=r.weight.double()))
+    wb = [p.detach().to(torch.bfloat16).requires_grad_() for p in w64]
+    xb = x.to(torch.bfloat16).requires_grad_()
+    assert M.grouped_mm_available(xb)
+    got = M.experts_grouped(xb, *wb, r)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * scale)
+    g = torch.randn_like(want)
+    want.backward(g)
+    got.backward(g.float())
+    for a, b in zip([xb, *wb], [x64, *w64]):
+        s = b.grad.abs().max().item()
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=3e-2, atol=3e-2 * s)

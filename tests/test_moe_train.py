@@ -1,0 +1,104 @@
+"""MoE in the trainer: refusal of non-causal routing, aux loss in the training loss, per-layer
+routing metrics logged, aux-free bias updated between steps and checkpointed."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.config import RunConfig
+from lmforge.model import load_preset
+from lmforge.model import moe as M
+from lmforge.model.moe_config import MoEConfig
+from lmforge.train import DataConfig, TrainConfig, Trainer, load_for_inference
+from lmforge.train.data import write_shard
+from lmforge.train.trainer import read_metrics
+from lmforge.utils.errors import LmforgeError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(tmp: Path, moe: MoEConfig, **train: object) -> RunConfig:
+    rng = np.random.default_rng(0)
+    shard = write_shard(tmp / "t.bin", rng.integers(0, 97, 6000), 512)
+    base = dict(
+        out_dir=str(tmp / "run"),
+        device="cpu",
+        precision="fp32",
+        batch_size=4,
+        context_length=16,
+        max_steps=6,
+        log_every=2,
+        eval_every=0,
+        save_every=0,
+        progress=False,
+        plot=False,
+    )
+    base.update(train)
+    model = dataclasses.replace(load_preset("tiny"), moe=moe)
+    return RunConfig(
+        model=model,
+        train=TrainConfig(**base),
+        data=DataConfig(train=(str(shard),), val=(str(shard),)),
+    )
+
+
+@pytest.mark.parametrize("routing", ["expert_choice", "token_choice_capacity"])
+def test_trainer_refuses_noncausal_routing_naming_the_probe(tmp_path: Path, routing: str) -> None:
+    moe = MoEConfig(n_experts=4, top_k=2, routing=routing)
+    with pytest.raises(LmforgeError, match="lmforge probe causality") as e:
+        Trainer(_cfg(tmp_path, moe))
+    assert "allow_noncausal" in str(e.value)
+    ok = dataclasses.replace(moe, allow_noncausal=True)
+    Trainer(_cfg(tmp_path, ok, out_dir=str(tmp_path / "ok")))  # builds with the override
+
+
+def test_training_loss_includes_aux_only_in_training(tmp_path: Path) -> None:
+    moe = MoEConfig(n_experts=4, top_k=2, aux_loss_coef=0.5, z_loss_coef=0.01)
+    tr = Trainer(_cfg(tmp_path, moe))
+    x, y = tr.sampler.next_batch(4, "cpu")
+    tr.model.train()
+    with_aux = tr.loss_fn(tr.model, x, y)
+    aux = M.aux_loss(tr.model)
+    assert aux is not None and aux.item() > 0.5  # Switch term ≥ 1 · 0.5 per layer
+    tr.model.eval()
+    plain = tr.loss_fn(tr.model, x, y)
+    torch.testing.assert_close(with_aux, plain + aux, rtol=1e-6, atol=1e-6)
+
+
+def test_train_logs_moe_metrics_and_updates_bias(tmp_path: Path) -> None:
+    moe = MoEConfig(n_experts=4, top_k=2, bias_update_rate=0.01, aux_loss_coef=0.0)
+    cfg = _cfg(tmp_path, moe)
+    result = Trainer(cfg).run()
+    recs = [r for r in read_metrics(Path(cfg.train.out_dir) / "metrics.jsonl")]
+    train = [r for r in recs if r.get("event") == "train"]
+    assert train and all("moe/L1/load_max_mean" in r for r in train)
+    assert all(0.0 <= r["moe/L0/dropped"] <= 1.0 for r in train)
+    model, _ = load_for_inference(result["checkpoint"])
+    bias = [layer.expert_bias for layer in M.moe_layers(model)]
+    # 6 steps of ±0.01: every entry a multiple of 0.01 within ±0.06, and not all zero.
+    assert all(b.abs().max() <= 0.06 + 1e-6 for b in bias)
+    assert any(b.abs().sum() > 0 for b in bias)
+
+
+@pytest.mark.parametrize("name", ["moe-tiny", "moe-gpt2-small"])
+def test_moe_configs_load_and_build(name: str) -> None:
+    from lmforge.config import load_run_config
+    from lmforge.model import TransformerLM, accounting
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_run_config(root / "configs" / f"{name}.toml").model
+    assert cfg.moe.enabled and cfg.moe.causal
+    model = TransformerLM(cfg, device="meta")
+    assert model.num_parameters() == accounting.parameter_count(cfg)
+    assert accounting.active_parameter_count(cfg) < accounting.parameter_count(cfg)
