@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmforge.model import TransformerLM, load_preset
-from lmforge.model import moe as M
+from lmforge.model import upcycle as M
 from lmforge.model.moe_config import MoEConfig
 from lmforge.utils.errors import LmforgeError
 
