@@ -199,7 +199,17 @@ class CausalSelfAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = _Norm(e, config.norm_eps, config.norm)
             self.k_norm = _Norm(e, config.norm_eps, config.norm)
-        self.rope = RotaryEmbedding(config.rope_theta, e, config.context_length)
+        scaling = None
+        if config.rope_scaling == "llama3":
+            scaling = (
+                config.rope_scaling_factor,
+                config.rope_low_freq_factor,
+                config.rope_high_freq_factor,
+                config.rope_original_context,
+            )
+        self.rope = RotaryEmbedding(
+            config.rope_theta, e, config.context_length, llama3_scaling=scaling
+        )
         self._rope_fused: Callable[..., torch.Tensor] | None = None
         self._rope_packed: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._triton_available: Callable[[], bool] | None = None
