@@ -56,7 +56,7 @@ def test_greedy_matches_generate_reference(engine_kw: dict) -> None:
 def test_prefix_cache_hit_gives_the_same_output_as_a_miss() -> None:
     model = _model()
     shared = _prompts((40,))[0]
-    prompts = [shared + [5, 6], shared + [7], shared[:20]]
+    prompts = [[*shared, 5, 6], [*shared, 7], shared[:20]]
     miss = Engine(model, block_size=8, enable_prefix_cache=False).generate(prompts, GREEDY)
     engine = Engine(model, block_size=8)
     first = engine.generate(prompts[:1], GREEDY)
