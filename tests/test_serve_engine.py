@@ -211,3 +211,18 @@ def test_smollm2_greedy_matches_generate() -> None:
     )
     assert [o.outputs[0].token_ids for o in got] == want
     assert "Paris" in tok.decode(got[0].outputs[0].token_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpu_engine_greedy_matches_generate(graphs: bool) -> None:
+    """On CUDA: the Triton decode kernel (and CUDA-graph replay) give generate's greedy tokens."""
+    model = _model().cuda()
+    prompts = _prompts()
+    want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+    engine = Engine(model, block_size=8, num_blocks=64, cuda_graphs=graphs, max_num_seqs=8)
+    if graphs:
+        assert engine.graphs is not None and engine.graphs.graphs  # captured, not fallen back
+    got = engine.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert engine.allocator.num_used == 0

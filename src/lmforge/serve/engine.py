@@ -167,8 +167,9 @@ class Engine:
         dtype = kv_dtype or next(self.model.parameters()).dtype
         if num_blocks is None:
             num_blocks = self._default_num_blocks(dtype, kv_memory_fraction)
+        # One block more than the allocator hands out: CUDA-graph padding rows write there.
         self.cache = PagedKVCache(
-            cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, self.device, dtype
+            cfg.n_layers, num_blocks + 1, block_size, cfg.kv_heads, cfg.head_dim, self.device, dtype
         )
         self.allocator = BlockAllocator(num_blocks, enable_prefix_cache=enable_prefix_cache)
         self.waiting: deque[_Seq] = deque()
