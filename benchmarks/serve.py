@@ -43,6 +43,7 @@ from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
 
 HBM = 4.8e12  # H200 HBM3e bytes/s
+GRAPHS = True  # --no-graphs: every engine decodes eagerly
 
 TINYLLAMA = dict(
     vocab_size=32000,
@@ -126,7 +127,7 @@ def check() -> None:
     ).cuda().eval()  # fmt: skip
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 17, 120)]
     ref = [generate(small, [p], 16, temperature=0)[0] for p in prompts]
-    for graphs in (False, True):
+    for graphs in (False, True) if GRAPHS else (False,):
         eng = Engine(small, block_size=16, num_blocks=64, cuda_graphs=graphs, max_num_seqs=8)
         out = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
         same = [o.outputs[0].token_ids for o in out] == ref
@@ -196,8 +197,8 @@ def bench_decode(quick: bool) -> dict:
     prompt = torch.randint(0, 32000, (128,), generator=g).tolist()
     new = 64 if quick else 256
     rows = []
-    graph_ms = _time_engine_decode(model, prompt, new, graphs=True)
-    rows.append(("lmforge.serve Engine, CUDA graphs", graph_ms))
+    graph_ms = _time_engine_decode(model, prompt, new, graphs=GRAPHS)
+    rows.append((f"lmforge.serve Engine, {'CUDA graphs' if GRAPHS else 'eager'}", graph_ms))
     eager_ms = _time_engine_decode(model, prompt, min(new, 64), graphs=False)
     rows.append(("lmforge.serve Engine, eager", eager_ms))
     # lmforge.generate reference loop
@@ -287,7 +288,7 @@ def bench_throughput(quick: bool) -> None:
           f"{n_req} that bounds output at {n_req / (wb / HBM):,.0f} tok/s (before KV reads)")  # fmt: skip
     t0 = time.perf_counter()
     eng = Engine(model, block_size=16, max_num_seqs=256, max_num_batched_tokens=16384,
-                 cuda_graphs=True)  # fmt: skip
+                 cuda_graphs=GRAPHS)  # fmt: skip
     setup = time.perf_counter() - t0
     eng.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm
     torch.cuda.synchronize()
@@ -330,7 +331,7 @@ def bench_server(quick: bool) -> None:
 
     model = _model(TINYLLAMA)
     n_clients, n_new = 64, 64 if quick else 128
-    eng = Engine(model, block_size=16, max_num_seqs=64, cuda_graphs=True, num_blocks=4096)
+    eng = Engine(model, block_size=16, max_num_seqs=64, cuda_graphs=GRAPHS, num_blocks=4096)
     state = ServerState(EngineLoop(eng), _IdTokenizer(), "tinyllama-random")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -440,7 +441,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="check,decode,throughput,server,spec")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument("--no-graphs", action="store_true", help="engines decode eagerly")
     args = ap.parse_args()
+    global GRAPHS
+    GRAPHS = not args.no_graphs
     if not torch.cuda.is_available():
         print("benchmarks/serve.py needs a CUDA GPU", file=sys.stderr)
         return 2

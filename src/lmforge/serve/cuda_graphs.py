@@ -53,6 +53,8 @@ class DecodeGraphs:
         self.slots = torch.full((top,), self.scratch * bs, dtype=torch.long, device=dev)
         self.tables = torch.full((top, self.width), self.scratch, dtype=torch.int32, device=dev)
         self.ctx = torch.ones(top, dtype=torch.int32, device=dev)
+        # Every tensor a graph reads must outlive it: the rows too, not a per-capture arange.
+        self.rows = torch.arange(top, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         try:
@@ -71,7 +73,7 @@ class DecodeGraphs:
             slots=self.slots[:b],
             block_tables=self.tables[:b],
             ctx_lens=self.ctx[:b],
-            last_rows=torch.arange(b, device=self.tokens.device),
+            last_rows=self.rows[:b],
             q_lens=[1] * b,
             ctx_lens_list=[1] * b,
             tables_list=[[self.scratch]] * b,
