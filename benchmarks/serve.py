@@ -20,6 +20,7 @@ tokens (eager and CUDA graphs) against ``lmforge.generate``.
 
     PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
+    PYTHONPATH=src python benchmarks/serve.py --server-cpu --quick    # the server on the CPU
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ TINYLLAMA = dict(
     d_ff=5632,
     rope_theta=10000.0,
 )
+CPU_SERVER_SHAPE = dict(  # small enough for a busy 2-core CPU
+    vocab_size=32000, context_length=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2
+)
 QWEN3_06B = dict(
     vocab_size=151936,
     context_length=4096,
@@ -70,11 +74,14 @@ QWEN3_06B = dict(
 )
 
 
+DEVICE = "cuda"  # --server-cpu: the server benchmark on the CPU (fastapi missing on the GPU host)
+
+
 def _model(shape: dict, seed: int = 0) -> TransformerLM:
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        m = TransformerLM(ModelConfig(**shape), device="cuda")
-    m = m.to(torch.bfloat16).eval()
+    with torch.device(DEVICE):
+        m = TransformerLM(ModelConfig(**shape), device=DEVICE)
+    m = m.to(torch.bfloat16 if DEVICE == "cuda" else torch.float32).eval()
     with torch.no_grad():  # random weights whose logits are not flat (so greedy is not ties)
         for p in m.parameters():
             if p.dim() == 2:
@@ -329,9 +336,16 @@ def bench_server(quick: bool) -> None:
 
     from lmforge.serve.server import EngineLoop, ServerState, build_app
 
-    model = _model(TINYLLAMA)
+    shape = TINYLLAMA if DEVICE == "cuda" else CPU_SERVER_SHAPE
+    model = _model(shape)
     n_clients, n_new = 64, 64 if quick else 128
-    eng = Engine(model, block_size=16, max_num_seqs=64, cuda_graphs=GRAPHS, num_blocks=4096)
+    eng = Engine(
+        model,
+        block_size=16,
+        max_num_seqs=64,
+        cuda_graphs=GRAPHS,
+        num_blocks=2048 if DEVICE == "cpu" else 4096,
+    )
     state = ServerState(EngineLoop(eng), _IdTokenizer(), "tinyllama-random")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -384,8 +398,9 @@ def bench_server(quick: bool) -> None:
     def pct(xs: list[float], q: float) -> float:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
+    what = "TinyLlama shape bf16" if DEVICE == "cuda" else f"CPU, {shape}"
     _line(f"\n## 3. server under load: {n_clients} concurrent streaming clients, 128-token "
-          f"prompts, {n_new} new tokens, TinyLlama shape bf16")  # fmt: skip
+          f"prompts, {n_new} new tokens, {what}")  # fmt: skip
     _line(
         "\n| requests/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | errors |"
     )
@@ -394,7 +409,6 @@ def bench_server(quick: bool) -> None:
           f"{pct(ttft, .99):.0f} | {pct(tpot, .5):.2f} | {pct(tpot, .99):.2f} | {errors} |")  # fmt: skip
     _line(f"allocator blocks in use afterwards: {eng.allocator.num_used}")
     del eng, model
-    torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------- 4. speculative
@@ -442,9 +456,16 @@ def main() -> int:
     ap.add_argument("--only", default="check,decode,throughput,server,spec")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     ap.add_argument("--no-graphs", action="store_true", help="engines decode eagerly")
+    ap.add_argument(
+        "--server-cpu", action="store_true", help="run only the server benchmark, on the CPU"
+    )
     args = ap.parse_args()
-    global GRAPHS
+    global GRAPHS, DEVICE
     GRAPHS = not args.no_graphs
+    if args.server_cpu:
+        DEVICE, GRAPHS = "cpu", False
+        bench_server(args.quick)
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks/serve.py needs a CUDA GPU", file=sys.stderr)
         return 2
