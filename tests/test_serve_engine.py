@@ -170,7 +170,7 @@ def test_update_weights_in_place_keeps_running_requests() -> None:
     outs = []
     for _ in range(4):
         outs += engine.step()
-    engine.update_weights(other.state_dict().items(), version=1)
+    engine.update_weights(other.state_dict(), version=1)  # a Mapping; pairs work too
     while engine.has_unfinished():
         outs += engine.step()
     final = [o for o in outs if o.request_id == rid][-1].outputs[0]
@@ -225,4 +225,15 @@ def test_gpu_engine_greedy_matches_generate(graphs: bool) -> None:
         assert engine.graphs is not None and engine.graphs.graphs  # captured, not fallen back
     got = engine.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in got] == want
+    assert engine.allocator.num_used == 0
+
+
+def test_n_samples_share_the_prompt_blocks() -> None:
+    model = _model()
+    prompt = _prompts((37,))[0]  # 4 full blocks of 8 + 5 tokens
+    engine = Engine(model, block_size=8)
+    out = engine.generate([prompt], SamplingParams(temperature=0, n=4, max_tokens=6))[0]
+    solo = Engine(model, block_size=8).generate([prompt], GREEDY)[0].outputs[0].token_ids[:6]
+    assert all(o.token_ids == solo for o in out.outputs)
+    assert engine.allocator.hits == 3 * 4  # samples 1..3 each reuse sample 0's 4 full blocks
     assert engine.allocator.num_used == 0

@@ -40,7 +40,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -260,7 +260,9 @@ class Engine:
 
     # ---------------------------------------------------------------- weights
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        version: int,
     ) -> None:
         """Copy ``(name, tensor)`` pairs (state-dict names; any iterable, e.g. a bucketed
         stream) into the model in place, between two steps; later tokens carry ``version``.
@@ -268,6 +270,8 @@ class Engine:
         Running requests keep their KV cache; the prefix cache of finished ones is dropped.
         Unknown names or wrong shapes raise one line (nothing is half-applied for that tensor).
         """
+        if isinstance(named_tensors, Mapping):
+            named_tensors = named_tensors.items()
         with self.lock, torch.no_grad():
             params = dict(self.model.named_parameters(remove_duplicate=False))
             for name, tensor in named_tensors:
@@ -353,6 +357,8 @@ class Engine:
         n_running = len(self.running)
         while self.waiting and budget > 0 and n_running < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self._siblings_prompt_ready(seq):
+                break  # next step it shares sample 0's prompt blocks instead of recomputing
             self._take_prefix(seq)
             n = min(len(seq.tokens) - seq.n_cached, budget)
             if not self._ensure_blocks(seq, seq.n_cached + n):
@@ -364,6 +370,19 @@ class Engine:
             chosen.append((seq, n))
             budget -= n
         return chosen
+
+    def _siblings_prompt_ready(self, seq: _Seq) -> bool:
+        """Whether sample ``seq`` (of n > 1) may start: sample 0 has prefilled the prompt, so
+        its full blocks are in the prefix cache (always true for sample 0 or without a cache)."""
+        if seq.index == 0 or not self.allocator.enable_prefix_cache:
+            return True
+        req = self.requests.get(seq.request_id)
+        if req is None:
+            return True
+        first = req.seqs[0]
+        return first.n_cached >= first.n_prompt or (
+            first.out is not None and first.out.finish_reason is not None
+        )
 
     # ---------------------------------------------------------------- the step
     def _batch(self, chosen: list[tuple[_Seq, int]]) -> StepBatch:
