@@ -345,3 +345,19 @@ def test_cli_help_lists_examples() -> None:
             capture_output=True, text=True, env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
         )  # fmt: skip
         assert r.returncode == 0 and "examples:" in r.stdout and "--gguf" in r.stdout
+
+
+def test_engine_failure_answers_500_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(_model(), block_size=8, num_blocks=64)
+    s = _Server(engine)
+    try:
+
+        def boom() -> list:
+            raise RuntimeError("simulated kernel failure")
+
+        monkeypatch.setattr(engine, "step", boom)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+        assert httpx.get(s.url + "/health").status_code == 500
+    finally:
+        s.close()

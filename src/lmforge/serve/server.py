@@ -66,7 +66,8 @@ class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cv = threading.Condition()
-        self._subs: dict[str, Callable[[RequestOutput], None]] = {}
+        # None is sent when the engine failed (a bug): the handler answers 500.
+        self._subs: dict[str, Callable[[RequestOutput | None], None]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
         self.ttft_sum = 0.0
@@ -88,7 +89,7 @@ class EngineLoop:
         self,
         prompt: list[int],
         params: SamplingParams,
-        callback: Callable[[RequestOutput], None],
+        callback: Callable[[RequestOutput | None], None],
     ) -> str:
         with self._cv:
             rid = self.engine.add_request(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}")
@@ -123,8 +124,9 @@ class EngineLoop:
                 self.error = e
                 with self._cv:
                     subs, self._subs = self._subs, {}
-                for rid in subs:
+                for rid, cb in subs.items():
                     self.engine.abort(rid)
+                    cb(None)  # wake the handler: it answers 500 instead of waiting forever
                 continue
             now = time.monotonic()
             if made:
@@ -418,7 +420,7 @@ def build_app(state: ServerState) -> Any:
         stream: bool,
     ) -> Any:
         aloop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
         t0 = time.monotonic()
         try:
             rid = state.loop.submit(
@@ -457,6 +459,12 @@ def build_app(state: ServerState) -> Any:
                         yield _sse(chunk)
                 while not all(finished):
                     out = await queue.get()
+                    if out is None:
+                        err = {"error": {"message": f"engine failed: {state.loop.error}",
+                                         "type": "server_error", "param": None, "code": None}}  # fmt: skip
+                        yield _sse(err)
+                        finished = [True] * params.n
+                        return
                     if first:
                         first = False
                         state.loop.ttft_sum += time.monotonic() - t0
@@ -499,6 +507,9 @@ def build_app(state: ServerState) -> Any:
                         state.loop.abort(rid)
                         return _error(499, "client disconnected")
                 out = get.result()
+                if out is None:
+                    reasons = dict.fromkeys(range(params.n), "error")
+                    return _error(500, f"engine failed: {state.loop.error}")
                 if not texts:
                     state.loop.ttft_sum += time.monotonic() - t0
                     state.loop.ttft_count += 1
