@@ -265,6 +265,7 @@ def _checkpoint(tmp_path) -> str:
     return str(out)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(tmp_path) -> None:
     import os
     import signal
