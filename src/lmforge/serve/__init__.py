@@ -16,8 +16,18 @@ if TYPE_CHECKING:
     from lmforge.serve.blocks import BlockAllocator
     from lmforge.serve.engine import CompletionOutput, Engine, RequestOutput
     from lmforge.serve.sampling import SamplingParams
+    from lmforge.serve.speculative import DraftModel, NgramDraft, SpeculativeDecoder
 
-__all__ = ["BlockAllocator", "CompletionOutput", "Engine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "BlockAllocator",
+    "CompletionOutput",
+    "DraftModel",
+    "Engine",
+    "NgramDraft",
+    "RequestOutput",
+    "SamplingParams",
+    "SpeculativeDecoder",
+]
 
 _EXPORTS = {
     "BlockAllocator": "blocks",
@@ -25,5 +35,8 @@ _EXPORTS = {
     "Engine": "engine",
     "RequestOutput": "engine",
     "SamplingParams": "sampling",
+    "DraftModel": "speculative",
+    "NgramDraft": "speculative",
+    "SpeculativeDecoder": "speculative",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -26,7 +26,7 @@ RL updates do) and every token records the version it was sampled under. Cached 
 finished requests are dropped (their KV belongs to the old weights).
 
 KV memory: ``num_blocks`` blocks, by default sized from a fraction of the free device memory
-after the weights (CUDA) or from ``max_num_seqs × context`` (CPU). Admission control, not OOM:
+after the weights (CUDA) or 16 contexts capped at 1 GiB (CPU). Admission control, not OOM:
 a request that could never fit is refused by :meth:`add_request`; one that does not fit now waits.
 
 Exercised by ``pytest tests/test_serve_engine.py``.
@@ -129,8 +129,8 @@ class Engine:
 
     ``model`` is a :class:`~lmforge.model.TransformerLM` (moved to ``device`` and put in eval
     mode). ``eos_token_id`` ends samples unless ``SamplingParams.ignore_eos``. ``num_blocks``
-    fixes the KV cache size (None: ``kv_memory_fraction`` of free CUDA memory, or enough for
-    ``max_num_seqs`` full contexts on CPU). ``max_num_batched_tokens`` is the per-step token
+    fixes the KV cache size (None: ``kv_memory_fraction`` of free CUDA memory, or on CPU 16 full
+    contexts capped at 1 GiB). ``max_num_batched_tokens`` is the per-step token
     budget; ``max_num_seqs`` the most sequences in one step. ``seed`` seeds the generator used
     by unseeded requests.
     """
@@ -195,7 +195,10 @@ class Engine:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(blocks_per_seq, int(free * fraction) // per_block)
-        return blocks_per_seq * min(self.max_num_seqs, 16)
+        # CPU: 16 full contexts, but at most 1 GiB of KV (never less than one full context).
+        return max(
+            blocks_per_seq, min(blocks_per_seq * min(self.max_num_seqs, 16), (1 << 30) // per_block)
+        )
 
     # ---------------------------------------------------------------- requests
     def add_request(
