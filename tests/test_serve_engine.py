@@ -237,3 +237,58 @@ def test_n_samples_share_the_prompt_blocks() -> None:
     assert all(o.token_ids == solo for o in out.outputs)
     assert engine.allocator.hits == 3 * 4  # samples 1..3 each reuse sample 0's 4 full blocks
     assert engine.allocator.num_used == 0
+
+
+def test_random_workloads_match_generate_and_free_everything() -> None:
+    """Hypothesis picks prompts (shared prefixes included), budgets, cache sizes and n: greedy
+    outputs stay generate's and every block comes back, whatever preemption happens."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    torch.manual_seed(0)
+    model = TransformerLM(
+        ModelConfig(vocab_size=V, context_length=64, d_model=32, n_layers=1, n_heads=2)
+    ).eval()
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def want(p: list[int], n: int) -> list[int]:
+        key = (*p, -n)
+        if key not in cache:
+            cache[key] = generate(model, [p], n, temperature=0)[0]
+        return cache[key]
+
+    base = _prompts((20,))[0]
+    prompt = st.builds(
+        lambda k, tail: base[:k] + tail,
+        st.integers(0, 20),
+        st.lists(st.integers(0, V - 1), min_size=1, max_size=8),
+    )
+
+    seen = {"preemptions": 0, "hits": 0}
+
+    @settings(max_examples=12, deadline=None, derandomize=True, database=None)
+    @given(
+        st.lists(st.tuples(prompt, st.integers(1, 10), st.integers(1, 2)), min_size=1, max_size=5),
+        st.sampled_from([4, 8]),
+        st.integers(8, 24),
+        st.integers(12, 40),
+    )
+    def check(reqs, block_size, budget, extra_blocks) -> None:
+        need = max(-(-(len(p) + m) // block_size) for p, m, _ in reqs)
+        engine = Engine(
+            model,
+            block_size=block_size,
+            num_blocks=need + extra_blocks // block_size,
+            max_num_batched_tokens=budget,
+        )
+        params = [SamplingParams(temperature=0, max_tokens=m, n=n) for _, m, n in reqs]
+        outs = engine.generate([p for p, _, _ in reqs], params)
+        for (p, m, _), out in zip(reqs, outs, strict=True):
+            for o in out.outputs:
+                assert o.token_ids == want(p, m)
+        assert engine.allocator.num_used == 0 and not engine.has_unfinished()
+        seen["preemptions"] += engine.stats["preemptions"]
+        seen["hits"] += engine.allocator.hits
+
+    check()
+    assert seen["preemptions"] > 0 and seen["hits"] > 0  # the workloads did exercise both
