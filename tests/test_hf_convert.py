@@ -68,6 +68,19 @@ def test_rope_permutation_maps_interleaved_to_rotate_half() -> None:
             {"n_kv_heads": 1, "d_ff": 96, "rope_theta": 500000.0, "norm_eps": 1e-6},
             "LlamaForCausalLM",
         ),
+        # Qwen3-0.6B's shape trait: head_dim independent of d_model / n_heads (32 · 4 ≠ 64).
+        ({"qk_norm": True, "head_dim": 32, "tie_embeddings": True}, "Qwen3ForCausalLM"),
+        # Llama 3.1's RoPE scaling, with an original context short enough that the 24-token
+        # input spans all three frequency bands.
+        (
+            {
+                "rope_scaling": "llama3",
+                "rope_scaling_factor": 4.0,
+                "rope_original_context": 16,
+                "rope_theta": 500.0,
+            },
+            "LlamaForCausalLM",
+        ),
     ],
 )
 def test_export_matches_transformers_logits(tmp_path: Path, kw: dict, arch: str) -> None:
@@ -215,8 +228,8 @@ def _cfg(**kw) -> dict:
         ({"attention_bias": True}, "attention_bias = true is not supported"),
         ({"mlp_bias": True}, "mlp_bias = true is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling type 'llama3'"),
-        ({"head_dim": 16}, "head_dim 16 × 2 heads != hidden_size 16"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 RoPE scaling lacks"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling type 'yarn'"),
         ({"model_type": "qwen3", "use_sliding_window": True}, "sliding-window attention"),
     ],
 )

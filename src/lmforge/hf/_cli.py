@@ -6,17 +6,19 @@ import argparse
 import sys
 
 EXAMPLES = """examples:
-  lmforge hf export --checkpoint runs/demo --out hf/demo          # latest checkpoint of a run
-  lmforge hf export --checkpoint runs/demo/checkpoints/step_0001000 --out hf/demo-1k
+  lmforge hf export --checkpoint runs/demo/train --out hf/demo    # latest checkpoint of a run
   lmforge hf import --model ~/models/Qwen3-1.7B --out ckpt/qwen3-1.7b --context-length 4096
   lmforge hf import --model ~/models/SmolLM2-135M --out ckpt/smollm2   # then: lmforge eval --checkpoint ckpt/smollm2
+  lmforge hf import --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --out ckpt/smollm2-instruct --context-length 2048
 
+A run folder exports its latest checkpoint; a folder under its checkpoints/ exports that one.
 export writes config.json (LlamaForCausalLM; Qwen3ForCausalLM when model.qk_norm), model.safetensors
 and tokenizer.json; transformers.AutoModelForCausalLM.from_pretrained(OUT) gives the same logits.
 import reads Llama- and Qwen3-family folders (no downloads: point it at a local folder) and writes
 an lmforge checkpoint folder (model.safetensors, config.toml, meta.json, tokenizer/). Not
-representable (one error line says which): scaled RoPE (Llama 3.1+ "llama3" rope_type), a head_dim
-other than hidden_size / num_attention_heads (Qwen3-0.6B and -4B), biases, sliding windows.
+representable (one error line says which): RoPE scaling other than Llama 3.1's "llama3", biases,
+sliding windows. --gguf FILE reads a llama.cpp GGUF file (Llama/Qwen3; F32/F16/BF16/Q8_0/Q4_0/Q4_1
+tensors, dequantized to fp32) with its tokenizer and chat template.
 """
 
 
@@ -47,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    i.add_argument("--model", required=True, metavar="DIR", help="Hugging Face model folder")
+    src = i.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="Hugging Face model folder")
+    src.add_argument("--gguf", metavar="FILE", help="llama.cpp GGUF file (Llama / Qwen3)")
     i.add_argument("--out", required=True, metavar="DIR", help="lmforge checkpoint folder to write")
     i.add_argument(
         "--context-length",
@@ -72,15 +76,29 @@ def _import(args: argparse.Namespace) -> int:
     from lmforge.hf import HFTokenizer, import_model, save_as_checkpoint
     from lmforge.hf.tokenizer import gpt2_incompatibility
 
-    model, tokenizer = import_model(args.model, context_length=args.context_length)
-    out = save_as_checkpoint(model, tokenizer, args.out, args.model)
+    template = None
+    if args.gguf is not None:
+        from lmforge.hf.gguf import import_gguf
+
+        source = args.gguf
+        model, tokenizer, template = import_gguf(args.gguf, context_length=args.context_length)
+    else:
+        source = args.model
+        model, tokenizer = import_model(args.model, context_length=args.context_length)
+    out = save_as_checkpoint(model, tokenizer, args.out, source)
+    if template:
+        from lmforge.utils.io import atomic_write_text
+
+        atomic_write_text(out / "chat_template.jinja", template)
     if tokenizer is None:
-        note = " (the folder has no tokenizer.json: weights only)"
+        note = " (no tokenizer in the source: weights only)"
     elif isinstance(tokenizer, HFTokenizer):
-        why = gpt2_incompatibility(args.model) or "an added token collides with ordinary bytes"
+        why = (
+            gpt2_incompatibility(tokenizer.folder) or "an added token collides with ordinary bytes"
+        )
         note = f" (tokenizer kept in HF format under hf_tokenizer/: {why})"
     else:
         note = ""
     n = model.num_parameters()
-    print(f"imported {args.model} ({n / 1e6:.1f}M parameters) → {out}{note}", file=sys.stderr)
+    print(f"imported {source} ({n / 1e6:.1f}M parameters) → {out}{note}", file=sys.stderr)
     return 0

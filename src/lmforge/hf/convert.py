@@ -197,12 +197,23 @@ def model_config_to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None)
         # Both spellings: transformers ≥ 5 reads rope_parameters, 4.x reads rope_theta.
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "torch_dtype": "float32",
         "use_cache": True,
     }
+    if cfg.rope_scaling == "llama3":
+        scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_context,
+        }
+        out["rope_scaling"] = scaling
+        out["rope_parameters"] = {**scaling, "rope_theta": cfg.rope_theta}
     if model_type == "llama":
         out["mlp_bias"] = False
     else:
@@ -213,19 +224,33 @@ def model_config_to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None)
     return _moe.hf_config(cfg, out) if cfg.moe.enabled else out
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
+def _rope_options(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig RoPE fields (θ and Llama-3 scaling) from an HF config's rope keys."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     if isinstance(params, dict) and "full_attention" in params:
         params = params["full_attention"]
+    out: dict[str, Any] = {}
     for spec in (params, scaling):
         rope_type = spec.get("rope_type", spec.get("type", "default")) if spec else "default"
-        if rope_type not in ("default", None):
+        if rope_type == "llama3":
+            try:
+                out.update(
+                    rope_scaling="llama3",
+                    rope_scaling_factor=float(spec["factor"]),
+                    rope_low_freq_factor=float(spec["low_freq_factor"]),
+                    rope_high_freq_factor=float(spec["high_freq_factor"]),
+                    rope_original_context=int(spec["original_max_position_embeddings"]),
+                )
+            except KeyError as e:
+                raise LmforgeError(f"{where}: llama3 RoPE scaling lacks {e.args[0]!r}") from None
+        elif rope_type not in ("default", None):
             raise LmforgeError(f"{where}: RoPE scaling type '{rope_type}' is not supported")
     if spec_partial := params.get("partial_rotary_factor", hf.get("partial_rotary_factor")):
         if float(spec_partial) != 1.0:
             raise LmforgeError(f"{where}: partial rotary embeddings are not supported")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    out["rope_theta"] = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return out
 
 
 def hf_config_to_model_config(
@@ -233,8 +258,8 @@ def hf_config_to_model_config(
 ) -> ModelConfig:
     """The lmforge :class:`ModelConfig` for an HF Llama/Qwen3 ``config.json`` dict.
 
-    Anything lmforge cannot represent (another architecture, biases, sliding windows, scaled RoPE,
-    a head dim other than hidden/heads, an activation other than SiLU) raises one line naming it.
+    Anything lmforge cannot represent (another architecture, biases, sliding windows, RoPE
+    scaling other than Llama 3's, an activation other than SiLU) raises one line naming it.
     ``context_length`` overrides ``max_position_embeddings`` (lmforge precomputes RoPE tables of
     that length per layer, which is large for 128k-context models).
     """
@@ -252,12 +277,7 @@ def hf_config_to_model_config(
         d_ff = int(hf["intermediate_size"])
     except KeyError as e:
         raise LmforgeError(f"{where}: missing key {e.args[0]!r}") from None
-    head_dim = hf.get("head_dim") or d_model // n_heads
-    if head_dim * n_heads != d_model:
-        raise LmforgeError(
-            f"{where}: head_dim {head_dim} × {n_heads} heads != hidden_size {d_model} "
-            "(lmforge needs head_dim = hidden_size / num_attention_heads)"
-        )
+    head_dim = int(hf.get("head_dim") or d_model // n_heads)
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise LmforgeError(f"{where}: hidden_act '{act}' is not supported (SwiGLU needs silu)")
@@ -266,7 +286,7 @@ def hf_config_to_model_config(
             raise LmforgeError(f"{where}: {key} = true is not supported (lmforge has no biases)")
     if hf.get("use_sliding_window") or (model_type == "llama" and hf.get("sliding_window")):
         raise LmforgeError(f"{where}: sliding-window attention is not supported")
-    theta = _rope_theta(hf, where)
+    rope = _rope_options(hf, where)
     try:
         return ModelConfig(
             vocab_size=vocab,
@@ -275,8 +295,9 @@ def hf_config_to_model_config(
             n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+            head_dim=None if head_dim * n_heads == d_model else head_dim,
             d_ff=d_ff,
-            rope_theta=theta,
+            **rope,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             moe=_moe.moe_from_hf(hf, where),

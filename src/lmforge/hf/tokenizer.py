@@ -171,6 +171,11 @@ def _to_lmforge(spec: dict[str, Any], where: str) -> Any:
         if b is None:
             return None
         vocab[int(i)] = b
+    if len({b for b in vocab.values() if len(b) == 1}) < 256:
+        # Real byte-level vocabularies often lack bytes their training data never held
+        # (SmolLM2 lacks 21). lmforge's encoder needs every byte as a token; `tokenizers`
+        # silently drops an unknown byte. Keep HF's behaviour exactly: wrap it.
+        return None
     for i, s in added.items():
         vocab[i] = s.encode("utf-8")
     merges: list[tuple[bytes, bytes]] = []
@@ -220,7 +225,15 @@ def gpt2_incompatibility(folder: str | os.PathLike) -> str | None:
     """Why an HF folder's tokenizer stays wrapped (None when it converts to lmforge's)."""
     path = Path(folder) / "tokenizer.json"
     spec = json.loads(path.read_text(encoding="utf-8"))
-    return _gpt2_reason(spec)
+    reason = _gpt2_reason(spec)
+    if reason is None:
+        from lmforge.tokenizer.tokenizer import str_to_token
+
+        found = {str_to_token(t) for t in (spec.get("model") or {}).get("vocab") or {}}
+        lacking = sum(bytes([x]) not in found for x in range(256))
+        if lacking:
+            reason = f"the vocabulary lacks {lacking} of the 256 single bytes"
+    return reason
 
 
 def save_tokenizer_for_hf(tokenizer: Any, out_dir: str | os.PathLike) -> None:

@@ -14,6 +14,15 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
     return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
 
 
+class _DerivedHeadDim(int):
+    """``head_dim`` resolved from d_model / n_heads (the field was left at None).
+
+    An int for every use, but marked: ``dataclasses.replace(cfg, d_model=...)`` passes the old
+    resolved value back to ``__init__``, and the mark makes ``__post_init__`` derive it again from
+    the new shape instead of freezing a stale head dim.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and options of a decoder-only Transformer LM (pre-norm, RoPE, SwiGLU, GQA)."""
@@ -30,6 +39,9 @@ class ModelConfig:
     "query heads"
     n_kv_heads: int | None = None
     "key/value heads for grouped-query attention (None = n_heads)"
+    head_dim: int | None = None
+    "per-head width E (None = d_model / n_heads; Qwen3-0.6B has 128 at d_model 1024, 16 heads);"
+    " read back it is always the resolved int"
     d_ff: int | None = None
     "SwiGLU hidden size (None = 8/3·d_model rounded up to a multiple of 64)"
     rope_theta: float = 10000.0
@@ -42,6 +54,17 @@ class ModelConfig:
     "share the token-embedding matrix with the LM head"
     logit_soft_cap: float | None = None
     "cap logits to ±c via c·tanh(x/c) (None = off)"
+    rope_scaling: Literal["none", "llama3"] = "none"
+    "RoPE frequency scaling for long contexts: none, or Llama 3.1's llama3 (low frequencies"
+    " divided by rope_scaling_factor, high ones kept, a smooth blend between)"
+    rope_scaling_factor: float = 8.0
+    "llama3 scaling: factor the low frequencies are divided by"
+    rope_low_freq_factor: float = 1.0
+    "llama3 scaling: wavelengths above rope_original_context / this are fully scaled"
+    rope_high_freq_factor: float = 4.0
+    "llama3 scaling: wavelengths below rope_original_context / this are kept"
+    rope_original_context: int = 8192
+    "llama3 scaling: the context length the model was pre-trained with"
     attention: Literal["reference", "sdpa", "flash", "auto"] = "sdpa"
     "attention backend: reference (own math), sdpa (torch's; cuDNN's kernel on an H200), flash"
     " (lmforge's Triton FlashAttention-2), auto = the measured-best here (sdpa; see"
@@ -71,12 +94,28 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
+        if self.head_dim is None or isinstance(self.head_dim, _DerivedHeadDim):
+            if self.d_model % self.n_heads:
+                raise ValueError(
+                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+                    " (or set head_dim)"
+                )
+            object.__setattr__(self, "head_dim", _DerivedHeadDim(self.d_model // self.n_heads))
+        elif self.head_dim <= 0:
+            raise ValueError(f"head_dim must be positive or unset, got {self.head_dim}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim ({self.head_dim}) must be even for RoPE")
+        if self.rope_scaling not in ("none", "llama3"):
+            raise ValueError(f"rope_scaling must be none or llama3, got {self.rope_scaling!r}")
+        if self.rope_scaling == "llama3" and not (
+            self.rope_scaling_factor >= 1.0
+            and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+            and self.rope_original_context > 0
+        ):
             raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+                "llama3 RoPE scaling needs rope_scaling_factor >= 1, 0 < rope_low_freq_factor <"
+                " rope_high_freq_factor and rope_original_context > 0"
             )
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError("head dim (d_model / n_heads) must be even for RoPE")
         kv = self.kv_heads
         if kv <= 0 or self.n_heads % kv:
             raise ValueError(f"n_kv_heads ({kv}) must divide n_heads ({self.n_heads})")
@@ -98,11 +137,6 @@ class ModelConfig:
             raise ValueError(f"rope must be reference, triton, packed or auto, got {self.rope!r}")
         if self.swiglu not in ("reference", "triton", "auto"):
             raise ValueError(f"swiglu must be reference, triton or auto, got {self.swiglu!r}")
-
-    @property
-    def head_dim(self) -> int:
-        """Per-head width E = d_model / n_heads."""
-        return self.d_model // self.n_heads
 
     @property
     def kv_heads(self) -> int:

@@ -240,6 +240,27 @@ class SwiGLU(nn.Module):
         return self.w2(silu(gate) * up)  # (..., F) -> (..., D)
 
 
+def llama3_scaled_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_context: int,
+) -> torch.Tensor:
+    """Llama 3.1's RoPE frequency scaling of ``inv_freq`` (E/2,): a pure function.
+
+    Wavelengths ``2π / f`` shorter than ``original_context / high_freq_factor`` keep their
+    frequency (they already resolve positions within the original window); those longer than
+    ``original_context / low_freq_factor`` are divided by ``factor`` (stretched to the longer
+    context); in between, a linear blend in ``original_context / wavelength``.
+    """
+    wavelen = 2 * math.pi / inv_freq  # (E/2,)
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original_context / low_freq_factor, inv_freq / factor, blended)
+    return torch.where(wavelen < original_context / high_freq_factor, inv_freq, out)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (RoFormer; Meta's Llama layout).
 
@@ -262,6 +283,7 @@ class RotaryEmbedding(nn.Module):
         d_k: int,
         max_seq_len: int,
         device: torch.device | str | None = None,
+        llama3_scaling: tuple[float, float, float, int] | None = None,
     ) -> None:
         super().__init__()
         if d_k % 2:
@@ -269,6 +291,9 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.d_k = d_k
         self.max_seq_len = max_seq_len
+        # (factor, low_freq_factor, high_freq_factor, original_context), see
+        # llama3_scaled_inv_freq; None = plain RoPE.
+        self.llama3_scaling = llama3_scaling
         self.register_buffer("cos", torch.empty(max_seq_len, d_k // 2, device=device), False)
         self.register_buffer("sin", torch.empty(max_seq_len, d_k // 2, device=device), False)
         self.reset_parameters()
@@ -281,6 +306,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.theta ** (
             -torch.arange(0, self.d_k, 2, device=device, dtype=torch.float64) / self.d_k
         )  # (E/2,)
+        if self.llama3_scaling is not None:
+            inv_freq = llama3_scaled_inv_freq(inv_freq, *self.llama3_scaling)  # (E/2,)
         pos = torch.arange(self.max_seq_len, device=device, dtype=torch.float64)  # (T,)
         angles = torch.outer(pos, inv_freq)  # (T, E/2)
         # float64 for the angles keeps the large-position entries exact before rounding to fp32.

@@ -145,7 +145,17 @@ class CausalSelfAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = _Norm(e, config.norm_eps, config.norm)
             self.k_norm = _Norm(e, config.norm_eps, config.norm)
-        self.rope = RotaryEmbedding(config.rope_theta, e, config.context_length)
+        scaling = None
+        if config.rope_scaling == "llama3":
+            scaling = (
+                config.rope_scaling_factor,
+                config.rope_low_freq_factor,
+                config.rope_high_freq_factor,
+                config.rope_original_context,
+            )
+        self.rope = RotaryEmbedding(
+            config.rope_theta, e, config.context_length, llama3_scaling=scaling
+        )
         self.rope_backend = config.rope
         self.backend = config.attention
         self._sdpa_gqa = _torch_version() >= (2, 5)

@@ -1,0 +1,499 @@
+"""lmforge.serve on one GPU: the four benchmarks of issue 22, peers in the same run, floors first.
+
+1. decode: single-stream greedy decode, TinyLlama-1.1B shape (random weights, bf16), 128-token
+   prompt, 256 new tokens: ms per token of the engine (CUDA graphs) and of the peers — HF
+   ``generate`` (eager, 64 new tokens: its per-token cost is flat), ``lmforge.generate`` (the
+   reference loop, 32 tokens) and a minimal static-cache decoder under ``torch.compile``
+   (reduce-overhead: one step replayed as a CUDA graph). Floor = weight bytes / 4.8 TB/s.
+2. throughput: nano-vllm's offline workload, Qwen3-0.6B shape (random weights, bf16), 256
+   requests, prompt and output lengths uniform in 100-1024, ignore EOS, temperature 0.6:
+   output tokens/s. No peer engine is installed here; the floor is the weight read per decode
+   step at the batch the engine runs.
+3. server: 64 concurrent streaming clients against ``lmforge serve``'s app (TinyLlama shape,
+   127.0.0.1): requests/s, p50/p99 time to first token and time per output token, errors.
+4. speculative: batch-1 greedy decode with a 2-layer draft of the same width and with n-gram
+   prompt lookup, k = 4: acceptance and speedup over plain eager decode (random weights: the
+   draft has nothing to agree on, so this measures the overhead, not the benefit).
+
+Correctness first: the Triton decode kernel against a float64 reference, and the engine's greedy
+tokens (eager and CUDA graphs) against ``lmforge.generate``.
+
+    PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
+    PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
+    PYTHONPATH=src python benchmarks/serve.py --server-cpu --quick    # the server on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
+
+import torch
+import torch.nn.functional as F
+
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.serve import Engine, SamplingParams
+
+HBM = 4.8e12  # H200 HBM3e bytes/s
+GRAPHS = True  # --no-graphs: every engine decodes eagerly
+
+TINYLLAMA = dict(
+    vocab_size=32000,
+    context_length=2048,
+    d_model=2048,
+    n_layers=22,
+    n_heads=32,
+    n_kv_heads=4,
+    d_ff=5632,
+    rope_theta=10000.0,
+)
+CPU_SERVER_SHAPE = dict(  # small enough for a busy 2-core CPU
+    vocab_size=32000, context_length=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2
+)
+QWEN3_06B = dict(
+    vocab_size=151936,
+    context_length=4096,
+    d_model=1024,
+    n_layers=28,
+    n_heads=16,
+    n_kv_heads=8,
+    head_dim=128,
+    d_ff=3072,
+    qk_norm=True,
+    tie_embeddings=True,
+    rope_theta=1000000.0,
+)
+
+
+DEVICE = "cuda"  # --server-cpu: the server benchmark on the CPU (fastapi missing on the GPU host)
+
+
+def _model(shape: dict, seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    with torch.device(DEVICE):
+        m = TransformerLM(ModelConfig(**shape), device=DEVICE)
+    m = m.to(torch.bfloat16 if DEVICE == "cuda" else torch.float32).eval()
+    with torch.no_grad():  # random weights whose logits are not flat (so greedy is not ties)
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(2.0)
+    return m
+
+
+def _weight_bytes(m: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters())
+
+
+def _line(s: str) -> None:
+    print(s, flush=True)
+
+
+# ---------------------------------------------------------------- correctness
+def check() -> None:
+    from lmforge.generate import generate
+    from lmforge.serve.attention import paged_attention_float64, paged_decode
+
+    g = torch.Generator().manual_seed(0)
+    s, h, k, e, bs = 8, 32, 4, 64, 16
+    lens = [1, 15, 16, 17, 100, 333, 1000, 2047]
+    nb = sum(math.ceil(n / bs) for n in lens) + 1
+    kc = torch.randn(nb, bs, k, e, generator=g)
+    vc = torch.randn(nb, bs, k, e, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        tables.append(perm[used : used + math.ceil(n / bs)])
+        used += math.ceil(n / bs)
+    w = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (w - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(s, h, e, generator=g)
+    want = torch.stack(
+        [paged_attention_float64(q[i : i + 1], kc, vc, tables[i], n)[0] for i, n in enumerate(lens)]
+    )
+    for dt in (torch.float32, torch.bfloat16):
+        got = paged_decode(
+            q.cuda().to(dt), kc.cuda().to(dt), vc.cuda().to(dt), bt.cuda(),
+            torch.tensor(lens, dtype=torch.int32, device="cuda"), use_triton=True,
+        )  # fmt: skip
+        err = float((got.double().cpu() - want).abs().max())
+        _line(f"check: Triton paged decode {dt} max |err| vs float64 = {err:.2e}")
+        assert err < (1e-4 if dt == torch.float32 else 3e-2)
+
+    torch.manual_seed(0)
+    small = TransformerLM(
+        ModelConfig(vocab_size=512, context_length=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2)
+    ).cuda().eval()  # fmt: skip
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 50, 17, 120)]
+    ref = [generate(small, [p], 16, temperature=0)[0] for p in prompts]
+    for graphs in (False, True) if GRAPHS else (False,):
+        eng = Engine(small, block_size=16, num_blocks=64, cuda_graphs=graphs, max_num_seqs=8)
+        out = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        same = [o.outputs[0].token_ids for o in out] == ref
+        _line(f"check: engine greedy == lmforge.generate (cuda_graphs={graphs}): {same}")
+        assert same and eng.allocator.num_used == 0
+        if graphs:
+            assert eng.graphs is not None and eng.graphs.graphs
+
+
+# ---------------------------------------------------------------- 1. decode
+def _static_decoder(model: TransformerLM, max_len: int):
+    """A minimal static-KV decoder (one token per call) for torch.compile (the peer)."""
+    cfg = model.config
+    kh, e, h = cfg.kv_heads, cfg.head_dim, cfg.n_heads
+    shape = (cfg.n_layers, 1, kh, max_len, e)
+    kc = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(max_len, device="cuda")
+
+    def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = model.token_embeddings(tok)[None]  # (1, 1, D)
+        mask = (slots <= pos)[None, None, None, :]  # (1, 1, 1, S)
+        for i, layer in enumerate(model.layers):
+            a = layer.attn
+            y = layer.ln1(x)
+            q = a.q_proj(y).view(1, 1, h, e).transpose(1, 2)  # (1, H, 1, E)
+            k = a.k_proj(y).view(1, 1, kh, e).transpose(1, 2)  # (1, K, 1, E)
+            v = a.v_proj(y).view(1, 1, kh, e).transpose(1, 2)
+            q, k = a.rope(q, pos), a.rope(k, pos)
+            kc[i].index_copy_(2, pos, k)
+            vc[i].index_copy_(2, pos, v)
+            o = F.scaled_dot_product_attention(q, kc[i], vc[i], attn_mask=mask, enable_gqa=True)
+            x = x + a.output_proj(o.transpose(1, 2).reshape(1, 1, h * e))
+            x = x + layer.ffn(layer.ln2(x))
+        return model.logits_from_hidden(model.ln_final(x))[0, -1].argmax()
+
+    return step
+
+
+def _time_engine_decode(model: TransformerLM, prompt: list[int], new: int, graphs: bool) -> float:
+    eng = Engine(model, block_size=16, max_num_seqs=1, cuda_graphs=graphs, num_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm
+    runs = []
+    for _ in range(3):
+        eng.add_request(prompt, params)
+        torch.cuda.synchronize()
+        eng.step()  # prefill + first token
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) * 1e3 / (new - 1))
+    return statistics.median(runs)
+
+
+def bench_decode(quick: bool) -> dict:
+    from lmforge.generate import generate
+
+    model = _model(TINYLLAMA)
+    wb = _weight_bytes(model)
+    floor = wb / HBM * 1e3
+    _line(f"\n## 1. single-stream decode, TinyLlama shape bf16 ({wb / 1e9:.2f} GB of weights)")
+    _line(f"floor: weight read {floor:.3f} ms/token at {HBM / 1e12:.1f} TB/s")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 32000, (128,), generator=g).tolist()
+    new = 64 if quick else 256
+    rows = []
+    graph_ms = _time_engine_decode(model, prompt, new, graphs=GRAPHS)
+    rows.append((f"lmforge.serve Engine, {'CUDA graphs' if GRAPHS else 'eager'}", graph_ms))
+    eager_ms = _time_engine_decode(model, prompt, min(new, 64), graphs=False)
+    rows.append(("lmforge.serve Engine, eager", eager_ms))
+    # lmforge.generate reference loop
+    n_ref = 16
+    generate(model, [prompt], 4, temperature=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    generate(model, [prompt], n_ref, temperature=0)
+    torch.cuda.synchronize()
+    rows.append(("lmforge.generate (reference loop)", (time.perf_counter() - t0) * 1e3 / n_ref))
+    # HF generate
+    try:
+        import transformers
+
+        from lmforge.hf.convert import lmforge_to_hf_state, model_config_to_hf_config
+
+        hf_cfg = transformers.LlamaConfig(**{
+            k: v for k, v in model_config_to_hf_config(model.config).items()
+            if k not in ("architectures", "model_type", "torch_dtype")
+        })  # fmt: skip
+        with torch.device("cuda"):
+            hf = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+        hf.load_state_dict(lmforge_to_hf_state(model.state_dict(), model.config), strict=False)
+        hf.cuda()
+        ids = torch.tensor([prompt], device="cuda")
+        n_hf = 64
+        kw = dict(do_sample=False, max_new_tokens=n_hf, min_new_tokens=n_hf, pad_token_id=0)
+        hf.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, **kw)
+        torch.cuda.synchronize()
+        rows.append((f"HF generate (transformers {transformers.__version__})",
+                     (time.perf_counter() - t0) * 1e3 / n_hf))  # fmt: skip
+        del hf
+    except Exception as e:  # the peer is optional; say why it is missing
+        _line(f"HF generate peer skipped: {type(e).__name__}: {e}")
+    if not quick:
+        try:
+            step = torch.compile(_static_decoder(model, 512), mode="reduce-overhead")
+            tok = torch.tensor([prompt[0]], device="cuda")
+            t_c = time.perf_counter()
+            with torch.inference_mode():
+                for p in range(len(prompt)):  # prefill token by token (compiles + warms)
+                    step(torch.tensor([prompt[p]], device="cuda"), torch.tensor([p], device="cuda"))
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t_c
+                tok = step(tok, torch.tensor([len(prompt)], device="cuda"))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(new):
+                    tok = step(tok.view(1), torch.tensor([len(prompt) + 1 + i], device="cuda"))
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3 / new
+            rows.append(
+                (
+                    f"static-cache decoder, torch.compile reduce-overhead (compile+prefill {compile_s:.0f} s)",
+                    ms,
+                )
+            )
+        except Exception as e:
+            _line(f"torch.compile peer skipped: {type(e).__name__}: {str(e)[:200]}")
+    _line("\n| implementation | ms/token | vs floor | engine speedup vs it |")
+    _line("|---|---:|---:|---:|")
+    for name, ms in rows:
+        _line(f"| {name} | {ms:.3f} | {ms / floor:.1f}x | {ms / graph_ms:.2f}x |")
+    del model
+    torch.cuda.empty_cache()
+    return dict(rows)
+
+
+# ---------------------------------------------------------------- 2. throughput
+def bench_throughput(quick: bool) -> None:
+    model = _model(QWEN3_06B)
+    wb = _weight_bytes(model)
+    n_req = 64 if quick else 256
+    g = torch.Generator().manual_seed(0)
+    lo, hi = 100, 1024
+    in_lens = torch.randint(lo, hi + 1, (n_req,), generator=g).tolist()
+    out_lens = torch.randint(lo, hi + 1, (n_req,), generator=g).tolist()
+    prompts = [torch.randint(0, 151936, (n,), generator=g).tolist() for n in in_lens]
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
+    _line(
+        f"\n## 2. offline throughput, Qwen3-0.6B shape bf16 ({wb / 1e9:.2f} GB), {n_req} requests"
+    )
+    _line(f"floor: a decode step reads the weights once: {wb / HBM * 1e3:.3f} ms; at batch "
+          f"{n_req} that bounds output at {n_req / (wb / HBM):,.0f} tok/s (before KV reads)")  # fmt: skip
+    t0 = time.perf_counter()
+    eng = Engine(model, block_size=16, max_num_seqs=256, max_num_batched_tokens=16384,
+                 cuda_graphs=GRAPHS)  # fmt: skip
+    setup = time.perf_counter() - t0
+    eng.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n_out == sum(out_lens)
+    _line(f"KV cache: {eng.allocator.num_blocks} blocks of 16; setup (KV alloc + graph capture) "
+          f"{setup:.1f} s; steps {eng.stats['steps']}, preemptions {eng.stats['preemptions']}")  # fmt: skip
+    _line("\n| engine | requests | output tokens | time (s) | output tok/s | total tok/s |")
+    _line("|---|---:|---:|---:|---:|---:|")
+    _line(f"| lmforge.serve Engine (CUDA graphs) | {n_req} | {n_out} | {dt:.2f} | "
+          f"{n_out / dt:,.0f} | {(n_out + sum(in_lens)) / dt:,.0f} |")  # fmt: skip
+    del eng, model
+    torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- 3. server
+class _IdTokenizer:
+    """Token ids as text: ``encode`` reads space-separated ids, ``decode`` writes them."""
+
+    eot_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+
+def bench_server(quick: bool) -> None:
+    import socket
+
+    import httpx
+    import uvicorn
+
+    from lmforge.serve.server import EngineLoop, ServerState, build_app
+
+    shape = TINYLLAMA if DEVICE == "cuda" else CPU_SERVER_SHAPE
+    model = _model(shape)
+    n_clients, n_new = 64, 64 if quick else 128
+    eng = Engine(
+        model,
+        block_size=16,
+        max_num_seqs=64,
+        cuda_graphs=GRAPHS,
+        num_blocks=2048 if DEVICE == "cpu" else 4096,
+    )
+    state = ServerState(EngineLoop(eng), _IdTokenizer(), "tinyllama-random")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
+                                           log_level="error"))  # fmt: skip
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    while not server.started:
+        time.sleep(0.05)
+    g = torch.Generator().manual_seed(2)
+    prompts = [" ".join(map(str, torch.randint(0, 32000, (128,), generator=g).tolist()))
+               for _ in range(n_clients)]  # fmt: skip
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> tuple[float, float, int]:
+        body = {"prompt": prompt, "max_tokens": n_new, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return -1.0, -1.0, 0
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    text = json.loads(line[6:])["choices"][0]["text"]
+                    k = len(text.split())
+                    if k and first is None:
+                        first = time.perf_counter()
+                    n += k
+        end = time.perf_counter()
+        assert first is not None
+        return first - t0, (end - first) / max(n - 1, 1), n
+
+    async def run_all() -> tuple[list, float]:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=128)) as c:
+            await one(c, prompts[0])  # warm
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(one(c, p) for p in prompts))
+            return res, time.perf_counter() - t0
+
+    res, wall = asyncio.run(run_all())
+    server.should_exit = True
+    th.join(timeout=30)
+    ok = [r for r in res if r[2] == n_new]
+    errors = n_clients - len(ok)
+    ttft = sorted(r[0] * 1e3 for r in ok)
+    tpot = sorted(r[1] * 1e3 for r in ok)
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    what = "TinyLlama shape bf16" if DEVICE == "cuda" else f"CPU, {shape}"
+    _line(f"\n## 3. server under load: {n_clients} concurrent streaming clients, 128-token "
+          f"prompts, {n_new} new tokens, {what}")  # fmt: skip
+    _line(
+        "\n| requests/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | errors |"
+    )
+    _line("|---:|---:|---:|---:|---:|---:|---:|")
+    _line(f"| {len(ok) / wall:.2f} | {len(ok) * n_new / wall:,.0f} | {pct(ttft, .5):.0f} | "
+          f"{pct(ttft, .99):.0f} | {pct(tpot, .5):.2f} | {pct(tpot, .99):.2f} | {errors} |")  # fmt: skip
+    _line(f"allocator blocks in use afterwards: {eng.allocator.num_used}")
+    del eng, model
+
+
+# ---------------------------------------------------------------- 4. speculative
+def bench_spec(quick: bool) -> None:
+    from lmforge.serve.speculative import DraftModel, NgramDraft, SpeculativeDecoder
+
+    target = _model(TINYLLAMA)
+    draft = _model({**TINYLLAMA, "n_layers": 2}, seed=1)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 32000, (128,), generator=g).tolist()
+    new = 64 if quick else 128
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    plain = Engine(target, block_size=16, max_num_seqs=1, num_blocks=256)
+    want = plain.generate([prompt], params)[0].outputs[0].token_ids
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    plain.generate([prompt], params)
+    torch.cuda.synchronize()
+    base = (time.perf_counter() - t0) * 1e3 / new
+    _line(f"\n## 4. speculative decoding, batch 1, TinyLlama shape bf16, greedy, {new} tokens, k=4")
+    _line(
+        "\n| drafting | acceptance | target forwards | ms/token | speedup vs plain eager | identical |"
+    )
+    _line("|---|---:|---:|---:|---:|---|")
+    _line(f"| none (plain eager engine) | - | {new} | {base:.2f} | 1.00x | yes |")
+    for name, d in (
+        ("2-layer draft model", DraftModel(draft)),
+        ("n-gram prompt lookup", NgramDraft()),
+    ):
+        spec = SpeculativeDecoder(target, d, k=4)
+        spec.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        spec.stats = type(spec.stats)()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = spec.generate(prompt, params)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / new
+        same = "yes" if out.token_ids == want else "NO"
+        _line(f"| {name} | {spec.stats.acceptance:.2f} | {spec.stats.target_steps} | {ms:.2f} | "
+              f"{base / ms:.2f}x | {same} |")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="check,decode,throughput,server,spec")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument("--no-graphs", action="store_true", help="engines decode eagerly")
+    ap.add_argument(
+        "--server-cpu", action="store_true", help="run only the server benchmark, on the CPU"
+    )
+    args = ap.parse_args()
+    global GRAPHS, DEVICE
+    GRAPHS = not args.no_graphs
+    if args.server_cpu:
+        DEVICE, GRAPHS = "cpu", False
+        bench_server(args.quick)
+        return 0
+    if not torch.cuda.is_available():
+        print("benchmarks/serve.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    _line(f"# lmforge.serve benchmark — {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"triton {triton.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+    _line(f"command: python benchmarks/serve.py {' '.join(sys.argv[1:])}")
+    parts = {"check": check, "decode": bench_decode, "throughput": bench_throughput,
+             "server": bench_server, "spec": bench_spec}  # fmt: skip
+    failed = 0
+    for name in args.only.split(","):
+        t0 = time.perf_counter()
+        fn = parts[name]
+        try:
+            fn() if name == "check" else fn(args.quick)
+        except Exception as e:  # report and go on: one missing peer must not hide the rest
+            import traceback
+
+            traceback.print_exc()
+            _line(f"{name}: FAILED ({type(e).__name__}: {e})")
+            failed += 1
+            if name == "check":
+                return 1
+        torch.cuda.empty_cache()
+        _line(f"({name}: {time.perf_counter() - t0:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""``lmforge serve`` and ``lmforge chat``: registered here; torch is imported only when they run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SERVE_EXAMPLES = """examples:
+  lmforge serve --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf      # CPU, port 8000
+  lmforge serve --checkpoint runs/demo/train --port 8080 --api-key secret
+  lmforge serve --hf ~/models/Qwen3-0.6B --device cuda --context-length 4096
+
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+  python -c "import openai; c = openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-');
+             print(c.completions.create(model='SmolLM2-135M-Instruct.Q4_1', prompt='Hi').choices[0].text)"
+
+Endpoints: /v1/completions, /v1/chat/completions (stream: true for server-sent events),
+/v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise.
+"""
+
+CHAT_EXAMPLES = """examples:
+  lmforge chat --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  lmforge chat --checkpoint runs/demo/train --temperature 0.7 --system "You are terse."
+
+Type a message and press Enter; the reply streams as it is generated. /reset starts over,
+/quit (or Ctrl-D) leaves.
+"""
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", metavar="DIR", help="lmforge checkpoint or run folder")
+    src.add_argument("--hf", metavar="DIR", help="Hugging Face Llama/Qwen3 folder")
+    src.add_argument("--gguf", metavar="FILE", help="llama.cpp GGUF file (Llama/Qwen3)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="context to serve (default: the model's, at most 4096 for imports)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size (tokens)")
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)"
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` and ``chat`` subcommands."""
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (paged KV cache, continuous batching)",
+        description="Serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn).",
+        epilog=SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--model-name", default=None, help="name in /v1/models (default: the source)")
+    s.add_argument(
+        "--max-queue", type=int, default=1024, help="waiting requests before 429 (default 1024)"
+    )
+    s.set_defaults(func=_serve)
+    c = sub.add_parser(
+        "chat",
+        help="interactive terminal chat on the serving engine",
+        description="Chat with a model in the terminal (streamed replies).",
+        epilog=CHAT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _model_args(c)
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    c.add_argument("--max-tokens", type=int, default=256, help="longest reply (default 256)")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.set_defaults(func=_chat)
+
+
+def _load(args: argparse.Namespace) -> tuple:
+    from lmforge.serve.loading import load_for_serving
+
+    return load_for_serving(
+        checkpoint=args.checkpoint,
+        hf=args.hf,
+        gguf=args.gguf,
+        device=args.device,
+        dtype=args.dtype,
+        context_length=args.context_length,
+    )
+
+
+def _engine(args: argparse.Namespace, loaded: tuple, **kw: object) -> object:
+    from lmforge.serve.engine import Engine
+
+    model, tokenizer, _, _ = loaded
+    return Engine(
+        model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        eos_token_id=getattr(tokenizer, "eot_id", None),
+        **kw,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from lmforge.serve.server import EngineLoop, ServerState, build_app
+    from lmforge.utils.errors import LmforgeError
+
+    loaded = _load(args)
+    model, tokenizer, template, name = loaded
+    if tokenizer is None:
+        raise LmforgeError("the model has no tokenizer; lmforge serve needs one to read text")
+    engine = _engine(args, loaded, max_queue=args.max_queue)
+    loop = EngineLoop(engine)  # type: ignore[arg-type]
+    state = ServerState(loop, tokenizer, args.model_name or name, template, args.api_key)
+    app = build_app(state)
+    cfg = model.config
+    print(
+        f"serving {state.model_name} ({model.num_parameters() / 1e6:.1f}M parameters, context "
+        f"{cfg.context_length}, {engine.allocator.num_blocks} KV blocks of "  # type: ignore[attr-defined]
+        f"{args.block_size}) on http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+    )
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60
+    )
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from lmforge.serve.chat import chat_repl
+
+    loaded = _load(args)
+    engine = _engine(args, loaded)
+    _, tokenizer, template, _ = loaded
+    return chat_repl(engine, tokenizer, template, args.temperature, args.max_tokens, args.system)

@@ -1,0 +1,170 @@
+"""Attention over a paged KV cache: a Triton decode kernel (GQA-aware) and torch references.
+
+Layout (one layer): ``k_cache``, ``v_cache`` are (NB, BS, K, E): NB blocks of BS token slots,
+K kv-heads, E head dim. Slot ``b·BS + i`` is offset i of block b. A sequence's block table lists
+its blocks in order, so its token j lives in block ``table[j // BS]`` at offset ``j % BS``.
+
+Math (per query head h of sequence s, kv-head ``h // (H/K)``, context length n):
+``out = softmax(q·Kᵀ / sqrt(E)) V`` over the sequence's n cached keys; for a chunk of several
+queries (prefill), query i sits at position ``n − T + i`` and sees keys ``0 .. n − T + i``.
+
+The decode kernel runs one program per (sequence, kv-head) and handles the H/K query heads of
+that group together, so each K/V tile is read once per group (the point of GQA), with an online
+softmax over the sequence's blocks (FlashAttention's rescaling). Simplification: no split over
+the context (flash-decoding), so at batch 1 only K programs run — fine for contexts of a few
+thousand tokens, the figure ``benchmarks/serve.py`` measures.
+
+Shape legend: N tokens in the step, S sequences, H heads, K kv-heads, E head dim, T queries.
+Exercised by ``pytest tests/test_serve_attention.py`` (kernel under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "paged_attention_float64",
+    "paged_decode",
+    "paged_decode_reference",
+    "paged_prefill",
+    "write_kv",
+]
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Store new keys/values (N, K, E) at flat ``slots`` (N,) of (NB, BS, K, E) caches."""
+    kv_heads, e = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, e).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, e).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def paged_attention_float64(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: Sequence[int],
+    ctx_len: int,
+) -> torch.Tensor:
+    """The plain-math reference for one sequence, in float64: q (T, H, E) -> (T, H, E)."""
+    bs, kv_heads, e = k_cache.shape[1:]
+    h, t = q.shape[1], q.shape[0]
+    blocks = torch.tensor(list(block_table)[: math.ceil(ctx_len / bs)], dtype=torch.long)
+    k = k_cache[blocks].reshape(-1, kv_heads, e)[:ctx_len].double()  # (n, K, E)
+    v = v_cache[blocks].reshape(-1, kv_heads, e)[:ctx_len].double()
+    k = k.repeat_interleave(h // kv_heads, dim=1)  # (n, H, E)
+    v = v.repeat_interleave(h // kv_heads, dim=1)
+    scores = torch.einsum("the,nhe->htn", q.double(), k) / math.sqrt(e)  # (H, T, n)
+    qpos = torch.arange(ctx_len - t, ctx_len)[:, None]
+    allowed = torch.arange(ctx_len)[None, :] <= qpos  # (T, n)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("htn,nhe->the", scores.softmax(-1), v)  # (T, H, E)
+
+
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+) -> torch.Tensor:
+    """One query per sequence: q (S, H, E), block_tables (S, M) int, ctx_lens (S,) -> (S, H, E).
+
+    Gathers every sequence's M blocks (padding entries may hold any valid block id; slots at or
+    past ``ctx_lens`` are masked) and runs torch SDPA. The torch path of decode (CPU, and the
+    reference the Triton kernel is tested against).
+    """
+    s, h, e = q.shape
+    _bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache[block_tables].reshape(s, -1, kv_heads, e)  # (S, M·BS, K, E)
+    v = v_cache[block_tables].reshape(s, -1, kv_heads, e)
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < ctx_lens[:, None]  # (S, M·BS)
+    k = k.transpose(1, 2).repeat_interleave(h // kv_heads, dim=1)  # (S, H, M·BS, E)
+    v = v.transpose(1, 2).repeat_interleave(h // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(k.dtype), k, v, attn_mask=valid[:, None, None, :]
+    )  # (S, H, 1, E)
+    return out[:, :, 0].to(q.dtype)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: Sequence[Sequence[int]],
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+) -> torch.Tensor:
+    """Chunks of queries (prefill, or decode mixed in): q (N, H, E) -> (N, H, E).
+
+    Sequence i owns the next ``q_lens[i]`` rows of q; its keys are its first ``ctx_lens[i]``
+    cached tokens (this chunk's included, already written). One SDPA call per sequence, with
+    the causal mask offset by the tokens cached before the chunk.
+    """
+    _n, h, e = q.shape
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    for table, t, ctx in zip(block_tables, q_lens, ctx_lens, strict=True):
+        nb = math.ceil(ctx / bs)
+        blocks = torch.tensor(list(table[:nb]), dtype=torch.long, device=q.device)
+        k = k_cache[blocks].reshape(-1, kv_heads, e)[:ctx].transpose(0, 1)  # (K, n, E)
+        v = v_cache[blocks].reshape(-1, kv_heads, e)[:ctx].transpose(0, 1)
+        k = k.repeat_interleave(h // kv_heads, dim=0)  # (H, n, E)
+        v = v.repeat_interleave(h // kv_heads, dim=0)
+        qs = q[start : start + t].transpose(0, 1)  # (H, T, E)
+        qpos = torch.arange(ctx - t, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos  # (T, n)
+        o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=mask)  # (H, T, E)
+        out[start : start + t] = o.transpose(0, 1).to(q.dtype)
+        start += t
+    return out
+
+
+def _triton_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+) -> torch.Tensor:
+    from lmforge.serve._attention_triton import paged_decode_triton
+
+    return paged_decode_triton(q, k_cache, v_cache, block_tables, ctx_lens)
+
+
+def triton_decode_available(device: torch.device) -> bool:
+    """Whether the Triton kernel can run here (CUDA + triton, or TRITON_INTERPRET=1 + triton)."""
+    import os
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Decode attention (one query per sequence): the Triton kernel where it runs, else torch."""
+    if use_triton is None:
+        use_triton = q.is_cuda and triton_decode_available(q.device)
+    if use_triton:
+        return _triton_decode(q, k_cache, v_cache, block_tables, ctx_lens)
+    return paged_decode_reference(q, k_cache, v_cache, block_tables, ctx_lens)

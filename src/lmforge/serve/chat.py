@@ -1,0 +1,77 @@
+"""``lmforge chat``: an interactive terminal chat on the engine, replies streamed token by token."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from lmforge.serve.engine import Engine
+from lmforge.serve.sampling import SamplingParams
+from lmforge.serve.templates import render_chat
+
+__all__ = ["chat_repl"]
+
+
+def chat_repl(
+    engine: Engine,
+    tokenizer: Any,
+    template: str | None,
+    temperature: float = 0.0,
+    max_tokens: int = 256,
+    system: str | None = None,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+) -> int:
+    """Read user turns from ``stdin`` until EOF or ``/quit``; stream each reply to ``stdout``."""
+    stdin = stdin or sys.stdin
+    stdout = stdout or sys.stdout
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    eos = engine.eos_token_id
+    ctx = engine.config.context_length
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            stdout.write("> ")
+            stdout.flush()
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if text.strip() == "/quit":
+            break
+        if text.strip() == "/reset":
+            history = history[:1] if system else []
+            stdout.write("(history cleared)\n")
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        prompt = tokenizer.encode(render_chat(template, history))
+        while len(prompt) >= ctx - 1 and len(history) > 1:  # forget the oldest turns
+            history.pop(1 if system else 0)
+            prompt = tokenizer.encode(render_chat(template, history))
+        if len(prompt) >= ctx - 1:
+            stdout.write(f"(message too long for the {ctx}-token context)\n")
+            history.pop()
+            continue
+        params = SamplingParams(
+            temperature=temperature, max_tokens=min(max_tokens, ctx - len(prompt))
+        )
+        rid = engine.add_request(prompt, params)
+        sent = ""
+        ids: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                ids = out.outputs[0].token_ids
+                shown = ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
+                reply = tokenizer.decode(shown)
+                if not out.finished and reply.endswith("\ufffd"):
+                    continue
+                stdout.write(reply[len(sent) :])
+                stdout.flush()
+                sent = reply
+        stdout.write("\n")
+        history.append({"role": "assistant", "content": sent})
+    return 0

@@ -1,0 +1,120 @@
+"""CUDA graphs for decode steps at bucketed batch sizes, with an eager fallback.
+
+A decode step is a few hundred small kernels whose launch cost (CPU) exceeds their run time at
+small batches. Each bucket size B (1, 2, 4, 8, 16, 32, …, up to ``max_num_seqs``) gets one graph
+of :func:`~lmforge.serve.runner.forward_step` captured over static input tensors; a step with b ≤ B
+sequences copies its inputs into the first b rows and pads the rest with a dummy sequence whose
+one token is written to a scratch block outside the allocator's range (so padding never touches
+real KV). Block tables are padded to the context's full width; the kernel reads only
+``ctx_lens`` worth of each row. Steps that do not fit (mixed prefill, more sequences than the
+largest bucket) run eagerly. If capture fails, one line on stderr says so and the engine stays
+eager.
+
+Exercised by ``pytest -m gpu tests/test_serve_engine.py`` and ``benchmarks/serve.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from lmforge.serve.runner import StepBatch, forward_step
+
+if TYPE_CHECKING:
+    from lmforge.serve.engine import Engine
+
+__all__ = ["DecodeGraphs", "bucket_sizes"]
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then multiples of 8 up to 32, then of 32 (as vLLM buckets), capped."""
+    sizes = [1, 2, 4, 8, 16, 24, 32, *list(range(64, 513, 32))]
+    out = [b for b in sizes if b < max_batch] + [max_batch]
+    return sorted(set(out))
+
+
+class DecodeGraphs:
+    """Captured decode graphs for one engine (see the module docstring)."""
+
+    def __init__(self, engine: Engine, max_batch: int | None = None) -> None:
+        self.engine = engine
+        cache = engine.cache
+        dev = engine.device
+        self.scratch = cache.num_blocks - 1  # the cache holds one block the allocator never gives
+        self.width = math.ceil(engine.config.context_length / engine.block_size)
+        self.sizes = bucket_sizes(min(max_batch or engine.max_num_seqs, 512))
+        top = self.sizes[-1]
+        bs = engine.block_size
+        self.tokens = torch.zeros(top, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.long, device=dev)
+        self.slots = torch.full((top,), self.scratch * bs, dtype=torch.long, device=dev)
+        self.tables = torch.full((top, self.width), self.scratch, dtype=torch.int32, device=dev)
+        self.ctx = torch.ones(top, dtype=torch.int32, device=dev)
+        # Every tensor a graph reads must outlive it: the rows too, not a per-capture arange.
+        self.rows = torch.arange(top, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        try:
+            self._capture()
+        except Exception as e:  # any capture failure: eager decode, said once
+            print(
+                f"lmforge serve: CUDA graph capture failed, decoding eagerly ({e})", file=sys.stderr
+            )
+            self.graphs.clear()
+            self.outputs.clear()
+
+    def _batch(self, b: int) -> StepBatch:
+        return StepBatch(
+            tokens=self.tokens[:b],
+            positions=self.positions[:b],
+            slots=self.slots[:b],
+            block_tables=self.tables[:b],
+            ctx_lens=self.ctx[:b],
+            last_rows=self.rows[:b],
+            q_lens=[1] * b,
+            ctx_lens_list=[1] * b,
+            tables_list=[[self.scratch]] * b,
+        )
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        model, cache = self.engine.model, self.engine.cache
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for b in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
+            batch = self._batch(b)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up (Triton autotuning / lazy init outside capture)
+                    forward_step(model, cache, batch, use_triton=self.engine.use_triton)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = forward_step(model, cache, batch, use_triton=self.engine.use_triton)
+            self.graphs[b] = graph
+            self.outputs[b] = out
+        torch.cuda.synchronize()
+
+    def run(self, batch: StepBatch) -> torch.Tensor | None:
+        """Logits (b, V) of a decode-only step by graph replay, or None (run it eagerly)."""
+        b = len(batch.q_lens)
+        size = next((s for s in self.sizes if s >= b), None)
+        if size is None or size not in self.graphs or batch.block_tables.shape[1] > self.width:
+            return None
+        w = batch.block_tables.shape[1]
+        self.tokens[:b].copy_(batch.tokens)
+        self.positions[:b].copy_(batch.positions)
+        self.slots[:b].copy_(batch.slots)
+        self.tables[:b, :w].copy_(batch.block_tables)
+        self.ctx[:b].copy_(batch.ctx_lens)
+        if size > b:  # padding rows: the dummy sequence in the scratch block
+            self.tokens[b:size].zero_()
+            self.positions[b:size].zero_()
+            self.slots[b:size].fill_(self.scratch * self.engine.block_size)
+            self.tables[b:size].fill_(self.scratch)
+            self.ctx[b:size].fill_(1)
+        self.graphs[size].replay()
+        return self.outputs[size][:b]

@@ -1,0 +1,116 @@
+"""Paged attention: the torch paths and the Triton decode kernel against a float64 reference on
+random (never zero) inputs, ragged context lengths, GQA groups, shuffled block tables. The Triton
+kernel runs under TRITON_INTERPRET=1 in a subprocess (tiny shapes) and on the GPU with -m gpu."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from _interp import run_pytest_in_interpreter
+from lmforge.serve.attention import (
+    paged_attention_float64,
+    paged_decode,
+    paged_decode_reference,
+    paged_prefill,
+    write_kv,
+)
+
+_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+SHAPES = [  # (S, H, K, E, BS, lens)
+    (3, 4, 2, 16, 4, [5, 1, 11]),
+    (2, 6, 1, 8, 8, [17, 8]),  # MQA, a context exactly one block
+    (4, 4, 4, 32, 16, [3, 40, 16, 1]),  # MHA
+]
+
+
+def _setup(s, h, k, e, bs, lens, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    nb = sum(-(-n // bs) for n in lens) + 3
+    kc = torch.randn(nb, bs, k, e, generator=g).to(device, dtype)
+    vc = torch.randn(nb, bs, k, e, generator=g).to(device, dtype)
+    perm = torch.randperm(nb, generator=g).tolist()  # blocks deliberately out of order
+    tables, used = [], 0
+    for n in lens:
+        m = -(-n // bs)
+        tables.append(perm[used : used + m])
+        used += m
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(s, h, e, generator=g).to(device, dtype)
+    return q, kc, vc, tables, bt.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def _want(q, kc, vc, tables, lens):
+    return torch.stack(
+        [
+            paged_attention_float64(q[i : i + 1].cpu(), kc.cpu(), vc.cpu(), tables[i], n)[0]
+            for i, n in enumerate(lens)
+        ]
+    )
+
+
+if not _CHILD:
+
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_decode_reference_matches_float64(shape) -> None:
+        q, kc, vc, tables, bt, lens = _setup(*shape)
+        got = paged_decode_reference(q, kc, vc, bt.long(), lens.long())
+        torch.testing.assert_close(
+            got.double(), _want(q, kc, vc, tables, shape[-1]), atol=1e-5, rtol=1e-5
+        )
+
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_prefill_chunks_match_float64(shape) -> None:
+        _s, h, _k, e, _bs, lens = shape
+        _q_all, kc, vc, tables, _, _ = _setup(*shape)
+        q_lens = [max(1, n // 2) for n in lens]  # chunks ending at the context: n//2 new queries
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(sum(q_lens), h, e, generator=g)
+        got = paged_prefill(q, kc, vc, tables, q_lens, lens)
+        start = 0
+        for table, t, n in zip(tables, q_lens, lens, strict=True):
+            want = paged_attention_float64(q[start : start + t], kc, vc, table, n)
+            torch.testing.assert_close(got[start : start + t].double(), want, atol=1e-5, rtol=1e-5)
+            start += t
+
+    def test_write_kv_places_tokens_in_their_slots() -> None:
+        kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+        k, v = torch.randn(2, 2, 8) + 3, torch.randn(2, 2, 8) + 3
+        write_kv(kc, vc, torch.tensor([9, 2]), k, v)  # block 2 offset 1, block 0 offset 2
+        torch.testing.assert_close(kc[2, 1], k[0])
+        torch.testing.assert_close(vc[0, 2], v[1])
+        assert int((kc != 0).any(-1).any(-1).sum()) == 2
+
+    @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
+    def test_triton_decode_in_interpreter_subprocess() -> None:
+        run_pytest_in_interpreter(__file__)
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize(
+        "shape", [*SHAPES, (32, 32, 4, 64, 16, [*list(range(1, 1000, 31)), 1])]
+    )
+    def test_triton_decode_gpu(shape, dtype) -> None:
+        _s, h, k, e, bs, lens = shape
+        q, kc, vc, tables, bt, lens_t = _setup(len(lens), h, k, e, bs, lens, dtype, "cuda")
+        got = paged_decode(q, kc, vc, bt, lens_t, use_triton=True)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(
+            got.double().cpu(), _want(q, kc, vc, tables, lens), atol=tol, rtol=tol
+        )
+
+else:
+
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_triton_decode_matches_float64(shape) -> None:
+        q, kc, vc, tables, bt, lens = _setup(*shape)
+        got = paged_decode(q, kc, vc, bt, lens, use_triton=True)
+        torch.testing.assert_close(
+            got.double(), _want(q, kc, vc, tables, shape[-1]), atol=1e-5, rtol=1e-5
+        )

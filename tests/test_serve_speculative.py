@@ -1,0 +1,101 @@
+"""Speculative decoding: greedy output token-identical to plain greedy decoding (draft model and
+n-gram drafts), and the rejection sampler's emitted tokens distributed exactly as the target's p
+(χ² goodness of fit, fixed synthetic p and q, 2·10⁵ draws, several seeds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.serve import Engine, SamplingParams
+from lmforge.serve.speculative import DraftModel, NgramDraft, SpeculativeDecoder, verify
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+V = 61
+
+
+def _model(seed: int, layers: int = 2) -> TransformerLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=V, context_length=128, d_model=32, n_layers=layers, n_heads=4)
+    return TransformerLM(cfg).eval()
+
+
+def _dists(seed: int, k: int, v: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + seed)
+    p = torch.rand(k + 1, v, generator=g)
+    q = torch.rand(k, v, generator=g)
+    p[:, 0] = 0.0  # a token the target never emits but the draft proposes
+    q[:, -1] = 0.0  # one the draft never proposes
+    return p / p.sum(-1, keepdim=True), q / q.sum(-1, keepdim=True)
+
+
+def _chi2_pvalue(counts: torch.Tensor, p: torch.Tensor) -> float:
+    keep = p > 0
+    expected = p[keep].double() / p[keep].double().sum() * counts.sum()
+    return float(scipy_stats.chisquare(counts[keep].numpy(), expected.numpy()).pvalue)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rejection_sampling_matches_target_distribution(k: int, seed: int) -> None:
+    n = 200_000
+    p, q = _dists(seed, k)
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.multinomial(q, n, replacement=True, generator=g).T  # (n, k) drafts ~ q
+    n_acc, nxt = verify(p.expand(n, -1, -1), q.expand(n, -1, -1), draft, g)
+    first = torch.where(n_acc > 0, draft[:, 0], nxt)  # the first emitted token
+    counts = torch.bincount(first, minlength=p.shape[1]).double()
+    assert counts[0] == 0  # p(0) = 0: never emitted
+    assert _chi2_pvalue(counts, p[0]) > 1e-3
+    # the expected acceptance rate at the first position is Σ min(p, q)
+    rate = float((n_acc > 0).double().mean())
+    assert abs(rate - float(torch.minimum(p[0], q[0]).sum())) < 0.01
+
+
+def test_one_hot_drafts_are_exact_too() -> None:
+    """n-gram drafts have a one-hot q: accept with p(x), else draw from p without x."""
+    n, p = 200_000, _dists(3, 1)[0]
+    g = torch.Generator().manual_seed(7)
+    draft = torch.full((n, 1), 2, dtype=torch.long)
+    q = torch.nn.functional.one_hot(torch.tensor([2]), p.shape[1]).float()
+    n_acc, nxt = verify(p.expand(n, -1, -1), q.expand(n, -1, -1), draft, g)
+    first = torch.where(n_acc > 0, draft[:, 0], nxt)
+    counts = torch.bincount(first, minlength=p.shape[1]).double()
+    assert _chi2_pvalue(counts, p[0]) > 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculative_is_token_identical(k: int) -> None:
+    target, small = _model(0), _model(1, layers=1)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 30)]
+    prompts.append([3, 4, 5, 6, 3, 4, 5, 6, 3, 4])  # repetitive: n-gram drafts get accepted
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = [o.outputs[0].token_ids for o in Engine(target).generate(prompts, params)]
+    for draft in (DraftModel(small), DraftModel(target), NgramDraft()):
+        spec = SpeculativeDecoder(target, draft, k=k)
+        got = [spec.generate(p, params).token_ids for p in prompts]
+        assert got == plain, type(draft).__name__
+        if isinstance(draft, DraftModel) and draft.model is target:
+            assert spec.stats.acceptance == 1.0  # a perfect draft is always accepted
+
+
+def test_sampled_logprobs_follow_the_contract_and_stops() -> None:
+    target, small = _model(0), _model(1, layers=1)
+    prompt = [1, 2, 3, 4, 5]
+    params = SamplingParams(temperature=0.8, top_k=10, seed=0, max_tokens=12)
+    out = SpeculativeDecoder(target, DraftModel(small), k=3).generate(prompt, params)
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1]
+    want = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(out.token_ids)[:, None])
+    torch.testing.assert_close(torch.tensor(out.logprobs), want[:, 0], atol=2e-5, rtol=0)
+    greedy = Engine(target).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
+    stop = greedy[0].outputs[0].token_ids[5]
+    cut = SpeculativeDecoder(target, NgramDraft(), k=4).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop,))
+    )
+    ids = greedy[0].outputs[0].token_ids
+    assert cut.token_ids == ids[: ids.index(stop) + 1] and cut.finish_reason == "stop"
