@@ -10,12 +10,10 @@ then wrapped from outside in one fixed order:
     4. the parallelism :class:`~lmforge.parallel.Strategy` (``Strategy(model)`` on one process,
        ``lmforge.parallel.build_strategy`` under torchrun)
 
-The pieces live beside this loop: :mod:`~lmforge.train.step` (one step given ``loss_fn`` and the
-skip rule; the sync-free step and its CUDA graph), :mod:`~lmforge.train.metrics` (metrics.jsonl,
-TensorBoard, W&B), :mod:`~lmforge.train.state` (RNG state, out_dir lock, config check) and
-:mod:`~lmforge.train.checkpoint` (the files). Extension points: ``callbacks`` (``cb(trainer,
-step, metrics)`` on rank 0 after each optimizer step, before logging; keys they add are logged),
-model modules with ``aux_loss()`` (added to the LM loss), :func:`~lmforge.train.build_optimizer`
+Beside this loop: :mod:`~lmforge.train.step` (one step given ``loss_fn`` and the skip rule; the
+sync-free step, its CUDA graph), :mod:`~lmforge.train.metrics`, :mod:`~lmforge.train.state`
+(RNG, out_dir lock, config check), :mod:`~lmforge.train.resume` (checkpoints). Extension points:
+``callbacks``, modules' ``aux_loss()`` (added to the LM loss), :func:`~lmforge.train.build_optimizer`
 (parameter groups) and ``train.allow_config_change``.
 
 Exact resume: a checkpoint holds weights (the fp32 masters), optimizer state (gathered under
@@ -72,7 +70,7 @@ if TYPE_CHECKING:
 Callback = Callable[[Any, int, dict[str, Any]], None]
 """``cb(trainer, step, metrics)``: runs on rank 0 after each optimizer step, before logging
 (on every rank when the callable has ``all_ranks = True``); keys it adds to ``metrics`` go to
-metrics.jsonl with the step's train record."""
+metrics.jsonl with the step's ``train`` record (written every ``train.log_every`` steps)."""
 
 
 def _auto_device(device: str) -> str:
@@ -160,11 +158,9 @@ class Trainer:
             self._model_loss = torch.compile(model_loss)
             # Likewise hidden states + fused loss: the kernels are custom ops the compiler traces.
             self._fused_loss = torch.compile(fused_model_loss)
-        self.fused: Callable[..., torch.Tensor] | None = None
-        if self.fast.loss == "fused":
-            from lmforge.kernels import fused_linear_cross_entropy
+        from lmforge.kernels import fused_linear_cross_entropy
 
-            self.fused = fused_linear_cross_entropy
+        self.fused = fused_linear_cross_entropy if self.fast.loss == "fused" else None
         self.strategy = self._build_strategy(model)
         self.is_main = self.strategy.is_main
         # Master weights: the optimizer updates the fp32 masters in place of the model's bf16
@@ -196,12 +192,9 @@ class Trainer:
         self.dp_rank = int(getattr(self.strategy, "dp_rank", self.strategy.rank))
         self.plan: TrainingPlan = training_plan(self.mcfg, tc, dp_size)
         self.sampler_sources = sources
+        seed = tc.seed + 1_000_003 * self.dp_rank  # each replica draws its own windows
         self.sampler = MixtureSampler(
-            sources,
-            self.T,
-            self.dcfg.weights,
-            seed=tc.seed + 1_000_003 * self.dp_rank,  # each replica draws its own windows
-            vocab_size=self.mcfg.vocab_size,
+            sources, self.T, self.dcfg.weights, seed, self.mcfg.vocab_size
         )
         self.out_dir = Path(tc.out_dir)
         self.iteration = 0
