@@ -38,7 +38,9 @@ class _MoEMetrics:
 
 
 def model_callbacks(mcfg: ModelConfig, model: nn.Module) -> list[Any]:
-    """The callbacks ``mcfg`` needs on ``model`` (none for a dense model)."""
+    """The callbacks ``mcfg`` needs on ``model`` (none for a dense model). Refuses a non-causal
+    MoE routing unless ``model.moe.allow_noncausal`` (one line naming the probe)."""
+    moe.check_causal_routing(mcfg)
     if not mcfg.moe.enabled:
         return []
     out: list[Any] = [_MoEMetrics(model)]

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lmforge.model.moe import check_causal_routing
 from lmforge.train import resume
 from lmforge.train.data import (
     MixtureSampler,
@@ -230,7 +229,6 @@ class Trainer:
 
     def _validate(self) -> None:
         tc, mc = self.tcfg, self.mcfg
-        check_causal_routing(mc)  # non-causal MoE routing needs model.moe.allow_noncausal
         if not self.dcfg.train:
             raise LmforgeError(
                 "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
