@@ -37,9 +37,9 @@ _STAGES: tuple[tuple[str, str], ...] = (
 
 EPILOG = """examples:
   lmforge demo                                   # the whole pipeline on the stdlib corpus, CPU
-  lmforge tokenizer train --input data/ --vocab-size 32000 --out tok/
-  lmforge train --config configs/tiny.toml --train.lr=3e-4
-  lmforge generate --checkpoint runs/demo/ckpt --prompt "def main("
+  lmforge tokenizer train --input examples/text/ --vocab-size 32000 --out tok/
+  lmforge train --config configs/tiny.toml --train.lr=3e-4 --data.train=runs/demo/tokens/train.bin
+  lmforge generate --checkpoint runs/demo/train --prompt "def main("
   lmforge <command> --help                       # examples for each command
 """
 
