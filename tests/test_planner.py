@@ -374,3 +374,19 @@ def test_plan_never_picks_a_dp_degree_that_does_not_divide_the_batch() -> None:
     assert all(12 % e.mix.dp == 0 for e in ests if e.feasible)
     bad = [e for e in ests if e.mix.dp == 8]
     assert bad and all(not e.feasible and e.binding == "batch split" for e in bad)
+
+
+def test_plan_cli_memory_comes_from_the_presets_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    # `lmforge plan --model 70b` prints the memory of the 70b shape (memory_per_gpu of MODELS,
+    # grouped-query attention included), not of config_for's size-only stand-in (6 GB apart).
+    from lmforge.cli import main
+
+    args = ["plan", "--model", "70b", "--gpus", "8", "--global-batch", "8", "--all"]
+    assert main([*args, "--top", "100"]) == 1  # nothing fits 8 GPUs
+    out = capsys.readouterr().out
+    row = next(r for r in out.splitlines() if r.startswith("| dp8 zero3 |"))
+    m70 = MODELS["70b"]
+    mem = sum(memory_per_gpu(m70, Mix(dp=8, zero=3), 4096, 1, 1).values())
+    stand_in = memory_per_gpu(dataclasses.replace(m70, config=None), Mix(dp=8, zero=3), 4096, 1, 1)
+    assert abs(mem - sum(stand_in.values())) > 1e9
+    assert row.split("|")[2].strip() == f"{mem / 1e9:.1f}"
