@@ -290,9 +290,9 @@ def activation_bytes(
     full-logit cross-entropy keeps. With ``activation_checkpointing`` each block keeps only its
     input and one block's activations exist at a time (during its recomputation).
     Under autocast over fp32 weights, autocast's low-precision copies of the matmul weights are
-    saved too; with ``master_weights`` (the model itself in ``precision``) there are none, and
-    the checkpointed block inputs are in ``precision`` (modelled, not measured: the tests
-    measure the fp32-weight path). ``sharding``: one GPU's share (:class:`Sharding`).
+    saved too; with ``master_weights`` (the matmul weights themselves bf16, embeddings and norm
+    gains fp32, so the residual stream stays fp32: ``lmforge.train.wrap.bf16_weight_copies``)
+    there are none. ``sharding``: one GPU's share (:class:`Sharding`).
     Simplifications: masks, position ids and allocator rounding are ignored; the fused Triton
     RMSNorm, RoPE, SwiGLU and loss kernels save less than modelled; MoE layers are counted as
     dense SwiGLUs of width F.
@@ -308,8 +308,7 @@ def activation_bytes(
     final = 4 * (2 * d + 1) + a * d + 8  # ln_final, the LM head's input, the token ids (int64)
     loss = 4 * cfg.vocab_size / sh.tp if include_loss else 0
     if activation_checkpointing:
-        # Every block's input (the residual stream's dtype), one block live.
-        blocks = layers * (a if master_weights else 4) * d + per_layer
+        blocks = layers * 4 * d + per_layer  # every block input (fp32), one block live
     else:
         blocks = layers * per_layer
     live_blocks = 1 if activation_checkpointing else layers
