@@ -8,7 +8,8 @@ Math per tensor (θ parameter, g gradient, m/v moments, t the step count after t
     θ ← θ·(1 − lr·λ) + m / (√v / √(1 − β2ᵗ) + ε) · (−lr / (1 − β1ᵗ))
 
 with the per-tensor coefficients computed in float64 and rounded once to float32, as
-``lmforge.train.optim.AdamW.step_if`` computes them. ``torch.optim.AdamW`` needs eight passes over
+:func:`adamw_reference_` (lmforge's one AdamW reference, defined first below) and
+``lmforge.train.optim.AdamW.step_if`` compute them. ``torch.optim.AdamW`` needs eight passes over
 memory when unfused; this kernel reads θ, g, m, v once and writes θ, m, v once (28 bytes a
 parameter), all tensors of a group in one launch. The step counts are incremented afterwards by
 one multi-tensor add. Exercise: ``pytest tests/test_kernels_interp.py`` (interpreter) and
