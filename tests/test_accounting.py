@@ -227,3 +227,41 @@ def test_activation_memory_matches_saved_tensors_on_cuda():
             model(ids)
     estimate = accounting.activation_bytes(cfg, b, t, "bf16", include_loss=False)
     assert estimate == pytest.approx(sum(seen.values()), rel=0.1)
+
+
+def test_one_device_memory_figures_are_unchanged_and_sharding_divides_them():
+    # The one memory model keeps the previous one-device figures (pinned from before the
+    # planner moved onto it) and applies the Sharding factors on top.
+    cfg = load_preset("gpt2-small")
+    est = accounting.memory_estimate(cfg, 8, 1024, "bf16")
+    assert est.total == 9_149_165_568
+    n = accounting.parameter_count(cfg)
+    z3 = accounting.memory_estimate(
+        cfg, 8, 1024, "bf16", sharding=accounting.Sharding(dp=4, zero=3)
+    )
+    assert (z3.parameters, z3.gradients, z3.optimizer) == (n, n, 2 * n)
+    assert z3.activations == est.activations  # ZeRO shards state, not activations
+    mw = accounting.memory_estimate(cfg, 8, 1024, "bf16", master_weights=True)
+    assert (mw.parameters, mw.gradients, mw.optimizer) == (2 * n, 2 * n, 12 * n)
+    tp2 = accounting.activation_bytes(cfg, 8, 1024, "bf16", sharding=accounting.Sharding(tp=2))
+    assert est.activations / 2 < tp2 < est.activations
+
+
+@pytest.mark.parametrize("kw", [{"attention": "sdpa"}, {"attention": "reference", "n_kv_heads": 2}])
+def test_master_weight_activations_match_saved_tensors(kw):
+    # The planner's layout (bf16 matmul weights, fp32 masters in the optimizer): autograd saves
+    # no weight copies, the residual stream stays fp32; measured against the saved tensors.
+    from lmforge.train.wrap import bf16_weight_copies
+
+    cfg = _cfg(**kw)
+    model = TransformerLM(cfg)
+    assert bf16_weight_copies(model)
+    b, t = 2, 32
+    ids = torch.randint(0, cfg.vocab_size, (b, t))
+    measured = _saved_activation_bytes(model, ids, torch.bfloat16)
+    estimate = accounting.activation_bytes(
+        cfg, b, t, "bf16", include_loss=False, master_weights=True
+    )
+    assert estimate == pytest.approx(measured, rel=0.01)
+    with_copies = accounting.activation_bytes(cfg, b, t, "bf16", include_loss=False)
+    assert with_copies - estimate == 2 * accounting.matmul_parameters(cfg)

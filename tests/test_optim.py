@@ -277,3 +277,76 @@ def test_grad_norm_of_bf16_gradients_is_summed_in_fp32() -> None:
             norm = clip_grad_norm(ps, 1e9, foreach=False)
         assert norm.dtype == torch.float32
         assert abs(float(norm) - float(want)) / float(want) < 1e-6
+
+
+_PATHS = {
+    "foreach": dict(foreach=True),
+    "compiled": dict(compiled=True),
+    "step_if": dict(),
+    "step_if_compiled": dict(compiled=True),
+}
+
+
+def _run_path(path: str, dtype: torch.dtype, steps: int) -> tuple[list, AdamW]:
+    # One AdamW path over `steps` random steps: two groups, an lr change midway, and for the
+    # gated paths a clip factor and skipped (NaN) steps. The reference (foreach=False) takes the
+    # same route with ok / grad_scale applied by hand, so both see the same updates.
+    ps = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params(6)]
+    groups = [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+    flags = _PATHS.get(path, dict(foreach=False))
+    opt = AdamW(groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **flags)
+    gated = path.startswith("step_if")
+    for step in range(steps):
+        g = torch.Generator().manual_seed(4000 + step)
+        grads = [torch.randn(p.shape, generator=g).to(dtype) for p in ps]
+        skip = step % 11 == 3
+        scale = torch.tensor(0.25 + (step % 5) / 8, dtype=torch.float32)
+        if step == steps // 2:
+            for group in opt.param_groups:
+                group["lr"] = 1e-3
+        if gated:
+            for p, gr in zip(ps, grads):
+                p.grad = torch.full_like(gr, float("nan")) if skip else gr
+            opt.step_if(torch.tensor(not skip), grad_scale=scale)
+        elif not skip:
+            for p, gr in zip(ps, grads):
+                p.grad = gr * scale.to(dtype)
+            opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_every_fast_path_matches_the_float64_reference(path: str, dtype: torch.dtype) -> None:
+    # The one reference (AdamW(foreach=False) = kernels.adamw_reference_) in float64 against
+    # each fast path: in float64 the math is the same up to rounding order (1e-12), in float32
+    # the paths' error is float32 rounding only (the Triton path: tests/test_kernels_interp.py).
+    steps = 40 if "compiled" in path else 200
+    ref_p, ref = _run_path("reference", torch.float64, steps)
+    ours_p, ours = _run_path(path, dtype, steps)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p.double(), q, atol=tol, rtol=0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                ours.state[p][key].double(), ref.state[q][key], atol=tol, rtol=tol
+            )
+        assert float(ours.state[p]["step"]) == float(ref.state[q]["step"])
+
+
+def test_reference_matches_torch_adamw_in_float64() -> None:
+    # The reference itself against the peer, in float64 (no rounding to hide a wrong formula).
+    ours_p = [torch.nn.Parameter(p.detach().double()) for p in _params(7)]
+    ref_p = _clone(ours_p)
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = AdamW(ours_p, foreach=False, **kw)
+    ref = torch.optim.AdamW(ref_p, foreach=False, **kw)
+    for step in range(300):
+        g = torch.Generator().manual_seed(6000 + step)
+        for p, q in zip(ours_p, ref_p):
+            gr = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            p.grad, q.grad = gr.clone(), gr.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ours_p, ref_p):
+        torch.testing.assert_close(p, q, atol=1e-13, rtol=0)

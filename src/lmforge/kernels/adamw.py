@@ -8,7 +8,8 @@ Math per tensor (θ parameter, g gradient, m/v moments, t the step count after t
     θ ← θ·(1 − lr·λ) + m / (√v / √(1 − β2ᵗ) + ε) · (−lr / (1 − β1ᵗ))
 
 with the per-tensor coefficients computed in float64 and rounded once to float32, as
-``lmforge.train.optim.AdamW.step_if`` computes them. ``torch.optim.AdamW`` needs eight passes over
+:func:`adamw_reference_` (lmforge's one AdamW reference, defined first below) and
+``lmforge.train.optim.AdamW.step_if`` compute them. ``torch.optim.AdamW`` needs eight passes over
 memory when unfused; this kernel reads θ, g, m, v once and writes θ, m, v once (28 bytes a
 parameter), all tensors of a group in one launch. The step counts are incremented afterwards by
 one multi-tensor add. Exercise: ``pytest tests/test_kernels_interp.py`` (interpreter) and
@@ -17,6 +18,7 @@ one multi-tensor add. Exercise: ``pytest tests/test_kernels_interp.py`` (interpr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -37,24 +39,33 @@ def adamw_reference_(
     scale: torch.Tensor,
     copies: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """The update in plain torch, one tensor at a time (in place): ``hp`` = [lr, λ, β1, β2, ε]
-    float64, ``steps`` float64 0-d (or (1,)) counts incremented where ``ok``, ``scale`` fp32.
-    Gradients are upcast to the parameters' dtype first; ``copies`` (optional, one per
-    parameter) receive the updated parameters in their own dtype."""
-    lr, wd, b1, b2, eps = (float(x) for x in hp.tolist())
+    """The one AdamW reference: the update in plain torch, one tensor at a time, in place.
+
+    ``hp`` = [lr, λ, β1, β2, ε] (float64), ``steps`` one 0-d (or (1,)) count per tensor, any
+    dtype and device, incremented where ``ok``; ``scale`` multiplies every gradient (clipping).
+    Gradients are upcast to their parameter's dtype; every coefficient is computed in float64
+    and rounded once to that dtype, as every fast path does (``AdamW``'s foreach, compiled and
+    gated updates, and :func:`adamw_multi_tensor_`), so in float64 the paths agree to rounding
+    and in float32 each is checked against this function run in float64
+    (``tests/test_optim.py``, ``tests/test_kernels_interp.py``). ``AdamW(foreach=False)`` is
+    this function. ``copies`` (optional, one per parameter) receive the updated parameters in
+    their own dtype. Reads ``ok`` on the host: a reference, not a sync-free path."""
     if not bool(ok):
         return
+    lr, wd, b1, b2, eps = (float(x) for x in hp.tolist())
     for i, (p, g, m, v, t) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
         t += 1
-        tn = float(t.reshape(-1)[0])
+        n = float(t.reshape(-1)[0])
+
+        def c(x: float, like: torch.Tensor = p) -> torch.Tensor:
+            # A float64 coefficient rounded once to the tensor's dtype.
+            return torch.tensor(x, dtype=torch.float64).to(like.dtype)
+
         g = g.to(p.dtype) * scale.to(p.dtype)
-        m.lerp_(g, torch.tensor(1 - b1, dtype=torch.float64).to(m.dtype).item())
-        v.mul_(torch.tensor(b2, dtype=torch.float64).to(v.dtype).item())
-        v.add_(g * g * torch.tensor(1 - b2, dtype=torch.float64).to(v.dtype))
-        decay = torch.tensor(1 - lr * wd, dtype=torch.float64).to(p.dtype)
-        neg_step = torch.tensor(-lr / (1 - b1**tn), dtype=torch.float64).to(p.dtype)
-        sqrt_bc2 = torch.tensor((1 - b2**tn) ** 0.5, dtype=torch.float64).to(p.dtype)
-        p.copy_(p * decay + m / (v.sqrt() / sqrt_bc2 + torch.tensor(eps).to(p.dtype)) * neg_step)
+        m.lerp_(g, c(1 - b1, m))  # m ← β1·m + (1 − β1)·g
+        v.mul_(c(b2, v)).add_(g * g * c(1 - b2, v))  # v ← β2·v + (1 − β2)·g²
+        denom = v.sqrt() / c(math.sqrt(1 - b2**n)) + c(eps)  # √v̂ + ε
+        p.mul_(c(1 - lr * wd)).add_(m / denom * c(-lr / (1 - b1**n)))  # decay, then the step
         if copies is not None:
             copies[i].copy_(p)
 

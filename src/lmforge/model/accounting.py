@@ -175,15 +175,49 @@ def model_flops_utilization(
 
 
 @dataclasses.dataclass(frozen=True)
+class Sharding:
+    """How one model replica's training state and activations are split over GPUs.
+
+    The factors applied on top of the one-device model of :func:`memory_estimate`: tensor and
+    pipeline parallelism divide the parameters (and so their gradients and optimizer state) by
+    tp·pp (even split, simplification); ZeRO stage ``zero`` over the ``dp`` replicas divides,
+    from stage 1, the optimizer state (moments and fp32 master weights), from stage 2 also the
+    gradients, from stage 3 (FSDP) also the weights. Activations: tp divides the per-head and
+    FFN tensors (Megatron's column/row split, no sequence parallelism, so the d-wide norm and
+    matmul inputs are replicated) and the vocabulary-parallel logits; a pipeline stage holds
+    n_layers/pp blocks and the activations of ``in_flight`` micro-batches (1F1B: up to pp), and
+    the figures are the last stage's (it also holds the LM head's input and the loss's logits).
+    """
+
+    dp: int = 1
+    "data-parallel replicas"
+    tp: int = 1
+    "tensor-parallel degree"
+    pp: int = 1
+    "pipeline stages"
+    zero: int = 0
+    "ZeRO stage over dp: 0 (DDP), 1 (optimizer state), 2 (+ gradients), 3 (+ weights, FSDP)"
+    in_flight: int = 1
+    "micro-batches whose activations one pipeline stage holds at once"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Sharding.{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Sharding.zero must be 0, 1, 2 or 3, got {self.zero}")
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes of one training step's persistent state and saved activations (one device)."""
+    """Bytes of one training step's persistent state and saved activations (one GPU)."""
 
     parameters: int
-    "fp32 master weights"
+    "the weights the model computes with: fp32, or bf16/fp16 with master weights"
     gradients: int
-    "fp32 gradients"
+    "gradients, in the weights' dtype"
     optimizer: int
-    "optimizer state (AdamW: two fp32 moments)"
+    "optimizer state (AdamW: two fp32 moments), plus the fp32 master weights when those are on"
     activations: int
     "tensors saved for backward, including the loss's logits and autocast weight copies"
 
@@ -197,9 +231,15 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def _layer_activation_bytes(
-    cfg: ModelConfig, batch_size: int, seq_len: int, precision: Precision, fused_attention: bool
+    cfg: ModelConfig,
+    batch_size: int,
+    seq_len: int,
+    precision: Precision,
+    fused_attention: bool,
+    tp: int = 1,
 ) -> float:
-    """Bytes one block saves for backward per token (reference norm/FFN code paths)."""
+    """Bytes one block saves for backward per token (reference norm/FFN code paths); the
+    per-head and FFN terms divided by ``tp``, the d-wide ones replicated."""
     a = _BYTES[precision]
     autocast = precision != "fp32"
     d, e, h, k, f = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim
@@ -225,8 +265,8 @@ def _layer_activation_bytes(
     out_proj_in = 0 if fused_attention else a * h * e
     # SwiGLU: w1 x, sigmoid(w1 x), silu(w1 x), w3 x and their product (w2's input).
     ffn = a * 5 * f
-    attn_total = attn_in + qk_norm + rope + attn + out_proj_in
-    return norm + attn_total + norm + ffn_in + ffn
+    sharded = (qk_norm + attn + out_proj_in + ffn) / tp
+    return norm + attn_in + rope + norm + ffn_in + sharded
 
 
 def activation_bytes(
@@ -237,6 +277,8 @@ def activation_bytes(
     activation_checkpointing: bool = False,
     fused_attention: bool | None = None,
     include_loss: bool = True,
+    sharding: Sharding | None = None,
+    master_weights: bool = False,
 ) -> int:
     """Bytes of activations saved for backward by one forward of ``batch_size × seq_len`` tokens.
 
@@ -247,30 +289,36 @@ def activation_bytes(
     T×T scores are not stored. ``include_loss`` adds the fp32 log-probabilities (V per token) a
     full-logit cross-entropy keeps. With ``activation_checkpointing`` each block keeps only its
     input and one block's activations exist at a time (during its recomputation).
+    Under autocast over fp32 weights, autocast's low-precision copies of the matmul weights are
+    saved too; with ``master_weights`` (the matmul weights themselves bf16, embeddings and norm
+    gains fp32, so the residual stream stays fp32: ``lmforge.train.wrap.bf16_weight_copies``)
+    there are none. ``sharding``: one GPU's share (:class:`Sharding`).
     Simplifications: masks, position ids and allocator rounding are ignored; the fused Triton
-    RMSNorm, RoPE, SwiGLU and loss kernels save less than modelled; tensor parallelism is not
-    modelled.
+    RMSNorm, RoPE, SwiGLU and loss kernels save less than modelled; MoE layers are counted as
+    dense SwiGLUs of width F.
     """
+    sh = sharding or Sharding()
     if fused_attention is None:
         fused_attention = cfg.attention != "reference"
     tokens = batch_size * seq_len
-    per_layer = _layer_activation_bytes(cfg, batch_size, seq_len, precision, fused_attention)
+    per_layer = _layer_activation_bytes(cfg, batch_size, seq_len, precision, fused_attention, sh.tp)
     a = _BYTES[precision]
     d = cfg.d_model
+    layers = cfg.n_layers / sh.pp  # this stage's blocks (even split)
     final = 4 * (2 * d + 1) + a * d + 8  # ln_final, the LM head's input, the token ids (int64)
-    loss = 4 * cfg.vocab_size if include_loss else 0
+    loss = 4 * cfg.vocab_size / sh.tp if include_loss else 0
     if activation_checkpointing:
-        blocks = cfg.n_layers * 4 * d + per_layer  # every block input (fp32), one block live
+        blocks = layers * 4 * d + per_layer  # every block input (fp32), one block live
     else:
-        blocks = cfg.n_layers * per_layer
-    live_blocks = 1 if activation_checkpointing else cfg.n_layers
-    weight_copies = 0.0
-    if precision != "fp32":
+        blocks = layers * per_layer
+    live_blocks = 1 if activation_checkpointing else layers
+    copies = 0.0
+    if precision != "fp32" and not master_weights:
         # autocast's bf16/fp16 copies of the matmul weights, saved for backward.
         head = cfg.vocab_size * d
         per_block = (matmul_parameters(cfg) - head) / cfg.n_layers
-        weight_copies = a * (head + per_block * live_blocks)
-    return int(tokens * (blocks + final + loss) + weight_copies)
+        copies = a * (head + per_block * live_blocks) / sh.tp
+    return int(sh.in_flight * tokens * (blocks + final + loss) + copies)
 
 
 def memory_estimate(
@@ -281,18 +329,43 @@ def memory_estimate(
     activation_checkpointing: bool = False,
     optimizer_states: int = 2,
     fused_attention: bool | None = None,
+    *,
+    master_weights: bool = False,
+    sharding: Sharding | None = None,
+    n_params: float | None = None,
 ) -> MemoryEstimate:
-    """Training memory on one device: fp32 weights, fp32 grads, optimizer state, activations.
+    """Training memory per GPU: weights, gradients, optimizer state and activations — the one
+    memory model (``lmforge bench model`` and the planner, ``lmforge plan``, both read it).
 
-    ``optimizer_states`` is the number of fp32 tensors per parameter the optimizer keeps (AdamW:
-    2, SGD with momentum: 1). Activations as in :func:`activation_bytes`.
+    Per parameter: without ``master_weights`` (lmforge's default: fp32 parameters under
+    autocast) 4 bytes of weights, 4 of gradients and 4·``optimizer_states`` of optimizer state
+    (AdamW: 2, SGD with momentum: 1) = 16 for AdamW; with ``master_weights`` (the model in
+    ``precision``, fp32 masters in the optimizer) 2 + 2 + 4·(``optimizer_states`` + 1) = 16,
+    the ZeRO paper's accounting. ``sharding`` (default one device) divides each part as
+    :class:`Sharding` says. Activations as in :func:`activation_bytes`. ``n_params`` replaces
+    the exact count of ``cfg`` in the state terms (the planner's models given by size only).
     """
-    n = parameter_count(cfg)
+    sh = sharding or Sharding()
+    n = (parameter_count(cfg) if n_params is None else n_params) / (sh.tp * sh.pp)
+    low = _BYTES[precision] if master_weights else 4
+    weights, grads = low * n, low * n
+    optim = 4 * (optimizer_states + (1 if master_weights else 0)) * n
+    if sh.zero >= 1:
+        optim /= sh.dp
+    if sh.zero >= 2:
+        grads /= sh.dp
+    if sh.zero >= 3:
+        weights /= sh.dp
+    acts = activation_bytes(
+        cfg,
+        batch_size,
+        seq_len,
+        precision,
+        activation_checkpointing,
+        fused_attention,
+        sharding=sh,
+        master_weights=master_weights,
+    )
     return MemoryEstimate(
-        parameters=4 * n,
-        gradients=4 * n,
-        optimizer=4 * optimizer_states * n,
-        activations=activation_bytes(
-            cfg, batch_size, seq_len, precision, activation_checkpointing, fused_attention
-        ),
+        parameters=int(weights), gradients=int(grads), optimizer=int(optim), activations=acts
     )

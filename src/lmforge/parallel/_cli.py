@@ -97,6 +97,10 @@ def _handler(args: argparse.Namespace) -> int:
         if args.active_params is not None
         else (base.active_params if args.params is None else 0.0),
         flops_per_token=base.flops_per_token if args.params is None else 0.0,
+        # The memory model's shape: the preset's own unless its size was overridden.
+        config=base.config
+        if args.params is None and args.layers is None and args.d_model is None
+        else None,
     )
     for name in ("gpus", "global_batch", "seq", "micro_batch", "domain_size"):
         if getattr(args, name) <= 0:

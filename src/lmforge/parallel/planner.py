@@ -3,12 +3,16 @@
 All pure functions of a :class:`ModelSpec`, a :class:`Hardware` and a :class:`Mix`, built from
 the formulas the strategies embody:
 
-* memory per GPU (bytes), mixed-precision Adam: bf16 weights (2) + bf16 gradients (2) + fp32
-  master, m, v (12) = 16 bytes per parameter (the ZeRO paper's accounting); ZeRO-1 divides the
-  12 by the data-parallel degree, ZeRO-2 also the gradients, ZeRO-3 also the weights. Tensor and
-  pipeline parallelism divide everything by tp·pp. Activations per layer and sequence:
-  s·h·(10 + 24/t) bytes (Korthikanti et al., FlashAttention so no s² term, no sequence
-  parallelism), or 2·s·h bytes with full recomputation (only each layer's input is kept);
+* memory per GPU (bytes): the one memory model, :func:`lmforge.model.accounting.memory_estimate`
+  with master weights (bf16 weights 2 + bf16 gradients 2 + fp32 master, m, v 12 = 16 bytes per
+  parameter, the ZeRO paper's accounting) and the mix as an :class:`~lmforge.model.accounting.
+  Sharding`: ZeRO-1 divides the 12 by the data-parallel degree, ZeRO-2 also the gradients,
+  ZeRO-3 also the weights, tp·pp divide everything; activations are lmforge's saved tensors
+  for the model's shape (fused attention, so no T×T term; tp splits the per-head and FFN
+  tensors, no sequence parallelism; the last pipeline stage's share, with the LM head's input
+  and the loss's logits), or each block's input plus one live block with full recomputation.
+  Each named model carries a ``ModelConfig`` of that shape; a model given by size only gets a
+  Llama-like shape of that width and depth (:func:`config_for`);
 * compute: 6·N_active·tokens / (GPUs · peak · MFU) (8·N_active with recomputation);
 * communication per step: DP all-reduce moves 2× the (per-replica) parameter bytes, ZeRO-3 3×
   (all-gather forward, all-gather backward, reduce-scatter); over more GPUs than one domain the
@@ -34,7 +38,7 @@ returns a :class:`Hardware`; :data:`HARDWARE` holds named presets fitted to meas
 ``benchmarks/planner.py --calibration`` compares the calibrated predictions with the measurements.
 
 Simplifications: a per-hop latency but no message-size dependence of bandwidth, no expert
-parallelism, no logits memory, DP/FSDP communication overlapped with compute (perfectly unless
+parallelism, DP/FSDP communication overlapped with compute (perfectly unless
 :attr:`Hardware.comm_overlap` says otherwise), even layer split, inputs in decimal units.
 
 Exercise: ``lmforge plan --model 70b --gpus 1024`` and ``pytest tests/test_planner.py``.
@@ -45,6 +49,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
+
+from lmforge.model.config import ModelConfig
+from lmforge.model.moe_config import MoEConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +70,8 @@ class ModelSpec:
     "parameters used per token (MoE); 0 = dense (= total)"
     flops_per_token: float = 0.0
     "model FLOPs per trained token, forward + backward; 0 = 6·active"
+    config: ModelConfig | None = None
+    "the model's shape, for the memory model; None = :func:`config_for` of the size"
 
     @property
     def active(self) -> float:
@@ -75,13 +84,60 @@ class ModelSpec:
         return self.flops_per_token or 6.0 * self.active
 
 
-MODELS: dict[str, ModelSpec] = {
-    "gpt2-small": ModelSpec("gpt2-small", 124e6, 12, 768),
-    "7b": ModelSpec("7b", 6.7e9, 32, 4096),
-    "70b": ModelSpec("70b", 70e9, 80, 8192),
-    "405b": ModelSpec("405b", 405e9, 126, 16384),
-    "moe-47b-a13b": ModelSpec("moe-47b-a13b", 47e9, 32, 4096, active_params=13e9),
+_SHAPES: dict[str, dict] = {  # ModelConfig fields of the named models
+    # GPT-2 small's size with lmforge's blocks (SwiGLU of the GELU MLP's width, tied head).
+    "gpt2-small": dict(vocab_size=50257, n_heads=12, d_ff=2048, tie_embeddings=True),
+    "7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008),
+    "70b": dict(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672),
+    "405b": dict(
+        vocab_size=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, d_ff=53248
+    ),
+    "moe-47b-a13b": dict(
+        vocab_size=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        moe=dict(n_experts=8, top_k=2),
+    ),
 }
+
+
+def _models() -> dict[str, ModelSpec]:
+    # Exact parameter counts (accounting) and shapes; compute stays 6·N_active for these.
+    from lmforge.model import accounting
+
+    out = {}
+    for name, shape in _SHAPES.items():
+        moe = MoEConfig(**shape["moe"]) if "moe" in shape else MoEConfig()
+        cfg = ModelConfig(**{**shape, "moe": moe})
+        total, active = accounting.parameter_count(cfg), accounting.active_parameter_count(cfg)
+        out[name] = ModelSpec(name, float(total), cfg.n_layers, cfg.d_model, active, config=cfg)
+    return out
+
+
+MODELS: dict[str, ModelSpec] = _models()
+"""Named models: Llama-2 7B/70B, Llama-3.1 405B and Mixtral 8×7B shapes (exact counts: 6.74B,
+68.98B, 405.85B, 46.70B total / 12.88B active) and a GPT-2-small-sized lmforge model (123.6M)."""
+
+
+def config_for(total_params: float, n_layers: int, d_model: int) -> ModelConfig:
+    """A Llama-like shape of this size, for the memory model: heads of 128, MHA, vocab 32,000,
+    an untied head, and the SwiGLU width that makes the blocks hold the remaining parameters
+    (8/3·d when the embeddings alone exceed ``total_params``)."""
+    heads = max(1, d_model // 128)
+    vocab = 32000
+    per_layer = (total_params - 2 * vocab * d_model) / n_layers - 4 * d_model * d_model
+    d_ff = round(per_layer / (3 * d_model)) if per_layer > 3 * d_model else None
+    return ModelConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=heads,
+        head_dim=max(1, d_model // heads),
+        d_ff=d_ff,
+    )
 
 
 # The model lmforge's parallel benchmark trains (benchmarks/parallel.py, benchmarks/train.py):
@@ -89,7 +145,7 @@ MODELS: dict[str, ModelSpec] = {
 # lmforge.model.accounting (parameter_count, and flops_per_token at T = 1024: 6·N_matmul plus the
 # attention-score term, the convention lmforge's MFU uses); tests/test_planner.py checks them.
 GPT2_SMALL_BENCH = ModelSpec(
-    "gpt2-small-bench", 162_220_800, 12, 768, flops_per_token=854_654_976.0
+    "gpt2-small-bench", 162_220_800, 12, 768, flops_per_token=854_654_976.0, config=ModelConfig()
 )
 
 
@@ -104,6 +160,7 @@ def spec_from_config(name: str, cfg: object, seq_len: int) -> ModelSpec:
         cfg.n_layers,  # type: ignore[attr-defined]
         cfg.d_model,  # type: ignore[attr-defined]
         flops_per_token=accounting.flops_per_token(cfg, seq_len),  # type: ignore[arg-type]
+        config=cfg,  # type: ignore[arg-type]
     )
 
 
@@ -240,20 +297,29 @@ def memory_per_gpu(
     micro_batch: int,
     in_flight: int,
 ) -> dict[str, float]:
-    """Bytes per GPU for weights, gradients, optimizer state and activations."""
-    p = model.total_params / (mix.tp * mix.pp)
-    weights, grads, optim = 2.0 * p, 2.0 * p, 12.0 * p
-    if mix.zero >= 1:
-        optim /= mix.dp
-    if mix.zero >= 2:
-        grads /= mix.dp
-    if mix.zero >= 3:
-        weights /= mix.dp
-    s, h, t = seq_len, model.d_model, mix.tp
-    per_layer = 2.0 * s * h if mix.recompute else s * h * (10 + 24 / t)
-    layers = model.n_layers / mix.pp
-    acts = per_layer * micro_batch * layers * in_flight
-    return {"weights": weights, "grads": grads, "optimizer": optim, "activations": acts}
+    """Bytes per GPU for weights, gradients, optimizer state and activations:
+    :func:`lmforge.model.accounting.memory_estimate` (bf16 master weights) under the mix."""
+    from lmforge.model import accounting
+
+    cfg = model.config or config_for(model.total_params, model.n_layers, model.d_model)
+    sharding = accounting.Sharding(mix.dp, mix.tp, mix.pp, mix.zero, in_flight)
+    est = accounting.memory_estimate(
+        cfg,
+        micro_batch,
+        seq_len,
+        "bf16",
+        activation_checkpointing=mix.recompute,
+        fused_attention=True,
+        master_weights=True,
+        sharding=sharding,
+        n_params=model.total_params,
+    )
+    return {
+        "weights": float(est.parameters),
+        "grads": float(est.gradients),
+        "optimizer": float(est.optimizer),
+        "activations": float(est.activations),
+    }
 
 
 def compute_time(

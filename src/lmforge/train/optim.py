@@ -1,9 +1,12 @@
 """AdamW (decoupled weight decay) as a ``torch.optim.Optimizer`` and global-norm gradient clipping.
 
-Two code paths compute the same math: a per-parameter loop that reads like the paper (the slow
-reference) and a multi-tensor path built on ``torch._foreach_*`` ops that launches a handful of
-kernels for all parameters of one device and dtype, so a GPU step is not bound by a Python loop.
-Both are tested against ``torch.optim.AdamW`` (``tests/test_optim.py``).
+One reference, :func:`lmforge.kernels.adamw_reference_` (the formula read top to bottom, one
+tensor at a time; ``AdamW(foreach=False)`` runs it), and the fast paths: a multi-tensor path on
+``torch._foreach_*`` ops (a handful of kernels for all parameters of one device and dtype), the
+same update through ``torch.compile``, the device-gated update of :meth:`AdamW.step_if` (eager or
+compiled) and the Triton kernel. Every fast path is tested against the reference run in float64
+(``tests/test_optim.py``, ``tests/test_kernels_interp.py``), and the reference against
+``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ class AdamW(torch.optim.Optimizer):
 
     State per parameter: ``step`` (0-d fp32 CPU tensor, as torch keeps it), ``exp_avg`` and
     ``exp_avg_sq`` (shaped like the parameter, in its dtype: fp32 master weights give fp32 state).
-    ``foreach=True`` (default) uses the multi-tensor path; ``False`` the readable per-parameter
-    loop. ``compiled=True`` runs the same update through ``torch.compile`` (one fused
+    ``foreach=True`` (default) uses the multi-tensor path; ``False`` the reference
+    (:func:`lmforge.kernels.adamw_reference_`). ``compiled=True`` runs the same update through ``torch.compile`` (one fused
     read-modify-write kernel per parameter instead of eight passes over memory; hyperparameters
     travel as a device tensor so schedule changes never recompile). ``fused=True`` runs every
     update of a group as one Triton launch (:func:`lmforge.kernels.adamw_multi_tensor_`: float32
@@ -152,8 +155,7 @@ class AdamW(torch.optim.Optimizer):
             elif self.foreach:
                 self._step_foreach(group, params)
             else:
-                for p in params:
-                    self._step_single(group, p)
+                self._step_reference(group, params)
             self._write_copies(params)
         return loss
 
@@ -245,20 +247,23 @@ class AdamW(torch.optim.Optimizer):
                 else:
                     dev.copy_(hp_cpu, non_blocking=True)
 
-    def _step_single(self, group: dict, p: torch.Tensor) -> None:
-        # The reference: one parameter at a time, the formula read top to bottom.
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    def _step_reference(self, group: dict, params: list[torch.Tensor]) -> None:
+        # foreach=False: the one readable reference (kernels.adamw_reference_), per tensor.
+        from lmforge.kernels import adamw_reference_
+
         beta1, beta2 = group["betas"]
-        state = self._state_for(p)
-        g, m, v = self._grad(p).to(p.dtype), state["exp_avg"], state["exp_avg_sq"]
-        state["step"] += 1
-        t = state["step"].item()
-        p.mul_(1 - lr * wd)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        step_size = lr / (1 - beta1**t)
-        denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-        p.addcdiv_(m, denom, value=-step_size)
+        hp = [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]]
+        states = [self._state_for(p) for p in params]
+        adamw_reference_(
+            params,
+            [self._grad(p) for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            torch.tensor(hp, dtype=torch.float64),
+            torch.tensor(True),
+            torch.ones(()),
+        )
 
     def _step_foreach(self, group: dict, params: list[torch.Tensor]) -> None:
         # Same math in a few multi-tensor kernels per (device, dtype, step) bucket; the step count
@@ -296,10 +301,12 @@ class AdamW(torch.optim.Optimizer):
             state = self._state_for(p)
             state["step"] += 1
             buckets.setdefault((p.device, p.dtype, state["step"].item()), []).append(p)
-        for (device, _, t), ps in buckets.items():
+        for (device, dtype, t), ps in buckets.items():
             hp = [1 - lr * wd, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**t), eps]
             hp.append(-lr / (1 - beta1**t))
-            hp_t = torch.tensor(hp, dtype=torch.float32).to(device, non_blocking=True)
+            # Rounded once from float64 to the bucket's dtype (float64 parameters keep float64).
+            hp_t = torch.tensor(hp, dtype=torch.float64).to(dtype)
+            hp_t = hp_t.to(device, non_blocking=True)
             grads = [self._grad(p).to(p.dtype) for p in ps]
             ms = [self.state[p]["exp_avg"] for p in ps]
             vs = [self.state[p]["exp_avg_sq"] for p in ps]
