@@ -151,3 +151,41 @@ def test_arithmetic_headline_grpo_from_weak_start() -> None:
     model.eval()
     a1 = rl.evaluate_accuracy(eng, tok, ev, task.reward, task.answer_tokens)
     assert a0 <= 0.3 and a1 >= 0.8, (a0, a1)
+
+
+def test_rollout_on_a_transformers_gpt2_matches_its_own_logprobs() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=30, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                  bos_token_id=0, eos_token_id=1)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    eng = LocalEngine(model)
+    prompts = [[3, 4, 5], [7]]  # different lengths: left padding, explicit positions
+    outs = eng.generate(prompts, SamplingParams(temperature=1.0, max_tokens=5, seed=0))
+    comps = [o.outputs[0] for o in outs]
+    s = rl.build_samples(prompts, comps, torch.zeros(2), torch.zeros(2))
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, s.batch.input_ids, s.batch.labels)
+    mask = s.batch.labels != IGNORE
+    assert float(((logp - s.old_logp).exp() - 1)[mask].abs().max()) < 1e-4
+
+
+@pytest.mark.slow
+def test_ppo_raises_reward_on_a_pluggable_reward() -> None:
+    from lmforge.posttrain.ppo import PPOConfig, run_ppo
+
+    task = ArithmeticTask(digits=1)
+    tok = task.tokenizer()
+    model = rl.arithmetic_model(tok.vocab_size, seed=0, d_model=32, n_layers=1)
+    eng = LocalEngine(model, eos_ids=[tok.eos_id])
+
+    def reward(item: dict, text: str) -> Reward:
+        hit = float(text[:1] == item["prompt"][0])
+        return Reward(hit, hit, 0.0)
+
+    cfg = PPOConfig(lr=5e-3, max_tokens=2, kl_coef=0.01, samples_per_prompt=8)
+    hist = run_ppo(model, eng, tok, rl.random_sampler(task, 1), reward, cfg, iterations=30,
+                   prompts_per_step=16)  # fmt: skip
+    first = sum(h["reward"] for h in hist[:5]) / 5
+    last = sum(h["reward"] for h in hist[-5:]) / 5
+    assert last > first + 0.2, (first, last)
