@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from lmforge.model import ModelConfig, TransformerLM, load_preset  # noqa: E402
-from lmforge.posttrain.weight_sync import (  # noqa: E402
+from lmforge.model import ModelConfig, TransformerLM, load_preset
+from lmforge.posttrain.weight_sync import (
     bucket_layout,
     copy_into,
     pack_buckets,
@@ -65,7 +65,7 @@ def _timed(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def _engine(cfg, device, cmd, reply, shared_buckets, shared_params, layout) -> None:  # noqa: ANN001
+def _engine(cfg, device, cmd, reply, shared_buckets, shared_params, layout) -> None:
     torch.manual_seed(123)
     model = TransformerLM(cfg, device=device, dtype=torch.bfloat16)
     params = dict(model.named_parameters())
@@ -146,13 +146,15 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     cmd, reply = ctx.Queue(), ctx.Queue()
     shared_params = {n: p.detach() for n, p in src.items()}
-    proc = ctx.Process(target=_engine, args=(cfg, device, cmd, reply, buckets, shared_params, layout))
+    proc = ctx.Process(
+        target=_engine, args=(cfg, device, cmd, reply, buckets, shared_params, layout)
+    )
     proc.start()
     assert reply.get(timeout=300) == "ready"
     ref = {n: p.float().sum().item() for n, p in src.items()}
     for mode in ("bucketed", "per_tensor"):
 
-        def once() -> None:
+        def once(mode: str = mode) -> None:
             if mode == "bucketed":
                 with torch.no_grad():
                     pack_buckets(layout, src, buckets)
@@ -179,8 +181,8 @@ def main() -> None:
 
     base = dict(rows)["per-tensor copy"]
     print()
-    print(f"| method | time (ms) | GB/s | vs per-tensor copy |")
-    print(f"|---|---:|---:|---:|")
+    print("| method | time (ms) | GB/s | vs per-tensor copy |")
+    print("|---|---:|---:|---:|")
     for name, t in rows:
         print(f"| {name} | {t * 1e3:.1f} | {nbytes / t / 1e9:.0f} | {base / t:.2f}× |")
 

@@ -101,14 +101,14 @@ def test_chat_uses_the_tokenizers_own_template() -> None:
     class Tok:
         chat_template = "custom"
 
-        def apply_chat_template(self, messages, tokenize, add_generation_prompt):  # noqa: ANN001
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
             s = "".join(f"[{m['role']}]{m['content']}." for m in messages)
             return s + ("[assistant]" if add_generation_prompt else "")
 
-        def convert_tokens_to_ids(self, t):  # noqa: ANN001
+        def convert_tokens_to_ids(self, t):
             return 0
 
-        def encode(self, text, add_special_tokens=False):  # noqa: ANN001
+        def encode(self, text, add_special_tokens=False):
             return [ord(c) for c in text]
 
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
@@ -122,11 +122,13 @@ def test_accumulation_gradient_equals_full_batch(unit: str) -> None:
     """Σ loss_sum / Σ weight: the gradient of 3 uneven micro-batches equals the full batch's."""
     torch.manual_seed(1)
     exs = [
-        prompt_response_example(torch.randint(2, 40, (3,)).tolist(), torch.randint(2, 40, (n,)).tolist())
+        prompt_response_example(
+            torch.randint(2, 40, (3,)).tolist(), torch.randint(2, 40, (n,)).tolist()
+        )
         for n in (1, 4, 2, 6, 3)
     ]
 
-    def loss_fn(model, b):  # noqa: ANN001
+    def loss_fn(model, b):
         logp, _ = sequence_logprobs(model, b.input_ids, b.labels)
         if unit == "token":
             return -logp[b.mask].sum(), float(b.mask.sum())
@@ -151,7 +153,13 @@ def test_works_on_a_transformers_gpt2() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
-        vocab_size=40, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=1
+        vocab_size=40,
+        n_positions=32,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=1,
     )
     model = transformers.GPT2LMHeadModel(cfg).eval()
     b = collate([Example([3, 4, 5, 6], [False, False, True, True])])

@@ -21,7 +21,9 @@ def _lm(vocab: int, d: int, layers: int, seed: int) -> TransformerLM:
 def test_corpus_distillation_reduces_divergence(kind: str) -> None:
     teacher, student = _lm(20, 48, 2, 0), _lm(20, 32, 1, 1)
     g = torch.Generator().manual_seed(0)
-    corpus = [Example(torch.randint(0, 20, (10,), generator=g).tolist(), [True] * 10) for _ in range(32)]
+    corpus = [
+        Example(torch.randint(0, 20, (10,), generator=g).tolist(), [True] * 10) for _ in range(32)
+    ]
     cfg = DistillConfig(loss=kind, temperature=2.0, steps=12, batch_size=8, lr=2e-2)
     probe = collate(corpus)
     before = float(distill_loss(student, teacher, probe, cfg))

@@ -42,7 +42,10 @@ def _model(tok: CharTokenizer) -> TransformerLM:
 
 
 def test_split_hh_rlhf_dialogue() -> None:
-    rec = {"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go"}
+    rec = {
+        "chosen": "\n\nHuman: hi\n\nAssistant: hello",
+        "rejected": "\n\nHuman: hi\n\nAssistant: go",
+    }
     assert split_pair(rec, "r") == ("\n\nHuman: hi\n\nAssistant:", " hello", " go")
     with pytest.raises(LmforgeError, match="chosen"):
         split_pair({"chosen": 1}, "r")
@@ -86,7 +89,7 @@ def test_reward_model_learns_pairs() -> None:
     assert out["after"] > 0.8 and out["after"] > out["before"]
 
 
-def test_hh_rlhf_pairs_parse(shared_data) -> None:  # noqa: ANN001
+def test_hh_rlhf_pairs_parse(shared_data) -> None:
     path = shared_data / "preference" / "harmless-base_test.jsonl.gz"
     if not path.is_file():
         pytest.skip("HH-RLHF pairs absent")

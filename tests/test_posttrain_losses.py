@@ -53,7 +53,9 @@ def test_group_advantages_by_hand() -> None:
     torch.testing.assert_close(a[0], torch.tensor([1.0, -1.0, -1.0, 1.0]))
     a = group_advantages(r, "mean", "std")
     assert float(a[1].abs().max()) == 0.0  # identical rewards: no signal, no NaN
-    torch.testing.assert_close(group_advantages(r, "mean", "none")[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    torch.testing.assert_close(
+        group_advantages(r, "mean", "none")[0], torch.tensor([0.5, -0.5, -0.5, 0.5])
+    )
     loo = group_advantages(r, "loo", "none")[0]  # r_i - mean of the other three
     torch.testing.assert_close(loo, torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3]))
     maxrl = group_advantages(r, "mean", "mean", eps=0.0)[0]  # (r - 0.5) / 0.5
@@ -162,10 +164,16 @@ def test_distillation_divergences_against_float64() -> None:
         fwd = (p * (p.log() - q.log())).sum(-1) * temp**2
         rev = (q * (q.log() - p.log())).sum(-1) * temp**2
         mix = 0.3 * p + 0.7 * q
-        jsd = (0.3 * (p * (p.log() - mix.log())).sum(-1) + 0.7 * (q * (q.log() - mix.log())).sum(-1)) * temp**2
+        jsd = (
+            0.3 * (p * (p.log() - mix.log())).sum(-1) + 0.7 * (q * (q.log() - mix.log())).sum(-1)
+        ) * temp**2
         got = distill_token_loss(s, t, "forward", temp).double()
         torch.testing.assert_close(got, fwd, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(distill_token_loss(s, t, "reverse", temp).double(), rev, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(distill_token_loss(s, t, "jsd", temp, beta=0.3).double(), jsd, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            distill_token_loss(s, t, "reverse", temp).double(), rev, atol=1e-5, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            distill_token_loss(s, t, "jsd", temp, beta=0.3).double(), jsd, atol=1e-5, rtol=1e-5
+        )
     with pytest.raises(ValueError, match="vocabulary"):
         distill_token_loss(torch.randn(2, 5), torch.randn(2, 6))

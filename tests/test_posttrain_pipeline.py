@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from lmforge.model import ModelConfig, TransformerLM
 from lmforge.posttrain import rl
 from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
 from lmforge.posttrain.tasks import ArithmeticTask, Reward
@@ -13,7 +12,12 @@ from lmforge.posttrain.weight_sync import bucket_layout, pack_buckets, unpack_bu
 
 def test_bucket_layout_round_trip() -> None:
     torch.manual_seed(0)
-    named = {"a": torch.randn(3, 4), "b": torch.randn(100), "c": torch.randn(7).half(), "d": torch.randn(2, 2)}
+    named = {
+        "a": torch.randn(3, 4),
+        "b": torch.randn(100),
+        "c": torch.randn(7).half(),
+        "d": torch.randn(2, 2),
+    }
     layout = bucket_layout(named.items(), bucket_bytes=64 * 4)
     assert layout.num_buckets == 4  # a (48 B) + b would overflow 256 B; dtype change; then d
     buckets = layout.empty_buckets("cpu")

@@ -49,7 +49,9 @@ def test_rollout_records_contract_logprobs_versions_and_stops() -> None:
             logits = model(seq)[0, len(o.prompt_token_ids) - 1 : -1].double() / 0.7
             ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])
             # full-vocabulary log-softmax at T, before the top-k truncation
-            torch.testing.assert_close(torch.tensor(c.logprobs).double(), ref[:, 0], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs).double(), ref[:, 0], atol=1e-4, rtol=0
+            )
             assert c.policy_versions == [0] * len(c.token_ids)
             assert c.top_logprobs is not None and len(c.top_logprobs[0]) == 2
             if c.finish_reason == "stop":
@@ -76,7 +78,9 @@ def test_weight_update_mid_sequence_keeps_cache_and_records_versions() -> None:
 def test_rewards_reuse_eval_parsing() -> None:
     assert gsm8k_reward({"answer": "so #### 1,000"}, "it is 1000.0").total == 1.0
     assert gsm8k_reward({"answer": "#### 7"}, "<think>x</think> <answer>8</answer>").answer == 0.0
-    r = gsm8k_reward({"answer": "#### 7"}, "<think>3+4</think> <answer>7</answer>", format_weight=0.1)
+    r = gsm8k_reward(
+        {"answer": "#### 7"}, "<think>3+4</think> <answer>7</answer>", format_weight=0.1
+    )
     assert (r.answer, r.format) == (1.0, 1.0) and r.total == pytest.approx(1.1)
     assert math_reward({"answer": "\\frac{1}{2}"}, "so \\boxed{0.5}").answer == 1.0
     assert format_reward("<answer>1</answer>") == 0.0

@@ -94,7 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=RL_EXAMPLES, formatter_class=raw)  # fmt: skip
     p.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k", "math"])
     p.add_argument("--algo", default="grpo")
-    p.add_argument("--model", default=None, help="policy to start from (arithmetic: warm-started here)")
+    p.add_argument(
+        "--model", default=None, help="policy to start from (arithmetic: warm-started here)"
+    )
     p.add_argument("--data", default=None, help="gsm8k/math: JSONL of problems (default ../shared)")
     p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--prompts-per-step", type=int, default=32)
@@ -109,7 +111,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-size", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--target", type=float, default=None, help="stop at this held-out accuracy")
-    p.add_argument("--pipeline", action="store_true", help="Pipeline RL: engine + trainer processes")
+    p.add_argument(
+        "--pipeline", action="store_true", help="Pipeline RL: engine + trainer processes"
+    )
     p.add_argument("--max-lag", type=int, default=4, help="pipeline: drop samples older than this")
     _common(p)
     p.set_defaults(func=_dispatch("rl"))
@@ -133,7 +137,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_dispatch("distill"))
 
 
-def _dispatch(name: str):  # noqa: ANN202
+def _dispatch(name: str):
     def run(args: argparse.Namespace) -> int:
         from lmforge.posttrain import commands
 

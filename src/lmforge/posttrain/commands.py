@@ -31,7 +31,7 @@ def _write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def _jsonl_logger(path: Path):  # noqa: ANN202
+def _jsonl_logger(path: Path):
     path.write_text("", encoding="utf-8")
 
     def log(rec: dict[str, Any]) -> None:
@@ -81,8 +81,15 @@ def run_sft(args: argparse.Namespace) -> int:
     eos = eos_ids(tok)
     exs = examples_from_records(read_jsonl(args.data, "--data"), tok, chat=not args.no_chat,
                                 eos_id=eos[0] if eos else None, where=str(args.data))  # fmt: skip
-    cfg = SFTConfig(steps=args.steps, batch_size=args.batch_size, micro_batch=args.micro_batch,
-                    lr=args.lr, max_len=args.max_len, packing=not args.no_packing, seed=args.seed)
+    cfg = SFTConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        micro_batch=args.micro_batch,
+        lr=args.lr,
+        max_len=args.max_len,
+        packing=not args.no_packing,
+        seed=args.seed,
+    )
     log = out / "metrics.jsonl"
     log.write_text("", encoding="utf-8")
     hist = train_sft(model, exs, cfg, pad_id=0, log_path=log, progress=not args.quiet)
@@ -132,8 +139,12 @@ def run_dpo(args: argparse.Namespace) -> int:
                                  progress=not args.quiet)  # fmt: skip
         torch.save({"head": rm.head.state_dict()}, out / "reward_head.pt")
         save_model(model, tok, out / "model")
-        summary = {"pairs_train": len(train), "pairs_eval": len(held),
-                   "heldout_accuracy_before": res["before"], "heldout_accuracy_after": res["after"]}
+        summary = {
+            "pairs_train": len(train),
+            "pairs_eval": len(held),
+            "heldout_accuracy_before": res["before"],
+            "heldout_accuracy_after": res["after"],
+        }
     else:
         cfg = DPOConfig(loss=args.loss, beta=args.beta, label_smoothing=args.label_smoothing,
                         lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
@@ -150,11 +161,10 @@ def run_dpo(args: argparse.Namespace) -> int:
 
 
 def run_distill(args: argparse.Namespace) -> int:
-    from lmforge.posttrain.core import encode_text
+    from lmforge.posttrain.core import Example, encode_text
     from lmforge.posttrain.distill import DistillConfig, train_distill
     from lmforge.posttrain.models import eos_ids, load_model, save_model
     from lmforge.posttrain.sft import examples_from_records
-    from lmforge.posttrain.core import Example
     from lmforge.posttrain.tasks import read_jsonl
 
     out = _out(args, "distill")
@@ -164,10 +174,19 @@ def run_distill(args: argparse.Namespace) -> int:
     if tok is None:
         raise LmforgeError(f"{args.student} has no tokenizer to encode the data with")
     recs = read_jsonl(args.data, "--data")
-    cfg = DistillConfig(loss=args.loss, temperature=args.temperature, beta=args.beta, lr=args.lr,
-                        steps=args.steps, batch_size=args.batch_size, max_tokens=args.max_tokens)
+    cfg = DistillConfig(
+        loss=args.loss,
+        temperature=args.temperature,
+        beta=args.beta,
+        lr=args.lr,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_tokens=args.max_tokens,
+    )
     if args.on_policy:
-        prompts = [encode_text(tok, r.get("prompt") or r.get("text", ""))[-args.max_len :] for r in recs]
+        prompts = [
+            encode_text(tok, r.get("prompt") or r.get("text", ""))[-args.max_len :] for r in recs
+        ]
         prompts = [p for p in prompts if p]
         rng = random.Random(args.seed)
         hist = train_distill(student, teacher, cfg, prompts=lambda n: rng.sample(prompts, min(n, len(prompts))),
@@ -273,8 +292,12 @@ def run_rl(args: argparse.Namespace) -> int:
                               target=args.target)  # fmt: skip
         hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet)
     else:
-        step_cfg = rl.StepConfig(rl.algorithm(args.algo), kl_coef=args.kl_coef,
-                                 max_tokens=max_tokens, temperature=args.temperature)
+        step_cfg = rl.StepConfig(
+            rl.algorithm(args.algo),
+            kl_coef=args.kl_coef,
+            max_tokens=max_tokens,
+            temperature=args.temperature,
+        )
         ref = clone_frozen(model) if args.kl_coef > 0 else None
         algo = rl.algorithm(args.algo)
         with tqdm(total=args.iterations, desc=args.algo, disable=args.quiet) as bar:
@@ -290,8 +313,13 @@ def run_rl(args: argparse.Namespace) -> int:
     final = hist[-1].get("eval_accuracy") if hist and "eval_accuracy" in hist[-1] else evaluate()
     wall = time.perf_counter() - t_start
     curve = [(0.0, a0)] + [(h["samples"], h["eval_accuracy"]) for h in hist if "eval_accuracy" in h]
-    plot_curves(out / "curve.png", {args.algo + (" (pipeline)" if args.pipeline else ""): curve},
-                "rollout samples", "held-out greedy accuracy", f"lmforge rl --task {args.task}")
+    plot_curves(
+        out / "curve.png",
+        {args.algo + (" (pipeline)" if args.pipeline else ""): curve},
+        "rollout samples",
+        "held-out greedy accuracy",
+        f"lmforge rl --task {args.task}",
+    )
     save_model(model, None if args.task == "arithmetic" else tok, out / "model")
     summary = {"task": args.task, "algo": args.algo, "pipeline": bool(args.pipeline),
                "accuracy_before": a0, "accuracy_after": final, "iterations": len(hist),

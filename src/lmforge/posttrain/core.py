@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lmforge.utils.errors import LmforgeError

@@ -76,7 +76,7 @@ def tokenize_pairs(
         p, c, r = split_pair(rec, f"{where} record {n}")
         pi, ci, ri = (encode_text(tokenizer, s) for s in (p, c, r))
         if eos_id is not None:
-            ci, ri = ci + [eos_id], ri + [eos_id]
+            ci, ri = [*ci, eos_id], [*ri, eos_id]
         ci, ri = ci[: max_len // 2], ri[: max_len // 2]
         keep = max_len - max(len(ci), len(ri))
         pi = pi[-keep:] if keep > 0 else pi[-1:]
@@ -91,9 +91,7 @@ def pair_batch(pairs: Sequence[tuple[list[int], list[int], list[int]]], pad_id: 
     return collate(exs, pad_id)
 
 
-def sequence_scores(
-    model: nn.Module, batch: Batch, average: bool = False
-) -> torch.Tensor:
+def sequence_scores(model: nn.Module, batch: Batch, average: bool = False) -> torch.Tensor:
     """Summed (or per-token averaged) response log-probs per row (2B,)."""
     logp, _ = sequence_logprobs(model, batch.input_ids, batch.labels)
     total = (logp * batch.mask).sum(-1)
@@ -262,7 +260,9 @@ def hidden_size(model: nn.Module) -> int:
     raise LmforgeError(f"cannot tell the hidden size of {type(model).__name__}")
 
 
-def reward_pair_loss(rm: RewardModel, chunk: Sequence[Any], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reward_pair_loss(
+    rm: RewardModel, chunk: Sequence[Any], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Bradley–Terry losses (B,) and correct-order flags (B,) of a chunk of pairs."""
     device = next(rm.parameters()).device
     s = rm(pair_batch(chunk, pad_id).to(device))
@@ -292,11 +292,12 @@ def train_reward_model(
         order = list(range(len(train_pairs)))
         rng.shuffle(order)
         for i in tqdm(range(0, len(order), batch_size), desc="reward model", disable=not progress):
-            loss, hit = reward_pair_loss(rm, [train_pairs[j] for j in order[i : i + batch_size]], pad_id)
+            loss, hit = reward_pair_loss(
+                rm, [train_pairs[j] for j in order[i : i + batch_size]], pad_id
+            )
             opt.zero_grad(set_to_none=True)
             loss.mean().backward()
             opt.step()
             history.append({"loss": float(loss.mean()), "accuracy": float(hit.mean())})
     rm.eval()
     return {"before": before, "after": accuracy(), "history": history}
-

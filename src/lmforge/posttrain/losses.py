@@ -168,7 +168,7 @@ def policy_token_loss(
     elif reweight == "seq_clip":
         # GSPO-token: s_i = exp(mean_t log r) as the value of each token's ratio, with the
         # gradient of log π at that token (s_i · ∇log π_t / |y_i| summed = ∇s_i).
-        seq = (log_ratio.sum(-1) / m.sum(-1).clamp_min(1.0))  # (B,)
+        seq = log_ratio.sum(-1) / m.sum(-1).clamp_min(1.0)  # (B,)
         ratio = (seq.detach()[:, None] + logp - logp.detach()).exp()
     else:
         raise ValueError(f"unknown reweight {reweight!r} (none, ratio, clip, seq_clip)")
@@ -329,7 +329,9 @@ def distill_token_loss(
         if not 0.0 < beta < 1.0:
             raise ValueError(f"jsd beta must be in (0, 1), got {beta}")
         lm = torch.logsumexp(
-            torch.stack([lp + torch.log(torch.tensor(beta)), lq + torch.log(torch.tensor(1 - beta))]),
+            torch.stack(
+                [lp + torch.log(torch.tensor(beta)), lq + torch.log(torch.tensor(1 - beta))]
+            ),
             dim=0,
         )
         out = beta * (lp.exp() * (lp - lm)).sum(-1) + (1 - beta) * (lq.exp() * (lq - lm)).sum(-1)

@@ -45,7 +45,9 @@ def load_model(spec: str | os.PathLike, device: str = "cpu") -> tuple[nn.Module,
             model = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(str(p))
         except (OSError, ValueError) as e:
-            raise LmforgeError(f"cannot load transformers model {p}: {str(e).splitlines()[0]}") from None
+            raise LmforgeError(
+                f"cannot load transformers model {p}: {str(e).splitlines()[0]}"
+            ) from None
         return model.to(device).eval(), tok
     from lmforge.train import load_for_inference
 

@@ -98,9 +98,7 @@ class Packed:
         return getattr(out, "logits", out)
 
 
-def pack(
-    examples: Sequence[Example], max_len: int, pad_id: int = 0
-) -> tuple[Batch, Packed]:
+def pack(examples: Sequence[Example], max_len: int, pad_id: int = 0) -> tuple[Batch, Packed]:
     """Greedy first-fit packing of examples (as shifted inputs/labels) into rows of ≤ ``max_len``.
 
     Examples longer than ``max_len`` inputs are truncated. Rows are right-padded to the longest.

@@ -165,8 +165,11 @@ def run_pipeline(
     out_q = ctx.Queue(maxsize=2)
     port = _free_port()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    proc = ctx.Process(target=_engine_main,
-                       args=(cfg, model.config, state, port, published, stop, out_q), daemon=True)
+    proc = ctx.Process(
+        target=_engine_main,
+        args=(cfg, model.config, state, port, published, stop, out_q),
+        daemon=True,
+    )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     proc.start()
     _init(0, port, cfg.backend)
@@ -179,7 +182,9 @@ def run_pipeline(
     t0 = time.perf_counter()
     samples = 0
     try:
-        for it in tqdm(range(1, cfg.iterations + 1), desc=f"pipeline {cfg.algo}", disable=not progress):
+        for it in tqdm(
+            range(1, cfg.iterations + 1), desc=f"pipeline {cfg.algo}", disable=not progress
+        ):
             items, rows = out_q.get(timeout=600)
             samples += len(rows)
             comps = [c for _, c in rows]
@@ -224,8 +229,9 @@ def run_pipeline(
                                                                  for c in comps),
                                    **stats}  # fmt: skip
             if it % cfg.eval_every == 0 or it == cfg.iterations:
-                rec["eval_accuracy"] = rl.evaluate_accuracy(eval_engine, tok, eval_items,
-                                                            task.reward, cfg.max_tokens)
+                rec["eval_accuracy"] = rl.evaluate_accuracy(
+                    eval_engine, tok, eval_items, task.reward, cfg.max_tokens
+                )
             if it == cfg.iterations or (cfg.target is not None
                                         and rec.get("eval_accuracy", -1) >= cfg.target):  # fmt: skip
                 rec["staleness_histogram"] = {str(k): v for k, v in sorted(hist_total.items())}

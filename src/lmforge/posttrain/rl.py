@@ -240,7 +240,11 @@ def rollout_and_score(
     eos = list(engine.eos_ids)
     r, adv, stats = score_groups(items, outs, tokenizer, reward_fn, algo, params.max_tokens,
                                  overlong_cache, eos)  # fmt: skip
-    keep = dynamic_sampling_keep(r) if algo.dynamic_sampling else torch.ones(len(items), dtype=torch.bool)
+    keep = (
+        dynamic_sampling_keep(r)
+        if algo.dynamic_sampling
+        else torch.ones(len(items), dtype=torch.bool)
+    )
     stats["groups_kept"] = float(keep.float().mean())
     flat_p, flat_c, flat_a, flat_r = [], [], [], []
     for g, out in enumerate(outs):
@@ -362,8 +366,15 @@ def run_iterations(
     samples_seen = 0
     for it in range(1, iterations + 1):
         model.eval()
-        samples, stats = rollout_and_score(engine, tokenizer, sample_items(prompts_per_step),
-                                           reward_fn, step_cfg.algorithm, params, overlong_cache)
+        samples, stats = rollout_and_score(
+            engine,
+            tokenizer,
+            sample_items(prompts_per_step),
+            reward_fn,
+            step_cfg.algorithm,
+            params,
+            overlong_cache,
+        )
         samples_seen += prompts_per_step * group_size
         model.train()
         for _ in range(epochs):
@@ -381,14 +392,17 @@ def run_iterations(
             log(rec)
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(reward=f"{stats['reward']:.2f}",
-                                 acc=f"{rec.get('eval_accuracy', float('nan')):.2f}")
+            progress.set_postfix(
+                reward=f"{stats['reward']:.2f}", acc=f"{rec.get('eval_accuracy', float('nan')):.2f}"
+            )
         if target is not None and rec.get("eval_accuracy", -1.0) >= target:
             break
     return history
 
 
-def arithmetic_model(vocab_size: int, seed: int = 0, d_model: int = 128, n_layers: int = 2) -> nn.Module:
+def arithmetic_model(
+    vocab_size: int, seed: int = 0, d_model: int = 128, n_layers: int = 2
+) -> nn.Module:
     """The tiny lmforge model of the arithmetic task (2 layers, d=128, reference backends)."""
     from lmforge.model import ModelConfig, TransformerLM
 

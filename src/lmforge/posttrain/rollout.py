@@ -126,9 +126,7 @@ class _Model:
         self.attn = valid.long()  # (B, S)
         self.next_pos = valid.long().sum(-1)  # (B,)
         pos = (valid.long().cumsum(-1) - 1).clamp_min(0)  # (B, T)
-        out = self.model(
-            input_ids=ids, attention_mask=self.attn, position_ids=pos, use_cache=True
-        )
+        out = self.model(input_ids=ids, attention_mask=self.attn, position_ids=pos, use_cache=True)
         self.cache = out.past_key_values
         return out.logits[:, -1]
 
@@ -347,7 +345,9 @@ def make_engine(model: nn.Module, eos_ids: Iterable[int] = (), prefer: str = "au
             from lmforge.serve.engine import Engine  # noqa: F401
         except ImportError:
             if prefer == "serve":
-                raise LmforgeError("lmforge.serve.engine is not available in this checkout")
+                raise LmforgeError(
+                    "lmforge.serve.engine is not available in this checkout"
+                ) from None
         else:
             return _ServeAdapter(model, set(eos_ids))
     return LocalEngine(model, eos_ids=eos_ids)
@@ -394,6 +394,8 @@ class _ServeAdapter:
             for o in outs
         ]
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         self.engine.update_weights(named_tensors, version)
         self.version = version
