@@ -50,6 +50,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's; rl: 1, tiny models gain nothing)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

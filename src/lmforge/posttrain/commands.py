@@ -15,7 +15,10 @@ from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write_text
 
 
-def _out(args: argparse.Namespace, default: str) -> Path:
+def _out(args: argparse.Namespace, default: str, threads: int | None = None) -> Path:
+    n = args.threads if getattr(args, "threads", None) else threads
+    if n:
+        torch.set_num_threads(n)
     out = Path(args.out or f"runs/{default}")
     out.mkdir(parents=True, exist_ok=True)
     return out
@@ -243,7 +246,7 @@ def run_rl(args: argparse.Namespace) -> int:
     from lmforge.posttrain import rl
     from lmforge.posttrain.rollout import LocalEngine
 
-    out = _out(args, f"rl-{args.task}")
+    out = _out(args, f"rl-{args.task}", threads=1 if args.task == "arithmetic" else None)
     dev = _device(args.device)
     args.device = dev
     torch.manual_seed(args.seed)

@@ -28,16 +28,7 @@ def load_model(spec: str | os.PathLike, device: str = "cpu") -> tuple[nn.Module,
     if not p.exists():
         raise LmforgeError(f"model not found: {p}")
     if p.suffix == ".gguf":
-        try:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(p.parent), gguf_file=p.name, dtype=torch.float32
-            )
-        except (OSError, ValueError, ImportError) as e:
-            raise LmforgeError(f"cannot load GGUF {p}: {str(e).splitlines()[0]}") from None
-        return model.to(device).eval(), tok
+        return _load_gguf(p, device)
     if (p / "config.json").is_file() and not (p / "config.toml").is_file():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -52,6 +43,33 @@ def load_model(spec: str | os.PathLike, device: str = "cpu") -> tuple[nn.Module,
     from lmforge.train import load_for_inference
 
     return load_for_inference(p, device)
+
+
+def _load_gguf(p: Path, device: str) -> tuple[nn.Module, Any]:
+    """A GGUF file as a float32 transformers model and tokenizer.
+
+    ``from_pretrained(gguf_file=...)`` needs ``accelerate`` (not a dependency here), so the
+    model is built from the GGUF's config and filled by transformers' own GGUF tensor reader
+    (dequantised), which is what ``from_pretrained`` does underneath.
+    """
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        parsed = load_gguf_checkpoint(str(p), return_tensors=True, model_to_load=model)
+        missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+        model.tie_weights()
+        tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(
+                f"GGUF tensors do not match: missing {missing}, unexpected {unexpected}"
+            )
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise LmforgeError(f"cannot load GGUF {p}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval(), tok
 
 
 def save_model(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike) -> Path:
