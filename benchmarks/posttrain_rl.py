@@ -7,8 +7,8 @@ every carry) is shared by every run, so each starts from the same held-out accur
 - ``--algos grpo,dr_grpo,dapo,gspo``: synchronous runs of ``--iterations`` iterations each
   (``--prompts`` prompts × ``--group`` samples), held-out greedy accuracy every ``--eval-every``;
 - ``--pipeline``: the same GRPO budget through :func:`lmforge.posttrain.pipeline.run_pipeline`
-  (engine and trainer processes, 1 torch thread each), against synchronous GRPO given the same
-  2 threads; wall-clock to reach ``--target`` and the staleness histogram.
+  (engine and trainer processes, 1 torch thread each), against synchronous GRPO
+  (``--sync-threads``, default 1); wall-clock to reach ``--target`` and the staleness histogram.
 
 Prints a table and writes ``--out``/rl_algorithms.png, pipeline_vs_sync.png, results.json.
 Run: ``PYTHONPATH=src python benchmarks/posttrain_rl.py --pipeline``.
@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--pipeline", action="store_true")
     ap.add_argument("--max-lag", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--sync-threads", type=int, default=1, help="torch threads of synchronous runs")
     ap.add_argument("--out", default="runs/posttrain_rl")
     args = ap.parse_args()
     out = Path(args.out)
@@ -59,7 +60,7 @@ def main() -> None:
 
     task = ArithmeticTask(digits=args.digits)
     tok = task.tokenizer()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     base = rl.arithmetic_model(tok.vocab_size, seed=0)
     wr = random.Random(5)
     t0 = time.perf_counter()
@@ -89,7 +90,7 @@ def main() -> None:
         return _summary(hist, args.target)
 
     for algo in [a for a in args.algos.split(",") if a]:
-        res = sync_run(algo, 2, stop_at_target=False)
+        res = sync_run(algo, args.sync_threads, stop_at_target=False)
         results["runs"][algo] = res
         print(f"  {algo}: final {res['final']:.3f}, reached {args.target} at "
               f"{res['time_to_target']} s / {res['samples_to_target']} samples", flush=True)  # fmt: skip
@@ -100,7 +101,7 @@ def main() -> None:
                     f"{args.digits}-digit addition, A0 = {a0:.2f}")  # fmt: skip
 
     if args.pipeline:
-        sync = sync_run("grpo", 2, stop_at_target=True)
+        sync = sync_run("grpo", args.sync_threads, stop_at_target=True)
         model = copy.deepcopy(base)
         pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
                               prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
@@ -110,7 +111,7 @@ def main() -> None:
         pipe = _summary(run_pipeline(model, pcfg, progress=False), args.target)
         results["pipeline"] = {"sync_grpo": sync, "pipeline_grpo": pipe}
         plot_curves(out / "pipeline_vs_sync.png",
-                    {"synchronous GRPO (2 threads)": [(0, a0)] + sync["curve_time"],
+                    {f"synchronous GRPO ({args.sync_threads} thread(s))": [(0, a0)] + sync["curve_time"],
                      "Pipeline RL GRPO (1+1 threads)": [(0, a0)] + pipe["curve_time"]},
                     "wall-clock (s)", "held-out greedy accuracy", "same sample budget")  # fmt: skip
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -246,6 +246,8 @@ def run_rl(args: argparse.Namespace) -> int:
     from lmforge.posttrain import rl
     from lmforge.posttrain.rollout import LocalEngine
 
+    if args.algo != "ppo":
+        rl.algorithm(args.algo)  # an unknown name fails before any work
     out = _out(args, f"rl-{args.task}", threads=1 if args.task == "arithmetic" else None)
     dev = _device(args.device)
     args.device = dev

@@ -327,7 +327,8 @@ def supervised_warmup(
 def algorithm(name: str) -> Algorithm:
     """The named combination of :data:`~lmforge.posttrain.losses.ALGORITHMS`."""
     if name not in ALGORITHMS:
-        raise LmforgeError(f"unknown RL algorithm {name!r} (known: {', '.join(ALGORITHMS)})")
+        known = ", ".join([*ALGORITHMS, "ppo"])
+        raise LmforgeError(f"unknown RL algorithm {name!r} (known: {known})")
     return ALGORITHMS[name]
 
 
