@@ -146,17 +146,20 @@ def test_accumulation_gradient_equals_full_batch(unit: str) -> None:
         return per_seq.sum(), float(len(per_seq))
 
     grads = []
-    for split in ([5], [1, 3, 1]):
+    for split, known in (([5], False), ([1, 3, 1], False), ([1, 3, 1], True)):
         model = tiny_lm()
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         chunks, i = [], 0
         for n in split:
             chunks.append(collate(exs[i : i + n]))
             i += n
-        stats = accumulate_step(model, opt, chunks, loss_fn)
+        # weights up front: backward right after each forward (what SFT passes)
+        weights = [loss_fn(model, c)[1] for c in chunks] if known else None
+        stats = accumulate_step(model, opt, chunks, loss_fn, weights=weights)
         grads.append((torch.cat([p.grad.flatten() for p in model.parameters()]), stats["loss"]))
-    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-6, rtol=1e-5)
-    assert grads[0][1] == pytest.approx(grads[1][1], rel=1e-5)
+    for g, loss in grads[1:]:
+        torch.testing.assert_close(grads[0][0], g, atol=1e-6, rtol=1e-5)
+        assert grads[0][1] == pytest.approx(loss, rel=1e-5)
 
 
 def test_works_on_a_transformers_gpt2() -> None:

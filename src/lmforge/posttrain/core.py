@@ -218,8 +218,9 @@ def accumulate_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     micro_batches: Sequence[Any],
-    loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, float]],
     max_grad_norm: float | None = None,
+    weights: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """One optimizer step over several micro-batches; returns ``loss``, ``grad_norm``, ``weight``.
 
@@ -228,33 +229,28 @@ def accumulate_step(
     (tokens for a token-level mean, sequences for a per-sequence mean). The step minimises
     Σ loss_sum / Σ weight over all micro-batches, so the gradient equals the one of the whole
     batch at once however it is split (a mean of micro-batch means would over-weight small
-    micro-batches). Weights are summed once up front, so each backward already carries its
-    final scale and nothing is rescaled afterwards.
+    micro-batches). With ``weights`` (each micro-batch's weight, known up front) every backward
+    runs right after its forward with its final scale; without, the graphs are kept until the
+    total is known (fine for small models; pass ``weights`` for large ones).
     """
     if not micro_batches:
         raise ValueError("accumulate_step needs at least one micro-batch")
     optimizer.zero_grad(set_to_none=True)
-    # Forward twice would cost compute; instead ask each micro-batch's weight cheaply when it
-    # exposes one, else run the forward and keep the graph until the total is known.
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-    weights = [getattr(mb, "weight", None) for mb in micro_batches]
-    total_weight: float | None = None
-    if all(w is not None for w in weights):
-        total_weight = float(sum(float(w) for w in weights))
+    total = None if weights is None else float(sum(weights))
+    pending: list[torch.Tensor] = []
     loss_total = 0.0
     weight_total = 0.0
     for mb in micro_batches:
         loss_sum, weight = loss_fn(model, mb)
         weight_total += float(weight)
         loss_total += float(loss_sum.detach())
-        if total_weight is not None:
-            if total_weight > 0:
-                (loss_sum / total_weight).backward()
+        if total is not None:
+            if total > 0:
+                (loss_sum / total).backward()
         else:
-            pending.append((loss_sum, weight))
-    if pending:
-        scale = max(weight_total, 1e-12)
-        torch.autograd.backward([ls / scale for ls, _ in pending])
+            pending.append(loss_sum)
+    if pending and weight_total > 0:
+        torch.autograd.backward([ls / weight_total for ls in pending])
     params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if max_grad_norm is not None and params:
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))

@@ -127,7 +127,8 @@ def train_sft(
                 rng.shuffle(order)
             chosen.append(examples[order.pop()])
         mbs = sft_micro_batches(chosen, cfg, pad_id, device)
-        stats = accumulate_step(model, opt, mbs, sft_loss, cfg.max_grad_norm)
+        weights = [float(b.mask.sum()) for b, _ in mbs]
+        stats = accumulate_step(model, opt, mbs, sft_loss, cfg.max_grad_norm, weights)
         sched.step()
         rec = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
                "tokens": stats["weight"]}  # fmt: skip
