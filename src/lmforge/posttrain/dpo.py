@@ -161,14 +161,24 @@ def pair_losses(
 def preference_accuracy(
     model: nn.Module, pairs: Sequence[Any], ref: torch.Tensor, cfg: DPOConfig, pad_id: int
 ) -> dict[str, float]:
-    """Held-out accuracy of the implicit reward (ties count ½) and the mean margin."""
-    acc, margin = 0.0, 0.0
+    """Held-out accuracy of the implicit reward (ties count ½), its mean margin, and the
+    accuracy of the policy's own log-probs (log π(chosen) > log π(rejected), no reference)."""
+    device = next(model.parameters()).device
+    acc, margin, lp_acc = 0.0, 0.0, 0.0
     for i in range(0, len(pairs), cfg.batch_size):
         chunk = pairs[i : i + cfg.batch_size]
-        _, rc, rr = pair_losses(model, chunk, ref[i : i + cfg.batch_size], cfg, pad_id)
+        s = sequence_scores(model, pair_batch(chunk, pad_id).to(device), _avg(cfg))
+        pc, pr = s[: len(chunk)], s[len(chunk) :]
+        lp_acc += float((pc > pr).float().sum() + 0.5 * (pc == pr).float().sum())
+        if cfg.loss == "simpo":
+            rc, rr = cfg.beta * pc, cfg.beta * pr
+        else:
+            r = ref[i : i + cfg.batch_size].to(device)
+            rc, rr = cfg.beta * (pc - r[:, 0]), cfg.beta * (pr - r[:, 1])
         acc += float((rc > rr).float().sum() + 0.5 * (rc == rr).float().sum())
         margin += float((rc - rr).sum())
-    return {"accuracy": acc / len(pairs), "margin": margin / len(pairs)}
+    n = len(pairs)
+    return {"accuracy": acc / n, "margin": margin / n, "logp_accuracy": lp_acc / n}
 
 
 def train_dpo(
