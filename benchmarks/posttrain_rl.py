@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--pipeline", action="store_true")
     ap.add_argument("--max-lag", type=int, default=4)
+    ap.add_argument("--queue", type=int, default=1, help="pipeline: batches in flight")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--sync-threads", type=int, default=1, help="torch threads of synchronous runs")
     ap.add_argument("--out", default="runs/posttrain_rl")
@@ -107,7 +108,8 @@ def main() -> None:
                               prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
                               max_tokens=task.answer_tokens, max_lag=args.max_lag,
                               digits=args.digits, eval_every=args.eval_every,
-                              eval_size=args.eval_size, target=args.target, threads=1)  # fmt: skip
+                              eval_size=args.eval_size, target=args.target, threads=1,
+                              queue_size=args.queue)  # fmt: skip
         pipe = _summary(run_pipeline(model, pcfg, progress=False), args.target)
         results["pipeline"] = {"sync_grpo": sync, "pipeline_grpo": pipe}
         plot_curves(out / "pipeline_vs_sync.png",

@@ -62,4 +62,4 @@ def test_pipeline_rl_two_processes_gloo() -> None:
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # tokens the engine sampled with the trainer's current version: ratio 1, so the bucketed
     # gloo broadcast delivered the weights intact
-    assert max(h["sync_check"] for h in hist) < 1e-4
+    assert max(h["sync_check"] for h in hist if "sync_check" in h) < 1e-4

@@ -60,6 +60,8 @@ class PipelineConfig:
     "torch threads per process"
     backend: str = "gloo"
     bucket_mib: int = 64
+    queue_size: int = 1
+    "finished batches the engine may hold ahead of the trainer (more = more overlap, more lag)"
 
 
 def _free_port() -> int:
@@ -110,11 +112,13 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     while not stop.value:
         items = task.sample(cfg.prompts_per_step, rng)
         sync()
+        t_gen = time.perf_counter()
         dec = engine.start([encode_text(tok, it["prompt"]) for it in items], params)
         while not dec.done:
             sync()  # in-flight: new weights mid-sequence, the KV cache is kept
             dec.step()
-        payload = (items, [(o.prompt_token_ids, o.outputs[0]) for o in dec.outputs()])
+        gen_s = time.perf_counter() - t_gen
+        payload = (items, [(o.prompt_token_ids, o.outputs[0]) for o in dec.outputs()], gen_s)
         while not stop.value:
             try:
                 out_q.put(payload, timeout=0.05)
@@ -136,8 +140,8 @@ def run_pipeline(
 ) -> list[dict[str, Any]]:
     """Train ``model`` (an lmforge TransformerLM on the arithmetic task) with Pipeline RL.
 
-    ``reward_fn(item, text)`` replaces the task's exact-match reward when given. Each record
-    holds ``sync_check``: the largest |π_θ/μ − 1| over the tokens sampled by the current version
+    ``reward_fn(item, text)`` replaces the task's exact-match reward when given. The first and
+    every ``eval_every``-th record hold ``sync_check``: the largest |π_θ/μ − 1| over the tokens sampled by the current version
     (lag 0) before the step — 0 up to rounding when the broadcast weights arrived intact.
     """
     import torch.distributed as dist
@@ -162,7 +166,7 @@ def run_pipeline(
     ctx = mp.get_context("spawn")
     published = ctx.Value("i", 0)
     stop = ctx.Value("b", False)
-    out_q = ctx.Queue(maxsize=2)
+    out_q = ctx.Queue(maxsize=cfg.queue_size)
     port = _free_port()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     proc = ctx.Process(
@@ -185,7 +189,9 @@ def run_pipeline(
         for it in tqdm(
             range(1, cfg.iterations + 1), desc=f"pipeline {cfg.algo}", disable=not progress
         ):
-            items, rows = out_q.get(timeout=600)
+            t_wait = time.perf_counter()
+            items, rows, gen_s = out_q.get(timeout=600)
+            wait_s = time.perf_counter() - t_wait
             samples += len(rows)
             comps = [c for _, c in rows]
             prompts = [p for p, _ in rows]
@@ -196,9 +202,10 @@ def run_pipeline(
                                             cfg.max_tokens,
                                             eos_ids=[tok.eos_id])  # fmt: skip
             s = rl.build_samples(prompts, comps, adv.flatten(), r.flatten())
-            with torch.no_grad():
-                logp, _ = sequence_logprobs(model, s.batch.input_ids, s.batch.labels,
-                                            cfg.temperature)  # fmt: skip
+            if it == 1 or it % cfg.eval_every == 0:  # a diagnostic forward: not every step
+                with torch.no_grad():
+                    logp, _ = sequence_logprobs(model, s.batch.input_ids, s.batch.labels,
+                                                cfg.temperature)  # fmt: skip
                 fresh = s.versions == version
                 dev = ((logp - s.old_logp).exp() - 1).abs()[fresh]
                 stats["sync_check"] = float(dev.max()) if dev.numel() else 0.0
@@ -225,6 +232,7 @@ def run_pipeline(
                                    "time_s": time.perf_counter() - t0, "version": version,
                                    "kept": len(s), "mean_lag": sum(lags) / max(len(lags), 1),
                                    "max_lag": max(lags, default=0),
+                                   "wait_s": wait_s, "engine_gen_s": gen_s,
                                    "mixed_version_rollouts": sum(len(set(c.policy_versions)) > 1
                                                                  for c in comps),
                                    **stats}  # fmt: skip
