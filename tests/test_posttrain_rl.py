@@ -203,3 +203,25 @@ def test_ppo_raises_reward_on_a_pluggable_reward() -> None:
     first = sum(h["reward"] for h in hist[:5]) / 5
     last = sum(h["reward"] for h in hist[-5:]) / 5
     assert last > first + 0.2, (first, last)
+
+
+def test_serve_engine_adapter_ratio_is_one() -> None:
+    """After the merge: the serve engine's log-probs through make_engine equal the trainer's."""
+    pytest.importorskip("lmforge.serve.engine")
+    from lmforge.posttrain.rollout import make_engine
+
+    model = tiny_lm()
+    eng = make_engine(model, eos_ids=[2], prefer="serve")
+    outs = eng.generate(
+        [[3, 4, 5], [6]], SamplingParams(temperature=0.8, max_tokens=7, n=4, seed=0)
+    )
+    comps = [c for o in outs for c in o.outputs]
+    prompts = [o.prompt_token_ids for o in outs for _ in o.outputs]
+    s = rl.build_samples(prompts, comps, torch.zeros(len(comps)), torch.zeros(len(comps)))
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, s.batch.input_ids, s.batch.labels, 0.8)
+    mask = s.batch.labels != IGNORE
+    assert float(((logp - s.old_logp).exp() - 1)[mask].abs().max()) < 1e-4
+    eng.version = 3
+    out = eng.generate([[3]], SamplingParams(temperature=0.0, max_tokens=3))
+    assert out[0].outputs[0].policy_versions == [3, 3, 3]

@@ -354,14 +354,26 @@ def make_engine(model: nn.Module, eos_ids: Iterable[int] = (), prefer: str = "au
 
 
 class _ServeAdapter:
-    """``lmforge.serve.engine.Engine`` behind this module's types (fields copied one to one)."""
+    """``lmforge.serve.engine.Engine`` behind this module's types (fields copied one to one).
+
+    The serve engine holds the same module (no copy), so a trainer stepping that module only
+    has to bump :attr:`version`, which sets the serve engine's ``policy_version``.
+    """
 
     def __init__(self, model: nn.Module, eos_ids: set[int]) -> None:
         from lmforge.serve.engine import Engine
 
         self.engine = Engine(model, device=next(model.parameters()).device)
         self.eos_ids = eos_ids
-        self.version = 0
+
+    @property
+    def version(self) -> int:
+        """The policy version the next tokens are recorded with."""
+        return int(self.engine.policy_version)
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.engine.policy_version = int(value)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -398,4 +410,3 @@ class _ServeAdapter:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
         self.engine.update_weights(named_tensors, version)
-        self.version = version
