@@ -115,6 +115,6 @@ def train_distill(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
-        history.append({"step": step, "loss": float(loss)})
+        history.append({"step": step, "loss": float(loss.detach())})
     student.eval()
     return history

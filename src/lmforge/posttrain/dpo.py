@@ -215,7 +215,7 @@ def train_dpo(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            rec = {"step": step, "loss": float(loss.mean()),
+            rec = {"step": step, "loss": float(loss.detach().mean()),
                    "reward_accuracy": float((rc > rr).float().mean()),
                    "reward_margin": float((rc - rr).mean()),
                    "reward_chosen": float(rc.mean()), "reward_rejected": float(rr.mean())}  # fmt: skip
@@ -308,6 +308,6 @@ def train_reward_model(
             opt.zero_grad(set_to_none=True)
             loss.mean().backward()
             opt.step()
-            history.append({"loss": float(loss.mean()), "accuracy": float(hit.mean())})
+            history.append({"loss": float(loss.detach().mean()), "accuracy": float(hit.mean())})
     rm.eval()
     return {"before": before, "after": accuracy(), "history": history}
