@@ -184,7 +184,6 @@ def test_rollout_on_a_transformers_gpt2_matches_its_own_logprobs() -> None:
     assert float(((logp - s.old_logp).exp() - 1)[mask].abs().max()) < 1e-4
 
 
-@pytest.mark.slow
 def test_ppo_raises_reward_on_a_pluggable_reward() -> None:
     from lmforge.posttrain.ppo import PPOConfig, run_ppo
 
