@@ -79,14 +79,15 @@ def main() -> None:
         torch.set_num_threads(threads)
         model = copy.deepcopy(base)
         eng = LocalEngine(model, eos_ids=[tok.eos_id])
-        cfg = rl.StepConfig(rl.algorithm(algo), max_tokens=task.answer_tokens, micro_batch=256)
+        max_tokens, cache = rl.overlong_budget(task.answer_tokens, rl.algorithm(algo))
+        cfg = rl.StepConfig(rl.algorithm(algo), max_tokens=max_tokens, micro_batch=256)
         hist = rl.run_iterations(
             model, eng, tok, rl.random_sampler(task, 1), task.reward, cfg,
             iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
             lr=args.lr, eval_fn=lambda: rl.evaluate_accuracy(eng, tok, eval_items, task.reward,
                                                              task.answer_tokens),
             eval_every=args.eval_every, target=args.target if stop_at_target else None,
-            overlong_cache=1 if rl.algorithm(algo).overlong_filter else 0,
+            overlong_cache=cache,
         )  # fmt: skip
         return _summary(hist, args.target)
 

@@ -187,3 +187,13 @@ def test_distillation_divergences_against_float64() -> None:
         )
     with pytest.raises(ValueError, match="vocabulary"):
         distill_token_loss(torch.randn(2, 5), torch.randn(2, 6))
+
+
+def test_overlong_budget_never_penalises_a_full_length_good_answer() -> None:
+    from lmforge.posttrain.losses import ALGORITHMS
+    from lmforge.posttrain.rl import overlong_budget
+
+    max_tokens, cache = overlong_budget(5, ALGORITHMS["dapo"])
+    assert (max_tokens, cache) == (7, 2)
+    assert float(overlong_penalty(torch.tensor([5]), max_tokens, cache)) == 0.0
+    assert overlong_budget(5, ALGORITHMS["grpo"]) == (5, 0)

@@ -255,13 +255,18 @@ def run_rl(args: argparse.Namespace) -> int:
     if args.task == "arithmetic":
         task, tok, model = arithmetic_start(args, out)
         reward_fn = task.reward
-        max_tokens = args.max_tokens or task.answer_tokens
+        answer_tokens = args.max_tokens or task.answer_tokens
         eval_items = task.eval_set(args.eval_size)
         sample_items = rl.random_sampler(task, args.seed + 1)
     else:
         task, tok, model, reward_fn, sample_items, eval_items = _math_task(args)
-        max_tokens = args.max_tokens or 256
+        answer_tokens = args.max_tokens or 256
     from lmforge.posttrain.models import clone_frozen, eos_ids, save_model
+
+    overlong_cache = 0
+    max_tokens = answer_tokens
+    if args.algo != "ppo":
+        max_tokens, overlong_cache = rl.overlong_budget(answer_tokens, rl.algorithm(args.algo))
 
     eos = eos_ids(tok)
     engine = LocalEngine(model, eos_ids=eos)
@@ -294,7 +299,7 @@ def run_rl(args: argparse.Namespace) -> int:
                               lr=args.lr, max_tokens=max_tokens, temperature=args.temperature,
                               max_lag=args.max_lag, digits=args.digits, seed=args.seed,
                               eval_every=args.eval_every, eval_size=args.eval_size,
-                              target=args.target)  # fmt: skip
+                              target=args.target, overlong_cache=overlong_cache)  # fmt: skip
         hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet)
     else:
         step_cfg = rl.StepConfig(
@@ -304,7 +309,6 @@ def run_rl(args: argparse.Namespace) -> int:
             temperature=args.temperature,
         )
         ref = clone_frozen(model) if args.kl_coef > 0 else None
-        algo = rl.algorithm(args.algo)
         with tqdm(total=args.iterations, desc=args.algo, disable=args.quiet) as bar:
             hist = rl.run_iterations(model, engine, tok, sample_items, reward_fn, step_cfg,
                                      iterations=args.iterations,
@@ -312,7 +316,7 @@ def run_rl(args: argparse.Namespace) -> int:
                                      group_size=args.group_size, lr=args.lr, epochs=args.epochs,
                                      eval_fn=evaluate, eval_every=args.eval_every,
                                      target=args.target,
-                                     overlong_cache=max(1, max_tokens // 4) if algo.overlong_filter else 0,
+                                     overlong_cache=overlong_cache,
                                      ref_model=ref, log=log, progress=bar)  # fmt: skip
     model.eval()
     final = hist[-1].get("eval_accuracy") if hist and "eval_accuracy" in hist[-1] else evaluate()

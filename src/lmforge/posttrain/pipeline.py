@@ -60,6 +60,8 @@ class PipelineConfig:
     "torch threads per process"
     backend: str = "gloo"
     bucket_mib: int = 64
+    overlong_cache: int = 0
+    "DAPO's soft overlong penalty ramp (0 = off)"
     queue_size: int = 1
     "finished batches the engine may hold ahead of the trainer (more = more overlap, more lag)"
 
@@ -199,7 +201,7 @@ def run_pipeline(
             grouped = [type("O", (), {"outputs": comps[g * n : (g + 1) * n]})()
                        for g in range(len(items))]  # fmt: skip
             r, adv, stats = rl.score_groups(items, grouped, tok, reward_fn or task.reward, algo,
-                                            cfg.max_tokens,
+                                            cfg.max_tokens, cfg.overlong_cache,
                                             eos_ids=[tok.eos_id])  # fmt: skip
             s = rl.build_samples(prompts, comps, adv.flatten(), r.flatten())
             if it == 1 or it % cfg.eval_every == 0:  # a diagnostic forward: not every step

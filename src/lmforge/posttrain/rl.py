@@ -324,6 +324,17 @@ def supervised_warmup(
     return steps
 
 
+def overlong_budget(answer_tokens: int, algo: Algorithm) -> tuple[int, int]:
+    """``(max_tokens, overlong_cache)`` for a task whose good answers take ``answer_tokens``:
+    DAPO's soft penalty ramps over the last ``cache`` tokens of the budget, so the budget is the
+    answer length plus the cache (a full-length good answer is never penalised); algorithms
+    without the overlong terms get the answer length and no cache."""
+    if not algo.overlong_filter:
+        return answer_tokens, 0
+    cache = max(2, answer_tokens // 4)
+    return answer_tokens + cache, cache
+
+
 def algorithm(name: str) -> Algorithm:
     """The named combination of :data:`~lmforge.posttrain.losses.ALGORITHMS`."""
     if name not in ALGORITHMS:
