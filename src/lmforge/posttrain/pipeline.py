@@ -1,0 +1,266 @@
+"""Pipeline RL: generation never stops for training.
+
+Two processes (``torch.multiprocessing``, spawn), joined by a ``torch.distributed`` group (gloo
+on CPU; NCCL when each has its own GPU):
+
+- the **engine** decodes batches of ``prompts_per_step × group_size`` rollouts continuously with
+  :class:`~lmforge.posttrain.rollout.LocalEngine`. Before every decode step it checks the
+  trainer's published version; when newer, it receives the weights (bucketed broadcast,
+  :mod:`lmforge.posttrain.weight_sync`) and swaps them in **mid-sequence**, keeping the KV
+  cache; every token records the version that sampled it. Finished batches go to a queue.
+- the **trainer** takes finished batches as they arrive, scores them, drops (or down-weights)
+  rollouts whose oldest token is more than ``max_lag`` versions behind, runs one optimizer
+  step, publishes the new version and broadcasts the weights.
+
+The importance ratio uses the engine's recorded log-probs (the behaviour policy, possibly mixed
+across versions within a sequence), clipped as in GRPO; that is what makes lag tolerable.
+Logged per step: the staleness histogram (token lag = trainer version − token version).
+
+Simplification: one engine, lockstep batches (no continuous batching); the arithmetic task.
+Placement across hosts belongs to an existing launcher (torchrun, Ray), not to this module.
+Exercised by ``pytest tests/test_posttrain_pipeline.py`` and ``lmforge rl --pipeline``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import queue
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline RL run settings (the arithmetic task)."""
+
+    algo: str = "grpo"
+    iterations: int = 40
+    prompts_per_step: int = 32
+    group_size: int = 8
+    lr: float = 1e-3
+    max_tokens: int = 5
+    temperature: float = 1.0
+    max_lag: int = 4
+    "rollouts whose oldest token is more than this many versions old are dropped (or down-weighted)"
+    stale: str = "drop"
+    "drop | downweight (weight 1 / (1 + lag − max_lag))"
+    digits: int = 3
+    seed: int = 0
+    eval_every: int = 5
+    eval_size: int = 200
+    target: float | None = None
+    threads: int = 1
+    "torch threads per process"
+    backend: str = "gloo"
+    bucket_mib: int = 64
+    overlong_cache: int = 0
+    "DAPO's soft overlong penalty ramp (0 = off)"
+    queue_size: int = 1
+    "finished batches the engine may hold ahead of the trainer (more = more overlap, more lag)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, port: int, backend: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+
+
+def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Tensor], port: int,
+                 published: Any, stop: Any, out_q: Any) -> None:  # fmt: skip
+    """The engine process: decode forever, swapping weights in between decode steps."""
+    import random
+
+    import torch.distributed as dist
+
+    from lmforge.model import TransformerLM
+    from lmforge.posttrain.core import encode_text
+    from lmforge.posttrain.rollout import LocalEngine, SamplingParams
+    from lmforge.posttrain.tasks import ArithmeticTask
+    from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
+
+    torch.set_num_threads(cfg.threads)
+    _init(1, port, cfg.backend)
+    model = TransformerLM(model_cfg)
+    model.load_state_dict(state)
+    model.eval()
+    task = ArithmeticTask(digits=cfg.digits)
+    tok = task.tokenizer()
+    engine = LocalEngine(model, eos_ids=[tok.eos_id])
+    layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
+    buckets = layout.empty_buckets("cpu")
+    rng = random.Random(cfg.seed + 1)
+    params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                            n=cfg.group_size)  # fmt: skip
+
+    def sync() -> None:
+        while published.value > engine.version:  # one broadcast per published version, in order
+            broadcast_model(model, layout, buckets, src=0)
+            engine.version += 1
+
+    while not stop.value:
+        items = task.sample(cfg.prompts_per_step, rng)
+        sync()
+        t_gen = time.perf_counter()
+        dec = engine.start([encode_text(tok, it["prompt"]) for it in items], params)
+        while not dec.done:
+            sync()  # in-flight: new weights mid-sequence, the KV cache is kept
+            dec.step()
+        gen_s = time.perf_counter() - t_gen
+        payload = (items, [(o.prompt_token_ids, o.outputs[0]) for o in dec.outputs()], gen_s)
+        while not stop.value:
+            try:
+                out_q.put(payload, timeout=0.05)
+                break
+            except queue.Full:
+                sync()  # keep answering broadcasts while the trainer is busy
+    while published.value > engine.version:  # the trainer may still be broadcasting
+        sync()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_pipeline(
+    model: nn.Module,
+    cfg: PipelineConfig,
+    log: Callable[[dict[str, Any]], None] | None = None,
+    progress: bool = True,
+    reward_fn: Callable[..., Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Train ``model`` (an lmforge TransformerLM on the arithmetic task) with Pipeline RL.
+
+    ``reward_fn(item, text)`` replaces the task's exact-match reward when given. The first and
+    every ``eval_every``-th record hold ``sync_check``: the largest |π_θ/μ − 1| over the tokens sampled by the current version
+    (lag 0) before the step — 0 up to rounding when the broadcast weights arrived intact.
+    """
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from tqdm import tqdm
+
+    from lmforge.posttrain import rl
+    from lmforge.posttrain.core import sequence_logprobs
+    from lmforge.posttrain.rollout import LocalEngine
+    from lmforge.posttrain.tasks import ArithmeticTask
+    from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
+
+    torch.set_num_threads(cfg.threads)
+    task = ArithmeticTask(digits=cfg.digits)
+    tok = task.tokenizer()
+    algo = rl.algorithm(cfg.algo)
+    step_cfg = rl.StepConfig(algo, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                             micro_batch=256)  # fmt: skip
+    eval_items = task.eval_set(cfg.eval_size)
+    eval_engine = LocalEngine(model, eos_ids=[tok.eos_id])
+
+    ctx = mp.get_context("spawn")
+    published = ctx.Value("i", 0)
+    stop = ctx.Value("b", False)
+    out_q = ctx.Queue(maxsize=cfg.queue_size)
+    port = _free_port()
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    proc = ctx.Process(
+        target=_engine_main,
+        args=(cfg, model.config, state, port, published, stop, out_q),
+        daemon=True,
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    proc.start()
+    _init(0, port, cfg.backend)
+    layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
+    buckets = layout.empty_buckets("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    version = 0
+    hist_total: collections.Counter[int] = collections.Counter()
+    history: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    samples = 0
+    try:
+        for it in tqdm(
+            range(1, cfg.iterations + 1), desc=f"pipeline {cfg.algo}", disable=not progress
+        ):
+            t_wait = time.perf_counter()
+            items, rows, gen_s = out_q.get(timeout=600)
+            wait_s = time.perf_counter() - t_wait
+            samples += len(rows)
+            comps = [c for _, c in rows]
+            prompts = [p for p, _ in rows]
+            n = cfg.group_size
+            grouped = [type("O", (), {"outputs": comps[g * n : (g + 1) * n]})()
+                       for g in range(len(items))]  # fmt: skip
+            r, adv, stats = rl.score_groups(items, grouped, tok, reward_fn or task.reward, algo,
+                                            cfg.max_tokens, cfg.overlong_cache,
+                                            eos_ids=[tok.eos_id])  # fmt: skip
+            s = rl.build_samples(prompts, comps, adv.flatten(), r.flatten())
+            if it == 1 or it % cfg.eval_every == 0:  # a diagnostic forward: not every step
+                with torch.no_grad():
+                    logp, _ = sequence_logprobs(model, s.batch.input_ids, s.batch.labels,
+                                                cfg.temperature)  # fmt: skip
+                fresh = s.versions == version
+                dev = ((logp - s.old_logp).exp() - 1).abs()[fresh]
+                stats["sync_check"] = float(dev.max()) if dev.numel() else 0.0
+            lags = [version - v for c in comps for v in c.policy_versions]
+            step_hist = collections.Counter(lags)
+            hist_total.update(step_hist)
+            oldest = torch.tensor([version - min(c.policy_versions) if c.policy_versions else 0
+                                   for c in comps])  # fmt: skip
+            if cfg.stale == "drop":
+                s = s.select((oldest <= cfg.max_lag).nonzero().flatten())
+            else:
+                s.weights = 1.0 / (1.0 + (oldest - cfg.max_lag).clamp_min(0).float())
+            if algo.dynamic_sampling and len(s):
+                keep = (s.advantages != 0).nonzero().flatten()
+                s = s.select(keep)
+            model.train()
+            if len(s):
+                stats.update(rl.rl_train_step(model, opt, s, step_cfg))
+            model.eval()
+            version += 1
+            published.value = version
+            broadcast_model(model, layout, buckets, src=0)
+            rec: dict[str, Any] = {"iteration": it, "samples": samples,
+                                   "time_s": time.perf_counter() - t0, "version": version,
+                                   "kept": len(s), "mean_lag": sum(lags) / max(len(lags), 1),
+                                   "max_lag": max(lags, default=0),
+                                   "wait_s": wait_s, "engine_gen_s": gen_s,
+                                   "mixed_version_rollouts": sum(len(set(c.policy_versions)) > 1
+                                                                 for c in comps),
+                                   **stats}  # fmt: skip
+            if it % cfg.eval_every == 0 or it == cfg.iterations:
+                rec["eval_accuracy"] = rl.evaluate_accuracy(
+                    eval_engine, tok, eval_items, task.reward, cfg.max_tokens
+                )
+            if it == cfg.iterations or (cfg.target is not None
+                                        and rec.get("eval_accuracy", -1) >= cfg.target):  # fmt: skip
+                rec["staleness_histogram"] = {str(k): v for k, v in sorted(hist_total.items())}
+            history.append(rec)
+            if log is not None:
+                log(rec)
+            if cfg.target is not None and rec.get("eval_accuracy", -1) >= cfg.target:
+                break
+    finally:
+        stop.value = True
+        try:
+            while True:
+                out_q.get_nowait()
+        except (queue.Empty, OSError, EOFError):
+            pass
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.terminate()
+    return history

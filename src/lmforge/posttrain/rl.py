@@ -1,0 +1,430 @@
+"""RL with verifiable rewards: rollouts in groups, advantages, and the GRPO-family train step.
+
+One iteration: sample ``group_size`` completions per prompt with the rollout engine (recording
+each token's log-prob and policy version), score them, compute group advantages, then run
+``epochs`` optimizer passes over that batch (off-policy after the first: the recorded log-probs
+are the importance-sampling denominators). The loss is the per-token policy loss of
+:mod:`lmforge.posttrain.losses` with the chosen reweighting, aggregated as chosen, plus an
+optional k3 KL to a frozen reference model.
+
+The arithmetic command (``lmforge rl --task arithmetic``) first pretrains a tiny model on the
+task's format (a short supervised warm start that leaves it well below the target accuracy),
+then runs RL; both phases and the held-out accuracy curve are logged.
+
+Shape legend: B batch (sequences), T tokens, V vocab.
+Exercised by ``pytest tests/test_posttrain_rl.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.posttrain.core import (
+    IGNORE,
+    Batch,
+    accumulate_step,
+    collate,
+    decode_ids,
+    encode_text,
+    masked_mean,
+    prompt_response_example,
+    sequence_logprobs,
+)
+from lmforge.posttrain.losses import (
+    ALGORITHMS,
+    Algorithm,
+    aggregate,
+    dynamic_sampling_keep,
+    group_advantages,
+    k3_kl,
+    overlong_penalty,
+    policy_token_loss,
+)
+from lmforge.posttrain.rollout import LocalEngine, SamplingParams
+from lmforge.posttrain.tasks import Reward
+from lmforge.utils.errors import LmforgeError
+
+
+@dataclasses.dataclass
+class Samples:
+    """A batch of scored completions ready for the loss.
+
+    ``batch`` holds prompt+completion inputs and labels (IGNORE outside the completion);
+    ``old_logp`` (B, T) the engine's log-probs at the label positions; ``versions`` (B, T) the
+    policy version of each completion token (−1 elsewhere); ``advantages`` (B,); ``weights``
+    (B,) per-sequence loss weights (staleness down-weighting; 1 by default); ``rewards`` (B,);
+    ``lengths`` (B,); ``truncated`` (B,) bool (ended by the length limit).
+    """
+
+    batch: Batch
+    old_logp: torch.Tensor
+    versions: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    lengths: torch.Tensor
+    truncated: torch.Tensor
+    weights: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.batch.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | Sequence[int]) -> Samples:
+        """The rows ``idx``."""
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return Samples(
+            Batch(self.batch.input_ids[idx], self.batch.labels[idx]),
+            self.old_logp[idx],
+            self.versions[idx],
+            self.advantages[idx],
+            self.rewards[idx],
+            self.lengths[idx],
+            self.truncated[idx],
+            self.weights[idx],
+        )
+
+
+def build_samples(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Any],
+    advantages: torch.Tensor,
+    rewards: torch.Tensor,
+    pad_id: int = 0,
+) -> Samples:
+    """:class:`Samples` from prompts and their :class:`~lmforge.posttrain.rollout.CompletionOutput`."""
+    examples = []
+    for p, c in zip(prompts, completions):
+        toks = c.token_ids if c.token_ids else [pad_id]
+        examples.append(prompt_response_example(p, toks))
+    batch = collate(examples, pad_id)
+    b, t = batch.input_ids.shape
+    old = torch.zeros(b, t)
+    ver = torch.full((b, t), -1, dtype=torch.long)
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        start = len(p) - 1
+        n = len(c.token_ids)
+        old[row, start : start + n] = torch.tensor(c.logprobs, dtype=torch.float32)
+        ver[row, start : start + n] = torch.tensor(c.policy_versions, dtype=torch.long)
+        if n == 0:
+            batch.labels[row] = IGNORE
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
+    trunc = torch.tensor([c.finish_reason == "length" for c in completions])
+    return Samples(batch, old, ver, advantages.float(), rewards.float(), lengths, trunc,
+                   torch.ones(b))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Loss choices of one RL train step (see :mod:`lmforge.posttrain.losses`)."""
+
+    algorithm: Algorithm
+    kl_coef: float = 0.0
+    "weight of the k3 KL to the reference model (0 = no reference needed)"
+    max_tokens: int = 16
+    "the generation budget: Dr. GRPO's constant normalizer"
+    micro_batch: int = 64
+    "sequences per forward/backward"
+    max_grad_norm: float | None = 1.0
+    "clip the gradient norm (None = off)"
+    temperature: float = 1.0
+    "sampling temperature (the log-probs are at this temperature)"
+
+
+def _loss_fn(cfg: StepConfig, ref_model: nn.Module | None) -> Callable[..., Any]:
+    algo = cfg.algorithm
+
+    def fn(model: nn.Module, s: Samples) -> tuple[torch.Tensor, float]:
+        device = next(model.parameters()).device
+        ids, labels = s.batch.input_ids.to(device), s.batch.labels.to(device)
+        mask = labels != IGNORE
+        if algo.overlong_filter:
+            mask = mask & ~s.truncated.to(device)[:, None]
+        logp, _ = sequence_logprobs(model, ids, labels, cfg.temperature)
+        token_loss, clipped = policy_token_loss(
+            logp, s.old_logp.to(device), s.advantages.to(device), mask,
+            algo.reweight, algo.eps_low, algo.eps_high,
+        )  # fmt: skip
+        if cfg.kl_coef > 0:
+            if ref_model is None:
+                raise LmforgeError("kl_coef > 0 needs a reference model")
+            with torch.no_grad():
+                ref, _ = sequence_logprobs(ref_model, ids, labels, cfg.temperature)
+            token_loss = token_loss + cfg.kl_coef * k3_kl(logp, ref) * mask
+        token_loss = token_loss * s.weights.to(device)[:, None]
+        fn.clip_fraction.append(float(clipped.sum()) / max(float(mask.sum()), 1.0))
+        return aggregate(token_loss, mask, algo.aggregation, float(cfg.max_tokens))
+
+    fn.clip_fraction = []  # type: ignore[attr-defined]
+    return fn
+
+
+def rl_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Samples,
+    cfg: StepConfig,
+    ref_model: nn.Module | None = None,
+) -> dict[str, float]:
+    """One optimizer step on ``samples``, split into micro-batches of ``cfg.micro_batch``
+    sequences (gradient accumulation normalised over the whole batch, see
+    :func:`~lmforge.posttrain.core.accumulate_step`). Takes any torch optimizer."""
+    n = len(samples)
+    if n == 0:
+        raise LmforgeError("no samples to train on")
+    chunks = [samples.select(range(i, min(i + cfg.micro_batch, n)))
+              for i in range(0, n, cfg.micro_batch)]  # fmt: skip
+    fn = _loss_fn(cfg, ref_model)
+    stats = accumulate_step(model, optimizer, chunks, fn, cfg.max_grad_norm)
+    stats["clip_fraction"] = sum(fn.clip_fraction) / len(fn.clip_fraction)
+    return stats
+
+
+def score_groups(
+    items: Sequence[dict[str, Any]],
+    outputs: Sequence[Any],
+    tokenizer: Any,
+    reward_fn: Callable[[dict[str, Any], str], Reward],
+    algo: Algorithm,
+    max_tokens: int,
+    overlong_cache: int = 0,
+    eos_ids: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Rewards (G, N), advantages (G, N) and reward statistics of grouped outputs."""
+    stops = set(eos_ids)
+    rewards, answers, formats, lengths = [], [], [], []
+    for item, out in zip(items, outputs):
+        row = []
+        for c in out.outputs:
+            toks = [t for t in c.token_ids if t not in stops]
+            r = reward_fn(item, decode_ids(tokenizer, toks))
+            row.append(r.total)
+            answers.append(r.answer)
+            formats.append(r.format)
+            lengths.append(len(c.token_ids))
+        rewards.append(row)
+    r = torch.tensor(rewards, dtype=torch.float32)  # (G, N)
+    shaped = r
+    if overlong_cache > 0:
+        lens = torch.tensor(lengths, dtype=torch.float32).view_as(r)
+        shaped = r + overlong_penalty(lens, max_tokens, overlong_cache)
+    adv = group_advantages(shaped, algo.baseline, algo.normalizer)
+    stats = {
+        "reward": float(r.mean()),
+        "reward_answer": sum(answers) / len(answers),
+        "reward_format": sum(formats) / len(formats),
+        "reward_std_in_group": float(r.std(-1, unbiased=False).mean()),
+        "response_len": sum(lengths) / len(lengths),
+    }
+    return r, adv, stats
+
+
+def rollout_and_score(
+    engine: LocalEngine,
+    tokenizer: Any,
+    items: Sequence[dict[str, Any]],
+    reward_fn: Callable[[dict[str, Any], str], Reward],
+    algo: Algorithm,
+    params: SamplingParams,
+    overlong_cache: int = 0,
+) -> tuple[Samples, dict[str, float]]:
+    """Sample ``params.n`` completions per item, score them and build :class:`Samples`
+    (groups dropped by dynamic sampling when the algorithm asks for it)."""
+    prompts = [encode_text(tokenizer, it["prompt"]) for it in items]
+    outs = engine.generate(prompts, params)
+    eos = list(engine.eos_ids)
+    r, adv, stats = score_groups(items, outs, tokenizer, reward_fn, algo, params.max_tokens,
+                                 overlong_cache, eos)  # fmt: skip
+    keep = (
+        dynamic_sampling_keep(r)
+        if algo.dynamic_sampling
+        else torch.ones(len(items), dtype=torch.bool)
+    )
+    stats["groups_kept"] = float(keep.float().mean())
+    flat_p, flat_c, flat_a, flat_r = [], [], [], []
+    for g, out in enumerate(outs):
+        if not keep[g]:
+            continue
+        for j, c in enumerate(out.outputs):
+            flat_p.append(prompts[g])
+            flat_c.append(c)
+            flat_a.append(float(adv[g, j]))
+            flat_r.append(float(r[g, j]))
+    if not flat_c:
+        return Samples(Batch(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)),
+                       torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0),
+                       torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool),
+                       torch.zeros(0)), stats  # fmt: skip
+    return build_samples(flat_p, flat_c, torch.tensor(flat_a), torch.tensor(flat_r)), stats
+
+
+@torch.no_grad()
+def evaluate_accuracy(
+    engine: LocalEngine,
+    tokenizer: Any,
+    items: Sequence[dict[str, Any]],
+    reward_fn: Callable[[dict[str, Any], str], Reward],
+    max_tokens: int,
+    batch_size: int = 256,
+) -> float:
+    """Greedy held-out accuracy (mean answer reward)."""
+    total = 0.0
+    eos = set(engine.eos_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for i in range(0, len(items), batch_size):
+        chunk = items[i : i + batch_size]
+        outs = engine.generate([encode_text(tokenizer, it["prompt"]) for it in chunk], params)
+        for it, o in zip(chunk, outs):
+            toks = [t for t in o.outputs[0].token_ids if t not in eos]
+            total += reward_fn(it, decode_ids(tokenizer, toks)).answer
+    return total / max(len(items), 1)
+
+
+def supervised_warmup(
+    model: nn.Module,
+    tokenizer: Any,
+    sample_items: Callable[[int], list[dict[str, Any]]],
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    eos_id: int | None = None,
+    stop_at: Callable[[int], bool] | None = None,
+    progress: Any = None,
+    answer_fn: Callable[[dict[str, Any]], str] | None = None,
+) -> int:
+    """Supervised warm start on ``{"prompt", "answer"}`` items (loss on the answer and EOS;
+    ``answer_fn(item)`` replaces the target answer when given).
+
+    Runs ``steps`` AdamW steps, or fewer when ``stop_at(step)`` says so (checked every step).
+    Returns the number of steps taken.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    device = next(model.parameters()).device
+    target = answer_fn or (lambda it: it["answer"])
+    model.train()
+    for step in range(1, steps + 1):
+        exs = [prompt_response_example(encode_text(tokenizer, it["prompt"]),
+                                       encode_text(tokenizer, target(it)), eos_id)
+               for it in sample_items(batch_size)]  # fmt: skip
+        b = collate(exs).to(device)
+        logp, _ = sequence_logprobs(model, b.input_ids, b.labels)
+        loss = -masked_mean(logp, b.mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if progress is not None:
+            progress.update(1)
+        if stop_at is not None and stop_at(step):
+            return step
+    return steps
+
+
+def overlong_budget(answer_tokens: int, algo: Algorithm) -> tuple[int, int]:
+    """``(max_tokens, overlong_cache)`` for a task whose good answers take ``answer_tokens``:
+    DAPO's soft penalty ramps over the last ``cache`` tokens of the budget, so the budget is the
+    answer length plus the cache (a full-length good answer is never penalised); algorithms
+    without the overlong terms get the answer length and no cache."""
+    if not algo.overlong_filter:
+        return answer_tokens, 0
+    cache = max(2, answer_tokens // 4)
+    return answer_tokens + cache, cache
+
+
+def algorithm(name: str) -> Algorithm:
+    """The named combination of :data:`~lmforge.posttrain.losses.ALGORITHMS`."""
+    if name not in ALGORITHMS:
+        known = ", ".join([*ALGORITHMS, "ppo"])
+        raise LmforgeError(f"unknown RL algorithm {name!r} (known: {known})")
+    return ALGORITHMS[name]
+
+
+def run_iterations(
+    model: nn.Module,
+    engine: LocalEngine,
+    tokenizer: Any,
+    sample_items: Callable[[int], list[dict[str, Any]]],
+    reward_fn: Callable[[dict[str, Any], str], Reward],
+    step_cfg: StepConfig,
+    *,
+    iterations: int,
+    prompts_per_step: int,
+    group_size: int,
+    lr: float,
+    epochs: int = 1,
+    eval_fn: Callable[[], float] | None = None,
+    eval_every: int = 10,
+    target: float | None = None,
+    overlong_cache: int = 0,
+    ref_model: nn.Module | None = None,
+    log: Callable[[dict[str, Any]], None] | None = None,
+    progress: Any = None,
+) -> list[dict[str, Any]]:
+    """Synchronous RL: rollout → score → ``epochs`` optimizer steps, ``iterations`` times.
+
+    Evaluates every ``eval_every`` iterations (and stops early once ``target`` accuracy is
+    reached). The engine must sample from ``model`` (same module, or weights pushed in
+    ``update_weights`` by the caller). Returns one record per iteration.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    params = SamplingParams(temperature=step_cfg.temperature, max_tokens=step_cfg.max_tokens,
+                            n=group_size)  # fmt: skip
+    history: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    samples_seen = 0
+    for it in range(1, iterations + 1):
+        model.eval()
+        samples, stats = rollout_and_score(
+            engine,
+            tokenizer,
+            sample_items(prompts_per_step),
+            reward_fn,
+            step_cfg.algorithm,
+            params,
+            overlong_cache,
+        )
+        samples_seen += prompts_per_step * group_size
+        model.train()
+        for _ in range(epochs):
+            if len(samples) == 0:
+                break
+            stats.update(rl_train_step(model, opt, samples, step_cfg, ref_model))
+        engine.version += 1  # the engine shares the module: its next tokens come from this policy
+        rec: dict[str, Any] = {"iteration": it, "samples": samples_seen,
+                               "time_s": time.perf_counter() - t0, **stats}  # fmt: skip
+        if eval_fn is not None and (it % eval_every == 0 or it == iterations):
+            model.eval()
+            rec["eval_accuracy"] = eval_fn()
+        history.append(rec)
+        if log is not None:
+            log(rec)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(
+                reward=f"{stats['reward']:.2f}", acc=f"{rec.get('eval_accuracy', float('nan')):.2f}"
+            )
+        if target is not None and rec.get("eval_accuracy", -1.0) >= target:
+            break
+    return history
+
+
+def arithmetic_model(
+    vocab_size: int, seed: int = 0, d_model: int = 128, n_layers: int = 2
+) -> nn.Module:
+    """The tiny lmforge model of the arithmetic task (2 layers, d=128, reference backends)."""
+    from lmforge.model import ModelConfig, TransformerLM
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab_size, context_length=32, d_model=d_model,
+                      n_layers=n_layers, n_heads=4, attention="sdpa")  # fmt: skip
+    return TransformerLM(cfg)
+
+
+def random_sampler(task: Any, seed: int) -> Callable[[int], list[dict[str, Any]]]:
+    """A function n -> n fresh training items of ``task`` (seeded)."""
+    rng = random.Random(seed)
+    return lambda n: task.sample(n, rng)

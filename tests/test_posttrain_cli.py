@@ -1,0 +1,50 @@
+"""The four commands: --help with examples, one-line errors, and a tiny `lmforge rl` run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmforge.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    """`lmforge rl` sets one torch thread for the process; give the others theirs back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("cmd", ["sft", "dpo", "rl", "distill"])
+def test_help_has_examples(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([cmd, "--help"])
+    assert "examples:" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["rl", "--algo", "nope", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown RL algorithm 'nope'" in err[0]
+    assert main(["sft", "--model", str(tmp_path / "missing"), "--data", "x.jsonl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model not found" in err[0]
+
+
+def test_rl_arithmetic_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rl"
+    args = ["rl", "--task", "arithmetic", "--digits", "1", "--warmup-steps", "5", "--iterations", "2",
+            "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8", "--quiet",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["samples"] == 32
+    assert (out / "curve.png").is_file() and (out / "model" / "model.safetensors").is_file()
+    assert (out / "warm_start" / "config.toml").is_file()
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["iteration"] == 0 and len(lines) == 3
