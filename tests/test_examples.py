@@ -103,6 +103,12 @@ ROWS: tuple[Row, ...] = (
     Row(r"^lmforge probe causality --checkpoint runs/moe/", skip="needs a trained MoE run"),
     Row(r"^lmforge probe causality .*(expert_choice|token_choice_capacity)", rc=1),
     Row(r"^lmforge probe causality "),
+    # posttrain (src/lmforge/posttrain/_cli.py)
+    Row(r"^lmforge rl --task arithmetic", extra=("--iterations", "1", "--warmup-steps", "2",
+        "--eval-size", "4", "--prompts-per-step", "2", "--group-size", "2", "--quiet",
+        "--out", "runs/rl-example"), slow=True),
+    Row(r"^lmforge (sft|dpo|rl|distill) ", skip="names your own data or an earlier post-training "
+        "run (runs/sft/model, prefs.jsonl, ...); tests/test_posttrain_cli.py runs each command"),
     # bench, plan (core's files)
     Row(r"^lmforge bench model --preset tiny --device cpu"),
     Row(r"^lmforge bench ", skip="GPU benchmarks (H100/H200)"),
