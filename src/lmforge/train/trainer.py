@@ -51,7 +51,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -352,8 +352,12 @@ class Trainer:
     optimizer and data and restores the latest checkpoint when ``train.resume`` is on.
     """
 
-    def __init__(self, cfg: RunConfig, runtime: Runtime | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, runtime: Runtime | None = None, callbacks: Sequence[Callable] = ()
+    ) -> None:
         self.run_config = cfg
+        # cb(trainer, step, metrics) on rank 0 after each good step; keys added are logged.
+        self.callbacks = list(callbacks)
         self.mcfg, self.tcfg, self.dcfg, self.pcfg = cfg.model, cfg.train, cfg.data, cfg.parallel
         tc = self.tcfg
         if runtime is None:
@@ -1055,6 +1059,12 @@ class Trainer:
                     )
             else:
                 last_loss = loss_v
+            extra: dict[str, Any] = {}
+            if reason is None and self.is_main:
+                for cb in self.callbacks:
+                    cb(self, it, extra)
+            if extra and loggers and not (it % tc.log_every == 0 or it == tc.max_steps):
+                loggers.log({"event": "callbacks", "step": it, **extra})
             if tuning is not None and self.is_main:  # the first step tuned the GEMMs
                 from lmforge.kernels import _cublaslt
 
@@ -1078,6 +1088,7 @@ class Trainer:
                     "tokens_per_s": tok_s,
                     "mfu": mfu,
                     "elapsed_s": now - start,
+                    **extra,
                 }
                 if loggers:
                     loggers.log(rec)
@@ -1177,9 +1188,11 @@ def _fused_model_loss(
     )
 
 
-def train(cfg: RunConfig, runtime: Runtime | None = None) -> dict[str, Any]:
+def train(
+    cfg: RunConfig, runtime: Runtime | None = None, callbacks: Sequence[Callable] = ()
+) -> dict[str, Any]:
     """Run one training job from a RunConfig; returns the final metrics (see :class:`Trainer`).
 
     Exercised by ``lmforge train --config configs/tiny.toml`` and by ``lmforge demo``.
     """
-    return Trainer(cfg, runtime).run()
+    return Trainer(cfg, runtime, callbacks).run()
