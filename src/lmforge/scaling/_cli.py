@@ -158,6 +158,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("--tokens", type=float, help="D for a loss prediction")
     pr.set_defaults(func=_predict)
 
+    b = add(
+        "branch",
+        "WSD cooldown branches from one stable run (optionally vs separate cosine runs)",
+        "One constant-LR run checkpoints at each branch point T − round(f·T); each branch resumes "
+        "from it with WSD's linear decay to T steps: the loss at several token counts for "
+        "max(s) + Σ d steps instead of Σ T. --compare-cosine adds separate cosine runs of each "
+        "length. Results in OUT/branches.json.",
+        BRANCH_EXAMPLES,
+    )
+    add_config_arguments(b, "run TOML (model/train/data); schedule and max_steps are set per run")
+    b.add_argument("--at", required=True, help="comma-separated total steps of the branches")
+    b.add_argument("--decay-fraction", type=float, default=0.2, help="decay share of each branch")
+    b.add_argument("--compare-cosine", action="store_true", help="also train separate cosine runs")
+    b.add_argument("--out", required=True, help="folder for the stable run, branches and results")
+    b.set_defaults(func=_branch)
+
 
 def _floats(text: str, what: str) -> list[float]:
     from lmforge.utils.errors import LmforgeError
@@ -340,4 +356,21 @@ def _predict(args: argparse.Namespace) -> int:
             n, d = params["k_N"] * c ** params["a"], params["k_D"] * c ** params["b"]
             loss = params["k_L"] * c ** params["gamma"]
             print(f"C={c:.3g}: N_opt={n:.4g} D_opt={d:.4g} D/N={d / n:.3g} loss={loss:.4f}")
+    return 0
+
+
+def _branch(args: argparse.Namespace) -> int:
+    from lmforge.config import load_run_config
+    from lmforge.scaling.branches import run_branches
+
+    base = load_run_config(args.config, args.overrides)
+    recs = run_branches(
+        base, _ints(args.at, "--at"), args.out, args.decay_fraction, args.compare_cosine
+    )
+    print(f"{'steps':>7} {'tokens':>11} {'from':>6} {'wsd loss':>9} {'cosine':>9} {'wsd/cos-1':>9}")
+    for r in recs:
+        cos = f"{r['cosine_loss']:>9.4f} {100 * r['rel_diff']:>8.2f}%" if "cosine_loss" in r else ""
+        print(
+            f"{r['steps']:>7} {r['tokens']:>11,} {r['branch_from']:>6} {r['wsd_loss']:>9.4f} {cos}"
+        )
     return 0
