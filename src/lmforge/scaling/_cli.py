@@ -174,6 +174,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--out", required=True, help="folder for the stable run, branches and results")
     b.set_defaults(func=_branch)
 
+    cc = add(
+        "coord-check",
+        "muP coordinate check: activation scales across widths, standard vs muP (PNG)",
+        "Trains each width of a fixed-depth, fixed-heads family for a few AdamW steps on a "
+        "synthetic stream and plots the mean |x| of the embedding, each block and the logits "
+        "against width per step. Flat in width = muP working; standard grows.",
+        COORD_EXAMPLES,
+    )
+    cc.add_argument("--widths", default="32,64,128,256", help="comma-separated d_model values")
+    cc.add_argument("--steps", type=int, default=5)
+    cc.add_argument("--lr", type=float, default=1e-2)
+    cc.add_argument("--device", default="cpu")
+    cc.add_argument("--out", default="coord_check.png", help="PNG path")
+    cc.set_defaults(func=_coord)
+
+    lt = add(
+        "lr-transfer",
+        "muP learning-rate transfer: loss vs LR per width, standard vs muP (PNG + JSON)",
+        "For each width and LR, trains the coord-check family (muP base = the smallest width) "
+        "and reports the loss of the last 10% of steps; the best LR per width should stay put "
+        "under muP and drift under standard. GPU-sized (use --device cuda).",
+        "examples:\n  lmforge scaling lr-transfer --widths 64,128,256,512 --lrs 1e-3,3e-3,1e-2,3e-2 "
+        "--steps 200 --device cuda --out lr.png\n",
+    )
+    lt.add_argument("--widths", default="32,64,128")
+    lt.add_argument("--lrs", default="1e-3,3e-3,1e-2,3e-2")
+    lt.add_argument("--steps", type=int, default=100)
+    lt.add_argument("--device", default="cpu")
+    lt.add_argument("--out", default="lr_transfer.png", help="PNG path")
+    lt.add_argument("--json", help="write the loss table here")
+    lt.set_defaults(func=_lr_transfer)
+
 
 def _floats(text: str, what: str) -> list[float]:
     from lmforge.utils.errors import LmforgeError
@@ -373,4 +405,34 @@ def _branch(args: argparse.Namespace) -> int:
         print(
             f"{r['steps']:>7} {r['tokens']:>11,} {r['branch_from']:>6} {r['wsd_loss']:>9.4f} {cos}"
         )
+    return 0
+
+
+def _coord(args: argparse.Namespace) -> int:
+    from lmforge.scaling.mup import coord_check, plot_coord_check
+
+    widths = _ints(args.widths, "--widths")
+    res = coord_check(widths, steps=args.steps, lr=args.lr, device=args.device)
+    for name in res:
+        for site, by_w in res[name].items():
+            vals = "  ".join(f"d={w}: {v[-1]:.3g}" for w, v in sorted(by_w.items()))
+            print(f"{name:>8} {site:>9} (step {args.steps - 1}): {vals}")
+    plot_coord_check(res, args.out, args.lr)
+    print(f"coord check written to {args.out}")
+    return 0
+
+
+def _lr_transfer(args: argparse.Namespace) -> int:
+    import json
+
+    from lmforge.scaling.mup import best_lrs, lr_sweep, plot_lr_sweep
+    from lmforge.utils.io import atomic_write_text
+
+    widths, lrs = _ints(args.widths, "--widths"), _floats(args.lrs, "--lrs")
+    sp = lr_sweep(widths, lrs, False, steps=args.steps, device=args.device)
+    mu = lr_sweep(widths, lrs, True, steps=args.steps, device=args.device)
+    print(f"best LR per width  standard: {best_lrs(sp)}  muP: {best_lrs(mu)}")
+    plot_lr_sweep(sp, mu, args.out)
+    if args.json:
+        atomic_write_text(args.json, json.dumps({"standard": sp, "mup": mu}, indent=1))
     return 0

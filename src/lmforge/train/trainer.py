@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lmforge.model.mup import lr_multipliers
 from lmforge.train.checkpoint import (
     checkpoint_path,
     latest_checkpoint,
@@ -121,13 +122,19 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def _param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    # Matrices (projections, embeddings) decay; gains (norm weights) do not.
-    decay = [p for p in params if p.ndim >= 2]
-    other = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if other:
-        groups.append({"params": other, "weight_decay": 0.0})
+def _param_groups(
+    params: list[nn.Parameter], weight_decay: float, lr_mults: list[float] | None = None
+) -> list[dict[str, Any]]:
+    # Matrices (projections, embeddings) decay; gains (norm weights) do not. muP's per-parameter
+    # LR multipliers (lr_mults, one per param) split groups further; launch_step applies lr_mult.
+    mults = lr_mults or [1.0] * len(params)
+    groups = []
+    for decay in (True, False):
+        for m in sorted({m for p, m in zip(params, mults) if (p.ndim >= 2) == decay}):
+            ps = [p for p, pm in zip(params, mults) if (p.ndim >= 2) == decay and pm == m]
+            groups.append({"params": ps, "weight_decay": weight_decay if decay else 0.0})
+            if m != 1.0:
+                groups[-1]["lr_mult"] = m
     return groups
 
 
@@ -405,9 +412,14 @@ class Trainer:
         # Master weights: the optimizer updates the fp32 masters in place of the model's bf16
         # weights, reads the gradients from those, and writes them back.
         to_master = {id(p): m for p, m in self.masters.values()}
+        mup_mults = lr_multipliers(model)  # {} unless model.mup
         self.optimizer = self.strategy.make_optimizer(
             lambda ps: AdamW(
-                _param_groups([to_master.get(id(p), p) for p in ps], tc.weight_decay),
+                _param_groups(
+                    [to_master.get(id(p), p) for p in ps],
+                    tc.weight_decay,
+                    [mup_mults.get(id(p), 1.0) for p in ps],
+                ),
                 lr=tc.lr,
                 betas=(tc.beta1, tc.beta2),
                 eps=tc.eps,
@@ -818,7 +830,7 @@ class Trainer:
             tc.decay_fraction,
         )
         for group in self.optimizer.param_groups:
-            group["lr"] = self.current_lr
+            group["lr"] = self.current_lr * group.get("lr_mult", 1.0)
         micro = [self.sampler.next_batch(tc.batch_size, self.device) for _ in range(tc.grad_accum)]
         if self._graph_wanted():
             values, reason = self._graph_step(micro), None
