@@ -87,6 +87,14 @@ def _batches(stream: Any, batch: int, context: int, steps: int, seed: int) -> li
     return out
 
 
+def _recorder(record: dict[str, float], key: str) -> Any:
+    # A forward hook storing the output's mean |x| under ``key``.
+    def hook(module: Any, inputs: Any, output: Any) -> None:
+        record[key] = float(output.detach().abs().mean())
+
+    return hook
+
+
 def coord_check(
     widths: Sequence[int],
     steps: int = 5,
@@ -115,26 +123,16 @@ def coord_check(
             model = TransformerLM(cfg, device=device)
             opt = _optimizer(model, lr, 0.0)
             record: dict[str, float] = {}
-            hooks = [
-                model.token_embeddings.register_forward_hook(
-                    lambda m, i, o: record.__setitem__("embedding", float(o.detach().abs().mean()))
-                )
-            ]
+            hooks = [model.token_embeddings.register_forward_hook(_recorder(record, "embedding"))]
             for li, layer in enumerate(model.layers):
-                hooks.append(
-                    layer.register_forward_hook(
-                        lambda m, i, o, li=li: record.__setitem__(
-                            f"block_{li}", float(o.detach().abs().mean())
-                        )
-                    )
-                )
+                hooks.append(layer.register_forward_hook(_recorder(record, f"block_{li}")))
             data = _batches(
                 _stream(cfg.vocab_size, 20000, seed), batch, cfg.context_length, steps, seed
             )
             for x, y in data:
                 x, y = x.to(device), y.to(device)
                 logits = model(x)  # (B, T, V)
-                record["logits"] = float(logits.abs().mean())
+                record["logits"] = float(logits.detach().abs().mean())
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
