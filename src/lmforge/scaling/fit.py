@@ -67,7 +67,12 @@ class ParametricLaw:
         return self.E + self.A / n**self.alpha + self.B / d**self.beta
 
     def optimal(self, c: float, k: float = 6.0) -> tuple[float, float]:
-        """(N_opt, D_opt) minimising L under C = k·N·D (closed form, Hoffmann eq. 4)."""
+        """(N_opt, D_opt) minimising L under C = k·N·D (closed form, Hoffmann eq. 4).
+
+        NaN when a term vanishes (α or β at 0, or A or B underflowed): then no finite optimum.
+        """
+        if min(self.alpha, self.beta) <= 0 or min(self.A, self.B) <= 0:
+            return math.nan, math.nan
         g = (self.alpha * self.A / (self.beta * self.B)) ** (1.0 / (self.alpha + self.beta))
         s = c / k
         n = g * s ** (self.beta / (self.alpha + self.beta))
@@ -141,7 +146,7 @@ def _lbfgs(
         # α, β kept non-negative (a negative exponent is no scaling law); tight tolerances so
         # the optimum of the stated objective is reached, not the optimiser's default stop.
         bounds=[(None, None), (None, None), (None, None), (0.0, 10.0), (0.0, 10.0)],
-        options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 20000, "maxcor": 30},
+        options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 5000, "maxcor": 30},
     )
     return np.asarray(res.x, dtype=np.float64), float(res.fun)
 
@@ -202,14 +207,15 @@ def fit_parametric(
         law = ParametricLaw.from_theta(th)
         no, do = law.optimal(ref, k)
         n_opts.append(no)
-        losses.append(float(law.loss(no, do)))
+        losses.append(float(law.loss(no, do)) if math.isfinite(no) else math.nan)
     spread = {
-        "n_opt": float(max(n_opts) / min(n_opts) - 1.0),
-        "loss": float(max(losses) / min(losses) - 1.0),
+        "n_opt": float(np.max(n_opts) / np.min(n_opts) - 1.0),
+        "loss": float(np.max(losses) / np.min(losses) - 1.0),
         "reference_budget": ref,
         "near_best_starts": float(len(near)),
     }
-    disagree = spread["n_opt"] > 0.05 or spread["loss"] > 0.005
+    # NaN spreads (a near-best start without a finite optimum) count as disagreement.
+    disagree = not (spread["n_opt"] <= 0.05 and spread["loss"] <= 0.005)
     boot: list[tuple[float, ...]] = []
     if n_boot:
         rng = np.random.default_rng(seed)
@@ -436,7 +442,7 @@ def predict_parametric(fit: ParametricFit, budgets: Sequence[float]) -> dict[str
                 bn, bd = law.optimal(c, fit.k)
                 ns.append(bn)
                 ds.append(bd)
-                ls.append(float(law.loss(bn, bd)))
+                ls.append(float(law.loss(bn, bd)) if math.isfinite(bn) else math.nan)
             rec["intervals"] = {
                 "N": _interval(ns),
                 "D": _interval(ds),

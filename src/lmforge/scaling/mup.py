@@ -155,8 +155,13 @@ def lr_sweep(
     seed: int = 0,
     device: str = "cpu",
     n_layers: int = 2,
+    stream: Any = None,
+    context: int = 64,
 ) -> dict[int, dict[float, float]]:
-    """{width: {lr: mean training loss of the last 10% of steps}} (NaN/inf for a diverged run)."""
+    """{width: {lr: mean training loss of the last 10% of steps}} (inf for a diverged run).
+
+    ``stream`` (a 1-D tensor of token ids, e.g. a text shard) replaces the synthetic stream.
+    """
     import math
 
     import torch
@@ -166,10 +171,10 @@ def lr_sweep(
     base = base_width or min(widths)
     out: dict[int, dict[float, float]] = {}
     for w in widths:
-        cfg = family_config(w, mup, base, n_layers=n_layers)
-        data = _batches(
-            _stream(cfg.vocab_size, 200000, seed), batch, cfg.context_length, steps, seed
-        )
+        vocab = 256 if stream is None else int(stream.max()) + 1
+        cfg = family_config(w, mup, base, n_layers=n_layers, vocab=vocab, context=context)
+        src = _stream(vocab, 200000, seed) if stream is None else stream
+        data = _batches(src, batch, cfg.context_length, steps, seed)
         data = [(x.to(device), y.to(device)) for x, y in data]
         out[w] = {}
         for lr in lrs:
