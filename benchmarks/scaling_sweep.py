@@ -108,7 +108,8 @@ def check_fits_and_mup(device: str) -> dict:
     torch.manual_seed(0)
     b = TransformerLM(dataclasses.replace(cfg, mup=False), device=device)
     x = torch.randint(0, cfg.vocab_size, (2, 32), device=device)
-    diff = float((a(x) - b(x)).abs().max())
+    with torch.no_grad():
+        diff = float((a(x) - b(x)).abs().max())
     assert diff == 0.0, f"muP at base width differs from standard by {diff}"
     _log(
         f"checks: parametric fit recovers a known law (max rel err {rel:.1e}); muP at base width == standard"
@@ -123,7 +124,13 @@ def run_sweep_part(args, base, out: Path) -> list[dict]:
     points = []
     for budget, depths in zip(args.budgets, args.windows, strict=True):
         points += plan_grid(
-            base, [budget], depths, aspect=32, head_dim=32, flops_rule="6nd", min_steps=20
+            base,
+            [budget],
+            depths,
+            aspect=32,
+            head_dim=32,
+            flops_rule="6nd",
+            min_steps=args.min_steps,
         )
     plan = out / "sweep_plan.json"
     plan.write_text(plan_to_json(base, points, {"budgets": args.budgets}))
@@ -145,7 +152,7 @@ def fit_part(out: Path, budgets: list[float]) -> tuple:
     table = load_runs(out / "sweep" / "results.jsonl")
     reps = {}
     fits = {}
-    for method, boot in (("parametric", 60), ("isoflop-parabola", 200)):
+    for method, boot in (("parametric", 30), ("isoflop-parabola", 200)):
         try:
             fit, rep = fit_and_report(
                 table.parameters,
@@ -183,7 +190,10 @@ def heldout_part(args, base, out: Path, fits: dict, train_tokens: int) -> dict:
         m = dataclasses.replace(base.model, n_layers=depth, d_model=d, n_heads=h)
         return accounting.matmul_parameters(m)
 
-    depth = min(range(1, 13), key=lambda L: abs(math.log(n_of(L) / n_opt)))
+    # The family member nearest N_opt among those whose D keeps data repetition ≤ 4 epochs
+    # (beyond that repeated tokens are worth less, Muennighoff et al. 2023).
+    allowed = [L for L in range(1, 13) if c_h / (6 * n_of(L)) <= 4 * train_tokens]
+    depth = min(allowed, key=lambda L: abs(math.log(n_of(L) / n_opt)))
     (point,) = plan_grid(base, [c_h], [depth], aspect=32, head_dim=32, flops_rule="6nd")
     pred = float(fit.law.loss(point.parameters, point.tokens))
     boots = [
@@ -198,6 +208,7 @@ def heldout_part(args, base, out: Path, fits: dict, train_tokens: int) -> dict:
     plan.write_text(plan_to_json(base, [point], {"heldout_of": args.budgets}))
     (res,) = run_sweep(plan, out / "heldout", progress=False)
     rec = {
+        "fit_n_opt": n_opt,
         "budget": c_h,
         "depth": depth,
         "parameters": point.parameters,
@@ -286,8 +297,8 @@ def main() -> None:
     if args.quick:
         args.device = "cpu"
         args.vocab, args.context, args.batch, args.eval_batches = 1024, 32, 4, 2
-        args.budgets, args.windows = [3e9, 1e10, 3e10], [[1, 2, 3], [1, 2, 3], [1, 2, 3]]
-        args.heldout_factor = 3
+        args.budgets, args.windows = [1e9, 2e9, 4e9], [[1, 2, 3], [1, 2, 3], [1, 2, 3]]
+        args.heldout_factor, args.min_steps = 3, 5
         args.wsd_at, args.wsd_batch, args.wsd_warmup = [30, 60], 4, 5
         args.mup_widths, args.mup_lrs, args.mup_steps, args.mup_batch = (
             [32, 64],
@@ -299,11 +310,11 @@ def main() -> None:
         args.vocab, args.context, args.batch, args.eval_batches = 1024, 256, 64, 16
         args.budgets = [1e13, 3e13, 1e14]
         args.windows = [[1, 2, 3, 4, 5], [2, 3, 4, 5, 6], [3, 4, 5, 6, 7]]
-        args.heldout_factor = 5
+        args.heldout_factor, args.min_steps = 5, 20
         args.wsd_at, args.wsd_batch, args.wsd_warmup = [600, 1200, 1800], 32, 50
         args.mup_widths = [64, 128, 256, 512]
-        args.mup_lrs = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]
-        args.mup_steps, args.mup_batch = 150, 16
+        args.mup_lrs = [1e-3, 2.5e-3, 6e-3, 1.5e-2, 3.5e-2]
+        args.mup_steps, args.mup_batch = 100, 16
     base = _base(args)
     train_tokens = len(open_shard(Path(args.data) / "train.bin").tokens)
     env = {

@@ -190,7 +190,7 @@ def fit_parametric(
     L-BFGS; the starts that end within 0.1% of the best objective are compared at
     ``reference_budget`` (default: 100× the largest run's 6ND) and ``starts_disagree`` is set
     when they predict different N_opt or loss. ``n_boot`` resamples the runs with replacement and
-    refits from the full fit's optimum and the resample's best 4 grid points.
+    refits from the full fit's optimum and the resample's best 2 grid points.
     """
     log_n, log_d, log_l = _logs(n, d, loss)
     if log_n.size < 5:
@@ -223,7 +223,7 @@ def fit_parametric(
         for _ in range(n_boot):
             idx = rng.integers(0, size, size)
             bn, bd, bl = log_n[idx], log_d[idx], log_l[idx]
-            starts = [best_theta, *_grid_starts(bn, bd, bl, delta, 4)]
+            starts = [best_theta, *_grid_starts(bn, bd, bl, delta, 2)]
             th, _ = min((_lbfgs(s, bn, bd, bl, delta) for s in starts), key=lambda r: r[1])
             boot.append(tuple(float(x) for x in th))
     return ParametricFit(
