@@ -143,3 +143,19 @@ def test_isoflop_predictions_on_shared_curves_are_stable_across_choices() -> Non
         # Measured: 1.009× at 1e23 and 1.011× at 1e24 (notes/scaling.md; the argmin variant
         # spreads 1.14× and 1.18× over the same choices, its minima being grid points).
         assert spread < 1.03, (key, values)
+
+
+def test_minimum_outside_the_sizes_is_flagged() -> None:
+    law = TRUE
+    n, d, loss, c = [], [], [], []
+    for budget in (1e17, 1e18):
+        n_opt, _ = law.optimal(budget)
+        # sizes bracket the optimum at 1e18 but lie all above it at 1e17
+        for f in (2, 4, 8, 16) if budget == 1e17 else (0.25, 0.5, 1, 2, 4):
+            n.append(n_opt * f)
+            d.append(budget / (6 * n_opt * f))
+            loss.append(float(law.loss(n[-1], d[-1])))
+            c.append(budget)
+    for method in ("parabola", "argmin"):
+        fit = fit_isoflop(n, d, loss, c, method=method)
+        assert [m.inside for m in fit.minima] == [False, True], method

@@ -337,6 +337,12 @@ def _print_report(rep: dict) -> None:
     def ci(iv: dict, key: str) -> str:
         return f" [{iv[key][0]:.3g}, {iv[key][1]:.3g}]" if key in iv else ""
 
+    if rep.get("minima_outside"):
+        budgets = ", ".join(f"{c:.3g}" for c in rep["minima_outside"])
+        print(
+            f"warning: the minimum of budget(s) {budgets} lies outside (or at the edge of) their "
+            "sizes: the profile does not bracket its optimum; add sizes on that side"
+        )
     for c, rec in rep["optimal"].items():
         iv = rec.get("intervals", {})
 

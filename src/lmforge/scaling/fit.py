@@ -256,6 +256,8 @@ class IsoflopMinimum:
     "loss at the minimum (the parabola's value, or the best run's loss)"
     coef: tuple[float, float, float] | None
     "parabola L = c0 + c1·x + c2·x² in x = ln N (None for argmin)"
+    inside: bool = True
+    "the minimum lies within the budget's sizes (False: an extrapolated vertex, or an edge run)"
 
 
 def group_budgets(flops: Sequence[float], tol: float = 0.05) -> np.ndarray:
@@ -289,7 +291,8 @@ def isoflop_minimum(
     x, y = np.log(n), np.log(d)
     if method == "argmin":
         i = int(np.argmin(loss))
-        return IsoflopMinimum(budget, float(n[i]), float(d[i]), float(loss[i]), None)
+        edge = x[i] in (x.min(), x.max())
+        return IsoflopMinimum(budget, float(n[i]), float(d[i]), float(loss[i]), None, not edge)
     if np.unique(x).size < 3:
         raise ValueError(f"budget {budget:.3g}: a parabola needs runs of at least 3 sizes")
     c2, c1, c0 = np.polyfit(x, loss, 2)
@@ -306,6 +309,7 @@ def isoflop_minimum(
         d_opt=math.exp(icpt + slope * x_opt),
         loss=float(c0 + c1 * x_opt + c2 * x_opt**2),
         coef=(float(c0), float(c1), float(c2)),
+        inside=bool(x.min() <= x_opt <= x.max()),
     )
 
 
@@ -514,6 +518,7 @@ def isoflop_report(fit: IsoflopFit, budgets: Sequence[float]) -> dict[str, Any]:
         },
         "objective": fit.objective,
         "minima": [dataclasses.asdict(m) for m in fit.minima],
+        "minima_outside": [m.budget for m in fit.minima if not m.inside],
         "optimal": predict_isoflop(fit, budgets),
     }
     if fit.boot:
