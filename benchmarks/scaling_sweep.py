@@ -15,7 +15,10 @@ Parts, in order (each writes its files under --out as soon as it ends; a part th
 4. wsd: one stable run with 3 cooldown branches vs 3 separate cosine runs (same model, data).
 5. mup: loss vs LR for 4 widths under standard and muP (Gutenberg tokens), coord check PNGs.
 
-Run (GPU, from the repo root with the data folder holding train.bin/val.bin from
+Files in --out (6, within what a device call returns): summary.json (every part's records: sweep
+results, fit reports, held-out, WSD, muP tables), fit_parametric.png, fit_isoflop-parabola.png,
+coord_check.png, mup_lr_transfer.png, plus the caller's log; plans and the runs' folders go to
+--work. Run (GPU, from the repo root with the data folder holding train.bin/val.bin from
 ``lmforge tokenizer encode``)::
 
     PYTHONPATH=src python benchmarks/scaling_sweep.py --data DATA --out OUT --time-limit 200
@@ -29,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import math
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -132,24 +136,24 @@ def run_sweep_part(args, base, out: Path) -> list[dict]:
             flops_rule="6nd",
             min_steps=args.min_steps,
         )
-    plan = out / "sweep_plan.json"
+    plan = args.work / "sweep_plan.json"
     plan.write_text(plan_to_json(base, points, {"budgets": args.budgets}))
     for p in points:
         _log(
             f"  plan {p.id}: N={p.parameters:,} D={p.tokens:,} D/N={p.tokens / p.parameters:.1f} steps={p.steps}"
         )
-    results = run_sweep(plan, out / "sweep", progress=False)
+    results = run_sweep(plan, args.work / "sweep", progress=False)
     for r in results:
         _log(f"  {r['id']}: loss {r['loss']:.4f} in {r['elapsed_s']:.1f}s")
     return results
 
 
-def fit_part(out: Path, budgets: list[float]) -> tuple:
+def fit_part(out: Path, work: Path, budgets: list[float]) -> tuple:
     from lmforge.scaling.fit import fit_and_report
     from lmforge.scaling.plot import plot_fit
     from lmforge.scaling.runs import load_runs
 
-    table = load_runs(out / "sweep" / "results.jsonl")
+    table = load_runs(work / "sweep" / "results.jsonl")
     reps = {}
     fits = {}
     for method, boot in (("parametric", 30), ("isoflop-parabola", 200)):
@@ -166,7 +170,6 @@ def fit_part(out: Path, budgets: list[float]) -> tuple:
         except ValueError as e:  # e.g. a non-convex profile: say so, keep the other fit
             _log(f"  {method}: {e}")
             continue
-        (out / f"fit_{method}.json").write_text(json.dumps(rep, indent=1))
         plot_fit(table, fit, out / f"fit_{method}.png", budgets)
         reps[method], fits[method] = rep, fit
         _log(f"  {method}: params {json.dumps(rep['params'])} objective {rep['objective']:.4g}")
@@ -204,9 +207,9 @@ def heldout_part(args, base, out: Path, fits: dict, train_tokens: int) -> dict:
         f"  held-out: C={c_h:.3g} ({args.heldout_factor}× the largest budget), fit N_opt={n_opt:.3g} → "
         f"depth {depth} N={point.parameters:,} D={point.tokens:,}; predicted loss {pred:.4f} [{lo:.4f}, {hi:.4f}]"
     )
-    plan = out / "heldout_plan.json"
+    plan = args.work / "heldout_plan.json"
     plan.write_text(plan_to_json(base, [point], {"heldout_of": args.budgets}))
-    (res,) = run_sweep(plan, out / "heldout", progress=False)
+    (res,) = run_sweep(plan, args.work / "heldout", progress=False)
     rec = {
         "fit_n_opt": n_opt,
         "budget": c_h,
@@ -223,7 +226,6 @@ def heldout_part(args, base, out: Path, fits: dict, train_tokens: int) -> dict:
     if "isoflop-parabola" in fits:
         n2, d2, l2 = fits["isoflop-parabola"].predict(c_h)
         rec["isoflop_prediction"] = {"N_opt": n2, "D_opt": d2, "L_opt_powerlaw": l2}
-    (out / "heldout.json").write_text(json.dumps(rec, indent=1))
     _log(
         f"  held-out: actual {res['loss']:.4f} vs predicted {pred:.4f} ({100 * rec['rel_error']:+.2f}%), "
         f"{rec['epochs']:.2f} epochs of the training tokens"
@@ -237,7 +239,9 @@ def wsd_part(args, base, out: Path) -> list[dict]:
     m = dataclasses.replace(base.model, n_layers=3, d_model=96, n_heads=3)
     t = dataclasses.replace(base.train, batch_size=args.wsd_batch, warmup_steps=args.wsd_warmup)
     cfg = dataclasses.replace(base, model=m, train=t)
-    recs = run_branches(cfg, args.wsd_at, out / "wsd", decay_fraction=0.2, compare_cosine=True)
+    recs = run_branches(
+        cfg, args.wsd_at, args.work / "wsd", decay_fraction=0.2, compare_cosine=True
+    )
     for r in recs:
         _log(
             f"  wsd {r['steps']} steps: branch {r['wsd_loss']:.4f} vs cosine {r['cosine_loss']:.4f} "
@@ -273,7 +277,6 @@ def mup_part(args, out: Path) -> dict:
         "best_mup": best_lrs(mu),
         "coord_check": cc,
     }
-    (out / "mup.json").write_text(json.dumps(rec, indent=1, default=str))
     return rec
 
 
@@ -287,9 +290,17 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke test of the script")
     ap.add_argument("--parts", default="checks,sweep,fit,heldout,wsd,mup", help="parts to run")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        help="folder for plans and the runs' checkpoints and metrics (default: a temporary folder)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.work is None:
+        args.work = Path(tempfile.mkdtemp(prefix="scaling_sweep_"))
+    args.work.mkdir(parents=True, exist_ok=True)
     import torch
 
     from lmforge.train.data import open_shard
@@ -342,7 +353,7 @@ def main() -> None:
             elif part == "sweep":
                 summary["sweep"] = run_sweep_part(args, base, out)
             elif part == "fit":
-                _, fits, reps = fit_part(out, [args.heldout_factor * max(args.budgets)])
+                _, fits, reps = fit_part(out, args.work, [args.heldout_factor * max(args.budgets)])
                 summary["fit"] = reps
             elif part == "heldout":
                 summary["heldout"] = heldout_part(args, base, out, fits, train_tokens)
