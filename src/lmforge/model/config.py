@@ -89,6 +89,14 @@ class ModelConfig:
     " the norms and residual adds then read and write half the bytes. No effect without autocast"
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     "mixture-of-experts feed-forward (default: dense; e.g. --model.moe.n_experts=8)"
+    mup: bool = False
+    "muP (Yang et al., Tensor Programs V) for Adam: hidden matrices' LR × base/d_model, logits ×"
+    " base/d_model, attention scale sqrt(E_base)/E instead of 1/sqrt(E); identical to the standard"
+    " model at d_model = mup_base_width and head_dim = mup_base_head_dim (lmforge.model.mup)"
+    mup_base_width: int = 256
+    "muP: the width whose hyperparameters transfer (multipliers are 1 there)"
+    mup_base_head_dim: int = 64
+    "muP: the head width at which the attention scale is the standard 1/sqrt(E)"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -135,6 +143,8 @@ class ModelConfig:
             )
         if self.rope not in ("reference", "triton", "packed", "auto"):
             raise ValueError(f"rope must be reference, triton, packed or auto, got {self.rope!r}")
+        if self.mup_base_width <= 0 or self.mup_base_head_dim <= 0:
+            raise ValueError("mup_base_width and mup_base_head_dim must be positive")
         if self.swiglu not in ("reference", "triton", "auto"):
             raise ValueError(f"swiglu must be reference, triton or auto, got {self.swiglu!r}")
 

@@ -48,6 +48,7 @@ from lmforge.kernels import (
     rope_packed,
     swiglu_packed,
 )
+from lmforge.model import mup
 from lmforge.model.config import ModelConfig
 from lmforge.model.fastpath import resolve_backends
 from lmforge.model.kv_cache import KVCache
@@ -197,6 +198,8 @@ class CausalSelfAttention(nn.Module):
                 token_positions = token_positions[:, None, :]  # (B, 1, T) broadcasts over heads
             q = self.rope(q, token_positions)
             k = self.rope(k, token_positions)
+        if self.config.mup:  # muP's 1/E attention: q carries sqrt(E_base/E) on top of 1/sqrt(E)
+            q = q * mup.q_scale(self.config)
         if kv_cache is None:
             out = self._causal(q, k, v)  # (B, H, T, E)
         else:
@@ -397,7 +400,10 @@ class TransformerLM(nn.Module):
                 x = layer(x, token_positions)  # (B, T, D)
             else:
                 x = layer(x, token_positions, kv_cache=kv_cache)  # (B, T, D)
-        return self.ln_final(x)  # (B, T, D)
+        h = self.ln_final(x)  # (B, T, D)
+        if self.config.mup:  # muP's logit multiplier, here so the fused loss sees it too
+            h = h * mup.output_multiplier(self.config)
+        return h
 
     def residual_stream(self, x: torch.Tensor) -> torch.Tensor:
         """x (…, D) in the residual stream's dtype: unchanged, or with

@@ -36,8 +36,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from lmforge.model.fastpath import resolve_backends
 from lmforge.utils.errors import LmforgeError
+from lmforge.utils.runtime import resolve_device
 
 if TYPE_CHECKING:
     from lmforge.model.config import ModelConfig
@@ -219,3 +222,26 @@ def resolve_fast_path(
         cuda_graph=graph,
         compile=bool(tc.compile),
     )
+
+
+# Runtime facts the trainer reads once (kept here, beside the resolver that consumes them).
+
+
+def _auto_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(device)
+
+
+def _group_joined() -> bool:
+    # A single-rank process group joined before the trainer (e.g. one NCCL rank): the run then
+    # goes through the distributed strategy even on one process. A larger group joined by a
+    # caller that asks for one process (world_size 1) does not make this run distributed.
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
+
+
+def _triton_installed() -> bool:
+    from lmforge.kernels import triton_available
+
+    return triton_available()

@@ -12,7 +12,7 @@ compiled) and the Triton kernel. Every fast path is tested against the reference
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -365,14 +365,28 @@ def _adamw_gated_update(
             copies[i].copy_(p)
 
 
-def param_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: matrices (projections, embeddings) decay, gains (norm weights) do not."""
+def param_groups(
+    params: Iterable[torch.Tensor],
+    weight_decay: float,
+    lr_scales: Sequence[float] | None = None,
+) -> list[dict[str, Any]]:
+    """AdamW groups: matrices (projections, embeddings) decay, gains (norm weights) do not.
+
+    ``lr_scales`` (one per parameter, e.g. muP's width multipliers) splits the groups further;
+    a group whose scale is not 1 carries ``lr_scale`` (its lr is the schedule's times that)."""
     params = list(params)
-    decay = [p for p in params if p.ndim >= 2]
-    other = [p for p in params if p.ndim < 2]
-    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay}]
-    if other:
-        groups.append({"params": other, "weight_decay": 0.0})
+    scales = list(lr_scales) if lr_scales is not None else [1.0] * len(params)
+    groups: list[dict[str, Any]] = []
+    for decay in (True, False):
+        mine = [(p, s) for p, s in zip(params, scales) if (p.ndim >= 2) == decay]
+        for scale in sorted({s for _, s in mine}) or ([1.0] if decay else []):
+            group = {
+                "params": [p for p, s in mine if s == scale],
+                "weight_decay": weight_decay if decay else 0.0,
+            }
+            if scale != 1.0:
+                group["lr_scale"] = scale
+            groups.append(group)
     return groups
 
 
@@ -382,6 +396,7 @@ def build_optimizer(
     *,
     adamw: str = "foreach",
     copies: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    lr_scales: Sequence[float] | None = None,
 ) -> AdamW:
     """The run's optimizer: AdamW over ``model``'s trainable parameters (or the given tensors,
     e.g. a sharded strategy's local shards) with ``cfg``'s hyperparameters.
@@ -396,7 +411,7 @@ def build_optimizer(
     else:
         params = list(model)
     return AdamW(
-        param_groups(params, cfg.weight_decay),
+        param_groups(params, cfg.weight_decay, lr_scales),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,

@@ -16,14 +16,10 @@ sync-free step, its CUDA graph), :mod:`~lmforge.train.metrics`, :mod:`~lmforge.t
 ``callbacks``, modules' ``aux_loss()`` (added to the LM loss), :func:`~lmforge.train.build_optimizer`
 (parameter groups) and ``train.allow_config_change``.
 
-Exact resume: a checkpoint holds weights (the fp32 masters), optimizer state (gathered under
-ZeRO-1; one file per rank under FSDP/TP/PP, which must resume with the same layout), every
-data-parallel replica's sampler state, the RNG states and the skip statistics; on resume
-``metrics.jsonl`` is cut back to the checkpoint's step. A corrupt latest checkpoint falls back to
-the newest intact one (said on stderr); a changed config stops with the differing keys unless
-``train.allow_config_change``. Simplification: a skipped step still consumes its data and
-advances the schedule. Exercised by ``lmforge train --config configs/tiny.toml`` and
-``pytest tests/test_train_e2e.py``.
+Exact resume: a checkpoint holds the fp32 master weights, optimizer state (gathered under ZeRO-1;
+per rank under FSDP/TP/PP), every replica's sampler state, the RNG states and the skip statistics
+(:mod:`~lmforge.train.resume`). A skipped step still consumes its data and advances the schedule.
+Exercised by ``lmforge train --config configs/tiny.toml`` and ``pytest tests/test_train_e2e.py``.
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lmforge.model.mup import lr_multipliers
 from lmforge.train import resume
 from lmforge.train.data import (
     MixtureSampler,
@@ -49,7 +46,15 @@ from lmforge.train.data import (
     eval_batches,
     open_source,
 )
-from lmforge.train.fastpath import FastPath, FastPathRuntime, resolve_fast_path, strategy_kind
+from lmforge.train.fastpath import (
+    FastPath,
+    FastPathRuntime,
+    _auto_device,
+    _group_joined,
+    _triton_installed,
+    resolve_fast_path,
+    strategy_kind,
+)
 from lmforge.train.hooks import model_callbacks
 from lmforge.train.loss import cross_entropy, fused_model_loss, model_loss
 from lmforge.train.metrics import read_metrics, start_run_log
@@ -60,7 +65,7 @@ from lmforge.train.state import OutDirLock
 from lmforge.train.step import Pending, StepRunner
 from lmforge.train.wrap import apply_activation_checkpointing, bf16_weight_copies
 from lmforge.utils.errors import LmforgeError
-from lmforge.utils.runtime import Runtime, resolve_device
+from lmforge.utils.runtime import Runtime
 
 if TYPE_CHECKING:
     from lmforge.config import RunConfig
@@ -70,26 +75,6 @@ Callback = Callable[[Any, int, dict[str, Any]], None]
 """``cb(trainer, step, metrics)``: runs on rank 0 after each optimizer step, before logging
 (on every rank when the callable has ``all_ranks = True``); keys it adds to ``metrics`` go to
 metrics.jsonl with the step's ``train`` record (written every ``train.log_every`` steps)."""
-
-
-def _auto_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_device(device)
-
-
-def _group_joined() -> bool:
-    # A single-rank process group joined before the trainer (e.g. one NCCL rank): the run then
-    # goes through the distributed strategy even on one process. A larger group joined by a
-    # caller that asks for one process (world_size 1) does not make this run distributed.
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
-
-
-def _triton_installed() -> bool:
-    from lmforge.kernels import triton_available
-
-    return triton_available()
 
 
 class Trainer:
@@ -166,9 +151,14 @@ class Trainer:
         # weights, reads the gradients from those, and writes them back.
         to_master = {id(p): m for p, m in self.masters.values()}
         copies = {m: p for p, m in self.masters.values()}
+        mup_scales = lr_multipliers(model)  # muP's per-parameter LR scales ({} unless model.mup)
         self.optimizer = self.strategy.make_optimizer(
             lambda ps: build_optimizer(
-                [to_master.get(id(p), p) for p in ps], tc, adamw=self.fast.adamw, copies=copies
+                [to_master.get(id(p), p) for p in ps],
+                tc,
+                adamw=self.fast.adamw,
+                copies=copies,
+                lr_scales=[mup_scales.get(id(p), 1.0) for p in ps],
             )
         )
         from lmforge.train.optim import AdamW
@@ -408,6 +398,11 @@ class Trainer:
             for cb in self.callbacks:
                 if self.is_main or getattr(cb, "all_ranks", False):
                     cb(self, it, metrics)
+            added = {
+                k: v for k, v in metrics.items() if k not in ("loss", "lr", "grad_norm", "skipped")
+            }
+            if added and loggers and it % tc.log_every and it != tc.max_steps:
+                loggers.log({"event": "callbacks", "step": it, **added})  # between log steps
             if it % tc.log_every == 0 or it == tc.max_steps:
                 now = time.monotonic()
                 tok_s = (it - last_it) * plan.tokens_per_step / max(now - last_t, 1e-9)
