@@ -280,32 +280,112 @@ def test_invalid_moe_config_names_the_key() -> None:
         MoEConfig(n_experts=4, every=0)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("tokens", [400, 333])
-def test_grouped_bf16_cuda_matches_float64_reference(routing: str, tokens: int) -> None:
-    # The same routing decisions for both; the bf16 grouped GEMMs against float64 math.
+def _grouped_vs_float64(device: str, dtype: torch.dtype, routing: str, tokens: int) -> None:
+    # The same routing decisions for both, fixed (no_grad: the two backward passes below must not
+    # share the router's graph — the first would free what the second needs, which is the
+    # RuntimeError the first H200 run of this test raised inside autograd's engine); the
+    # ``dtype`` grouped path against float64 math.
     cfg = ModelConfig(
         d_model=128,
         n_heads=4,
         moe=MoEConfig(n_experts=8, top_k=2, expert_d_ff=64, routing=routing, capacity_factor=1.0),
     )
-    layer = _layer(cfg).cuda()
-    x = torch.randn(tokens, 128, device="cuda", dtype=torch.float64)
-    r, _ = M.route(x @ layer.router.weight.t(), cfg, layer.expert_bias)
+    layer = _layer(cfg).to(device)
+    x = torch.randn(tokens, 128, device=device, dtype=torch.float64)
+    with torch.no_grad():
+        r, _ = M.route(x @ layer.router.weight.t(), cfg, layer.expert_bias)
     r = r._replace(weight=r.weight.float())
     w64 = [p.detach().clone().requires_grad_() for p in (layer.w1, layer.w2, layer.w3)]
     x64 = x.clone().requires_grad_()
     want = M.experts_reference(x64, *w64, r._replace(weight=r.weight.double()))
-    wb = [p.detach().to(torch.bfloat16).requires_grad_() for p in w64]
-    xb = x.to(torch.bfloat16).requires_grad_()
-    assert M.grouped_mm_available(xb)
+    wb = [p.detach().to(dtype).requires_grad_() for p in w64]
+    xb = x.to(dtype).requires_grad_()
+    if device == "cuda":
+        assert M.grouped_mm_available(xb, wb[0].transpose(1, 2))
     got = M.experts_grouped(xb, *wb, r)
     scale = want.abs().max().item()
-    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * scale)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
     g = torch.randn_like(want)
     want.backward(g)
     got.backward(g.float())
     for a, b in zip([xb, *wb], [x64, *w64]):
         s = b.grad.abs().max().item()
-        torch.testing.assert_close(a.grad.double(), b.grad, rtol=3e-2, atol=3e-2 * s)
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1.5 * tol, atol=1.5 * tol * s)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_grouped_fp32_cpu_matches_float64_reference(routing: str) -> None:
+    # The GPU test's body on CPU (fp32, the per-segment loop and the torch gather/combine).
+    torch.manual_seed(0)
+    _grouped_vs_float64("cpu", torch.float32, routing, 333)
+
+
+def test_grouped_mm_layout_rules() -> None:
+    # torch._grouped_mm's operand rules (its meta function): 16-byte aligned data pointer,
+    # row- or column-major last two dims, the other stride a multiple of 16 bytes.
+    x = torch.randn(40, 24, dtype=torch.bfloat16)
+    assert M.grouped_mm_layout_ok(x)
+    assert M.grouped_mm_layout_ok(x.t())  # the weight gradient's x.t(): column-major
+    assert not M.grouped_mm_layout_ok(x[:, 1:])  # stride 24 but the pointer is 2 bytes off
+    assert not M.grouped_mm_layout_ok(torch.randn(40, 20, dtype=torch.bfloat16)[:, :12].t())
+    assert M.grouped_mm_layout_ok(torch.randn(40, 12, dtype=torch.bfloat16)[::2])  # 48 B rows
+    assert not M.grouped_mm_layout_ok(torch.randn(40, 12, dtype=torch.bfloat16)[:, :8])  # 24 B
+    assert not M.grouped_mm_layout_ok(torch.ones(()).expand(40, 24))  # sum()'s stride-0 grad
+    assert M.grouped_mm_layout_ok(torch.randn(40, 12, dtype=torch.bfloat16)[:, :8].contiguous())
+    for bad in (x[:, 1:17], torch.ones((), dtype=torch.bfloat16).expand(40, 24)):
+        fixed = M._gmm_operand(bad)
+        assert M.grouped_mm_layout_ok(fixed) and torch.equal(fixed, bad)
+    w = torch.randn(4, 24, 16, dtype=torch.bfloat16)
+    assert M.grouped_mm_layout_ok(w) and M.grouped_mm_layout_ok(w.transpose(1, 2))
+    # The fast path refuses what the op cannot take (the per-segment loop runs instead).
+    assert not M.grouped_mm_available(x)  # CPU
+    assert not M.grouped_mm_available(torch.randn(0, 24, dtype=torch.bfloat16))
+
+
+def test_gather_sum_and_combine_backward_reference_float64() -> None:
+    # The torch forms of the Triton kernels against autograd on the un-permuted definition.
+    torch.manual_seed(0)
+    m, k, d = 7, 3, 10
+    order = torch.randperm(m * k)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(m * k)
+    ys = torch.randn(m * k, d, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(m * k, dtype=torch.float64, requires_grad=True)
+    want = (ys[inv].view(m, k, d) * w.view(m, k, 1)).sum(1)
+    got = M.gather_sum_reference(ys, inv, k, w, torch.float64)
+    torch.testing.assert_close(got, want)
+    g = torch.randn(m, d, dtype=torch.float64)
+    want.backward(g)
+    dys, dw = M.combine_backward_reference(g, ys.detach(), order, inv, w.detach(), k)
+    torch.testing.assert_close(dys, ys.grad)
+    torch.testing.assert_close(dw, w.grad)
+    # The gather's backward: each token sums its k sorted gradient rows.
+    x = torch.randn(m, d, dtype=torch.float64, requires_grad=True)
+    xs = M._Gather.apply(x, order, inv, k)
+    torch.testing.assert_close(xs, x[order // k])
+    gs = torch.randn_like(xs)
+    xs.backward(gs)
+    torch.testing.assert_close(x.grad, torch.zeros_like(x).index_add_(0, order // k, gs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", [400, 333])
+def test_grouped_bf16_cuda_matches_float64_reference(routing: str, tokens: int) -> None:
+    torch.manual_seed(0)
+    _grouped_vs_float64("cuda", torch.bfloat16, routing, tokens)
+
+
+@pytest.mark.gpu
+def test_grouped_bf16_cuda_odd_shapes_take_the_loop() -> None:
+    # K or O not a multiple of 8: the fast path refuses torch._grouped_mm, the loop still matches.
+    x = torch.randn(50, 20, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, 20, 12, device="cuda", dtype=torch.bfloat16)
+    assert not M.grouped_mm_available(x, w)
+    assert M.grouped_mm_available(x[:, :16].contiguous(), w[:, :16, :8])
+    counts = torch.tensor([10, 0, 25, 15], device="cuda")
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    got = M.grouped_mm(x, w, counts, offs).double()
+    ref = torch.cat([p.double() @ w[e].double() for e, p in enumerate(x.split([10, 0, 25, 15]))])
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
