@@ -389,3 +389,39 @@ def test_grouped_bf16_cuda_odd_shapes_take_the_loop() -> None:
     got = M.grouped_mm(x, w, counts, offs).double()
     ref = torch.cat([p.double() @ w[e].double() for e, p in enumerate(x.split([10, 0, 25, 15]))])
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_expert_counts_equal_bincount() -> None:
+    torch.manual_seed(0)
+    idx = torch.randint(0, 7, (300,))
+    assert torch.equal(M.expert_counts(idx, 9), torch.bincount(idx, minlength=9))
+    assert torch.equal(M.expert_counts(idx[:0], 3), torch.zeros(3, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_moe_layer_forward_backward_has_no_host_sync(routing: str) -> None:
+    # torch.bincount reads its max on the host on CUDA; a sync per layer exposes the host's launch
+    # latency on the GPU timeline. Training forward + backward under bf16 autocast must not sync.
+    cfg = ModelConfig(
+        d_model=128,
+        n_heads=4,
+        moe=MoEConfig(n_experts=8, top_k=2, expert_d_ff=64, routing=routing, z_loss_coef=1e-3),
+    )
+    layer = _layer(cfg, dtype=torch.float32).cuda().train()
+    x = torch.randn(2, 200, 128, device="cuda", requires_grad=True)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = layer(x).float().square().mean() + layer.aux_loss()
+        loss.backward()
+
+    step()  # warm-up: Triton compilation, allocator
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

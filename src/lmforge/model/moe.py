@@ -77,6 +77,13 @@ def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
     return logits.softmax(-1) if score == "softmax" else logits.sigmoid()
 
 
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(A,) expert ids -> (N,) long counts, without a host sync: ``torch.bincount`` reads the
+    input's max on the host on CUDA (``.item()``), which stalls the queue every MoE layer."""
+    counts = torch.zeros(n_experts, dtype=torch.long, device=idx.device)
+    return counts.scatter_add_(0, idx.long(), torch.ones_like(idx, dtype=torch.long))
+
+
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
     """Slots per expert: ⌈factor · tokens · k / N⌉, at most the number of tokens."""
     return max(1, min(n_tokens, math.ceil(factor * n_tokens * top_k / n_experts)))
@@ -106,13 +113,13 @@ def capacity_keep(
     m, k = idx.shape
     flat_e = idx.t().reshape(-1)  # (k·M,) slot-major
     flat_w = w.detach().t().reshape(-1).float()  # (k·M,)
-    slot = torch.arange(k, device=idx.device).repeat_interleave(m)  # (k·M,)
+    slot = torch.div(torch.arange(k * m, device=idx.device), m, rounding_mode="floor")  # (k·M,)
     # weights lie in [0, 1] (normalised scores or sigmoids): slot·2 + (1 - w) orders slot first.
     order = torch.argsort(slot * 2.0 + (1.0 - flat_w.clamp(0, 1)), stable=True)  # (k·M,)
     prio = torch.empty_like(order)
     prio[order] = torch.arange(order.numel(), device=idx.device)
     by_expert = torch.argsort(flat_e * order.numel() + prio)  # expert-major, priority within
-    counts = torch.bincount(flat_e, minlength=n_experts)  # (N,)
+    counts = expert_counts(flat_e, n_experts)  # (N,)
     starts = torch.cumsum(counts, 0) - counts  # (N,)
     rank = torch.empty_like(order)
     rank[by_expert] = torch.arange(order.numel(), device=idx.device) - starts[flat_e[by_expert]]
@@ -132,19 +139,19 @@ def route(
     if mc.routing == "expert_choice":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
         w, tok = scores.t().topk(cap, dim=-1)  # (N, C) each
-        expert = torch.arange(n, device=dev).repeat_interleave(cap)  # (N·C,)
+        expert = torch.div(torch.arange(n * cap, device=dev), cap, rounding_mode="floor")
         load = torch.full((n,), float(cap), device=dev)
         kept = torch.ones(n * cap, dtype=torch.bool, device=dev)
         return Routing(tok.reshape(-1), expert, w.reshape(-1), 0, load, kept), scores
     idx, w = route_token_choice(scores, bias, mc.top_k, mc.norm_top_k)  # (M, k) each
-    load = torch.bincount(idx.reshape(-1), minlength=n).float()  # (N,)
+    load = expert_counts(idx.reshape(-1), n).float()  # (N,)
     if mc.routing == "token_choice_capacity":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
         keep = capacity_keep(idx, scores.gather(-1, idx), cap, n)  # priority: raw scores
         w = w * keep  # (M, k): dropped choices weigh 0
     else:
         keep = torch.ones_like(idx, dtype=torch.bool)
-    token = torch.arange(m, device=dev).repeat_interleave(mc.top_k)  # (M·k,)
+    token = torch.div(torch.arange(m * mc.top_k, device=dev), mc.top_k, rounding_mode="floor")
     routing = Routing(token, idx.reshape(-1), w.reshape(-1), mc.top_k, load, keep.reshape(-1))
     return routing, scores
 
@@ -413,7 +420,7 @@ def experts_grouped(
     dtype = _compute_dtype(x)
     # int32 keys: half the radix-sort passes of int64 on CUDA; stable keeps token order per expert.
     order = torch.argsort(r.expert_idx.to(torch.int32), stable=True)  # (A,)
-    counts = torch.bincount(r.expert_idx, minlength=n)  # (N,)
+    counts = expert_counts(r.expert_idx, n)  # (N,)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
     if r.top_k:  # token-major: token of row order[i] is order[i] // k
@@ -421,7 +428,8 @@ def experts_grouped(
         ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
         m = x.shape[0]
         return _Combine.apply(ys, r.weight.view(m, r.top_k), order, inv, r.top_k)  # (M, D)
-    xs = x.to(dtype)[r.token_idx[order]]  # (A, D) sorted by expert
+    # index_select: its backward is an index_add_ (indexing's would sort the indices first).
+    xs = x.to(dtype).index_select(0, r.token_idx.index_select(0, order))  # (A, D) by expert
     ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
     return combine(_Permute.apply(ys, inv, order), r, x.shape[0])
 
