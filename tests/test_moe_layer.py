@@ -85,14 +85,21 @@ def test_reference_equals_per_token_float64_sum() -> None:
     torch.testing.assert_close(layer(x[None])[0], want.detach())
 
 
-def test_grouped_mm_function_matches_float64_loop() -> None:
+@pytest.mark.parametrize("transposed_w", [False, True])
+def test_grouped_mm_function_matches_float64_loop(transposed_w: bool) -> None:
+    # transposed_w: w a (N, O, K) weight seen as (N, K, O), as expert_rows passes it; the weight
+    # gradient is then computed in that layout (gy.t() @ x per group, transposed).
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch has no _grouped_mm")
     torch.manual_seed(0)
     counts = torch.tensor([3, 0, 5, 1])
     offs = torch.cumsum(counts, 0).to(torch.int32)
     x = torch.randn(9, 16, requires_grad=True)
-    w = torch.randn(4, 16, 8, requires_grad=True)
+    if transposed_w:
+        w_leaf = torch.randn(4, 8, 16, requires_grad=True)
+        w = w_leaf.transpose(1, 2)
+    else:
+        w_leaf = w = torch.randn(4, 16, 8, requires_grad=True)
     try:
         y = M._GroupedMM.apply(x, w, offs)
     except RuntimeError as e:  # some builds run _grouped_mm on CUDA only
@@ -104,7 +111,8 @@ def test_grouped_mm_function_matches_float64_loop() -> None:
     y.backward(g)
     ref.backward(g.double())
     torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+    gw = w_leaf.grad.transpose(1, 2) if transposed_w else w_leaf.grad
+    torch.testing.assert_close(gw.double(), w64.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_token_choice_is_top_k_and_dropless() -> None:

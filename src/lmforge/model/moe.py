@@ -256,7 +256,10 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = torch._grouped_mm(gy, _gmm_operand(w.transpose(-2, -1)), offs=offs)  # (A, K)
         if ctx.needs_input_grad[1]:
-            gw = torch._grouped_mm(_gmm_operand(x.t()), gy, offs=offs)  # (N, K, O): groups on A
+            if w.stride(-2) == 1:  # w is a transposed (N, O, K) weight: its grad in that layout
+                gw = torch._grouped_mm(_gmm_operand(gy.t()), x, offs=offs).transpose(-2, -1)
+            else:  # as torch's own derivative of _grouped_mm chooses, groups along A either way
+                gw = torch._grouped_mm(_gmm_operand(x.t()), gy, offs=offs)  # (N, K, O)
         return gx, gw, None
 
 
