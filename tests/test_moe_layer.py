@@ -370,7 +370,7 @@ def test_gather_sum_and_combine_backward_reference_float64() -> None:
     torch.testing.assert_close(dw, w.grad)
     # The gather's backward: each token sums its k sorted gradient rows.
     x = torch.randn(m, d, dtype=torch.float64, requires_grad=True)
-    xs = M._Gather.apply(x, order, inv, k)
+    xs = M._Gather.apply(x, order, inv, k, torch.float64)
     torch.testing.assert_close(xs, x[order // k])
     gs = torch.randn_like(xs)
     xs.backward(gs)

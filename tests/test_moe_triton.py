@@ -93,3 +93,28 @@ else:
         torch.testing.assert_close(xf.grad.double(), xr.grad, rtol=1e-4, atol=1e-5)
         for (name, pr), pf in zip(ref.named_parameters(), fast.parameters()):
             torch.testing.assert_close(pf.grad.double(), pr.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+    def test_layer_under_bf16_autocast_keeps_dtypes_and_values() -> None:
+        # The GPU's dtype plumbing on CPU: fp32 input and weights, bf16 autocast: the gather casts,
+        # the combine writes bf16 directly, the input gradient comes back fp32; values within
+        # bf16 error of the fp32 layer.
+        cfg = ModelConfig(
+            d_model=32, n_heads=4, moe=MoEConfig(n_experts=4, top_k=2, expert_d_ff=16)
+        )
+        torch.manual_seed(0)
+        layer = M.MoEFFN(cfg)
+        x = torch.randn(2, 9, 32, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        assert y.dtype == torch.bfloat16
+        y.float().sum().backward()
+        assert x.grad.dtype == torch.float32 and layer.w1.grad.dtype == torch.float32
+        gx, gw = x.grad.clone(), layer.w1.grad.clone()
+        x.grad = None
+        layer.zero_grad()
+        y32 = layer(x)
+        y32.sum().backward()
+        scale = y32.abs().max().item()
+        torch.testing.assert_close(y.float(), y32, rtol=3e-2, atol=3e-2 * scale)
+        torch.testing.assert_close(gx, x.grad, rtol=3e-2, atol=3e-2 * x.grad.abs().max().item())
+        torch.testing.assert_close(gw, layer.w1.grad, rtol=3e-2, atol=3e-2 * gw.abs().max().item())
