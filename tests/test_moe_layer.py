@@ -433,3 +433,25 @@ def test_moe_layer_forward_backward_has_no_host_sync(routing: str) -> None:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_grouped_mm_function_takes_a_stride_0_gradient_in_bf16() -> None:
+    # y.sum() hands backward an expanded (stride-0) gradient, which torch._grouped_mm's layout
+    # rules reject on CUDA: _GroupedMM copies it first. bf16, as on the GPU (CPU kernel here).
+    torch.manual_seed(0)
+    counts = torch.tensor([4, 0, 3, 9])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(16, 16, dtype=torch.bfloat16, requires_grad=True)
+    w_leaf = torch.randn(4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    try:
+        y = M._GroupedMM.apply(x, w_leaf.transpose(1, 2), offs)
+    except RuntimeError as e:
+        pytest.skip(f"torch._grouped_mm does not run in bf16 on this CPU build: {e}")
+    y.sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    w64 = w_leaf.detach().double().transpose(1, 2).requires_grad_()
+    parts = torch.split(x64, counts.tolist())
+    torch.cat([p @ w64[e] for e, p in enumerate(parts)]).sum().backward()
+    for got, want in ((x.grad, x64.grad), (w_leaf.grad.transpose(1, 2), w64.grad)):
+        s = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * s)
