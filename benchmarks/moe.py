@@ -13,6 +13,7 @@ grouped path against its reference loop on the same routing), then CUDA-event me
 
     PYTHONPATH=src python benchmarks/moe.py
     PYTHONPATH=src python benchmarks/moe.py --train            # + the training-step ratio
+    PYTHONPATH=src python benchmarks/moe.py --train --profile  # + top CUDA kernels of each layer
     PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 512 --d 64 --experts 8 --width 32
     PYTHONPATH=src python benchmarks/moe.py --balance --device cpu --balance-out notes/moe_balance.png
     PYTHONPATH=src python benchmarks/moe.py --curves --device cpu --text ../shared/data/text/gutenberg
@@ -47,6 +48,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--train", action="store_true", help="also time a GPT-2-small training step")
     p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the MoE layer and the dense SwiGLU fwd+bwd: top-20 kernels of each",
+    )
+    p.add_argument("--profile-top", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code paths only")
     p.add_argument("--balance", action="store_true", help="only the load-balance training runs")
     p.add_argument("--balance-steps", type=int, default=300)
@@ -178,6 +185,8 @@ def main() -> None:
     )
 
     # -- table 2: whole MoE layer fwd+bwd vs dense SwiGLU of equal FLOPs
+    from lmforge.model.transformer import _FFN
+
     cfg = ModelConfig(
         d_model=d,
         n_heads=12 if d % 12 == 0 else 4,
@@ -188,6 +197,9 @@ def main() -> None:
     ref_layer = M.MoEFFN(cfg).to(dev).train()
     ref_layer.backend = "reference"
     dense = SwiGLU(d, k * f).to(dev)
+    # The dense peer with the same packed gate the MoE path uses (one w1|w3 GEMM + Triton gate).
+    dense_packed = _FFN(ModelConfig(d_model=d, n_heads=cfg.n_heads, d_ff=k * f, swiglu="triton"))
+    dense_packed = dense_packed.to(dev)
     xin = torch.randn(m, d, device=dev, requires_grad=True)
     gout = torch.randn(m, d, device=dev)
 
@@ -199,36 +211,155 @@ def main() -> None:
                 loss = loss + M.aux_loss(mod)
         loss.backward()
 
+    if cuda:
+        print(
+            f"host syncs in the MoE layer's fwd+bwd: {_host_syncs(lambda: step(moe_layer, True))}"
+        )
     t_moe = time_ms(lambda: step(moe_layer, True), iters=args.iters, device=dev)
     t_dense = time_ms(lambda: step(dense, False), iters=args.iters, device=dev)
+    t_packed = time_ms(lambda: step(dense_packed, False), iters=args.iters, device=dev)
     t_ref = time_ms(lambda: step(ref_layer, True), iters=max(3, args.iters // 4), device=dev)
     load = moe_layer._stats[0].item()
     f_moe = 6.0 * m * (3 * d * f * k + d * n)
     f_dense = 6.0 * m * 3 * d * k * f
+    t_best = min(t_dense, t_packed)
     print(f"\nMoE layer forward+backward, {m} tokens (router max/mean load {load:.2f})")
     print(
         markdown_table(
-            ["implementation", "ms", "TFLOP/s (model FLOPs)", "dense time / this time"],
+            ["implementation", "ms", "TFLOP/s (model FLOPs)", "best dense time / this time"],
             [
-                ["dense SwiGLU, F = top_k·width", t_dense, tflops(f_dense, t_dense), 1.0],
-                ["MoE grouped (lmforge fast path)", t_moe, tflops(f_moe, t_moe), t_dense / t_moe],
-                ["MoE reference (loop over experts)", t_ref, tflops(f_moe, t_ref), t_dense / t_ref],
+                [
+                    "dense SwiGLU (layers.SwiGLU), F = top_k·width",
+                    t_dense,
+                    tflops(f_dense, t_dense),
+                    t_best / t_dense,
+                ],
+                [
+                    "dense SwiGLU, packed w1|w3 + Triton gate",
+                    t_packed,
+                    tflops(f_dense, t_packed),
+                    t_best / t_packed,
+                ],
+                ["MoE grouped (lmforge fast path)", t_moe, tflops(f_moe, t_moe), t_best / t_moe],
+                ["MoE reference (loop over experts)", t_ref, tflops(f_moe, t_ref), t_best / t_ref],
             ],
         )
     )
+    floor_ms, floor_parts = _moe_floor_ms(m, d, n, k, f)
+    print(
+        f"floor of the MoE layer (GEMM FLOPs / 690 TFLOP/s + bytes moved / 4.3 TB/s): "
+        f"{floor_ms:.3g} ms ({floor_parts}); measured / floor = {t_moe / floor_ms:.2f}"
+    )
+    if args.profile:
+        _profile(
+            {
+                "MoE layer (grouped fast path)": lambda: step(moe_layer, True),
+                "dense SwiGLU (packed)": lambda: step(dense_packed, False),
+                "dense SwiGLU (layers.SwiGLU)": lambda: step(dense, False),
+            },
+            dev,
+            args.profile_top,
+        )
 
     if args.train:
         _train_ratio(args, dev)
 
 
+def _host_syncs(fn) -> str:
+    """Run fn once under ``torch.cuda.set_sync_debug_mode("error")``: 'none', or the first sync."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "none"
+    except RuntimeError as e:
+        return f"FOUND: {str(e).splitlines()[0][:200]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+def _moe_floor_ms(m: int, d: int, n: int, k: int, f: int) -> tuple[float, str]:
+    """A lower bound for the MoE layer's fwd+bwd on an H200: the expert GEMMs' FLOPs at 690
+    TFLOP/s (a dense bf16 GEMM's rate) plus the bytes the unavoidable data movement must touch at
+    4.3 TB/s (HBM3e). Bytes counted (bf16 = 2 B): forward gather x -> xs (read M·D, write A·D),
+    combine (read A·D, write fp32 M·D); backward: the combine's (read M·D + A·D, write A·D),
+    the gather's (read A·D, write M·D); the gate fwd (read A·2F, write A·F) and bwd (read
+    A·2F + A·F, write A·2F). The router (M·N) and the weights' casts are left out (small)."""
+    a = m * k
+    gemm_flop = 3 * (2.0 * a * d * 2 * f + 2.0 * a * f * d)  # fwd + 2 bwd GEMMs per projection
+    b = 2.0
+    moved = (
+        (m * d + a * d) * b
+        + (a * d * b + m * d * 4)  # gather, combine (fwd)
+        + (m * d * 4 + 2 * a * d * b)
+        + (a * d * b + m * d * b)  # combine, gather (bwd)
+        + (a * 2 * f + a * f) * b
+        + (a * 3 * f + a * 2 * f) * b  # gate fwd, bwd
+    )
+    t_gemm = gemm_flop / 690e12 * 1e3
+    t_mem = moved / 4.3e12 * 1e3
+    return t_gemm + t_mem, f"GEMMs {t_gemm:.3g} ms + {moved / 1e9:.3g} GB moved {t_mem:.3g} ms"
+
+
+def _profile(fns: dict, dev: str, top: int) -> None:
+    """torch.profiler over a few calls of each function: its top kernels (CUDA; on CPU the top
+    operators) by self time — name, calls per step, µs per step, share of the step's total."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lmforge.bench.timing import markdown_table
+
+    cuda = dev == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    steps = 5
+    for name, fn in fns.items():
+        for _ in range(3):  # warm-up (autotuning, allocator)
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+        rows = []
+        for ev in prof.key_averages():
+            if cuda:
+                if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
+                    continue
+                us = getattr(ev, "self_device_time_total", None)
+                if us is None:
+                    us = ev.self_cuda_time_total
+            else:
+                us = ev.self_cpu_time_total
+            if us > 0:
+                rows.append((ev.key, ev.count / steps, us / steps))
+        total = sum(r[2] for r in rows) or 1.0
+        rows.sort(key=lambda r: -r[2])
+        table = [
+            [key[:90], f"{cnt:g}", f"{us:.1f}", f"{100 * us / total:.1f} %"]
+            for key, cnt, us in rows[:top]
+        ]
+        what = "CUDA kernels" if cuda else "CPU operators (self time)"
+        print(f"\nProfile: {name} fwd+bwd, top {top} {what}, total {total / 1e3:.3f} ms/step")
+        print(markdown_table(["kernel", "calls/step", "µs/step", "share"], table))
+
+
 def _train_ratio(args: argparse.Namespace, dev: str) -> None:
     """Tokens/s of a GPT-2-small step (eager, bf16 autocast, fused torch AdamW): dense vs MoE
     with the same active FFN (top-k · width = the dense d_ff)."""
+    import dataclasses
+
     import torch
 
     from lmforge.bench.timing import markdown_table, time_ms
     from lmforge.model import ModelConfig, TransformerLM, accounting
     from lmforge.model import moe as M
+    from lmforge.model.fastpath import resolve_backends
     from lmforge.model.moe_config import MoEConfig
 
     t = 1024
@@ -244,6 +375,8 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
     rows = []
     times = {}
     for name, cfg in (("dense GPT-2 small", base), ("MoE, same active compute", moe_cfg)):
+        # The dense peer gets the packed Triton gate the MoE experts use (where it runs).
+        cfg = resolve_backends(dataclasses.replace(cfg, swiglu="auto"), dev)
         torch.manual_seed(0)
         model = TransformerLM(cfg, device=dev).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")

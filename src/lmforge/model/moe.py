@@ -77,6 +77,13 @@ def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
     return logits.softmax(-1) if score == "softmax" else logits.sigmoid()
 
 
+def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(A,) expert ids -> (N,) long counts, without a host sync: ``torch.bincount`` reads the
+    input's max on the host on CUDA (``.item()``), which stalls the queue every MoE layer."""
+    counts = torch.zeros(n_experts, dtype=torch.long, device=idx.device)
+    return counts.scatter_add_(0, idx.long(), torch.ones_like(idx, dtype=torch.long))
+
+
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
     """Slots per expert: ⌈factor · tokens · k / N⌉, at most the number of tokens."""
     return max(1, min(n_tokens, math.ceil(factor * n_tokens * top_k / n_experts)))
@@ -106,13 +113,13 @@ def capacity_keep(
     m, k = idx.shape
     flat_e = idx.t().reshape(-1)  # (k·M,) slot-major
     flat_w = w.detach().t().reshape(-1).float()  # (k·M,)
-    slot = torch.arange(k, device=idx.device).repeat_interleave(m)  # (k·M,)
+    slot = torch.div(torch.arange(k * m, device=idx.device), m, rounding_mode="floor")  # (k·M,)
     # weights lie in [0, 1] (normalised scores or sigmoids): slot·2 + (1 - w) orders slot first.
     order = torch.argsort(slot * 2.0 + (1.0 - flat_w.clamp(0, 1)), stable=True)  # (k·M,)
     prio = torch.empty_like(order)
     prio[order] = torch.arange(order.numel(), device=idx.device)
     by_expert = torch.argsort(flat_e * order.numel() + prio)  # expert-major, priority within
-    counts = torch.bincount(flat_e, minlength=n_experts)  # (N,)
+    counts = expert_counts(flat_e, n_experts)  # (N,)
     starts = torch.cumsum(counts, 0) - counts  # (N,)
     rank = torch.empty_like(order)
     rank[by_expert] = torch.arange(order.numel(), device=idx.device) - starts[flat_e[by_expert]]
@@ -132,19 +139,19 @@ def route(
     if mc.routing == "expert_choice":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
         w, tok = scores.t().topk(cap, dim=-1)  # (N, C) each
-        expert = torch.arange(n, device=dev).repeat_interleave(cap)  # (N·C,)
+        expert = torch.div(torch.arange(n * cap, device=dev), cap, rounding_mode="floor")
         load = torch.full((n,), float(cap), device=dev)
         kept = torch.ones(n * cap, dtype=torch.bool, device=dev)
         return Routing(tok.reshape(-1), expert, w.reshape(-1), 0, load, kept), scores
     idx, w = route_token_choice(scores, bias, mc.top_k, mc.norm_top_k)  # (M, k) each
-    load = torch.bincount(idx.reshape(-1), minlength=n).float()  # (N,)
+    load = expert_counts(idx.reshape(-1), n).float()  # (N,)
     if mc.routing == "token_choice_capacity":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
         keep = capacity_keep(idx, scores.gather(-1, idx), cap, n)  # priority: raw scores
         w = w * keep  # (M, k): dropped choices weigh 0
     else:
         keep = torch.ones_like(idx, dtype=torch.bool)
-    token = torch.arange(m, device=dev).repeat_interleave(mc.top_k)  # (M·k,)
+    token = torch.div(torch.arange(m * mc.top_k, device=dev), mc.top_k, rounding_mode="floor")
     routing = Routing(token, idx.reshape(-1), w.reshape(-1), mc.top_k, load, keep.reshape(-1))
     return routing, scores
 
@@ -199,29 +206,60 @@ def experts_reference(
 
 def grouped_mm_available(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
     """Whether :func:`grouped_mm` runs ``torch._grouped_mm`` for x (A, K) @ w (N, K, O): bf16 on
-    CUDA, with K and O multiples of 8 (the op wants 16-byte aligned rows and columns)."""
+    CUDA of compute capability ≥ 8.0, at least one row, K and O multiples of 8 (16-byte rows and
+    columns: the op checks every operand's strides, those of the backward's x.t() and gradients
+    included, against 16 bytes). Anything else takes the per-segment loop."""
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
+        return False
     dims_ok = x.shape[-1] % 8 == 0 and (w is None or w.shape[-1] % 8 == 0)
-    return hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and dims_ok
+    return dims_ok and x.shape[0] > 0 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+def grouped_mm_layout_ok(t: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` accepts t's memory layout: a 16-byte aligned data pointer and
+    the last two dimensions row- or column-major with the other stride a multiple of 16 bytes
+    (the op's own stride check, mirrored from its meta function)."""
+    if t.dim() < 2 or t.data_ptr() % 16:
+        return False
+    align = 16 // t.element_size()
+    (s0, s1), (n0, n1) = t.stride()[-2:], t.shape[-2:]
+    if s0 == 1 and s1 >= max(1, n0):
+        return s1 % align == 0
+    if s1 == 1 and s0 >= max(1, n1):
+        return s0 % align == 0
+    return False
+
+
+def _gmm_operand(t: torch.Tensor) -> torch.Tensor:
+    """t itself when :func:`grouped_mm_layout_ok`, else a fresh contiguous copy (a stride-0
+    gradient of ``sum()``, a sliced view off a 16-byte boundary)."""
+    if grouped_mm_layout_ok(t):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class _GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm`` with its backward written out (two more grouped GEMMs), with
-    contiguous incoming gradients (the op rejects the stride-0 gradients of e.g. ``sum()``)."""
+    """``torch._grouped_mm`` with its backward written out (two more grouped GEMMs); every
+    operand, the incoming gradient included, brought to a layout the op accepts first."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x, w = _gmm_operand(x), _gmm_operand(w)
         ctx.save_for_backward(x, w, offs)
         return torch._grouped_mm(x, w, offs=offs)  # (A, O)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
         x, w, offs = ctx.saved_tensors
-        gy = gy.contiguous()
+        gy = _gmm_operand(gy)
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = torch._grouped_mm(gy, w.transpose(-2, -1), offs=offs)  # (A, K)
+            gx = torch._grouped_mm(gy, _gmm_operand(w.transpose(-2, -1)), offs=offs)  # (A, K)
         if ctx.needs_input_grad[1]:
-            gw = torch._grouped_mm(x.t(), gy, offs=offs)  # (N, K, O): groups along A
+            if w.stride(-2) == 1:  # w is a transposed (N, O, K) weight: its grad in that layout
+                gw = torch._grouped_mm(_gmm_operand(gy.t()), x, offs=offs).transpose(-2, -1)
+            else:  # as torch's own derivative of _grouped_mm chooses, groups along A either way
+                gw = torch._grouped_mm(_gmm_operand(x.t()), gy, offs=offs)  # (N, K, O)
         return gx, gw, None
 
 
@@ -239,39 +277,119 @@ def grouped_mm(
     return torch.cat([p @ w[e].to(p.dtype) for e, p in enumerate(parts)])  # (A, O)
 
 
+def _triton_moves(t: torch.Tensor) -> bool:
+    """Whether the Triton gather/combine kernels take t: CUDA (or the CPU interpreter under
+    ``TRITON_INTERPRET=1``), fp16/bf16/fp32, Triton installed."""
+    from lmforge.kernels._common import TRITON_DTYPES, interpreting, triton_available
+
+    return (t.is_cuda or interpreting()) and t.dtype in TRITON_DTYPES and triton_available()
+
+
+def gather_sum_reference(
+    src: torch.Tensor, idx: torch.Tensor, k: int, w: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``out[t] = Σ_j w[t·k + j] · src[idx[t·k + j]]`` (w None: weights 1): src (A, D), idx and
+    w (M·k,) -> (M, D) ``out_dtype`` (the torch form of the Triton kernel)."""
+    acc = torch.promote_types(out_dtype, torch.float32)
+    rows = src.index_select(0, idx).to(acc).view(-1, k, src.shape[-1])  # (M, k, D)
+    if w is not None:
+        rows = rows * w.to(acc).view(-1, k, 1)
+    return rows.sum(1).to(out_dtype)  # (M, D)
+
+
+def combine_backward_reference(
+    g: torch.Tensor,
+    ys: torch.Tensor,
+    order: torch.Tensor,
+    inv: torch.Tensor,
+    w: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``gather_sum(ys, inv, k, w)``: g (M, D), ys (A, D) sorted rows, w (A,)
+    token-major -> (dys (A, D) in ys's dtype, dw (A,) token-major, fp32 or wider)."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    gs = g.to(acc).index_select(0, torch.div(order, k, rounding_mode="floor"))  # (A, D) sorted
+    dys = (gs * w.to(acc)[order, None]).to(ys.dtype)  # (A, D)
+    dw_sorted = (gs * ys.to(acc)).sum(-1)  # (A,)
+    return dys, dw_sorted[inv]  # dw[a] = dw_sorted[inv[a]]
+
+
+def _gather_sum(
+    src: torch.Tensor, idx: torch.Tensor, k: int, w: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    if _triton_moves(src):
+        from lmforge.model import _moe_triton
+
+        w = None if w is None else w.float().contiguous()
+        return _moe_triton.gather_sum(src.contiguous(), idx.contiguous(), k, w, out_dtype)
+    return gather_sum_reference(src, idx, k, w, out_dtype)
+
+
 class _Gather(torch.autograd.Function):
-    """``x[src]`` for the sorted token-major assignments: row i of the output is token
-    ``src[i] = order[i] // k``. Backward without scatter-adds: un-permute the gradient rows
-    (``inv``, the inverse of ``order``) into token-major (M, k, D) and sum over k."""
+    """``x[order // k]`` in ``dtype``: the sorted token-major assignments' input rows (row i
+    reads token ``order[i] // k``). Backward without a scatter-add: token t's gradient is the sum
+    of its k sorted gradient rows ``inv[t·k + j]`` (one gather-sum, written in x's dtype, so the
+    cast to ``dtype`` costs no extra pass backward)."""
 
     @staticmethod
     def forward(
-        ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, k: int
+        ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, k: int, dtype: torch.dtype
     ) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(inv)
-        ctx.k = k
-        return x[torch.div(order, k, rounding_mode="floor")]  # (M·k, D)
+        ctx.k, ctx.x_dtype = k, x.dtype
+        return x.to(dtype).index_select(0, torch.div(order, k, rounding_mode="floor"))  # (A, D)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:  # type: ignore[override]
         (inv,) = ctx.saved_tensors
-        d = g.shape[-1]
-        return g[inv].view(-1, ctx.k, d).sum(1), None, None, None  # (M, D)
+        return _gather_sum(g, inv, ctx.k, None, ctx.x_dtype), None, None, None, None  # (M, D)
 
 
-class _Permute(torch.autograd.Function):
-    """``x[perm]`` for a permutation ``perm`` with inverse ``inv``: the backward is the gather
-    ``g[inv]`` (indexing's own backward would scatter-add into zeros)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(perm, inv)
-        return x[perm]
+class _Combine(torch.autograd.Function):
+    """Sorted expert outputs ys (A, D) -> (M, D): ``out[t] = Σ_j w[t, j] · ys[inv[t·k + j]]``
+    accumulated in fp32 (or wider), stored in ``out_dtype``, with no un-permuted copy of ys.
+    Backward: ``dys[s] = w[a] · g[t]`` and ``dw[a] = <g[t], ys[s]>`` for a = order[s],
+    t = a // k (one pass over the sorted rows)."""
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        _, inv = ctx.saved_tensors
-        return g[inv], None, None
+    def forward(
+        ctx,
+        ys: torch.Tensor,
+        w: torch.Tensor,
+        order: torch.Tensor,
+        inv: torch.Tensor,
+        k: int,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(ys, w, order, inv)
+        ctx.k = k
+        return _gather_sum(ys, inv, k, w.reshape(-1), out_dtype)  # (M, D)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:  # type: ignore[override]
+        ys, w, order, inv = ctx.saved_tensors
+        k = ctx.k
+        wf = w.reshape(-1)
+        if _triton_moves(ys) and g.dtype in (torch.float32, ys.dtype):
+            from lmforge.model import _moe_triton
+
+            dys, dw = _moe_triton.combine_backward(
+                g.contiguous(), ys.contiguous(), order, wf.float().contiguous(), k
+            )
+        else:
+            dys, dw = combine_backward_reference(g, ys, order, inv, wf, k)
+        return dys, dw.to(w.dtype).view(w.shape), None, None, None, None
+
+
+def _swiglu_act(h: torch.Tensor, f: int) -> torch.Tensor:
+    """silu(h[:, :F]) · h[:, F:]: lmforge's packed Triton gate where it runs (its backward writes
+    the (A, 2F) gradient in one pass, no split/cat copies), else the torch math."""
+    if _triton_moves(h):
+        from lmforge.kernels import swiglu_packed
+
+        return swiglu_packed(h)
+    gate, up = h.split(f, dim=-1)  # (A, F) each
+    return F.silu(gate) * up
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -293,33 +411,60 @@ def expert_rows(
     counts: torch.Tensor,
 ) -> torch.Tensor:
     """Every expert's SwiGLU on its rows: xs (A, D) sorted by expert, ``counts`` (N,) rows per
-    expert -> (A, D); w1|w3 as one grouped GEMM, then w2. Weights are cast to xs's dtype."""
+    expert -> (A, D); w1|w3 as one grouped GEMM, then w2. Weights are cast to xs's dtype (before
+    the concatenation, so the copy moves bf16, not fp32)."""
     f = w1.shape[1]
+    dt = xs.dtype
     offs = torch.cumsum(counts, 0).to(torch.int32)  # (N,)
-    w13 = torch.cat([w1, w3], dim=1).to(xs.dtype)  # (N, 2F, D)
+    w13 = torch.cat([w1.to(dt), w3.to(dt)], dim=1)  # (N, 2F, D)
     h = grouped_mm(xs, w13.transpose(1, 2), counts, offs)  # (A, 2F)
-    gate, up = h.split(f, dim=-1)  # (A, F) each
-    return grouped_mm(F.silu(gate) * up, w2.to(xs.dtype).transpose(1, 2), counts, offs)  # (A, D)
+    return grouped_mm(_swiglu_act(h, f), w2.to(dt).transpose(1, 2), counts, offs)  # (A, D)
 
 
 def experts_grouped(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, r: Routing
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    r: Routing,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Fast expert compute: sort assignments by expert, three grouped GEMMs (w1|w3 as one),
-    un-permute, combine. Same arguments and result as :func:`experts_reference`."""
+    combine straight from the sorted rows. Same arguments and result as
+    :func:`experts_reference`; ``out_dtype`` (token-major routings) stores the fp32 sum in that
+    dtype directly (the same values as casting the result, one pass fewer each way)."""
     n = w1.shape[0]
     dtype = _compute_dtype(x)
-    order = torch.argsort(r.expert_idx, stable=True)  # (A,)
-    counts = torch.bincount(r.expert_idx, minlength=n)  # (N,)
+    # int32 keys: half the radix-sort passes of int64 on CUDA; stable keeps token order per expert.
+    order = torch.argsort(r.expert_idx.to(torch.int32), stable=True)  # (A,)
+    counts = expert_counts(r.expert_idx, n)  # (N,)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
     if r.top_k:  # token-major: token of row order[i] is order[i] // k
-        xs = _Gather.apply(x.to(dtype), order, inv, r.top_k)  # (A, D) sorted by expert
-    else:
-        xs = x.to(dtype)[r.token_idx[order]]  # (A, D) sorted by expert
+        xs = _Gather.apply(x, order, inv, r.top_k, dtype)  # (A, D) sorted by expert
+        ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
+        m, k = x.shape[0], r.top_k
+        out = out_dtype or _acc_dtype(ys.dtype)
+        return _Combine.apply(ys, r.weight.view(m, k), order, inv, k, out)  # (M, D)
+    # index_select: its backward is an index_add_ (indexing's would sort the indices first).
+    xs = x.to(dtype).index_select(0, r.token_idx.index_select(0, order))  # (A, D) by expert
     ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
-    y = _Permute.apply(ys, inv, order)  # (A, D) back in assignment order
-    return combine(y, r, x.shape[0])
+    return combine(_Permute.apply(ys, inv, order), r, x.shape[0])
+
+
+class _Permute(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm`` with inverse ``inv``: the backward is the gather
+    ``g[inv]`` (indexing's own backward would scatter-add into zeros)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(perm, inv)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        _, inv = ctx.saved_tensors
+        return g.index_select(0, inv), None, None
 
 
 def combine(y: torch.Tensor, r: Routing, m: int) -> torch.Tensor:
@@ -403,7 +548,7 @@ class MoEFFN(nn.Module):
         compute = self.expert_compute
         if compute is None:
             compute = _compute_reference if self.backend == "reference" else _compute_grouped
-        out = compute(self, xf, r)  # (M, D) fp32
+        out = compute(self, xf, r)  # (M, D) fp32 (the grouped path: already the output dtype)
         if self.shared is not None:
             out = out + self.shared(xf).to(out.dtype)
         if self.record_routing:
@@ -444,7 +589,9 @@ def _compute_reference(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tens
 
 
 def _compute_grouped(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tensor:
-    return experts_grouped(x, layer.w1, layer.w2, layer.w3, r)
+    # Without shared experts the layer's output dtype is final: the combine writes it directly.
+    out_dtype = _out_dtype(x) if layer.shared is None else None
+    return experts_grouped(x, layer.w1, layer.w2, layer.w3, r, out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
