@@ -16,9 +16,13 @@
    draft has nothing to agree on, so this measures the overhead, not the benefit).
 
 Correctness first: the Triton decode kernel against a float64 reference, and the engine's greedy
-tokens (eager and CUDA graphs) against ``lmforge.generate``.
+tokens (eager and CUDA graphs, with the compiled decode step) against ``lmforge.generate``.
+Benchmarks 1 and 2 also run the engine with ``compile=False`` in the same run (the peer for the
+compiled step); ``--profile`` adds a torch.profiler pass over 20 decode steps per engine (top-20
+CUDA kernels: count and µs per step, share; kernels per step).
 
     PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
+    PYTHONPATH=src python benchmarks/serve.py --only check,decode,throughput --profile
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
     PYTHONPATH=src python benchmarks/serve.py --server-cpu --quick    # the server on the CPU
 """
@@ -200,9 +204,10 @@ class _StaticDecoder(torch.nn.Module):
         self.model = model
         self.kh, self.e, self.h = cfg.kv_heads, cfg.head_dim, cfg.n_heads
         shape = (cfg.n_layers, 1, self.kh, max_len, self.e)
-        self.register_buffer("kc", torch.zeros(shape, device="cuda", dtype=torch.bfloat16))
-        self.register_buffer("vc", torch.zeros(shape, device="cuda", dtype=torch.bfloat16))
-        self.register_buffer("slots", torch.arange(max_len, device="cuda"))
+        dtype = next(model.parameters()).dtype
+        self.register_buffer("kc", torch.zeros(shape, device=DEVICE, dtype=dtype))
+        self.register_buffer("vc", torch.zeros(shape, device=DEVICE, dtype=dtype))
+        self.register_buffer("slots", torch.arange(max_len, device=DEVICE))
         torch._dynamo.mark_static_address(self.kc)
         torch._dynamo.mark_static_address(self.vc)
 

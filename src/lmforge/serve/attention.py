@@ -8,11 +8,12 @@ Math (per query head h of sequence s, kv-head ``h // (H/K)``, context length n):
 ``out = softmax(q·Kᵀ / sqrt(E)) V`` over the sequence's n cached keys; for a chunk of several
 queries (prefill), query i sits at position ``n − T + i`` and sees keys ``0 .. n − T + i``.
 
-The decode kernel runs one program per (sequence, kv-head) and handles the H/K query heads of
-that group together, so each K/V tile is read once per group (the point of GQA), with an online
-softmax over the sequence's blocks (FlashAttention's rescaling). Simplification: no split over
-the context (flash-decoding), so at batch 1 only K programs run — fine for contexts of a few
-thousand tokens, the figure ``benchmarks/serve.py`` measures.
+The decode kernel (:mod:`lmforge.serve._attention_triton`) handles the H/K query heads of a
+kv-head group together, so each K/V tile is read once per group (the point of GQA), with an
+online softmax over the sequence's blocks (FlashAttention's rescaling), and splits long
+contexts over several programs (flash-decoding: partial softmax states combined by a second
+kernel) so that batch 1 still fills the GPU. Prefill runs one SDPA per sequence, without a
+dense mask (causal, or causal aligned to the bottom right after a cached prefix).
 
 Shape legend: N tokens in the step, S sequences, H heads, K kv-heads, E head dim, T queries.
 Exercised by ``pytest tests/test_serve_attention.py`` (kernel under TRITON_INTERPRET=1).
