@@ -11,6 +11,13 @@ functional copy of the cache). Shapes are dynamic (one compile serves every batc
 1 gets its own specialisation), and :class:`~lmforge.serve.cuda_graphs.DecodeGraphs` captures
 the compiled step per bucket like the eager one.
 
+Packed projections: at batch 1 the small K/V GEMVs cost a launch each, not bandwidth, so each
+layer's q/k/v weights (and a SwiGLU's w1/w3) are moved into one contiguous (H·E + 2·K·E, D)
+(resp. (2F, D)) tensor and the model's parameters become row views of it: one GEMM where
+there were three (two), no second copy of the weights, and
+:meth:`~lmforge.serve.engine.Engine.update_weights` (which copies into the parameters) writes
+through to the packed tensor. Layers of another kind (an MoE FFN) run their own modules.
+
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
 engine decodes eagerly from then on.
 
@@ -22,18 +29,21 @@ Exercised by ``pytest tests/test_serve_compiled.py``.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from lmforge.model.layers import SwiGLU, silu
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.runner import StepBatch, forward_step
 
 if TYPE_CHECKING:
     from lmforge.serve.runner import PagedKVCache
 
-__all__ = ["CompiledDecode", "decode_forward"]
+__all__ = ["CompiledDecode", "decode_forward", "pack_weights"]
 
 
 @torch.library.custom_op("lmforge_serve::decode_attention", mutates_args=("k_cache", "v_cache"))
@@ -62,6 +72,42 @@ def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_trito
     return torch.empty_like(q)
 
 
+# first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
+_PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _pack_rows(linears: list[nn.Module]) -> torch.Tensor:
+    """Move the weights of ``linears`` (same D, same dtype/device) into one (ΣN, D) tensor and
+    make each ``weight`` a row view of it; returns the packed tensor (the existing one if a
+    previous engine on this model packed them already, so both see the same weights)."""
+    prev = _PACKED.get(linears[0])
+    if prev is not None and all(
+        lin.weight.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+        for lin in linears
+    ):
+        return prev
+    with torch.no_grad():
+        packed = torch.cat([lin.weight for lin in linears])  # (ΣN, D)
+        start = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight.data = packed[start : start + rows]
+            start += rows
+    _PACKED[linears[0]] = packed
+    return packed
+
+
+def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per layer (packed q/k/v, packed w1/w3), None where the layer has no such modules."""
+    out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    for layer in model.layers:
+        attn, ffn = layer.attn, layer.ffn
+        qkv = _pack_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        w13 = _pack_rows([ffn.w1, ffn.w3]) if isinstance(ffn, SwiGLU) else None
+        out.append((qkv, w13))
+    return out
+
+
 def decode_forward(
     model: nn.Module,
     k_cache: torch.Tensor,
@@ -72,18 +118,25 @@ def decode_forward(
     block_tables: torch.Tensor,
     ctx_lens: torch.Tensor,
     use_triton: int,
+    packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
 ) -> torch.Tensor:
     """One decode step (one token per sequence, so row i is sequence i's last token), the same
-    math as :func:`~lmforge.serve.runner.forward_step`: logits (S, V) float32."""
+    math as :func:`~lmforge.serve.runner.forward_step`: logits (S, V) float32. ``packed``
+    (from :func:`pack_weights`) swaps the separate projections for one GEMM each."""
     x = model.residual_stream(model.token_embeddings(tokens))  # (S, D)
     n = x.shape[0]
     for i, layer in enumerate(model.layers):
         attn = layer.attn
+        qkv_w, w13 = packed[i] if packed is not None else (None, None)
         h = layer.ln1(x)
         nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        q = attn.q_proj(h).view(n, nh, e)  # (S, H, E)
-        k = attn.k_proj(h).view(n, kvh, e)  # (S, K, E)
-        v = attn.v_proj(h).view(n, kvh, e)  # (S, K, E)
+        if qkv_w is not None:
+            q, k, v = F.linear(h, qkv_w).split([nh * e, kvh * e, kvh * e], dim=-1)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q = q.reshape(n, nh, e)  # (S, H, E)
+        k = k.reshape(n, kvh, e)  # (S, K, E)
+        v = v.reshape(n, kvh, e)  # (S, K, E)
         if attn.config.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = attn.rope(q.transpose(0, 1), positions).transpose(0, 1)  # (S, H, E)
@@ -92,7 +145,12 @@ def decode_forward(
             q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
         )  # (S, H, E)
         x = x + attn.output_proj(o.reshape(n, nh * e))
-        x = x + layer.ffn(layer.ln2(x))  # (S, D)
+        y = layer.ln2(x)
+        if w13 is not None:
+            gate, up = F.linear(y, w13).chunk(2, dim=-1)  # (S, F) each
+            x = x + layer.ffn.w2(silu(gate) * up)  # (S, D)
+        else:
+            x = x + layer.ffn(y)  # (S, D)
     return model.logits_from_hidden(model.ln_final(x)).float()  # (S, V)
 
 
@@ -100,8 +158,11 @@ class CompiledDecode:
     """``batch -> logits`` for decode-only steps: compiled :func:`decode_forward`, or the eager
     :func:`~lmforge.serve.runner.forward_step` once compiling has failed."""
 
-    def __init__(self, model: nn.Module, cache: PagedKVCache, use_triton: bool | None) -> None:
+    def __init__(
+        self, model: nn.Module, cache: PagedKVCache, use_triton: bool | None, pack: bool = True
+    ) -> None:
         self.model = model
+        self.packed = pack_weights(model) if pack else None
         self.cache = cache
         self.use_triton = use_triton
         self._flag = -1 if use_triton is None else int(use_triton)
@@ -121,6 +182,7 @@ class CompiledDecode:
                     batch.block_tables,
                     batch.ctx_lens,
                     self._flag,
+                    self.packed,
                 )
             except Exception as e:  # any compile/run failure: eager from now on, said once
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
