@@ -69,7 +69,7 @@ def _decode_attention(
 
 @_decode_attention.register_fake
 def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_triton):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the real op returns (inductor checks strides)
 
 
 # first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
