@@ -106,6 +106,7 @@ def _line(s: str) -> None:
 # ---------------------------------------------------------------- correctness
 def check() -> None:
     from lmforge.generate import generate
+    from lmforge.serve._attention_triton import num_partitions
     from lmforge.serve.attention import paged_attention_float64, paged_decode
 
     g = torch.Generator().manual_seed(0)
@@ -131,8 +132,32 @@ def check() -> None:
             torch.tensor(lens, dtype=torch.int32, device="cuda"), use_triton=True,
         )  # fmt: skip
         err = float((got.double().cpu() - want).abs().max())
-        _line(f"check: Triton paged decode {dt} max |err| vs float64 = {err:.2e}")
+        _line(f"check: Triton paged decode {dt} max |err| vs float64 = {err:.2e} "
+              f"(split into {num_partitions(s, k, w, 4)[0]} partitions)")  # fmt: skip
         assert err < (1e-4 if dt == torch.float32 else 3e-2)
+    # the throughput shape: 64 sequences x 8 kv-heads (one partition), G = 2, E = 128
+    s2, h2, k2, e2 = 64, 16, 8, 128
+    lens2 = torch.randint(1, 1025, (s2,), generator=g).tolist()
+    nb2 = sum(math.ceil(n / bs) for n in lens2) + 1
+    kc2 = torch.randn(nb2, bs, k2, e2, generator=g)
+    vc2 = torch.randn(nb2, bs, k2, e2, generator=g)
+    tables2, used = [], 0
+    for n in lens2:
+        tables2.append(list(range(used, used + math.ceil(n / bs))))
+        used += math.ceil(n / bs)
+    w2 = max(len(t) for t in tables2)
+    bt2 = torch.tensor([t + [0] * (w2 - len(t)) for t in tables2], dtype=torch.int32)
+    q2 = torch.randn(s2, h2, e2, generator=g)
+    want2 = torch.stack([paged_attention_float64(q2[i : i + 1], kc2, vc2, tables2[i], n)[0]
+                         for i, n in enumerate(lens2)])  # fmt: skip
+    got2 = paged_decode(
+        q2.cuda().bfloat16(), kc2.cuda().bfloat16(), vc2.cuda().bfloat16(), bt2.cuda(),
+        torch.tensor(lens2, dtype=torch.int32, device="cuda"), use_triton=True,
+    )  # fmt: skip
+    err2 = float((got2.double().cpu() - want2).abs().max())
+    _line(f"check: Triton paged decode bf16, 64 seqs x 8 kv-heads, E=128 (partitions: "
+          f"{num_partitions(s2, k2, w2, 4)[0]}) max |err| vs float64 = {err2:.2e}")  # fmt: skip
+    assert err2 < 3e-2
 
     torch.manual_seed(0)
     small = TransformerLM(
@@ -144,7 +169,9 @@ def check() -> None:
         eng = Engine(small, block_size=16, num_blocks=64, cuda_graphs=graphs, max_num_seqs=8)
         out = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
         same = [o.outputs[0].token_ids for o in out] == ref
-        _line(f"check: engine greedy == lmforge.generate (cuda_graphs={graphs}): {same}")
+        how = "eager (compile failed)" if eng.decoder is None or eng.decoder.failed else "yes"
+        _line(f"check: engine greedy == lmforge.generate (cuda_graphs={graphs}, compiled "
+              f"decode: {how}): {same}")  # fmt: skip
         assert same and eng.allocator.num_used == 0
         if graphs:
             assert eng.graphs is not None and eng.graphs.graphs

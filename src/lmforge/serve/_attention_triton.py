@@ -57,6 +57,7 @@ def _paged_decode_kernel(
     NT: tl.constexpr,
     SPLIT: tl.constexpr,
     PREC: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     s = tl.program_id(0)
     kh = tl.program_id(1)
@@ -78,7 +79,7 @@ def _paged_decode_kernel(
         mask=g_ok[:, None] & e_ok[None, :],
         other=0.0,
     ).to(tl.float32)  # (GP, EP)
-    q = (q * scale).to(k_ptr.dtype.element_ty)
+    q = (q * scale).to(MMA)
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, EP], tl.float32)
@@ -89,7 +90,7 @@ def _paged_decode_kernel(
         block = tl.load(bt_ptr + s * stride_bts + blk, mask=blk_ok, other=0).to(tl.int64)
         offs = block[:, None] * stride_kb + t_off[:, None] * stride_kt + kh * stride_kh + e[None, :]
         kv_mask = t_ok[:, None] & e_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)  # (TILE, EP)
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(MMA)  # (TILE, EP)
         scores = tl.dot(q, tl.trans(k), input_precision=PREC)  # (GP, TILE) fp32
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         # Slot 0 of every tile is inside the context (j < b_hi <= cdiv(ctx, BS)), so m_new is
@@ -97,8 +98,8 @@ def _paged_decode_kernel(
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # (GP,)
         p = tl.exp(scores - m_new[:, None])  # (GP, TILE)
         alpha = tl.exp(m - m_new)  # (GP,)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)  # (TILE, EP)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(MMA)  # (TILE, EP)
+        acc = acc * alpha[:, None] + tl.dot(p.to(MMA), v, input_precision=PREC)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         m = m_new
     row_mask = g_ok[:, None] & e_ok[None, :]
@@ -187,6 +188,11 @@ def paged_decode_triton(
     out = torch.empty_like(q)
     ep = max(16, triton.next_power_of_2(e))
     split = n_parts > 1
+    # tl.dot operands in the cache dtype (tensor cores); fp32 where the cache is fp32, and in
+    # Triton 3.6's CPU interpreter for bf16, whose tl.dot multiplies bf16 bit patterns.
+    mma = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(k_cache.dtype, tl.float32)
+    if interpreting() and mma == tl.bfloat16:
+        mma = tl.float32
     if split:
         m_ws = torch.empty(s, h, n_parts, device=q.device, dtype=torch.float32)
         l_ws = torch.empty_like(m_ws)
@@ -222,7 +228,8 @@ def paged_decode_triton(
         BS=bs,
         NT=nt,
         SPLIT=split,
-        PREC="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        PREC="ieee" if mma == tl.float32 else "tf32",
+        MMA=mma,
     )
     if split:
         _combine_kernel[(s, h)](
