@@ -33,12 +33,17 @@ def test_compiled_decode_is_token_identical(kw: dict) -> None:
     params = SamplingParams(temperature=0, max_tokens=10)
     want = [generate(model, [p], 10, temperature=0)[0] for p in prompts]
     eager = Engine(model, block_size=8, num_blocks=64, compile=False).generate(prompts, params)
-    eng = Engine(model, block_size=8, num_blocks=64, compile=True)
+    from torch._dynamo.utils import counters
+
+    eng = Engine(model, block_size=8, num_blocks=64, compile=True)  # compiles (warm-up)
+    graphs = counters["stats"]["unique_graphs"]
     got = eng.generate(prompts, params)
     assert eng.decoder is not None and eng.decoder.failed is None  # it really ran compiled
     assert [o.outputs[0].token_ids for o in eager] == want
     assert [o.outputs[0].token_ids for o in got] == want
-    # batch sizes 4 down to 1 were all decoded (one dynamic compile + the batch-1 one)
+    # batches of 4 down to 1 sequences and tables 1 to 7 blocks wide: no recompile after the
+    # warm-up's two graphs (dynamic, and batch 1)
+    assert counters["stats"]["unique_graphs"] == graphs
     assert eng.allocator.num_used == 0
 
 

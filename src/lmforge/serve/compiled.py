@@ -154,6 +154,12 @@ def decode_forward(
     return model.logits_from_hidden(model.ln_final(x)).float()  # (S, V)
 
 
+def _no_duck_shapes():
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)
+
+
 class CompiledDecode:
     """``batch -> logits`` for decode-only steps: compiled :func:`decode_forward`, or the eager
     :func:`~lmforge.serve.runner.forward_step` once compiling has failed."""
@@ -169,21 +175,47 @@ class CompiledDecode:
         self.failed: str | None = None
         self._fn = torch.compile(decode_forward, dynamic=True)
 
+    def warmup(self, scratch_block: int, block_size: int) -> None:
+        """Compile now (batch 2: the dynamic graph; batch 1: its specialisation) on a dummy
+        sequence whose KV goes to ``scratch_block`` (never handed out), so the first request
+        does not wait for the compiler."""
+        dev = self.cache.k.device
+        with torch.inference_mode():
+            for b in (2, 1):
+                batch = StepBatch(
+                    tokens=torch.zeros(b, dtype=torch.long, device=dev),
+                    positions=torch.zeros(b, dtype=torch.long, device=dev),
+                    slots=torch.full((b,), scratch_block * block_size, device=dev),
+                    block_tables=torch.full((b, 2), scratch_block, dtype=torch.int32, device=dev),
+                    ctx_lens=torch.ones(b, dtype=torch.int32, device=dev),
+                    last_rows=torch.arange(b, device=dev),
+                    q_lens=[1] * b,
+                    ctx_lens_list=[1] * b,
+                    tables_list=[[scratch_block]] * b,
+                )
+                self(batch)
+
     def __call__(self, batch: StepBatch) -> torch.Tensor:
         if self.failed is None:
+            tables = batch.block_tables
+            if tables.shape[1] < 2:  # a width of 1 would be one more specialised compile
+                tables = F.pad(tables, (0, 1))  # block 0, past ctx_lens: never read
             try:
-                return self._fn(
-                    self.model,
-                    self.cache.k,
-                    self.cache.v,
-                    batch.tokens,
-                    batch.positions,
-                    batch.slots,
-                    batch.block_tables,
-                    batch.ctx_lens,
-                    self._flag,
-                    self.packed,
-                )
+                # No duck sizing: a batch that happens to equal another size at compile time
+                # (the layer count, the table width) must not tie the two together.
+                with _no_duck_shapes():
+                    return self._fn(
+                        self.model,
+                        self.cache.k,
+                        self.cache.v,
+                        batch.tokens,
+                        batch.positions,
+                        batch.slots,
+                        tables,
+                        batch.ctx_lens,
+                        self._flag,
+                        self.packed,
+                    )
             except Exception as e:  # any compile/run failure: eager from now on, said once
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(

@@ -195,7 +195,9 @@ class Engine:
         if cuda_graphs and self.device.type == "cuda":
             from lmforge.serve.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self)  # compiles while warming up each bucket
+        elif self.decoder is not None:
+            self.decoder.warmup(self.cache.num_blocks - 1, block_size)
 
     # ---------------------------------------------------------------- sizing
     def _default_num_blocks(self, dtype: torch.dtype, fraction: float) -> int:
