@@ -425,10 +425,27 @@ def _throughput_run(model, prompts, params, compile: bool) -> tuple[str, int, fl
     eng.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm
     torch.cuda.synchronize()
     steps0 = eng.stats["steps"]
+    # Split the wall time: steps that carry prefill (or have requests waiting) vs pure decode
+    # (each step ends in a host sync: the sampled tokens' .tolist()).
+    split = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+    plain_step = eng.step
+
+    def timed_step(eng: Engine = eng):
+        kind = "prefill" if eng.waiting or any(
+            s.n_cached < len(s.tokens) - 1 for s in eng.running
+        ) else "decode"  # fmt: skip
+        t = time.perf_counter()
+        out = plain_step()
+        split[kind][0] += 1
+        split[kind][1] += time.perf_counter() - t
+        return out
+
+    eng.step = timed_step
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    eng.step = plain_step
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(p.max_tokens for p in params)
     failed = eng.decoder is not None and eng.decoder.failed
@@ -438,6 +455,9 @@ def _throughput_run(model, prompts, params, compile: bool) -> tuple[str, int, fl
     _line(f"{name}: KV cache {eng.allocator.num_blocks} blocks of 16; setup (KV alloc + graph "
           f"capture + compile) {setup:.1f} s; steps {eng.stats['steps'] - steps0}, "
           f"preemptions {eng.stats['preemptions']}")  # fmt: skip
+    for kind, (n, t) in split.items():
+        _line(f"  {kind} steps: {n}, {t:.2f} s ({t / dt:.0%} of the run, "
+              f"{t / max(n, 1) * 1e3:.2f} ms/step)")  # fmt: skip
     if PROFILE:  # 20 decode steps with every request admitted and prefilled
         for p, sp in zip(prompts, params, strict=True):
             eng.add_request(p, SamplingParams(temperature=sp.temperature, max_tokens=64,
