@@ -16,9 +16,13 @@
    draft has nothing to agree on, so this measures the overhead, not the benefit).
 
 Correctness first: the Triton decode kernel against a float64 reference, and the engine's greedy
-tokens (eager and CUDA graphs) against ``lmforge.generate``.
+tokens (eager and CUDA graphs, with the compiled decode step) against ``lmforge.generate``.
+Benchmarks 1 and 2 also run the engine with ``compile=False`` in the same run (the peer for the
+compiled step); ``--profile`` adds a torch.profiler pass over 20 decode steps per engine (top-20
+CUDA kernels: count and µs per step, share; kernels per step).
 
     PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
+    PYTHONPATH=src python benchmarks/serve.py --only check,decode,throughput --profile
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
     PYTHONPATH=src python benchmarks/serve.py --server-cpu --quick    # the server on the CPU
 """
@@ -45,6 +49,8 @@ from lmforge.serve import Engine, SamplingParams
 
 HBM = 4.8e12  # H200 HBM3e bytes/s
 GRAPHS = True  # --no-graphs: every engine decodes eagerly
+COMPILE = True  # --no-compile: the engine's decode step is not compiled (the engine before)
+PROFILE = False  # --profile: a torch.profiler pass over 20 decode steps per engine
 
 TINYLLAMA = dict(
     vocab_size=32000,
@@ -100,6 +106,7 @@ def _line(s: str) -> None:
 # ---------------------------------------------------------------- correctness
 def check() -> None:
     from lmforge.generate import generate
+    from lmforge.serve._attention_triton import num_partitions
     from lmforge.serve.attention import paged_attention_float64, paged_decode
 
     g = torch.Generator().manual_seed(0)
@@ -125,8 +132,32 @@ def check() -> None:
             torch.tensor(lens, dtype=torch.int32, device="cuda"), use_triton=True,
         )  # fmt: skip
         err = float((got.double().cpu() - want).abs().max())
-        _line(f"check: Triton paged decode {dt} max |err| vs float64 = {err:.2e}")
+        _line(f"check: Triton paged decode {dt} max |err| vs float64 = {err:.2e} "
+              f"(split into {num_partitions(s, k, w, 4)[0]} partitions)")  # fmt: skip
         assert err < (1e-4 if dt == torch.float32 else 3e-2)
+    # the throughput shape: 64 sequences x 8 kv-heads (one partition), G = 2, E = 128
+    s2, h2, k2, e2 = 64, 16, 8, 128
+    lens2 = torch.randint(1, 1025, (s2,), generator=g).tolist()
+    nb2 = sum(math.ceil(n / bs) for n in lens2) + 1
+    kc2 = torch.randn(nb2, bs, k2, e2, generator=g)
+    vc2 = torch.randn(nb2, bs, k2, e2, generator=g)
+    tables2, used = [], 0
+    for n in lens2:
+        tables2.append(list(range(used, used + math.ceil(n / bs))))
+        used += math.ceil(n / bs)
+    w2 = max(len(t) for t in tables2)
+    bt2 = torch.tensor([t + [0] * (w2 - len(t)) for t in tables2], dtype=torch.int32)
+    q2 = torch.randn(s2, h2, e2, generator=g)
+    want2 = torch.stack([paged_attention_float64(q2[i : i + 1], kc2, vc2, tables2[i], n)[0]
+                         for i, n in enumerate(lens2)])  # fmt: skip
+    got2 = paged_decode(
+        q2.cuda().bfloat16(), kc2.cuda().bfloat16(), vc2.cuda().bfloat16(), bt2.cuda(),
+        torch.tensor(lens2, dtype=torch.int32, device="cuda"), use_triton=True,
+    )  # fmt: skip
+    err2 = float((got2.double().cpu() - want2).abs().max())
+    _line(f"check: Triton paged decode bf16, 64 seqs x 8 kv-heads, E=128 (partitions: "
+          f"{num_partitions(s2, k2, w2, 4)[0]}) max |err| vs float64 = {err2:.2e}")  # fmt: skip
+    assert err2 < 3e-2
 
     torch.manual_seed(0)
     small = TransformerLM(
@@ -138,25 +169,79 @@ def check() -> None:
         eng = Engine(small, block_size=16, num_blocks=64, cuda_graphs=graphs, max_num_seqs=8)
         out = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
         same = [o.outputs[0].token_ids for o in out] == ref
-        _line(f"check: engine greedy == lmforge.generate (cuda_graphs={graphs}): {same}")
+        how = "eager (compile failed)" if eng.decoder is None or eng.decoder.failed else "yes"
+        _line(f"check: engine greedy == lmforge.generate (cuda_graphs={graphs}, compiled "
+              f"decode: {how}): {same}")  # fmt: skip
         assert same and eng.allocator.num_used == 0
         if graphs:
             assert eng.graphs is not None and eng.graphs.graphs
 
 
-# ---------------------------------------------------------------- 1. decode
-def _static_decoder(model: TransformerLM, max_len: int):
-    """A minimal static-KV decoder (one token per call) for torch.compile (the peer)."""
-    cfg = model.config
-    kh, e, h = cfg.kv_heads, cfg.head_dim, cfg.n_heads
-    shape = (cfg.n_layers, 1, kh, max_len, e)
-    kc = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
-    vc = torch.zeros(shape, device="cuda", dtype=torch.bfloat16)
-    slots = torch.arange(max_len, device="cuda")
+# ---------------------------------------------------------------- profile
+def profile_steps(eng: Engine, label: str, n_steps: int = 20, top: int = 20) -> None:
+    """torch.profiler over ``n_steps`` engine steps: the top CUDA kernels per step and the total
+    kernel count per step (kernels inside CUDA-graph replays are reported by CUPTI too)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
-    def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    torch.cuda.synchronize()
+    done = 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_steps):
+            if not eng.has_unfinished():
+                break
+            eng.step()
+            done += 1
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type != DeviceType.CUDA:
+            continue
+        slot = agg.setdefault(ev.name, [0, 0.0])
+        slot[0] += 1
+        slot[1] += ev.time_range.elapsed_us()
+    n = max(done, 1)
+    total_us = sum(v[1] for v in agg.values())
+    total_k = sum(v[0] for v in agg.values())
+    _line(f"\n### profile: {label}, {done} steps")
+    if not agg:
+        _line("(the profiler recorded no CUDA kernels)")
+        return
+    _line(f"kernels per step: {total_k / n:.0f}; GPU busy per step: {total_us / n:.1f} us")
+    _line("\n| kernel | count/step | us/step | share |")
+    _line("|---|---:|---:|---:|")
+    for name, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
+        short = name if len(name) <= 90 else name[:87] + "..."
+        short = short.replace("|", "/")
+        _line(f"| {short} | {cnt / n:.1f} | {us / n:.1f} | {us / max(total_us, 1e-9):.1%} |")
+
+
+# ---------------------------------------------------------------- 1. decode
+class _StaticDecoder(torch.nn.Module):
+    """A minimal static-KV decoder (one token per call), the torch.compile peer.
+
+    The caches are registered buffers marked static (``mark_static_address``), so
+    reduce-overhead's CUDA graphs can keep their address across replays instead of skipping the
+    graph because an input it mutates might move.
+    """
+
+    def __init__(self, model: TransformerLM, max_len: int) -> None:
+        super().__init__()
+        cfg = model.config
+        self.model = model
+        self.kh, self.e, self.h = cfg.kv_heads, cfg.head_dim, cfg.n_heads
+        shape = (cfg.n_layers, 1, self.kh, max_len, self.e)
+        dtype = next(model.parameters()).dtype
+        self.register_buffer("kc", torch.zeros(shape, device=DEVICE, dtype=dtype))
+        self.register_buffer("vc", torch.zeros(shape, device=DEVICE, dtype=dtype))
+        self.register_buffer("slots", torch.arange(max_len, device=DEVICE))
+        torch._dynamo.mark_static_address(self.kc)
+        torch._dynamo.mark_static_address(self.vc)
+
+    def forward(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        model, h, kh, e = self.model, self.h, self.kh, self.e
         x = model.token_embeddings(tok)[None]  # (1, 1, D)
-        mask = (slots <= pos)[None, None, None, :]  # (1, 1, 1, S)
+        mask = (self.slots <= pos)[None, None, None, :]  # (1, 1, 1, S)
         for i, layer in enumerate(model.layers):
             a = layer.attn
             y = layer.ln1(x)
@@ -164,18 +249,21 @@ def _static_decoder(model: TransformerLM, max_len: int):
             k = a.k_proj(y).view(1, 1, kh, e).transpose(1, 2)  # (1, K, 1, E)
             v = a.v_proj(y).view(1, 1, kh, e).transpose(1, 2)
             q, k = a.rope(q, pos), a.rope(k, pos)
-            kc[i].index_copy_(2, pos, k)
-            vc[i].index_copy_(2, pos, v)
-            o = F.scaled_dot_product_attention(q, kc[i], vc[i], attn_mask=mask, enable_gqa=True)
+            self.kc[i].index_copy_(2, pos, k)
+            self.vc[i].index_copy_(2, pos, v)
+            o = F.scaled_dot_product_attention(
+                q, self.kc[i], self.vc[i], attn_mask=mask, enable_gqa=True
+            )
             x = x + a.output_proj(o.transpose(1, 2).reshape(1, 1, h * e))
             x = x + layer.ffn(layer.ln2(x))
         return model.logits_from_hidden(model.ln_final(x))[0, -1].argmax()
 
-    return step
 
-
-def _time_engine_decode(model: TransformerLM, prompt: list[int], new: int, graphs: bool) -> float:
-    eng = Engine(model, block_size=16, max_num_seqs=1, cuda_graphs=graphs, num_blocks=256)
+def _time_engine_decode(
+    model: TransformerLM, prompt: list[int], new: int, graphs: bool, compile: bool
+) -> tuple[float, Engine]:
+    eng = Engine(model, block_size=16, max_num_seqs=1, cuda_graphs=graphs, num_blocks=256,
+                 compile=compile)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     eng.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm
     runs = []
@@ -189,7 +277,13 @@ def _time_engine_decode(model: TransformerLM, prompt: list[int], new: int, graph
             eng.step()
         torch.cuda.synchronize()
         runs.append((time.perf_counter() - t0) * 1e3 / (new - 1))
-    return statistics.median(runs)
+    if PROFILE:
+        eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        eng.step()  # prefill
+        profile_steps(eng, f"decode, graphs={graphs}, compile={compile}")
+        while eng.has_unfinished():
+            eng.step()
+    return statistics.median(runs), eng
 
 
 def bench_decode(quick: bool) -> dict:
@@ -204,10 +298,19 @@ def bench_decode(quick: bool) -> dict:
     prompt = torch.randint(0, 32000, (128,), generator=g).tolist()
     new = 64 if quick else 256
     rows = []
-    graph_ms = _time_engine_decode(model, prompt, new, graphs=GRAPHS)
-    rows.append((f"lmforge.serve Engine, {'CUDA graphs' if GRAPHS else 'eager'}", graph_ms))
-    eager_ms = _time_engine_decode(model, prompt, min(new, 64), graphs=False)
-    rows.append(("lmforge.serve Engine, eager", eager_ms))
+    what = "CUDA graphs" if GRAPHS else "eager"
+    graph_ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=COMPILE)
+    failed = eng.decoder is not None and eng.decoder.failed
+    rows.append((f"lmforge.serve Engine, {what}, compile={COMPILE}"
+                 + (" (compile FAILED: eager)" if failed else ""), graph_ms))  # fmt: skip
+    del eng
+    if COMPILE:  # the engine as it was before the compiled step, same run
+        ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=False)
+        rows.append((f"lmforge.serve Engine, {what}, compile=False", ms))
+        del eng
+    eager_ms, eng = _time_engine_decode(model, prompt, min(new, 64), graphs=False, compile=False)
+    rows.append(("lmforge.serve Engine, eager, compile=False", eager_ms))
+    del eng
     # lmforge.generate reference loop
     n_ref = 16
     generate(model, [prompt], 4, temperature=0)
@@ -245,30 +348,37 @@ def bench_decode(quick: bool) -> dict:
         _line(f"HF generate peer skipped: {type(e).__name__}: {e}")
     if not quick:
         try:
-            step = torch.compile(_static_decoder(model, 512), mode="reduce-overhead")
-            tok = torch.tensor([prompt[0]], device="cuda")
+            from torch._dynamo.utils import counters
+
+            skips0 = counters["inductor"]["cudagraph_skips"]
+            dec = _StaticDecoder(model, 512)
+            step = torch.compile(dec, mode="reduce-overhead")
             t_c = time.perf_counter()
             with torch.inference_mode():
                 for p in range(len(prompt)):  # prefill token by token (compiles + warms)
-                    step(torch.tensor([prompt[p]], device="cuda"), torch.tensor([p], device="cuda"))
+                    out = step(torch.tensor([prompt[p]], device="cuda"),
+                               torch.tensor([p], device="cuda"))  # fmt: skip
+                tok = out.clone()  # the first generated token
                 torch.cuda.synchronize()
                 compile_s = time.perf_counter() - t_c
-                tok = step(tok, torch.tensor([len(prompt)], device="cuda"))
-                torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for i in range(new):
-                    tok = step(tok.view(1), torch.tensor([len(prompt) + 1 + i], device="cuda"))
+                    pos = torch.tensor([len(prompt) + i], device="cuda")
+                    tok = step(tok.view(1), pos).clone()
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - t0) * 1e3 / new
+            skipped = counters["inductor"]["cudagraph_skips"] - skips0
             rows.append(
                 (
-                    f"static-cache decoder, torch.compile reduce-overhead (compile+prefill {compile_s:.0f} s)",
+                    "static-cache decoder, torch.compile reduce-overhead "
+                    f"(compile+prefill {compile_s:.0f} s; cudagraph skips: {skipped})",
                     ms,
                 )
             )
+            del dec, step
         except Exception as e:
             _line(f"torch.compile peer skipped: {type(e).__name__}: {str(e)[:200]}")
-    _line("\n| implementation | ms/token | vs floor | engine speedup vs it |")
+    _line("\n| implementation | ms/token | vs floor | first row is faster by |")
     _line("|---|---:|---:|---:|")
     for name, ms in rows:
         _line(f"| {name} | {ms:.3f} | {ms / floor:.1f}x | {ms / graph_ms:.2f}x |")
@@ -293,26 +403,73 @@ def bench_throughput(quick: bool) -> None:
     )
     _line(f"floor: a decode step reads the weights once: {wb / HBM * 1e3:.3f} ms; at batch "
           f"{n_req} that bounds output at {n_req / (wb / HBM):,.0f} tok/s (before KV reads)")  # fmt: skip
+    rows = []
+    for compile in (COMPILE, False) if COMPILE else (False,):
+        rows.append(_throughput_run(model, prompts, params, compile))
+    _line("\n| engine | requests | output tokens | time (s) | output tok/s | total tok/s | "
+          "first row is faster by |")  # fmt: skip
+    _line("|---|---:|---:|---:|---:|---:|---:|")
+    for name, n_out, dt in rows:
+        _line(f"| {name} | {n_req} | {n_out} | {dt:.2f} | {n_out / dt:,.0f} | "
+              f"{(n_out + sum(in_lens)) / dt:,.0f} | {dt / rows[0][2]:.2f}x |")  # fmt: skip
+    del model
+    torch.cuda.empty_cache()
+
+
+def _throughput_run(model, prompts, params, compile: bool) -> tuple[str, int, float]:
     t0 = time.perf_counter()
     eng = Engine(model, block_size=16, max_num_seqs=256, max_num_batched_tokens=16384,
-                 cuda_graphs=GRAPHS)  # fmt: skip
+                 cuda_graphs=GRAPHS, compile=compile)  # fmt: skip
     setup = time.perf_counter() - t0
     eng.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm
     torch.cuda.synchronize()
+    steps0 = eng.stats["steps"]
+    # Split the wall time: steps that carry prefill (or have requests waiting) vs pure decode
+    # (each step ends in a host sync: the sampled tokens' .tolist()).
+    split = {"prefill": [0, 0.0], "decode": [0, 0.0]}
+    plain_step = eng.step
+
+    def timed_step(eng: Engine = eng):
+        kind = "prefill" if eng.waiting or any(
+            s.n_cached < len(s.tokens) - 1 for s in eng.running
+        ) else "decode"  # fmt: skip
+        t = time.perf_counter()
+        out = plain_step()
+        split[kind][0] += 1
+        split[kind][1] += time.perf_counter() - t
+        return out
+
+    eng.step = timed_step
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    eng.step = plain_step
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n_out == sum(out_lens)
-    _line(f"KV cache: {eng.allocator.num_blocks} blocks of 16; setup (KV alloc + graph capture) "
-          f"{setup:.1f} s; steps {eng.stats['steps']}, preemptions {eng.stats['preemptions']}")  # fmt: skip
-    _line("\n| engine | requests | output tokens | time (s) | output tok/s | total tok/s |")
-    _line("|---|---:|---:|---:|---:|---:|")
-    _line(f"| lmforge.serve Engine (CUDA graphs) | {n_req} | {n_out} | {dt:.2f} | "
-          f"{n_out / dt:,.0f} | {(n_out + sum(in_lens)) / dt:,.0f} |")  # fmt: skip
-    del eng, model
+    assert n_out == sum(p.max_tokens for p in params)
+    failed = eng.decoder is not None and eng.decoder.failed
+    name = f"lmforge.serve Engine, graphs={GRAPHS}, compile={compile}" + (
+        " (compile FAILED: eager)" if failed else ""
+    )
+    _line(f"{name}: KV cache {eng.allocator.num_blocks} blocks of 16; setup (KV alloc + graph "
+          f"capture + compile) {setup:.1f} s; steps {eng.stats['steps'] - steps0}, "
+          f"preemptions {eng.stats['preemptions']}")  # fmt: skip
+    for kind, (n, t) in split.items():
+        _line(f"  {kind} steps: {n}, {t:.2f} s ({t / dt:.0%} of the run, "
+              f"{t / max(n, 1) * 1e3:.2f} ms/step)")  # fmt: skip
+    if PROFILE:  # 20 decode steps with every request admitted and prefilled
+        for p, sp in zip(prompts, params, strict=True):
+            eng.add_request(p, SamplingParams(temperature=sp.temperature, max_tokens=64,
+                                              ignore_eos=True))  # fmt: skip
+        while eng.waiting or any(s.n_cached < len(s.tokens) - 1 for s in eng.running):
+            eng.step()
+        eng.step()
+        profile_steps(eng, f"throughput, {len(eng.running)} sequences decoding, compile={compile}")
+        for rid in list(eng.requests):
+            eng.abort(rid)
+    del eng
     torch.cuda.empty_cache()
+    return name, n_out, dt
 
 
 # ---------------------------------------------------------------- 3. server
@@ -456,12 +613,17 @@ def main() -> int:
     ap.add_argument("--only", default="check,decode,throughput,server,spec")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     ap.add_argument("--no-graphs", action="store_true", help="engines decode eagerly")
+    ap.add_argument("--no-compile", action="store_true", help="no torch.compile'd decode step")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler over 20 decode steps per engine: top-20 kernels")  # fmt: skip
     ap.add_argument(
         "--server-cpu", action="store_true", help="run only the server benchmark, on the CPU"
     )
     args = ap.parse_args()
-    global GRAPHS, DEVICE
+    global GRAPHS, DEVICE, COMPILE, PROFILE
     GRAPHS = not args.no_graphs
+    COMPILE = not args.no_compile
+    PROFILE = args.profile
     if args.server_cpu:
         DEVICE, GRAPHS = "cpu", False
         bench_server(args.quick)

@@ -65,14 +65,20 @@ if not _CHILD:
             got.double(), _want(q, kc, vc, tables, shape[-1]), atol=1e-5, rtol=1e-5
         )
 
+    @pytest.mark.parametrize("whole", [False, True])
     @pytest.mark.parametrize("shape", SHAPES)
-    def test_prefill_chunks_match_float64(shape) -> None:
+    def test_prefill_chunks_match_float64(shape, whole) -> None:
+        """Chunks after a cached prefix (lower-right causal) and whole prompts (is_causal,
+        GQA in SDPA), block ids from the lists or sliced from the (S, M) table tensor."""
         _s, h, _k, e, _bs, lens = shape
-        _q_all, kc, vc, tables, _, _ = _setup(*shape)
-        q_lens = [max(1, n // 2) for n in lens]  # chunks ending at the context: n//2 new queries
+        _q_all, kc, vc, tables, bt, _ = _setup(*shape)
+        # chunks ending at the context: n//2 new queries, or the whole context
+        q_lens = list(lens) if whole else [max(1, n // 2) for n in lens]
         g = torch.Generator().manual_seed(1)
         q = torch.randn(sum(q_lens), h, e, generator=g)
-        got = paged_prefill(q, kc, vc, tables, q_lens, lens)
+        got = paged_prefill(
+            q, kc, vc, tables, q_lens, lens, block_table_tensor=bt if whole else None
+        )
         start = 0
         for table, t, n in zip(tables, q_lens, lens, strict=True):
             want = paged_attention_float64(q[start : start + t], kc, vc, table, n)
@@ -114,3 +120,21 @@ else:
         torch.testing.assert_close(
             got.double(), _want(q, kc, vc, tables, shape[-1]), atol=1e-5, rtol=1e-5
         )
+
+    @pytest.mark.parametrize(
+        ("n_parts", "dtype"),
+        [(None, torch.float32), (1, torch.float32), (2, torch.float32), (3, torch.float32),
+         (None, torch.float16), (1, torch.float16)],
+    )  # fmt: skip
+    def test_triton_split_context_matches_float64(n_parts, dtype) -> None:
+        """Flash-decoding: partitions over long ragged contexts (some partitions empty for the
+        short sequence), combined by the second kernel, equal the one-pass softmax."""
+        from lmforge.serve._attention_triton import num_partitions, paged_decode_triton
+
+        lens = [150, 37, 1]
+        q, kc, vc, tables, bt, lens_t = _setup(3, 4, 2, 16, 4, lens, dtype)
+        if n_parts is None:
+            assert num_partitions(3, 2, bt.shape[1], 16)[0] == 3  # 38 blocks: 3 tiles
+        got = paged_decode_triton(q, kc, vc, bt, lens_t, n_parts=n_parts)
+        tol = 1e-5 if dtype == torch.float32 else 5e-3  # fp16: P rounded for the P·V tl.dot
+        torch.testing.assert_close(got.double(), _want(q, kc, vc, tables, lens), atol=tol, rtol=tol)

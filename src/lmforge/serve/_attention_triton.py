@@ -1,13 +1,19 @@
-"""The Triton paged-attention decode kernel (see :mod:`lmforge.serve.attention` for the math).
+"""The Triton paged-attention decode kernels (see :mod:`lmforge.serve.attention` for the math).
 
-One program per (sequence, kv-head): it loads the group's G = H/K query vectors once, then walks
-the sequence's block table, one BS-slot K/V tile per iteration, keeping FlashAttention's running
-max ``m``, normaliser ``l`` and unnormalised output ``acc`` in fp32:
+Flash-decoding: the grid is (sequence, kv-head, partition). Partition p of a sequence owns a
+fixed run of ``part_blocks`` blocks of its table; it loads the group's G = H/K query vectors
+once (padded to 16 rows so both products are ``tl.dot`` tensor-core tiles), then walks its
+blocks NT at a time (one TILE = NT·BS-slot K/V tile per iteration, more bytes in flight per
+program than one block), keeping FlashAttention's running max ``m``, normaliser ``l`` and
+unnormalised output ``acc`` in fp32:
 
     m' = max(m, max_j s_j);  acc = acc·e^(m−m') + Σ_j e^(s_j−m') v_j;  l = l·e^(m−m') + Σ_j e^(s_j−m')
 
-and writes ``acc / l``. The q·k products are broadcast-multiply-sums rather than ``tl.dot``
-(G is often below the 16 rows ``tl.dot`` needs, and decode is bound by reading K/V anyway).
+With one partition it writes ``acc / l``; with several, each writes (m, l, acc) to a workspace
+and a second kernel combines them: M = max_p m_p, out = Σ_p acc_p e^(m_p−M) / Σ_p l_p e^(m_p−M)
+(a partition past the context wrote m = −inf, l = 0 and drops out). The partition count depends
+on shapes only (S, K and the table width), never on the context lengths, so a CUDA graph
+captured for one bucket stays valid for every step replayed in it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import triton.language as tl
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
 
+TARGET_PROGRAMS = 512  # enough (seq, kv-head, partition) programs to fill an H100/H200's SMs
+
 
 @triton.jit
 def _paged_decode_kernel(
@@ -27,7 +35,12 @@ def _paged_decode_kernel(
     bt_ptr,
     lens_ptr,
     out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
     scale,
+    part_blocks,
+    n_parts,
     stride_qs,
     stride_qh,
     stride_kb,
@@ -41,49 +54,110 @@ def _paged_decode_kernel(
     E: tl.constexpr,
     EP: tl.constexpr,
     BS: tl.constexpr,
+    NT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+    MMA: tl.constexpr,
 ):
     s = tl.program_id(0)
     kh = tl.program_id(1)
+    part = tl.program_id(2)
     ctx = tl.load(lens_ptr + s)
+    n_blocks = tl.cdiv(ctx, BS)
+    b_lo = part * part_blocks
+    b_hi = tl.minimum(b_lo + part_blocks, n_blocks)
     g = tl.arange(0, GP)
     e = tl.arange(0, EP)
-    t = tl.arange(0, BS)
+    t = tl.arange(0, NT * BS)  # (TILE,) slots of NT consecutive table entries
+    t_blk = t // BS
+    t_off = t % BS
     g_ok = g < G
     e_ok = e < E
-    heads = kh * G + g  # (GP,) query heads of this kv-head
+    heads = kh * G + g  # (GP,) query heads of this kv-head (rows >= G are padding)
     q = tl.load(
         q_ptr + s * stride_qs + heads[:, None] * stride_qh + e[None, :],
         mask=g_ok[:, None] & e_ok[None, :],
         other=0.0,
     ).to(tl.float32)  # (GP, EP)
-    q = q * scale
+    q = (q * scale).to(MMA)
     m = tl.full([GP], float("-inf"), tl.float32)
     l_sum = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, EP], tl.float32)
-    for i in range(0, tl.cdiv(ctx, BS)):
-        pos = i * BS + t  # (BS,)
-        t_ok = pos < ctx
-        block = tl.load(bt_ptr + s * stride_bts + i).to(tl.int64)
-        offs = block * stride_kb + t[:, None] * stride_kt + kh * stride_kh + e[None, :]
+    for j in range(b_lo, b_hi, NT):
+        blk = j + t_blk  # (TILE,) table index of each slot
+        blk_ok = blk < b_hi
+        t_ok = blk_ok & (blk * BS + t_off < ctx)
+        block = tl.load(bt_ptr + s * stride_bts + blk, mask=blk_ok, other=0).to(tl.int64)
+        offs = block[:, None] * stride_kb + t_off[:, None] * stride_kt + kh * stride_kh + e[None, :]
         kv_mask = t_ok[:, None] & e_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # (BS, EP)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (GP, BS)
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(MMA)  # (TILE, EP)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC)  # (GP, TILE) fp32
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
-        # Every tile holds at least one valid slot (the loop stops at the context), so m_new
-        # is finite and exp() never sees -inf - -inf.
+        # Slot 0 of every tile is inside the context (j < b_hi <= cdiv(ctx, BS)), so m_new is
+        # finite and exp() never sees -inf - -inf.
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # (GP,)
-        p = tl.exp(scores - m_new[:, None])  # (GP, BS)
+        p = tl.exp(scores - m_new[:, None])  # (GP, TILE)
         alpha = tl.exp(m - m_new)  # (GP,)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(tl.float32)  # (BS, EP)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (GP, EP)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(MMA)  # (TILE, EP)
+        acc = acc * alpha[:, None] + tl.dot(p.to(MMA), v, input_precision=PREC)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         m = m_new
-    out = acc / l_sum[:, None]
+    row_mask = g_ok[:, None] & e_ok[None, :]
+    if SPLIT:
+        # workspace (S, H, P) for m and l, (S, H, P, EP) for acc
+        ml = (s * (G * tl.num_programs(1)) + heads) * n_parts + part  # (GP,)
+        tl.store(m_ptr + ml, m, mask=g_ok)
+        tl.store(l_ptr + ml, l_sum, mask=g_ok)
+        tl.store(acc_ptr + ml[:, None] * EP + e[None, :], acc, mask=row_mask)
+    else:
+        out = acc / l_sum[:, None]
+        tl.store(
+            out_ptr + s * stride_os + heads[:, None] * stride_oh + e[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    n_parts,
+    stride_os,
+    stride_oh,
+    H: tl.constexpr,
+    E: tl.constexpr,
+    EP: tl.constexpr,
+    PP: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.arange(0, PP)
+    e = tl.arange(0, EP)
+    p_ok = p < n_parts
+    base = (s * H + h) * n_parts
+    m = tl.load(m_ptr + base + p, mask=p_ok, other=float("-inf"))  # (PP,)
+    l_p = tl.load(l_ptr + base + p, mask=p_ok, other=0.0)
+    acc = tl.load(
+        acc_ptr + (base + p)[:, None] * EP + e[None, :], mask=p_ok[:, None], other=0.0
+    )  # (PP, EP)
+    m_max = tl.max(m, axis=0)  # finite: partition 0 always holds slot 0
+    w = tl.where(p_ok, tl.exp(m - m_max), 0.0)  # (PP,) empty partitions: e^-inf = 0
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_p * w, axis=0)  # (EP,)
     tl.store(
-        out_ptr + s * stride_os + heads[:, None] * stride_oh + e[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_ok[:, None] & e_ok[None, :],
+        out_ptr + s * stride_os + h * stride_oh + e, out.to(out_ptr.dtype.element_ty), mask=e < E
     )
+
+
+def num_partitions(s: int, kv_heads: int, width: int, nt: int) -> tuple[int, int]:
+    """(partitions, blocks per partition) for S sequences, K kv-heads and tables ``width``
+    blocks wide: split until about TARGET_PROGRAMS programs run, never below one tile each."""
+    tiles = triton.cdiv(max(width, 1), nt)
+    parts = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, s * kv_heads)))
+    part_blocks = triton.cdiv(tiles, parts) * nt
+    return triton.cdiv(max(width, 1), part_blocks), part_blocks
 
 
 def paged_decode_triton(
@@ -92,24 +166,53 @@ def paged_decode_triton(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     ctx_lens: torch.Tensor,
+    *,
+    n_parts: int | None = None,
 ) -> torch.Tensor:
-    """q (S, H, E), caches (NB, BS, K, E), block_tables (S, M) int32, ctx_lens (S,) -> (S, H, E)."""
+    """q (S, H, E), caches (NB, BS, K, E), block_tables (S, M) int32, ctx_lens (S,) -> (S, H, E).
+
+    ``n_parts`` forces the partition count (tests); None picks it from the shapes.
+    """
     if interpreting():
         ensure_interpreter_compat()
     s, h, e = q.shape
     _, bs, kv_heads, _ = k_cache.shape
     group = h // kv_heads
+    width = block_tables.shape[1]
+    nt = max(1, 64 // bs)  # 64-slot tiles
+    if n_parts is None:
+        n_parts, part_blocks = num_partitions(s, kv_heads, width, nt)
+    else:
+        part_blocks = triton.cdiv(triton.cdiv(width, n_parts), nt) * nt
     q = q.contiguous()
     out = torch.empty_like(q)
+    ep = max(16, triton.next_power_of_2(e))
+    split = n_parts > 1
+    # tl.dot operands in the cache dtype (tensor cores); fp32 where the cache is fp32, and in
+    # Triton 3.6's CPU interpreter for bf16, whose tl.dot multiplies bf16 bit patterns.
+    mma = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(k_cache.dtype, tl.float32)
+    if interpreting() and mma == tl.bfloat16:
+        mma = tl.float32
+    if split:
+        m_ws = torch.empty(s, h, n_parts, device=q.device, dtype=torch.float32)
+        l_ws = torch.empty_like(m_ws)
+        acc_ws = torch.empty(s, h, n_parts, ep, device=q.device, dtype=torch.float32)
+    else:
+        m_ws = l_ws = acc_ws = out  # unused
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
-    _paged_decode_kernel[(s, kv_heads)](
+    _paged_decode_kernel[(s, kv_heads, n_parts)](
         q,
         k_cache,
         v_cache,
         block_tables,
         ctx_lens,
         out,
+        m_ws,
+        l_ws,
+        acc_ws,
         1.0 / (e**0.5),
+        part_blocks,
+        n_parts,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -119,9 +222,27 @@ def paged_decode_triton(
         out.stride(0),
         out.stride(1),
         G=group,
-        GP=triton.next_power_of_2(group),
+        GP=max(16, triton.next_power_of_2(group)),
         E=e,
-        EP=triton.next_power_of_2(e),
+        EP=ep,
         BS=bs,
+        NT=nt,
+        SPLIT=split,
+        PREC="ieee" if mma == tl.float32 else "tf32",
+        MMA=mma,
     )
+    if split:
+        _combine_kernel[(s, h)](
+            m_ws,
+            l_ws,
+            acc_ws,
+            out,
+            n_parts,
+            out.stride(0),
+            out.stride(1),
+            H=h,
+            E=e,
+            EP=ep,
+            PP=triton.next_power_of_2(n_parts),
+        )
     return out

@@ -53,6 +53,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)"
     )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="decode eagerly (default on CUDA: the decode step through torch.compile)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -110,6 +115,7 @@ def _engine(args: argparse.Namespace, loaded: tuple, **kw: object) -> object:
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
         eos_token_id=getattr(tokenizer, "eot_id", None),
+        compile=False if args.no_compile else None,
         **kw,
     )
 

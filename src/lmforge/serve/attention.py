@@ -8,11 +8,12 @@ Math (per query head h of sequence s, kv-head ``h // (H/K)``, context length n):
 ``out = softmax(q·Kᵀ / sqrt(E)) V`` over the sequence's n cached keys; for a chunk of several
 queries (prefill), query i sits at position ``n − T + i`` and sees keys ``0 .. n − T + i``.
 
-The decode kernel runs one program per (sequence, kv-head) and handles the H/K query heads of
-that group together, so each K/V tile is read once per group (the point of GQA), with an online
-softmax over the sequence's blocks (FlashAttention's rescaling). Simplification: no split over
-the context (flash-decoding), so at batch 1 only K programs run — fine for contexts of a few
-thousand tokens, the figure ``benchmarks/serve.py`` measures.
+The decode kernel (:mod:`lmforge.serve._attention_triton`) handles the H/K query heads of a
+kv-head group together, so each K/V tile is read once per group (the point of GQA), with an
+online softmax over the sequence's blocks (FlashAttention's rescaling), and splits long
+contexts over several programs (flash-decoding: partial softmax states combined by a second
+kernel) so that batch 1 still fills the GPU. Prefill runs one SDPA per sequence, without a
+dense mask (causal, or causal aligned to the bottom right after a cached prefix).
 
 Shape legend: N tokens in the step, S sequences, H heads, K kv-heads, E head dim, T queries.
 Exercised by ``pytest tests/test_serve_attention.py`` (kernel under TRITON_INTERPRET=1).
@@ -103,28 +104,42 @@ def paged_prefill(
     block_tables: Sequence[Sequence[int]],
     q_lens: Sequence[int],
     ctx_lens: Sequence[int],
+    *,
+    block_table_tensor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Chunks of queries (prefill, or decode mixed in): q (N, H, E) -> (N, H, E).
 
     Sequence i owns the next ``q_lens[i]`` rows of q; its keys are its first ``ctx_lens[i]``
-    cached tokens (this chunk's included, already written). One SDPA call per sequence, with
-    the causal mask offset by the tokens cached before the chunk.
+    cached tokens (this chunk's included, already written). One SDPA call per sequence without
+    a dense mask: a chunk that is the whole context (no cached prefix) is plain causal
+    attention (``is_causal``, GQA in the kernel: FlashAttention on the GPU); a chunk after a
+    cached prefix is causal aligned to the bottom right (``causal_lower_right``: query j sees
+    keys up to ``ctx − T + j``). ``block_table_tensor`` (S, M) on q's device, if given, is
+    sliced for the block ids instead of copying each list to the device.
     """
+    from torch.nn.attention.bias import causal_lower_right
+
     _n, h, e = q.shape
     bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     start = 0
-    for table, t, ctx in zip(block_tables, q_lens, ctx_lens, strict=True):
+    for i, (table, t, ctx) in enumerate(zip(block_tables, q_lens, ctx_lens, strict=True)):
         nb = math.ceil(ctx / bs)
-        blocks = torch.tensor(list(table[:nb]), dtype=torch.long, device=q.device)
-        k = k_cache[blocks].reshape(-1, kv_heads, e)[:ctx].transpose(0, 1)  # (K, n, E)
-        v = v_cache[blocks].reshape(-1, kv_heads, e)[:ctx].transpose(0, 1)
-        k = k.repeat_interleave(h // kv_heads, dim=0)  # (H, n, E)
-        v = v.repeat_interleave(h // kv_heads, dim=0)
-        qs = q[start : start + t].transpose(0, 1)  # (H, T, E)
-        qpos = torch.arange(ctx - t, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= qpos  # (T, n)
-        o = F.scaled_dot_product_attention(qs.to(k.dtype), k, v, attn_mask=mask)  # (H, T, E)
+        if block_table_tensor is not None:
+            blocks = block_table_tensor[i, :nb]
+        else:
+            blocks = torch.tensor(list(table[:nb]), dtype=torch.long, device=q.device)
+        k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, e)[:ctx].transpose(0, 1)
+        v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, e)[:ctx].transpose(0, 1)
+        qs = q[start : start + t].transpose(0, 1).to(k.dtype)  # (H, T, E); k, v (K, n, E)
+        if t == ctx:
+            o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=h != kv_heads)
+        else:  # repeat the kv-heads: the lower-right kernels take equal head counts
+            k = k.repeat_interleave(h // kv_heads, dim=0)  # (H, n, E)
+            v = v.repeat_interleave(h // kv_heads, dim=0)
+            o = F.scaled_dot_product_attention(
+                qs[None], k[None], v[None], attn_mask=causal_lower_right(t, ctx)
+            )[0]  # (H, T, E)
         out[start : start + t] = o.transpose(0, 1).to(q.dtype)
         start += t
     return out

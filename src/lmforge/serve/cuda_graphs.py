@@ -1,6 +1,6 @@
 """CUDA graphs for decode steps at bucketed batch sizes, with an eager fallback.
 
-A decode step is a few hundred small kernels whose launch cost (CPU) exceeds their run time at
+A decode step (eager, or compiled: :mod:`lmforge.serve.compiled`) is many small kernels whose launch cost (CPU) exceeds their run time at
 small batches. Each bucket size B (1, 2, 4, 8, 16, 32, …, up to ``max_num_seqs``) gets one graph
 of :func:`~lmforge.serve.runner.forward_step` captured over static input tensors; a step with b ≤ B
 sequences copies its inputs into the first b rows and pads the rest with a dummy sequence whose
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lmforge.serve.runner import StepBatch, forward_step
+from lmforge.serve.runner import StepBatch
 
 if TYPE_CHECKING:
     from lmforge.serve.engine import Engine
@@ -81,19 +81,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        model, cache = self.engine.model, self.engine.cache
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for b in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
             batch = self._batch(b)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up (Triton autotuning / lazy init outside capture)
-                    forward_step(model, cache, batch, use_triton=self.engine.use_triton)
+                for _ in range(2):  # warm up (compile, Triton autotuning, lazy init)
+                    self.engine.decode_step(batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = forward_step(model, cache, batch, use_triton=self.engine.use_triton)
+                out = self.engine.decode_step(batch)
             self.graphs[b] = graph
             self.outputs[b] = out
         torch.cuda.synchronize()

@@ -132,7 +132,9 @@ class Engine:
     fixes the KV cache size (None: ``kv_memory_fraction`` of free CUDA memory, or on CPU 16 full
     contexts capped at 1 GiB). ``max_num_batched_tokens`` is the per-step token
     budget; ``max_num_seqs`` the most sequences in one step. ``seed`` seeds the generator used
-    by unseeded requests.
+    by unseeded requests. ``compile`` runs decode steps through ``torch.compile``
+    (:mod:`lmforge.serve.compiled`; None: on for CUDA, off on the CPU; captured in the CUDA
+    graphs when ``cuda_graphs``); if it fails, one line on stderr and eager decode.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class Engine:
         seed: int = 0,
         max_queue: int | None = None,
         cuda_graphs: bool = False,
+        compile: bool | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -182,11 +185,19 @@ class Engine:
         self.generator.manual_seed(seed)
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
         self.stats = {"preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        # Decode steps through torch.compile (lmforge.serve.compiled); None: on for CUDA.
+        self.decoder = None
+        if compile if compile is not None else self.device.type == "cuda":
+            from lmforge.serve.compiled import CompiledDecode
+
+            self.decoder = CompiledDecode(self.model, self.cache, use_triton)
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda":
             from lmforge.serve.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self)  # compiles while warming up each bucket
+        elif self.decoder is not None:
+            self.decoder.warmup(self.cache.num_blocks - 1, block_size)
 
     # ---------------------------------------------------------------- sizing
     def _default_num_blocks(self, dtype: torch.dtype, fraction: float) -> int:
@@ -420,11 +431,19 @@ class Engine:
             tables_list=[seq.blocks for seq, _ in chosen],
         )
 
+    def decode_step(self, batch: StepBatch) -> torch.Tensor:
+        """Logits (S, V) of a decode-only batch: compiled if enabled, else eager (no graphs)."""
+        if self.decoder is not None:
+            return self.decoder(batch)
+        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+
     def _forward(self, batch: StepBatch) -> torch.Tensor:
-        if self.graphs is not None and batch.decode_only:
-            logits = self.graphs.run(batch)
-            if logits is not None:
-                return logits
+        if batch.decode_only:
+            if self.graphs is not None:
+                logits = self.graphs.run(batch)
+                if logits is not None:
+                    return logits
+            return self.decode_step(batch)
         return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
 
     def _register_full_blocks(self, seq: _Seq) -> None:

@@ -111,8 +111,9 @@ def _attention(
         )  # (S, H, E)
     else:
         o = paged_prefill(
-            q, k_cache, v_cache, batch.tables_list, batch.q_lens, batch.ctx_lens_list
-        )  # (N, H, E)
+            q, k_cache, v_cache, batch.tables_list, batch.q_lens, batch.ctx_lens_list,
+            block_table_tensor=batch.block_tables,
+        )  # (N, H, E)  # fmt: skip
     return attn.output_proj(o.reshape(n, nh * e))  # (N, D)
 
 

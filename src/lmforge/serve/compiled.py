@@ -1,0 +1,226 @@
+"""The decode step through ``torch.compile``: inductor fuses the model's elementwise chains.
+
+The engine's eager decode step runs the model's reference modules, so every RMSNorm, RoPE and
+SwiGLU is a chain of small elementwise kernels (~50 per layer); at batch 1 a step is launch
+bound even inside a CUDA graph. Here the same step (the model's own modules, so any checkpoint
+runs unchanged) is traced by dynamo and compiled by inductor, which fuses those chains into a
+few Triton kernels per layer around the GEMMs. The paged KV write + attention is one opaque
+custom op (``lmforge_serve::decode_attention``, mutating the caches): dynamo does not trace
+into the Triton kernel or the torch reference, and inductor writes the pages in place (no
+functional copy of the cache). Shapes are dynamic (one compile serves every batch bucket; batch
+1 gets its own specialisation), and :class:`~lmforge.serve.cuda_graphs.DecodeGraphs` captures
+the compiled step per bucket like the eager one.
+
+Packed projections: at batch 1 the small K/V GEMVs cost a launch each, not bandwidth, so each
+layer's q/k/v weights (and a SwiGLU's w1/w3) are moved into one contiguous (H·E + 2·K·E, D)
+(resp. (2F, D)) tensor and the model's parameters become row views of it: one GEMM where
+there were three (two), no second copy of the weights, and
+:meth:`~lmforge.serve.engine.Engine.update_weights` (which copies into the parameters) writes
+through to the packed tensor. Layers of another kind (an MoE FFN) run their own modules.
+
+Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
+engine decodes eagerly from then on.
+
+Shape legend: N tokens (= S sequences in decode), D model dim, H heads, K kv-heads, E head dim,
+V vocab, L layers, NB blocks, BS block size, M table width.
+Exercised by ``pytest tests/test_serve_compiled.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.model.layers import SwiGLU, silu
+from lmforge.serve.attention import paged_decode, write_kv
+from lmforge.serve.runner import StepBatch, forward_step
+
+if TYPE_CHECKING:
+    from lmforge.serve.runner import PagedKVCache
+
+__all__ = ["CompiledDecode", "decode_forward", "pack_weights"]
+
+
+@torch.library.custom_op("lmforge_serve::decode_attention", mutates_args=("k_cache", "v_cache"))
+def _decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    use_triton: int,
+) -> torch.Tensor:
+    """Write layer ``layer``'s new K/V (S, K, E) at ``slots`` of the (L, NB, BS, K, E) caches,
+    then decode attention for q (S, H, E) -> (S, H, E). ``use_triton``: -1 auto, 0 no, 1 yes."""
+    kc, vc = k_cache[layer], v_cache[layer]
+    write_kv(kc, vc, slots, k, v)
+    flag = None if use_triton < 0 else bool(use_triton)
+    return paged_decode(q, kc, vc, block_tables, ctx_lens, use_triton=flag).contiguous()
+
+
+@_decode_attention.register_fake
+def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_triton):
+    return q.new_empty(q.shape)  # contiguous, as the real op returns (inductor checks strides)
+
+
+# first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
+_PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _pack_rows(linears: list[nn.Module]) -> torch.Tensor:
+    """Move the weights of ``linears`` (same D, same dtype/device) into one (ΣN, D) tensor and
+    make each ``weight`` a row view of it; returns the packed tensor (the existing one if a
+    previous engine on this model packed them already, so both see the same weights)."""
+    prev = _PACKED.get(linears[0])
+    if prev is not None and all(
+        lin.weight.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+        for lin in linears
+    ):
+        return prev
+    with torch.no_grad():
+        packed = torch.cat([lin.weight for lin in linears])  # (ΣN, D)
+        start = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight.data = packed[start : start + rows]
+            start += rows
+    _PACKED[linears[0]] = packed
+    return packed
+
+
+def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per layer (packed q/k/v, packed w1/w3), None where the layer has no such modules."""
+    out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    for layer in model.layers:
+        attn, ffn = layer.attn, layer.ffn
+        qkv = _pack_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        w13 = _pack_rows([ffn.w1, ffn.w3]) if isinstance(ffn, SwiGLU) else None
+        out.append((qkv, w13))
+    return out
+
+
+def decode_forward(
+    model: nn.Module,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    use_triton: int,
+    packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+) -> torch.Tensor:
+    """One decode step (one token per sequence, so row i is sequence i's last token), the same
+    math as :func:`~lmforge.serve.runner.forward_step`: logits (S, V) float32. ``packed``
+    (from :func:`pack_weights`) swaps the separate projections for one GEMM each."""
+    x = model.residual_stream(model.token_embeddings(tokens))  # (S, D)
+    n = x.shape[0]
+    for i, layer in enumerate(model.layers):
+        attn = layer.attn
+        qkv_w, w13 = packed[i] if packed is not None else (None, None)
+        h = layer.ln1(x)
+        nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        if qkv_w is not None:
+            q, k, v = F.linear(h, qkv_w).split([nh * e, kvh * e, kvh * e], dim=-1)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q = q.reshape(n, nh, e)  # (S, H, E)
+        k = k.reshape(n, kvh, e)  # (S, K, E)
+        v = v.reshape(n, kvh, e)  # (S, K, E)
+        if attn.config.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = attn.rope(q.transpose(0, 1), positions).transpose(0, 1)  # (S, H, E)
+        k = attn.rope(k.transpose(0, 1), positions).transpose(0, 1)  # (S, K, E)
+        o = torch.ops.lmforge_serve.decode_attention(
+            q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
+        )  # (S, H, E)
+        x = x + attn.output_proj(o.reshape(n, nh * e))
+        y = layer.ln2(x)
+        if w13 is not None:
+            gate, up = F.linear(y, w13).chunk(2, dim=-1)  # (S, F) each
+            x = x + layer.ffn.w2(silu(gate) * up)  # (S, D)
+        else:
+            x = x + layer.ffn(y)  # (S, D)
+    return model.logits_from_hidden(model.ln_final(x)).float()  # (S, V)
+
+
+def _no_duck_shapes():
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)
+
+
+class CompiledDecode:
+    """``batch -> logits`` for decode-only steps: compiled :func:`decode_forward`, or the eager
+    :func:`~lmforge.serve.runner.forward_step` once compiling has failed."""
+
+    def __init__(
+        self, model: nn.Module, cache: PagedKVCache, use_triton: bool | None, pack: bool = True
+    ) -> None:
+        self.model = model
+        self.packed = pack_weights(model) if pack else None
+        self.cache = cache
+        self.use_triton = use_triton
+        self._flag = -1 if use_triton is None else int(use_triton)
+        self.failed: str | None = None
+        self._fn = torch.compile(decode_forward, dynamic=True)
+
+    def warmup(self, scratch_block: int, block_size: int) -> None:
+        """Compile now (batch 2: the dynamic graph; batch 1: its specialisation) on a dummy
+        sequence whose KV goes to ``scratch_block`` (never handed out), so the first request
+        does not wait for the compiler."""
+        dev = self.cache.k.device
+        with torch.inference_mode():
+            for b in (2, 1):
+                batch = StepBatch(
+                    tokens=torch.zeros(b, dtype=torch.long, device=dev),
+                    positions=torch.zeros(b, dtype=torch.long, device=dev),
+                    slots=torch.full((b,), scratch_block * block_size, device=dev),
+                    block_tables=torch.full((b, 2), scratch_block, dtype=torch.int32, device=dev),
+                    ctx_lens=torch.ones(b, dtype=torch.int32, device=dev),
+                    last_rows=torch.arange(b, device=dev),
+                    q_lens=[1] * b,
+                    ctx_lens_list=[1] * b,
+                    tables_list=[[scratch_block]] * b,
+                )
+                self(batch)
+
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
+        if self.failed is None:
+            tables = batch.block_tables
+            if tables.shape[1] < 2:  # a width of 1 would be one more specialised compile
+                tables = F.pad(tables, (0, 1))  # block 0, past ctx_lens: never read
+            try:
+                # No duck sizing: a batch that happens to equal another size at compile time
+                # (the layer count, the table width) must not tie the two together.
+                with _no_duck_shapes():
+                    return self._fn(
+                        self.model,
+                        self.cache.k,
+                        self.cache.v,
+                        batch.tokens,
+                        batch.positions,
+                        batch.slots,
+                        tables,
+                        batch.ctx_lens,
+                        self._flag,
+                        self.packed,
+                    )
+            except Exception as e:  # any compile/run failure: eager from now on, said once
+                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(
+                    f"lmforge serve: torch.compile of the decode step failed, decoding eagerly "
+                    f"({self.failed[:300]})",
+                    file=sys.stderr,
+                )
+        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)

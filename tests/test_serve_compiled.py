@@ -1,0 +1,128 @@
+"""The compiled decode step (lmforge.serve.compiled): token-identical greedy output to the eager
+engine and to lmforge.generate, the KV pages written in place, and the eager fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.generate import generate
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.serve import Engine, SamplingParams
+
+V = 97
+
+
+def _model(seed: int = 0, **kw) -> TransformerLM:
+    torch.manual_seed(seed)
+    base = dict(vocab_size=V, context_length=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    return TransformerLM(ModelConfig(**{**base, **kw})).eval()
+
+
+def _prompts(lengths=(3, 17, 40, 5)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, pytest.param(dict(qk_norm=True, head_dim=32), marks=pytest.mark.slow)]
+)
+def test_compiled_decode_is_token_identical(kw: dict) -> None:
+    model = _model(**kw)
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=10)
+    want = [generate(model, [p], 10, temperature=0)[0] for p in prompts]
+    eager = Engine(model, block_size=8, num_blocks=64, compile=False).generate(prompts, params)
+    from torch._dynamo.utils import counters
+
+    eng = Engine(model, block_size=8, num_blocks=64, compile=True)  # compiles (warm-up)
+    graphs = counters["stats"]["unique_graphs"]
+    got = eng.generate(prompts, params)
+    assert eng.decoder is not None and eng.decoder.failed is None  # it really ran compiled
+    assert [o.outputs[0].token_ids for o in eager] == want
+    assert [o.outputs[0].token_ids for o in got] == want
+    # batches of 4 down to 1 sequences and tables 1 to 7 blocks wide: no recompile after the
+    # warm-up's two graphs (dynamic, and batch 1)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert eng.allocator.num_used == 0
+
+
+def test_compiled_decode_writes_the_pages_in_place() -> None:
+    """The custom op's cache mutation reaches the engine's cache tensors (same storage)."""
+    from lmforge.serve.compiled import CompiledDecode
+    from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+
+    model = _model()
+    cfg = model.config
+
+    def run(fn):
+        cache = PagedKVCache(cfg.n_layers, 6, 4, cfg.kv_heads, cfg.head_dim, torch.device("cpu"),
+                             torch.float32)  # fmt: skip
+        ptr = cache.k.data_ptr()
+        batch = StepBatch(
+            tokens=torch.tensor([5, 7]), positions=torch.tensor([0, 2]),
+            slots=torch.tensor([4, 10]), block_tables=torch.tensor([[1, 0], [2, 0]], dtype=torch.int32),
+            ctx_lens=torch.tensor([1, 3], dtype=torch.int32), last_rows=torch.tensor([0, 1]),
+            q_lens=[1, 1], ctx_lens_list=[1, 3], tables_list=[[1], [2]],
+        )  # fmt: skip
+        with torch.inference_mode():
+            logits = fn(cache, batch)
+        assert cache.k.data_ptr() == ptr
+        return logits, cache
+
+    want, c0 = run(lambda c, b: forward_step(model, c, b))
+    got, c1 = run(lambda c, b: CompiledDecode(model, c, None)(b))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c1.k, c0.k)
+    torch.testing.assert_close(c1.v, c0.v)
+    assert c1.k[:, 1, 0].abs().sum() > 0 and c1.k[:, 2, 2].abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_compiled_decode_in_cuda_graphs_is_token_identical() -> None:
+    """On the GPU: compiled step + CUDA graphs + the Triton kernel, fp32, vs lmforge.generate."""
+    model = _model().cuda()
+    prompts = _prompts((3, 17, 40, 5, 60))
+    want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+    eng = Engine(
+        model, block_size=16, num_blocks=64, compile=True, cuda_graphs=True, max_num_seqs=8
+    )
+    got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    assert eng.decoder.failed is None and eng.graphs is not None and eng.graphs.graphs
+    assert [o.outputs[0].token_ids for o in got] == want
+
+
+def test_compile_failure_falls_back_to_eager_with_one_line(capsys, monkeypatch) -> None:
+    model = _model()
+    eng = Engine(model, block_size=8, num_blocks=32, compile=True)
+
+    def boom(*a, **k):
+        raise RuntimeError("inductor exploded\nsecond line")
+
+    monkeypatch.setattr(eng.decoder, "_fn", boom)
+    p = _prompts((6,))
+    out = eng.generate(p, SamplingParams(temperature=0, max_tokens=5))
+    assert out[0].outputs[0].token_ids == generate(model, p, 5, temperature=0)[0]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decoding eagerly" in err[0] and "inductor exploded" in err[0]
+
+
+def test_packed_weights_are_views_and_updates_write_through() -> None:
+    """Packing q/k/v and w1/w3 into one tensor keeps the parameters' values, a second engine
+    reuses the packing, and update_weights reaches the compiled step."""
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eng = Engine(model, block_size=8, num_blocks=32, compile=True)
+    layer = model.layers[0]
+    qkv, w13 = eng.decoder.packed[0]
+    ptr = qkv.untyped_storage().data_ptr()
+    assert layer.attn.k_proj.weight.untyped_storage().data_ptr() == ptr
+    assert layer.ffn.w3.weight.untyped_storage().data_ptr() == w13.untyped_storage().data_ptr()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    again = Engine(model, block_size=8, num_blocks=32, compile=True)
+    assert again.decoder.packed[0][0] is qkv
+    new = _model(seed=5)
+    eng.update_weights(new.state_dict(), version=1)
+    p = _prompts((7,))
+    got = eng.generate(p, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].token_ids
+    assert got == generate(new, p, 6, temperature=0)[0]
