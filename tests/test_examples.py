@@ -109,6 +109,12 @@ ROWS: tuple[Row, ...] = (
         "--out", "runs/rl-example"), slow=True),
     Row(r"^lmforge (sft|dpo|rl|distill) ", skip="names your own data or an earlier post-training "
         "run (runs/sft/model, prefs.jsonl, ...); tests/test_posttrain_cli.py runs each command"),
+    # scaling (src/lmforge/scaling/_cli.py)
+    Row(r"^lmforge scaling \w+ --help$", skip="prints a subcommand's help (argparse exits)"),
+    Row(r"^lmforge scaling plan "),
+    Row(r"^lmforge scaling coord-check --out", slow=True),
+    Row(r"^lmforge scaling ", skip="a sweep, its results or a fit made earlier, or a GPU; "
+        "tests/test_scaling_*.py run each command on tiny inputs"),
     # bench, plan (core's files)
     Row(r"^lmforge bench model --preset tiny --device cpu"),
     Row(r"^lmforge bench ", skip="GPU benchmarks (H100/H200)"),

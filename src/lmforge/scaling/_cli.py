@@ -20,7 +20,7 @@ RUN_EXAMPLES = """examples:
 
 FIT_EXAMPLES = """examples:
   lmforge scaling fit --runs runs/sweep/results.jsonl --method parametric --predict 1e13,1e14
-  lmforge scaling fit --runs /work/shared/data/scaling/isoflops_curves.json \\
+  lmforge scaling fit --runs ../shared/data/scaling/isoflops_curves.json \\
       --method isoflop-parabola --predict 1e21,1e23,1e24 --json fit.json --plot fit.png
   lmforge scaling fit --runs runs.csv --method isoflop-argmin --predict 1e23 --drop-worst 2
 """

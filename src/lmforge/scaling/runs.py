@@ -6,7 +6,7 @@ Formats (by extension):
   ``tokens``, ``loss`` and optionally ``flops`` and ``budget`` (the planned budget).
 - ``.csv`` — header ``parameters,tokens,loss`` and optionally ``flops``.
 - ``.json`` — a list of ``{"parameters", "compute_budget", "final_loss"}`` (IsoFLOP curves, e.g.
-  ``/work/shared/data/scaling/isoflops_curves.json``); tokens are ``C / (6N)``.
+  ``../shared/data/scaling/isoflops_curves.json``); tokens are ``C / (6N)``.
 
 Every problem (missing file, bad row, non-positive value) is one :class:`LmforgeError` line naming
 the file and the row.
