@@ -28,8 +28,17 @@ _CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _run_child(marker: str) -> None:
-    run_pytest_in_interpreter(__file__, "-m", marker, timeout=900)
+def _run_child(marker: str, select: str = "") -> None:
+    args = ["-m", marker] + (["-k", select] if select else [])
+    run_pytest_in_interpreter(__file__, *args, timeout=900)
+
+
+# The child's tests in groups of roughly equal time, so no single default-tier test runs long.
+_GROUPS = {
+    "models": "tiny_model",
+    "trainer and opcheck": "trainer or explain or opcheck",
+    "public ops": "not tiny_model and not trainer and not explain and not opcheck",
+}
 
 
 def test_importing_kernels_registers_ops_without_importing_triton() -> None:
@@ -51,8 +60,9 @@ def test_importing_kernels_registers_ops_without_importing_triton() -> None:
 if not _CHILD:
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
-    def test_compiled_kernels_in_interpreter_subprocess() -> None:
-        _run_child("not slow")
+    @pytest.mark.parametrize("group", list(_GROUPS))
+    def test_compiled_kernels_in_interpreter_subprocess(group: str) -> None:
+        _run_child("not slow", _GROUPS[group])
 
     @pytest.mark.slow
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")

@@ -23,9 +23,16 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 if not _CHILD:
 
+    # The child's tests in two groups of roughly equal time (no single long default-tier test).
+    _GROUPS = {
+        "optimizer, rope, model": "adamw or rope or model_with",
+        "attention, norm, loss, bench": "not adamw and not rope and not model_with",
+    }
+
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
-    def test_triton_kernels_in_interpreter_subprocess() -> None:
-        run_pytest_in_interpreter(__file__)
+    @pytest.mark.parametrize("group", list(_GROUPS))
+    def test_triton_kernels_in_interpreter_subprocess(group: str) -> None:
+        run_pytest_in_interpreter(__file__, "-k", _GROUPS[group])
 
 else:
     from lmforge.kernels import (
