@@ -3,7 +3,8 @@
 The device machine has no network and no ``../shared``, so it gets one self-contained folder:
 ``data/`` (train.bin, val.bin and their sidecars, as written by ``lmforge tokenizer encode``; the
 first attempt's Gutenberg 1,024-BPE tokens are reused, see notes/scaling.md §2), a copy of ``src/``
-and of ``benchmarks/scaling_sweep.py``. Files are copied to a temporary folder and renamed into
+and of ``benchmarks/scaling_sweep.py``; val.bin is cut to its first ``--val-tokens`` tokens
+(the windows validation reads). Files are copied to a temporary folder and renamed into
 place, so a failed copy never leaves a half-written carry folder; over ``--max-mb`` is refused.
 
     python benchmarks/scaling_prep2.py --data /work/main/.carry/scaling/data \\
@@ -24,7 +25,32 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def assemble(data: Path, repo: Path, out: Path, max_mb: float = 40.0) -> int:
+def _copy_val_head(src: Path, dst: Path, tokens: int) -> None:
+    """The first ``tokens`` of the val shard with its sidecar's count (and bytes, scaled).
+
+    Validation reads fixed sequential windows from the shard's start (``eval_batches``), so the
+    head keeps exactly the windows the sweep scores (1,024 × 256 tokens); the rest only costs
+    carry space.
+    """
+    import json
+
+    import numpy as np
+
+    from lmforge.train.data import open_shard
+
+    shard = open_shard(src)
+    n = min(tokens, len(shard.tokens))
+    np.asarray(shard.tokens[:n]).tofile(dst)
+    meta = json.loads(src.with_name(src.name + ".json").read_text(encoding="utf-8"))
+    if meta.get("bytes"):
+        meta["bytes"] = round(meta["bytes"] * n / meta["count"])
+    meta["trimmed_from_count"], meta["count"] = meta["count"], n
+    dst.with_name(dst.name + ".json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+
+
+def assemble(
+    data: Path, repo: Path, out: Path, max_mb: float = 40.0, val_tokens: int = 300_000
+) -> int:
     """Build ``out`` from the token folder ``data`` and the repo's code; return its size in bytes."""
     from lmforge.train.data import open_shard  # checks each shard against its sidecar
     from lmforge.utils.errors import LmforgeError
@@ -38,8 +64,10 @@ def assemble(data: Path, repo: Path, out: Path, max_mb: float = 40.0) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "data").mkdir(parents=True)
     (tmp / "benchmarks").mkdir()
-    for name in _DATA_FILES:
+    for name in ("train.bin", "train.bin.json"):
         shutil.copy2(data / name, tmp / "data" / name)
+    _copy_val_head(data / "val.bin", tmp / "data" / "val.bin", val_tokens)
+    open_shard(tmp / "data" / "val.bin")
     shutil.copytree(
         repo / "src", tmp / "src", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
     )
@@ -61,11 +89,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="carry folder to (re)create")
     ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
     ap.add_argument("--max-mb", type=float, default=40.0)
+    ap.add_argument("--val-tokens", type=int, default=300_000, help="head of val.bin to keep")
     args = ap.parse_args()
     from lmforge.utils.errors import LmforgeError
 
     try:
-        size = assemble(args.data, args.repo, args.out, args.max_mb)
+        size = assemble(args.data, args.repo, args.out, args.max_mb, args.val_tokens)
     except LmforgeError as e:
         sys.exit(f"scaling_prep2: {e}")
     print(f"{args.out}: {size / 1e6:.1f} MB")

@@ -146,6 +146,13 @@ def pick_batch(tokens: float, context: int, target_steps: int, batches: list[int
     return fits[-1] if fits else min(batches)
 
 
+def _with_batch(base, b: int, eval_windows: int):
+    # Validation reads fixed sequential windows from the start of val.bin, so eval_windows / b
+    # batches make every point, whatever its batch, score the very same eval_windows sequences.
+    t = dataclasses.replace(base.train, batch_size=b, eval_batches=max(1, eval_windows // b))
+    return dataclasses.replace(base, train=t)
+
+
 def _grouped_points(args, base, budget: float, depths: list[int], max_epochs: float, train_tokens):
     """Plan (batch, point) pairs for ``budget``: per-point batch, repetition ≤ ``max_epochs``."""
     from lmforge.scaling.plan import plan_grid
@@ -157,7 +164,7 @@ def _grouped_points(args, base, budget: float, depths: list[int], max_epochs: fl
             _log(f"  skip C{budget:.3g}_L{depth}: D={d:.3g} is over {max_epochs} epochs")
             continue
         b = pick_batch(d, args.context, args.target_steps, args.batches)
-        bb = dataclasses.replace(base, train=dataclasses.replace(base.train, batch_size=b))
+        bb = _with_batch(base, b, args.eval_windows)
         pts = plan_grid(
             bb,
             [budget],
@@ -178,7 +185,7 @@ def _run_grouped(args, base, pairs, name: str) -> list[dict]:
     by_id = {}
     for b in sorted({b for b, _ in pairs}):
         pts = [p for bb, p in pairs if bb == b]
-        bb = dataclasses.replace(base, train=dataclasses.replace(base.train, batch_size=b))
+        bb = _with_batch(base, b, args.eval_windows)
         plan = args.work / f"{name}_plan_b{b}.json"
         plan.write_text(plan_to_json(bb, pts, {"batch": b}))
         for r in run_sweep(plan, args.work / f"{name}_b{b}", progress=False):
@@ -312,7 +319,9 @@ def wsd_part(args, base, out: Path) -> list[dict]:
             _log(f"  wsd min_lr {min_lr:g}: skipped ({left:.0f}s left)")
             continue
         t = dataclasses.replace(
-            base.train, batch_size=args.wsd_batch, warmup_steps=args.wsd_warmup, min_lr=min_lr
+            _with_batch(base, args.wsd_batch, args.eval_windows).train,
+            warmup_steps=args.wsd_warmup,
+            min_lr=min_lr,
         )
         cfg = dataclasses.replace(base, model=m, train=t)
         for r in run_branches(
@@ -399,7 +408,7 @@ def main() -> None:
     if args.quick:
         args.device = "cpu"
         args.vocab, args.context, args.eval_batches, args.warmup = 1024, 32, 2, 3
-        args.batch, args.batches, args.target_steps = 4, [2, 4, 8], 10
+        args.batch, args.batches, args.target_steps, args.eval_windows = 4, [2, 4, 8], 10, 8
         args.budgets, args.windows = [1e9, 2e9, 4e9, 8e9], [[1, 2, 3]] * 4
         args.heldout_factor, args.min_steps = 4, 5
         args.wsd_at, args.wsd_batch, args.wsd_warmup, args.wsd_min_lrs = [30, 60], 4, 5, [2e-4, 0.0]
@@ -414,7 +423,7 @@ def main() -> None:
         # low enough that the held-out run at 4× the largest (1.2e14, L4: D ≈ 20M) stays ≤ 1.5
         # epochs of the 18.7M training tokens; depths whose D exceeds 1.6 epochs are dropped.
         args.vocab, args.context, args.eval_batches, args.warmup = 1024, 256, 16, 30
-        args.batch = 64
+        args.batch, args.eval_windows = 64, 1024  # 1024 × 256 val tokens, as the first attempt
         args.budgets = [3.75e12, 7.5e12, 1.5e13, 3e13]
         args.windows = [[1, 2, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7]]
         args.heldout_factor, args.min_steps = 4, 250

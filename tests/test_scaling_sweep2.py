@@ -54,6 +54,7 @@ def test_grouped_points_steps_and_epoch_cap(tmp_path: Path) -> None:
         batches=[8, 16, 32, 64, 128],
         target_steps=400,
         min_steps=250,
+        eval_windows=1024,
     )
     base = sw._base(a)
     train_tokens = 18_744_374
@@ -65,7 +66,18 @@ def test_grouped_points_steps_and_epoch_cap(tmp_path: Path) -> None:
         assert p.steps >= 300
         assert p.tokens == p.steps * b * 256
         assert p.tokens <= 1.6 * train_tokens
+        assert p.parameters > 0
         assert abs(6 * p.parameters * p.tokens / 1.5e13 - 1) < 0.01
+
+
+def test_every_batch_scores_the_same_val_windows(tmp_path: Path) -> None:
+    sw = _load("scaling_sweep")
+    from lmforge.config import RunConfig
+
+    base = RunConfig()
+    for b in (8, 16, 32, 64, 128):
+        t = sw._with_batch(base, b, 1024).train
+        assert t.batch_size == b and t.batch_size * t.eval_batches == 1024
 
 
 def test_prep2_assembles_and_refuses(tmp_path: Path) -> None:
@@ -80,8 +92,12 @@ def test_prep2_assembles_and_refuses(tmp_path: Path) -> None:
     (repo / "benchmarks").mkdir()
     (repo / "benchmarks" / "scaling_sweep.py").write_text("# sweep\n")
     out = tmp_path / "carry"
-    size = prep.assemble(data, repo, out)
+    size = prep.assemble(data, repo, out, val_tokens=300)
     assert (out / "data" / "train.bin").stat().st_size == 10_000
+    from lmforge.train.data import open_shard
+
+    val = open_shard(out / "data" / "val.bin")
+    assert len(val.tokens) == 300 and list(val.tokens[:3]) == [0, 1, 2]
     assert (out / "src" / "pkg" / "a.py").is_file() and size > 10_000
     with pytest.raises(LmforgeError, match="over"):
         prep.assemble(data, repo, tmp_path / "small", max_mb=0.001)
