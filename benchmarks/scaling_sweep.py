@@ -6,7 +6,7 @@ Parts, in order (each writes its files under --out as soon as it ends; a part th
 
 0. checks: the parametric fit recovers a known law; muP at its base width equals the standard
    model on this device.
-1. sweep: 4 budgets (3.75e12–3e13) × 4–6 depths of the depth family (d_model = 32·L, E = 32),
+1. sweep: 4 budgets (3.75e12–3e13) × 5–6 depths of the depth family (d_model = 32·L, E = 32),
    centred on the first attempt's optima, through ``lmforge.scaling.run_sweep`` (the trainer,
    bf16, CUDA graphs); a power-of-two batch per point so every run has ≥ ~300 steps (warm-up a
    fixed 30), depths whose D exceeds 1.6 epochs dropped → sweep/results.jsonl (second attempt,
@@ -156,6 +156,7 @@ def _with_batch(base, b: int, eval_windows: int):
 def _grouped_points(args, base, budget: float, depths: list[int], max_epochs: float, train_tokens):
     """Plan (batch, point) pairs for ``budget``: per-point batch, repetition ≤ ``max_epochs``."""
     from lmforge.scaling.plan import plan_grid
+    from lmforge.utils.errors import LmforgeError
 
     out = []
     for depth in depths:
@@ -165,15 +166,13 @@ def _grouped_points(args, base, budget: float, depths: list[int], max_epochs: fl
             continue
         b = pick_batch(d, args.context, args.target_steps, args.batches)
         bb = _with_batch(base, b, args.eval_windows)
-        pts = plan_grid(
-            bb,
-            [budget],
-            [depth],
-            aspect=32,
-            head_dim=32,
-            flops_rule="6nd",
-            min_steps=args.min_steps,
-        )
+        try:
+            pts = plan_grid(
+                bb, [budget], [depth], 32, 32, flops_rule="6nd", min_steps=args.min_steps
+            )
+        except LmforgeError:  # under min_steps even at the smallest batch
+            _log(f"  skip C{budget:.3g}_L{depth}: under {args.min_steps} steps at batch {b}")
+            continue
         out += [(b, p) for p in pts]
     return out
 
@@ -400,8 +399,8 @@ def main() -> None:
     # Common to both: per-point batch (sequences) from these, each run ≥ target steps where the
     # smallest batch allows; a fixed warm-up; sweep points ≤ 1.6 epochs, the held-out run ≤ 1.5.
     args.batches, args.target_steps, args.sweep_epochs, args.heldout_epochs = (
-        [8, 16, 32, 64, 128],
-        400,
+        [4, 8, 16, 32, 64, 128],
+        300,
         1.6,
         1.5,
     )
@@ -425,8 +424,8 @@ def main() -> None:
         args.vocab, args.context, args.eval_batches, args.warmup = 1024, 256, 16, 30
         args.batch, args.eval_windows = 64, 1024  # 1024 × 256 val tokens, as the first attempt
         args.budgets = [3.75e12, 7.5e12, 1.5e13, 3e13]
-        args.windows = [[1, 2, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7]]
-        args.heldout_factor, args.min_steps = 4, 250
+        args.windows = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7]]
+        args.heldout_factor, args.min_steps = 4, 200
         args.wsd_at, args.wsd_batch, args.wsd_warmup = [1000, 2000, 4000], 16, 50
         args.wsd_min_lrs = [2e-4, 0.0]
         args.mup_widths = [64, 128, 256, 512]

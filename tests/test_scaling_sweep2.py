@@ -68,6 +68,8 @@ def test_grouped_points_steps_and_epoch_cap(tmp_path: Path) -> None:
         assert p.tokens <= 1.6 * train_tokens
         assert p.parameters > 0
         assert abs(6 * p.parameters * p.tokens / 1.5e13 - 1) < 0.01
+    a.min_steps = 10**6  # no depth reaches it: each is skipped with a line, no error
+    assert sw._grouped_points(a, base, 1.5e13, [2, 3], 1.6, train_tokens) == []
 
 
 def test_every_batch_scores_the_same_val_windows(tmp_path: Path) -> None:
