@@ -6,14 +6,18 @@ Parts, in order (each writes its files under --out as soon as it ends; a part th
 
 0. checks: the parametric fit recovers a known law; muP at its base width equals the standard
    model on this device.
-1. sweep: 3 budgets × 5 depths of the depth family (d_model = 32·L, E = 32) through
-   ``lmforge.scaling.run_sweep`` (the trainer, bf16, CUDA graphs) → sweep/results.jsonl.
-2. fits: Approach 3 (parametric, bootstrap) and Approach 2 (IsoFLOP parabola) on the 15 runs →
+1. sweep: 4 budgets (3.75e12–3e13) × 5–6 depths of the depth family (d_model = 32·L, E = 32),
+   centred on the first attempt's optima, through ``lmforge.scaling.run_sweep`` (the trainer,
+   bf16, CUDA graphs); a power-of-two batch per point so every run has ≥ ~300 steps (warm-up a
+   fixed 30), depths whose D exceeds 1.6 epochs dropped → sweep/results.jsonl (second attempt,
+   notes/scaling2.md; the first used one batch, 3 budgets × 5 depths, warm-up steps/10).
+2. fits: Approach 3 (parametric, bootstrap) and Approach 2 (IsoFLOP parabola) on those runs →
    fit_*.json / fit_*.png.
-3. held-out: the family member nearest the parametric fit's N_opt at 5× the largest budget, its
-   loss predicted before it trains; prediction error and data epochs reported.
-4. wsd: one stable run with 3 cooldown branches vs 3 separate cosine runs (same model, data).
-5. mup: loss vs LR for 4 widths under standard and muP (Gutenberg tokens), coord check PNGs.
+3. held-out: the family member nearest the parametric fit's N_opt at 4× the largest budget among
+   those ≤ 1.5 epochs, its loss predicted (printed) before it trains; error and epochs reported.
+4. wsd: one stable run with 3 cooldown branches vs 3 separate cosine runs (same model, data,
+   peak LR, warm-up and final LR), once with min_lr = lr/10 and once with min_lr = 0.
+5. mup (only when --parts names it): loss vs LR for 4 widths under standard and muP (Gutenberg tokens), coord check PNGs.
 
 Files in --out (6, within what a device call returns): summary.json (every part's records: sweep
 results, fit reports, held-out, WSD, muP tables), fit_parametric.png, fit_isoflop-parabola.png,
@@ -21,7 +25,7 @@ coord_check.png, mup_lr_transfer.png, plus the caller's log; plans and the runs'
 --work. Run (GPU, from the repo root with the data folder holding train.bin/val.bin from
 ``lmforge tokenizer encode``)::
 
-    PYTHONPATH=src python benchmarks/scaling_sweep.py --data DATA --out OUT --time-limit 200
+    PYTHONPATH=src python benchmarks/scaling_sweep.py --data DATA --out OUT --time-limit 255
 
 ``--quick`` shrinks everything to a CPU smoke test of the script.
 """
@@ -66,7 +70,7 @@ def _base(args: argparse.Namespace):
             batch_size=args.batch,
             lr=2e-3,
             min_lr=2e-4,
-            warmup_steps=100,
+            warmup_steps=args.warmup,
             schedule="cosine",
             weight_decay=0.1,
             eval_every=0,
@@ -121,30 +125,100 @@ def check_fits_and_mup(device: str) -> dict:
     return {"fit_max_rel_err": rel, "mup_base_diff": diff}
 
 
-def run_sweep_part(args, base, out: Path) -> list[dict]:
+def _n_of(base, depth: int) -> int:
+    from lmforge.model import accounting
+    from lmforge.scaling.plan import family_shape
+
+    d, h = family_shape(depth, 32, 32)
+    return accounting.matmul_parameters(
+        dataclasses.replace(base.model, n_layers=depth, d_model=d, n_heads=h)
+    )
+
+
+def pick_batch(tokens: float, context: int, target_steps: int, batches: list[int]) -> int:
+    """The largest batch (sequences) that still gives ``target_steps`` steps, else the smallest.
+
+    Why per point: a batch fixed per budget gives the largest model ≥ 300 steps only by giving
+    the smallest thousands (the first attempt's 58–2,365 steps); a power-of-two batch per point
+    keeps every run within ~[target, 2·target] steps (the cap aside) at a bounded cost.
+    """
+    fits = [b for b in sorted(batches) if tokens / (b * context) >= target_steps]
+    return fits[-1] if fits else min(batches)
+
+
+def _with_batch(base, b: int, eval_windows: int):
+    # Validation reads fixed sequential windows from the start of val.bin, so eval_windows / b
+    # batches make every point, whatever its batch, score the very same eval_windows sequences.
+    t = dataclasses.replace(base.train, batch_size=b, eval_batches=max(1, eval_windows // b))
+    return dataclasses.replace(base, train=t)
+
+
+def _grouped_points(args, base, budget: float, depths: list[int], max_epochs: float, train_tokens):
+    """Plan (batch, point) pairs for ``budget``: per-point batch, repetition ≤ ``max_epochs``."""
     from lmforge.scaling.plan import plan_grid
+    from lmforge.utils.errors import LmforgeError
+
+    out = []
+    for depth in depths:
+        d = budget / (6 * _n_of(base, depth))
+        if d > max_epochs * train_tokens:
+            _log(f"  skip C{budget:.3g}_L{depth}: D={d:.3g} is over {max_epochs} epochs")
+            continue
+        b = pick_batch(d, args.context, args.target_steps, args.batches)
+        bb = _with_batch(base, b, args.eval_windows)
+        try:
+            pts = plan_grid(
+                bb, [budget], [depth], 32, 32, flops_rule="6nd", min_steps=args.min_steps
+            )
+        except LmforgeError:  # under min_steps even at the smallest batch
+            _log(f"  skip C{budget:.3g}_L{depth}: under {args.min_steps} steps at batch {b}")
+            continue
+        out += [(b, p) for p in pts]
+    return out
+
+
+def _run_grouped(args, base, pairs, name: str) -> list[dict]:
+    """One sweep folder per batch size (a plan has one base config); results in plan order."""
     from lmforge.scaling.sweep import plan_to_json, run_sweep
 
-    points = []
+    by_id = {}
+    for b in sorted({b for b, _ in pairs}):
+        pts = [p for bb, p in pairs if bb == b]
+        bb = _with_batch(base, b, args.eval_windows)
+        plan = args.work / f"{name}_plan_b{b}.json"
+        plan.write_text(plan_to_json(bb, pts, {"batch": b}))
+        for r in run_sweep(plan, args.work / f"{name}_b{b}", progress=False):
+            r["batch_size"] = b
+            by_id[r["id"]] = r
+    return [by_id[p.id] for _, p in pairs if p.id in by_id]
+
+
+def _est_s(depth: int, steps: int) -> float:
+    # Seconds per run from the first H200 attempt's log (notes/scaling/log.txt): ~3 ms a step up
+    # to L3, ~1.4 ms a layer beyond, plus ~0.7 s of graph capture and evaluation per run.
+    return 0.7 + steps * max(3.0, 1.4 * depth) / 1000
+
+
+def run_sweep_part(args, base, out: Path, train_tokens: int) -> list[dict]:
+    pairs = []
     for budget, depths in zip(args.budgets, args.windows, strict=True):
-        points += plan_grid(
-            base,
-            [budget],
-            depths,
-            aspect=32,
-            head_dim=32,
-            flops_rule="6nd",
-            min_steps=args.min_steps,
-        )
-    plan = args.work / "sweep_plan.json"
-    plan.write_text(plan_to_json(base, points, {"budgets": args.budgets}))
-    for p in points:
+        pairs += _grouped_points(args, base, budget, depths, args.sweep_epochs, train_tokens)
+    est = sum(_est_s(p.n_layers, p.steps) for _, p in pairs)
+    for b, p in pairs:
         _log(
-            f"  plan {p.id}: N={p.parameters:,} D={p.tokens:,} D/N={p.tokens / p.parameters:.1f} steps={p.steps}"
+            f"  plan {p.id}: N={p.parameters:,} D={p.tokens:,} D/N={p.tokens / p.parameters:.1f} "
+            f"batch={b} steps={p.steps} epochs={p.tokens / train_tokens:.2f}"
         )
-    results = run_sweep(plan, args.work / "sweep", progress=False)
+    _log(f"  {len(pairs)} runs, estimated {est:.0f}s on an H200")
+    results = _run_grouped(args, base, pairs, "sweep")
+    (args.work / "sweep").mkdir(parents=True, exist_ok=True)
+    with open(args.work / "sweep" / "results.jsonl", "w", encoding="utf-8") as f:
+        for r in results:
+            f.write(json.dumps(r) + "\n")
     for r in results:
-        _log(f"  {r['id']}: loss {r['loss']:.4f} in {r['elapsed_s']:.1f}s")
+        _log(
+            f"  {r['id']}: loss {r['loss']:.4f} in {r['elapsed_s']:.1f}s (batch {r['batch_size']})"
+        )
     return results
 
 
@@ -179,25 +253,18 @@ def fit_part(out: Path, work: Path, budgets: list[float]) -> tuple:
 def heldout_part(args, base, out: Path, fits: dict, train_tokens: int) -> dict:
     import numpy as np
 
-    from lmforge.model import accounting
     from lmforge.scaling.fit import ParametricLaw
-    from lmforge.scaling.plan import family_shape, plan_grid
-    from lmforge.scaling.sweep import plan_to_json, run_sweep
 
     fit = fits["parametric"]
     c_h = args.heldout_factor * max(args.budgets)
     n_opt, _ = fit.law.optimal(c_h)
-
-    def n_of(depth: int) -> int:
-        d, h = family_shape(depth, 32, 32)
-        m = dataclasses.replace(base.model, n_layers=depth, d_model=d, n_heads=h)
-        return accounting.matmul_parameters(m)
-
-    # The family member nearest N_opt among those whose D keeps data repetition ≤ 4 epochs
-    # (beyond that repeated tokens are worth less, Muennighoff et al. 2023).
-    allowed = [L for L in range(1, 13) if c_h / (6 * n_of(L)) <= 4 * train_tokens]
-    depth = min(allowed, key=lambda L: abs(math.log(n_of(L) / n_opt)))
-    (point,) = plan_grid(base, [c_h], [depth], aspect=32, head_dim=32, flops_rule="6nd")
+    # The family member nearest N_opt among those whose D keeps repetition ≤ --heldout-epochs
+    # (the first attempt allowed 4 and its held-out run saw 2.5 epochs, the sweep ≤ 2.07).
+    allowed = [
+        L for L in range(1, 13) if c_h / (6 * _n_of(base, L)) <= args.heldout_epochs * train_tokens
+    ]
+    depth = min(allowed, key=lambda L: abs(math.log(_n_of(base, L) / n_opt)))
+    ((bsz, point),) = _grouped_points(args, base, c_h, [depth], args.heldout_epochs, train_tokens)
     pred = float(fit.law.loss(point.parameters, point.tokens))
     boots = [
         float(ParametricLaw.from_theta(th).loss(point.parameters, point.tokens)) for th in fit.boot
@@ -205,11 +272,10 @@ def heldout_part(args, base, out: Path, fits: dict, train_tokens: int) -> dict:
     lo, hi = np.quantile(boots, [0.025, 0.975]).tolist() if boots else [math.nan, math.nan]
     _log(
         f"  held-out: C={c_h:.3g} ({args.heldout_factor}× the largest budget), fit N_opt={n_opt:.3g} → "
-        f"depth {depth} N={point.parameters:,} D={point.tokens:,}; predicted loss {pred:.4f} [{lo:.4f}, {hi:.4f}]"
+        f"depth {depth} N={point.parameters:,} D={point.tokens:,} batch {bsz} steps {point.steps}; "
+        f"PREDICTED loss {pred:.4f} [{lo:.4f}, {hi:.4f}] (before training)"
     )
-    plan = args.work / "heldout_plan.json"
-    plan.write_text(plan_to_json(base, [point], {"heldout_of": args.budgets}))
-    (res,) = run_sweep(plan, args.work / "heldout", progress=False)
+    (res,) = _run_grouped(args, base, [(bsz, point)], "heldout")
     rec = {
         "fit_n_opt": n_opt,
         "budget": c_h,
@@ -217,6 +283,8 @@ def heldout_part(args, base, out: Path, fits: dict, train_tokens: int) -> dict:
         "parameters": point.parameters,
         "tokens": point.tokens,
         "epochs": point.tokens / train_tokens,
+        "batch_size": bsz,
+        "steps": point.steps,
         "predicted_loss": pred,
         "predicted_interval": [lo, hi],
         "actual_loss": res["loss"],
@@ -234,19 +302,40 @@ def heldout_part(args, base, out: Path, fits: dict, train_tokens: int) -> dict:
 
 
 def wsd_part(args, base, out: Path) -> list[dict]:
+    """Branches vs cosine with the same peak LR, warm-up and final LR, at two final LRs.
+
+    Both schedules share lr, warmup_steps and min_lr; WSD decays linearly to min_lr over the last
+    20% of each length (the trainer's WSD is linear; 1−sqrt is not implemented). Run once with
+    min_lr = lr/10 (the sweep's cosine) and once with min_lr = 0 (Hägele et al.'s cooldown to 0).
+    """
     from lmforge.scaling.branches import run_branches
 
     m = dataclasses.replace(base.model, n_layers=3, d_model=96, n_heads=3)
-    t = dataclasses.replace(base.train, batch_size=args.wsd_batch, warmup_steps=args.wsd_warmup)
-    cfg = dataclasses.replace(base, model=m, train=t)
-    recs = run_branches(
-        cfg, args.wsd_at, args.work / "wsd", decay_fraction=0.2, compare_cosine=True
-    )
-    for r in recs:
-        _log(
-            f"  wsd {r['steps']} steps: branch {r['wsd_loss']:.4f} vs cosine {r['cosine_loss']:.4f} "
-            f"({100 * r['rel_diff']:+.2f}%)"
+    recs = []
+    for i, min_lr in enumerate(args.wsd_min_lrs):
+        left = args.time_limit - _elapsed()
+        if i and left < 0.18 * args.time_limit:  # a half-finished pair would be lost to the kill
+            _log(f"  wsd min_lr {min_lr:g}: skipped ({left:.0f}s left)")
+            continue
+        t = dataclasses.replace(
+            _with_batch(base, args.wsd_batch, args.eval_windows).train,
+            warmup_steps=args.wsd_warmup,
+            min_lr=min_lr,
         )
+        cfg = dataclasses.replace(base, model=m, train=t)
+        for r in run_branches(
+            cfg,
+            args.wsd_at,
+            args.work / f"wsd_min{min_lr:g}",
+            decay_fraction=0.2,
+            compare_cosine=True,
+        ):
+            r["min_lr"], r["peak_lr"], r["warmup"] = min_lr, t.lr, t.warmup_steps
+            _log(
+                f"  wsd min_lr {min_lr:g}, {r['steps']} steps: branch {r['wsd_loss']:.4f} vs cosine "
+                f"{r['cosine_loss']:.4f} ({100 * r['rel_diff']:+.2f}%)"
+            )
+            recs.append(r)
     return recs
 
 
@@ -289,7 +378,9 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=200.0, help="seconds for the whole script")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny CPU smoke test of the script")
-    ap.add_argument("--parts", default="checks,sweep,fit,heldout,wsd,mup", help="parts to run")
+    ap.add_argument(
+        "--parts", default="checks,sweep,fit,heldout,wsd", help="parts to run (mup also exists)"
+    )
     ap.add_argument(
         "--work",
         type=Path,
@@ -305,12 +396,21 @@ def main() -> None:
 
     from lmforge.train.data import open_shard
 
+    # Common to both: per-point batch (sequences) from these, each run ≥ target steps where the
+    # smallest batch allows; a fixed warm-up; sweep points ≤ 1.6 epochs, the held-out run ≤ 1.5.
+    args.batches, args.target_steps, args.sweep_epochs, args.heldout_epochs = (
+        [4, 8, 16, 32, 64, 128],
+        300,
+        1.6,
+        1.5,
+    )
     if args.quick:
         args.device = "cpu"
-        args.vocab, args.context, args.batch, args.eval_batches = 1024, 32, 4, 2
-        args.budgets, args.windows = [1e9, 2e9, 4e9], [[1, 2, 3], [1, 2, 3], [1, 2, 3]]
-        args.heldout_factor, args.min_steps = 3, 5
-        args.wsd_at, args.wsd_batch, args.wsd_warmup = [30, 60], 4, 5
+        args.vocab, args.context, args.eval_batches, args.warmup = 1024, 32, 2, 3
+        args.batch, args.batches, args.target_steps, args.eval_windows = 4, [2, 4, 8], 10, 8
+        args.budgets, args.windows = [1e9, 2e9, 4e9, 8e9], [[1, 2, 3]] * 4
+        args.heldout_factor, args.min_steps = 4, 5
+        args.wsd_at, args.wsd_batch, args.wsd_warmup, args.wsd_min_lrs = [30, 60], 4, 5, [2e-4, 0.0]
         args.mup_widths, args.mup_lrs, args.mup_steps, args.mup_batch = (
             [32, 64],
             [3e-3, 1e-2],
@@ -318,11 +418,16 @@ def main() -> None:
             4,
         )
     else:
-        args.vocab, args.context, args.batch, args.eval_batches = 1024, 256, 64, 16
-        args.budgets = [1e13, 3e13, 1e14]
-        args.windows = [[1, 2, 3, 4, 5], [2, 3, 4, 5, 6], [3, 4, 5, 6, 7]]
-        args.heldout_factor, args.min_steps = 5, 20
-        args.wsd_at, args.wsd_batch, args.wsd_warmup = [600, 1200, 1800], 32, 50
+        # Budgets centred on the first attempt's optima (1e13 → L2, 3e13 → L2–L3, 1e14 → L4) and
+        # low enough that the held-out run at 4× the largest (1.2e14, L4: D ≈ 20M) stays ≤ 1.5
+        # epochs of the 18.7M training tokens; depths whose D exceeds 1.6 epochs are dropped.
+        args.vocab, args.context, args.eval_batches, args.warmup = 1024, 256, 16, 30
+        args.batch, args.eval_windows = 64, 1024  # 1024 × 256 val tokens, as the first attempt
+        args.budgets = [3.75e12, 7.5e12, 1.5e13, 3e13]
+        args.windows = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7]]
+        args.heldout_factor, args.min_steps = 4, 200
+        args.wsd_at, args.wsd_batch, args.wsd_warmup = [1000, 2000, 4000], 16, 50
+        args.wsd_min_lrs = [2e-4, 0.0]
         args.mup_widths = [64, 128, 256, 512]
         args.mup_lrs = [1e-3, 2.5e-3, 6e-3, 1.5e-2, 3.5e-2]
         args.mup_steps, args.mup_batch = 100, 16
@@ -337,7 +442,7 @@ def main() -> None:
     _log(f"env {env}")
     summary: dict = {"env": env}
     # Rough share of the time limit each part needs before it is worth starting.
-    needs = {"sweep": 0.0, "heldout": 0.15, "wsd": 0.12, "mup": 0.15}
+    needs = {"sweep": 0.0, "heldout": 0.08, "wsd": 0.2, "mup": 0.15}
     fits: dict = {}
     for part in args.parts.split(","):
         left = args.time_limit - _elapsed()
@@ -351,7 +456,7 @@ def main() -> None:
             if part == "checks":
                 summary["checks"] = check_fits_and_mup(args.device)
             elif part == "sweep":
-                summary["sweep"] = run_sweep_part(args, base, out)
+                summary["sweep"] = run_sweep_part(args, base, out, train_tokens)
             elif part == "fit":
                 _, fits, reps = fit_part(out, args.work, [args.heldout_factor * max(args.budgets)])
                 summary["fit"] = reps
@@ -370,11 +475,11 @@ def main() -> None:
     # The tables, last.
     print("\n== IsoFLOP sweep (final val loss) ==")
     if isinstance(summary.get("sweep"), list):
-        print(f"{'id':>12} {'N':>10} {'D':>11} {'D/N':>7} {'loss':>7} {'s':>6}")
+        print(f"{'id':>12} {'N':>10} {'D':>11} {'D/N':>7} {'batch':>5} {'loss':>7} {'s':>6}")
         for r in summary["sweep"]:
             print(
                 f"{r['id']:>12} {r['parameters']:>10,} {r['tokens']:>11,} {r['tokens'] / r['parameters']:>7.1f} "
-                f"{r['loss']:>7.4f} {r['elapsed_s']:>6.1f}"
+                f"{r['batch_size']:>5} {r['loss']:>7.4f} {r['elapsed_s']:>6.1f}"
             )
     h = summary.get("heldout")
     if isinstance(h, dict):
@@ -387,10 +492,12 @@ def main() -> None:
     w = summary.get("wsd")
     if isinstance(w, list):
         print("\n== WSD cooldown branches vs separate cosine runs ==")
-        print(f"{'steps':>6} {'tokens':>10} {'branch':>8} {'cosine':>8} {'branch/cos-1':>12}")
+        print(
+            f"{'min_lr':>7} {'steps':>6} {'tokens':>10} {'branch':>8} {'cosine':>8} {'branch/cos-1':>12}"
+        )
         for r in w:
             print(
-                f"{r['steps']:>6} {r['tokens']:>10,} {r['wsd_loss']:>8.4f} {r['cosine_loss']:>8.4f} "
+                f"{r['min_lr']:>7g} {r['steps']:>6} {r['tokens']:>10,} {r['wsd_loss']:>8.4f} {r['cosine_loss']:>8.4f} "
                 f"{100 * r['rel_diff']:>11.2f}%"
             )
     m = summary.get("mup")
