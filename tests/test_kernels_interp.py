@@ -22,7 +22,6 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 if not _CHILD:
-
     # The child's tests in two groups of roughly equal time (no single long default-tier test).
     _GROUPS = {
         "optimizer, rope, model": "adamw or rope or model_with",
