@@ -97,6 +97,6 @@ def test_branches_equal_separate_wsd_runs_and_track_cosine(tmp_path: Path) -> No
     summary = json.loads((tmp_path / "b" / "branches.json").read_text())
     assert summary["steps_branches"] == 60 + 10 + 20 < summary["steps_separate"] == 120
     for r in recs:
-        # At this toy scale WSD ends 0.70% and 2.16% below cosine (notes/scaling.md); the GPU
+        # At this toy scale WSD ends 0.70% and 2.16% below cosine (benchmarks/RESULTS.md); the GPU
         # benchmark measures the comparison at a larger scale.
         assert abs(r["rel_diff"]) < 0.05, r

@@ -140,7 +140,7 @@ def test_isoflop_predictions_on_shared_curves_are_stable_across_choices() -> Non
             preds[key].append(rec["N"])
     for key, values in preds.items():
         spread = max(values) / min(values)
-        # Measured: 1.009× at 1e23 and 1.011× at 1e24 (notes/scaling.md; the argmin variant
+        # Measured: 1.009× at 1e23 and 1.011× at 1e24 (benchmarks/RESULTS.md; the argmin variant
         # spreads 1.14× and 1.18× over the same choices, its minima being grid points).
         assert spread < 1.03, (key, values)
 

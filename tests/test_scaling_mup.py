@@ -107,6 +107,6 @@ def test_coord_check_is_flat_under_mup_and_grows_under_standard() -> None:
     last = {name: {w: v[-1] for w, v in res[name]["block_1"].items()} for name in res}
     sp = last["standard"][128] / last["standard"][32]
     mu = last["mup"][128] / last["mup"][32]
-    # Measured: standard 1.62×, muP 0.94× over 4× the width (notes/scaling.md).
+    # Measured: standard 1.62×, muP 0.94× over 4× the width (benchmarks/RESULTS.md).
     assert sp > 1.5
     assert abs(math.log(mu)) < math.log(1.2)
