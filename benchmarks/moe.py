@@ -15,7 +15,7 @@ grouped path against its reference loop on the same routing), then CUDA-event me
     PYTHONPATH=src python benchmarks/moe.py --train            # + the training-step ratio
     PYTHONPATH=src python benchmarks/moe.py --train --profile  # + top CUDA kernels of each layer
     PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 512 --d 64 --experts 8 --width 32
-    PYTHONPATH=src python benchmarks/moe.py --balance --device cpu --balance-out notes/moe_balance.png
+    PYTHONPATH=src python benchmarks/moe.py --balance --device cpu --balance-out benchmarks/figures/moe_balance.png
     PYTHONPATH=src python benchmarks/moe.py --curves --device cpu --text ../shared/data/text/gutenberg
 """
 

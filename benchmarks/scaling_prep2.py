@@ -1,8 +1,8 @@
-"""Assemble the carry folder of the second scaling attempt (notes/scaling2.md) on this machine.
+"""Assemble the carry folder of the second scaling attempt (benchmarks/archive/session-2026-12-01/scaling2.md) on this machine.
 
 The device machine has no network and no ``../shared``, so it gets one self-contained folder:
 ``data/`` (train.bin, val.bin and their sidecars, as written by ``lmforge tokenizer encode``; the
-first attempt's Gutenberg 1,024-BPE tokens are reused, see notes/scaling.md §2), a copy of ``src/``
+first attempt's Gutenberg 1,024-BPE tokens are reused, see benchmarks/archive/session-2026-12-01/scaling.md §2), a copy of ``src/``
 and of ``benchmarks/scaling_sweep.py``; val.bin is cut to its first ``--val-tokens`` tokens
 (the windows validation reads). Files are copied to a temporary folder and renamed into
 place, so a failed copy never leaves a half-written carry folder; over ``--max-mb`` is refused.

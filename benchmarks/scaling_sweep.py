@@ -10,7 +10,7 @@ Parts, in order (each writes its files under --out as soon as it ends; a part th
    centred on the first attempt's optima, through ``lmforge.scaling.run_sweep`` (the trainer,
    bf16, CUDA graphs); a power-of-two batch per point so every run has ≥ ~300 steps (warm-up a
    fixed 30), depths whose D exceeds 1.6 epochs dropped → sweep/results.jsonl (second attempt,
-   notes/scaling2.md; the first used one batch, 3 budgets × 5 depths, warm-up steps/10).
+   benchmarks/archive/session-2026-12-01/scaling2.md; the first used one batch, 3 budgets × 5 depths, warm-up steps/10).
 2. fits: Approach 3 (parametric, bootstrap) and Approach 2 (IsoFLOP parabola) on those runs →
    fit_*.json / fit_*.png.
 3. held-out: the family member nearest the parametric fit's N_opt at 4× the largest budget among
@@ -194,7 +194,7 @@ def _run_grouped(args, base, pairs, name: str) -> list[dict]:
 
 
 def _est_s(depth: int, steps: int) -> float:
-    # Seconds per run from the first H200 attempt's log (notes/scaling/log.txt): ~3 ms a step up
+    # Seconds per run from the first H200 attempt's log (benchmarks/archive/session-2026-12-01/scaling/log.txt): ~3 ms a step up
     # to L3, ~1.4 ms a layer beyond, plus ~0.7 s of graph capture and evaluation per run.
     return 0.7 + steps * max(3.0, 1.4 * depth) / 1000
 
