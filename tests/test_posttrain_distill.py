@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -11,15 +9,6 @@ from lmforge.model import ModelConfig, TransformerLM
 from lmforge.posttrain.core import Example, collate
 from lmforge.posttrain.distill import DistillConfig, distill_loss, train_distill
 from lmforge.utils.errors import LmforgeError
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU they spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _lm(vocab: int, d: int, layers: int, seed: int) -> TransformerLM:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,15 +22,6 @@ from lmforge.posttrain.dpo import (
 )
 from lmforge.posttrain.tasks import CharTokenizer, read_jsonl
 from lmforge.utils.errors import LmforgeError
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU they spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _pairs(n: int, seed: int) -> list[dict[str, str]]:

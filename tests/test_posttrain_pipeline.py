@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 
 from lmforge.posttrain import rl
 from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
 from lmforge.posttrain.tasks import ArithmeticTask, Reward
 from lmforge.posttrain.weight_sync import bucket_layout, pack_buckets, unpack_buckets
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU they spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_bucket_layout_round_trip() -> None:

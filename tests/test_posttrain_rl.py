@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,15 +19,6 @@ from lmforge.posttrain.tasks import (
     gsm8k_reward,
     math_reward,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU they spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny_lm(vocab: int = 30, seed: int = 0) -> TransformerLM:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -13,15 +11,6 @@ from lmforge.posttrain.packing import pack
 from lmforge.posttrain.sft import SFTConfig, examples_from_records, sft_loss, train_sft
 from lmforge.posttrain.tasks import CharTokenizer
 from lmforge.utils.errors import LmforgeError
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from intra-op threads, and on a shared CPU they spin."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _examples(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[Example]:
