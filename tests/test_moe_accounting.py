@@ -23,14 +23,6 @@ VARIANTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _cfg(**moe) -> ModelConfig:
     return dataclasses.replace(BASE, moe=MoEConfig(backend="reference", **moe))
 

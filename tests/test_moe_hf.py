@@ -17,14 +17,6 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(**moe) -> TransformerLM:
     base = dict(n_experts=4, top_k=2, expert_d_ff=32)
     cfg = ModelConfig(

@@ -14,14 +14,6 @@ from lmforge.model.moe_config import MoEConfig
 from lmforge.utils.config import ConfigError, load_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(**moe) -> ModelConfig:
     base = dict(n_experts=4, top_k=2, expert_d_ff=16)
     base.update(moe)

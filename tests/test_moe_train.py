@@ -20,14 +20,6 @@ from lmforge.train.trainer import read_metrics
 from lmforge.utils.errors import LmforgeError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(tmp: Path, moe: MoEConfig, **train: object) -> RunConfig:
     rng = np.random.default_rng(0)
     shard = write_shard(tmp / "t.bin", rng.integers(0, 97, 6000), 512)

@@ -13,14 +13,6 @@ from lmforge.model.moe_config import MoEConfig
 from lmforge.utils.errors import LmforgeError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _dense() -> TransformerLM:
     cfg = dataclasses.replace(load_preset("tiny"), d_ff=192)
     torch.manual_seed(0)

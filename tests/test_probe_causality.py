@@ -18,14 +18,6 @@ from lmforge.probe import probe_causality
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(**moe) -> TransformerLM:
     cfg = dataclasses.replace(load_preset("tiny"), moe=MoEConfig(**moe))
     torch.manual_seed(0)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from lmforge.config import RunConfig
 from lmforge.model.config import ModelConfig
@@ -19,14 +18,6 @@ from lmforge.train.data import write_shard
 from lmforge.train.schedule import lr_at
 from lmforge.train.trainer import read_metrics, train
 from lmforge.utils.errors import LmforgeError
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _base(folder: Path) -> RunConfig:

@@ -21,14 +21,6 @@ from lmforge.train.data import write_shard
 from lmforge.train.trainer import Trainer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(**kw) -> ModelConfig:
     base = dict(
         vocab_size=64, context_length=16, d_model=64, n_layers=2, n_heads=4, attention="reference"

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from lmforge.config import RunConfig
 from lmforge.model.config import ModelConfig
@@ -16,14 +15,6 @@ from lmforge.scaling.noise import NoiseScaleCallback, b_simple, noise_scale_term
 from lmforge.train.config import DataConfig, TrainConfig
 from lmforge.train.data import write_shard
 from lmforge.train.trainer import read_metrics, train
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_estimator_recovers_trace_over_squared_mean() -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from lmforge.config import RunConfig
 from lmforge.model import accounting
@@ -18,14 +17,6 @@ from lmforge.scaling.sweep import plan_to_json, read_results, run_sweep
 from lmforge.train.config import DataConfig, TrainConfig
 from lmforge.train.data import write_shard
 from lmforge.utils.errors import LmforgeError
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,6 @@ from lmforge.utils.errors import LmforgeError
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls on a shared 2-core machine: extra intra-op threads only contend.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(tmp: Path, val_tokens: int = 0, **train: object) -> RunConfig:
     shard = write_shard(tmp / "t.bin", np.arange(4000) % 97, 512)
     val = (str(write_shard(tmp / "v.bin", np.arange(val_tokens) % 97, 512)),) if val_tokens else ()
