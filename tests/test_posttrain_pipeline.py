@@ -37,11 +37,14 @@ def test_pipeline_rl_two_processes_gloo() -> None:
                          max_tokens=task.answer_tokens, eval_every=4, eval_size=10, max_lag=1,
                          lr=1e-2)  # fmt: skip
 
-    def copy_first_digit(item: dict, text: str) -> Reward:  # chance 1/14: a random model learns it
-        hit = float(text[:1] == item["prompt"][0])
-        return Reward(hit, hit, 0.0)
+    def first_digit_value(item: dict, text: str) -> Reward:
+        # A graded reward, so a group of 4 samples almost never has equal rewards (an all-equal
+        # group has zero advantage): with a 0/1 reward of chance 1/14 every group of a run came
+        # out all-zero about once in a hundred runs, and then nothing moved the weights.
+        r = int(text[0]) / 9 if text[:1].isdigit() else 0.0
+        return Reward(r, r, 0.0)
 
-    hist = run_pipeline(model, cfg, progress=False, reward_fn=copy_first_digit)
+    hist = run_pipeline(model, cfg, progress=False, reward_fn=first_digit_value)
     assert [h["version"] for h in hist] == [1, 2, 3, 4]
     assert hist[-1]["samples"] == 4 * 16
     staleness = hist[-1]["staleness_histogram"]

@@ -143,8 +143,9 @@ def run_pipeline(
     """Train ``model`` (an lmforge TransformerLM on the arithmetic task) with Pipeline RL.
 
     ``reward_fn(item, text)`` replaces the task's exact-match reward when given. The first and
-    every ``eval_every``-th record hold ``sync_check``: the largest |π_θ/μ − 1| over the tokens sampled by the current version
-    (lag 0) before the step — 0 up to rounding when the broadcast weights arrived intact.
+    every ``eval_every``-th record hold ``sync_check``: the largest |π_θ/μ − 1| over the tokens of
+    rows sampled wholly by the current version (lag 0, no mid-sequence swap) before the step — 0
+    up to rounding when the broadcast weights arrived intact.
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -208,7 +209,11 @@ def run_pipeline(
                 with torch.no_grad():
                     logp, _ = sequence_logprobs(model, s.batch.input_ids, s.batch.labels,
                                                 cfg.temperature)  # fmt: skip
-                fresh = s.versions == version
+                # Rows sampled wholly by the current version: a row with a mid-sequence swap keeps
+                # KV entries of the older weights, so its later tokens need not have ratio 1.
+                mine = s.versions == version  # (B, T)
+                whole = ((s.versions == version) | (s.versions < 0)).all(dim=1)  # (B,)
+                fresh = mine & whole[:, None]
                 dev = ((logp - s.old_logp).exp() - 1).abs()[fresh]
                 stats["sync_check"] = float(dev.max()) if dev.numel() else 0.0
             lags = [version - v for c in comps for v in c.policy_versions]
