@@ -28,13 +28,16 @@ class _MoEBiasUpdate:
 
 
 class _MoEMetrics:
-    """Per-layer routing statistics of the step's last forward into the train record."""
+    """Per-layer routing statistics of the step's last forward into the train record (on log
+    steps: reading them is a host sync)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
     def __call__(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
-        metrics.update(moe.moe_metrics(self.model))
+        tc = trainer.tcfg
+        if step % tc.log_every == 0 or step == tc.max_steps:  # a host read: log steps only
+            metrics.update(moe.moe_metrics(self.model))
 
 
 def model_callbacks(mcfg: ModelConfig, model: nn.Module) -> list[Any]:
