@@ -616,20 +616,29 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group: object | None = None) -> None:
+def update_expert_bias(
+    model: nn.Module, group: object | None = None, distributed: bool | None = None
+) -> None:
     """DeepSeek-V3's auxiliary-loss-free step, between optimizer steps: every expert's selection
     bias moves by ``+rate`` when its load (choices counted since the last call) is below the
-    mean, ``-rate`` when above. Loads are summed over the process ``group`` when distributed, so
-    data-parallel replicas keep equal biases."""
+    mean, ``-rate`` when above. Loads are summed over the process ``group`` when distributed
+    (``distributed=None``: whenever a process group is joined), so data-parallel replicas keep
+    equal biases; all layers' loads travel in one all-reduce. Device ops only (no host read)."""
     import torch.distributed as dist
 
-    for layer in moe_layers(model):
-        rate = layer.config.moe.bias_update_rate
-        if rate <= 0:
-            continue
+    layers = [m for m in moe_layers(model) if m.config.moe.bias_update_rate > 0]
+    if not layers:
+        return
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_world_size(group) > 1:  # type: ignore[arg-type]
+        loads = torch.stack([m.load_acc for m in layers])  # (L, N)
+        dist.all_reduce(loads, group=group)  # type: ignore[arg-type]
+        for m, load in zip(layers, loads):
+            m.load_acc.copy_(load)
+    for layer in layers:
         load = layer.load_acc
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(load, group=group)  # type: ignore[arg-type]
+        rate = layer.config.moe.bias_update_rate
         layer.expert_bias.add_(rate * torch.sign(load.mean() - load))
         load.zero_()
 
