@@ -94,3 +94,41 @@ def test_moe_configs_load_and_build(name: str) -> None:
     model = TransformerLM(cfg, device="meta")
     assert model.num_parameters() == accounting.parameter_count(cfg)
     assert accounting.active_parameter_count(cfg) < accounting.parameter_count(cfg)
+
+
+def _run_recording(cfg: RunConfig, late: bool) -> tuple[list[str], list[dict], dict]:
+    tr = Trainer(cfg)
+    tr.deferred = True  # the sync-free step (the default on CUDA), forced on the CPU
+    if not late:  # the old contract: a callback makes the loop wait for every step
+        for cb in tr.callbacks:
+            cb.deferrable = False
+    order: list[str] = []
+    launch, finish = tr.stepper.launch, tr.stepper.finish
+    tr.stepper.launch = lambda *a, **k: order.append("launch") or launch(*a, **k)  # type: ignore[method-assign]
+    tr.stepper.finish = lambda p: order.append("finish") or finish(p)  # type: ignore[method-assign]
+    tr.run()
+    recs = [
+        {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "elapsed_s")}
+        for r in read_metrics(Path(cfg.train.out_dir) / "metrics.jsonl")
+        if r.get("event") == "train"
+    ]
+    return order, recs, {k: v.clone() for k, v in tr.model.state_dict().items()}
+
+
+def test_moe_callbacks_let_the_sync_free_loop_run_a_step_ahead(tmp_path: Path) -> None:
+    # The MoE callbacks (bias update, routing statistics) used to force the loop to wait for
+    # every step (a host sync per step on a GPU). Now their device work runs at launch and the
+    # loop reports each step one step late, with the same weights, bias and logged statistics.
+    moe = MoEConfig(n_experts=4, top_k=2, bias_update_rate=0.01, z_loss_coef=1e-3)
+    runs = {}
+    for late in (False, True):
+        cfg = _cfg(tmp_path / str(late), moe, max_steps=6, log_every=2)
+        runs[late] = _run_recording(cfg, late)
+    sync_order, sync_recs, sync_state = runs[False]
+    late_order, late_recs, late_state = runs[True]
+    assert sync_order[:4] == ["launch", "finish", "launch", "finish"]
+    assert late_order[:3] == ["launch", "launch", "finish"], late_order  # a step ahead
+    assert late_recs == sync_recs and "moe/L0/entropy" in late_recs[0]
+    for k, v in sync_state.items():
+        assert torch.equal(late_state[k], v), k
+    assert any(late_state[k].abs().sum() > 0 for k in late_state if k.endswith("expert_bias"))
