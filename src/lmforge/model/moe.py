@@ -219,7 +219,13 @@ def grouped_mm_layout_ok(t: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` accepts t's memory layout: a 16-byte aligned data pointer and
     the last two dimensions row- or column-major with the other stride a multiple of 16 bytes
     (the op's own stride check, mirrored from its meta function)."""
-    if t.dim() < 2 or t.data_ptr() % 16:
+    if t.dim() < 2:
+        return False
+    # ``data_ptr`` (and ``storage_offset``) cannot be read while torch.compile traces: it broke
+    # the graph at every grouped GEMM and sent the whole model's forward back to eager. Traced,
+    # only the strides are checked; the operands here are fresh, whole tensors there (gather,
+    # cat, gate outputs), which the compiler allocates aligned.
+    if not torch.compiler.is_compiling() and t.data_ptr() % 16:
         return False
     align = 16 // t.element_size()
     (s0, s1), (n0, n1) = t.stride()[-2:], t.shape[-2:]
