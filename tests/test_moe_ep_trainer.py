@@ -195,3 +195,21 @@ def test_trainer_refuses_ep_on_one_process(shard: str, tmp_path: Path) -> None:
     cfg = _cfg(shard, str(tmp_path / "dense"), 1)
     dense = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, n_experts=0))
     Trainer(dataclasses.replace(cfg, model=dense))  # ep=1 (the default) on a dense model: fine
+
+
+def test_fast_path_under_ep() -> None:
+    # EP keeps the fused loss and the sync-free step, clips through the strategy (a sharded
+    # norm), and refuses master weights (its shards replace the expert weights).
+    from lmforge.parallel._testing import tiny_model_config
+    from lmforge.train import TrainConfig
+    from lmforge.train.fastpath import FastPathRuntime, resolve_fast_path
+    from lmforge.utils.errors import LmforgeError
+
+    rt = FastPathRuntime(device_type="cuda", world_size=2, strategy="ep", triton=True)
+    fast = resolve_fast_path(tiny_model_config(), TrainConfig(precision="bf16", loss="auto"), rt)
+    assert fast.loss == "fused" and fast.sync_free and not fast.clip_in_update
+    assert not fast.master_weights and fast.adamw == "triton" and not fast.cuda_graph
+    with pytest.raises(LmforgeError, match=r"master_weights=on needs .*got ep"):
+        resolve_fast_path(
+            tiny_model_config(), TrainConfig(precision="bf16", master_weights="on"), rt
+        )

@@ -132,3 +132,25 @@ def test_moe_callbacks_let_the_sync_free_loop_run_a_step_ahead(tmp_path: Path) -
     for k, v in sync_state.items():
         assert torch.equal(late_state[k], v), k
     assert any(late_state[k].abs().sum() > 0 for k in late_state if k.endswith("expert_bias"))
+
+
+def test_moe_master_weights_train_exactly_like_autocast_over_fp32(tmp_path: Path) -> None:
+    # train.master_weights=on makes the stacked expert weights bf16 copies too (no per-step
+    # casts of them), and keeps the router fp32: losses, norms, weights and the bias equal the
+    # autocast-over-fp32 run bit for bit (with the router copied to bf16 they did not).
+    moe = MoEConfig(n_experts=4, top_k=2, bias_update_rate=0.01, z_loss_coef=1e-3)
+    kw = dict(precision="bf16", grad_clip=0.5, lr=3e-3, warmup_steps=2, max_steps=4)
+    runs = {}
+    for mw in ("off", "on"):
+        tr = Trainer(_cfg(tmp_path / mw, moe, master_weights=mw, **kw))
+        tr.deferred = True  # the same (sync-free) step on both
+        runs[mw] = (tr, [tr.train_step() for _ in range(4)])
+    on = runs["on"][0]
+    assert "layers.0.ffn.w1" in on.masters and "layers.1.ffn.w2" in on.masters
+    assert not any(name.endswith("router.weight") for name in on.masters)
+    assert on.model.layers[0].ffn.w3.dtype == torch.bfloat16
+    assert runs["on"][1] == runs["off"][1]
+    off_state = runs["off"][0].model.state_dict()
+    state = {**on.model.state_dict(), **{n: m for n, (_, m) in on.masters.items()}}
+    for k, v in off_state.items():
+        assert torch.equal(state[k], v), k

@@ -186,7 +186,7 @@ def resolve_fast_path(
     blockers = []
     if tc.precision != "bf16":
         blockers.append(f"train.precision=bf16 (got {tc.precision})")
-    if kind not in ("single", "ddp", "zero1", "ep"):
+    if kind not in ("single", "ddp", "zero1"):  # ep: its shards replace the expert weights
         blockers.append(f"a single, DDP or ZeRO-1 strategy (got {kind}: it keeps its own weights)")
     if tc.grad_accum != 1:
         blockers.append(
