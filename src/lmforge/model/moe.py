@@ -527,7 +527,9 @@ class MoEFFN(nn.Module):
         self.record_routing = False
         self.last_routing: Routing | None = None
         self._aux: torch.Tensor | None = None
-        self._stats: torch.Tensor | None = None
+        # (load, kept, detached scores) of the last training forward: the routing statistics are
+        # computed from them only when read (log steps), not in every forward (~15 kernels).
+        self._stats_src: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -577,10 +579,19 @@ class MoEFFN(nn.Module):
         with torch.no_grad():
             if mc.bias_update_rate > 0:
                 self.load_acc.add_(r.load)
-            chosen = max(r.kept.numel(), 1)
-            dropped = 1.0 - r.kept.float().sum() / chosen
-            load_ratio = r.load.max() / r.load.mean().clamp_min(1e-20)
-            self._stats = torch.stack([load_ratio, dropped, routing_entropy(scores)])
+        self._stats_src = (r.load, r.kept, scores.detach())
+
+    @property
+    def _stats(self) -> torch.Tensor | None:
+        """(3,) fp32 of the last training forward: max/mean expert load, dropped share, router
+        entropy (device values, computed on read; None before any training forward)."""
+        if self._stats_src is None:
+            return None
+        load, kept, scores = self._stats_src
+        with torch.no_grad():
+            dropped = 1.0 - kept.float().sum() / max(kept.numel(), 1)
+            load_ratio = load.max() / load.mean().clamp_min(1e-20)
+            return torch.stack([load_ratio, dropped, routing_entropy(scores)])
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -653,10 +664,10 @@ def moe_metrics(model: nn.Module) -> dict[str, float]:
     """Per-layer routing statistics of the last training forward, for metrics.jsonl:
     ``moe/L{i}/load_max_mean`` (max over mean expert load), ``moe/L{i}/dropped`` (share of
     choices dropped), ``moe/L{i}/entropy`` (router entropy, nats). Reads them to the host."""
-    layers = [m for m in moe_layers(model) if m._stats is not None]
+    layers = [m for m in moe_layers(model) if m._stats_src is not None]
     if not layers:
         return {}
-    stats = torch.stack([m._stats for m in layers]).tolist()  # one host read
+    stats = torch.stack([m._stats for m in layers]).tolist()  # type: ignore[misc]  # one host read
     out: dict[str, float] = {}
     for m, (ratio, dropped, ent) in zip(layers, stats):
         out[f"moe/L{m.layer_idx}/load_max_mean"] = ratio

@@ -63,7 +63,7 @@ class _MoEMetrics:
             del self._snap[old]
         if not (trainer.is_main and self._log_step(trainer, step)):
             return
-        layers = [m for m in moe.moe_layers(self.model) if m._stats is not None]
+        layers = [m for m in moe.moe_layers(self.model) if m._stats_src is not None]
         if layers:  # a device copy: the next forward replaces the layers' stats
             stats = torch.stack([m._stats for m in layers])  # (L, 3)
             self._snap[step] = ([m.layer_idx for m in layers], stats)
