@@ -73,7 +73,7 @@ def _trainer(tmp: Path, moe: MoEConfig, **train: object):
 
     shard = write_shard(tmp / "t.bin", np.arange(4000) % 97, 512)
     base = dict(out_dir=str(tmp / "run"), device="cpu", precision="bf16", batch_size=2,
-                context_length=16, max_steps=4, progress=False, plot=False, grad_clip=1.0)  # fmt: skip
+                context_length=16, max_steps=4, progress=False, grad_clip=1.0)  # fmt: skip
     base.update(train)
     cfg = RunConfig(
         model=tiny_model_config(vocab_size=512, moe=moe),

@@ -104,8 +104,17 @@ def _run_recording(cfg: RunConfig, late: bool) -> tuple[list[str], list[dict], d
             cb.deferrable = False
     order: list[str] = []
     launch, finish = tr.stepper.launch, tr.stepper.finish
-    tr.stepper.launch = lambda *a, **k: order.append("launch") or launch(*a, **k)  # type: ignore[method-assign]
-    tr.stepper.finish = lambda p: order.append("finish") or finish(p)  # type: ignore[method-assign]
+
+    def logged_launch(*a: object, **k: object) -> object:
+        order.append("launch")
+        return launch(*a, **k)
+
+    def logged_finish(p: object) -> object:
+        order.append("finish")
+        return finish(p)
+
+    tr.stepper.launch = logged_launch
+    tr.stepper.finish = logged_finish
     tr.run()
     recs = [
         {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "elapsed_s")}

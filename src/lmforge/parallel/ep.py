@@ -24,10 +24,11 @@ expert-data-parallel groups (the ranks holding the same shard); :func:`sync_grad
 averages expert gradients over their expert-data-parallel group. E = W (the default, the whole
 world as one EP group) is DeepSpeed-MoE's default layout.
 
-In the trainer (``--parallel.ep=E`` under torchrun, ``lmforge.parallel.strategies.ExpertParallelStrategy``): expert
-parallelism borrows its ranks from data parallelism, as DeepSpeed-MoE and torchtitan do. Every
-rank draws its own batch (the data-parallel degree stays the world size W), the experts are
-replicated W/E times (the expert-data-parallel degree), so W = (W/E) · E. Checkpoints hold the
+In the trainer (``--parallel.ep=E`` under torchrun; the strategy is
+``lmforge.parallel.strategies.ExpertParallelStrategy``) expert parallelism borrows its ranks
+from data parallelism, as DeepSpeed-MoE and torchtitan do. Every rank draws its own batch (the
+data-parallel degree stays the world size W), the experts are replicated W/E times (the
+expert-data-parallel degree), so W = (W/E) · E. Checkpoints hold the
 *gathered* single-device weights (any layout, or one process, can load them for inference,
 export or the probe) and one optimizer state per rank (resuming needs the same world size and
 ``parallel.ep``, which the config check enforces). Refused with one line: a dense model, E not
