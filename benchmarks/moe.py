@@ -14,8 +14,7 @@ grouped path against its reference loop on the same routing), then CUDA-event me
     PYTHONPATH=src python benchmarks/moe.py
     PYTHONPATH=src python benchmarks/moe.py --train            # + the training-step ratio
     PYTHONPATH=src python benchmarks/moe.py --train --profile  # + kernels of each layer and step
-    PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 256 --d 64 --experts 8 --top-k 2 \
-        --width 32 --iters 2 --train --train-batch 2 --train-seq 64 --train-layers 2 --profile
+    PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 256 --d 64 --experts 8 --top-k 2 --width 32 --iters 2 --train --train-batch 2 --train-seq 64 --train-layers 2 --profile
     PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 512 --d 64 --experts 8 --width 32
     PYTHONPATH=src python benchmarks/moe.py --balance --device cpu --balance-out benchmarks/figures/moe_balance.png
     PYTHONPATH=src python benchmarks/moe.py --curves --device cpu --text ../shared/data/text/gutenberg
