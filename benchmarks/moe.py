@@ -13,7 +13,8 @@ grouped path against its reference loop on the same routing), then CUDA-event me
 
     PYTHONPATH=src python benchmarks/moe.py
     PYTHONPATH=src python benchmarks/moe.py --train            # + the training-step ratio
-    PYTHONPATH=src python benchmarks/moe.py --train --profile  # + top CUDA kernels of each layer
+    PYTHONPATH=src python benchmarks/moe.py --train --profile  # + kernels of each layer and step
+    PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 256 --d 64 --experts 8 --top-k 2 --width 32 --iters 2 --train --train-batch 2 --train-seq 64 --train-layers 2 --profile
     PYTHONPATH=src python benchmarks/moe.py --device cpu --tokens 512 --d 64 --experts 8 --width 32
     PYTHONPATH=src python benchmarks/moe.py --balance --device cpu --balance-out benchmarks/figures/moe_balance.png
     PYTHONPATH=src python benchmarks/moe.py --curves --device cpu --text ../shared/data/text/gutenberg
@@ -48,10 +49,14 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--train", action="store_true", help="also time a GPT-2-small training step")
     p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--train-seq", type=int, default=1024, help="sequence length of --train")
+    p.add_argument("--train-layers", type=int, default=12, help="layers of the --train models")
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also profile the MoE layer and the dense SwiGLU fwd+bwd: top-20 kernels of each",
+        help="also profile the MoE layer and the dense SwiGLU fwd+bwd (top kernels of each) and,"
+        " with --train, one training step of each model side by side (GPU busy vs step time,"
+        " kernels per family)",
     )
     p.add_argument("--profile-top", type=int, default=20)
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code paths only")
@@ -308,38 +313,13 @@ def _moe_floor_ms(m: int, d: int, n: int, k: int, f: int) -> tuple[float, str]:
 def _profile(fns: dict, dev: str, top: int) -> None:
     """torch.profiler over a few calls of each function: its top kernels (CUDA; on CPU the top
     operators) by self time — name, calls per step, µs per step, share of the step's total."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     from lmforge.bench.timing import markdown_table
 
     cuda = dev == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    steps = 5
     for name, fn in fns.items():
-        for _ in range(3):  # warm-up (autotuning, allocator)
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        with profile(activities=acts) as prof:
-            for _ in range(steps):
-                fn()
-            if cuda:
-                torch.cuda.synchronize()
-        rows = []
-        for ev in prof.key_averages():
-            if cuda:
-                if str(getattr(ev, "device_type", "")).split(".")[-1] != "CUDA":
-                    continue
-                us = getattr(ev, "self_device_time_total", None)
-                if us is None:
-                    us = ev.self_cuda_time_total
-            else:
-                us = ev.self_cpu_time_total
-            if us > 0:
-                rows.append((ev.key, ev.count / steps, us / steps))
+        prof, steps = _profiled(fn, cuda)
+        rows = _kernel_rows(prof, cuda, steps)
         total = sum(r[2] for r in rows) or 1.0
-        rows.sort(key=lambda r: -r[2])
         table = [
             [key[:90], f"{cnt:g}", f"{us:.1f}", f"{100 * us / total:.1f} %"]
             for key, cnt, us in rows[:top]
@@ -349,10 +329,145 @@ def _profile(fns: dict, dev: str, top: int) -> None:
         print(markdown_table(["kernel", "calls/step", "µs/step", "share"], table))
 
 
+def _profiled(fn, cuda: bool, steps: int = 5) -> tuple[object, int]:
+    """(torch.profiler result over ``steps`` calls of fn after 3 warm-up calls, steps)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for _ in range(3):  # warm-up (autotuning, allocator)
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof, steps
+
+
+def _is_kernel(ev: object) -> bool:
+    return str(getattr(ev, "device_type", "")).split(".")[-1] == "CUDA"
+
+
+def _kernel_rows(prof: object, cuda: bool, steps: int) -> list[tuple[str, float, float]]:
+    """(name, calls per step, self µs per step), largest first: CUDA kernels, or on CPU the
+    operators' self time."""
+    rows = []
+    for ev in prof.key_averages():  # type: ignore[attr-defined]
+        if cuda:
+            if not _is_kernel(ev):
+                continue
+            us = getattr(ev, "self_device_time_total", None)
+            if us is None:
+                us = ev.self_cuda_time_total
+        else:
+            us = ev.self_cpu_time_total
+        if us > 0:
+            rows.append((ev.key, ev.count / steps, us / steps))
+    rows.sort(key=lambda r: -r[2])
+    return rows
+
+
+def _busy_us(prof: object, steps: int) -> float:
+    """GPU busy time per step: the union of the kernels' [start, end) intervals (µs), so two
+    kernels that overlap on different streams count once."""
+    spans = sorted(
+        (ev.time_range.start, ev.time_range.end)
+        for ev in prof.events()  # type: ignore[attr-defined]
+        if _is_kernel(ev)
+    )
+    busy, cur_start, cur_end = 0.0, None, None
+    for a, b in spans:
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy / steps
+
+
+# Kernel families, matched in order against a kernel's name (lower case).
+_FAMILIES = (
+    ("grouped GEMM", ("grouped", "group_gemm")),
+    ("GEMM", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "aten::mm", "aten::bmm")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("Triton (lmforge)", ("triton", "_kernel")),
+    ("sort / top-k", ("sort", "radix", "topk", "cub::")),
+    ("index / scatter / gather", ("index", "scatter", "gather")),
+    ("reduction", ("reduce", "softmax", "norm", "sum", "logsumexp")),
+    ("copy / cast / elementwise", ("elementwise", "copy", "vectorized", "unrolled", "fill")),
+)
+
+
+def _family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in _FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def _step_profiles(fns: dict, step_ms: dict, dev: str, top: int) -> None:
+    """One training step of each model, side by side: step time (timed without the profiler),
+    GPU busy time, kernels per step, time per kernel family, and each step's top kernels."""
+    from lmforge.bench.timing import markdown_table
+
+    cuda = dev == "cuda"
+    per: dict[str, tuple[list, float]] = {}
+    for name, fn in fns.items():
+        prof, steps = _profiled(fn, cuda, steps=3)
+        per[name] = (_kernel_rows(prof, cuda, steps), _busy_us(prof, steps) if cuda else 0.0)
+    names = list(fns)
+    what = "kernels" if cuda else "CPU operators"
+    summary = []
+    for name in names:
+        rows, busy = per[name]
+        launches = sum(r[1] for r in rows)
+        busy_ms = busy / 1e3
+        share = f"{100 * busy_ms / step_ms[name]:.0f} %" if cuda and step_ms[name] else "n/a"
+        summary.append([name, step_ms[name], busy_ms if cuda else "n/a", share, f"{launches:g}"])
+    print(f"\nOne training step, profiled ({what}; step ms timed without the profiler)")
+    print(
+        markdown_table(
+            ["step", "ms/step", "GPU busy ms/step", "busy / step", f"{what}/step"], summary
+        )
+    )
+    fams: dict[str, dict[str, float]] = {}
+    for name in names:
+        for key, _, us in per[name][0]:
+            fams.setdefault(_family(key), {}).setdefault(name, 0.0)
+            fams[_family(key)][name] += us / 1e3
+    order = sorted(fams, key=lambda f: -max(fams[f].values()))
+    print(f"\nTime per {what[:-1]} family, ms/step (self time)")
+    print(
+        markdown_table(
+            ["family", *names], [[f, *[fams[f].get(n, 0.0) for n in names]] for f in order]
+        )
+    )
+    for name in names:
+        rows = per[name][0]
+        total = sum(r[2] for r in rows) or 1.0
+        table = [
+            [key[:80], _family(key), f"{cnt:g}", f"{us:.1f}", f"{100 * us / total:.1f} %"]
+            for key, cnt, us in rows[:top]
+        ]
+        print(f"\n{name}: top {top} {what}, {total / 1e3:.3f} ms/step of self time")
+        print(markdown_table([what[:-1], "family", "calls/step", "µs/step", "share"], table))
+
+
 def _train_ratio(args: argparse.Namespace, dev: str) -> None:
-    """Tokens/s of a GPT-2-small step (eager, bf16 autocast, fused torch AdamW): dense vs MoE
-    with the same active FFN (top-k · width = the dense d_ff)."""
+    """Tokens/s of a GPT-2-small step, dense vs MoE with the same active FFN (top-k · width =
+    the dense d_ff): the eager loop (bf16 autocast, fused torch AdamW) and lmforge's Trainer step
+    (its fast path: master weights, sync-free step, fused loss, Triton AdamW where they apply).
+    With ``--profile``: each step's kernels side by side (:func:`_step_profiles`)."""
     import dataclasses
+    import tempfile
 
     import torch
 
@@ -362,18 +477,23 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
     from lmforge.model.fastpath import resolve_backends
     from lmforge.model.moe_config import MoEConfig
 
-    t = 1024
+    t = args.train_seq
     b = args.train_batch
-    base = ModelConfig(d_model=768, n_layers=12, n_heads=12, d_ff=args.top_k * args.width)
-    moe_cfg = ModelConfig(
-        d_model=768,
-        n_layers=12,
-        n_heads=12,
+    d = args.d
+    shape = dict(
+        d_model=d,
+        n_layers=args.train_layers,
+        n_heads=max(1, d // 64),
         d_ff=args.top_k * args.width,
-        moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_d_ff=args.width),
+        context_length=max(t, 16),
     )
-    rows = []
-    times = {}
+    base = ModelConfig(**shape)
+    moe_cfg = ModelConfig(
+        **shape, moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_d_ff=args.width)
+    )
+    rows, times, fns = [], {}, {}
+    tmp = Path(tempfile.mkdtemp(prefix="moe-bench-"))
+    keep: list[object] = []  # the profiled steps' models stay alive until profiled
     for name, cfg in (("dense GPT-2 small", base), ("MoE, same active compute", moe_cfg)):
         # The dense peer gets the packed Triton gate the MoE experts use (where it runs).
         cfg = resolve_backends(dataclasses.replace(cfg, swiglu="auto"), dev)
@@ -382,7 +502,7 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
         ids = torch.randint(0, cfg.vocab_size, (b, t + 1), device=dev)
 
-        def step(model=model, opt=opt, ids=ids) -> None:
+        def step(model=model, opt=opt, ids=ids) -> torch.Tensor:
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                 logits = model(ids[:, :-1])
                 loss = torch.nn.functional.cross_entropy(
@@ -394,27 +514,137 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            return loss.detach()
 
-        ms = time_ms(step, warmup=3, iters=8, device=dev)
-        times[name] = ms
-        tok_s = b * t / (ms * 1e-3)
-        rows.append(
-            [
-                name,
-                f"{accounting.parameter_count(cfg) / 1e6:.0f}M",
-                f"{accounting.active_parameter_count(cfg) / 1e6:.0f}M",
-                ms,
-                tok_s,
-            ]
-        )
-        del model, opt
+        if cfg.moe.enabled:  # correctness first: the grouped path against the reference loop
+            _check_moe_model(model, ids[:, :-1], dev)
+        loss0 = float(step())
+        assert loss0 == loss0 and abs(loss0) < 1e4, f"{name}: first loss {loss0}"
+        runs = [(f"{name} (eager loop)", step, model)]
+        tr = _bench_trainer(cfg, tmp / name.split()[0], b, t, dev)
         if dev == "cuda":
-            torch.cuda.empty_cache()
-    ratio = times["dense GPT-2 small"] / times["MoE, same active compute"]
+            print(
+                f"host syncs in one {name} step: eager loop {_host_syncs(step)}, "
+                f"Trainer launch {_trainer_launch_syncs(tr)}"
+            )
+        runs.append((f"{name} (lmforge Trainer)", _trainer_step(tr), tr))
+        for label, fn, owner in runs:
+            ms = time_ms(fn, warmup=3, iters=8, device=dev)
+            times[label] = ms
+            rows.append(
+                [
+                    label,
+                    f"{accounting.parameter_count(cfg) / 1e6:.0f}M",
+                    f"{accounting.active_parameter_count(cfg) / 1e6:.0f}M",
+                    ms,
+                    b * t / (ms * 1e-3),
+                ]
+            )
+            if args.profile:
+                fns[label] = fn
+                keep.append(owner)
+        if not args.profile:
+            del model, opt, tr
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+    eager = times["dense GPT-2 small (eager loop)"] / times["MoE, same active compute (eager loop)"]
+    trained = (
+        times["dense GPT-2 small (lmforge Trainer)"]
+        / times["MoE, same active compute (lmforge Trainer)"]
+    )
     print(
-        f"\nTraining step, batch {b}×{t}, eager + bf16 autocast (MoE/dense tokens/s = {ratio:.3f})"
+        f"\nTraining step, batch {b}×{t}, {args.train_layers} layers × {d}: MoE/dense tokens/s "
+        f"= {eager:.3f} (eager loop), {trained:.3f} (Trainer)"
     )
     print(markdown_table(["model", "params", "active", "ms/step", "tokens/s"], rows))
+    if args.profile:
+        _step_profiles(fns, times, dev, args.profile_top)
+
+
+def _check_moe_model(model: object, ids: object, dev: str) -> None:
+    """The MoE model's logits with the grouped fast path against its reference loop over
+    experts (same weights, same batch, bf16 autocast on CUDA): max error / max |ref|."""
+    import torch
+
+    from lmforge.model import moe as M
+
+    layers = list(M.moe_layers(model))  # type: ignore[arg-type]
+    with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+        got = model(ids).float()  # type: ignore[operator]
+        for layer in layers:
+            layer.backend = "reference"
+        want = model(ids).float()  # type: ignore[operator]
+        for layer in layers:
+            layer.backend = "grouped"
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    print(f"check MoE model logits, grouped vs reference: max err / max |ref| = {err:.2e}")
+    assert err < 3e-2, f"the MoE model's grouped path disagrees with its reference ({err:.2e})"
+
+
+def _bench_trainer(cfg: object, out: Path, b: int, t: int, dev: str) -> object:
+    """An lmforge Trainer on random tokens for ``cfg`` (bf16 on CUDA, fp32 on CPU; no eval, no
+    logs, no checkpoints during the timing)."""
+    import numpy as np
+
+    from lmforge.config import RunConfig
+    from lmforge.train import DataConfig, TrainConfig, Trainer
+    from lmforge.train.data import write_shard
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = cfg.vocab_size  # type: ignore[attr-defined]
+    tokens = np.random.default_rng(0).integers(0, vocab, max(200_000, 4 * b * (t + 1)))
+    shard = write_shard(out / "train.bin", tokens, vocab)
+    train = TrainConfig(
+        out_dir=str(out / "run"),
+        device=dev,
+        precision="bf16" if dev == "cuda" else "fp32",
+        batch_size=b,
+        context_length=t,
+        max_steps=10**6,
+        log_every=10**6,
+        eval_every=0,
+        save_every=0,
+        progress=False,
+        plot=False,
+        loss="auto",
+        tensorboard=False,
+    )
+    return Trainer(RunConfig(model=cfg, train=train, data=DataConfig(train=(str(shard),))))
+
+
+def _trainer_launch_syncs(tr: object) -> str:
+    """Launch one Trainer step under ``torch.cuda.set_sync_debug_mode("error")``: 'none', or
+    the first sync (the step's record is read afterwards, outside the check)."""
+    import torch
+
+    tr.finish_step(tr.launch_step())  # type: ignore[attr-defined]  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    pending, found = None, "none"
+    try:
+        pending = tr.launch_step()  # type: ignore[attr-defined]
+    except RuntimeError as e:
+        found = f"FOUND: {str(e).splitlines()[0][:200]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if pending is not None:
+        tr.finish_step(pending)  # type: ignore[attr-defined]
+    torch.cuda.synchronize()
+    return found
+
+
+def _trainer_step(tr: object):
+    """The trainer loop's step: launch one, then read the previous one's record (one step late,
+    as ``Trainer.run`` does when nothing forces a wait)."""
+    pending: list[object] = []
+
+    def step() -> None:
+        launched = tr.launch_step()  # type: ignore[attr-defined]
+        if pending:
+            tr.finish_step(pending.pop())  # type: ignore[attr-defined]
+        pending.append(launched)
+
+    return step
 
 
 def _byte_shards(text: str, tmp: Path, max_bytes: int) -> tuple[Path, Path]:

@@ -94,3 +94,72 @@ def test_moe_configs_load_and_build(name: str) -> None:
     model = TransformerLM(cfg, device="meta")
     assert model.num_parameters() == accounting.parameter_count(cfg)
     assert accounting.active_parameter_count(cfg) < accounting.parameter_count(cfg)
+
+
+def _run_recording(cfg: RunConfig, late: bool) -> tuple[list[str], list[dict], dict]:
+    tr = Trainer(cfg)
+    tr.deferred = True  # the sync-free step (the default on CUDA), forced on the CPU
+    if not late:  # the old contract: a callback makes the loop wait for every step
+        for cb in tr.callbacks:
+            cb.deferrable = False
+    order: list[str] = []
+    launch, finish = tr.stepper.launch, tr.stepper.finish
+
+    def logged_launch(*a: object, **k: object) -> object:
+        order.append("launch")
+        return launch(*a, **k)
+
+    def logged_finish(p: object) -> object:
+        order.append("finish")
+        return finish(p)
+
+    tr.stepper.launch = logged_launch
+    tr.stepper.finish = logged_finish
+    tr.run()
+    recs = [
+        {k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "elapsed_s")}
+        for r in read_metrics(Path(cfg.train.out_dir) / "metrics.jsonl")
+        if r.get("event") == "train"
+    ]
+    return order, recs, {k: v.clone() for k, v in tr.model.state_dict().items()}
+
+
+def test_moe_callbacks_let_the_sync_free_loop_run_a_step_ahead(tmp_path: Path) -> None:
+    # The MoE callbacks (bias update, routing statistics) used to force the loop to wait for
+    # every step (a host sync per step on a GPU). Now their device work runs at launch and the
+    # loop reports each step one step late, with the same weights, bias and logged statistics.
+    moe = MoEConfig(n_experts=4, top_k=2, bias_update_rate=0.01, z_loss_coef=1e-3)
+    runs = {}
+    for late in (False, True):
+        cfg = _cfg(tmp_path / str(late), moe, max_steps=6, log_every=2)
+        runs[late] = _run_recording(cfg, late)
+    sync_order, sync_recs, sync_state = runs[False]
+    late_order, late_recs, late_state = runs[True]
+    assert sync_order[:4] == ["launch", "finish", "launch", "finish"]
+    assert late_order[:3] == ["launch", "launch", "finish"], late_order  # a step ahead
+    assert late_recs == sync_recs and "moe/L0/entropy" in late_recs[0]
+    for k, v in sync_state.items():
+        assert torch.equal(late_state[k], v), k
+    assert any(late_state[k].abs().sum() > 0 for k in late_state if k.endswith("expert_bias"))
+
+
+def test_moe_master_weights_train_exactly_like_autocast_over_fp32(tmp_path: Path) -> None:
+    # train.master_weights=on makes the stacked expert weights bf16 copies too (no per-step
+    # casts of them), and keeps the router fp32: losses, norms, weights and the bias equal the
+    # autocast-over-fp32 run bit for bit (with the router copied to bf16 they did not).
+    moe = MoEConfig(n_experts=4, top_k=2, bias_update_rate=0.01, z_loss_coef=1e-3)
+    kw = dict(precision="bf16", grad_clip=0.5, lr=3e-3, warmup_steps=2, max_steps=4)
+    runs = {}
+    for mw in ("off", "on"):
+        tr = Trainer(_cfg(tmp_path / mw, moe, master_weights=mw, **kw))
+        tr.deferred = True  # the same (sync-free) step on both
+        runs[mw] = (tr, [tr.train_step() for _ in range(4)])
+    on = runs["on"][0]
+    assert "layers.0.ffn.w1" in on.masters and "layers.1.ffn.w2" in on.masters
+    assert not any(name.endswith("router.weight") for name in on.masters)
+    assert on.model.layers[0].ffn.w3.dtype == torch.bfloat16
+    assert runs["on"][1] == runs["off"][1]
+    off_state = runs["off"][0].model.state_dict()
+    state = {**on.model.state_dict(), **{n: m for n, (_, m) in on.masters.items()}}
+    for k, v in off_state.items():
+        assert torch.equal(state[k], v), k

@@ -219,7 +219,13 @@ def grouped_mm_layout_ok(t: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` accepts t's memory layout: a 16-byte aligned data pointer and
     the last two dimensions row- or column-major with the other stride a multiple of 16 bytes
     (the op's own stride check, mirrored from its meta function)."""
-    if t.dim() < 2 or t.data_ptr() % 16:
+    if t.dim() < 2:
+        return False
+    # ``data_ptr`` (and ``storage_offset``) cannot be read while torch.compile traces: it broke
+    # the graph at every grouped GEMM and sent the whole model's forward back to eager. Traced,
+    # only the strides are checked; the operands here are fresh, whole tensors there (gather,
+    # cat, gate outputs), which the compiler allocates aligned.
+    if not torch.compiler.is_compiling() and t.data_ptr() % 16:
         return False
     align = 16 // t.element_size()
     (s0, s1), (n0, n1) = t.stride()[-2:], t.shape[-2:]
@@ -521,7 +527,9 @@ class MoEFFN(nn.Module):
         self.record_routing = False
         self.last_routing: Routing | None = None
         self._aux: torch.Tensor | None = None
-        self._stats: torch.Tensor | None = None
+        # (load, kept, detached scores) of the last training forward: the routing statistics are
+        # computed from them only when read (log steps), not in every forward (~15 kernels).
+        self._stats_src: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -571,10 +579,19 @@ class MoEFFN(nn.Module):
         with torch.no_grad():
             if mc.bias_update_rate > 0:
                 self.load_acc.add_(r.load)
-            chosen = max(r.kept.numel(), 1)
-            dropped = 1.0 - r.kept.float().sum() / chosen
-            load_ratio = r.load.max() / r.load.mean().clamp_min(1e-20)
-            self._stats = torch.stack([load_ratio, dropped, routing_entropy(scores)])
+        self._stats_src = (r.load, r.kept, scores.detach())
+
+    @property
+    def _stats(self) -> torch.Tensor | None:
+        """(3,) fp32 of the last training forward: max/mean expert load, dropped share, router
+        entropy (device values, computed on read; None before any training forward)."""
+        if self._stats_src is None:
+            return None
+        load, kept, scores = self._stats_src
+        with torch.no_grad():
+            dropped = 1.0 - kept.float().sum() / max(kept.numel(), 1)
+            load_ratio = load.max() / load.mean().clamp_min(1e-20)
+            return torch.stack([load_ratio, dropped, routing_entropy(scores)])
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -616,20 +633,29 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, group: object | None = None) -> None:
+def update_expert_bias(
+    model: nn.Module, group: object | None = None, distributed: bool | None = None
+) -> None:
     """DeepSeek-V3's auxiliary-loss-free step, between optimizer steps: every expert's selection
     bias moves by ``+rate`` when its load (choices counted since the last call) is below the
-    mean, ``-rate`` when above. Loads are summed over the process ``group`` when distributed, so
-    data-parallel replicas keep equal biases."""
+    mean, ``-rate`` when above. Loads are summed over the process ``group`` when distributed
+    (``distributed=None``: whenever a process group is joined), so data-parallel replicas keep
+    equal biases; all layers' loads travel in one all-reduce. Device ops only (no host read)."""
     import torch.distributed as dist
 
-    for layer in moe_layers(model):
-        rate = layer.config.moe.bias_update_rate
-        if rate <= 0:
-            continue
+    layers = [m for m in moe_layers(model) if m.config.moe.bias_update_rate > 0]
+    if not layers:
+        return
+    if distributed is None:
+        distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_world_size(group) > 1:  # type: ignore[arg-type]
+        loads = torch.stack([m.load_acc for m in layers])  # (L, N)
+        dist.all_reduce(loads, group=group)  # type: ignore[arg-type]
+        for m, load in zip(layers, loads):
+            m.load_acc.copy_(load)
+    for layer in layers:
         load = layer.load_acc
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(load, group=group)  # type: ignore[arg-type]
+        rate = layer.config.moe.bias_update_rate
         layer.expert_bias.add_(rate * torch.sign(load.mean() - load))
         load.zero_()
 
@@ -638,10 +664,10 @@ def moe_metrics(model: nn.Module) -> dict[str, float]:
     """Per-layer routing statistics of the last training forward, for metrics.jsonl:
     ``moe/L{i}/load_max_mean`` (max over mean expert load), ``moe/L{i}/dropped`` (share of
     choices dropped), ``moe/L{i}/entropy`` (router entropy, nats). Reads them to the host."""
-    layers = [m for m in moe_layers(model) if m._stats is not None]
+    layers = [m for m in moe_layers(model) if m._stats_src is not None]
     if not layers:
         return {}
-    stats = torch.stack([m._stats for m in layers]).tolist()  # one host read
+    stats = torch.stack([m._stats for m in layers]).tolist()  # type: ignore[misc]  # one host read
     out: dict[str, float] = {}
     for m, (ratio, dropped, ent) in zip(layers, stats):
         out[f"moe/L{m.layer_idx}/load_max_mean"] = ratio

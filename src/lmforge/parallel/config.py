@@ -8,7 +8,7 @@ from typing import Literal
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Degrees and options of data, tensor and pipeline parallelism."""
+    """Degrees and options of data, tensor, pipeline and expert parallelism."""
 
     dp: int = 0
     "data-parallel degree (0 = world_size / (tp·pp))"
@@ -16,6 +16,9 @@ class ParallelConfig:
     "tensor-parallel degree"
     pp: int = 1
     "pipeline-parallel degree (stages)"
+    ep: int = 1
+    "expert-parallel degree: each MoE layer's experts sharded over groups of ep consecutive"
+    " data-parallel ranks (1 = off; must divide the data-parallel degree and model.moe.n_experts)"
     fsdp: bool = False
     "shard parameters, gradients and optimizer state across the data-parallel group (ZeRO-3)"
     zero1: bool = False

@@ -3,7 +3,9 @@
 Parallelism is applied from outside the single-device model in one fixed order:
 tensor parallel (shard the blocks' projections) → pipeline (cut into stages) → data parallel
 (DDP, ZeRO-1 or FSDP over the data-parallel group). Composition supported: DP×TP, FSDP×TP,
-DP×PP (also ZeRO-1 on top of DP). Not supported: FSDP×PP and TP×PP (refused at start).
+DP×PP (also ZeRO-1 on top of DP), and expert parallelism within DP (``parallel.ep``,
+:mod:`lmforge.parallel.ep`). Not supported: FSDP×PP, TP×PP, EP with TP/PP/FSDP/ZeRO-1 (refused
+at start).
 
 Launch (one node, 8 GPUs)::
 
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lmforge.parallel import ep
 from lmforge.parallel._dist import Mesh, build_mesh, init_process_group, resolve_layout
 from lmforge.parallel.config import ParallelConfig
 from lmforge.parallel.ddp import DDP
@@ -273,6 +276,57 @@ class PipelineStrategy(DistributedStrategy):
         return self.unwrapped.state_dict()
 
 
+class ExpertParallelStrategy(DistributedStrategy):
+    """Experts sharded over EP groups of ``ep`` consecutive ranks; everything else replicated
+    and data-parallel over the world (:mod:`lmforge.parallel.ep` has the reductions)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, ep_size: int) -> None:
+        with torch.no_grad():  # rank 0's weights everywhere, before each rank keeps its shard
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=0)
+        self.ep_group, self.edp_group = ep.expert_parallel_groups(ep_size)
+        ep.apply_expert_parallel(model, self.ep_group)
+        super().__init__(model, model, mesh)
+        self.ep_size = ep_size
+        named = list(model.named_parameters())
+        self._experts = [p for n, p in named if ep.is_expert_parameter(n)]
+        self._replicated = [p for n, p in named if not ep.is_expert_parameter(n)]
+
+    @property
+    def per_rank_optimizer_state(self) -> bool:
+        """Always: each rank's optimizer holds the state of its own expert shards."""
+        return True
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average the replicated gradients over the world, the experts' over their holders."""
+        edp = self.edp_group if self.world_size > self.ep_size else None
+        ep.sync_gradients(self.unwrapped, edp)
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global norm: the replicated gradients once, plus the expert shards' squares summed
+        over the EP group (each expert lives on one rank of it); clip every gradient."""
+        rep = [p.grad for p in self._replicated if p.grad is not None]
+        exp = [p.grad for p in self._experts if p.grad is not None]
+        dev = next(iter(self.unwrapped.parameters())).device
+        sq = [ep.sum_of_squares(rep, dev), ep.sum_of_squares(exp, dev)]
+        dist.all_reduce(sq[1], group=self.ep_group)
+        norm = (sq[0] + sq[1]).sqrt()
+        if max_norm > 0 and max_norm != float("inf"):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in rep + exp:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The single-device state on every rank (expert shards all-gathered: a collective)."""
+        return ep.gather_expert_state(self.unwrapped, self.ep_group)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a single-device state; each rank keeps its experts."""
+        ep.load_expert_state(self.unwrapped, state)
+
+
 def build_strategy(model: nn.Module, pcfg: ParallelConfig, runtime: Any) -> Strategy:
     """Join the process group, validate the layout, and wrap ``model`` accordingly.
 
@@ -304,10 +358,15 @@ def build_strategy(model: nn.Module, pcfg: ParallelConfig, runtime: Any) -> Stra
             f"parallel.domain_size={pcfg.domain_size} does not divide world size "
             f"{runtime.world_size}"
         )
+    if pcfg.ep != 1:  # expert parallelism: refused here, before any collective, if it can't work
+        ep.check_expert_layout(pcfg, runtime.world_size)
+        ep.check_expert_model(pcfg.ep, model)
     if runtime.world_size == 1 and not dist.is_initialized():
         return Strategy(model)
     init_process_group(runtime.device, runtime.rank, runtime.world_size, pcfg.backend)
     mesh = build_mesh(layout, dist.get_rank())
+    if pcfg.ep > 1:
+        return ExpertParallelStrategy(model, mesh, pcfg.ep)
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh.tp_group)
     if layout.pp > 1:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from lmforge.parallel.config import ParallelConfig
     from lmforge.train.config import TrainConfig
 
-StrategyKind = Literal["single", "ddp", "zero1", "fsdp", "tp", "pp"]
+StrategyKind = Literal["single", "ddp", "zero1", "fsdp", "tp", "pp", "ep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +123,11 @@ def strategy_kind(
     """The strategy :func:`lmforge.parallel.build_strategy` builds for this layout
     (``process_group``: a default group is already joined, e.g. a single-rank NCCL group, so
     even one process runs the distributed strategy)."""
+    if pcfg.ep != 1:  # expert parallelism: a bad layout stops here with one line
+        from lmforge.parallel.ep import check_expert_layout
+
+        check_expert_layout(pcfg, world_size)
+        return "ep"
     if world_size <= 1 and not process_group:
         return "single"
     if pcfg.pp > 1:
@@ -160,7 +165,7 @@ def resolve_fast_path(
         raise LmforgeError(
             f"train.adamw must be auto, foreach, compiled or triton, got {tc.adamw!r}"
         )
-    triton_adamw_ok = cuda and rt.triton and kind in ("single", "ddp", "fsdp")
+    triton_adamw_ok = cuda and rt.triton and kind in ("single", "ddp", "fsdp", "ep")
     if tc.adamw == "triton" and not triton_adamw_ok:
         raise LmforgeError(
             "train.adamw=triton needs a CUDA device with the 'triton' package and a single, DDP "
@@ -181,7 +186,7 @@ def resolve_fast_path(
     blockers = []
     if tc.precision != "bf16":
         blockers.append(f"train.precision=bf16 (got {tc.precision})")
-    if kind not in ("single", "ddp", "zero1"):
+    if kind not in ("single", "ddp", "zero1"):  # ep: its shards replace the expert weights
         blockers.append(f"a single, DDP or ZeRO-1 strategy (got {kind}: it keeps its own weights)")
     if tc.grad_accum != 1:
         blockers.append(
@@ -197,7 +202,7 @@ def resolve_fast_path(
     blockers = []
     if model_cfg.logit_soft_cap is not None:
         blockers.append("model.logit_soft_cap unset (the fused kernel never forms the logits)")
-    if kind not in ("single", "ddp", "zero1"):
+    if kind not in ("single", "ddp", "zero1", "ep"):
         blockers.append(f"a single, DDP or ZeRO-1 strategy (got {kind})")
     fused = _choose(
         {"fused": "on", "reference": "off"}.get(tc.loss, "auto"), "train.loss=fused", blockers, cuda
@@ -206,7 +211,7 @@ def resolve_fast_path(
     # The sync-free step needs lmforge's AdamW with step_if (not ZeRO-1's sharded wrapper, not
     # TP/PP); on a CPU nothing runs ahead of the host, so only master weights (whose clipping
     # must happen inside the update) turn it on there.
-    sync_free = kind in ("single", "ddp", "fsdp") and (cuda or master)
+    sync_free = kind in ("single", "ddp", "fsdp", "ep") and (cuda or master)
     clip_in_update = sync_free and kind in ("single", "ddp")
     graph = bool(tc.cuda_graph) and sync_free and cuda and kind == "single"
     return FastPath(

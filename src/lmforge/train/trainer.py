@@ -335,6 +335,8 @@ class Trainer:
         micro = [self.sampler.next_batch(tc.batch_size, self.device) for _ in range(tc.grad_accum)]
         pending = self.stepper.launch(micro, self.iteration + 1, self.current_lr)
         self.iteration += 1
+        for cb in (c for c in self.callbacks if hasattr(c, "after_launch")):  # hooks.py
+            cb.after_launch(self)  # device work queued behind the step, e.g. the MoE bias update
         return pending
 
     def finish_step(self, pending: Pending) -> tuple[float, float, str | None]:
@@ -438,8 +440,10 @@ class Trainer:
                 time_up = bool(tc.max_minutes) and self._time_is_up(
                     time.monotonic() - start > 60 * tc.max_minutes
                 )
-                # Callbacks may change the model between steps: they see each step at once.
-                late_ok = self.deferred and not self.callbacks
+                # Callbacks may change the model between steps: they see each step at once,
+                # unless ``deferrable`` (their device work ran at launch; hooks.py).
+                late = all(getattr(cb, "deferrable", False) for cb in self.callbacks)
+                late_ok = self.deferred and late
                 if not late_ok or eval_due or save_due or time_up or it == tc.max_steps:
                     report(launched)  # the loop looks at the model after this step: read it now
                 else:
