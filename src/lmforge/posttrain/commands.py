@@ -21,6 +21,12 @@ def _out(args: argparse.Namespace, default: str, threads: int | None = None) -> 
         torch.set_num_threads(n)
     out = Path(args.out or f"runs/{default}")
     out.mkdir(parents=True, exist_ok=True)
+    options = getattr(args, "posttrain_options", None)
+    if options is not None:
+        from lmforge.posttrain._cli import options_toml
+
+        # the resolved options: `--config OUT/config.toml` repeats the run
+        atomic_write_text(out / "config.toml", options_toml(args.posttrain_command, options))
     return out
 
 
