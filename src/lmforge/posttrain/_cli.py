@@ -130,6 +130,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model", default=None, help="policy to start from (arithmetic: warm-started here)"
     )
     p.add_argument("--data", default=None, help="gsm8k/math: JSONL of problems (default ../shared)")
+    p.add_argument(
+        "--eval-data",
+        default=None,
+        help="gsm8k/math: JSONL of held-out problems (default: the test split in ../shared)",
+    )
     p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
