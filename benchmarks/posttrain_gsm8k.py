@@ -57,16 +57,18 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=None, help="evaluate the first N test problems")
     ap.add_argument("--train-limit", type=int, default=None, help="use the first N train problems")
     ap.add_argument("--max-tokens", type=int, default=256, help="reply budget (eval and GRPO)")
-    ap.add_argument("--eval-chunk", type=int, default=64, help="problems per engine call")
+    ap.add_argument("--eval-chunk", type=int, default=None,
+                    help="problems per engine call, the unit of resumption (default 64 on the "
+                         "CPU, 256 on a GPU: the serve engine batches up to 256 sequences)")  # fmt: skip
     ap.add_argument("--sft-epochs", type=float, default=1.0, help="passes over the train split")
     ap.add_argument("--sft-steps", type=int, default=None, help="overrides --sft-epochs")
     ap.add_argument("--sft-batch", type=int, default=32)
     ap.add_argument("--sft-micro-batch", type=int, default=8)
     ap.add_argument("--sft-lr", type=float, default=2e-5)
-    ap.add_argument("--grpo-iterations", type=int, default=100)
-    ap.add_argument("--grpo-prompts", type=int, default=16)
+    ap.add_argument("--grpo-iterations", type=int, default=50)
+    ap.add_argument("--grpo-prompts", type=int, default=32)
     ap.add_argument("--grpo-group", type=int, default=8)
-    ap.add_argument("--grpo-lr", type=float, default=1e-6)
+    ap.add_argument("--grpo-lr", type=float, default=2e-6)
     ap.add_argument("--grpo-algo", default="grpo")
     ap.add_argument("--grpo-eval-size", type=int, default=64,
                     help="test problems scored inside the RL run for its curve")  # fmt: skip
@@ -75,6 +77,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                          "32-token replies")  # fmt: skip
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
+    if args.eval_chunk is None:
+        args.eval_chunk = 256 if args.device.startswith("cuda") else 64
     if args.quick:
         args.limit = args.limit or 8
         args.train_limit = args.train_limit or 16

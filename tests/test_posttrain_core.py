@@ -320,4 +320,4 @@ def test_gguf_path_matches_the_old_transformers_path() -> None:
             lp_old, _ = sequence_logprobs(old_model, batch.input_ids, batch.labels)
         assert batch.mask.sum() > 0
         worst = max(worst, float((lp_new - lp_old)[batch.mask].abs().max()))
-    assert worst < 1e-3, worst
+    assert worst < 1e-4, worst  # measured 1.0e-5 (2026-12-01)
