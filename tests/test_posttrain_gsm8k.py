@@ -137,3 +137,18 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(err) == 1 and "model not found" in err[0]
     assert bench.main(["--stages", "dpo", "--out", str(tmp_path / "o")]) == 2
     assert "unknown stage 'dpo'" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_benchmark_smoke_on_the_gpu(tmp_path: Path) -> None:
+    """The same smoke run with ``--device cuda`` (SFT, GRPO and the serve engine on the GPU)."""
+    bench = _bench()
+    model = _tiny_model(tmp_path / "tiny")
+    data = _gsm8k_files(tmp_path / "gsm8k")
+    out = tmp_path / "out"
+    argv = ["--model", str(model), "--data-dir", str(data), "--out", str(out), "--figure", "",
+            "--quick", "--quiet", "--max-tokens", "8", "--device", "cuda"]  # fmt: skip
+    assert bench.main(argv) == 0
+    res = json.loads((out / "results.json").read_text())["stages"]
+    assert [r["n"] for r in res.values()] == [6, 6, 6]
+    assert res["grpo"]["train"]["samples"] == 4
