@@ -209,6 +209,12 @@ def _defer_defaults(p: argparse.ArgumentParser, command: str) -> None:
     spec = option_spec(p)
     for a in p._actions:
         if a.dest in spec:
+            shown = a.default is not None and a.default is not False
+            shown = shown and "default" not in (a.help or "")
+            if shown:  # argparse no longer knows the default: say it in the help
+                a.help = f"{a.help} (default {a.default})" if a.help else f"default {a.default}"
+            if a.required:
+                a.help = f"{a.help or ''} (required: flag or config key)".strip()
             a.default = argparse.SUPPRESS
             a.required = False
     p.set_defaults(posttrain_command=command, posttrain_spec=spec)
