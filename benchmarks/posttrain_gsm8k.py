@@ -233,28 +233,52 @@ def run_grpo(args: argparse.Namespace, train_path: Path, test_path: Path, start:
             "command": "lmforge " + " ".join(argv)}  # fmt: skip
 
 
-def plot(path: Path, results: dict[str, dict[str, Any]]) -> None:
-    """Accuracy ± standard error per finished stage."""
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+
+
+def plot(path: Path, results: dict[str, dict[str, Any]], out: Path) -> None:
+    """Three panels: SFT loss per step, GRPO mean rollout reward (and its in-run test accuracy)
+    per rollout sample, and the full-split test accuracy ± standard error per finished stage."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.8))
+    sft = _jsonl(out / "sft" / "metrics.jsonl")
+    if sft:
+        a1.plot([r["step"] for r in sft], [r["loss"] for r in sft], lw=1)
+    a1.set(xlabel="SFT step", ylabel="loss (assistant tokens)", title="SFT on the train split")
+    rl = [r for r in _jsonl(out / "grpo" / "metrics.jsonl") if r.get("iteration", 0) > 0]
+    if rl:
+        a2.plot([r["samples"] for r in rl], [r["reward"] for r in rl], lw=1, label="mean reward")
+    ev = [r for r in _jsonl(out / "grpo" / "metrics.jsonl") if "eval_accuracy" in r]
+    if ev:
+        a2.plot([r["samples"] for r in ev], [r["eval_accuracy"] for r in ev], marker="o",
+                label="test accuracy (in-run subset)")  # fmt: skip
+    a2.set(
+        xlabel="GRPO rollout samples", ylabel="reward / accuracy", title="GRPO on the train split"
+    )
+    a2.legend(fontsize=8)
     names = [s for s in STAGES if s in results]
-    acc = [results[s]["accuracy"] for s in names]
-    err = [results[s]["stderr"] for s in names]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.errorbar(range(len(names)), acc, yerr=err, marker="o", capsize=4)
-    ax.set_xticks(range(len(names)), [{"before": "before", "sft": "after SFT",
-                                        "grpo": "after GRPO"}[s] for s in names])  # fmt: skip
+    labels = {"before": "before", "sft": "after SFT", "grpo": "after GRPO"}
+    a3.errorbar(range(len(names)), [results[s]["accuracy"] for s in names],
+                yerr=[results[s]["stderr"] for s in names], marker="o", capsize=4)  # fmt: skip
+    a3.set_xticks(range(len(names)), [labels[s] for s in names])
     n = results[names[0]]["n"] if names else 0
-    ax.set_ylabel(f"GSM8K test accuracy (n = {n}, greedy)")
-    ax.set_title("SmolLM2-135M-Instruct on GSM8K")
-    ax.grid(alpha=0.3)
+    a3.set(ylabel="accuracy ± s.e. (greedy)", title=f"GSM8K test, n = {n}")
+    for ax in (a2, a3):
+        ax.set_ylim(bottom=0)
+    for ax in (a1, a2, a3):
+        ax.grid(alpha=0.3)
+    fig.suptitle("SmolLM2-135M-Instruct on GSM8K (benchmarks/posttrain_gsm8k.py)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(path)
 
@@ -337,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{s} / before: {results[s]['accuracy'] / base:.2f}×")
     _write_json(out / "results.json", {"header": head, "stages": results})
     if results and args.figure:
-        plot(Path(args.figure), results)
+        plot(Path(args.figure), results, out)
     return 0
 
 
