@@ -311,19 +311,6 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def options_toml(command: str, options: dict[str, Any]) -> str:
-    """``options`` as a ``[command]`` TOML table (unset options omitted: TOML has no null)."""
-    import json
-
-    lines = [f"[{command}]"]
-    for k, v in options.items():
-        if v is None:
-            continue
-        text = ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)
-        lines.append(f"{k} = {text}")
-    return "\n".join(lines) + "\n"
-
-
 def _dispatch(name: str):
     def run(args: argparse.Namespace) -> int:
         from lmforge.posttrain import commands

@@ -23,11 +23,20 @@ def _out(args: argparse.Namespace, default: str, threads: int | None = None) -> 
     out.mkdir(parents=True, exist_ok=True)
     options = getattr(args, "posttrain_options", None)
     if options is not None:
-        from lmforge.posttrain._cli import options_toml
-
         # the resolved options: `--config OUT/config.toml` repeats the run
         atomic_write_text(out / "config.toml", options_toml(args.posttrain_command, options))
     return out
+
+
+def options_toml(command: str, options: dict[str, Any]) -> str:
+    """``options`` as a ``[command]`` TOML table (unset options omitted: TOML has no null)."""
+    lines = [f"[{command}]"]
+    for k, v in options.items():
+        if v is None:
+            continue
+        text = ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)
+        lines.append(f"{k} = {text}")
+    return "\n".join(lines) + "\n"
 
 
 def _device(name: str) -> str:
