@@ -321,3 +321,42 @@ def test_gguf_path_matches_the_old_transformers_path() -> None:
         assert batch.mask.sum() > 0
         worst = max(worst, float((lp_new - lp_old)[batch.mask].abs().max()))
     assert worst < 1e-4, worst  # measured 1.0e-5 (2026-12-01)
+
+
+def test_transformers_folder_loads_as_a_transformers_model(tmp_path) -> None:
+    """A transformers folder stays a transformers model with its own tokenizer and template."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HF
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from lmforge.posttrain.chat import render_chat
+    from lmforge.posttrain.core import is_lmforge_model
+    from lmforge.posttrain.models import eos_ids, load_model, save_model
+
+    words = ["<eos>", "<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "hi", "yo"]
+    t = HF(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+    # (without the trailing EOS: a template whose prefixes do not extend one another is refused)
+    tok.chat_template = TEMPLATE.replace("{{ eos_token }}", "")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=len(words), n_positions=64, n_embd=16, n_layer=1,
+                                  n_head=2)  # fmt: skip
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    model, tok2 = load_model(tmp_path / "hf")
+    assert not is_lmforge_model(model) and hasattr(tok2, "apply_chat_template")
+    assert eos_ids(tok2) == [0]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert render_chat(tok2, msgs, False) == tok.apply_chat_template(msgs, tokenize=False)
+    ex = chat_example(tok2, msgs)
+    batch = collate([ex])
+    logp, _ = sequence_logprobs(model, batch.input_ids, batch.labels)
+    assert logp.shape == batch.labels.shape and bool(batch.mask.any())
+    out = save_model(model, tok2, tmp_path / "saved")
+    assert (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+    model3, _ = load_model(out)
+    ids = torch.tensor([ex.tokens])
+    with torch.no_grad():
+        torch.testing.assert_close(model3(input_ids=ids).logits, model(input_ids=ids).logits)
