@@ -140,6 +140,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--epochs", type=int, default=1, help="optimizer passes per rollout batch")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=64,
+        help="sequences per forward/backward of a train step (GRPO family; lower it for "
+        "long replies on a large vocabulary: the logits are sequences × tokens × vocab)",
+    )
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the initial policy")
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--temperature", type=float, default=1.0)

@@ -326,6 +326,7 @@ def run_rl(args: argparse.Namespace) -> int:
             kl_coef=args.kl_coef,
             max_tokens=max_tokens,
             temperature=args.temperature,
+            micro_batch=args.micro_batch,
         )
         ref = clone_frozen(model) if args.kl_coef > 0 else None
         with tqdm(total=args.iterations, desc=args.algo, disable=args.quiet) as bar:
