@@ -242,7 +242,9 @@ def _word_tokenizer(folder) -> object:
     t.pre_tokenizer = Whitespace()
     folder.mkdir(parents=True, exist_ok=True)
     t.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<eos>", "bos_token": "<|im_start|>"})
+    )
     return HFTokenizer(folder)
 
 
@@ -259,6 +261,10 @@ def test_save_and_load_keep_the_hf_tokenizer_and_template(tmp_path) -> None:
     assert isinstance(tok2, HFTokenizer) and template_of(tok2) == TEMPLATE
     assert tok2.encode("hello world x") == tok.encode("hello world x") == [2, 3, 7]
     assert eos_ids(tok2) == [0]
+    from lmforge.posttrain.chat import render_chat
+
+    bos_tpl = attach_template(_word_tokenizer(tmp_path / "tok3"), "{{ bos_token }}|{{ eos_token }}")
+    assert render_chat(bos_tpl, [{"role": "user", "content": "x"}]) == "<|im_start|>|<eos>"
     ids = torch.tensor([[2, 3, 7, 1]])
     with torch.no_grad():
         torch.testing.assert_close(model2(ids), model(ids), rtol=0, atol=0)

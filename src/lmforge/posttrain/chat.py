@@ -79,7 +79,23 @@ def has_own_template(tokenizer: Any) -> bool:
 
 
 def _special_token(tokenizer: Any, attr: str) -> str:
-    """The text of ``tokenizer``'s BOS/EOS token ("" when it has none), for template globals."""
+    """The text of ``tokenizer``'s BOS/EOS token ("" when it has none), for template globals:
+    an ``HFTokenizer``'s ``tokenizer_config.json`` names them (GGUF imports write both), else
+    the tokenizer's id attributes."""
+    folder = getattr(tokenizer, "folder", None)
+    if folder is not None:
+        import json
+        from pathlib import Path
+
+        cfg = Path(folder) / "tokenizer_config.json"
+        try:
+            named = json.loads(cfg.read_text(encoding="utf-8")).get(f"{attr}_token")
+        except (OSError, ValueError):
+            named = None
+        if isinstance(named, dict):
+            named = named.get("content")
+        if isinstance(named, str):
+            return named
     ids = {"eos": ("eos_id", "eos_token_id", "eot_id"), "bos": ("bos_id", "bos_token_id")}[attr]
     for name in ids:
         v = getattr(tokenizer, name, None)
