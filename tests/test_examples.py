@@ -107,6 +107,9 @@ ROWS: tuple[Row, ...] = (
     Row(r"^lmforge rl --task arithmetic", extra=("--iterations", "1", "--warmup-steps", "2",
         "--eval-size", "4", "--prompts-per-step", "2", "--group-size", "2", "--quiet",
         "--out", "runs/rl-example"), slow=True),
+    Row(r"^lmforge rl --config configs/posttrain/rl-arithmetic\.toml", extra=("--iterations", "1",
+        "--warmup-steps", "2", "--eval-size", "4", "--prompts-per-step", "2", "--group-size", "2",
+        "--quiet", "--out", "runs/rl-example"), slow=True),
     Row(r"^lmforge (sft|dpo|rl|distill) ", skip="names your own data or an earlier post-training "
         "run (runs/sft/model, prefs.jsonl, ...); tests/test_posttrain_cli.py runs each command"),
     # scaling (src/lmforge/scaling/_cli.py)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,198 @@ def test_works_on_a_transformers_gpt2() -> None:
     ref = torch.log_softmax(model(b.input_ids).logits.double(), -1)
     assert float(logp[0, 2]) == pytest.approx(float(ref[0, 2, 6]), abs=1e-5)
     assert ent is not None and ent.shape == (1, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates carried as strings (GGUF files, lmforge checkpoints) and the one GGUF path
+
+# A SmolLM2-style template: a default system turn, trimmed blocks, a template error and EOS.
+TEMPLATE = (
+    "{% for message in messages %}\n"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nbe brief<|im_end|>\\n' }}{% endif %}\n"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('bad role') }}{% endif %}\n"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% else %}"
+    "{{ eos_token }}{% endif %}"
+)
+
+
+def test_attached_template_renders_like_transformers() -> None:
+    """A template string on a non-transformers tokenizer renders the text transformers renders."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HF
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from lmforge.posttrain.chat import attach_template, render_chat, template_of
+
+    theirs = PreTrainedTokenizerFast(
+        tokenizer_object=HF(WordLevel({"[eos]": 0, "[unk]": 1}, unk_token="[unk]")),
+        eos_token="[eos]",
+    )
+    theirs.chat_template = TEMPLATE
+    ours = attach_template(CharTokenizer(alphabet="abcdefghijklmnopqrstuvwxyz12<>|_\n "), TEMPLATE)
+    assert template_of(ours) == TEMPLATE
+    ours_eos = ours.decode([ours.eos_id])
+    msgs = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+    ]
+    for gen in (True, False):
+        want = theirs.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        got = render_chat(ours, msgs, add_generation_prompt=gen)
+        assert got == want.replace("[eos]", ours_eos)
+    assert render_chat(ours, msgs).startswith("<|im_start|>system\nbe brief<|im_end|>\n")
+    with pytest.raises(LmforgeError, match="chat template: bad role"):
+        render_chat(ours, [{"role": "tool", "content": "x"}])
+    # Pieces of a conversation follow the attached template; only assistant text trains.
+    conv = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ba"}]
+    ex = chat_example(ours, conv)
+    assert ours.decode(ex.tokens) == render_chat(ours, conv, add_generation_prompt=False)
+    trained = ours.decode([t for t, m in zip(ex.tokens, ex.trainable) if m])
+    assert trained == "ba<|im_end|>\n" + ours_eos
+
+
+def _word_tokenizer(folder) -> object:
+    """A tiny `tokenizers` word-level tokenizer.json in ``folder``, loaded as an HFTokenizer."""
+    import json
+
+    from tokenizers import Tokenizer as HF
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from lmforge.hf.tokenizer import HFTokenizer
+
+    words = ["<eos>", "<unk>", "hello", "world", "<|im_start|>", "<|im_end|>", "user", "x"]
+    t = HF(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = Whitespace()
+    folder.mkdir(parents=True, exist_ok=True)
+    t.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<eos>", "bos_token": "<|im_start|>"})
+    )
+    return HFTokenizer(folder)
+
+
+def test_save_and_load_keep_the_hf_tokenizer_and_template(tmp_path) -> None:
+    from lmforge.hf.tokenizer import HFTokenizer
+    from lmforge.posttrain.chat import attach_template, template_of
+    from lmforge.posttrain.models import eos_ids, load_model, save_model
+
+    model = tiny_lm(vocab=8)
+    tok = attach_template(_word_tokenizer(tmp_path / "tok"), TEMPLATE)
+    out = save_model(model, tok, tmp_path / "saved")
+    assert (out / "chat_template.jinja").read_text() == TEMPLATE
+    model2, tok2 = load_model(out)
+    assert isinstance(tok2, HFTokenizer) and template_of(tok2) == TEMPLATE
+    assert tok2.encode("hello world x") == tok.encode("hello world x") == [2, 3, 7]
+    assert eos_ids(tok2) == [0]
+    from lmforge.posttrain.chat import render_chat
+
+    bos_tpl = attach_template(_word_tokenizer(tmp_path / "tok3"), "{{ bos_token }}|{{ eos_token }}")
+    assert render_chat(bos_tpl, [{"role": "user", "content": "x"}]) == "<|im_start|>|<eos>"
+    ids = torch.tensor([[2, 3, 7, 1]])
+    with torch.no_grad():
+        torch.testing.assert_close(model2(ids), model(ids), rtol=0, atol=0)
+
+
+SMOL = Path("/work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _old_transformers_gguf_path(p: Path):
+    """The loader `load_model` used before `import_gguf`: transformers' GGUF tensor reader into a
+    transformers Llama (kept here as the reference the new path must match)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(str(p), return_tensors=True, model_to_load=model)
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    model.tie_weights()
+    assert set(missing) <= {"lm_head.weight"} and not unexpected
+    return model.eval(), AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOL.is_file(), reason="shared SmolLM2 GGUF not present")
+def test_gguf_path_matches_the_old_transformers_path() -> None:
+    """SmolLM2: same chat-templated ids and masks, per-token log-probs equal within fp32 tolerance
+    (so figures measured with the transformers path, e.g. the DPO one, still stand)."""
+    pytest.importorskip("transformers")
+    from lmforge.hf.tokenizer import HFTokenizer
+    from lmforge.posttrain.core import is_lmforge_model
+    from lmforge.posttrain.models import eos_ids, load_model
+
+    new_model, new_tok = load_model(SMOL)
+    assert is_lmforge_model(new_model) and isinstance(new_tok, HFTokenizer)
+    old_model, old_tok = _old_transformers_gguf_path(SMOL)
+    assert eos_ids(new_tok) == eos_ids(old_tok)
+    convs = [
+        [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."}],
+        [
+            {"role": "system", "content": "You answer in French."},
+            {"role": "user", "content": "Say hello.\nTwice, please: naïve café 🎉"},
+            {"role": "assistant", "content": "Bonjour ! Bonjour !"},
+            {"role": "user", "content": "Thanks"},
+            {"role": "assistant", "content": "De rien."},
+        ],
+        [
+            {"role": "user", "content": "  spaces  and\ttabs"},
+            {"role": "assistant", "content": "ok"},
+        ],
+    ]
+    worst = 0.0
+    for conv in convs:
+        a, b = chat_example(new_tok, conv), chat_example(old_tok, conv)
+        assert a.tokens == b.tokens and a.trainable == b.trainable
+        batch = collate([a])
+        with torch.no_grad():
+            lp_new, _ = sequence_logprobs(new_model, batch.input_ids, batch.labels)
+            lp_old, _ = sequence_logprobs(old_model, batch.input_ids, batch.labels)
+        assert batch.mask.sum() > 0
+        worst = max(worst, float((lp_new - lp_old)[batch.mask].abs().max()))
+    assert worst < 1e-4, worst  # measured 1.0e-5 (2026-12-01)
+
+
+def test_transformers_folder_loads_as_a_transformers_model(tmp_path) -> None:
+    """A transformers folder stays a transformers model with its own tokenizer and template."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HF
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from lmforge.posttrain.chat import render_chat
+    from lmforge.posttrain.core import is_lmforge_model
+    from lmforge.posttrain.models import eos_ids, load_model, save_model
+
+    words = ["<eos>", "<unk>", "<|im_start|>", "<|im_end|>", "user", "assistant", "hi", "yo"]
+    t = HF(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+    # (without the trailing EOS: a template whose prefixes do not extend one another is refused)
+    tok.chat_template = TEMPLATE.replace("{{ eos_token }}", "")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=len(words), n_positions=64, n_embd=16, n_layer=1,
+                                  n_head=2)  # fmt: skip
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    model, tok2 = load_model(tmp_path / "hf")
+    assert not is_lmforge_model(model) and hasattr(tok2, "apply_chat_template")
+    assert eos_ids(tok2) == [0]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert render_chat(tok2, msgs, False) == tok.apply_chat_template(msgs, tokenize=False)
+    ex = chat_example(tok2, msgs)
+    batch = collate([ex])
+    logp, _ = sequence_logprobs(model, batch.input_ids, batch.labels)
+    assert logp.shape == batch.labels.shape and bool(batch.mask.any())
+    out = save_model(model, tok2, tmp_path / "saved")
+    assert (out / "config.json").is_file() and (out / "tokenizer_config.json").is_file()
+    model3, _ = load_model(out)
+    ids = torch.tensor([ex.tokens])
+    with torch.no_grad():
+        torch.testing.assert_close(model3(input_ids=ids).logits, model(input_ids=ids).logits)

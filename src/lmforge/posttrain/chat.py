@@ -1,4 +1,10 @@
-"""Chat templates: ChatML by default, the tokenizer's own template when it carries one.
+"""Chat templates: ChatML by default, the model's own template when it has one.
+
+The model's own template is either a transformers tokenizer's (``apply_chat_template``) or a
+Jinja template string attached to any other tokenizer with :func:`attach_template` (what
+``load_model`` does with a GGUF file's ``tokenizer.chat_template`` or a checkpoint's
+``chat_template.jinja``); the string is rendered in a sandbox with the globals transformers
+gives templates (``raise_exception``, ``bos_token``, ``eos_token``), so both render the same text.
 
 A conversation is a list of ``{"role": ..., "content": ...}`` messages. :func:`chat_example`
 turns it into an :class:`~lmforge.posttrain.core.Example` whose trainable tokens are the
@@ -51,20 +57,98 @@ def render_chatml(messages: Sequence[Mapping[str, str]], add_generation_prompt: 
     return text + (chatml_header("assistant") if add_generation_prompt else "")
 
 
+def attach_template(tokenizer: Any, template: str | None) -> Any:
+    """``tokenizer`` carrying the Jinja chat ``template`` (as ``tokenizer.chat_template``).
+
+    A transformers tokenizer keeps its own; ``None`` or an empty template attaches nothing.
+    """
+    if tokenizer is not None and template and not hasattr(tokenizer, "apply_chat_template"):
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def template_of(tokenizer: Any) -> str | None:
+    """The chat template string a tokenizer carries (either kind), or None (ChatML is used)."""
+    t = getattr(tokenizer, "chat_template", None)
+    return t if isinstance(t, str) and t else None
+
+
 def has_own_template(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` is a transformers tokenizer carrying a chat template."""
-    return bool(getattr(tokenizer, "chat_template", None)) and hasattr(
-        tokenizer, "apply_chat_template"
+    """Whether ``tokenizer`` carries a chat template (transformers' or an attached string)."""
+    return template_of(tokenizer) is not None
+
+
+def _special_token(tokenizer: Any, attr: str) -> str:
+    """The text of ``tokenizer``'s BOS/EOS token ("" when it has none), for template globals:
+    an ``HFTokenizer``'s ``tokenizer_config.json`` names them (GGUF imports write both), else
+    the tokenizer's id attributes."""
+    folder = getattr(tokenizer, "folder", None)
+    if folder is not None:
+        import json
+        from pathlib import Path
+
+        cfg = Path(folder) / "tokenizer_config.json"
+        try:
+            named = json.loads(cfg.read_text(encoding="utf-8")).get(f"{attr}_token")
+        except (OSError, ValueError):
+            named = None
+        if isinstance(named, dict):
+            named = named.get("content")
+        if isinstance(named, str):
+            return named
+    ids = {"eos": ("eos_id", "eos_token_id", "eot_id"), "bos": ("bos_id", "bos_token_id")}[attr]
+    for name in ids:
+        v = getattr(tokenizer, name, None)
+        if isinstance(v, int):
+            return tokenizer.decode([v])
+    return ""
+
+
+def render_template(
+    template: str,
+    messages: Sequence[Mapping[str, str]],
+    add_generation_prompt: bool,
+    **special: str,
+) -> str:
+    """A Jinja chat template rendered as transformers renders it (sandboxed, trimmed blocks).
+
+    A template that fails (a syntax error, its own ``raise_exception``) raises one line.
+    """
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise LmforgeError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **special
+        )
+    except TemplateError as e:
+        raise LmforgeError(f"chat template cannot be rendered: {e}") from None
 
 
 def render_chat(
     tokenizer: Any, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
 ) -> str:
     """The conversation as text: the tokenizer's own template when present, else ChatML."""
-    if has_own_template(tokenizer):
+    if hasattr(tokenizer, "apply_chat_template") and template_of(tokenizer):
         return tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    template = template_of(tokenizer)
+    if template is not None:
+        special = {k: _special_token(tokenizer, k) for k in ("bos", "eos")}
+        return render_template(
+            template,
+            messages,
+            add_generation_prompt,
+            bos_token=special["bos"],
+            eos_token=special["eos"],
         )
     return render_chatml(messages, add_generation_prompt)
 

@@ -21,7 +21,22 @@ def _out(args: argparse.Namespace, default: str, threads: int | None = None) -> 
         torch.set_num_threads(n)
     out = Path(args.out or f"runs/{default}")
     out.mkdir(parents=True, exist_ok=True)
+    options = getattr(args, "posttrain_options", None)
+    if options is not None:
+        # the resolved options: `--config OUT/config.toml` repeats the run
+        atomic_write_text(out / "config.toml", options_toml(args.posttrain_command, options))
     return out
+
+
+def options_toml(command: str, options: dict[str, Any]) -> str:
+    """``options`` as a ``[command]`` TOML table (unset options omitted: TOML has no null)."""
+    lines = [f"[{command}]"]
+    for k, v in options.items():
+        if v is None:
+            continue
+        text = ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)
+        lines.append(f"{k} = {text}")
+    return "\n".join(lines) + "\n"
 
 
 def _device(name: str) -> str:
@@ -244,7 +259,8 @@ def run_rl(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from lmforge.posttrain import rl
-    from lmforge.posttrain.rollout import LocalEngine
+    from lmforge.posttrain.core import is_lmforge_model
+    from lmforge.posttrain.rollout import LocalEngine, make_engine
 
     if args.algo != "ppo":
         rl.algorithm(args.algo)  # an unknown name fails before any work
@@ -269,7 +285,10 @@ def run_rl(args: argparse.Namespace) -> int:
         max_tokens, overlong_cache = rl.overlong_budget(answer_tokens, rl.algorithm(args.algo))
 
     eos = eos_ids(tok)
-    engine = LocalEngine(model, eos_ids=eos)
+    # the arithmetic task's tiny model stays on the lockstep LocalEngine (its RESULTS figures);
+    # lmforge models of real tasks sample through the batched serve engine when it is there
+    serve = args.task != "arithmetic" and is_lmforge_model(model)
+    engine = make_engine(model, eos) if serve else LocalEngine(model, eos_ids=eos)
     t_start = time.perf_counter()
 
     def evaluate() -> float:
@@ -307,6 +326,7 @@ def run_rl(args: argparse.Namespace) -> int:
             kl_coef=args.kl_coef,
             max_tokens=max_tokens,
             temperature=args.temperature,
+            micro_batch=args.micro_batch,
         )
         ref = clone_frozen(model) if args.kl_coef > 0 else None
         with tqdm(total=args.iterations, desc=args.algo, disable=args.quiet) as bar:
@@ -344,7 +364,12 @@ def run_rl(args: argparse.Namespace) -> int:
 def _math_task(args: argparse.Namespace) -> tuple[Any, ...]:
     from lmforge.posttrain.chat import prompt_text
     from lmforge.posttrain.models import load_model
-    from lmforge.posttrain.tasks import gsm8k_reward, math_reward, read_jsonl
+    from lmforge.posttrain.tasks import (
+        gsm8k_reward,
+        gsm8k_user_message,
+        math_reward,
+        read_jsonl,
+    )
 
     if not args.model:
         raise LmforgeError(f"--task {args.task} needs --model (an SFT'd policy)")
@@ -363,20 +388,29 @@ def _math_task(args: argparse.Namespace) -> tuple[Any, ...]:
         test_p = root / "gsm8k" / "test.jsonl"
         reward = gsm8k_reward
         key = "question"
+        user = gsm8k_user_message
     else:
         train_p = Path(args.data) if args.data else root / "math" / "math" / "train.jsonl"
         test_p = root / "math" / "math" / "test.jsonl"
         reward = math_reward
         key = "problem"
+
+        def user(problem: str) -> str:
+            return problem + " Put the final answer in \\boxed{}."
+
+    if getattr(args, "eval_data", None):
+        test_p = Path(args.eval_data)
     train = read_jsonl(train_p, "--data")
-    test = read_jsonl(test_p, "test split") if test_p.is_file() else train[-args.eval_size :]
-    instr = " Think step by step, then give the final answer after '####'." if args.task == "gsm8k" else \
-        " Put the final answer in \\boxed{}."  # fmt: skip
+    test = (
+        read_jsonl(test_p, "--eval-data")
+        if test_p.is_file() or getattr(args, "eval_data", None)
+        else train[-args.eval_size :]
+    )
 
     def item(rec: dict[str, Any]) -> dict[str, Any]:
         if key not in rec or "answer" not in rec:
             raise LmforgeError(f"{args.task} record lacks '{key}' or 'answer'")
-        return {**rec, "prompt": prompt_text(tok, rec[key] + instr, chat=True)}
+        return {**rec, "prompt": prompt_text(tok, user(rec[key]), chat=True)}
 
     rng = random.Random(args.seed)
     items = [item(r) for r in train]

@@ -208,3 +208,29 @@ def read_jsonl(path: str | Path, where: str = "") -> list[dict[str, Any]]:
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise LmforgeError(f"cannot read {p}: {e}") from None
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GSM8K as a chat task: the prompt the policy sees, and the SFT target made from a train answer
+
+GSM8K_INSTRUCTION = " Think step by step, then give the final answer after '####'."
+"appended to every GSM8K question (SFT, RL and evaluation use the same prompt)"
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+
+
+def gsm8k_user_message(question: str) -> str:
+    """The user turn of a GSM8K problem: the question and :data:`GSM8K_INSTRUCTION`."""
+    return question + GSM8K_INSTRUCTION
+
+
+def gsm8k_sft_response(answer: str) -> str:
+    """A GSM8K train ``answer`` as an assistant reply: the worked solution without the dataset's
+    ``<<48/2=24>>`` calculator annotations, ending in ``#### N`` — the last number, which is what
+    ``lmforge.eval``'s GSM8K checker reads. A record without ``#### N`` is a one-line error."""
+    body, sep, tail = answer.rpartition("####")
+    if not sep or not tail.strip():
+        raise LmforgeError("GSM8K answer has no '#### N' line")
+    lines = [ln.rstrip() for ln in _CALCULATOR.sub("", body).strip().splitlines()]
+    steps = "\n".join(ln for ln in lines if ln)
+    return (steps + "\n" if steps else "") + f"#### {tail.strip()}"
