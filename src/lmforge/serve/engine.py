@@ -17,8 +17,10 @@ Token ids in, token ids + logprobs out (the tokenizer stays outside, in the serv
    the rest is computed. At least one token is always computed (its logits start sampling).
 3. **Forward** (:func:`lmforge.serve.runner.forward_step`), then for each sequence whose step
    reached its last token: sample (:mod:`lmforge.serve.sampling`), record the logprob and the
-   policy version, check stop conditions; finished sequences free their blocks. Blocks that
-   became full are registered in the prefix cache.
+   policy version, detokenize the token (engines with a tokenizer: O(that token), see
+   :mod:`lmforge.serve.detok`), check stop conditions (stop ids, EOS, stop strings, which may
+   span tokens); finished sequences free their blocks at once. Blocks that became full are
+   registered in the prefix cache.
 
 Weight updates (:meth:`Engine.update_weights`) copy tensors into the model's parameters between
 two steps; running sequences keep their KV cache (computed under the old weights, as in-flight
@@ -41,12 +43,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from lmforge.serve.blocks import BlockAllocator, block_hashes
+from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer
 from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
 from lmforge.serve.sampling import SamplingParams, logprobs_of, sample_tokens
 from lmforge.utils.errors import LmforgeError
@@ -67,11 +70,21 @@ class CompletionOutput:
     policy_versions: list[int]
     "weight version each token was sampled under"
     finish_reason: FinishReason | None
-    "'stop' (stop id or EOS), 'length' (max_tokens or the context), None while running"
+    "'stop' (stop id, EOS or stop string), 'length' (max_tokens or the context), None running"
     top_logprobs: list[dict[int, float]] | None = None
     "per token, the top-n alternatives' logprobs (with SamplingParams.logprobs)"
     index: int = 0
     "which of the request's n samples"
+    text_pieces: list[str] = dataclasses.field(default_factory=list)
+    "the text released so far, in pieces (engines with a tokenizer; see :attr:`text`)"
+    stop_reason: str | int | None = None
+    "what ended a 'stop' sample: the stop string matched, or the stop / EOS token id"
+
+    @property
+    def text(self) -> str:
+        """The sample's text (engines with a tokenizer): final, never past a stop string; the
+        token that ended the sample (EOS / stop id) and a matched stop string are not in it."""
+        return "".join(self.text_pieces)
 
 
 @dataclasses.dataclass
@@ -102,6 +115,8 @@ class _Seq:
     root: int = 0  # policy version the KV (and so the hash chain) was computed under
     out: CompletionOutput | None = None
     first_token_time: float | None = None
+    detok: IncrementalDetokenizer | None = None  # engines with a tokenizer
+    stops: StopMatcher | None = None  # requests with stop strings
 
     @property
     def n_out(self) -> int:
@@ -135,6 +150,10 @@ class Engine:
     by unseeded requests. ``compile`` runs decode steps through ``torch.compile``
     (:mod:`lmforge.serve.compiled`; None: on for CUDA, off on the CPU; captured in the CUDA
     graphs when ``cuda_graphs``); if it fails, one line on stderr and eager decode.
+    ``tokenizer`` (anything with ``decode(ids)``; ``id_to_bytes`` makes it byte-exact and
+    cheaper) turns on text: every sample's :attr:`CompletionOutput.text` is detokenized
+    incrementally as it is sampled (:mod:`lmforge.serve.detok`) and ``SamplingParams.stop``
+    strings end samples. Without one the engine is ids-only, as before.
     """
 
     def __init__(
@@ -155,6 +174,7 @@ class Engine:
         max_queue: int | None = None,
         cuda_graphs: bool = False,
         compile: bool | None = None,
+        tokenizer: Any = None,
     ) -> None:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -167,6 +187,7 @@ class Engine:
         self.eos_token_id = eos_token_id
         self.use_triton = use_triton
         self.max_queue = max_queue
+        self.tokenizer = tokenizer
         dtype = kv_dtype or next(self.model.parameters()).dtype
         if num_blocks is None:
             num_blocks = self._default_num_blocks(dtype, kv_memory_fraction)
@@ -211,15 +232,15 @@ class Engine:
             blocks_per_seq, min(blocks_per_seq * min(self.max_num_seqs, 16), (1 << 30) // per_block)
         )
 
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Turn on text (and stop strings) for requests added from now on."""
+        with self.lock:
+            self.tokenizer = tokenizer
+
     # ---------------------------------------------------------------- requests
-    def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Queue a prompt; returns its request id. Invalid requests raise :class:`LmforgeError`."""
-        params = params or SamplingParams()
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints if the engine can ever run the request, else raise
+        :class:`LmforgeError` (one line). Reads only fixed state: safe from any thread."""
         prompt = [int(t) for t in prompt_token_ids]
         ctx = self.config.context_length
         if not prompt:
@@ -236,6 +257,19 @@ class Engine:
             raise LmforgeError(
                 f"request needs {need} KV blocks, the cache has {self.allocator.num_blocks}"
             )
+        if params.stop and self.tokenizer is None:
+            raise LmforgeError("stop strings need an engine with a tokenizer (Engine(tokenizer=))")
+        return prompt
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a prompt; returns its request id. Invalid requests raise :class:`LmforgeError`."""
+        params = params or SamplingParams()
+        prompt = self.check_request(prompt_token_ids, params)
         with self.lock:
             if self.max_queue is not None and len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
@@ -250,6 +284,10 @@ class Engine:
                     gen.manual_seed(params.seed + i)
                 seq = _Seq(rid, i, list(prompt), len(prompt), params, gen, next(self._arrivals))
                 seq.out = CompletionOutput([], [], [], None, [] if params.logprobs else None, i)
+                if self.tokenizer is not None:
+                    seq.detok = make_detokenizer(self.tokenizer, prompt)
+                    if params.stop:
+                        seq.stops = StopMatcher(params.stop)
                 seqs.append(seq)
             self.requests[rid] = _Request(rid, prompt, seqs, time.monotonic())
             self.waiting.extend(seqs)
@@ -524,6 +562,10 @@ class Engine:
                         seq.first_token_time = now
                     self.stats["generated_tokens"] += 1
                     reason = self._finish_reason(seq, tok)
+                    if reason == "stop":
+                        out.stop_reason = tok
+                    if seq.detok is not None:
+                        reason = self._detokenize(seq, out, tok, reason)
                     if reason is not None:
                         out.finish_reason = reason
                         self.running.remove(seq)
@@ -537,6 +579,29 @@ class Engine:
                 if req.finished:
                     del self.requests[rid]
             return outs
+
+    @staticmethod
+    def _detokenize(
+        seq: _Seq, out: CompletionOutput, tok: int, reason: FinishReason | None
+    ) -> FinishReason | None:
+        """Release ``tok``'s text (O(this token)); a stop string ends the sample here."""
+        assert seq.detok is not None
+        if reason == "stop":  # EOS / a stop id: the token itself is not text
+            piece = seq.detok.flush()
+        else:
+            piece = seq.detok.feed(tok)
+            if reason is not None:
+                piece += seq.detok.flush()
+        if seq.stops is not None:
+            piece, hit = seq.stops.feed(piece)
+            if hit is not None:
+                out.stop_reason = hit
+                reason = "stop"
+            elif reason is not None:
+                piece += seq.stops.flush()
+        if piece:
+            out.text_pieces.append(piece)
+        return reason
 
     def _release_finished(self, seq: _Seq) -> None:
         # Register what is full before letting go, so a follow-up request can reuse it.

@@ -43,6 +43,8 @@ class SamplingParams:
     "also return the top-n alternatives' logprobs at every step (None = off)"
     ignore_eos: bool = False
     "keep going past the engine's EOS id (benchmarks)"
+    stop: Sequence[str] = ()
+    "strings that end a sample once its text contains one (the engine needs a tokenizer)"
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -60,6 +62,11 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.stop, str):
+            raise ValueError("stop must be a list of strings, not one string")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def greedy(self) -> bool:
