@@ -122,6 +122,8 @@ class EngineLoop:
         self.ttft_sum = 0.0
         self.ttft_count = 0
         self.requests_total = 0
+        self.step_seconds = 0.0  # time inside engine.step() (the rest of the loop is hand-off)
+        self.step_count = 0
         self._tokens_window: deque[tuple[float, int]] = deque()
         self.error: BaseException | None = None
 
@@ -210,7 +212,12 @@ class EngineLoop:
             items = self._drain()
             try:
                 before = engine.stats["generated_tokens"]
-                outs = engine.step() if engine.has_unfinished() else []
+                outs = []
+                if engine.has_unfinished():
+                    t0 = time.perf_counter()
+                    outs = engine.step()
+                    self.step_seconds += time.perf_counter() - t0
+                    self.step_count += 1
                 made = engine.stats["generated_tokens"] - before
             except Exception as e:  # a bug, not a user error: fail every waiting request loudly
                 self.error = e
@@ -434,6 +441,10 @@ def build_app(state: ServerState) -> Any:
             "# TYPE lmforge_time_to_first_token_seconds summary",
             f"lmforge_time_to_first_token_seconds_sum {state.loop.ttft_sum:.6f}",
             f"lmforge_time_to_first_token_seconds_count {state.loop.ttft_count}",
+            "# HELP lmforge_engine_step_seconds Time inside engine steps (hand-offs excluded).",
+            "# TYPE lmforge_engine_step_seconds summary",
+            f"lmforge_engine_step_seconds_sum {state.loop.step_seconds:.6f}",
+            f"lmforge_engine_step_seconds_count {state.loop.step_count}",
             "# HELP lmforge_requests_total Requests accepted.",
             "# TYPE lmforge_requests_total counter",
             f"lmforge_requests_total {state.loop.requests_total}",
