@@ -27,9 +27,13 @@ two steps; running sequences keep their KV cache (computed under the old weights
 RL updates do) and every token records the version it was sampled under. Cached prefixes of
 finished requests are dropped (their KV belongs to the old weights).
 
-KV memory: ``num_blocks`` blocks, by default sized from a fraction of the free device memory
-after the weights (CUDA) or 16 contexts capped at 1 GiB (CPU). Admission control, not OOM:
-a request that could never fit is refused by :meth:`add_request`; one that does not fit now waits.
+KV memory: ``num_blocks`` blocks, by default (CUDA, or any device given a ``memory_probe``) a
+fraction of the free device memory measured *after* the weights, the compiled decode step and
+the CUDA-graph capture, minus the measured peak of the largest eager step
+(:meth:`Engine._size_after_capture` says how: capture against a probe cache, measure, size,
+recapture); on the CPU without a probe, 16 contexts capped at 1 GiB. Admission control, not
+OOM: a request that could never fit is refused by :meth:`add_request`; one that does not fit
+now waits.
 
 Exercised by ``pytest tests/test_serve_engine.py``.
 """
@@ -42,7 +46,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -54,7 +58,7 @@ from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
 from lmforge.serve.sampling import SamplingParams, logprobs_of, sample_tokens
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "kv_blocks_for_memory"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -175,6 +179,7 @@ class Engine:
         cuda_graphs: bool = False,
         compile: bool | None = None,
         tokenizer: Any = None,
+        memory_probe: Callable[[], int] | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -189,12 +194,30 @@ class Engine:
         self.max_queue = max_queue
         self.tokenizer = tokenizer
         dtype = kv_dtype or next(self.model.parameters()).dtype
-        if num_blocks is None:
-            num_blocks = self._default_num_blocks(dtype, kv_memory_fraction)
+        self.kv_dtype = dtype
+        self.kv_budget: dict[str, float] | None = None  # how the cache was sized from memory
+        probe = memory_probe
+        if probe is None and self.device.type == "cuda":
+            dev = self.device
+
+            def probe() -> int:
+                return int(torch.cuda.mem_get_info(dev)[0])
+
+        use_graphs = cuda_graphs and self._graphs_supported()
+        want_compile = compile if compile is not None else self.device.type == "cuda"
         # One block more than the allocator hands out: CUDA-graph padding rows write there.
-        self.cache = PagedKVCache(
-            cfg.n_layers, num_blocks + 1, block_size, cfg.kv_heads, cfg.head_dim, self.device, dtype
-        )
+        if num_blocks is None and probe is not None:
+            num_blocks = self._size_after_capture(
+                probe, kv_memory_fraction, use_graphs, want_compile
+            )
+        else:
+            if num_blocks is None:
+                num_blocks = self._default_num_blocks(dtype)
+            self.cache = self._new_cache(num_blocks + 1)
+            self.decoder = self._make_decoder(want_compile)
+            self.graphs = self._make_graphs() if use_graphs else None
+            if self.graphs is None and self.decoder is not None:
+                self.decoder.warmup(self.cache.num_blocks - 1, block_size)
         self.allocator = BlockAllocator(num_blocks, enable_prefix_cache=enable_prefix_cache)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -206,31 +229,149 @@ class Engine:
         self.generator.manual_seed(seed)
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
         self.stats = {"preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
-        # Decode steps through torch.compile (lmforge.serve.compiled); None: on for CUDA.
-        self.decoder = None
-        if compile if compile is not None else self.device.type == "cuda":
-            from lmforge.serve.compiled import CompiledDecode
-
-            self.decoder = CompiledDecode(self.model, self.cache, use_triton)
-        self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
-            from lmforge.serve.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self)  # compiles while warming up each bucket
-        elif self.decoder is not None:
-            self.decoder.warmup(self.cache.num_blocks - 1, block_size)
 
     # ---------------------------------------------------------------- sizing
-    def _default_num_blocks(self, dtype: torch.dtype, fraction: float) -> int:
+    def _graphs_supported(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _new_cache(self, n: int) -> PagedKVCache:
+        cfg = self.config
+        return PagedKVCache(
+            cfg.n_layers, n, self.block_size, cfg.kv_heads, cfg.head_dim, self.device,
+            self.kv_dtype,
+        )  # fmt: skip
+
+    def _make_decoder(self, want: bool) -> Any:
+        # Decode steps through torch.compile (lmforge.serve.compiled); default on for CUDA.
+        if not want:
+            return None
+        from lmforge.serve.compiled import CompiledDecode
+
+        return CompiledDecode(self.model, self.cache, self.use_triton)
+
+    def _make_graphs(self) -> Any:
+        from lmforge.serve.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self)  # compiles while warming up each bucket
+
+    def _default_num_blocks(self, dtype: torch.dtype) -> int:
+        """CPU without a memory probe: 16 full contexts, at most 1 GiB (at least one context)."""
         per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, dtype)
         blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(blocks_per_seq, int(free * fraction) // per_block)
-        # CPU: 16 full contexts, but at most 1 GiB of KV (never less than one full context).
         return max(
             blocks_per_seq, min(blocks_per_seq * min(self.max_num_seqs, 16), (1 << 30) // per_block)
         )
+
+    def _size_after_capture(
+        self, probe: Callable[[], int], fraction: float, use_graphs: bool, want_compile: bool
+    ) -> int:
+        """Size the KV cache from the memory left once everything else exists; returns blocks.
+
+        1. A probe cache just big enough for one step's token budget stands in for the real
+           one; the decode step is compiled and the CUDA graphs are captured against it (their
+           memory pool does not depend on the number of blocks: tables have a fixed width).
+        2. On CUDA, one prefill step of the whole token budget runs on the probe cache; its
+           peak allocation (plus the sampler's (S, V) float32 temporaries at ``max_num_seqs``)
+           is kept back for the eager steps to come. Cached allocator blocks are released.
+        3. ``probe()`` reads the free device memory now, after weights, graphs and compile.
+           The KV budget is ``fraction`` of it minus that reserve (:func:`kv_blocks_for_memory`).
+        4. The probe cache and its graphs are dropped, the real cache is allocated and the
+           graphs are captured again against it (compile is not repeated: the block count is a
+           dynamic dimension of the compiled step).
+
+        Fewer blocks than one full context raise one line (admission control could never
+        admit a full-length request). ``probe`` is injectable (``Engine(memory_probe=)``) so the
+        arithmetic and the admission control after it are testable without a GPU.
+        """
+        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, self.kv_dtype)
+        blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
+        n_seqs = math.ceil(self.max_num_batched_tokens / max(self.config.context_length - 1, 1))
+        n_probe = math.ceil(self.max_num_batched_tokens / self.block_size) + n_seqs + 2
+        self.cache = self._new_cache(n_probe + 1)
+        self.decoder = self._make_decoder(want_compile)
+        free_before = probe()
+        self.graphs = self._make_graphs() if use_graphs else None
+        if self.graphs is None and self.decoder is not None:
+            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+        reserve = self._profile_step_memory(n_probe) if self.device.type == "cuda" else 0
+        free_after = probe()
+        probe_bytes = self.cache.num_blocks * per_block
+        blocks = kv_blocks_for_memory(free_after + probe_bytes, fraction, reserve, per_block)
+        self.kv_budget = {
+            "free_before_capture": free_before,
+            "free_after_capture": free_after,
+            "activation_reserve": reserve,
+            "fraction": fraction,
+            "bytes_per_block": per_block,
+            "num_blocks": blocks,
+        }
+        if blocks < blocks_per_seq:
+            gib = free_after / 2**30
+            raise LmforgeError(
+                f"KV cache: {gib:.2f} GiB free after the weights and CUDA graphs leave room for "
+                f"{blocks} blocks of {self.block_size}; one {self.config.context_length}-token "
+                "context needs "
+                f"{blocks_per_seq} (lower --context-length or the token budget, or free memory)"
+            )
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
+        self.cache = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.cache = self._new_cache(blocks + 1)
+        if self.decoder is not None:
+            self.decoder.cache = self.cache
+        if use_graphs:
+            self.graphs = self._make_graphs()
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_step_memory(self, n_probe: int) -> int:
+        """Peak bytes one eager prefill step of the whole token budget allocates (CUDA), plus
+        the sampler's temporaries; run on the probe cache, nothing is registered anywhere."""
+        dev = self.device
+        ctx, bs = self.config.context_length, self.block_size
+        lens, left = [], self.max_num_batched_tokens
+        while left > 0:
+            lens.append(min(left, ctx - 1))
+            left -= lens[-1]
+        tokens, positions, slots, tables, rows = [], [], [], [], []
+        block = 0
+        for n in lens:
+            table = list(range(block, block + math.ceil(n / bs)))
+            block += len(table)
+            tables.append(table)
+            tokens += [0] * n
+            positions += range(n)
+            slots += [table[p // bs] * bs + p % bs for p in range(n)]
+            rows.append(len(tokens) - 1)
+        assert block <= n_probe
+        width = max(len(t) for t in tables)
+        batch = StepBatch(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
+            ctx_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            last_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            q_lens=lens,
+            ctx_lens_list=lens,
+            tables_list=tables,
+        )
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del batch
+        torch.cuda.empty_cache()
+        # log_softmax, probabilities, exponential noise, their ratio, a float copy: (S, V) fp32.
+        sampler = 6 * self.max_num_seqs * self.config.vocab_size * 4
+        return int(peak + sampler)
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Turn on text (and stop strings) for requests added from now on."""
@@ -637,6 +778,17 @@ class Engine:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def kv_blocks_for_memory(
+    free_bytes: int, fraction: float, reserve_bytes: int, per_block: int
+) -> int:
+    """KV blocks that fit in ``fraction`` of ``free_bytes`` (free device memory after weights
+    and CUDA-graph capture) once ``reserve_bytes`` (activations of the largest eager step) are
+    kept back; never negative."""
+    if not 0 < fraction <= 1:
+        raise LmforgeError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
+    return max(0, int(free_bytes * fraction) - int(reserve_bytes)) // int(per_block)
 
 
 class QueueFull(LmforgeError):
