@@ -696,6 +696,70 @@ def bench_server(quick: bool, baseline_src: str | None = None, rounds: int = 2) 
         _line(f"TPOT p50: baseline / this checkout = {ratio:.2f}x")
 
 
+# ---------------------------------------------------------------- engine host overhead
+HOST_SHAPE = dict(  # one tiny layer: the step is host work
+    vocab_size=512, context_length=1024, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2
+)
+
+
+def _child_engine_host(n_steps: int) -> None:
+    """Host µs per decode step at batch 1, the model's forward stubbed out (a fixed logits
+    tensor) and real (one tiny layer); printed as JSON. Runs whichever lmforge is on sys.path."""
+    model = _model(HOST_SHAPE)
+    out = {}
+    for stub in (True, False):
+        eng = Engine(model, block_size=16, max_num_seqs=8, num_blocks=256)
+        if stub:
+            fixed = torch.randn(
+                8, HOST_SHAPE["vocab_size"], generator=torch.Generator().manual_seed(0)
+            )
+            eng._forward = lambda batch, fixed=fixed: fixed[: batch.last_rows.shape[0]]
+        prompt = list(range(1, 129))
+        times = []
+        for _ in range(3):
+            eng.add_request(
+                prompt, SamplingParams(temperature=0, max_tokens=n_steps, ignore_eos=True)
+            )
+            eng.step()  # prefill
+            while eng.has_unfinished():
+                t0 = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        out["stub" if stub else "model"] = times[len(times) // 2] * 1e6
+    print(json.dumps(out), flush=True)
+
+
+def bench_engine_host(quick: bool, baseline_src: str | None = None, rounds: int = 3) -> None:
+    """Engine host overhead at batch 1 on the CPU, this checkout vs ``baseline_src``,
+    interleaved child processes (each: torch 1 thread)."""
+    here = str(Path(__file__).resolve().parents[1] / "src")
+    codes = [("this checkout", here)] + ([("baseline " + baseline_src, baseline_src)]
+                                         if baseline_src else [])  # fmt: skip
+    res: dict[str, list[dict]] = {n: [] for n, _ in codes}
+    loads = []
+    n_steps = 100 if quick else 300
+    for r in range(rounds):
+        for name, src in codes if r % 2 == 0 else codes[::-1]:
+            child = _spawn("host", src, ["--_n-new", str(n_steps)])
+            text, _ = child.communicate(timeout=600)
+            res[name].append(json.loads(text.strip().splitlines()[-1]))
+            loads.append(Path("/proc/loadavg").read_text().split()[0])
+    _line(f"\n## engine host overhead, batch 1, decode steps (CPU, torch 1 thread), {HOST_SHAPE}; "
+          f"{rounds} rounds interleaved, median of per-round medians")  # fmt: skip
+    _line(f"load average (1 min) after each run: {', '.join(loads)}")
+    _line("\n| engine code | µs/step, forward stubbed (host only) | µs/step, 1-layer model |")
+    _line("|---|---:|---:|")
+    for name, runs in res.items():
+        a = statistics.median(x["stub"] for x in runs)
+        b = statistics.median(x["model"] for x in runs)
+        _line(f"| {name} | {a:.0f} | {b:.0f} |")
+    if baseline_src:
+        a = statistics.median(x["stub"] for x in res[codes[1][0]])
+        b = statistics.median(x["stub"] for x in res[codes[0][0]])
+        _line(f"host µs/step: baseline / this checkout = {a / b:.2f}x")
+
+
 # ---------------------------------------------------------------- 4. speculative
 def bench_spec(quick: bool) -> None:
     from lmforge.serve.speculative import DraftModel, NgramDraft, SpeculativeDecoder
@@ -763,8 +827,17 @@ def main() -> int:
         shape = TINYLLAMA if DEVICE == "cuda" else CPU_SERVER_SHAPE
         if args._child == "server":
             _child_server(shape, int(args._port))
+        elif args._child == "host":
+            _child_engine_host(int(args._n_new))
         else:
             _child_engine(shape, 64, int(args._n_new))
+        return 0
+    if args.only == "engine-host":
+        DEVICE, GRAPHS = "cpu", False
+        _line(f"# lmforge.serve engine host overhead on the CPU, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+        _line(f"command: python benchmarks/serve.py {' '.join(sys.argv[1:])}")
+        bench_engine_host(args.quick, args.baseline_src, max(args.rounds, 1))
         return 0
     if args.server_cpu or args.only == "server-cpu":
         DEVICE, GRAPHS = "cpu", False
