@@ -595,20 +595,54 @@ class Engine:
             positions.extend(range(start, start + n))
             last_rows.append(len(tokens) - 1)
         width = max(len(seq.blocks) for seq, _ in chosen)
-        tables = [seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in chosen]
         ctx = [seq.n_cached + n for seq, n in chosen]
-        dev = self.device
+        n_tok, n_seq = len(tokens), len(chosen)
+        # Two host tensors (int64: tokens, positions, slots, rows; int32: tables, context
+        # lengths), one copy each to the device; the step's inputs are views of them.
+        longs = tokens + positions + slots + last_rows
+        ints = ctx.copy()
+        for seq, _ in chosen:
+            ints += seq.blocks
+            ints += [0] * (width - len(seq.blocks))
+        dev64, dev32 = self._to_device(longs, ints)
         return StepBatch(
-            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            ctx_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-            last_rows=torch.tensor(last_rows, dtype=torch.long, device=dev),
+            tokens=dev64[:n_tok],
+            positions=dev64[n_tok : 2 * n_tok],
+            slots=dev64[2 * n_tok : 3 * n_tok],
+            block_tables=dev32[n_seq:].view(n_seq, width),
+            ctx_lens=dev32[:n_seq],
+            last_rows=dev64[3 * n_tok :],
             q_lens=[n for _, n in chosen],
             ctx_lens_list=ctx,
             tables_list=[seq.blocks for seq, _ in chosen],
         )
+
+    def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's int64 and int32 inputs on the device. On CUDA through persistent pinned
+        staging buffers (grown as needed) with asynchronous copies; an event recorded after
+        the copies is waited on before the buffers are refilled (a step whose sequences are
+        all mid-prefill reads nothing back, so it does not synchronise by itself)."""
+        a = torch.tensor(longs, dtype=torch.long)
+        b = torch.tensor(ints, dtype=torch.int32)
+        if self.device.type != "cuda":
+            return a, b
+        stage = getattr(self, "_stage", None)
+        if stage is None or stage[0].numel() < a.numel() or stage[1].numel() < b.numel():
+            stage = (
+                torch.empty(max(2 * a.numel(), 1024), dtype=torch.long, pin_memory=True),
+                torch.empty(max(2 * b.numel(), 1024), dtype=torch.int32, pin_memory=True),
+            )
+            self._stage = stage
+        done = getattr(self, "_stage_done", None)
+        if done is not None:
+            done.synchronize()  # the previous step's copies have read the buffers
+        sa, sb = stage[0][: a.numel()], stage[1][: b.numel()]
+        sa.copy_(a)
+        sb.copy_(b)
+        out = sa.to(self.device, non_blocking=True), sb.to(self.device, non_blocking=True)
+        self._stage_done = torch.cuda.Event()
+        self._stage_done.record()
+        return out
 
     def decode_step(self, batch: StepBatch) -> torch.Tensor:
         """Logits (S, V) of a decode-only batch: compiled if enabled, else eager (no graphs)."""
@@ -673,13 +707,19 @@ class Engine:
             )
             touched: dict[str, _Request] = {}
             if ready:
-                rows = torch.tensor([i for i, _ in ready], device=self.device)
+                if len(ready) < len(chosen):  # some sequences are mid-prefill: no token yet
+                    rows = torch.tensor([i for i, _ in ready], device=self.device)
+                    logits = logits[rows]
                 params = [seq.params for _, seq in ready]
-                lp = logprobs_of(logits[rows], params)  # (R, V)
+                lp = logprobs_of(logits, params)  # (R, V)
                 gens = [seq.generator for _, seq in ready]
                 toks = sample_tokens(lp, params, gens, default_generator=self.generator)
                 chosen_lp = lp.gather(1, toks[:, None])[:, 0]
-                toks_l, lp_l = toks.tolist(), chosen_lp.tolist()
+                if lp.is_cuda:  # one device-to-host read (a sync) for both; ids < 2^53 exact
+                    both = torch.stack((toks.double(), chosen_lp.double())).tolist()
+                    toks_l, lp_l = [int(t) for t in both[0]], both[1]
+                else:
+                    toks_l, lp_l = toks.tolist(), chosen_lp.tolist()
                 tops: list[dict[int, float] | None] = [None] * len(ready)
                 want = max((p.logprobs or 0) for p in params)
                 if want:

@@ -84,6 +84,11 @@ def _effective_temperature(params: Sequence[SamplingParams], device: torch.devic
 
 def logprobs_of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``log_softmax(logits / T)`` per row, float32, full vocabulary: (B, V) -> (B, V)."""
+    t0 = params[0].temperature if params else 1.0
+    if all(p.temperature == t0 for p in params):  # one temperature: a scalar, no tensor built
+        t = t0 if t0 > 0 else 1.0
+        x = logits.float()
+        return torch.log_softmax(x if t == 1.0 else x / t, dim=-1)  # (B, V)
     temps = _effective_temperature(params, logits.device)
     return torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # (B, V)
 
