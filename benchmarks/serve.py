@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import sys
 import threading
@@ -512,7 +513,11 @@ def _child_server(shape: dict, port: int) -> None:
 
     model, kw, _ = _server_setup(shape, 64, 1)
     eng = Engine(model, **kw)
-    state = ServerState(EngineLoop(eng), _IdTokenizer(), "bench-random")
+    loop = EngineLoop(eng)
+    switch = os.environ.get("LMFORGE_BENCH_SWITCH")  # experiment: another GIL switch interval
+    if switch is not None and hasattr(loop, "switch_interval"):
+        loop.switch_interval = float(switch) if switch != "none" else None
+    state = ServerState(loop, _IdTokenizer(), "bench-random")
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
                                            log_level="error"))  # fmt: skip
     th = threading.Thread(target=server.run, daemon=True)
