@@ -68,6 +68,8 @@ class Delta:
     samples: list[SampleDelta]
     finished: bool
     error: str | None = None
+    status: int = 500
+    "the HTTP status of ``error`` (429: the queue filled up before the request was admitted)"
 
 
 class _Sub:
@@ -114,8 +116,9 @@ class EngineLoop:
     ``switch_interval`` (seconds; None leaves it) is set as the process's GIL switch interval
     while the loop runs: the engine thread gives the GIL up around every torch op and, with
     CPython's default 5 ms, waits up to that long to get it back whenever the event loop is
-    busy writing chunks. 0.5 ms measured 1.45-1.8x lower TPOT with 64 streaming clients
-    (``benchmarks/serve.py --only server-cpu``, notes/serve3.md).
+    busy writing chunks. On the shared CPU, 0.5 ms gave a median 1.1x lower TPOT over 8
+    alternating pairs of runs, within the noise (notes/serve3.md); to be confirmed on the GPU
+    host (``LMFORGE_BENCH_SWITCH=none`` in ``benchmarks/serve.py --only server`` is the peer).
     """
 
     def __init__(self, engine: Engine, switch_interval: float | None = 0.0005) -> None:
@@ -192,7 +195,8 @@ class EngineLoop:
             try:
                 self.engine.add_request(prompt, params, request_id=rid)
             except LmforgeError as e:  # a race with the queue bound: say so to the handler
-                failed.append((sub, Delta([], True, str(e))))
+                status = 429 if isinstance(e, QueueFull) else 400
+                failed.append((sub, Delta([], True, str(e), status)))
                 continue
             self._subs[rid] = sub
         while self._aborts:  # after admission: an abort may follow its submit in one drain
@@ -591,7 +595,7 @@ def build_app(state: ServerState) -> Any:
                 d = get.result()
                 if d.error is not None:
                     reasons = dict.fromkeys(range(params.n), "error")
-                    return _error(500, d.error)
+                    return _error(d.status, d.error)
                 if first:
                     first = False
                     first_seen()
