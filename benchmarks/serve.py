@@ -526,6 +526,14 @@ def _child_server(shape: dict, port: int) -> None:
         time.sleep(0.05)
     print("READY", flush=True)
     sys.stdin.read()  # the parent closes our stdin when it is done
+
+    def cpu_s(t: threading.Thread) -> float:  # CPU seconds a thread has used (Linux)
+        return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+
+    engine_thread = next(t for t in threading.enumerate() if t.name == "lmforge-engine")
+    n = max(eng.stats["generated_tokens"], 1)
+    print(json.dumps({"engine_cpu_us": cpu_s(engine_thread) * 1e6 / n,
+                      "loop_cpu_us": cpu_s(th) * 1e6 / n}), flush=True)  # fmt: skip
     server.should_exit = True
     th.join(timeout=60)
 
@@ -658,7 +666,10 @@ def bench_server(quick: bool, baseline_src: str | None = None, rounds: int = 2) 
                 results[name].append(_load(port, prompts, n_new))
             finally:
                 child.stdin.close()
+                tail = child.stdout.read()
                 child.wait(timeout=120)
+            cpu = json.loads(tail.strip().splitlines()[-1]) if tail.strip() else {}
+            results[name][-1].update(cpu)
             loads.append(Path("/proc/loadavg").read_text().split()[0] if DEVICE == "cpu" else "")
         eng = _spawn("engine", here, ["--_n-new", str(n_new)])
         out, _ = eng.communicate(timeout=600)
@@ -675,10 +686,10 @@ def bench_server(quick: bool, baseline_src: str | None = None, rounds: int = 2) 
           f"(per round: {per_round}); mean over all its steps, prefill included, {mean:.2f} ms")  # fmt: skip
     _line(
         "\n| server code | requests/s | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-        "| TPOT p50 / engine-alone step | engine step inside the server (ms, mean) | errors "
-        "| KV blocks in use after |"
+        "| TPOT p50 / engine-alone step | engine step inside the server (ms, mean) "
+        "| engine-thread / event-loop CPU per output token (µs) | errors | KV blocks in use after |"
     )
-    _line("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    _line("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def inside(runs: list[dict]) -> str:
         xs = [x["step_in_server"] for x in runs if x["step_in_server"] is not None]
@@ -691,8 +702,13 @@ def bench_server(quick: bool, baseline_src: str | None = None, rounds: int = 2) 
 
         _line(f"| {name} | {med('req_s'):.2f} | {med('tok_s'):,.0f} | {med('ttft50'):.0f} / "
               f"{med('ttft99'):.0f} | {med('tpot50'):.2f} / {med('tpot99'):.2f} | "
-              f"{med('tpot50') / step:.2f}x | {inside(runs)} | {sum(x['errors'] for x in runs)} | "
+              f"{med('tpot50') / step:.2f}x | {inside(runs)} | {med('engine_cpu_us'):.0f} / "
+              f"{med('loop_cpu_us'):.0f} | {sum(x['errors'] for x in runs)} | "
               f"{max(x['blocks_used'] for x in runs)} |")  # fmt: skip
+    for name, runs in results.items():
+        tp = ", ".join(f"{x['tpot50']:.1f}" for x in runs)
+        lc = ", ".join(f"{x.get('loop_cpu_us', float('nan')):.0f}" for x in runs)
+        _line(f"per round, {name}: TPOT p50 {tp} ms; event-loop CPU/token {lc} µs")
     if baseline_src:
         a, b = results[codes[0][0]], results[codes[1][0]]
         ratio = statistics.median(x["tpot50"] for x in b) / statistics.median(

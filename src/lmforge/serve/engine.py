@@ -303,6 +303,7 @@ class Engine:
             "activation_reserve": reserve,
             "fraction": fraction,
             "bytes_per_block": per_block,
+            "probe_bytes": probe_bytes,
             "num_blocks": blocks,
         }
         if blocks < blocks_per_seq:
