@@ -156,3 +156,42 @@ def test_engine_stops_need_a_tokenizer_and_valid_strings() -> None:
         SamplingParams(stop="x")  # type: ignore[arg-type]
     out = engine.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
     assert out.text_pieces == [] and len(out.token_ids) == 3  # ids-only engine: no text
+
+
+def _sentencepiece_like(tmp_path) -> object:
+    """An HF ``tokenizers`` tokenizer decoding as SentencePiece does: '▁' is a space, the
+    leading one is stripped, and <0xNN> byte-fallback tokens carry UTF-8 split over tokens."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models
+
+    from lmforge.hf.tokenizer import HFTokenizer
+
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "<0xC3>": 3, "<0xA9>": 4, "▁": 5, "x": 6}
+    t = HF(models.WordLevel(vocab, unk_token="<unk>"))
+    t.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    t.save(str(tmp_path / "tokenizer.json"))
+    return HFTokenizer(tmp_path)
+
+
+def test_windowed_decoder_on_a_sentencepiece_style_tokenizer(tmp_path) -> None:
+    """In context: the text a stream shows equals decode(prompt + output) past the prompt's
+    text (a leading '▁' is a space, as it reads after the prompt); split UTF-8 bytes are held
+    back until the character is whole."""
+    tok = _sentencepiece_like(tmp_path)
+    prompt = [1]  # "hello"
+
+    @settings(max_examples=80, deadline=None, derandomize=True, database=None)
+    @given(st.lists(st.sampled_from([1, 2, 5, 6, 34]), max_size=12))
+    def check(words: list[int]) -> None:
+        ids = [t for w in words for t in ((3, 4) if w == 34 else (w,))]  # 34: 'é' as 2 bytes
+        pieces = _run(make_detokenizer(tok, prompt_ids=prompt), ids)
+        full = tok.decode(prompt + ids)
+        assert "".join(pieces) == full[len(tok.decode(prompt)) :]
+        assert not any("\ufffd" in p for p in pieces)
+
+    check()
+    pieces = _run(make_detokenizer(tok, prompt_ids=prompt), [2, 3, 4, 1])
+    assert pieces[:3] == [" world", "", "é"] and "".join(pieces) == " worldé hello"
