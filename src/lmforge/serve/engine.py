@@ -97,6 +97,7 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
+    "the request's prompt (the engine's own list, shared by its outputs: copy before changing)"
     outputs: list[CompletionOutput]
     finished: bool
 
@@ -139,8 +140,10 @@ class _Request:
         return all(s.out is not None and s.out.finish_reason is not None for s in self.seqs)
 
     def output(self) -> RequestOutput:
+        # The prompt list is shared, not copied per step (O(prompt) per request per step
+        # otherwise); the engine never changes it.
         outs = [s.out for s in self.seqs if s.out is not None]
-        return RequestOutput(self.request_id, list(self.prompt), outs, self.finished)
+        return RequestOutput(self.request_id, self.prompt, outs, self.finished)
 
 
 class Engine:
