@@ -520,30 +520,35 @@ class Engine:
         seq.n_cached = seq.n_hashed = len(seq.blocks)
         seq.n_cached *= self.block_size
 
-    def _preempt(self) -> bool:
-        """Preempt the most recent running sequence; False if none is left to preempt."""
+    def _preempt(self) -> _Seq | None:
+        """Preempt the most recent running sequence (returned); None if none is left."""
         if not self.running:
-            return False
+            return None
         victim = max(self.running, key=lambda s: s.arrival)
         self.running.remove(victim)
         self._release(victim)
         self.waiting.appendleft(victim)
         self.stats["preemptions"] += 1
-        return True
+        return victim
 
     def _schedule(self) -> list[tuple[_Seq, int]]:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[_Seq, int]] = []
+        preempted: set[int] = set()  # ids, not `in self.running`: O(1), not O(S), per sequence
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq not in self.running:
+            if id(seq) in preempted:
                 continue  # preempted below to make room for an earlier one
             n = min(len(seq.tokens) - seq.n_cached, budget)
             if n <= 0:
                 continue
             while not self._ensure_blocks(seq, seq.n_cached + n):
-                if not self._preempt() or seq not in self.running:
+                victim = self._preempt()
+                if victim is None:
                     break
-            if seq not in self.running:
+                preempted.add(id(victim))
+                if victim is seq:
+                    break
+            if id(seq) in preempted:
                 continue
             if math.ceil((seq.n_cached + n) / self.block_size) > len(seq.blocks):
                 continue
@@ -761,7 +766,7 @@ class Engine:
             outs = []
             for rid, req in touched.items():
                 outs.append(req.output())
-                if req.finished:
+                if outs[-1].finished:
                     del self.requests[rid]
             return outs
 
