@@ -525,15 +525,17 @@ def _child_server(shape: dict, port: int) -> None:
     while not server.started:
         time.sleep(0.05)
     print("READY", flush=True)
-    sys.stdin.read()  # the parent closes our stdin when it is done
 
     def cpu_s(t: threading.Thread) -> float:  # CPU seconds a thread has used (Linux)
         return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
 
     engine_thread = next(t for t in threading.enumerate() if t.name == "lmforge-engine")
-    n = max(eng.stats["generated_tokens"], 1)
-    print(json.dumps({"engine_cpu_us": cpu_s(engine_thread) * 1e6 / n,
-                      "loop_cpu_us": cpu_s(th) * 1e6 / n}), flush=True)  # fmt: skip
+    sys.stdin.readline()  # the parent says "mark" after its warm-up requests
+    e0, l0, n0 = cpu_s(engine_thread), cpu_s(th), eng.stats["generated_tokens"]
+    sys.stdin.read()  # the parent closes our stdin when it is done
+    n = max(eng.stats["generated_tokens"] - n0, 1)
+    print(json.dumps({"engine_cpu_us": (cpu_s(engine_thread) - e0) * 1e6 / n,
+                      "loop_cpu_us": (cpu_s(th) - l0) * 1e6 / n}), flush=True)  # fmt: skip
     server.should_exit = True
     th.join(timeout=60)
 
@@ -663,6 +665,9 @@ def bench_server(quick: bool, baseline_src: str | None = None, rounds: int = 2) 
             if child.stdout.readline().strip() != "READY":
                 raise RuntimeError(f"the server child ({name}) did not start")
             try:
+                _load(port, prompts[:2], n_new)  # warm-up (first steps import and allocate)
+                child.stdin.write("mark\n")
+                child.stdin.flush()
                 results[name].append(_load(port, prompts, n_new))
             finally:
                 child.stdin.close()
