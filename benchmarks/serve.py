@@ -24,7 +24,7 @@ CUDA kernels: count and µs per step, share; kernels per step).
     PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
     PYTHONPATH=src python benchmarks/serve.py --only check,decode,throughput --profile
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
-    PYTHONPATH=src python benchmarks/serve.py --server-cpu --quick    # the server on the CPU
+    PYTHONPATH=src python benchmarks/serve.py --only server-cpu --quick --baseline-src ../main/src
 """
 
 from __future__ import annotations
@@ -33,13 +33,20 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
+# Runs without install; a child of the server benchmark (--_src DIR) runs another checkout's code.
+sys.path.insert(
+    0,
+    sys.argv[sys.argv.index("--_src") + 1]
+    if "--_src" in sys.argv
+    else str(Path(__file__).resolve().parents[1] / "src"),
+)
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +69,8 @@ TINYLLAMA = dict(
     d_ff=5632,
     rope_theta=10000.0,
 )
-CPU_SERVER_SHAPE = dict(  # small enough for a busy 2-core CPU
-    vocab_size=32000, context_length=512, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2
+CPU_SERVER_SHAPE = dict(  # tiny: the engine step is a few ms, so the server's cost shows
+    vocab_size=2048, context_length=512, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2
 )
 QWEN3_06B = dict(
     vocab_size=151936,
@@ -485,87 +492,298 @@ class _IdTokenizer:
         return "".join(f" {int(i)}" for i in ids)
 
 
-def bench_server(quick: bool) -> None:
-    import socket
+def _server_setup(shape: dict, n_clients: int, n_new: int):
+    """The benchmark's model, engine keywords and prompts (same in every process)."""
+    model = _model(shape)
+    g = torch.Generator().manual_seed(2)
+    vocab = shape["vocab_size"]
+    prompts = [torch.randint(0, vocab, (128,), generator=g).tolist() for _ in range(n_clients)]
+    kw = dict(block_size=16, max_num_seqs=64, cuda_graphs=GRAPHS and DEVICE == "cuda",
+              num_blocks=4096 if DEVICE == "cuda" else 1024)  # fmt: skip
+    if DEVICE == "cuda":
+        kw["compile"] = COMPILE
+    return model, kw, prompts
 
-    import httpx
+
+def _child_server(shape: dict, port: int) -> None:
+    """Run lmforge serve's app (whichever lmforge is on sys.path) until stdin closes."""
     import uvicorn
 
     from lmforge.serve.server import EngineLoop, ServerState, build_app
 
-    shape = TINYLLAMA if DEVICE == "cuda" else CPU_SERVER_SHAPE
-    model = _model(shape)
-    n_clients, n_new = 64, 64 if quick else 128
-    eng = Engine(
-        model,
-        block_size=16,
-        max_num_seqs=64,
-        cuda_graphs=GRAPHS,
-        num_blocks=2048 if DEVICE == "cpu" else 4096,
-    )
-    state = ServerState(EngineLoop(eng), _IdTokenizer(), "tinyllama-random")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    model, kw, _ = _server_setup(shape, 64, 1)
+    eng = Engine(model, **kw)
+    loop = EngineLoop(eng)
+    switch = os.environ.get("LMFORGE_BENCH_SWITCH")  # experiment: another GIL switch interval
+    if switch is not None and hasattr(loop, "switch_interval"):
+        loop.switch_interval = float(switch) if switch != "none" else None
+    state = ServerState(loop, _IdTokenizer(), "bench-random")
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
                                            log_level="error"))  # fmt: skip
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     while not server.started:
         time.sleep(0.05)
-    g = torch.Generator().manual_seed(2)
-    prompts = [" ".join(map(str, torch.randint(0, 32000, (128,), generator=g).tolist()))
-               for _ in range(n_clients)]  # fmt: skip
+    print("READY", flush=True)
 
-    async def one(client: httpx.AsyncClient, prompt: str) -> tuple[float, float, int]:
-        body = {"prompt": prompt, "max_tokens": n_new, "temperature": 0, "stream": True,
-                "ignore_eos": True}  # fmt: skip
+    def cpu_s(t: threading.Thread) -> float:  # CPU seconds a thread has used (Linux)
+        return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+
+    engine_thread = next(t for t in threading.enumerate() if t.name == "lmforge-engine")
+    sys.stdin.readline()  # the parent says "mark" after its warm-up requests
+    e0, l0, n0 = cpu_s(engine_thread), cpu_s(th), eng.stats["generated_tokens"]
+    sys.stdin.read()  # the parent closes our stdin when it is done
+    n = max(eng.stats["generated_tokens"] - n0, 1)
+    print(json.dumps({"engine_cpu_us": (cpu_s(engine_thread) - e0) * 1e6 / n,
+                      "loop_cpu_us": (cpu_s(th) - l0) * 1e6 / n}), flush=True)  # fmt: skip
+    server.should_exit = True
+    th.join(timeout=60)
+
+
+def _child_engine(shape: dict, n_clients: int, n_new: int) -> None:
+    """The same workload on the engine alone (no server): decode-step times, printed as JSON."""
+    model, kw, prompts = _server_setup(shape, n_clients, n_new)
+    eng = Engine(model, **kw)
+    params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
+    eng.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    for p in prompts:
+        eng.add_request(p, params)
+    steps = []
+    t_all = time.perf_counter()
+    while eng.has_unfinished():
+        t0 = time.perf_counter()
+        eng.step()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - t_all
+    decode = sorted(steps[-(n_new - 2) :])  # the pure decode steps at the full batch
+    print(json.dumps({"step_p50_ms": decode[len(decode) // 2] * 1e3, "steps": len(steps), "step_mean_ms": wall * 1e3 / len(steps),
+                      "wall_s": wall}), flush=True)  # fmt: skip
+
+
+def _spawn(role: str, src: str, extra: list[str]):
+    import subprocess
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", role, "--_src", src,
+           "--_device", DEVICE, *extra]  # fmt: skip
+    if not GRAPHS:
+        cmd.append("--no-graphs")
+    if not COMPILE:
+        cmd.append("--no-compile")
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _load(port: int, prompts: list[list[int]], n_new: int) -> dict:
+    """64 concurrent streaming clients (in this process, apart from the server's GIL)."""
+    import httpx
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+
+    def step_metric() -> tuple[float, int] | None:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        vals = {x.split()[0]: float(x.split()[1]) for x in text.splitlines()
+                if x.startswith("lmforge_engine_step_seconds")}  # fmt: skip
+        if not vals:
+            return None  # older servers do not export it
+        return vals["lmforge_engine_step_seconds_sum"], int(
+            vals["lmforge_engine_step_seconds_count"]
+        )
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, float, int]:
+        body = {"prompt": " ".join(map(str, prompt)), "max_tokens": n_new, "temperature": 0,
+                "stream": True, "ignore_eos": True}  # fmt: skip
         t0 = time.perf_counter()
         first = None
         n = 0
-        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+        async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
                 return -1.0, -1.0, 0
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
-                    text = json.loads(line[6:])["choices"][0]["text"]
-                    k = len(text.split())
+                    k = len(json.loads(line[6:])["choices"][0]["text"].split())
                     if k and first is None:
                         first = time.perf_counter()
                     n += k
         end = time.perf_counter()
-        assert first is not None
+        if first is None:
+            return -1.0, -1.0, 0
         return first - t0, (end - first) / max(n - 1, 1), n
 
     async def run_all() -> tuple[list, float]:
-        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=128)) as c:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=128)) as c:
             await one(c, prompts[0])  # warm
             t0 = time.perf_counter()
             res = await asyncio.gather(*(one(c, p) for p in prompts))
             return res, time.perf_counter() - t0
 
+    m0 = step_metric()
     res, wall = asyncio.run(run_all())
-    server.should_exit = True
-    th.join(timeout=30)
+    m1 = step_metric()
+    in_server = None
+    if m0 is not None and m1 is not None and m1[1] > m0[1]:
+        in_server = (m1[0] - m0[0]) * 1e3 / (m1[1] - m0[1])
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    used = next(int(x.split()[1]) for x in metrics.splitlines()
+                if x.startswith("lmforge_kv_blocks_used "))  # fmt: skip
     ok = [r for r in res if r[2] == n_new]
-    errors = n_clients - len(ok)
-    ttft = sorted(r[0] * 1e3 for r in ok)
-    tpot = sorted(r[1] * 1e3 for r in ok)
+    ttft = sorted(r[0] * 1e3 for r in ok) or [float("nan")]
+    tpot = sorted(r[1] * 1e3 for r in ok) or [float("nan")]
 
     def pct(xs: list[float], q: float) -> float:
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
-    what = "TinyLlama shape bf16" if DEVICE == "cuda" else f"CPU, {shape}"
+    return {"req_s": len(ok) / wall, "tok_s": len(ok) * n_new / wall, "errors": len(res) - len(ok),
+            "ttft50": pct(ttft, 0.5), "ttft99": pct(ttft, 0.99), "tpot50": pct(tpot, 0.5),
+            "tpot99": pct(tpot, 0.99), "blocks_used": used, "step_in_server": in_server}  # fmt: skip
+
+
+def bench_server(quick: bool, baseline_src: str | None = None, rounds: int = 2) -> None:
+    """Server under load: 64 streaming clients; the server runs in a child process (its own
+    GIL, as in production), the clients here. With ``baseline_src`` (another checkout's
+    ``src``) the same workload runs against that code too, interleaved round by round, so both
+    see the same machine load; the engine alone on the same workload gives the floor."""
+    import socket
+
+    shape = TINYLLAMA if DEVICE == "cuda" else CPU_SERVER_SHAPE
+    n_clients, n_new = 64, 64 if quick else 128
+    _, _, prompts = _server_setup(shape, n_clients, n_new)
+    here = str(Path(__file__).resolve().parents[1] / "src")
+    codes = [("this checkout", here)] + ([("baseline " + baseline_src, baseline_src)]
+                                         if baseline_src else [])  # fmt: skip
+    results: dict[str, list[dict]] = {name: [] for name, _ in codes}
+    engine_alone: list[dict] = []
+    loads: list[str] = []
+    for r in range(rounds):
+        order = codes if r % 2 == 0 else codes[::-1]
+        for name, src in order:
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                port = sk.getsockname()[1]
+            child = _spawn("server", src, ["--_port", str(port)])
+            assert child.stdout is not None and child.stdin is not None
+            if child.stdout.readline().strip() != "READY":
+                raise RuntimeError(f"the server child ({name}) did not start")
+            try:
+                _load(port, prompts[:2], n_new)  # warm-up (first steps import and allocate)
+                child.stdin.write("mark\n")
+                child.stdin.flush()
+                results[name].append(_load(port, prompts, n_new))
+            finally:
+                child.stdin.close()
+                tail = child.stdout.read()
+                child.wait(timeout=120)
+            cpu = json.loads(tail.strip().splitlines()[-1]) if tail.strip() else {}
+            results[name][-1].update(cpu)
+            loads.append(Path("/proc/loadavg").read_text().split()[0] if DEVICE == "cpu" else "")
+        eng = _spawn("engine", here, ["--_n-new", str(n_new)])
+        out, _ = eng.communicate(timeout=600)
+        engine_alone.append(json.loads(out.strip().splitlines()[-1]))
+    step = statistics.median(e["step_p50_ms"] for e in engine_alone)
+    what = "TinyLlama shape bf16" if DEVICE == "cuda" else f"CPU (torch 1 thread), {shape}"
     _line(f"\n## 3. server under load: {n_clients} concurrent streaming clients, 128-token "
-          f"prompts, {n_new} new tokens, {what}")  # fmt: skip
+          f"prompts, {n_new} new tokens, greedy, {what}; {rounds} rounds interleaved, medians")  # fmt: skip
+    if DEVICE == "cpu":
+        _line(f"load average (1 min) after each run: {', '.join(loads)}")
+    per_round = ", ".join(f"{e['step_p50_ms']:.2f}" for e in engine_alone)
+    mean = statistics.median(e["step_mean_ms"] for e in engine_alone)
+    _line(f"engine alone, same workload: decode step p50 {step:.2f} ms at batch {n_clients} "
+          f"(per round: {per_round}); mean over all its steps, prefill included, {mean:.2f} ms")  # fmt: skip
     _line(
-        "\n| requests/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | errors |"
+        "\n| server code | requests/s | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
+        "| TPOT p50 / engine-alone step | engine step inside the server (ms, mean) "
+        "| engine-thread / event-loop CPU per output token (µs) | errors | KV blocks in use after |"
     )
-    _line("|---:|---:|---:|---:|---:|---:|---:|")
-    _line(f"| {len(ok) / wall:.2f} | {len(ok) * n_new / wall:,.0f} | {pct(ttft, .5):.0f} | "
-          f"{pct(ttft, .99):.0f} | {pct(tpot, .5):.2f} | {pct(tpot, .99):.2f} | {errors} |")  # fmt: skip
-    _line(f"allocator blocks in use afterwards: {eng.allocator.num_used}")
-    del eng, model
+    _line("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def inside(runs: list[dict]) -> str:
+        xs = [x["step_in_server"] for x in runs if x["step_in_server"] is not None]
+        return f"{statistics.median(xs):.2f}" if xs else "n/a (not exported)"
+
+    for name, runs in results.items():
+
+        def med(k: str, runs: list[dict] = runs) -> float:
+            return statistics.median(x[k] for x in runs)
+
+        _line(f"| {name} | {med('req_s'):.2f} | {med('tok_s'):,.0f} | {med('ttft50'):.0f} / "
+              f"{med('ttft99'):.0f} | {med('tpot50'):.2f} / {med('tpot99'):.2f} | "
+              f"{med('tpot50') / step:.2f}x | {inside(runs)} | {med('engine_cpu_us'):.0f} / "
+              f"{med('loop_cpu_us'):.0f} | {sum(x['errors'] for x in runs)} | "
+              f"{max(x['blocks_used'] for x in runs)} |")  # fmt: skip
+    for name, runs in results.items():
+        tp = ", ".join(f"{x['tpot50']:.1f}" for x in runs)
+        lc = ", ".join(f"{x.get('loop_cpu_us', float('nan')):.0f}" for x in runs)
+        _line(f"per round, {name}: TPOT p50 {tp} ms; event-loop CPU/token {lc} µs")
+    if baseline_src:
+        a, b = results[codes[0][0]], results[codes[1][0]]
+        ratio = statistics.median(x["tpot50"] for x in b) / statistics.median(
+            x["tpot50"] for x in a
+        )
+        _line(f"TPOT p50: baseline / this checkout = {ratio:.2f}x")
+
+
+# ---------------------------------------------------------------- engine host overhead
+HOST_SHAPE = dict(  # one tiny layer: the step is host work
+    vocab_size=512, context_length=1024, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2
+)
+
+
+def _child_engine_host(n_steps: int) -> None:
+    """Host µs per decode step at batch 1, the model's forward stubbed out (a fixed logits
+    tensor) and real (one tiny layer); printed as JSON. Runs whichever lmforge is on sys.path."""
+    model = _model(HOST_SHAPE)
+    out = {}
+    for stub in (True, False):
+        eng = Engine(model, block_size=16, max_num_seqs=8, num_blocks=256)
+        if stub:
+            fixed = torch.randn(
+                8, HOST_SHAPE["vocab_size"], generator=torch.Generator().manual_seed(0)
+            )
+            eng._forward = lambda batch, fixed=fixed: fixed[: batch.last_rows.shape[0]]
+        prompt = list(range(1, 129))
+        times = []
+        for _ in range(3):
+            eng.add_request(
+                prompt, SamplingParams(temperature=0, max_tokens=n_steps, ignore_eos=True)
+            )
+            eng.step()  # prefill
+            while eng.has_unfinished():
+                t0 = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        out["stub" if stub else "model"] = times[len(times) // 2] * 1e6
+    print(json.dumps(out), flush=True)
+
+
+def bench_engine_host(quick: bool, baseline_src: str | None = None, rounds: int = 3) -> None:
+    """Engine host overhead at batch 1 on the CPU, this checkout vs ``baseline_src``,
+    interleaved child processes (each: torch 1 thread)."""
+    here = str(Path(__file__).resolve().parents[1] / "src")
+    codes = [("this checkout", here)] + ([("baseline " + baseline_src, baseline_src)]
+                                         if baseline_src else [])  # fmt: skip
+    res: dict[str, list[dict]] = {n: [] for n, _ in codes}
+    loads = []
+    n_steps = 100 if quick else 300
+    for r in range(rounds):
+        for name, src in codes if r % 2 == 0 else codes[::-1]:
+            child = _spawn("host", src, ["--_n-new", str(n_steps)])
+            text, _ = child.communicate(timeout=600)
+            res[name].append(json.loads(text.strip().splitlines()[-1]))
+            loads.append(Path("/proc/loadavg").read_text().split()[0])
+    _line(f"\n## engine host overhead, batch 1, decode steps (CPU, torch 1 thread), {HOST_SHAPE}; "
+          f"{rounds} rounds interleaved, median of per-round medians")  # fmt: skip
+    _line(f"load average (1 min) after each run: {', '.join(loads)}")
+    _line("\n| engine code | µs/step, forward stubbed (host only) | µs/step, 1-layer model |")
+    _line("|---|---:|---:|")
+    for name, runs in res.items():
+        a = statistics.median(x["stub"] for x in runs)
+        b = statistics.median(x["model"] for x in runs)
+        _line(f"| {name} | {a:.0f} | {b:.0f} |")
+    if baseline_src:
+        a = statistics.median(x["stub"] for x in res[codes[1][0]])
+        b = statistics.median(x["stub"] for x in res[codes[0][0]])
+        _line(f"host µs/step: baseline / this checkout = {a / b:.2f}x")
 
 
 # ---------------------------------------------------------------- 4. speculative
@@ -616,17 +834,43 @@ def main() -> int:
     ap.add_argument("--no-compile", action="store_true", help="no torch.compile'd decode step")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over 20 decode steps per engine: top-20 kernels")  # fmt: skip
-    ap.add_argument(
-        "--server-cpu", action="store_true", help="run only the server benchmark, on the CPU"
-    )
+    ap.add_argument("--server-cpu", action="store_true", help="same as --only server-cpu")
+    ap.add_argument("--baseline-src", default=None, metavar="DIR",
+                    help="server: also run another checkout's src (e.g. ../main/src), "
+                         "interleaved with this one")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=2, help="server: interleaved rounds")
+    for hidden in ("--_child", "--_src", "--_device", "--_port", "--_n-new"):
+        ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     global GRAPHS, DEVICE, COMPILE, PROFILE
     GRAPHS = not args.no_graphs
     COMPILE = not args.no_compile
     PROFILE = args.profile
-    if args.server_cpu:
+    if args._child:
+        DEVICE = args._device
+        if DEVICE == "cpu":
+            torch.set_num_threads(1)  # a shared CPU: the server child and the clients apart
+        shape = TINYLLAMA if DEVICE == "cuda" else CPU_SERVER_SHAPE
+        if args._child == "server":
+            _child_server(shape, int(args._port))
+        elif args._child == "host":
+            _child_engine_host(int(args._n_new))
+        else:
+            _child_engine(shape, 64, int(args._n_new))
+        return 0
+    if args.only == "engine-host":
         DEVICE, GRAPHS = "cpu", False
-        bench_server(args.quick)
+        _line(f"# lmforge.serve engine host overhead on the CPU, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+        _line(f"command: python benchmarks/serve.py {' '.join(sys.argv[1:])}")
+        bench_engine_host(args.quick, args.baseline_src, max(args.rounds, 1))
+        return 0
+    if args.server_cpu or args.only == "server-cpu":
+        DEVICE, GRAPHS = "cpu", False
+        _line(f"# lmforge.serve server benchmark on the CPU, torch {torch.__version__}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+        _line(f"command: python benchmarks/serve.py {' '.join(sys.argv[1:])}")
+        bench_server(args.quick, args.baseline_src, args.rounds)
         return 0
     if not torch.cuda.is_available():
         print("benchmarks/serve.py needs a CUDA GPU", file=sys.stderr)
@@ -643,7 +887,12 @@ def main() -> int:
         t0 = time.perf_counter()
         fn = parts[name]
         try:
-            fn() if name == "check" else fn(args.quick)
+            if name == "check":
+                fn()
+            elif name == "server":
+                fn(args.quick, args.baseline_src, args.rounds)
+            else:
+                fn(args.quick)
         except Exception as e:  # report and go on: one missing peer must not hide the rest
             import traceback
 

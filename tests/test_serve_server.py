@@ -362,3 +362,102 @@ def test_engine_failure_answers_500_not_a_hang(monkeypatch: pytest.MonkeyPatch) 
         assert httpx.get(s.url + "/health").status_code == 500
     finally:
         s.close()
+
+
+def test_stop_strings_end_in_the_engine_streamed_equals_non_streamed(server: _Server) -> None:
+    """The engine ends the sample at the token completing the stop string (no extra steps while
+    the handler catches up); streamed chunks concatenate to the non-streamed text, never past
+    the stop string."""
+    c = server.client()
+    e = Engine(server.engine.model, block_size=8, tokenizer=server.tok)
+    ids = e.generate([server.tok.encode("stop here")], SamplingParams(temperature=0, max_tokens=24))
+    ids = ids[0].outputs[0].token_ids
+    text = server.tok.decode(ids)
+    at = next(i for i in range(2, len(text)) if text[i : i + 3].isascii() and len(text) >= i + 3)
+    stop = text[at : at + 3]  # three one-byte tokens: spans token boundaries
+    cut = text.find(stop)
+    n_tok = next(k for k in range(1, len(ids) + 1) if stop in server.tok.decode(ids[:k]))
+    before = server.engine.stats["generated_tokens"]
+    full = c.completions.create(
+        model="tiny", prompt="stop here", max_tokens=24, temperature=0, stop=[stop, "\x00\x01"]
+    )
+    assert server.engine.stats["generated_tokens"] - before == n_tok
+    assert full.choices[0].text == text[:cut] and full.choices[0].finish_reason == "stop"
+    assert full.usage.completion_tokens == n_tok
+    parts, reasons = [], []
+    for ch in c.completions.create(
+        model="tiny", prompt="stop here", max_tokens=24, temperature=0, stop=stop, stream=True
+    ):
+        parts.append(ch.choices[0].text)
+        reasons.append(ch.choices[0].finish_reason)
+    assert "".join(parts) == text[:cut] and reasons[-1] == "stop"
+    assert server.engine.allocator.num_used == 0
+
+
+def test_submissions_do_not_wait_for_the_engine_lock(server: _Server) -> None:
+    """The event loop never blocks on a running step: while the engine lock is held (a step in
+    progress), a request is still accepted into the inbox and answered once the step ends."""
+    result: dict = {}
+    total = server.state.loop.requests_total
+
+    def call() -> None:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "q", "max_tokens": 2},
+                       timeout=60)  # fmt: skip
+        result["status"] = r.status_code
+
+    with server.engine.lock:
+        t = threading.Thread(target=call)
+        t.start()
+        for _ in range(600):  # liveness, not speed: the submit returns while the lock is held
+            if server.state.loop.requests_total > total:
+                break
+            time.sleep(0.05)
+        assert server.state.loop.requests_total == total + 1
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    t.join(timeout=60)
+    assert result["status"] == 200
+
+
+def test_engine_loop_hands_off_once_per_step_for_all_requests() -> None:
+    """One call_soon_threadsafe per engine step carries every request's delta (not one per
+    request per token); the deltas add up to the engine's own outputs."""
+    from lmforge.serve.server import Delta
+
+    tok = _tokenizer()
+    engine = Engine(_model(), block_size=8, num_blocks=200, tokenizer=tok)
+
+    async def main() -> tuple[list[list[Delta]], int]:
+        aloop = asyncio.get_running_loop()
+
+        class Counting:  # the event loop as the engine thread sees it
+            calls = 0
+
+            def call_soon_threadsafe(self, fn, *args):
+                Counting.calls += 1
+                return aloop.call_soon_threadsafe(fn, *args)
+
+        loop = EngineLoop(engine)
+        queues = [asyncio.Queue() for _ in range(8)]
+        counting = Counting()
+        for i, q in enumerate(queues):
+            p = SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True)
+            loop.submit(tok.encode(f"req {i}"), p, q, aloop=counting)  # type: ignore[arg-type]
+        loop.start()
+        got: list[list[Delta]] = [[] for _ in queues]
+        for i, q in enumerate(queues):
+            while not got[i] or not got[i][-1].finished:
+                got[i].append(await asyncio.wait_for(q.get(), 60))
+        loop.stop()
+        return got, Counting.calls
+
+    got, calls = asyncio.run(main())
+    assert calls == engine.stats["steps"]  # one hand-off per step, whatever the batch
+    for i, deltas in enumerate(got):
+        ids = [t for d in deltas for s in d.samples for t in s.token_ids]
+        text = "".join(s.text for d in deltas for s in d.samples)
+        solo = Engine(engine.model, block_size=8, tokenizer=tok).generate(
+            [tok.encode(f"req {i}")], SamplingParams(temperature=0, max_tokens=6 + i)
+        )[0]
+        assert len(ids) == 6 + i and text == tok.decode(ids)
+        assert ids[: len(solo.outputs[0].token_ids)] == solo.outputs[0].token_ids[: len(ids)]
+    assert engine.allocator.num_used == 0

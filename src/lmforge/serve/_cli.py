@@ -116,6 +116,7 @@ def _engine(args: argparse.Namespace, loaded: tuple, **kw: object) -> object:
         max_num_seqs=args.max_num_seqs,
         eos_token_id=getattr(tokenizer, "eot_id", None),
         compile=False if args.no_compile else None,
+        tokenizer=tokenizer,
         **kw,
     )
 
@@ -141,6 +142,14 @@ def _serve(args: argparse.Namespace) -> int:
         f"{args.block_size}) on http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
+    budget = getattr(engine, "kv_budget", None)
+    if budget:
+        print(
+            f"KV cache sized after CUDA-graph capture: {budget['free_after_capture'] / 2**30:.2f} "
+            f"GiB free, {budget['fraction']} of it less {budget['activation_reserve'] / 2**20:.0f} "
+            "MiB kept for the largest eager step",
+            file=sys.stderr,
+        )
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60
     )

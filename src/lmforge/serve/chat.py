@@ -26,7 +26,8 @@ def chat_repl(
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-    eos = engine.eos_token_id
+    if engine.tokenizer is None:  # the engine streams final text pieces (stop-safe, O(new))
+        engine.set_tokenizer(tokenizer)
     ctx = engine.config.context_length
     interactive = stdin.isatty()
     while True:
@@ -58,20 +59,16 @@ def chat_repl(
             temperature=temperature, max_tokens=min(max_tokens, ctx - len(prompt))
         )
         rid = engine.add_request(prompt, params)
-        sent = ""
-        ids: list[int] = []
+        pieces: list[str] = []
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id != rid:
                     continue
-                ids = out.outputs[0].token_ids
-                shown = ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
-                reply = tokenizer.decode(shown)
-                if not out.finished and reply.endswith("\ufffd"):
-                    continue
-                stdout.write(reply[len(sent) :])
-                stdout.flush()
-                sent = reply
+                new = out.outputs[0].text_pieces[len(pieces) :]
+                if new:
+                    pieces += new
+                    stdout.write("".join(new))
+                    stdout.flush()
         stdout.write("\n")
-        history.append({"role": "assistant", "content": sent})
+        history.append({"role": "assistant", "content": "".join(pieces)})
     return 0

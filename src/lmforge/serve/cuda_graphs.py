@@ -66,6 +66,11 @@ class DecodeGraphs:
             self.graphs.clear()
             self.outputs.clear()
 
+    def close(self) -> None:
+        """Drop the graphs and their outputs (their memory pool goes back to the allocator)."""
+        self.graphs.clear()
+        self.outputs.clear()
+
     def _batch(self, b: int) -> StepBatch:
         return StepBatch(
             tokens=self.tokens[:b],

@@ -17,17 +17,23 @@ Token ids in, token ids + logprobs out (the tokenizer stays outside, in the serv
    the rest is computed. At least one token is always computed (its logits start sampling).
 3. **Forward** (:func:`lmforge.serve.runner.forward_step`), then for each sequence whose step
    reached its last token: sample (:mod:`lmforge.serve.sampling`), record the logprob and the
-   policy version, check stop conditions; finished sequences free their blocks. Blocks that
-   became full are registered in the prefix cache.
+   policy version, detokenize the token (engines with a tokenizer: O(that token), see
+   :mod:`lmforge.serve.detok`), check stop conditions (stop ids, EOS, stop strings, which may
+   span tokens); finished sequences free their blocks at once. Blocks that became full are
+   registered in the prefix cache.
 
 Weight updates (:meth:`Engine.update_weights`) copy tensors into the model's parameters between
 two steps; running sequences keep their KV cache (computed under the old weights, as in-flight
 RL updates do) and every token records the version it was sampled under. Cached prefixes of
 finished requests are dropped (their KV belongs to the old weights).
 
-KV memory: ``num_blocks`` blocks, by default sized from a fraction of the free device memory
-after the weights (CUDA) or 16 contexts capped at 1 GiB (CPU). Admission control, not OOM:
-a request that could never fit is refused by :meth:`add_request`; one that does not fit now waits.
+KV memory: ``num_blocks`` blocks, by default (CUDA, or any device given a ``memory_probe``) a
+fraction of the free device memory measured *after* the weights, the compiled decode step and
+the CUDA-graph capture, minus the measured peak of the largest eager step
+(:meth:`Engine._size_after_capture` says how: capture against a probe cache, measure, size,
+recapture); on the CPU without a probe, 16 contexts capped at 1 GiB. Admission control, not
+OOM: a request that could never fit is refused by :meth:`add_request`; one that does not fit
+now waits.
 
 Exercised by ``pytest tests/test_serve_engine.py``.
 """
@@ -40,18 +46,19 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from lmforge.serve.blocks import BlockAllocator, block_hashes
+from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer
 from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
 from lmforge.serve.sampling import SamplingParams, logprobs_of, sample_tokens
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "kv_blocks_for_memory"]
 
 FinishReason = Literal["stop", "length"]
 
@@ -67,11 +74,21 @@ class CompletionOutput:
     policy_versions: list[int]
     "weight version each token was sampled under"
     finish_reason: FinishReason | None
-    "'stop' (stop id or EOS), 'length' (max_tokens or the context), None while running"
+    "'stop' (stop id, EOS or stop string), 'length' (max_tokens or the context), None running"
     top_logprobs: list[dict[int, float]] | None = None
     "per token, the top-n alternatives' logprobs (with SamplingParams.logprobs)"
     index: int = 0
     "which of the request's n samples"
+    text_pieces: list[str] = dataclasses.field(default_factory=list)
+    "the text released so far, in pieces (engines with a tokenizer; see :attr:`text`)"
+    stop_reason: str | int | None = None
+    "what ended a 'stop' sample: the stop string matched, or the stop / EOS token id"
+
+    @property
+    def text(self) -> str:
+        """The sample's text (engines with a tokenizer): final, never past a stop string; the
+        token that ended the sample (EOS / stop id) and a matched stop string are not in it."""
+        return "".join(self.text_pieces)
 
 
 @dataclasses.dataclass
@@ -80,6 +97,7 @@ class RequestOutput:
 
     request_id: str
     prompt_token_ids: list[int]
+    "the request's prompt (the engine's own list, shared by its outputs: copy before changing)"
     outputs: list[CompletionOutput]
     finished: bool
 
@@ -102,6 +120,8 @@ class _Seq:
     root: int = 0  # policy version the KV (and so the hash chain) was computed under
     out: CompletionOutput | None = None
     first_token_time: float | None = None
+    detok: IncrementalDetokenizer | None = None  # engines with a tokenizer
+    stops: StopMatcher | None = None  # requests with stop strings
 
     @property
     def n_out(self) -> int:
@@ -120,8 +140,10 @@ class _Request:
         return all(s.out is not None and s.out.finish_reason is not None for s in self.seqs)
 
     def output(self) -> RequestOutput:
+        # The prompt list is shared, not copied per step (O(prompt) per request per step
+        # otherwise); the engine never changes it.
         outs = [s.out for s in self.seqs if s.out is not None]
-        return RequestOutput(self.request_id, list(self.prompt), outs, self.finished)
+        return RequestOutput(self.request_id, self.prompt, outs, self.finished)
 
 
 class Engine:
@@ -135,6 +157,10 @@ class Engine:
     by unseeded requests. ``compile`` runs decode steps through ``torch.compile``
     (:mod:`lmforge.serve.compiled`; None: on for CUDA, off on the CPU; captured in the CUDA
     graphs when ``cuda_graphs``); if it fails, one line on stderr and eager decode.
+    ``tokenizer`` (anything with ``decode(ids)``; ``id_to_bytes`` makes it byte-exact and
+    cheaper) turns on text: every sample's :attr:`CompletionOutput.text` is detokenized
+    incrementally as it is sampled (:mod:`lmforge.serve.detok`) and ``SamplingParams.stop``
+    strings end samples. Without one the engine is ids-only, as before.
     """
 
     def __init__(
@@ -155,6 +181,8 @@ class Engine:
         max_queue: int | None = None,
         cuda_graphs: bool = False,
         compile: bool | None = None,
+        tokenizer: Any = None,
+        memory_probe: Callable[[], int] | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -167,13 +195,32 @@ class Engine:
         self.eos_token_id = eos_token_id
         self.use_triton = use_triton
         self.max_queue = max_queue
+        self.tokenizer = tokenizer
         dtype = kv_dtype or next(self.model.parameters()).dtype
-        if num_blocks is None:
-            num_blocks = self._default_num_blocks(dtype, kv_memory_fraction)
+        self.kv_dtype = dtype
+        self.kv_budget: dict[str, float] | None = None  # how the cache was sized from memory
+        probe = memory_probe
+        if probe is None and self.device.type == "cuda":
+            dev = self.device
+
+            def probe() -> int:
+                return int(torch.cuda.mem_get_info(dev)[0])
+
+        use_graphs = cuda_graphs and self._graphs_supported()
+        want_compile = compile if compile is not None else self.device.type == "cuda"
         # One block more than the allocator hands out: CUDA-graph padding rows write there.
-        self.cache = PagedKVCache(
-            cfg.n_layers, num_blocks + 1, block_size, cfg.kv_heads, cfg.head_dim, self.device, dtype
-        )
+        if num_blocks is None and probe is not None:
+            num_blocks = self._size_after_capture(
+                probe, kv_memory_fraction, use_graphs, want_compile
+            )
+        else:
+            if num_blocks is None:
+                num_blocks = self._default_num_blocks(dtype)
+            self.cache = self._new_cache(num_blocks + 1)
+            self.decoder = self._make_decoder(want_compile)
+            self.graphs = self._make_graphs() if use_graphs else None
+            if self.graphs is None and self.decoder is not None:
+                self.decoder.warmup(self.cache.num_blocks - 1, block_size)
         self.allocator = BlockAllocator(num_blocks, enable_prefix_cache=enable_prefix_cache)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -185,41 +232,160 @@ class Engine:
         self.generator.manual_seed(seed)
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
         self.stats = {"preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
-        # Decode steps through torch.compile (lmforge.serve.compiled); None: on for CUDA.
-        self.decoder = None
-        if compile if compile is not None else self.device.type == "cuda":
-            from lmforge.serve.compiled import CompiledDecode
-
-            self.decoder = CompiledDecode(self.model, self.cache, use_triton)
-        self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
-            from lmforge.serve.cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self)  # compiles while warming up each bucket
-        elif self.decoder is not None:
-            self.decoder.warmup(self.cache.num_blocks - 1, block_size)
 
     # ---------------------------------------------------------------- sizing
-    def _default_num_blocks(self, dtype: torch.dtype, fraction: float) -> int:
+    def _graphs_supported(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _new_cache(self, n: int) -> PagedKVCache:
+        cfg = self.config
+        return PagedKVCache(
+            cfg.n_layers, n, self.block_size, cfg.kv_heads, cfg.head_dim, self.device,
+            self.kv_dtype,
+        )  # fmt: skip
+
+    def _make_decoder(self, want: bool) -> Any:
+        # Decode steps through torch.compile (lmforge.serve.compiled); default on for CUDA.
+        if not want:
+            return None
+        from lmforge.serve.compiled import CompiledDecode
+
+        return CompiledDecode(self.model, self.cache, self.use_triton)
+
+    def _make_graphs(self) -> Any:
+        from lmforge.serve.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self)  # compiles while warming up each bucket
+
+    def _default_num_blocks(self, dtype: torch.dtype) -> int:
+        """CPU without a memory probe: 16 full contexts, at most 1 GiB (at least one context)."""
         per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, dtype)
         blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(blocks_per_seq, int(free * fraction) // per_block)
-        # CPU: 16 full contexts, but at most 1 GiB of KV (never less than one full context).
         return max(
             blocks_per_seq, min(blocks_per_seq * min(self.max_num_seqs, 16), (1 << 30) // per_block)
         )
 
+    def _size_after_capture(
+        self, probe: Callable[[], int], fraction: float, use_graphs: bool, want_compile: bool
+    ) -> int:
+        """Size the KV cache from the memory left once everything else exists; returns blocks.
+
+        1. A probe cache just big enough for one step's token budget stands in for the real
+           one; the decode step is compiled and the CUDA graphs are captured against it (their
+           memory pool does not depend on the number of blocks: tables have a fixed width).
+        2. On CUDA, one prefill step of the whole token budget runs on the probe cache; its
+           peak allocation (plus the sampler's (S, V) float32 temporaries at ``max_num_seqs``)
+           is kept back for the eager steps to come. Cached allocator blocks are released.
+        3. ``probe()`` reads the free device memory now, after weights, graphs and compile.
+           The KV budget is ``fraction`` of it minus that reserve (:func:`kv_blocks_for_memory`).
+        4. The probe cache and its graphs are dropped, the real cache is allocated and the
+           graphs are captured again against it (compile is not repeated: the block count is a
+           dynamic dimension of the compiled step).
+
+        Fewer blocks than one full context raise one line (admission control could never
+        admit a full-length request). ``probe`` is injectable (``Engine(memory_probe=)``) so the
+        arithmetic and the admission control after it are testable without a GPU.
+        """
+        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, self.kv_dtype)
+        blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
+        n_seqs = math.ceil(self.max_num_batched_tokens / max(self.config.context_length - 1, 1))
+        n_probe = math.ceil(self.max_num_batched_tokens / self.block_size) + n_seqs + 2
+        self.cache = self._new_cache(n_probe + 1)
+        self.decoder = self._make_decoder(want_compile)
+        free_before = probe()
+        self.graphs = self._make_graphs() if use_graphs else None
+        if self.graphs is None and self.decoder is not None:
+            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+        reserve = self._profile_step_memory(n_probe) if self.device.type == "cuda" else 0
+        free_after = probe()
+        probe_bytes = self.cache.num_blocks * per_block
+        blocks = kv_blocks_for_memory(free_after + probe_bytes, fraction, reserve, per_block)
+        self.kv_budget = {
+            "free_before_capture": free_before,
+            "free_after_capture": free_after,
+            "activation_reserve": reserve,
+            "fraction": fraction,
+            "bytes_per_block": per_block,
+            "probe_bytes": probe_bytes,
+            "num_blocks": blocks,
+        }
+        if blocks < blocks_per_seq:
+            gib = free_after / 2**30
+            raise LmforgeError(
+                f"KV cache: {gib:.2f} GiB free after the weights and CUDA graphs leave room for "
+                f"{blocks} blocks of {self.block_size}; one {self.config.context_length}-token "
+                "context needs "
+                f"{blocks_per_seq} (lower --context-length or the token budget, or free memory)"
+            )
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
+        self.cache = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.cache = self._new_cache(blocks + 1)
+        if self.decoder is not None:
+            self.decoder.cache = self.cache
+        if use_graphs:
+            self.graphs = self._make_graphs()
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_step_memory(self, n_probe: int) -> int:
+        """Peak bytes one eager prefill step of the whole token budget allocates (CUDA), plus
+        the sampler's temporaries; run on the probe cache, nothing is registered anywhere."""
+        dev = self.device
+        ctx, bs = self.config.context_length, self.block_size
+        lens, left = [], self.max_num_batched_tokens
+        while left > 0:
+            lens.append(min(left, ctx - 1))
+            left -= lens[-1]
+        tokens, positions, slots, tables, rows = [], [], [], [], []
+        block = 0
+        for n in lens:
+            table = list(range(block, block + math.ceil(n / bs)))
+            block += len(table)
+            tables.append(table)
+            tokens += [0] * n
+            positions += range(n)
+            slots += [table[p // bs] * bs + p % bs for p in range(n)]
+            rows.append(len(tokens) - 1)
+        assert block <= n_probe
+        width = max(len(t) for t in tables)
+        batch = StepBatch(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
+            ctx_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            last_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            q_lens=lens,
+            ctx_lens_list=lens,
+            tables_list=tables,
+        )
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del batch
+        torch.cuda.empty_cache()
+        # log_softmax, probabilities, exponential noise, their ratio, a float copy: (S, V) fp32.
+        sampler = 6 * self.max_num_seqs * self.config.vocab_size * 4
+        return int(peak + sampler)
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Turn on text (and stop strings) for requests added from now on."""
+        with self.lock:
+            self.tokenizer = tokenizer
+
     # ---------------------------------------------------------------- requests
-    def add_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Queue a prompt; returns its request id. Invalid requests raise :class:`LmforgeError`."""
-        params = params or SamplingParams()
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ints if the engine can ever run the request, else raise
+        :class:`LmforgeError` (one line). Reads only fixed state: safe from any thread."""
         prompt = [int(t) for t in prompt_token_ids]
         ctx = self.config.context_length
         if not prompt:
@@ -236,6 +402,19 @@ class Engine:
             raise LmforgeError(
                 f"request needs {need} KV blocks, the cache has {self.allocator.num_blocks}"
             )
+        if params.stop and self.tokenizer is None:
+            raise LmforgeError("stop strings need an engine with a tokenizer (Engine(tokenizer=))")
+        return prompt
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a prompt; returns its request id. Invalid requests raise :class:`LmforgeError`."""
+        params = params or SamplingParams()
+        prompt = self.check_request(prompt_token_ids, params)
         with self.lock:
             if self.max_queue is not None and len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
@@ -250,6 +429,10 @@ class Engine:
                     gen.manual_seed(params.seed + i)
                 seq = _Seq(rid, i, list(prompt), len(prompt), params, gen, next(self._arrivals))
                 seq.out = CompletionOutput([], [], [], None, [] if params.logprobs else None, i)
+                if self.tokenizer is not None:
+                    seq.detok = make_detokenizer(self.tokenizer, prompt)
+                    if params.stop:
+                        seq.stops = StopMatcher(params.stop)
                 seqs.append(seq)
             self.requests[rid] = _Request(rid, prompt, seqs, time.monotonic())
             self.waiting.extend(seqs)
@@ -337,30 +520,35 @@ class Engine:
         seq.n_cached = seq.n_hashed = len(seq.blocks)
         seq.n_cached *= self.block_size
 
-    def _preempt(self) -> bool:
-        """Preempt the most recent running sequence; False if none is left to preempt."""
+    def _preempt(self) -> _Seq | None:
+        """Preempt the most recent running sequence (returned); None if none is left."""
         if not self.running:
-            return False
+            return None
         victim = max(self.running, key=lambda s: s.arrival)
         self.running.remove(victim)
         self._release(victim)
         self.waiting.appendleft(victim)
         self.stats["preemptions"] += 1
-        return True
+        return victim
 
     def _schedule(self) -> list[tuple[_Seq, int]]:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[_Seq, int]] = []
+        preempted: set[int] = set()  # ids, not `in self.running`: O(1), not O(S), per sequence
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq not in self.running:
+            if id(seq) in preempted:
                 continue  # preempted below to make room for an earlier one
             n = min(len(seq.tokens) - seq.n_cached, budget)
             if n <= 0:
                 continue
             while not self._ensure_blocks(seq, seq.n_cached + n):
-                if not self._preempt() or seq not in self.running:
+                victim = self._preempt()
+                if victim is None:
                     break
-            if seq not in self.running:
+                preempted.add(id(victim))
+                if victim is seq:
+                    break
+            if id(seq) in preempted:
                 continue
             if math.ceil((seq.n_cached + n) / self.block_size) > len(seq.blocks):
                 continue
@@ -416,20 +604,54 @@ class Engine:
             positions.extend(range(start, start + n))
             last_rows.append(len(tokens) - 1)
         width = max(len(seq.blocks) for seq, _ in chosen)
-        tables = [seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in chosen]
         ctx = [seq.n_cached + n for seq, n in chosen]
-        dev = self.device
+        n_tok, n_seq = len(tokens), len(chosen)
+        # Two host tensors (int64: tokens, positions, slots, rows; int32: tables, context
+        # lengths), one copy each to the device; the step's inputs are views of them.
+        longs = tokens + positions + slots + last_rows
+        ints = ctx.copy()
+        for seq, _ in chosen:
+            ints += seq.blocks
+            ints += [0] * (width - len(seq.blocks))
+        dev64, dev32 = self._to_device(longs, ints)
         return StepBatch(
-            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            ctx_lens=torch.tensor(ctx, dtype=torch.int32, device=dev),
-            last_rows=torch.tensor(last_rows, dtype=torch.long, device=dev),
+            tokens=dev64[:n_tok],
+            positions=dev64[n_tok : 2 * n_tok],
+            slots=dev64[2 * n_tok : 3 * n_tok],
+            block_tables=dev32[n_seq:].view(n_seq, width),
+            ctx_lens=dev32[:n_seq],
+            last_rows=dev64[3 * n_tok :],
             q_lens=[n for _, n in chosen],
             ctx_lens_list=ctx,
             tables_list=[seq.blocks for seq, _ in chosen],
         )
+
+    def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's int64 and int32 inputs on the device. On CUDA through persistent pinned
+        staging buffers (grown as needed) with asynchronous copies; an event recorded after
+        the copies is waited on before the buffers are refilled (a step whose sequences are
+        all mid-prefill reads nothing back, so it does not synchronise by itself)."""
+        a = torch.tensor(longs, dtype=torch.long)
+        b = torch.tensor(ints, dtype=torch.int32)
+        if self.device.type != "cuda":
+            return a, b
+        stage = getattr(self, "_stage", None)
+        if stage is None or stage[0].numel() < a.numel() or stage[1].numel() < b.numel():
+            stage = (
+                torch.empty(max(2 * a.numel(), 1024), dtype=torch.long, pin_memory=True),
+                torch.empty(max(2 * b.numel(), 1024), dtype=torch.int32, pin_memory=True),
+            )
+            self._stage = stage
+        done = getattr(self, "_stage_done", None)
+        if done is not None:
+            done.synchronize()  # the previous step's copies have read the buffers
+        sa, sb = stage[0][: a.numel()], stage[1][: b.numel()]
+        sa.copy_(a)
+        sb.copy_(b)
+        out = sa.to(self.device, non_blocking=True), sb.to(self.device, non_blocking=True)
+        self._stage_done = torch.cuda.Event()
+        self._stage_done.record()
+        return out
 
     def decode_step(self, batch: StepBatch) -> torch.Tensor:
         """Logits (S, V) of a decode-only batch: compiled if enabled, else eager (no graphs)."""
@@ -494,13 +716,19 @@ class Engine:
             )
             touched: dict[str, _Request] = {}
             if ready:
-                rows = torch.tensor([i for i, _ in ready], device=self.device)
+                if len(ready) < len(chosen):  # some sequences are mid-prefill: no token yet
+                    rows = torch.tensor([i for i, _ in ready], device=self.device)
+                    logits = logits[rows]
                 params = [seq.params for _, seq in ready]
-                lp = logprobs_of(logits[rows], params)  # (R, V)
+                lp = logprobs_of(logits, params)  # (R, V)
                 gens = [seq.generator for _, seq in ready]
                 toks = sample_tokens(lp, params, gens, default_generator=self.generator)
                 chosen_lp = lp.gather(1, toks[:, None])[:, 0]
-                toks_l, lp_l = toks.tolist(), chosen_lp.tolist()
+                if lp.is_cuda:  # one device-to-host read (a sync) for both; ids < 2^53 exact
+                    both = torch.stack((toks.double(), chosen_lp.double())).tolist()
+                    toks_l, lp_l = [int(t) for t in both[0]], both[1]
+                else:
+                    toks_l, lp_l = toks.tolist(), chosen_lp.tolist()
                 tops: list[dict[int, float] | None] = [None] * len(ready)
                 want = max((p.logprobs or 0) for p in params)
                 if want:
@@ -524,6 +752,10 @@ class Engine:
                         seq.first_token_time = now
                     self.stats["generated_tokens"] += 1
                     reason = self._finish_reason(seq, tok)
+                    if reason == "stop":
+                        out.stop_reason = tok
+                    if seq.detok is not None:
+                        reason = self._detokenize(seq, out, tok, reason)
                     if reason is not None:
                         out.finish_reason = reason
                         self.running.remove(seq)
@@ -534,9 +766,32 @@ class Engine:
             outs = []
             for rid, req in touched.items():
                 outs.append(req.output())
-                if req.finished:
+                if outs[-1].finished:
                     del self.requests[rid]
             return outs
+
+    @staticmethod
+    def _detokenize(
+        seq: _Seq, out: CompletionOutput, tok: int, reason: FinishReason | None
+    ) -> FinishReason | None:
+        """Release ``tok``'s text (O(this token)); a stop string ends the sample here."""
+        assert seq.detok is not None
+        if reason == "stop":  # EOS / a stop id: the token itself is not text
+            piece = seq.detok.flush()
+        else:
+            piece = seq.detok.feed(tok)
+            if reason is not None:
+                piece += seq.detok.flush()
+        if seq.stops is not None:
+            piece, hit = seq.stops.feed(piece)
+            if hit is not None:
+                out.stop_reason = hit
+                reason = "stop"
+            elif reason is not None:
+                piece += seq.stops.flush()
+        if piece:
+            out.text_pieces.append(piece)
+        return reason
 
     def _release_finished(self, seq: _Seq) -> None:
         # Register what is full before letting go, so a follow-up request can reuse it.
@@ -572,6 +827,17 @@ class Engine:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def kv_blocks_for_memory(
+    free_bytes: int, fraction: float, reserve_bytes: int, per_block: int
+) -> int:
+    """KV blocks that fit in ``fraction`` of ``free_bytes`` (free device memory after weights
+    and CUDA-graph capture) once ``reserve_bytes`` (activations of the largest eager step) are
+    kept back; never negative."""
+    if not 0 < fraction <= 1:
+        raise LmforgeError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
+    return max(0, int(free_bytes * fraction) - int(reserve_bytes)) // int(per_block)
 
 
 class QueueFull(LmforgeError):

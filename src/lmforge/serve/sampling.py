@@ -43,6 +43,8 @@ class SamplingParams:
     "also return the top-n alternatives' logprobs at every step (None = off)"
     ignore_eos: bool = False
     "keep going past the engine's EOS id (benchmarks)"
+    stop: Sequence[str] = ()
+    "strings that end a sample once its text contains one (the engine needs a tokenizer)"
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -60,6 +62,11 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.stop, str):
+            raise ValueError("stop must be a list of strings, not one string")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +84,11 @@ def _effective_temperature(params: Sequence[SamplingParams], device: torch.devic
 
 def logprobs_of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``log_softmax(logits / T)`` per row, float32, full vocabulary: (B, V) -> (B, V)."""
+    t0 = params[0].temperature if params else 1.0
+    if all(p.temperature == t0 for p in params):  # one temperature: a scalar, no tensor built
+        t = t0 if t0 > 0 else 1.0
+        x = logits.float()
+        return torch.log_softmax(x if t == 1.0 else x / t, dim=-1)  # (B, V)
     temps = _effective_temperature(params, logits.device)
     return torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # (B, V)
 

@@ -6,16 +6,18 @@ ChatML when none is recorded), both with ``stream: true`` as server-sent events;
 but ``/health`` needs ``Authorization: Bearer KEY``.
 
 Threads: the engine runs in one background thread (:class:`EngineLoop`) that steps while there
-is work and hands each request's new state to the asyncio handler waiting for it. Handlers
-validate the request (bad ones get an OpenAI-style 4xx JSON error; the server keeps serving),
-tokenize, submit, and turn engine outputs into JSON or SSE chunks. A full queue answers 429; a
+is work. Handlers validate the request (bad ones get an OpenAI-style 4xx JSON error; the server
+keeps serving), tokenize and submit it to an inbox the engine thread drains between steps (the
+event loop never waits for a step). After each step the engine thread hands every request's
+:class:`Delta` (new ids, logprobs, text) to the event loop in one ``call_soon_threadsafe``; a
+handler that fell behind sends what piled up as one SSE chunk. A full queue answers 429; a
 client that disconnects has its request aborted and its blocks freed; SIGTERM (uvicorn's
 graceful shutdown) lets in-flight requests finish before the engine thread stops.
 
-Text: streamed text is decoded incrementally (the whole completion is decoded each time and the
-new suffix sent, holding back a trailing incomplete UTF-8 character). ``stop`` strings are
-matched on the decoded text; the matched string is cut and the request aborted. The token that
-ended a sample (EOS / stop id) is not part of the text.
+Text: the engine detokenizes incrementally and ends samples on ``stop`` strings itself
+(:mod:`lmforge.serve.detok`), so streamed and non-streamed text are the same released pieces
+and a stream never shows text past a stop string. The token that ended a sample (EOS / stop
+id) and the matched stop string are not part of the text.
 
 Exercised by ``pytest tests/test_serve_server.py`` (the official ``openai`` client against a
 server on a free 127.0.0.1 port).
@@ -26,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -45,38 +49,100 @@ __all__ = ["CHATML_TEMPLATE", "EngineLoop", "build_app", "render_chat"]
 MAX_N = 16
 
 
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the handler can read while the engine thread keeps appending to the original."""
-    outs = [
-        dataclasses.replace(
-            o,
-            token_ids=list(o.token_ids),
-            logprobs=list(o.logprobs),
-            policy_versions=list(o.policy_versions),
-            top_logprobs=None if o.top_logprobs is None else list(o.top_logprobs),
-        )
-        for o in out.outputs
-    ]
-    return RequestOutput(out.request_id, out.prompt_token_ids, outs, out.finished)
+@dataclasses.dataclass(slots=True)
+class SampleDelta:
+    """What one sample gained in one engine step (the engine thread builds it: O(new))."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    text: str
+    finish_reason: str | None
+
+
+@dataclasses.dataclass(slots=True)
+class Delta:
+    """A request's progress in one engine step; ``error`` set when the engine failed."""
+
+    samples: list[SampleDelta]
+    finished: bool
+    error: str | None = None
+    status: int = 500
+    "the HTTP status of ``error`` (429: the queue filled up before the request was admitted)"
+
+
+class _Sub:
+    """A request the loop routes deltas for: its event loop, its queue, what it was sent."""
+
+    __slots__ = ("aloop", "n_pieces", "n_tokens", "queue")
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop, queue: asyncio.Queue, n: int) -> None:
+        self.aloop, self.queue = aloop, queue
+        self.n_tokens = [0] * n
+        self.n_pieces = [0] * n
+
+    def delta(self, out: RequestOutput) -> Delta:
+        samples = []
+        for o in out.outputs:
+            i = o.index
+            a, b = self.n_tokens[i], len(o.token_ids)
+            pa, pb = self.n_pieces[i], len(o.text_pieces)
+            if a == b and pa == pb and o.finish_reason is None:
+                continue
+            self.n_tokens[i], self.n_pieces[i] = b, pb
+            tops = o.top_logprobs[a:b] if o.top_logprobs is not None else []
+            text = o.text_pieces[pa] if pb == pa + 1 else "".join(o.text_pieces[pa:pb])
+            samples.append(
+                SampleDelta(i, o.token_ids[a:b], o.logprobs[a:b], tops, text, o.finish_reason)
+            )
+        return Delta(samples, out.finished)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
 
 
 class EngineLoop:
-    """Runs ``engine.step()`` in a background thread and routes outputs to subscribers."""
+    """Runs ``engine.step()`` in a background thread and routes outputs to subscribers.
 
-    def __init__(self, engine: Engine) -> None:
+    The hand-offs are batched: requests arriving from the event loop go into an inbox the
+    engine thread drains before its next step (the event loop never waits for a step to end),
+    and after each step the engine thread sends *one* ``call_soon_threadsafe`` per event loop
+    carrying every request's :class:`Delta` (new ids, logprobs and text since the last step,
+    sliced from the end: O(new tokens)). Aborts go through an inbox the same way.
+
+    ``switch_interval`` (seconds; None leaves it) is set as the process's GIL switch interval
+    while the loop runs: the engine thread gives the GIL up around every torch op and, with
+    CPython's default 5 ms, waits up to that long to get it back whenever the event loop is
+    busy writing chunks. On the shared CPU, 0.5 ms gave a median 1.1x lower TPOT over 8
+    alternating pairs of runs, within the noise (notes/serve3.md); to be confirmed on the GPU
+    host (``LMFORGE_BENCH_SWITCH=none`` in ``benchmarks/serve.py --only server`` is the peer).
+    """
+
+    def __init__(self, engine: Engine, switch_interval: float | None = 0.0005) -> None:
         self.engine = engine
+        self.switch_interval = switch_interval
+        self._old_switch: float | None = None
         self._cv = threading.Condition()
-        # None is sent when the engine failed (a bug): the handler answers 500.
-        self._subs: dict[str, Callable[[RequestOutput | None], None]] = {}
+        self._inbox: deque[tuple[str, list[int], SamplingParams, _Sub]] = deque()
+        self._aborts: deque[str] = deque()
+        self._subs: dict[str, _Sub] = {}  # the engine thread's: requests it routes
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
         self.ttft_sum = 0.0
         self.ttft_count = 0
         self.requests_total = 0
-        self._tokens_window: list[tuple[float, int]] = []
+        self.step_seconds = 0.0  # time inside engine.step() (the rest of the loop is hand-off)
+        self.step_count = 0
+        self._tokens_window: deque[tuple[float, int]] = deque()
         self.error: BaseException | None = None
 
     def start(self) -> None:
+        if self.switch_interval is not None:
+            self._old_switch = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_interval)
         self._thread.start()
 
     def stop(self) -> None:
@@ -84,60 +150,115 @@ class EngineLoop:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
+        if self._old_switch is not None:
+            sys.setswitchinterval(self._old_switch)
+            self._old_switch = None
 
     def submit(
         self,
         prompt: list[int],
         params: SamplingParams,
-        callback: Callable[[RequestOutput | None], None],
+        queue: asyncio.Queue,
+        aloop: asyncio.AbstractEventLoop | None = None,
     ) -> str:
+        """Queue a request whose :class:`Delta` objects go to ``queue`` (on ``aloop``, the
+        running loop by default). Invalid requests raise LmforgeError; a full queue QueueFull.
+        Does not wait for the engine thread (it is usually inside a step)."""
+        eng = self.engine
+        prompt = eng.check_request(prompt, params)
+        if eng.max_queue is not None and len(eng.waiting) + len(self._inbox) >= eng.max_queue:
+            raise QueueFull(f"the queue is full ({eng.max_queue} requests waiting)")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        sub = _Sub(aloop or asyncio.get_running_loop(), queue, params.n)
         with self._cv:
-            rid = self.engine.add_request(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}")
-            self._subs[rid] = callback
+            self._inbox.append((rid, prompt, params, sub))
             self.requests_total += 1
             self._cv.notify_all()
         return rid
 
     def abort(self, rid: str) -> None:
+        """Drop a request (the engine thread frees its blocks before its next step)."""
         with self._cv:
-            self._subs.pop(rid, None)
-            self.engine.abort(rid)
+            self._aborts.append(rid)
+            self._cv.notify_all()
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         now = time.monotonic()
-        recent = [(t, n) for t, n in self._tokens_window if now - t <= window]
-        self._tokens_window = recent
+        recent = [(t, n) for t, n in list(self._tokens_window) if now - t <= window]
         return sum(n for _, n in recent) / window
 
+    def _drain(self) -> list[tuple[_Sub, Delta]]:
+        """Admit the inbox, apply aborts (engine thread). Refusals to deliver, if any."""
+        failed = []
+        while self._inbox:
+            rid, prompt, params, sub = self._inbox.popleft()
+            try:
+                self.engine.add_request(prompt, params, request_id=rid)
+            except LmforgeError as e:  # a race with the queue bound: say so to the handler
+                status = 429 if isinstance(e, QueueFull) else 400
+                failed.append((sub, Delta([], True, str(e), status)))
+                continue
+            self._subs[rid] = sub
+        while self._aborts:  # after admission: an abort may follow its submit in one drain
+            rid = self._aborts.popleft()
+            self._subs.pop(rid, None)
+            self.engine.abort(rid)
+        return failed
+
+    def _send(self, items: list[tuple[_Sub, Delta]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sub, delta in items:
+            by_loop.setdefault(sub.aloop, []).append((sub.queue, delta))
+        for aloop, batch in by_loop.items():
+            try:
+                aloop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
+
     def _run(self) -> None:
+        engine = self.engine
         while True:
             with self._cv:
-                while not self._stop and not self.engine.has_unfinished():
+                while (
+                    not self._stop
+                    and not self._inbox
+                    and not self._aborts
+                    and not engine.has_unfinished()
+                ):
                     self._cv.wait(timeout=0.5)
-                if self._stop and not self.engine.has_unfinished():
+                if self._stop and not self._inbox and not engine.has_unfinished():
                     return
+            items = self._drain()
             try:
-                before = self.engine.stats["generated_tokens"]
-                outs = self.engine.step()
-                made = self.engine.stats["generated_tokens"] - before
+                before = engine.stats["generated_tokens"]
+                outs = []
+                if engine.has_unfinished():
+                    t0 = time.perf_counter()
+                    outs = engine.step()
+                    self.step_seconds += time.perf_counter() - t0
+                    self.step_count += 1
+                made = engine.stats["generated_tokens"] - before
             except Exception as e:  # a bug, not a user error: fail every waiting request loudly
                 self.error = e
-                with self._cv:
-                    subs, self._subs = self._subs, {}
-                for rid, cb in subs.items():
-                    self.engine.abort(rid)
-                    cb(None)  # wake the handler: it answers 500 instead of waiting forever
+                subs, self._subs = self._subs, {}
+                for rid in subs:
+                    engine.abort(rid)
+                msg = f"engine failed: {e}"
+                self._send(items + [(sub, Delta([], True, msg)) for sub in subs.values()])
                 continue
-            now = time.monotonic()
             if made:
-                self._tokens_window.append((now, made))
+                self._tokens_window.append((time.monotonic(), made))
+                while len(self._tokens_window) > 4096:
+                    self._tokens_window.popleft()
             for out in outs:
-                with self._cv:
-                    cb = self._subs.get(out.request_id)
-                    if out.finished:
-                        self._subs.pop(out.request_id, None)
-                if cb is not None:
-                    cb(_snapshot(out))
+                sub = self._subs.get(out.request_id)
+                if sub is None:
+                    continue  # aborted meanwhile
+                if out.finished:
+                    del self._subs[out.request_id]
+                items.append((sub, sub.delta(out)))
+            if items:
+                self._send(items)
 
 
 @dataclasses.dataclass
@@ -273,48 +394,9 @@ def _sampling(
         seed=seed,
         logprobs=logprobs,
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
+        stop=stops,
     )
     return params, stops
-
-
-class _TextTracker:
-    """Incremental detokenisation and stop-string matching for one sample."""
-
-    def __init__(self, tokenizer: Any, stops: list[str], eos_ids: set[int]) -> None:
-        self.tok = tokenizer
-        self.stops = stops
-        self.eos_ids = eos_ids
-        self.sent = ""
-        self.stopped = False
-
-    def text_of(self, token_ids: list[int], finish_reason: str | None) -> str:
-        ids = token_ids
-        if finish_reason == "stop" and ids and ids[-1] in self.eos_ids:
-            ids = ids[:-1]
-        return self.tok.decode(ids)
-
-    def update(self, token_ids: list[int], finish_reason: str | None) -> tuple[str, bool]:
-        """(new text to send, whether a stop string ended the sample)."""
-        text = self.text_of(token_ids, finish_reason)
-        for s in self.stops:
-            at = text.find(s)
-            if at != -1:
-                text, self.stopped = text[:at], True
-        hold = 0
-        if not self.stopped and finish_reason is None:
-            if text.endswith("\ufffd"):
-                hold = 1  # an incomplete UTF-8 sequence: wait for its next bytes
-            for s in self.stops:  # a stop string may be starting: hold its possible prefix
-                for k in range(min(len(s) - 1, len(text)), 0, -1):
-                    if text.endswith(s[:k]):
-                        hold = max(hold, k)
-                        break
-        visible = text[: len(text) - hold] if hold else text
-        if not visible.startswith(self.sent):
-            visible = self.sent  # decoding changed earlier text (rare with byte-level BPE)
-        new = visible[len(self.sent) :]
-        self.sent = visible
-        return new, self.stopped
 
 
 def build_app(state: ServerState) -> Any:
@@ -333,15 +415,13 @@ def build_app(state: ServerState) -> Any:
 
     app = FastAPI(title="lmforge serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     engine = state.loop.engine
+    if engine.tokenizer is None:  # the engine detokenizes and matches stop strings
+        engine.set_tokenizer(state.tokenizer)
     ctx = engine.config.context_length
-    eos_ids = {engine.eos_token_id} if engine.eos_token_id is not None else set()
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Any:
-        if state.api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return _error(401, "invalid or missing API key (Authorization: Bearer KEY)")
-        return await call_next(request)
+    if state.api_key:
+        # A plain ASGI middleware: starlette's BaseHTTPMiddleware would put every streamed
+        # chunk through an extra task and memory stream.
+        app.add_middleware(_ApiKey, key=state.api_key)
 
     @app.get("/health")
     async def health() -> Any:
@@ -380,6 +460,10 @@ def build_app(state: ServerState) -> Any:
             "# TYPE lmforge_time_to_first_token_seconds summary",
             f"lmforge_time_to_first_token_seconds_sum {state.loop.ttft_sum:.6f}",
             f"lmforge_time_to_first_token_seconds_count {state.loop.ttft_count}",
+            "# HELP lmforge_engine_step_seconds Time inside engine steps (hand-offs excluded).",
+            "# TYPE lmforge_engine_step_seconds summary",
+            f"lmforge_engine_step_seconds_sum {state.loop.step_seconds:.6f}",
+            f"lmforge_engine_step_seconds_count {state.loop.step_count}",
             "# HELP lmforge_requests_total Requests accepted.",
             "# TYPE lmforge_requests_total counter",
             f"lmforge_requests_total {state.loop.requests_total}",
@@ -415,88 +499,91 @@ def build_app(state: ServerState) -> Any:
         request: Request,
         prompt: list[int],
         params: SamplingParams,
-        stops: list[str],
         chat: bool,
         stream: bool,
     ) -> Any:
-        aloop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput | None] = asyncio.Queue()
+        queue: asyncio.Queue[Delta] = asyncio.Queue()
         t0 = time.monotonic()
         try:
-            rid = state.loop.submit(
-                prompt, params, lambda o: aloop.call_soon_threadsafe(queue.put_nowait, o)
-            )
+            rid = state.loop.submit(prompt, params, queue)
         except QueueFull as e:
             return _error(429, str(e))
         except LmforgeError as e:
             return _error(400, str(e))
-        trackers = [_TextTracker(state.tokenizer, stops, eos_ids) for _ in range(params.n)]
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
+        want_lp = params.logprobs is not None
+        tok = state.tokenizer
 
-        def choice_delta(i: int, text: str, finish: str | None, out: Any, new: int) -> dict:
-            lp = None
-            if out is not None and params.logprobs is not None and new:
-                toks = out.token_ids[-new:]
-                lps = out.logprobs[-new:]
-                tops = (out.top_logprobs or [])[-new:]
-                lp = _logprobs_json(state.tokenizer, toks, lps, tops, chat)
-            if chat:
-                delta = {"content": text} if text or finish is None else {}
-                return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
-
-        async def events() -> AsyncIterator[bytes]:
-            finished = [False] * params.n
-            counts = [0] * params.n
-            first = True
-            try:
-                if chat:  # OpenAI sends the role first
-                    for i in range(params.n):
-                        head = {"index": i, "delta": {"role": "assistant", "content": ""}}
-                        head["finish_reason"] = None
-                        chunk = _chunk(rid, kind, created, state.model_name, [head], chat)
-                        yield _sse(chunk)
-                while not all(finished):
-                    out = await queue.get()
-                    if out is None:
-                        err = {"error": {"message": f"engine failed: {state.loop.error}",
-                                         "type": "server_error", "param": None, "code": None}}  # fmt: skip
-                        yield _sse(err)
-                        finished = [True] * params.n
-                        return
-                    if first:
-                        first = False
-                        state.loop.ttft_sum += time.monotonic() - t0
-                        state.loop.ttft_count += 1
-                    choices = []
-                    for o in out.outputs:
-                        i = o.index
-                        if finished[i]:
-                            continue
-                        text, hit = trackers[i].update(o.token_ids, o.finish_reason)
-                        finish = "stop" if hit else o.finish_reason
-                        new = len(o.token_ids) - counts[i]
-                        counts[i] = len(o.token_ids)
-                        if text or finish or new:
-                            choices.append(choice_delta(i, text, finish, o, new))
-                        if finish:
-                            finished[i] = True
-                    if all(finished) and not out.finished:
-                        state.loop.abort(rid)  # stop strings ended every sample
-                    if choices:
-                        yield _sse(_chunk(rid, kind, created, state.model_name, choices, chat))
-                yield b"data: [DONE]\n\n"
-            finally:
-                if not all(finished):
-                    state.loop.abort(rid)  # client went away: free the blocks now
+        def first_seen() -> None:
+            state.loop.ttft_sum += time.monotonic() - t0
+            state.loop.ttft_count += 1
 
         if stream:
+            # Everything but the choices is the same in every chunk: encode it once.
+            obj = "chat.completion.chunk" if chat else kind
+            head = (
+                f'data: {{"id": "{rid}", "object": "{obj}", "created": {created}, '
+                f'"model": {json.dumps(state.model_name)}, "choices": '
+            ).encode()
+
+            def chunk(choices: list) -> bytes:
+                return head + json.dumps(choices).encode() + b"}\n\n"
+
+            async def events() -> AsyncIterator[bytes]:
+                finished = [False] * params.n
+                first = True
+                try:
+                    if chat:  # OpenAI sends the role first
+                        yield chunk(
+                            [
+                                {"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "finish_reason": None}
+                                for i in range(params.n)
+                            ]
+                        )  # fmt: skip
+                    while not all(finished):
+                        deltas = [await queue.get()]
+                        while not queue.empty():  # behind: send what piled up as one chunk
+                            deltas.append(queue.get_nowait())
+                        error = next((d.error for d in deltas if d.error), None)
+                        if error is not None:
+                            err = {"message": error, "type": "server_error", "param": None,
+                                   "code": None}  # fmt: skip
+                            yield _sse({"error": err})
+                            finished = [True] * params.n
+                            return
+                        if first:
+                            first = False
+                            first_seen()
+                        choices = []
+                        for i, parts in _merge(deltas).items():
+                            text, finish, ids, lps, tops = parts
+                            lp = _logprobs_json(tok, ids, lps, tops, chat) if want_lp else None
+                            if chat:
+                                delta = {"content": text} if text or finish is None else {}
+                                choices.append({"index": i, "delta": delta, "logprobs": lp,
+                                                "finish_reason": finish})  # fmt: skip
+                            else:
+                                choices.append({"index": i, "text": text, "logprobs": lp,
+                                                "finish_reason": finish})  # fmt: skip
+                            if finish is not None:
+                                finished[i] = True
+                        if choices:
+                            yield chunk(choices)
+                    yield b"data: [DONE]\n\n"
+                finally:
+                    if not all(finished):
+                        state.loop.abort(rid)  # client went away: free the blocks now
+
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        final: dict[int, Any] = {}
-        texts: dict[int, str] = {}
+        texts: list[list[str]] = [[] for _ in range(params.n)]
+        ids: list[list[int]] = [[] for _ in range(params.n)]
+        lps: list[list[float]] = [[] for _ in range(params.n)]
+        tops: list[list[dict]] = [[] for _ in range(params.n)]
         reasons: dict[int, str] = {}
+        first = True
         try:
             while len(reasons) < params.n:
                 get = asyncio.ensure_future(queue.get())
@@ -504,47 +591,39 @@ def build_app(state: ServerState) -> Any:
                     done, _ = await asyncio.wait({get}, timeout=0.5)
                     if not done and await request.is_disconnected():
                         get.cancel()
-                        state.loop.abort(rid)
                         return _error(499, "client disconnected")
-                out = get.result()
-                if out is None:
+                d = get.result()
+                if d.error is not None:
                     reasons = dict.fromkeys(range(params.n), "error")
-                    return _error(500, f"engine failed: {state.loop.error}")
-                if not texts:
-                    state.loop.ttft_sum += time.monotonic() - t0
-                    state.loop.ttft_count += 1
-                for o in out.outputs:
-                    if o.index in reasons:
-                        continue
-                    _text, hit = trackers[o.index].update(o.token_ids, o.finish_reason)
-                    texts[o.index] = trackers[o.index].sent
-                    final[o.index] = o
-                    if hit or o.finish_reason:
-                        reasons[o.index] = "stop" if hit else o.finish_reason
-                if len(reasons) == params.n and not out.finished:
-                    state.loop.abort(rid)
+                    return _error(d.status, d.error)
+                if first:
+                    first = False
+                    first_seen()
+                for sd in d.samples:
+                    i = sd.index
+                    texts[i].append(sd.text)
+                    ids[i] += sd.token_ids
+                    lps[i] += sd.logprobs
+                    tops[i] += sd.top_logprobs
+                    if sd.finish_reason is not None:
+                        reasons[i] = sd.finish_reason
         finally:
             if len(reasons) < params.n:
                 state.loop.abort(rid)
         choices = []
-        completion_tokens = 0
         for i in range(params.n):
-            o = final[i]
-            completion_tokens += len(o.token_ids)
-            lp = None
-            if params.logprobs is not None:
-                lp = _logprobs_json(
-                    state.tokenizer, o.token_ids, o.logprobs, o.top_logprobs or [], chat
-                )
+            text = "".join(texts[i])
+            lp = _logprobs_json(tok, ids[i], lps[i], tops[i], chat) if want_lp else None
             if chat:
-                msg = {"role": "assistant", "content": texts[i]}
+                msg = {"role": "assistant", "content": text}
                 choices.append(
                     {"index": i, "message": msg, "logprobs": lp, "finish_reason": reasons[i]}
                 )
             else:
                 choices.append(
-                    {"index": i, "text": texts[i], "logprobs": lp, "finish_reason": reasons[i]}
+                    {"index": i, "text": text, "logprobs": lp, "finish_reason": reasons[i]}
                 )
+        completion_tokens = sum(len(x) for x in ids)
         usage = {
             "prompt_tokens": len(prompt),
             "completion_tokens": completion_tokens,
@@ -596,11 +675,11 @@ def build_app(state: ServerState) -> Any:
             vocab = engine.config.vocab_size
             if any(t < 0 or t >= vocab for t in prompt):
                 raise BadRequest(f"token ids must be in [0, {vocab})", "prompt")
-            params, stops = _sampling(body, len(prompt), ctx, state.max_default_tokens, chat)
+            params, _stops = _sampling(body, len(prompt), ctx, state.max_default_tokens, chat)
             stream = bool(_get(body, "stream", bool, False))
         except BadRequest as e:
             return _error(e.status, e.message, e.param)
-        return await _run(request, prompt, params, stops, chat, stream)
+        return await _run(request, prompt, params, chat, stream)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -619,6 +698,43 @@ def build_app(state: ServerState) -> Any:
         return _error(405, f"method {request.method} is not allowed on {request.url.path}")
 
     return app
+
+
+def _merge(deltas: list[Delta]) -> dict[int, tuple[str, str | None, list, list, list]]:
+    """Per sample: (text, finish reason, ids, logprobs, top logprobs) over several deltas."""
+    if len(deltas) == 1:
+        return {
+            sd.index: (sd.text, sd.finish_reason, sd.token_ids, sd.logprobs, sd.top_logprobs)
+            for sd in deltas[0].samples
+        }
+    out: dict[int, tuple[str, str | None, list, list, list]] = {}
+    for d in deltas:
+        for sd in d.samples:
+            if sd.index in out:
+                text, _f, ids, lps, tops = out[sd.index]
+                out[sd.index] = (text + sd.text, sd.finish_reason, ids + sd.token_ids,
+                                 lps + sd.logprobs, tops + sd.top_logprobs)  # fmt: skip
+            else:
+                out[sd.index] = (sd.text, sd.finish_reason, sd.token_ids, sd.logprobs,
+                                 sd.top_logprobs)  # fmt: skip
+    return out
+
+
+class _ApiKey:
+    """ASGI middleware: every path but /health needs ``Authorization: Bearer KEY``."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.want = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            got = dict(scope.get("headers") or []).get(b"authorization")
+            if got != self.want:
+                msg = "invalid or missing API key (Authorization: Bearer KEY)"
+                await _error(401, msg)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _special_names(state: ServerState) -> dict[str, str]:
