@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -186,6 +187,8 @@ class SpecStats:
     "draft-model forwards after the prefill (0 for n-gram drafting)"
     emitted: int = 0
     "tokens generated"
+    prefill_seconds: float = 0.0
+    "wall time of the prompt prefills (target and draft), so a benchmark can report decode alone"
 
     @property
     def acceptance(self) -> float:
@@ -256,10 +259,14 @@ class SpeculativeDecoder:
         out = CompletionOutput([], [], [], None)
         temp = params.temperature if params.temperature > 0 else 1.0
         # Prefill all but the last token; the loop always feeds the last token first.
+        t0 = time.perf_counter()
         if len(tokens) > 1:
             tgt.feed(tokens[:-1], all_logits=False)
             if drf is not None:
                 drf.feed(tokens[:-1], all_logits=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # else the prefill's time lands in the first step
+        self.stats.prefill_seconds += time.perf_counter() - t0
         while out.finish_reason is None:
             room = min(params.max_tokens - len(out.token_ids), ctx - len(tokens))
             k = max(0, min(self.k, room - 1))
