@@ -96,10 +96,10 @@ def _passage(path: Path, words: int, rng: random.Random) -> str:
 
 
 def _typos(text: str, rng: random.Random) -> str:
-    """Swap two inner letters in about every sixth long word (a passage to correct)."""
+    """Swap two inner letters in about every third long word (a passage to correct)."""
     out = []
     for w in text.split():
-        if len(w) > 5 and w.isalpha() and rng.random() < 0.17:
+        if len(w) > 5 and w.isalpha() and rng.random() < 0.3:
             i = rng.randrange(1, len(w) - 2)
             w = w[:i] + w[i + 1] + w[i] + w[i + 2 :]
         out.append(w)
@@ -119,7 +119,7 @@ def real_prompts(tok: Any, template: str | None, n: int) -> dict[str, list[list[
     rng = random.Random(0)
     grounded = []
     for i in range(n):
-        passage = _passage(books / BOOKS[i % len(BOOKS)], 70, rng)
+        passage = _passage(books / BOOKS[i % len(BOOKS)], 90, rng)
         if i % 2 == 0:
             grounded.append(f"Repeat the following passage word for word.\n\n{passage}")
         else:
@@ -173,30 +173,69 @@ def load_target(args: argparse.Namespace) -> tuple[Any, Any, str | None, int | N
 
 
 @torch.inference_mode()
-def forward_costs(model: Any, draft: Any, device: torch.device, ctx: int, reps: int) -> None:
-    """ms of one forward of n tokens after ``ctx`` cached ones: the verify cost vs a decode step."""
+def forward_costs(
+    models: dict[str, Any], device: torch.device, ctx: int, ns: list[int], reps: int
+) -> dict[str, dict[int, float]]:
+    """ms of one forward of n tokens after ``ctx`` cached ones (median of ``reps``, the models
+    interleaved): a k-draft verify forward feeds k + 1 tokens, a decode step 1."""
     from lmforge.serve.speculative import _Paged
 
-    _line(f"\nForward cost after {ctx} cached tokens (median of {reps}):\n")
-    _line("| model | 1 token (ms) | 3 tokens | 5 tokens | 7 tokens | 7 / 1 |")
-    _line("|---|---:|---:|---:|---:|---:|")
-    for name, m in (("target", model), (f"draft ({len(draft.layers)} layers)", draft)):
+    paged = {}
+    for name, m in models.items():
         v = m.config.vocab_size
-        pg = _Paged(m, ctx + 16)
-        pg.feed([1 + i % (v - 1) for i in range(ctx)], all_logits=False)
-        ms = {}
-        for n in (1, 3, 5, 7):
-            ts = []
-            for _ in range(reps):
+        paged[name] = _Paged(m, ctx + max(ns) + 1)
+        paged[name].feed([1 + i % (v - 1) for i in range(ctx)], all_logits=False)
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in ns} for name in models}
+    for _ in range(reps):
+        for n in ns:
+            for name, pg in paged.items():
                 pg.n_cached = ctx
                 _sync(device)
                 t0 = time.perf_counter()
                 pg.feed(list(range(2, 2 + n)), all_logits=True)
                 _sync(device)
-                ts.append(time.perf_counter() - t0)
-            ms[n] = statistics.median(ts) * 1e3
-        _line(f"| {name} | {ms[1]:.2f} | {ms[3]:.2f} | {ms[5]:.2f} | {ms[7]:.2f} | "
-              f"{ms[7] / ms[1]:.2f} |")  # fmt: skip
+                times[name][n].append(time.perf_counter() - t0)
+    ms = {name: {n: statistics.median(t) * 1e3 for n, t in d.items()} for name, d in times.items()}
+    _line(f"\nForward cost after {ctx} cached tokens, ms (median of {reps}, interleaved):\n")
+    _line("| model | " + " | ".join(f"{n} token{'s' if n > 1 else ''}" for n in ns) + " |")
+    _line("|---|" + "---:|" * len(ns))
+    for name, d in ms.items():
+        _line(f"| {name} | " + " | ".join(f"{d[n]:.2f}" for n in ns) + " |")
+    return ms
+
+
+def break_even(k: int, cost: float) -> float | None:
+    """The per-token acceptance a at which k drafts pay: E[tokens per target forward] =
+    (1 - a^(k+1)) / (1 - a) (Leviathan et al.'s i.i.d. model) equals ``cost``, the price of one
+    speculative step in plain decode steps (verify forward + k draft forwards). None when even
+    a = 1 (k + 1 tokens) does not pay."""
+    if cost <= 1.0:
+        return 0.0
+    if cost >= k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # the expectation is increasing in a
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(k + 1)) < cost:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def print_break_even(ms: dict[str, dict[int, float]], ks: list[int], draft_name: str) -> None:
+    t = ms["target"]
+    _line("\nBreak-even per-token acceptance at these costs (the acceptance above which k drafts "
+          "beat plain decoding):\n")  # fmt: skip
+    _line("| draft | " + " | ".join(f"k = {k}" for k in ks) + " |")
+    _line("|---|" + "---:|" * len(ks))
+    for name, per_draft in (("n-gram (free drafts)", None), (draft_name, ms[draft_name][1])):
+        cells = []
+        for k in ks:
+            cost = (t[k + 1] + k * (per_draft or 0.0)) / t[1]
+            a = break_even(k, cost)
+            cells.append("never" if a is None else f"{a:.2f}")
+        _line(f"| {name} | " + " | ".join(cells) + " |")
 
 
 # ---------------------------------------------------------------- runs
@@ -323,14 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     _line(f"plain decoding on the speculative runner == Engine.generate (greedy): {same_engine}")
     del engine
 
-    forward_costs(model, draft, device, ctx=min(256, model.config.context_length - 16), reps=5)
+    draft_name = f"layers {n_layers}/{model.config.n_layers}"
+    ns = sorted({1} | {k + 1 for k in ks})
+    ctx = min(256, model.config.context_length - max(ns) - 2)
+    ms = forward_costs({"target": model, draft_name: draft}, device, ctx, ns, reps=5)
+    print_break_even(ms, ks, draft_name)
 
     rows = [_Row("plain (no draft)", 0, SpeculativeDecoder(model, None, eos_token_id=eos))]
     for k in ks:
         rows.append(_Row("n-gram", k, SpeculativeDecoder(model, NgramDraft(), k, eos)))
     for k in ks:
-        name = f"layers {n_layers}/{model.config.n_layers}"
-        rows.append(_Row(name, k, SpeculativeDecoder(model, DraftModel(draft), k, eos)))
+        rows.append(_Row(draft_name, k, SpeculativeDecoder(model, DraftModel(draft), k, eos)))
     warm = SamplingParams(temperature=0, max_tokens=4)
     for r in rows:  # warm-up (allocator, kernels' first calls)
         r.decoder.generate(all_prompts[0], warm)
