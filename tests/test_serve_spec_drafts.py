@@ -156,6 +156,28 @@ def test_benchmark_quick_runs_on_a_tiny_random_model(capsys: pytest.CaptureFixtu
     assert "temperature 0.7" in out
 
 
+def test_break_even_acceptance_solves_the_expected_tokens_equation() -> None:
+    be = _bench_module().break_even
+    assert be(4, 0.9) == 0.0 and be(2, 3.0) is None  # free drafts / never pays
+    for k, cost in ((2, 1.7), (4, 2.5), (6, 4.0)):
+        a = be(k, cost)
+        assert a is not None and 0 < a < 1
+        assert abs(sum(a**i for i in range(k + 1)) - cost) < 1e-9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_greedy_identity_on_cuda() -> None:
+    target = _model().cuda()
+    params = SamplingParams(temperature=0, max_tokens=14)
+    prompts = _prompts()
+    plain = SpeculativeDecoder(target, None)
+    want = [plain.generate(p, params).token_ids for p in prompts]
+    for draft in (NgramDraft(), DraftModel(truncated_draft(target, 1))):
+        spec = SpeculativeDecoder(target, draft, k=4)
+        assert [spec.generate(p, params).token_ids for p in prompts] == want
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     SMOLLM2 is None, reason="needs ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
