@@ -192,7 +192,12 @@ def test_smollm2_greedy_identity_with_real_drafts() -> None:
     prompt = tok.encode(render_chat(template, msgs))
     params = SamplingParams(temperature=0, max_tokens=24)
     want = Engine(target, eos_token_id=tok.eot_id).generate([prompt], params)[0].outputs[0]
-    for draft in (NgramDraft(), DraftModel(truncated_draft(target, 10))):
+    accepted = {}
+    for name, draft in (
+        ("n-gram", NgramDraft()),
+        ("layers", DraftModel(truncated_draft(target, 10))),
+    ):
         spec = SpeculativeDecoder(target, draft, k=4, eos_token_id=tok.eot_id)
-        assert spec.generate(prompt, params).token_ids == want.token_ids
-    assert spec.stats.accepted > 0
+        assert spec.generate(prompt, params).token_ids == want.token_ids, name
+        accepted[name] = spec.stats.accepted
+    assert accepted["n-gram"] > 0  # the answer repeats the prompt: prompt lookup gets accepted
