@@ -142,6 +142,50 @@ def tiny_prompts(vocab: int, n: int) -> dict[str, list[list[int]]]:
     return {"random": rand, "repetitive": rep}
 
 
+def distill_prompts(tok: Any, template: str | None, n: int) -> list[list[int]]:
+    """Prompts for distilling a draft, disjoint from the benchmark's: GSM8K *train* questions and
+    "repeat" / "correct" requests over passages of other books."""
+    from lmforge.serve.templates import render_chat
+
+    gsm, books = _shared("data/eval/gsm8k/train.jsonl"), _shared("data/text/gutenberg")
+    if gsm is None or books is None:
+        raise SystemExit("needs ../shared/data (GSM8K train set and Gutenberg text)")
+    with gsm.open(encoding="utf-8") as f:
+        texts = [json.loads(next(f))["question"] for _ in range(n - n // 2)]
+    rng = random.Random(1)
+    for i in range(n // 2):
+        passage = _passage(books / BOOKS[3 + i % (len(BOOKS) - 3)], 90, rng)
+        texts.append(f"Repeat the following passage word for word.\n\n{passage}" if i % 2 else
+                     f"Correct the spelling mistakes in the following passage and write it out "
+                     f"in full.\n\n{_typos(passage, rng)}")  # fmt: skip
+    return [tok.encode(render_chat(template, [{"role": "user", "content": t}])) for t in texts]
+
+
+def distill_draft(
+    target: Any, n_layers: int, prompts: list[list[int]], steps: int, eos: int | None,
+    max_tokens: int,
+) -> Any:  # fmt: skip
+    """A ``truncated_draft`` copy trained for ``steps`` AdamW steps on forward KL to the target,
+    over the target's own greedy answers to ``prompts`` (sequence-level distillation data)."""
+    from lmforge.posttrain.core import prompt_response_example
+    from lmforge.posttrain.distill import DistillConfig, train_distill
+
+    student = truncated_draft(target, n_layers, share=False)
+    outs = Engine(target, eos_token_id=eos).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens)
+    )
+    corpus = [prompt_response_example(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+    cfg = DistillConfig(loss="forward", lr=1e-4, steps=steps, batch_size=4)
+    t0 = time.perf_counter()
+    hist = train_distill(student, target, cfg, corpus=corpus, progress=True)
+    first = statistics.mean(h["loss"] for h in hist[: max(1, steps // 10)])
+    last = statistics.mean(h["loss"] for h in hist[-max(1, steps // 10) :])
+    _line(f"distilled a {n_layers}-layer draft: {steps} steps x 4 sequences over {len(corpus)} "
+          f"target answers, forward KL {first:.3f} -> {last:.3f} (first/last tenth), "
+          f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+    return student.eval()
+
+
 # ---------------------------------------------------------------- models
 def load_target(args: argparse.Namespace) -> tuple[Any, Any, str | None, int | None, str]:
     """``(model, tokenizer, chat template, eos id, description)``."""
@@ -337,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="blocks kept in the truncated draft (default: 12, 1 for --tiny)")  # fmt: skip
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument(
+        "--distill-steps",
+        type=int,
+        default=0,
+        help="also a distilled copy of the truncated draft, trained this many steps",
+    )
+    ap.add_argument("--distill-prompts", type=int, default=32, help="prompts it is distilled on")
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.max_tokens = 1, 16
@@ -391,6 +442,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = [_Row("plain (no draft)", 0, SpeculativeDecoder(model, None, eos_token_id=eos))]
     for k in ks:
         rows.append(_Row("n-gram", k, SpeculativeDecoder(model, NgramDraft(), k, eos)))
+    distilled = None
+    if args.distill_steps:
+        if args.tiny:
+            g = torch.Generator().manual_seed(9)
+            dp = [torch.randint(0, model.config.vocab_size, (12,), generator=g).tolist()
+                  for _ in range(args.distill_prompts)]  # fmt: skip
+        else:
+            dp = distill_prompts(tok, template, args.distill_prompts)
+        distilled = distill_draft(model, n_layers, dp, args.distill_steps, eos, args.max_tokens)
+    for k in ks:
+        if distilled is not None:
+            rows.append(_Row(f"distilled {draft_name}", k,
+                             SpeculativeDecoder(model, DraftModel(distilled), k, eos)))  # fmt: skip
     for k in ks:
         rows.append(_Row(draft_name, k, SpeculativeDecoder(model, DraftModel(draft), k, eos)))
     warm = SamplingParams(temperature=0, max_tokens=4)

@@ -156,6 +156,16 @@ def test_benchmark_quick_runs_on_a_tiny_random_model(capsys: pytest.CaptureFixtu
     assert "temperature 0.7" in out
 
 
+def test_benchmark_distill_option_runs_on_a_tiny_random_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    bench = _bench_module()
+    argv = ["--tiny", "--quick", "--ks", "2", "--temperatures", "0"]
+    assert bench.main([*argv, "--distill-steps", "2", "--distill-prompts", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "distilled a 1-layer draft: 2 steps" in out and "| distilled layers 1/2 | 2 |" in out
+
+
 def test_break_even_acceptance_solves_the_expected_tokens_equation() -> None:
     be = _bench_module().break_even
     assert be(4, 0.9) == 0.0 and be(2, 3.0) is None  # free drafts / never pays
