@@ -21,10 +21,15 @@ greedy speculative output is token-identical to plain greedy decoding (printed; 
 when not). A forward-cost table explains the speedups: on the CPU a (k+1)-token verify forward
 costs little more than a 1-token one only while the forward is weight-read-bound.
 
-    PYTHONPATH=src python benchmarks/speculative.py --device cpu            # ~10 min on 2 cores
-    PYTHONPATH=src python benchmarks/speculative.py --device cpu --quick    # ~2 min
+    PYTHONPATH=src python benchmarks/speculative.py --device cpu --threads 1  # ~20 min, 2 busy cores
+    PYTHONPATH=src python benchmarks/speculative.py --device cpu --quick      # ~3 min
     PYTHONPATH=src python benchmarks/speculative.py --device cuda           # unchanged on a GPU
     PYTHONPATH=src python benchmarks/speculative.py --tiny --quick          # tiny random model (a test)
+    PYTHONPATH=src python benchmarks/speculative.py --device cpu --threads 1 --ks 2 --temperatures 0 \
+        --distill-steps 60      # bonus: also a distilled copy of the truncated draft (~7 min more)
+
+With one CPU thread the tables add decode ms/token in the process's CPU time, the steadier figure
+on a machine other jobs load.
 """
 
 from __future__ import annotations

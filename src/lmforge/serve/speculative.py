@@ -18,7 +18,8 @@ output is token-identical to plain greedy decoding.
 Simplification: one sequence at a time (the batch-1 latency case the technique is for), on the
 engine's paged runner with a private block table per model; rejected positions' KV is simply
 overwritten later. Reported logprobs follow the engine's contract (target ``log_softmax(logits /
-T)`` of each emitted token). Exercised by ``pytest tests/test_serve_speculative.py``.
+T)`` of each emitted token). Exercised by ``pytest tests/test_serve_speculative.py
+tests/test_serve_spec_drafts.py``; measured by ``benchmarks/speculative.py``.
 
 Shape legend: B rows (independent trials), k draft length, V vocab.
 """
