@@ -1,8 +1,11 @@
 """Speculative decoding: a draft proposes k tokens, the target checks them in one forward.
 
-Drafts: a small lmforge model (:class:`DraftModel`), or prompt lookup (:class:`NgramDraft`: the
-tokens that followed the last occurrence of the sequence's trailing n-gram, a deterministic
-draft whose q is one-hot).
+Drafts: a small lmforge model (:class:`DraftModel`) — e.g. :func:`truncated_draft`, the target's
+own first layers + final norm + LM head (a "self-speculative" draft that needs no other
+weights) — or prompt lookup (:class:`NgramDraft`: the tokens that followed the last occurrence
+of the sequence's trailing n-gram, a deterministic draft whose q is one-hot). ``draft=None`` is
+plain decoding on the same runner, one target forward per token: the peer a speedup is
+measured against (``benchmarks/speculative.py``).
 
 Exact rejection sampling (Leviathan et al. 2023; Chen et al. 2023), :func:`verify`: for draft
 token x_i drawn from q_i, accept with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
@@ -15,15 +18,18 @@ output is token-identical to plain greedy decoding.
 Simplification: one sequence at a time (the batch-1 latency case the technique is for), on the
 engine's paged runner with a private block table per model; rejected positions' KV is simply
 overwritten later. Reported logprobs follow the engine's contract (target ``log_softmax(logits /
-T)`` of each emitted token). Exercised by ``pytest tests/test_serve_speculative.py``.
+T)`` of each emitted token). Exercised by ``pytest tests/test_serve_speculative.py
+tests/test_serve_spec_drafts.py``; measured by ``benchmarks/speculative.py``.
 
 Shape legend: B rows (independent trials), k draft length, V vocab.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -34,7 +40,14 @@ from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
 from lmforge.serve.sampling import SamplingParams, truncated_probs
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["DraftModel", "NgramDraft", "SpeculativeDecoder", "verify"]
+__all__ = [
+    "DraftModel",
+    "NgramDraft",
+    "SpecStats",
+    "SpeculativeDecoder",
+    "truncated_draft",
+    "verify",
+]
 
 
 def verify(
@@ -134,6 +147,35 @@ class DraftModel:
     model: nn.Module
 
 
+def truncated_draft(target: nn.Module, n_layers: int, *, share: bool = True) -> nn.Module:
+    """The target's first ``n_layers`` blocks + its final norm + its LM head, as a model.
+
+    A self-speculative draft: the same embedding, blocks and head (tied or not), so it needs no
+    other weights and speaks the same vocabulary; only the last ``L - n_layers`` blocks are
+    skipped. ``share=True`` shares the target's modules (no memory; the target's weights, so it
+    must not be trained); ``share=False`` deep-copies them (a draft to fine-tune or distill).
+    Its logits equal those of a ``n_layers``-layer TransformerLM holding the same weights
+    (``tests/test_serve_spec_drafts.py``).
+    """
+    from lmforge.model import TransformerLM
+
+    cfg = target.config
+    if not isinstance(n_layers, int) or not 1 <= n_layers <= cfg.n_layers:
+        raise LmforgeError(f"a truncated draft needs 1 to {cfg.n_layers} layers, got {n_layers!r}")
+    draft = TransformerLM(dataclasses.replace(cfg, n_layers=n_layers), device="meta")
+    parts = {
+        "token_embeddings": target.token_embeddings,
+        "layers": nn.ModuleList(list(target.layers)[:n_layers]),
+        "ln_final": target.ln_final,
+        "lm_head": target.lm_head,
+    }
+    if not share:
+        parts = copy.deepcopy(parts)  # one deepcopy keeps a tied head tied to the embedding
+    for name, module in parts.items():
+        setattr(draft, name, module)
+    return draft.train(target.training)
+
+
 @dataclasses.dataclass
 class SpecStats:
     """Counts of one generation: drafted and accepted tokens, target forwards."""
@@ -141,10 +183,25 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     target_steps: int = 0
+    "target forwards after the prefill (each verifies the drafts and emits >= 1 token)"
+    draft_steps: int = 0
+    "draft-model forwards after the prefill (0 for n-gram drafting)"
+    emitted: int = 0
+    "tokens generated"
+    prefill_seconds: float = 0.0
+    "wall time of the prompt prefills (target and draft), so a benchmark can report decode alone"
+    prefill_cpu_seconds: float = 0.0
+    "the same in this process's CPU time (a clock that other processes' load barely moves)"
 
     @property
     def acceptance(self) -> float:
+        """Accepted / proposed draft tokens (0 when nothing was proposed)."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per target forward (1 for plain decoding; at most k + 1)."""
+        return self.emitted / self.target_steps if self.target_steps else 0.0
 
 
 def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -156,17 +213,22 @@ def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class SpeculativeDecoder:
-    """Batch-1 speculative decoding of a target model with a draft model or n-gram lookup."""
+    """Batch-1 speculative decoding of a target model with a draft model or n-gram lookup.
+
+    ``draft=None`` decodes plainly (one token per target forward, ``k`` ignored).
+    """
 
     def __init__(
         self,
         target: nn.Module,
-        draft: DraftModel | NgramDraft,
+        draft: DraftModel | NgramDraft | None,
         k: int = 4,
         eos_token_id: int | None = None,
         block_size: int = 16,
     ) -> None:
-        if k < 1:
+        if draft is None:
+            k = 0
+        elif k < 1:
             raise LmforgeError(f"speculative k must be >= 1, got {k}")
         self.target, self.draft, self.k = target, draft, k
         self.eos_token_id = eos_token_id
@@ -200,10 +262,15 @@ class SpeculativeDecoder:
         out = CompletionOutput([], [], [], None)
         temp = params.temperature if params.temperature > 0 else 1.0
         # Prefill all but the last token; the loop always feeds the last token first.
+        t0, c0 = time.perf_counter(), time.process_time()
         if len(tokens) > 1:
             tgt.feed(tokens[:-1], all_logits=False)
             if drf is not None:
                 drf.feed(tokens[:-1], all_logits=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # else the prefill's time lands in the first step
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_cpu_seconds += time.process_time() - c0
         while out.finish_reason is None:
             room = min(params.max_tokens - len(out.token_ids), ctx - len(tokens))
             k = max(0, min(self.k, room - 1))
@@ -226,6 +293,7 @@ class SpeculativeDecoder:
             old_len = len(tokens)
             for j, tok in enumerate(emitted):
                 tokens.append(tok)
+                self.stats.emitted += 1
                 out.token_ids.append(tok)
                 out.logprobs.append(float(lps[j, tok]))
                 out.policy_versions.append(0)
@@ -251,19 +319,24 @@ class SpeculativeDecoder:
         params: SamplingParams,
         gen: torch.Generator | None,
     ) -> tuple[list[int], list[torch.Tensor]]:
-        if k == 0:
+        if k == 0 or self.draft is None:
             return [], []
         if drf is None:
             assert isinstance(self.draft, NgramDraft)
             drafts = self.draft.propose(tokens, k)
+            if not drafts:
+                return [], []
             vocab = self.target.config.vocab_size
-            eye = torch.eye(vocab, device=next(self.target.parameters()).device)
-            return drafts, [eye[t] for t in drafts]
+            device = next(self.target.parameters()).device
+            # one-hot rows (k, V), not a (V, V) identity: 49,152² floats would be 9.7 GB.
+            q = nn.functional.one_hot(torch.tensor(drafts, device=device), vocab).float()
+            return drafts, list(q)
         drafts: list[int] = []
         qs: list[torch.Tensor] = []
         feed = tokens[drf.n_cached :]  # catch up on what the target accepted
         for _ in range(k):
             logits = drf.feed(feed, all_logits=False)  # (1, V)
+            self.stats.draft_steps += 1
             q = _probs(logits, params)[0]  # (V,)
             tok = (
                 int(torch.multinomial(q, 1, generator=gen)[0])
