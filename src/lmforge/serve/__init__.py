@@ -16,7 +16,12 @@ if TYPE_CHECKING:
     from lmforge.serve.blocks import BlockAllocator
     from lmforge.serve.engine import CompletionOutput, Engine, RequestOutput
     from lmforge.serve.sampling import SamplingParams
-    from lmforge.serve.speculative import DraftModel, NgramDraft, SpeculativeDecoder
+    from lmforge.serve.speculative import (
+        DraftModel,
+        NgramDraft,
+        SpeculativeDecoder,
+        truncated_draft,
+    )
 
 __all__ = [
     "BlockAllocator",
@@ -27,6 +32,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpeculativeDecoder",
+    "truncated_draft",
 ]
 
 _EXPORTS = {
@@ -38,5 +44,6 @@ _EXPORTS = {
     "DraftModel": "speculative",
     "NgramDraft": "speculative",
     "SpeculativeDecoder": "speculative",
+    "truncated_draft": "speculative",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
