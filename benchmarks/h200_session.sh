@@ -11,10 +11,16 @@
 #              together take most of one 10-minute device call)
 #   parallel   benchmarks/parallel.py on 1 GPU, then on every GPU (torchrun) when there are two+
 #   serve      benchmarks/serve.py            (issue 22)
-#   moe        benchmarks/moe.py              (issue 25)
+#   moe        benchmarks/moe.py --train --profile   (issue 25)
 #   scaling    benchmarks/scaling*.py         (issue 24)
-#   posttrain  benchmarks/weight_sync.py and benchmarks/posttrain*.py (issue 23)
-#   all        every part above, in this order (longer than one 10-minute device call)
+#   posttrain  benchmarks/weight_sync.py and benchmarks/posttrain_rl.py (issue 23)
+#   smol       the SmolLM2 runs: benchmarks/speculative.py (issue 22, benchmark 4), then
+#              benchmarks/posttrain_gsm8k.py (issue 23, evidence 2; resumable, rerun until it
+#              finishes). Needs .carry/smol.gguf: the 93.8 MiB GGUF is over one call's 64 MiB
+#              carry, so split it here (split -n 2 -d FILE .carry/smol/part.), carry one half per
+#              call on the same warm machine and join them there (cat .carry/smol/part.0* >
+#              .carry/smol.gguf; sha256 b179c952...db53), and .carry/gsm8k/{train,test}.jsonl
+#   all        every part above but smol, in this order (longer than one 10-minute device call)
 #
 # A part whose script is not in the tree yet prints one line and is skipped. With OUT set, each
 # command's output is also written to $OUT/<name>.log and result tables to $OUT/RESULTS-*.md
@@ -29,6 +35,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
+EXTRA_PARTS=(smol)
 FAILED=()
 
 usage() {
@@ -113,7 +120,7 @@ part_serve() {
 }
 
 part_moe() {
-    have moe benchmarks/moe.py && step moe 540 "$PY" benchmarks/moe.py
+    have moe benchmarks/moe.py && step moe 540 "$PY" benchmarks/moe.py --train --profile
 }
 
 part_scaling() {
@@ -124,10 +131,19 @@ part_scaling() {
 
 part_posttrain() {
     local f
-    have posttrain benchmarks/weight_sync.py benchmarks/posttrain*.py || return 0
-    for f in benchmarks/weight_sync.py benchmarks/posttrain*.py; do
+    have posttrain benchmarks/weight_sync.py benchmarks/posttrain_rl.py || return 0
+    for f in benchmarks/weight_sync.py benchmarks/posttrain_rl.py; do
         [ -f "$f" ] && step "$(basename "$f" .py)" 540 "$PY" "$f"
     done
+}
+
+part_smol() {
+    have smol .carry/smol.gguf || return 0
+    step speculative 300 "$PY" benchmarks/speculative.py --device cuda --gguf .carry/smol.gguf
+    have smol .carry/gsm8k/test.jsonl || return 0
+    step posttrain_gsm8k 540 "$PY" benchmarks/posttrain_gsm8k.py --device cuda --quiet \
+        --model .carry/smol.gguf --data-dir .carry/gsm8k --out runs/posttrain_gsm8k
+    [ -n "${OUT:-}" ] && cp runs/posttrain_gsm8k/*.json runs/posttrain_gsm8k/*.png "$OUT/" 2>/dev/null
 }
 
 [ $# -ge 1 ] || { usage; exit 2; }
@@ -135,7 +151,7 @@ for arg in "$@"; do
     case "$arg" in
         -h | --help) usage; exit 0 ;;
         all) ;;
-        *) [[ " ${PARTS[*]} " == *" $arg "* ]] || { echo "unknown part '$arg'; parts: ${PARTS[*]} all" >&2; exit 2; } ;;
+        *) [[ " ${PARTS[*]} ${EXTRA_PARTS[*]} " == *" $arg "* ]] || { echo "unknown part '$arg'; parts: ${PARTS[*]} ${EXTRA_PARTS[*]} all" >&2; exit 2; } ;;
     esac
 done
 [ -n "${OUT:-}" ] && mkdir -p "$OUT"
