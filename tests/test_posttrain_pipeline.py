@@ -54,3 +54,10 @@ def test_pipeline_rl_two_processes_gloo() -> None:
     # tokens the engine sampled with the trainer's current version: ratio 1, so the bucketed
     # gloo broadcast delivered the weights intact
     assert max(h["sync_check"] for h in hist if "sync_check" in h) < 1e-4
+    # queue_size 0: the engine starts batch k only once the trainer took batch k - 1, so no
+    # token is more than one version old and max_lag 1 drops nothing
+    assert cfg.queue_size == 0
+    assert all(h["max_lag"] <= 1 for h in hist) and all(h["kept"] == 16 for h in hist)
+    for k in ("wait_s", "score_s", "fwd_s", "bwd_s", "opt_s", "broadcast_s", "engine_gen_s",
+              "engine_recv_s", "engine_idle_s"):  # fmt: skip
+        assert all(h[k] >= 0.0 for h in hist), k
