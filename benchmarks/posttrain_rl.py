@@ -50,14 +50,17 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--pipeline", action="store_true")
     ap.add_argument("--max-lag", type=int, default=4)
-    ap.add_argument("--queue", type=int, default=0,
-                    help="pipeline: finished batches the engine may hold unconsumed (0: lag <= 1)")  # fmt: skip
+    ap.add_argument("--queue", default="0",
+                    help="pipeline: finished batches the engine may hold unconsumed (0: lag <= 1); "
+                         "comma-separated: one pipeline run per value")  # fmt: skip
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--sync-threads", default="1",
                     help="torch threads of synchronous runs; --pipeline runs each listed count")  # fmt: skip
     ap.add_argument("--task", choices=["arithmetic", "scratchpad"], default="arithmetic",
                     help="scratchpad: worked 30-token answers (generation ~40%% of an iteration)")  # fmt: skip
     ap.add_argument("--seeds", default="0", help="--pipeline: comma-separated run seeds")
+    ap.add_argument("--pipe-threads", default="1+1",
+                    help="--pipeline: trainer+engine torch threads, comma-separated configurations")  # fmt: skip
     ap.add_argument("--warm-start", default=None,
                     help="safetensors file: load the warm start from it, or write it there")  # fmt: skip
     ap.add_argument("--figure", default=None, help="--pipeline: also write the figure here")
@@ -207,21 +210,25 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
                          "load": [load0, _loadavg()]})  # fmt: skip
             print(f"  seed {seed} sync {threads} thread(s): {hist[-1]['time_s']:.1f} s, "
                   f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
-        torch.set_num_threads(1)
-        model = copy.deepcopy(base)
-        pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
-                              prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
-                              max_tokens=max_tokens, max_lag=args.max_lag, digits=args.digits,
-                              task=task, seed=seed, eval_every=10**9, eval_size=1, threads=1,
-                              queue_size=args.queue)  # fmt: skip
-        snaps = []
-        load0 = _loadavg()
-        torch.manual_seed(seed)
-        hist = run_pipeline(model, pcfg, progress=False, on_step=snapshotter(snaps))
-        runs.append({"mode": "pipeline 1+1t", "seed": seed, "hist": hist, "snaps": snaps,
-                     "load": [load0, _loadavg()]})  # fmt: skip
-        print(f"  seed {seed} pipeline: {hist[-1]['time_s']:.1f} s, load {load0} -> {_loadavg()}",
-              flush=True)  # fmt: skip
+        configs = [(pt, q) for pt in args.pipe_threads.split(",") if pt
+                   for q in (int(x) for x in args.queue.split(",") if x)]  # fmt: skip
+        for pt, q in configs:
+            tt, et = (int(x) for x in pt.split("+"))
+            model = copy.deepcopy(base)
+            pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
+                                  prompts_per_step=args.prompts, group_size=args.group,
+                                  lr=args.lr, max_tokens=max_tokens, max_lag=args.max_lag,
+                                  digits=args.digits, task=task, seed=seed, eval_every=10**9,
+                                  eval_size=1, threads=tt, engine_threads=et,
+                                  queue_size=q)  # fmt: skip
+            snaps = []
+            load0 = _loadavg()
+            torch.manual_seed(seed)
+            hist = run_pipeline(model, pcfg, progress=False, on_step=snapshotter(snaps))
+            runs.append({"mode": f"pipeline {tt}+{et}t q{q}", "seed": seed, "hist": hist,
+                         "snaps": snaps, "load": [load0, _loadavg()]})  # fmt: skip
+            print(f"  seed {seed} pipeline {tt}+{et} threads, queue {q}: {hist[-1]['time_s']:.1f} s, "
+                  f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
 
     # evaluation of every snapshot, after all timed runs (identical for every mode)
     torch.set_num_threads(1)
@@ -287,7 +294,7 @@ def _plot_pipeline(res: dict, path: Path) -> None:
         tot = sum(h.values())
         xs = sorted(h)
         axes[2].bar([x + 0.8 * i / len(pipes) for x in xs], [h[x] / tot for x in xs],
-                    width=0.8 / len(pipes), label=f"seed {r['seed']}")  # fmt: skip
+                    width=0.8 / len(pipes), label=f"{r['mode']} seed {r['seed']}")  # fmt: skip
     axes[2].set_xlabel("token lag (trainer version − sampling version)")
     axes[2].set_ylabel("fraction of tokens")
     axes[2].set_title("Pipeline RL staleness")
@@ -315,11 +322,14 @@ def _print_pipeline(res: dict, target: float) -> None:
               f"{r['curve'][-1][3]:.3f} | {r['total_time']:.1f} | {r['load'][0]} → {r['load'][1]} |")  # fmt: skip
     for seed in sorted({r["seed"] for r in res["runs"]}):
         mine = {r["mode"]: r for r in res["runs"] if r["seed"] == seed}
-        p = mine.get("pipeline 1+1t")
-        for m, r in mine.items():
-            if m.startswith("sync") and p and p["time_to_target"] and r["time_to_target"]:
-                print(f"seed {seed}: pipeline vs {m}: {r['time_to_target'] / p['time_to_target']:.2f}x "
-                      f"to {target}; per iteration {r['per_iteration_s']['wall'] / p['per_iteration_s']['wall']:.2f}x")  # fmt: skip
+        for pm, p in mine.items():
+            for m, r in mine.items():
+                if not (m.startswith("sync") and pm.startswith("pipeline")):
+                    continue
+                to = (f"{r['time_to_target'] / p['time_to_target']:.2f}x"
+                      if p["time_to_target"] and r["time_to_target"] else "n/a")  # fmt: skip
+                it = r["per_iteration_s"]["wall"] / p["per_iteration_s"]["wall"]
+                print(f"seed {seed}: {pm} vs {m}: {to} to {target}; {it:.2f}x per iteration")
     print("\nmean time per iteration (s):")
     for r in res["runs"]:
         print(f"  {r['mode']} seed {r['seed']}: {r['per_iteration_s']}")

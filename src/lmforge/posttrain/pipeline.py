@@ -59,7 +59,9 @@ class PipelineConfig:
     eval_size: int = 200
     target: float | None = None
     threads: int = 1
-    "torch threads per process"
+    "torch threads of the trainer process"
+    engine_threads: int | None = None
+    "torch threads of the engine process (None = threads)"
     backend: str = "gloo"
     bucket_mib: int = 64
     overlong_cache: int = 0
@@ -105,9 +107,7 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     from lmforge.posttrain.rollout import LocalEngine, SamplingParams
     from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
 
-    torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed + 1)
-    _init(1, port, cfg.backend)
+    torch.set_num_threads(cfg.engine_threads or cfg.threads)
     model = TransformerLM(model_cfg)
     model.load_state_dict(state)
     model.eval()
@@ -119,6 +119,12 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     rng = random.Random(cfg.seed + 1)
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                             n=cfg.group_size)  # fmt: skip
+    # Warm up (first-call allocations) before joining the group: the trainer's clock starts
+    # when the group forms, and a synchronous run's engine is warm by then too.
+    engine.generate([encode_text(tok, it["prompt"]) for it in task.sample(2, random.Random(0))],
+                    SamplingParams(max_tokens=2))  # fmt: skip
+    torch.manual_seed(cfg.seed + 1)
+    _init(1, port, cfg.backend)
 
     recv = [0.0]
 
