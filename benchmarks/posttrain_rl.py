@@ -2,13 +2,19 @@
 GRPO at the same sample budget.
 
 One warm start (``lmforge rl``'s: a tiny model fitted to a mixture where 60% of the answers drop
-every carry) is shared by every run, so each starts from the same held-out accuracy A0. Then:
+every carry) is shared by every run, so each starts from the same held-out accuracy A0
+(``--warm-start FILE`` caches it). Then:
 
 - ``--algos grpo,dr_grpo,dapo,gspo``: synchronous runs of ``--iterations`` iterations each
   (``--prompts`` prompts × ``--group`` samples), held-out greedy accuracy every ``--eval-every``;
-- ``--pipeline``: the same GRPO budget through :func:`lmforge.posttrain.pipeline.run_pipeline`
-  (engine and trainer processes, 1 torch thread each), against synchronous GRPO
-  (``--sync-threads``, default 1); wall-clock to reach ``--target`` and the staleness histogram.
+- ``--pipeline``: GRPO through :func:`lmforge.posttrain.pipeline.run_pipeline` (engine and
+  trainer processes; ``--pipe-threads`` trainer+engine torch threads, ``--queue`` batches the
+  engine may hold ahead) against synchronous GRPO (``--sync-threads``: one run per thread
+  count), alternated per seed (``--seeds``), each with the same sample budget and no evaluation
+  inside its timed loop (weights snapshotted with the clock stopped, evaluated afterwards);
+  wall-clock to ``--target``, the per-process time breakdown, load averages and the staleness
+  histogram. ``--task scratchpad`` gives worked 30-token answers
+  (:mod:`lmforge.posttrain.scratchpad`), where generation is a real share of an iteration.
 
 Prints a table and writes ``--out``/rl_algorithms.png, pipeline_vs_sync.png, results.json.
 Run: ``PYTHONPATH=src python benchmarks/posttrain_rl.py --pipeline``.
@@ -192,43 +198,52 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
 
         return on_step
 
+    def run_sync(seed: int, threads: int) -> None:
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        model = copy.deepcopy(base)
+        eng = LocalEngine(model, eos_ids=[tok.eos_id])
+        snaps: list = []
+        load0 = _loadavg()
+        hist = rl.run_iterations(
+            model, eng, tok, rl.random_sampler(task, 100 + seed), task.reward,
+            rl.StepConfig(algo, max_tokens=max_tokens, micro_batch=256),
+            iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
+            lr=args.lr, on_step=snapshotter(snaps),
+        )  # fmt: skip
+        runs.append({"mode": f"sync {threads}t", "seed": seed, "hist": hist, "snaps": snaps,
+                     "load": [load0, _loadavg()]})  # fmt: skip
+        print(f"  seed {seed} sync {threads} thread(s): {hist[-1]['time_s']:.1f} s, "
+              f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
+
+    def run_pipe(seed: int, tt: int, et: int, q: int) -> None:
+        torch.set_num_threads(tt)
+        model = copy.deepcopy(base)
+        pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
+                              prompts_per_step=args.prompts, group_size=args.group,
+                              lr=args.lr, max_tokens=max_tokens, max_lag=args.max_lag,
+                              digits=args.digits, task=task, seed=seed, eval_every=10**9,
+                              eval_size=1, threads=tt, engine_threads=et,
+                              queue_size=q)  # fmt: skip
+        snaps: list = []
+        load0 = _loadavg()
+        torch.manual_seed(seed)
+        hist = run_pipeline(model, pcfg, progress=False, on_step=snapshotter(snaps))
+        runs.append({"mode": f"pipeline {tt}+{et}t q{q}", "seed": seed, "hist": hist,
+                     "snaps": snaps, "load": [load0, _loadavg()]})  # fmt: skip
+        print(f"  seed {seed} pipeline {tt}+{et} threads, queue {q}: {hist[-1]['time_s']:.1f} s, "
+              f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
+
+    syncs = [int(x) for x in args.sync_threads.split(",") if x]
+    pipes = [(*(int(x) for x in pt.split("+")), int(q)) for pt in args.pipe_threads.split(",")
+             if pt for q in args.queue.split(",") if q]  # fmt: skip
     for seed in [int(x) for x in args.seeds.split(",") if x]:
-        for threads in [int(x) for x in args.sync_threads.split(",") if x]:
-            torch.set_num_threads(threads)
-            torch.manual_seed(seed)
-            model = copy.deepcopy(base)
-            eng = LocalEngine(model, eos_ids=[tok.eos_id])
-            snaps: list = []
-            load0 = _loadavg()
-            hist = rl.run_iterations(
-                model, eng, tok, rl.random_sampler(task, 100 + seed), task.reward,
-                rl.StepConfig(algo, max_tokens=max_tokens, micro_batch=256),
-                iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
-                lr=args.lr, on_step=snapshotter(snaps),
-            )  # fmt: skip
-            runs.append({"mode": f"sync {threads}t", "seed": seed, "hist": hist, "snaps": snaps,
-                         "load": [load0, _loadavg()]})  # fmt: skip
-            print(f"  seed {seed} sync {threads} thread(s): {hist[-1]['time_s']:.1f} s, "
-                  f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
-        configs = [(pt, q) for pt in args.pipe_threads.split(",") if pt
-                   for q in (int(x) for x in args.queue.split(",") if x)]  # fmt: skip
-        for pt, q in configs:
-            tt, et = (int(x) for x in pt.split("+"))
-            model = copy.deepcopy(base)
-            pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
-                                  prompts_per_step=args.prompts, group_size=args.group,
-                                  lr=args.lr, max_tokens=max_tokens, max_lag=args.max_lag,
-                                  digits=args.digits, task=task, seed=seed, eval_every=10**9,
-                                  eval_size=1, threads=tt, engine_threads=et,
-                                  queue_size=q)  # fmt: skip
-            snaps = []
-            load0 = _loadavg()
-            torch.manual_seed(seed)
-            hist = run_pipeline(model, pcfg, progress=False, on_step=snapshotter(snaps))
-            runs.append({"mode": f"pipeline {tt}+{et}t q{q}", "seed": seed, "hist": hist,
-                         "snaps": snaps, "load": [load0, _loadavg()]})  # fmt: skip
-            print(f"  seed {seed} pipeline {tt}+{et} threads, queue {q}: {hist[-1]['time_s']:.1f} s, "
-                  f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
+        # alternate synchronous and pipeline runs so that both see the same drift in load
+        for i in range(max(len(syncs), len(pipes))):
+            if i < len(syncs):
+                run_sync(seed, syncs[i])
+            if i < len(pipes):
+                run_pipe(seed, *pipes[i])
 
     # evaluation of every snapshot, after all timed runs (identical for every mode)
     torch.set_num_threads(1)
