@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--warm-start", default=None,
                     help="safetensors file: load the warm start from it, or write it there")  # fmt: skip
     ap.add_argument("--figure", default=None, help="--pipeline: also write the figure here")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu | cuda: every model on it (the pipeline's two processes share it)")  # fmt: skip
     ap.add_argument("--out", default="runs/posttrain_rl")
     args = ap.parse_args()
     out = Path(args.out)
@@ -82,13 +84,14 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = 16 * ((3 * args.digits + 3 + task.answer_tokens) // 16 + 1)
     base = rl.arithmetic_model(tok.vocab_size, seed=0, context_length=max(32, ctx))
+    base.to(args.device)
     wr = random.Random(5)
     t0 = time.perf_counter()
     ws = Path(args.warm_start) if args.warm_start else None
     if ws is not None and ws.is_file():
         from safetensors.torch import load_file
 
-        base.load_state_dict(load_file(str(ws)))
+        base.load_state_dict(load_file(str(ws), device=str(args.device)))
         print(f"warm start loaded from {ws}", flush=True)
     else:
         rl.supervised_warmup(base, tok, rl.random_sampler(task, 0), args.warmup_steps, 64, 3e-3,
@@ -98,7 +101,9 @@ def main() -> None:
 
             ws.parent.mkdir(parents=True, exist_ok=True)
             tmp = ws.with_name(ws.name + ".tmp")
-            save_file({k: v.contiguous() for k, v in base.state_dict().items()}, str(tmp))
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in base.state_dict().items()}, str(tmp)
+            )
             tmp.replace(ws)
     base.eval()
     eval_items = task.eval_set(args.eval_size)

@@ -63,6 +63,9 @@ class PipelineConfig:
     engine_threads: int | None = None
     "torch threads of the engine process (None = threads)"
     backend: str = "gloo"
+    "gloo (CPU, or one GPU shared by both processes: weights staged through CPU buckets) | nccl (each process its own GPU)"
+    engine_device: str | None = None
+    "the engine's device (None = the trainer model's device)"
     bucket_mib: int = 64
     overlong_cache: int = 0
     "DAPO's soft overlong penalty ramp (0 = off)"
@@ -89,8 +92,13 @@ def _init(rank: int, port: int, backend: str) -> None:
                             world_size=2)  # fmt: skip
 
 
+def _bucket_device(cfg: PipelineConfig, model_device: torch.device) -> torch.device:
+    return torch.device("cpu") if cfg.backend == "gloo" else model_device
+
+
 def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Tensor], port: int,
-                 published: Any, consumed: Any, stop: Any, out_q: Any) -> None:  # fmt: skip
+                 published: Any, consumed: Any, stop: Any, out_q: Any,
+                 device: str) -> None:  # fmt: skip
     """The engine process: decode forever, swapping weights in between decode steps.
 
     It starts batch k only once the trainer has taken batch k − 1 − ``queue_size`` (credit
@@ -108,14 +116,16 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
 
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     model = TransformerLM(model_cfg)
     model.load_state_dict(state)
-    model.eval()
+    model.to(device).eval()
     task = _task(cfg)
     tok = task.tokenizer()
     engine = LocalEngine(model, eos_ids=[tok.eos_id])
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-    buckets = layout.empty_buckets("cpu")
+    buckets = layout.empty_buckets(_bucket_device(cfg, torch.device(device)))
     rng = random.Random(cfg.seed + 1)
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                             n=cfg.group_size)  # fmt: skip
@@ -212,16 +222,29 @@ def run_pipeline(
     out_q = ctx.Queue(maxsize=cfg.queue_size + 1)
     port = _free_port()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    device = next(model.parameters()).device
     proc = ctx.Process(
         target=_engine_main,
-        args=(cfg, model.config, state, port, published, consumed, stop, out_q),
+        args=(
+            cfg,
+            model.config,
+            state,
+            port,
+            published,
+            consumed,
+            stop,
+            out_q,
+            cfg.engine_device or str(device),
+        ),
         daemon=True,
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     proc.start()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     _init(0, port, cfg.backend)
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-    buckets = layout.empty_buckets("cpu")
+    buckets = layout.empty_buckets(_bucket_device(cfg, device))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     version = 0
     hist_total: collections.Counter[int] = collections.Counter()
@@ -252,8 +275,9 @@ def run_pipeline(
             score_s = time.perf_counter() - t_score
             if it == 1 or it % cfg.eval_every == 0:  # a diagnostic forward: not every step
                 with torch.no_grad():
-                    logp, _ = sequence_logprobs(model, s.batch.input_ids, s.batch.labels,
-                                                cfg.temperature)  # fmt: skip
+                    logp, _ = sequence_logprobs(model, s.batch.input_ids.to(device),
+                                                s.batch.labels.to(device), cfg.temperature)  # fmt: skip
+                logp = logp.cpu()
                 # Rows sampled wholly by the current version: a row with a mid-sequence swap keeps
                 # KV entries of the older weights, so its later tokens need not have ratio 1.
                 mine = s.versions == version  # (B, T)
