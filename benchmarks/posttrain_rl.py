@@ -210,8 +210,9 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
         eng = LocalEngine(model, eos_ids=[tok.eos_id])
         snaps: list = []
         load0 = _loadavg()
+        # the prompt stream of the pipeline's engine (random.Random(seed + 1)): same prompts, in order
         hist = rl.run_iterations(
-            model, eng, tok, rl.random_sampler(task, 100 + seed), task.reward,
+            model, eng, tok, rl.random_sampler(task, seed + 1), task.reward,
             rl.StepConfig(algo, max_tokens=max_tokens, micro_batch=256),
             iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
             lr=args.lr, on_step=snapshotter(snaps),
