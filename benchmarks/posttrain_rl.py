@@ -351,9 +351,16 @@ def _print_pipeline(res: dict, target: float) -> None:
                       if p["time_to_target"] and r["time_to_target"] else "n/a")  # fmt: skip
                 it = r["per_iteration_s"]["wall"] / p["per_iteration_s"]["wall"]
                 print(f"seed {seed}: {pm} vs {m}: {to} to {target}; {it:.2f}x per iteration")
-    print("\nmean time per iteration (s):")
+    cols = ["wall", "gen_s", "wait_s", "score_s", "fwd_s", "bwd_s", "opt_s", "broadcast_s",
+            "engine_gen_s", "engine_idle_s", "engine_recv_s"]  # fmt: skip
+    print("\nmean seconds per iteration (sync: generation in the loop; pipeline: the trainer's "
+          "wait for a batch, and the engine's own time per batch):")  # fmt: skip
+    print("| run | seed | " + " | ".join(c.removesuffix("_s") for c in cols) + " |")
+    print("|---|---:|" + "---:|" * len(cols))
     for r in res["runs"]:
-        print(f"  {r['mode']} seed {r['seed']}: {r['per_iteration_s']}")
+        t = r["per_iteration_s"]
+        cells = [f"{t[c]:.3f}" if c in t else "–" for c in cols]
+        print(f"| {r['mode']} | {r['seed']} | " + " | ".join(cells) + " |")
     for r in res["runs"]:
         if r.get("staleness"):
             print(f"  staleness seed {r['seed']} (token lag: count): {r['staleness']}, kept "
