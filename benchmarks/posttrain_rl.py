@@ -66,7 +66,8 @@ def main() -> None:
                     help="scratchpad: worked 30-token answers (generation ~40%% of an iteration)")  # fmt: skip
     ap.add_argument("--seeds", default="0", help="--pipeline: comma-separated run seeds")
     ap.add_argument("--pipe-threads", default="1+1",
-                    help="--pipeline: trainer+engine torch threads, comma-separated configurations")  # fmt: skip
+                    help="--pipeline: trainer+engine torch threads, comma-separated; T+E runs "
+                         "every --queue value, T+E:Q only queue Q")  # fmt: skip
     ap.add_argument("--warm-start", default=None,
                     help="safetensors file: load the warm start from it, or write it there")  # fmt: skip
     ap.add_argument("--figure", default=None, help="--pipeline: also write the figure here")
@@ -241,8 +242,11 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
               f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
 
     syncs = [int(x) for x in args.sync_threads.split(",") if x]
-    pipes = [(*(int(x) for x in pt.split("+")), int(q)) for pt in args.pipe_threads.split(",")
-             if pt for q in args.queue.split(",") if q]  # fmt: skip
+    pipes = []  # (trainer threads, engine threads, queue size); "T+E:Q" pins the queue size
+    for spec in [x for x in args.pipe_threads.split(",") if x]:
+        th, _, q = spec.partition(":")
+        tt, et = (int(x) for x in th.split("+"))
+        pipes += [(tt, et, int(qq)) for qq in (q.split() if q else args.queue.split(",")) if qq]
     for seed in [int(x) for x in args.seeds.split(",") if x]:
         # alternate synchronous and pipeline runs so that both see the same drift in load
         for i in range(max(len(syncs), len(pipes))):
