@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--sync-threads", default="1",
                     help="torch threads of synchronous runs; --pipeline runs each listed count")  # fmt: skip
     ap.add_argument("--task", choices=["arithmetic", "scratchpad"], default="arithmetic",
-                    help="scratchpad: worked 30-token answers (generation ~40%% of an iteration)")  # fmt: skip
+                    help="scratchpad: worked 30-token answers (generation ~35%% of an iteration)")  # fmt: skip
     ap.add_argument("--seeds", default="0", help="--pipeline: comma-separated run seeds")
     ap.add_argument("--pipe-threads", default="1+1",
                     help="--pipeline: trainer+engine torch threads, comma-separated; T+E runs "
