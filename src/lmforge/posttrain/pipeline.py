@@ -16,6 +16,10 @@ The importance ratio uses the engine's recorded log-probs (the behaviour policy,
 across versions within a sequence), clipped as in GRPO; that is what makes lag tolerable.
 Logged per step: the staleness histogram (token lag = trainer version − token version).
 
+The engine runs on credit: it starts a batch only when the trainer has taken all but
+``queue_size`` of the batches it finished (``queue_size=0``: it samples batch k+1 while the
+trainer trains on batch k, so no token is more than one version old).
+
 Simplification: one engine, lockstep batches (no continuous batching); the arithmetic task.
 Placement across hosts belongs to an existing launcher (torchrun, Ray), not to this module.
 Exercised by ``pytest tests/test_posttrain_pipeline.py`` and ``lmforge rl --pipeline``.
