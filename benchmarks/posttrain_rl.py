@@ -2,13 +2,19 @@
 GRPO at the same sample budget.
 
 One warm start (``lmforge rl``'s: a tiny model fitted to a mixture where 60% of the answers drop
-every carry) is shared by every run, so each starts from the same held-out accuracy A0. Then:
+every carry) is shared by every run, so each starts from the same held-out accuracy A0
+(``--warm-start FILE`` caches it). Then:
 
 - ``--algos grpo,dr_grpo,dapo,gspo``: synchronous runs of ``--iterations`` iterations each
   (``--prompts`` prompts × ``--group`` samples), held-out greedy accuracy every ``--eval-every``;
-- ``--pipeline``: the same GRPO budget through :func:`lmforge.posttrain.pipeline.run_pipeline`
-  (engine and trainer processes, 1 torch thread each), against synchronous GRPO
-  (``--sync-threads``, default 1); wall-clock to reach ``--target`` and the staleness histogram.
+- ``--pipeline``: GRPO through :func:`lmforge.posttrain.pipeline.run_pipeline` (engine and
+  trainer processes; ``--pipe-threads`` trainer+engine torch threads, ``--queue`` batches the
+  engine may hold ahead) against synchronous GRPO (``--sync-threads``: one run per thread
+  count), alternated per seed (``--seeds``), each with the same sample budget and no evaluation
+  inside its timed loop (weights snapshotted with the clock stopped, evaluated afterwards);
+  wall-clock to ``--target``, the per-process time breakdown, load averages and the staleness
+  histogram. ``--task scratchpad`` gives worked 30-token answers
+  (:mod:`lmforge.posttrain.scratchpad`), where generation is a real share of an iteration.
 
 Prints a table and writes ``--out``/rl_algorithms.png, pipeline_vs_sync.png, results.json.
 Run: ``PYTHONPATH=src python benchmarks/posttrain_rl.py --pipeline``.
@@ -33,6 +39,7 @@ from lmforge.posttrain import rl
 from lmforge.posttrain.commands import plot_curves
 from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
 from lmforge.posttrain.rollout import LocalEngine
+from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
 from lmforge.posttrain.tasks import ArithmeticTask
 
 
@@ -49,9 +56,23 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--pipeline", action="store_true")
     ap.add_argument("--max-lag", type=int, default=4)
-    ap.add_argument("--queue", type=int, default=1, help="pipeline: batches in flight")
+    ap.add_argument("--queue", default="0",
+                    help="pipeline: finished batches the engine may hold unconsumed (0: lag <= 1); "
+                         "comma-separated: one pipeline run per value")  # fmt: skip
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--sync-threads", type=int, default=1, help="torch threads of synchronous runs")
+    ap.add_argument("--sync-threads", default="1",
+                    help="torch threads of synchronous runs; --pipeline runs each listed count")  # fmt: skip
+    ap.add_argument("--task", choices=["arithmetic", "scratchpad"], default="arithmetic",
+                    help="scratchpad: worked 30-token answers (generation ~35%% of an iteration)")  # fmt: skip
+    ap.add_argument("--seeds", default="0", help="--pipeline: comma-separated run seeds")
+    ap.add_argument("--pipe-threads", default="1+1",
+                    help="--pipeline: trainer+engine torch threads, comma-separated; T+E runs "
+                         "every --queue value, T+E:Q only queue Q")  # fmt: skip
+    ap.add_argument("--warm-start", default=None,
+                    help="safetensors file: load the warm start from it, or write it there")  # fmt: skip
+    ap.add_argument("--figure", default=None, help="--pipeline: also write the figure here")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu | cuda: every model on it (the pipeline's two processes share it)")  # fmt: skip
     ap.add_argument("--out", default="runs/posttrain_rl")
     args = ap.parse_args()
     out = Path(args.out)
@@ -59,14 +80,32 @@ def main() -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or 'cpu'}, "
           f"torch {torch.__version__}, python {platform.python_version()}", flush=True)  # fmt: skip
 
-    task = ArithmeticTask(digits=args.digits)
+    task = (ScratchpadAdditionTask if args.task == "scratchpad" else ArithmeticTask)(args.digits)
     tok = task.tokenizer()
     torch.set_num_threads(1)
-    base = rl.arithmetic_model(tok.vocab_size, seed=0)
+    ctx = 16 * ((3 * args.digits + 3 + task.answer_tokens) // 16 + 1)
+    base = rl.arithmetic_model(tok.vocab_size, seed=0, context_length=max(32, ctx))
+    base.to(args.device)
     wr = random.Random(5)
     t0 = time.perf_counter()
-    rl.supervised_warmup(base, tok, rl.random_sampler(task, 0), args.warmup_steps, 64, 3e-3,
-                         tok.eos_id, answer_fn=lambda it: task.warmup_answer(it, wr))  # fmt: skip
+    ws = Path(args.warm_start) if args.warm_start else None
+    if ws is not None and ws.is_file():
+        from safetensors.torch import load_file
+
+        base.load_state_dict(load_file(str(ws), device=str(args.device)))
+        print(f"warm start loaded from {ws}", flush=True)
+    else:
+        rl.supervised_warmup(base, tok, rl.random_sampler(task, 0), args.warmup_steps, 64, 3e-3,
+                             tok.eos_id, answer_fn=lambda it: task.warmup_answer(it, wr))  # fmt: skip
+        if ws is not None:
+            from safetensors.torch import save_file
+
+            ws.parent.mkdir(parents=True, exist_ok=True)
+            tmp = ws.with_name(ws.name + ".tmp")
+            save_file(
+                {k: v.detach().cpu().contiguous() for k, v in base.state_dict().items()}, str(tmp)
+            )
+            tmp.replace(ws)
     base.eval()
     eval_items = task.eval_set(args.eval_size)
     a0 = rl.evaluate_accuracy(LocalEngine(base, eos_ids=[tok.eos_id]), tok, eval_items,
@@ -92,7 +131,7 @@ def main() -> None:
         return _summary(hist, args.target)
 
     for algo in [a for a in args.algos.split(",") if a]:
-        res = sync_run(algo, args.sync_threads, stop_at_target=False)
+        res = sync_run(algo, int(args.sync_threads.split(",")[0]), stop_at_target=False)
         results["runs"][algo] = res
         print(f"  {algo}: final {res['final']:.3f}, reached {args.target} at "
               f"{res['time_to_target']} s / {res['samples_to_target']} samples", flush=True)  # fmt: skip
@@ -103,37 +142,18 @@ def main() -> None:
                     f"{args.digits}-digit addition, A0 = {a0:.2f}")  # fmt: skip
 
     if args.pipeline:
-        sync = sync_run("grpo", args.sync_threads, stop_at_target=True)
-        model = copy.deepcopy(base)
-        pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
-                              prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
-                              max_tokens=task.answer_tokens, max_lag=args.max_lag,
-                              digits=args.digits, eval_every=args.eval_every,
-                              eval_size=args.eval_size, target=args.target, threads=1,
-                              queue_size=args.queue)  # fmt: skip
-        pipe = _summary(run_pipeline(model, pcfg, progress=False), args.target)
-        results["pipeline"] = {"sync_grpo": sync, "pipeline_grpo": pipe}
-        plot_curves(out / "pipeline_vs_sync.png",
-                    {f"synchronous GRPO ({args.sync_threads} thread(s))": [(0, a0)] + sync["curve_time"],
-                     "Pipeline RL GRPO (1+1 threads)": [(0, a0)] + pipe["curve_time"]},
-                    "wall-clock (s)", "held-out greedy accuracy", "same sample budget")  # fmt: skip
+        results["pipeline"] = _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
 
-    print()
-    print("| run | final acc | samples to target | time to target (s) | total time (s) |")
-    print("|---|---:|---:|---:|---:|")
+    if results["runs"]:
+        print()
+        print("| run | final acc | samples to target | time to target (s) | total time (s) |")
+        print("|---|---:|---:|---:|---:|")
     for k, v in results["runs"].items():
         print(f"| {k} | {v['final']:.3f} | {v['samples_to_target']} | {v['time_to_target']} | "
               f"{v['total_time']:.0f} |")  # fmt: skip
     if args.pipeline:
-        s, p = results["pipeline"]["sync_grpo"], results["pipeline"]["pipeline_grpo"]
-        for name, v in (("sync GRPO (to target)", s), ("Pipeline RL GRPO (to target)", p)):
-            print(f"| {name} | {v['final']:.3f} | {v['samples_to_target']} | {v['time_to_target']} "
-                  f"| {v['total_time']:.0f} |")  # fmt: skip
-        if s["time_to_target"] and p["time_to_target"]:
-            print(f"\nPipeline RL speed-up to {args.target}: "
-                  f"{s['time_to_target'] / p['time_to_target']:.2f}x")  # fmt: skip
-        print(f"staleness histogram (token lag: count): {p['staleness']}")
+        _print_pipeline(results["pipeline"], args.target)
 
 
 def _summary(hist: list[dict], target: float = 0.8) -> dict:
@@ -148,6 +168,208 @@ def _summary(hist: list[dict], target: float = 0.8) -> dict:
         "total_time": hist[-1]["time_s"] if hist else 0.0,
         "staleness": hist[-1].get("staleness_histogram") if hist else None,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline RL vs synchronous GRPO
+
+_PARTS = {
+    "sync": ["gen_s", "score_s", "fwd_s", "bwd_s", "opt_s"],
+    "trainer": ["wait_s", "score_s", "fwd_s", "bwd_s", "opt_s", "broadcast_s"],
+    "engine": ["engine_gen_s", "engine_recv_s", "engine_idle_s"],
+}
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
+    """Each seed: synchronous GRPO at every ``--sync-threads`` count, then Pipeline RL (1+1
+    threads), interleaved so they see the same machine load. Every run takes the same sample
+    budget (``--iterations`` × prompts × group) with no evaluation inside its timed loop: the
+    weights are snapshotted after every iteration (clock stopped) and evaluated after the run."""
+    algo = rl.algorithm("grpo")
+    max_tokens = task.answer_tokens
+    runs: list[dict] = []
+
+    def snapshotter(snaps: list) -> object:
+        def on_step(rec: dict, model: torch.nn.Module) -> None:
+            if rec["iteration"] % args.eval_every == 0 or rec["iteration"] == args.iterations:
+                snaps.append((rec["iteration"], rec["samples"], rec["time_s"],
+                              {k: v.detach().clone() for k, v in model.state_dict().items()}))  # fmt: skip
+
+        return on_step
+
+    def run_sync(seed: int, threads: int) -> None:
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        model = copy.deepcopy(base)
+        eng = LocalEngine(model, eos_ids=[tok.eos_id])
+        snaps: list = []
+        load0 = _loadavg()
+        # the prompt stream of the pipeline's engine (random.Random(seed + 1)): same prompts, in order
+        hist = rl.run_iterations(
+            model, eng, tok, rl.random_sampler(task, seed + 1), task.reward,
+            rl.StepConfig(algo, max_tokens=max_tokens, micro_batch=256),
+            iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
+            lr=args.lr, on_step=snapshotter(snaps),
+        )  # fmt: skip
+        runs.append({"mode": f"sync {threads}t", "seed": seed, "hist": hist, "snaps": snaps,
+                     "load": [load0, _loadavg()]})  # fmt: skip
+        print(f"  seed {seed} sync {threads} thread(s): {hist[-1]['time_s']:.1f} s, "
+              f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
+
+    def run_pipe(seed: int, tt: int, et: int, q: int) -> None:
+        torch.set_num_threads(tt)
+        model = copy.deepcopy(base)
+        pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
+                              prompts_per_step=args.prompts, group_size=args.group,
+                              lr=args.lr, max_tokens=max_tokens, max_lag=args.max_lag,
+                              digits=args.digits, task=task, seed=seed, eval_every=10**9,
+                              eval_size=1, threads=tt, engine_threads=et,
+                              queue_size=q)  # fmt: skip
+        snaps: list = []
+        load0 = _loadavg()
+        torch.manual_seed(seed)
+        hist = run_pipeline(model, pcfg, progress=False, on_step=snapshotter(snaps))
+        runs.append({"mode": f"pipeline {tt}+{et}t q{q}", "seed": seed, "hist": hist,
+                     "snaps": snaps, "load": [load0, _loadavg()]})  # fmt: skip
+        print(f"  seed {seed} pipeline {tt}+{et} threads, queue {q}: {hist[-1]['time_s']:.1f} s, "
+              f"load {load0} -> {_loadavg()}", flush=True)  # fmt: skip
+
+    syncs = [int(x) for x in args.sync_threads.split(",") if x]
+    pipes = []  # (trainer threads, engine threads, queue size); "T+E:Q" pins the queue size
+    for spec in [x for x in args.pipe_threads.split(",") if x]:
+        th, _, q = spec.partition(":")
+        tt, et = (int(x) for x in th.split("+"))
+        pipes += [(tt, et, int(qq)) for qq in (q.split() if q else args.queue.split(",")) if qq]
+    for seed in [int(x) for x in args.seeds.split(",") if x]:
+        # alternate synchronous and pipeline runs so that both see the same drift in load
+        for i in range(max(len(syncs), len(pipes))):
+            if i < len(syncs):
+                run_sync(seed, syncs[i])
+            if i < len(pipes):
+                run_pipe(seed, *pipes[i])
+
+    # evaluation of every snapshot, after all timed runs (identical for every mode)
+    torch.set_num_threads(1)
+    probe = copy.deepcopy(base)
+    eng = LocalEngine(probe, eos_ids=[tok.eos_id])
+    for r in runs:
+        curve = [(0, 0, 0.0, a0)]
+        for it, samples, t, state in r.pop("snaps"):
+            probe.load_state_dict(state)
+            acc = rl.evaluate_accuracy(eng, tok, eval_items, task.reward, max_tokens)
+            curve.append((it, samples, round(t, 2), acc))
+        r["curve"] = curve
+        hit = next((c for c in curve if c[3] >= args.target), None)
+        r["samples_to_target"] = hit[1] if hit else None
+        r["time_to_target"] = hit[2] if hit else None
+        hist = r.pop("hist")
+        r["total_time"] = round(hist[-1]["time_s"], 2)
+        keys = (
+            _PARTS["sync"] if r["mode"].startswith("sync") else _PARTS["trainer"] + _PARTS["engine"]
+        )
+        r["per_iteration_s"] = {k: round(sum(h.get(k, 0.0) for h in hist) / len(hist), 4)
+                                for k in keys}  # fmt: skip
+        r["per_iteration_s"]["wall"] = round(hist[-1]["time_s"] / len(hist), 4)
+        if not r["mode"].startswith("sync"):
+            r["staleness"] = hist[-1].get("staleness_histogram")
+            r["kept"] = sum(h["kept"] for h in hist)
+            r["mixed_version_rollouts"] = sum(h["mixed_version_rollouts"] for h in hist)
+            r["clip_fraction"] = round(sum(h.get("clip_fraction", 0) for h in hist) / len(hist), 4)
+    res = {"task": args.task, "digits": args.digits, "A0": a0, "target": args.target,
+           "threads_note": "sync: torch threads of its one process; pipeline: 1 per process",
+           "runs": runs}  # fmt: skip
+    _plot_pipeline(res, out / "pipeline_vs_sync.png")
+    if args.figure:
+        _plot_pipeline(res, Path(args.figure))
+    return res
+
+
+def _plot_pipeline(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    colors = {}
+    for r in res["runs"]:
+        c = colors.setdefault(r["mode"], f"C{len(colors)}")
+        ls = ["-", "--", ":", "-."][r["seed"] % 4]
+        label = f"{r['mode']} seed {r['seed']}"
+        axes[0].plot([p[2] for p in r["curve"]], [p[3] for p in r["curve"]], ls, color=c,
+                     marker="o", ms=2, label=label)  # fmt: skip
+        axes[1].plot([p[1] for p in r["curve"]], [p[3] for p in r["curve"]], ls, color=c,
+                     marker="o", ms=2, label=label)  # fmt: skip
+    for ax, xl in zip(axes[:2], ["wall-clock (s), evaluation excluded", "rollout samples"]):
+        ax.axhline(res["target"], color="grey", lw=0.8)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    pipes = [r for r in res["runs"] if r.get("staleness")]
+    for i, r in enumerate(pipes):
+        h = {int(k): v for k, v in r["staleness"].items()}
+        tot = sum(h.values())
+        xs = sorted(h)
+        axes[2].bar([x + 0.8 * i / len(pipes) for x in xs], [h[x] / tot for x in xs],
+                    width=0.8 / len(pipes), label=f"{r['mode']} seed {r['seed']}")  # fmt: skip
+    axes[2].set_xlabel("token lag (trainer version − sampling version)")
+    axes[2].set_ylabel("fraction of tokens")
+    axes[2].set_title("Pipeline RL staleness")
+    if pipes:
+        axes[2].legend(fontsize=7)
+    fig.suptitle(f"GRPO, {res['task']} ({res['digits']} digits), same sample budget, A0 = "
+                 f"{res['A0']:.2f}")  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _print_pipeline(res: dict, target: float) -> None:
+    print(
+        f"\nPipeline RL vs synchronous GRPO, {res['task']} task, target {target}, A0 {res['A0']:.3f}"
+    )
+    print("| run | seed | samples to target | time to target (s) | final acc | total (s) | "
+          "load before → after |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for r in res["runs"]:
+        print(f"| {r['mode']} | {r['seed']} | {r['samples_to_target']} | {r['time_to_target']} | "
+              f"{r['curve'][-1][3]:.3f} | {r['total_time']:.1f} | {r['load'][0]} → {r['load'][1]} |")  # fmt: skip
+    for seed in sorted({r["seed"] for r in res["runs"]}):
+        mine = {r["mode"]: r for r in res["runs"] if r["seed"] == seed}
+        for pm, p in mine.items():
+            for m, r in mine.items():
+                if not (m.startswith("sync") and pm.startswith("pipeline")):
+                    continue
+                to = (f"{r['time_to_target'] / p['time_to_target']:.2f}x"
+                      if p["time_to_target"] and r["time_to_target"] else "n/a")  # fmt: skip
+                it = r["per_iteration_s"]["wall"] / p["per_iteration_s"]["wall"]
+                print(f"seed {seed}: {pm} vs {m}: {to} to {target}; {it:.2f}x per iteration")
+    cols = ["wall", "gen_s", "wait_s", "score_s", "fwd_s", "bwd_s", "opt_s", "broadcast_s",
+            "engine_gen_s", "engine_idle_s", "engine_recv_s"]  # fmt: skip
+    print("\nmean seconds per iteration (sync: generation in the loop; pipeline: the trainer's "
+          "wait for a batch, and the engine's own time per batch):")  # fmt: skip
+    print("| run | seed | " + " | ".join(c.removesuffix("_s") for c in cols) + " |")
+    print("|---|---:|" + "---:|" * len(cols))
+    for r in res["runs"]:
+        t = r["per_iteration_s"]
+        cells = [f"{t[c]:.3f}" if c in t else "–" for c in cols]
+        print(f"| {r['mode']} | {r['seed']} | " + " | ".join(cells) + " |")
+    for r in res["runs"]:
+        if r.get("staleness"):
+            print(f"  staleness seed {r['seed']} (token lag: count): {r['staleness']}, kept "
+                  f"{r['kept']} rollouts, {r['mixed_version_rollouts']} mixed-version, "
+                  f"clip fraction {r['clip_fraction']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -145,7 +145,9 @@ def _loss_fn(cfg: StepConfig, ref_model: nn.Module | None) -> Callable[..., Any]
         mask = labels != IGNORE
         if algo.overlong_filter:
             mask = mask & ~s.truncated.to(device)[:, None]
+        t = time.perf_counter()
         logp, _ = sequence_logprobs(model, ids, labels, cfg.temperature)
+        fn.forward_s += time.perf_counter() - t
         token_loss, clipped = policy_token_loss(
             logp, s.old_logp.to(device), s.advantages.to(device), mask,
             algo.reweight, algo.eps_low, algo.eps_high,
@@ -161,6 +163,7 @@ def _loss_fn(cfg: StepConfig, ref_model: nn.Module | None) -> Callable[..., Any]
         return aggregate(token_loss, mask, algo.aggregation, float(cfg.max_tokens))
 
     fn.clip_fraction = []  # type: ignore[attr-defined]
+    fn.forward_s = 0.0  # type: ignore[attr-defined]
     return fn
 
 
@@ -173,15 +176,30 @@ def rl_train_step(
 ) -> dict[str, float]:
     """One optimizer step on ``samples``, split into micro-batches of ``cfg.micro_batch``
     sequences (gradient accumulation normalised over the whole batch, see
-    :func:`~lmforge.posttrain.core.accumulate_step`). Takes any torch optimizer."""
+    :func:`~lmforge.posttrain.core.accumulate_step`). Takes any torch optimizer.
+
+    The stats include a time breakdown: ``fwd_s`` (the policy forwards), ``opt_s`` (the
+    optimizer step, timed by its step hooks) and ``bwd_s`` (the rest: backward, clipping)."""
     n = len(samples)
     if n == 0:
         raise LmforgeError("no samples to train on")
     chunks = [samples.select(range(i, min(i + cfg.micro_batch, n)))
               for i in range(0, n, cfg.micro_batch)]  # fmt: skip
     fn = _loss_fn(cfg, ref_model)
-    stats = accumulate_step(model, optimizer, chunks, fn, cfg.max_grad_norm)
+    opt_t = [0.0, 0.0]
+    pre = optimizer.register_step_pre_hook(lambda *_: opt_t.__setitem__(0, time.perf_counter()))
+    post = optimizer.register_step_post_hook(lambda *_: opt_t.__setitem__(1, time.perf_counter()))
+    t = time.perf_counter()
+    try:
+        stats = accumulate_step(model, optimizer, chunks, fn, cfg.max_grad_norm)
+    finally:
+        pre.remove()
+        post.remove()
+    total = time.perf_counter() - t
     stats["clip_fraction"] = sum(fn.clip_fraction) / len(fn.clip_fraction)
+    stats["fwd_s"] = fn.forward_s
+    stats["opt_s"] = opt_t[1] - opt_t[0]
+    stats["bwd_s"] = total - stats["fwd_s"] - stats["opt_s"]
     return stats
 
 
@@ -236,10 +254,13 @@ def rollout_and_score(
     """Sample ``params.n`` completions per item, score them and build :class:`Samples`
     (groups dropped by dynamic sampling when the algorithm asks for it)."""
     prompts = [encode_text(tokenizer, it["prompt"]) for it in items]
+    t = time.perf_counter()
     outs = engine.generate(prompts, params)
+    gen_s = time.perf_counter() - t
     eos = list(engine.eos_ids)
     r, adv, stats = score_groups(items, outs, tokenizer, reward_fn, algo, params.max_tokens,
                                  overlong_cache, eos)  # fmt: skip
+    stats["gen_s"] = gen_s
     keep = (
         dynamic_sampling_keep(r)
         if algo.dynamic_sampling
@@ -260,7 +281,9 @@ def rollout_and_score(
                        torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0),
                        torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool),
                        torch.zeros(0)), stats  # fmt: skip
-    return build_samples(flat_p, flat_c, torch.tensor(flat_a), torch.tensor(flat_r)), stats
+    samples = build_samples(flat_p, flat_c, torch.tensor(flat_a), torch.tensor(flat_r))
+    stats["score_s"] = time.perf_counter() - t - gen_s
+    return samples, stats
 
 
 @torch.no_grad()
@@ -363,18 +386,23 @@ def run_iterations(
     ref_model: nn.Module | None = None,
     log: Callable[[dict[str, Any]], None] | None = None,
     progress: Any = None,
+    on_step: Callable[[dict[str, Any], nn.Module], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Synchronous RL: rollout → score → ``epochs`` optimizer steps, ``iterations`` times.
 
     Evaluates every ``eval_every`` iterations (and stops early once ``target`` accuracy is
     reached). The engine must sample from ``model`` (same module, or weights pushed in
-    ``update_weights`` by the caller). Returns one record per iteration.
+    ``update_weights`` by the caller). Returns one record per iteration; ``time_s`` leaves out
+    the evaluations (``eval_s`` holds their time) and ``on_step(record, model)``, which runs
+    after every iteration with its clock stopped (e.g. to snapshot the weights and evaluate
+    them after the run, as the Pipeline RL benchmark does for both modes).
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
     params = SamplingParams(temperature=step_cfg.temperature, max_tokens=step_cfg.max_tokens,
                             n=group_size)  # fmt: skip
     history: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    paused = 0.0  # seconds spent in evaluation and on_step: not part of time_s
     samples_seen = 0
     for it in range(1, iterations + 1):
         model.eval()
@@ -395,10 +423,15 @@ def run_iterations(
             stats.update(rl_train_step(model, opt, samples, step_cfg, ref_model))
         engine.version += 1  # the engine shares the module: its next tokens come from this policy
         rec: dict[str, Any] = {"iteration": it, "samples": samples_seen,
-                               "time_s": time.perf_counter() - t0, **stats}  # fmt: skip
+                               "time_s": time.perf_counter() - t0 - paused, **stats}  # fmt: skip
+        t_pause = time.perf_counter()
         if eval_fn is not None and (it % eval_every == 0 or it == iterations):
             model.eval()
             rec["eval_accuracy"] = eval_fn()
+            rec["eval_s"] = time.perf_counter() - t_pause
+        if on_step is not None:
+            on_step(rec, model)
+        paused += time.perf_counter() - t_pause
         history.append(rec)
         if log is not None:
             log(rec)
@@ -413,13 +446,14 @@ def run_iterations(
 
 
 def arithmetic_model(
-    vocab_size: int, seed: int = 0, d_model: int = 128, n_layers: int = 2
+    vocab_size: int, seed: int = 0, d_model: int = 128, n_layers: int = 2, context_length: int = 32
 ) -> nn.Module:
-    """The tiny lmforge model of the arithmetic task (2 layers, d=128, reference backends)."""
+    """The tiny lmforge model of the arithmetic task (2 layers, d=128, reference backends);
+    ``context_length`` 48 fits the 3-digit scratchpad task (8-token prompt, 30-token answer)."""
     from lmforge.model import ModelConfig, TransformerLM
 
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab_size, context_length=32, d_model=d_model,
+    cfg = ModelConfig(vocab_size=vocab_size, context_length=context_length, d_model=d_model,
                       n_layers=n_layers, n_heads=4, attention="sdpa")  # fmt: skip
     return TransformerLM(cfg)
 

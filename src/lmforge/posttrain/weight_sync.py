@@ -61,9 +61,14 @@ def bucket_layout(
 def pack_buckets(
     layout: BucketLayout, tensors: dict[str, torch.Tensor], out: Sequence[torch.Tensor]
 ) -> None:
-    """Copy the named tensors into the flat bucket buffers ``out`` (one ``cat`` per bucket)."""
+    """Copy the named tensors into the flat bucket buffers ``out`` (one ``cat`` per bucket; a
+    bucket on another device than the tensors, e.g. CPU staging for gloo, gets one copy more)."""
     for b, entries in enumerate(layout.entries):
-        torch.cat([tensors[name].reshape(-1) for name, _, _, _ in entries], out=out[b])
+        parts = [tensors[name].reshape(-1) for name, _, _, _ in entries]
+        if parts[0].device == out[b].device:
+            torch.cat(parts, out=out[b])
+        else:
+            out[b].copy_(torch.cat(parts))
 
 
 def unpack_buckets(
@@ -93,7 +98,8 @@ def broadcast_model(
     """Broadcast ``model``'s parameters from rank ``src`` to every rank's ``model`` in buckets
     (``torch.distributed``: gloo on CPU, NCCL on GPUs). The sender packs, everyone receives
     into the same-shaped buffers, the receivers copy out. ``layout`` comes from
-    ``bucket_layout(model.named_parameters())`` on every rank."""
+    ``bucket_layout(model.named_parameters())`` on every rank. The buckets may live on another
+    device than the model (CPU buffers for gloo when both processes share one GPU)."""
     import torch.distributed as dist
 
     params = dict(model.named_parameters())  # tied weights once (the layout's names)
