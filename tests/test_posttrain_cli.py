@@ -48,3 +48,16 @@ def test_rl_arithmetic_command_runs(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert (out / "warm_start" / "config.toml").is_file()
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["iteration"] == 0 and len(lines) == 3
+
+
+def test_rl_scratchpad_pipeline_command_runs(tmp_path: Path) -> None:
+    # the worked-answer task needs a longer context than the plain one; the pipeline flags reach
+    # the engine (queue 0: no token more than one version old)
+    out = tmp_path / "rl"
+    args = ["rl", "--task", "scratchpad", "--digits", "1", "--warmup-steps", "5", "--iterations",
+            "2", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4", "--pipeline",
+            "--queue-size", "0", "--engine-threads", "1", "--quiet", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "scratchpad" and summary["iterations"] == 2
+    assert set(summary["staleness_histogram"]) <= {"0", "1"}

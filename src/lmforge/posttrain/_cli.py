@@ -44,6 +44,7 @@ RL_EXAMPLES = """examples:
   lmforge rl --task arithmetic                       # warm start a tiny model, then GRPO (CPU, minutes)
   lmforge rl --task arithmetic --algo dapo --out runs/rl-dapo
   lmforge rl --task arithmetic --pipeline --max-lag 4  # Pipeline RL: engine and trainer processes
+  lmforge rl --task scratchpad --pipeline --lr 1e-4 --target 0.95   # worked answers: generation ~35%
   lmforge rl --task gsm8k --model runs/sft/model --algo dr_grpo --max-tokens 256
   lmforge rl --config configs/posttrain/rl-arithmetic.toml --algo gspo   # a config file, one flag overridden
 
@@ -124,7 +125,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rl", help="RL with verifiable rewards: GRPO family, PPO, Pipeline RL",
                        description="Reinforcement learning with verifiable rewards.",
                        epilog=RL_EXAMPLES, formatter_class=raw)  # fmt: skip
-    p.add_argument("--task", default="arithmetic", choices=["arithmetic", "gsm8k", "math"])
+    p.add_argument(
+        "--task",
+        default="arithmetic",
+        choices=["arithmetic", "scratchpad", "gsm8k", "math"],
+        help="scratchpad: the arithmetic task with worked column-by-column answers (~30 tokens)",
+    )
     p.add_argument("--algo", default="grpo")
     p.add_argument(
         "--model", default=None, help="policy to start from (arithmetic: warm-started here)"
@@ -159,6 +165,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--pipeline", action="store_true", help="Pipeline RL: engine + trainer processes"
     )
     p.add_argument("--max-lag", type=int, default=4, help="pipeline: drop samples older than this")
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=0,
+        help="pipeline: finished batches the engine may hold unconsumed (0: token lag <= 1)",
+    )
+    p.add_argument(
+        "--engine-threads", type=int, default=None, help="pipeline: torch threads of the engine"
+    )
     _common(p)
     _defer_defaults(p, "rl")
     p.set_defaults(func=_dispatch("rl"))

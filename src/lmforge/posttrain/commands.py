@@ -227,14 +227,19 @@ def run_distill(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+_TOY_TASKS = ("arithmetic", "scratchpad")  # a tiny model warm-started here, char tokenizer
+
+
 def arithmetic_start(args: argparse.Namespace, out: Path) -> tuple[Any, Any, Any]:
     """(task, tokenizer, model): ``--model`` when given, else a tiny model warm-started here on
     the task's carry-dropping mixture (saved to ``out/warm_start``)."""
     from lmforge.posttrain import rl
     from lmforge.posttrain.models import load_model, save_model
+    from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
     from lmforge.posttrain.tasks import ArithmeticTask
 
-    task = ArithmeticTask(digits=args.digits)
+    cls = ScratchpadAdditionTask if args.task == "scratchpad" else ArithmeticTask
+    task = cls(digits=args.digits)
     tok = task.tokenizer()
     if args.model:
         model, _ = load_model(args.model, args.device)
@@ -244,7 +249,10 @@ def arithmetic_start(args: argparse.Namespace, out: Path) -> tuple[Any, Any, Any
         return task, tok, model
     from tqdm import tqdm
 
-    model = rl.arithmetic_model(tok.vocab_size, seed=args.seed).to(args.device)
+    # room for the prompt (two operands, '+', '=') and the answer with its EOS, in 16s
+    ctx = 16 * ((3 * args.digits + 3 + task.answer_tokens) // 16 + 1)
+    model = rl.arithmetic_model(tok.vocab_size, seed=args.seed, context_length=max(32, ctx))
+    model = model.to(args.device)
     wr = random.Random(args.seed + 5)
     with tqdm(total=args.warmup_steps, desc="warm start", disable=args.quiet) as bar:
         rl.supervised_warmup(model, tok, rl.random_sampler(task, args.seed), args.warmup_steps,
@@ -264,11 +272,12 @@ def run_rl(args: argparse.Namespace) -> int:
 
     if args.algo != "ppo":
         rl.algorithm(args.algo)  # an unknown name fails before any work
-    out = _out(args, f"rl-{args.task}", threads=1 if args.task == "arithmetic" else None)
+    toy = args.task in _TOY_TASKS
+    out = _out(args, f"rl-{args.task}", threads=1 if toy else None)
     dev = _device(args.device)
     args.device = dev
     torch.manual_seed(args.seed)
-    if args.task == "arithmetic":
+    if toy:
         task, tok, model = arithmetic_start(args, out)
         reward_fn = task.reward
         answer_tokens = args.max_tokens or task.answer_tokens
@@ -287,7 +296,7 @@ def run_rl(args: argparse.Namespace) -> int:
     eos = eos_ids(tok)
     # the arithmetic task's tiny model stays on the lockstep LocalEngine (its RESULTS figures);
     # lmforge models of real tasks sample through the batched serve engine when it is there
-    serve = args.task != "arithmetic" and is_lmforge_model(model)
+    serve = not toy and is_lmforge_model(model)
     engine = make_engine(model, eos) if serve else LocalEngine(model, eos_ids=eos)
     t_start = time.perf_counter()
 
@@ -311,14 +320,18 @@ def run_rl(args: argparse.Namespace) -> int:
     elif args.pipeline:
         from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
 
-        if args.task != "arithmetic":
-            raise LmforgeError("--pipeline runs the arithmetic task in this version")
+        if not toy:
+            raise LmforgeError(
+                "--pipeline runs the arithmetic and scratchpad tasks in this version"
+            )
         pcfg = PipelineConfig(algo=args.algo, iterations=args.iterations,
                               prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                               lr=args.lr, max_tokens=max_tokens, temperature=args.temperature,
                               max_lag=args.max_lag, digits=args.digits, seed=args.seed,
                               eval_every=args.eval_every, eval_size=args.eval_size,
-                              target=args.target, overlong_cache=overlong_cache)  # fmt: skip
+                              target=args.target, overlong_cache=overlong_cache, task=task,
+                              queue_size=args.queue_size,
+                              engine_threads=args.engine_threads)  # fmt: skip
         hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet)
     else:
         step_cfg = rl.StepConfig(
@@ -349,7 +362,7 @@ def run_rl(args: argparse.Namespace) -> int:
         "held-out greedy accuracy",
         f"lmforge rl --task {args.task}",
     )
-    save_model(model, None if args.task == "arithmetic" else tok, out / "model")
+    save_model(model, None if toy else tok, out / "model")
     summary = {"task": args.task, "algo": args.algo, "pipeline": bool(args.pipeline),
                "accuracy_before": a0, "accuracy_after": final, "iterations": len(hist),
                "samples": hist[-1]["samples"] if hist else 0, "wall_s": round(wall, 1),
