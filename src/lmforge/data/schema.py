@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from lmforge.data.langid import LanguageFilter, LanguageOptions
 from lmforge.data.pii import PiiOptions, PiiStep
 from lmforge.data.quality import C4Config, C4Step, GopherConfig, GopherFilter
 from lmforge.data.shards import TokenizeOptions
-from lmforge.utils.config import ConfigError, config_to_dict, from_dict
+from lmforge.utils.config import ConfigError, config_to_dict, from_dict, read_toml
 from lmforge.utils.errors import LmforgeError
 
 
@@ -222,14 +221,7 @@ def load_pipeline(
 ) -> PipelineConfig:
     """Read and validate a pipeline TOML file (``overrides`` merge over its top-level tables)."""
     p = Path(path)
-    if not p.is_file():
-        raise LmforgeError(f"pipeline file not found: {p}")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise LmforgeError(f"{p}: not valid TOML: {e}") from None
-    except UnicodeDecodeError:
-        raise LmforgeError(f"{p}: not a UTF-8 text file") from None
+    data = read_toml(p, "pipeline file")
     for k, v in (overrides or {}).items():
         if isinstance(v, dict) and isinstance(data.get(k), dict):
             data[k] = {**data[k], **v}

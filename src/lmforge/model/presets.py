@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 
 from lmforge.model.config import ModelConfig
-from lmforge.utils.config import from_dict
+from lmforge.utils.config import from_dict, read_toml
 from lmforge.utils.errors import LmforgeError
 
 
@@ -30,12 +29,7 @@ def load_preset(name_or_path: str | os.PathLike) -> ModelConfig:
         if not path.is_file():
             known = ", ".join(sorted(p.stem for p in presets_dir().glob("*.toml")))
             raise LmforgeError(f"unknown model preset '{text}' (known: {known})")
-    if not path.is_file():
-        raise LmforgeError(f"model preset file not found: {path}")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise LmforgeError(f"model preset {path} is not valid TOML: {e}") from None
+    data = read_toml(path, "model preset")
     if "model" not in data:
         raise LmforgeError(f"model preset {path} has no [model] table")
     return from_dict(ModelConfig, data["model"], prefix="model")

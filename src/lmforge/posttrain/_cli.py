@@ -14,7 +14,6 @@ Exercised by ``pytest tests/test_posttrain_config.py``.
 from __future__ import annotations
 
 import argparse
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -275,17 +274,11 @@ def _check_value(where: str, key: str, value: Any, opt: dict[str, Any]) -> Any:
 
 def read_config(path: str | Path, command: str, spec: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The checked ``[command]`` table of a TOML config file (see the module docstring)."""
+    from lmforge.utils.config import read_toml
     from lmforge.utils.errors import LmforgeError
 
     p = Path(path)
-    if not p.is_file():
-        raise LmforgeError(f"config file not found: {p}")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise LmforgeError(f"config file {p} is not valid TOML: {e}") from None
-    except UnicodeDecodeError:
-        raise LmforgeError(f"config file {p} is not UTF-8 text") from None
+    data = read_toml(p)
     for key, value in data.items():
         if key != command:
             what = f"table [{key}]" if isinstance(value, dict) else f"top-level key '{key}'"

@@ -237,17 +237,23 @@ def load_config(
     """Load ``cls`` from optional ``base`` values, then a TOML file, then dotted overrides."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            data = _merge(data, tomllib.loads(p.read_text(encoding="utf-8")))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file {p} is not UTF-8 text") from None
+        data = _merge(data, read_toml(path))
     data = _merge(data, _stringify_for_str_fields(cls, parse_overrides(overrides)))
     return from_dict(cls, data)
+
+
+def read_toml(path: str | os.PathLike, what: str = "config file") -> dict[str, Any]:
+    """The parsed TOML file at ``path``; a missing, non-UTF-8 or invalid file is one
+    :class:`ConfigError` line naming ``what`` and the path."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} not found: {p}")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} {p} is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {p} is not UTF-8 text") from None
 
 
 def config_to_dict(obj: Any) -> Any:
