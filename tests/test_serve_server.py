@@ -461,3 +461,19 @@ def test_engine_loop_hands_off_once_per_step_for_all_requests() -> None:
         assert len(ids) == 6 + i and text == tok.decode(ids)
         assert ids[: len(solo.outputs[0].token_ids)] == solo.outputs[0].token_ids[: len(ids)]
     assert engine.allocator.num_used == 0
+
+
+def test_one_template_renderer_for_server_and_posttrain() -> None:
+    # the server and post-training render through lmforge.serve.templates.render_template:
+    # a broken template is one ChatTemplateError line, which the server answers as a 400
+    from lmforge.serve.templates import BadRequest, ChatTemplateError, render_chat, render_template
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert render_chat(None, msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ChatTemplateError, match="cannot be rendered"):
+        render_template("{% for m in messages %}", msgs)
+    with pytest.raises(BadRequest) as e:
+        render_chat("{{ raise_exception('no system role') }}", msgs)
+    assert (
+        e.value.status == 400 and e.value.param == "messages" and "no system role" in str(e.value)
+    )

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lmforge.posttrain.core import Example, encode_text
+from lmforge.serve.templates import render_template
 from lmforge.utils.errors import LmforgeError
 
 ROLES = ("system", "user", "assistant")
@@ -102,34 +103,6 @@ def _special_token(tokenizer: Any, attr: str) -> str:
         if isinstance(v, int):
             return tokenizer.decode([v])
     return ""
-
-
-def render_template(
-    template: str,
-    messages: Sequence[Mapping[str, str]],
-    add_generation_prompt: bool,
-    **special: str,
-) -> str:
-    """A Jinja chat template rendered as transformers renders it (sandboxed, trimmed blocks).
-
-    A template that fails (a syntax error, its own ``raise_exception``) raises one line.
-    """
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise LmforgeError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **special
-        )
-    except TemplateError as e:
-        raise LmforgeError(f"chat template cannot be rendered: {e}") from None
 
 
 def render_chat(
