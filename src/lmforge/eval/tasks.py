@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import random
 import re
 from collections.abc import Iterator
@@ -88,19 +87,9 @@ class MathExample:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    if not path.is_file():
-        raise LmforgeError(f"task file not found: {path}")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LmforgeError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise LmforgeError(f"{path}:{lineno}: expected a JSON object per line")
-            yield lineno, obj
+    from lmforge.utils.io import iter_jsonl
+
+    return iter_jsonl(path, "task file")
 
 
 def _field(obj: dict, key: str, typ: type, where: str) -> object:

@@ -10,8 +10,6 @@ evaluation agree. Exercised by ``pytest tests/test_posttrain_rl.py -k reward``.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -188,26 +186,9 @@ class ArithmeticTask:
 
 def read_jsonl(path: str | Path, where: str = "") -> list[dict[str, Any]]:
     """Records of a JSONL file (``.gz`` too); a missing file or malformed line is one-line error."""
-    p = Path(path)
-    if not p.is_file():
-        raise LmforgeError(f"{where or 'data'} file not found: {p}")
-    opener = gzip.open if p.suffix == ".gz" else open
-    out = []
-    try:
-        with opener(p, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise LmforgeError(f"{p}:{n}: not valid JSON ({e.msg})") from None
-                if not isinstance(rec, dict):
-                    raise LmforgeError(f"{p}:{n}: expected a JSON object")
-                out.append(rec)
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise LmforgeError(f"cannot read {p}: {e}") from None
-    return out
+    from lmforge.utils.io import iter_jsonl
+
+    return [rec for _, rec in iter_jsonl(path, f"{where or 'data'} file")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Atomic file writes: write to a temporary name in the same folder, fsync, then rename.
+"""Atomic file writes (write to a temporary name in the same folder, fsync, then rename) and
+the JSONL reader every stage uses.
 
 A crash at any point leaves either the old file or the new one, never a half-written file.
 ``mkstemp`` creates its file 0600; the result is given the mode a plain ``open`` would have
@@ -87,3 +88,32 @@ def file_sha256(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
         while chunk := f.read(chunk_size):
             h.update(chunk)
     return h.hexdigest()
+
+
+def iter_jsonl(path: str | os.PathLike, what: str = "data file") -> Iterator[tuple[int, dict]]:
+    """(line number, record) of each non-blank line of a JSONL file (``.gz`` too). A missing or
+    unreadable file, a line that is not JSON or not an object: one ``LmforgeError`` line naming
+    ``what``, the path and the line."""
+    import gzip
+    import json
+
+    from lmforge.utils.errors import LmforgeError
+
+    p = Path(path)
+    if not p.is_file():
+        raise LmforgeError(f"{what} not found: {p}")
+    opener = gzip.open if p.suffix == ".gz" else open
+    try:
+        with opener(p, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise LmforgeError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+                if not isinstance(rec, dict):
+                    raise LmforgeError(f"{p}:{n}: expected a JSON object per line")
+                yield n, rec
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise LmforgeError(f"cannot read {p}: {e}") from None
