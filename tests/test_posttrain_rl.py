@@ -214,3 +214,45 @@ def test_serve_engine_adapter_ratio_is_one() -> None:
     eng.version = 3
     out = eng.generate([[3]], SamplingParams(temperature=0.0, max_tokens=3))
     assert out[0].outputs[0].policy_versions == [3, 3, 3]
+
+
+def test_rollout_kv_blocks_leave_the_trainer_room() -> None:
+    """A rollout engine's cache: max_num_seqs full contexts, capped at a share of free memory,
+    never below one context (the H200 GRPO run ran out of memory with the serving default)."""
+    from lmforge.posttrain.rollout import rollout_kv_blocks
+
+    per_block = 1 << 20  # 1 MiB
+    # plenty of memory: 256 contexts of 2048 tokens in 16-token blocks, not more
+    assert rollout_kv_blocks(2048, per_block, 1 << 40) == 256 * 128
+    # 10 GiB free, 30%: 3 GiB of blocks
+    assert rollout_kv_blocks(2048, per_block, 10 << 30, fraction=0.3) == int(0.3 * (10 << 30)) >> 20
+    # too little memory: still one full context, the engine's admission floor
+    assert rollout_kv_blocks(2048, per_block, 1 << 20) == 128
+    assert rollout_kv_blocks(100, per_block, 1 << 40, block_size=16, max_num_seqs=4) == 4 * 7
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo"])
+def test_rl_train_step_micro_batches_match_one_batch(name: str) -> None:
+    """Micro-batch weights computed up front (each backward right after its forward) give the
+    gradient of the whole batch at once, for each aggregation (seq_mean, constant, token_mean
+    with DAPO's overlong filter)."""
+    model = tiny_lm()
+    eng = LocalEngine(model, eos_ids=[2])
+    outs = eng.generate(
+        [[3, 4, 5], [6], [7, 8]], SamplingParams(temperature=0.8, max_tokens=6, n=3, seed=1)
+    )
+    comps = [c for o in outs for c in o.outputs]
+    flat_prompts = [o.prompt_token_ids for o in outs for _ in o.outputs]
+    samples = rl.build_samples(
+        flat_prompts, comps, torch.randn(len(comps)), torch.zeros(len(comps))
+    )
+    grads = []
+    for mb in (len(comps), 2):
+        model.zero_grad(set_to_none=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        cfg = rl.StepConfig(rl.algorithm(name), max_tokens=6, micro_batch=mb, max_grad_norm=None,
+                            temperature=0.8)  # fmt: skip
+        rl.rl_train_step(model, opt, samples, cfg)
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -333,12 +333,38 @@ class LocalEngine:
         self.version = version
 
 
+ROLLOUT_KV_FRACTION = 0.3
+"Share of the free device memory a rollout engine's KV cache may take: the trainer shares the GPU."
+
+
+def rollout_kv_blocks(
+    context_length: int,
+    bytes_per_block: int,
+    free_bytes: int,
+    *,
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    fraction: float = ROLLOUT_KV_FRACTION,
+) -> int:
+    """KV blocks for a rollout engine that shares its device with a trainer.
+
+    Enough for ``max_num_seqs`` full contexts (more only helps the prefix cache), capped at
+    ``fraction`` of ``free_bytes``; at least one full context (the engine refuses less). A
+    serving engine takes most of the free memory instead; here the trainer's reference model,
+    optimizer state and activations are allocated after the engine, so it must leave them room.
+    """
+    per_seq = -(-context_length // block_size)
+    cap = int(fraction * free_bytes) // max(bytes_per_block, 1)
+    return max(per_seq, min(max_num_seqs * per_seq, cap))
+
+
 def make_engine(model: nn.Module, eos_ids: Iterable[int] = (), prefer: str = "auto") -> Any:
     """The rollout engine: ``lmforge.serve.engine.Engine`` when importable and ``prefer`` is
     ``auto`` or ``serve``, else :class:`LocalEngine`.
 
     Both answer ``generate(prompts, params)`` and ``update_weights(named, version)``; the serve
     engine takes its own ``SamplingParams`` (same fields), which :func:`to_serve_params` builds.
+    On CUDA its KV cache is sized by :func:`rollout_kv_blocks` (the trainer needs the rest).
     """
     if prefer in ("auto", "serve"):
         try:
@@ -362,8 +388,18 @@ class _ServeAdapter:
 
     def __init__(self, model: nn.Module, eos_ids: set[int]) -> None:
         from lmforge.serve.engine import Engine
+        from lmforge.serve.runner import PagedKVCache
 
-        self.engine = Engine(model, device=next(model.parameters()).device)
+        param = next(model.parameters())
+        num_blocks = None
+        if param.device.type == "cuda":
+            per_block = PagedKVCache.bytes_per_block(model, 16, param.dtype)
+            free = int(torch.cuda.mem_get_info(param.device)[0])
+            num_blocks = rollout_kv_blocks(model.config.context_length, per_block, free)
+        # CUDA graphs on a GPU: a small model's decode step is launch-bound without them; the
+        # trainer updates the weights in place, so the captured graphs read the new ones.
+        self.engine = Engine(model, device=param.device, block_size=16, num_blocks=num_blocks,
+                             cuda_graphs=param.device.type == "cuda")  # fmt: skip
         self.eos_ids = eos_ids
 
     @property
