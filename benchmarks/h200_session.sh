@@ -13,7 +13,8 @@
 #   serve      benchmarks/serve.py            (issue 22)
 #   moe        benchmarks/moe.py --train --profile   (issue 25)
 #   scaling    benchmarks/scaling*.py         (issue 24)
-#   posttrain  benchmarks/weight_sync.py and benchmarks/posttrain_rl.py (issue 23)
+#   posttrain  benchmarks/weight_sync.py, benchmarks/posttrain_rl.py and benchmarks/rollout.py
+#              (issue 23)
 #   smol       the SmolLM2 runs: benchmarks/speculative.py (issue 22, benchmark 4), then
 #              benchmarks/posttrain_gsm8k.py (issue 23, evidence 2; resumable, rerun until it
 #              finishes). Needs .carry/smol.gguf: the 93.8 MiB GGUF is over one call's 64 MiB
@@ -135,11 +136,19 @@ part_posttrain() {
     for f in benchmarks/weight_sync.py benchmarks/posttrain_rl.py; do
         [ -f "$f" ] && step "$(basename "$f" .py)" 540 "$PY" "$f"
     done
+    [ -f benchmarks/rollout.py ] && step rollout 240 "$PY" benchmarks/rollout.py --profile
 }
 
 part_smol() {
     have smol .carry/smol.gguf || return 0
-    step speculative 300 "$PY" benchmarks/speculative.py --device cuda --gguf .carry/smol.gguf
+    # gguf (the GGUF reader) is not on the GPU host: its wheel travels in .carry/ggufwhl
+    if ls .carry/ggufwhl/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/lmforge-gguf .carry/ggufwhl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/lmforge-gguf"
+    fi
+    # the prompts' data (GSM8K, six Gutenberg books) in .carry/specdata, laid out like ../shared
+    step speculative 300 "$PY" benchmarks/speculative.py --device cuda --gguf .carry/smol.gguf \
+        --shared .carry/specdata
     have smol .carry/gsm8k/test.jsonl || return 0
     step posttrain_gsm8k 540 "$PY" benchmarks/posttrain_gsm8k.py --device cuda --quiet \
         --model .carry/smol.gguf --data-dir .carry/gsm8k --out runs/posttrain_gsm8k

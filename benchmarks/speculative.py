@@ -376,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--gguf", help="target GGUF (default ../shared/" + GGUF_NAME + ")")
+    ap.add_argument("--shared", default=None, metavar="DIR",
+                    help="a folder laid out like ../shared (data/eval/gsm8k/*.jsonl, "
+                         "data/text/gutenberg/*.txt), searched first: for a GPU host, where "
+                         "../shared does not travel")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (smoke test)")
     ap.add_argument("--quick", action="store_true", help="1 prompt per set, 16 new tokens")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per set")
@@ -394,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--distill-prompts", type=int, default=32, help="prompts it is distilled on")
     args = ap.parse_args(argv)
+    if args.shared:
+        SHARED.insert(0, Path(args.shared))
     if args.quick:
         args.prompts, args.max_tokens = 1, 16
     if args.threads:
