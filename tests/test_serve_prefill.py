@@ -60,7 +60,7 @@ def _want(q, kc, vc, tables, q_lens, ctx):
 def _kernel(q, kc, vc, bt, q_lens, ctx, block_m):
     from lmforge.serve._prefill_triton import paged_prefill_triton
 
-    plan = prefill_plan(q_lens, ctx, q.device, block_m)
+    plan = prefill_plan(q_lens, ctx, q.device, block_m=block_m)
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device=q.device)
     return paged_prefill_triton(q, kc, vc, bt, ctx_t, plan)
 
@@ -110,7 +110,7 @@ if not _CHILD:
         from lmforge.serve._prefill_triton import SHORT_ROWS
 
         q_lens, ctx = [130, 1, 16, 17, 64], [130, 500, 16, 300, 64]
-        plan = prefill_plan(q_lens, ctx, torch.device("cpu"), 64)
+        plan = prefill_plan(q_lens, ctx, torch.device("cpu"), block_m=64)
         cu, l_seq, l_m, s_seq, _ = (x.tolist() for x in plan.parts())
         assert cu == [0, 130, 131, 147, 164, 228]
         assert s_seq == [1, 2]  # q_len <= SHORT_ROWS rows: the 16-row launch

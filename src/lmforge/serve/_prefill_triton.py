@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
 
@@ -168,8 +169,16 @@ class PrefillPlan:
         )
 
 
+def default_block_m(head_dim: int) -> int:
+    """Query rows per long tile: 128 up to E 128 (the project's FlashAttention forward default
+    on Hopper), 64 above; 32 in the interpreter (tiny test shapes)."""
+    if interpreting():
+        return 32
+    return 128 if head_dim <= 128 else 64
+
+
 def prefill_plan(
-    q_lens: Sequence[int], ctx_lens: Sequence[int], device: torch.device, block_m: int = 64
+    q_lens: Sequence[int], ctx_lens: Sequence[int], device: torch.device, block_m: int = 128
 ) -> PrefillPlan:
     """The step's tile lists from the chunk and context lengths (one host-to-device copy).
 
@@ -222,8 +231,9 @@ def paged_prefill_triton(
     if interpreting() and mma == tl.bfloat16:  # Triton 3.6's interpreter: bf16 tl.dot is wrong
         mma = tl.float32
     prec = "ieee" if mma == tl.float32 else "tf32"
+    wide = k_cache.element_size() > 2 or ep > 128  # fp32 / E 256 tiles: half the key tile
     if block_n is None:
-        block_n = 64 if ep <= 128 else 32
+        block_n = 32 if wide else 64
     if interpreting():
         block_n = min(block_n, 16)  # the interpreter's cost grows with the tile
     cu, l_seq, l_m, s_seq, s_m = plan.parts()
@@ -232,15 +242,27 @@ def paged_prefill_triton(
     for n_tiles, block_m, t_seq, t_m in launches:
         if n_tiles == 0:
             continue
-        opts = {}
-        if not interpreting():
-            opts = {"num_warps": num_warps or (4 if block_m <= 64 else 8),
-                    "num_stages": num_stages or 2}  # fmt: skip
-        _paged_prefill_kernel[(n_tiles, h)](
+        args = (
             q, k_cache, v_cache, block_tables, ctx_lens, cu, t_seq, t_m, out, qk_scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            G=h // kv_heads, E=e, EP=ep, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n, MMA=mma,
-            PREC=prec, **opts,
         )  # fmt: skip
+        meta = dict(G=h // kv_heads, E=e, EP=ep, BS=bs, BLOCK_M=block_m, MMA=mma, PREC=prec)
+        if interpreting():
+            _paged_prefill_kernel[(n_tiles, h)](*args, **meta, BLOCK_N=block_n)
+            continue
+        warps = num_warps or (8 if block_m >= 128 else 4)
+        stages = num_stages or (2 if wide or block_m <= SHORT_ROWS else 3)
+        # The shared-memory need grows with stages x key tile; step down rather than fail on a
+        # dtype/E the defaults were not sized for (fp32 caches in tests, E 256).
+        tries = [(block_n, stages), (block_n, 1), (max(16, block_n // 2), 1)]
+        for i, (bn, st) in enumerate(tries):
+            try:
+                _paged_prefill_kernel[(n_tiles, h)](
+                    *args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=st
+                )
+                break
+            except OutOfResources:
+                if i == len(tries) - 1:
+                    raise
     return out

@@ -196,17 +196,24 @@ def paged_prefill(
     if ctx_lens_tensor is None:
         ctx_lens_tensor = torch.tensor(list(ctx_lens), dtype=torch.int32, device=q.device)
     if plan is None:
-        plan = prefill_plan(q_lens, ctx_lens, q.device)
+        plan = prefill_plan(q_lens, ctx_lens, q.device, head_dim=q.shape[-1])
     return paged_prefill_triton(q, k_cache, v_cache, block_table_tensor, ctx_lens_tensor, plan)
 
 
 def prefill_plan(
-    q_lens: Sequence[int], ctx_lens: Sequence[int], device: torch.device, block_m: int = 64
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    device: torch.device,
+    *,
+    head_dim: int = 128,
+    block_m: int | None = None,
 ) -> PrefillPlan:
-    """The prefill kernel's tile list for one step (host work + one copy; reuse it per layer)."""
+    """The prefill kernel's tile list for one step (host work + one copy; reuse it per layer).
+    ``block_m`` query rows per tile (None: the default for ``head_dim``)."""
+    from lmforge.serve._prefill_triton import default_block_m
     from lmforge.serve._prefill_triton import prefill_plan as build
 
-    return build(q_lens, ctx_lens, device, block_m)
+    return build(q_lens, ctx_lens, device, block_m or default_block_m(head_dim))
 
 
 def _triton_decode(

@@ -146,7 +146,8 @@ def forward_step(
             dev.type == "cuda" and triton_decode_available(dev)
         )  # fmt: skip
         if kernel:
-            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev)
+            e = model.layers[0].attn.head_dim
+            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
     x = model.residual_stream(model.token_embeddings(batch.tokens))  # (N, D)
     for i, layer in enumerate(model.layers):
         a = _attention(layer.attn, layer.ln1(x), batch, cache.k[i], cache.v[i], use_triton, plan)
