@@ -394,6 +394,219 @@ def bench_decode(quick: bool) -> dict:
     return dict(rows)
 
 
+# ---------------------------------------------------------------- 2a. prefill steps
+PEAK_BF16 = 989e12  # H200 dense bf16 tensor-core FLOP/s
+
+
+def _prefill_steps(in_lens: list[int], budget: int = 16384) -> dict[str, list[tuple[int, int]]]:
+    """Two (q_len, ctx_len) steps of the throughput workload as the engine schedules them:
+    ``first``: the first step (the first prompts whole, the last one cut at the budget);
+    ``mixed``: a later one (200 decode rows, the rest of a prompt cut in the previous step after
+    its cached part, then new prompts up to the budget)."""
+    g = torch.Generator().manual_seed(1)
+    first, left = [], budget
+    for n in in_lens:
+        t = min(n, left)
+        first.append((t, t))
+        left -= t
+        if left == 0:
+            break
+    mixed = [(1, int(c)) for c in torch.randint(101, 2048, (200,), generator=g)]
+    mixed.append((300, 900))
+    left = budget - sum(t for t, _ in mixed)
+    for n in in_lens[len(first) :]:
+        t = min(n, left)
+        mixed.append((t, t))
+        left -= t
+        if left == 0:
+            break
+    return {"first": first, "mixed": mixed}
+
+
+def _first_step(in_lens: list[int], budget: int) -> list[tuple[int, int]]:
+    return _prefill_steps(in_lens, budget)["first"]
+
+
+def _cuda_ms(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def _attn_flops(seqs: list[tuple[int, int]], h: int, e: int) -> float:
+    """QKᵀ and PV over the (query, key) pairs the bottom-right causal mask keeps."""
+    pairs = sum(t * (c - t) + t * (t + 1) / 2 for t, c in seqs)
+    return 4.0 * h * e * pairs
+
+
+def bench_prefill(quick: bool) -> None:
+    """The varlen paged prefill kernel against the per-sequence SDPA loop (the torch
+    reference) on steps of the throughput workload: correctness, then one layer's attention
+    and one whole forward step, CUDA events, medians, interleaved."""
+    from lmforge.serve.attention import (
+        paged_attention_float64,
+        paged_prefill,
+        paged_prefill_reference,
+        prefill_plan,
+    )
+    from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+
+    cfg = ModelConfig(**QWEN3_06B)
+    h, k, e, bs = cfg.n_heads, cfg.kv_heads, cfg.head_dim, 16
+    g = torch.Generator().manual_seed(0)
+    in_lens = torch.randint(100, 1025, (256,), generator=g).tolist()  # bench_throughput's draw
+    steps = _prefill_steps(in_lens)
+    # the engine's default budget (2048 tokens per step) against the benchmark's 16384
+    steps["first, 2048-token budget"] = _first_step(in_lens, 2048)
+    model = _model(QWEN3_06B)
+    n_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    _line(
+        "\n## 2a. prefill steps of the throughput workload (Qwen3-0.6B shape, bf16, blocks of 16)"
+    )
+    _line(f"whole workload floor: 2 x {n_params / 1e6:.0f}M non-embedding params x "
+          f"{sum(in_lens):,} prompt tokens = {2 * n_params * sum(in_lens):.2e} FLOP = "
+          f"{2 * n_params * sum(in_lens) / PEAK_BF16:.3f} s at {PEAK_BF16 / 1e12:.0f} TFLOP/s "
+          f"(+ attention {_attn_flops([(n, n) for n in in_lens], h, e) * cfg.n_layers:.2e} FLOP)")  # fmt: skip
+    rows = []
+    for name, seqs in steps.items():
+        n_tok = sum(t for t, _ in seqs)
+        n_seq = len(seqs)
+        # pages: every sequence's blocks, scrambled (as a long-running allocator leaves them)
+        nbs = [math.ceil(c / bs) for _, c in seqs]
+        nb = sum(nbs) + 1
+        perm = torch.randperm(nb - 1, generator=g).add(1).tolist()  # block 0: padding
+        tables, used = [], 0
+        for m in nbs:
+            tables.append(perm[used : used + m])
+            used += m
+        w = max(nbs)
+        bt = torch.tensor([t + [0] * (w - len(t)) for t in tables], dtype=torch.int32).cuda()
+        q_lens = [t for t, _ in seqs]
+        ctx = [c for _, c in seqs]
+        ctx_t = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+        kc = torch.randn(nb, bs, k, e, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn(nb, bs, k, e, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(n_tok, h, e, device="cuda", dtype=torch.bfloat16)
+        plan = prefill_plan(q_lens, ctx, q.device, head_dim=e)
+
+        def kern(q=q, kc=kc, vc=vc, bt=bt, ctx_t=ctx_t, plan=plan, tables=tables, q_lens=q_lens,
+                 ctx=ctx):  # fmt: skip
+            return paged_prefill(q, kc, vc, tables, q_lens, ctx, block_table_tensor=bt,
+                                 ctx_lens_tensor=ctx_t, plan=plan, use_triton=True)  # fmt: skip
+
+        def loop(q=q, kc=kc, vc=vc, bt=bt, tables=tables, q_lens=q_lens, ctx=ctx):
+            return paged_prefill_reference(q, kc, vc, tables, q_lens, ctx, block_table_tensor=bt)
+
+        got, ref = kern(), loop()
+        err = float((got.float() - ref.float()).abs().max())
+        # float64 on three sequences: the longest whole prompt, a cached-prefix chunk, a decode row
+        starts = [0]
+        for t in q_lens:
+            starts.append(starts[-1] + t)
+        whole = [i for i in range(n_seq) if q_lens[i] == ctx[i]]
+        chunk = [i for i in range(n_seq) if 1 < q_lens[i] < ctx[i]]
+        dec = [i for i in range(n_seq) if q_lens[i] == 1 < ctx[i]]
+        picks = sorted({max(whole, key=lambda i: q_lens[i]), *chunk[:1], *dec[:1]})
+        kc_h, vc_h, err64 = kc.cpu(), vc.cpu(), 0.0
+        for i in picks:
+            rows_i = slice(starts[i], starts[i + 1])
+            want = paged_attention_float64(q[rows_i].cpu(), kc_h, vc_h, tables[i], ctx[i])
+            err64 = max(err64, float((got[rows_i].cpu().double() - want).abs().max()))
+        _line(f"check ({name} step: {n_seq} sequences, {n_tok} tokens, "
+              f"{sum(1 for t in q_lens if t == 1)} decode rows, tiles {plan.n_long} x "
+              f"{plan.block_m} rows + {plan.n_short} x 16): kernel vs SDPA loop max |err| = "
+              f"{err:.2e}; vs float64 on sequences {picks} = {err64:.2e}")  # fmt: skip
+        assert err < 3e-2 and err64 < 3e-2
+        reps_k, reps_l = (5, 2) if quick else (20, 5)
+        kern(), loop()  # warm
+        tk, tl_ = [], []
+        for _ in range(reps_l):  # interleaved: both see the same clocks and load
+            tk += _cuda_ms(kern, reps_k // reps_l)
+            tl_ += _cuda_ms(loop, 1)
+        mk, ml = statistics.median(tk), statistics.median(tl_)
+        fl = _attn_flops(seqs, h, e)
+        rows.append((f"{name}: attention, one layer", mk, ml, fl, n_tok))
+        del kc, vc, q
+
+        # one whole forward step (28 layers, the LM head on the last rows), kernel vs loop
+        cache = PagedKVCache(cfg.n_layers, nb, bs, k, e, torch.device("cuda"), torch.bfloat16)
+        cache.k.normal_()
+        cache.v.normal_()
+        tok, pos, slots, last = [], [], [], []
+        for table, t, c in zip(tables, q_lens, ctx, strict=True):
+            for p in range(c - t, c):
+                slots.append(table[p // bs] * bs + p % bs)
+                pos.append(p)
+            tok += torch.randint(0, cfg.vocab_size, (t,), generator=g).tolist()
+            last.append(len(tok) - 1)
+
+        def lng(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device="cuda")
+
+        batch = StepBatch(tokens=lng(tok), positions=lng(pos), slots=lng(slots), block_tables=bt,
+                          ctx_lens=ctx_t, last_rows=lng(last), q_lens=q_lens, ctx_lens_list=ctx,
+                          tables_list=tables)  # fmt: skip
+
+        def step(use_triton: bool, batch=batch, cache=cache):
+            with torch.inference_mode():
+                return forward_step(model, cache, batch, use_triton=use_triton)
+
+        a, b = step(True), step(False)
+        lerr = float((a - b).abs().max() / b.abs().max())
+        ts_k, ts_l = [], []
+        for _ in range(2 if quick else 3):
+            ts_k += _cuda_ms(lambda: step(True), 2)
+            ts_l += _cuda_ms(lambda: step(False), 1)
+        sk, sl = statistics.median(ts_k), statistics.median(ts_l)
+        fl_step = 2 * n_params * n_tok + fl * cfg.n_layers
+        _line(f"check ({name} step): forward_step logits, kernel vs loop, max |diff| / max |logit|"
+              f" = {lerr:.2e}")  # fmt: skip
+        rows.append((f"{name}: whole forward step", sk, sl, fl_step, n_tok))
+        if PROFILE:
+            _profile_call(lambda: step(True), f"one {name} prefill step, kernel")
+        del cache, batch
+        torch.cuda.empty_cache()
+    _line("\n| what | tokens | kernel ms | SDPA loop ms | loop / kernel | kernel us/token | "
+          f"kernel TFLOP/s | floor ms ({PEAK_BF16 / 1e12:.0f} TFLOP/s) | kernel / floor |")  # fmt: skip
+    _line("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for what, mk, ml, fl, n_tok in rows:
+        floor = fl / PEAK_BF16 * 1e3
+        _line(f"| {what} | {n_tok} | {mk:.3f} | {ml:.3f} | {ml / mk:.1f}x | "
+              f"{mk * 1e3 / n_tok:.2f} | {fl / mk / 1e9:.0f} | {floor:.3f} | {mk / floor:.1f}x |")  # fmt: skip
+    torch.cuda.empty_cache()
+
+
+def _profile_call(fn, label: str, top: int = 15) -> None:
+    """torch.profiler over one call of ``fn``: its top CUDA kernels and the kernel count."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            slot = agg.setdefault(ev.name, [0, 0.0])
+            slot[0] += 1
+            slot[1] += ev.time_range.elapsed_us()
+    total = sum(v[1] for v in agg.values())
+    _line(f"\n### profile: {label}: {sum(v[0] for v in agg.values())} kernels, GPU busy "
+          f"{total / 1e3:.2f} ms")  # fmt: skip
+    _line("\n| kernel | count | ms | share |")
+    _line("|---|---:|---:|---:|")
+    for name, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
+        short = (name if len(name) <= 90 else name[:87] + "...").replace("|", "/")
+        _line(f"| {short} | {cnt} | {us / 1e3:.3f} | {us / max(total, 1e-9):.1%} |")
+
+
 # ---------------------------------------------------------------- 2. throughput
 def bench_throughput(quick: bool) -> None:
     model = _model(QWEN3_06B)
@@ -882,8 +1095,12 @@ def main() -> int:
     _line(f"command: python benchmarks/serve.py {' '.join(sys.argv[1:])}")
     parts = {"check": check, "decode": bench_decode, "throughput": bench_throughput,
              "server": bench_server, "spec": bench_spec}  # fmt: skip
+    parts["prefill"] = bench_prefill
+    only = args.only.split(",")
+    if "throughput" in only and "prefill" not in only:  # the prefill kernel's check + timing
+        only.insert(only.index("throughput"), "prefill")
     failed = 0
-    for name in args.only.split(","):
+    for name in only:
         t0 = time.perf_counter()
         fn = parts[name]
         try:
