@@ -9,6 +9,10 @@
    requests, prompt and output lengths uniform in 100-1024, ignore EOS, temperature 0.6:
    output tokens/s. No peer engine is installed here; the floor is the weight read per decode
    step at the batch the engine runs.
+   Before it (``--only prefill``, also run by ``throughput``): the varlen paged prefill kernel
+   against the per-sequence SDPA loop on steps of that workload, checked first, then one
+   layer's attention and one whole forward step timed (CUDA events, medians, interleaved),
+   against the FLOP floor.
 3. server: 64 concurrent streaming clients against ``lmforge serve``'s app (TinyLlama shape,
    127.0.0.1): requests/s, p50/p99 time to first token and time per output token, errors.
 4. speculative: batch-1 greedy decode with a 2-layer draft of the same width and with n-gram
@@ -23,6 +27,7 @@ CUDA kernels: count and µs per step, share; kernels per step).
 
     PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
     PYTHONPATH=src python benchmarks/serve.py --only check,decode,throughput --profile
+    PYTHONPATH=src python benchmarks/serve.py --only prefill --profile
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
     PYTHONPATH=src python benchmarks/serve.py --only server-cpu --quick --baseline-src ../main/src
 """
@@ -642,6 +647,11 @@ def _throughput_run(model, prompts, params, compile: bool) -> tuple[str, int, fl
                  cuda_graphs=GRAPHS, compile=compile)  # fmt: skip
     setup = time.perf_counter() - t0
     eng.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm
+    # and a mixed step (a decode row beside a prefill chunk: the prefill kernel's short tiles),
+    # so no Triton compile lands inside the timed run
+    eng.add_request(prompts[2][:40], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()
+    eng.generate([prompts[3][:50]], SamplingParams(max_tokens=2, ignore_eos=True))
     torch.cuda.synchronize()
     steps0 = eng.stats["steps"]
     # Split the wall time: steps that carry prefill (or have requests waiting) vs pure decode

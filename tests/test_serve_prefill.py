@@ -131,12 +131,14 @@ if not _CHILD:
     def test_prefill_kernel_in_interpreter_subprocess() -> None:
         run_pytest_in_interpreter(__file__)
 
+    _BIG = (16, 8, 128, 16, [(t, t) for t in (100, 1024, 777)] + [(1, n) for n in range(5, 2000, 97)]
+            + [(300, 1500), (64, 64), (65, 129), (129, 1000)])  # fmt: skip
+
     @pytest.mark.gpu
-    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
     @pytest.mark.parametrize(
-        "case",
-        [*CASES, (16, 8, 128, 16, [(t, t) for t in (100, 1024, 777)] + [(1, n) for n in range(5, 2000, 97)]
-                  + [(300, 1500), (64, 64), (65, 129)])],
+        ("case", "dtype"),
+        [(_BIG, torch.bfloat16), (_BIG, torch.float16), (_BIG, torch.float32),
+         *[(c, torch.bfloat16) for c in CASES]],
     )  # fmt: skip
     def test_prefill_kernel_gpu(case, dtype) -> None:
         h, k, e, bs, seqs = case

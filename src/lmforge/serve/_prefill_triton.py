@@ -90,7 +90,9 @@ def _prefill_inner(
     return acc, m_i, l_i
 
 
-@triton.jit
+# The table width changes from step to step: not specialised on (its divisibility by 16 would
+# compile a new variant mid-run).
+@triton.jit(do_not_specialize=["stride_bts"])
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, tile_seq_ptr, tile_m_ptr, out_ptr, qk_scale,
     stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_bts, stride_on, stride_oh,
