@@ -196,3 +196,51 @@ else:
         assert launches == {"long": 0, "short": 0}
         assert _greedy(model, True) == want
         assert launches["long"] > 0 and launches["short"] > 0  # decode rows were mixed in
+
+
+def _compile_sm90(dtype: str, e: int, block_m: int, block_n: int, warps: int, stages: int):
+    """The prefill kernel lowered to a Hopper cubin (no GPU needed: Triton's bundled ptxas)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lmforge.serve import _prefill_triton as pt
+
+    jit = pt._paged_prefill_kernel
+    mma = {"bf16": tl.bfloat16, "fp16": tl.float16}[dtype]
+    consts = dict(G=2, E=e, EP=max(16, triton.next_power_of_2(e)), BS=16, BLOCK_M=block_m,
+                  BLOCK_N=block_n, MMA=mma, PREC="tf32")  # fmt: skip
+    sig, attrs = {}, {}
+    for i, name in enumerate(jit.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + dtype if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr") else "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name != "stride_bts":  # do_not_specialize
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(jit, sig, consts, attrs)
+    options = {"num_warps": warps, "num_stages": stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _HAS_TRITON or _CHILD, reason="needs triton, not the interpreter")
+@pytest.mark.parametrize("e", [64, 128, 256])
+def test_prefill_kernel_compiles_for_sm90(e) -> None:
+    """The default launch configs (long tiles: wgmma, short 16-row tiles) fit Hopper's shared
+    memory; caught here on a CPU machine rather than on the GPU host."""
+    from lmforge.serve._prefill_triton import SHORT_ROWS, default_block_m, launch_config
+
+    bm = default_block_m(e)
+    for dtype in ("bf16", "fp16"):
+        long = _compile_sm90(dtype, e, bm, *launch_config(bm, e, 2))
+        assert long.metadata.shared <= 232448
+        assert "wgmma.mma_async" in long.asm["ptx"]
+        short = _compile_sm90(dtype, e, SHORT_ROWS, *launch_config(SHORT_ROWS, e, 2))
+        assert short.metadata.shared <= 232448

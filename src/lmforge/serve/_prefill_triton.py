@@ -179,6 +179,15 @@ def default_block_m(head_dim: int) -> int:
     return 128 if head_dim <= 128 else 64
 
 
+def launch_config(block_m: int, head_dim: int, elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for tiles of ``block_m`` rows: 64-key tiles, 3 stages;
+    fp32 caches and E > 128 take 32-key tiles and 2 stages (shared memory), short tiles 2."""
+    wide = elem_bytes > 2 or head_dim > 128
+    block_n = 32 if wide else 64
+    stages = 2 if wide or block_m <= SHORT_ROWS else 3
+    return block_n, 8 if block_m >= 128 else 4, stages
+
+
 def prefill_plan(
     q_lens: Sequence[int], ctx_lens: Sequence[int], device: torch.device, block_m: int = 128
 ) -> PrefillPlan:
@@ -233,11 +242,8 @@ def paged_prefill_triton(
     if interpreting() and mma == tl.bfloat16:  # Triton 3.6's interpreter: bf16 tl.dot is wrong
         mma = tl.float32
     prec = "ieee" if mma == tl.float32 else "tf32"
-    wide = k_cache.element_size() > 2 or ep > 128  # fp32 / E 256 tiles: half the key tile
-    if block_n is None:
-        block_n = 32 if wide else 64
     if interpreting():
-        block_n = min(block_n, 16)  # the interpreter's cost grows with the tile
+        block_n = min(block_n or 16, 16)  # the interpreter's cost grows with the tile
     cu, l_seq, l_m, s_seq, s_m = plan.parts()
     qk_scale = LOG2E / (e**0.5)
     launches = ((plan.n_long, plan.block_m, l_seq, l_m), (plan.n_short, SHORT_ROWS, s_seq, s_m))
@@ -253,15 +259,15 @@ def paged_prefill_triton(
         if interpreting():
             _paged_prefill_kernel[(n_tiles, h)](*args, **meta, BLOCK_N=block_n)
             continue
-        warps = num_warps or (8 if block_m >= 128 else 4)
-        stages = num_stages or (2 if wide or block_m <= SHORT_ROWS else 3)
+        bn, warps, stages = launch_config(block_m, e, k_cache.element_size())
+        bn, warps, stages = block_n or bn, num_warps or warps, num_stages or stages
         # The shared-memory need grows with stages x key tile; step down rather than fail on a
         # dtype/E the defaults were not sized for (fp32 caches in tests, E 256).
-        tries = [(block_n, stages), (block_n, 1), (max(16, block_n // 2), 1)]
-        for i, (bn, st) in enumerate(tries):
+        tries = [(bn, stages), (bn, 1), (max(16, bn // 2), 1)]
+        for i, (bn_i, st) in enumerate(tries):
             try:
                 _paged_prefill_kernel[(n_tiles, h)](
-                    *args, **meta, BLOCK_N=bn, num_warps=warps, num_stages=st
+                    *args, **meta, BLOCK_N=bn_i, num_warps=warps, num_stages=st
                 )
                 break
             except OutOfResources:
