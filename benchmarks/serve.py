@@ -27,7 +27,7 @@ CUDA kernels: count and µs per step, share; kernels per step).
 
     PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
     PYTHONPATH=src python benchmarks/serve.py --only check,decode,throughput --profile
-    PYTHONPATH=src python benchmarks/serve.py --only prefill --profile
+    PYTHONPATH=src python benchmarks/serve.py --only prefill --profile   # + launch-config sweep
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
     PYTHONPATH=src python benchmarks/serve.py --only server-cpu --quick --baseline-src ../main/src
 """
@@ -527,7 +527,7 @@ def bench_prefill(quick: bool) -> None:
               f"{sum(1 for t in q_lens if t == 1)} decode rows, tiles {plan.n_long} x "
               f"{plan.block_m} rows + {plan.n_short} x 16): kernel vs SDPA loop max |err| = "
               f"{err:.2e}; vs float64 on sequences {picks} = {err64:.2e}")  # fmt: skip
-        assert err < 3e-2 and err64 < 3e-2
+        assert err < 5e-2 and err64 < 3e-2  # vs the loop: two bf16 roundings apart
         reps_k, reps_l = (5, 2) if quick else (20, 5)
         kern(), loop()  # warm
         tk, tl_ = [], []
@@ -536,6 +536,8 @@ def bench_prefill(quick: bool) -> None:
             tl_ += _cuda_ms(loop, 1)
         mk, ml = statistics.median(tk), statistics.median(tl_)
         fl = _attn_flops(seqs, h, e)
+        if PROFILE and name != "first, 2048-token budget":  # ~5 compiles each: --profile only
+            _prefill_sweep(name, q, kc, vc, bt, ctx_t, q_lens, ctx, mk)
         rows.append((f"{name}: attention, one layer", mk, ml, fl, n_tok))
         del kc, vc, q
 
@@ -585,6 +587,46 @@ def bench_prefill(quick: bool) -> None:
         _line(f"| {what} | {n_tok} | {mk:.3f} | {ml:.3f} | {ml / mk:.1f}x | "
               f"{mk * 1e3 / n_tok:.2f} | {fl / mk / 1e9:.0f} | {floor:.3f} | {mk / floor:.1f}x |")  # fmt: skip
     torch.cuda.empty_cache()
+
+
+# (block_m, block_n, warps, stages) of the long tiles; of the 16-row (decode-row) tiles
+_LONG_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
+_SHORT_CONFIGS = [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 2)]
+
+
+def _prefill_sweep(name, q, kc, vc, bt, ctx_t, q_lens, ctx, default_ms) -> None:
+    """One layer's attention under other launch configs (to pick the defaults from): the long
+    tiles' configs on a step without decode rows; on the mixed one, its short (16-row) tiles
+    alone under the short tiles' configs. The first row of each is the default."""
+    from lmforge.serve._prefill_triton import SHORT_ROWS, paged_prefill_triton, prefill_plan
+
+    _line(f"\nlaunch configs, {name} step, one layer's attention")
+    _line("| tiles | block_m | block_n | warps | stages | ms | default / this |")
+    _line("|---|---:|---:|---:|---:|---:|---:|")
+    if any(t <= SHORT_ROWS for t in q_lens):
+        keep = [i for i, t in enumerate(q_lens) if t <= SHORT_ROWS]
+        plan = prefill_plan([q_lens[i] for i in keep], [ctx[i] for i in keep], q.device)
+        starts = [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep]).to(q.device)
+        args = (q[rows], kc, vc, bt[keep], ctx_t[keep], plan)
+        configs = [(16, bn, w, st) for bn, w, st in _SHORT_CONFIGS]
+        label = f"16-row only ({len(keep)} chunks)"
+    else:
+        configs, label = _LONG_CONFIGS, "long"
+    first = None
+    for bm, bn, w, st in configs:
+        if label == "long":
+            args = (q, kc, vc, bt, ctx_t, prefill_plan(q_lens, ctx, q.device, block_m=bm))
+
+        def fn(args=args, bn=bn, w=w, st=st):
+            return paged_prefill_triton(*args, block_n=bn, num_warps=w, num_stages=st)
+
+        fn()
+        ms = statistics.median(_cuda_ms(fn, 10))
+        first = first or ms
+        _line(f"| {label} | {bm} | {bn} | {w} | {st} | {ms:.3f} | {first / ms:.2f}x |")
+    if label == "long":
+        _line(f"(the default through paged_prefill, timed above: {default_ms:.3f} ms)")
 
 
 def _profile_call(fn, label: str, top: int = 15) -> None:
