@@ -57,12 +57,12 @@ def _want(q, kc, vc, tables, q_lens, ctx):
     return torch.cat(out)  # (N, H, E) float64
 
 
-def _kernel(q, kc, vc, bt, q_lens, ctx, block_m):
+def _kernel(q, kc, vc, bt, q_lens, ctx, block_m, block_n=None):
     from lmforge.serve._prefill_triton import paged_prefill_triton
 
     plan = prefill_plan(q_lens, ctx, q.device, block_m=block_m)
     ctx_t = torch.tensor(ctx, dtype=torch.int32, device=q.device)
-    return paged_prefill_triton(q, kc, vc, bt, ctx_t, plan)
+    return paged_prefill_triton(q, kc, vc, bt, ctx_t, plan, block_n=block_n)
 
 
 def _tiny_model(n_kv_heads: int, head_dim: int | None = None):
@@ -128,8 +128,10 @@ if not _CHILD:
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
-    def test_prefill_kernel_in_interpreter_subprocess() -> None:
-        run_pytest_in_interpreter(__file__)
+    @pytest.mark.parametrize("part", ["kernel", "engine"])
+    def test_prefill_kernel_in_interpreter_subprocess(part) -> None:
+        # two children, each under ~10 s: the kernel against float64, the engine's tokens
+        run_pytest_in_interpreter(__file__, "-k", "engine" if part == "engine" else "not engine")
 
     _BIG = (16, 8, 128, 16, [(t, t) for t in (100, 1024, 777)] + [(1, n) for n in range(5, 2000, 97)]
             + [(300, 1500), (64, 64), (65, 129), (129, 1000)])  # fmt: skip
@@ -155,13 +157,14 @@ if not _CHILD:
 
 else:
 
-    @pytest.mark.parametrize("block_m", [16, 32])
+    @pytest.mark.parametrize(("block_m", "block_n"), [(16, 16), (32, 16), (128, 64)])
     @pytest.mark.parametrize("case", CASES)
-    def test_prefill_kernel_matches_float64(case, block_m) -> None:
-        """block_m 16: every chunk in 16-row tiles; 32: chunks of <= 16 rows in the short
-        launch, the rest in 32-row tiles (two launches into one output)."""
+    def test_prefill_kernel_matches_float64(case, block_m, block_n) -> None:
+        """block_m 16: every chunk in 16-row tiles; 32 and 128 (the GPU's tile, with its
+        64-key tiles): chunks of <= 16 rows in the short launch, the rest in long tiles (two
+        launches into one output)."""
         q, kc, vc, tables, bt, q_lens, ctx = _step(*case)
-        got = _kernel(q, kc, vc, bt, q_lens, ctx, block_m)
+        got = _kernel(q, kc, vc, bt, q_lens, ctx, block_m, block_n)
         torch.testing.assert_close(got.double(), _want(q, kc, vc, tables, q_lens, ctx),
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
 
