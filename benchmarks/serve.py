@@ -538,7 +538,8 @@ def bench_prefill(quick: bool) -> None:
         fl = _attn_flops(seqs, h, e)
         if PROFILE and name != "first, 2048-token budget":  # ~5 compiles each: --profile only
             _prefill_sweep(name, q, kc, vc, bt, ctx_t, q_lens, ctx, mk)
-        rows.append((f"{name}: attention, one layer", mk, ml, fl, n_tok))
+        kv_bytes = sum(c for _, c in seqs) * k * e * 2 * 2  # each sequence's K and V, bf16
+        rows.append((f"{name}: attention, one layer", mk, ml, fl, kv_bytes, n_tok))
         del kc, vc, q
 
         # one whole forward step (28 layers, the LM head on the last rows), kernel vs loop
@@ -574,18 +575,21 @@ def bench_prefill(quick: bool) -> None:
         fl_step = 2 * n_params * n_tok + fl * cfg.n_layers
         _line(f"check ({name} step): forward_step logits, kernel vs loop, max |diff| / max |logit|"
               f" = {lerr:.2e}")  # fmt: skip
-        rows.append((f"{name}: whole forward step", sk, sl, fl_step, n_tok))
+        step_bytes = _weight_bytes(model) + kv_bytes * cfg.n_layers
+        rows.append((f"{name}: whole forward step", sk, sl, fl_step, step_bytes, n_tok))
         if PROFILE:
             _profile_call(lambda: step(True), f"one {name} prefill step, kernel")
         del cache, batch
         torch.cuda.empty_cache()
     _line("\n| what | tokens | kernel ms | SDPA loop ms | loop / kernel | kernel us/token | "
-          f"kernel TFLOP/s | floor ms ({PEAK_BF16 / 1e12:.0f} TFLOP/s) | kernel / floor |")  # fmt: skip
+          "kernel TFLOP/s | floor ms | kernel / floor |")  # fmt: skip
     _line("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for what, mk, ml, fl, n_tok in rows:
-        floor = fl / PEAK_BF16 * 1e3
+    for what, mk, ml, fl, nbytes, n_tok in rows:
+        floor = max(fl / PEAK_BF16, nbytes / HBM) * 1e3
         _line(f"| {what} | {n_tok} | {mk:.3f} | {ml:.3f} | {ml / mk:.1f}x | "
               f"{mk * 1e3 / n_tok:.2f} | {fl / mk / 1e9:.0f} | {floor:.3f} | {mk / floor:.1f}x |")  # fmt: skip
+    _line(f"(floor: the larger of FLOP at {PEAK_BF16 / 1e12:.0f} TFLOP/s and bytes read — "
+          f"weights, each sequence's K/V pages — at {HBM / 1e12:.1f} TB/s)")  # fmt: skip
     torch.cuda.empty_cache()
 
 
