@@ -6,11 +6,14 @@ tokens (this chunk's included, already written to the pages). Keys and values ar
 from the paged caches (NB, BS, K, E) through the block tables (S, M): no gather, no per-sequence
 launch.
 
-Grid: (query tile, head). The host lists the step's tiles once (:func:`prefill_plan`): tile t is
-rows ``tile_m[t] .. tile_m[t] + BLOCK_M`` of sequence ``tile_seq[t]``. Query row r of a chunk sits
-at position ``p_r = ctx − T + r`` and sees keys ``0 .. p_r`` (causal aligned bottom-right, so a
-chunk after a cached prefix and a decode row, T = 1, are the same case). Per program, FlashAttention
-in base 2 with fp32 running max ``m``, normaliser ``l`` and output ``acc``:
+Grid: (head, query tile), heads fastest, so the H programs of a tile start together: the G heads
+of a kv-head read its pages while they are in L2, and the K kv-heads' slices of a page (adjacent
+in memory) are read at the same time. The host lists the step's tiles once
+(:func:`prefill_plan`): tile t is rows ``tile_m[t] .. tile_m[t] + BLOCK_M`` of sequence
+``tile_seq[t]``. Query row r of a chunk sits at position ``p_r = ctx − T + r`` and sees keys
+``0 .. p_r`` (causal aligned bottom-right, so a chunk after a cached prefix and a decode row,
+T = 1, are the same case). Per program, FlashAttention in base 2 with fp32 running max ``m``,
+normaliser ``l`` and output ``acc``:
 
     m' = max(m, max_j s_j);  acc = acc·2^(m−m') + Σ_j 2^(s_j−m') v_j;  l = l·2^(m−m') + Σ_j 2^(s_j−m')
 
@@ -20,9 +23,8 @@ row's position) a masked one; tiles past it are never read. Key 0 is in the firs
 visits, so ``m`` is finite after it and no row ever computes −inf − −inf.
 
 Short chunks (decode rows mixed into a prefill step, speculative verification) would waste a
-64-row tile, so the plan puts sequences with T ≤ 16 in a second launch with 16-row tiles: two
-launches per layer, disjoint output rows. GQA: head h reads kv-head ``h // (H/K)`` (its group's
-other heads read the same pages, mostly from L2).
+128-row tile, so the plan puts sequences with T ≤ 16 in a second launch with 16-row tiles: two
+launches per layer, disjoint output rows. GQA: head h reads kv-head ``h // (H/K)``.
 
 Shape legend: N tokens in the step, S sequences, H heads, K kv-heads, E head dim, NB blocks,
 BS block size, M table width.
@@ -99,8 +101,8 @@ def _paged_prefill_kernel(
     G: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
     seq = tl.load(tile_seq_ptr + tile)
     m0 = tl.load(tile_m_ptr + tile)  # first row of the tile inside its chunk
     q0 = tl.load(cu_ptr + seq)
@@ -250,6 +252,7 @@ def paged_prefill_triton(
     for n_tiles, block_m, t_seq, t_m in launches:
         if n_tiles == 0:
             continue
+        assert n_tiles < 65536, f"{n_tiles} query tiles: more than CUDA's grid y limit"
         args = (
             q, k_cache, v_cache, block_tables, ctx_lens, cu, t_seq, t_m, out, qk_scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -257,7 +260,7 @@ def paged_prefill_triton(
         )  # fmt: skip
         meta = dict(G=h // kv_heads, E=e, EP=ep, BS=bs, BLOCK_M=block_m, MMA=mma, PREC=prec)
         if interpreting():
-            _paged_prefill_kernel[(n_tiles, h)](*args, **meta, BLOCK_N=block_n)
+            _paged_prefill_kernel[(h, n_tiles)](*args, **meta, BLOCK_N=block_n)
             continue
         bn, warps, stages = launch_config(block_m, e, k_cache.element_size())
         bn, warps, stages = block_n or bn, num_warps or warps, num_stages or stages
@@ -266,7 +269,7 @@ def paged_prefill_triton(
         tries = [(bn, stages), (bn, 1), (max(16, bn // 2), 1)]
         for i, (bn_i, st) in enumerate(tries):
             try:
-                _paged_prefill_kernel[(n_tiles, h)](
+                _paged_prefill_kernel[(h, n_tiles)](
                     *args, **meta, BLOCK_N=bn_i, num_warps=warps, num_stages=st
                 )
                 break
