@@ -255,8 +255,9 @@ def _compile_sm90(dtype: str, e: int, block_m: int, block_n: int, warps: int, st
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*" + dtype if name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr") else "*i32"
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            sig[name] = "*i32" if name in pt._INT_INPUTS else "*" + dtype
+            if name not in pt._INT_INPUTS:  # do_not_specialize_on_alignment
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name == "qk_scale":
             sig[name] = "fp32"
         else:

@@ -92,9 +92,14 @@ def _prefill_inner(
     return acc, m_i, l_i
 
 
-# The table width changes from step to step: not specialised on (its divisibility by 16 would
-# compile a new variant mid-run).
-@triton.jit(do_not_specialize=["stride_bts"])
+# Not specialised on what changes from step to step, so no variant compiles mid-run: the table
+# width (its divisibility by 16), and the 16-byte alignment of the int32 inputs, which are views
+# at step-dependent offsets (the engine's block tables follow the S context lengths in one
+# buffer; the plan's tile lists follow cu_q). They are read as scalars or small gathers.
+_INT_INPUTS = ["bt_ptr", "ctx_ptr", "cu_ptr", "tile_seq_ptr", "tile_m_ptr"]
+
+
+@triton.jit(do_not_specialize=["stride_bts"], do_not_specialize_on_alignment=_INT_INPUTS)
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, tile_seq_ptr, tile_m_ptr, out_ptr, qk_scale,
     stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_bts, stride_on, stride_oh,
