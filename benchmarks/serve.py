@@ -631,6 +631,13 @@ def _prefill_sweep(name, q, kc, vc, bt, ctx_t, q_lens, ctx, default_ms) -> None:
         _line(f"| {label} | {bm} | {bn} | {w} | {st} | {ms:.3f} | {first / ms:.2f}x |")
     if label == "long":
         _line(f"(the default through paged_prefill, timed above: {default_ms:.3f} ms)")
+    else:  # the peer of the short launch: every chunk in 128-row tiles, one launch
+        plan = prefill_plan(q_lens, ctx, q.device, block_m=128, short_tiles=False)
+        one = statistics.median(
+            _cuda_ms(lambda: paged_prefill_triton(q, kc, vc, bt, ctx_t, plan), 10)
+        )
+        _line(f"whole {name} step, decode rows in 128-row tiles too (one launch): {one:.3f} ms; "
+              f"with the 16-row launch (default): {default_ms:.3f} ms; {one / default_ms:.2f}x")  # fmt: skip
 
 
 def _profile_call(fn, label: str, top: int = 15) -> None:

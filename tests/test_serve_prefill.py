@@ -113,7 +113,9 @@ if not _CHILD:
         plan = prefill_plan(q_lens, ctx, torch.device("cpu"), block_m=64)
         cu, l_seq, l_m, s_seq, _ = (x.tolist() for x in plan.parts())
         assert cu == [0, 130, 131, 147, 164, 228]
-        assert s_seq == [1, 2]  # q_len <= SHORT_ROWS rows: the 16-row launch
+        assert s_seq == [1, 2]  # q_len <= SHORT_ROWS rows: the 16-row launch, longest first
+        plan1 = prefill_plan(q_lens, ctx, torch.device("cpu"), block_m=16)
+        assert plan1.n_short == 0 and plan1.n_long == 9 + 1 + 1 + 2 + 4  # 16-row tiles, one launch
         assert SHORT_ROWS == 16
         rows = {(s, m + r) for s, m in zip(l_seq, l_m, strict=True) for r in range(64)}
         rows = {(s, r) for s, r in rows if r < q_lens[s]}
@@ -201,6 +203,18 @@ else:
         launches into one output)."""
         q, kc, vc, tables, bt, q_lens, ctx = _step(*case)
         got = _kernel(q, kc, vc, bt, q_lens, ctx, block_m, block_n)
+        torch.testing.assert_close(got.double(), _want(q, kc, vc, tables, q_lens, ctx),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+
+    def test_prefill_kernel_one_launch_for_all_chunks() -> None:
+        """short_tiles=False (the benchmark's peer): decode rows in 32-row tiles, one launch."""
+        from lmforge.serve._prefill_triton import paged_prefill_triton
+        from lmforge.serve._prefill_triton import prefill_plan as build
+
+        q, kc, vc, tables, bt, q_lens, ctx = _step(*CASES[1])
+        plan = build(q_lens, ctx, q.device, 32, short_tiles=False)
+        assert plan.n_short == 0
+        got = paged_prefill_triton(q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32), plan)
         torch.testing.assert_close(got.double(), _want(q, kc, vc, tables, q_lens, ctx),
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
 

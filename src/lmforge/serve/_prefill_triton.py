@@ -196,23 +196,31 @@ def launch_config(block_m: int, head_dim: int, elem_bytes: int) -> tuple[int, in
 
 
 def prefill_plan(
-    q_lens: Sequence[int], ctx_lens: Sequence[int], device: torch.device, block_m: int = 128
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    device: torch.device,
+    block_m: int = 128,
+    *,
+    short_tiles: bool = True,
 ) -> PrefillPlan:
     """The step's tile lists from the chunk and context lengths (one host-to-device copy).
 
-    Long tiles are listed by descending key count (the last tiles of the longest contexts
-    first): programs start in grid order, so the longest ones do not run alone at the end.
+    Tiles are listed by descending key count (the last tiles of the longest contexts first):
+    programs start in grid order, so the longest ones do not run alone at the end.
+    ``short_tiles=False`` puts short chunks in ``block_m``-row tiles too (the benchmark's peer).
     """
     cu = [0]
     tiles: list[tuple[int, int, int]] = []  # (keys read, seq, first row)
-    short_seq: list[int] = []
+    short: list[tuple[int, int]] = []  # (keys read, seq)
     for i, (t, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
         cu.append(cu[-1] + t)
-        if t <= SHORT_ROWS < block_m:
-            short_seq.append(i)
+        if short_tiles and t <= SHORT_ROWS < block_m:
+            short.append((ctx, i))
         else:
             tiles.extend((min(ctx, ctx - t + m + block_m), i, m) for m in range(0, t, block_m))
     tiles.sort(key=lambda x: -x[0])
+    short.sort(key=lambda x: -x[0])
+    short_seq = [x[1] for x in short]
     ints = cu + [x[1] for x in tiles] + [x[2] for x in tiles] + short_seq + [0] * len(short_seq)
     host = torch.tensor(ints, dtype=torch.int32)
     if device.type == "cuda":  # the caching host allocator keeps the pinned copy alive
