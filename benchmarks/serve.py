@@ -9,6 +9,10 @@
    requests, prompt and output lengths uniform in 100-1024, ignore EOS, temperature 0.6:
    output tokens/s. No peer engine is installed here; the floor is the weight read per decode
    step at the batch the engine runs.
+   Before it (``--only prefill``, also run by ``throughput``): the varlen paged prefill kernel
+   against the per-sequence SDPA loop on steps of that workload, checked first, then one
+   layer's attention and one whole forward step timed (CUDA events, medians, interleaved),
+   against the FLOP floor.
 3. server: 64 concurrent streaming clients against ``lmforge serve``'s app (TinyLlama shape,
    127.0.0.1): requests/s, p50/p99 time to first token and time per output token, errors.
 4. speculative: batch-1 greedy decode with a 2-layer draft of the same width and with n-gram
@@ -23,6 +27,7 @@ CUDA kernels: count and µs per step, share; kernels per step).
 
     PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
     PYTHONPATH=src python benchmarks/serve.py --only check,decode,throughput --profile
+    PYTHONPATH=src python benchmarks/serve.py --only prefill --profile   # + launch-config sweep
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
     PYTHONPATH=src python benchmarks/serve.py --only server-cpu --quick --baseline-src ../main/src
 """
@@ -394,6 +399,276 @@ def bench_decode(quick: bool) -> dict:
     return dict(rows)
 
 
+# ---------------------------------------------------------------- 2a. prefill steps
+PEAK_BF16 = 989e12  # H200 dense bf16 tensor-core FLOP/s
+
+
+def _prefill_steps(in_lens: list[int], budget: int = 16384) -> dict[str, list[tuple[int, int]]]:
+    """Two (q_len, ctx_len) steps of the throughput workload as the engine schedules them:
+    ``first``: the first step (the first prompts whole, the last one cut at the budget);
+    ``mixed``: a later one (200 decode rows, the rest of a prompt cut in the previous step after
+    its cached part, then new prompts up to the budget)."""
+    g = torch.Generator().manual_seed(1)
+    first, left = [], budget
+    for n in in_lens:
+        t = min(n, left)
+        first.append((t, t))
+        left -= t
+        if left == 0:
+            break
+    mixed = [(1, int(c)) for c in torch.randint(101, 2048, (200,), generator=g)]
+    mixed.append((300, 900))
+    left = budget - sum(t for t, _ in mixed)
+    for n in in_lens[len(first) :]:
+        t = min(n, left)
+        mixed.append((t, t))
+        left -= t
+        if left == 0:
+            break
+    return {"first": first, "mixed": mixed}
+
+
+def _first_step(in_lens: list[int], budget: int) -> list[tuple[int, int]]:
+    return _prefill_steps(in_lens, budget)["first"]
+
+
+def _cuda_ms(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def _attn_flops(seqs: list[tuple[int, int]], h: int, e: int) -> float:
+    """QKᵀ and PV over the (query, key) pairs the bottom-right causal mask keeps."""
+    pairs = sum(t * (c - t) + t * (t + 1) / 2 for t, c in seqs)
+    return 4.0 * h * e * pairs
+
+
+def bench_prefill(quick: bool) -> None:
+    """The varlen paged prefill kernel against the per-sequence SDPA loop (the torch
+    reference) on steps of the throughput workload: correctness, then one layer's attention
+    and one whole forward step, CUDA events, medians, interleaved."""
+    from lmforge.serve.attention import (
+        paged_attention_float64,
+        paged_prefill,
+        paged_prefill_reference,
+        prefill_plan,
+    )
+    from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+
+    cfg = ModelConfig(**QWEN3_06B)
+    h, k, e, bs = cfg.n_heads, cfg.kv_heads, cfg.head_dim, 16
+    g = torch.Generator().manual_seed(0)
+    in_lens = torch.randint(100, 1025, (256,), generator=g).tolist()  # bench_throughput's draw
+    steps = _prefill_steps(in_lens)
+    # the engine's default budget (2048 tokens per step) against the benchmark's 16384
+    steps["first, 2048-token budget"] = _first_step(in_lens, 2048)
+    model = _model(QWEN3_06B)
+    n_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    _line(
+        "\n## 2a. prefill steps of the throughput workload (Qwen3-0.6B shape, bf16, blocks of 16)"
+    )
+    _line(f"whole workload floor: 2 x {n_params / 1e6:.0f}M non-embedding params x "
+          f"{sum(in_lens):,} prompt tokens = {2 * n_params * sum(in_lens):.2e} FLOP = "
+          f"{2 * n_params * sum(in_lens) / PEAK_BF16:.3f} s at {PEAK_BF16 / 1e12:.0f} TFLOP/s "
+          f"(+ attention {_attn_flops([(n, n) for n in in_lens], h, e) * cfg.n_layers:.2e} FLOP)")  # fmt: skip
+    rows, bad = [], []
+    for name, seqs in steps.items():
+        n_tok = sum(t for t, _ in seqs)
+        n_seq = len(seqs)
+        # pages: every sequence's blocks, scrambled (as a long-running allocator leaves them)
+        nbs = [math.ceil(c / bs) for _, c in seqs]
+        nb = sum(nbs) + 1
+        perm = torch.randperm(nb - 1, generator=g).add(1).tolist()  # block 0: padding
+        tables, used = [], 0
+        for m in nbs:
+            tables.append(perm[used : used + m])
+            used += m
+        w = max(nbs)
+        bt = torch.tensor([t + [0] * (w - len(t)) for t in tables], dtype=torch.int32).cuda()
+        q_lens = [t for t, _ in seqs]
+        ctx = [c for _, c in seqs]
+        ctx_t = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+        kc = torch.randn(nb, bs, k, e, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn(nb, bs, k, e, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(n_tok, h, e, device="cuda", dtype=torch.bfloat16)
+        plan = prefill_plan(q_lens, ctx, q.device, head_dim=e)
+
+        def kern(q=q, kc=kc, vc=vc, bt=bt, ctx_t=ctx_t, plan=plan, tables=tables, q_lens=q_lens,
+                 ctx=ctx):  # fmt: skip
+            return paged_prefill(q, kc, vc, tables, q_lens, ctx, block_table_tensor=bt,
+                                 ctx_lens_tensor=ctx_t, plan=plan, use_triton=True)  # fmt: skip
+
+        def loop(q=q, kc=kc, vc=vc, bt=bt, tables=tables, q_lens=q_lens, ctx=ctx):
+            return paged_prefill_reference(q, kc, vc, tables, q_lens, ctx, block_table_tensor=bt)
+
+        got, ref = kern(), loop()
+        err = float((got.float() - ref.float()).abs().max())
+        # float64 on three sequences: the longest whole prompt, a cached-prefix chunk, a decode row
+        starts = [0]
+        for t in q_lens:
+            starts.append(starts[-1] + t)
+        whole = [i for i in range(n_seq) if q_lens[i] == ctx[i]]
+        chunk = [i for i in range(n_seq) if 1 < q_lens[i] < ctx[i]]
+        dec = [i for i in range(n_seq) if q_lens[i] == 1 < ctx[i]]
+        picks = sorted({max(whole, key=lambda i: q_lens[i]), *chunk[:1], *dec[:1]})
+        kc_h, vc_h, err64 = kc.cpu(), vc.cpu(), 0.0
+        for i in picks:
+            rows_i = slice(starts[i], starts[i + 1])
+            want = paged_attention_float64(q[rows_i].cpu(), kc_h, vc_h, tables[i], ctx[i])
+            err64 = max(err64, float((got[rows_i].cpu().double() - want).abs().max()))
+        _line(f"check ({name} step: {n_seq} sequences, {n_tok} tokens, "
+              f"{sum(1 for t in q_lens if t == 1)} decode rows, tiles {plan.n_long} x "
+              f"{plan.block_m} rows + {plan.n_short} x 16): kernel vs SDPA loop max |err| = "
+              f"{err:.2e}; vs float64 on sequences {picks} = {err64:.2e}")  # fmt: skip
+        if not (err < 5e-2 and err64 < 3e-2):  # vs the loop: two bf16 roundings apart
+            bad.append(f"{name}: kernel vs loop {err:.2e} (limit 5e-2), vs float64 {err64:.2e} "
+                       "(limit 3e-2)")  # fmt: skip
+            _line("check FAILED (the timings still run; the section fails at its end)")
+        reps_k, reps_l = (5, 2) if quick else (20, 5)
+        kern(), loop()  # warm
+        tk, tl_ = [], []
+        for _ in range(reps_l):  # interleaved: both see the same clocks and load
+            tk += _cuda_ms(kern, reps_k // reps_l)
+            tl_ += _cuda_ms(loop, 1)
+        mk, ml = statistics.median(tk), statistics.median(tl_)
+        fl = _attn_flops(seqs, h, e)
+        if PROFILE and name != "first, 2048-token budget":  # ~5 compiles each: --profile only
+            _prefill_sweep(name, q, kc, vc, bt, ctx_t, q_lens, ctx, mk)
+        kv_bytes = sum(c for _, c in seqs) * k * e * 2 * 2  # each sequence's K and V, bf16
+        rows.append((f"{name}: attention, one layer", mk, ml, fl, kv_bytes, n_tok))
+        del kc, vc, q
+
+        # one whole forward step (28 layers, the LM head on the last rows), kernel vs loop
+        cache = PagedKVCache(cfg.n_layers, nb, bs, k, e, torch.device("cuda"), torch.bfloat16)
+        cache.k.normal_()
+        cache.v.normal_()
+        tok, pos, slots, last = [], [], [], []
+        for table, t, c in zip(tables, q_lens, ctx, strict=True):
+            for p in range(c - t, c):
+                slots.append(table[p // bs] * bs + p % bs)
+                pos.append(p)
+            tok += torch.randint(0, cfg.vocab_size, (t,), generator=g).tolist()
+            last.append(len(tok) - 1)
+
+        def lng(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device="cuda")
+
+        batch = StepBatch(tokens=lng(tok), positions=lng(pos), slots=lng(slots), block_tables=bt,
+                          ctx_lens=ctx_t, last_rows=lng(last), q_lens=q_lens, ctx_lens_list=ctx,
+                          tables_list=tables)  # fmt: skip
+
+        def step(use_triton: bool, batch=batch, cache=cache):
+            with torch.inference_mode():
+                return forward_step(model, cache, batch, use_triton=use_triton)
+
+        a, b = step(True), step(False)
+        lerr = float((a - b).abs().max() / b.abs().max())
+        ts_k, ts_l = [], []
+        for _ in range(2 if quick else 3):
+            ts_k += _cuda_ms(lambda: step(True), 2)
+            ts_l += _cuda_ms(lambda: step(False), 1)
+        sk, sl = statistics.median(ts_k), statistics.median(ts_l)
+        fl_step = 2 * n_params * n_tok + fl * cfg.n_layers
+        _line(f"check ({name} step): forward_step logits, kernel vs loop, max |diff| / max |logit|"
+              f" = {lerr:.2e}")  # fmt: skip
+        step_bytes = _weight_bytes(model) + kv_bytes * cfg.n_layers
+        rows.append((f"{name}: whole forward step", sk, sl, fl_step, step_bytes, n_tok))
+        if PROFILE:
+            _profile_call(lambda: step(True), f"one {name} prefill step, kernel")
+        del cache, batch
+        torch.cuda.empty_cache()
+    _line("\n| what | tokens | kernel ms | SDPA loop ms | loop / kernel | kernel us/token | "
+          "kernel TFLOP/s | floor ms | kernel / floor |")  # fmt: skip
+    _line("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for what, mk, ml, fl, nbytes, n_tok in rows:
+        floor = max(fl / PEAK_BF16, nbytes / HBM) * 1e3
+        _line(f"| {what} | {n_tok} | {mk:.3f} | {ml:.3f} | {ml / mk:.1f}x | "
+              f"{mk * 1e3 / n_tok:.2f} | {fl / mk / 1e9:.0f} | {floor:.3f} | {mk / floor:.1f}x |")  # fmt: skip
+    _line(f"(floor: the larger of FLOP at {PEAK_BF16 / 1e12:.0f} TFLOP/s and bytes read — "
+          f"weights, each sequence's K/V pages — at {HBM / 1e12:.1f} TB/s)")  # fmt: skip
+    torch.cuda.empty_cache()
+    assert not bad, "prefill kernel check failed: " + "; ".join(bad)
+
+
+# (block_m, block_n, warps, stages) of the long tiles; of the 16-row (decode-row) tiles
+_LONG_CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
+_SHORT_CONFIGS = [(64, 4, 2), (32, 4, 2), (64, 4, 3), (128, 4, 2), (64, 2, 2)]
+
+
+def _prefill_sweep(name, q, kc, vc, bt, ctx_t, q_lens, ctx, default_ms) -> None:
+    """One layer's attention under other launch configs (to pick the defaults from): the long
+    tiles' configs on a step without decode rows; on the mixed one, its short (16-row) tiles
+    alone under the short tiles' configs. The first row of each is the default."""
+    from lmforge.serve._prefill_triton import SHORT_ROWS, paged_prefill_triton, prefill_plan
+
+    _line(f"\nlaunch configs, {name} step, one layer's attention")
+    _line("| tiles | block_m | block_n | warps | stages | ms | default / this |")
+    _line("|---|---:|---:|---:|---:|---:|---:|")
+    if any(t <= SHORT_ROWS for t in q_lens):
+        keep = [i for i, t in enumerate(q_lens) if t <= SHORT_ROWS]
+        plan = prefill_plan([q_lens[i] for i in keep], [ctx[i] for i in keep], q.device)
+        starts = [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep]).to(q.device)
+        args = (q[rows], kc, vc, bt[keep], ctx_t[keep], plan)
+        configs = [(16, bn, w, st) for bn, w, st in _SHORT_CONFIGS]
+        label = f"16-row only ({len(keep)} chunks)"
+    else:
+        configs, label = _LONG_CONFIGS, "long"
+    first = None
+    for bm, bn, w, st in configs:
+        if label == "long":
+            args = (q, kc, vc, bt, ctx_t, prefill_plan(q_lens, ctx, q.device, block_m=bm))
+
+        def fn(args=args, bn=bn, w=w, st=st):
+            return paged_prefill_triton(*args, block_n=bn, num_warps=w, num_stages=st)
+
+        fn()
+        ms = statistics.median(_cuda_ms(fn, 10))
+        first = first or ms
+        _line(f"| {label} | {bm} | {bn} | {w} | {st} | {ms:.3f} | {first / ms:.2f}x |")
+    if label == "long":
+        _line(f"(the default through paged_prefill, timed above: {default_ms:.3f} ms)")
+    else:  # the peer of the short launch: every chunk in 128-row tiles, one launch
+        plan = prefill_plan(q_lens, ctx, q.device, block_m=128, short_tiles=False)
+        one = statistics.median(
+            _cuda_ms(lambda: paged_prefill_triton(q, kc, vc, bt, ctx_t, plan), 10)
+        )
+        _line(f"whole {name} step, decode rows in 128-row tiles too (one launch): {one:.3f} ms; "
+              f"with the 16-row launch (default): {default_ms:.3f} ms; {one / default_ms:.2f}x")  # fmt: skip
+
+
+def _profile_call(fn, label: str, top: int = 15) -> None:
+    """torch.profiler over one call of ``fn``: its top CUDA kernels and the kernel count."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            slot = agg.setdefault(ev.name, [0, 0.0])
+            slot[0] += 1
+            slot[1] += ev.time_range.elapsed_us()
+    total = sum(v[1] for v in agg.values())
+    _line(f"\n### profile: {label}: {sum(v[0] for v in agg.values())} kernels, GPU busy "
+          f"{total / 1e3:.2f} ms")  # fmt: skip
+    _line("\n| kernel | count | ms | share |")
+    _line("|---|---:|---:|---:|")
+    for name, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
+        short = (name if len(name) <= 90 else name[:87] + "...").replace("|", "/")
+        _line(f"| {short} | {cnt} | {us / 1e3:.3f} | {us / max(total, 1e-9):.1%} |")
+
+
 # ---------------------------------------------------------------- 2. throughput
 def bench_throughput(quick: bool) -> None:
     model = _model(QWEN3_06B)
@@ -429,6 +704,11 @@ def _throughput_run(model, prompts, params, compile: bool) -> tuple[str, int, fl
                  cuda_graphs=GRAPHS, compile=compile)  # fmt: skip
     setup = time.perf_counter() - t0
     eng.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm
+    # and a mixed step (a decode row beside a prefill chunk: the prefill kernel's short tiles),
+    # so no Triton compile lands inside the timed run
+    eng.add_request(prompts[2][:40], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()
+    eng.generate([prompts[3][:50]], SamplingParams(max_tokens=2, ignore_eos=True))
     torch.cuda.synchronize()
     steps0 = eng.stats["steps"]
     # Split the wall time: steps that carry prefill (or have requests waiting) vs pure decode
@@ -882,8 +1162,12 @@ def main() -> int:
     _line(f"command: python benchmarks/serve.py {' '.join(sys.argv[1:])}")
     parts = {"check": check, "decode": bench_decode, "throughput": bench_throughput,
              "server": bench_server, "spec": bench_spec}  # fmt: skip
+    parts["prefill"] = bench_prefill
+    only = args.only.split(",")
+    if "throughput" in only and "prefill" not in only:  # the prefill kernel's check + timing
+        only.insert(only.index("throughput"), "prefill")
     failed = 0
-    for name in args.only.split(","):
+    for name in only:
         t0 = time.perf_counter()
         fn = parts[name]
         try:

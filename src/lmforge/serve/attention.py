@@ -12,26 +12,36 @@ The decode kernel (:mod:`lmforge.serve._attention_triton`) handles the H/K query
 kv-head group together, so each K/V tile is read once per group (the point of GQA), with an
 online softmax over the sequence's blocks (FlashAttention's rescaling), and splits long
 contexts over several programs (flash-decoding: partial softmax states combined by a second
-kernel) so that batch 1 still fills the GPU. Prefill runs one SDPA per sequence, without a
-dense mask (causal, or causal aligned to the bottom right after a cached prefix).
+kernel) so that batch 1 still fills the GPU. Prefill (chunks of several queries, decode rows
+mixed in) runs the varlen paged prefill kernel (:mod:`lmforge.serve._prefill_triton`): one launch
+per layer over the query tiles of all the step's sequences, keys read from the pages. Its torch
+reference runs one SDPA per sequence, without a dense mask (causal, or causal aligned to the
+bottom right after a cached prefix).
 
 Shape legend: N tokens in the step, S sequences, H heads, K kv-heads, E head dim, T queries.
-Exercised by ``pytest tests/test_serve_attention.py`` (kernel under TRITON_INTERPRET=1).
+Exercised by ``pytest tests/test_serve_attention.py tests/test_serve_prefill.py`` (kernels under
+TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from lmforge.serve._prefill_triton import PrefillPlan
 
 __all__ = [
     "paged_attention_float64",
     "paged_decode",
     "paged_decode_reference",
     "paged_prefill",
+    "paged_prefill_reference",
+    "prefill_plan",
     "write_kv",
 ]
 
@@ -101,7 +111,7 @@ def paged_decode_reference(
     return out[:, :, 0].to(q.dtype)
 
 
-def paged_prefill(
+def paged_prefill_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -119,7 +129,8 @@ def paged_prefill(
     attention (``is_causal``, GQA in the kernel: FlashAttention on the GPU); a chunk after a
     cached prefix is causal aligned to the bottom right (``causal_lower_right``: query j sees
     keys up to ``ctx − T + j``). ``block_table_tensor`` (S, M) on q's device, if given, is
-    sliced for the block ids instead of copying each list to the device.
+    sliced for the block ids instead of copying each list to the device. The torch path of
+    :func:`paged_prefill` (CPU) and the reference its Triton kernel is tested against.
     """
     from torch.nn.attention.bias import causal_lower_right
 
@@ -147,6 +158,62 @@ def paged_prefill(
         out[start : start + t] = o.transpose(0, 1).to(q.dtype)
         start += t
     return out
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: Sequence[Sequence[int]],
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    *,
+    block_table_tensor: torch.Tensor | None = None,
+    ctx_lens_tensor: torch.Tensor | None = None,
+    plan: PrefillPlan | None = None,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Prefill attention (chunks of queries, decode rows mixed in): q (N, H, E) -> (N, H, E).
+
+    The Triton varlen kernel where it runs (``use_triton`` None: on CUDA), else
+    :func:`paged_prefill_reference`. The kernel reads the (S, M) int32 ``block_table_tensor`` and
+    (S,) int32 ``ctx_lens_tensor`` on q's device (built from the lists when absent) and the step's
+    tile list ``plan`` (:func:`prefill_plan`; build it once per step and pass it to every layer).
+    """
+    if use_triton is None:
+        use_triton = q.is_cuda and triton_decode_available(q.device)
+    if not use_triton:
+        return paged_prefill_reference(
+            q, k_cache, v_cache, block_tables, q_lens, ctx_lens,
+            block_table_tensor=block_table_tensor,
+        )  # fmt: skip
+    from lmforge.serve._prefill_triton import paged_prefill_triton
+
+    if block_table_tensor is None:
+        width = max(len(t) for t in block_tables)
+        rows = [list(t) + [0] * (width - len(t)) for t in block_tables]
+        block_table_tensor = torch.tensor(rows, dtype=torch.int32, device=q.device)
+    if ctx_lens_tensor is None:
+        ctx_lens_tensor = torch.tensor(list(ctx_lens), dtype=torch.int32, device=q.device)
+    if plan is None:
+        plan = prefill_plan(q_lens, ctx_lens, q.device, head_dim=q.shape[-1])
+    return paged_prefill_triton(q, k_cache, v_cache, block_table_tensor, ctx_lens_tensor, plan)
+
+
+def prefill_plan(
+    q_lens: Sequence[int],
+    ctx_lens: Sequence[int],
+    device: torch.device,
+    *,
+    head_dim: int = 128,
+    block_m: int | None = None,
+) -> PrefillPlan:
+    """The prefill kernel's tile list for one step (host work + one copy; reuse it per layer).
+    ``block_m`` query rows per tile (None: the default for ``head_dim``)."""
+    from lmforge.serve._prefill_triton import default_block_m
+    from lmforge.serve._prefill_triton import prefill_plan as build
+
+    return build(q_lens, ctx_lens, device, block_m or default_block_m(head_dim))
 
 
 def _triton_decode(

@@ -14,11 +14,21 @@ V vocab, L layers, NB blocks, BS block size.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from lmforge.serve.attention import paged_decode, paged_prefill, write_kv
+from lmforge.serve.attention import (
+    paged_decode,
+    paged_prefill,
+    prefill_plan,
+    triton_decode_available,
+    write_kv,
+)
+
+if TYPE_CHECKING:
+    from lmforge.serve._prefill_triton import PrefillPlan
 
 __all__ = ["PagedKVCache", "StepBatch", "forward_step"]
 
@@ -92,8 +102,10 @@ def _attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     use_triton: bool | None,
+    plan: PrefillPlan | None = None,
 ) -> torch.Tensor:
-    """One layer's attention over the pages: (N, D) -> (N, D)."""
+    """One layer's attention over the pages: (N, D) -> (N, D). ``plan``: the step's prefill
+    tile list (the Triton prefill kernel), None for the torch prefill."""
     n = h.shape[0]
     nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
     q = attn.q_proj(h).view(n, nh, e)  # (N, H, E)
@@ -112,7 +124,8 @@ def _attention(
     else:
         o = paged_prefill(
             q, k_cache, v_cache, batch.tables_list, batch.q_lens, batch.ctx_lens_list,
-            block_table_tensor=batch.block_tables,
+            block_table_tensor=batch.block_tables, ctx_lens_tensor=batch.ctx_lens, plan=plan,
+            use_triton=plan is not None,
         )  # (N, H, E)  # fmt: skip
     return attn.output_proj(o.reshape(n, nh * e))  # (N, D)
 
@@ -126,9 +139,19 @@ def forward_step(
 ) -> torch.Tensor:
     """Run ``model`` on one step's tokens, writing their KV; logits of each sequence's last
     token: (S, V) float32."""
+    plan = None
+    if not batch.decode_only:  # the prefill kernel's tiles: built once per step, not per layer
+        dev = batch.tokens.device
+        kernel = use_triton if use_triton is not None else (
+            dev.type == "cuda" and triton_decode_available(dev)
+        )  # fmt: skip
+        if kernel:
+            e = model.layers[0].attn.head_dim
+            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
     x = model.residual_stream(model.token_embeddings(batch.tokens))  # (N, D)
     for i, layer in enumerate(model.layers):
-        x = x + _attention(layer.attn, layer.ln1(x), batch, cache.k[i], cache.v[i], use_triton)
+        a = _attention(layer.attn, layer.ln1(x), batch, cache.k[i], cache.v[i], use_triton, plan)
+        x = x + a
         x = x + layer.ffn(layer.ln2(x))  # (N, D)
     h = model.ln_final(x[batch.last_rows])  # (S, D)
     return model.logits_from_hidden(h).float()  # (S, V)
