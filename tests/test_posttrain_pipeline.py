@@ -29,14 +29,17 @@ def test_bucket_layout_round_trip() -> None:
         assert torch.equal(got[k], named[k]) and got[k].dtype == named[k].dtype
 
 
-def test_pipeline_rl_two_processes_gloo() -> None:
+@pytest.mark.parametrize("engine", ["local", "serve"])
+def test_pipeline_rl_two_processes_gloo(engine: str) -> None:
+    """Both rollout engines behind the engine process: LocalEngine (lockstep) and the batched
+    serve engine, stepped by the caller so weights swap in mid-sequence."""
     task = ArithmeticTask(digits=1)
     tok = task.tokenizer()
     model = rl.arithmetic_model(tok.vocab_size, seed=0, d_model=32, n_layers=1)
     before = [p.detach().clone() for p in model.parameters()]
     cfg = PipelineConfig(iterations=4, prompts_per_step=4, group_size=4, digits=1,
                          max_tokens=task.answer_tokens, eval_every=4, eval_size=10, max_lag=1,
-                         lr=1e-2)  # fmt: skip
+                         lr=1e-2, engine=engine)  # fmt: skip
 
     def first_digit_value(item: dict, text: str) -> Reward:
         # A graded reward, so a group of 4 samples almost never has equal rewards (an all-equal
@@ -83,3 +86,42 @@ def test_pipeline_rl_on_one_gpu_gloo_staging() -> None:
     assert [h["version"] for h in hist] == [1, 2, 3] and all(h["max_lag"] <= 1 for h in hist)
     # fp32 on the GPU: KV-cache decode vs full forward differ by kernel choice only
     assert max(h["sync_check"] for h in hist if "sync_check" in h) < 1e-3
+
+
+def test_pipeline_rejects_an_unknown_engine() -> None:
+    from lmforge.utils.errors import LmforgeError
+
+    task = ArithmeticTask(digits=1)
+    model = rl.arithmetic_model(task.tokenizer().vocab_size, seed=0, d_model=32, n_layers=1)
+    with pytest.raises(LmforgeError, match="engine"):
+        run_pipeline(model, PipelineConfig(iterations=1, engine="vllm"), progress=False)
+
+
+def test_serve_decoding_steps_like_local_decoding() -> None:
+    """make_engine(...).start(): the serve engine stepped by the caller gives one row per sample
+    with the same greedy tokens as LocalEngine, and records the version set between steps."""
+    from lmforge.posttrain.rollout import LocalEngine, SamplingParams, make_engine
+
+    task = ArithmeticTask(digits=1)
+    tok = task.tokenizer()
+    model = rl.arithmetic_model(tok.vocab_size, seed=0, d_model=32, n_layers=1).eval()
+    prompts = [[3, 4, 5], [6, 7]]
+    params = SamplingParams(temperature=0.0, max_tokens=5, n=2, ignore_eos=True)
+    local = LocalEngine(model).start(prompts, params)
+    while not local.done:
+        local.step()
+    eng = make_engine(model, prefer="serve")
+    dec = eng.start(prompts, params)
+    steps = 0
+    while not dec.done:
+        dec.step()
+        steps += 1
+        if steps == 1:
+            eng.version = 7  # a weight swap between two steps: later tokens carry version 7
+    rows, want = dec.outputs(), local.outputs()
+    assert len(rows) == 4 and [r.outputs[0].token_ids for r in rows] == [
+        w.outputs[0].token_ids for w in want
+    ]
+    versions = [r.outputs[0].policy_versions for r in rows]
+    assert versions[0][0] == 0  # the first sample's first token came before the swap
+    assert all(v == sorted(v) and v[-1] == 7 and len(v) == 5 for v in versions)

@@ -4,7 +4,8 @@ Two processes (``torch.multiprocessing``, spawn), joined by a ``torch.distribute
 on CPU; NCCL when each has its own GPU):
 
 - the **engine** decodes batches of ``prompts_per_step × group_size`` rollouts continuously with
-  :class:`~lmforge.posttrain.rollout.LocalEngine`. Before every decode step it checks the
+  :class:`~lmforge.posttrain.rollout.LocalEngine` (or, ``engine="serve"``, the batched serve
+  engine through :func:`~lmforge.posttrain.rollout.make_engine`). Before every decode step it checks the
   trainer's published version; when newer, it receives the weights (bucketed broadcast,
   :mod:`lmforge.posttrain.weight_sync`) and swaps them in **mid-sequence**, keeping the KV
   cache; every token records the version that sampled it. Finished batches go to a queue.
@@ -38,6 +39,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from lmforge.utils.errors import LmforgeError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,8 @@ class PipelineConfig:
     bucket_mib: int = 64
     overlong_cache: int = 0
     "DAPO's soft overlong penalty ramp (0 = off)"
+    engine: str = "local"
+    "the engine process's rollout engine: local (LocalEngine, lockstep) | serve (the batched serve engine: paged KV, CUDA graphs on a GPU)"
     queue_size: int = 0
     "finished batches the engine may hold unconsumed when it starts the next one: 0 = it samples batch k+1 while the trainer trains on batch k (token lag ≤ 1); each more adds overlap slack and one version of lag"
 
@@ -116,7 +121,7 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
 
     from lmforge.model import TransformerLM
     from lmforge.posttrain.core import encode_text
-    from lmforge.posttrain.rollout import LocalEngine, SamplingParams
+    from lmforge.posttrain.rollout import LocalEngine, SamplingParams, make_engine
     from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
 
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
@@ -127,7 +132,10 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     model.to(device).eval()
     task = _task(cfg)
     tok = task.tokenizer()
-    engine = LocalEngine(model, eos_ids=[tok.eos_id])
+    if cfg.engine == "serve":
+        engine = make_engine(model, [tok.eos_id], prefer="serve")
+    else:
+        engine = LocalEngine(model, eos_ids=[tok.eos_id])
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     buckets = layout.empty_buckets(_bucket_device(cfg, torch.device(device)))
     rng = random.Random(cfg.seed + 1)
@@ -210,6 +218,8 @@ def run_pipeline(
     from lmforge.posttrain.rollout import LocalEngine
     from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
 
+    if cfg.engine not in ("local", "serve"):
+        raise LmforgeError(f"unknown rollout engine {cfg.engine!r} (local, serve)")
     torch.set_num_threads(cfg.threads)
     task = _task(cfg)
     tok = task.tokenizer()

@@ -411,38 +411,81 @@ class _ServeAdapter:
     def version(self, value: int) -> None:
         self.engine.policy_version = int(value)
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[RequestOutput]:
+    def _serve_params(self, params: SamplingParams | Sequence[SamplingParams], n: int) -> list[Any]:
         from lmforge.serve.engine import SamplingParams as ServeParams
 
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        plist = [params] * n if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != n:
+            raise LmforgeError(f"{len(plist)} sampling params for {n} prompts")
         conv = []
         for p in plist:
             fields = dataclasses.asdict(p)
             fields["stop_token_ids"] = tuple(set(p.stop_token_ids) | self.eos_ids)
             conv.append(ServeParams(**fields))
+        return conv
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Sample every prompt to completion (n completions per prompt), in prompt order."""
+        conv = self._serve_params(params, len(prompts))
         outs = self.engine.generate([list(p) for p in prompts], conv)
-        return [
-            RequestOutput(
-                o.request_id,
-                list(o.prompt_token_ids),
-                [
-                    CompletionOutput(
-                        list(c.token_ids),
-                        list(c.logprobs),
-                        list(c.policy_versions),
-                        c.finish_reason,
-                        c.top_logprobs,
-                    )
-                    for c in o.outputs
-                ],
-                o.finished,
-            )
-            for o in outs
-        ]
+        return [_local_output(o) for o in outs]
+
+    def start(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> _ServeDecoding:
+        """The prompts queued on the serve engine, stepped by the caller (``LocalEngine.start``'s
+        interface: ``done``, ``step()``, ``outputs()`` with one row per sample): the Pipeline RL
+        engine swaps weights in between two steps."""
+        conv = self._serve_params(params, len(prompts))
+        ids = [self.engine.add_request(list(p), sp) for p, sp in zip(prompts, conv, strict=True)]
+        return _ServeDecoding(self.engine, ids)
 
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
         self.engine.update_weights(named_tensors, version)
+
+
+def _local_output(o: Any) -> RequestOutput:
+    """A serve-engine ``RequestOutput`` as this module's type (fields copied one to one)."""
+    comps = [
+        CompletionOutput(
+            list(c.token_ids),
+            list(c.logprobs),
+            list(c.policy_versions),
+            c.finish_reason,
+            c.top_logprobs,
+        )
+        for c in o.outputs
+    ]
+    return RequestOutput(o.request_id, list(o.prompt_token_ids), comps, o.finished)
+
+
+class _ServeDecoding:
+    """Requests on the serve engine stepped by the caller, with :class:`Decoding`'s interface."""
+
+    def __init__(self, engine: Any, request_ids: Sequence[str]) -> None:
+        self.engine = engine
+        self.request_ids = list(request_ids)
+        self.finished: dict[str, Any] = {}
+
+    @property
+    def done(self) -> bool:
+        """Whether every request has finished."""
+        return len(self.finished) == len(self.request_ids)
+
+    def step(self) -> None:
+        """One engine step (it may also advance other requests queued on the same engine)."""
+        for out in self.engine.step():
+            if out.finished and out.request_id in self.request_ids:
+                self.finished[out.request_id] = out
+
+    def outputs(self) -> list[RequestOutput]:
+        """One :class:`RequestOutput` per sample (a prompt with n > 1 gives n rows), in order."""
+        rows = []
+        for rid in self.request_ids:
+            o = _local_output(self.finished[rid])
+            rows += [RequestOutput(o.request_id, o.prompt_token_ids, [c], True) for c in o.outputs]
+        return rows
