@@ -44,8 +44,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from lmforge.kernels._ops import _define
 from lmforge.model.config import ModelConfig
 from lmforge.model.layers import Linear, SwiGLU, _trunc_normal_
 
@@ -320,14 +321,55 @@ def combine_backward_reference(
     return dys, dw_sorted[inv]  # dw[a] = dw_sorted[inv[a]]
 
 
+# The two Triton kernels as torch custom ops (``torch.ops.lmforge.moe_*``): torch.compile sees
+# each as one graph node with a fake (shape-only) implementation, where a raw Triton launch inside
+# the autograd Functions below broke the graph in every MoE layer on CUDA (9 breaks for 2 layers
+# on the H200) and, under TRITON_INTERPRET=1, made Dynamo trace into the interpreter itself. The
+# autograd Functions stay: they call these ops forward and backward, which Dynamo traces.
+def _moe_gather_sum_impl(
+    src: Tensor, idx: Tensor, w: Tensor, k: int, weighted: bool, out_dtype: torch.dtype
+) -> Tensor:
+    # ``weighted`` rather than an optional w: plain Tensor arguments are the schema every torch
+    # version since 2.4 infers the same way.
+    from lmforge.model import _moe_triton
+
+    wf = w.float().contiguous() if weighted else None
+    return _moe_triton.gather_sum(src.contiguous(), idx.contiguous(), k, wf, out_dtype)
+
+
+def _moe_gather_sum_fake(
+    src: Tensor, idx: Tensor, w: Tensor, k: int, weighted: bool, out_dtype: torch.dtype
+) -> Tensor:
+    return src.new_empty((idx.shape[0] // k, src.shape[1]), dtype=out_dtype)
+
+
+def _moe_combine_bwd_impl(
+    g: Tensor, ys: Tensor, order: Tensor, w: Tensor, k: int
+) -> tuple[Tensor, Tensor]:
+    from lmforge.model import _moe_triton
+
+    return _moe_triton.combine_backward(
+        g.contiguous(), ys.contiguous(), order.contiguous(), w.float().contiguous(), k
+    )
+
+
+def _moe_combine_bwd_fake(
+    g: Tensor, ys: Tensor, order: Tensor, w: Tensor, k: int
+) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(ys, memory_format=torch.contiguous_format), ys.new_empty(
+        ys.shape[0], dtype=torch.float32
+    )
+
+
+_moe_gather_sum_op = _define("moe_gather_sum", _moe_gather_sum_impl, _moe_gather_sum_fake)
+_moe_combine_bwd_op = _define("moe_combine_bwd", _moe_combine_bwd_impl, _moe_combine_bwd_fake)
+
+
 def _gather_sum(
     src: torch.Tensor, idx: torch.Tensor, k: int, w: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
     if _triton_moves(src):
-        from lmforge.model import _moe_triton
-
-        w = None if w is None else w.float().contiguous()
-        return _moe_triton.gather_sum(src.contiguous(), idx.contiguous(), k, w, out_dtype)
+        return _moe_gather_sum_op(src, idx, idx if w is None else w, k, w is not None, out_dtype)
     return gather_sum_reference(src, idx, k, w, out_dtype)
 
 
@@ -377,11 +419,7 @@ class _Combine(torch.autograd.Function):
         k = ctx.k
         wf = w.reshape(-1)
         if _triton_moves(ys) and g.dtype in (torch.float32, ys.dtype):
-            from lmforge.model import _moe_triton
-
-            dys, dw = _moe_triton.combine_backward(
-                g.contiguous(), ys.contiguous(), order, wf.float().contiguous(), k
-            )
+            dys, dw = _moe_combine_bwd_op(g, ys, order, wf, k)
         else:
             dys, dw = combine_backward_reference(g, ys, order, inv, wf, k)
         return dys, dw.to(w.dtype).view(w.shape), None, None, None, None
