@@ -562,23 +562,61 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
 
 
 def _check_moe_model(model: object, ids: object, dev: str) -> None:
-    """The MoE model's logits with the grouped fast path against its reference loop over
-    experts (same weights, same batch, bf16 autocast on CUDA): max error / max |ref|."""
+    """The MoE model's logits, grouped fast path against the reference loop over experts (same
+    weights and batch), in fp32 and under bf16 autocast: max error / max |ref|.
+
+    What is asserted is exact in what it compares: the reference is fed the grouped run's
+    routing in every layer (through ``expert_compute``), so both compute the same assignments.
+    Left to route on its own, the reference sees bf16-rounded activations that differ slightly
+    from the grouped path's, and near-ties among the top-k scores flip assignments; a flipped
+    token's output changes by a whole expert's share, and attention spreads it to later layers
+    (measured on the CPU: fp32 7.8e-7 with 0 flips, bf16 6.0e-2 with 128 token-layer flips of
+    12 × 512). That free-running figure is printed with its flip count, not asserted."""
     import torch
 
     from lmforge.model import moe as M
 
     layers = list(M.moe_layers(model))  # type: ignore[arg-type]
-    with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-        got = model(ids).float()  # type: ignore[operator]
-        for layer in layers:
-            layer.backend = "reference"
-        want = model(ids).float()  # type: ignore[operator]
-        for layer in layers:
-            layer.backend = "grouped"
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    print(f"check MoE model logits, grouped vs reference: max err / max |ref| = {err:.2e}")
-    assert err < 3e-2, f"the MoE model's grouped path disagrees with its reference ({err:.2e})"
+
+    def run(backend: str, bf16: bool, replay: list | None = None) -> tuple[torch.Tensor, list]:
+        for i, layer in enumerate(layers):
+            layer.backend, layer.record_routing = backend, True
+            if replay is not None:
+                layer.expert_compute = lambda lay, x, r, ri=replay[i]: M._compute_reference(
+                    lay, x, ri
+                )
+        try:
+            with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+                out = model(ids).float()  # type: ignore[operator]
+            return out, [layer.last_routing for layer in layers]
+        finally:
+            for layer in layers:
+                layer.backend, layer.record_routing, layer.last_routing = "grouped", False, None
+                layer.expert_compute = None
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    def flips(ra: list, rb: list) -> int:  # token-layers whose top-k expert set differs
+        return sum(
+            int((x.expert_idx.view(-1, x.top_k).sort(-1).values
+                 != y.expert_idx.view(-1, y.top_k).sort(-1).values).any(-1).sum())
+            for x, y in zip(ra, rb)
+        )  # fmt: skip
+
+    n_tok = ids.numel() * len(layers)  # type: ignore[attr-defined]
+    for bf16, tol in ((False, 1e-4), (True, 3e-2)):
+        name = "bf16 autocast" if bf16 else "fp32"
+        got, routes = run("grouped", bf16)
+        same = rel(got, run("reference", bf16, replay=routes)[0])
+        want, own = run("reference", bf16)
+        free = rel(got, want)
+        print(
+            f"check MoE model logits ({name}), grouped vs reference: same routing "
+            f"{same:.2e} (asserted < {tol:.0e}); reference routing on its own {free:.2e}, "
+            f"{flips(routes, own)} top-k flips in {n_tok} token-layers"
+        )
+        assert same < tol, f"the MoE model's grouped path disagrees with its reference ({name})"
 
 
 def _bench_trainer(cfg: object, out: Path, b: int, t: int, dev: str) -> object:
