@@ -482,3 +482,55 @@ def test_model_logits_grouped_match_reference_fp32_and_bf16_with_the_same_routin
     grouped_routing = [layer.last_routing for layer in layers]
     want, _ = run("reference", True, replay=grouped_routing)
     assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2
+
+
+def _router_want(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):  # type: ignore[no-untyped-def]
+    # float64 math of the bf16-input, fp32-output router GEMM and its gradients (g rounded to
+    # bf16, as autocast rounds any Linear's incoming gradient)
+    xd, wd, gd = (t.detach().to(torch.bfloat16).double() for t in (x, w, g))
+    return xd @ wd.t(), (gd @ wd).to(torch.bfloat16).double(), gd.t() @ xd  # dx in bf16
+
+
+def test_router_logits_bf16_inputs_fp32_output_match_float64() -> None:
+    # The router GEMM under autocast: inputs rounded to bf16, fp32 logits (CUDA: torch.mm's
+    # out_dtype overload); backward: the gradient rounded to bf16, dx in bf16, dw in fp32.
+    torch.manual_seed(0)
+    x = torch.randn(37, 24, requires_grad=True)
+    w = torch.randn(6, 24, requires_grad=True)
+    g = torch.randn(37, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = M.router_logits(x, w)
+    assert logits.dtype == torch.float32
+    (logits * g).sum().backward()
+    want, gx, gw = _router_want(x, w, g)
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), gx, rtol=8e-3, atol=1e-5)  # one bf16 rounding
+    torch.testing.assert_close(w.grad.double(), gw, rtol=1e-5, atol=1e-4)
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_router_logits_fp32_and_float64_stay_exact() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(9, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    torch.testing.assert_close(M.router_logits(x, w), x @ w.t(), rtol=0, atol=0)
+    torch.testing.assert_close(M.router_logits(x.float(), w.float()), x.float() @ w.float().t())
+
+
+@pytest.mark.gpu
+def test_router_logits_cuda_bf16_match_float64() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert M._mm_out_dtype_ok()
+    torch.manual_seed(0)
+    x = torch.randn(4099, 768, device="cuda", requires_grad=True)
+    w = (0.02 * torch.randn(64, 768, device="cuda")).requires_grad_()
+    g = torch.randn(4099, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = M.router_logits(x, w)
+    assert logits.dtype == torch.float32
+    (logits * g).sum().backward()
+    want, gx, gw = _router_want(x, w, g)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(x.grad.double(), gx, rtol=8e-3, atol=1e-5 * gx.abs().max().item())
+    torch.testing.assert_close(w.grad.double(), gw, rtol=1e-5, atol=1e-5 * gw.abs().max().item())
