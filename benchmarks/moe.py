@@ -250,6 +250,42 @@ def main() -> None:
             ],
         )
     )
+
+    # The same layers as the Trainer runs them: train.master_weights makes the expert and Linear
+    # weights bf16 (the router stays fp32) and every step starts from fresh gradients, so the
+    # steps above pay fp32->bf16 weight casts, bf16->fp32 gradient casts and fp32 gradient
+    # accumulation (.grad += ...) that a training step does not.
+    def as_trained(mod: torch.nn.Module, src: torch.nn.Module) -> torch.nn.Module:
+        mod.load_state_dict(src.state_dict())
+        for name, prm in mod.named_parameters():
+            if cuda and prm.dim() >= 2 and not name.startswith("router"):
+                prm.data = prm.data.to(torch.bfloat16)
+        return mod.to(dev).train()
+
+    moe_tr = as_trained(M.MoEFFN(cfg), moe_layer)
+    dense_cfg = ModelConfig(d_model=d, n_heads=cfg.n_heads, d_ff=k * f, swiglu="triton")
+    dense_tr = as_trained(_FFN(dense_cfg), dense_packed)
+
+    def fresh_step(mod: torch.nn.Module, with_aux: bool) -> None:
+        xin.grad = None
+        for prm in mod.parameters():
+            prm.grad = None
+        step(mod, with_aux)
+
+    t_moe_tr = time_ms(lambda: fresh_step(moe_tr, True), iters=args.iters, device=dev)
+    t_dense_tr = time_ms(lambda: fresh_step(dense_tr, False), iters=args.iters, device=dev)
+    print(
+        "\nAs the Trainer runs them (bf16 weights, fp32 router, fresh gradients every step)\n"
+        + markdown_table(
+            ["implementation", "ms", "TFLOP/s (model FLOPs)", "dense time / this time"],
+            [
+                ["dense SwiGLU, packed w1|w3 + Triton gate", t_dense_tr,
+                 tflops(f_dense, t_dense_tr), 1.0],
+                ["MoE grouped (lmforge fast path)", t_moe_tr, tflops(f_moe, t_moe_tr),
+                 t_dense_tr / t_moe_tr],
+            ],
+        )
+    )  # fmt: skip
     floor_ms, floor_parts = _moe_floor_ms(m, d, n, k, f)
     print(
         f"floor of the MoE layer (GEMM FLOPs / 690 TFLOP/s + bytes moved / 4.3 TB/s): "
@@ -261,6 +297,9 @@ def main() -> None:
                 "MoE layer (grouped fast path)": lambda: step(moe_layer, True),
                 "dense SwiGLU (packed)": lambda: step(dense_packed, False),
                 "dense SwiGLU (layers.SwiGLU)": lambda: step(dense, False),
+                "MoE layer as trained (bf16 weights, fresh grads)": lambda: fresh_step(
+                    moe_tr, True
+                ),
             },
             dev,
             args.profile_top,
