@@ -689,19 +689,29 @@ def _bench_trainer(cfg: object, out: Path, b: int, t: int, dev: str) -> object:
     return Trainer(RunConfig(model=cfg, train=train, data=DataConfig(train=(str(shard),))))
 
 
-def _trainer_launch_syncs(tr: object) -> str:
-    """Launch one Trainer step under ``torch.cuda.set_sync_debug_mode("error")``: 'none', or
-    the first sync (the step's record is read afterwards, outside the check)."""
+def _trainer_launch_syncs(tr: object, warmup: int = 3) -> str:
+    """Launch one Trainer step, after ``warmup`` steps (compilation, lazy optimizer and loss
+    state), under ``torch.cuda.set_sync_debug_mode("error")``: 'none', or the first sync and
+    the innermost lmforge frames that called it (the step's record is read afterwards, outside
+    the check)."""
+    import traceback
+
     import torch
 
-    tr.finish_step(tr.launch_step())  # type: ignore[attr-defined]  # warm-up
+    for _ in range(warmup):
+        tr.finish_step(tr.launch_step())  # type: ignore[attr-defined]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     pending, found = None, "none"
     try:
         pending = tr.launch_step()  # type: ignore[attr-defined]
     except RuntimeError as e:
-        found = f"FOUND: {str(e).splitlines()[0][:200]}"
+        frames = [
+            f"{Path(f.filename).name}:{f.lineno} {f.name}"
+            for f in traceback.extract_tb(e.__traceback__)
+            if "lmforge" in f.filename
+        ]
+        found = f"FOUND: {str(e).splitlines()[0][:120]} at " + " <- ".join(frames[::-1][:4])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if pending is not None:
