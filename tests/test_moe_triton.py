@@ -132,8 +132,9 @@ else:
     def test_moe_model_with_kernels_compiles_in_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
         # On the H200 the raw Triton launches inside the gather/combine autograd Functions broke
         # the graph in every MoE layer (9 breaks, 2 layers); here Dynamo traced into Triton's
-        # interpreter and failed. As custom ops they are graph nodes: no break, and the compiled
-        # forward and backward (aot_eager) equal eager. torch._grouped_mm stands in as on CUDA.
+        # interpreter and failed. As custom ops they are graph nodes: fullgraph compiles, and
+        # the compiled forward and backward (aot_eager) equal eager. torch._grouped_mm stands
+        # in as on CUDA.
         if not hasattr(torch, "_grouped_mm"):
             pytest.skip("torch._grouped_mm is missing")
 
@@ -144,7 +145,7 @@ else:
         from lmforge.model import TransformerLM
 
         moe = MoEConfig(n_experts=8, top_k=2, expert_d_ff=32, z_loss_coef=1e-3)
-        cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=128, context_length=32,
+        cfg = ModelConfig(d_model=64, n_layers=1, n_heads=4, vocab_size=128, context_length=32,
                           d_ff=128, attention="sdpa", swiglu="triton", moe=moe)  # fmt: skip
         torch.manual_seed(0)
         model = TransformerLM(cfg).train()
@@ -155,16 +156,12 @@ else:
                 out = mod(ids)
             return out.float().square().mean() + M.aux_loss(mod)
 
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(lambda: loss(model))()
-        torch._dynamo.reset()
-        reasons = [str(b.reason)[:300] for b in explained.break_reasons]
-        assert explained.graph_break_count == 0 and explained.graph_count == 1, reasons
         want = loss(model)
         want.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
-        got = loss(torch.compile(model, backend="aot_eager", fullgraph=True))
+        torch._dynamo.reset()
+        got = loss(torch.compile(model, backend="aot_eager", fullgraph=True))  # breaks: an error
         got.backward()
         torch.testing.assert_close(got, want)
         for n, p in model.named_parameters():
