@@ -162,10 +162,11 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     The GEMM's inputs are in the compute dtype (autocast's, or x's own bf16/fp16) and it
     accumulates and writes in fp32: the router's scores, top-k and gate weights stay fp32, but
-    the GEMM runs on tensor cores. In fp32 inputs on the H200 it ran as two SIMT kernels
-    (cutlass simt sgemm, xmma ffma: ~0.32 ms fwd+bwd at 32k × 768 × 64, 7% of the layer). The
-    products of bf16 values are exact in fp32, so the CPU's form (round the inputs, then an fp32
-    GEMM) computes the same values as CUDA's ``torch.mm(..., out_dtype=torch.float32)``.
+    the GEMM runs on tensor cores (CUDA: ``torch.mm(..., out_dtype=torch.float32)``). With fp32
+    inputs the forward and both backward GEMMs ran as fp32 SIMT kernels on the H200 (cutlass
+    simt sgemm, xmma ffma: ~0.32 ms at 32k × 768 × 64, 7% of the layer). Off CUDA the same
+    autograd Function widens the rounded operands exactly and runs an fp32 GEMM: the same values
+    up to summation order. Exercised by ``pytest tests/test_moe_layer.py -k router_logits``.
     """
     dt = _compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
