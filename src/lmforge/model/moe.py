@@ -280,7 +280,14 @@ def grouped_mm_available(x: torch.Tensor, w: torch.Tensor | None = None) -> bool
     if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
         return False
     dims_ok = x.shape[-1] % 8 == 0 and (w is None or w.shape[-1] % 8 == 0)
-    return dims_ok and x.shape[0] > 0 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return dims_ok and x.shape[0] > 0 and _sm80_or_newer(x.device.index or 0)
+
+
+@torch.compiler.assume_constant_result
+def _sm80_or_newer(index: int) -> bool:
+    # A constant while torch.compile traces: Dynamo constant-folds get_device_properties but
+    # not get_device_capability (torch 2.13's list), and the CUDA compile test runs this path.
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def grouped_mm_layout_ok(t: torch.Tensor) -> bool:
