@@ -250,6 +250,42 @@ def main() -> None:
             ],
         )
     )
+
+    # The same layers as the Trainer runs them: train.master_weights makes the expert and Linear
+    # weights bf16 (the router stays fp32) and every step starts from fresh gradients, so the
+    # steps above pay fp32->bf16 weight casts, bf16->fp32 gradient casts and fp32 gradient
+    # accumulation (.grad += ...) that a training step does not.
+    def as_trained(mod: torch.nn.Module, src: torch.nn.Module) -> torch.nn.Module:
+        mod.load_state_dict(src.state_dict())
+        for name, prm in mod.named_parameters():
+            if cuda and prm.dim() >= 2 and not name.startswith("router"):
+                prm.data = prm.data.to(torch.bfloat16)
+        return mod.to(dev).train()
+
+    moe_tr = as_trained(M.MoEFFN(cfg), moe_layer)
+    dense_cfg = ModelConfig(d_model=d, n_heads=cfg.n_heads, d_ff=k * f, swiglu="triton")
+    dense_tr = as_trained(_FFN(dense_cfg), dense_packed)
+
+    def fresh_step(mod: torch.nn.Module, with_aux: bool) -> None:
+        xin.grad = None
+        for prm in mod.parameters():
+            prm.grad = None
+        step(mod, with_aux)
+
+    t_moe_tr = time_ms(lambda: fresh_step(moe_tr, True), iters=args.iters, device=dev)
+    t_dense_tr = time_ms(lambda: fresh_step(dense_tr, False), iters=args.iters, device=dev)
+    print(
+        "\nAs the Trainer runs them (bf16 weights, fp32 router, fresh gradients every step)\n"
+        + markdown_table(
+            ["implementation", "ms", "TFLOP/s (model FLOPs)", "dense time / this time"],
+            [
+                ["dense SwiGLU, packed w1|w3 + Triton gate", t_dense_tr,
+                 tflops(f_dense, t_dense_tr), 1.0],
+                ["MoE grouped (lmforge fast path)", t_moe_tr, tflops(f_moe, t_moe_tr),
+                 t_dense_tr / t_moe_tr],
+            ],
+        )
+    )  # fmt: skip
     floor_ms, floor_parts = _moe_floor_ms(m, d, n, k, f)
     print(
         f"floor of the MoE layer (GEMM FLOPs / 690 TFLOP/s + bytes moved / 4.3 TB/s): "
@@ -261,6 +297,9 @@ def main() -> None:
                 "MoE layer (grouped fast path)": lambda: step(moe_layer, True),
                 "dense SwiGLU (packed)": lambda: step(dense_packed, False),
                 "dense SwiGLU (layers.SwiGLU)": lambda: step(dense, False),
+                "MoE layer as trained (bf16 weights, fresh grads)": lambda: fresh_step(
+                    moe_tr, True
+                ),
             },
             dev,
             args.profile_top,
@@ -562,23 +601,62 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
 
 
 def _check_moe_model(model: object, ids: object, dev: str) -> None:
-    """The MoE model's logits with the grouped fast path against its reference loop over
-    experts (same weights, same batch, bf16 autocast on CUDA): max error / max |ref|."""
+    """The MoE model's logits, grouped fast path against the reference loop over experts (same
+    weights and batch), in fp32 and under bf16 autocast: max error / max |ref|.
+
+    What is asserted is exact in what it compares: the reference is fed the grouped run's
+    routing in every layer (through ``expert_compute``), so both compute the same assignments.
+    Left to route on its own, the reference sees bf16-rounded activations that differ slightly
+    from the grouped path's, and near-ties among the top-k scores flip assignments; a flipped
+    token's output changes by a whole expert's share, and attention spreads it to later layers
+    (CPU, 12 layers × 192, 64 experts top-8, 512 tokens, 3 seeds: fp32 ≤ 8.2e-7 with 0 flips;
+    bf16 5.7e-2 to 8.3e-2 with 103 to 165 flips of 6,144 token-layers, 5.0e-3 with the same
+    routing). That free-running figure is printed with its flip count, not asserted."""
     import torch
 
     from lmforge.model import moe as M
 
     layers = list(M.moe_layers(model))  # type: ignore[arg-type]
-    with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-        got = model(ids).float()  # type: ignore[operator]
-        for layer in layers:
-            layer.backend = "reference"
-        want = model(ids).float()  # type: ignore[operator]
-        for layer in layers:
-            layer.backend = "grouped"
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    print(f"check MoE model logits, grouped vs reference: max err / max |ref| = {err:.2e}")
-    assert err < 3e-2, f"the MoE model's grouped path disagrees with its reference ({err:.2e})"
+
+    def run(backend: str, bf16: bool, replay: list | None = None) -> tuple[torch.Tensor, list]:
+        for i, layer in enumerate(layers):
+            layer.backend, layer.record_routing = backend, True
+            if replay is not None:
+                layer.expert_compute = lambda lay, x, r, ri=replay[i]: M._compute_reference(
+                    lay, x, ri
+                )
+        try:
+            with torch.no_grad(), torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+                out = model(ids).float()  # type: ignore[operator]
+            return out, [layer.last_routing for layer in layers]
+        finally:
+            for layer in layers:
+                layer.backend, layer.record_routing, layer.last_routing = "grouped", False, None
+                layer.expert_compute = None
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    def flips(ra: list, rb: list) -> int:  # token-layers whose top-k expert set differs
+        return sum(
+            int((x.expert_idx.view(-1, x.top_k).sort(-1).values
+                 != y.expert_idx.view(-1, y.top_k).sort(-1).values).any(-1).sum())
+            for x, y in zip(ra, rb)
+        )  # fmt: skip
+
+    n_tok = ids.numel() * len(layers)  # type: ignore[attr-defined]
+    for bf16, tol in ((False, 1e-4), (True, 3e-2)):
+        name = "bf16 autocast" if bf16 else "fp32"
+        got, routes = run("grouped", bf16)
+        same = rel(got, run("reference", bf16, replay=routes)[0])
+        want, own = run("reference", bf16)
+        free = rel(got, want)
+        print(
+            f"check MoE model logits ({name}), grouped vs reference: same routing "
+            f"{same:.2e} (asserted < {tol:.0e}); reference routing on its own {free:.2e}, "
+            f"{flips(routes, own)} top-k flips in {n_tok} token-layers"
+        )
+        assert same < tol, f"the MoE model's grouped path disagrees with its reference ({name})"
 
 
 def _bench_trainer(cfg: object, out: Path, b: int, t: int, dev: str) -> object:
@@ -612,19 +690,29 @@ def _bench_trainer(cfg: object, out: Path, b: int, t: int, dev: str) -> object:
     return Trainer(RunConfig(model=cfg, train=train, data=DataConfig(train=(str(shard),))))
 
 
-def _trainer_launch_syncs(tr: object) -> str:
-    """Launch one Trainer step under ``torch.cuda.set_sync_debug_mode("error")``: 'none', or
-    the first sync (the step's record is read afterwards, outside the check)."""
+def _trainer_launch_syncs(tr: object, warmup: int = 3) -> str:
+    """Launch one Trainer step, after ``warmup`` steps (compilation, lazy optimizer and loss
+    state), under ``torch.cuda.set_sync_debug_mode("error")``: 'none', or the first sync and
+    the innermost lmforge frames that called it (the step's record is read afterwards, outside
+    the check)."""
+    import traceback
+
     import torch
 
-    tr.finish_step(tr.launch_step())  # type: ignore[attr-defined]  # warm-up
+    for _ in range(warmup):
+        tr.finish_step(tr.launch_step())  # type: ignore[attr-defined]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     pending, found = None, "none"
     try:
         pending = tr.launch_step()  # type: ignore[attr-defined]
     except RuntimeError as e:
-        found = f"FOUND: {str(e).splitlines()[0][:200]}"
+        frames = [
+            f"{Path(f.filename).name}:{f.lineno} {f.name}"
+            for f in traceback.extract_tb(e.__traceback__)
+            if "lmforge" in f.filename
+        ]
+        found = f"FOUND: {str(e).splitlines()[0][:120]} at " + " <- ".join(frames[::-1][:4])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if pending is not None:

@@ -447,3 +447,90 @@ def test_grouped_mm_function_takes_a_stride_0_gradient_in_bf16() -> None:
     for got, want in ((x.grad, x64.grad), (w_leaf.grad.transpose(1, 2), w64.grad)):
         s = want.abs().max().item()
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * s)
+
+
+def test_model_logits_grouped_match_reference_fp32_and_bf16_with_the_same_routing() -> None:
+    # A deep MoE model under bf16 differs between the two paths mainly through top-k flips: the
+    # paths round activations differently, near-tied router scores then pick other experts, and
+    # the change spreads. So the bf16 comparison feeds the reference the grouped run's routing
+    # (benchmarks/moe.py --train checks the GPT-2-small model the same way); fp32 routes alike.
+    cfg = ModelConfig(d_model=64, n_layers=6, n_heads=4, vocab_size=128, context_length=64,
+                      attention="sdpa", moe=MoEConfig(n_experts=32, top_k=4, expert_d_ff=16))  # fmt: skip
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).train()
+    ids = torch.randint(0, 128, (2, 64))
+    layers = list(M.moe_layers(model))
+
+    def run(backend: str, bf16: bool, replay: list | None = None):  # type: ignore[no-untyped-def]
+        for i, layer in enumerate(layers):
+            layer.backend, layer.record_routing = backend, True
+            if replay is not None:
+                layer.expert_compute = lambda lay, x, r, ri=replay[i]: M._compute_reference(
+                    lay, x, ri
+                )
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(ids).float()
+        for layer in layers:
+            layer.expert_compute = None
+        return out, [layer.last_routing.expert_idx.clone() for layer in layers]
+
+    got, routes = run("grouped", False)
+    want, own = run("reference", False)
+    assert all(torch.equal(a, b) for a, b in zip(routes, own))  # fp32: the same choices
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    got, _ = run("grouped", True)
+    grouped_routing = [layer.last_routing for layer in layers]
+    want, _ = run("reference", True, replay=grouped_routing)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 3e-2
+
+
+def _router_want(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):  # type: ignore[no-untyped-def]
+    # float64 math of the bf16-input, fp32-output router GEMM and its gradients (g rounded to
+    # bf16, as autocast rounds any Linear's incoming gradient)
+    xd, wd, gd = (t.detach().to(torch.bfloat16).double() for t in (x, w, g))
+    return xd @ wd.t(), (gd @ wd).to(torch.bfloat16).double(), gd.t() @ xd  # dx in bf16
+
+
+def test_router_logits_bf16_inputs_fp32_output_match_float64() -> None:
+    # The router GEMM under autocast: inputs rounded to bf16, fp32 logits (CUDA: torch.mm's
+    # out_dtype overload); backward: the gradient rounded to bf16, dx in bf16, dw in fp32.
+    torch.manual_seed(0)
+    x = torch.randn(37, 24, requires_grad=True)
+    w = torch.randn(6, 24, requires_grad=True)
+    g = torch.randn(37, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = M.router_logits(x, w)
+    assert logits.dtype == torch.float32
+    (logits * g).sum().backward()
+    want, gx, gw = _router_want(x, w, g)
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), gx, rtol=8e-3, atol=1e-5)  # one bf16 rounding
+    torch.testing.assert_close(w.grad.double(), gw, rtol=1e-5, atol=1e-4)
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_router_logits_fp32_and_float64_stay_exact() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(9, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    torch.testing.assert_close(M.router_logits(x, w), x @ w.t(), rtol=0, atol=0)
+    torch.testing.assert_close(M.router_logits(x.float(), w.float()), x.float() @ w.float().t())
+
+
+@pytest.mark.gpu
+def test_router_logits_cuda_bf16_match_float64() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert M._mm_out_dtype_ok()
+    torch.manual_seed(0)
+    x = torch.randn(4099, 768, device="cuda", requires_grad=True)
+    w = (0.02 * torch.randn(64, 768, device="cuda")).requires_grad_()
+    g = torch.randn(4099, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = M.router_logits(x, w)
+    assert logits.dtype == torch.float32
+    (logits * g).sum().backward()
+    want, gx, gw = _router_want(x, w, g)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-5 * scale)
+    torch.testing.assert_close(x.grad.double(), gx, rtol=8e-3, atol=1e-5 * gx.abs().max().item())
+    torch.testing.assert_close(w.grad.double(), gw, rtol=1e-5, atol=1e-5 * gw.abs().max().item())

@@ -172,6 +172,43 @@ def test_moe_forward_compiles_in_one_graph_on_cuda() -> None:
     assert explained.graph_break_count == 0, [str(b.reason)[:300] for b in explained.break_reasons]
 
 
+@pytest.mark.gpu
+def test_moe_model_compiled_with_inductor_matches_eager_on_cuda() -> None:
+    # What the trainer runs: the whole MoE model through Inductor (fullgraph), the Triton
+    # gather/combine kernels as custom-op nodes, the router GEMM with its fp32-output overload.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from lmforge.model.fastpath import resolve_backends
+
+    cfg = ModelConfig(d_model=128, n_layers=2, n_heads=4, vocab_size=256, context_length=64,
+                      d_ff=256, moe=dataclasses.replace(MOE, expert_d_ff=64))  # fmt: skip
+    cfg = resolve_backends(dataclasses.replace(cfg, swiglu="auto"), "cuda")
+    torch.manual_seed(0)
+    model = TransformerLM(cfg, device="cuda").train()
+    with torch.no_grad():  # a router of realistic spread: no near-tied top-k choices to flip
+        for layer in M.moe_layers(model):
+            layer.router.weight.normal_(0, 0.5)
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+
+    def loss(m: torch.nn.Module) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return m(ids).float().square().mean() + M.aux_loss(m)
+
+    want = loss(model)
+    want.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    got = loss(torch.compile(model, fullgraph=True))
+    got.backward()
+    torch._dynamo.reset()
+    # bf16: Inductor fuses the elementwise work differently, so bf16 tolerance, per tensor.
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
+    for n, p in model.named_parameters():
+        scale = grads[n].abs().max().item()
+        torch.testing.assert_close(p.grad, grads[n], rtol=5e-2, atol=5e-2 * scale, msg=n)
+
+
 def test_routing_statistics_are_computed_only_when_read() -> None:
     # The per-layer statistics (load ratio, dropped share, entropy) are logged every
     # train.log_every steps; computing them in every training forward cost ~18 kernels a layer

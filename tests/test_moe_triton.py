@@ -118,3 +118,52 @@ else:
         torch.testing.assert_close(y.float(), y32, rtol=3e-2, atol=3e-2 * scale)
         torch.testing.assert_close(gx, x.grad, rtol=3e-2, atol=3e-2 * x.grad.abs().max().item())
         torch.testing.assert_close(gw, layer.w1.grad, rtol=3e-2, atol=3e-2 * gw.abs().max().item())
+
+    def test_moe_kernel_ops_pass_opcheck() -> None:
+        # The custom ops' fake implementations (what torch.compile traces) against the real ones.
+        torch.manual_seed(1)
+        m, k, d = 5, 2, 40
+        order, inv = _perm(m * k)
+        src, w, g = torch.randn(m * k, d), torch.rand(m * k) + 0.1, torch.randn(m, d)
+        for weighted in (True, False):
+            torch.library.opcheck(M._moe_gather_sum_op, (src, inv, w, k, weighted, torch.bfloat16))
+        torch.library.opcheck(M._moe_combine_bwd_op, (g, src, order, w, k))
+
+    def test_moe_model_with_kernels_compiles_in_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+        # On the H200 the raw Triton launches inside the gather/combine autograd Functions broke
+        # the graph in every MoE layer (9 breaks, 2 layers); here Dynamo traced into Triton's
+        # interpreter and failed. As custom ops they are graph nodes: fullgraph compiles, and
+        # the compiled forward and backward (aot_eager) equal eager. torch._grouped_mm stands
+        # in as on CUDA.
+        if not hasattr(torch, "_grouped_mm"):
+            pytest.skip("torch._grouped_mm is missing")
+
+        def available(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+            return x.shape[-1] % 8 == 0 and (w is None or w.shape[-1] % 8 == 0) and x.shape[0] > 0
+
+        monkeypatch.setattr(M, "grouped_mm_available", available)
+        from lmforge.model import TransformerLM
+
+        moe = MoEConfig(n_experts=8, top_k=2, expert_d_ff=32, z_loss_coef=1e-3)
+        cfg = ModelConfig(d_model=64, n_layers=1, n_heads=4, vocab_size=128, context_length=32,
+                          d_ff=128, attention="sdpa", swiglu="triton", moe=moe)  # fmt: skip
+        torch.manual_seed(0)
+        model = TransformerLM(cfg).train()
+        ids = torch.randint(0, 128, (2, 32))
+
+        def loss(mod: torch.nn.Module) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = mod(ids)
+            return out.float().square().mean() + M.aux_loss(mod)
+
+        want = loss(model)
+        want.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        got = loss(torch.compile(model, backend="aot_eager", fullgraph=True))  # breaks: an error
+        got.backward()
+        torch.testing.assert_close(got, want)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-3, atol=1e-4, msg=n)
+        torch._dynamo.reset()

@@ -44,8 +44,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
+from lmforge.kernels._ops import _define
 from lmforge.model.config import ModelConfig
 from lmforge.model.layers import Linear, SwiGLU, _trunc_normal_
 
@@ -156,6 +157,73 @@ def route(
     return routing, scores
 
 
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(M, D) tokens, (N, D) router weight -> (M, N) logits in fp32 (or wider).
+
+    The GEMM's inputs are in the compute dtype (autocast's, or x's own bf16/fp16) and it
+    accumulates and writes in fp32: the router's scores, top-k and gate weights stay fp32, but
+    the GEMM runs on tensor cores (CUDA: ``torch.mm(..., out_dtype=torch.float32)``). With fp32
+    inputs the forward and both backward GEMMs ran as fp32 SIMT kernels on the H200 (cutlass
+    simt sgemm, xmma ffma: ~0.32 ms at 32k × 768 × 64, 7% of the layer). Off CUDA the same
+    autograd Function widens the rounded operands exactly and runs an fp32 GEMM: the same values
+    up to summation order. Exercised by ``pytest tests/test_moe_layer.py -k router_logits``.
+    """
+    dt = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        if dt not in (torch.bfloat16, torch.float16):  # fp32 / float64: as given
+            acc = _acc_dtype(x.dtype)
+            return x.to(acc) @ w.to(acc).t()  # (M, N)
+        return _RouterMM.apply(x, w, dt)  # (M, N) fp32
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for bf16/fp16 operands with an fp32 result: cuBLAS's fp32-output GEMM on CUDA;
+    elsewhere an fp32 GEMM of the same (exactly widened) values."""
+    if a.is_cuda and _mm_out_dtype_ok():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _mm_lowp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for bf16/fp16 operands, fp32 accumulation, result rounded to a's dtype."""
+    if a.is_cuda:
+        return torch.mm(a, b)
+    return torch.mm(a.float(), b.float()).to(a.dtype)
+
+
+def _mm_out_dtype_ok() -> bool:
+    # aten::mm.dtype (bf16/fp16 in, fp32 out on CUDA) exists from torch 2.8 on; ``hasattr`` on the
+    # op traces under torch.compile (``overloads()`` would break the graph).
+    return hasattr(torch.ops.aten.mm, "dtype")
+
+
+class _RouterMM(torch.autograd.Function):
+    """``x @ wᵀ`` with x, w rounded to ``dt`` and an fp32 result (cuBLAS accumulates in fp32);
+    backward: the incoming fp32 gradient rounded to ``dt``; dx in ``dt`` as autocast's Linear
+    makes it, dw with an fp32 output (the router's weight is fp32 under master weights too)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, dt: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        xc, wc = x.to(dt), w.to(dt)  # (M, D), (N, D)
+        ctx.save_for_backward(xc, wc)
+        ctx.dtypes = (x.dtype, w.dtype)
+        return _mm_fp32(xc, wc.t())  # (M, N)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:  # type: ignore[override]
+        xc, wc = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        gc = g.to(xc.dtype)  # (M, N)
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            # dx rounded to dt, as autocast's Linear computes it: the same bits whether x arrives
+            # in fp32 (autocast over fp32 weights) or in bf16 (master weights).
+            gx = _mm_lowp(gc, wc).to(x_dtype)  # (M, D)
+        if ctx.needs_input_grad[1]:
+            gw = _mm_fp32(gc.t(), xc).to(w_dtype)  # (N, D)
+        return gx, gw, None
+
+
 def switch_aux_loss(scores: torch.Tensor, load: torch.Tensor, top_k: int) -> torch.Tensor:
     """Switch/GShard balance loss ``N · Σ_e f_e · P_e``: f_e = load share (no gradient),
     P_e = mean score share (sigmoid scores normalised per token). 1 when perfectly balanced."""
@@ -212,7 +280,14 @@ def grouped_mm_available(x: torch.Tensor, w: torch.Tensor | None = None) -> bool
     if not (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16):
         return False
     dims_ok = x.shape[-1] % 8 == 0 and (w is None or w.shape[-1] % 8 == 0)
-    return dims_ok and x.shape[0] > 0 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return dims_ok and x.shape[0] > 0 and _sm80_or_newer(x.device.index or 0)
+
+
+@torch.compiler.assume_constant_result
+def _sm80_or_newer(index: int) -> bool:
+    # A constant while torch.compile traces: Dynamo constant-folds get_device_properties but
+    # not get_device_capability (torch 2.13's list), and the CUDA compile test runs this path.
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def grouped_mm_layout_ok(t: torch.Tensor) -> bool:
@@ -320,14 +395,55 @@ def combine_backward_reference(
     return dys, dw_sorted[inv]  # dw[a] = dw_sorted[inv[a]]
 
 
+# The two Triton kernels as torch custom ops (``torch.ops.lmforge.moe_*``): torch.compile sees
+# each as one graph node with a fake (shape-only) implementation, where a raw Triton launch inside
+# the autograd Functions below broke the graph in every MoE layer on CUDA (9 breaks for 2 layers
+# on the H200) and, under TRITON_INTERPRET=1, made Dynamo trace into the interpreter itself. The
+# autograd Functions stay: they call these ops forward and backward, which Dynamo traces.
+def _moe_gather_sum_impl(
+    src: Tensor, idx: Tensor, w: Tensor, k: int, weighted: bool, out_dtype: torch.dtype
+) -> Tensor:
+    # ``weighted`` rather than an optional w: plain Tensor arguments are the schema every torch
+    # version since 2.4 infers the same way.
+    from lmforge.model import _moe_triton
+
+    wf = w.float().contiguous() if weighted else None
+    return _moe_triton.gather_sum(src.contiguous(), idx.contiguous(), k, wf, out_dtype)
+
+
+def _moe_gather_sum_fake(
+    src: Tensor, idx: Tensor, w: Tensor, k: int, weighted: bool, out_dtype: torch.dtype
+) -> Tensor:
+    return src.new_empty((idx.shape[0] // k, src.shape[1]), dtype=out_dtype)
+
+
+def _moe_combine_bwd_impl(
+    g: Tensor, ys: Tensor, order: Tensor, w: Tensor, k: int
+) -> tuple[Tensor, Tensor]:
+    from lmforge.model import _moe_triton
+
+    return _moe_triton.combine_backward(
+        g.contiguous(), ys.contiguous(), order.contiguous(), w.float().contiguous(), k
+    )
+
+
+def _moe_combine_bwd_fake(
+    g: Tensor, ys: Tensor, order: Tensor, w: Tensor, k: int
+) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(ys, memory_format=torch.contiguous_format), ys.new_empty(
+        ys.shape[0], dtype=torch.float32
+    )
+
+
+_moe_gather_sum_op = _define("moe_gather_sum", _moe_gather_sum_impl, _moe_gather_sum_fake)
+_moe_combine_bwd_op = _define("moe_combine_bwd", _moe_combine_bwd_impl, _moe_combine_bwd_fake)
+
+
 def _gather_sum(
     src: torch.Tensor, idx: torch.Tensor, k: int, w: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
     if _triton_moves(src):
-        from lmforge.model import _moe_triton
-
-        w = None if w is None else w.float().contiguous()
-        return _moe_triton.gather_sum(src.contiguous(), idx.contiguous(), k, w, out_dtype)
+        return _moe_gather_sum_op(src, idx, idx if w is None else w, k, w is not None, out_dtype)
     return gather_sum_reference(src, idx, k, w, out_dtype)
 
 
@@ -377,11 +493,7 @@ class _Combine(torch.autograd.Function):
         k = ctx.k
         wf = w.reshape(-1)
         if _triton_moves(ys) and g.dtype in (torch.float32, ys.dtype):
-            from lmforge.model import _moe_triton
-
-            dys, dw = _moe_triton.combine_backward(
-                g.contiguous(), ys.contiguous(), order, wf.float().contiguous(), k
-            )
+            dys, dw = _moe_combine_bwd_op(g, ys, order, wf, k)
         else:
             dys, dw = combine_backward_reference(g, ys, order, inv, wf, k)
         return dys, dw.to(w.dtype).view(w.shape), None, None, None, None
@@ -549,9 +661,7 @@ class MoEFFN(nn.Module):
         """(B, T, D) -> (B, T, D)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])  # (M, D)
-        with torch.autocast(x.device.type, enabled=False):
-            acc = _acc_dtype(xf.dtype)
-            logits = xf.to(acc) @ self.router.weight.to(acc).t()  # (M, N) fp32
+        logits = router_logits(xf, self.router.weight)  # (M, N) fp32
         r, scores = route(logits, self.config, self.expert_bias.to(logits.dtype))
         compute = self.expert_compute
         if compute is None:
