@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from lmforge.posttrain import rl
 from lmforge.posttrain.commands import plot_curves
 from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
-from lmforge.posttrain.rollout import LocalEngine
+from lmforge.posttrain.rollout import LocalEngine, make_engine
 from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
 from lmforge.posttrain.tasks import ArithmeticTask
 
@@ -73,6 +73,11 @@ def main() -> None:
     ap.add_argument("--figure", default=None, help="--pipeline: also write the figure here")
     ap.add_argument("--device", default="cpu",
                     help="cpu | cuda: every model on it (the pipeline's two processes share it)")  # fmt: skip
+    ap.add_argument("--engine", choices=["local", "serve"], default="local",
+                    help="rollout engine of every run (sync and pipeline): local = lockstep "
+                         "LocalEngine, serve = the batched serve engine (CUDA graphs on a GPU)")  # fmt: skip
+    ap.add_argument("--d-model", type=int, default=128, help="width of the task model")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the task model")
     ap.add_argument("--out", default="runs/posttrain_rl")
     args = ap.parse_args()
     out = Path(args.out)
@@ -84,7 +89,8 @@ def main() -> None:
     tok = task.tokenizer()
     torch.set_num_threads(1)
     ctx = 16 * ((3 * args.digits + 3 + task.answer_tokens) // 16 + 1)
-    base = rl.arithmetic_model(tok.vocab_size, seed=0, context_length=max(32, ctx))
+    base = rl.arithmetic_model(tok.vocab_size, seed=0, d_model=args.d_model,
+                               n_layers=args.layers, context_length=max(32, ctx))  # fmt: skip
     base.to(args.device)
     wr = random.Random(5)
     t0 = time.perf_counter()
@@ -117,7 +123,7 @@ def main() -> None:
     def sync_run(algo: str, threads: int, stop_at_target: bool) -> dict:
         torch.set_num_threads(threads)
         model = copy.deepcopy(base)
-        eng = LocalEngine(model, eos_ids=[tok.eos_id])
+        eng = _rollout_engine(args, model, tok)
         max_tokens, cache = rl.overlong_budget(task.answer_tokens, rl.algorithm(algo))
         cfg = rl.StepConfig(rl.algorithm(algo), max_tokens=max_tokens, micro_batch=256)
         hist = rl.run_iterations(
@@ -154,6 +160,13 @@ def main() -> None:
               f"{v['total_time']:.0f} |")  # fmt: skip
     if args.pipeline:
         _print_pipeline(results["pipeline"], args.target)
+
+
+def _rollout_engine(args, model: torch.nn.Module, tok) -> object:
+    """The synchronous runs' engine: the same kind the pipeline's engine process runs."""
+    if args.engine == "serve":
+        return make_engine(model, [tok.eos_id], prefer="serve")
+    return LocalEngine(model, eos_ids=[tok.eos_id])
 
 
 def _summary(hist: list[dict], target: float = 0.8) -> dict:
@@ -208,7 +221,7 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         model = copy.deepcopy(base)
-        eng = LocalEngine(model, eos_ids=[tok.eos_id])
+        eng = _rollout_engine(args, model, tok)
         snaps: list = []
         load0 = _loadavg()
         # the prompt stream of the pipeline's engine (random.Random(seed + 1)): same prompts, in order
@@ -231,7 +244,7 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
                               lr=args.lr, max_tokens=max_tokens, max_lag=args.max_lag,
                               digits=args.digits, task=task, seed=seed, eval_every=10**9,
                               eval_size=1, threads=tt, engine_threads=et,
-                              queue_size=q)  # fmt: skip
+                              queue_size=q, engine=args.engine)  # fmt: skip
         snaps: list = []
         load0 = _loadavg()
         torch.manual_seed(seed)

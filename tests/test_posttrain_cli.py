@@ -36,11 +36,12 @@ def test_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert len(err) == 1 and "model not found" in err[0]
 
 
-def test_rl_arithmetic_command_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("engine", ["auto", "serve"])
+def test_rl_arithmetic_command_runs(tmp_path: Path, engine: str) -> None:
     out = tmp_path / "rl"
     args = ["rl", "--task", "arithmetic", "--digits", "1", "--warmup-steps", "5", "--iterations", "2",
             "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8", "--quiet",
-            "--out", str(out)]  # fmt: skip
+            "--rollout-engine", engine, "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["samples"] == 32

@@ -173,6 +173,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--engine-threads", type=int, default=None, help="pipeline: torch threads of the engine"
     )
+    p.add_argument(
+        "--rollout-engine",
+        choices=["auto", "local", "serve"],
+        default="auto",
+        help="what samples rollouts: local (lockstep), serve (the batched serve engine, CUDA "
+        "graphs on a GPU), auto (local for the arithmetic tasks, serve for the others)",
+    )
     _common(p)
     _defer_defaults(p, "rl")
     p.set_defaults(func=_dispatch("rl"))

@@ -296,8 +296,11 @@ def run_rl(args: argparse.Namespace) -> int:
     eos = eos_ids(tok)
     # the arithmetic task's tiny model stays on the lockstep LocalEngine (its RESULTS figures);
     # lmforge models of real tasks sample through the batched serve engine when it is there
-    serve = not toy and is_lmforge_model(model)
-    engine = make_engine(model, eos) if serve else LocalEngine(model, eos_ids=eos)
+    choice = getattr(args, "rollout_engine", "auto")
+    serve = choice == "serve" or (choice == "auto" and not toy and is_lmforge_model(model))
+    if serve and not is_lmforge_model(model):
+        raise LmforgeError("--rollout-engine serve needs an lmforge model (or a GGUF/HF import)")
+    engine = make_engine(model, eos, prefer="serve") if serve else LocalEngine(model, eos_ids=eos)
     t_start = time.perf_counter()
 
     def evaluate() -> float:
@@ -330,7 +333,7 @@ def run_rl(args: argparse.Namespace) -> int:
                               max_lag=args.max_lag, digits=args.digits, seed=args.seed,
                               eval_every=args.eval_every, eval_size=args.eval_size,
                               target=args.target, overlong_cache=overlong_cache, task=task,
-                              queue_size=args.queue_size,
+                              queue_size=args.queue_size, engine="serve" if serve else "local",
                               engine_threads=args.engine_threads)  # fmt: skip
         hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet)
     else:
