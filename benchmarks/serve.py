@@ -711,27 +711,16 @@ def _throughput_run(model, prompts, params, compile: bool) -> tuple[str, int, fl
     eng.generate([prompts[3][:50]], SamplingParams(max_tokens=2, ignore_eos=True))
     torch.cuda.synchronize()
     steps0 = eng.stats["steps"]
-    # Split the wall time: steps that carry prefill (or have requests waiting) vs pure decode
+    # The engine splits its step time: steps that carried prefill ("mixed") vs pure decode
     # (each step ends in a host sync: the sampled tokens' .tolist()).
-    split = {"prefill": [0, 0.0], "decode": [0, 0.0]}
-    plain_step = eng.step
-
-    def timed_step(eng: Engine = eng):
-        kind = "prefill" if eng.waiting or any(
-            s.n_cached < len(s.tokens) - 1 for s in eng.running
-        ) else "decode"  # fmt: skip
-        t = time.perf_counter()
-        out = plain_step()
-        split[kind][0] += 1
-        split[kind][1] += time.perf_counter() - t
-        return out
-
-    eng.step = timed_step
+    before = dict(eng.stats)
     t0 = time.perf_counter()
     outs = eng.generate(prompts, params)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    eng.step = plain_step
+    split = {name: [eng.stats[f"{kind}_steps"] - before[f"{kind}_steps"],
+                    eng.stats[f"{kind}_s"] - before[f"{kind}_s"]]
+             for name, kind in (("prefill", "mixed"), ("decode", "decode"))}  # fmt: skip
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     assert n_out == sum(p.max_tokens for p in params)
     failed = eng.decoder is not None and eng.decoder.failed

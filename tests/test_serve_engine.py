@@ -292,3 +292,19 @@ def test_random_workloads_match_generate_and_free_everything() -> None:
 
     check()
     assert seen["preemptions"] > 0 and seen["hits"] > 0  # the workloads did exercise both
+
+
+def test_engine_splits_step_time_between_decode_and_prefill_steps() -> None:
+    """stats: steps that carried prefill ("mixed") and pure decode steps, counted and timed."""
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=64, context_length=64, d_model=32, n_layers=1,
+                                      n_heads=2, n_kv_heads=1)).eval()  # fmt: skip
+    eng = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=8)
+    eng.generate(
+        [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_tokens=5, temperature=0)
+    )
+    st = eng.stats
+    # 12 prompt tokens at 8 per step: 2 prefill steps (the second samples the first token),
+    # then 4 decode steps for the other 4 tokens
+    assert (st["mixed_steps"], st["decode_steps"]) == (2, 4) and st["steps"] == 6
+    assert st["mixed_s"] > 0 and st["decode_s"] > 0

@@ -231,7 +231,10 @@ class Engine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
-        self.stats = {"preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        # decode_* / mixed_*: steps where every sequence fed one token (the graphs' case) vs
+        # steps that carried prefill, and the wall seconds step() spent on each (host included)
+        self.stats = {"preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
+                      "decode_steps": 0, "decode_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}  # fmt: skip
 
     # ---------------------------------------------------------------- sizing
     def _graphs_supported(self) -> bool:
@@ -698,11 +701,13 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; the requests that got a token (or finished)."""
+        t_start = time.perf_counter()
         with self.lock:
             chosen = self._schedule()
             if not chosen:
                 return []
             batch = self._batch(chosen)
+            kind = "decode" if batch.decode_only else "mixed"
             logits = self._forward(batch)  # (S, V)
             for seq, n in chosen:
                 seq.n_cached += n
@@ -768,6 +773,8 @@ class Engine:
                 outs.append(req.output())
                 if outs[-1].finished:
                     del self.requests[rid]
+            self.stats[f"{kind}_steps"] += 1
+            self.stats[f"{kind}_s"] += time.perf_counter() - t_start
             return outs
 
     @staticmethod
