@@ -395,6 +395,13 @@ else:
         _close(got[0], torch.autograd.grad(ref, (abr,), g.double())[0], dtype, "dab")
         with pytest.raises(KernelUnsupportedError, match="even"):
             swiglu_packed(ab[:, :4999])
+        # A short F (an MoE expert's): several rows per program, 37 rows ragged against them.
+        ab = (torch.randn(37, 96, generator=gen) * 2).to(dtype)
+        abt, abr = ab.clone().requires_grad_(), ab.double().requires_grad_()
+        y, ref = swiglu_packed(abt), swiglu_packed_reference(abr)
+        _close(y, ref, dtype, "swiglu_packed, short rows")
+        got, g = _grads(y, (abt,))
+        _close(got[0], torch.autograd.grad(ref, (abr,), g.double())[0], dtype, "dab, short rows")
         # RoPE against the model's own rotary layer, forward and backward.
         from lmforge.model import RotaryEmbedding
 

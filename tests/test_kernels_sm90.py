@@ -97,12 +97,16 @@ def test_norm_loss_and_elementwise_kernels_compile_for_sm90() -> None:
         assert compiled.metadata.shared <= SMEM_LIMIT
         assert "ld.global.v4" in compiled.asm["ptx"], "swiglu loads should vectorise"
     for kernel in (ew._swiglu_packed_fwd, ew._swiglu_packed_bwd):
-        # F specialised as a multiple of 16: both halves of a row load 16 bytes at a time
-        compiled = _compile(kernel, "bf16", {"BLOCK": ew._PACKED_BLOCK}, ew._PACKED_WARPS, 1,
-                            {"AB": "*bf16", "DAB": "*bf16"}, div16=("F",))  # fmt: skip
-        assert compiled.metadata.shared <= SMEM_LIMIT
-        assert "ld.global.v4" in compiled.asm["ptx"], "packed swiglu loads should vectorise"
-        assert "st.global.v4" in compiled.asm["ptx"], "packed swiglu stores should vectorise"
+        # F specialised as a multiple of 16: both halves of a row load 16 bytes at a time, for
+        # one long row per program (dense F) and for 8 short rows per program (an expert's F 256)
+        for f in (8192, 256):
+            (_grid, kw) = ew._packed_launch(1024, f)
+            consts = {"BLOCK": kw["BLOCK"], "ROWS": kw["ROWS"]}
+            compiled = _compile(kernel, "bf16", consts, kw["num_warps"], 1,
+                                {"AB": "*bf16", "DAB": "*bf16"}, div16=("F",))  # fmt: skip
+            assert compiled.metadata.shared <= SMEM_LIMIT
+            assert "ld.global.v4" in compiled.asm["ptx"], f"packed swiglu loads (F {f})"
+            assert "st.global.v4" in compiled.asm["ptx"], f"packed swiglu stores (F {f})"
 
 
 def test_rope_kernels_compile_for_sm90() -> None:
