@@ -298,3 +298,35 @@ def test_prefill_kernel_compiles_for_sm90(e) -> None:
         assert "wgmma.mma_async" in long.asm["ptx"]
         short = _compile_sm90(dtype, e, SHORT_ROWS, *launch_config(SHORT_ROWS, e, 2))
         assert short.metadata.shared <= 232448
+
+
+def test_prefill_falls_back_to_torch_when_the_kernel_cannot_build(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Triton build error at the kernel's first launch: one line on stderr, the torch path's
+    result, and later calls skip the kernel."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from lmforge.serve import _prefill_triton, attention
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(_prefill_triton, "paged_prefill_triton", broken)
+    monkeypatch.setattr(attention, "_PREFILL_FAILED", False)
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(8, 4, 2, 16), torch.randn(8, 4, 2, 16)
+    q = torch.randn(7, 4, 16)
+    tables, q_lens, ctx_lens = [[3, 1], [5]], [5, 2], [5, 3]
+    want = attention.paged_prefill_reference(q, k_cache, v_cache, tables, q_lens, ctx_lens)
+    got = attention.paged_prefill(q, k_cache, v_cache, tables, q_lens, ctx_lens, use_triton=True)
+    torch.testing.assert_close(got, want)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prefill kernel failed to build" in err[0]
+    assert attention._PREFILL_FAILED
+    attention.paged_prefill(q, k_cache, v_cache, tables, q_lens, ctx_lens)  # auto: kernel skipped
+    assert len(calls) == 1

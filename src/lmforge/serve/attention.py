@@ -26,6 +26,7 @@ TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -180,8 +181,9 @@ def paged_prefill(
     (S,) int32 ``ctx_lens_tensor`` on q's device (built from the lists when absent) and the step's
     tile list ``plan`` (:func:`prefill_plan`; build it once per step and pass it to every layer).
     """
+    global _PREFILL_FAILED
     if use_triton is None:
-        use_triton = q.is_cuda and triton_decode_available(q.device)
+        use_triton = q.is_cuda and triton_decode_available(q.device) and not _PREFILL_FAILED
     if not use_triton:
         return paged_prefill_reference(
             q, k_cache, v_cache, block_tables, q_lens, ctx_lens,
@@ -197,7 +199,28 @@ def paged_prefill(
         ctx_lens_tensor = torch.tensor(list(ctx_lens), dtype=torch.int32, device=q.device)
     if plan is None:
         plan = prefill_plan(q_lens, ctx_lens, q.device, head_dim=q.shape[-1])
-    return paged_prefill_triton(q, k_cache, v_cache, block_table_tensor, ctx_lens_tensor, plan)
+    try:
+        return paged_prefill_triton(q, k_cache, v_cache, block_table_tensor, ctx_lens_tensor, plan)
+    except _triton_build_errors() as e:  # a kernel Triton cannot build here: the torch path
+        _PREFILL_FAILED = True
+        print(f"lmforge.serve: the Triton prefill kernel failed to build ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); prefill runs the torch path",
+              file=sys.stderr)  # fmt: skip
+        return paged_prefill_reference(
+            q, k_cache, v_cache, block_tables, q_lens, ctx_lens,
+            block_table_tensor=block_table_tensor,
+        )  # fmt: skip
+
+
+_PREFILL_FAILED = False  # set once the kernel failed to build: later steps skip it
+
+
+def _triton_build_errors() -> tuple[type[BaseException], ...]:
+    """Triton's compile and resource errors (raised at a kernel's first launch), not others."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return (CompilationError, OutOfResources)
 
 
 def prefill_plan(
