@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -125,3 +127,154 @@ def test_serve_decoding_steps_like_local_decoding() -> None:
     versions = [r.outputs[0].policy_versions for r in rows]
     assert versions[0][0] == 0  # the first sample's first token came before the swap
     assert all(v == sorted(v) and v[-1] == 7 and len(v) == 5 for v in versions)
+
+
+# ---------------------------------------------------------------------------------------------
+# Any task, any lmforge model: a GSM8K-shaped task on a tiny random model with a byte tokenizer
+
+
+def _byte_tokenizer():
+    from lmforge.tokenizer import Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {i: bytes([i]) for i in range(256)}
+    vocab.update({256 + k: s.encode() for k, s in enumerate(specials)})
+    return Tokenizer(vocab, [], specials)
+
+
+def _odd_model(seed: int = 0):
+    """A tiny lmforge model with every non-default shape option the engine must rebuild: tied
+    embeddings, an explicit head_dim, GQA, QK-norm and llama3 RoPE scaling; random weights
+    (not the init of any seed), so a rebuild that re-initialised anything would show."""
+    from lmforge.model import ModelConfig, TransformerLM
+
+    cfg = ModelConfig(vocab_size=259, context_length=256, d_model=32, n_layers=1, n_heads=2,
+                      n_kv_heads=1, head_dim=24, qk_norm=True, tie_embeddings=True,
+                      rope_theta=500.0, rope_scaling="llama3", rope_scaling_factor=4.0,
+                      rope_original_context=32)  # fmt: skip
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.01 * torch.randn_like(p))
+    return model.eval()
+
+
+def _word_problems(n: int) -> list[dict]:
+    rows = []
+    for a in range(n):
+        b = 3 * a + 2
+        rows.append({"question": f"Ann has {a} pens and gets {b} more. How many pens now?",
+                     "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"})  # fmt: skip
+    return rows
+
+
+def _gsm8k_items(tok, n: int) -> list[dict]:
+    from lmforge.posttrain.chat import prompt_text
+    from lmforge.posttrain.tasks import gsm8k_user_message
+
+    return [{**r, "prompt": prompt_text(tok, gsm8k_user_message(r["question"]), True)}
+            for r in _word_problems(n)]  # fmt: skip
+
+
+def test_engine_rebuilds_the_trainers_model_exactly() -> None:
+    from lmforge.posttrain.pipeline import fingerprint_mismatch, rebuild_model, weight_fingerprint
+
+    model = _odd_model()
+    torch.manual_seed(123)  # the rebuild's own init must not matter
+    twin = rebuild_model(model.config, {k: v.clone() for k, v in model.state_dict().items()}, "cpu")
+    ids = torch.randint(0, 259, (2, 40))  # past rope_original_context: the scaled frequencies
+    with torch.no_grad():
+        assert torch.equal(twin(ids), model(ids))
+    assert twin.lm_head.weight is twin.token_embeddings.weight  # still tied: one Parameter
+    assert [n for n, _ in twin.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert fingerprint_mismatch(weight_fingerprint(model), weight_fingerprint(twin)) == 0.0
+    with torch.no_grad():
+        twin.layers[0].ffn.w2.weight[0, 0] += 1e-3  # one element, one update's size
+    assert fingerprint_mismatch(weight_fingerprint(model), weight_fingerprint(twin)) > 1e-7
+
+
+def test_prompt_sources_follow_the_synchronous_stream() -> None:
+    """ListPrompts draws what random.Random(seed).sample(items, n) draws (`lmforge rl --task
+    gsm8k`'s stream), and a pickled copy — the engine's — draws the same, with token ids."""
+    import pickle
+    import random
+
+    from lmforge.posttrain.pipeline import ListPrompts, TaskPrompts, item_stream
+    from lmforge.utils.errors import LmforgeError
+
+    tok = _byte_tokenizer()
+    items = _gsm8k_items(tok, 30)
+    src = ListPrompts(items, seed=3)
+    ref, sync = random.Random(3), item_stream(src)
+    engine_side = pickle.loads(pickle.dumps(src.with_token_ids(tok)))
+    for n in (4, 4, 7):
+        want = ref.sample(items, n)
+        assert sync(n) == want
+        got, ids = engine_side.draw(n)
+        assert got == want and ids == [tok.encode(it["prompt"]) for it in want]
+    assert src(4) == random.Random(3).sample(items, 4)  # item_stream left src untouched
+    with pytest.raises(LmforgeError, match="need more data"):
+        src(31)
+    task = ArithmeticTask(digits=2)
+    toy, twin = TaskPrompts(task, 5), rl.random_sampler(task, 5)
+    got, ids = pickle.loads(pickle.dumps(toy)).draw(6)
+    assert got == twin(6) and ids == [task.tokenizer().encode(it["prompt"]) for it in got]
+
+
+def test_pipeline_rl_on_a_gsm8k_shaped_task() -> None:
+    """The serve engine (the default for real tasks) in the engine process on a rebuilt model
+    with a non-default config, prompts drawn there from the task's list, replies decoded and
+    scored by the trainer with the GSM8K checker; the rebuild and the broadcasts are exact."""
+    from lmforge.posttrain.pipeline import ListPrompts, item_stream
+    from lmforge.posttrain.tasks import gsm8k_reward
+
+    tok = _byte_tokenizer()
+    model = _odd_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    prompts = ListPrompts(_gsm8k_items(tok, 12), seed=0)
+    sync = item_stream(prompts)
+    want = [it["question"] for _ in range(3) for it in sync(4)]
+    seen: list[str] = []
+
+    def reward(item: dict, text: str) -> Reward:
+        # the GSM8K checker plus a graded digit share, so groups differ and the weights move
+        if not seen or seen[-1] != item["question"]:
+            seen.append(item["question"])
+        r = gsm8k_reward(item, text)
+        shaped = sum(c.isdigit() for c in text) / max(len(text), 1)
+        return Reward(r.total + shaped, r.answer, r.format)
+
+    cfg = PipelineConfig(iterations=3, prompts_per_step=4, group_size=4, max_tokens=8,
+                         eval_every=3, lr=1e-2, max_lag=1, engine="serve", micro_batch=8)  # fmt: skip
+    hist = run_pipeline(model, cfg, progress=False, reward_fn=reward, prompts=prompts,
+                        tokenizer=tok)  # fmt: skip
+    assert [h["version"] for h in hist] == [1, 2, 3]
+    assert hist[-1]["samples"] == 3 * 16 and all(h["kept"] == 16 for h in hist)
+    assert seen == want  # the engine drew the synchronous run's prompts, in order
+    assert set(hist[-1]["staleness_histogram"]) <= {"0", "1"}
+    assert hist[0]["sync_check_tokens"] > 0 and hist[0]["sync_check"] < 1e-4
+    assert [h["weight_check"] for h in hist if "weight_check" in h] == [0.0, 0.0]  # batches 1, 3
+    assert all(0 < h["response_len"] <= 8 for h in hist)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert model.lm_head.weight is model.token_embeddings.weight
+
+
+def test_pipeline_refuses_what_it_cannot_run() -> None:
+    from lmforge.posttrain.pipeline import ListPrompts
+    from lmforge.utils.errors import LmforgeError
+
+    tok = _byte_tokenizer()
+    cfg = PipelineConfig(iterations=1, prompts_per_step=4, max_tokens=8)
+    with pytest.raises(LmforgeError, match="lmforge model"):
+        run_pipeline(torch.nn.Embedding(4, 4), cfg, progress=False)
+    few = ListPrompts(_gsm8k_items(tok, 3), seed=0)
+    with pytest.raises(LmforgeError, match="need more data"):
+        run_pipeline(_odd_model(), cfg, progress=False, reward_fn=lambda i, t: Reward(0.0),
+                     prompts=few, tokenizer=tok)  # fmt: skip
+    with pytest.raises(LmforgeError, match="context"):
+        run_pipeline(_odd_model(), dataclasses.replace(cfg, prompts_per_step=2, max_tokens=250),
+                     progress=False, reward_fn=lambda i, t: Reward(0.0), prompts=few,
+                     tokenizer=tok)  # fmt: skip
+    with pytest.raises(LmforgeError, match="tokenizer and a reward_fn"):
+        run_pipeline(_odd_model(), cfg, progress=False, prompts=few)
