@@ -254,7 +254,9 @@ def test_pipeline_rl_on_a_gsm8k_shaped_task() -> None:
     assert seen == want  # the engine drew the synchronous run's prompts, in order
     assert set(hist[-1]["staleness_histogram"]) <= {"0", "1"}
     assert hist[0]["sync_check_tokens"] > 0 and hist[0]["sync_check"] < 1e-4
-    assert [h["weight_check"] for h in hist if "weight_check" in h] == [0.0, 0.0]  # batches 1, 3
+    # batch 1 at version 0; batch 3 is started after the trainer's first broadcast (version ≥ 1)
+    checks = [(h["weight_check_version"], h["weight_check"]) for h in hist if "weight_check" in h]
+    assert len(checks) == 2 and checks[0] == (0, 0.0) and checks[1][0] >= 1 and checks[1][1] == 0.0
     assert all(0 < h["response_len"] <= 8 for h in hist)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert model.lm_head.weight is model.token_embeddings.weight
@@ -278,3 +280,73 @@ def test_pipeline_refuses_what_it_cannot_run() -> None:
                      tokenizer=tok)  # fmt: skip
     with pytest.raises(LmforgeError, match="tokenizer and a reward_fn"):
         run_pipeline(_odd_model(), cfg, progress=False, prompts=few)
+
+
+def _gsm8k_cli_files(tmp_path):
+    import json
+
+    from lmforge.posttrain.models import save_model
+
+    model = save_model(_odd_model(), _byte_tokenizer(), tmp_path / "tiny")
+    for name, rows in (("train.jsonl", _word_problems(12)), ("test.jsonl", _word_problems(4))):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return model, tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+
+
+def test_rl_gsm8k_pipeline_command_runs(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lmforge rl --task gsm8k --pipeline`: a saved lmforge model with its tokenizer, the serve
+    engine by default; bad combinations are one line each."""
+    import json
+
+    from lmforge.cli import main
+
+    model, train, test = _gsm8k_cli_files(tmp_path)
+    out = tmp_path / "rl"
+    common = ["rl", "--task", "gsm8k", "--pipeline", "--model", str(model), "--data", str(train),
+              "--eval-data", str(test), "--max-tokens", "8", "--eval-size", "4", "--quiet"]  # fmt: skip
+    args = [*common, "--iterations", "2", "--prompts-per-step", "2", "--group-size", "2",
+            "--eval-every", "2", "--micro-batch", "2", "--lr", "1e-3", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "gsm8k" and summary["pipeline"] and summary["samples"] == 8
+    assert set(summary["staleness_histogram"]) <= {"0", "1"}
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in recs] == [0, 1, 2] and "eval_accuracy" in recs[2]
+    assert recs[1]["sync_check_tokens"] > 0 and recs[1]["sync_check"] < 1e-4
+    assert (out / "model" / "model.safetensors").is_file()
+    capsys.readouterr()
+    for extra, says in ((["--algo", "ppo"], "not ppo"),
+                        (["--prompts-per-step", "20"], "need more data")):  # fmt: skip
+        assert main([*common, *extra, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+
+
+def test_benchmark_gsm8k_mode_compares_on_one_prompt_stream(tmp_path, monkeypatch) -> None:
+    """`benchmarks/posttrain_rl.py --task gsm8k`: synchronous GRPO and Pipeline RL (serve
+    engines) on the same prompts; the first batch, same weights and same generator state, is
+    sampled identically by both; the checks hold."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    model, train, _ = _gsm8k_cli_files(tmp_path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "posttrain_rl.py"
+    spec = importlib.util.spec_from_file_location("posttrain_rl_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench"
+    monkeypatch.setattr(sys, "argv", ["posttrain_rl.py", "--task", "gsm8k", "--model", str(model),
+                                      "--data", str(train), "--iterations", "3", "--prompts", "2",
+                                      "--group", "2", "--max-tokens", "8", "--micro-batch", "2",
+                                      "--lr", "1e-3", "--out", str(out)])  # fmt: skip
+    bench.main()
+    sync, pipe = json.loads((out / "results.json").read_text())["runs"]
+    assert sync["mode"] == "sync 1t" and pipe["mode"].startswith("pipeline")
+    assert sync["prompt_stream"] == pipe["prompt_stream"] and sync["problems_scored"] == 6
+    assert sync["reward"][0] == pipe["reward"][0]
+    assert sync["response_len"][0] == pipe["response_len"][0]
+    assert pipe["sync_check"][0][2] > 0 and pipe["sync_check"][0][1] < 1e-4
+    assert all(c[2] == 0.0 for c in pipe["weight_check"]) and len(pipe["iteration_s"]) == 3
+    assert set(pipe["staleness"]) <= {"0", "1"} and sync["per_iteration_s"]["gen_s"] > 0

@@ -415,8 +415,8 @@ def run_pipeline(
     no mid-sequence swap) before the step — 0 up to rounding when the engine's rebuilt model is
     the trainer's (the first batch is all lag 0; later ones often have no such row) — and
     ``weight_check``: :func:`fingerprint_mismatch` between the engine's weights when it started
-    that batch and the trainer's at the version it recorded (0 up to rounding when every
-    broadcast arrived intact).
+    that batch and the trainer's at the version it then held (``weight_check_version``; 0 up to
+    rounding when every broadcast arrived intact).
 
     Each record has the trainer's time breakdown (``wait_s`` for a batch, ``score_s``,
     ``fwd_s``/``bwd_s``/``opt_s`` of the step, ``broadcast_s``, ``eval_s``) and the engine's for
@@ -539,6 +539,7 @@ def run_pipeline(
             score_s = time.perf_counter() - t_score
             if check is not None and fingerprints.get(check[0]) is not None:
                 stats["weight_check"] = fingerprint_mismatch(fingerprints[check[0]], check[1])
+                stats["weight_check_version"] = check[0]
             if it == 1 or it % cfg.eval_every == 0:  # a diagnostic forward: not every step
                 stats["sync_check"], stats["sync_check_tokens"] = _sync_check(
                     model, s, version, cfg, device, sequence_logprobs
