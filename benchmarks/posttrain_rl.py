@@ -131,7 +131,6 @@ def main() -> None:
         except LmforgeError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        (out / "results.json").write_text(json.dumps(res, indent=2) + "\n")
         _print_real(res)
         return
 
@@ -517,8 +516,26 @@ def _real_task(args) -> dict:
           f"samples, {args.max_tokens}-token replies, engine {args.engine}, lr {args.lr}",
           flush=True)  # fmt: skip
     runs: list[dict] = []
+    out = Path(args.out)
+
+    def result() -> dict:
+        return {"task": args.task, "model": str(args.model), "device": args.device,
+                "engine": args.engine, "iterations": args.iterations, "prompts": args.prompts,
+                "group": args.group, "max_tokens": args.max_tokens, "lr": args.lr,
+                "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                "runs": runs}  # fmt: skip
+
+    def save() -> None:  # after every run: a run cut short by a time limit keeps the finished ones
+        from lmforge.utils.io import atomic_write_text
+
+        atomic_write_text(out / "results.json", json.dumps(result(), indent=2) + "\n")
 
     def free() -> None:
+        # the next run's engine sizes its KV cache from the free memory: release this one's
+        import gc
+
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -583,14 +600,11 @@ def _real_task(args) -> dict:
         for i in range(max(len(syncs), len(pipes))):  # alternated: both see the same load drift
             if i < len(syncs):
                 run_sync(seed, syncs[i])
+                save()
             if i < len(pipes):
                 run_pipe(seed, *pipes[i])
-    return {"task": args.task, "model": str(args.model), "device": args.device,
-            "engine": args.engine, "iterations": args.iterations, "prompts": args.prompts,
-            "group": args.group, "max_tokens": args.max_tokens, "lr": args.lr,
-            "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "runs": runs}  # fmt: skip
+                save()
+    return result()
 
 
 def _real_record(mode: str, seed: int, hist: list[dict], kind: str, load: list[str],

@@ -262,6 +262,31 @@ def test_pipeline_rl_on_a_gsm8k_shaped_task() -> None:
     assert model.lm_head.weight is model.token_embeddings.weight
 
 
+@pytest.mark.gpu
+def test_pipeline_rl_gsm8k_shaped_on_one_gpu() -> None:
+    """The GSM8K-shaped run with both processes on cuda:0: the serve engine with CUDA graphs in
+    the engine process, weights staged through CPU buckets over gloo."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from lmforge.posttrain.pipeline import ListPrompts
+
+    tok = _byte_tokenizer()
+    model = _odd_model().cuda()
+
+    def reward(item: dict, text: str) -> Reward:
+        shaped = sum(c.isdigit() for c in text) / max(len(text), 1)
+        return Reward(shaped, 0.0, 0.0)
+
+    cfg = PipelineConfig(iterations=3, prompts_per_step=4, group_size=4, max_tokens=8,
+                         eval_every=3, lr=1e-2, max_lag=1, engine="serve", micro_batch=8)  # fmt: skip
+    hist = run_pipeline(model, cfg, progress=False, reward_fn=reward,
+                        prompts=ListPrompts(_gsm8k_items(tok, 12), seed=0), tokenizer=tok)  # fmt: skip
+    assert [h["version"] for h in hist] == [1, 2, 3]
+    # fp32 on the GPU: paged decode vs the trainer's full forward differ by kernel choice only
+    assert hist[0]["sync_check_tokens"] > 0 and hist[0]["sync_check"] < 1e-3
+    assert all(h["weight_check"] < 1e-12 for h in hist if "weight_check" in h)
+
+
 def test_pipeline_refuses_what_it_cannot_run() -> None:
     from lmforge.posttrain.pipeline import ListPrompts
     from lmforge.utils.errors import LmforgeError
