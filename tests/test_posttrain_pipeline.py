@@ -347,6 +347,7 @@ def test_rl_gsm8k_pipeline_command_runs(tmp_path, capsys: pytest.CaptureFixture[
         assert len(err) == 1 and says in err[0], err
 
 
+@pytest.mark.slow  # ~5 s: keeps this file's new default-tier tests within their ~20 s
 def test_benchmark_gsm8k_mode_compares_on_one_prompt_stream(tmp_path, monkeypatch) -> None:
     """`benchmarks/posttrain_rl.py --task gsm8k`: synchronous GRPO and Pipeline RL (serve
     engines) on the same prompts; the first batch, same weights and same generator state, is
@@ -375,3 +376,34 @@ def test_benchmark_gsm8k_mode_compares_on_one_prompt_stream(tmp_path, monkeypatc
     assert pipe["sync_check"][0][2] > 0 and pipe["sync_check"][0][1] < 1e-4
     assert all(c[2] == 0.0 for c in pipe["weight_check"]) and len(pipe["iteration_s"]) == 3
     assert set(pipe["staleness"]) <= {"0", "1"} and sync["per_iteration_s"]["gen_s"] > 0
+
+
+class _FailingPrompts:
+    """A prompt source whose second draw fails in the engine process (module level: pickled)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def draw(self, n: int):
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("prompt store went away")
+        return self.inner.draw(n)
+
+
+def test_an_engine_failure_is_one_line_in_the_trainer() -> None:
+    """The engine process's error reaches the trainer as one LmforgeError (no hang, no
+    traceback from the other process), whatever collective the trainer was in."""
+    import time
+
+    from lmforge.posttrain.pipeline import ListPrompts
+    from lmforge.utils.errors import LmforgeError
+
+    tok = _byte_tokenizer()
+    src = _FailingPrompts(ListPrompts(_gsm8k_items(tok, 8), seed=0).with_token_ids(tok))
+    cfg = PipelineConfig(iterations=3, prompts_per_step=2, group_size=2, max_tokens=4)
+    t = time.monotonic()
+    with pytest.raises(LmforgeError, match="engine process: prompt store went away"):
+        run_pipeline(_odd_model(), cfg, progress=False, prompts=src, tokenizer=tok,
+                     reward_fn=lambda i, t: Reward(float(len(t))))  # fmt: skip
+    assert time.monotonic() - t < 60
