@@ -110,6 +110,12 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=16,
                     help="gsm8k / math: sequences per forward/backward (fp32 logits are "
                          "sequences x tokens x vocab)")  # fmt: skip
+    ap.add_argument("--engine-device", default=None,
+                    help="gsm8k / math: the pipeline engine's device (default: the trainer's; "
+                         "cuda:1 with --backend nccl puts it on a second GPU; untested)")  # fmt: skip
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                    help="gsm8k / math: the pipeline's weight broadcast (gloo: CPU buckets, one "
+                         "shared device; nccl: one GPU per process)")  # fmt: skip
     ap.add_argument("--check-every", type=int, default=2,
                     help="gsm8k / math: the pipeline's weight check every N batches (and the first)")  # fmt: skip
     ap.add_argument("--d-model", type=int, default=128, help="width of the task model")
@@ -577,7 +583,8 @@ def _real_task(args) -> dict:
                               prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
                               max_tokens=args.max_tokens, max_lag=args.max_lag, seed=seed,
                               eval_every=args.check_every, threads=tt, engine_threads=et,
-                              queue_size=q, engine=args.engine, micro_batch=args.micro_batch)  # fmt: skip
+                              queue_size=q, engine=args.engine, micro_batch=args.micro_batch,
+                              backend=args.backend, engine_device=args.engine_device)  # fmt: skip
         load0 = _loadavg()
         torch.manual_seed(seed)
         scored, seen = _recording(reward, key)
