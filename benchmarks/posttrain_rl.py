@@ -116,6 +116,10 @@ def main() -> None:
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
                     help="gsm8k / math: the pipeline's weight broadcast (gloo: CPU buckets, one "
                          "shared device; nccl: one GPU per process)")  # fmt: skip
+    ap.add_argument("--transport", default="broadcast",
+                    help="gsm8k / math: the pipeline's weight transfer, comma-separated (one "
+                         "pipeline run each): broadcast (gloo / NCCL buckets) | shared (buckets "
+                         "shared with the engine on the same device: CUDA IPC / shared memory)")  # fmt: skip
     ap.add_argument("--check-every", type=int, default=2,
                     help="gsm8k / math: the pipeline's weight check every N batches (and the first)")  # fmt: skip
     ap.add_argument("--d-model", type=int, default=128, help="width of the task model")
@@ -576,7 +580,7 @@ def _real_task(args) -> dict:
         del eng, model
         free()
 
-    def run_pipe(seed: int, tt: int, et: int, q: int) -> None:
+    def run_pipe(seed: int, tt: int, et: int, q: int, transport: str) -> None:
         torch.set_num_threads(tt)
         model = copy.deepcopy(base)
         pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
@@ -584,16 +588,17 @@ def _real_task(args) -> dict:
                               max_tokens=args.max_tokens, max_lag=args.max_lag, seed=seed,
                               eval_every=args.check_every, threads=tt, engine_threads=et,
                               queue_size=q, engine=args.engine, micro_batch=args.micro_batch,
-                              backend=args.backend, engine_device=args.engine_device)  # fmt: skip
+                              backend=args.backend, engine_device=args.engine_device,
+                              transport=transport)  # fmt: skip
         load0 = _loadavg()
         torch.manual_seed(seed)
         scored, seen = _recording(reward, key)
         hist = run_pipeline(model, pcfg, progress=False, reward_fn=scored,
                             prompts=ListPrompts(items, seed), tokenizer=tok, eos_ids=eos)  # fmt: skip
-        runs.append(_real_record(f"pipeline {tt}+{et}t q{q}", seed, hist, "pipeline",
-                                 [load0, _loadavg()], seen))  # fmt: skip
-        print(f"  seed {seed} pipeline {tt}+{et} threads, queue {q}: {hist[-1]['time_s']:.1f} s",
-              flush=True)  # fmt: skip
+        mode = f"pipeline {tt}+{et}t q{q}" + (f" {transport}" if transport != "broadcast" else "")
+        runs.append(_real_record(mode, seed, hist, "pipeline", [load0, _loadavg()], seen))
+        print(f"  seed {seed} pipeline {tt}+{et} threads, queue {q}, {transport}: "
+              f"{hist[-1]['time_s']:.1f} s", flush=True)  # fmt: skip
         del model
         free()
 
@@ -602,7 +607,8 @@ def _real_task(args) -> dict:
     for spec in [x for x in args.pipe_threads.split(",") if x]:
         th, _, q = spec.partition(":")
         tt, et = (int(x) for x in th.split("+"))
-        pipes += [(tt, et, int(qq)) for qq in (q.split() if q else args.queue.split(",")) if qq]
+        pipes += [(tt, et, int(qq), tr) for qq in (q.split() if q else args.queue.split(",")) if qq
+                  for tr in args.transport.split(",") if tr]  # fmt: skip
     for seed in [int(x) for x in args.seeds.split(",") if x]:
         for i in range(max(len(syncs), len(pipes))):  # alternated: both see the same load drift
             if i < len(syncs):

@@ -245,8 +245,11 @@ def test_pipeline_rl_on_a_gsm8k_shaped_task() -> None:
         shaped = sum(c.isdigit() for c in text) / max(len(text), 1)
         return Reward(r.total + shaped, r.answer, r.format)
 
+    # the shared-bucket transport (shared memory here, CUDA IPC on a GPU); the toy tests above
+    # cover the gloo broadcast
     cfg = PipelineConfig(iterations=3, prompts_per_step=4, group_size=4, max_tokens=8,
-                         eval_every=3, lr=1e-2, max_lag=1, engine="serve", micro_batch=8)  # fmt: skip
+                         eval_every=3, lr=1e-2, max_lag=1, engine="serve", micro_batch=8,
+                         transport="shared")  # fmt: skip
     hist = run_pipeline(model, cfg, progress=False, reward_fn=reward, prompts=prompts,
                         tokenizer=tok)  # fmt: skip
     assert [h["version"] for h in hist] == [1, 2, 3]
@@ -265,7 +268,7 @@ def test_pipeline_rl_on_a_gsm8k_shaped_task() -> None:
 @pytest.mark.gpu
 def test_pipeline_rl_gsm8k_shaped_on_one_gpu() -> None:
     """The GSM8K-shaped run with both processes on cuda:0: the serve engine with CUDA graphs in
-    the engine process, weights staged through CPU buckets over gloo."""
+    the engine process; weights staged through CPU buckets over gloo, then CUDA IPC buckets."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from lmforge.posttrain.pipeline import ListPrompts
@@ -277,10 +280,16 @@ def test_pipeline_rl_gsm8k_shaped_on_one_gpu() -> None:
         shaped = sum(c.isdigit() for c in text) / max(len(text), 1)
         return Reward(shaped, 0.0, 0.0)
 
-    cfg = PipelineConfig(iterations=3, prompts_per_step=4, group_size=4, max_tokens=8,
-                         eval_every=3, lr=1e-2, max_lag=1, engine="serve", micro_batch=8)  # fmt: skip
-    hist = run_pipeline(model, cfg, progress=False, reward_fn=reward,
-                        prompts=ListPrompts(_gsm8k_items(tok, 12), seed=0), tokenizer=tok)  # fmt: skip
+    for transport in ("broadcast", "shared"):  # CPU-staged gloo, then CUDA IPC buckets
+        cfg = PipelineConfig(iterations=3, prompts_per_step=4, group_size=4, max_tokens=8,
+                             eval_every=3, lr=1e-2, max_lag=1, engine="serve", micro_batch=8,
+                             transport=transport)  # fmt: skip
+        hist = run_pipeline(model, cfg, progress=False, reward_fn=reward,
+                            prompts=ListPrompts(_gsm8k_items(tok, 12), seed=0), tokenizer=tok)  # fmt: skip
+        _assert_gpu_run(hist)
+
+
+def _assert_gpu_run(hist: list) -> None:
     assert [h["version"] for h in hist] == [1, 2, 3]
     # fp32 on the GPU: paged decode vs the trainer's full forward differ by kernel choice only
     assert hist[0]["sync_check_tokens"] > 0 and hist[0]["sync_check"] < 1e-3
@@ -305,6 +314,11 @@ def test_pipeline_refuses_what_it_cannot_run() -> None:
                      tokenizer=tok)  # fmt: skip
     with pytest.raises(LmforgeError, match="tokenizer and a reward_fn"):
         run_pipeline(_odd_model(), cfg, progress=False, prompts=few)
+    with pytest.raises(LmforgeError, match="weight transport"):
+        run_pipeline(_odd_model(), dataclasses.replace(cfg, transport="rdma"), progress=False)
+    with pytest.raises(LmforgeError, match="trainer's device"):
+        run_pipeline(_odd_model(), dataclasses.replace(cfg, transport="shared", engine_device="meta"),
+                     progress=False)  # fmt: skip
 
 
 def _gsm8k_cli_files(tmp_path):

@@ -7,7 +7,8 @@ on CPU; NCCL when each has its own GPU):
   :class:`~lmforge.posttrain.rollout.LocalEngine` (or, ``engine="serve"``, the batched serve
   engine through :func:`~lmforge.posttrain.rollout.make_engine`). Before every decode step it checks the
   trainer's published version; when newer, it receives the weights (bucketed broadcast,
-  :mod:`lmforge.posttrain.weight_sync`) and swaps them in **mid-sequence**, keeping the KV
+  :mod:`lmforge.posttrain.weight_sync`; or, ``transport="shared"`` on one device, copies them
+  out of buckets shared with the trainer) and swaps them in **mid-sequence**, keeping the KV
   cache; every token records the version that sampled it. Finished batches go to a queue.
 - the **trainer** takes finished batches as they arrive, scores them, drops (or down-weights)
   rollouts whose oldest token is more than ``max_lag`` versions behind, runs one optimizer
@@ -87,6 +88,8 @@ class PipelineConfig:
     engine_device: str | None = None
     "the engine's device (None = the trainer model's device)"
     bucket_mib: int = 64
+    transport: str = "broadcast"
+    "broadcast (bucketed torch.distributed broadcast over the backend) | shared (engine on the trainer's device: the trainer packs each version into buckets the engine process maps — CUDA IPC on a GPU, shared memory on the CPU — and the engine copies them out; no collective, no CPU staging)"
     overlong_cache: int = 0
     "DAPO's soft overlong penalty ramp (0 = off)"
     engine: str = "local"
@@ -252,7 +255,8 @@ def _serve_stats(engine: Any) -> dict[str, float]:
 
 def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Tensor], port: int,
                  published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
-                 prompts: Any, eos_ids: list[int]) -> None:  # fmt: skip
+                 prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
+                 acked: Any) -> None:  # fmt: skip
     """The engine process: decode forever, swapping weights in between decode steps.
 
     It starts batch k only once the trainer has taken batch k − 1 − ``queue_size`` (credit
@@ -266,7 +270,7 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
 
     try:
         _engine_loop(cfg, model_cfg, state, port, published, consumed, stop, out_q, device,
-                     prompts, eos_ids)  # fmt: skip
+                     prompts, eos_ids, shared, acked)  # fmt: skip
     except Exception as e:  # the trainer raises it as one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
@@ -279,11 +283,17 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
 
 def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Tensor], port: int,
                  published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
-                 prompts: Any, eos_ids: list[int]) -> None:  # fmt: skip
+                 prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
+                 acked: Any) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from lmforge.posttrain.rollout import LocalEngine, SamplingParams, make_engine
-    from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
+    from lmforge.posttrain.weight_sync import (
+        broadcast_model,
+        bucket_layout,
+        copy_into,
+        unpack_buckets,
+    )
 
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
     if device.startswith("cuda"):
@@ -295,7 +305,11 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     else:
         engine = LocalEngine(model, eos_ids=eos_ids)
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-    buckets = layout.empty_buckets(_bucket_device(cfg, torch.device(device)))
+    buckets = (
+        []
+        if shared is not None
+        else layout.empty_buckets(_bucket_device(cfg, torch.device(device)))
+    )
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                             n=cfg.group_size)  # fmt: skip
     # Warm up (first-call allocations, kernel compilation) before joining the group: the
@@ -308,12 +322,22 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
 
     recv = [0.0]
 
+    named = dict(model.named_parameters())  # tied weights once (the layout's names)
+    cuda = device.startswith("cuda")
+
     def sync() -> None:
-        while published.value > engine.version:  # one broadcast per published version, in order
+        while published.value > engine.version:  # one transfer per published version, in order
             t = time.perf_counter()
-            broadcast_model(model, layout, buckets, src=0)
+            if shared is None:
+                broadcast_model(model, layout, buckets, src=0)
+            else:  # the trainer packed version engine.version + 1 and waits for this ack
+                copy_into(named, unpack_buckets(layout, shared))
+                if cuda:
+                    torch.cuda.synchronize()
             recv[0] += time.perf_counter() - t
             engine.version += 1
+            if shared is not None:
+                acked.value = engine.version
 
     produced = 0
     while not stop.value:
@@ -481,6 +505,17 @@ def run_pipeline(
     port = _free_port()
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     device = next(model.parameters()).device
+    layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
+    shared, acked = None, ctx.Value("i", 0)
+    if cfg.transport == "shared":
+        if torch.device(cfg.engine_device or device) != device:
+            raise LmforgeError("transport 'shared' needs the engine on the trainer's device "
+                               f"({device}), not {cfg.engine_device}")  # fmt: skip
+        shared = layout.empty_buckets(device)  # CUDA tensors travel to the engine by IPC
+        if device.type == "cpu":
+            shared = [b.share_memory_() for b in shared]
+    elif cfg.transport != "broadcast":
+        raise LmforgeError(f"unknown weight transport {cfg.transport!r} (broadcast, shared)")
     proc = ctx.Process(
         target=_engine_main,
         args=(
@@ -495,6 +530,8 @@ def run_pipeline(
             cfg.engine_device or str(device),
             prompts,
             eos,
+            shared,
+            acked,
         ),
         daemon=True,
     )
@@ -511,8 +548,7 @@ def run_pipeline(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init(0, port, cfg.backend)
-        layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-        buckets = layout.empty_buckets(_bucket_device(cfg, device))
+        buckets = layout.empty_buckets(_bucket_device(cfg, device)) if shared is None else []
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         t0 = time.perf_counter()
         paused = 0.0  # seconds in on_step: not part of time_s
@@ -561,10 +597,15 @@ def run_pipeline(
                 for _ in range(cfg.epochs):
                     stats.update(rl.rl_train_step(model, opt, s, step_cfg, ref_model))
             model.eval()
-            version += 1
-            published.value = version
             t_bc = time.perf_counter()
-            broadcast_model(model, layout, buckets, src=0)
+            if shared is None:
+                version += 1
+                published.value = version
+                broadcast_model(model, layout, buckets, src=0)
+            else:
+                _publish_shared(model, layout, shared, version, acked, proc)
+                version += 1
+                published.value = version  # after the pack: the engine copies a whole version
             broadcast_s = time.perf_counter() - t_bc
             fingerprints[version] = weight_fingerprint(model) if _checks_ahead(cfg, it) else None
             for old in [v for v in fingerprints if v < version - cfg.queue_size - 2]:
@@ -622,6 +663,21 @@ def run_pipeline(
         if proc.is_alive():
             proc.terminate()
     return history
+
+
+@torch.no_grad()
+def _publish_shared(model: nn.Module, layout: Any, shared: list[torch.Tensor], version: int,
+                    acked: Any, proc: Any) -> None:  # fmt: skip
+    """Pack the weights into the shared buckets once the engine has copied ``version`` out."""
+    from lmforge.posttrain.weight_sync import pack_buckets
+
+    while acked.value < version:  # the buckets still hold a version the engine has not copied
+        if not proc.is_alive():
+            raise _EngineError(f"the Pipeline RL engine process exited (code {proc.exitcode})")
+        time.sleep(0.0002)
+    pack_buckets(layout, dict(model.named_parameters()), shared)
+    if shared and shared[0].is_cuda:
+        torch.cuda.synchronize(shared[0].device)  # the engine reads them from another process
 
 
 def _checks_ahead(cfg: PipelineConfig, it: int) -> bool:
