@@ -612,12 +612,26 @@ def _real_task(args) -> dict:
     for seed in [int(x) for x in args.seeds.split(",") if x]:
         for i in range(max(len(syncs), len(pipes))):  # alternated: both see the same load drift
             if i < len(syncs):
-                run_sync(seed, syncs[i])
+                _guarded(runs, f"sync {syncs[i]}t", seed, run_sync, seed, syncs[i])
                 save()
             if i < len(pipes):
-                run_pipe(seed, *pipes[i])
+                _guarded(runs, f"pipeline {pipes[i]}", seed, run_pipe, seed, *pipes[i])
                 save()
+                free()
     return result()
+
+
+def _guarded(runs: list, mode: str, seed: int, fn, *args) -> None:
+    """``fn(*args)``; a failure is recorded as that run's result and the next run goes ahead (one
+    GPU session: a failing transport must not cost the other runs their figures)."""
+    from lmforge.utils.errors import LmforgeError
+
+    try:
+        fn(*args)
+    except (LmforgeError, RuntimeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"  seed {seed} {mode}: FAILED: {msg}", flush=True)
+        runs.append({"mode": mode, "seed": seed, "error": msg})
 
 
 def _real_record(mode: str, seed: int, hist: list[dict], kind: str, load: list[str],
@@ -656,6 +670,10 @@ def _real_record(mode: str, seed: int, hist: list[dict], kind: str, load: list[s
 
 
 def _print_real(res: dict) -> None:
+    failed = [r for r in res["runs"] if "error" in r]
+    res = {**res, "runs": [r for r in res["runs"] if "error" not in r]}
+    for r in failed:
+        print(f"FAILED: {r['mode']} seed {r['seed']}: {r['error']}")
     print(f"\nPipeline RL vs synchronous GRPO, {res['task']}, {res['model']}, {res['device']}"
           f" ({res['gpu'] or 'CPU'}), torch {res['torch']}, engine {res['engine']}, "
           f"{res['iterations']} x {res['prompts']} x {res['group']} samples, "
