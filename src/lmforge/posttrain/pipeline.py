@@ -508,7 +508,8 @@ def run_pipeline(
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     shared, acked = None, ctx.Value("i", 0)
     if cfg.transport == "shared":
-        if torch.device(cfg.engine_device or device) != device:
+        want = torch.device(cfg.engine_device or device)
+        if want.type != device.type or (want.index is not None and want.index != device.index):
             raise LmforgeError("transport 'shared' needs the engine on the trainer's device "
                                f"({device}), not {cfg.engine_device}")  # fmt: skip
         shared = layout.empty_buckets(device)  # CUDA tensors travel to the engine by IPC
