@@ -45,7 +45,9 @@ import dataclasses
 import os
 import queue
 import random
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -253,7 +255,7 @@ def _serve_stats(engine: Any) -> dict[str, float]:
             if k in stats}  # fmt: skip
 
 
-def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Tensor], port: int,
+def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
                  published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
                  prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
                  acked: Any) -> None:  # fmt: skip
@@ -269,7 +271,7 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     import torch.distributed as dist
 
     try:
-        _engine_loop(cfg, model_cfg, state, port, published, consumed, stop, out_q, device,
+        _engine_loop(cfg, model_cfg, state_file, port, published, consumed, stop, out_q, device,
                      prompts, eos_ids, shared, acked)  # fmt: skip
     except Exception as e:  # the trainer raises it as one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -281,7 +283,7 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
             dist.destroy_process_group()
 
 
-def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Tensor], port: int,
+def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
                  published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
                  prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
                  acked: Any) -> None:  # fmt: skip
@@ -298,8 +300,9 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    model = rebuild_model(model_cfg, state, device)
-    del state
+    from safetensors.torch import load_file
+
+    model = rebuild_model(model_cfg, load_file(state_file, device=device), device)
     if cfg.engine == "serve":
         engine = make_engine(model, eos_ids, prefer="serve")
     else:
@@ -503,7 +506,6 @@ def run_pipeline(
     stop = ctx.Value("b", False)
     out_q = ctx.Queue(maxsize=cfg.queue_size + 1)
     port = _free_port()
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     device = next(model.parameters()).device
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     shared, acked = None, ctx.Value("i", 0)
@@ -517,12 +519,17 @@ def run_pipeline(
             shared = [b.share_memory_() for b in shared]
     elif cfg.transport != "broadcast":
         raise LmforgeError(f"unknown weight transport {cfg.transport!r} (broadcast, shared)")
+    # The weights go to the engine through a file, not the process arguments: pickled tensors
+    # travel through /dev/shm, which containers often keep at 64 MB (a 135 M model is 540 MB).
+    handoff = tempfile.mkdtemp(prefix="lmforge-pipeline-")
+    state_file = os.path.join(handoff, "state.safetensors")
+    _save_state(model, state_file)
     proc = ctx.Process(
         target=_engine_main,
         args=(
             cfg,
             model.config,
-            state,
+            state_file,
             port,
             published,
             consumed,
@@ -538,7 +545,6 @@ def run_pipeline(
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     proc.start()
-    del state
     version = 0
     hist_total: collections.Counter[int] = collections.Counter()
     history: list[dict[str, Any]] = []
@@ -663,7 +669,15 @@ def run_pipeline(
         proc.join(timeout=60)
         if proc.is_alive():
             proc.terminate()
+        shutil.rmtree(handoff, ignore_errors=True)
     return history
+
+
+def _save_state(model: nn.Module, path: str) -> None:
+    """The model's state dict as safetensors (tied weights: the state dict holds a copy)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, path)
 
 
 @torch.no_grad()
