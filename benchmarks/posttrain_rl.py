@@ -18,6 +18,26 @@ every carry) is shared by every run, so each starts from the same held-out accur
 
 Prints a table and writes ``--out``/rl_algorithms.png, pipeline_vs_sync.png, results.json.
 Run: ``PYTHONPATH=src python benchmarks/posttrain_rl.py --pipeline``.
+
+``--task gsm8k`` (or ``math``) ``--model FILE --data DIR``: the same comparison on a real model and
+task (SmolLM2-135M-Instruct on GSM8K: ``--max-tokens`` 256 replies through the serve engine, a
+train step over 256 sequences of ~400 tokens), where generation and training take comparable
+time. No warm start and no held-out evaluation: synchronous GRPO and Pipeline RL start from the
+same weights, draw the same prompt stream (``random.Random(seed).sample`` of the train split,
+``lmforge rl``'s) and spend the same sample budget (``--iterations`` × ``--prompts`` ×
+``--group``); both engines are warmed up before their clocks start. Printed: mean reward and
+seconds per iteration of both, the speed-up (all iterations and without the first), the time
+breakdown (generation; trainer wait, scoring, forward, backward, optimizer, broadcast; engine
+decode, weight receive, idle; the serve engine's decode-only / prefill-carrying step seconds),
+the staleness histogram and the correctness checks (``sync_check``: |π_θ/μ − 1| on the lag-0
+tokens, which the first batch is made of; ``weight_check``: the engine's weights against the
+trainer's at the version it recorded, every ``--check-every`` batches). This mode lives here rather
+than in ``posttrain_gsm8k.py`` (the before/SFT/GRPO accuracy stages with full test-split
+evaluations) because it is this file's measurement — pipeline vs synchronous at one sample
+budget — on another task. One H200, both processes sharing it::
+
+    PYTHONPATH=src python benchmarks/posttrain_rl.py --device cuda --task gsm8k \
+        --model SmolLM2-135M-Instruct.Q4_1.gguf --data ../shared/data/eval/gsm8k --iterations 4
 """
 
 from __future__ import annotations
@@ -59,11 +79,15 @@ def main() -> None:
     ap.add_argument("--queue", default="0",
                     help="pipeline: finished batches the engine may hold unconsumed (0: lag <= 1); "
                          "comma-separated: one pipeline run per value")  # fmt: skip
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument(
+        "--lr", type=float, default=None, help="default 1e-3 (toy), 2e-6 (gsm8k / math)"
+    )
     ap.add_argument("--sync-threads", default="1",
                     help="torch threads of synchronous runs; --pipeline runs each listed count")  # fmt: skip
-    ap.add_argument("--task", choices=["arithmetic", "scratchpad"], default="arithmetic",
-                    help="scratchpad: worked 30-token answers (generation ~35%% of an iteration)")  # fmt: skip
+    ap.add_argument("--task", choices=["arithmetic", "scratchpad", "gsm8k", "math"],
+                    default="arithmetic",
+                    help="scratchpad: worked 30-token answers (generation ~35%% of an iteration); "
+                         "gsm8k / math: --model on --data, Pipeline RL vs synchronous GRPO")  # fmt: skip
     ap.add_argument("--seeds", default="0", help="--pipeline: comma-separated run seeds")
     ap.add_argument("--pipe-threads", default="1+1",
                     help="--pipeline: trainer+engine torch threads, comma-separated; T+E runs "
@@ -73,17 +97,52 @@ def main() -> None:
     ap.add_argument("--figure", default=None, help="--pipeline: also write the figure here")
     ap.add_argument("--device", default="cpu",
                     help="cpu | cuda: every model on it (the pipeline's two processes share it)")  # fmt: skip
-    ap.add_argument("--engine", choices=["local", "serve"], default="local",
+    ap.add_argument("--engine", choices=["local", "serve"], default=None,
                     help="rollout engine of every run (sync and pipeline): local = lockstep "
-                         "LocalEngine, serve = the batched serve engine (CUDA graphs on a GPU)")  # fmt: skip
+                         "LocalEngine, serve = the batched serve engine (CUDA graphs on a GPU); "
+                         "default local for the toy tasks, serve for gsm8k / math")  # fmt: skip
+    ap.add_argument("--model", default=None,
+                    help="gsm8k / math: the policy (lmforge checkpoint, .gguf, HF import)")  # fmt: skip
+    ap.add_argument("--data", default=None,
+                    help="gsm8k / math: folder with train.jsonl, or a JSONL file of problems")  # fmt: skip
+    ap.add_argument("--train-limit", type=int, default=None, help="gsm8k / math: first N problems")
+    ap.add_argument("--max-tokens", type=int, default=256, help="gsm8k / math: reply budget")
+    ap.add_argument("--micro-batch", type=int, default=16,
+                    help="gsm8k / math: sequences per forward/backward (fp32 logits are "
+                         "sequences x tokens x vocab)")  # fmt: skip
+    ap.add_argument("--engine-device", default=None,
+                    help="gsm8k / math: the pipeline engine's device (default: the trainer's; "
+                         "cuda:1 with --backend nccl puts it on a second GPU; untested)")  # fmt: skip
+    ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                    help="gsm8k / math: the pipeline's weight broadcast (gloo: CPU buckets, one "
+                         "shared device; nccl: one GPU per process)")  # fmt: skip
+    ap.add_argument("--transport", default="broadcast",
+                    help="gsm8k / math: the pipeline's weight transfer, comma-separated (one "
+                         "pipeline run each): broadcast (gloo / NCCL buckets) | shared (buckets "
+                         "shared with the engine on the same device: CUDA IPC / shared memory)")  # fmt: skip
+    ap.add_argument("--check-every", type=int, default=2,
+                    help="gsm8k / math: the pipeline's weight check every N batches (and the first)")  # fmt: skip
     ap.add_argument("--d-model", type=int, default=128, help="width of the task model")
     ap.add_argument("--layers", type=int, default=2, help="layers of the task model")
     ap.add_argument("--out", default="runs/posttrain_rl")
     args = ap.parse_args()
+    real = args.task in ("gsm8k", "math")
+    args.lr = args.lr if args.lr is not None else (2e-6 if real else 1e-3)
+    args.engine = args.engine or ("serve" if real else "local")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or 'cpu'}, "
           f"torch {torch.__version__}, python {platform.python_version()}", flush=True)  # fmt: skip
+    if real:
+        from lmforge.utils.errors import LmforgeError
+
+        try:
+            res = _real_task(args)
+        except LmforgeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        _print_real(res)
+        return
 
     task = (ScratchpadAdditionTask if args.task == "scratchpad" else ArithmeticTask)(args.digits)
     tok = task.tokenizer()
@@ -162,11 +221,12 @@ def main() -> None:
         _print_pipeline(results["pipeline"], args.target)
 
 
-def _rollout_engine(args, model: torch.nn.Module, tok) -> object:
+def _rollout_engine(args, model: torch.nn.Module, tok, eos: list[int] | None = None) -> object:
     """The synchronous runs' engine: the same kind the pipeline's engine process runs."""
+    eos = [tok.eos_id] if eos is None else eos
     if args.engine == "serve":
-        return make_engine(model, [tok.eos_id], prefer="serve")
-    return LocalEngine(model, eos_ids=[tok.eos_id])
+        return make_engine(model, eos, prefer="serve")
+    return LocalEngine(model, eos_ids=eos)
 
 
 def _summary(hist: list[dict], target: float = 0.8) -> dict:
@@ -383,6 +443,282 @@ def _print_pipeline(res: dict, target: float) -> None:
             print(f"  staleness seed {r['seed']} (token lag: count): {r['staleness']}, kept "
                   f"{r['kept']} rollouts, {r['mixed_version_rollouts']} mixed-version, "
                   f"clip fraction {r['clip_fraction']}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline RL vs synchronous GRPO on a real model and task (gsm8k / math)
+
+_REAL_PARTS = {
+    "sync": ["gen_s", "serve_decode_s", "serve_mixed_s", "score_s", "fwd_s", "bwd_s", "opt_s"],
+    "trainer": ["wait_s", "score_s", "fwd_s", "bwd_s", "opt_s", "broadcast_s"],
+    "engine": ["engine_gen_s", "engine_serve_decode_s", "engine_serve_mixed_s", "engine_recv_s",
+               "engine_idle_s"],
+}  # fmt: skip
+
+
+def _real_items(args, tok) -> list[dict]:
+    """The train problems as ``lmforge rl --task gsm8k|math`` builds them (chat-templated prompt)."""
+    from lmforge.posttrain.chat import prompt_text
+    from lmforge.posttrain.tasks import gsm8k_user_message, read_jsonl
+    from lmforge.utils.errors import LmforgeError
+
+    if not args.data:
+        raise LmforgeError(
+            f"--task {args.task} needs --data (a folder with train.jsonl, or a file)"
+        )
+    data = Path(args.data)
+    recs = read_jsonl(data / "train.jsonl" if data.is_dir() else data, "--data")
+    recs = recs[: args.train_limit] if args.train_limit else recs
+    key = "question" if args.task == "gsm8k" else "problem"
+
+    def user(rec: dict) -> str:
+        if key not in rec or "answer" not in rec:
+            raise LmforgeError(f"{args.task} record lacks '{key}' or 'answer'")
+        if args.task == "gsm8k":
+            return gsm8k_user_message(rec[key])
+        return rec[key] + " Put the final answer in \\boxed{}."
+
+    return [{**r, "prompt": prompt_text(tok, user(r), True)} for r in recs]
+
+
+def _serve_stats(eng) -> dict:
+    stats = getattr(getattr(eng, "engine", None), "stats", None) or {}
+    return {f"serve_{k}": float(stats[k]) for k in ("decode_s", "mixed_s") if k in stats}
+
+
+def _recording(reward, key: str):
+    """``reward`` that also notes the problems it scores, in order (one entry per group)."""
+    seen: list[str] = []
+
+    def fn(item: dict, text: str):
+        if not seen or seen[-1] != item[key]:
+            seen.append(item[key])
+        return reward(item, text)
+
+    return fn, seen
+
+
+def _real_task(args) -> dict:
+    """Synchronous GRPO and Pipeline RL from the same weights on the same prompt stream and
+    sample budget, per seed, alternated; no evaluation anywhere (reward per iteration instead)."""
+    from lmforge.posttrain.core import encode_text, is_lmforge_model
+    from lmforge.posttrain.models import eos_ids, load_model
+    from lmforge.posttrain.pipeline import ListPrompts, item_stream
+    from lmforge.posttrain.rollout import SamplingParams
+    from lmforge.posttrain.tasks import gsm8k_reward, math_reward
+    from lmforge.utils.errors import LmforgeError
+
+    if not args.model:
+        raise LmforgeError(f"--task {args.task} needs --model")
+    base, tok = load_model(args.model, args.device)
+    if tok is None or not is_lmforge_model(base):
+        raise LmforgeError(f"{args.model}: need an lmforge model with its tokenizer")
+    base.eval()
+    eos = eos_ids(tok)
+    items = _real_items(args, tok)
+    reward = gsm8k_reward if args.task == "gsm8k" else math_reward
+    key = "question" if args.task == "gsm8k" else "problem"
+    algo = rl.algorithm("grpo")
+    step_cfg = rl.StepConfig(algo, max_tokens=args.max_tokens, micro_batch=args.micro_batch)
+    n_params = sum(p.numel() for p in base.parameters())
+    print(f"{args.model}: {n_params / 1e6:.1f} M parameters on {args.device}, {len(items)} "
+          f"problems, {args.iterations} iterations x {args.prompts} prompts x {args.group} "
+          f"samples, {args.max_tokens}-token replies, engine {args.engine}, lr {args.lr}",
+          flush=True)  # fmt: skip
+    runs: list[dict] = []
+    out = Path(args.out)
+
+    def result() -> dict:
+        return {"task": args.task, "model": str(args.model), "device": args.device,
+                "engine": args.engine, "iterations": args.iterations, "prompts": args.prompts,
+                "group": args.group, "max_tokens": args.max_tokens, "lr": args.lr,
+                "torch": torch.__version__,
+                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                "runs": runs}  # fmt: skip
+
+    def save() -> None:  # after every run: a run cut short by a time limit keeps the finished ones
+        from lmforge.utils.io import atomic_write_text
+
+        atomic_write_text(out / "results.json", json.dumps(result(), indent=2) + "\n")
+
+    def free() -> None:
+        # the next run's engine sizes its KV cache from the free memory: release this one's
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def run_sync(seed: int, threads: int) -> None:
+        torch.set_num_threads(threads)
+        torch.manual_seed(seed)
+        model = copy.deepcopy(base)
+        eng = _rollout_engine(args, model, tok, eos)
+        # warm as the pipeline's engine is when its clock starts (first-call allocations, JIT),
+        # with the same call (the stream's first prompt, 2 tokens): a serve engine then samples
+        # the first batch exactly as the pipeline's does (same generator state)
+        warm = ListPrompts(items, seed)(1)[0]["prompt"]
+        eng.generate([encode_text(tok, warm)], SamplingParams(max_tokens=2))
+        serve = [_serve_stats(eng)]
+
+        def on_step(rec: dict, _model: torch.nn.Module, eng: object = eng) -> None:  # no clock
+            now = _serve_stats(eng)
+            rec.update({k: v - serve[0].get(k, 0.0) for k, v in now.items()})
+            serve[0] = now
+
+        load0 = _loadavg()
+        scored, seen = _recording(reward, key)
+        hist = rl.run_iterations(
+            model, eng, tok, item_stream(ListPrompts(items, seed)), scored, step_cfg,
+            iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
+            lr=args.lr, on_step=on_step,
+        )  # fmt: skip
+        runs.append(_real_record(f"sync {threads}t", seed, hist, "sync", [load0, _loadavg()],
+                                 seen))  # fmt: skip
+        print(f"  seed {seed} sync {threads} thread(s): {hist[-1]['time_s']:.1f} s", flush=True)
+        del eng, model
+        free()
+
+    def run_pipe(seed: int, tt: int, et: int, q: int, transport: str) -> None:
+        torch.set_num_threads(tt)
+        model = copy.deepcopy(base)
+        pcfg = PipelineConfig(algo="grpo", iterations=args.iterations,
+                              prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
+                              max_tokens=args.max_tokens, max_lag=args.max_lag, seed=seed,
+                              eval_every=args.check_every, threads=tt, engine_threads=et,
+                              queue_size=q, engine=args.engine, micro_batch=args.micro_batch,
+                              backend=args.backend, engine_device=args.engine_device,
+                              transport=transport)  # fmt: skip
+        load0 = _loadavg()
+        torch.manual_seed(seed)
+        scored, seen = _recording(reward, key)
+        hist = run_pipeline(model, pcfg, progress=False, reward_fn=scored,
+                            prompts=ListPrompts(items, seed), tokenizer=tok, eos_ids=eos)  # fmt: skip
+        mode = f"pipeline {tt}+{et}t q{q}" + (f" {transport}" if transport != "broadcast" else "")
+        runs.append(_real_record(mode, seed, hist, "pipeline", [load0, _loadavg()], seen))
+        print(f"  seed {seed} pipeline {tt}+{et} threads, queue {q}, {transport}: "
+              f"{hist[-1]['time_s']:.1f} s", flush=True)  # fmt: skip
+        del model
+        free()
+
+    syncs = [int(x) for x in args.sync_threads.split(",") if x]
+    pipes = []
+    for spec in [x for x in args.pipe_threads.split(",") if x]:
+        th, _, q = spec.partition(":")
+        tt, et = (int(x) for x in th.split("+"))
+        pipes += [(tt, et, int(qq), tr) for qq in (q.split() if q else args.queue.split(",")) if qq
+                  for tr in args.transport.split(",") if tr]  # fmt: skip
+    for seed in [int(x) for x in args.seeds.split(",") if x]:
+        for i in range(max(len(syncs), len(pipes))):  # alternated: both see the same load drift
+            if i < len(syncs):
+                _guarded(runs, f"sync {syncs[i]}t", seed, run_sync, seed, syncs[i])
+                save()
+            if i < len(pipes):
+                _guarded(runs, f"pipeline {pipes[i]}", seed, run_pipe, seed, *pipes[i])
+                save()
+                free()
+    return result()
+
+
+def _guarded(runs: list, mode: str, seed: int, fn, *args) -> None:
+    """``fn(*args)``; a failure is recorded as that run's result and the next run goes ahead (one
+    GPU session: a failing transport must not cost the other runs their figures)."""
+    from lmforge.utils.errors import LmforgeError
+
+    try:
+        fn(*args)
+    except (LmforgeError, RuntimeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"  seed {seed} {mode}: FAILED: {msg}", flush=True)
+        runs.append({"mode": mode, "seed": seed, "error": msg})
+
+
+def _real_record(mode: str, seed: int, hist: list[dict], kind: str, load: list[str],
+                 seen: list[str]) -> dict:  # fmt: skip
+    import hashlib
+
+    keys = _REAL_PARTS["sync"] if kind == "sync" else _REAL_PARTS["trainer"] + _REAL_PARTS["engine"]
+    times = [h["time_s"] for h in hist]
+    per_it = [b - a for a, b in zip([0.0, *times], times)]
+    rest = per_it[1:] or per_it
+
+    def mean(k: str, rows: list[dict]) -> float:
+        return round(sum(h.get(k, 0.0) for h in rows) / max(len(rows), 1), 4)
+
+    rec = {"mode": mode, "seed": seed, "load": load, "total_s": round(times[-1], 2),
+           "prompt_stream": hashlib.sha1("\n".join(seen).encode()).hexdigest()[:12],
+           "problems_scored": len(seen),
+           "s_per_iteration": round(times[-1] / len(hist), 3),
+           "s_per_iteration_after_first": round(sum(rest) / len(rest), 3),
+           "iteration_s": [round(t, 3) for t in per_it],
+           "reward": [round(h["reward"], 4) for h in hist],
+           "response_len": [round(h["response_len"], 1) for h in hist],
+           "per_iteration_s": {k: mean(k, hist) for k in keys},
+           "per_iteration_s_after_first": {k: mean(k, hist[1:] or hist) for k in keys}}  # fmt: skip
+    if kind == "pipeline":
+        rec["staleness"] = hist[-1].get("staleness_histogram")
+        rec["kept"] = sum(h["kept"] for h in hist)
+        rec["mixed_version_rollouts"] = sum(h["mixed_version_rollouts"] for h in hist)
+        rec["sync_check"] = [(h["iteration"], h["sync_check"], h["sync_check_tokens"])
+                             for h in hist if "sync_check" in h]  # fmt: skip
+        rec["weight_check"] = [(h["iteration"], h["weight_check_version"], h["weight_check"])
+                               for h in hist if "weight_check" in h]  # fmt: skip
+        rec["mean_lag"] = [round(h["mean_lag"], 3) for h in hist]
+        rec["clip_fraction"] = round(sum(h.get("clip_fraction", 0) for h in hist) / len(hist), 4)
+    return rec
+
+
+def _print_real(res: dict) -> None:
+    failed = [r for r in res["runs"] if "error" in r]
+    res = {**res, "runs": [r for r in res["runs"] if "error" not in r]}
+    for r in failed:
+        print(f"FAILED: {r['mode']} seed {r['seed']}: {r['error']}")
+    print(f"\nPipeline RL vs synchronous GRPO, {res['task']}, {res['model']}, {res['device']}"
+          f" ({res['gpu'] or 'CPU'}), torch {res['torch']}, engine {res['engine']}, "
+          f"{res['iterations']} x {res['prompts']} x {res['group']} samples, "
+          f"{res['max_tokens']}-token replies")  # fmt: skip
+    print("| run | seed | s / iteration | after the 1st | total (s) | mean reward | load |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for r in res["runs"]:
+        print(f"| {r['mode']} | {r['seed']} | {r['s_per_iteration']:.3f} | "
+              f"{r['s_per_iteration_after_first']:.3f} | {r['total_s']:.1f} | "
+              f"{sum(r['reward']) / len(r['reward']):.4f} | {r['load'][0]} → {r['load'][1]} |")  # fmt: skip
+    for seed in sorted({r["seed"] for r in res["runs"]}):
+        mine = [r for r in res["runs"] if r["seed"] == seed]
+        for p in [r for r in mine if r["mode"].startswith("pipeline")]:
+            for s in [r for r in mine if r["mode"].startswith("sync")]:
+                a = s["s_per_iteration"] / p["s_per_iteration"]
+                b = s["s_per_iteration_after_first"] / p["s_per_iteration_after_first"]
+                same = "same" if p["prompt_stream"] == s["prompt_stream"] else "DIFFERENT"
+                print(f"seed {seed}: {p['mode']} vs {s['mode']}: speed-up {a:.2f}x per "
+                      f"iteration ({b:.2f}x after the first); {same} prompt stream "
+                      f"({p['problems_scored']} / {s['problems_scored']} problems)")  # fmt: skip
+    print("\nper iteration (s; reward):")
+    for r in res["runs"]:
+        cells = " ".join(f"{t:.2f};{w:.3f}" for t, w in zip(r["iteration_s"], r["reward"]))
+        print(f"  {r['mode']} seed {r['seed']}: {cells}")
+    cols = ["gen_s", "serve_decode_s", "serve_mixed_s", "wait_s", "score_s", "fwd_s", "bwd_s",
+            "opt_s", "broadcast_s", "engine_gen_s", "engine_serve_decode_s",
+            "engine_serve_mixed_s", "engine_recv_s", "engine_idle_s"]  # fmt: skip
+    print("\nmean seconds per iteration after the first (sync: generation in the loop; pipeline: "
+          "the trainer's parts, then the engine's own time per batch; serve_decode / "
+          "serve_mixed: the serve engine's decode-only / prefill-carrying steps):")  # fmt: skip
+    print("| run | seed | " + " | ".join(c.removesuffix("_s") for c in cols) + " |")
+    print("|---|---:|" + "---:|" * len(cols))
+    for r in res["runs"]:
+        t = r["per_iteration_s_after_first"]
+        print(f"| {r['mode']} | {r['seed']} | "
+              + " | ".join(f"{t[c]:.3f}" if c in t else "–" for c in cols) + " |")  # fmt: skip
+    for r in res["runs"]:
+        if r["mode"].startswith("pipeline"):
+            print(f"  {r['mode']} seed {r['seed']}: staleness (token lag: count) {r['staleness']}, "
+                  f"mean lag per batch {r['mean_lag']}, kept {r['kept']} rollouts, "
+                  f"{r['mixed_version_rollouts']} mixed-version, clip fraction "
+                  f"{r['clip_fraction']}")  # fmt: skip
+            print(f"    sync_check (iteration, max |ratio - 1| on lag-0 tokens, tokens): "
+                  f"{r['sync_check']}; weight_check (iteration, engine version, mismatch): "
+                  f"{r['weight_check']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -110,6 +110,8 @@ ROWS: tuple[Row, ...] = (
     Row(r"^lmforge rl --task scratchpad", extra=("--iterations", "1", "--warmup-steps", "2",
         "--eval-size", "4", "--prompts-per-step", "2", "--group-size", "2", "--quiet",
         "--out", "runs/rl-example"), slow=True),
+    Row(r"^lmforge rl --task gsm8k --pipeline", skip="the shared GGUF on a GPU; "
+        "tests/test_posttrain_pipeline.py runs --task gsm8k --pipeline on a tiny model"),
     Row(r"^lmforge rl --config configs/posttrain/rl-arithmetic\.toml", extra=("--iterations", "1",
         "--warmup-steps", "2", "--eval-size", "4", "--prompts-per-step", "2", "--group-size", "2",
         "--quiet", "--out", "runs/rl-example"), slow=True),

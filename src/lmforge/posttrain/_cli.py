@@ -45,10 +45,13 @@ RL_EXAMPLES = """examples:
   lmforge rl --task arithmetic --pipeline --max-lag 4  # Pipeline RL: engine and trainer processes
   lmforge rl --task scratchpad --pipeline --lr 1e-4 --target 0.95   # worked answers: generation ~35%
   lmforge rl --task gsm8k --model runs/sft/model --algo dr_grpo --max-tokens 256
+  lmforge rl --task gsm8k --pipeline --model SmolLM2.gguf --data train.jsonl --lr 2e-6 --micro-batch 16
   lmforge rl --config configs/posttrain/rl-arithmetic.toml --algo gspo   # a config file, one flag overridden
 
 Algorithms: reinforce, reinforce_baseline, rloo, grpo, dr_grpo, dapo, gspo, maxrl, ppo
 (each a combination of baseline/normalizer, importance reweighting and aggregation).
+--pipeline runs any task on any lmforge model (checkpoint, GGUF or HF import; not PPO): the
+engine process rebuilds the model and draws the same prompts a synchronous run of the seed would.
 Outputs in --out: metrics.jsonl, curve.png, summary.json, model/, config.toml (the resolved
 options: --config OUT/config.toml repeats the run; every command writes one).
 """
@@ -161,7 +164,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--target", type=float, default=None, help="stop at this held-out accuracy")
     p.add_argument(
-        "--pipeline", action="store_true", help="Pipeline RL: engine + trainer processes"
+        "--pipeline",
+        action="store_true",
+        help="Pipeline RL: engine + trainer processes (any task; an lmforge model)",
     )
     p.add_argument("--max-lag", type=int, default=4, help="pipeline: drop samples older than this")
     p.add_argument(

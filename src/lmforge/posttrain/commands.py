@@ -272,6 +272,8 @@ def run_rl(args: argparse.Namespace) -> int:
 
     if args.algo != "ppo":
         rl.algorithm(args.algo)  # an unknown name fails before any work
+    elif args.pipeline:
+        raise LmforgeError("--pipeline runs the GRPO family (--algo grpo, dapo, ...), not ppo")
     toy = args.task in _TOY_TASKS
     out = _out(args, f"rl-{args.task}", threads=1 if toy else None)
     dev = _device(args.device)
@@ -323,10 +325,9 @@ def run_rl(args: argparse.Namespace) -> int:
     elif args.pipeline:
         from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
 
-        if not toy:
-            raise LmforgeError(
-                "--pipeline runs the arithmetic and scratchpad tasks in this version"
-            )
+        if not is_lmforge_model(model):
+            raise LmforgeError(f"--pipeline needs an lmforge model (a checkpoint, a GGUF or HF "
+                               f"import); {args.model} loads as a transformers model")  # fmt: skip
         pcfg = PipelineConfig(algo=args.algo, iterations=args.iterations,
                               prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                               lr=args.lr, max_tokens=max_tokens, temperature=args.temperature,
@@ -334,8 +335,15 @@ def run_rl(args: argparse.Namespace) -> int:
                               eval_every=args.eval_every, eval_size=args.eval_size,
                               target=args.target, overlong_cache=overlong_cache, task=task,
                               queue_size=args.queue_size, engine="serve" if serve else "local",
-                              engine_threads=args.engine_threads)  # fmt: skip
-        hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet)
+                              engine_threads=args.engine_threads, micro_batch=args.micro_batch,
+                              kl_coef=args.kl_coef, epochs=max(args.epochs, 1))  # fmt: skip
+        ref = clone_frozen(model) if args.kl_coef > 0 else None
+        if toy:  # the toy task's own prompts, reward and held-out set (its RESULTS figures)
+            hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet, ref_model=ref)
+        else:  # the same prompt stream as the synchronous run of this seed (a ListPrompts)
+            hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet,
+                                reward_fn=reward_fn, prompts=sample_items, tokenizer=tok,
+                                eos_ids=eos, eval_fn=evaluate, ref_model=ref)  # fmt: skip
     else:
         step_cfg = rl.StepConfig(
             rl.algorithm(args.algo),
@@ -428,7 +436,9 @@ def _math_task(args: argparse.Namespace) -> tuple[Any, ...]:
             raise LmforgeError(f"{args.task} record lacks '{key}' or 'answer'")
         return {**rec, "prompt": prompt_text(tok, user(rec[key]), chat=True)}
 
-    rng = random.Random(args.seed)
-    items = [item(r) for r in train]
-    return (None, tok, model, reward, lambda n: rng.sample(items, n),
+    from lmforge.posttrain.pipeline import ListPrompts
+
+    # random.Random(seed).sample(items, n) per call, picklable: --pipeline's engine draws it too
+    items = ListPrompts([item(r) for r in train], args.seed)
+    return (None, tok, model, reward, items,
             [item(r) for r in test[: args.eval_size]])  # fmt: skip

@@ -7,7 +7,8 @@ on CPU; NCCL when each has its own GPU):
   :class:`~lmforge.posttrain.rollout.LocalEngine` (or, ``engine="serve"``, the batched serve
   engine through :func:`~lmforge.posttrain.rollout.make_engine`). Before every decode step it checks the
   trainer's published version; when newer, it receives the weights (bucketed broadcast,
-  :mod:`lmforge.posttrain.weight_sync`) and swaps them in **mid-sequence**, keeping the KV
+  :mod:`lmforge.posttrain.weight_sync`; or, ``transport="shared"`` on one device, copies them
+  out of buckets shared with the trainer) and swaps them in **mid-sequence**, keeping the KV
   cache; every token records the version that sampled it. Finished batches go to a queue.
 - the **trainer** takes finished batches as they arrive, scores them, drops (or down-weights)
   rollouts whose oldest token is more than ``max_lag`` versions behind, runs one optimizer
@@ -21,20 +22,34 @@ The engine runs on credit: it starts a batch only when the trainer has taken all
 ``queue_size`` of the batches it finished (``queue_size=0``: it samples batch k+1 while the
 trainer trains on batch k, so no token is more than one version old).
 
-Simplification: one engine, lockstep batches (no continuous batching); the arithmetic task.
-Placement across hosts belongs to an existing launcher (torchrun, Ray), not to this module.
+Any task and any lmforge model: the engine process rebuilds the trainer's model from its config
+and state dict (:func:`rebuild_model`: tied embeddings, head_dim, QK-norm, RoPE scaling come with
+the config) and draws prompts from a picklable prompt source — :class:`TaskPrompts` for the toy
+tasks, :class:`ListPrompts` over a fixed list of records (GSM8K, MATH) — that yields token ids,
+so the engine never needs the tokenizer (it stops on the EOS ids it is given). A source drawn in
+the engine gives the same prompts, in the same order, as its twin drawn by a synchronous run of
+the same seed (:func:`item_stream`). The trainer decodes and scores with the task's reward.
+
+Simplification: one engine; a batch is started whole (the serve engine batches its rows
+continuously, the local one in lockstep). Weights are the model's parameters: buffers (an MoE
+router's bias) are not sent. Placement across hosts belongs to an existing launcher (torchrun,
+Ray), not to this module.
 Exercised by ``pytest tests/test_posttrain_pipeline.py`` and ``lmforge rl --pipeline``.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import os
 import queue
+import random
+import shutil
 import socket
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,7 +60,7 @@ from lmforge.utils.errors import LmforgeError
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """Pipeline RL run settings (the arithmetic task)."""
+    """Pipeline RL run settings (the toy tasks by default; any task with a prompt source)."""
 
     algo: str = "grpo"
     iterations: int = 40
@@ -60,9 +75,10 @@ class PipelineConfig:
     "drop | downweight (weight 1 / (1 + lag − max_lag))"
     digits: int = 3
     task: Any = None
-    "the task object (an ArithmeticTask or subclass; None = ArithmeticTask(digits))"
+    "the toy task object (an ArithmeticTask or subclass; None = ArithmeticTask(digits)); unused when run_pipeline gets prompts"
     seed: int = 0
     eval_every: int = 5
+    "evaluate (and run the sync and weight checks) every this many iterations, and at the first"
     eval_size: int = 200
     target: float | None = None
     threads: int = 1
@@ -74,12 +90,103 @@ class PipelineConfig:
     engine_device: str | None = None
     "the engine's device (None = the trainer model's device)"
     bucket_mib: int = 64
+    transport: str = "broadcast"
+    "broadcast (bucketed torch.distributed broadcast over the backend) | shared (engine on the trainer's device: the trainer packs each version into buckets the engine process maps — CUDA IPC on a GPU, shared memory on the CPU — and the engine copies them out; no collective, no CPU staging)"
     overlong_cache: int = 0
     "DAPO's soft overlong penalty ramp (0 = off)"
     engine: str = "local"
     "the engine process's rollout engine: local (LocalEngine, lockstep) | serve (the batched serve engine: paged KV, CUDA graphs on a GPU)"
     queue_size: int = 0
     "finished batches the engine may hold unconsumed when it starts the next one: 0 = it samples batch k+1 while the trainer trains on batch k (token lag ≤ 1); each more adds overlap slack and one version of lag"
+    micro_batch: int = 256
+    "sequences per forward/backward of a train step (long replies on a large vocabulary: lower it)"
+    kl_coef: float = 0.0
+    "weight of the k3 KL to run_pipeline's ref_model (0 = none)"
+    epochs: int = 1
+    "optimizer steps per rollout batch (one new version per batch either way)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt sources: picklable, so the engine process draws the prompts itself
+
+
+class TaskPrompts:
+    """The toy tasks' prompt stream: ``task.sample(n, random.Random(seed))``.
+
+    Calling it gives the items (what the synchronous loop's ``sample_items`` gives, the same
+    stream as :func:`lmforge.posttrain.rl.random_sampler`); :meth:`draw` gives the items and
+    their prompt token ids (the task's own tokenizer, which pickles)."""
+
+    def __init__(self, task: Any, seed: int) -> None:
+        self.task = task
+        self.rng = random.Random(seed)
+        self.tokenizer = task.tokenizer()
+
+    def __call__(self, n: int) -> list[dict[str, Any]]:
+        return self.task.sample(n, self.rng)
+
+    def draw(self, n: int) -> tuple[list[dict[str, Any]], list[list[int]]]:
+        """``n`` items and their prompts' token ids."""
+        from lmforge.posttrain.core import encode_text
+
+        items = self(n)
+        return items, [encode_text(self.tokenizer, it["prompt"]) for it in items]
+
+
+class ListPrompts:
+    """Items of a fixed list drawn like ``random.Random(seed).sample(items, n)``, ``n`` per call.
+
+    ``items`` are records with a ``prompt`` text (GSM8K, MATH). Calling it gives the items;
+    :meth:`with_token_ids` (in the trainer, which holds the tokenizer) encodes every prompt once,
+    so that :meth:`draw` in the engine process hands out token ids without a tokenizer."""
+
+    def __init__(self, items: Sequence[dict[str, Any]], seed: int) -> None:
+        if not items:
+            raise LmforgeError("no prompts to sample from")
+        self.items = list(items)
+        self.rng = random.Random(seed)
+        self.token_ids: list[list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def _pick(self, n: int) -> list[int]:
+        if n > len(self.items):
+            raise LmforgeError(
+                f"{n} prompts per step from {len(self.items)} problems: need more data"
+            )
+        # indices, not items: random.sample's picks depend only on the population's length
+        return self.rng.sample(range(len(self.items)), n)
+
+    def __call__(self, n: int) -> list[dict[str, Any]]:
+        return [self.items[i] for i in self._pick(n)]
+
+    def with_token_ids(self, tokenizer: Any) -> ListPrompts:
+        """A copy (same stream position) holding every prompt's token ids."""
+        from lmforge.posttrain.core import encode_text
+
+        out = copy.copy(self)
+        out.rng = copy.deepcopy(self.rng)
+        out.token_ids = [encode_text(tokenizer, it["prompt"]) for it in self.items]
+        return out
+
+    def draw(self, n: int) -> tuple[list[dict[str, Any]], list[list[int]]]:
+        """``n`` items and their prompts' token ids."""
+        if self.token_ids is None:
+            raise LmforgeError("ListPrompts.draw needs with_token_ids(tokenizer) first")
+        idx = self._pick(n)
+        return [self.items[i] for i in idx], [self.token_ids[i] for i in idx]
+
+
+def item_stream(prompts: Any) -> Callable[[int], list[dict[str, Any]]]:
+    """``n -> items`` drawn from a copy of ``prompts``: a synchronous run given this sees the
+    prompts the pipeline's engine draws from ``prompts``, in the same order."""
+    twin = copy.deepcopy(prompts)
+    return lambda n: twin(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine process
 
 
 def _task(cfg: PipelineConfig) -> Any:
@@ -105,57 +212,135 @@ def _bucket_device(cfg: PipelineConfig, model_device: torch.device) -> torch.dev
     return torch.device("cpu") if cfg.backend == "gloo" else model_device
 
 
-def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Tensor], port: int,
-                 published: Any, consumed: Any, stop: Any, out_q: Any,
-                 device: str) -> None:  # fmt: skip
+def rebuild_model(
+    model_cfg: Any, state: dict[str, torch.Tensor], device: str | torch.device
+) -> nn.Module:
+    """The trainer's lmforge model rebuilt from its config and state dict on ``device``.
+
+    The config carries every shape option (head_dim, GQA, QK-norm, RoPE θ and scaling, tying,
+    MoE), so ``TransformerLM(config)`` is the same module; the RoPE tables are recomputed (they
+    are not in a state dict); the dtype is the state's. A tied model stays tied (one Parameter),
+    so both sides list the same parameters for the bucketed broadcast."""
+    from lmforge.model import TransformerLM
+
+    dtype = state["token_embeddings.weight"].dtype
+    model = TransformerLM(model_cfg, device=device, dtype=dtype)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@torch.no_grad()
+def weight_fingerprint(model: nn.Module) -> torch.Tensor:
+    """(P, 2) float64 on the CPU: each parameter's sum and sum of magnitudes (a cheap check
+    that two processes hold the same weights; see :func:`fingerprint_mismatch`)."""
+    rows = [torch.stack([p.sum(dtype=torch.float64), p.abs().sum(dtype=torch.float64)])
+            for p in model.parameters()]  # fmt: skip
+    return torch.stack(rows).cpu()
+
+
+def fingerprint_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |Δ sum| / sum |w| over the parameters of two fingerprints: ~1e-16 when the
+    weights are identical (reduction order may differ across thread counts), ≥ one update's
+    relative size when one side is a version behind or a bucket was garbled."""
+    if a.shape != b.shape:
+        return float("inf")
+    return float(((a[:, 0] - b[:, 0]).abs() / a[:, 1].clamp_min(1e-30)).max())
+
+
+def _serve_stats(engine: Any) -> dict[str, float]:
+    stats = getattr(getattr(engine, "engine", None), "stats", None)
+    if not isinstance(stats, dict):
+        return {}
+    return {k: float(stats[k]) for k in ("decode_s", "mixed_s", "decode_steps", "mixed_steps")
+            if k in stats}  # fmt: skip
+
+
+def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
+                 published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
+                 prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
+                 acked: Any) -> None:  # fmt: skip
     """The engine process: decode forever, swapping weights in between decode steps.
 
     It starts batch k only once the trainer has taken batch k − 1 − ``queue_size`` (credit
     ``consumed``), so lag stays bounded when generation is faster than training. Each payload
     carries the engine's time breakdown for that batch: decoding (``gen_s``, weight receives
-    included), receiving weights (``recv_s``) and idling for credit or queue room (``idle_s``).
+    included), receiving weights (``recv_s``) and idling for credit or queue room (``idle_s``);
+    with the serve engine also its decode-only and prefill-carrying step seconds. A failure is
+    sent to the trainer as one line instead of a batch.
     """
-    import random
-
     import torch.distributed as dist
 
-    from lmforge.model import TransformerLM
-    from lmforge.posttrain.core import encode_text
+    try:
+        _engine_loop(cfg, model_cfg, state_file, port, published, consumed, stop, out_q, device,
+                     prompts, eos_ids, shared, acked)  # fmt: skip
+    except Exception as e:  # the trainer raises it as one line
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        try:
+            out_q.put(("error", f"Pipeline RL engine process: {msg}"), timeout=5)
+        except (queue.Full, OSError, ValueError):
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
+                 published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
+                 prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
+                 acked: Any) -> None:  # fmt: skip
+    import torch.distributed as dist
+
     from lmforge.posttrain.rollout import LocalEngine, SamplingParams, make_engine
-    from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
+    from lmforge.posttrain.weight_sync import (
+        broadcast_model,
+        bucket_layout,
+        copy_into,
+        unpack_buckets,
+    )
 
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    model = TransformerLM(model_cfg)
-    model.load_state_dict(state)
-    model.to(device).eval()
-    task = _task(cfg)
-    tok = task.tokenizer()
+    from safetensors.torch import load_file
+
+    model = rebuild_model(model_cfg, load_file(state_file, device=device), device)
     if cfg.engine == "serve":
-        engine = make_engine(model, [tok.eos_id], prefer="serve")
+        engine = make_engine(model, eos_ids, prefer="serve")
     else:
-        engine = LocalEngine(model, eos_ids=[tok.eos_id])
+        engine = LocalEngine(model, eos_ids=eos_ids)
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-    buckets = layout.empty_buckets(_bucket_device(cfg, torch.device(device)))
-    rng = random.Random(cfg.seed + 1)
+    buckets = (
+        []
+        if shared is not None
+        else layout.empty_buckets(_bucket_device(cfg, torch.device(device)))
+    )
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                             n=cfg.group_size)  # fmt: skip
-    # Warm up (first-call allocations) before joining the group: the trainer's clock starts
-    # when the group forms, and a synchronous run's engine is warm by then too.
-    engine.generate([encode_text(tok, it["prompt"]) for it in task.sample(2, random.Random(0))],
-                    SamplingParams(max_tokens=2))  # fmt: skip
+    # Warm up (first-call allocations, kernel compilation) before joining the group: the
+    # trainer's clock starts when the group forms, and a synchronous run's engine is warm by
+    # then too. A copy of the prompt source, so the stream itself is untouched.
+    engine.generate(copy.deepcopy(prompts).draw(1)[1], SamplingParams(max_tokens=2))
     torch.manual_seed(cfg.seed + 1)
+    out_q.put(("ready",))
     _init(1, port, cfg.backend)
 
     recv = [0.0]
 
+    named = dict(model.named_parameters())  # tied weights once (the layout's names)
+    cuda = device.startswith("cuda")
+
     def sync() -> None:
-        while published.value > engine.version:  # one broadcast per published version, in order
+        while published.value > engine.version:  # one transfer per published version, in order
             t = time.perf_counter()
-            broadcast_model(model, layout, buckets, src=0)
+            if shared is None:
+                broadcast_model(model, layout, buckets, src=0)
+            else:  # the trainer packed version engine.version + 1 and waits for this ack
+                copy_into(named, unpack_buckets(layout, shared))
+                if cuda:
+                    torch.cuda.synchronize()
             recv[0] += time.perf_counter() - t
             engine.version += 1
+            if shared is not None:
+                acked.value = engine.version
 
     produced = 0
     while not stop.value:
@@ -163,18 +348,29 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
         while not stop.value and consumed.value < produced - cfg.queue_size:
             sync()  # keep answering broadcasts while the trainer is busy
             time.sleep(0.0005)
-        items = task.sample(cfg.prompts_per_step, rng)
+        if stop.value:
+            break
+        items, prompt_ids = prompts.draw(cfg.prompts_per_step)
         sync()
+        k = produced + 1  # the trainer consumes in order: this batch is its iteration k
+        check = (
+            (engine.version, weight_fingerprint(model))
+            if k == 1 or k % cfg.eval_every == 0
+            else None
+        )
         recv[0] = 0.0
+        s0 = _serve_stats(engine)
         t_gen = time.perf_counter()
         idle_s = t_gen - t_idle
-        dec = engine.start([encode_text(tok, it["prompt"]) for it in items], params)
+        dec = engine.start(prompt_ids, params)
         while not dec.done:
             sync()  # in-flight: new weights mid-sequence, the KV cache is kept
             dec.step()
         gen_s = time.perf_counter() - t_gen
         rows = [(o.prompt_token_ids, o.outputs[0]) for o in dec.outputs()]
-        payload = (items, rows, {"gen_s": gen_s, "recv_s": recv[0], "idle_s": idle_s})
+        timing = {"gen_s": gen_s, "recv_s": recv[0], "idle_s": idle_s}
+        timing.update({f"serve_{n}": v - s0[n] for n, v in _serve_stats(engine).items()})
+        payload = ("batch", items, rows, timing, check)
         while not stop.value:
             try:
                 out_q.put(payload, timeout=0.05)
@@ -188,6 +384,35 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state: dict[str, torch.Ten
     dist.destroy_process_group()
 
 
+class _EngineError(LmforgeError):
+    """The engine process failed, died or went silent (it joins no more collectives)."""
+
+
+def _take(out_q: Any, proc: Any, timeout: float = 600.0) -> tuple[Any, ...]:
+    """The engine's next message; its error, its death or silence become one-line errors."""
+    start = time.monotonic()
+    while True:
+        try:
+            msg = out_q.get(timeout=0.2)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise _EngineError(
+                    f"the Pipeline RL engine process exited (code {proc.exitcode})"
+                ) from None
+            if time.monotonic() - start > timeout:
+                raise _EngineError(
+                    f"no rollouts from the Pipeline RL engine in {timeout:.0f} s"
+                ) from None
+            continue
+        if msg[0] == "error":
+            raise _EngineError(msg[1])
+        return msg
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+
+
 def run_pipeline(
     model: nn.Module,
     cfg: PipelineConfig,
@@ -195,39 +420,85 @@ def run_pipeline(
     progress: bool = True,
     reward_fn: Callable[..., Any] | None = None,
     on_step: Callable[[dict[str, Any], nn.Module], None] | None = None,
+    *,
+    prompts: Any = None,
+    tokenizer: Any = None,
+    eos_ids: Sequence[int] | None = None,
+    eval_fn: Callable[[], float] | None = None,
+    ref_model: nn.Module | None = None,
 ) -> list[dict[str, Any]]:
-    """Train ``model`` (an lmforge TransformerLM on the arithmetic task) with Pipeline RL.
+    """Train ``model`` (an lmforge ``TransformerLM``: a checkpoint, a GGUF/HF import or one made
+    here) with Pipeline RL.
 
-    ``reward_fn(item, text)`` replaces the task's exact-match reward when given. The first and
-    every ``eval_every``-th record hold ``sync_check``: the largest |π_θ/μ − 1| over the tokens of
-    rows sampled wholly by the current version (lag 0, no mid-sequence swap) before the step — 0
-    up to rounding when the broadcast weights arrived intact.
+    The task: by default ``cfg.task`` (a toy task: its prompts, tokenizer, exact-match reward and
+    held-out set). Any other task passes ``prompts`` (a picklable source with ``draw(n)``:
+    :class:`ListPrompts` with token ids, :class:`TaskPrompts`), ``tokenizer`` (decodes the
+    replies for the reward), ``reward_fn(item, text)`` and optionally ``eos_ids`` (default: the
+    tokenizer's), ``eval_fn() -> accuracy`` (default: none) and ``ref_model`` (the frozen
+    policy of ``cfg.kl_coef``'s KL term). ``reward_fn`` alone replaces a toy task's reward.
+
+    The first and every ``eval_every``-th record hold ``sync_check``: the largest |π_θ/μ − 1|
+    over the ``sync_check_tokens`` tokens of rows sampled wholly by the current version (lag 0,
+    no mid-sequence swap) before the step — 0 up to rounding when the engine's rebuilt model is
+    the trainer's (the first batch is all lag 0; later ones often have no such row) — and
+    ``weight_check``: :func:`fingerprint_mismatch` between the engine's weights when it started
+    that batch and the trainer's at the version it then held (``weight_check_version``; 0 up to
+    rounding when every broadcast arrived intact).
 
     Each record has the trainer's time breakdown (``wait_s`` for a batch, ``score_s``,
     ``fwd_s``/``bwd_s``/``opt_s`` of the step, ``broadcast_s``, ``eval_s``) and the engine's for
-    that batch (``engine_gen_s``, ``engine_recv_s``, ``engine_idle_s``). ``time_s`` leaves out
-    ``on_step(record, model)``, called after every step (the engine keeps decoding meanwhile, so
-    keep it short: the benchmark only snapshots the weights there).
+    that batch (``engine_gen_s``, ``engine_recv_s``, ``engine_idle_s``; ``engine_serve_*`` with
+    the serve engine). ``time_s`` leaves out ``on_step(record, model)``, called after every step
+    (the engine keeps decoding meanwhile, so keep it short: the benchmark only snapshots the
+    weights there).
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
     from tqdm import tqdm
 
     from lmforge.posttrain import rl
-    from lmforge.posttrain.core import sequence_logprobs
+    from lmforge.posttrain.core import is_lmforge_model, sequence_logprobs
+    from lmforge.posttrain.models import eos_ids as tokenizer_eos
     from lmforge.posttrain.rollout import LocalEngine
     from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
 
     if cfg.engine not in ("local", "serve"):
         raise LmforgeError(f"unknown rollout engine {cfg.engine!r} (local, serve)")
+    if not is_lmforge_model(model):
+        raise LmforgeError("Pipeline RL needs an lmforge model (a checkpoint, a GGUF or HF import): "
+                           "the engine process rebuilds it from its config")  # fmt: skip
+    if cfg.kl_coef > 0 and ref_model is None:
+        raise LmforgeError("kl_coef > 0 needs a reference model")
     torch.set_num_threads(cfg.threads)
-    task = _task(cfg)
-    tok = task.tokenizer()
+    if prompts is None:  # a toy task: everything comes from it
+        task = _task(cfg)
+        tokenizer = tokenizer or task.tokenizer()
+        prompts = TaskPrompts(task, cfg.seed + 1)
+        reward_fn = reward_fn or task.reward
+        if eval_fn is None:
+            eval_items = task.eval_set(cfg.eval_size)
+            eval_engine = LocalEngine(model, eos_ids=[tokenizer.eos_id])
+
+            def eval_fn() -> float:
+                return rl.evaluate_accuracy(eval_engine, tokenizer, eval_items, task.reward,
+                                            cfg.max_tokens)  # fmt: skip
+    elif tokenizer is None or reward_fn is None:
+        raise LmforgeError("run_pipeline with prompts needs a tokenizer and a reward_fn")
+    if isinstance(prompts, ListPrompts):
+        if prompts.token_ids is None:
+            prompts = prompts.with_token_ids(tokenizer)
+        longest = max(len(p) for p in prompts.token_ids) + cfg.max_tokens
+        ctx = model.config.context_length
+        if longest > ctx:
+            raise LmforgeError(f"the longest prompt + max_tokens ({longest}) exceeds the model's "
+                               f"context ({ctx})")  # fmt: skip
+        if cfg.prompts_per_step > len(prompts):
+            raise LmforgeError(f"{cfg.prompts_per_step} prompts per step from {len(prompts)} "
+                               "problems: need more data")  # fmt: skip
+    eos = list(eos_ids) if eos_ids is not None else tokenizer_eos(tokenizer)
     algo = rl.algorithm(cfg.algo)
-    step_cfg = rl.StepConfig(algo, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                             micro_batch=256)  # fmt: skip
-    eval_items = task.eval_set(cfg.eval_size)
-    eval_engine = LocalEngine(model, eos_ids=[tok.eos_id])
+    step_cfg = rl.StepConfig(algo, kl_coef=cfg.kl_coef, max_tokens=cfg.max_tokens,
+                             temperature=cfg.temperature, micro_batch=cfg.micro_batch)  # fmt: skip
 
     ctx = mp.get_context("spawn")
     published = ctx.Value("i", 0)
@@ -235,70 +506,87 @@ def run_pipeline(
     stop = ctx.Value("b", False)
     out_q = ctx.Queue(maxsize=cfg.queue_size + 1)
     port = _free_port()
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     device = next(model.parameters()).device
+    layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
+    shared, acked = None, ctx.Value("i", 0)
+    if cfg.transport == "shared":
+        want = torch.device(cfg.engine_device or device)
+        if want.type != device.type or (want.index is not None and want.index != device.index):
+            raise LmforgeError("transport 'shared' needs the engine on the trainer's device "
+                               f"({device}), not {cfg.engine_device}")  # fmt: skip
+        shared = layout.empty_buckets(device)  # CUDA tensors travel to the engine by IPC
+        if device.type == "cpu":
+            shared = [b.share_memory_() for b in shared]
+    elif cfg.transport != "broadcast":
+        raise LmforgeError(f"unknown weight transport {cfg.transport!r} (broadcast, shared)")
+    # The weights go to the engine through a file, not the process arguments: pickled tensors
+    # travel through /dev/shm, which containers often keep at 64 MB (a 135 M model is 540 MB).
+    handoff = tempfile.mkdtemp(prefix="lmforge-pipeline-")
+    state_file = os.path.join(handoff, "state.safetensors")
+    _save_state(model, state_file)
     proc = ctx.Process(
         target=_engine_main,
         args=(
             cfg,
             model.config,
-            state,
+            state_file,
             port,
             published,
             consumed,
             stop,
             out_q,
             cfg.engine_device or str(device),
+            prompts,
+            eos,
+            shared,
+            acked,
         ),
         daemon=True,
     )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     proc.start()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    _init(0, port, cfg.backend)
-    layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-    buckets = layout.empty_buckets(_bucket_device(cfg, device))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     version = 0
     hist_total: collections.Counter[int] = collections.Counter()
     history: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    paused = 0.0  # seconds in on_step: not part of time_s
-    samples = 0
+    fingerprints = {0: weight_fingerprint(model)}  # version -> the trainer's weights then
+    engine_failed = False
     try:
+        _take(out_q, proc)  # "ready": the engine is built and warm
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        _init(0, port, cfg.backend)
+        buckets = layout.empty_buckets(_bucket_device(cfg, device)) if shared is None else []
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        t0 = time.perf_counter()
+        paused = 0.0  # seconds in on_step: not part of time_s
+        samples = 0
         for it in tqdm(
             range(1, cfg.iterations + 1), desc=f"pipeline {cfg.algo}", disable=not progress
         ):
             t_wait = time.perf_counter()
-            items, rows, eng_t = out_q.get(timeout=600)
+            _, items, rows, eng_t, check = _take(out_q, proc)
             with consumed.get_lock():
                 consumed.value += 1  # credit: the engine may start the next batch now
             wait_s = time.perf_counter() - t_wait
             t_score = time.perf_counter()
             samples += len(rows)
             comps = [c for _, c in rows]
-            prompts = [p for p, _ in rows]
+            prompt_ids = [p for p, _ in rows]
             n = cfg.group_size
             grouped = [type("O", (), {"outputs": comps[g * n : (g + 1) * n]})()
                        for g in range(len(items))]  # fmt: skip
-            r, adv, stats = rl.score_groups(items, grouped, tok, reward_fn or task.reward, algo,
+            r, adv, stats = rl.score_groups(items, grouped, tokenizer, reward_fn, algo,
                                             cfg.max_tokens, cfg.overlong_cache,
-                                            eos_ids=[tok.eos_id])  # fmt: skip
-            s = rl.build_samples(prompts, comps, adv.flatten(), r.flatten())
+                                            eos_ids=eos)  # fmt: skip
+            s = rl.build_samples(prompt_ids, comps, adv.flatten(), r.flatten())
             score_s = time.perf_counter() - t_score
+            if check is not None and fingerprints.get(check[0]) is not None:
+                stats["weight_check"] = fingerprint_mismatch(fingerprints[check[0]], check[1])
+                stats["weight_check_version"] = check[0]
             if it == 1 or it % cfg.eval_every == 0:  # a diagnostic forward: not every step
-                with torch.no_grad():
-                    logp, _ = sequence_logprobs(model, s.batch.input_ids.to(device),
-                                                s.batch.labels.to(device), cfg.temperature)  # fmt: skip
-                logp = logp.cpu()
-                # Rows sampled wholly by the current version: a row with a mid-sequence swap keeps
-                # KV entries of the older weights, so its later tokens need not have ratio 1.
-                mine = s.versions == version  # (B, T)
-                whole = ((s.versions == version) | (s.versions < 0)).all(dim=1)  # (B,)
-                fresh = mine & whole[:, None]
-                dev = ((logp - s.old_logp).exp() - 1).abs()[fresh]
-                stats["sync_check"] = float(dev.max()) if dev.numel() else 0.0
+                stats["sync_check"], stats["sync_check_tokens"] = _sync_check(
+                    model, s, version, cfg, device, sequence_logprobs
+                )
             lags = [version - v for c in comps for v in c.policy_versions]
             step_hist = collections.Counter(lags)
             hist_total.update(step_hist)
@@ -313,13 +601,22 @@ def run_pipeline(
                 s = s.select(keep)
             model.train()
             if len(s):
-                stats.update(rl.rl_train_step(model, opt, s, step_cfg))
+                for _ in range(cfg.epochs):
+                    stats.update(rl.rl_train_step(model, opt, s, step_cfg, ref_model))
             model.eval()
-            version += 1
-            published.value = version
             t_bc = time.perf_counter()
-            broadcast_model(model, layout, buckets, src=0)
+            if shared is None:
+                version += 1
+                published.value = version
+                broadcast_model(model, layout, buckets, src=0)
+            else:
+                _publish_shared(model, layout, shared, version, acked, proc)
+                version += 1
+                published.value = version  # after the pack: the engine copies a whole version
             broadcast_s = time.perf_counter() - t_bc
+            fingerprints[version] = weight_fingerprint(model) if _checks_ahead(cfg, it) else None
+            for old in [v for v in fingerprints if v < version - cfg.queue_size - 2]:
+                del fingerprints[old]  # the engine starts no batch that far behind
             rec: dict[str, Any] = {"iteration": it, "samples": samples,
                                    "time_s": time.perf_counter() - t0 - paused,
                                    "version": version,
@@ -331,11 +628,9 @@ def run_pipeline(
                                    "mixed_version_rollouts": sum(len(set(c.policy_versions)) > 1
                                                                  for c in comps),
                                    **stats}  # fmt: skip
-            if it % cfg.eval_every == 0 or it == cfg.iterations:
+            if eval_fn is not None and (it % cfg.eval_every == 0 or it == cfg.iterations):
                 t_eval = time.perf_counter()
-                rec["eval_accuracy"] = rl.evaluate_accuracy(
-                    eval_engine, tok, eval_items, task.reward, cfg.max_tokens
-                )
+                rec["eval_accuracy"] = eval_fn()
                 rec["eval_s"] = time.perf_counter() - t_eval
             if on_step is not None:
                 t_pause = time.perf_counter()
@@ -349,17 +644,89 @@ def run_pipeline(
                 log(rec)
             if cfg.target is not None and rec.get("eval_accuracy", -1) >= cfg.target:
                 break
+    except _EngineError:
+        engine_failed = True
+        raise
+    except RuntimeError:  # a collective failing because the engine died: say why
+        reason = _engine_reported(out_q)
+        if reason is None and proc.is_alive():
+            raise
+        engine_failed = True
+        raise LmforgeError(
+            reason or f"the Pipeline RL engine process exited (code {proc.exitcode})"
+        ) from None
     finally:
         stop.value = True
         try:
             while True:
                 out_q.get_nowait()
-        except (queue.Empty, OSError, EOFError):
+        except (queue.Empty, OSError, EOFError, ValueError):
             pass
         if dist.is_initialized():
-            dist.barrier()
+            if not engine_failed and proc.is_alive():
+                dist.barrier()
             dist.destroy_process_group()
         proc.join(timeout=60)
         if proc.is_alive():
             proc.terminate()
+        shutil.rmtree(handoff, ignore_errors=True)
     return history
+
+
+def _save_state(model: nn.Module, path: str) -> None:
+    """The model's state dict as safetensors (tied weights: the state dict holds a copy)."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, path)
+
+
+@torch.no_grad()
+def _publish_shared(model: nn.Module, layout: Any, shared: list[torch.Tensor], version: int,
+                    acked: Any, proc: Any) -> None:  # fmt: skip
+    """Pack the weights into the shared buckets once the engine has copied ``version`` out."""
+    from lmforge.posttrain.weight_sync import pack_buckets
+
+    while acked.value < version:  # the buckets still hold a version the engine has not copied
+        if not proc.is_alive():
+            raise _EngineError(f"the Pipeline RL engine process exited (code {proc.exitcode})")
+        time.sleep(0.0002)
+    pack_buckets(layout, dict(model.named_parameters()), shared)
+    if shared and shared[0].is_cuda:
+        torch.cuda.synchronize(shared[0].device)  # the engine reads them from another process
+
+
+def _checks_ahead(cfg: PipelineConfig, it: int) -> bool:
+    # the engine fingerprints batch k (k = 1 or a multiple of eval_every) at a version in
+    # [k - 1 - queue_size - 1, k - 1]: keep the trainer's fingerprints of those versions
+    return any(k % cfg.eval_every == 0 for k in range(it + 1, it + cfg.queue_size + 3))
+
+
+def _engine_reported(out_q: Any) -> str | None:
+    """The error the engine sent, if any (the queue is drained looking for it)."""
+    try:
+        while True:
+            msg = out_q.get(timeout=0.5)
+            if msg[0] == "error":
+                return msg[1]
+    except (queue.Empty, OSError, EOFError, ValueError):
+        return None
+
+
+@torch.no_grad()
+def _sync_check(model: nn.Module, s: Any, version: int, cfg: PipelineConfig, device: torch.device,
+                sequence_logprobs: Callable[..., Any]) -> tuple[float, int]:  # fmt: skip
+    """(max |π_θ/μ − 1|, tokens checked) over the rows sampled wholly by ``version``."""
+    # Rows sampled wholly by the current version: a row with a mid-sequence swap keeps KV
+    # entries of the older weights, so its later tokens need not have ratio 1.
+    whole = ((s.versions == version) | (s.versions < 0)).all(dim=1)  # (B,)
+    rows = whole.nonzero().flatten()
+    worst, count = 0.0, 0
+    for i in range(0, len(rows), cfg.micro_batch):  # micro-batches: (B, T, V) logits are large
+        part = s.select(rows[i : i + cfg.micro_batch])
+        logp, _ = sequence_logprobs(model, part.batch.input_ids.to(device),
+                                    part.batch.labels.to(device), cfg.temperature)  # fmt: skip
+        fresh = part.versions == version  # (b, T)
+        dev = ((logp.cpu() - part.old_logp).exp() - 1).abs()[fresh]
+        if dev.numel():
+            worst, count = max(worst, float(dev.max())), count + dev.numel()
+    return worst, count
