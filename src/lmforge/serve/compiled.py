@@ -18,6 +18,14 @@ there were three (two), no second copy of the weights, and
 :meth:`~lmforge.serve.engine.Engine.update_weights` (which copies into the parameters) writes
 through to the packed tensor. Layers of another kind (an MoE FFN) run their own modules.
 
+Decode GEMVs: at batch <= 8 on CUDA the projections (packed q/k/v, o, packed w1/w3, w2, the LM
+head) run the own Triton GEMV (:mod:`lmforge.serve._gemv_triton`) instead of cuBLAS: one more
+custom op, ``lmforge_serve::gemv``, returning fp32 split-K partial sums (SPLIT, S, N) that the
+traced code adds (``.sum(0)``: inductor unrolls it into the consumer's kernel). Which projection
+uses it is decided once per engine (:func:`gemv_plan`: a plain Linear, a half-precision weight,
+a shape the kernel's table does not route to cuBLAS) and passed in as constants, so the batches
+<= 8 and the larger ones are two compiled graphs; larger batches and the CPU keep cuBLAS/torch.
+
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
 engine decodes eagerly from then on.
 
@@ -36,14 +44,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.model.layers import SwiGLU, silu
+from lmforge.model.layers import SwiGLU, _fusable, silu
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.runner import StepBatch, forward_step
 
 if TYPE_CHECKING:
     from lmforge.serve.runner import PagedKVCache
 
-__all__ = ["CompiledDecode", "decode_forward", "pack_weights"]
+__all__ = ["CompiledDecode", "decode_forward", "gemv_plan", "pack_weights"]
+
+GEMV_MAX_ROWS = 8  # the decode GEMV's batches (buckets 1, 2, 4, 8); larger ones are GEMMs
+GEMV_DTYPES = (torch.bfloat16, torch.float16)  # fp32 runs too (tests), but cuBLAS stays its path
 
 
 @torch.library.custom_op("lmforge_serve::decode_attention", mutates_args=("k_cache", "v_cache"))
@@ -70,6 +81,35 @@ def _decode_attention(
 @_decode_attention.register_fake
 def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_triton):
     return q.new_empty(q.shape)  # contiguous, as the real op returns (inductor checks strides)
+
+
+@torch.library.custom_op("lmforge_serve::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (S, D_in) @ w (D_out, D_in)ᵀ by the Triton decode GEMV: fp32 partial sums
+    (SPLIT, S, D_out), a fresh contiguous buffer (SPLIT from the kernel's table for w's shape)."""
+    from lmforge.serve._gemv_triton import gemv_partials
+
+    return gemv_partials(x, w)
+
+
+@_gemv_op.register_fake
+def _(x, w):
+    from lmforge.serve._gemv_triton import gemv_config
+
+    # w's shape is static (a parameter, or a packed tensor marked static by CompiledDecode)
+    cfg = gemv_config(int(w.shape[0]), int(w.shape[1]), x.device)
+    assert cfg is not None, f"no decode GEMV for a ({w.shape[0]}, {w.shape[1]}) weight"
+    return x.new_empty((cfg.split, x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (S, D_in) @ wᵀ -> (S, D_out) in x's dtype through ``lmforge_serve::gemv`` (fp32
+    accumulation, the partial sums added here: inside torch.compile, in the consumer's kernel)."""
+    return torch.ops.lmforge_serve.gemv(x, w).sum(0).to(x.dtype)
+
+
+def _proj(x: torch.Tensor, w: torch.Tensor, use_gemv: bool) -> torch.Tensor:
+    return gemv(x, w) if use_gemv else F.linear(x, w)
 
 
 # first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
@@ -108,6 +148,40 @@ def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tens
     return out
 
 
+# per layer (q/k/v, o, w1/w3, w2) and the LM head: whether the decode GEMV computes it
+GemvPlan = tuple[tuple[tuple[bool, bool, bool, bool], ...], bool]
+
+
+def gemv_plan(
+    model: nn.Module,
+    packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+    dtypes: tuple[torch.dtype, ...] = GEMV_DTYPES,
+) -> GemvPlan:
+    """Which projections of ``model`` the decode GEMV may compute: a packed q/k/v or w1/w3
+    tensor, or a plain Linear (no hooks or subclass: :func:`~lmforge.model.layers._fusable`),
+    whose weight is in ``dtypes`` and whose shape the kernel's table does not give to cuBLAS."""
+    from lmforge.serve._gemv_triton import gemv_config
+
+    def ok(w: torch.Tensor | None) -> bool:
+        return (
+            w is not None
+            and w.dim() == 2
+            and w.dtype in dtypes
+            and gemv_config(w.shape[0], w.shape[1], w.device) is not None
+        )
+
+    def lin(m: nn.Module) -> bool:
+        return _fusable(m) and ok(m.weight)
+
+    layers = []
+    for i, layer in enumerate(model.layers):
+        qkv_w, w13 = packed[i] if packed is not None else (None, None)
+        ffn = layer.ffn
+        w2 = lin(ffn.w2) if w13 is not None else False
+        layers.append((ok(qkv_w), lin(layer.attn.output_proj), ok(w13), w2))
+    return tuple(layers), lin(model.lm_head)
+
+
 def decode_forward(
     model: nn.Module,
     k_cache: torch.Tensor,
@@ -119,19 +193,23 @@ def decode_forward(
     ctx_lens: torch.Tensor,
     use_triton: int,
     packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+    gemv_on: GemvPlan | None = None,
 ) -> torch.Tensor:
     """One decode step (one token per sequence, so row i is sequence i's last token), the same
     math as :func:`~lmforge.serve.runner.forward_step`: logits (S, V) float32. ``packed``
-    (from :func:`pack_weights`) swaps the separate projections for one GEMM each."""
+    (from :func:`pack_weights`) swaps the separate projections for one GEMM each; ``gemv_on``
+    (from :func:`gemv_plan`, batches <= GEMV_MAX_ROWS) runs the marked ones on the decode GEMV."""
     x = model.residual_stream(model.token_embeddings(tokens))  # (S, D)
     n = x.shape[0]
+    no = (False, False, False, False)
     for i, layer in enumerate(model.layers):
         attn = layer.attn
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
+        g_qkv, g_o, g_13, g_2 = gemv_on[0][i] if gemv_on is not None else no
         h = layer.ln1(x)
         nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if qkv_w is not None:
-            q, k, v = F.linear(h, qkv_w).split([nh * e, kvh * e, kvh * e], dim=-1)
+            q, k, v = _proj(h, qkv_w, g_qkv).split([nh * e, kvh * e, kvh * e], dim=-1)
         else:
             q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
         q = q.reshape(n, nh, e)  # (S, H, E)
@@ -144,14 +222,30 @@ def decode_forward(
         o = torch.ops.lmforge_serve.decode_attention(
             q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
         )  # (S, H, E)
-        x = x + attn.output_proj(o.reshape(n, nh * e))
+        o = o.reshape(n, nh * e)  # (S, H·E)
+        x = x + (gemv(o, attn.output_proj.weight) if g_o else attn.output_proj(o))  # (S, D)
         y = layer.ln2(x)
         if w13 is not None:
-            gate, up = F.linear(y, w13).chunk(2, dim=-1)  # (S, F) each
-            x = x + layer.ffn.w2(silu(gate) * up)  # (S, D)
+            gate, up = _proj(y, w13, g_13).chunk(2, dim=-1)  # (S, F) each
+            a = silu(gate) * up  # (S, F)
+            x = x + (gemv(a, layer.ffn.w2.weight) if g_2 else layer.ffn.w2(a))  # (S, D)
         else:
             x = x + layer.ffn(y)  # (S, D)
-    return model.logits_from_hidden(model.ln_final(x)).float()  # (S, V)
+    h = model.ln_final(x)  # (S, D)
+    if gemv_on is not None and gemv_on[1]:
+        # logits_from_hidden with the LM head on the GEMV (the same soft-cap after it)
+        logits = gemv(h, model.lm_head.weight)  # (S, V)
+        cap = model.config.logit_soft_cap
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits.float()
+    return model.logits_from_hidden(h).float()  # (S, V)
+
+
+def _triton_importable() -> bool:
+    from lmforge.kernels._common import triton_available
+
+    return triton_available()
 
 
 def _no_duck_shapes():
@@ -162,13 +256,31 @@ def _no_duck_shapes():
 
 class CompiledDecode:
     """``batch -> logits`` for decode-only steps: compiled :func:`decode_forward`, or the eager
-    :func:`~lmforge.serve.runner.forward_step` once compiling has failed."""
+    :func:`~lmforge.serve.runner.forward_step` once compiling has failed.
+
+    ``gemv``: run batches <= GEMV_MAX_ROWS through the Triton decode GEMV (None: on CUDA for
+    bf16/fp16 weights; True forces it, fp32 included: tests, under TRITON_INTERPRET=1 on CPU)."""
 
     def __init__(
-        self, model: nn.Module, cache: PagedKVCache, use_triton: bool | None, pack: bool = True
+        self,
+        model: nn.Module,
+        cache: PagedKVCache,
+        use_triton: bool | None,
+        pack: bool = True,
+        gemv: bool | None = None,
     ) -> None:
         self.model = model
         self.packed = pack_weights(model) if pack else None
+        for pair in self.packed or []:
+            for t in pair:
+                if t is not None:  # the GEMV's launch config is looked up by the weight shape
+                    torch._dynamo.mark_static(t)
+        if gemv is None:
+            gemv = cache.k.device.type == "cuda" and _triton_importable()
+            dtypes = GEMV_DTYPES
+        else:
+            dtypes = (*GEMV_DTYPES, torch.float32)
+        self.gemv: GemvPlan | None = gemv_plan(model, self.packed, dtypes) if gemv else None
         self.cache = cache
         self.use_triton = use_triton
         self._flag = -1 if use_triton is None else int(use_triton)
@@ -203,6 +315,7 @@ class CompiledDecode:
             try:
                 # No duck sizing: a batch that happens to equal another size at compile time
                 # (the layer count, the table width) must not tie the two together.
+                small = self.gemv is not None and len(batch.q_lens) <= GEMV_MAX_ROWS
                 with _no_duck_shapes():
                     return self._fn(
                         self.model,
@@ -215,6 +328,7 @@ class CompiledDecode:
                         batch.ctx_lens,
                         self._flag,
                         self.packed,
+                        self.gemv if small else None,
                     )
             except Exception as e:  # any compile/run failure: eager from now on, said once
                 self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
