@@ -242,10 +242,12 @@ def decode_forward(
     return model.logits_from_hidden(h).float()  # (S, V)
 
 
-def _triton_importable() -> bool:
+def _gemv_dtypes(device: torch.device) -> tuple[torch.dtype, ...] | None:
+    """The weight dtypes the decode GEMV takes by default on ``device``: bf16/fp16 on CUDA with
+    Triton, none elsewhere (the CPU keeps torch's matmul)."""
     from lmforge.kernels._common import triton_available
 
-    return triton_available()
+    return GEMV_DTYPES if device.type == "cuda" and triton_available() else None
 
 
 def _no_duck_shapes():
@@ -275,12 +277,9 @@ class CompiledDecode:
             for t in pair:
                 if t is not None:  # the GEMV's launch config is looked up by the weight shape
                     torch._dynamo.mark_static(t)
-        if gemv is None:
-            gemv = cache.k.device.type == "cuda" and _triton_importable()
-            dtypes = GEMV_DTYPES
-        else:
-            dtypes = (*GEMV_DTYPES, torch.float32)
-        self.gemv: GemvPlan | None = gemv_plan(model, self.packed, dtypes) if gemv else None
+        dtypes = _gemv_dtypes(cache.k.device) if gemv is None else (*GEMV_DTYPES, torch.float32)
+        use = dtypes is not None and gemv is not False
+        self.gemv: GemvPlan | None = gemv_plan(model, self.packed, dtypes) if use else None
         self.cache = cache
         self.use_triton = use_triton
         self._flag = -1 if use_triton is None else int(use_triton)

@@ -1,0 +1,384 @@
+"""The decode GEMV (lmforge.serve._gemv_triton) and its use in the compiled decode step.
+
+The kernel against a float64 matmul on random (never zero) inputs — M 1..8, N and K off the
+tiles, split-K, fp32/fp16/bf16 — the ``lmforge_serve::gemv`` custom op under
+``torch.compile(fullgraph=True)`` equal to eager, and the compiled decode step with every
+projection on the GEMV against the eager step (logits) and ``lmforge.generate`` (greedy
+tokens). The kernels run under TRITON_INTERPRET=1 in a subprocess (tiny shapes) and on the GPU
+with ``-m gpu``; ``-m slow`` also lowers the table's launches to Hopper cubins (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+
+from _interp import run_pytest_in_interpreter
+
+_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+V = 97
+
+# (M, N, K, config (block_n, block_k, split) or None for the default): ragged N and K, splits
+# that do and do not divide the chunk count, a 32-row tile
+CASES = [
+    (1, 100, 200, (64, 64, 2)),
+    (2, 130, 256, (64, 128, 1)),
+    (3, 64, 128, (32, 64, 2)),
+    (5, 70, 300, (64, 64, 3)),
+    (7, 257, 96, (64, 32, 2)),
+    (8, 190, 520, None),
+]
+
+
+def _inputs(m, n, k, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) + 0.1).to(device, dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1 + 0.01).to(device, dtype)
+    return x, w
+
+
+def _tol(dtype):
+    # fp32 accumulation in every case; the output rounded to bf16/fp16 (relative 2^-8 / 2^-11)
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
+
+
+def _check(got, x, w, dtype):
+    from lmforge.serve._gemv_triton import gemv_reference
+
+    want = gemv_reference(x, w)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = _tol(dtype)
+    torch.testing.assert_close(got.double().cpu(), want, atol=tol * want.abs().max(), rtol=tol)
+
+
+def _model(seed=0, **kw):
+    from lmforge.model import ModelConfig, TransformerLM
+
+    torch.manual_seed(seed)
+    base = dict(vocab_size=V, context_length=128, d_model=64, n_layers=2, n_heads=4,
+                n_kv_heads=2, d_ff=160)  # fmt: skip
+    model = TransformerLM(ModelConfig(**{**base, **kw})).eval()
+    with torch.no_grad():  # logits far from flat: greedy is not decided by rounding
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.0)
+    return model
+
+
+def _prompts(lengths=(3, 17, 40, 5)):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+
+
+def _decode_batch(device="cpu"):
+    from lmforge.serve.runner import StepBatch
+
+    def t(x, dtype=torch.long):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return StepBatch(
+        tokens=t([5, 7, 11]), positions=t([0, 2, 9]), slots=t([4, 10, 20]),
+        block_tables=t([[1, 0, 0], [2, 0, 0], [3, 5, 0]], torch.int32),
+        ctx_lens=t([1, 3, 10], torch.int32), last_rows=t([0, 1, 2]), q_lens=[1, 1, 1],
+        ctx_lens_list=[1, 3, 10], tables_list=[[1], [2], [3, 5]],
+    )  # fmt: skip
+
+
+def _count_gemv(monkeypatch) -> dict:
+    from lmforge.serve import _gemv_triton
+
+    calls = {"n": 0}
+    real = _gemv_triton.gemv_partials
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(_gemv_triton, "gemv_partials", counting)
+    return calls
+
+
+def _step_logits(model, device, decoder_fn):
+    """Logits of one decode step (3 sequences, pages pre-filled at random) and the caches."""
+    from lmforge.serve.runner import PagedKVCache
+
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    cache = PagedKVCache(cfg.n_layers, 8, 4, cfg.kv_heads, cfg.head_dim, torch.device(device),
+                         dtype)  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    with torch.inference_mode():
+        return decoder_fn(cache, _decode_batch(device)), cache
+
+
+if not _CHILD:
+
+    def test_table_configs_are_valid() -> None:
+        """Every table launch: power-of-two tiles (tl.arange), a chunk no wider than K, at most
+        one split per chunk and MAX_SPLIT splits (inductor unrolls that sum into the consumer)."""
+        pytest.importorskip("triton")
+        from lmforge.serve._gemv_triton import MAX_SPLIT, TABLE, default_config
+
+        configs = [(n, k, c) for (n, k), c in TABLE.items() if c is not None]
+        configs += [(n, k, default_config(n, k)) for n, k in [(96, 64), (50000, 4096), (8, 16)]]
+        for n, k, c in configs:
+            assert c.block_n in (32, 64, 128) and c.block_k & (c.block_k - 1) == 0, (n, k, c)
+            assert 16 <= c.block_k <= max(16, k), (n, k, c)
+            assert 1 <= c.split <= min(MAX_SPLIT, -(-k // c.block_k)), (n, k, c)
+        # the TinyLlama-1.1B shapes (packed q/k/v, o, packed w1/w3, w2, LM head) are all listed
+        for shape in [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048)]:
+            assert shape in TABLE
+
+    def test_gemv_plan_marks_plain_half_precision_projections() -> None:
+        """The plan: off on the CPU by default, forced on it covers every projection; a Linear
+        with a hook (or an fp32 weight by default) keeps the module call."""
+        pytest.importorskip("triton")
+        from lmforge.serve.compiled import GEMV_DTYPES, CompiledDecode, gemv_plan, pack_weights
+        from lmforge.serve.runner import PagedKVCache
+
+        model = _model()
+        cfg = model.config
+        cache = PagedKVCache(2, 4, 4, cfg.kv_heads, cfg.head_dim, torch.device("cpu"),
+                             torch.float32)  # fmt: skip
+        assert CompiledDecode(model, cache, None).gemv is None  # CPU: torch's matmul
+        forced = CompiledDecode(model, cache, None, gemv=True).gemv
+        assert forced == (((True,) * 4,) * 2, True)
+        packed = pack_weights(model)
+        assert gemv_plan(model, packed, GEMV_DTYPES) == (((False,) * 4,) * 2, False)  # fp32
+        model.layers[1].attn.output_proj.register_forward_hook(lambda *a: None)
+        plan = gemv_plan(model, packed, (torch.float32,))
+        assert plan == (((True,) * 4, (True, False, True, True)), True)
+        assert gemv_plan(model, None, (torch.float32,))[0][0] == (False, True, False, False)
+
+    @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
+    @pytest.mark.parametrize("part", ["kernel", "step"])
+    def test_gemv_in_interpreter_subprocess(part) -> None:
+        # two children: the kernel and the op against float64 / eager; the compiled step
+        run_pytest_in_interpreter(__file__, "-k", part)
+
+    @pytest.mark.slow
+    @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
+    def test_engine_gemv_in_interpreter_subprocess() -> None:
+        run_pytest_in_interpreter(__file__, "-m", "slow", "-k", "engine", timeout=600)
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_gemv_kernel_at_table_shapes_gpu(dtype) -> None:
+        """Every table shape at the decode buckets (and 3, 5, 7 rows) against float64."""
+        from lmforge.serve._gemv_triton import TABLE, gemv_triton
+
+        for (n, k), cfg in TABLE.items():
+            if cfg is None:
+                continue
+            for m in (1, 2, 3, 5, 7, 8):
+                x, w = _inputs(m, n, k, dtype, "cuda", seed=m)
+                _check(gemv_triton(x, w), x, w, dtype)
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("case", CASES)
+    def test_gemv_kernel_ragged_gpu(case, dtype) -> None:
+        from lmforge.serve._gemv_triton import GemvConfig, gemv_triton
+
+        m, n, k, cfg = case
+        x, w = _inputs(m, n, k, dtype, "cuda")
+        _check(gemv_triton(x, w, GemvConfig(*cfg) if cfg else None), x, w, dtype)
+
+    @pytest.mark.gpu
+    def test_gemv_op_under_inductor_gpu() -> None:
+        """fullgraph inductor with dynamic rows: one graph, the op's output equal to eager."""
+        from lmforge.serve.compiled import gemv
+
+        fn = torch.compile(lambda x, w: torch.relu(gemv(x, w)) + 1, fullgraph=True, dynamic=True)
+        for m in (2, 5, 8):
+            x, w = _inputs(m, 2048, 5632, torch.bfloat16, "cuda", seed=m)
+            torch.testing.assert_close(fn(x, w), torch.relu(gemv(x, w)) + 1, atol=0, rtol=0)
+
+    @pytest.mark.gpu
+    def test_compiled_step_with_gemv_matches_cublas_step_bf16_gpu() -> None:
+        """A bf16 step: the compiled step with the GEMV against the one without, close."""
+        from lmforge.serve.compiled import CompiledDecode
+
+        model = _model(n_layers=3).cuda().to(torch.bfloat16)
+        on, _ = _step_logits(model, "cuda", lambda c, b: CompiledDecode(model, c, None)(b))
+        off, _ = _step_logits(model, "cuda", lambda c, b: CompiledDecode(model, c, None,
+                                                                          gemv=False)(b))  # fmt: skip
+        assert float((on - off).abs().max() / off.abs().max()) < 2e-2
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("graphs", [False, True])
+    def test_engine_greedy_with_gemv_equals_generate_gpu(monkeypatch, graphs) -> None:
+        """fp32 model, the GEMV forced on (fp32 is not its default): the engine's greedy
+        tokens through the compiled step (and CUDA graphs) equal lmforge.generate's."""
+        from lmforge.generate import generate
+        from lmforge.serve import Engine, SamplingParams, compiled
+
+        monkeypatch.setattr(compiled, "_gemv_dtypes", lambda dev: (torch.float32,))
+        calls = _count_gemv(monkeypatch)
+        model = _model().cuda()
+        prompts = _prompts((3, 17, 40, 5, 60))
+        want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+        eng = Engine(model, block_size=16, num_blocks=64, compile=True, cuda_graphs=graphs,
+                     max_num_seqs=8)  # fmt: skip
+        got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+        assert eng.decoder.failed is None and eng.decoder.gemv is not None and calls["n"] > 0
+        assert [o.outputs[0].token_ids for o in got] == want
+
+    def _compile_sm90(cfg, even_k=True, dtype="bf16"):
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from lmforge.serve import _gemv_triton as gt
+
+        jit = gt._gemv_kernel
+        consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, MP=16,
+                      EVEN_K=even_k, MMA={"bf16": tl.bfloat16, "fp16": tl.float16}[dtype],
+                      PREC="tf32")  # fmt: skip
+        sig, attrs = {}, {}
+        for i, name in enumerate(jit.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                sig[name] = "*fp32" if name == "out_ptr" else "*" + dtype
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[name] = "i32"
+                if name != "M":  # N, K and the row strides are multiples of 16 here
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        src = ASTSource(jit, sig, consts, attrs)
+        options = {"num_warps": cfg.warps, "num_stages": cfg.stages}
+        return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
+
+    def _ptxas(ptx: str) -> tuple[int, int]:
+        """(registers per thread, spill-store bytes) for sm_90a from Triton's bundled ptxas."""
+        import subprocess
+        import tempfile
+
+        import triton
+
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "ptxas")  # fmt: skip
+        if not os.path.exists(ptxas):
+            pytest.skip("this Triton wheel bundles no ptxas")
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as f:
+                f.write(ptx)
+            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o",
+                                  os.path.join(tmp, "k.cubin")], capture_output=True, text=True,
+                                 check=True).stderr  # fmt: skip
+        regs = int(re.search(r"Used (\d+) registers", out).group(1))
+        return regs, int(re.search(r"(\d+) bytes spill stores", out).group(1))
+
+    @pytest.mark.slow
+    @pytest.mark.skipif(not _HAS_TRITON, reason="needs triton")
+    def test_table_launches_compile_for_sm90_without_spills() -> None:
+        """Each distinct table launch lowered to a Hopper cubin on the CPU: wgmma for 64-row
+        tiles, W streamed by 16-byte cp.async copies, shared memory for >= 2 programs an SM
+        where the tile allows, no spills."""
+        from lmforge.serve._gemv_triton import TABLE
+
+        for cfg in sorted({c for c in TABLE.values() if c is not None}, key=str):
+            compiled = _compile_sm90(cfg)
+            ptx = compiled.asm["ptx"]
+            assert "wgmma.mma_async" in ptx or cfg.block_n < 64, cfg
+            assert re.search(r"cp\.async\.cg\.shared\.global .*0x10", ptx), cfg
+            assert compiled.metadata.shared * (2 if cfg.block_k <= 128 else 1) <= 232448, cfg
+            regs, spills = _ptxas(ptx)
+            assert spills == 0, cfg
+            assert regs <= 255, cfg
+        masked = _compile_sm90(TABLE[(960, 576)], even_k=False, dtype="fp16")
+        assert _ptxas(masked.asm["ptx"])[1] == 0
+
+else:
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+    @pytest.mark.parametrize("case", CASES)
+    def test_kernel_matches_float64(case, dtype) -> None:
+        from lmforge.serve._gemv_triton import GemvConfig, gemv_partials, gemv_triton
+
+        m, n, k, cfg = case
+        x, w = _inputs(m, n, k, dtype)
+        config = GemvConfig(*cfg) if cfg else None
+        _check(gemv_triton(x, w, config), x, w, dtype)
+        if config is not None:  # the partials' layout: one (M, N) slice per split
+            assert gemv_partials(x, w, config).shape == (config.split, m, n)
+
+    def test_kernel_strided_rows() -> None:
+        """x as a row slice of a wider buffer (a view, as the packed q/k/v split makes)."""
+        from lmforge.serve._gemv_triton import GemvConfig, gemv_triton
+
+        x, w = _inputs(4, 96, 192, torch.float32)
+        wide = torch.randn(4, 300)
+        wide[:, 50:242] = x
+        _check(gemv_triton(wide[:, 50:242], w, GemvConfig(32, 64, 2)), x, w, torch.float32)
+
+    def test_kernel_op_under_compile_fullgraph() -> None:
+        """The custom op in a fullgraph compile (aot_eager: the fake's output shape and dtype
+        meet the real one) with dynamic rows: equal to the eager op, no recompile across M."""
+        from torch._dynamo.utils import counters
+
+        from lmforge.serve.compiled import gemv
+
+        def f(x, w):
+            return torch.tanh(gemv(x, w)) * 2
+
+        fn = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+        x, w = _inputs(2, 80, 2048, torch.float16)  # default config: a split-K launch
+        fn(x, w)
+        frames = counters["stats"]["unique_graphs"]
+        for m in (3, 5, 8):
+            x, w = _inputs(m, 80, 2048, torch.float16, seed=m)
+            torch.testing.assert_close(fn(x, w), f(x, w), atol=0, rtol=0)
+        assert counters["stats"]["unique_graphs"] == frames
+
+    def test_step_with_gemv_matches_eager_step(monkeypatch) -> None:
+        """The compiled decode step (fullgraph, aot_eager) with every projection on the GEMV
+        gives the eager step's logits and KV pages; the GEMV really ran (9 calls a step)."""
+        from lmforge.serve.compiled import CompiledDecode, decode_forward
+        from lmforge.serve.runner import forward_step
+
+        model = _model()
+        want, c0 = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))
+        calls = _count_gemv(monkeypatch)
+
+        def compiled(cache, batch):
+            dec = CompiledDecode(model, cache, None, gemv=True)
+            dec._fn = torch.compile(decode_forward, dynamic=True, fullgraph=True,
+                                    backend="aot_eager")  # fmt: skip
+            out = dec(batch)
+            assert dec.failed is None
+            return out
+
+        got, c1 = _step_logits(model, "cpu", compiled)
+        assert calls["n"] == 2 * 4 + 1
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(c1.k, c0.k)
+        torch.testing.assert_close(c1.v, c0.v)
+
+    @pytest.mark.slow
+    def test_engine_greedy_with_gemv_equals_generate(monkeypatch) -> None:
+        """The engine (inductor-compiled step, the GEMV forced on for fp32 on the CPU): greedy
+        tokens equal to lmforge.generate's."""
+        from lmforge.generate import generate
+        from lmforge.serve import Engine, SamplingParams, compiled
+
+        monkeypatch.setattr(compiled, "_gemv_dtypes", lambda dev: (torch.float32,))
+        calls = _count_gemv(monkeypatch)
+        model = _model()
+        prompts = _prompts()
+        want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
+        eng = Engine(model, block_size=8, num_blocks=64, compile=True)
+        got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+        assert eng.decoder.failed is None and eng.decoder.gemv is not None and calls["n"] > 0
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert eng.allocator.num_used == 0
