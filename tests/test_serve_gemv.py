@@ -240,7 +240,7 @@ if not _CHILD:
         from lmforge.serve import _gemv_triton as gt
 
         jit = gt._gemv_kernel
-        consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split, MP=16,
+        consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MP=16,
                       EVEN_K=even_k, MMA={"bf16": tl.bfloat16, "fp16": tl.float16}[dtype],
                       PREC="tf32")  # fmt: skip
         sig, attrs = {}, {}

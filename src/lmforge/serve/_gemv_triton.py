@@ -43,9 +43,8 @@ from lmforge.kernels._common import ensure_interpreter_compat, interpreting
 
 MAX_ROWS = 8  # decode buckets 1, 2, 4, 8; larger batches are GEMMs: cuBLAS
 _ROWS_PAD = 16  # tl.dot's smallest tile side
-MAX_SPLIT = (
-    8  # inductor unrolls a sum of <= 8 terms into its consumer (unroll_reductions_threshold)
-)
+# inductor unrolls a sum of <= 8 terms into its consumer (config.unroll_reductions_threshold)
+MAX_SPLIT = 8
 
 
 @triton.jit
@@ -60,7 +59,6 @@ def _gemv_kernel(
     stride_wn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr,
     MP: tl.constexpr,
     EVEN_K: tl.constexpr,
     MMA: tl.constexpr,
@@ -76,7 +74,8 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rn_ld.to(tl.int64)[:, None] * stride_wn + rk[None, :]  # (BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]  # (BLOCK_K, MP): xᵀ
     acc = tl.zeros((BLOCK_N, MP), dtype=tl.float32)
-    for k0 in range(pid_s * BLOCK_K, K, SPLIT * BLOCK_K):
+    step = tl.num_programs(1) * BLOCK_K  # the split is the grid's second dim (one compile for all)
+    for k0 in range(pid_s * BLOCK_K, K, step):
         if EVEN_K:
             w = tl.load(w_ptrs + k0)
             xt = tl.load(x_ptrs + k0, mask=m_ok[None, :], other=0.0)
@@ -196,7 +195,6 @@ def gemv_partials(
         w.stride(0),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        SPLIT=cfg.split,
         MP=_ROWS_PAD,
         EVEN_K=k % cfg.block_k == 0,
         MMA=mma,
