@@ -171,13 +171,13 @@ if not _CHILD:
     @pytest.mark.gpu
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
     def test_gemv_kernel_at_table_shapes_gpu(dtype) -> None:
-        """Every table shape at the decode buckets (and 3, 5, 7 rows) against float64."""
+        """Every table shape at 1, 3 and 8 rows against float64."""
         from lmforge.serve._gemv_triton import TABLE, gemv_triton
 
         for (n, k), cfg in TABLE.items():
             if cfg is None:
                 continue
-            for m in (1, 2, 3, 5, 7, 8):
+            for m in (1, 3, 8):
                 x, w = _inputs(m, n, k, dtype, "cuda", seed=m)
                 _check(gemv_triton(x, w), x, w, dtype)
 
@@ -213,10 +213,9 @@ if not _CHILD:
         assert float((on - off).abs().max() / off.abs().max()) < 2e-2
 
     @pytest.mark.gpu
-    @pytest.mark.parametrize("graphs", [False, True])
-    def test_engine_greedy_with_gemv_equals_generate_gpu(monkeypatch, graphs) -> None:
+    def test_engine_greedy_with_gemv_equals_generate_gpu(monkeypatch) -> None:
         """fp32 model, the GEMV forced on (fp32 is not its default): the engine's greedy
-        tokens through the compiled step (and CUDA graphs) equal lmforge.generate's."""
+        tokens through the compiled step in CUDA graphs (buckets 1-8) equal lmforge.generate's."""
         from lmforge.generate import generate
         from lmforge.serve import Engine, SamplingParams, compiled
 
@@ -225,10 +224,11 @@ if not _CHILD:
         model = _model().cuda()
         prompts = _prompts((3, 17, 40, 5, 60))
         want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
-        eng = Engine(model, block_size=16, num_blocks=64, compile=True, cuda_graphs=graphs,
+        eng = Engine(model, block_size=16, num_blocks=64, compile=True, cuda_graphs=True,
                      max_num_seqs=8)  # fmt: skip
         got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
         assert eng.decoder.failed is None and eng.decoder.gemv is not None and calls["n"] > 0
+        assert eng.graphs is not None and eng.graphs.graphs
         assert [o.outputs[0].token_ids for o in got] == want
 
     def _compile_sm90(cfg, even_k=True, dtype="bf16"):

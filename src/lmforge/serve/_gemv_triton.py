@@ -107,22 +107,23 @@ class GemvConfig:
 
 # (N, K) -> config, or None for cuBLAS. TinyLlama-1.1B (d 2048, 32/4 heads of 64, F 5632,
 # V 32000), Qwen3-0.6B (d 1024, 16/8 heads of 128, F 3072, V 151936), SmolLM2-135M (d 576, 9/3
-# heads of 64, F 1536, V 49152): packed q/k/v, o, packed w1/w3, w2, LM head. Chosen for 132 SMs:
-# all of a small GEMV's programs resident at once (<= 3 per SM at 3 stages of 20 KB), each with
-# its loads issued up front; the big ones in chunks that balance over the SMs.
+# heads of 64, F 1536, V 49152): packed q/k/v, o, packed w1/w3, w2, LM head. Chosen (not yet
+# measured: ``benchmarks/serve.py --only gemv`` sweeps them) for 132 SMs: all of a small GEMV's
+# programs resident at once (<= 3 per SM at 3 stages of 20 KB), each with its loads issued up
+# front; the big ones in chunks that balance over the SMs, the LM heads 3 chunks ahead.
 TABLE: dict[tuple[int, int], GemvConfig | None] = {
     # TinyLlama-1.1B
     (2560, 2048): GemvConfig(64, 128, 8),
     (2048, 2048): GemvConfig(64, 128, 8),
     (11264, 2048): GemvConfig(64, 128, 2),
     (2048, 5632): GemvConfig(64, 128, 8),
-    (32000, 2048): GemvConfig(64, 256, 1),
+    (32000, 2048): GemvConfig(64, 128, 1, stages=4),
     # Qwen3-0.6B
     (4096, 1024): GemvConfig(64, 128, 4),
     (1024, 2048): GemvConfig(64, 128, 8),
     (6144, 1024): GemvConfig(64, 128, 2),
     (1024, 3072): GemvConfig(64, 128, 8),
-    (151936, 1024): GemvConfig(64, 256, 1),
+    (151936, 1024): GemvConfig(64, 128, 1, stages=4),
     # SmolLM2-135M
     (960, 576): GemvConfig(64, 64, 4),
     (576, 576): GemvConfig(64, 64, 8),
@@ -212,5 +213,6 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = No
 
 
 def gemv_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (M, K) @ W (N, K)ᵀ in float64 on the CPU: the reference the kernel is tested against."""
-    return x.detach().double().cpu() @ w.detach().double().cpu().t()
+    """x (M, K) @ W (N, K)ᵀ in float64 (on the inputs' device, returned on the CPU): the
+    reference the kernel is tested against."""
+    return (x.detach().double() @ w.detach().double().t()).cpu()
