@@ -149,13 +149,15 @@ if not _CHILD:
                              torch.float32)  # fmt: skip
         assert CompiledDecode(model, cache, None).gemv is None  # CPU: torch's matmul
         forced = CompiledDecode(model, cache, None, gemv=True).gemv
-        assert forced == (((True,) * 4,) * 2, True)
+        assert forced == (((True,) * 5,) * 2, True)
         packed = pack_weights(model)
-        assert gemv_plan(model, packed, GEMV_DTYPES) == (((False,) * 4,) * 2, False)  # fp32
+        assert gemv_plan(model, packed, GEMV_DTYPES) == (((False,) * 5,) * 2, False)  # fp32
         model.layers[1].attn.output_proj.register_forward_hook(lambda *a: None)
         plan = gemv_plan(model, packed, (torch.float32,))
-        assert plan == (((True,) * 4, (True, False, True, True)), True)
-        assert gemv_plan(model, None, (torch.float32,))[0][0] == (False, True, False, False)
+        assert plan == (((True,) * 5, (True, False, True, True, True)), True)
+        assert gemv_plan(model, None, (torch.float32,))[0][0] == (False, True, False, False, False)
+        qk = _model(qk_norm=True, head_dim=32)  # a norm between q/k/v and RoPE: not fused
+        assert gemv_plan(qk, pack_weights(qk), (torch.float32,))[0][0] == (True,) * 4 + (False,)
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
     @pytest.mark.parametrize("part", ["kernel", "step"])
@@ -321,6 +323,25 @@ if not _CHILD:
         masked = _compile_sm90(TABLE[(960, 576)], even_k=False, dtype="fp16")
         assert _ptxas(masked.asm["ptx"])[1] == 0
 
+    @pytest.mark.slow
+    @pytest.mark.skipif(not _HAS_TRITON, reason="needs triton")
+    @pytest.mark.parametrize("e", [64, 128])
+    def test_rope_kv_kernel_compiles_for_sm90(e) -> None:
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from lmforge.serve._rope_kv_triton import _rope_kv_kernel as jit
+
+        consts = dict(SPLIT=8, H=32, KV=4, HALF=e // 2, HP=e // 2, DTYPE=tl.bfloat16)
+        ptrs = {"p_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
+                "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16"}  # fmt: skip
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in jit.arg_names}
+        src = ASTSource(jit, sig, consts, {})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 1})
+        assert _ptxas(compiled.asm["ptx"])[1] == 0
+
 else:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -344,6 +365,35 @@ else:
         wide[:, 50:242] = x
         _check(gemv_triton(wide[:, 50:242], w, GemvConfig(32, 64, 2)), x, w, torch.float32)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("split", [1, 3])
+    def test_kernel_rope_kv_write_matches_unfused(dtype, split) -> None:
+        """RoPE + KV write from the q/k/v partials against the unfused torch path (sum, round,
+        the model's RotaryEmbedding, write_kv): equal q and pages, other slots untouched."""
+        from lmforge.model.layers import RotaryEmbedding
+        from lmforge.serve._rope_kv_triton import rope_write_kv
+        from lmforge.serve.attention import write_kv
+
+        h, kvh, e, s, nb, bs = 4, 2, 24, 3, 5, 4  # E/2 = 12: pairs padded to 16 in the kernel
+        g = torch.Generator().manual_seed(split)
+        p = torch.randn(split, s, (h + 2 * kvh) * e, generator=g) + 0.1
+        rope = RotaryEmbedding(10000.0, e, 64)
+        pos = torch.tensor([0, 7, 63])
+        slots = torch.tensor([3, 9, 17])
+        kc = torch.randn(nb, bs, kvh, e, generator=g).to(dtype)
+        vc = torch.randn(nb, bs, kvh, e, generator=g).to(dtype)
+        kc0, vc0 = kc.clone(), vc.clone()
+        q = rope_write_kv(p, rope.cos, rope.sin, pos, slots, kc, vc, h, dtype)
+        y = p.sum(0).to(dtype)  # (S, N)
+        wq, wk, wv = y.split([h * e, kvh * e, kvh * e], dim=-1)
+        wq = rope(wq.reshape(s, h, e).transpose(0, 1), pos).transpose(0, 1)
+        wk = rope(wk.reshape(s, kvh, e).transpose(0, 1), pos).transpose(0, 1)
+        write_kv(kc0, vc0, slots, wk, wv.reshape(s, kvh, e))
+        tol = 0 if dtype == torch.float32 else 1e-2  # one bf16 rounding apart at most
+        torch.testing.assert_close(q, wq, atol=tol, rtol=tol)
+        torch.testing.assert_close(kc, kc0, atol=tol, rtol=tol)
+        torch.testing.assert_close(vc, vc0, atol=0, rtol=0)
+
     def test_kernel_op_under_compile_fullgraph() -> None:
         """The custom op in a fullgraph compile (aot_eager: the fake's output shape and dtype
         meet the real one) with dynamic rows: equal to the eager op, no recompile across M."""
@@ -363,15 +413,26 @@ else:
             torch.testing.assert_close(fn(x, w), f(x, w), atol=0, rtol=0)
         assert counters["stats"]["unique_graphs"] == frames
 
-    def test_step_with_gemv_matches_eager_step(monkeypatch) -> None:
+    @pytest.mark.parametrize("kw", [{}, dict(qk_norm=True, head_dim=32)])
+    def test_step_with_gemv_matches_eager_step(monkeypatch, kw) -> None:
         """The compiled decode step (fullgraph, aot_eager) with every projection on the GEMV
-        gives the eager step's logits and KV pages; the GEMV really ran (9 calls a step)."""
+        gives the eager step's logits and KV pages; the GEMV really ran (9 calls a step), and
+        without QK-norm RoPE + the KV write ran fused (2 calls, one a layer)."""
+        from lmforge.serve import _rope_kv_triton
         from lmforge.serve.compiled import CompiledDecode, decode_forward
         from lmforge.serve.runner import forward_step
 
-        model = _model()
+        model = _model(**kw)
         want, c0 = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))
         calls = _count_gemv(monkeypatch)
+        fused = {"n": 0}
+        real = _rope_kv_triton.rope_write_kv
+
+        def counting(*a, **k):
+            fused["n"] += 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(_rope_kv_triton, "rope_write_kv", counting)
 
         def compiled(cache, batch):
             dec = CompiledDecode(model, cache, None, gemv=True)
@@ -383,6 +444,7 @@ else:
 
         got, c1 = _step_logits(model, "cpu", compiled)
         assert calls["n"] == 2 * 4 + 1
+        assert fused["n"] == (0 if kw else 2)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(c1.k, c0.k)
         torch.testing.assert_close(c1.v, c0.v)

@@ -25,6 +25,10 @@ traced code adds (``.sum(0)``: inductor unrolls it into the consumer's kernel). 
 uses it is decided once per engine (:func:`gemv_plan`: a plain Linear, a half-precision weight,
 a shape the kernel's table does not route to cuBLAS) and passed in as constants, so the batches
 <= 8 and the larger ones are two compiled graphs; larger batches and the CPU keep cuBLAS/torch.
+With the q/k/v GEMV on and no QK-norm, its partial sums go straight into
+``lmforge_serve::rope_decode_attention``: one kernel adds them, applies RoPE to q and k and writes
+k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no separate RoPE kernel, no
+``index_copy``), then the paged decode attention, in the same mutating op as the unfused path.
 
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
 engine decodes eagerly from then on.
@@ -44,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.model.layers import SwiGLU, _fusable, silu
+from lmforge.model.layers import RotaryEmbedding, SwiGLU, _fusable, silu
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.runner import StepBatch, forward_step
 
@@ -102,6 +106,41 @@ def _(x, w):
     return x.new_empty((cfg.split, x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op(
+    "lmforge_serve::rope_decode_attention", mutates_args=("k_cache", "v_cache")
+)
+def _rope_decode_attention(
+    qkv_partials: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    n_heads: int,
+    use_triton: int,
+) -> torch.Tensor:
+    """decode_attention from the packed q/k/v GEMV's partial sums (SPLIT, S, (H + 2K)·E): one
+    kernel adds them, rotates q and k and writes k and v at ``slots`` of layer ``layer``'s
+    pages (:mod:`lmforge.serve._rope_kv_triton`), then paged decode attention -> (S, H, E)."""
+    from lmforge.serve._rope_kv_triton import rope_write_kv
+
+    kc, vc = k_cache[layer], v_cache[layer]
+    q = rope_write_kv(qkv_partials, cos, sin, positions, slots, kc, vc, n_heads, kc.dtype)
+    flag = None if use_triton < 0 else bool(use_triton)
+    return paged_decode(q, kc, vc, block_tables, ctx_lens, use_triton=flag).contiguous()
+
+
+@_rope_decode_attention.register_fake
+def _(qkv_partials, cos, sin, positions, k_cache, v_cache, layer, slots, block_tables, ctx_lens,
+      n_heads, use_triton):  # fmt: skip
+    s, e = qkv_partials.shape[1], k_cache.shape[-1]
+    return qkv_partials.new_empty((s, n_heads, e), dtype=k_cache.dtype)
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (S, D_in) @ wᵀ -> (S, D_out) in x's dtype through ``lmforge_serve::gemv`` (fp32
     accumulation, the partial sums added here: inside torch.compile, in the consumer's kernel)."""
@@ -148,8 +187,9 @@ def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tens
     return out
 
 
-# per layer (q/k/v, o, w1/w3, w2) and the LM head: whether the decode GEMV computes it
-GemvPlan = tuple[tuple[tuple[bool, bool, bool, bool], ...], bool]
+# per layer (q/k/v, o, w1/w3, w2, RoPE + KV write fused after q/k/v) and the LM head: whether
+# the decode GEMV computes it
+GemvPlan = tuple[tuple[tuple[bool, bool, bool, bool, bool], ...], bool]
 
 
 def gemv_plan(
@@ -159,7 +199,9 @@ def gemv_plan(
 ) -> GemvPlan:
     """Which projections of ``model`` the decode GEMV may compute: a packed q/k/v or w1/w3
     tensor, or a plain Linear (no hooks or subclass: :func:`~lmforge.model.layers._fusable`),
-    whose weight is in ``dtypes`` and whose shape the kernel's table does not give to cuBLAS."""
+    whose weight is in ``dtypes`` and whose shape the kernel's table does not give to cuBLAS.
+    The fifth flag: q/k/v on the GEMV, the model's own interleaved RoPE and no QK-norm, so the
+    partial sums go straight into ``lmforge_serve::rope_decode_attention``."""
     from lmforge.serve._gemv_triton import gemv_config
 
     def ok(w: torch.Tensor | None) -> bool:
@@ -178,7 +220,14 @@ def gemv_plan(
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
         ffn = layer.ffn
         w2 = lin(ffn.w2) if w13 is not None else False
-        layers.append((ok(qkv_w), lin(layer.attn.output_proj), ok(w13), w2))
+        attn = layer.attn
+        fuse = (
+            ok(qkv_w)
+            and not attn.config.qk_norm
+            and type(attn.rope) is RotaryEmbedding
+            and attn.rope.cos.dtype == torch.float32
+        )
+        layers.append((ok(qkv_w), lin(attn.output_proj), ok(w13), w2, fuse))
     return tuple(layers), lin(model.lm_head)
 
 
@@ -201,27 +250,33 @@ def decode_forward(
     (from :func:`gemv_plan`, batches <= GEMV_MAX_ROWS) runs the marked ones on the decode GEMV."""
     x = model.residual_stream(model.token_embeddings(tokens))  # (S, D)
     n = x.shape[0]
-    no = (False, False, False, False)
+    no = (False, False, False, False, False)
     for i, layer in enumerate(model.layers):
         attn = layer.attn
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
-        g_qkv, g_o, g_13, g_2 = gemv_on[0][i] if gemv_on is not None else no
+        g_qkv, g_o, g_13, g_2, g_rope = gemv_on[0][i] if gemv_on is not None else no
         h = layer.ln1(x)
         nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        if qkv_w is not None:
-            q, k, v = _proj(h, qkv_w, g_qkv).split([nh * e, kvh * e, kvh * e], dim=-1)
+        if g_rope and k_cache.dtype == h.dtype:  # partial sums -> RoPE, KV write, attention
+            o = torch.ops.lmforge_serve.rope_decode_attention(
+                torch.ops.lmforge_serve.gemv(h, qkv_w), attn.rope.cos, attn.rope.sin,
+                positions, k_cache, v_cache, i, slots, block_tables, ctx_lens, nh, use_triton,
+            )  # (S, H, E)  # fmt: skip
         else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q = q.reshape(n, nh, e)  # (S, H, E)
-        k = k.reshape(n, kvh, e)  # (S, K, E)
-        v = v.reshape(n, kvh, e)  # (S, K, E)
-        if attn.config.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = attn.rope(q.transpose(0, 1), positions).transpose(0, 1)  # (S, H, E)
-        k = attn.rope(k.transpose(0, 1), positions).transpose(0, 1)  # (S, K, E)
-        o = torch.ops.lmforge_serve.decode_attention(
-            q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
-        )  # (S, H, E)
+            if qkv_w is not None:
+                q, k, v = _proj(h, qkv_w, g_qkv).split([nh * e, kvh * e, kvh * e], dim=-1)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = q.reshape(n, nh, e)  # (S, H, E)
+            k = k.reshape(n, kvh, e)  # (S, K, E)
+            v = v.reshape(n, kvh, e)  # (S, K, E)
+            if attn.config.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = attn.rope(q.transpose(0, 1), positions).transpose(0, 1)  # (S, H, E)
+            k = attn.rope(k.transpose(0, 1), positions).transpose(0, 1)  # (S, K, E)
+            o = torch.ops.lmforge_serve.decode_attention(
+                q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
+            )  # (S, H, E)
         o = o.reshape(n, nh * e)  # (S, H·E)
         x = x + (gemv(o, attn.output_proj.weight) if g_o else attn.output_proj(o))  # (S, D)
         y = layer.ln2(x)
