@@ -449,6 +449,33 @@ else:
         torch.testing.assert_close(c1.k, c0.k)
         torch.testing.assert_close(c1.v, c0.v)
 
+    def test_step_gemv_failure_falls_back_to_cublas_with_one_line(monkeypatch, capsys) -> None:
+        """A failing GEMV launch: one line, the step rerun without the GEMV (the compiled step
+        stays), the eager step's logits."""
+        from lmforge.serve import _gemv_triton
+        from lmforge.serve.compiled import CompiledDecode, decode_forward
+        from lmforge.serve.runner import forward_step
+
+        model = _model()
+        want, _ = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))
+
+        def boom(*a, **k):
+            raise RuntimeError("ptxas exploded\nsecond line")
+
+        monkeypatch.setattr(_gemv_triton, "gemv_partials", boom)
+        dec = {}
+
+        def compiled(cache, batch):
+            dec["d"] = CompiledDecode(model, cache, None, gemv=True)
+            dec["d"]._fn = torch.compile(decode_forward, dynamic=True, backend="aot_eager")
+            return dec["d"](batch)
+
+        got, _ = _step_logits(model, "cpu", compiled)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert dec["d"].gemv is None and dec["d"].failed is None
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "decode GEMV failed" in err[0] and "ptxas exploded" in err[0]
+
     @pytest.mark.slow
     def test_engine_greedy_with_gemv_equals_generate(monkeypatch) -> None:
         """The engine (inductor-compiled step, the GEMV forced on for fp32 on the CPU): greedy

@@ -31,7 +31,8 @@ k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no separate RoPE kerne
 ``index_copy``), then the paged decode attention, in the same mutating op as the unfused path.
 
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
-engine decodes eagerly from then on.
+engine decodes eagerly from then on; a failure on the decode GEMV's path first drops the GEMV
+(one line) and reruns the step on cuBLAS.
 
 Shape legend: N tokens (= S sequences in decode), D model dim, H heads, K kv-heads, E head dim,
 V vocab, L layers, NB blocks, BS block size, M table width.
@@ -362,14 +363,14 @@ class CompiledDecode:
                 self(batch)
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
-        if self.failed is None:
+        while self.failed is None:
             tables = batch.block_tables
             if tables.shape[1] < 2:  # a width of 1 would be one more specialised compile
                 tables = F.pad(tables, (0, 1))  # block 0, past ctx_lens: never read
+            small = self.gemv is not None and len(batch.q_lens) <= GEMV_MAX_ROWS
             try:
                 # No duck sizing: a batch that happens to equal another size at compile time
                 # (the layer count, the table width) must not tie the two together.
-                small = self.gemv is not None and len(batch.q_lens) <= GEMV_MAX_ROWS
                 with _no_duck_shapes():
                     return self._fn(
                         self.model,
@@ -384,8 +385,15 @@ class CompiledDecode:
                         self.packed,
                         self.gemv if small else None,
                     )
-            except Exception as e:  # any compile/run failure: eager from now on, said once
-                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            except Exception as e:  # any compile/run failure: said once, then a fallback
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if small:  # first the decode GEMV goes (the step is rerun on cuBLAS: the
+                    # pages it may have written get the same values again)
+                    self.gemv = None
+                    print(f"lmforge serve: the decode GEMV failed, using cuBLAS ({why[:300]})",
+                          file=sys.stderr)  # fmt: skip
+                    continue
+                self.failed = why  # then the compiled step: eager from now on
                 print(
                     f"lmforge serve: torch.compile of the decode step failed, decoding eagerly "
                     f"({self.failed[:300]})",
