@@ -295,7 +295,8 @@ def _weight_copies(n: int, k: int, dtype: torch.dtype, copies: int | None = None
 
 def _gemv_candidates(n: int, k: int, table_cfg) -> list:
     """The sweep's launches for (N, K): the table's first, then 64/128-row tiles, 64-256-wide
-    chunks, splits giving 128-1056 programs, 3 stages (and 2 / 4 for the table's tiles)."""
+    chunks, splits giving 128-1056 programs, 3 stages (2-4 for 64-row tiles of >= 128-wide
+    chunks, and for the table's)."""
     from lmforge.serve._gemv_triton import GemvConfig
 
     out = [table_cfg]
@@ -304,7 +305,9 @@ def _gemv_candidates(n: int, k: int, table_cfg) -> list:
             for split in (1, 2, 4, 8):
                 progs = -(-n // bn) * split
                 if bk <= k and split <= -(-k // bk) and 128 <= progs <= 1056:
-                    out.append(GemvConfig(bn, bk, split, warps, 3))
+                    # 64-row tiles also 2 and 4 stages deep (3 for the larger tiles' smem)
+                    for st in (2, 3, 4) if bn == 64 and bk >= 128 else (3,):
+                        out.append(GemvConfig(bn, bk, split, warps, st))
     out += [dataclasses.replace(table_cfg, stages=s) for s in (2, 4)]
     return list(dict.fromkeys(out))
 
