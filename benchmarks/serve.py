@@ -458,6 +458,9 @@ class _StaticDecoder(torch.nn.Module):
 def _time_engine_decode(
     model: TransformerLM, prompt: list[int], new: int, graphs: bool, compile: bool
 ) -> tuple[float, Engine]:
+    # a fresh dynamo cache per engine: the rows trace different graphs (GEMV on/off, other
+    # launches) and must not run into the recompile limit on decode_forward
+    torch._dynamo.reset()
     eng = Engine(model, block_size=16, max_num_seqs=1, cuda_graphs=graphs, num_blocks=256,
                  compile=compile)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)

@@ -147,17 +147,32 @@ if not _CHILD:
         cfg = model.config
         cache = PagedKVCache(2, 4, 4, cfg.kv_heads, cfg.head_dim, torch.device("cpu"),
                              torch.float32)  # fmt: skip
+        from lmforge.serve._gemv_triton import gemv_config
+
+        def on(plan):  # which projections are on the GEMV
+            return tuple(tuple(bool(f) for f in layer) for layer in plan[0]), bool(plan[1])
+
         assert CompiledDecode(model, cache, None).gemv is None  # CPU: torch's matmul
         forced = CompiledDecode(model, cache, None, gemv=True).gemv
-        assert forced == (((True,) * 5,) * 2, True)
+        assert on(forced) == (((True,) * 5,) * 2, True)
+        # the splits are the table's (here default_config's) for each weight
         packed = pack_weights(model)
-        assert gemv_plan(model, packed, GEMV_DTYPES) == (((False,) * 5,) * 2, False)  # fp32
+        want = [gemv_config(*w.shape, w.device).split for w in
+                (packed[0][0], model.layers[0].attn.output_proj.weight, packed[0][1],
+                 model.layers[0].ffn.w2.weight)]  # fmt: skip
+        assert (
+            list(forced[0][0][:4]) == want
+            and forced[1] == gemv_config(V, 64, torch.device("cpu")).split
+        )
+        assert on(gemv_plan(model, packed, GEMV_DTYPES)) == (((False,) * 5,) * 2, False)  # fp32
         model.layers[1].attn.output_proj.register_forward_hook(lambda *a: None)
         plan = gemv_plan(model, packed, (torch.float32,))
-        assert plan == (((True,) * 5, (True, False, True, True, True)), True)
-        assert gemv_plan(model, None, (torch.float32,))[0][0] == (False, True, False, False, False)
+        assert on(plan) == (((True,) * 5, (True, False, True, True, True)), True)
+        assert on(gemv_plan(model, None, (torch.float32,)))[0][0] == (False, True, False, False,
+                                                                     False)  # fmt: skip
         qk = _model(qk_norm=True, head_dim=32)  # a norm between q/k/v and RoPE: not fused
-        assert gemv_plan(qk, pack_weights(qk), (torch.float32,))[0][0] == (True,) * 4 + (False,)
+        qk_plan = gemv_plan(qk, pack_weights(qk), (torch.float32,))
+        assert on(qk_plan)[0][0] == (True,) * 4 + (False,)
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
     @pytest.mark.parametrize("part", ["kernel", "step"])
@@ -450,6 +465,36 @@ else:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(c1.k, c0.k)
         torch.testing.assert_close(c1.v, c0.v)
+
+    def test_step_under_another_table_traces_its_own_split(monkeypatch) -> None:
+        """Two engines on one model, the second made under a table with other splits: the
+        splits are graph constants, so the second traces its own graph (no shape mismatch
+        between the traced partial sums and the launch) and both give the eager logits."""
+        from lmforge.serve import _gemv_triton
+        from lmforge.serve._gemv_triton import GemvConfig
+        from lmforge.serve.compiled import CompiledDecode, decode_forward
+        from lmforge.serve.runner import forward_step
+
+        model = _model()
+        want, _ = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))
+        fn = torch.compile(decode_forward, dynamic=True, fullgraph=True, backend="aot_eager")
+        plans = []
+
+        def compiled(cache, batch):
+            dec = CompiledDecode(model, cache, None, gemv=True)
+            dec._fn = fn
+            plans.append(dec.gemv)
+            out = dec(batch)
+            assert dec.failed is None and dec.gemv is not None
+            return out
+
+        got1, _ = _step_logits(model, "cpu", compiled)
+        # w2 (64, 160): the default's split of 2 (64-wide chunks) -> 5 (32-wide chunks)
+        monkeypatch.setitem(_gemv_triton.TABLE, (64, 160), GemvConfig(32, 32, 5))
+        got2, _ = _step_logits(model, "cpu", compiled)
+        assert plans[0][0][0][3] != plans[1][0][0][3] == 5
+        torch.testing.assert_close(got1, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got2, want, atol=1e-4, rtol=1e-4)
 
     def test_step_gemv_failure_falls_back_to_cublas_with_one_line(monkeypatch, capsys) -> None:
         """A failing GEMV launch: one line, the step rerun without the GEMV (the compiled step

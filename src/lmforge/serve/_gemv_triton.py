@@ -161,11 +161,14 @@ def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig | None:
 
 
 def gemv_partials(
-    x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config: GemvConfig | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
     """x (M, K) half/bf16/fp32, W (N, K) row-major, same dtype -> partial sums (SPLIT, M, N)
     fp32; ``P.sum(0)`` is x @ Wᵀ with fp32 accumulation. ``config`` None: :func:`gemv_config`
-    (which must not be None for this shape)."""
+    (which must not be None for this shape); ``split`` overrides its split."""
     if interpreting():
         ensure_interpreter_compat()
     m, k = x.shape
@@ -174,6 +177,8 @@ def gemv_partials(
     assert 1 <= m <= MAX_ROWS, m
     cfg = config or gemv_config(n, k, x.device)
     assert cfg is not None, f"no GEMV config for ({n}, {k}): cuBLAS's shape"
+    if split is not None and split != cfg.split:
+        cfg = dataclasses.replace(cfg, split=split)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:

@@ -89,22 +89,18 @@ def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_trito
 
 
 @torch.library.custom_op("lmforge_serve::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _gemv_op(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
     """x (S, D_in) @ w (D_out, D_in)ᵀ by the Triton decode GEMV: fp32 partial sums
-    (SPLIT, S, D_out), a fresh contiguous buffer (SPLIT from the kernel's table for w's shape)."""
+    (split, S, D_out), a fresh contiguous buffer (tiles from the kernel's table for w's shape;
+    the split is an argument, so the traced shape and the launch always agree)."""
     from lmforge.serve._gemv_triton import gemv_partials
 
-    return gemv_partials(x, w)
+    return gemv_partials(x, w, split=split)
 
 
 @_gemv_op.register_fake
-def _(x, w):
-    from lmforge.serve._gemv_triton import gemv_config
-
-    # w's shape is static (a parameter, or a packed tensor marked static by CompiledDecode)
-    cfg = gemv_config(int(w.shape[0]), int(w.shape[1]), x.device)
-    assert cfg is not None, f"no decode GEMV for a ({w.shape[0]}, {w.shape[1]}) weight"
-    return x.new_empty((cfg.split, x.shape[0], w.shape[0]), dtype=torch.float32)
+def _(x, w, split):
+    return x.new_empty((split, x.shape[0], w.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op(
@@ -142,14 +138,21 @@ def _(qkv_partials, cos, sin, positions, k_cache, v_cache, layer, slots, block_t
     return qkv_partials.new_empty((s, n_heads, e), dtype=k_cache.dtype)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
     """x (S, D_in) @ wᵀ -> (S, D_out) in x's dtype through ``lmforge_serve::gemv`` (fp32
-    accumulation, the partial sums added here: inside torch.compile, in the consumer's kernel)."""
-    return torch.ops.lmforge_serve.gemv(x, w).sum(0).to(x.dtype)
+    accumulation, the partial sums added here: inside torch.compile, in the consumer's kernel).
+    ``split`` None: the table's for w's shape."""
+    if split is None:
+        from lmforge.serve._gemv_triton import gemv_config
+
+        cfg = gemv_config(w.shape[0], w.shape[1], w.device)
+        assert cfg is not None, f"no decode GEMV for a {tuple(w.shape)} weight"
+        split = cfg.split
+    return torch.ops.lmforge_serve.gemv(x, w, split).sum(0).to(x.dtype)
 
 
-def _proj(x: torch.Tensor, w: torch.Tensor, use_gemv: bool) -> torch.Tensor:
-    return gemv(x, w) if use_gemv else F.linear(x, w)
+def _proj(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
+    return gemv(x, w, split) if split else F.linear(x, w)
 
 
 # first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
@@ -188,9 +191,10 @@ def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tens
     return out
 
 
-# per layer (q/k/v, o, w1/w3, w2, RoPE + KV write fused after q/k/v) and the LM head: whether
-# the decode GEMV computes it
-GemvPlan = tuple[tuple[tuple[bool, bool, bool, bool, bool], ...], bool]
+# per layer (q/k/v, o, w1/w3, w2: the decode GEMV's split-K, 0 = not on the GEMV; RoPE + KV
+# write fused after q/k/v) and the LM head's split. The splits are graph constants: an engine
+# made under another table traces its own graph.
+GemvPlan = tuple[tuple[tuple[int, int, int, int, bool], ...], int]
 
 
 def gemv_plan(
@@ -198,32 +202,31 @@ def gemv_plan(
     packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
     dtypes: tuple[torch.dtype, ...] = GEMV_DTYPES,
 ) -> GemvPlan:
-    """Which projections of ``model`` the decode GEMV may compute: a packed q/k/v or w1/w3
-    tensor, or a plain Linear (no hooks or subclass: :func:`~lmforge.model.layers._fusable`),
-    whose weight is in ``dtypes`` and whose shape the kernel's table does not give to cuBLAS.
+    """Which projections of ``model`` the decode GEMV may compute (their split, else 0): a
+    packed q/k/v or w1/w3 tensor, or a plain Linear (no hooks or subclass:
+    :func:`~lmforge.model.layers._fusable`), whose weight is in ``dtypes`` and whose shape the
+    kernel's table does not give to cuBLAS.
     The fifth flag: q/k/v on the GEMV, the model's own interleaved RoPE and no QK-norm, so the
     partial sums go straight into ``lmforge_serve::rope_decode_attention``."""
     from lmforge.serve._gemv_triton import gemv_config
 
-    def ok(w: torch.Tensor | None) -> bool:
-        return (
-            w is not None
-            and w.dim() == 2
-            and w.dtype in dtypes
-            and gemv_config(w.shape[0], w.shape[1], w.device) is not None
-        )
+    def ok(w: torch.Tensor | None) -> int:
+        if w is None or w.dim() != 2 or w.dtype not in dtypes:
+            return 0
+        cfg = gemv_config(w.shape[0], w.shape[1], w.device)
+        return cfg.split if cfg is not None else 0
 
-    def lin(m: nn.Module) -> bool:
-        return _fusable(m) and ok(m.weight)
+    def lin(m: nn.Module) -> int:
+        return ok(m.weight) if _fusable(m) else 0
 
     layers = []
     for i, layer in enumerate(model.layers):
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
         ffn = layer.ffn
-        w2 = lin(ffn.w2) if w13 is not None else False
+        w2 = lin(ffn.w2) if w13 is not None else 0
         attn = layer.attn
         fuse = (
-            ok(qkv_w)
+            ok(qkv_w) > 0
             and not attn.config.qk_norm
             and type(attn.rope) is RotaryEmbedding
             and attn.rope.cos.dtype == torch.float32
@@ -251,7 +254,7 @@ def decode_forward(
     (from :func:`gemv_plan`, batches <= GEMV_MAX_ROWS) runs the marked ones on the decode GEMV."""
     x = model.residual_stream(model.token_embeddings(tokens))  # (S, D)
     n = x.shape[0]
-    no = (False, False, False, False, False)
+    no = (0, 0, 0, 0, False)
     for i, layer in enumerate(model.layers):
         attn = layer.attn
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
@@ -260,7 +263,7 @@ def decode_forward(
         nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if g_rope and k_cache.dtype == h.dtype:  # partial sums -> RoPE, KV write, attention
             o = torch.ops.lmforge_serve.rope_decode_attention(
-                torch.ops.lmforge_serve.gemv(h, qkv_w), attn.rope.cos, attn.rope.sin,
+                torch.ops.lmforge_serve.gemv(h, qkv_w, g_qkv), attn.rope.cos, attn.rope.sin,
                 positions, k_cache, v_cache, i, slots, block_tables, ctx_lens, nh, use_triton,
             )  # (S, H, E)  # fmt: skip
         else:
@@ -279,18 +282,18 @@ def decode_forward(
                 q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
             )  # (S, H, E)
         o = o.reshape(n, nh * e)  # (S, H·E)
-        x = x + (gemv(o, attn.output_proj.weight) if g_o else attn.output_proj(o))  # (S, D)
+        x = x + (gemv(o, attn.output_proj.weight, g_o) if g_o else attn.output_proj(o))  # (S, D)
         y = layer.ln2(x)
         if w13 is not None:
             gate, up = _proj(y, w13, g_13).chunk(2, dim=-1)  # (S, F) each
             a = silu(gate) * up  # (S, F)
-            x = x + (gemv(a, layer.ffn.w2.weight) if g_2 else layer.ffn.w2(a))  # (S, D)
+            x = x + (gemv(a, layer.ffn.w2.weight, g_2) if g_2 else layer.ffn.w2(a))  # (S, D)
         else:
             x = x + layer.ffn(y)  # (S, D)
     h = model.ln_final(x)  # (S, D)
     if gemv_on is not None and gemv_on[1]:
         # logits_from_hidden with the LM head on the GEMV (the same soft-cap after it)
-        logits = gemv(h, model.lm_head.weight)  # (S, V)
+        logits = gemv(h, model.lm_head.weight, gemv_on[1])  # (S, V)
         cap = model.config.logit_soft_cap
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
