@@ -175,9 +175,10 @@ if not _CHILD:
         assert on(qk_plan)[0][0] == (True,) * 4 + (False,)
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
-    @pytest.mark.parametrize("part", ["kernel", "step"])
+    @pytest.mark.parametrize("part", ["kernel", "step_with", "step_under or step_gemv"])
     def test_gemv_in_interpreter_subprocess(part) -> None:
-        # two children: the kernel and the op against float64 / eager; the compiled step
+        # three children, each under ~10 s: the kernels and the op against float64 / eager;
+        # the compiled step against the eager one; another table's split, the fallback
         run_pytest_in_interpreter(__file__, "-k", part)
 
     @pytest.mark.slow
