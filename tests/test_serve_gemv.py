@@ -170,9 +170,12 @@ if not _CHILD:
         assert on(plan) == (((True,) * 5, (True, False, True, True, True)), True)
         assert on(gemv_plan(model, None, (torch.float32,)))[0][0] == (False, True, False, False,
                                                                      False)  # fmt: skip
-        qk = _model(qk_norm=True, head_dim=32)  # a norm between q/k/v and RoPE: not fused
+        qk = _model(qk_norm=True, head_dim=32)  # QK-norm: fused too (RMSNorm in the kernel)
         qk_plan = gemv_plan(qk, pack_weights(qk), (torch.float32,))
-        assert on(qk_plan)[0][0] == (True,) * 4 + (False,)
+        assert on(qk_plan)[0][0] == (True,) * 5
+        qk.layers[0].attn.k_norm.register_forward_hook(lambda *a: None)  # not a plain norm
+        qk_plan = gemv_plan(qk, pack_weights(qk), (torch.float32,))
+        assert on(qk_plan)[0] == ((True,) * 4 + (False,), (True,) * 5)
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
     @pytest.mark.parametrize("part", ["kernel", "step_with", "step_under or step_gemv"])
@@ -233,15 +236,17 @@ if not _CHILD:
         assert float((on - off).abs().max() / off.abs().max()) < 2e-2
 
     @pytest.mark.gpu
-    def test_engine_greedy_with_gemv_equals_generate_gpu(monkeypatch) -> None:
-        """fp32 model, the GEMV forced on (fp32 is not its default): the engine's greedy
-        tokens through the compiled step in CUDA graphs (buckets 1-8) equal lmforge.generate's."""
+    @pytest.mark.parametrize("kw", [{}, dict(qk_norm=True, head_dim=32)])
+    def test_engine_greedy_with_gemv_equals_generate_gpu(monkeypatch, kw) -> None:
+        """fp32 model (and one with QK-norm), the GEMV forced on (fp32 is not its default): the
+        engine's greedy tokens through the compiled step in CUDA graphs (buckets 1-8) equal
+        lmforge.generate's."""
         from lmforge.generate import generate
         from lmforge.serve import Engine, SamplingParams, compiled
 
         monkeypatch.setattr(compiled, "_gemv_dtypes", lambda dev: (torch.float32,))
         calls = _count_gemv(monkeypatch)
-        model = _model().cuda()
+        model = _model(**kw).cuda()
         prompts = _prompts((3, 17, 40, 5, 60))
         want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
         eng = Engine(model, block_size=16, num_blocks=64, compile=True, cuda_graphs=True,
@@ -352,13 +357,17 @@ if not _CHILD:
 
         from lmforge.serve._rope_kv_triton import _rope_kv_kernel as jit
 
-        consts = dict(SPLIT=8, H=32, KV=4, HALF=e // 2, HP=e // 2, DTYPE=tl.bfloat16)
         ptrs = {"p_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64",
-                "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16"}  # fmt: skip
-        sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in jit.arg_names}
-        src = ASTSource(jit, sig, consts, {})
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 1})
-        assert _ptxas(compiled.asm["ptx"])[1] == 0
+                "slot_ptr": "*i64", "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
+                "qn_ptr": "*bf16", "kn_ptr": "*bf16", "eps": "fp32"}  # fmt: skip
+        for qk_norm in (False, True):
+            consts = dict(SPLIT=8, H=32, KV=4, HALF=e // 2, HP=e // 2, DTYPE=tl.bfloat16,
+                          QK_NORM=qk_norm)  # fmt: skip
+            sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in jit.arg_names}
+            src = ASTSource(jit, sig, consts, {})
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64),
+                                      options={"num_warps": 1})  # fmt: skip
+            assert _ptxas(compiled.asm["ptx"])[1] == 0
 
 else:
 
@@ -383,12 +392,14 @@ else:
         wide[:, 50:242] = x
         _check(gemv_triton(wide[:, 50:242], w, GemvConfig(32, 64, 2)), x, w, torch.float32)
 
+    @pytest.mark.parametrize("qk_norm", [False, True])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("split", [1, 3])
-    def test_kernel_rope_kv_write_matches_unfused(dtype, split) -> None:
-        """RoPE + KV write from the q/k/v partials against the unfused torch path (sum, round,
-        the model's RotaryEmbedding, write_kv): equal q and pages, other slots untouched."""
-        from lmforge.model.layers import RotaryEmbedding
+    def test_kernel_rope_kv_write_matches_unfused(dtype, split, qk_norm) -> None:
+        """(QK-norm +) RoPE + KV write from the q/k/v partials against the unfused torch path
+        (sum, round, the model's RMSNorm and RotaryEmbedding, write_kv): equal q and pages,
+        other slots untouched."""
+        from lmforge.model.layers import RMSNorm, RotaryEmbedding
         from lmforge.serve._rope_kv_triton import rope_write_kv
         from lmforge.serve.attention import write_kv
 
@@ -401,13 +412,23 @@ else:
         kc = torch.randn(nb, bs, kvh, e, generator=g).to(dtype)
         vc = torch.randn(nb, bs, kvh, e, generator=g).to(dtype)
         kc0, vc0 = kc.clone(), vc.clone()
-        q = rope_write_kv(p, rope.cos, rope.sin, pos, slots, kc, vc, h, dtype)
+        qn, kn = RMSNorm(e, 1e-6).to(dtype), RMSNorm(e, 1e-6).to(dtype)
+        with torch.no_grad():
+            qn.weight.copy_(torch.rand(e, generator=g) + 0.5)
+            kn.weight.copy_(torch.rand(e, generator=g) + 0.5)
+        norms = (qn.weight, kn.weight, 1e-6) if qk_norm else ()
+        q = rope_write_kv(p, rope.cos, rope.sin, pos, slots, kc, vc, h, dtype, *norms)
         y = p.sum(0).to(dtype)  # (S, N)
         wq, wk, wv = y.split([h * e, kvh * e, kvh * e], dim=-1)
-        wq = rope(wq.reshape(s, h, e).transpose(0, 1), pos).transpose(0, 1)
-        wk = rope(wk.reshape(s, kvh, e).transpose(0, 1), pos).transpose(0, 1)
+        wq, wk = wq.reshape(s, h, e), wk.reshape(s, kvh, e)
+        if qk_norm:
+            wq, wk = qn(wq), kn(wk)
+        wq = rope(wq.transpose(0, 1), pos).transpose(0, 1)
+        wk = rope(wk.transpose(0, 1), pos).transpose(0, 1)
         write_kv(kc0, vc0, slots, wk, wv.reshape(s, kvh, e))
-        tol = 0 if dtype == torch.float32 else 1e-2  # one bf16 rounding apart at most
+        # fp32: the same math (the sum of squares in another order with QK-norm); bf16: one
+        # rounding apart at most
+        tol = (1e-6 if qk_norm else 0) if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(q, wq, atol=tol, rtol=tol)
         torch.testing.assert_close(kc, kc0, atol=tol, rtol=tol)
         torch.testing.assert_close(vc, vc0, atol=0, rtol=0)
@@ -435,7 +456,7 @@ else:
     def test_step_with_gemv_matches_eager_step(monkeypatch, kw) -> None:
         """The compiled decode step (fullgraph, aot_eager) with every projection on the GEMV
         gives the eager step's logits and KV pages; the GEMV really ran (9 calls a step), and
-        without QK-norm RoPE + the KV write ran fused (2 calls, one a layer)."""
+        (QK-norm +) RoPE + the KV write ran fused (2 calls, one a layer)."""
         from lmforge.serve import _rope_kv_triton
         from lmforge.serve.compiled import CompiledDecode, decode_forward
         from lmforge.serve.runner import forward_step
@@ -462,7 +483,7 @@ else:
 
         got, c1 = _step_logits(model, "cpu", compiled)
         assert calls["n"] == 2 * 4 + 1
-        assert fused["n"] == (0 if kw else 2)
+        assert fused["n"] == 2
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(c1.k, c0.k)
         torch.testing.assert_close(c1.v, c0.v)

@@ -7,12 +7,13 @@ N = (H + 2K)·E. Unfused, the step then adds them, rounds to the model dtype, ro
 program per (sequence, head) of all H + 2K heads does it all:
 
     y = round(Σ_s P[s, row, head·E : head·E + E])               (the GEMV's output, model dtype)
+    QK-norm (Qwen3): q/k heads y = round(y / sqrt(mean(y²) + eps) · g)   (RMSNorm over E, fp32)
     q/k heads: out[2i] = y[2i]·cos − y[2i+1]·sin, out[2i+1] = y[2i+1]·cos + y[2i]·sin
                (cos/sin at the row's position, fp32: the model's RotaryEmbedding, interleaved)
     q heads -> q (S, H, E); k heads -> k_cache[slot]; v heads (not rotated) -> v_cache[slot]
 
-The same fp32 products and roundings as the model's RoPE, so the values equal the unfused
-path's. Models with QK-norm (a norm between the projection and RoPE) keep the unfused path.
+The same fp32 products and roundings as the model's RMSNorm and RoPE, so the values equal the
+unfused path's (up to the GPU's rsqrt and the order of the sum of squares).
 
 Shape legend: S sequences, H heads, K kv-heads, E head dim. Exercised by
 ``pytest tests/test_serve_gemv.py`` (TRITON_INTERPRET=1 on CPU; ``-m gpu``).
@@ -37,6 +38,9 @@ def _rope_kv_kernel(
     q_ptr,
     kc_ptr,
     vc_ptr,
+    qn_ptr,
+    kn_ptr,
+    eps,
     S,
     stride_cos,
     stride_cslot,
@@ -47,6 +51,7 @@ def _rope_kv_kernel(
     HALF: tl.constexpr,
     HP: tl.constexpr,
     DTYPE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     s = tl.program_id(0)
     hd = tl.program_id(1)  # 0..H-1 q heads, H..H+K-1 k heads, then v heads
@@ -63,6 +68,16 @@ def _rope_kv_kernel(
     even = even.to(DTYPE).to(tl.float32)
     odd = odd.to(DTYPE).to(tl.float32)
     if hd < H + KV:
+        if QK_NORM:  # RMSNorm over the head's E values with the q (or k) gain
+            rinv = tl.rsqrt(tl.sum(even * even + odd * odd, axis=0) / (2 * HALF) + eps)
+            if hd < H:
+                g_even = tl.load(qn_ptr + 2 * i, mask=ok, other=0.0).to(tl.float32)
+                g_odd = tl.load(qn_ptr + 2 * i + 1, mask=ok, other=0.0).to(tl.float32)
+            else:
+                g_even = tl.load(kn_ptr + 2 * i, mask=ok, other=0.0).to(tl.float32)
+                g_odd = tl.load(kn_ptr + 2 * i + 1, mask=ok, other=0.0).to(tl.float32)
+            even = (even * rinv * g_even).to(DTYPE).to(tl.float32)
+            odd = (odd * rinv * g_odd).to(DTYPE).to(tl.float32)
         pos = tl.load(pos_ptr + s)
         c = tl.load(cos_ptr + pos * stride_cos + i, mask=ok, other=0.0)
         sn = tl.load(sin_ptr + pos * stride_cos + i, mask=ok, other=0.0)
@@ -97,10 +112,14 @@ def rope_write_kv(
     v_cache: torch.Tensor,
     n_heads: int,
     dtype: torch.dtype,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """partials (SPLIT, S, (H + 2K)·E) fp32 of the packed q/k/v GEMV; cos/sin (T, E/2) fp32
     tables; positions, slots (S,); one layer's caches (NB, BS, K, E), written at ``slots`` ->
-    rotated q (S, H, E) in ``dtype`` (the model's)."""
+    rotated q (S, H, E) in ``dtype`` (the model's). ``q_norm``/``k_norm`` (E,): QK-norm gains
+    (both or neither), RMSNorm with ``eps`` before RoPE."""
     if interpreting():
         ensure_interpreter_compat()
     split, s, n_cols = partials.shape
@@ -112,6 +131,8 @@ def rope_write_kv(
     partials = partials.contiguous()
     q = torch.empty((s, n_heads, e), device=partials.device, dtype=dtype)
     half = e // 2
+    qk_norm = q_norm is not None
+    assert qk_norm == (k_norm is not None)
     _rope_kv_kernel[(s, n_heads + 2 * kv_heads)](
         partials,
         cos,
@@ -121,6 +142,9 @@ def rope_write_kv(
         q,
         k_cache,
         v_cache,
+        q_norm if qk_norm else q,  # unused without QK-norm
+        k_norm if qk_norm else q,
+        eps,
         s,
         cos.stride(0),
         k_cache.stride(1),
@@ -131,6 +155,7 @@ def rope_write_kv(
         HALF=half,
         HP=triton.next_power_of_2(half),
         DTYPE=_DTYPES[dtype],
+        QK_NORM=qk_norm,
         num_warps=1,
     )
     return q

@@ -25,9 +25,9 @@ traced code adds (``.sum(0)``: inductor unrolls it into the consumer's kernel). 
 uses it is decided once per engine (:func:`gemv_plan`: a plain Linear, a half-precision weight,
 a shape the kernel's table does not route to cuBLAS) and passed in as constants, so the batches
 <= 8 and the larger ones are two compiled graphs; larger batches and the CPU keep cuBLAS/torch.
-With the q/k/v GEMV on and no QK-norm, its partial sums go straight into
-``lmforge_serve::rope_decode_attention``: one kernel adds them, applies RoPE to q and k and writes
-k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no separate RoPE kernel, no
+With the q/k/v GEMV on, its partial sums go straight into
+``lmforge_serve::rope_decode_attention``: one kernel adds them, applies QK-norm (Qwen3) and RoPE
+to q and k and writes k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no separate RoPE kernel, no
 ``index_copy``), then the paged decode attention, in the same mutating op as the unfused path.
 
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.model.layers import RotaryEmbedding, SwiGLU, _fusable, silu
+from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable, silu
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.runner import StepBatch, forward_step
 
@@ -119,21 +119,26 @@ def _rope_decode_attention(
     ctx_lens: torch.Tensor,
     n_heads: int,
     use_triton: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
 ) -> torch.Tensor:
     """decode_attention from the packed q/k/v GEMV's partial sums (SPLIT, S, (H + 2K)·E): one
-    kernel adds them, rotates q and k and writes k and v at ``slots`` of layer ``layer``'s
-    pages (:mod:`lmforge.serve._rope_kv_triton`), then paged decode attention -> (S, H, E)."""
+    kernel adds them, applies QK-norm (gains ``q_norm``/``k_norm``, or None) and RoPE to q and
+    k and writes k and v at ``slots`` of layer ``layer``'s pages
+    (:mod:`lmforge.serve._rope_kv_triton`), then paged decode attention -> (S, H, E)."""
     from lmforge.serve._rope_kv_triton import rope_write_kv
 
     kc, vc = k_cache[layer], v_cache[layer]
-    q = rope_write_kv(qkv_partials, cos, sin, positions, slots, kc, vc, n_heads, kc.dtype)
+    q = rope_write_kv(qkv_partials, cos, sin, positions, slots, kc, vc, n_heads, kc.dtype,
+                      q_norm, k_norm, eps)  # fmt: skip
     flag = None if use_triton < 0 else bool(use_triton)
     return paged_decode(q, kc, vc, block_tables, ctx_lens, use_triton=flag).contiguous()
 
 
 @_rope_decode_attention.register_fake
 def _(qkv_partials, cos, sin, positions, k_cache, v_cache, layer, slots, block_tables, ctx_lens,
-      n_heads, use_triton):  # fmt: skip
+      n_heads, use_triton, q_norm, k_norm, eps):  # fmt: skip
     s, e = qkv_partials.shape[1], k_cache.shape[-1]
     return qkv_partials.new_empty((s, n_heads, e), dtype=k_cache.dtype)
 
@@ -206,8 +211,9 @@ def gemv_plan(
     packed q/k/v or w1/w3 tensor, or a plain Linear (no hooks or subclass:
     :func:`~lmforge.model.layers._fusable`), whose weight is in ``dtypes`` and whose shape the
     kernel's table does not give to cuBLAS.
-    The fifth flag: q/k/v on the GEMV, the model's own interleaved RoPE and no QK-norm, so the
-    partial sums go straight into ``lmforge_serve::rope_decode_attention``."""
+    The fifth flag: q/k/v on the GEMV, the model's own interleaved RoPE and no QK-norm or a
+    plain RMSNorm one, so the partial sums go straight into
+    ``lmforge_serve::rope_decode_attention``."""
     from lmforge.serve._gemv_triton import gemv_config
 
     def ok(w: torch.Tensor | None) -> int:
@@ -227,12 +233,24 @@ def gemv_plan(
         attn = layer.attn
         fuse = (
             ok(qkv_w) > 0
-            and not attn.config.qk_norm
+            and (not attn.config.qk_norm or _plain_qk_norm(attn))
             and type(attn.rope) is RotaryEmbedding
             and attn.rope.cos.dtype == torch.float32
         )
         layers.append((ok(qkv_w), lin(attn.output_proj), ok(w13), w2, fuse))
     return tuple(layers), lin(model.lm_head)
+
+
+def _plain_qk_norm(attn: nn.Module) -> bool:
+    """QK-norm the fused kernel computes: RMSNorm modules (the model's, any backend: the same
+    math) without hooks, one eps for both."""
+    norms = (attn.q_norm, attn.k_norm)
+    return (
+        all(
+            isinstance(m, RMSNorm) and not (m._forward_hooks or m._forward_pre_hooks) for m in norms
+        )
+        and attn.q_norm.eps == attn.k_norm.eps
+    )
 
 
 def decode_forward(
@@ -262,9 +280,12 @@ def decode_forward(
         h = layer.ln1(x)
         nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
         if g_rope and k_cache.dtype == h.dtype:  # partial sums -> RoPE, KV write, attention
+            qn = (attn.q_norm.weight, attn.k_norm.weight) if attn.config.qk_norm else (None, None)
+            eps = attn.q_norm.eps if attn.config.qk_norm else 0.0
             o = torch.ops.lmforge_serve.rope_decode_attention(
                 torch.ops.lmforge_serve.gemv(h, qkv_w, g_qkv), attn.rope.cos, attn.rope.sin,
                 positions, k_cache, v_cache, i, slots, block_tables, ctx_lens, nh, use_triton,
+                *qn, eps,
             )  # (S, H, E)  # fmt: skip
         else:
             if qkv_w is not None:
