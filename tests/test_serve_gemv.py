@@ -187,7 +187,8 @@ if not _CHILD:
     @pytest.mark.slow
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
     def test_engine_gemv_in_interpreter_subprocess() -> None:
-        run_pytest_in_interpreter(__file__, "-m", "slow", "-k", "engine", timeout=600)
+        # the engine under the interpreter, and the compiled step of a QK-norm model
+        run_pytest_in_interpreter(__file__, "-m", "slow", "-k", "engine or step_with", timeout=600)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -452,7 +453,9 @@ else:
             torch.testing.assert_close(fn(x, w), f(x, w), atol=0, rtol=0)
         assert counters["stats"]["unique_graphs"] == frames
 
-    @pytest.mark.parametrize("kw", [{}, dict(qk_norm=True, head_dim=32)])
+    @pytest.mark.parametrize(
+        "kw", [{}, pytest.param(dict(qk_norm=True, head_dim=32), marks=pytest.mark.slow)]
+    )
     def test_step_with_gemv_matches_eager_step(monkeypatch, kw) -> None:
         """The compiled decode step (fullgraph, aot_eager) with every projection on the GEMV
         gives the eager step's logits and KV pages; the GEMV really ran (9 calls a step), and
