@@ -26,9 +26,10 @@ uses it is decided once per engine (:func:`gemv_plan`: a plain Linear, a half-pr
 a shape the kernel's table does not route to cuBLAS) and passed in as constants, so the batches
 <= 8 and the larger ones are two compiled graphs; larger batches and the CPU keep cuBLAS/torch.
 With the q/k/v GEMV on, its partial sums go straight into
-``lmforge_serve::rope_decode_attention``: one kernel adds them, applies QK-norm (Qwen3) and RoPE
-to q and k and writes k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no separate RoPE kernel, no
-``index_copy``), then the paged decode attention, in the same mutating op as the unfused path.
+``lmforge_serve::rope_decode_attention``: one kernel adds them, applies QK-norm (Qwen3) and
+RoPE to q and k and writes k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no
+separate RoPE kernel, no ``index_copy``), then the paged decode attention, in the same
+mutating op as the unfused path.
 
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
 engine decodes eagerly from then on; a failure on the decode GEMV's path first drops the GEMV
