@@ -232,8 +232,9 @@ if not _CHILD:
 
         model = _model(n_layers=3).cuda().to(torch.bfloat16)
         on, _ = _step_logits(model, "cuda", lambda c, b: CompiledDecode(model, c, None)(b))
-        off, _ = _step_logits(model, "cuda", lambda c, b: CompiledDecode(model, c, None,
-                                                                          gemv=False)(b))  # fmt: skip
+        off, _ = _step_logits(
+            model, "cuda", lambda c, b: CompiledDecode(model, c, None, gemv=False)(b)
+        )
         assert float((on - off).abs().max() / off.abs().max()) < 2e-2
 
     @pytest.mark.gpu

@@ -135,8 +135,8 @@ TABLE: dict[tuple[int, int], GemvConfig | None] = {
 
 def default_config(n: int, k: int, sms: int = 132) -> GemvConfig:
     """A config for any (N, K): 64-row tiles, 128-wide chunks (64 when K is small or not a
-    multiple of 128; K rounded up to a power of two below that), and the smallest split giving about two waves of ``sms`` SMs' programs,
-    never more splits than chunks, never more than MAX_SPLIT."""
+    multiple of 128; K rounded up to a power of two below that), and the smallest split giving
+    about two waves of ``sms`` SMs' programs, never more splits than chunks nor MAX_SPLIT."""
     block_k = 128 if k % 128 == 0 and k >= 1024 else min(64, max(16, triton.next_power_of_2(k)))
     tiles = triton.cdiv(n, 64)
     chunks = triton.cdiv(k, block_k)
