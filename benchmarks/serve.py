@@ -5,6 +5,12 @@
    ``generate`` (eager, 64 new tokens: its per-token cost is flat), ``lmforge.generate`` (the
    reference loop, 32 tokens) and a minimal static-cache decoder under ``torch.compile``
    (reduce-overhead: one step replayed as a CUDA graph). Floor = weight bytes / 4.8 TB/s.
+   The engine also runs with cuBLAS for every projection (the decode GEMV's peer), and with
+   the launch-sweep winners below when there are any.
+   Before it (``--only gemv``, also run by ``decode``): the Triton decode GEMV against cuBLAS at
+   every projection shape of TinyLlama-1.1B, Qwen3-0.6B and SmolLM2-135M (M = 1 and 8 rows):
+   checked against float64 first, then µs per call in CUDA graphs, TB/s and % of 4.8 TB/s,
+   interleaved medians; then a launch-config sweep of the TinyLlama shapes at M = 1.
 2. throughput: nano-vllm's offline workload, Qwen3-0.6B shape (random weights, bf16), 256
    requests, prompt and output lengths uniform in 100-1024, ignore EOS, temperature 0.6:
    output tokens/s. No peer engine is installed here; the floor is the weight read per decode
@@ -28,6 +34,7 @@ CUDA kernels: count and µs per step, share; kernels per step).
     PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
     PYTHONPATH=src python benchmarks/serve.py --only check,decode,throughput --profile
     PYTHONPATH=src python benchmarks/serve.py --only prefill --profile   # + launch-config sweep
+    PYTHONPATH=src python benchmarks/serve.py --only gemv                # decode GEMVs alone
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
     PYTHONPATH=src python benchmarks/serve.py --only server-cpu --quick --baseline-src ../main/src
 """
@@ -36,6 +43,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -228,6 +237,181 @@ def profile_steps(eng: Engine, label: str, n_steps: int = 20, top: int = 20) -> 
         _line(f"| {short} | {cnt / n:.1f} | {us / n:.1f} | {us / max(total_us, 1e-9):.1%} |")
 
 
+# ---------------------------------------------------------------- 1a. decode GEMVs
+# (label, N, K): the projections of a decode step (q/k/v and w1/w3 packed, as the engine runs them)
+GEMV_SHAPES = [
+    ("TinyLlama q|k|v", 2560, 2048),
+    ("TinyLlama o", 2048, 2048),
+    ("TinyLlama w1|w3", 11264, 2048),
+    ("TinyLlama w2", 2048, 5632),
+    ("TinyLlama LM head", 32000, 2048),
+    ("Qwen3-0.6B q|k|v", 4096, 1024),
+    ("Qwen3-0.6B o", 1024, 2048),
+    ("Qwen3-0.6B w1|w3", 6144, 1024),
+    ("Qwen3-0.6B w2", 1024, 3072),
+    ("Qwen3-0.6B LM head", 151936, 1024),
+    ("SmolLM2-135M q|k|v", 960, 576),
+    ("SmolLM2-135M o", 576, 576),
+    ("SmolLM2-135M w1|w3", 3072, 576),
+    ("SmolLM2-135M w2", 576, 1536),
+    ("SmolLM2-135M LM head", 49152, 576),
+]
+_GEMV_WINNERS: dict = {}  # (N, K) -> config that beat the table's in this run's sweep
+
+
+def _graph_us(fns, reps: int = 15, inner: int = 20) -> list[float]:
+    """µs per call of each ``fn(i)`` (i: which weight copy), each captured as one CUDA graph of
+    ``inner`` calls (as in a decode step's graph); replays interleaved, CUDA events, medians."""
+    graphs = []
+    for fn in fns:
+        for i in range(inner):  # compile / warm outside the capture
+            fn(i)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(inner):
+                fn(i)
+        graphs.append(g)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for j, g in enumerate(graphs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times[j].append(a.elapsed_time(b) * 1e3 / inner)
+    return [statistics.median(t) for t in times]
+
+
+def _weight_copies(n: int, k: int, dtype: torch.dtype, copies: int | None = None) -> list:
+    """``copies`` random (N, K) weights; None: enough that consecutive calls never find the
+    weight in the 50 MB L2 (a decode step streams 2.2 GB, so its GEMVs never do either)."""
+    copies = copies or max(1, math.ceil(256e6 / (n * k * 2)))
+    g = torch.Generator(device=DEVICE).manual_seed(n + k)
+    return [torch.randn(n, k, device=DEVICE, dtype=dtype, generator=g) * 0.02 + 0.001
+            for _ in range(copies)]  # fmt: skip
+
+
+def _gemv_candidates(n: int, k: int, table_cfg) -> list:
+    """The sweep's launches for (N, K): the table's first, then 64/128-row tiles, 64-256-wide
+    chunks, splits giving 128-1056 programs, 3 stages (2-4 for 64-row tiles of >= 128-wide
+    chunks, and for the table's)."""
+    from lmforge.serve._gemv_triton import GemvConfig
+
+    out = [table_cfg]
+    for bn, warps in ((64, 4), (128, 4), (128, 8)):
+        for bk in (64, 128, 256):
+            for split in (1, 2, 4, 8):
+                progs = -(-n // bn) * split
+                if bk <= k and split <= -(-k // bk) and 128 <= progs <= 1056:
+                    # 64-row tiles also 2 and 4 stages deep (3 for the larger tiles' smem)
+                    for st in (2, 3, 4) if bn == 64 and bk >= 128 else (3,):
+                        out.append(GemvConfig(bn, bk, split, warps, st))
+    out += [dataclasses.replace(table_cfg, stages=s) for s in (2, 4)]
+    return list(dict.fromkeys(out))
+
+
+def bench_gemv(quick: bool) -> None:
+    """The decode GEMV against cuBLAS (``x @ w.T``) at every projection shape of the three
+    models: correctness against float64 first, then µs per call, GB/s and % of the 4.8 TB/s
+    floor at M = 1 and 8 rows; then a launch-config sweep of the TinyLlama shapes at M = 1."""
+    from lmforge.serve._gemv_triton import TABLE, gemv_config, gemv_partials, gemv_triton
+
+    dtype = torch.bfloat16
+    dev = torch.device(DEVICE)
+    _line("\n## 1a. decode GEMVs: y (M, N) = x (M, K) @ W (N, K)^T, bf16, fp32 accumulation")
+    _line("floor per shape: N*K*2 bytes / 4.8 TB/s; kernel = the split-K partials (their sum "
+          "is fused into the consumer in the compiled step); CUDA graphs of 20 calls cycling "
+          "weight copies beyond L2; medians of 15 interleaved replays")  # fmt: skip
+    for label, n, k in GEMV_SHAPES:
+        if gemv_config(n, k, dev) is None:
+            continue
+        w = _weight_copies(n, k, dtype, copies=1)[0]
+        errs = []
+        for m in (1, 8):
+            x = torch.randn(m, k, device=dev, dtype=dtype) + 0.1
+            want = x.double() @ w.double().t()
+            errs.append(float((gemv_triton(x, w).double() - want).abs().max() / want.abs().max()))
+        _line(f"check: GEMV {label} ({n}x{k}) max |err| / max |y| vs float64: M=1 {errs[0]:.1e}, "
+              f"M=8 {errs[1]:.1e}")  # fmt: skip
+        assert max(errs) < 1e-2, label
+        del w
+    _line("\n| shape | N x K | MB | M | floor us | triton us | TB/s | % of 4.8 | cuBLAS us | "
+          "TB/s | % of 4.8 | triton faster by | launch (BN, BK, split, warps, stages) |")  # fmt: skip
+    _line("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    step: dict[int, list[float]] = {}  # M -> [floor, triton, cuBLAS] µs of one TinyLlama step
+    for label, n, k in GEMV_SHAPES:
+        ws = _weight_copies(n, k, dtype)
+        cfg = gemv_config(n, k, dev)
+        wbytes = n * k * 2
+        floor = wbytes / HBM * 1e6
+        per_step = 1 if "LM head" in label else 22  # TinyLlama: 22 layers, the head once
+        for m in (1,) if quick else (1, 8):
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            fns = [lambda i, x=x, ws=ws: torch.matmul(x, ws[i % len(ws)].t())]
+            if cfg is not None:
+                fns.insert(0, lambda i, x=x, ws=ws, cfg=cfg: gemv_partials(x, ws[i % len(ws)], cfg))
+            us = _graph_us(fns)
+            c_us = us[-1]
+            t_us = us[0] if cfg is not None else c_us  # a shape routed to cuBLAS runs cuBLAS
+            if label.startswith("TinyLlama"):
+                acc = step.setdefault(m, [0.0, 0.0, 0.0])
+                for j, v in enumerate((floor, t_us, c_us)):
+                    acc[j] += per_step * v
+            launch = (f"({cfg.block_n}, {cfg.block_k}, {cfg.split}, {cfg.warps}, {cfg.stages})"
+                      if cfg else "cuBLAS (table)")  # fmt: skip
+            _line(f"| {label} | {n} x {k} | {wbytes / 1e6:.1f} | {m} | {floor:.2f} | "
+                  f"{t_us:.2f} | {wbytes / t_us / 1e6:.2f} | {wbytes / t_us / 1e6 / 4.8:.0%} | "
+                  f"{c_us:.2f} | {wbytes / c_us / 1e6:.2f} | {wbytes / c_us / 1e6 / 4.8:.0%} | "
+                  f"{c_us / t_us:.2f}x | {launch} |")  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    for m, (floor, t_us, c_us) in step.items():
+        _line(f"TinyLlama step's GEMVs (22 x (q|k|v, o, w1|w3, w2) + LM head), M={m}: floor "
+              f"{floor:.0f} us, triton {t_us:.0f} us ({floor / t_us:.0%} of the bandwidth), "
+              f"cuBLAS {c_us:.0f} us ({floor / c_us:.0%}); triton faster by {c_us / t_us:.2f}x")  # fmt: skip
+    # the sweep: the TinyLlama shapes at M = 1 (benchmark 1's batch)
+    _line("\n### launch sweep, TinyLlama shapes, M = 1 (us per call; best first, the table's "
+          "marked *)")  # fmt: skip
+    for label, n, k in GEMV_SHAPES[:5]:
+        table_cfg = TABLE.get((n, k)) or gemv_config(n, k, dev)
+        if table_cfg is None:
+            continue
+        ws = _weight_copies(n, k, dtype)
+        x = torch.randn(1, k, device=dev, dtype=dtype)
+        cands = []
+        for c in _gemv_candidates(n, k, table_cfg):  # drop launches this GPU cannot run
+            try:
+                gemv_partials(x, ws[0], c)
+                cands.append(c)
+            except Exception as e:
+                _line(f"  ({c} skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        fns = [lambda i, c=c, x=x, ws=ws: gemv_partials(x, ws[i % len(ws)], c) for c in cands]
+        fns.append(lambda i, x=x, ws=ws: torch.matmul(x, ws[i % len(ws)].t()))
+        us = _graph_us(fns, reps=9)
+        cublas = us.pop()
+        ranked = sorted(zip(us, cands, strict=True), key=lambda t: t[0])
+        cells = [f"{'*' if c == table_cfg else ''}({c.block_n},{c.block_k},{c.split},"
+                 f"{c.warps},{c.stages}) {t:.2f}" for t, c in ranked[:6]]  # fmt: skip
+        best_us, best = ranked[0]
+        mine = us[cands.index(table_cfg)] if table_cfg in cands else float("nan")
+        _line(f"{label} ({n}x{k}): cuBLAS {cublas:.2f} us; {'; '.join(cells)}; table "
+              f"{mine:.2f} us, best {best_us:.2f} us ({mine / best_us:.2f}x)")  # fmt: skip
+        if best != table_cfg and best_us < 0.97 * mine:
+            _GEMV_WINNERS[(n, k)] = best
+        if cublas < 0.97 * best_us:
+            _line(f"  -> cuBLAS beats every launch at {label}: the table should route it there")
+            _GEMV_WINNERS[(n, k)] = None
+        del ws
+        torch.cuda.empty_cache()
+    if _GEMV_WINNERS:
+        _line("sweep winners (TABLE entries to take): " + ", ".join(
+            f"({n}, {k}): " + (f"GemvConfig{(c.block_n, c.block_k, c.split, c.warps, c.stages)}"
+                               if c else "None (cuBLAS)")
+            for (n, k), c in _GEMV_WINNERS.items()))  # fmt: skip
+
+
 # ---------------------------------------------------------------- 1. decode
 class _StaticDecoder(torch.nn.Module):
     """A minimal static-KV decoder (one token per call), the torch.compile peer.
@@ -274,6 +458,9 @@ class _StaticDecoder(torch.nn.Module):
 def _time_engine_decode(
     model: TransformerLM, prompt: list[int], new: int, graphs: bool, compile: bool
 ) -> tuple[float, Engine]:
+    # a fresh dynamo cache per engine: the rows trace different graphs (GEMV on/off, other
+    # launches) and must not run into the recompile limit on decode_forward
+    torch._dynamo.reset()
     eng = Engine(model, block_size=16, max_num_seqs=1, cuda_graphs=graphs, num_blocks=256,
                  compile=compile)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
@@ -298,6 +485,26 @@ def _time_engine_decode(
     return statistics.median(runs), eng
 
 
+@contextlib.contextmanager
+def _gemv_patched(off: bool = False, table: dict | None = None):
+    """Engines made inside: cuBLAS for every GEMV (``off``), or the decode GEMV with ``table``'s
+    launches over the committed ones (kept while the engine runs: the traced op and the
+    launch must agree on the split)."""
+    from lmforge.serve import _gemv_triton, compiled
+
+    real, saved = compiled._gemv_dtypes, dict(_gemv_triton.TABLE)
+    if off:
+        compiled._gemv_dtypes = lambda device: None
+    if table:
+        _gemv_triton.TABLE.update(table)
+    try:
+        yield
+    finally:
+        compiled._gemv_dtypes = real
+        _gemv_triton.TABLE.clear()
+        _gemv_triton.TABLE.update(saved)
+
+
 def bench_decode(quick: bool) -> dict:
     from lmforge.generate import generate
 
@@ -313,9 +520,22 @@ def bench_decode(quick: bool) -> dict:
     what = "CUDA graphs" if GRAPHS else "eager"
     graph_ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=COMPILE)
     failed = eng.decoder is not None and eng.decoder.failed
+    gemv_on = eng.decoder is not None and eng.decoder.gemv is not None
     rows.append((f"lmforge.serve Engine, {what}, compile={COMPILE}"
+                 + (", decode GEMV (Triton)" if gemv_on else "")
                  + (" (compile FAILED: eager)" if failed else ""), graph_ms))  # fmt: skip
     del eng
+    if gemv_on:  # the decode GEMV's peer in the same run: the same engine on cuBLAS
+        with _gemv_patched(off=True):
+            ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=COMPILE)
+        rows.append((f"lmforge.serve Engine, {what}, compile={COMPILE}, cuBLAS GEMVs", ms))
+        del eng
+        if _GEMV_WINNERS:  # the sweep's launches (not in the table yet)
+            with _gemv_patched(table=_GEMV_WINNERS):
+                ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=COMPILE)
+                del eng
+            rows.append((f"lmforge.serve Engine, {what}, compile={COMPILE}, decode GEMV with "
+                         f"this run's sweep winners ({len(_GEMV_WINNERS)} shapes)", ms))  # fmt: skip
     if COMPILE:  # the engine as it was before the compiled step, same run
         ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=False)
         rows.append((f"lmforge.serve Engine, {what}, compile=False", ms))
@@ -1152,9 +1372,12 @@ def main() -> int:
     parts = {"check": check, "decode": bench_decode, "throughput": bench_throughput,
              "server": bench_server, "spec": bench_spec}  # fmt: skip
     parts["prefill"] = bench_prefill
+    parts["gemv"] = bench_gemv
     only = args.only.split(",")
     if "throughput" in only and "prefill" not in only:  # the prefill kernel's check + timing
         only.insert(only.index("throughput"), "prefill")
+    if "decode" in only and "gemv" not in only:  # the decode GEMVs' check + timing + sweep
+        only.insert(only.index("decode"), "gemv")
     failed = 0
     for name in only:
         t0 = time.perf_counter()

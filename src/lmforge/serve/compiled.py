@@ -18,8 +18,22 @@ there were three (two), no second copy of the weights, and
 :meth:`~lmforge.serve.engine.Engine.update_weights` (which copies into the parameters) writes
 through to the packed tensor. Layers of another kind (an MoE FFN) run their own modules.
 
+Decode GEMVs: at batch <= 8 on CUDA the projections (packed q/k/v, o, packed w1/w3, w2, the LM
+head) run the own Triton GEMV (:mod:`lmforge.serve._gemv_triton`) instead of cuBLAS: one more
+custom op, ``lmforge_serve::gemv``, returning fp32 split-K partial sums (SPLIT, S, N) that the
+traced code adds (``.sum(0)``: inductor unrolls it into the consumer's kernel). Which projection
+uses it is decided once per engine (:func:`gemv_plan`: a plain Linear, a half-precision weight,
+a shape the kernel's table does not route to cuBLAS) and passed in as constants, so the batches
+<= 8 and the larger ones are two compiled graphs; larger batches and the CPU keep cuBLAS/torch.
+With the q/k/v GEMV on, its partial sums go straight into
+``lmforge_serve::rope_decode_attention``: one kernel adds them, applies QK-norm (Qwen3) and
+RoPE to q and k and writes k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no
+separate RoPE kernel, no ``index_copy``), then the paged decode attention, in the same
+mutating op as the unfused path.
+
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
-engine decodes eagerly from then on.
+engine decodes eagerly from then on; a failure on the decode GEMV's path first drops the GEMV
+(one line) and reruns the step on cuBLAS.
 
 Shape legend: N tokens (= S sequences in decode), D model dim, H heads, K kv-heads, E head dim,
 V vocab, L layers, NB blocks, BS block size, M table width.
@@ -36,14 +50,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.model.layers import SwiGLU, silu
+from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable, silu
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.runner import StepBatch, forward_step
 
 if TYPE_CHECKING:
     from lmforge.serve.runner import PagedKVCache
 
-__all__ = ["CompiledDecode", "decode_forward", "pack_weights"]
+__all__ = ["CompiledDecode", "decode_forward", "gemv_plan", "pack_weights"]
+
+GEMV_MAX_ROWS = 8  # the decode GEMV's batches (buckets 1, 2, 4, 8); larger ones are GEMMs
+GEMV_DTYPES = (torch.bfloat16, torch.float16)  # fp32 runs too (tests), but cuBLAS stays its path
 
 
 @torch.library.custom_op("lmforge_serve::decode_attention", mutates_args=("k_cache", "v_cache"))
@@ -70,6 +87,78 @@ def _decode_attention(
 @_decode_attention.register_fake
 def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_triton):
     return q.new_empty(q.shape)  # contiguous, as the real op returns (inductor checks strides)
+
+
+@torch.library.custom_op("lmforge_serve::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
+    """x (S, D_in) @ w (D_out, D_in)ᵀ by the Triton decode GEMV: fp32 partial sums
+    (split, S, D_out), a fresh contiguous buffer (tiles from the kernel's table for w's shape;
+    the split is an argument, so the traced shape and the launch always agree)."""
+    from lmforge.serve._gemv_triton import gemv_partials
+
+    return gemv_partials(x, w, split=split)
+
+
+@_gemv_op.register_fake
+def _(x, w, split):
+    return x.new_empty((split, x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "lmforge_serve::rope_decode_attention", mutates_args=("k_cache", "v_cache")
+)
+def _rope_decode_attention(
+    qkv_partials: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    n_heads: int,
+    use_triton: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """decode_attention from the packed q/k/v GEMV's partial sums (SPLIT, S, (H + 2K)·E): one
+    kernel adds them, applies QK-norm (gains ``q_norm``/``k_norm``, or None) and RoPE to q and
+    k and writes k and v at ``slots`` of layer ``layer``'s pages
+    (:mod:`lmforge.serve._rope_kv_triton`), then paged decode attention -> (S, H, E)."""
+    from lmforge.serve._rope_kv_triton import rope_write_kv
+
+    kc, vc = k_cache[layer], v_cache[layer]
+    q = rope_write_kv(qkv_partials, cos, sin, positions, slots, kc, vc, n_heads, kc.dtype,
+                      q_norm, k_norm, eps)  # fmt: skip
+    flag = None if use_triton < 0 else bool(use_triton)
+    return paged_decode(q, kc, vc, block_tables, ctx_lens, use_triton=flag).contiguous()
+
+
+@_rope_decode_attention.register_fake
+def _(qkv_partials, cos, sin, positions, k_cache, v_cache, layer, slots, block_tables, ctx_lens,
+      n_heads, use_triton, q_norm, k_norm, eps):  # fmt: skip
+    s, e = qkv_partials.shape[1], k_cache.shape[-1]
+    return qkv_partials.new_empty((s, n_heads, e), dtype=k_cache.dtype)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
+    """x (S, D_in) @ wᵀ -> (S, D_out) in x's dtype through ``lmforge_serve::gemv`` (fp32
+    accumulation, the partial sums added here: inside torch.compile, in the consumer's kernel).
+    ``split`` None: the table's for w's shape."""
+    if split is None:
+        from lmforge.serve._gemv_triton import gemv_config
+
+        cfg = gemv_config(w.shape[0], w.shape[1], w.device)
+        assert cfg is not None, f"no decode GEMV for a {tuple(w.shape)} weight"
+        split = cfg.split
+    return torch.ops.lmforge_serve.gemv(x, w, split).sum(0).to(x.dtype)
+
+
+def _proj(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
+    return gemv(x, w, split) if split else F.linear(x, w)
 
 
 # first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
@@ -108,6 +197,63 @@ def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tens
     return out
 
 
+# per layer (q/k/v, o, w1/w3, w2: the decode GEMV's split-K, 0 = not on the GEMV; RoPE + KV
+# write fused after q/k/v) and the LM head's split. The splits are graph constants: an engine
+# made under another table traces its own graph.
+GemvPlan = tuple[tuple[tuple[int, int, int, int, bool], ...], int]
+
+
+def gemv_plan(
+    model: nn.Module,
+    packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+    dtypes: tuple[torch.dtype, ...] = GEMV_DTYPES,
+) -> GemvPlan:
+    """Which projections of ``model`` the decode GEMV may compute (their split, else 0): a
+    packed q/k/v or w1/w3 tensor, or a plain Linear (no hooks or subclass:
+    :func:`~lmforge.model.layers._fusable`), whose weight is in ``dtypes`` and whose shape the
+    kernel's table does not give to cuBLAS.
+    The fifth flag: q/k/v on the GEMV, the model's own interleaved RoPE and no QK-norm or a
+    plain RMSNorm one, so the partial sums go straight into
+    ``lmforge_serve::rope_decode_attention``."""
+    from lmforge.serve._gemv_triton import gemv_config
+
+    def ok(w: torch.Tensor | None) -> int:
+        if w is None or w.dim() != 2 or w.dtype not in dtypes:
+            return 0
+        cfg = gemv_config(w.shape[0], w.shape[1], w.device)
+        return cfg.split if cfg is not None else 0
+
+    def lin(m: nn.Module) -> int:
+        return ok(m.weight) if _fusable(m) else 0
+
+    layers = []
+    for i, layer in enumerate(model.layers):
+        qkv_w, w13 = packed[i] if packed is not None else (None, None)
+        ffn = layer.ffn
+        w2 = lin(ffn.w2) if w13 is not None else 0
+        attn = layer.attn
+        fuse = (
+            ok(qkv_w) > 0
+            and (not attn.config.qk_norm or _plain_qk_norm(attn))
+            and type(attn.rope) is RotaryEmbedding
+            and attn.rope.cos.dtype == torch.float32
+        )
+        layers.append((ok(qkv_w), lin(attn.output_proj), ok(w13), w2, fuse))
+    return tuple(layers), lin(model.lm_head)
+
+
+def _plain_qk_norm(attn: nn.Module) -> bool:
+    """QK-norm the fused kernel computes: RMSNorm modules (the model's, any backend: the same
+    math) without hooks, one eps for both."""
+    norms = (attn.q_norm, attn.k_norm)
+    return (
+        all(
+            isinstance(m, RMSNorm) and not (m._forward_hooks or m._forward_pre_hooks) for m in norms
+        )
+        and attn.q_norm.eps == attn.k_norm.eps
+    )
+
+
 def decode_forward(
     model: nn.Module,
     k_cache: torch.Tensor,
@@ -119,39 +265,70 @@ def decode_forward(
     ctx_lens: torch.Tensor,
     use_triton: int,
     packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+    gemv_on: GemvPlan | None = None,
 ) -> torch.Tensor:
     """One decode step (one token per sequence, so row i is sequence i's last token), the same
     math as :func:`~lmforge.serve.runner.forward_step`: logits (S, V) float32. ``packed``
-    (from :func:`pack_weights`) swaps the separate projections for one GEMM each."""
+    (from :func:`pack_weights`) swaps the separate projections for one GEMM each; ``gemv_on``
+    (from :func:`gemv_plan`, batches <= GEMV_MAX_ROWS) runs the marked ones on the decode GEMV."""
     x = model.residual_stream(model.token_embeddings(tokens))  # (S, D)
     n = x.shape[0]
+    no = (0, 0, 0, 0, False)
     for i, layer in enumerate(model.layers):
         attn = layer.attn
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
+        g_qkv, g_o, g_13, g_2, g_rope = gemv_on[0][i] if gemv_on is not None else no
         h = layer.ln1(x)
         nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        if qkv_w is not None:
-            q, k, v = F.linear(h, qkv_w).split([nh * e, kvh * e, kvh * e], dim=-1)
+        if g_rope and k_cache.dtype == h.dtype:  # partial sums -> RoPE, KV write, attention
+            qn = (attn.q_norm.weight, attn.k_norm.weight) if attn.config.qk_norm else (None, None)
+            eps = attn.q_norm.eps if attn.config.qk_norm else 0.0
+            o = torch.ops.lmforge_serve.rope_decode_attention(
+                torch.ops.lmforge_serve.gemv(h, qkv_w, g_qkv), attn.rope.cos, attn.rope.sin,
+                positions, k_cache, v_cache, i, slots, block_tables, ctx_lens, nh, use_triton,
+                *qn, eps,
+            )  # (S, H, E)  # fmt: skip
         else:
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        q = q.reshape(n, nh, e)  # (S, H, E)
-        k = k.reshape(n, kvh, e)  # (S, K, E)
-        v = v.reshape(n, kvh, e)  # (S, K, E)
-        if attn.config.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = attn.rope(q.transpose(0, 1), positions).transpose(0, 1)  # (S, H, E)
-        k = attn.rope(k.transpose(0, 1), positions).transpose(0, 1)  # (S, K, E)
-        o = torch.ops.lmforge_serve.decode_attention(
-            q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
-        )  # (S, H, E)
-        x = x + attn.output_proj(o.reshape(n, nh * e))
+            if qkv_w is not None:
+                q, k, v = _proj(h, qkv_w, g_qkv).split([nh * e, kvh * e, kvh * e], dim=-1)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = q.reshape(n, nh, e)  # (S, H, E)
+            k = k.reshape(n, kvh, e)  # (S, K, E)
+            v = v.reshape(n, kvh, e)  # (S, K, E)
+            if attn.config.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = attn.rope(q.transpose(0, 1), positions).transpose(0, 1)  # (S, H, E)
+            k = attn.rope(k.transpose(0, 1), positions).transpose(0, 1)  # (S, K, E)
+            o = torch.ops.lmforge_serve.decode_attention(
+                q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
+            )  # (S, H, E)
+        o = o.reshape(n, nh * e)  # (S, H·E)
+        x = x + (gemv(o, attn.output_proj.weight, g_o) if g_o else attn.output_proj(o))  # (S, D)
         y = layer.ln2(x)
         if w13 is not None:
-            gate, up = F.linear(y, w13).chunk(2, dim=-1)  # (S, F) each
-            x = x + layer.ffn.w2(silu(gate) * up)  # (S, D)
+            gate, up = _proj(y, w13, g_13).chunk(2, dim=-1)  # (S, F) each
+            a = silu(gate) * up  # (S, F)
+            x = x + (gemv(a, layer.ffn.w2.weight, g_2) if g_2 else layer.ffn.w2(a))  # (S, D)
         else:
             x = x + layer.ffn(y)  # (S, D)
-    return model.logits_from_hidden(model.ln_final(x)).float()  # (S, V)
+    h = model.ln_final(x)  # (S, D)
+    if gemv_on is not None and gemv_on[1]:
+        # logits_from_hidden with the LM head on the GEMV (the same soft-cap after it)
+        logits = gemv(h, model.lm_head.weight, gemv_on[1])  # (S, V)
+        cap = model.config.logit_soft_cap
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits.float()
+    return model.logits_from_hidden(h).float()  # (S, V)
+
+
+def _gemv_dtypes(device: torch.device) -> tuple[torch.dtype, ...] | None:
+    """The weight dtypes the decode GEMV takes by default on ``device``: bf16/fp16 on CUDA with
+    Triton, none elsewhere (the CPU keeps torch's matmul)."""
+    from lmforge.kernels._common import triton_available
+
+    return GEMV_DTYPES if device.type == "cuda" and triton_available() else None
 
 
 def _no_duck_shapes():
@@ -162,13 +339,28 @@ def _no_duck_shapes():
 
 class CompiledDecode:
     """``batch -> logits`` for decode-only steps: compiled :func:`decode_forward`, or the eager
-    :func:`~lmforge.serve.runner.forward_step` once compiling has failed."""
+    :func:`~lmforge.serve.runner.forward_step` once compiling has failed.
+
+    ``gemv``: run batches <= GEMV_MAX_ROWS through the Triton decode GEMV (None: on CUDA for
+    bf16/fp16 weights; True forces it, fp32 included: tests, under TRITON_INTERPRET=1 on CPU)."""
 
     def __init__(
-        self, model: nn.Module, cache: PagedKVCache, use_triton: bool | None, pack: bool = True
+        self,
+        model: nn.Module,
+        cache: PagedKVCache,
+        use_triton: bool | None,
+        pack: bool = True,
+        gemv: bool | None = None,
     ) -> None:
         self.model = model
         self.packed = pack_weights(model) if pack else None
+        for pair in self.packed or []:
+            for t in pair:
+                if t is not None:  # the GEMV's launch config is looked up by the weight shape
+                    torch._dynamo.mark_static(t)
+        dtypes = _gemv_dtypes(cache.k.device) if gemv is None else (*GEMV_DTYPES, torch.float32)
+        use = dtypes is not None and gemv is not False
+        self.gemv: GemvPlan | None = gemv_plan(model, self.packed, dtypes) if use else None
         self.cache = cache
         self.use_triton = use_triton
         self._flag = -1 if use_triton is None else int(use_triton)
@@ -196,10 +388,11 @@ class CompiledDecode:
                 self(batch)
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
-        if self.failed is None:
+        while self.failed is None:
             tables = batch.block_tables
             if tables.shape[1] < 2:  # a width of 1 would be one more specialised compile
                 tables = F.pad(tables, (0, 1))  # block 0, past ctx_lens: never read
+            small = self.gemv is not None and len(batch.q_lens) <= GEMV_MAX_ROWS
             try:
                 # No duck sizing: a batch that happens to equal another size at compile time
                 # (the layer count, the table width) must not tie the two together.
@@ -215,9 +408,17 @@ class CompiledDecode:
                         batch.ctx_lens,
                         self._flag,
                         self.packed,
+                        self.gemv if small else None,
                     )
-            except Exception as e:  # any compile/run failure: eager from now on, said once
-                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            except Exception as e:  # any compile/run failure: said once, then a fallback
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                if small:  # first the decode GEMV goes (the step is rerun on cuBLAS: the
+                    # pages it may have written get the same values again)
+                    self.gemv = None
+                    print(f"lmforge serve: the decode GEMV failed, using cuBLAS ({why[:300]})",
+                          file=sys.stderr)  # fmt: skip
+                    continue
+                self.failed = why  # then the compiled step: eager from now on
                 print(
                     f"lmforge serve: torch.compile of the decode step failed, decoding eagerly "
                     f"({self.failed[:300]})",
