@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
+from lmforge.bench.timing import cuda_kernel_totals
 from lmforge.generate import generate
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.posttrain.rollout import SamplingParams, make_engine
@@ -120,7 +121,6 @@ def run(shape: dict, dtype: torch.dtype, device: str, n_prompts: int, group: int
 
 def _profile(adapter, eng, prompts: list[list[int]], group: int, n_steps: int = 10) -> None:
     """Kernels and GPU-busy time per decode step vs its wall time, every sample running."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     for p in prompts:
@@ -136,12 +136,7 @@ def _profile(adapter, eng, prompts: list[list[int]], group: int, n_steps: int = 
         torch.cuda.synchronize()
     while eng.has_unfinished():
         eng.step()
-    agg: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type == DeviceType.CUDA:
-            slot = agg.setdefault(ev.name, [0, 0.0])
-            slot[0] += 1
-            slot[1] += ev.time_range.elapsed_us()
+    agg = cuda_kernel_totals(prof)
     busy = sum(v[1] for v in agg.values()) / n_steps
     wall = statistics.median(walls) * 1e6
     _line(f"  profile, {n_steps} decode steps at batch {len(eng.running) or len(prompts) * group}: "

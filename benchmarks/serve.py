@@ -65,6 +65,7 @@ sys.path.insert(
 import torch
 import torch.nn.functional as F
 
+from lmforge.bench.timing import cuda_kernel_totals
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
 
@@ -202,7 +203,6 @@ def check() -> None:
 def profile_steps(eng: Engine, label: str, n_steps: int = 20, top: int = 20) -> None:
     """torch.profiler over ``n_steps`` engine steps: the top CUDA kernels per step and the total
     kernel count per step (kernels inside CUDA-graph replays are reported by CUPTI too)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -214,13 +214,7 @@ def profile_steps(eng: Engine, label: str, n_steps: int = 20, top: int = 20) -> 
             eng.step()
             done += 1
         torch.cuda.synchronize()
-    agg: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type != DeviceType.CUDA:
-            continue
-        slot = agg.setdefault(ev.name, [0, 0.0])
-        slot[0] += 1
-        slot[1] += ev.time_range.elapsed_us()
+    agg = cuda_kernel_totals(prof)
     n = max(done, 1)
     total_us = sum(v[1] for v in agg.values())
     total_k = sum(v[0] for v in agg.values())
@@ -866,19 +860,13 @@ def _prefill_sweep(name, q, kc, vc, bt, ctx_t, q_lens, ctx, default_ms) -> None:
 
 def _profile_call(fn, label: str, top: int = 15) -> None:
     """torch.profiler over one call of ``fn``: its top CUDA kernels and the kernel count."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    agg: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type == DeviceType.CUDA:
-            slot = agg.setdefault(ev.name, [0, 0.0])
-            slot[0] += 1
-            slot[1] += ev.time_range.elapsed_us()
+    agg = cuda_kernel_totals(prof)
     total = sum(v[1] for v in agg.values())
     _line(f"\n### profile: {label}: {sum(v[0] for v in agg.values())} kernels, GPU busy "
           f"{total / 1e3:.2f} ms")  # fmt: skip

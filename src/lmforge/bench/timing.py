@@ -86,6 +86,20 @@ def copy_bandwidth_gbs(n_bytes: int = 1 << 30) -> float:
     return 2 * n_bytes / (ms * 1e-3) / 1e9
 
 
+def cuda_kernel_totals(prof: object) -> dict[str, list[float]]:
+    """A finished ``torch.profiler.profile``'s CUDA kernels: name -> [launches, total µs]
+    (kernels inside CUDA-graph replays included: CUPTI reports them)."""
+    from torch.autograd import DeviceType
+
+    agg: dict[str, list[float]] = {}
+    for ev in prof.events():  # type: ignore[attr-defined]
+        if ev.device_type == DeviceType.CUDA:
+            slot = agg.setdefault(ev.name, [0, 0.0])
+            slot[0] += 1
+            slot[1] += ev.time_range.elapsed_us()
+    return agg
+
+
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     """A GitHub-markdown table; floats are printed with 3 significant decimals."""
 
