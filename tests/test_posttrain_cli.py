@@ -57,7 +57,8 @@ def test_rl_scratchpad_pipeline_command_runs(tmp_path: Path) -> None:
     out = tmp_path / "rl"
     args = ["rl", "--task", "scratchpad", "--digits", "1", "--warmup-steps", "5", "--iterations",
             "2", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4", "--pipeline",
-            "--queue-size", "0", "--engine-threads", "1", "--quiet", "--out", str(out)]  # fmt: skip
+            "--queue-size", "0", "--engine-threads", "1", "--weight-transport", "shared",
+            "--quiet", "--out", str(out)]  # fmt: skip
     assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "scratchpad" and summary["iterations"] == 2

@@ -179,6 +179,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--engine-threads", type=int, default=None, help="pipeline: torch threads of the engine"
     )
     p.add_argument(
+        "--weight-transport",
+        choices=["broadcast", "shared"],
+        default="broadcast",
+        help="pipeline: how new weights reach the engine process: a bucketed broadcast (gloo/"
+        "NCCL), or buffers both processes map (CUDA IPC / shared memory; one device only)",
+    )
+    p.add_argument(
         "--rollout-engine",
         choices=["auto", "local", "serve"],
         default="auto",

@@ -336,7 +336,8 @@ def run_rl(args: argparse.Namespace) -> int:
                               target=args.target, overlong_cache=overlong_cache, task=task,
                               queue_size=args.queue_size, engine="serve" if serve else "local",
                               engine_threads=args.engine_threads, micro_batch=args.micro_batch,
-                              kl_coef=args.kl_coef, epochs=max(args.epochs, 1))  # fmt: skip
+                              kl_coef=args.kl_coef, epochs=max(args.epochs, 1),
+                              transport=getattr(args, "weight_transport", "broadcast"))  # fmt: skip
         ref = clone_frozen(model) if args.kl_coef > 0 else None
         if toy:  # the toy task's own prompts, reward and held-out set (its RESULTS figures)
             hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet, ref_model=ref)
