@@ -10,17 +10,21 @@
 #              3-minute real-data run when token shards are in .carry/gutenberg (the two
 #              together take most of one 10-minute device call)
 #   parallel   benchmarks/parallel.py on 1 GPU, then on every GPU (torchrun) when there are two+
-#   serve      benchmarks/serve.py            (issue 22)
+#   serve      benchmarks/serve.py --only check,prefill,throughput,gemv,decode --profile, then
+#              --only server --quick (fastapi/uvicorn wheels in .whl/)   (issue 22)
 #   moe        benchmarks/moe.py --train --profile   (issue 25)
 #   scaling    benchmarks/scaling*.py         (issue 24)
 #   posttrain  benchmarks/weight_sync.py, benchmarks/posttrain_rl.py and benchmarks/rollout.py
 #              (issue 23)
-#   smol       the SmolLM2 runs: benchmarks/speculative.py (issue 22, benchmark 4), then
-#              benchmarks/posttrain_gsm8k.py (issue 23, evidence 2; resumable, rerun until it
-#              finishes). Needs .carry/smol.gguf: the 93.8 MiB GGUF is over one call's 64 MiB
-#              carry, so split it here (split -n 2 -d FILE .carry/smol/part.), carry one half per
-#              call on the same warm machine and join them there (cat .carry/smol/part.0* >
-#              .carry/smol.gguf; sha256 b179c952...db53), and .carry/gsm8k/{train,test}.jsonl
+#   smol       the SmolLM2 runs: benchmarks/rollout.py --profile and benchmarks/posttrain_gsm8k.py
+#              (issue 23, evidence 2; stages GSM8K_STAGES, default sft,grpo; GRPO_ITERATIONS,
+#              default 20), then benchmarks/speculative.py (issue 22, benchmark 4). Needs the GGUF
+#              at .carry/smol.gguf or /tmp/smol/smol.gguf: the 93.8 MiB file is over one call's
+#              64 MiB carry, so split it here (split -n 2 -d FILE .carry/smol/part.), carry one
+#              half per call on the same warm machine (copy the first to /tmp/smol/), join them
+#              there (cat /tmp/smol/part.00 .carry/smol/part.01 > /tmp/smol/smol.gguf; sha256
+#              b179c952...db53); also .carry/gsm8k/{train,test}.jsonl, .carry/ggufwhl (the gguf
+#              wheel) and .carry/specdata (speculative.py --shared)
 #   all        every part above but smol, in this order (longer than one 10-minute device call)
 #
 # A part whose script is not in the tree yet prints one line and is skipped. With OUT set, each
@@ -117,7 +121,11 @@ part_parallel() {
 }
 
 part_serve() {
-    have serve benchmarks/serve.py && step serve 540 "$PY" benchmarks/serve.py
+    have serve benchmarks/serve.py || return 0
+    # kernels first (prefill, decode GEMV: each checked against float64, timed against its peer),
+    # then the benchmark rows they feed; the server under load in its own step
+    step serve 420 "$PY" benchmarks/serve.py --only check,prefill,throughput,gemv,decode --profile
+    step serve-server 150 "$PY" benchmarks/serve.py --only server --quick
 }
 
 part_moe() {
@@ -140,19 +148,28 @@ part_posttrain() {
 }
 
 part_smol() {
+    # the GGUF joined from its two carried halves, wherever the calls put it
+    [ -f .carry/smol.gguf ] || [ ! -f /tmp/smol/smol.gguf ] || ln -sf /tmp/smol/smol.gguf .carry/smol.gguf
     have smol .carry/smol.gguf || return 0
     # gguf (the GGUF reader) is not on the GPU host: its wheel travels in .carry/ggufwhl
     if ls .carry/ggufwhl/*.whl >/dev/null 2>&1; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/lmforge-gguf .carry/ggufwhl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/lmforge-gguf"
     fi
-    # the prompts' data (GSM8K, six Gutenberg books) in .carry/specdata, laid out like ../shared
-    step speculative 300 "$PY" benchmarks/speculative.py --device cuda --gguf .carry/smol.gguf \
+    if [ -f .carry/gsm8k/test.jsonl ]; then
+        # GSM8K evidence first (issue 23); the rollout profile says whether GRPO's sampling is fast
+        [ -f benchmarks/rollout.py ] && step rollout 120 "$PY" benchmarks/rollout.py --profile
+        step posttrain_gsm8k 540 "$PY" benchmarks/posttrain_gsm8k.py --device cuda --quiet \
+            --stages "${GSM8K_STAGES:-sft,grpo}" --grpo-iterations "${GRPO_ITERATIONS:-20}" \
+            --model .carry/smol.gguf --data-dir .carry/gsm8k --out runs/posttrain_gsm8k
+        [ -n "${OUT:-}" ] && cp runs/posttrain_gsm8k/*.json runs/posttrain_gsm8k/*.png "$OUT/" 2>/dev/null
+    else
+        echo "== smol: no .carry/gsm8k/test.jsonl; the GSM8K runs are skipped"
+    fi
+    # benchmark 4 of issue 22 on the GPU; its prompts' data (GSM8K, six Gutenberg books) in
+    # .carry/specdata, laid out like ../shared
+    step speculative 240 "$PY" benchmarks/speculative.py --device cuda --gguf .carry/smol.gguf \
         --shared .carry/specdata
-    have smol .carry/gsm8k/test.jsonl || return 0
-    step posttrain_gsm8k 540 "$PY" benchmarks/posttrain_gsm8k.py --device cuda --quiet \
-        --model .carry/smol.gguf --data-dir .carry/gsm8k --out runs/posttrain_gsm8k
-    [ -n "${OUT:-}" ] && cp runs/posttrain_gsm8k/*.json runs/posttrain_gsm8k/*.png "$OUT/" 2>/dev/null
 }
 
 [ $# -ge 1 ] || { usage; exit 2; }
