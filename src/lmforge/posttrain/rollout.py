@@ -189,6 +189,10 @@ class Decoding:
         self._m = _Model(engine.model)
         with torch.inference_mode():
             self.logits = self._m.prefill(ids, valid, self.max_new)  # (B, V)
+        # The version of the weights that computed self.logits: a token is recorded with the
+        # policy that produced its distribution, not with whatever version is current when it is
+        # drawn (a swap between the forward and the draw would otherwise mislabel it).
+        self.logits_version = engine.version
 
     @property
     def done(self) -> bool:
@@ -211,7 +215,7 @@ class Decoding:
         sampled = torch.multinomial(probs, 1, generator=self.gen).squeeze(-1)  # (B,)
         token = torch.where(self.greedy, logits.argmax(-1), sampled)  # (B,)
         chosen = logp.gather(-1, token[:, None]).squeeze(-1)  # (B,)
-        version = self.engine.version
+        version = self.logits_version
         for row in self.alive.nonzero().flatten().tolist():
             p = self.params[row]
             tok = int(token[row])
@@ -229,6 +233,7 @@ class Decoding:
             if self.finish[row] is not None:
                 self.alive[row] = False
         if not self.done:
+            self.logits_version = self.engine.version
             self.logits = self._m.decode(token, self.alive)
 
     def outputs(self) -> list[RequestOutput]:
