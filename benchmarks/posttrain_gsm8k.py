@@ -282,11 +282,11 @@ def plot(path: Path, results: dict[str, dict[str, Any]], out: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle("SmolLM2-135M-Instruct on GSM8K (benchmarks/posttrain_gsm8k.py)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    from lmforge.utils.io import atomic_write
+
+    with atomic_write(path) as out:  # temp name, fsync, rename
+        fig.savefig(out, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -401,11 +401,11 @@ def _plot_pipeline(res: dict, path: Path) -> None:
     fig.suptitle(f"GRPO, {res['task']} ({res['digits']} digits), same sample budget, A0 = "
                  f"{res['A0']:.2f}")  # fmt: skip
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    from lmforge.utils.io import atomic_write
+
+    with atomic_write(path) as out:  # temp name, fsync, rename
+        fig.savefig(out, format="png", dpi=110)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def _print_pipeline(res: dict, target: float) -> None:

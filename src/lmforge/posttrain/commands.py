@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lmforge.utils.errors import LmforgeError
-from lmforge.utils.io import atomic_write_text
+from lmforge.utils.io import atomic_write, atomic_write_text
 
 
 def _out(args: argparse.Namespace, default: str, threads: int | None = None) -> Path:
@@ -77,10 +77,9 @@ def plot_curves(path: Path, series: dict[str, list[tuple[float, float]]], xlabel
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_write(path) as out:  # temp name, fsync, rename
+        fig.savefig(out, format="png", dpi=120)
     plt.close(fig)
-    tmp.replace(path)
 
 
 # ---------------------------------------------------------------------------------------------
