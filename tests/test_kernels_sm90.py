@@ -14,6 +14,8 @@ import re
 
 import pytest
 
+from _sm90 import ptxas_registers
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
@@ -145,32 +147,9 @@ def test_rope_kernels_compile_for_sm90() -> None:
             assert compiled.metadata.shared == 0, f"{what}: {compiled.metadata.shared} B smem"
             # Registers for 32 resident warps per SM (65536 registers): all 32 programs an SM
             # can hold at 1 warp, many loads in flight (fewer measured well below the floor).
-            regs, spills = _ptxas_registers(ptx)
+            regs, spills = ptxas_registers(ptx)
             assert spills == 0, what
             assert regs * 32 * 32 <= 65536, f"{what}: {regs} registers a thread"
-
-
-def _ptxas_registers(ptx: str) -> tuple[int, int]:
-    """(registers per thread, spill-store bytes) of ``ptx`` for sm_90a, from Triton's ptxas."""
-    import subprocess
-    import tempfile
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this Triton wheel bundles no ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        out = subprocess.run(
-            [ptxas, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True, text=True, check=True,
-        ).stderr  # fmt: skip
-    regs = int(re.search(r"Used (\d+) registers", out).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", out).group(1))
-    return regs, spills
 
 
 @pytest.mark.parametrize("master", [False, True])
@@ -190,6 +169,6 @@ def test_adamw_kernel_compiles_for_sm90_without_spills(master: bool) -> None:
     compiled = _compile(at._adamw_multi, "fp32", consts, at.WARPS, 1, ptrs)
     assert "ld.global.v4" in compiled.asm["ptx"], "adamw loads should vectorise"
     assert "st.global.v4" in compiled.asm["ptx"], "adamw stores should vectorise"
-    regs, spills = _ptxas_registers(compiled.asm["ptx"])
+    regs, spills = ptxas_registers(compiled.asm["ptx"])
     assert spills == 0
     assert regs * 32 * at.WARPS * 2 <= 65536, f"{regs} registers a thread"

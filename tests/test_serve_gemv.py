@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _interp import run_pytest_in_interpreter
+from _sm90 import ptxas_registers
 
 _CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -307,27 +308,6 @@ if not _CHILD:
         options = {"num_warps": cfg.warps, "num_stages": cfg.stages}
         return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
 
-    def _ptxas(ptx: str) -> tuple[int, int]:
-        """(registers per thread, spill-store bytes) for sm_90a from Triton's bundled ptxas."""
-        import subprocess
-        import tempfile
-
-        import triton
-
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "ptxas")  # fmt: skip
-        if not os.path.exists(ptxas):
-            pytest.skip("this Triton wheel bundles no ptxas")
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as f:
-                f.write(ptx)
-            out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o",
-                                  os.path.join(tmp, "k.cubin")], capture_output=True, text=True,
-                                 check=True).stderr  # fmt: skip
-        regs = int(re.search(r"Used (\d+) registers", out).group(1))
-        return regs, int(re.search(r"(\d+) bytes spill stores", out).group(1))
-
     @pytest.mark.slow
     @pytest.mark.skipif(not _HAS_TRITON, reason="needs triton")
     def test_table_launches_compile_for_sm90_without_spills() -> None:
@@ -342,11 +322,11 @@ if not _CHILD:
             assert "wgmma.mma_async" in ptx or cfg.block_n < 64, cfg
             assert re.search(r"cp\.async\.cg\.shared\.global .*0x10", ptx), cfg
             assert compiled.metadata.shared * (2 if cfg.block_k <= 128 else 1) <= 232448, cfg
-            regs, spills = _ptxas(ptx)
+            regs, spills = ptxas_registers(ptx)
             assert spills == 0, cfg
             assert regs <= 255, cfg
         masked = _compile_sm90(TABLE[(960, 576)], even_k=False, dtype="fp16")
-        assert _ptxas(masked.asm["ptx"])[1] == 0
+        assert ptxas_registers(masked.asm["ptx"])[1] == 0
 
     @pytest.mark.slow
     @pytest.mark.skipif(not _HAS_TRITON, reason="needs triton")
@@ -369,7 +349,7 @@ if not _CHILD:
             src = ASTSource(jit, sig, consts, {})
             compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64),
                                       options={"num_warps": 1})  # fmt: skip
-            assert _ptxas(compiled.asm["ptx"])[1] == 0
+            assert ptxas_registers(compiled.asm["ptx"])[1] == 0
 
 else:
 
