@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from lmforge.utils.errors import LmforgeError
+from lmforge.utils.io import iter_jsonl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,27 +100,19 @@ def load_runs(path: str | Path) -> RunTable:
         raise LmforgeError(f"runs file not found: {p}")
     rows: list[tuple[float, ...]] = []
     loss_keys = ("loss", "final_loss", "val_loss")
-    text = p.read_text(encoding="utf-8")
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise LmforgeError(f"{p}:{i}: not valid JSON ({e.msg})") from None
-            rows.append(_row(rec, f"{p}:{i}", loss_keys))
+        rows = [_row(rec, f"{p}:{i}", loss_keys) for i, rec in iter_jsonl(p, "runs file")]
     elif suffix == ".json":
         try:
-            data = json.loads(text)
+            data = json.loads(p.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
             raise LmforgeError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(data, list):
             raise LmforgeError(f"{p}: expected a JSON list of runs")
         rows = [_row(rec, f"{p}[{i}]", loss_keys) for i, rec in enumerate(data)]
     elif suffix == ".csv":
-        reader = csv.DictReader(text.splitlines())
+        reader = csv.DictReader(p.read_text(encoding="utf-8").splitlines())
         need = {"parameters", "tokens", "loss"}
         if reader.fieldnames is None or not need <= set(reader.fieldnames):
             raise LmforgeError(
