@@ -142,9 +142,7 @@ def _loss_fn(cfg: StepConfig, ref_model: nn.Module | None) -> Callable[..., Any]
     def fn(model: nn.Module, s: Samples) -> tuple[torch.Tensor, float]:
         device = next(model.parameters()).device
         ids, labels = s.batch.input_ids.to(device), s.batch.labels.to(device)
-        mask = labels != IGNORE
-        if algo.overlong_filter:
-            mask = mask & ~s.truncated.to(device)[:, None]
+        mask = _loss_mask(cfg, labels, s.truncated.to(device))
         t = time.perf_counter()
         logp, _ = sequence_logprobs(model, ids, labels, cfg.temperature)
         fn.forward_s += time.perf_counter() - t
@@ -167,15 +165,21 @@ def _loss_fn(cfg: StepConfig, ref_model: nn.Module | None) -> Callable[..., Any]
     return fn
 
 
+def _loss_mask(cfg: StepConfig, labels: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """(B, T) tokens the loss counts: completion tokens, minus truncated rows under DAPO's
+    overlong filter."""
+    mask = labels != IGNORE
+    if cfg.algorithm.overlong_filter:
+        mask = mask & ~truncated[:, None]
+    return mask
+
+
 def _chunk_weight(cfg: StepConfig, s: Samples) -> float:
     """The weight :func:`~lmforge.posttrain.losses.aggregate` returns for this micro-batch
     (sequences, or masked tokens for ``token_mean``), computed without a forward."""
     if cfg.algorithm.aggregation != "token_mean":
         return float(len(s))
-    mask = s.batch.labels != IGNORE
-    if cfg.algorithm.overlong_filter:
-        mask = mask & ~s.truncated[:, None].to(mask.device)
-    return float(mask.sum())
+    return float(_loss_mask(cfg, s.batch.labels, s.truncated).sum())
 
 
 def rl_train_step(
