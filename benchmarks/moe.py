@@ -51,6 +51,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--train-batch", type=int, default=8)
     p.add_argument("--train-seq", type=int, default=1024, help="sequence length of --train")
     p.add_argument("--train-layers", type=int, default=12, help="layers of the --train models")
+    p.add_argument("--no-train-compile", action="store_true",
+                   help="--train: the Trainer rows without torch.compile (default on CUDA: "
+                        "compiled, as configs/gpt2-small-train.toml trains)")  # fmt: skip
     p.add_argument(
         "--profile",
         action="store_true",
@@ -531,6 +534,8 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
         **shape, moe=MoEConfig(n_experts=args.experts, top_k=args.top_k, expert_d_ff=args.width)
     )
     rows, times, fns = [], {}, {}
+    compiled = dev == "cuda" and not args.no_train_compile
+    trainer = "lmforge Trainer, compiled" if compiled else "lmforge Trainer"
     tmp = Path(tempfile.mkdtemp(prefix="moe-bench-"))
     keep: list[object] = []  # the profiled steps' models stay alive until profiled
     for name, cfg in (("dense GPT-2 small", base), ("MoE, same active compute", moe_cfg)):
@@ -560,13 +565,13 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
         loss0 = float(step())
         assert loss0 == loss0 and abs(loss0) < 1e4, f"{name}: first loss {loss0}"
         runs = [(f"{name} (eager loop)", step, model)]
-        tr = _bench_trainer(cfg, tmp / name.split()[0], b, t, dev)
+        tr = _bench_trainer(cfg, tmp / name.split()[0], b, t, dev, compiled)
         if dev == "cuda":
             print(
                 f"host syncs in one {name} step: eager loop {_host_syncs(step)}, "
                 f"Trainer launch {_trainer_launch_syncs(tr)}"
             )
-        runs.append((f"{name} (lmforge Trainer)", _trainer_step(tr), tr))
+        runs.append((f"{name} ({trainer})", _trainer_step(tr), tr))
         for label, fn, owner in runs:
             ms = time_ms(fn, warmup=3, iters=8, device=dev)
             times[label] = ms
@@ -588,12 +593,11 @@ def _train_ratio(args: argparse.Namespace, dev: str) -> None:
                 torch.cuda.empty_cache()
     eager = times["dense GPT-2 small (eager loop)"] / times["MoE, same active compute (eager loop)"]
     trained = (
-        times["dense GPT-2 small (lmforge Trainer)"]
-        / times["MoE, same active compute (lmforge Trainer)"]
+        times[f"dense GPT-2 small ({trainer})"] / times[f"MoE, same active compute ({trainer})"]
     )
     print(
         f"\nTraining step, batch {b}×{t}, {args.train_layers} layers × {d}: MoE/dense tokens/s "
-        f"= {eager:.3f} (eager loop), {trained:.3f} (Trainer)"
+        f"= {eager:.3f} (eager loop), {trained:.3f} ({trainer})"
     )
     print(markdown_table(["model", "params", "active", "ms/step", "tokens/s"], rows))
     if args.profile:
@@ -659,9 +663,11 @@ def _check_moe_model(model: object, ids: object, dev: str) -> None:
         assert same < tol, f"the MoE model's grouped path disagrees with its reference ({name})"
 
 
-def _bench_trainer(cfg: object, out: Path, b: int, t: int, dev: str) -> object:
+def _bench_trainer(
+    cfg: object, out: Path, b: int, t: int, dev: str, compile: bool = False
+) -> object:
     """An lmforge Trainer on random tokens for ``cfg`` (bf16 on CUDA, fp32 on CPU; no eval, no
-    logs, no checkpoints during the timing)."""
+    logs, no checkpoints during the timing; ``compile``: train.compile)."""
     import numpy as np
 
     from lmforge.config import RunConfig
@@ -686,6 +692,7 @@ def _bench_trainer(cfg: object, out: Path, b: int, t: int, dev: str) -> object:
         plot=False,
         loss="auto",
         tensorboard=False,
+        compile=compile,
     )
     return Trainer(RunConfig(model=cfg, train=train, data=DataConfig(train=(str(shard),))))
 

@@ -22,6 +22,7 @@ and the top kernels.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -70,12 +71,36 @@ def check(shape: dict, dtype: torch.dtype, device: str) -> None:
     prompts = [[5, 17, 33, 2, 9, 41, 7], [101, 3, 8]]
     outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     refs = generate(model, prompts, max_new_tokens=12, temperature=0.0)
-    for o, want in zip(outs, refs, strict=True):
-        got = list(o.outputs[0].token_ids)
-        if got != want:
-            raise SystemExit(f"check FAILED ({dtype}): engine {got} != lmforge.generate {want}")
-    _line(f"check: rollout engine greedy == lmforge.generate ({str(dtype)[6:]}): True")
-    del eng, model
+    if dtype == torch.float32:
+        for o, want in zip(outs, refs, strict=True):
+            got = list(o.outputs[0].token_ids)
+            if got != want:
+                raise SystemExit(f"check FAILED ({dtype}): engine {got} != lmforge.generate {want}")
+        _line(f"check: rollout engine greedy == lmforge.generate ({str(dtype)[6:]}): True")
+        del eng, model
+        return
+    # Below fp32 the engine's kernels and the reference loop round differently, so greedy paths
+    # part at the first near-tie (seen on the H200 at token 4 of 12). The check instead: every
+    # token the engine chose is the argmax of an fp32 copy of the model on the engine's own
+    # sequence, up to bf16 rounding of the logits (gap to the max <= 2% of max |logit|).
+    ref = copy.deepcopy(model).float()
+    worst, differ = 0.0, 0
+    with torch.no_grad():
+        for p, o, want in zip(prompts, outs, refs, strict=True):
+            got = list(o.outputs[0].token_ids)
+            differ += sum(a != b for a, b in zip(got, want, strict=True))
+            ids = torch.tensor([p + got], device=device)
+            logits = ref(ids)[0, len(p) - 1 : -1].float()  # (new, V): the logits that chose got
+            chosen = logits.gather(-1, torch.tensor(got, device=device)[:, None])[:, 0]
+            gap = (logits.max(-1).values - chosen) / logits.abs().max()
+            worst = max(worst, float(gap.max()))
+    if worst > 2e-2:
+        raise SystemExit(f"check FAILED ({dtype}): an engine token is {worst:.3f} of max |logit| "
+                         "below the fp32 argmax")  # fmt: skip
+    _line(f"check: rollout engine greedy ({str(dtype)[6:]}) picks the fp32 argmax within bf16 "
+          f"rounding (largest gap {worst:.1e} of max |logit|; {differ} of "
+          f"{sum(len(r) for r in refs)} tokens differ from lmforge.generate's own run)")  # fmt: skip
+    del eng, model, ref
 
 
 def run(shape: dict, dtype: torch.dtype, device: str, n_prompts: int, group: int,

@@ -419,7 +419,7 @@ class _StaticDecoder(torch.nn.Module):
         super().__init__()
         cfg = model.config
         self.model = model
-        self.kh, self.e, self.h = cfg.kv_heads, cfg.head_dim, cfg.n_heads
+        self.kh, self.e, self.h = cfg.kv_heads, int(cfg.head_dim), cfg.n_heads
         shape = (cfg.n_layers, 1, self.kh, max_len, self.e)
         dtype = next(model.parameters()).dtype
         self.register_buffer("kc", torch.zeros(shape, device=DEVICE, dtype=dtype))
@@ -893,6 +893,17 @@ def bench_throughput(quick: bool) -> None:
     )
     _line(f"floor: a decode step reads the weights once: {wb / HBM * 1e3:.3f} ms; at batch "
           f"{n_req} that bounds output at {n_req / (wb / HBM):,.0f} tok/s (before KV reads)")  # fmt: skip
+    # The whole run's floor: every decode step reads each running sequence's K/V once (prompt +
+    # tokens so far), the weights once per step (at least max(out) steps), prefill's GEMM FLOPs.
+    cfg = model.config
+    kv_tok = 2 * cfg.n_layers * cfg.kv_heads * int(cfg.head_dim) * 2  # bf16 K and V, per token
+    kv_s = sum(sum(p + j for j in range(1, n)) for p, n in zip(in_lens, out_lens)) * kv_tok / HBM
+    w_s = max(out_lens) * wb / HBM
+    n_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    pf_s = 2 * n_params * sum(in_lens) / PEAK_BF16
+    total = kv_s + w_s + pf_s
+    _line(f"whole-run floor: KV reads {kv_s:.2f} s + weights {w_s:.2f} s + prefill FLOPs "
+          f"{pf_s:.2f} s = {total:.2f} s, i.e. {sum(out_lens) / total:,.0f} output tok/s")  # fmt: skip
     rows = []
     for compile in (COMPILE, False) if COMPILE else (False,):
         rows.append(_throughput_run(model, prompts, params, compile))

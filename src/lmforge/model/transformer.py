@@ -137,8 +137,10 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
-        self.head_dim = config.head_dim
-        d, e = config.d_model, config.head_dim
+        # a plain int: a derived head_dim is an int subclass (config._DerivedHeadDim), which
+        # torch 2.11's Dynamo cannot pass to view() and broke the compiled model at every layer
+        self.head_dim = int(config.head_dim)
+        d, e = config.d_model, self.head_dim
         self.q_proj = Linear(d, self.n_heads * e)
         self.k_proj = Linear(d, self.n_kv_heads * e)
         self.v_proj = Linear(d, self.n_kv_heads * e)

