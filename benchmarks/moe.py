@@ -449,7 +449,15 @@ _FAMILIES = (
 
 def _family(name: str) -> str:
     low = name.lower()
+    # Triton kernels (lmforge's own and Inductor's) carry bare names; ATen's are C++ templates
+    # ("void at::native::elementwise_kernel<...>"), which the "_kernel" key must not claim.
+    if "::" not in name and (name.startswith("_") or low.startswith("triton")):
+        if "adam" in low:
+            return "optimizer"
+        return "Triton (lmforge)" if name.startswith("_") else "Triton (Inductor)"
     for fam, keys in _FAMILIES:
+        if fam == "Triton (lmforge)" and "::" in name:
+            continue
         if any(k in low for k in keys):
             return fam
     return "other"
