@@ -65,7 +65,7 @@ sys.path.insert(
 import torch
 import torch.nn.functional as F
 
-from lmforge.bench.timing import cuda_kernel_totals
+from lmforge.bench.timing import cuda_kernel_gaps, cuda_kernel_totals
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
 
@@ -223,6 +223,11 @@ def profile_steps(eng: Engine, label: str, n_steps: int = 20, top: int = 20) -> 
         _line("(the profiler recorded no CUDA kernels)")
         return
     _line(f"kernels per step: {total_k / n:.0f}; GPU busy per step: {total_us / n:.1f} us")
+    g = cuda_kernel_gaps(prof)
+    # GPU idle between kernels: launch latency inside a graph (short gaps) vs waiting on the host
+    _line(f"per step: kernel span {g['span'] / n:.1f} us = busy {g['busy'] / n:.1f} + gaps < 8 us "
+          f"{g['short'] / n:.1f} ({g['n_short'] / n:.0f}) + longer gaps {g['long'] / n:.1f} "
+          f"({g['n_long'] / n:.1f})")  # fmt: skip
     _line("\n| kernel | count/step | us/step | share |")
     _line("|---|---:|---:|---:|")
     for name, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:

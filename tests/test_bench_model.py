@@ -34,3 +34,22 @@ def test_bench_model_cli_rejects_a_bad_residual_choice() -> None:
     )
     assert done.returncode == 2 and "--residual" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_cuda_kernel_gaps_splits_idle_time_at_the_threshold() -> None:
+    # Kernel intervals (µs): two overlapping, a 2 µs launch gap, a 50 µs host wait; CPU events
+    # are ignored.
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from lmforge.bench.timing import cuda_kernel_gaps
+
+    def ev(a: float, b: float, dev=DeviceType.CUDA):
+        return SimpleNamespace(device_type=dev, time_range=SimpleNamespace(start=a, end=b))
+
+    events = [ev(0, 10), ev(5, 12), ev(14, 20), ev(70, 80), ev(0, 500, DeviceType.CPU)]
+    g = cuda_kernel_gaps(SimpleNamespace(events=lambda: events), short_us=8.0)
+    assert g == dict(busy=12 + 6 + 10, span=80, short=2, long=50, n_short=1, n_long=1)
+    empty = cuda_kernel_gaps(SimpleNamespace(events=lambda: []))
+    assert empty["span"] == 0 and empty["busy"] == 0

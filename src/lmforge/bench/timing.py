@@ -100,6 +100,38 @@ def cuda_kernel_totals(prof: object) -> dict[str, list[float]]:
     return agg
 
 
+def cuda_kernel_gaps(prof: object, short_us: float = 8.0) -> dict[str, float]:
+    """Where a finished profile's GPU time went between kernels: ``busy`` (the union of kernel
+    intervals), ``span`` (first kernel start to last kernel end), and the idle gaps between
+    consecutive kernels split at ``short_us``: ``short`` (launch latency between back-to-back
+    kernels, as inside a CUDA graph) and ``long`` (the GPU waiting on the host), with their
+    counts ``n_short`` / ``n_long``. All in µs; zeros when no kernel was recorded."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (ev.time_range.start, ev.time_range.end)
+        for ev in prof.events()  # type: ignore[attr-defined]
+        if ev.device_type == DeviceType.CUDA
+    )
+    out = dict(busy=0.0, span=0.0, short=0.0, long=0.0, n_short=0.0, n_long=0.0)
+    if not spans:
+        return out
+    cur_start, cur_end = spans[0]
+    for a, b in spans[1:]:
+        if a > cur_end:  # idle from cur_end to a
+            out["busy"] += cur_end - cur_start
+            gap = a - cur_end
+            key = "short" if gap < short_us else "long"
+            out[key] += gap
+            out["n_" + key] += 1
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    out["busy"] += cur_end - cur_start
+    out["span"] = cur_end - spans[0][0]
+    return out
+
+
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:
     """A GitHub-markdown table; floats are printed with 3 significant decimals."""
 
