@@ -47,7 +47,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import threading
@@ -1007,9 +1006,6 @@ def _child_server(shape: dict, port: int) -> None:
     model, kw, _ = _server_setup(shape, 64, 1)
     eng = Engine(model, **kw)
     loop = EngineLoop(eng)
-    switch = os.environ.get("LMFORGE_BENCH_SWITCH")  # experiment: another GIL switch interval
-    if switch is not None and hasattr(loop, "switch_interval"):
-        loop.switch_interval = float(switch) if switch != "none" else None
     state = ServerState(loop, _IdTokenizer(), "bench-random")
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
                                            log_level="error"))  # fmt: skip

@@ -150,8 +150,8 @@ def test_moe_forward_backward_compiles_in_one_graph(gpu_like: None) -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.gpu
-def test_moe_forward_compiles_in_one_graph_on_cuda() -> None:
+def _cuda_moe_model() -> tuple[TransformerLM, torch.Tensor]:
+    """A 2-layer MoE model on CUDA with the backends the trainer resolves there, and a batch."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from lmforge.model.fastpath import resolve_backends
@@ -159,8 +159,14 @@ def test_moe_forward_compiles_in_one_graph_on_cuda() -> None:
     cfg = ModelConfig(d_model=128, n_layers=2, n_heads=4, vocab_size=256, context_length=64,
                       d_ff=256, moe=dataclasses.replace(MOE, expert_d_ff=64))  # fmt: skip
     cfg = resolve_backends(dataclasses.replace(cfg, swiglu="auto"), "cuda")
+    torch.manual_seed(0)
     model = TransformerLM(cfg, device="cuda").train()
-    ids = torch.randint(0, 256, (2, 64), device="cuda")
+    return model, torch.randint(0, 256, (2, 64), device="cuda")
+
+
+@pytest.mark.gpu
+def test_moe_forward_compiles_in_one_graph_on_cuda() -> None:
+    model, ids = _cuda_moe_model()
 
     def loss() -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -176,19 +182,10 @@ def test_moe_forward_compiles_in_one_graph_on_cuda() -> None:
 def test_moe_model_compiled_with_inductor_matches_eager_on_cuda() -> None:
     # What the trainer runs: the whole MoE model through Inductor (fullgraph), the Triton
     # gather/combine kernels as custom-op nodes, the router GEMM with its fp32-output overload.
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from lmforge.model.fastpath import resolve_backends
-
-    cfg = ModelConfig(d_model=128, n_layers=2, n_heads=4, vocab_size=256, context_length=64,
-                      d_ff=256, moe=dataclasses.replace(MOE, expert_d_ff=64))  # fmt: skip
-    cfg = resolve_backends(dataclasses.replace(cfg, swiglu="auto"), "cuda")
-    torch.manual_seed(0)
-    model = TransformerLM(cfg, device="cuda").train()
+    model, ids = _cuda_moe_model()
     with torch.no_grad():  # a router of realistic spread: no near-tied top-k choices to flip
         for layer in M.moe_layers(model):
             layer.router.weight.normal_(0, 0.5)
-    ids = torch.randint(0, 256, (2, 64), device="cuda")
 
     def loss(m: torch.nn.Module) -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):

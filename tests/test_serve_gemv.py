@@ -90,18 +90,23 @@ def _decode_batch(device="cpu"):
     )  # fmt: skip
 
 
-def _count_gemv(monkeypatch) -> dict:
-    from lmforge.serve import _gemv_triton
-
+def _count_calls(monkeypatch, module, name: str) -> dict:
+    """Wrap ``module.name`` so each call is counted in the returned ``{"n": ...}``."""
     calls = {"n": 0}
-    real = _gemv_triton.gemv_partials
+    real = getattr(module, name)
 
     def counting(*a, **k):
         calls["n"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(_gemv_triton, "gemv_partials", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
+
+
+def _count_gemv(monkeypatch) -> dict:
+    from lmforge.serve import _gemv_triton
+
+    return _count_calls(monkeypatch, _gemv_triton, "gemv_partials")
 
 
 def _step_logits(model, device, decoder_fn):
@@ -449,14 +454,7 @@ else:
         model = _model(**kw)
         want, c0 = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))
         calls = _count_gemv(monkeypatch)
-        fused = {"n": 0}
-        real = _rope_kv_triton.rope_write_kv
-
-        def counting(*a, **k):
-            fused["n"] += 1
-            return real(*a, **k)
-
-        monkeypatch.setattr(_rope_kv_triton, "rope_write_kv", counting)
+        fused = _count_calls(monkeypatch, _rope_kv_triton, "rope_write_kv")
 
         def compiled(cache, batch):
             dec = CompiledDecode(model, cache, None, gemv=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import sys
 import threading
 import time
 import uuid
@@ -112,19 +111,10 @@ class EngineLoop:
     and after each step the engine thread sends *one* ``call_soon_threadsafe`` per event loop
     carrying every request's :class:`Delta` (new ids, logprobs and text since the last step,
     sliced from the end: O(new tokens)). Aborts go through an inbox the same way.
-
-    ``switch_interval`` (seconds; None leaves it) is set as the process's GIL switch interval
-    while the loop runs: the engine thread gives the GIL up around every torch op and, with
-    CPython's default 5 ms, waits up to that long to get it back whenever the event loop is
-    busy writing chunks. On the shared CPU, 0.5 ms gave a median 1.1x lower TPOT over 8
-    alternating pairs of runs, within the noise (notes/serve3.md); to be confirmed on the GPU
-    host (``LMFORGE_BENCH_SWITCH=none`` in ``benchmarks/serve.py --only server`` is the peer).
     """
 
-    def __init__(self, engine: Engine, switch_interval: float | None = 0.0005) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.switch_interval = switch_interval
-        self._old_switch: float | None = None
         self._cv = threading.Condition()
         self._inbox: deque[tuple[str, list[int], SamplingParams, _Sub]] = deque()
         self._aborts: deque[str] = deque()
@@ -140,9 +130,6 @@ class EngineLoop:
         self.error: BaseException | None = None
 
     def start(self) -> None:
-        if self.switch_interval is not None:
-            self._old_switch = sys.getswitchinterval()
-            sys.setswitchinterval(self.switch_interval)
         self._thread.start()
 
     def stop(self) -> None:
@@ -150,9 +137,6 @@ class EngineLoop:
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout=30)
-        if self._old_switch is not None:
-            sys.setswitchinterval(self._old_switch)
-            self._old_switch = None
 
     def submit(
         self,
