@@ -435,7 +435,7 @@ def _busy_us(prof: object, steps: int) -> float:
 
 # Kernel families, matched in order against a kernel's name (lower case).
 _FAMILIES = (
-    ("grouped GEMM", ("grouped", "group_gemm")),
+    ("grouped GEMM", ("grouped", "group_gemm", "groupproblemshape", "ptrarray")),
     ("GEMM", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "aten::mm", "aten::bmm")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
@@ -450,13 +450,15 @@ _FAMILIES = (
 def _family(name: str) -> str:
     low = name.lower()
     # Triton kernels (lmforge's own and Inductor's) carry bare names; ATen's are C++ templates
-    # ("void at::native::elementwise_kernel<...>"), which the "_kernel" key must not claim.
-    if "::" not in name and (name.startswith("_") or low.startswith("triton")):
+    # ("void at::native::elementwise_kernel<...>") or mangled ("_ZN7cutlass13device_kernel...":
+    # torch._grouped_mm's CUTLASS kernels), which the Triton keys must not claim.
+    cxx = "::" in name or name.startswith("_Z")
+    if not cxx and (name.startswith("_") or low.startswith("triton")):
         if "adam" in low:
             return "optimizer"
         return "Triton (lmforge)" if name.startswith("_") else "Triton (Inductor)"
     for fam, keys in _FAMILIES:
-        if fam == "Triton (lmforge)" and "::" in name:
+        if fam == "Triton (lmforge)" and cxx:
             continue
         if any(k in low for k in keys):
             return fam

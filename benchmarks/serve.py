@@ -477,7 +477,9 @@ def _time_engine_decode(
     if PROFILE:
         eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
         eng.step()  # prefill
-        profile_steps(eng, f"decode, graphs={graphs}, compile={compile}")
+        gemv = eng.decoder is not None and getattr(eng.decoder, "gemv", None) is not None
+        on = ", decode GEMV (Triton)" if gemv else (", cuBLAS GEMVs" if compile else "")
+        profile_steps(eng, f"decode, graphs={graphs}, compile={compile}{on}")
         while eng.has_unfinished():
             eng.step()
     return statistics.median(runs), eng

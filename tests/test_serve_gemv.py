@@ -473,8 +473,9 @@ else:
 
     def test_step_under_another_table_traces_its_own_split(monkeypatch) -> None:
         """Two engines on one model, the second made under a table with other splits: the
-        splits are graph constants, so the second traces its own graph (no shape mismatch
-        between the traced partial sums and the launch) and both give the eager logits."""
+        splits are graph constants (static leading dims of the partial sums, so inductor can
+        unroll their sum), the second traces its own graph (no shape mismatch between the
+        traced partial sums and the launch) and both give the eager logits."""
         from lmforge.serve import _gemv_triton
         from lmforge.serve._gemv_triton import GemvConfig
         from lmforge.serve.compiled import CompiledDecode, decode_forward
@@ -482,7 +483,15 @@ else:
 
         model = _model()
         want, _ = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))
-        fn = torch.compile(decode_forward, dynamic=True, fullgraph=True, backend="aot_eager")
+        traced = []  # per graph: the leading dim of every gemv's partial sums
+
+        def recording(gm, example_inputs):
+            dims = [n.meta["example_value"].shape[0] for n in gm.graph.nodes
+                    if n.op == "call_function" and "lmforge_serve.gemv" in str(n.target)]  # fmt: skip
+            traced.append(dims)
+            return gm.forward
+
+        fn = torch.compile(decode_forward, dynamic=True, fullgraph=True, backend=recording)
         plans = []
 
         def compiled(cache, batch):
@@ -498,6 +507,9 @@ else:
         monkeypatch.setitem(_gemv_triton.TABLE, (64, 160), GemvConfig(32, 32, 5))
         got2, _ = _step_logits(model, "cpu", compiled)
         assert plans[0][0][0][3] != plans[1][0][0][3] == 5
+        assert len(traced) == 2 and all(type(d) is int for dims in traced for d in dims)
+        for dims, plan in zip(traced, plans, strict=True):  # q|k|v, o, w1|w3, w2 per layer, head
+            assert dims == [s for layer in plan[0] for s in layer[:4]] + [plan[1]]
         torch.testing.assert_close(got1, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got2, want, atol=1e-4, rtol=1e-4)
 

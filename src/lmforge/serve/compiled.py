@@ -42,8 +42,10 @@ Exercised by ``pytest tests/test_serve_compiled.py``.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -331,10 +333,17 @@ def _gemv_dtypes(device: torch.device) -> tuple[torch.dtype, ...] | None:
     return GEMV_DTYPES if device.type == "cuda" and triton_available() else None
 
 
-def _no_duck_shapes():
+@contextlib.contextmanager
+def _trace_settings() -> Iterator[None]:
+    """How dynamo traces the step. No duck sizing: a batch that happens to equal another size
+    at compile time (the layer count, the table width) must not tie the two together. Int
+    arguments specialised: under ``dynamic=True`` the GEMV plan's splits would otherwise become
+    symbols, the partials' leading dim unknown, and inductor could not unroll their ``.sum(0)``
+    into the consumer (on the H200: 66 separate sum kernels per TinyLlama step)."""
     from torch.fx.experimental import _config
 
-    return _config.patch(use_duck_shape=False)
+    with _config.patch(use_duck_shape=False), torch._dynamo.config.patch(specialize_int=True):
+        yield
 
 
 class CompiledDecode:
@@ -394,9 +403,7 @@ class CompiledDecode:
                 tables = F.pad(tables, (0, 1))  # block 0, past ctx_lens: never read
             small = self.gemv is not None and len(batch.q_lens) <= GEMV_MAX_ROWS
             try:
-                # No duck sizing: a batch that happens to equal another size at compile time
-                # (the layer count, the table width) must not tie the two together.
-                with _no_duck_shapes():
+                with _trace_settings():
                     return self._fn(
                         self.model,
                         self.cache.k,
