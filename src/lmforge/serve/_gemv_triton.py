@@ -15,7 +15,8 @@ as tensor-core dots with the operands swapped — ``W_tile (BLOCK_N, BLOCK_K) @ 
 to 16 with masked (never fetched) loads, its N side; W streams through shared memory in
 ``stages`` pipelined 16-byte-per-thread copies. No atomics and no second kernel: the op returns
 the (SPLIT, M, N) fp32 partial sums and the caller adds them (``P.sum(0)``). Under
-``torch.compile`` that sum of ≤ 8 terms is unrolled by inductor into pointwise loads and fused
+``torch.compile`` (the decode step compiled with ``unroll_reductions_threshold`` above MAX_SPLIT:
+inductor's default unrolls fewer than 8 terms) that sum is unrolled into pointwise loads and fused
 into the kernel that consumes y (the RoPE, the SwiGLU, the residual add + RMSNorm), so split-K
 costs neither a launch nor a pass over y. Rows past N re-read row N−1 (clamped index, so W's
 loads need no mask) and are not stored; K not a multiple of BLOCK_K masks the last chunk.
@@ -43,7 +44,7 @@ from lmforge.kernels._common import ensure_interpreter_compat, interpreting
 
 MAX_ROWS = 8  # decode buckets 1, 2, 4, 8; larger batches are GEMMs: cuBLAS
 _ROWS_PAD = 16  # tl.dot's smallest tile side
-# inductor unrolls a sum of <= 8 terms into its consumer (config.unroll_reductions_threshold)
+# the compiled decode step has inductor unroll a sum of <= MAX_SPLIT terms into its consumer
 MAX_SPLIT = 8
 
 

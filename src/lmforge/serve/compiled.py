@@ -325,6 +325,11 @@ def decode_forward(
     return model.logits_from_hidden(h).float()  # (S, V)
 
 
+# inductor unrolls a sum of fewer terms than this into its consumer's kernel (its default, 8,
+# would leave a split of 8 as one more kernel): above the GEMV's MAX_SPLIT
+SUM_UNROLL = 9
+
+
 def _gemv_dtypes(device: torch.device) -> tuple[torch.dtype, ...] | None:
     """The weight dtypes the decode GEMV takes by default on ``device``: bf16/fp16 on CUDA with
     Triton, none elsewhere (the CPU keeps torch's matmul)."""
@@ -374,7 +379,8 @@ class CompiledDecode:
         self.use_triton = use_triton
         self._flag = -1 if use_triton is None else int(use_triton)
         self.failed: str | None = None
-        self._fn = torch.compile(decode_forward, dynamic=True)
+        unroll = {"unroll_reductions_threshold": SUM_UNROLL}
+        self._fn = torch.compile(decode_forward, dynamic=True, options=unroll)
 
     def warmup(self, scratch_block: int, block_size: int) -> None:
         """Compile now (batch 2: the dynamic graph; batch 1: its specialisation) on a dummy
