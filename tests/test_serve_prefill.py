@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from _interp import run_pytest_in_interpreter
+from _sm90 import compile_sm90
 from lmforge.serve.attention import paged_attention_float64, paged_prefill, prefill_plan
 
 _CHILD = os.environ.get("TRITON_INTERPRET") == "1"
@@ -255,32 +256,22 @@ def _compile_sm90(dtype: str, e: int, block_m: int, block_n: int, warps: int, st
     """The prefill kernel lowered to a Hopper cubin (no GPU needed: Triton's bundled ptxas)."""
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from lmforge.serve import _prefill_triton as pt
 
-    jit = pt._paged_prefill_kernel
     mma = {"bf16": tl.bfloat16, "fp16": tl.float16}[dtype]
     consts = dict(G=2, E=e, EP=max(16, triton.next_power_of_2(e)), BS=16, BLOCK_M=block_m,
                   BLOCK_N=block_n, MMA=mma, PREC="tf32")  # fmt: skip
-    sig, attrs = {}, {}
-    for i, name in enumerate(jit.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = "*i32" if name in pt._INT_INPUTS else "*" + dtype
-            if name not in pt._INT_INPUTS:  # do_not_specialize_on_alignment
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if name != "stride_bts":  # do_not_specialize
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(jit, sig, consts, attrs)
-    options = {"num_warps": warps, "num_stages": stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+    def arg(name):  # the int inputs and stride_bts: do_not_specialize(_on_alignment)
+        if name.endswith("_ptr"):
+            ints = name in pt._INT_INPUTS
+            return ("*i32" if ints else "*" + dtype), not ints
+        if name == "qk_scale":
+            return "fp32", False
+        return "i32", name != "stride_bts"
+
+    return compile_sm90(pt._paged_prefill_kernel, consts, arg, warps, stages)
 
 
 @pytest.mark.slow
@@ -330,3 +321,47 @@ def test_prefill_falls_back_to_torch_when_the_kernel_cannot_build(
     assert attention._PREFILL_FAILED
     attention.paged_prefill(q, k_cache, v_cache, tables, q_lens, ctx_lens)  # auto: kernel skipped
     assert len(calls) == 1
+
+
+def test_engine_skips_a_prefill_kernel_that_failed_to_build(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The engine's default (kernel where it runs): after the first build failure no later
+    layer or step tries the kernel again — one stderr line for the whole run, the torch path's
+    tokens. The CPU stands in for CUDA in the rule (the rule itself unchanged)."""
+    pytest.importorskip("triton")
+    from triton.runtime.errors import OutOfResources
+
+    from lmforge.serve import _prefill_triton, attention, runner
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    real = attention.prefill_kernel_on
+
+    def as_if_cuda(device, head_dim):
+        return real(torch.device("cuda"), head_dim)
+
+    model = _tiny_model(2)
+    want = _greedy(model, use_triton=False)
+    monkeypatch.setattr(_prefill_triton, "paged_prefill_triton", broken)
+    monkeypatch.setattr(attention, "_PREFILL_FAILED", False)
+    for module in (attention, runner):
+        monkeypatch.setattr(module, "prefill_kernel_on", as_if_cuda)
+    assert _greedy(model, use_triton=None) == want  # several prefill steps, 2 layers each
+    err = [line for line in capsys.readouterr().err.splitlines() if "prefill kernel" in line]
+    assert len(calls) == 1 and len(err) == 1
+
+
+def test_prefill_kernel_rule_keeps_wide_heads_on_torch() -> None:
+    """Heads wider than the kernel takes (and the CPU) stay on the torch path by default."""
+    from lmforge.serve import attention
+
+    if attention.triton_decode_available(torch.device("cuda")):
+        cuda = torch.device("cuda")
+        assert attention.prefill_kernel_on(cuda, attention.PREFILL_MAX_HEAD_DIM)
+        assert not attention.prefill_kernel_on(cuda, attention.PREFILL_MAX_HEAD_DIM * 2)
+    assert not attention.prefill_kernel_on(torch.device("cpu"), 64)

@@ -199,16 +199,19 @@ def prefill_plan(
     q_lens: Sequence[int],
     ctx_lens: Sequence[int],
     device: torch.device,
-    block_m: int = 128,
+    block_m: int | None = None,
     *,
+    head_dim: int = 128,
     short_tiles: bool = True,
 ) -> PrefillPlan:
-    """The step's tile lists from the chunk and context lengths (one host-to-device copy).
+    """The step's tile lists from the chunk and context lengths (one host-to-device copy);
+    ``block_m`` query rows per long tile (None: :func:`default_block_m` of ``head_dim``).
 
     Tiles are listed by descending key count (the last tiles of the longest contexts first):
     programs start in grid order, so the longest ones do not run alone at the end.
     ``short_tiles=False`` puts short chunks in ``block_m``-row tiles too (the benchmark's peer).
     """
+    block_m = block_m or default_block_m(head_dim)
     cu = [0]
     tiles: list[tuple[int, int, int]] = []  # (keys read, seq, first row)
     short: list[tuple[int, int]] = []  # (keys read, seq)

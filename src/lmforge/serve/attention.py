@@ -42,6 +42,7 @@ __all__ = [
     "paged_decode_reference",
     "paged_prefill",
     "paged_prefill_reference",
+    "prefill_kernel_on",
     "prefill_plan",
     "write_kv",
 ]
@@ -183,7 +184,7 @@ def paged_prefill(
     """
     global _PREFILL_FAILED
     if use_triton is None:
-        use_triton = q.is_cuda and triton_decode_available(q.device) and not _PREFILL_FAILED
+        use_triton = prefill_kernel_on(q.device, q.shape[-1])
     if not use_triton:
         return paged_prefill_reference(
             q, k_cache, v_cache, block_tables, q_lens, ctx_lens,
@@ -212,7 +213,19 @@ def paged_prefill(
         )  # fmt: skip
 
 
-_PREFILL_FAILED = False  # set once the kernel failed to build: later steps skip it
+_PREFILL_FAILED = False  # set once the kernel failed to build: later calls skip it
+PREFILL_MAX_HEAD_DIM = 256  # the prefill kernel's widest head (larger: the torch path)
+
+
+def prefill_kernel_on(device: torch.device, head_dim: int) -> bool:
+    """Whether :func:`paged_prefill` takes the Triton kernel by default (``use_triton`` None):
+    on CUDA with Triton, a head dim it supports, and not after the kernel failed to build."""
+    return (
+        device.type == "cuda"
+        and head_dim <= PREFILL_MAX_HEAD_DIM
+        and not _PREFILL_FAILED
+        and triton_decode_available(device)
+    )
 
 
 def _triton_build_errors() -> tuple[type[BaseException], ...]:
@@ -233,10 +246,9 @@ def prefill_plan(
 ) -> PrefillPlan:
     """The prefill kernel's tile list for one step (host work + one copy; reuse it per layer).
     ``block_m`` query rows per tile (None: the default for ``head_dim``)."""
-    from lmforge.serve._prefill_triton import default_block_m
     from lmforge.serve._prefill_triton import prefill_plan as build
 
-    return build(q_lens, ctx_lens, device, block_m or default_block_m(head_dim))
+    return build(q_lens, ctx_lens, device, block_m, head_dim=head_dim)
 
 
 def _triton_decode(

@@ -22,8 +22,8 @@ from torch import nn
 from lmforge.serve.attention import (
     paged_decode,
     paged_prefill,
+    prefill_kernel_on,
     prefill_plan,
-    triton_decode_available,
     write_kv,
 )
 
@@ -125,7 +125,7 @@ def _attention(
         o = paged_prefill(
             q, k_cache, v_cache, batch.tables_list, batch.q_lens, batch.ctx_lens_list,
             block_table_tensor=batch.block_tables, ctx_lens_tensor=batch.ctx_lens, plan=plan,
-            use_triton=plan is not None,
+            use_triton=use_triton if plan is not None else False,  # None: paged_prefill's rule
         )  # (N, H, E)  # fmt: skip
     return attn.output_proj(o.reshape(n, nh * e))  # (N, D)
 
@@ -142,11 +142,8 @@ def forward_step(
     plan = None
     if not batch.decode_only:  # the prefill kernel's tiles: built once per step, not per layer
         dev = batch.tokens.device
-        kernel = use_triton if use_triton is not None else (
-            dev.type == "cuda" and triton_decode_available(dev)
-        )  # fmt: skip
-        if kernel:
-            e = model.layers[0].attn.head_dim
+        e = model.layers[0].attn.head_dim
+        if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
             plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
     x = model.residual_stream(model.token_embeddings(batch.tokens))  # (N, D)
     for i, layer in enumerate(model.layers):
