@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from _sm90 import ptxas_registers
+from _sm90 import compile_sm90, ptxas_registers
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,26 +32,14 @@ def _compile(
     div16=(),
 ):  # fmt: skip
     # div16: integer arguments Triton specialises as divisible by 16 at run time (e.g. D, V)
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    def arg(name: str) -> tuple[str, bool]:
+        if name in ptr_types or (name in POINTERS and name not in ints):
+            return ptr_types.get(name, "*" + dtype), True
+        if name in ("sm_scale", "eps", "z_loss"):
+            return "fp32", False
+        return "i32", name.startswith("stride") or name in div16
 
-    signature, attrs = {}, {}
-    for i, name in enumerate(jitfn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ptr_types or (name in POINTERS and name not in ints):
-            signature[name] = ptr_types.get(name, "*" + dtype)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("sm_scale", "eps", "z_loss"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride") or name in div16:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(jitfn, signature, constexprs, attrs)
-    options = {"num_warps": warps, "num_stages": stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compile_sm90(jitfn, constexprs, arg, warps, stages)
 
 
 @pytest.mark.parametrize("e", [64, 128, 256])

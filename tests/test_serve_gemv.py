@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _interp import run_pytest_in_interpreter
-from _sm90 import ptxas_registers
+from _sm90 import compile_sm90, ptxas_registers
 
 _CHILD = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -130,12 +130,13 @@ if not _CHILD:
         """Every table launch: power-of-two tiles (tl.arange), a chunk no wider than K, at most
         one split per chunk and MAX_SPLIT splits (inductor unrolls that sum into the consumer)."""
         pytest.importorskip("triton")
-        from lmforge.serve._gemv_triton import MAX_SPLIT, TABLE, default_config
-        from lmforge.serve.compiled import SUM_UNROLL
+        from lmforge.serve._gemv_triton import MAX_ROWS, MAX_SPLIT, TABLE, default_config
+        from lmforge.serve.compiled import GEMV_MAX_ROWS, SUM_UNROLL
 
         configs = [(n, k, c) for (n, k), c in TABLE.items() if c is not None]
         configs += [(n, k, default_config(n, k)) for n, k in [(96, 64), (50000, 4096), (8, 16)]]
         assert MAX_SPLIT < SUM_UNROLL  # the compiled step unrolls every split's sum
+        assert GEMV_MAX_ROWS <= MAX_ROWS  # the compiled step's GEMV batches fit the kernel
         for n, k, c in configs:
             assert c.block_n in (32, 64, 128) and c.block_k & (c.block_k - 1) == 0, (n, k, c)
             assert 16 <= c.block_k <= max(16, k), (n, k, c)
@@ -333,31 +334,20 @@ if not _CHILD:
         assert equal >= len(prompts) // 2
 
     def _compile_sm90(cfg, even_k=True, dtype="bf16"):
-        import triton
         import triton.language as tl
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
 
         from lmforge.serve import _gemv_triton as gt
 
-        jit = gt._gemv_kernel
         consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MP=16,
                       EVEN_K=even_k, MMA={"bf16": tl.bfloat16, "fp16": tl.float16}[dtype],
                       PREC="tf32")  # fmt: skip
-        sig, attrs = {}, {}
-        for i, name in enumerate(jit.arg_names):
-            if name in consts:
-                sig[name] = "constexpr"
-            elif name.endswith("_ptr"):
-                sig[name] = "*fp32" if name == "out_ptr" else "*" + dtype
-                attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                sig[name] = "i32"
-                if name != "M":  # N, K and the row strides are multiples of 16 here
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        src = ASTSource(jit, sig, consts, attrs)
-        options = {"num_warps": cfg.warps, "num_stages": cfg.stages}
-        return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
+
+        def arg(name):  # N, K and the row strides are multiples of 16 here, M is not
+            if name.endswith("_ptr"):
+                return ("*fp32" if name == "out_ptr" else "*" + dtype), True
+            return "i32", name != "M"
+
+        return compile_sm90(gt._gemv_kernel, consts, arg, cfg.warps, cfg.stages)
 
     @pytest.mark.slow
     @pytest.mark.skipif(not _HAS_TRITON, reason="needs triton")
@@ -383,10 +373,7 @@ if not _CHILD:
     @pytest.mark.skipif(not _HAS_TRITON, reason="needs triton")
     @pytest.mark.parametrize("e", [64, 128])
     def test_rope_kv_kernel_compiles_for_sm90(e) -> None:
-        import triton
         import triton.language as tl
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
 
         from lmforge.serve._rope_kv_triton import _rope_kv_kernel as jit
 
@@ -396,10 +383,7 @@ if not _CHILD:
         for qk_norm in (False, True):
             consts = dict(SPLIT=8, H=32, KV=4, HALF=e // 2, HP=e // 2, DTYPE=tl.bfloat16,
                           QK_NORM=qk_norm)  # fmt: skip
-            sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in jit.arg_names}
-            src = ASTSource(jit, sig, consts, {})
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64),
-                                      options={"num_warps": 1})  # fmt: skip
+            compiled = compile_sm90(jit, consts, lambda n: (ptrs.get(n, "i32"), False), warps=1)
             assert ptxas_registers(compiled.asm["ptx"])[1] == 0
 
 else:
