@@ -16,7 +16,7 @@
 #   scaling    benchmarks/scaling*.py         (issue 24)
 #   posttrain  benchmarks/weight_sync.py, benchmarks/posttrain_rl.py and benchmarks/rollout.py
 #              (issue 23)
-#   smol       the SmolLM2 runs: benchmarks/rollout.py --profile and benchmarks/posttrain_gsm8k.py
+#   smol       the SmolLM2 runs: benchmarks/posttrain_gsm8k.py
 #              (issue 23, evidence 2; stages GSM8K_STAGES, default sft,grpo; GRPO_ITERATIONS,
 #              default 20), then benchmarks/speculative.py (issue 22, benchmark 4). Needs the GGUF
 #              at .carry/smol.gguf or /tmp/smol/smol.gguf: the 93.8 MiB file is over one call's
@@ -157,8 +157,8 @@ part_smol() {
             --target /tmp/lmforge-gguf .carry/ggufwhl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/lmforge-gguf"
     fi
     if [ -f .carry/gsm8k/test.jsonl ]; then
-        # GSM8K evidence first (issue 23); the rollout profile says whether GRPO's sampling is fast
-        [ -f benchmarks/rollout.py ] && step rollout 120 "$PY" benchmarks/rollout.py --profile
+        # GSM8K evidence first (issue 23; part posttrain's rollout profile says whether GRPO's
+        # sampling is fast)
         step posttrain_gsm8k 540 "$PY" benchmarks/posttrain_gsm8k.py --device cuda --quiet \
             --stages "${GSM8K_STAGES:-sft,grpo}" --grpo-iterations "${GRPO_ITERATIONS:-20}" \
             --model .carry/smol.gguf --data-dir .carry/gsm8k --out runs/posttrain_gsm8k

@@ -206,8 +206,8 @@ def main() -> None:
     ref_layer.backend = "reference"
     dense = SwiGLU(d, k * f).to(dev)
     # The dense peer with the same packed gate the MoE path uses (one w1|w3 GEMM + Triton gate).
-    dense_packed = _FFN(ModelConfig(d_model=d, n_heads=cfg.n_heads, d_ff=k * f, swiglu="triton"))
-    dense_packed = dense_packed.to(dev)
+    dense_cfg = ModelConfig(d_model=d, n_heads=cfg.n_heads, d_ff=k * f, swiglu="triton")
+    dense_packed = _FFN(dense_cfg).to(dev)
     xin = torch.randn(m, d, device=dev, requires_grad=True)
     gout = torch.randn(m, d, device=dev)
 
@@ -255,18 +255,20 @@ def main() -> None:
     )
 
     # The same layers as the Trainer runs them: train.master_weights makes the expert and Linear
-    # weights bf16 (the router stays fp32) and every step starts from fresh gradients, so the
-    # steps above pay fp32->bf16 weight casts, bf16->fp32 gradient casts and fp32 gradient
-    # accumulation (.grad += ...) that a training step does not.
+    # weights bf16 (the router stays fp32: bf16_weight_copies, the Trainer's own rule) and every
+    # step starts from fresh gradients, so the steps above pay fp32->bf16 weight casts,
+    # bf16->fp32 gradient casts and fp32 gradient accumulation (.grad += ...) that a training
+    # step does not.
+    from lmforge.train.wrap import bf16_weight_copies
+
     def as_trained(mod: torch.nn.Module, src: torch.nn.Module) -> torch.nn.Module:
         mod.load_state_dict(src.state_dict())
-        for name, prm in mod.named_parameters():
-            if cuda and prm.dim() >= 2 and not name.startswith("router"):
-                prm.data = prm.data.to(torch.bfloat16)
-        return mod.to(dev).train()
+        mod = mod.to(dev).train()
+        if cuda:
+            bf16_weight_copies(mod)
+        return mod
 
     moe_tr = as_trained(M.MoEFFN(cfg), moe_layer)
-    dense_cfg = ModelConfig(d_model=d, n_heads=cfg.n_heads, d_ff=k * f, swiglu="triton")
     dense_tr = as_trained(_FFN(dense_cfg), dense_packed)
 
     def fresh_step(mod: torch.nn.Module, with_aux: bool) -> None:
@@ -412,27 +414,6 @@ def _kernel_rows(prof: object, cuda: bool, steps: int) -> list[tuple[str, float,
     return rows
 
 
-def _busy_us(prof: object, steps: int) -> float:
-    """GPU busy time per step: the union of the kernels' [start, end) intervals (µs), so two
-    kernels that overlap on different streams count once."""
-    spans = sorted(
-        (ev.time_range.start, ev.time_range.end)
-        for ev in prof.events()  # type: ignore[attr-defined]
-        if _is_kernel(ev)
-    )
-    busy, cur_start, cur_end = 0.0, None, None
-    for a, b in spans:
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                busy += cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        busy += cur_end - cur_start
-    return busy / steps
-
-
 # Kernel families, matched in order against a kernel's name (lower case).
 _FAMILIES = (
     ("grouped GEMM", ("grouped", "group_gemm", "groupproblemshape", "ptrarray")),
@@ -468,13 +449,14 @@ def _family(name: str) -> str:
 def _step_profiles(fns: dict, step_ms: dict, dev: str, top: int) -> None:
     """One training step of each model, side by side: step time (timed without the profiler),
     GPU busy time, kernels per step, time per kernel family, and each step's top kernels."""
-    from lmforge.bench.timing import markdown_table
+    from lmforge.bench.timing import cuda_kernel_gaps, markdown_table
 
     cuda = dev == "cuda"
     per: dict[str, tuple[list, float]] = {}
     for name, fn in fns.items():
         prof, steps = _profiled(fn, cuda, steps=3)
-        per[name] = (_kernel_rows(prof, cuda, steps), _busy_us(prof, steps) if cuda else 0.0)
+        busy = cuda_kernel_gaps(prof)["busy"] / steps if cuda else 0.0  # µs per step
+        per[name] = (_kernel_rows(prof, cuda, steps), busy)
     names = list(fns)
     what = "kernels" if cuda else "CPU operators"
     summary = []

@@ -648,11 +648,10 @@ def _prefill_steps(in_lens: list[int], budget: int = 16384) -> dict[str, list[tu
     return {"first": first, "mixed": mixed}
 
 
-def _first_step(in_lens: list[int], budget: int) -> list[tuple[int, int]]:
-    return _prefill_steps(in_lens, budget)["first"]
-
-
 def _cuda_ms(fn, reps: int) -> list[float]:
+    """ms of each of ``reps`` calls, CUDA events around the call and a sync after it: the host
+    time to launch is counted (on purpose: the per-sequence SDPA loop the prefill kernel
+    replaces is launch-bound, and that is its cost in a serving step)."""
     out = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -688,9 +687,9 @@ def bench_prefill(quick: bool) -> None:
     in_lens = torch.randint(100, 1025, (256,), generator=g).tolist()  # bench_throughput's draw
     steps = _prefill_steps(in_lens)
     # the engine's default budget (2048 tokens per step) against the benchmark's 16384
-    steps["first, 2048-token budget"] = _first_step(in_lens, 2048)
+    steps["first, 2048-token budget"] = _prefill_steps(in_lens, 2048)["first"]
     model = _model(QWEN3_06B)
-    n_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    n_params = model.num_parameters(exclude_embeddings=True)
     _line(
         "\n## 2a. prefill steps of the throughput workload (Qwen3-0.6B shape, bf16, blocks of 16)"
     )
@@ -833,7 +832,8 @@ def _prefill_sweep(name, q, kc, vc, bt, ctx_t, q_lens, ctx, default_ms) -> None:
     _line("|---|---:|---:|---:|---:|---:|---:|")
     if any(t <= SHORT_ROWS for t in q_lens):
         keep = [i for i, t in enumerate(q_lens) if t <= SHORT_ROWS]
-        plan = prefill_plan([q_lens[i] for i in keep], [ctx[i] for i in keep], q.device)
+        plan = prefill_plan([q_lens[i] for i in keep], [ctx[i] for i in keep], q.device,
+                            head_dim=q.shape[-1])  # fmt: skip
         starts = [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in keep]).to(q.device)
         args = (q[rows], kc, vc, bt[keep], ctx_t[keep], plan)
@@ -901,11 +901,12 @@ def bench_throughput(quick: bool) -> None:
           f"{n_req} that bounds output at {n_req / (wb / HBM):,.0f} tok/s (before KV reads)")  # fmt: skip
     # The whole run's floor: every decode step reads each running sequence's K/V once (prompt +
     # tokens so far), the weights once per step (at least max(out) steps), prefill's GEMM FLOPs.
-    cfg = model.config
-    kv_tok = 2 * cfg.n_layers * cfg.kv_heads * int(cfg.head_dim) * 2  # bf16 K and V, per token
+    from lmforge.serve.runner import PagedKVCache
+
+    kv_tok = PagedKVCache.bytes_per_block(model, 1, torch.bfloat16)  # K and V of one token
     kv_s = sum(sum(p + j for j in range(1, n)) for p, n in zip(in_lens, out_lens)) * kv_tok / HBM
     w_s = max(out_lens) * wb / HBM
-    n_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n)
+    n_params = model.num_parameters(exclude_embeddings=True)
     pf_s = 2 * n_params * sum(in_lens) / PEAK_BF16
     total = kv_s + w_s + pf_s
     _line(f"whole-run floor: KV reads {kv_s:.2f} s + weights {w_s:.2f} s + prefill FLOPs "

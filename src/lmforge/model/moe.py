@@ -1,8 +1,8 @@
 """Mixture-of-experts feed-forward: router, three routing modes, balancing, expert compute.
 
 One MoE layer replaces a block's SwiGLU (``model.moe.*``, every ``moe.every``-th layer). Each
-token's hidden state x (D) is scored against N experts by a linear router (fp32, outside
-autocast): ``s = softmax(x Wr)`` or ``sigmoid(x Wr)``. Routing turns the (M, N) scores of the
+token's hidden state x (D) is scored against N experts by a linear router (fp32 logits from
+a GEMM in the compute dtype: :func:`router_logits`): ``s = softmax(x Wr)`` or ``sigmoid(x Wr)``. Routing turns the (M, N) scores of the
 M = B·T tokens of a batch into *assignments* (token, expert, gate weight):
 
 - ``token_choice`` (dropless): each token takes its top-k experts of ``s + b`` (b: the

@@ -62,8 +62,9 @@ def bf16_weight_copies(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.
     for layer in moe_layers(model):
         # The stacked expert weights are matmul weights too (the layer casts them to bf16 every
         # forward and their gradients back to fp32 every backward: ~450 MB of traffic and 6
-        # kernels per GPT-2-small MoE layer and step). The router stays fp32: it routes in fp32
-        # (outside autocast), and a bf16 copy would change which experts are chosen.
+        # kernels per GPT-2-small MoE layer and step). The router stays fp32: its GEMM rounds
+        # the weight to the compute dtype itself (router_logits) and its weight gradient
+        # comes out in fp32, which a bf16 copy would round.
         linear.update(id(w) for w in (layer.w1, layer.w2, layer.w3))
         linear.discard(id(layer.router.weight))
     out: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
