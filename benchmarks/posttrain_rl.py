@@ -62,6 +62,20 @@ from lmforge.posttrain.rollout import LocalEngine, make_engine
 from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
 from lmforge.posttrain.tasks import ArithmeticTask
 
+_TRANSPORTS = ("broadcast", "shared")  # PipelineConfig.transport's values
+
+
+def _transports(text: str) -> str:
+    """``--transport``: a comma-separated list, each one of :data:`_TRANSPORTS` (argparse's
+    ``choices`` checks one value, not a list)."""
+    bad = [t for t in text.split(",") if t and t not in _TRANSPORTS]
+    if bad or not text.strip(","):
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {(bad or [text])[0]!r} (choose from {', '.join(_TRANSPORTS)}; "
+            "comma-separated for one pipeline run each)"
+        )
+    return text
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -116,7 +130,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
                     help="gsm8k / math: the pipeline's weight broadcast (gloo: CPU buckets, one "
                          "shared device; nccl: one GPU per process)")  # fmt: skip
-    ap.add_argument("--transport", default="broadcast",
+    ap.add_argument("--transport", default="broadcast", type=_transports,
                     help="gsm8k / math: the pipeline's weight transfer, comma-separated (one "
                          "pipeline run each): broadcast (gloo / NCCL buckets) | shared (buckets "
                          "shared with the engine on the same device: CUDA IPC / shared memory)")  # fmt: skip
@@ -163,14 +177,12 @@ def main() -> None:
         rl.supervised_warmup(base, tok, rl.random_sampler(task, 0), args.warmup_steps, 64, 3e-3,
                              tok.eos_id, answer_fn=lambda it: task.warmup_answer(it, wr))  # fmt: skip
         if ws is not None:
-            from safetensors.torch import save_file
+            from safetensors.torch import save
 
-            ws.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ws.with_name(ws.name + ".tmp")
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in base.state_dict().items()}, str(tmp)
-            )
-            tmp.replace(ws)
+            from lmforge.utils.io import atomic_write_bytes
+
+            state = {k: v.detach().cpu().contiguous() for k, v in base.state_dict().items()}
+            atomic_write_bytes(ws, save(state))  # temp name, fsync, rename
     base.eval()
     eval_items = task.eval_set(args.eval_size)
     a0 = rl.evaluate_accuracy(LocalEngine(base, eos_ids=[tok.eos_id]), tok, eval_items,
@@ -458,8 +470,8 @@ _REAL_PARTS = {
 
 def _real_items(args, tok) -> list[dict]:
     """The train problems as ``lmforge rl --task gsm8k|math`` builds them (chat-templated prompt)."""
-    from lmforge.posttrain.chat import prompt_text
-    from lmforge.posttrain.tasks import gsm8k_user_message, read_jsonl
+    from lmforge.posttrain.commands import math_items
+    from lmforge.posttrain.tasks import read_jsonl
     from lmforge.utils.errors import LmforgeError
 
     if not args.data:
@@ -468,17 +480,7 @@ def _real_items(args, tok) -> list[dict]:
         )
     data = Path(args.data)
     recs = read_jsonl(data / "train.jsonl" if data.is_dir() else data, "--data")
-    recs = recs[: args.train_limit] if args.train_limit else recs
-    key = "question" if args.task == "gsm8k" else "problem"
-
-    def user(rec: dict) -> str:
-        if key not in rec or "answer" not in rec:
-            raise LmforgeError(f"{args.task} record lacks '{key}' or 'answer'")
-        if args.task == "gsm8k":
-            return gsm8k_user_message(rec[key])
-        return rec[key] + " Put the final answer in \\boxed{}."
-
-    return [{**r, "prompt": prompt_text(tok, user(r), True)} for r in recs]
+    return math_items(args.task, tok, recs[: args.train_limit] if args.train_limit else recs)
 
 
 def _serve_stats(eng) -> dict:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch
 
-from lmforge.bench.timing import cuda_kernel_totals
+from lmforge.bench.timing import cuda_kernel_totals, environment_line, markdown_table
 from lmforge.generate import generate
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.posttrain.rollout import SamplingParams, make_engine
@@ -135,21 +135,21 @@ def run(shape: dict, dtype: torch.dtype, device: str, n_prompts: int, group: int
     for kind, (n, t) in split.items():
         _line(f"  {kind} steps: {n}, {t:.2f} s ({t / wall:.0%}), {t / max(n, 1) * 1e3:.2f} ms/step")
     if profile and device == "cuda":
-        _profile(adapter, eng, prompts, group)
+        _profile(eng, prompts, group)
     dec_n, dec_t = split["decode"]
-    row = [name, n_out, round(wall, 2), round(n_out / wall), round(dec_t / max(dec_n, 1) * 1e3, 2)]
+    row = [name, n_out, wall, round(n_out / wall), dec_t / max(dec_n, 1) * 1e3]
     del adapter, eng, model
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
-def _profile(adapter, eng, prompts: list[list[int]], group: int, n_steps: int = 10) -> None:
+def _profile(eng, prompts: list[list[int]], group: int, n_steps: int = 10) -> None:
     """Kernels and GPU-busy time per decode step vs its wall time, every sample running."""
     from torch.profiler import ProfilerActivity, profile
 
     for p in prompts:
-        eng.add_request(p, _serve_params(adapter, group))
+        eng.add_request(p, _serve_params(group))
     while eng.waiting or any(s.n_cached < len(s.tokens) - 1 for s in eng.running):
         eng.step()
     walls = []
@@ -175,7 +175,7 @@ def _profile(adapter, eng, prompts: list[list[int]], group: int, n_steps: int = 
         _line(f"  | {short} | {cnt / n_steps:.1f} | {us / n_steps:.1f} |")
 
 
-def _serve_params(adapter, group: int):
+def _serve_params(group: int):
     from lmforge.serve.engine import SamplingParams as ServeParams
 
     return ServeParams(temperature=1.0, max_tokens=64, n=group, ignore_eos=True)
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompts, args.group, args.max_tokens, args.prompt_len = 4, 2, 8, 20
     dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
-    _line(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}")  # fmt: skip
+    _line(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {environment_line()}")
     m = _model(shape, torch.float32, "cpu")
     wb = sum(p.numel() * p.element_size() for p in m.parameters())
     del m
@@ -208,10 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         check(shape, dt, args.device)
     rows = [run(shape, dt, args.device, args.prompts, args.group, args.max_tokens,
                 args.prompt_len, args.profile) for dt in dtypes]  # fmt: skip
-    _line("\n| engine (make_engine) | output tokens | wall (s) | output tok/s | decode ms/step |")
-    _line("|---|---:|---:|---:|---:|")
-    for r in rows:
-        _line("| " + " | ".join(str(x) for x in r) + " |")
+    header = ["engine (make_engine)", "output tokens", "wall (s)", "output tok/s", "decode ms/step"]
+    _line("\n" + markdown_table(header, rows))
     return 0
 
 

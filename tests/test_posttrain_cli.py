@@ -63,3 +63,36 @@ def test_rl_scratchpad_pipeline_command_runs(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "scratchpad" and summary["iterations"] == 2
     assert set(summary["staleness_histogram"]) <= {"0", "1"}
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--micro-batch", "0", "must be >= 1, got 0"),
+        ("--eval-every", "0", "must be >= 1, got 0"),
+        ("--prompts-per-step", "-2", "must be >= 1, got -2"),
+        ("--group-size", "0", "must be >= 1, got 0"),
+        ("--queue-size", "-1", "must be >= 0, got -1"),
+        ("--micro-batch", "x", "invalid int value: 'x'"),
+    ],
+)
+def test_rl_counts_must_be_positive(
+    tmp_path: Path, flag: str, value: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A zero micro-batch or eval interval is argparse's usage error naming the flag (no
+    traceback from deep in a run); the same value in a --config file is one line too."""
+    with pytest.raises(SystemExit) as exc:
+        main(["rl", "--pipeline", flag, value, "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if "error:" in line]
+    assert len(errors) == 1 and f"argument {flag}: {says}" in errors[0], err
+    assert "Traceback" not in "\n".join(err) and not (tmp_path / "o").exists()
+    if value.lstrip("-").isdigit():
+        f = tmp_path / "bad.toml"
+        key = flag.removeprefix("--").replace("-", "_")
+        f.write_text(f"[rl]\n{key} = {value}\n")
+        assert main(["rl", "--config", str(f), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"key '{key}' must be an integer >= " in err[0], err
+        assert not (tmp_path / "o").exists()

@@ -359,6 +359,7 @@ def test_rl_gsm8k_pipeline_command_runs(tmp_path, capsys: pytest.CaptureFixture[
         assert main([*common, *extra, "--out", str(tmp_path / "bad")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
+        assert not (tmp_path / "bad" / "metrics.jsonl").exists()  # before the first evaluation
 
 
 @pytest.mark.slow  # ~5 s: keeps this file's new default-tier tests within their ~20 s
@@ -407,17 +408,14 @@ class _FailingPrompts:
 
 def test_an_engine_failure_is_one_line_in_the_trainer() -> None:
     """The engine process's error reaches the trainer as one LmforgeError (no hang, no
-    traceback from the other process), whatever collective the trainer was in."""
-    import time
-
+    traceback from the other process), whatever collective the trainer was in. A hang fails
+    on the trainer's own wait for rollouts (a timeout with its message)."""
     from lmforge.posttrain.pipeline import ListPrompts
     from lmforge.utils.errors import LmforgeError
 
     tok = _byte_tokenizer()
     src = _FailingPrompts(ListPrompts(_gsm8k_items(tok, 8), seed=0).with_token_ids(tok))
     cfg = PipelineConfig(iterations=3, prompts_per_step=2, group_size=2, max_tokens=4)
-    t = time.monotonic()
     with pytest.raises(LmforgeError, match="engine process: prompt store went away"):
         run_pipeline(_odd_model(), cfg, progress=False, prompts=src, tokenizer=tok,
                      reward_fn=lambda i, t: Reward(float(len(t))))  # fmt: skip
-    assert time.monotonic() - t < 60

@@ -65,6 +65,28 @@ Teacher and student must share the vocabulary. Outputs in --out: model/, metrics
 """
 
 
+class IntAtLeast:
+    """An argparse ``type``: an integer ≥ ``low``. A bad value is argparse's usage error naming
+    the flag; a config file's value is checked against it too (:func:`_check_value`), so neither
+    reaches the command as a zero divisor or an empty micro-batch."""
+
+    def __init__(self, low: int) -> None:
+        self.low = low
+        self.__name__ = f"integer >= {low}"  # argparse and _type_label name the type with it
+
+    def __call__(self, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < self.low:
+            raise argparse.ArgumentTypeError(f"must be >= {self.low}, got {value}")
+        return value
+
+
+POSITIVE_INT, NONNEGATIVE_INT = IntAtLeast(1), IntAtLeast(0)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
@@ -144,13 +166,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="gsm8k/math: JSONL of held-out problems (default: the test split in ../shared)",
     )
     p.add_argument("--iterations", type=int, default=60)
-    p.add_argument("--prompts-per-step", type=int, default=32)
-    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=32)
+    p.add_argument("--group-size", type=POSITIVE_INT, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--epochs", type=int, default=1, help="optimizer passes per rollout batch")
     p.add_argument(
         "--micro-batch",
-        type=int,
+        type=POSITIVE_INT,
         default=64,
         help="sequences per forward/backward of a train step (GRPO family; lower it for "
         "long replies on a large vocabulary: the logits are sequences × tokens × vocab)",
@@ -161,7 +183,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--digits", type=int, default=3, help="arithmetic: operand digits")
     p.add_argument("--warmup-steps", type=int, default=1000, help="arithmetic: warm-start steps")
     p.add_argument("--eval-size", type=int, default=200)
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-every", type=POSITIVE_INT, default=5)
     p.add_argument("--target", type=float, default=None, help="stop at this held-out accuracy")
     p.add_argument(
         "--pipeline",
@@ -171,7 +193,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-lag", type=int, default=4, help="pipeline: drop samples older than this")
     p.add_argument(
         "--queue-size",
-        type=int,
+        type=NONNEGATIVE_INT,
         default=0,
         help="pipeline: finished batches the engine may hold unconsumed (0: token lag <= 1)",
     )
@@ -261,6 +283,8 @@ def _defer_defaults(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def _type_label(tp: Any) -> str:
+    if isinstance(tp, IntAtLeast):
+        return f"an {tp.__name__}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
@@ -268,9 +292,11 @@ def _type_label(tp: Any) -> str:
 
 def _check_value(where: str, key: str, value: Any, opt: dict[str, Any]) -> Any:
     tp = opt["type"]
+    whole = isinstance(value, int) and not isinstance(value, bool)
     ok = (
         (tp is bool and isinstance(value, bool))
-        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+        or (tp is int and whole)
+        or (isinstance(tp, IntAtLeast) and whole and value >= tp.low)
         or (tp is float and isinstance(value, int | float) and not isinstance(value, bool))
         or (tp is str and isinstance(value, str))
     )

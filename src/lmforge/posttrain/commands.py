@@ -297,10 +297,26 @@ def run_rl(args: argparse.Namespace) -> int:
     eos = eos_ids(tok)
     # the arithmetic task's tiny model stays on the lockstep LocalEngine (its RESULTS figures);
     # lmforge models of real tasks sample through the batched serve engine when it is there
-    choice = getattr(args, "rollout_engine", "auto")
+    choice = args.rollout_engine
     serve = choice == "serve" or (choice == "auto" and not toy and is_lmforge_model(model))
     if serve and not is_lmforge_model(model):
         raise LmforgeError("--rollout-engine serve needs an lmforge model (or a GGUF/HF import)")
+    if args.pipeline:
+        from lmforge.posttrain.pipeline import PipelineConfig, check_inputs
+
+        pcfg = PipelineConfig(algo=args.algo, iterations=args.iterations,
+                              prompts_per_step=args.prompts_per_step, group_size=args.group_size,
+                              lr=args.lr, max_tokens=max_tokens, temperature=args.temperature,
+                              max_lag=args.max_lag, digits=args.digits, seed=args.seed,
+                              eval_every=args.eval_every, eval_size=args.eval_size,
+                              target=args.target, overlong_cache=overlong_cache, task=task,
+                              queue_size=args.queue_size, engine="serve" if serve else "local",
+                              engine_threads=args.engine_threads, micro_batch=args.micro_batch,
+                              kl_coef=args.kl_coef, epochs=max(args.epochs, 1),
+                              transport=args.weight_transport)  # fmt: skip
+        # a mistake (not an lmforge model, too few problems, too long prompts) is one line now,
+        # not after the first evaluation; toy tasks (None): run_pipeline draws the task's prompts
+        prompts = check_inputs(model, pcfg, None if toy else sample_items, tok)
     engine = make_engine(model, eos, prefer="serve") if serve else LocalEngine(model, eos_ids=eos)
     t_start = time.perf_counter()
 
@@ -322,28 +338,14 @@ def run_rl(args: argparse.Namespace) -> int:
                            eval_fn=evaluate, eval_every=args.eval_every, target=args.target,
                            log=log, progress=bar)  # fmt: skip
     elif args.pipeline:
-        from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
+        from lmforge.posttrain.pipeline import run_pipeline
 
-        if not is_lmforge_model(model):
-            raise LmforgeError(f"--pipeline needs an lmforge model (a checkpoint, a GGUF or HF "
-                               f"import); {args.model} loads as a transformers model")  # fmt: skip
-        pcfg = PipelineConfig(algo=args.algo, iterations=args.iterations,
-                              prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                              lr=args.lr, max_tokens=max_tokens, temperature=args.temperature,
-                              max_lag=args.max_lag, digits=args.digits, seed=args.seed,
-                              eval_every=args.eval_every, eval_size=args.eval_size,
-                              target=args.target, overlong_cache=overlong_cache, task=task,
-                              queue_size=args.queue_size, engine="serve" if serve else "local",
-                              engine_threads=args.engine_threads, micro_batch=args.micro_batch,
-                              kl_coef=args.kl_coef, epochs=max(args.epochs, 1),
-                              transport=getattr(args, "weight_transport", "broadcast"))  # fmt: skip
         ref = clone_frozen(model) if args.kl_coef > 0 else None
-        if toy:  # the toy task's own prompts, reward and held-out set (its RESULTS figures)
-            hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet, ref_model=ref)
-        else:  # the same prompt stream as the synchronous run of this seed (a ListPrompts)
-            hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet,
-                                reward_fn=reward_fn, prompts=sample_items, tokenizer=tok,
-                                eos_ids=eos, eval_fn=evaluate, ref_model=ref)  # fmt: skip
+        # toy tasks (prompts None): the task's own prompts and held-out set, evaluated on a
+        # LocalEngine (its RESULTS figures); the others: the synchronous run's prompt stream
+        hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet, reward_fn=reward_fn,
+                            prompts=prompts, tokenizer=tok, eos_ids=eos,
+                            eval_fn=None if toy else evaluate, ref_model=ref)  # fmt: skip
     else:
         step_cfg = rl.StepConfig(
             rl.algorithm(args.algo),
@@ -385,15 +387,28 @@ def run_rl(args: argparse.Namespace) -> int:
     return 0
 
 
-def _math_task(args: argparse.Namespace) -> tuple[Any, ...]:
+def math_items(task: str, tok: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GSM8K (``task="gsm8k"``) or MATH records as ``lmforge rl`` samples them: each with the
+    chat-templated ``prompt`` of its problem (a record without problem or answer: one line)."""
     from lmforge.posttrain.chat import prompt_text
+    from lmforge.posttrain.tasks import gsm8k_user_message
+
+    key = "question" if task == "gsm8k" else "problem"
+    items = []
+    for rec in records:
+        if key not in rec or "answer" not in rec:
+            raise LmforgeError(f"{task} record lacks '{key}' or 'answer'")
+        if task == "gsm8k":
+            user = gsm8k_user_message(rec[key])
+        else:
+            user = rec[key] + " Put the final answer in \\boxed{}."
+        items.append({**rec, "prompt": prompt_text(tok, user, chat=True)})
+    return items
+
+
+def _math_task(args: argparse.Namespace) -> tuple[Any, ...]:
     from lmforge.posttrain.models import load_model
-    from lmforge.posttrain.tasks import (
-        gsm8k_reward,
-        gsm8k_user_message,
-        math_reward,
-        read_jsonl,
-    )
+    from lmforge.posttrain.tasks import gsm8k_reward, math_reward, read_jsonl
 
     if not args.model:
         raise LmforgeError(f"--task {args.task} needs --model (an SFT'd policy)")
@@ -411,34 +426,21 @@ def _math_task(args: argparse.Namespace) -> tuple[Any, ...]:
         train_p = Path(args.data) if args.data else root / "gsm8k" / "train.jsonl"
         test_p = root / "gsm8k" / "test.jsonl"
         reward = gsm8k_reward
-        key = "question"
-        user = gsm8k_user_message
     else:
         train_p = Path(args.data) if args.data else root / "math" / "math" / "train.jsonl"
         test_p = root / "math" / "math" / "test.jsonl"
         reward = math_reward
-        key = "problem"
-
-        def user(problem: str) -> str:
-            return problem + " Put the final answer in \\boxed{}."
-
-    if getattr(args, "eval_data", None):
+    if args.eval_data:
         test_p = Path(args.eval_data)
     train = read_jsonl(train_p, "--data")
     test = (
         read_jsonl(test_p, "--eval-data")
-        if test_p.is_file() or getattr(args, "eval_data", None)
+        if test_p.is_file() or args.eval_data
         else train[-args.eval_size :]
     )
-
-    def item(rec: dict[str, Any]) -> dict[str, Any]:
-        if key not in rec or "answer" not in rec:
-            raise LmforgeError(f"{args.task} record lacks '{key}' or 'answer'")
-        return {**rec, "prompt": prompt_text(tok, user(rec[key]), chat=True)}
-
     from lmforge.posttrain.pipeline import ListPrompts
 
     # random.Random(seed).sample(items, n) per call, picklable: --pipeline's engine draws it too
-    items = ListPrompts([item(r) for r in train], args.seed)
+    items = ListPrompts(math_items(args.task, tok, train), args.seed)
     return (None, tok, model, reward, items,
-            [item(r) for r in test[: args.eval_size]])  # fmt: skip
+            math_items(args.task, tok, test[: args.eval_size]))  # fmt: skip

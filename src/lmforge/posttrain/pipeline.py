@@ -181,8 +181,7 @@ class ListPrompts:
 def item_stream(prompts: Any) -> Callable[[int], list[dict[str, Any]]]:
     """``n -> items`` drawn from a copy of ``prompts``: a synchronous run given this sees the
     prompts the pipeline's engine draws from ``prompts``, in the same order."""
-    twin = copy.deepcopy(prompts)
-    return lambda n: twin(n)
+    return copy.deepcopy(prompts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,9 +299,9 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    from safetensors.torch import load_file
+    from lmforge.train.checkpoint import load_model_state
 
-    model = rebuild_model(model_cfg, load_file(state_file, device=device), device)
+    model = rebuild_model(model_cfg, load_model_state(state_file), device)
     if cfg.engine == "serve":
         engine = make_engine(model, eos_ids, prefer="serve")
     else:
@@ -413,6 +412,44 @@ def _take(out_q: Any, proc: Any, timeout: float = 600.0) -> tuple[Any, ...]:
 # The trainer
 
 
+def check_inputs(model: nn.Module, cfg: PipelineConfig, prompts: Any = None,
+                 tokenizer: Any = None) -> Any:  # fmt: skip
+    """:func:`run_pipeline`'s checks of what it is given, each a one-line :class:`LmforgeError`.
+
+    Cheap (no engine, no forward), so a command runs them before its first evaluation; run
+    again by :func:`run_pipeline`. Returns ``prompts``: a :class:`ListPrompts` with its token ids
+    (encoded here with ``tokenizer`` when it has none), checked to fit the model's context and
+    to hold ``prompts_per_step`` problems; any other source as given."""
+    from lmforge.posttrain.core import is_lmforge_model
+
+    if cfg.engine not in ("local", "serve"):
+        raise LmforgeError(f"unknown rollout engine {cfg.engine!r} (local, serve)")
+    if cfg.transport not in ("broadcast", "shared"):
+        raise LmforgeError(f"unknown weight transport {cfg.transport!r} (broadcast, shared)")
+    if not is_lmforge_model(model):
+        raise LmforgeError("Pipeline RL needs an lmforge model (a checkpoint, a GGUF or HF import; "
+                           "not a transformers model): the engine process rebuilds it from its "
+                           "config")  # fmt: skip
+    if cfg.transport == "shared":
+        device = next(model.parameters()).device
+        want = torch.device(cfg.engine_device or device)
+        if want.type != device.type or (want.index is not None and want.index != device.index):
+            raise LmforgeError("transport 'shared' needs the engine on the trainer's device "
+                               f"({device}), not {cfg.engine_device}")  # fmt: skip
+    if isinstance(prompts, ListPrompts):
+        if prompts.token_ids is None:
+            prompts = prompts.with_token_ids(tokenizer)
+        longest = max(len(p) for p in prompts.token_ids) + cfg.max_tokens
+        ctx = model.config.context_length
+        if longest > ctx:
+            raise LmforgeError(f"the longest prompt + max_tokens ({longest}) exceeds the model's "
+                               f"context ({ctx})")  # fmt: skip
+        if cfg.prompts_per_step > len(prompts):
+            raise LmforgeError(f"{cfg.prompts_per_step} prompts per step from {len(prompts)} "
+                               "problems: need more data")  # fmt: skip
+    return prompts
+
+
 def run_pipeline(
     model: nn.Module,
     cfg: PipelineConfig,
@@ -457,16 +494,12 @@ def run_pipeline(
     from tqdm import tqdm
 
     from lmforge.posttrain import rl
-    from lmforge.posttrain.core import is_lmforge_model, sequence_logprobs
+    from lmforge.posttrain.core import sequence_logprobs
     from lmforge.posttrain.models import eos_ids as tokenizer_eos
     from lmforge.posttrain.rollout import LocalEngine
     from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
+    from lmforge.train.checkpoint import save_model_state
 
-    if cfg.engine not in ("local", "serve"):
-        raise LmforgeError(f"unknown rollout engine {cfg.engine!r} (local, serve)")
-    if not is_lmforge_model(model):
-        raise LmforgeError("Pipeline RL needs an lmforge model (a checkpoint, a GGUF or HF import): "
-                           "the engine process rebuilds it from its config")  # fmt: skip
     if cfg.kl_coef > 0 and ref_model is None:
         raise LmforgeError("kl_coef > 0 needs a reference model")
     torch.set_num_threads(cfg.threads)
@@ -484,17 +517,7 @@ def run_pipeline(
                                             cfg.max_tokens)  # fmt: skip
     elif tokenizer is None or reward_fn is None:
         raise LmforgeError("run_pipeline with prompts needs a tokenizer and a reward_fn")
-    if isinstance(prompts, ListPrompts):
-        if prompts.token_ids is None:
-            prompts = prompts.with_token_ids(tokenizer)
-        longest = max(len(p) for p in prompts.token_ids) + cfg.max_tokens
-        ctx = model.config.context_length
-        if longest > ctx:
-            raise LmforgeError(f"the longest prompt + max_tokens ({longest}) exceeds the model's "
-                               f"context ({ctx})")  # fmt: skip
-        if cfg.prompts_per_step > len(prompts):
-            raise LmforgeError(f"{cfg.prompts_per_step} prompts per step from {len(prompts)} "
-                               "problems: need more data")  # fmt: skip
+    prompts = check_inputs(model, cfg, prompts, tokenizer)
     eos = list(eos_ids) if eos_ids is not None else tokenizer_eos(tokenizer)
     algo = rl.algorithm(cfg.algo)
     step_cfg = rl.StepConfig(algo, kl_coef=cfg.kl_coef, max_tokens=cfg.max_tokens,
@@ -510,20 +533,14 @@ def run_pipeline(
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     shared, acked = None, ctx.Value("i", 0)
     if cfg.transport == "shared":
-        want = torch.device(cfg.engine_device or device)
-        if want.type != device.type or (want.index is not None and want.index != device.index):
-            raise LmforgeError("transport 'shared' needs the engine on the trainer's device "
-                               f"({device}), not {cfg.engine_device}")  # fmt: skip
         shared = layout.empty_buckets(device)  # CUDA tensors travel to the engine by IPC
         if device.type == "cpu":
             shared = [b.share_memory_() for b in shared]
-    elif cfg.transport != "broadcast":
-        raise LmforgeError(f"unknown weight transport {cfg.transport!r} (broadcast, shared)")
     # The weights go to the engine through a file, not the process arguments: pickled tensors
     # travel through /dev/shm, which containers often keep at 64 MB (a 135 M model is 540 MB).
     handoff = tempfile.mkdtemp(prefix="lmforge-pipeline-")
     state_file = os.path.join(handoff, "state.safetensors")
-    _save_state(model, state_file)
+    save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
     proc = ctx.Process(
         target=_engine_main,
         args=(
@@ -671,13 +688,6 @@ def run_pipeline(
             proc.terminate()
         shutil.rmtree(handoff, ignore_errors=True)
     return history
-
-
-def _save_state(model: nn.Module, path: str) -> None:
-    """The model's state dict as safetensors (tied weights: the state dict holds a copy)."""
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, path)
 
 
 @torch.no_grad()
