@@ -110,15 +110,30 @@ def test_completion_chat_and_models(server: _Server) -> None:
     assert content[0].logprob <= 0
 
 
-def test_streaming_equals_non_streaming(server: _Server) -> None:
+def test_streaming_equals_non_streaming(server: _Server, monkeypatch: pytest.MonkeyPatch) -> None:
     c = server.client()
     full = c.completions.create(model="tiny", prompt="Stream me", max_tokens=12, temperature=0)
-    parts = [
-        ch.choices[0].text
-        for ch in c.completions.create(
-            model="tiny", prompt="Stream me", max_tokens=12, temperature=0, stream=True
-        )
-    ]
+    # Each engine step after the first waits until the client has read a chunk: the stream's
+    # chunking is then one per step however busy the machine (a handler that falls behind
+    # rightly sends what piled up as one chunk, which would make the count a matter of timing).
+    read, gated = threading.Semaphore(0), {"on": True, "first": True}
+    real_step = server.engine.step
+
+    def step():  # the engine thread's
+        if gated["on"] and not gated["first"]:
+            read.acquire(timeout=30)
+        gated["first"] = False
+        return real_step()
+
+    monkeypatch.setattr(server.engine, "step", step)
+    parts = []
+    for ch in c.completions.create(
+        model="tiny", prompt="Stream me", max_tokens=12, temperature=0, stream=True
+    ):
+        parts.append(ch.choices[0].text)
+        read.release()
+    gated["on"] = False
+    read.release()
     assert "".join(parts) == full.choices[0].text and len(parts) > 1
     msgs = [{"role": "user", "content": "abc"}]
     chunks = list(
