@@ -14,6 +14,7 @@ from lmforge.utils.lazy import lazy_exports
 if TYPE_CHECKING:
     from lmforge.model import accounting
     from lmforge.model.config import ModelConfig, default_d_ff
+    from lmforge.model.context import Context, PagedKVCache, StepOps
     from lmforge.model.kv_cache import KVCache
     from lmforge.model.layers import (
         Embedding,
@@ -32,14 +33,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CausalSelfAttention",
+    "Context",
     "Embedding",
     "KVCache",
     "Linear",
     "MoEConfig",
     "MoEFFN",
     "ModelConfig",
+    "PagedKVCache",
     "RMSNorm",
     "RotaryEmbedding",
+    "StepOps",
     "SwiGLU",
     "TransformerBlock",
     "TransformerLM",
@@ -53,6 +57,9 @@ __all__ = [
 
 _EXPORTS = {
     "CausalSelfAttention": "transformer",
+    "Context": "context",
+    "PagedKVCache": "context",
+    "StepOps": "context",
     "Embedding": "layers",
     "KVCache": "kv_cache",
     "Linear": "layers",

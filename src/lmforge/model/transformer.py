@@ -4,6 +4,13 @@ Single-device code. Kernels, ``torch.compile``, activation checkpointing and par
 from outside: every block is a self-contained module called as ``block(x, token_positions)`` that
 takes and returns tensors only, so a wrapper can replace ``model.layers[i]``.
 
+``TransformerLM.forward`` is lmforge's only forward: training calls it plainly, the reference
+generation loop with a contiguous :class:`~lmforge.model.KVCache`, and the serving engine (its
+eager, compiled and CUDA-graph steps, speculative decoding) with a paged per-step
+:class:`~lmforge.model.context.Context`; the attention module reads and writes that cache
+through the context's kernels (``ops``), everything else (muP, QK-norm, soft-cap, tied head,
+GQA, head dim, RoPE scaling, MoE) is the same code in all three.
+
 Shape legend: B batch, T sequence, S key/value slots, D model dim, H query heads, K kv-heads,
 E head dim, V vocab, F ffn dim.
 
@@ -50,6 +57,7 @@ from lmforge.kernels import (
 )
 from lmforge.model import mup
 from lmforge.model.config import ModelConfig
+from lmforge.model.context import Context
 from lmforge.model.fastpath import resolve_backends
 from lmforge.model.kv_cache import KVCache
 from lmforge.model.layers import (
@@ -63,6 +71,7 @@ from lmforge.model.layers import (
     _trunc_normal_,
     project,
     scaled_dot_product_attention,
+    silu,
 )
 from lmforge.model.moe import MoEFFN
 
@@ -78,6 +87,22 @@ def _kernel_runs_on(x: torch.Tensor) -> bool:
         dtype = torch.get_autocast_dtype(x.device.type)
     fits = dtype in (torch.float16, torch.bfloat16, torch.float32)
     return fits and (x.is_cuda or interpreting())
+
+
+def _linear(m: nn.Module, x: torch.Tensor, context: Context | None) -> torch.Tensor:
+    """``m(x)``, on the step's own matmul kernel (the decode GEMV) where the context has one
+    and m is a plain Linear (no hooks: skipping its ``__call__`` changes nothing)."""
+    if context is not None and _fusable(m):
+        y = context.ops.matmul(x, m.weight)
+        if y is not None:
+            return y
+    return m(x)
+
+
+def _packed_matmul(x: torch.Tensor, w: torch.Tensor, context: Context) -> torch.Tensor:
+    """x @ wᵀ for a packed weight (several projections' rows in one tensor)."""
+    y = context.ops.matmul(x, w)
+    return project(x, w) if y is None else y
 
 
 def _torch_version() -> tuple[int, int]:
@@ -111,12 +136,18 @@ class _FFN(SwiGLU):
     forward and backward — the backward writes the gradient of that matmul's output directly,
     so neither the split nor its concatenation in backward costs a copy."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__(config.d_model, config.ffn_dim)
         self.backend = config.swiglu
+        self.layer_idx = layer_idx
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: Context | None = None) -> torch.Tensor:
         """(..., D) -> (..., D)."""
+        if context is not None:  # an engine step: its packed w1/w3 and matmul kernel, if any
+            w13 = context.ops.packed(self.layer_idx)[1]
+            if w13 is not None and _fusable(self.w1, self.w3):
+                gate, up = _packed_matmul(x, w13, context).chunk(2, dim=-1)  # (…, F) each
+                return _linear(self.w2, silu(gate) * up, context)  # (…, F) -> (…, D)
         if not (self.backend == "triton" and _kernel_runs_on(x) and _fusable(self.w1, self.w3)):
             return super().forward(x)
         w13 = _cat_weights([self.w1.weight, self.w3.weight])  # (2F, D)
@@ -169,10 +200,20 @@ class CausalSelfAttention(nn.Module):
         token_positions: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
+        context: Context | None = None,
     ) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1."""
+        """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1.
+
+        With a paged ``context`` (an engine step, B = 1, T = the step's N flat tokens) the
+        positions are the context's and the keys/values go to its pages; everything up to the
+        attention core (projections, QK-norm, RoPE, muP's q scale) is the same code."""
         b, t, _ = x.shape
         h, k_heads, e = self.n_heads, self.n_kv_heads, self.head_dim
+        if context is not None:
+            o = context.ops.fused_attention(self, x.view(t, -1), context)  # (N, H, E) or None
+            if o is not None:
+                return _linear(self.output_proj, o.reshape(b, t, h * e), context)  # (1, N, D)
+            token_positions = context.positions
         fused_rope = self._use_fused_rope(x, token_positions, kv_cache)
         if fused_rope and self._use_packed_rope():
             # q and k as one GEMM; one launch rotates them out of its (B, T, (H+K)·E) output.
@@ -181,7 +222,7 @@ class CausalSelfAttention(nn.Module):
             q, k = rope_packed(project(x, w), cos, sin, h, k_heads)
             v = self.v_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H·E|K·E|K·E)
+            q, k, v = self._qkv(x, context)  # (B, T, H·E|K·E|K·E)
             q = q.view(b, t, h, e)  # (B, T, H, E)
             k = k.view(b, t, k_heads, e)  # (B, T, K, E)
             v = v.view(b, t, k_heads, e)  # (B, T, K, E)
@@ -202,6 +243,10 @@ class CausalSelfAttention(nn.Module):
             k = self.rope(k, token_positions)
         if self.config.mup:  # muP's 1/E attention: q carries sqrt(E_base/E) on top of 1/sqrt(E)
             q = q * mup.q_scale(self.config)
+        if context is not None:  # the step's flat tokens: (1, H|K, N, E) -> (N, H|K, E)
+            q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+            out = context.ops.attend(self.layer_idx, q, k, v, context)  # (N, H, E)
+            return _linear(self.output_proj, out.reshape(b, t, h * e), context)  # (1, N, D)
         if kv_cache is None:
             out = self._causal(q, k, v)  # (B, H, T, E)
         else:
@@ -210,6 +255,21 @@ class CausalSelfAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
         return self.output_proj(out)  # (B, T, D)
 
+    def _qkv(
+        self, x: torch.Tensor, context: Context | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v projections of x (…, D): (…, H·E), (…, K·E), (…, K·E); in an engine step
+        one matmul against its packed q/k/v weights where it has them."""
+        if context is not None:
+            w = context.ops.packed(self.layer_idx)[0]
+            if w is not None and _fusable(self.q_proj, self.k_proj, self.v_proj):
+                qkv = _packed_matmul(x, w, context)  # (…, (H+2K)·E)
+                e, k_dim = self.head_dim, self.n_kv_heads * self.head_dim
+                q, k, v = qkv.split([self.n_heads * e, k_dim, k_dim], dim=-1)
+                return q, k, v
+            return tuple(_linear(m, x, context) for m in (self.q_proj, self.k_proj, self.v_proj))  # type: ignore[return-value]
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def _use_fused_rope(
         self, x: torch.Tensor, token_positions: torch.Tensor | None, kv_cache: KVCache | None
     ) -> bool:
@@ -217,7 +277,7 @@ class CausalSelfAttention(nn.Module):
         return (
             self.rope_backend in ("triton", "packed")
             and token_positions is None
-            and kv_cache is None
+            and kv_cache is None  # (a paged context sets token_positions)
             and _kernel_runs_on(x)
         )
 
@@ -275,7 +335,7 @@ class TransformerBlock(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.ln2 = _Norm(config.d_model, config.norm_eps, config.norm)
         moe = config.moe.is_moe_layer(layer_idx)
-        self.ffn: nn.Module = MoEFFN(config, layer_idx) if moe else _FFN(config)
+        self.ffn: nn.Module = MoEFFN(config, layer_idx) if moe else _FFN(config, layer_idx)
 
     def forward(
         self,
@@ -283,10 +343,15 @@ class TransformerBlock(nn.Module):
         token_positions: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
+        context: Context | None = None,
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D)."""
-        x = x + self.attn(self.ln1(x), token_positions, kv_cache=kv_cache)
-        return x + self.ffn(self.ln2(x))
+        if context is None:
+            x = x + self.attn(self.ln1(x), token_positions, kv_cache=kv_cache)
+            return x + self.ffn(self.ln2(x))
+        x = x + self.attn(self.ln1(x), context=context)
+        y = self.ln2(x)
+        return x + (self.ffn(y, context) if isinstance(self.ffn, _FFN) else self.ffn(y))
 
 
 def _tied_state_dict_hook(
@@ -377,14 +442,26 @@ class TransformerLM(nn.Module):
         token_positions: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         valid_mask: torch.Tensor | None = None,
+        *,
+        context: Context | None = None,
     ) -> torch.Tensor:
         """Token ids (B, T) -> hidden states after ``ln_final`` (B, T, D).
 
         ``token_positions`` (T,) or (B, T) default to 0..T-1, or with a ``kv_cache`` to each row's
         next positions. ``valid_mask`` (B, T) bool marks real tokens (False = padding) and is only
-        used with a ``kv_cache`` (see :class:`~lmforge.model.KVCache`).
+        used with a ``kv_cache`` (see :class:`~lmforge.model.KVCache`). With a paged ``context``
+        (:class:`~lmforge.model.context.Context`, one engine step) idx is (1, N), the step's
+        tokens flattened, and the result (1, S, D) holds only the rows ``context.last_rows``
+        (every row when None).
         """
         _, t = idx.shape
+        if context is not None:
+            x = self.residual_stream(self.token_embeddings(idx))  # (1, N, D)
+            for layer in self.layers:
+                x = layer(x, context=context)  # (1, N, D)
+            if context.last_rows is not None:  # only each sequence's last token is sampled
+                x = x[:, context.last_rows]  # (1, S, D)
+            return self._final(x)
         if kv_cache is not None:
             positions, _ = kv_cache.begin(t, valid_mask)  # (B, T)
             if token_positions is None:
@@ -402,7 +479,11 @@ class TransformerLM(nn.Module):
                 x = layer(x, token_positions)  # (B, T, D)
             else:
                 x = layer(x, token_positions, kv_cache=kv_cache)  # (B, T, D)
-        h = self.ln_final(x)  # (B, T, D)
+        return self._final(x)
+
+    def _final(self, x: torch.Tensor) -> torch.Tensor:
+        """The last residual stream (…, D) -> the LM head's input (…, D)."""
+        h = self.ln_final(x)  # (…, D)
         if self.config.mup:  # muP's logit multiplier, here so the fused loss sees it too
             h = h * mup.output_multiplier(self.config)
         return h
@@ -416,9 +497,10 @@ class TransformerLM(nn.Module):
                 return x.to(torch.get_autocast_dtype(dev))
         return x
 
-    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """Hidden states (..., D) -> logits (..., V): LM head, then the soft-cap when set."""
-        logits = self.lm_head(h)  # (..., V)
+    def logits_from_hidden(self, h: torch.Tensor, context: Context | None = None) -> torch.Tensor:
+        """Hidden states (..., D) -> logits (..., V): LM head (on an engine step's matmul kernel
+        where its ``context`` has one), then the soft-cap when set."""
+        logits = _linear(self.lm_head, h, context)  # (..., V)
         cap = self.config.logit_soft_cap
         if cap is not None:
             logits = cap * torch.tanh(logits / cap)
@@ -430,10 +512,13 @@ class TransformerLM(nn.Module):
         token_positions: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         valid_mask: torch.Tensor | None = None,
+        *,
+        context: Context | None = None,
     ) -> torch.Tensor:
-        """Token ids (B, T) long -> logits (B, T, V). Arguments as in :meth:`forward_hidden`."""
-        h = self.forward_hidden(idx, token_positions, kv_cache, valid_mask)  # (B, T, D)
-        return self.logits_from_hidden(h)  # (B, T, V)
+        """Token ids (B, T) long -> logits (B, T, V). Arguments as in :meth:`forward_hidden`;
+        with a paged ``context``, (1, N) -> (1, S, V) (see there)."""
+        h = self.forward_hidden(idx, token_positions, kv_cache, valid_mask, context=context)
+        return self.logits_from_hidden(h, context)  # (B, T, V)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of distinct parameters; ``exclude_embeddings`` drops the token-embedding matrix.

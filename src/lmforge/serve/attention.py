@@ -33,10 +33,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from lmforge.model.context import Context, StepOps
+
 if TYPE_CHECKING:
     from lmforge.serve._prefill_triton import PrefillPlan
 
 __all__ = [
+    "PagedOps",
     "paged_attention_float64",
     "paged_decode",
     "paged_decode_reference",
@@ -289,3 +292,32 @@ def paged_decode(
     if use_triton:
         return _triton_decode(q, k_cache, v_cache, block_tables, ctx_lens)
     return paged_decode_reference(q, k_cache, v_cache, block_tables, ctx_lens)
+
+
+class PagedOps(StepOps):
+    """The kernels a model's paged forward calls in an eager engine step: write the new keys
+    and values into the layer's pages, then the decode kernel (one token per sequence) or the
+    varlen prefill kernel (with the step's tile list ``ctx.plan``; None: torch), each with its
+    torch fallback. ``use_triton`` None: the kernels where they run (see
+    :func:`paged_decode` and :func:`prefill_kernel_on`)."""
+
+    def __init__(self, use_triton: bool | None = None) -> None:
+        self.use_triton = use_triton
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context
+    ) -> torch.Tensor:
+        """q (N, H, E), k/v (N, K, E) -> (N, H, E); see :meth:`StepOps.attend`."""
+        kc, vc = ctx.k_cache[layer], ctx.v_cache[layer]
+        write_kv(kc, vc, ctx.slots, k, v)
+        if ctx.decode:
+            return paged_decode(
+                q, kc, vc, ctx.block_tables, ctx.ctx_lens, use_triton=self.use_triton
+            )  # (S, H, E)
+        assert ctx.tables_list is not None and ctx.q_lens is not None
+        assert ctx.ctx_lens_list is not None
+        return paged_prefill(
+            q, kc, vc, ctx.tables_list, ctx.q_lens, ctx.ctx_lens_list,
+            block_table_tensor=ctx.block_tables, ctx_lens_tensor=ctx.ctx_lens, plan=ctx.plan,
+            use_triton=self.use_triton if ctx.plan is not None else False,
+        )  # (N, H, E)  # fmt: skip

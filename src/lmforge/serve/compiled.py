@@ -2,10 +2,11 @@
 
 The engine's eager decode step runs the model's reference modules, so every RMSNorm, RoPE and
 SwiGLU is a chain of small elementwise kernels (~50 per layer); at batch 1 a step is launch
-bound even inside a CUDA graph. Here the same step (the model's own modules, so any checkpoint
-runs unchanged) is traced by dynamo and compiled by inductor, which fuses those chains into a
-few Triton kernels per layer around the GEMMs. The paged KV write + attention is one opaque
-custom op (``lmforge_serve::decode_attention``, mutating the caches): dynamo does not trace
+bound even inside a CUDA graph. Here the model's own forward (``TransformerLM.forward`` with a
+decode :class:`~lmforge.model.context.Context`: every model switch, as in training) is traced
+by dynamo and compiled by inductor, which fuses those chains into a few Triton kernels per
+layer around the GEMMs. The kernels below reach the model through the context's ops
+(:class:`DecodeOps`). The paged KV write + attention is one opaque custom op (``lmforge_serve::decode_attention``, mutating the caches): dynamo does not trace
 into the Triton kernel or the torch reference, and inductor writes the pages in place (no
 functional copy of the cache). Shapes are dynamic (one compile serves every batch bucket; batch
 1 gets its own specialisation), and :class:`~lmforge.serve.cuda_graphs.DecodeGraphs` captures
@@ -25,7 +26,8 @@ traced code adds (``.sum(0)``: inductor unrolls it into the consumer's kernel). 
 uses it is decided once per engine (:func:`gemv_plan`: a plain Linear, a half-precision weight,
 a shape the kernel's table does not route to cuBLAS) and passed in as constants, so the batches
 <= 8 and the larger ones are two compiled graphs; larger batches and the CPU keep cuBLAS/torch.
-With the q/k/v GEMV on, its partial sums go straight into
+With the q/k/v GEMV on (and no muP q scale, which the fused kernel does not apply), its partial
+sums go straight into
 ``lmforge_serve::rope_decode_attention``: one kernel adds them, applies QK-norm (Qwen3) and
 RoPE to q and k and writes k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no
 separate RoPE kernel, no ``index_copy``), then the paged decode attention, in the same
@@ -52,7 +54,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable, silu
+from lmforge.model import mup
+from lmforge.model.context import Context, StepOps
+from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.runner import StepBatch, forward_step
 
@@ -237,6 +241,7 @@ def gemv_plan(
         fuse = (
             ok(qkv_w) > 0
             and (not attn.config.qk_norm or _plain_qk_norm(attn))
+            and (not attn.config.mup or mup.q_scale(attn.config) == 1.0)  # no q scale inside
             and type(attn.rope) is RotaryEmbedding
             and attn.rope.cos.dtype == torch.float32
         )
@@ -256,6 +261,84 @@ def _plain_qk_norm(attn: nn.Module) -> bool:
     )
 
 
+class DecodeOps(StepOps):
+    """The kernels the model's forward calls in a compiled decode step: the paged KV write +
+    decode attention as one mutating custom op, the packed q/k/v and w1/w3 weights, and (with
+    a GEMV plan) the decode GEMV for every planned projection and the fused QK-norm + RoPE +
+    KV write + attention from the q/k/v partial sums. ``use_triton``: -1 auto, 0 no, 1 yes."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        use_triton: int,
+        packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+        plan: GemvPlan | None,
+    ) -> None:
+        self.use_triton = use_triton
+        self._packed = packed
+        self.plan = plan
+        # the decode GEMV's split by weight (shape, dtype), from the plan: the split depends on
+        # the shape only, and a Linear the plan kept off for a hook the model never hands to
+        # matmul (lmforge.model.layers._fusable)
+        self._splits: dict[tuple[int, int, torch.dtype], int] = {}
+        if plan is not None:
+            for w, split in _plan_weights(model, packed, plan):
+                if split:
+                    self._splits[(w.shape[0], w.shape[1], w.dtype)] = split
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context
+    ) -> torch.Tensor:
+        return torch.ops.lmforge_serve.decode_attention(
+            q, k, v, ctx.k_cache, ctx.v_cache, layer, ctx.slots, ctx.block_tables, ctx.ctx_lens,
+            self.use_triton,
+        )  # (S, H, E)  # fmt: skip
+
+    def packed(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self._packed[layer] if self._packed is not None else (None, None)
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        split = self._splits.get((w.shape[0], w.shape[1], w.dtype), 0)
+        if not split:
+            return None
+        y = gemv(x.reshape(-1, x.shape[-1]), w, split)  # (S, D_out)
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    def fused_attention(
+        self, attn: nn.Module, h: torch.Tensor, ctx: Context
+    ) -> torch.Tensor | None:
+        if self.plan is None or self._packed is None:
+            return None
+        layer = attn.layer_idx
+        g_qkv, _, _, _, fuse = self.plan[0][layer]
+        if not fuse or ctx.k_cache.dtype != h.dtype:
+            return None
+        qn = (attn.q_norm.weight, attn.k_norm.weight) if attn.config.qk_norm else (None, None)
+        eps = attn.q_norm.eps if attn.config.qk_norm else 0.0
+        return torch.ops.lmforge_serve.rope_decode_attention(
+            torch.ops.lmforge_serve.gemv(h, self._packed[layer][0], g_qkv), attn.rope.cos,
+            attn.rope.sin, ctx.positions, ctx.k_cache, ctx.v_cache, layer, ctx.slots,
+            ctx.block_tables, ctx.ctx_lens, attn.n_heads, self.use_triton, *qn, eps,
+        )  # (S, H, E)  # fmt: skip
+
+
+def _plan_weights(
+    model: nn.Module,
+    packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+    plan: GemvPlan,
+) -> list[tuple[torch.Tensor, int]]:
+    """(weight, split) of every projection in the plan (q/k/v, o, w1/w3, w2 per layer, head)."""
+    out = []
+    for i, (g_qkv, g_o, g_13, g_2, _) in enumerate(plan[0]):
+        qkv_w, w13 = packed[i] if packed is not None else (None, None)
+        layer = model.layers[i]
+        out += [(w, g) for w, g in ((qkv_w, g_qkv), (w13, g_13)) if w is not None]
+        out.append((layer.attn.output_proj.weight, g_o))
+        if w13 is not None:
+            out.append((layer.ffn.w2.weight, g_2))
+    return [*out, (model.lm_head.weight, plan[1])]
+
+
 def decode_forward(
     model: nn.Module,
     k_cache: torch.Tensor,
@@ -265,64 +348,14 @@ def decode_forward(
     slots: torch.Tensor,
     block_tables: torch.Tensor,
     ctx_lens: torch.Tensor,
-    use_triton: int,
-    packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
-    gemv_on: GemvPlan | None = None,
+    ops: DecodeOps,
 ) -> torch.Tensor:
-    """One decode step (one token per sequence, so row i is sequence i's last token), the same
-    math as :func:`~lmforge.serve.runner.forward_step`: logits (S, V) float32. ``packed``
-    (from :func:`pack_weights`) swaps the separate projections for one GEMM each; ``gemv_on``
-    (from :func:`gemv_plan`, batches <= GEMV_MAX_ROWS) runs the marked ones on the decode GEMV."""
-    x = model.residual_stream(model.token_embeddings(tokens))  # (S, D)
-    n = x.shape[0]
-    no = (0, 0, 0, 0, False)
-    for i, layer in enumerate(model.layers):
-        attn = layer.attn
-        qkv_w, w13 = packed[i] if packed is not None else (None, None)
-        g_qkv, g_o, g_13, g_2, g_rope = gemv_on[0][i] if gemv_on is not None else no
-        h = layer.ln1(x)
-        nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        if g_rope and k_cache.dtype == h.dtype:  # partial sums -> RoPE, KV write, attention
-            qn = (attn.q_norm.weight, attn.k_norm.weight) if attn.config.qk_norm else (None, None)
-            eps = attn.q_norm.eps if attn.config.qk_norm else 0.0
-            o = torch.ops.lmforge_serve.rope_decode_attention(
-                torch.ops.lmforge_serve.gemv(h, qkv_w, g_qkv), attn.rope.cos, attn.rope.sin,
-                positions, k_cache, v_cache, i, slots, block_tables, ctx_lens, nh, use_triton,
-                *qn, eps,
-            )  # (S, H, E)  # fmt: skip
-        else:
-            if qkv_w is not None:
-                q, k, v = _proj(h, qkv_w, g_qkv).split([nh * e, kvh * e, kvh * e], dim=-1)
-            else:
-                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            q = q.reshape(n, nh, e)  # (S, H, E)
-            k = k.reshape(n, kvh, e)  # (S, K, E)
-            v = v.reshape(n, kvh, e)  # (S, K, E)
-            if attn.config.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q = attn.rope(q.transpose(0, 1), positions).transpose(0, 1)  # (S, H, E)
-            k = attn.rope(k.transpose(0, 1), positions).transpose(0, 1)  # (S, K, E)
-            o = torch.ops.lmforge_serve.decode_attention(
-                q, k, v, k_cache, v_cache, i, slots, block_tables, ctx_lens, use_triton
-            )  # (S, H, E)
-        o = o.reshape(n, nh * e)  # (S, H·E)
-        x = x + (gemv(o, attn.output_proj.weight, g_o) if g_o else attn.output_proj(o))  # (S, D)
-        y = layer.ln2(x)
-        if w13 is not None:
-            gate, up = _proj(y, w13, g_13).chunk(2, dim=-1)  # (S, F) each
-            a = silu(gate) * up  # (S, F)
-            x = x + (gemv(a, layer.ffn.w2.weight, g_2) if g_2 else layer.ffn.w2(a))  # (S, D)
-        else:
-            x = x + layer.ffn(y)  # (S, D)
-    h = model.ln_final(x)  # (S, D)
-    if gemv_on is not None and gemv_on[1]:
-        # logits_from_hidden with the LM head on the GEMV (the same soft-cap after it)
-        logits = gemv(h, model.lm_head.weight, gemv_on[1])  # (S, V)
-        cap = model.config.logit_soft_cap
-        if cap is not None:
-            logits = cap * torch.tanh(logits / cap)
-        return logits.float()
-    return model.logits_from_hidden(h).float()  # (S, V)
+    """One decode step (one token per sequence, so row i is sequence i's last token) through
+    the model's own forward with ``ops``' kernels: logits (S, V) float32. This is what
+    :class:`CompiledDecode` compiles."""
+    ctx = Context(positions=positions, slots=slots, block_tables=block_tables,
+                  ctx_lens=ctx_lens, k_cache=k_cache, v_cache=v_cache, ops=ops, decode=True)  # fmt: skip
+    return model(tokens[None], context=ctx)[0].float()  # (1, S) -> (S, V)
 
 
 # inductor unrolls a sum of fewer terms than this into its consumer's kernel (its default, 8,
@@ -377,7 +410,9 @@ class CompiledDecode:
         self.gemv: GemvPlan | None = gemv_plan(model, self.packed, dtypes) if use else None
         self.cache = cache
         self.use_triton = use_triton
-        self._flag = -1 if use_triton is None else int(use_triton)
+        flag = -1 if use_triton is None else int(use_triton)
+        self._ops = DecodeOps(model, flag, self.packed, None)  # batches past the GEMV's
+        self._gemv_ops = DecodeOps(model, flag, self.packed, self.gemv) if self.gemv else None
         self.failed: str | None = None
         unroll = {"unroll_reductions_threshold": SUM_UNROLL}
         self._fn = torch.compile(decode_forward, dynamic=True, options=unroll)
@@ -419,15 +454,13 @@ class CompiledDecode:
                         batch.slots,
                         tables,
                         batch.ctx_lens,
-                        self._flag,
-                        self.packed,
-                        self.gemv if small else None,
+                        self._gemv_ops if small else self._ops,
                     )
             except Exception as e:  # any compile/run failure: said once, then a fallback
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if small:  # first the decode GEMV goes (the step is rerun on cuBLAS: the
                     # pages it may have written get the same values again)
-                    self.gemv = None
+                    self.gemv = self._gemv_ops = None
                     print(f"lmforge serve: the decode GEMV failed, using cuBLAS ({why[:300]})",
                           file=sys.stderr)  # fmt: skip
                     continue

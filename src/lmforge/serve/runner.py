@@ -1,11 +1,11 @@
-"""The model run over a paged KV cache: one forward for a step's flattened batch.
+"""One engine step through the model's own forward: the step's inputs and its context.
 
-The engine's forward walks the :class:`~lmforge.model.TransformerLM`'s own modules (embedding,
-norms, projections, RoPE tables, SwiGLU, LM head), so any checkpoint or import runs unchanged;
-only attention differs from ``TransformerLM.forward``: the step's tokens of all sequences are
-one flat (N, D) batch (no padding), their keys/values are written into the pages, and attention
-reads each sequence's pages (:mod:`lmforge.serve.attention`). ``lmforge.generate`` stays the
-readable reference: the tests check this forward's greedy tokens against it.
+There is no forward here: :func:`forward_step` builds the model's per-step
+:class:`~lmforge.model.context.Context` (positions, slots, block tables, lengths, the kernels
+of :mod:`lmforge.serve.attention`) and calls ``TransformerLM.forward``, which runs every model
+switch (muP, QK-norm, soft-cap, tied head, GQA, RoPE scaling, MoE) the way training does; the
+step's tokens of all sequences are one flat (1, N) batch (no padding). ``lmforge.generate``
+stays the readable reference: the tests check this path's greedy tokens against it.
 
 Shape legend: N tokens in the step, S sequences, D model dim, H heads, K kv-heads, E head dim,
 V vocab, L layers, NB blocks, BS block size.
@@ -14,56 +14,15 @@ V vocab, L layers, NB blocks, BS block size.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from lmforge.serve.attention import (
-    paged_decode,
-    paged_prefill,
-    prefill_kernel_on,
-    prefill_plan,
-    write_kv,
-)
+from lmforge.model.context import Context, PagedKVCache, StepOps
+from lmforge.serve.attention import PagedOps, prefill_kernel_on
+from lmforge.serve.attention import prefill_plan as prefill_plan_for
 
-if TYPE_CHECKING:
-    from lmforge.serve._prefill_triton import PrefillPlan
-
-__all__ = ["PagedKVCache", "StepBatch", "forward_step"]
-
-
-class PagedKVCache:
-    """Keys and values of every layer in fixed-size blocks.
-
-    Layout: ``k``, ``v`` are (L, NB, BS, K, E) tensors; block b of layer l is ``k[l, b]``, a
-    (BS, K, E) tile holding BS consecutive tokens of whichever sequence's block table lists b
-    (keys after RoPE). Which blocks a sequence owns is the allocator's business
-    (:class:`~lmforge.serve.blocks.BlockAllocator`); this object only holds the memory.
-    """
-
-    def __init__(
-        self,
-        n_layers: int,
-        num_blocks: int,
-        block_size: int,
-        n_kv_heads: int,
-        head_dim: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-
-    @staticmethod
-    def bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers (K and V)."""
-        cfg = model.config
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.n_layers * block_size * cfg.kv_heads * cfg.head_dim * elem
+__all__ = ["PagedKVCache", "StepBatch", "forward_step", "step_context"]
 
 
 @dataclasses.dataclass
@@ -95,39 +54,24 @@ class StepBatch:
         return all(t == 1 for t in self.q_lens)
 
 
-def _attention(
-    attn: nn.Module,
-    h: torch.Tensor,
-    batch: StepBatch,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    use_triton: bool | None,
-    plan: PrefillPlan | None = None,
-) -> torch.Tensor:
-    """One layer's attention over the pages: (N, D) -> (N, D). ``plan``: the step's prefill
-    tile list (the Triton prefill kernel), None for the torch prefill."""
-    n = h.shape[0]
-    nh, kvh, e = attn.n_heads, attn.n_kv_heads, attn.head_dim
-    q = attn.q_proj(h).view(n, nh, e)  # (N, H, E)
-    k = attn.k_proj(h).view(n, kvh, e)  # (N, K, E)
-    v = attn.v_proj(h).view(n, kvh, e)  # (N, K, E)
-    if attn.config.qk_norm:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    # RotaryEmbedding rotates (..., T, E) at positions (T,): heads first, tokens second.
-    q = attn.rope(q.transpose(0, 1), batch.positions).transpose(0, 1)  # (N, H, E)
-    k = attn.rope(k.transpose(0, 1), batch.positions).transpose(0, 1)  # (N, K, E)
-    write_kv(k_cache, v_cache, batch.slots, k, v)
-    if batch.decode_only:
-        o = paged_decode(
-            q, k_cache, v_cache, batch.block_tables, batch.ctx_lens, use_triton=use_triton
-        )  # (S, H, E)
-    else:
-        o = paged_prefill(
-            q, k_cache, v_cache, batch.tables_list, batch.q_lens, batch.ctx_lens_list,
-            block_table_tensor=batch.block_tables, ctx_lens_tensor=batch.ctx_lens, plan=plan,
-            use_triton=use_triton if plan is not None else False,  # None: paged_prefill's rule
-        )  # (N, H, E)  # fmt: skip
-    return attn.output_proj(o.reshape(n, nh * e))  # (N, D)
+def step_context(
+    cache: PagedKVCache, batch: StepBatch, ops: StepOps, *, prefill_plan: bool = True
+) -> Context:
+    """The model's :class:`~lmforge.model.context.Context` for ``batch`` on ``cache``: host
+    lists for prefill steps (and the prefill kernel's tile list, built once per step where the
+    kernel runs), tensors only for decode steps."""
+    plan = None
+    decode = batch.decode_only
+    if not decode and prefill_plan and isinstance(ops, PagedOps):
+        dev, e = batch.tokens.device, cache.k.shape[-1]
+        if ops.use_triton if ops.use_triton is not None else prefill_kernel_on(dev, e):
+            plan = prefill_plan_for(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
+    return Context(
+        positions=batch.positions, slots=batch.slots, block_tables=batch.block_tables,
+        ctx_lens=batch.ctx_lens, k_cache=cache.k, v_cache=cache.v, ops=ops,
+        last_rows=batch.last_rows, decode=decode, q_lens=batch.q_lens,
+        ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list, plan=plan,
+    )  # fmt: skip
 
 
 def forward_step(
@@ -136,19 +80,11 @@ def forward_step(
     batch: StepBatch,
     *,
     use_triton: bool | None = None,
+    ops: StepOps | None = None,
 ) -> torch.Tensor:
-    """Run ``model`` on one step's tokens, writing their KV; logits of each sequence's last
-    token: (S, V) float32."""
-    plan = None
-    if not batch.decode_only:  # the prefill kernel's tiles: built once per step, not per layer
-        dev = batch.tokens.device
-        e = model.layers[0].attn.head_dim
-        if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
-            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
-    x = model.residual_stream(model.token_embeddings(batch.tokens))  # (N, D)
-    for i, layer in enumerate(model.layers):
-        a = _attention(layer.attn, layer.ln1(x), batch, cache.k[i], cache.v[i], use_triton, plan)
-        x = x + a
-        x = x + layer.ffn(layer.ln2(x))  # (N, D)
-    h = model.ln_final(x[batch.last_rows])  # (S, D)
-    return model.logits_from_hidden(h).float()  # (S, V)
+    """Run ``model``'s own forward on one step's tokens, writing their KV; logits of each
+    sequence's last token: (S, V) float32. ``ops``: the kernels (default: the paged-attention
+    kernels of :mod:`lmforge.serve.attention` with ``use_triton``)."""
+    ops = ops if ops is not None else PagedOps(use_triton)
+    ctx = step_context(cache, batch, ops)
+    return model(batch.tokens[None], context=ctx)[0].float()  # (1, N) -> (S, V)

@@ -1,0 +1,133 @@
+"""The per-step context a forward reads when it runs over a paged KV cache (an engine step).
+
+``TransformerLM.forward(idx, context=ctx)`` is the one forward of lmforge: training calls it
+without a context, the readable reference loop (``lmforge.generate``) with a contiguous
+:class:`~lmforge.model.KVCache`, and the serving engine with a :class:`Context` describing
+one step of its paged cache, the way nano-vllm's model reads its step context. The attention
+module owns how the cache is read and written; the context only says where: positions, the
+flat slots the new keys/values go to, the block tables, the per-sequence query and context
+lengths (prefill chunks and decode rows mixed in one flat batch).
+
+Why kernels come in through :attr:`Context.ops`: the paged-attention and decode-GEMV kernels
+are the serving engine's (``lmforge.serve.attention``) and ``lmforge.model`` must not import
+``lmforge.serve`` (imports flow one way). So the engine hands the model a :class:`StepOps`
+(its kernels, with their torch fallbacks); the model decides *what* to compute (projections,
+QK-norm, RoPE, muP, soft-cap, MoE: every switch) and calls the ops for the paged parts only.
+
+Shape legend: N tokens in the step (all sequences, flattened), S sequences, L layers,
+NB blocks, BS block size, K kv-heads, H heads, E head dim, M block-table width, D model dim.
+Exercised by ``pytest tests/test_engine_switches.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Context", "PagedKVCache", "StepOps"]
+
+
+class PagedKVCache:
+    """Keys and values of every layer in fixed-size blocks.
+
+    Layout: ``k``, ``v`` are (L, NB, BS, K, E) tensors; block b of layer l is ``k[l, b]``, a
+    (BS, K, E) tile holding BS consecutive tokens of whichever sequence's block table lists b
+    (keys after RoPE). Slot ``b·BS + i`` is offset i of block b. Which blocks a sequence owns
+    is the allocator's business (``lmforge.serve.blocks``); this object only holds the memory.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @staticmethod
+    def bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers (K and V)."""
+        cfg = model.config
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.n_layers * block_size * cfg.kv_heads * int(cfg.head_dim) * elem
+
+
+class StepOps:
+    """The kernels a paged forward calls; the engine subclasses this with its own.
+
+    Only :meth:`attend` is required. The other hooks return None where they do not apply, and
+    the model then computes that part itself with its own modules (the reference math).
+    """
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context
+    ) -> torch.Tensor:
+        """Write k, v (N, K, E) at ``ctx.slots`` of layer ``layer``'s pages, then attend:
+        q (N, H, E) (RoPE and every scale applied) -> (N, H, E)."""
+        raise NotImplementedError
+
+    def packed(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer ``layer``'s q/k/v weights as one (H·E + 2·K·E, D) tensor and its SwiGLU's w1/w3
+        as one (2F, D) tensor (views the parameters share), or None: separate projections."""
+        return None, None
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """``x @ wᵀ`` on a kernel of the step's own (the decode GEMV), or None: torch's."""
+        return None
+
+    def fused_attention(
+        self, attn: nn.Module, h: torch.Tensor, ctx: Context
+    ) -> torch.Tensor | None:
+        """The whole attention core of ``attn`` from its input h (N, D) in one fused kernel
+        (q/k/v, QK-norm, RoPE, KV write, attention) -> (N, H, E), or None where it does not
+        compute exactly what the module does."""
+        return None
+
+
+@dataclasses.dataclass
+class Context:
+    """One step over a paged KV cache: N tokens of S sequences, flattened (no padding).
+
+    Sequence i owns the next ``q_lens[i]`` rows of the step; after the step it has
+    ``ctx_lens[i]`` tokens cached (this step's included). Decode steps (one token per sequence,
+    the compiled and CUDA-graph case) leave the host-side lists None.
+    """
+
+    positions: torch.Tensor
+    "(N,) long RoPE positions"
+    slots: torch.Tensor
+    "(N,) long flat KV slots (block · BS + offset) the tokens' keys/values go to"
+    block_tables: torch.Tensor
+    "(S, M) int32 block tables, padded with any valid block"
+    ctx_lens: torch.Tensor
+    "(S,) int32 tokens cached per sequence after this step"
+    k_cache: torch.Tensor
+    "(L, NB, BS, K, E) keys"
+    v_cache: torch.Tensor
+    "(L, NB, BS, K, E) values"
+    ops: StepOps
+    "the kernels (see StepOps)"
+    last_rows: torch.Tensor | None = None
+    "(S,) long: logits only for these rows (each sequence's last token); None: every row"
+    decode: bool = False
+    "every sequence feeds exactly one token"
+    q_lens: Sequence[int] | None = None
+    "tokens per sequence this step (host ints; None in decode steps)"
+    ctx_lens_list: Sequence[int] | None = None
+    "ctx_lens as host ints (None in decode steps)"
+    tables_list: Sequence[Sequence[int]] | None = None
+    "block tables as host lists (None in decode steps)"
+    plan: Any = None
+    "the step's prefill tile list for a varlen kernel, built once per step (ops-specific)"
