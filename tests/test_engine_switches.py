@@ -1,0 +1,170 @@
+"""Every model switch served right: the engine against the reference loop, table-driven.
+
+For each row (one model switch, a combination that ships in ``configs/*.toml`` at tiny sizes,
+and engine settings: chunked prefill, a prefix-cache hit), on the CPU in fp32:
+
+- greedy tokens from :class:`lmforge.serve.Engine` equal ``lmforge.generate``'s (the readable
+  reference loop over a contiguous KV cache);
+- every engine log-prob is within 1e-5 of the model's own ``log_softmax`` over the full
+  sequence (one training-style forward, no cache).
+
+The engine runs ``TransformerLM.forward`` with a paged context (``lmforge.model.context``), so
+a switch the engine dropped (muP's q scale and output multiplier did, before) shows up here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import tomllib
+
+import pytest
+import torch
+
+from lmforge.generate import generate
+from lmforge.model import ModelConfig, MoEConfig, TransformerLM
+from lmforge.serve import Engine, SamplingParams
+
+V = 101
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+BASE = dict(vocab_size=V, context_length=64, d_model=64, n_layers=2, n_heads=4)
+
+SWITCHES: dict[str, dict] = {
+    "plain": {},
+    "mup": dict(mup=True, mup_base_width=16, mup_base_head_dim=8),
+    "qk_norm": dict(qk_norm=True),
+    "soft_cap": dict(logit_soft_cap=3.0),
+    "tied_head": dict(tie_embeddings=True),
+    "gqa": dict(n_kv_heads=2),
+    "mqa": dict(n_kv_heads=1),
+    "head_dim": dict(head_dim=24, n_kv_heads=2),
+    "rope_scaling": dict(
+        rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_context=16, rope_theta=500.0
+    ),
+    "moe": dict(moe=MoEConfig(n_experts=4, top_k=2, expert_d_ff=32, n_shared_experts=1)),
+    "all": dict(
+        mup=True,
+        mup_base_width=32,
+        mup_base_head_dim=8,
+        qk_norm=True,
+        logit_soft_cap=4.0,
+        tie_embeddings=True,
+        n_kv_heads=2,
+        head_dim=24,
+        rope_scaling="llama3",
+        rope_original_context=16,
+        moe=MoEConfig(n_experts=4, top_k=2, expert_d_ff=32, every=2),
+    ),
+}
+
+
+def _shipped(path: pathlib.Path) -> dict:
+    """The [model] table of a shipped config at tiny sizes: its switches kept (GQA ratio, tied
+    head, RoPE theta, QK-norm, muP, soft-cap, MoE routing), its sizes shrunk."""
+    model = dict(tomllib.loads(path.read_text())["model"])
+    heads = model.get("n_heads", 12)
+    ratio = heads // (model.get("n_kv_heads") or heads)
+    small_heads = 3 if heads % 4 else 4
+    kw = {k: v for k, v in model.items() if k not in ("moe", "d_ff", "head_dim")}
+    kw.update(BASE, n_heads=small_heads, d_model=16 * small_heads)
+    kw["n_kv_heads"] = max(1, small_heads // ratio) if small_heads % ratio == 0 else small_heads
+    if "head_dim" in model:
+        kw["head_dim"] = 24
+    if kw.get("mup"):
+        kw.update(mup_base_width=kw["d_model"] // 2, mup_base_head_dim=8)
+    if "moe" in model:
+        moe = dict(model["moe"])
+        n_exp = min(moe.get("n_experts", 4), 8)
+        moe.update(n_experts=n_exp, top_k=min(moe.get("top_k", 2), n_exp), expert_d_ff=32)
+        kw["moe"] = MoEConfig(**moe)
+    return kw
+
+
+SHIPPED = {
+    f"config:{p.relative_to(CONFIGS)}": _shipped(p)
+    for p in sorted([*CONFIGS.glob("*.toml"), *CONFIGS.glob("scaling/*.toml")])
+    if "model" in tomllib.loads(p.read_text())
+}
+
+# engine settings: default, chunked prefill (a token budget of one block: prompts over
+# several steps, mixed with decodes), prefill-only prefix cache off
+ENGINES = {
+    "default": dict(block_size=4, num_blocks=96),
+    "chunked": dict(block_size=4, num_blocks=96, max_num_batched_tokens=4),
+    "no_prefix_cache": dict(block_size=4, num_blocks=96, enable_prefix_cache=False),
+}
+
+ROWS = [(name, kw, "default") for name, kw in {**SWITCHES, **SHIPPED}.items()]
+ROWS += [
+    (name, SWITCHES[name], e) for name in ("mup", "all") for e in ("chunked", "no_prefix_cache")
+]
+
+
+def _model(kw: dict) -> TransformerLM:
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(**{**BASE, **kw})).eval()
+    with torch.no_grad():  # logits far from flat: greedy is not decided by rounding
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.0)
+    return model
+
+
+def _prompts(lengths=(3, 13, 21, 6)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+
+
+def _check_logprobs(model: TransformerLM, prompt: list[int], out) -> None:
+    """The engine's log-probs against log_softmax of the model's own full-sequence forward."""
+    seq = prompt + out.token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([seq]))[0].float()  # (T, V)
+    lp = torch.log_softmax(logits, -1)
+    rows = torch.arange(len(prompt) - 1, len(seq) - 1)
+    want = lp[rows, torch.tensor(out.token_ids)]
+    got = torch.tensor(out.logprobs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(("switch", "kw", "engine"), ROWS, ids=[f"{r[0]}-{r[2]}" for r in ROWS])
+def test_engine_equals_reference(switch: str, kw: dict, engine: str) -> None:
+    model = _model(kw)
+    prompts = _prompts()
+    n = 10
+    want = [generate(model, [p], n, temperature=0)[0] for p in prompts]
+    eng = Engine(model, **ENGINES[engine])
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outs = eng.generate(prompts, params)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == want, f"{switch}: engine tokens differ from lmforge.generate"
+    for prompt, o in zip(prompts, outs, strict=True):
+        _check_logprobs(model, prompt, o.outputs[0])
+    assert eng.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("switch", ["mup", "all"])
+def test_prefix_cache_hit_serves_the_same_tokens(switch: str) -> None:
+    """A second request that shares the first's prompt prefix takes its cached blocks (a hit),
+    and still gives the reference's tokens and log-probs."""
+    model = _model(SWITCHES[switch])
+    (first,) = _prompts((17,))
+    second = [*first[:12], 5, 9, 2]
+    eng = Engine(model, block_size=4, num_blocks=96)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    eng.generate([first], params)
+    hits = eng.allocator.hits
+    (out,) = eng.generate([second], params)
+    assert eng.allocator.hits - hits == 3  # the 12 shared tokens: three full blocks of 4
+    assert out.outputs[0].token_ids == generate(model, [second], 8, temperature=0)[0]
+    _check_logprobs(model, second, out.outputs[0])
+
+
+def test_rows_cover_every_switch() -> None:
+    """The table names every ModelConfig switch the serving path must honour."""
+    on = {k for kw in SWITCHES.values() for k in kw}
+    assert {"mup", "qk_norm", "logit_soft_cap", "tie_embeddings", "n_kv_heads", "head_dim",
+            "rope_scaling", "moe"} <= on  # fmt: skip
+    assert len(SHIPPED) >= 5 and any(
+        dataclasses.asdict(kw["moe"]) for kw in SHIPPED.values() if "moe" in kw
+    )
