@@ -208,15 +208,13 @@ def test_cli_generate_with_token_ids(tmp_path, capsys):
 
 
 def test_cli_generate_with_tokenizer(tmp_path, capsys):
-    tokenizer_mod = pytest.importorskip("lmforge.tokenizer")
-    if not hasattr(tokenizer_mod, "Tokenizer"):
-        pytest.skip("lmforge.tokenizer.Tokenizer not in this checkout")
     from lmforge.cli import main
+    from lmforge.tokenizer import Tokenizer
 
     vocab = {i: bytes([i]) for i in range(256)}
-    tok = tokenizer_mod.Tokenizer(vocab, [], ["<|endoftext|>"])
+    tok = Tokenizer(vocab, [], ["<|endoftext|>"])
     model = _write_checkpoint(tmp_path / "ckpt", TINY, tok)
-    tok = tokenizer_mod.Tokenizer.load(tmp_path / "ckpt" / "tokenizer")
+    tok = Tokenizer.load(tmp_path / "ckpt" / "tokenizer")
     rc = main(
         [
             "generate",

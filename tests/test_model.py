@@ -526,9 +526,6 @@ def test_triton_backends_through_the_interpreter():
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    kernels = importlib.import_module("lmforge.kernels")
-    if not all(hasattr(kernels, n) for n in ("flash_attention", "rms_norm", "flash_supported")):
-        pytest.skip("lmforge.kernels lacks the Triton ops in this checkout")
     done = subprocess.run(
         [sys.executable, "-c", _INTERP_SCRIPT],
         env=interpreter_env(),
