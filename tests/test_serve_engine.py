@@ -308,3 +308,29 @@ def test_engine_splits_step_time_between_decode_and_prefill_steps() -> None:
     # then 4 decode steps for the other 4 tokens
     assert (st["mixed_steps"], st["decode_steps"]) == (2, 4) and st["steps"] == 6
     assert st["mixed_s"] > 0 and st["decode_s"] > 0
+
+
+def test_defaults_on_cpu_are_eager_and_said_in_one_line() -> None:
+    """On the CPU, Engine(model) neither captures graphs nor compiles, and says so."""
+    engine = Engine(_model(), num_blocks=32)
+    assert engine.graphs is None and engine.decoder is None
+    line = engine.startup_line
+    assert "\n" not in line and "CUDA graphs off" in line and "compiled decode step off" in line
+
+
+@pytest.mark.gpu
+def test_gpu_defaults_are_graphs_and_the_compiled_step() -> None:
+    """On CUDA, Engine(model) with no flags is the measured-best path: CUDA graphs around the
+    compiled decode step (flags turn each off), with generate's greedy tokens."""
+    model = _model().cuda()
+    prompts = _prompts()
+    want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
+    engine = Engine(model, block_size=8, num_blocks=64, max_num_seqs=8)
+    assert engine.graphs is not None and engine.graphs.graphs
+    assert engine.decoder is not None and engine.decoder.failed is None
+    assert "CUDA graphs on" in engine.startup_line
+    assert "compiled decode step on" in engine.startup_line
+    got = engine.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == want
+    off = Engine(model, block_size=8, num_blocks=64, cuda_graphs=False, compile=False)
+    assert off.graphs is None and off.decoder is None

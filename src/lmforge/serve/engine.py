@@ -154,9 +154,12 @@ class Engine:
     fixes the KV cache size (None: ``kv_memory_fraction`` of free CUDA memory, or on CPU 16 full
     contexts capped at 1 GiB). ``max_num_batched_tokens`` is the per-step token
     budget; ``max_num_seqs`` the most sequences in one step. ``seed`` seeds the generator used
-    by unseeded requests. ``compile`` runs decode steps through ``torch.compile``
-    (:mod:`lmforge.serve.compiled`; None: on for CUDA, off on the CPU; captured in the CUDA
-    graphs when ``cuda_graphs``); if it fails, one line on stderr and eager decode.
+    by unseeded requests. Defaults are the measured-best path: ``cuda_graphs`` (decode steps
+    replayed from CUDA graphs, :mod:`lmforge.serve.cuda_graphs`) and ``compile`` (decode steps
+    through ``torch.compile``, :mod:`lmforge.serve.compiled`, captured in the graphs) are on
+    for CUDA and off on the CPU when None; False turns either off. If compiling fails, one line
+    on stderr and eager decode. :attr:`startup_line` says in one line what was chosen (the
+    CLI prints it).
     ``tokenizer`` (anything with ``decode(ids)``; ``id_to_bytes`` makes it byte-exact and
     cheaper) turns on text: every sample's :attr:`CompletionOutput.text` is detokenized
     incrementally as it is sampled (:mod:`lmforge.serve.detok`) and ``SamplingParams.stop``
@@ -179,7 +182,7 @@ class Engine:
         use_triton: bool | None = None,
         seed: int = 0,
         max_queue: int | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         compile: bool | None = None,
         tokenizer: Any = None,
         memory_probe: Callable[[], int] | None = None,
@@ -206,7 +209,8 @@ class Engine:
             def probe() -> int:
                 return int(torch.cuda.mem_get_info(dev)[0])
 
-        use_graphs = cuda_graphs and self._graphs_supported()
+        # the measured-best path is the default: CUDA graphs and the compiled step on CUDA
+        use_graphs = (cuda_graphs is not False) and self._graphs_supported()
         want_compile = compile if compile is not None else self.device.type == "cuda"
         # One block more than the allocator hands out: CUDA-graph padding rows write there.
         if num_blocks is None and probe is not None:
@@ -233,10 +237,26 @@ class Engine:
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
         # decode_* / mixed_*: steps where every sequence fed one token (the graphs' case) vs
         # steps that carried prefill, and the wall seconds step() spent on each (host included)
+        self.startup_line = self._describe(use_graphs)
         self.stats = {"preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                       "decode_steps": 0, "decode_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}  # fmt: skip
 
     # ---------------------------------------------------------------- sizing
+    def _describe(self, use_graphs: bool) -> str:
+        """One line saying what the engine chose (the CLI prints it at startup)."""
+        dec = self.decoder
+        graphs = self.graphs is not None and bool(self.graphs.graphs)
+        parts = [
+            f"engine on {self.device.type}",
+            f"CUDA graphs {'on' if graphs else 'off'}"
+            + (" (capture failed)" if use_graphs and not graphs else ""),
+            f"compiled decode step {'on' if dec is not None and dec.failed is None else 'off'}",
+        ]
+        if dec is not None:
+            parts.append(f"decode GEMV {'on' if dec.gemv is not None else 'off'}")
+        parts.append(f"KV cache {self.allocator.num_blocks} blocks of {self.block_size} tokens")
+        return ", ".join(parts)
+
     def _graphs_supported(self) -> bool:
         return self.device.type == "cuda"
 
