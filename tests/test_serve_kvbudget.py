@@ -13,7 +13,7 @@ import torch
 from lmforge.generate import generate
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
-from lmforge.serve.engine import kv_blocks_for_memory
+from lmforge.serve.model_runner import ModelRunner, kv_blocks_for_memory
 from lmforge.serve.runner import PagedKVCache
 from lmforge.utils import LmforgeError
 
@@ -60,7 +60,7 @@ def test_cache_is_sized_after_capture_then_graphs_are_recaptured(monkeypatch) ->
     captured: list[int] = []
 
     class FakeGraphs:
-        def __init__(self, engine: Engine) -> None:
+        def __init__(self, engine: ModelRunner) -> None:
             captured.append(engine.cache.num_blocks)
             mem.free -= pool
             self.graphs = {1: object()}
@@ -73,8 +73,8 @@ def test_cache_is_sized_after_capture_then_graphs_are_recaptured(monkeypatch) ->
         def run(self, batch):  # replay: None = run this step eagerly
             return None
 
-    monkeypatch.setattr(Engine, "_graphs_supported", lambda self: True)
-    monkeypatch.setattr(Engine, "_make_graphs", lambda self: FakeGraphs(self))
+    monkeypatch.setattr(ModelRunner, "_graphs_supported", lambda self: True)
+    monkeypatch.setattr(ModelRunner, "_make_graphs", lambda self: FakeGraphs(self))
     engine = Engine(
         model, block_size=8, cuda_graphs=True, memory_probe=mem, kv_memory_fraction=0.5,
         max_num_batched_tokens=32,

@@ -99,3 +99,34 @@ def test_sampled_logprobs_follow_the_contract_and_stops() -> None:
     )
     ids = greedy[0].outputs[0].token_ids
     assert cut.token_ids == ids[: ids.index(stop) + 1] and cut.finish_reason == "stop"
+
+
+def test_engine_speculative_mode_is_token_identical_and_refuses_n() -> None:
+    """``Engine(speculative=...)``: greedy output equals the plain engine's for n-gram and
+    draft-model proposers (a perfect draft is always accepted), several prompts queued at once
+    (served one at a time), the log-probs are the plain engine's; n > 1 is one clear line."""
+    from lmforge.serve import Speculative
+    from lmforge.utils import LmforgeError
+
+    target, small = _model(0), _model(1, layers=1)
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [1, 2], list(range(7, 37))]
+    params = SamplingParams(temperature=0, max_tokens=14)
+    plain = Engine(target).generate(prompts, params)
+    for draft, k in ((NgramDraft(), 3), (DraftModel(target), 4), (DraftModel(small), 2)):
+        spec = Speculative(draft, k)
+        eng = Engine(target, speculative=spec)
+        got = eng.generate(prompts, params)
+        for a, b in zip(got, plain, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, type(draft).__name__
+            torch.testing.assert_close(
+                torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs),
+                atol=1e-5, rtol=0,
+            )  # fmt: skip
+        assert spec.stats.drafted > 0 and eng.stats["spec_steps"] > 0
+        assert eng.allocator.num_used == 0
+        if isinstance(draft, DraftModel) and draft.model is target:
+            assert spec.stats.acceptance == 1.0
+    with pytest.raises(LmforgeError, match="one sample per request"):
+        Engine(target, speculative=NgramDraft()).add_request([1, 2], SamplingParams(n=2))
+    with pytest.raises(LmforgeError, match="speculative"):
+        Engine(target, speculative="ngram")  # type: ignore[arg-type]

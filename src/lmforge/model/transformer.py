@@ -267,7 +267,12 @@ class CausalSelfAttention(nn.Module):
                 e, k_dim = self.head_dim, self.n_kv_heads * self.head_dim
                 q, k, v = qkv.split([self.n_heads * e, k_dim, k_dim], dim=-1)
                 return q, k, v
-            return tuple(_linear(m, x, context) for m in (self.q_proj, self.k_proj, self.v_proj))  # type: ignore[return-value]
+            q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
+            return (
+                _linear(q_proj, x, context),
+                _linear(k_proj, x, context),
+                _linear(v_proj, x, context),
+            )
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def _use_fused_rope(

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from lmforge.serve.speculative import (
         DraftModel,
         NgramDraft,
+        Speculative,
         SpeculativeDecoder,
         truncated_draft,
     )
@@ -31,6 +32,7 @@ __all__ = [
     "NgramDraft",
     "RequestOutput",
     "SamplingParams",
+    "Speculative",
     "SpeculativeDecoder",
     "truncated_draft",
 ]
@@ -43,6 +45,7 @@ _EXPORTS = {
     "SamplingParams": "sampling",
     "DraftModel": "speculative",
     "NgramDraft": "speculative",
+    "Speculative": "speculative",
     "SpeculativeDecoder": "speculative",
     "truncated_draft": "speculative",
 }

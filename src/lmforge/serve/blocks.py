@@ -5,10 +5,12 @@ Blocks are indices into the KV tensors (``PagedKVCache``); this module never tou
 - Every block has a reference count: the number of sequences whose block table lists it.
   :meth:`BlockAllocator.allocate` hands out a block with count 1; :meth:`~BlockAllocator.free`
   drops one reference. Freeing a block nobody holds is an error (no double free).
-- Prefix caching: once a block is full its content is identified by
-  ``hash((parent block's hash, its block_size token ids))`` — the chain makes the hash name the
-  whole prefix, not just the block. :meth:`~BlockAllocator.register` records full blocks under
-  that hash; a later sequence whose prompt starts with the same tokens takes the same blocks
+- Prefix caching: once a block is full its content is identified by the key
+  ``(parent block's hash, its block_size token ids)`` (:func:`block_keys`) — the chain makes the
+  key name the whole prefix, not just the block, and since the key holds the tokens, a hit
+  compares them (dict lookup: hash, then equality), never the hash alone.
+  :meth:`~BlockAllocator.register` records full blocks under that key; a later sequence
+  whose prompt starts with the same tokens takes the same blocks
   (:meth:`~BlockAllocator.lookup`, count + 1) instead of recomputing them.
 - A block whose count drops to zero keeps its content while it is registered: it waits in an LRU
   list and is reused on a hit, or evicted (least recently freed first) when a fresh block is
@@ -23,23 +25,32 @@ block shared after a write).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
-__all__ = ["BlockAllocator", "NoFreeBlocks", "block_hashes"]
+__all__ = ["BlockAllocator", "NoFreeBlocks", "block_hashes", "block_keys"]
+
+BlockKey = tuple[int | None, tuple[int, ...]]
 
 
 class NoFreeBlocks(RuntimeError):
     """Raised by :meth:`BlockAllocator.allocate` when every block is held."""
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Chained hashes of the full blocks of ``tokens`` (a trailing partial block has none)."""
-    out: list[int] = []
+def block_keys(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[BlockKey]:
+    """Prefix-cache keys of the full blocks of ``tokens`` (a trailing partial block has none):
+    ``(hash of the previous key, or parent, for the first; the block's token ids)``."""
+    out: list[BlockKey] = []
     h = parent
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        h = hash((h, tuple(tokens[start : start + block_size])))
-        out.append(h)
+        key = (h, tuple(tokens[start : start + block_size]))
+        out.append(key)
+        h = hash(key)
     return out
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of ``tokens``: ``hash`` of each :func:`block_keys` key."""
+    return [hash(k) for k in block_keys(tokens, block_size, parent)]
 
 
 class BlockAllocator:
@@ -53,8 +64,8 @@ class BlockAllocator:
         self.refcount = [0] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self._lru: OrderedDict[int, None] = OrderedDict()  # registered blocks nobody holds
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[Hashable, int] = {}
+        self._hash_of: dict[int, Hashable] = {}
         self.hits = 0
         self.queries = 0
 
@@ -96,7 +107,7 @@ class BlockAllocator:
         for block in reversed(blocks):
             self.free(block)
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: Hashable) -> int | None:
         """The cached block holding ``block_hash``'s content, with one more reference; or None."""
         self.queries += 1
         if not self.enable_prefix_cache:
@@ -110,7 +121,7 @@ class BlockAllocator:
         self.refcount[block] += 1
         return block
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: Hashable) -> None:
         """Record that the held, full ``block`` holds ``block_hash``'s content (first wins)."""
         if not self.enable_prefix_cache or self.refcount[block] <= 0:
             return

@@ -6,9 +6,10 @@ bound even inside a CUDA graph. Here the model's own forward (``TransformerLM.fo
 decode :class:`~lmforge.model.context.Context`: every model switch, as in training) is traced
 by dynamo and compiled by inductor, which fuses those chains into a few Triton kernels per
 layer around the GEMMs. The kernels below reach the model through the context's ops
-(:class:`DecodeOps`). The paged KV write + attention is one opaque custom op (``lmforge_serve::decode_attention``, mutating the caches): dynamo does not trace
-into the Triton kernel or the torch reference, and inductor writes the pages in place (no
-functional copy of the cache). Shapes are dynamic (one compile serves every batch bucket; batch
+(:class:`DecodeOps`). The paged KV write + attention is one opaque custom op
+(``lmforge_serve::decode_attention``, mutating the caches): dynamo does not trace into the
+Triton kernel or the torch reference, and inductor writes the pages in place (no functional
+copy of the cache). Shapes are dynamic (one compile serves every batch bucket; batch
 1 gets its own specialisation), and :class:`~lmforge.serve.cuda_graphs.DecodeGraphs` captures
 the compiled step per bucket like the eager one.
 
@@ -27,8 +28,7 @@ uses it is decided once per engine (:func:`gemv_plan`: a plain Linear, a half-pr
 a shape the kernel's table does not route to cuBLAS) and passed in as constants, so the batches
 <= 8 and the larger ones are two compiled graphs; larger batches and the CPU keep cuBLAS/torch.
 With the q/k/v GEMV on (and no muP q scale, which the fused kernel does not apply), its partial
-sums go straight into
-``lmforge_serve::rope_decode_attention``: one kernel adds them, applies QK-norm (Qwen3) and
+sums go straight into ``lmforge_serve::rope_decode_attention``: one kernel adds them, applies QK-norm (Qwen3) and
 RoPE to q and k and writes k/v into the pages (:mod:`lmforge.serve._rope_kv_triton`: no
 separate RoPE kernel, no ``index_copy``), then the paged decode attention, in the same
 mutating op as the unfused path.
@@ -353,8 +353,7 @@ def decode_forward(
     """One decode step (one token per sequence, so row i is sequence i's last token) through
     the model's own forward with ``ops``' kernels: logits (S, V) float32. This is what
     :class:`CompiledDecode` compiles."""
-    ctx = Context(positions=positions, slots=slots, block_tables=block_tables,
-                  ctx_lens=ctx_lens, k_cache=k_cache, v_cache=v_cache, ops=ops, decode=True)  # fmt: skip
+    ctx = Context(positions, slots, block_tables, ctx_lens, k_cache, v_cache, ops, decode=True)
     return model(tokens[None], context=ctx)[0].float()  # (1, S) -> (S, V)
 
 

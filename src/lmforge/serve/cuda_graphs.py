@@ -24,7 +24,7 @@ import torch
 from lmforge.serve.runner import StepBatch
 
 if TYPE_CHECKING:
-    from lmforge.serve.engine import Engine
+    from lmforge.serve.model_runner import ModelRunner
 
 __all__ = ["DecodeGraphs", "bucket_sizes"]
 
@@ -39,15 +39,15 @@ def bucket_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode graphs for one engine (see the module docstring)."""
 
-    def __init__(self, engine: Engine, max_batch: int | None = None) -> None:
-        self.engine = engine
-        cache = engine.cache
-        dev = engine.device
+    def __init__(self, runner: ModelRunner, max_batch: int | None = None) -> None:
+        self.runner = runner
+        cache = runner.cache
+        dev = runner.device
         self.scratch = cache.num_blocks - 1  # the cache holds one block the allocator never gives
-        self.width = math.ceil(engine.config.context_length / engine.block_size)
-        self.sizes = bucket_sizes(min(max_batch or engine.max_num_seqs, 512))
+        self.width = math.ceil(runner.config.context_length / runner.block_size)
+        self.sizes = bucket_sizes(min(max_batch or runner.max_num_seqs, 512))
         top = self.sizes[-1]
-        bs = engine.block_size
+        bs = runner.block_size
         self.tokens = torch.zeros(top, dtype=torch.long, device=dev)
         self.positions = torch.zeros(top, dtype=torch.long, device=dev)
         self.slots = torch.full((top,), self.scratch * bs, dtype=torch.long, device=dev)
@@ -93,11 +93,11 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up (compile, Triton autotuning, lazy init)
-                    self.engine.decode_step(batch)
+                    self.runner.decode_step(batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.engine.decode_step(batch)
+                out = self.runner.decode_step(batch)
             self.graphs[b] = graph
             self.outputs[b] = out
         torch.cuda.synchronize()
@@ -117,7 +117,7 @@ class DecodeGraphs:
         if size > b:  # padding rows: the dummy sequence in the scratch block
             self.tokens[b:size].zero_()
             self.positions[b:size].zero_()
-            self.slots[b:size].fill_(self.scratch * self.engine.block_size)
+            self.slots[b:size].fill_(self.scratch * self.runner.block_size)
             self.tables[b:size].fill_(self.scratch)
             self.ctx[b:size].fill_(1)
         self.graphs[size].replay()

@@ -1,41 +1,27 @@
-"""The inference engine: paged KV cache, continuous batching, prefix caching, in-place updates.
+"""The inference engine: continuous batching over a paged KV cache, in-place weight updates.
 
-Token ids in, token ids + logprobs out (the tokenizer stays outside, in the server). Each
-:meth:`Engine.step` is one scheduling decision and one forward:
+Token ids in, token ids + logprobs out (the tokenizer stays outside, in the server; with one,
+text and stop strings are handled here incrementally). The engine is thin; its parts are the
+field's usual split:
 
-1. **Schedule** (FCFS, no starvation). Running sequences go first, in arrival order: a decoding
-   one needs 1 token, a partly prefilled one its next chunk. If a sequence needs a new block and
-   none is free, the most recently arrived running sequence is *preempted*: its blocks are freed
-   and it goes back to the head of the queue to be recomputed later (its tokens so far are kept,
-   so it resumes where it was; the prefix cache often makes the recompute cheap). Then waiting
-   requests are admitted in order while the step's token budget and free blocks last; the first
-   one that does not fit stops admission (nobody overtakes it). Prompts longer than the budget
-   are prefilled in chunks over several steps (chunked prefill), mixed with other sequences'
-   decodes in the same forward.
-2. **Prefix cache** on admission: the longest run of the prompt's full blocks already cached
-   (hash of parent hash + block tokens, :mod:`lmforge.serve.blocks`) is taken as is, and only
-   the rest is computed. At least one token is always computed (its logits start sampling).
-3. **Forward** (:func:`lmforge.serve.runner.forward_step`), then for each sequence whose step
-   reached its last token: sample (:mod:`lmforge.serve.sampling`), record the logprob and the
-   policy version, detokenize the token (engines with a tokenizer: O(that token), see
-   :mod:`lmforge.serve.detok`), check stop conditions (stop ids, EOS, stop strings, which may
-   span tokens); finished sequences free their blocks at once. Blocks that became full are
-   registered in the prefix cache.
+- :class:`~lmforge.serve.scheduler.Scheduler` (plain Python): admission, chunked prefill under a
+  token budget, preemption by recompute, the prefix cache (a hit compares the block's tokens);
+- :class:`~lmforge.serve.model_runner.ModelRunner`: KV cache sizing, CUDA graphs, the compiled
+  decode step, host-to-device staging, and the model's own forward
+  (``TransformerLM.forward`` with a paged context: every model switch as in training);
+- the engine: requests, sampling (:mod:`lmforge.serve.sampling`: logprob and policy version of
+  every token), detokenization and stop conditions (stop ids, EOS, stop strings, which may span
+  tokens); finished sequences free their blocks at once.
 
+Each :meth:`Engine.step` is one scheduling decision, one forward and one sampling pass.
 Weight updates (:meth:`Engine.update_weights`) copy tensors into the model's parameters between
 two steps; running sequences keep their KV cache (computed under the old weights, as in-flight
 RL updates do) and every token records the version it was sampled under. Cached prefixes of
-finished requests are dropped (their KV belongs to the old weights).
+finished requests are dropped (their KV belongs to the old weights). Admission control, not
+OOM: a request that could never fit is refused by :meth:`Engine.add_request`; one that does not
+fit now waits. Speculative decoding is a mode of the engine (``Engine(speculative=...)``).
 
-KV memory: ``num_blocks`` blocks, by default (CUDA, or any device given a ``memory_probe``) a
-fraction of the free device memory measured *after* the weights, the compiled decode step and
-the CUDA-graph capture, minus the measured peak of the largest eager step
-(:meth:`Engine._size_after_capture` says how: capture against a probe cache, measure, size,
-recapture); on the CPU without a probe, 16 contexts capped at 1 GiB. Admission control, not
-OOM: a request that could never fit is refused by :meth:`add_request`; one that does not fit
-now waits.
-
-Exercised by ``pytest tests/test_serve_engine.py``.
+Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py``.
 """
 
 from __future__ import annotations
@@ -47,16 +33,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
-from lmforge.serve.blocks import BlockAllocator, block_hashes
-from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer
-from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+from lmforge.model.context import PagedKVCache
+from lmforge.serve.blocks import BlockAllocator
+from lmforge.serve.detok import StopMatcher, make_detokenizer
+from lmforge.serve.model_runner import ModelRunner, kv_blocks_for_memory
+from lmforge.serve.runner import StepBatch
 from lmforge.serve.sampling import SamplingParams, logprobs_of, sample_tokens
+from lmforge.serve.scheduler import Scheduler, Seq
 from lmforge.utils.errors import LmforgeError
+
+if TYPE_CHECKING:
+    from lmforge.serve.speculative import DraftModel, NgramDraft, Speculative
 
 __all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "kv_blocks_for_memory"]
 
@@ -102,37 +94,11 @@ class RequestOutput:
     finished: bool
 
 
-@dataclasses.dataclass(eq=False)
-class _Seq:
-    """One sample being generated: its tokens, its KV blocks and its progress."""
-
-    request_id: str
-    index: int
-    tokens: list[int]
-    n_prompt: int
-    params: SamplingParams
-    generator: torch.Generator | None
-    arrival: int
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    n_cached: int = 0  # tokens whose KV is in the blocks
-    n_hashed: int = 0  # full blocks registered (or taken from) the prefix cache
-    hashes: list[int] = dataclasses.field(default_factory=list)
-    root: int = 0  # policy version the KV (and so the hash chain) was computed under
-    out: CompletionOutput | None = None
-    first_token_time: float | None = None
-    detok: IncrementalDetokenizer | None = None  # engines with a tokenizer
-    stops: StopMatcher | None = None  # requests with stop strings
-
-    @property
-    def n_out(self) -> int:
-        return len(self.tokens) - self.n_prompt
-
-
 @dataclasses.dataclass
 class _Request:
     request_id: str
     prompt: list[int]
-    seqs: list[_Seq]
+    seqs: list[Seq]
     arrival_time: float
 
     @property
@@ -163,7 +129,10 @@ class Engine:
     ``tokenizer`` (anything with ``decode(ids)``; ``id_to_bytes`` makes it byte-exact and
     cheaper) turns on text: every sample's :attr:`CompletionOutput.text` is detokenized
     incrementally as it is sampled (:mod:`lmforge.serve.detok`) and ``SamplingParams.stop``
-    strings end samples. Without one the engine is ids-only, as before.
+    strings end samples. Without one the engine is ids-only, as before. ``speculative``
+    (:class:`~lmforge.serve.speculative.Speculative`, or a bare ``NgramDraft`` /
+    ``DraftModel``) turns on speculative decoding: one sequence at a time (``max_num_seqs`` 1,
+    n = 1 per request), greedy output token-identical to plain decoding.
     """
 
     def __init__(
@@ -186,6 +155,7 @@ class Engine:
         compile: bool | None = None,
         tokenizer: Any = None,
         memory_probe: Callable[[], int] | None = None,
+        speculative: Speculative | NgramDraft | DraftModel | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -199,206 +169,79 @@ class Engine:
         self.use_triton = use_triton
         self.max_queue = max_queue
         self.tokenizer = tokenizer
-        dtype = kv_dtype or next(self.model.parameters()).dtype
-        self.kv_dtype = dtype
-        self.kv_budget: dict[str, float] | None = None  # how the cache was sized from memory
-        probe = memory_probe
-        if probe is None and self.device.type == "cuda":
-            dev = self.device
-
-            def probe() -> int:
-                return int(torch.cuda.mem_get_info(dev)[0])
-
-        # the measured-best path is the default: CUDA graphs and the compiled step on CUDA
-        use_graphs = (cuda_graphs is not False) and self._graphs_supported()
-        want_compile = compile if compile is not None else self.device.type == "cuda"
-        # One block more than the allocator hands out: CUDA-graph padding rows write there.
-        if num_blocks is None and probe is not None:
-            num_blocks = self._size_after_capture(
-                probe, kv_memory_fraction, use_graphs, want_compile
-            )
-        else:
-            if num_blocks is None:
-                num_blocks = self._default_num_blocks(dtype)
-            self.cache = self._new_cache(num_blocks + 1)
-            self.decoder = self._make_decoder(want_compile)
-            self.graphs = self._make_graphs() if use_graphs else None
-            if self.graphs is None and self.decoder is not None:
-                self.decoder.warmup(self.cache.num_blocks - 1, block_size)
-        self.allocator = BlockAllocator(num_blocks, enable_prefix_cache=enable_prefix_cache)
-        self.waiting: deque[_Seq] = deque()
-        self.running: list[_Seq] = []
+        self.speculative: Speculative | None = None
+        if speculative is not None:  # batch 1: the latency case the technique is for
+            self.speculative = _speculative(speculative, cfg.vocab_size)
+            max_num_seqs = self.max_num_seqs = 1
+        self.runner = ModelRunner(
+            self.model, device=self.device, block_size=block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, kv_dtype=kv_dtype,
+            use_triton=use_triton, num_blocks=num_blocks, kv_memory_fraction=kv_memory_fraction,
+            cuda_graphs=cuda_graphs, compile=compile, memory_probe=memory_probe,
+        )  # fmt: skip
+        self.scheduler = Scheduler(
+            self.runner.num_blocks, block_size, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_cache=enable_prefix_cache,
+        )  # fmt: skip
         self.requests: dict[str, _Request] = {}
-        self.policy_version = 0
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
-        # decode_* / mixed_*: steps where every sequence fed one token (the graphs' case) vs
-        # steps that carried prefill, and the wall seconds step() spent on each (host included)
-        self.startup_line = self._describe(use_graphs)
-        self.stats = {"preemptions": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
-                      "decode_steps": 0, "decode_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}  # fmt: skip
-
-    # ---------------------------------------------------------------- sizing
-    def _describe(self, use_graphs: bool) -> str:
-        """One line saying what the engine chose (the CLI prints it at startup)."""
-        dec = self.decoder
-        graphs = self.graphs is not None and bool(self.graphs.graphs)
-        parts = [
-            f"engine on {self.device.type}",
-            f"CUDA graphs {'on' if graphs else 'off'}"
-            + (" (capture failed)" if use_graphs and not graphs else ""),
-            f"compiled decode step {'on' if dec is not None and dec.failed is None else 'off'}",
-        ]
-        if dec is not None:
-            parts.append(f"decode GEMV {'on' if dec.gemv is not None else 'off'}")
-        parts.append(f"KV cache {self.allocator.num_blocks} blocks of {self.block_size} tokens")
-        return ", ".join(parts)
-
-    def _graphs_supported(self) -> bool:
-        return self.device.type == "cuda"
-
-    def _new_cache(self, n: int) -> PagedKVCache:
-        cfg = self.config
-        return PagedKVCache(
-            cfg.n_layers, n, self.block_size, cfg.kv_heads, cfg.head_dim, self.device,
-            self.kv_dtype,
-        )  # fmt: skip
-
-    def _make_decoder(self, want: bool) -> Any:
-        # Decode steps through torch.compile (lmforge.serve.compiled); default on for CUDA.
-        if not want:
-            return None
-        from lmforge.serve.compiled import CompiledDecode
-
-        return CompiledDecode(self.model, self.cache, self.use_triton)
-
-    def _make_graphs(self) -> Any:
-        from lmforge.serve.cuda_graphs import DecodeGraphs
-
-        return DecodeGraphs(self)  # compiles while warming up each bucket
-
-    def _default_num_blocks(self, dtype: torch.dtype) -> int:
-        """CPU without a memory probe: 16 full contexts, at most 1 GiB (at least one context)."""
-        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, dtype)
-        blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
-        return max(
-            blocks_per_seq, min(blocks_per_seq * min(self.max_num_seqs, 16), (1 << 30) // per_block)
-        )
-
-    def _size_after_capture(
-        self, probe: Callable[[], int], fraction: float, use_graphs: bool, want_compile: bool
-    ) -> int:
-        """Size the KV cache from the memory left once everything else exists; returns blocks.
-
-        1. A probe cache just big enough for one step's token budget stands in for the real
-           one; the decode step is compiled and the CUDA graphs are captured against it (their
-           memory pool does not depend on the number of blocks: tables have a fixed width).
-        2. On CUDA, one prefill step of the whole token budget runs on the probe cache; its
-           peak allocation (plus the sampler's (S, V) float32 temporaries at ``max_num_seqs``)
-           is kept back for the eager steps to come. Cached allocator blocks are released.
-        3. ``probe()`` reads the free device memory now, after weights, graphs and compile.
-           The KV budget is ``fraction`` of it minus that reserve (:func:`kv_blocks_for_memory`).
-        4. The probe cache and its graphs are dropped, the real cache is allocated and the
-           graphs are captured again against it (compile is not repeated: the block count is a
-           dynamic dimension of the compiled step).
-
-        Fewer blocks than one full context raise one line (admission control could never
-        admit a full-length request). ``probe`` is injectable (``Engine(memory_probe=)``) so the
-        arithmetic and the admission control after it are testable without a GPU.
-        """
-        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, self.kv_dtype)
-        blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
-        n_seqs = math.ceil(self.max_num_batched_tokens / max(self.config.context_length - 1, 1))
-        n_probe = math.ceil(self.max_num_batched_tokens / self.block_size) + n_seqs + 2
-        self.cache = self._new_cache(n_probe + 1)
-        self.decoder = self._make_decoder(want_compile)
-        free_before = probe()
-        self.graphs = self._make_graphs() if use_graphs else None
-        if self.graphs is None and self.decoder is not None:
-            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
-        reserve = self._profile_step_memory(n_probe) if self.device.type == "cuda" else 0
-        free_after = probe()
-        probe_bytes = self.cache.num_blocks * per_block
-        blocks = kv_blocks_for_memory(free_after + probe_bytes, fraction, reserve, per_block)
-        self.kv_budget = {
-            "free_before_capture": free_before,
-            "free_after_capture": free_after,
-            "activation_reserve": reserve,
-            "fraction": fraction,
-            "bytes_per_block": per_block,
-            "probe_bytes": probe_bytes,
-            "num_blocks": blocks,
+        self.startup_line = self.runner.describe()
+        # decode_* / mixed_* / spec_*: steps where every sequence fed one token (the graphs'
+        # case), steps that carried prefill, speculative steps; wall and CPU seconds of each
+        self.stats: dict[str, float] = {
+            "preemptions": 0,
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "steps": 0,
         }
-        if blocks < blocks_per_seq:
-            gib = free_after / 2**30
-            raise LmforgeError(
-                f"KV cache: {gib:.2f} GiB free after the weights and CUDA graphs leave room for "
-                f"{blocks} blocks of {self.block_size}; one {self.config.context_length}-token "
-                "context needs "
-                f"{blocks_per_seq} (lower --context-length or the token budget, or free memory)"
-            )
-        if self.graphs is not None:
-            self.graphs.close()
-        self.graphs = None
-        self.cache = None  # type: ignore[assignment]
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.cache = self._new_cache(blocks + 1)
-        if self.decoder is not None:
-            self.decoder.cache = self.cache
-        if use_graphs:
-            self.graphs = self._make_graphs()
-        return blocks
+        for kind in ("decode", "mixed", "spec"):
+            self.stats.update({f"{kind}_steps": 0, f"{kind}_s": 0.0, f"{kind}_cpu_s": 0.0})
 
-    @torch.inference_mode()
-    def _profile_step_memory(self, n_probe: int) -> int:
-        """Peak bytes one eager prefill step of the whole token budget allocates (CUDA), plus
-        the sampler's temporaries; run on the probe cache, nothing is registered anywhere."""
-        dev = self.device
-        ctx, bs = self.config.context_length, self.block_size
-        lens, left = [], self.max_num_batched_tokens
-        while left > 0:
-            lens.append(min(left, ctx - 1))
-            left -= lens[-1]
-        tokens, positions, slots, tables, rows = [], [], [], [], []
-        block = 0
-        for n in lens:
-            table = list(range(block, block + math.ceil(n / bs)))
-            block += len(table)
-            tables.append(table)
-            tokens += [0] * n
-            positions += range(n)
-            slots += [table[p // bs] * bs + p % bs for p in range(n)]
-            rows.append(len(tokens) - 1)
-        assert block <= n_probe
-        width = max(len(t) for t in tables)
-        batch = StepBatch(
-            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
-            ),
-            ctx_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            last_rows=torch.tensor(rows, dtype=torch.long, device=dev),
-            q_lens=lens,
-            ctx_lens_list=lens,
-            tables_list=tables,
-        )
-        torch.cuda.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev) - base
-        del batch
-        torch.cuda.empty_cache()
-        # log_softmax, probabilities, exponential noise, their ratio, a float copy: (S, V) fp32.
-        sampler = 6 * self.max_num_seqs * self.config.vocab_size * 4
-        return int(peak + sampler)
+    # the parts, as attributes callers and tests read
+    @property
+    def policy_version(self) -> int:
+        """Weight version new tokens are sampled under (and prefix-cache keys are rooted at)."""
+        return self.scheduler.version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self.scheduler.version = int(value)
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.scheduler.allocator
+
+    @property
+    def waiting(self) -> deque[Seq]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Seq]:
+        return self.scheduler.running
+
+    @property
+    def cache(self) -> PagedKVCache:
+        return self.runner.cache
+
+    @property
+    def decoder(self) -> Any:
+        """The compiled decode step (None: eager)."""
+        return self.runner.decoder
+
+    @property
+    def graphs(self) -> Any:
+        """The CUDA graphs (None: not captured)."""
+        return self.runner.graphs
+
+    @property
+    def kv_budget(self) -> dict[str, float] | None:
+        """How the KV cache was sized from free memory (None: given or the CPU default)."""
+        return self.runner.kv_budget
 
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Turn on text (and stop strings) for requests added from now on."""
@@ -425,6 +268,8 @@ class Engine:
             raise LmforgeError(
                 f"request needs {need} KV blocks, the cache has {self.allocator.num_blocks}"
             )
+        if self.speculative is not None and params.n != 1:
+            raise LmforgeError("speculative decoding serves one sample per request (n = 1)")
         if params.stop and self.tokenizer is None:
             raise LmforgeError("stop strings need an engine with a tokenizer (Engine(tokenizer=))")
         return prompt
@@ -450,7 +295,9 @@ class Engine:
                 if params.seed is not None:
                     gen = torch.Generator(device=self.device)
                     gen.manual_seed(params.seed + i)
-                seq = _Seq(rid, i, list(prompt), len(prompt), params, gen, next(self._arrivals))
+                first = seqs[0] if seqs else None
+                seq = Seq(rid, i, list(prompt), len(prompt), next(self._arrivals), first=first)
+                seq.params, seq.generator = params, gen
                 seq.out = CompletionOutput([], [], [], None, [] if params.logprobs else None, i)
                 if self.tokenizer is not None:
                     seq.detok = make_detokenizer(self.tokenizer, prompt)
@@ -458,7 +305,7 @@ class Engine:
                         seq.stops = StopMatcher(params.stop)
                 seqs.append(seq)
             self.requests[rid] = _Request(rid, prompt, seqs, time.monotonic())
-            self.waiting.extend(seqs)
+            self.scheduler.add(seqs)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -468,15 +315,11 @@ class Engine:
             if req is None:
                 return
             for seq in req.seqs:
-                self._release(seq)
-                if seq in self.running:
-                    self.running.remove(seq)
-                if seq in self.waiting:
-                    self.waiting.remove(seq)
+                self.scheduler.remove(seq)
 
     def has_unfinished(self) -> bool:
         """Whether any request is queued or running."""
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     # ---------------------------------------------------------------- weights
     def update_weights(
@@ -504,211 +347,20 @@ class Engine:
                         f"the model's is {tuple(target.shape)}"
                     )
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            self.policy_version = int(version)
-            # Hash chains are rooted at the version they were computed under, so old KV never
+            # Key chains are rooted at the version they were computed under, so old KV never
             # matches a new lookup; dropping the idle cached blocks just frees them sooner.
-            self.allocator.reset_prefix_cache()
-
-    # ---------------------------------------------------------------- scheduling
-    def _release(self, seq: _Seq) -> None:
-        if seq.blocks:
-            self.allocator.free_all(seq.blocks)
-        seq.blocks = []
-        seq.n_cached = 0
-        seq.n_hashed = 0
-
-    def _ensure_blocks(self, seq: _Seq, n_tokens: int) -> bool:
-        """Give ``seq`` blocks for its first ``n_tokens`` slots; False (nothing kept) if short."""
-        need = math.ceil(n_tokens / self.block_size) - len(seq.blocks)
-        if need <= 0:
-            return True
-        if need > self.allocator.num_free:
-            return False
-        for _ in range(need):
-            seq.blocks.append(self.allocator.allocate())
-        return True
-
-    def _take_prefix(self, seq: _Seq) -> None:
-        """Reuse cached full blocks of ``seq``'s tokens (never its last token's block)."""
-        if seq.blocks:
-            return
-        seq.root = self.policy_version
-        root = hash(("policy", seq.root))
-        seq.hashes = block_hashes(seq.tokens[: len(seq.tokens) - 1], self.block_size, root)
-        for h in seq.hashes:
-            block = self.allocator.lookup(h)
-            if block is None:
-                break
-            seq.blocks.append(block)
-        seq.n_cached = seq.n_hashed = len(seq.blocks)
-        seq.n_cached *= self.block_size
-
-    def _preempt(self) -> _Seq | None:
-        """Preempt the most recent running sequence (returned); None if none is left."""
-        if not self.running:
-            return None
-        victim = max(self.running, key=lambda s: s.arrival)
-        self.running.remove(victim)
-        self._release(victim)
-        self.waiting.appendleft(victim)
-        self.stats["preemptions"] += 1
-        return victim
-
-    def _schedule(self) -> list[tuple[_Seq, int]]:
-        budget = self.max_num_batched_tokens
-        chosen: list[tuple[_Seq, int]] = []
-        preempted: set[int] = set()  # ids, not `in self.running`: O(1), not O(S), per sequence
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if id(seq) in preempted:
-                continue  # preempted below to make room for an earlier one
-            n = min(len(seq.tokens) - seq.n_cached, budget)
-            if n <= 0:
-                continue
-            while not self._ensure_blocks(seq, seq.n_cached + n):
-                victim = self._preempt()
-                if victim is None:
-                    break
-                preempted.add(id(victim))
-                if victim is seq:
-                    break
-            if id(seq) in preempted:
-                continue
-            if math.ceil((seq.n_cached + n) / self.block_size) > len(seq.blocks):
-                continue
-            chosen.append((seq, n))
-            budget -= n
-            if budget <= 0:
-                break
-        n_running = len(self.running)
-        while self.waiting and budget > 0 and n_running < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._siblings_prompt_ready(seq):
-                break  # next step it shares sample 0's prompt blocks instead of recomputing
-            self._take_prefix(seq)
-            n = min(len(seq.tokens) - seq.n_cached, budget)
-            if not self._ensure_blocks(seq, seq.n_cached + n):
-                self._release(seq)  # give the prefix back: it waits whole (FCFS, no skipping)
-                break
-            self.waiting.popleft()
-            self.running.append(seq)
-            n_running += 1
-            chosen.append((seq, n))
-            budget -= n
-        return chosen
-
-    def _siblings_prompt_ready(self, seq: _Seq) -> bool:
-        """Whether sample ``seq`` (of n > 1) may start: sample 0 has prefilled the prompt, so
-        its full blocks are in the prefix cache (always true for sample 0 or without a cache)."""
-        if seq.index == 0 or not self.allocator.enable_prefix_cache:
-            return True
-        req = self.requests.get(seq.request_id)
-        if req is None:
-            return True
-        first = req.seqs[0]
-        return first.n_cached >= first.n_prompt or (
-            first.out is not None and first.out.finish_reason is not None
-        )
+            self.scheduler.reset_prefix_cache(int(version))
 
     # ---------------------------------------------------------------- the step
-    def _batch(self, chosen: list[tuple[_Seq, int]]) -> StepBatch:
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_rows: list[int] = []
-        for seq, n in chosen:
-            start = seq.n_cached
-            for p in range(start, start + n):
-                block = seq.blocks[p // bs]
-                if p % bs == 0 or p == start:
-                    self.allocator.check_writable(block)
-                slots.append(block * bs + p % bs)
-            tokens.extend(seq.tokens[start : start + n])
-            positions.extend(range(start, start + n))
-            last_rows.append(len(tokens) - 1)
-        width = max(len(seq.blocks) for seq, _ in chosen)
-        ctx = [seq.n_cached + n for seq, n in chosen]
-        n_tok, n_seq = len(tokens), len(chosen)
-        # Two host tensors (int64: tokens, positions, slots, rows; int32: tables, context
-        # lengths), one copy each to the device; the step's inputs are views of them.
-        longs = tokens + positions + slots + last_rows
-        ints = ctx.copy()
-        for seq, _ in chosen:
-            ints += seq.blocks
-            ints += [0] * (width - len(seq.blocks))
-        dev64, dev32 = self._to_device(longs, ints)
-        return StepBatch(
-            tokens=dev64[:n_tok],
-            positions=dev64[n_tok : 2 * n_tok],
-            slots=dev64[2 * n_tok : 3 * n_tok],
-            block_tables=dev32[n_seq:].view(n_seq, width),
-            ctx_lens=dev32[:n_seq],
-            last_rows=dev64[3 * n_tok :],
-            q_lens=[n for _, n in chosen],
-            ctx_lens_list=ctx,
-            tables_list=[seq.blocks for seq, _ in chosen],
-        )
-
-    def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's int64 and int32 inputs on the device. On CUDA through persistent pinned
-        staging buffers (grown as needed) with asynchronous copies; an event recorded after
-        the copies is waited on before the buffers are refilled (a step whose sequences are
-        all mid-prefill reads nothing back, so it does not synchronise by itself)."""
-        a = torch.tensor(longs, dtype=torch.long)
-        b = torch.tensor(ints, dtype=torch.int32)
-        if self.device.type != "cuda":
-            return a, b
-        stage = getattr(self, "_stage", None)
-        if stage is None or stage[0].numel() < a.numel() or stage[1].numel() < b.numel():
-            stage = (
-                torch.empty(max(2 * a.numel(), 1024), dtype=torch.long, pin_memory=True),
-                torch.empty(max(2 * b.numel(), 1024), dtype=torch.int32, pin_memory=True),
-            )
-            self._stage = stage
-        done = getattr(self, "_stage_done", None)
-        if done is not None:
-            done.synchronize()  # the previous step's copies have read the buffers
-        sa, sb = stage[0][: a.numel()], stage[1][: b.numel()]
-        sa.copy_(a)
-        sb.copy_(b)
-        out = sa.to(self.device, non_blocking=True), sb.to(self.device, non_blocking=True)
-        self._stage_done = torch.cuda.Event()
-        self._stage_done.record()
-        return out
-
-    def decode_step(self, batch: StepBatch) -> torch.Tensor:
-        """Logits (S, V) of a decode-only batch: compiled if enabled, else eager (no graphs)."""
-        if self.decoder is not None:
-            return self.decoder(batch)
-        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+    def _batch(self, chosen: list[tuple[Seq, int]]) -> StepBatch:
+        """The step's inputs on the device (scheduler's host lists, staged by the runner)."""
+        return self.runner.prepare(self.scheduler.inputs(chosen))
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
-        if batch.decode_only:
-            if self.graphs is not None:
-                logits = self.graphs.run(batch)
-                if logits is not None:
-                    return logits
-            return self.decode_step(batch)
-        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+        """Logits (S, V) of each sequence's last token in the step."""
+        return self.runner.run(batch)
 
-    def _register_full_blocks(self, seq: _Seq) -> None:
-        if not self.allocator.enable_prefix_cache:
-            return
-        full = seq.n_cached // self.block_size
-        if full <= seq.n_hashed:
-            return
-        parent = seq.hashes[seq.n_hashed - 1] if seq.n_hashed else hash(("policy", seq.root))
-        new = block_hashes(
-            seq.tokens[seq.n_hashed * self.block_size : full * self.block_size],
-            self.block_size,
-            parent,
-        )
-        seq.hashes = seq.hashes[: seq.n_hashed] + new
-        for i in range(seq.n_hashed, full):
-            self.allocator.register(seq.blocks[i], seq.hashes[i])
-        seq.n_hashed = full
-
-    def _finish_reason(self, seq: _Seq, token: int) -> FinishReason | None:
+    def _finish_reason(self, seq: Seq, token: int) -> FinishReason | None:
         p = seq.params
         if token in p.stop_token_ids or (
             not p.ignore_eos and self.eos_token_id is not None and token == self.eos_token_id
@@ -721,85 +373,139 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; the requests that got a token (or finished)."""
-        t_start = time.perf_counter()
+        t_start, c_start = time.perf_counter(), time.process_time()
         with self.lock:
-            chosen = self._schedule()
+            chosen = self.scheduler.schedule()
             if not chosen:
                 return []
-            batch = self._batch(chosen)
-            kind = "decode" if batch.decode_only else "mixed"
-            logits = self._forward(batch)  # (S, V)
-            for seq, n in chosen:
-                seq.n_cached += n
-                self._register_full_blocks(seq)
-            ready = [
-                (i, seq) for i, (seq, _) in enumerate(chosen) if seq.n_cached == len(seq.tokens)
-            ]
-            self.stats["steps"] += 1
-            self.stats["prompt_tokens"] += sum(
-                n for seq, n in chosen if seq.n_cached - n < seq.n_prompt
-            )
             touched: dict[str, _Request] = {}
-            if ready:
-                if len(ready) < len(chosen):  # some sequences are mid-prefill: no token yet
-                    rows = torch.tensor([i for i, _ in ready], device=self.device)
-                    logits = logits[rows]
-                params = [seq.params for _, seq in ready]
-                lp = logprobs_of(logits, params)  # (R, V)
-                gens = [seq.generator for _, seq in ready]
-                toks = sample_tokens(lp, params, gens, default_generator=self.generator)
-                chosen_lp = lp.gather(1, toks[:, None])[:, 0]
-                if lp.is_cuda:  # one device-to-host read (a sync) for both; ids < 2^53 exact
-                    both = torch.stack((toks.double(), chosen_lp.double())).tolist()
-                    toks_l, lp_l = [int(t) for t in both[0]], both[1]
-                else:
-                    toks_l, lp_l = toks.tolist(), chosen_lp.tolist()
-                tops: list[dict[int, float] | None] = [None] * len(ready)
-                want = max((p.logprobs or 0) for p in params)
-                if want:
-                    tv, ti = lp.topk(want, dim=-1)
-                    tv_l, ti_l = tv.tolist(), ti.tolist()
-                    for j, p in enumerate(params):
-                        if p.logprobs:
-                            tops[j] = dict(zip(ti_l[j][: p.logprobs], tv_l[j][: p.logprobs]))
-                now = time.monotonic()
-                for j, (_, seq) in enumerate(ready):
-                    tok = toks_l[j]
-                    seq.tokens.append(tok)
-                    out = seq.out
-                    assert out is not None
-                    out.token_ids.append(tok)
-                    out.logprobs.append(lp_l[j])
-                    out.policy_versions.append(self.policy_version)
-                    if out.top_logprobs is not None:
-                        out.top_logprobs.append(tops[j] or {})
-                    if seq.first_token_time is None:
-                        seq.first_token_time = now
-                    self.stats["generated_tokens"] += 1
-                    reason = self._finish_reason(seq, tok)
-                    if reason == "stop":
-                        out.stop_reason = tok
-                    if seq.detok is not None:
-                        reason = self._detokenize(seq, out, tok, reason)
-                    if reason is not None:
-                        out.finish_reason = reason
-                        self.running.remove(seq)
-                        self._release_finished(seq)
-                    req = self.requests.get(seq.request_id)
-                    if req is not None:
-                        touched[req.request_id] = req
+            kind = "spec"
+            if self.speculative is None or not self._spec_step(chosen, touched):
+                kind = self._plain_step(chosen, touched)
+            self.stats["steps"] += 1
             outs = []
             for rid, req in touched.items():
                 outs.append(req.output())
                 if outs[-1].finished:
                     del self.requests[rid]
+            self.stats["preemptions"] = self.scheduler.preemptions
             self.stats[f"{kind}_steps"] += 1
             self.stats[f"{kind}_s"] += time.perf_counter() - t_start
+            self.stats[f"{kind}_cpu_s"] += time.process_time() - c_start
             return outs
+
+    def _plain_step(self, chosen: list[tuple[Seq, int]], touched: dict[str, _Request]) -> str:
+        """One forward over the chosen sequences, one token sampled for each that is ready;
+        returns the step's kind ("decode": one token per sequence, else "mixed")."""
+        batch = self._batch(chosen)
+        kind = "decode" if batch.decode_only else "mixed"
+        logits = self._forward(batch)  # (S, V)
+        ready = self.scheduler.advance(chosen)
+        self.stats["prompt_tokens"] += sum(
+            n for seq, n in chosen if seq.n_cached - n < seq.n_prompt
+        )
+        if not ready:
+            return kind
+        if len(ready) < len(chosen):  # some sequences are mid-prefill: no token yet
+            rows = torch.tensor([i for i, _ in ready], device=self.device)
+            logits = logits[rows]
+        params = [seq.params for _, seq in ready]
+        lp = logprobs_of(logits, params)  # (R, V)
+        gens = [seq.generator for _, seq in ready]
+        toks = sample_tokens(lp, params, gens, default_generator=self.generator)
+        chosen_lp = lp.gather(1, toks[:, None])[:, 0]
+        if lp.is_cuda:  # one device-to-host read (a sync) for both; ids < 2^53 exact
+            both = torch.stack((toks.double(), chosen_lp.double())).tolist()
+            toks_l, lp_l = [int(t) for t in both[0]], both[1]
+        else:
+            toks_l, lp_l = toks.tolist(), chosen_lp.tolist()
+        tops = _top_logprobs(lp, params)
+        for j, (_, seq) in enumerate(ready):
+            self._emit(seq, toks_l[j], lp_l[j], tops[j], touched)
+        return kind
+
+    def _emit(
+        self,
+        seq: Seq,
+        tok: int,
+        logprob: float,
+        top: dict[int, float] | None,
+        touched: dict[str, _Request],
+    ) -> bool:
+        """Append a sampled token to ``seq`` and its output; True if that finished it."""
+        seq.tokens.append(tok)
+        out = seq.out
+        assert out is not None
+        out.token_ids.append(tok)
+        out.logprobs.append(logprob)
+        out.policy_versions.append(self.policy_version)
+        if out.top_logprobs is not None:
+            out.top_logprobs.append(top or {})
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        self.stats["generated_tokens"] += 1
+        reason = self._finish_reason(seq, tok)
+        if reason == "stop":
+            out.stop_reason = tok
+        if seq.detok is not None:
+            reason = self._detokenize(seq, out, tok, reason)
+        if reason is not None:
+            out.finish_reason = reason
+            self.scheduler.finish(seq)
+        req = self.requests.get(seq.request_id)
+        if req is not None:
+            touched[req.request_id] = req
+        return reason is not None
+
+    def _spec_step(self, chosen: list[tuple[Seq, int]], touched: dict[str, _Request]) -> bool:
+        """A speculative step of the one running sequence (batch 1) when it is decoding and the
+        proposer has drafts: one target forward over its last token and the k drafts, exact
+        rejection sampling (:func:`~lmforge.serve.speculative.verify`), 1 to k + 1 tokens
+        emitted. False (nothing done): a plain step instead (prefill, or no drafts)."""
+        from lmforge.serve.speculative import propose, verify, verify_probs
+
+        (seq, n), spec = chosen[0], self.speculative
+        assert spec is not None
+        if len(chosen) != 1 or n != 1:
+            return False
+        p = seq.params
+        room = min(p.max_tokens - seq.n_out, self.config.context_length - len(seq.tokens))
+        k = max(0, min(spec.k, room - 1))
+        gen = seq.generator if seq.generator is not None else self.generator
+        drafts, q = (
+            propose(spec, seq, k, p, gen, self.block_size, self.config.vocab_size)
+            if k
+            else ([], None)
+        )
+        if not drafts or not self.scheduler.ensure_blocks(seq, seq.n_cached + 1 + len(drafts)):
+            return False
+        old_len, k = len(seq.tokens), len(drafts)
+        seq.tokens.extend(drafts)  # the verify forward's inputs; taken back below
+        batch = self._batch([(seq, k + 1)])
+        del seq.tokens[old_len:]
+        batch.last_rows = torch.arange(k + 1, device=self.device)  # logits of every row
+        logits = self._forward(batch)  # (k+1, V)
+        n_acc, nxt = verify(verify_probs(logits, p)[None], q[None],
+                            torch.tensor([drafts], device=self.device), gen)  # fmt: skip
+        n_acc_i = int(n_acc[0])
+        emitted = [*drafts[:n_acc_i], int(nxt[0])]
+        spec.stats.drafted += k
+        spec.stats.accepted += n_acc_i
+        lp = logprobs_of(logits, [p] * (k + 1))  # (k+1, V)
+        lp_l = lp.gather(1, torch.tensor(emitted, device=lp.device)[:, None])[:, 0].tolist()
+        tops = _top_logprobs(lp, [p] * (k + 1))
+        for j, tok in enumerate(emitted):
+            seq.n_cached = len(seq.tokens)  # the KV of every token so far is in the pages
+            if self._emit(seq, tok, lp_l[j], tops[j], touched):
+                break
+        else:  # rejected drafts' KV stays in the pages and is overwritten later
+            self.scheduler.register_full_blocks(seq)
+        spec.accepted_in(seq, old_len, n_acc_i, k)
+        return True
 
     @staticmethod
     def _detokenize(
-        seq: _Seq, out: CompletionOutput, tok: int, reason: FinishReason | None
+        seq: Seq, out: CompletionOutput, tok: int, reason: FinishReason | None
     ) -> FinishReason | None:
         """Release ``tok``'s text (O(this token)); a stop string ends the sample here."""
         assert seq.detok is not None
@@ -819,11 +525,6 @@ class Engine:
         if piece:
             out.text_pieces.append(piece)
         return reason
-
-    def _release_finished(self, seq: _Seq) -> None:
-        # Register what is full before letting go, so a follow-up request can reuse it.
-        self._register_full_blocks(seq)
-        self._release(seq)
 
     # ---------------------------------------------------------------- offline API
     def generate(
@@ -856,16 +557,36 @@ class Engine:
         return [done[i] for i in ids]
 
 
-def kv_blocks_for_memory(
-    free_bytes: int, fraction: float, reserve_bytes: int, per_block: int
-) -> int:
-    """KV blocks that fit in ``fraction`` of ``free_bytes`` (free device memory after weights
-    and CUDA-graph capture) once ``reserve_bytes`` (activations of the largest eager step) are
-    kept back; never negative."""
-    if not 0 < fraction <= 1:
-        raise LmforgeError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
-    return max(0, int(free_bytes * fraction) - int(reserve_bytes)) // int(per_block)
+def _top_logprobs(
+    lp: torch.Tensor, params: Sequence[SamplingParams]
+) -> list[dict[int, float] | None]:
+    """Per row of lp (R, V), the request's top-n alternatives (None where not asked for)."""
+    tops: list[dict[int, float] | None] = [None] * len(params)
+    want = max((p.logprobs or 0) for p in params)
+    if want:
+        tv, ti = lp.topk(want, dim=-1)
+        tv_l, ti_l = tv.tolist(), ti.tolist()
+        for j, p in enumerate(params):
+            if p.logprobs:
+                tops[j] = dict(zip(ti_l[j][: p.logprobs], tv_l[j][: p.logprobs], strict=True))
+    return tops
 
 
 class QueueFull(LmforgeError):
     """The engine's waiting queue is at ``max_queue`` (the server answers 429)."""
+
+
+def _speculative(spec: Any, vocab_size: int) -> Speculative:
+    """``Engine(speculative=)`` as a :class:`~lmforge.serve.speculative.Speculative` (a bare
+    proposer gets the default k)."""
+    from lmforge.serve.speculative import DraftModel, NgramDraft, Speculative
+
+    if isinstance(spec, NgramDraft | DraftModel):
+        spec = Speculative(spec)
+    if not isinstance(spec, Speculative):
+        raise LmforgeError(
+            f"speculative must be an NgramDraft, a DraftModel or a Speculative, got {spec!r}"
+        )
+    if isinstance(spec.draft, DraftModel) and spec.draft.model.config.vocab_size != vocab_size:
+        raise LmforgeError("the draft model's vocabulary differs from the target's")
+    return spec

@@ -1,11 +1,11 @@
-"""Speculative decoding: a draft proposes k tokens, the target checks them in one forward.
+"""Speculative decoding, a mode of the engine: a proposer drafts k tokens, the target checks
+them in one forward.
 
-Drafts: a small lmforge model (:class:`DraftModel`) — e.g. :func:`truncated_draft`, the target's
-own first layers + final norm + LM head (a "self-speculative" draft that needs no other
-weights) — or prompt lookup (:class:`NgramDraft`: the tokens that followed the last occurrence
-of the sequence's trailing n-gram, a deterministic draft whose q is one-hot). ``draft=None`` is
-plain decoding on the same runner, one target forward per token: the peer a speedup is
-measured against (``benchmarks/speculative.py``).
+``Engine(model, speculative=Speculative(draft, k))`` (:class:`Speculative`). Proposers: a small
+lmforge model (:class:`DraftModel`) — e.g. :func:`truncated_draft`, the target's own first
+layers + final norm + LM head (a "self-speculative" draft that needs no other weights) — or
+prompt lookup (:class:`NgramDraft`: the tokens that followed the last occurrence of the
+sequence's trailing n-gram, a deterministic draft whose q is one-hot).
 
 Exact rejection sampling (Leviathan et al. 2023; Chen et al. 2023), :func:`verify`: for draft
 token x_i drawn from q_i, accept with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
@@ -15,11 +15,13 @@ draw a bonus token from ``p_k``. Every emitted token is then distributed exactly
 special case p, q = one-hot argmax: accept while the draft equals the target's argmax, so the
 output is token-identical to plain greedy decoding.
 
-Simplification: one sequence at a time (the batch-1 latency case the technique is for), on the
-engine's paged runner with a private block table per model; rejected positions' KV is simply
-overwritten later. Reported logprobs follow the engine's contract (target ``log_softmax(logits /
-T)`` of each emitted token). Exercised by ``pytest tests/test_serve_speculative.py
-tests/test_serve_spec_drafts.py``; measured by ``benchmarks/speculative.py``.
+Simplification: the engine serves one sequence at a time in this mode (the batch-1 latency
+case the technique is for; n > 1 is refused); the target's verify forward is the engine's own
+step over its paged cache (rejected positions' KV is simply overwritten later), the draft
+model keeps a private paged cache (:class:`_Paged`). Reported logprobs follow the engine's
+contract (target ``log_softmax(logits / T)`` of each emitted token). :class:`SpeculativeDecoder`
+is a one-prompt wrapper kept for ``benchmarks/speculative.py``. Exercised by ``pytest
+tests/test_serve_speculative.py tests/test_serve_spec_drafts.py``.
 
 Shape legend: B rows (independent trials), k draft length, V vocab.
 """
@@ -29,8 +31,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,6 +46,7 @@ __all__ = [
     "DraftModel",
     "NgramDraft",
     "SpecStats",
+    "Speculative",
     "SpeculativeDecoder",
     "truncated_draft",
     "verify",
@@ -204,7 +207,7 @@ class SpecStats:
         return self.emitted / self.target_steps if self.target_steps else 0.0
 
 
-def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def verify_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(n, V) logits -> the distributions a request samples from (one-hot when greedy)."""
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
@@ -212,11 +215,79 @@ def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.stack([truncated_probs(row, params) for row in lp])
 
 
-class SpeculativeDecoder:
-    """Batch-1 speculative decoding of a target model with a draft model or n-gram lookup.
+class Speculative:
+    """Speculative decoding as a mode of :class:`~lmforge.serve.Engine`: ``Engine(model,
+    speculative=Speculative(NgramDraft(), k=4))`` (or a bare proposer, k = 4). The engine then
+    serves one sequence at a time (batch 1) and, at each decode step with drafts, verifies up
+    to ``k`` of them in one target forward. ``stats`` counts drafted and accepted tokens."""
 
-    ``draft=None`` decodes plainly (one token per target forward, ``k`` ignored).
-    """
+    def __init__(self, draft: DraftModel | NgramDraft, k: int = 4) -> None:
+        if not isinstance(draft, DraftModel | NgramDraft):
+            raise LmforgeError(
+                f"a speculative draft is an NgramDraft or a DraftModel, got {draft!r}"
+            )
+        if not isinstance(k, int) or k < 1:
+            raise LmforgeError(f"speculative k must be >= 1, got {k!r}")
+        self.draft, self.k = draft, k
+        self.stats = SpecStats()
+        self._state: tuple[object, _Paged] | None = None  # (sequence, the draft model's cache)
+
+    def accepted_in(self, seq: object, old_len: int, n_acc: int, k: int) -> None:
+        """After a verify: the draft model's cache keeps only KV of accepted tokens."""
+        if self._state is not None and self._state[0] is seq:
+            drf = self._state[1]
+            drf.n_cached = min(drf.n_cached, old_len + min(n_acc, max(k - 1, 0)))
+
+    def _paged(self, seq: object, max_len: int, block_size: int) -> _Paged:
+        if self._state is None or self._state[0] is not seq:
+            assert isinstance(self.draft, DraftModel)
+            self._state = (seq, _Paged(self.draft.model, max_len, block_size))
+        return self._state[1]
+
+
+def propose(
+    spec: Speculative,
+    seq: Any,
+    k: int,
+    params: SamplingParams,
+    gen: torch.Generator,
+    block_size: int,
+    vocab_size: int,
+) -> tuple[list[int], torch.Tensor | None]:
+    """Up to k drafts after ``seq.tokens`` and their draft distributions q (k, V)."""
+    tokens = seq.tokens
+    if isinstance(spec.draft, NgramDraft):
+        drafts = spec.draft.propose(tokens, k)
+        if not drafts:
+            return [], None
+        # one-hot rows (k, V), not a (V, V) identity: 49,152² floats would be 9.7 GB.
+        q = nn.functional.one_hot(torch.tensor(drafts, device=gen.device), vocab_size).float()
+        return drafts, q
+    ctx = spec.draft.model.config.context_length
+    max_len = min(len(tokens) + params.max_tokens + spec.k + 1, ctx + spec.k + 1)
+    drf = spec._paged(seq, max_len, block_size)
+    drafts: list[int] = []
+    qs: list[torch.Tensor] = []
+    feed = tokens[drf.n_cached :]  # catch up on what the target accepted
+    for _ in range(k):
+        logits = drf.feed(feed, all_logits=False)  # (1, V)
+        spec.stats.draft_steps += 1
+        q = verify_probs(logits, params)[0]  # (V,)
+        tok = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=gen)[0])
+        drafts.append(tok)
+        qs.append(q)
+        feed = [tok]
+    return drafts, torch.stack(qs)  # (k, V)
+
+
+class SpeculativeDecoder:
+    """One prompt at a time through an engine in speculative mode (``draft=None``: plain
+    decoding on the same engine, the peer a speedup is measured against). A thin wrapper kept
+    for ``benchmarks/speculative.py``: the decoding is :class:`~lmforge.serve.Engine`'s.
+
+    ``stats``: drafted / accepted tokens, target forwards (``target_steps``, each emitting at
+    least one token: the prefill step counts), draft-model forwards, emitted tokens and the
+    prefill steps' wall and CPU seconds."""
 
     def __init__(
         self,
@@ -226,124 +297,28 @@ class SpeculativeDecoder:
         eos_token_id: int | None = None,
         block_size: int = 16,
     ) -> None:
-        if draft is None:
-            k = 0
-        elif k < 1:
-            raise LmforgeError(f"speculative k must be >= 1, got {k}")
-        self.target, self.draft, self.k = target, draft, k
-        self.eos_token_id = eos_token_id
-        self.block_size = block_size
-        if (
-            isinstance(draft, DraftModel)
-            and draft.model.config.vocab_size != target.config.vocab_size
-        ):
-            raise LmforgeError("the draft model's vocabulary differs from the target's")
+        from lmforge.serve.engine import Engine
+
+        spec = Speculative(draft, k) if draft is not None else None
+        blocks = math.ceil((target.config.context_length + k + 1) / block_size) + 1
+        self.engine = Engine(target, eos_token_id=eos_token_id, block_size=block_size,
+                             num_blocks=blocks, max_num_seqs=1, speculative=spec)  # fmt: skip
         self.stats = SpecStats()
 
-    @torch.inference_mode()
     def generate(self, prompt: Sequence[int], params: SamplingParams) -> CompletionOutput:
         """One sample for ``prompt`` (``params.n`` must be 1)."""
         if params.n != 1:
             raise LmforgeError("speculative decoding serves one sample per request (n = 1)")
-        ctx = self.target.config.context_length
-        tokens = [int(t) for t in prompt]
-        if not tokens or len(tokens) >= ctx:
-            raise LmforgeError(f"the prompt needs 1 to {ctx - 1} tokens")
-        max_len = min(len(tokens) + params.max_tokens + self.k + 1, ctx + self.k + 1)
-        tgt = _Paged(self.target, max_len, self.block_size)
-        drf = None
-        if isinstance(self.draft, DraftModel):
-            drf = _Paged(self.draft.model, max_len, self.block_size)
-        gen = None
-        device = tgt.device
-        if params.seed is not None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(params.seed)
-        out = CompletionOutput([], [], [], None)
-        temp = params.temperature if params.temperature > 0 else 1.0
-        # Prefill all but the last token; the loop always feeds the last token first.
-        t0, c0 = time.perf_counter(), time.process_time()
-        if len(tokens) > 1:
-            tgt.feed(tokens[:-1], all_logits=False)
-            if drf is not None:
-                drf.feed(tokens[:-1], all_logits=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # else the prefill's time lands in the first step
-        self.stats.prefill_seconds += time.perf_counter() - t0
-        self.stats.prefill_cpu_seconds += time.process_time() - c0
-        while out.finish_reason is None:
-            room = min(params.max_tokens - len(out.token_ids), ctx - len(tokens))
-            k = max(0, min(self.k, room - 1))
-            drafts, q_rows = self._propose(tokens, k, drf, params, gen)
-            k = len(drafts)
-            logits = tgt.feed([tokens[-1], *drafts], all_logits=True)  # (k+1, V)
-            self.stats.target_steps += 1
-            p = _probs(logits, params)  # (k+1, V)
-            if k:
-                q = torch.stack(q_rows)[None]  # (1, k, V)
-                n_acc, nxt = verify(p[None], q, torch.tensor([drafts], device=device), gen)
-                n_acc_i, nxt_i = int(n_acc[0]), int(nxt[0])
-            else:
-                n_acc_i = 0
-                nxt_i = int(torch.multinomial(p[0], 1, generator=gen)[0])
-            self.stats.drafted += k
-            self.stats.accepted += n_acc_i
-            emitted = [*drafts[:n_acc_i], nxt_i]
-            lps = torch.log_softmax(logits.float() / temp, -1)  # (k+1, V)
-            old_len = len(tokens)
-            for j, tok in enumerate(emitted):
-                tokens.append(tok)
-                self.stats.emitted += 1
-                out.token_ids.append(tok)
-                out.logprobs.append(float(lps[j, tok]))
-                out.policy_versions.append(0)
-                if tok in params.stop_token_ids or (
-                    not params.ignore_eos and tok == self.eos_token_id
-                ):
-                    out.finish_reason = "stop"
-                elif len(out.token_ids) >= params.max_tokens or len(tokens) >= ctx:
-                    out.finish_reason = "length"
-                if out.finish_reason is not None:
-                    break
-            # KV of the rejected drafts stays in the pages and is overwritten later.
-            tgt.n_cached = len(tokens) - 1
-            if drf is not None:
-                drf.n_cached = min(drf.n_cached, old_len + min(n_acc_i, max(k - 1, 0)))
-        return out
-
-    def _propose(
-        self,
-        tokens: list[int],
-        k: int,
-        drf: _Paged | None,
-        params: SamplingParams,
-        gen: torch.Generator | None,
-    ) -> tuple[list[int], list[torch.Tensor]]:
-        if k == 0 or self.draft is None:
-            return [], []
-        if drf is None:
-            assert isinstance(self.draft, NgramDraft)
-            drafts = self.draft.propose(tokens, k)
-            if not drafts:
-                return [], []
-            vocab = self.target.config.vocab_size
-            device = next(self.target.parameters()).device
-            # one-hot rows (k, V), not a (V, V) identity: 49,152² floats would be 9.7 GB.
-            q = nn.functional.one_hot(torch.tensor(drafts, device=device), vocab).float()
-            return drafts, list(q)
-        drafts: list[int] = []
-        qs: list[torch.Tensor] = []
-        feed = tokens[drf.n_cached :]  # catch up on what the target accepted
-        for _ in range(k):
-            logits = drf.feed(feed, all_logits=False)  # (1, V)
-            self.stats.draft_steps += 1
-            q = _probs(logits, params)[0]  # (V,)
-            tok = (
-                int(torch.multinomial(q, 1, generator=gen)[0])
-                if not params.greedy
-                else int(q.argmax())
-            )
-            drafts.append(tok)
-            qs.append(q)
-            feed = [tok]
-        return drafts, qs
+        eng, st = self.engine, self.engine.stats
+        spec = eng.speculative.stats if eng.speculative is not None else SpecStats()
+        before = (dict(st), dataclasses.replace(spec))
+        (out,) = eng.generate([prompt], params)
+        st0, sp0 = before
+        self.stats.drafted += spec.drafted - sp0.drafted
+        self.stats.accepted += spec.accepted - sp0.accepted
+        self.stats.draft_steps += spec.draft_steps - sp0.draft_steps
+        self.stats.target_steps += int(st["steps"] - st0["steps"])
+        self.stats.emitted += int(st["generated_tokens"] - st0["generated_tokens"])
+        self.stats.prefill_seconds += st["mixed_s"] - st0["mixed_s"]
+        self.stats.prefill_cpu_seconds += st["mixed_cpu_s"] - st0["mixed_cpu_s"]
+        return out.outputs[0]

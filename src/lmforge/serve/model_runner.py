@@ -1,0 +1,330 @@
+"""The model runner: the KV cache's memory, the compiled decode step, CUDA graphs, staging.
+
+What turns the :class:`~lmforge.serve.scheduler.Scheduler`'s decision into logits: the host
+lists of a step are staged to the device (:meth:`ModelRunner.prepare`: two tensors, pinned
+buffers and asynchronous copies on CUDA) and run through the model's own forward
+(:meth:`ModelRunner.run`): decode-only steps by CUDA-graph replay where captured, else the
+compiled decode step (:mod:`lmforge.serve.compiled`), else eagerly
+(:func:`~lmforge.serve.runner.forward_step`); steps with prefill eagerly.
+
+KV memory: ``num_blocks`` blocks, by default (CUDA, or any device given a ``memory_probe``) a
+fraction of the free device memory measured *after* the weights, the compiled decode step and
+the CUDA-graph capture, minus the measured peak of the largest eager step
+(:meth:`ModelRunner._size_after_capture` says how: capture against a probe cache, measure,
+size, recapture); on the CPU without a probe, 16 contexts capped at 1 GiB. The cache holds one
+block more than the allocator hands out: CUDA-graph padding rows write there.
+
+Shape legend: N tokens in the step, S sequences, V vocab.
+Exercised by ``pytest tests/test_serve_engine.py tests/test_serve_kvbudget.py
+tests/test_serve_hostpath.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lmforge.model.context import PagedKVCache
+from lmforge.serve.runner import StepBatch, forward_step
+from lmforge.serve.scheduler import StepInputs
+from lmforge.utils.errors import LmforgeError
+
+__all__ = ["ModelRunner", "kv_blocks_for_memory"]
+
+
+class ModelRunner:
+    """The model, its paged KV cache and the decode fast paths on one device.
+
+    ``num_blocks``: blocks the scheduler may hand out (None: sized from memory, see the module
+    docstring; the result is :attr:`num_blocks`). ``cuda_graphs`` / ``compile`` None: on for
+    CUDA, off on the CPU."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        kv_dtype: torch.dtype | None = None,
+        use_triton: bool | None = None,
+        num_blocks: int | None = None,
+        kv_memory_fraction: float = 0.8,
+        cuda_graphs: bool | None = None,
+        compile: bool | None = None,
+        memory_probe: Callable[[], int] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = device
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.use_triton = use_triton
+        dtype = kv_dtype or next(model.parameters()).dtype
+        self.kv_dtype = dtype
+        self.kv_budget: dict[str, float] | None = None  # how the cache was sized from memory
+        self._stage: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stage_done: torch.cuda.Event | None = None
+        probe = memory_probe
+        if probe is None and device.type == "cuda":
+
+            def probe() -> int:
+                return int(torch.cuda.mem_get_info(device)[0])
+
+        # the measured-best path is the default: CUDA graphs and the compiled step on CUDA
+        self.use_graphs = (cuda_graphs is not False) and self._graphs_supported()
+        want_compile = compile if compile is not None else device.type == "cuda"
+        if num_blocks is None and probe is not None:
+            num_blocks = self._size_after_capture(
+                probe, kv_memory_fraction, self.use_graphs, want_compile
+            )
+        else:
+            if num_blocks is None:
+                num_blocks = self._default_num_blocks(dtype)
+            self.cache = self._new_cache(num_blocks + 1)
+            self.decoder = self._make_decoder(want_compile)
+            self.graphs = self._make_graphs() if self.use_graphs else None
+            if self.graphs is None and self.decoder is not None:
+                self.decoder.warmup(self.cache.num_blocks - 1, block_size)
+        self.num_blocks = num_blocks
+
+    def describe(self) -> str:
+        """What was chosen, as part of one line."""
+        dec = self.decoder
+        graphs = self.graphs is not None and bool(self.graphs.graphs)
+        parts = [
+            f"engine on {self.device.type}",
+            f"CUDA graphs {'on' if graphs else 'off'}"
+            + (" (capture failed)" if self.use_graphs and not graphs else ""),
+            f"compiled decode step {'on' if dec is not None and dec.failed is None else 'off'}",
+        ]
+        if dec is not None:
+            parts.append(f"decode GEMV {'on' if dec.gemv is not None else 'off'}")
+        parts.append(f"KV cache {self.num_blocks} blocks of {self.block_size} tokens")
+        return ", ".join(parts)
+
+    def _graphs_supported(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _new_cache(self, n: int) -> PagedKVCache:
+        cfg = self.config
+        return PagedKVCache(
+            cfg.n_layers, n, self.block_size, cfg.kv_heads, cfg.head_dim, self.device,
+            self.kv_dtype,
+        )  # fmt: skip
+
+    def _make_decoder(self, want: bool) -> Any:
+        # Decode steps through torch.compile (lmforge.serve.compiled); default on for CUDA.
+        if not want:
+            return None
+        from lmforge.serve.compiled import CompiledDecode
+
+        return CompiledDecode(self.model, self.cache, self.use_triton)
+
+    def _make_graphs(self) -> Any:
+        from lmforge.serve.cuda_graphs import DecodeGraphs
+
+        return DecodeGraphs(self)  # compiles while warming up each bucket
+
+    def _default_num_blocks(self, dtype: torch.dtype) -> int:
+        """CPU without a memory probe: 16 full contexts, at most 1 GiB (at least one context)."""
+        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, dtype)
+        blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
+        return max(
+            blocks_per_seq, min(blocks_per_seq * min(self.max_num_seqs, 16), (1 << 30) // per_block)
+        )
+
+    def _size_after_capture(
+        self, probe: Callable[[], int], fraction: float, use_graphs: bool, want_compile: bool
+    ) -> int:
+        """Size the KV cache from the memory left once everything else exists; returns blocks.
+
+        1. A probe cache just big enough for one step's token budget stands in for the real
+           one; the decode step is compiled and the CUDA graphs are captured against it (their
+           memory pool does not depend on the number of blocks: tables have a fixed width).
+        2. On CUDA, one prefill step of the whole token budget runs on the probe cache; its
+           peak allocation (plus the sampler's (S, V) float32 temporaries at ``max_num_seqs``)
+           is kept back for the eager steps to come. Cached allocator blocks are released.
+        3. ``probe()`` reads the free device memory now, after weights, graphs and compile.
+           The KV budget is ``fraction`` of it minus that reserve (:func:`kv_blocks_for_memory`).
+        4. The probe cache and its graphs are dropped, the real cache is allocated and the
+           graphs are captured again against it (compile is not repeated: the block count is a
+           dynamic dimension of the compiled step).
+
+        Fewer blocks than one full context raise one line (admission control could never
+        admit a full-length request). ``probe`` is injectable (``Engine(memory_probe=)``) so the
+        arithmetic and the admission control after it are testable without a GPU.
+        """
+        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, self.kv_dtype)
+        blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
+        n_seqs = math.ceil(self.max_num_batched_tokens / max(self.config.context_length - 1, 1))
+        n_probe = math.ceil(self.max_num_batched_tokens / self.block_size) + n_seqs + 2
+        self.cache = self._new_cache(n_probe + 1)
+        self.decoder = self._make_decoder(want_compile)
+        free_before = probe()
+        self.graphs = self._make_graphs() if use_graphs else None
+        if self.graphs is None and self.decoder is not None:
+            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+        reserve = self._profile_step_memory(n_probe) if self.device.type == "cuda" else 0
+        free_after = probe()
+        probe_bytes = self.cache.num_blocks * per_block
+        blocks = kv_blocks_for_memory(free_after + probe_bytes, fraction, reserve, per_block)
+        self.kv_budget = {
+            "free_before_capture": free_before,
+            "free_after_capture": free_after,
+            "activation_reserve": reserve,
+            "fraction": fraction,
+            "bytes_per_block": per_block,
+            "probe_bytes": probe_bytes,
+            "num_blocks": blocks,
+        }
+        if blocks < blocks_per_seq:
+            gib = free_after / 2**30
+            raise LmforgeError(
+                f"KV cache: {gib:.2f} GiB free after the weights and CUDA graphs leave room for "
+                f"{blocks} blocks of {self.block_size}; one {self.config.context_length}-token "
+                "context needs "
+                f"{blocks_per_seq} (lower --context-length or the token budget, or free memory)"
+            )
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = None
+        self.cache = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.cache = self._new_cache(blocks + 1)
+        if self.decoder is not None:
+            self.decoder.cache = self.cache
+        if use_graphs:
+            self.graphs = self._make_graphs()
+        return blocks
+
+    @torch.inference_mode()
+    def _profile_step_memory(self, n_probe: int) -> int:
+        """Peak bytes one eager prefill step of the whole token budget allocates (CUDA), plus
+        the sampler's temporaries; run on the probe cache, nothing is registered anywhere."""
+        dev = self.device
+        ctx, bs = self.config.context_length, self.block_size
+        lens, left = [], self.max_num_batched_tokens
+        while left > 0:
+            lens.append(min(left, ctx - 1))
+            left -= lens[-1]
+        tokens, positions, slots, tables, rows = [], [], [], [], []
+        block = 0
+        for n in lens:
+            table = list(range(block, block + math.ceil(n / bs)))
+            block += len(table)
+            tables.append(table)
+            tokens += [0] * n
+            positions += range(n)
+            slots += [table[p // bs] * bs + p % bs for p in range(n)]
+            rows.append(len(tokens) - 1)
+        assert block <= n_probe
+        width = max(len(t) for t in tables)
+        batch = StepBatch(
+            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
+            ctx_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            last_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            q_lens=lens,
+            ctx_lens_list=lens,
+            tables_list=tables,
+        )
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del batch
+        torch.cuda.empty_cache()
+        # log_softmax, probabilities, exponential noise, their ratio, a float copy: (S, V) fp32.
+        sampler = 6 * self.max_num_seqs * self.config.vocab_size * 4
+        return int(peak + sampler)
+
+    def prepare(self, inputs: StepInputs) -> StepBatch:
+        """The step's inputs on the device. Two host tensors (int64: tokens, positions, slots,
+        rows; int32: context lengths, tables), one copy each; the fields are views of them."""
+        tables = inputs.tables
+        width = max(len(t) for t in tables)
+        n_tok, n_seq = len(inputs.tokens), len(tables)
+        longs = inputs.tokens + inputs.positions + inputs.slots + inputs.last_rows
+        ints = inputs.ctx_lens.copy()
+        for t in tables:
+            ints += t
+            ints += [0] * (width - len(t))
+        dev64, dev32 = self._to_device(longs, ints)
+        return StepBatch(
+            tokens=dev64[:n_tok],
+            positions=dev64[n_tok : 2 * n_tok],
+            slots=dev64[2 * n_tok : 3 * n_tok],
+            block_tables=dev32[n_seq:].view(n_seq, width),
+            ctx_lens=dev32[:n_seq],
+            last_rows=dev64[3 * n_tok :],
+            q_lens=inputs.q_lens,
+            ctx_lens_list=inputs.ctx_lens,
+            tables_list=[list(t) for t in tables],
+        )
+
+    def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's int64 and int32 inputs on the device. On CUDA through persistent pinned
+        staging buffers (grown as needed) with asynchronous copies; an event recorded after
+        the copies is waited on before the buffers are refilled (a step whose sequences are
+        all mid-prefill reads nothing back, so it does not synchronise by itself)."""
+        a = torch.tensor(longs, dtype=torch.long)
+        b = torch.tensor(ints, dtype=torch.int32)
+        if self.device.type != "cuda":
+            return a, b
+        stage = self._stage
+        if stage is None or stage[0].numel() < a.numel() or stage[1].numel() < b.numel():
+            stage = (
+                torch.empty(max(2 * a.numel(), 1024), dtype=torch.long, pin_memory=True),
+                torch.empty(max(2 * b.numel(), 1024), dtype=torch.int32, pin_memory=True),
+            )
+            self._stage = stage
+        done = self._stage_done
+        if done is not None:
+            done.synchronize()  # the previous step's copies have read the buffers
+        sa, sb = stage[0][: a.numel()], stage[1][: b.numel()]
+        sa.copy_(a)
+        sb.copy_(b)
+        out = sa.to(self.device, non_blocking=True), sb.to(self.device, non_blocking=True)
+        self._stage_done = torch.cuda.Event()
+        self._stage_done.record()
+        return out
+
+    def decode_step(self, batch: StepBatch) -> torch.Tensor:
+        """Logits (S, V) of a decode-only batch: compiled if enabled, else eager (no graphs)."""
+        if self.decoder is not None:
+            return self.decoder(batch)
+        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        if batch.decode_only:
+            if self.graphs is not None:
+                logits = self.graphs.run(batch)
+                if logits is not None:
+                    return logits
+            return self.decode_step(batch)
+        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+
+
+def kv_blocks_for_memory(
+    free_bytes: int, fraction: float, reserve_bytes: int, per_block: int
+) -> int:
+    """KV blocks that fit in ``fraction`` of ``free_bytes`` (free device memory after weights
+    and CUDA-graph capture) once ``reserve_bytes`` (activations of the largest eager step) are
+    kept back; never negative."""
+    if not 0 < fraction <= 1:
+        raise LmforgeError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
+    return max(0, int(free_bytes * fraction) - int(reserve_bytes)) // int(per_block)
