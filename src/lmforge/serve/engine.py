@@ -191,6 +191,9 @@ class Engine:
         self.generator.manual_seed(seed)
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
         self.startup_line = self.runner.describe()
+        if self.speculative is not None:
+            name = type(self.speculative.draft).__name__
+            self.startup_line += f", speculative decoding ({name}, k={self.speculative.k}, batch 1)"
         # decode_* / mixed_* / spec_*: steps where every sequence fed one token (the graphs'
         # case), steps that carried prefill, speculative steps; wall and CPU seconds of each
         self.stats: dict[str, float] = {

@@ -215,31 +215,18 @@ class ModelRunner:
         while left > 0:
             lens.append(min(left, ctx - 1))
             left -= lens[-1]
-        tokens, positions, slots, tables, rows = [], [], [], [], []
+        step = StepInputs([], [], [], [], lens, lens, [])
         block = 0
         for n in lens:
             table = list(range(block, block + math.ceil(n / bs)))
             block += len(table)
-            tables.append(table)
-            tokens += [0] * n
-            positions += range(n)
-            slots += [table[p // bs] * bs + p % bs for p in range(n)]
-            rows.append(len(tokens) - 1)
+            step.tables.append(table)
+            step.tokens += [0] * n
+            step.positions += range(n)
+            step.slots += [table[p // bs] * bs + p % bs for p in range(n)]
+            step.last_rows.append(len(step.tokens) - 1)
         assert block <= n_probe
-        width = max(len(t) for t in tables)
-        batch = StepBatch(
-            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
-            ),
-            ctx_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            last_rows=torch.tensor(rows, dtype=torch.long, device=dev),
-            q_lens=lens,
-            ctx_lens_list=lens,
-            tables_list=tables,
-        )
+        batch = self.prepare(step)
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -310,6 +297,8 @@ class ModelRunner:
         return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
 
     def run(self, batch: StepBatch) -> torch.Tensor:
+        """Logits (S, V) float32 of the rows ``batch.last_rows``: graph replay, else the
+        compiled step for decode-only steps; the model's eager forward otherwise."""
         if batch.decode_only:
             if self.graphs is not None:
                 logits = self.graphs.run(batch)
