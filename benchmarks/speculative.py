@@ -37,12 +37,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import random
 import re
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +54,15 @@ sys.path.insert(0, str(REPO / "src"))  # runs without install
 import torch  # noqa: E402
 
 from lmforge.serve import Engine, SamplingParams  # noqa: E402
+from lmforge.serve.engine import CompletionOutput  # noqa: E402
 from lmforge.serve.speculative import (  # noqa: E402
     DraftModel,
     NgramDraft,
-    SpecStats,
-    SpeculativeDecoder,
+    Speculative,
     truncated_draft,
 )
+from lmforge.serve.speculative import SpecStats as _EngineSpecStats  # noqa: E402
+from lmforge.utils.errors import LmforgeError  # noqa: E402
 
 SHARED = [REPO.parent / "shared", Path("/work/shared")]
 GGUF_NAME = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -291,6 +295,76 @@ def print_break_even(ms: dict[str, dict[int, float]], ks: list[int], draft_name:
             a = break_even(k, cost)
             cells.append("never" if a is None else f"{a:.2f}")
         _line(f"| {name} | " + " | ".join(cells) + " |")
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Counts of one generation: drafted and accepted tokens, target forwards."""
+
+    drafted: int = 0
+    accepted: int = 0
+    target_steps: int = 0
+    "engine steps (target forwards: the prompt's prefill and each verify, >= 1 token each)"
+    draft_steps: int = 0
+    "draft-model forwards (0 for n-gram drafting)"
+    emitted: int = 0
+    "tokens generated"
+    prefill_seconds: float = 0.0
+    "wall time of the prompt prefill steps, so the table can report decode alone"
+    prefill_cpu_seconds: float = 0.0
+    "the same in this process's CPU time (a clock that other processes' load barely moves)"
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted / proposed draft tokens (0 when nothing was proposed)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per target forward (1 for plain decoding; at most k + 1)."""
+        return self.emitted / self.target_steps if self.target_steps else 0.0
+
+
+class SpeculativeDecoder:
+    """One prompt at a time through ``Engine(target, speculative=Speculative(draft, k))``
+    (``draft=None``: plain decoding on the same engine, the peer a speedup is measured
+    against), with per-generation counts: the decoding is the engine's.
+
+    ``stats``: drafted / accepted tokens, target forwards (``target_steps``, each emitting at
+    least one token: the prefill step counts), draft-model forwards, emitted tokens and the
+    prefill steps' wall and CPU seconds."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: DraftModel | NgramDraft | None,
+        k: int = 4,
+        eos_token_id: int | None = None,
+        block_size: int = 16,
+    ) -> None:
+        spec = Speculative(draft, k) if draft is not None else None
+        blocks = math.ceil((target.config.context_length + k + 1) / block_size) + 1
+        self.engine = Engine(target, eos_token_id=eos_token_id, block_size=block_size,
+                             num_blocks=blocks, max_num_seqs=1, speculative=spec)  # fmt: skip
+        self.stats = SpecStats()
+
+    def generate(self, prompt: Sequence[int], params: SamplingParams) -> CompletionOutput:
+        """One sample for ``prompt`` (``params.n`` must be 1)."""
+        if params.n != 1:
+            raise LmforgeError("speculative decoding serves one sample per request (n = 1)")
+        eng, st = self.engine, self.engine.stats
+        spec = eng.speculative.stats if eng.speculative is not None else _EngineSpecStats()
+        before = (dict(st), dataclasses.replace(spec))
+        (out,) = eng.generate([prompt], params)
+        st0, sp0 = before
+        self.stats.drafted += spec.drafted - sp0.drafted
+        self.stats.accepted += spec.accepted - sp0.accepted
+        self.stats.draft_steps += spec.draft_steps - sp0.draft_steps
+        self.stats.target_steps += int(st["steps"] - st0["steps"])
+        self.stats.emitted += int(st["generated_tokens"] - st0["generated_tokens"])
+        self.stats.prefill_seconds += st["mixed_s"] - st0["mixed_s"]
+        self.stats.prefill_cpu_seconds += st["mixed_cpu_s"] - st0["mixed_cpu_s"]
+        return out.outputs[0]
 
 
 # ---------------------------------------------------------------- runs

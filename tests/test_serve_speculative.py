@@ -9,7 +9,7 @@ import torch
 
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
-from lmforge.serve.speculative import DraftModel, NgramDraft, SpeculativeDecoder, verify
+from lmforge.serve.speculative import DraftModel, NgramDraft, Speculative, verify
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -20,6 +20,10 @@ def _model(seed: int, layers: int = 2) -> TransformerLM:
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=V, context_length=128, d_model=32, n_layers=layers, n_heads=4)
     return TransformerLM(cfg).eval()
+
+
+def _one(eng: Engine, prompt: list[int], params: SamplingParams):
+    return eng.generate([prompt], params)[0].outputs[0]
 
 
 def _dists(seed: int, k: int, v: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +79,9 @@ def test_greedy_speculative_is_token_identical(k: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=12)
     plain = [o.outputs[0].token_ids for o in Engine(target).generate(prompts, params)]
     for draft in (DraftModel(small), DraftModel(target), NgramDraft()):
-        spec = SpeculativeDecoder(target, draft, k=k)
-        got = [spec.generate(p, params).token_ids for p in prompts]
+        spec = Speculative(draft, k)
+        eng = Engine(target, speculative=spec)
+        got = [_one(eng, p, params).token_ids for p in prompts]
         assert got == plain, type(draft).__name__
         if isinstance(draft, DraftModel) and draft.model is target:
             assert spec.stats.acceptance == 1.0  # a perfect draft is always accepted
@@ -86,7 +91,7 @@ def test_sampled_logprobs_follow_the_contract_and_stops() -> None:
     target, small = _model(0), _model(1, layers=1)
     prompt = [1, 2, 3, 4, 5]
     params = SamplingParams(temperature=0.8, top_k=10, seed=0, max_tokens=12)
-    out = SpeculativeDecoder(target, DraftModel(small), k=3).generate(prompt, params)
+    out = _one(Engine(target, speculative=Speculative(DraftModel(small), 3)), prompt, params)
     assert len(out.token_ids) == 12 and out.finish_reason == "length"
     with torch.no_grad():
         logits = target(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1]
@@ -94,8 +99,10 @@ def test_sampled_logprobs_follow_the_contract_and_stops() -> None:
     torch.testing.assert_close(torch.tensor(out.logprobs), want[:, 0], atol=2e-5, rtol=0)
     greedy = Engine(target).generate([prompt], SamplingParams(temperature=0, max_tokens=12))
     stop = greedy[0].outputs[0].token_ids[5]
-    cut = SpeculativeDecoder(target, NgramDraft(), k=4).generate(
-        prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop,))
+    cut = _one(
+        Engine(target, speculative=Speculative(NgramDraft(), 4)),
+        prompt,
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop,)),
     )
     ids = greedy[0].outputs[0].token_ids
     assert cut.token_ids == ids[: ids.index(stop) + 1] and cut.finish_reason == "stop"
@@ -105,7 +112,6 @@ def test_engine_speculative_mode_is_token_identical_and_refuses_n() -> None:
     """``Engine(speculative=...)``: greedy output equals the plain engine's for n-gram and
     draft-model proposers (a perfect draft is always accepted), several prompts queued at once
     (served one at a time), the log-probs are the plain engine's; n > 1 is one clear line."""
-    from lmforge.serve import Speculative
     from lmforge.utils import LmforgeError
 
     target, small = _model(0), _model(1, layers=1)

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
         DraftModel,
         NgramDraft,
         Speculative,
-        SpeculativeDecoder,
         truncated_draft,
     )
 
@@ -33,7 +32,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "Speculative",
-    "SpeculativeDecoder",
     "truncated_draft",
 ]
 
@@ -46,7 +44,6 @@ _EXPORTS = {
     "DraftModel": "speculative",
     "NgramDraft": "speculative",
     "Speculative": "speculative",
-    "SpeculativeDecoder": "speculative",
     "truncated_draft": "speculative",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

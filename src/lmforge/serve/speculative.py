@@ -19,9 +19,9 @@ Simplification: the engine serves one sequence at a time in this mode (the batch
 case the technique is for; n > 1 is refused); the target's verify forward is the engine's own
 step over its paged cache (rejected positions' KV is simply overwritten later), the draft
 model keeps a private paged cache (:class:`_Paged`). Reported logprobs follow the engine's
-contract (target ``log_softmax(logits / T)`` of each emitted token). :class:`SpeculativeDecoder`
-is a one-prompt wrapper kept for ``benchmarks/speculative.py``. Exercised by ``pytest
-tests/test_serve_speculative.py tests/test_serve_spec_drafts.py``.
+contract (target ``log_softmax(logits / T)`` of each emitted token). Exercised by ``pytest
+tests/test_serve_speculative.py tests/test_serve_spec_drafts.py``; measured by
+``benchmarks/speculative.py``.
 
 Shape legend: B rows (independent trials), k draft length, V vocab.
 """
@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.serve.engine import CompletionOutput
 from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
 from lmforge.serve.sampling import SamplingParams, truncated_probs
 from lmforge.utils.errors import LmforgeError
@@ -47,7 +46,6 @@ __all__ = [
     "NgramDraft",
     "SpecStats",
     "Speculative",
-    "SpeculativeDecoder",
     "truncated_draft",
     "verify",
 ]
@@ -181,30 +179,17 @@ def truncated_draft(target: nn.Module, n_layers: int, *, share: bool = True) -> 
 
 @dataclasses.dataclass
 class SpecStats:
-    """Counts of one generation: drafted and accepted tokens, target forwards."""
+    """Counts of a speculative engine: drafted and accepted tokens, draft-model forwards."""
 
     drafted: int = 0
     accepted: int = 0
-    target_steps: int = 0
-    "target forwards after the prefill (each verifies the drafts and emits >= 1 token)"
     draft_steps: int = 0
-    "draft-model forwards after the prefill (0 for n-gram drafting)"
-    emitted: int = 0
-    "tokens generated"
-    prefill_seconds: float = 0.0
-    "wall time of the prompt prefills (target and draft), so a benchmark can report decode alone"
-    prefill_cpu_seconds: float = 0.0
-    "the same in this process's CPU time (a clock that other processes' load barely moves)"
+    "draft-model forwards (0 for n-gram drafting)"
 
     @property
     def acceptance(self) -> float:
         """Accepted / proposed draft tokens (0 when nothing was proposed)."""
         return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens emitted per target forward (1 for plain decoding; at most k + 1)."""
-        return self.emitted / self.target_steps if self.target_steps else 0.0
 
 
 def verify_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -278,47 +263,3 @@ def propose(
         qs.append(q)
         feed = [tok]
     return drafts, torch.stack(qs)  # (k, V)
-
-
-class SpeculativeDecoder:
-    """One prompt at a time through an engine in speculative mode (``draft=None``: plain
-    decoding on the same engine, the peer a speedup is measured against). A thin wrapper kept
-    for ``benchmarks/speculative.py``: the decoding is :class:`~lmforge.serve.Engine`'s.
-
-    ``stats``: drafted / accepted tokens, target forwards (``target_steps``, each emitting at
-    least one token: the prefill step counts), draft-model forwards, emitted tokens and the
-    prefill steps' wall and CPU seconds."""
-
-    def __init__(
-        self,
-        target: nn.Module,
-        draft: DraftModel | NgramDraft | None,
-        k: int = 4,
-        eos_token_id: int | None = None,
-        block_size: int = 16,
-    ) -> None:
-        from lmforge.serve.engine import Engine
-
-        spec = Speculative(draft, k) if draft is not None else None
-        blocks = math.ceil((target.config.context_length + k + 1) / block_size) + 1
-        self.engine = Engine(target, eos_token_id=eos_token_id, block_size=block_size,
-                             num_blocks=blocks, max_num_seqs=1, speculative=spec)  # fmt: skip
-        self.stats = SpecStats()
-
-    def generate(self, prompt: Sequence[int], params: SamplingParams) -> CompletionOutput:
-        """One sample for ``prompt`` (``params.n`` must be 1)."""
-        if params.n != 1:
-            raise LmforgeError("speculative decoding serves one sample per request (n = 1)")
-        eng, st = self.engine, self.engine.stats
-        spec = eng.speculative.stats if eng.speculative is not None else SpecStats()
-        before = (dict(st), dataclasses.replace(spec))
-        (out,) = eng.generate([prompt], params)
-        st0, sp0 = before
-        self.stats.drafted += spec.drafted - sp0.drafted
-        self.stats.accepted += spec.accepted - sp0.accepted
-        self.stats.draft_steps += spec.draft_steps - sp0.draft_steps
-        self.stats.target_steps += int(st["steps"] - st0["steps"])
-        self.stats.emitted += int(st["generated_tokens"] - st0["generated_tokens"])
-        self.stats.prefill_seconds += st["mixed_s"] - st0["mixed_s"]
-        self.stats.prefill_cpu_seconds += st["mixed_cpu_s"] - st0["mixed_cpu_s"]
-        return out.outputs[0]
