@@ -18,11 +18,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from lmforge.model.context import Context, PagedKVCache, StepOps
-from lmforge.serve.attention import PagedOps, prefill_kernel_on
-from lmforge.serve.attention import prefill_plan as prefill_plan_for
+from lmforge.model.context import Context, PagedKVCache
+from lmforge.serve.attention import PagedOps, prefill_kernel_on, prefill_plan
 
-__all__ = ["PagedKVCache", "StepBatch", "forward_step", "step_context"]
+__all__ = ["PagedKVCache", "StepBatch", "forward_step"]
 
 
 @dataclasses.dataclass
@@ -54,37 +53,21 @@ class StepBatch:
         return all(t == 1 for t in self.q_lens)
 
 
-def step_context(
-    cache: PagedKVCache, batch: StepBatch, ops: StepOps, *, prefill_plan: bool = True
-) -> Context:
-    """The model's :class:`~lmforge.model.context.Context` for ``batch`` on ``cache``: host
-    lists for prefill steps (and the prefill kernel's tile list, built once per step where the
-    kernel runs), tensors only for decode steps."""
-    plan = None
-    decode = batch.decode_only
-    if not decode and prefill_plan and isinstance(ops, PagedOps):
-        dev, e = batch.tokens.device, cache.k.shape[-1]
-        if ops.use_triton if ops.use_triton is not None else prefill_kernel_on(dev, e):
-            plan = prefill_plan_for(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
-    return Context(
-        positions=batch.positions, slots=batch.slots, block_tables=batch.block_tables,
-        ctx_lens=batch.ctx_lens, k_cache=cache.k, v_cache=cache.v, ops=ops,
-        last_rows=batch.last_rows, decode=decode, q_lens=batch.q_lens,
-        ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list, plan=plan,
-    )  # fmt: skip
-
-
 def forward_step(
-    model: nn.Module,
-    cache: PagedKVCache,
-    batch: StepBatch,
-    *,
-    use_triton: bool | None = None,
-    ops: StepOps | None = None,
+    model: nn.Module, cache: PagedKVCache, batch: StepBatch, *, use_triton: bool | None = None
 ) -> torch.Tensor:
-    """Run ``model``'s own forward on one step's tokens, writing their KV; logits of each
-    sequence's last token: (S, V) float32. ``ops``: the kernels (default: the paged-attention
-    kernels of :mod:`lmforge.serve.attention` with ``use_triton``)."""
-    ops = ops if ops is not None else PagedOps(use_triton)
-    ctx = step_context(cache, batch, ops)
+    """Run ``model``'s own forward on one step's tokens with the paged-attention kernels of
+    :mod:`lmforge.serve.attention`, writing their KV; logits of each sequence's last token:
+    (S, V) float32."""
+    plan = None
+    if not batch.decode_only:  # the prefill kernel's tiles: built once per step, not per layer
+        dev, e = batch.tokens.device, cache.k.shape[-1]
+        if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
+            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
+    ctx = Context(
+        batch.positions, batch.slots, batch.block_tables, batch.ctx_lens, cache.k, cache.v,
+        PagedOps(use_triton), last_rows=batch.last_rows, decode=batch.decode_only,
+        q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
+        plan=plan,
+    )  # fmt: skip
     return model(batch.tokens[None], context=ctx)[0].float()  # (1, N) -> (S, V)
