@@ -55,7 +55,7 @@ from torch import nn
 from lmforge.serve.blocks import BlockAllocator, block_hashes
 from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer
 from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
-from lmforge.serve.sampling import SamplingParams, logprobs_of, sample_tokens
+from lmforge.serve.sampling import SamplingParams, apply_penalties, logprobs_of, sample_tokens
 from lmforge.utils.errors import LmforgeError
 
 __all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "kv_blocks_for_memory"]
@@ -405,6 +405,7 @@ class Engine:
             raise LmforgeError(
                 f"request needs {need} KV blocks, the cache has {self.allocator.num_blocks}"
             )
+        params.check_vocab(self.config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise LmforgeError("stop strings need an engine with a tokenizer (Engine(tokenizer=))")
         return prompt
@@ -725,6 +726,9 @@ class Engine:
                     rows = torch.tensor([i for i, _ in ready], device=self.device)
                     logits = logits[rows]
                 params = [seq.params for _, seq in ready]
+                logits = apply_penalties(
+                    logits, params, [s.tokens for _, s in ready], [s.n_prompt for _, s in ready]
+                )  # (R, V)
                 lp = logprobs_of(logits, params)  # (R, V)
                 gens = [seq.generator for _, seq in ready]
                 toks = sample_tokens(lp, params, gens, default_generator=self.generator)
