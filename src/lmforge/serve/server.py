@@ -731,6 +731,8 @@ def build_app(state: ServerState) -> Any:
     async def handle(request: Request, chat: bool) -> Any:
         if state.draining:
             return _error(503, "the server is shutting down", kind="server_error")
+        if state.loop.error is not None:
+            return _error(500, f"engine failed: {state.loop.error}")
         try:
             body = await _body(request, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
             echo = None
