@@ -16,7 +16,10 @@ SERVE_EXAMPLES = """examples:
              print(c.completions.create(model='SmolLM2-135M-Instruct.Q4_1', prompt='Hi').choices[0].text)"
 
 Endpoints: /v1/completions, /v1/chat/completions (stream: true for server-sent events),
-/v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise.
+/v1/models, /health (503 while draining), /metrics (Prometheus). Binds 127.0.0.1 unless --host
+says otherwise. The engine runs in its own process; on CUDA it uses CUDA graphs and the compiled
+decode step (--no-cuda-graphs, --no-compile turn them off; startup prints what it chose).
+SIGTERM or Ctrl-C drains: in-flight requests finish, new ones get 503; a second signal exits.
 """
 
 CHAT_EXAMPLES = """examples:
