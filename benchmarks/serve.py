@@ -1460,6 +1460,7 @@ def main() -> int:
         return 0
     if args.server_cpu or args.only == "server-cpu":
         DEVICE, GRAPHS = "cpu", False
+        torch.set_num_threads(1)  # as the children: a shared CPU, clients and servers apart
         _line(f"# lmforge.serve server benchmark on the CPU, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
         _line(f"command: python benchmarks/serve.py {' '.join(sys.argv[1:])}")
