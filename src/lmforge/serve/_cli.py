@@ -172,7 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
         if info["tokenizer"] is None:
             raise LmforgeError("the model has no tokenizer; lmforge serve needs one to read text")
     except BaseException:
-        proc.stop()
+        proc.stop(timeout=5)  # a failed or interrupted start: do not wait on the model load
         sock.close()  # type: ignore[attr-defined]
         raise
     name = args.model_name or info["name"]
