@@ -307,6 +307,8 @@ def test_cli_help_lists_examples() -> None:
             capture_output=True, text=True, env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
         )  # fmt: skip
         assert r.returncode == 0 and "examples:" in r.stdout and "--gguf" in r.stdout
+        assert "--no-cuda-graphs" in r.stdout and "--no-compile" in r.stdout
+        assert ("--max-request-bytes" in r.stdout) == (cmd == "serve")
 
 
 def test_engine_failure_answers_500_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
