@@ -63,6 +63,9 @@ __all__ = [
 MAX_N = 16
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as JSON token ids is ~1 MiB
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# Bodies and texts this large are parsed / tokenized in a worker thread: the event loop (and
+# /health, and every stream) keeps its turn every few ms instead of waiting for the whole of it.
+OFFLOAD_BYTES = 1 << 16
 
 
 class EngineLoop:
@@ -532,7 +535,12 @@ def build_app(state: ServerState) -> Any:
 
     async def _body(request: Request, fields: set[str]) -> dict:
         try:
-            body = json.loads(await request.body())
+            raw = await request.body()
+            body = (
+                json.loads(raw)
+                if len(raw) < OFFLOAD_BYTES
+                else await asyncio.to_thread(json.loads, raw)
+            )
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
@@ -742,11 +750,11 @@ def build_app(state: ServerState) -> Any:
                     raise BadRequest("'messages' must be a non-empty list", "messages")
                 messages = [_chat_text(m) for m in messages]
                 text = render_chat(state.chat_template, messages, **special)
-                prompt = tok.encode(text)
+                prompt = await _encode(tok, text)
             else:
                 raw = body.get("prompt")
                 if isinstance(raw, str):
-                    prompt = tok.encode(raw)
+                    prompt = await _encode(tok, raw)
                 elif (
                     isinstance(raw, list)
                     and raw
@@ -754,7 +762,7 @@ def build_app(state: ServerState) -> Any:
                 ):
                     prompt = list(raw)
                 elif isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-                    prompt = tok.encode(raw[0])
+                    prompt = await _encode(tok, raw[0])
                 else:
                     raise BadRequest(
                         "'prompt' must be a string or a non-empty list of token ids", "prompt"
@@ -855,6 +863,12 @@ def _draining_server_class() -> type:
             return await super().on_tick(counter)
 
     return DrainingServer
+
+
+async def _encode(tok: Any, text: str) -> list[int]:
+    if len(text) < OFFLOAD_BYTES:
+        return tok.encode(text)
+    return await asyncio.to_thread(tok.encode, text)
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
