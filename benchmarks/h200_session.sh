@@ -11,7 +11,8 @@
 #              together take most of one 10-minute device call)
 #   parallel   benchmarks/parallel.py on 1 GPU, then on every GPU (torchrun) when there are two+
 #   serve      benchmarks/serve.py --only check,prefill,throughput,gemv,decode --profile, then
-#              --only server --quick (fastapi/uvicorn wheels in .whl/)   (issue 22)
+#              --only server: the user's `lmforge serve` against Engine(model) and the compiled
+#              peer, issue 33's targets (fastapi/uvicorn/openai wheels in .whl/)   (issues 22, 33)
 #   moe        benchmarks/moe.py --train --profile   (issue 25)
 #   scaling    benchmarks/scaling*.py         (issue 24)
 #   posttrain  benchmarks/weight_sync.py, benchmarks/posttrain_rl.py and benchmarks/rollout.py
@@ -125,7 +126,7 @@ part_serve() {
     # kernels first (prefill, decode GEMV: each checked against float64, timed against its peer),
     # then the benchmark rows they feed; the server under load in its own step
     step serve 420 "$PY" benchmarks/serve.py --only check,prefill,throughput,gemv,decode --profile
-    step serve-server 150 "$PY" benchmarks/serve.py --only server --quick
+    step serve-server 540 "$PY" benchmarks/serve.py --only server
 }
 
 part_moe() {

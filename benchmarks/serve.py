@@ -1,16 +1,12 @@
 """lmforge.serve on one GPU: the four benchmarks of issue 22, peers in the same run, floors first.
 
 1. decode: single-stream greedy decode, TinyLlama-1.1B shape (random weights, bf16), 128-token
-   prompt, 256 new tokens: ms per token of the engine (CUDA graphs) and of the peers — HF
-   ``generate`` (eager, 64 new tokens: its per-token cost is flat), ``lmforge.generate`` (the
-   reference loop, 32 tokens) and a minimal static-cache decoder under ``torch.compile``
-   (reduce-overhead: one step replayed as a CUDA graph). Floor = weight bytes / 4.8 TB/s.
-   The engine also runs with cuBLAS for every projection (the decode GEMV's peer), and with
-   the launch-sweep winners below when there are any.
-   Before it (``--only gemv``, also run by ``decode``): the Triton decode GEMV against cuBLAS at
-   every projection shape of TinyLlama-1.1B, Qwen3-0.6B and SmolLM2-135M (M = 1 and 8 rows):
-   checked against float64 first, then µs per call in CUDA graphs, TB/s and % of 4.8 TB/s,
-   interleaved medians; then a launch-config sweep of the TinyLlama shapes at M = 1.
+   prompt, 256 new tokens: ms per token of ``Engine(model)`` with its defaults (the headline
+   row, with the line saying what it chose), the engine with explicit switches (graphs,
+   compile, the decode GEMV vs cuBLAS), and the peers — HF ``generate`` (eager),
+   ``lmforge.generate`` (the reference loop) and an independent static-cache Llama decoder
+   written in this file without lmforge's modules, under ``torch.compile(mode=
+   "reduce-overhead")``. Floor = weight bytes / 4.8 TB/s.
 2. throughput: nano-vllm's offline workload, Qwen3-0.6B shape (random weights, bf16), 256
    requests, prompt and output lengths uniform in 100-1024, ignore EOS, temperature 0.6:
    output tokens/s. No peer engine is installed here; the floor is the weight read per decode
@@ -19,8 +15,14 @@
    against the per-sequence SDPA loop on steps of that workload, checked first, then one
    layer's attention and one whole forward step timed (CUDA events, medians, interleaved),
    against the FLOP floor.
-3. server: 64 concurrent streaming clients against ``lmforge serve``'s app (TinyLlama shape,
-   127.0.0.1): requests/s, p50/p99 time to first token and time per output token, errors.
+3. server: the command a user types, ``lmforge serve --checkpoint DIR --port PORT`` (a
+   TinyLlama-shape random-weight checkpoint written first), launched as a subprocess and driven
+   by the official ``openai`` client: single-stream TPOT, then 64 concurrent streams × 128
+   tokens (output tok/s, TPOT p50/p99, errors); then ``Engine(model)`` with its defaults at
+   batch 1 and 64 and the independent compiled peer, and one table of ratios against issue 33's
+   targets. ``--only server-cpu --quick``: the same on the CPU with a tiny model (a smoke run;
+   it also serves the checkpoint with the engine in a thread of the server, the in-process
+   peer of the engine process).
 4. speculative: batch-1 greedy decode with a 2-layer draft of the same width and with n-gram
    prompt lookup, k = 4: acceptance and speedup over plain eager decode (random weights: the
    draft has nothing to agree on, so this measures the overhead, not the benefit).
@@ -31,12 +33,13 @@ Benchmarks 1 and 2 also run the engine with ``compile=False`` in the same run (t
 compiled step); ``--profile`` adds a torch.profiler pass over 20 decode steps per engine (top-20
 CUDA kernels: count and µs per step, share; kernels per step).
 
-    PYTHONPATH=src python benchmarks/serve.py                 # everything (~4 min on an H200)
+    PYTHONPATH=src python benchmarks/serve.py                 # everything (~9 min on an H200)
     PYTHONPATH=src python benchmarks/serve.py --only check,decode,throughput --profile
     PYTHONPATH=src python benchmarks/serve.py --only prefill --profile   # + launch-config sweep
     PYTHONPATH=src python benchmarks/serve.py --only gemv                # decode GEMVs alone
     PYTHONPATH=src python benchmarks/serve.py --only decode,spec --quick
-    PYTHONPATH=src python benchmarks/serve.py --only server-cpu --quick --baseline-src ../main/src
+    PYTHONPATH=src python benchmarks/serve.py --only server                # issue 33's targets
+    PYTHONPATH=src python benchmarks/serve.py --only server-cpu --quick    # CPU smoke run
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ import json
 import math
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -84,7 +86,7 @@ TINYLLAMA = dict(
     rope_theta=10000.0,
 )
 CPU_SERVER_SHAPE = dict(  # tiny: the engine step is a few ms, so the server's cost shows
-    vocab_size=2048, context_length=512, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2
+    vocab_size=2048, context_length=512, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=256
 )
 QWEN3_06B = dict(
     vocab_size=151936,
@@ -411,48 +413,6 @@ def bench_gemv(quick: bool) -> None:
 
 
 # ---------------------------------------------------------------- 1. decode
-class _StaticDecoder(torch.nn.Module):
-    """A minimal static-KV decoder (one token per call), the torch.compile peer.
-
-    The caches are registered buffers marked static (``mark_static_address``), so
-    reduce-overhead's CUDA graphs can keep their address across replays instead of skipping the
-    graph because an input it mutates might move.
-    """
-
-    def __init__(self, model: TransformerLM, max_len: int) -> None:
-        super().__init__()
-        cfg = model.config
-        self.model = model
-        self.kh, self.e, self.h = cfg.kv_heads, int(cfg.head_dim), cfg.n_heads
-        shape = (cfg.n_layers, 1, self.kh, max_len, self.e)
-        dtype = next(model.parameters()).dtype
-        self.register_buffer("kc", torch.zeros(shape, device=DEVICE, dtype=dtype))
-        self.register_buffer("vc", torch.zeros(shape, device=DEVICE, dtype=dtype))
-        self.register_buffer("slots", torch.arange(max_len, device=DEVICE))
-        torch._dynamo.mark_static_address(self.kc)
-        torch._dynamo.mark_static_address(self.vc)
-
-    def forward(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        model, h, kh, e = self.model, self.h, self.kh, self.e
-        x = model.token_embeddings(tok)[None]  # (1, 1, D)
-        mask = (self.slots <= pos)[None, None, None, :]  # (1, 1, 1, S)
-        for i, layer in enumerate(model.layers):
-            a = layer.attn
-            y = layer.ln1(x)
-            q = a.q_proj(y).view(1, 1, h, e).transpose(1, 2)  # (1, H, 1, E)
-            k = a.k_proj(y).view(1, 1, kh, e).transpose(1, 2)  # (1, K, 1, E)
-            v = a.v_proj(y).view(1, 1, kh, e).transpose(1, 2)
-            q, k = a.rope(q, pos), a.rope(k, pos)
-            self.kc[i].index_copy_(2, pos, k)
-            self.vc[i].index_copy_(2, pos, v)
-            o = F.scaled_dot_product_attention(
-                q, self.kc[i], self.vc[i], attn_mask=mask, enable_gqa=True
-            )
-            x = x + a.output_proj(o.transpose(1, 2).reshape(1, 1, h * e))
-            x = x + layer.ffn(layer.ln2(x))
-        return model.logits_from_hidden(model.ln_final(x))[0, -1].argmax()
-
-
 def _time_engine_decode(
     model: TransformerLM, prompt: list[int], new: int, graphs: bool, compile: bool
 ) -> tuple[float, Engine]:
@@ -505,25 +465,14 @@ def _gemv_patched(off: bool = False, table: dict | None = None):
         _gemv_triton.TABLE.update(saved)
 
 
-def bench_decode(quick: bool) -> dict:
-    from lmforge.generate import generate
-
-    model = _model(TINYLLAMA)
-    wb = _weight_bytes(model)
-    floor = wb / HBM * 1e3
-    _line(f"\n## 1. single-stream decode, TinyLlama shape bf16 ({wb / 1e9:.2f} GB of weights)")
-    _line(f"floor: weight read {floor:.3f} ms/token at {HBM / 1e12:.1f} TB/s")
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 32000, (128,), generator=g).tolist()
-    new = 64 if quick else 256
-    rows = []
-    what = "CUDA graphs" if GRAPHS else "eager"
-    graph_ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=COMPILE)
+def _variant_rows(model: TransformerLM, prompt: list[int], new: int, what: str, rows: list) -> None:
+    """The engine with explicit switches (graphs, compile, decode GEMV), beside its defaults."""
+    ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=COMPILE)
     failed = eng.decoder is not None and eng.decoder.failed
     gemv_on = eng.decoder is not None and eng.decoder.gemv is not None
     rows.append((f"lmforge.serve Engine, {what}, compile={COMPILE}"
                  + (", decode GEMV (Triton)" if gemv_on else "")
-                 + (" (compile FAILED: eager)" if failed else ""), graph_ms))  # fmt: skip
+                 + (" (compile FAILED: eager)" if failed else ""), ms))  # fmt: skip
     del eng
     if gemv_on:  # the decode GEMV's peer in the same run: the same engine on cuBLAS
         with _gemv_patched(off=True):
@@ -540,6 +489,28 @@ def bench_decode(quick: bool) -> dict:
         ms, eng = _time_engine_decode(model, prompt, new, graphs=GRAPHS, compile=False)
         rows.append((f"lmforge.serve Engine, {what}, compile=False", ms))
         del eng
+
+
+def bench_decode(quick: bool) -> dict:
+    from lmforge.generate import generate
+
+    model = _model(TINYLLAMA)
+    wb = _weight_bytes(model)
+    floor = wb / HBM * 1e3
+    _line(f"\n## 1. single-stream decode, TinyLlama shape bf16 ({wb / 1e9:.2f} GB of weights)")
+    _line(f"floor: weight read {floor:.3f} ms/token at {HBM / 1e12:.1f} TB/s")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 32000, (128,), generator=g).tolist()
+    new = 64 if quick else 256
+    rows = []
+    # the headline row: what a user gets from Engine(model), nothing set by hand
+    (graph_ms,), summary = _engine_decode(model, [[prompt]], new)
+    rows.append((f"Engine(model), its defaults ({summary})", graph_ms))
+    what = "CUDA graphs" if GRAPHS else "eager"
+    try:
+        _variant_rows(model, prompt, new, what, rows)
+    except Exception as e:  # internals the variants reach into may have moved: say so
+        _line(f"engine variant rows skipped: {type(e).__name__}: {str(e)[:200]}")
     eager_ms, eng = _time_engine_decode(model, prompt, min(new, 64), graphs=False, compile=False)
     rows.append(("lmforge.serve Engine, eager, compile=False", eager_ms))
     del eng
@@ -578,38 +549,11 @@ def bench_decode(quick: bool) -> dict:
         del hf
     except Exception as e:  # the peer is optional; say why it is missing
         _line(f"HF generate peer skipped: {type(e).__name__}: {e}")
-    if not quick:
-        try:
-            from torch._dynamo.utils import counters
-
-            skips0 = counters["inductor"]["cudagraph_skips"]
-            dec = _StaticDecoder(model, 512)
-            step = torch.compile(dec, mode="reduce-overhead")
-            t_c = time.perf_counter()
-            with torch.inference_mode():
-                for p in range(len(prompt)):  # prefill token by token (compiles + warms)
-                    out = step(torch.tensor([prompt[p]], device="cuda"),
-                               torch.tensor([p], device="cuda"))  # fmt: skip
-                tok = out.clone()  # the first generated token
-                torch.cuda.synchronize()
-                compile_s = time.perf_counter() - t_c
-                t0 = time.perf_counter()
-                for i in range(new):
-                    pos = torch.tensor([len(prompt) + i], device="cuda")
-                    tok = step(tok.view(1), pos).clone()
-                torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 1e3 / new
-            skipped = counters["inductor"]["cudagraph_skips"] - skips0
-            rows.append(
-                (
-                    "static-cache decoder, torch.compile reduce-overhead "
-                    f"(compile+prefill {compile_s:.0f} s; cudagraph skips: {skipped})",
-                    ms,
-                )
-            )
-            del dec, step
-        except Exception as e:
-            _line(f"torch.compile peer skipped: {type(e).__name__}: {str(e)[:200]}")
+    try:  # the independent peer: no lmforge module, compiled with reduce-overhead
+        ms, name = _peer_decode(TINYLLAMA, prompt, new, compile=True)
+        rows.append((name, ms))
+    except Exception as e:
+        _line(f"torch.compile peer skipped: {type(e).__name__}: {str(e)[:200]}")
     _line("\n| implementation | ms/token | vs floor | first row is faster by |")
     _line("|---|---:|---:|---:|")
     for name, ms in rows:
@@ -974,84 +918,411 @@ def _throughput_run(model, prompts, params, compile: bool) -> tuple[str, int, fl
     return name, n_out, dt
 
 
-# ---------------------------------------------------------------- 3. server
-class _IdTokenizer:
-    """Token ids as text: ``encode`` reads space-separated ids, ``decode`` writes them."""
+# ---------------------------------------------------------------- 3. the user's server
+class _PeerLlama(torch.nn.Module):
+    """The independent peer: a static-cache Llama decoder written here with torch alone (no
+    lmforge module), one token per call, for ``torch.compile(mode="reduce-overhead")``.
 
-    eot_id = None
+    Fused QKV and gate/up projections (as gpt-fast writes them), RMSNorm in float32, rotate-half
+    RoPE, GQA through SDPA over a static (L, 1, K, S, E) cache marked static so the CUDA graph
+    keeps its address. Random weights: decode speed does not depend on their values.
+    The cached decode is checked against the uncached causal forward (:meth:`logits`).
+    """
 
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+    def __init__(self, c: dict, max_len: int, device: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, h, kh, f, v = c["d_model"], c["n_heads"], c["n_kv_heads"], c["d_ff"], c["vocab_size"]
+        e = d // h
+        self.h, self.kh, self.e = h, kh, e
+        g = torch.Generator(device=device).manual_seed(5)
 
-    def decode(self, ids) -> str:
-        return "".join(f" {int(i)}" for i in ids)
+        def w(*shape: int) -> torch.nn.Parameter:
+            x = torch.randn(*shape, device=device, generator=g) * shape[-1] ** -0.5
+            return torch.nn.Parameter(x.to(dtype), requires_grad=False)
+
+        def ones(n: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(
+                torch.ones(n, device=device, dtype=dtype), requires_grad=False
+            )
+
+        self.embed = w(v, d)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(c["n_layers"]):
+            m = torch.nn.Module()
+            m.qkv, m.o = w((h + 2 * kh) * e, d), w(d, h * e)
+            m.gate_up, m.down = w(2 * f, d), w(d, f)
+            m.n1, m.n2 = ones(d), ones(d)
+            self.layers.append(m)
+        self.norm, self.head = ones(d), w(v, d)
+        inv = 1.0 / c.get("rope_theta", 10000.0) ** (torch.arange(0, e, 2, device=device) / e)
+        ang = torch.outer(torch.arange(max_len, device=device).float(), inv)  # (S, E/2)
+        self.register_buffer("cos", ang.cos())
+        self.register_buffer("sin", ang.sin())
+        shape = (c["n_layers"], 1, kh, max_len, e)
+        self.register_buffer("kc", torch.zeros(shape, device=device, dtype=dtype))
+        self.register_buffer("vc", torch.zeros(shape, device=device, dtype=dtype))
+        self.register_buffer("slots", torch.arange(max_len, device=device))
+        torch._dynamo.mark_static_address(self.kc)
+        torch._dynamo.mark_static_address(self.vc)
+
+    @staticmethod
+    def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)  # (T, E/2)
+        x1, x2 = x[..., : self.e // 2], x[..., self.e // 2 :]
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+    def _layers(self, x: torch.Tensor, pos: torch.Tensor, cached: bool) -> torch.Tensor:
+        T, h, kh, e = x.shape[1], self.h, self.kh, self.e
+        mask = (self.slots <= pos[-1])[None, None, None, :]  # (1, 1, 1, S)
+        for i, m in enumerate(self.layers):
+            q, k, v = (self._rms(x, m.n1) @ m.qkv.T).split([h * e, kh * e, kh * e], dim=-1)
+            q = self._rope(q.view(1, T, h, e).transpose(1, 2), pos)  # (1, H, T, E)
+            k = self._rope(k.view(1, T, kh, e).transpose(1, 2), pos)  # (1, K, T, E)
+            v = v.view(1, T, kh, e).transpose(1, 2)  # (1, K, T, E)
+            if cached:
+                self.kc[i].index_copy_(2, pos, k)
+                self.vc[i].index_copy_(2, pos, v)
+                o = F.scaled_dot_product_attention(
+                    q, self.kc[i], self.vc[i], attn_mask=mask, enable_gqa=True
+                )  # (1, H, 1, E)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + o.transpose(1, 2).reshape(1, T, h * e) @ m.o.T  # (1, T, D)
+            gate, up = (self._rms(x, m.n2) @ m.gate_up.T).chunk(2, dim=-1)  # (1, T, F) each
+            x = x + (F.silu(gate) * up) @ m.down.T
+        return self._rms(x, self.norm) @ self.head.T  # (1, T, V)
+
+    def forward(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The greedy next token after ``tok`` at position ``pos`` (both (1,)), cache updated."""
+        x = F.embedding(tok, self.embed)[None]  # (1, 1, D)
+        return self._layers(x, pos, cached=True)[0, -1].argmax()
+
+    def logits(self, toks: torch.Tensor, pos: torch.Tensor, cached: bool) -> torch.Tensor:
+        """Logits (T, V) of ``toks`` (T,) at ``pos`` (T,): one cached step, or uncached."""
+        x = F.embedding(toks, self.embed)[None]  # (1, T, D)
+        return self._layers(x, pos, cached=cached)[0]
 
 
-def _server_setup(shape: dict, n_clients: int, n_new: int):
-    """The benchmark's model, engine keywords and prompts (same in every process)."""
-    model = _model(shape)
-    g = torch.Generator().manual_seed(2)
-    vocab = shape["vocab_size"]
-    prompts = [torch.randint(0, vocab, (128,), generator=g).tolist() for _ in range(n_clients)]
-    kw = dict(block_size=16, max_num_seqs=64, cuda_graphs=GRAPHS and DEVICE == "cuda",
-              num_blocks=4096 if DEVICE == "cuda" else 1024)  # fmt: skip
+def _peer_decode(shape: dict, prompt: list[int], new: int, compile: bool) -> tuple[float, str]:
+    """ms/token of the peer (greedy, batch 1) after a token-by-token prefill of ``prompt``."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    # correctness first: the cached decode equals the uncached forward (float32, small)
+    small = {**shape, "n_layers": 2}
+    chk = _PeerLlama(small, 64, DEVICE, torch.float32)
+    toks = torch.tensor(prompt[:16], device=DEVICE)
+    with torch.inference_mode():
+        want = chk.logits(toks, torch.arange(len(toks), device=DEVICE), cached=False)  # (T, V)
+        got = torch.cat([chk.logits(toks[p : p + 1], torch.tensor([p], device=DEVICE), True)
+                         for p in range(len(toks))])  # fmt: skip
+    err = (got - want).abs().max().item()
+    if not err < 1e-2:  # float32 (TF32 matmuls on CUDA allow ~1e-3)
+        raise RuntimeError(f"peer check FAILED: cached decode vs full forward, max |diff| {err}")
+    del chk
+    peer = _PeerLlama(shape, len(prompt) + new + 8, DEVICE, dtype)
+    step = torch.compile(peer, mode="reduce-overhead") if compile else peer
+    t_c = time.perf_counter()
+    with torch.inference_mode():
+        for p in range(len(prompt)):  # prefill token by token (compiles and warms up)
+            out = step(torch.tensor([prompt[p]], device=DEVICE), torch.tensor([p], device=DEVICE))
+        tok = out.clone()
+        _sync()
+        warm_s = time.perf_counter() - t_c
+        t0 = time.perf_counter()
+        for i in range(new):
+            tok = step(tok.view(1), torch.tensor([len(prompt) + i], device=DEVICE)).clone()
+        _sync()
+    ms = (time.perf_counter() - t0) * 1e3 / new
+    how = "torch.compile reduce-overhead" if compile else "eager (CPU smoke run)"
+    return ms, f"independent static-cache Llama, {how} (check passed; warm-up {warm_s:.0f} s)"
+
+
+def _sync() -> None:
     if DEVICE == "cuda":
-        kw["compile"] = COMPILE
-    return model, kw, prompts
+        torch.cuda.synchronize()
 
 
-def _child_server(shape: dict, port: int) -> None:
-    """Run lmforge serve's app (whichever lmforge is on sys.path) until stdin closes."""
+def _bench_tokenizer(vocab: int) -> object:
+    """An lmforge tokenizer whose every id decodes (256 bytes, then ``<i>`` pieces)."""
+    from lmforge.tokenizer import Tokenizer
+
+    table = {i: bytes([i]) if i < 256 else f"<{i}>".encode() for i in range(vocab)}
+    return Tokenizer(table, [], [])
+
+
+def _engine_decode(
+    model: TransformerLM, batches: list[list[list[int]]], new: int
+) -> tuple[list[float], str]:
+    """``Engine(model)`` with its defaults (one engine for every batch): per batch of prompts,
+    the median ms of a decode step at the full batch (a step that gave as many requests a
+    token as any step did: all of them unless the KV cache is short; the first such step is
+    dropped, it may carry the last prefill chunk), best of two runs of ``new`` tokens; and the
+    line saying what the engine chose."""
+    import gc
+
+    from lmforge.serve.engine_process import engine_summary
+
+    torch._dynamo.reset()
+    eng = Engine(model)
+    summary = engine_summary(eng)
+    eng.generate(batches[0][:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    out = []
+    for prompts in batches:
+        meds = []
+        for _ in range(2):
+            for p in prompts:
+                eng.add_request(p, params)
+            steps = []  # (requests that got a token, seconds)
+            while eng.has_unfinished():
+                t0 = time.perf_counter()
+                got = eng.step()
+                _sync()
+                steps.append((len(got), time.perf_counter() - t0))
+            # the batch the engine reached (all of them when the KV cache holds them all)
+            full = max(n for n, _ in steps)
+            at_full = [t for n, t in steps if n == full]
+            meds.append(statistics.median(at_full[1:] or at_full) * 1e3)
+        if full < len(prompts):
+            _line(f"note: Engine(model) ran at most {full} of {len(prompts)} requests at once")
+        out.append(min(meds))
+    del eng
+    gc.collect()  # the engine's CUDA graphs refer back to it: free its KV cache now
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out, summary
+
+
+def _serve_command(ckpt: str, port: int) -> list[str]:
+    import shutil
+
+    exe = shutil.which("lmforge")
+    head = [exe] if exe else [sys.executable, "-m", "lmforge"]
+    return [*head, "serve", "--checkpoint", ckpt, "--port", str(port)]
+
+
+def _start(cmd: list[str], port: int, log: Path, timeout: float = 420) -> object:
+    import os
+    import subprocess
+
+    import httpx
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    err = log.open("w")
+    proc = subprocess.Popen(cmd, env=env, stderr=err, stdout=err)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}): {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"the server did not answer /health within {timeout} s")
+
+
+def _stop(proc: object) -> None:
+    import signal
+
+    proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+    try:
+        proc.wait(timeout=120)  # type: ignore[attr-defined]
+    except Exception:
+        proc.kill()  # type: ignore[attr-defined]
+
+
+async def _one_stream(client, prompt: list[int], new: int) -> tuple[float, float, int]:
+    """(TTFT s, TPOT s, completion tokens) of one streamed greedy completion."""
+    t0 = time.perf_counter()
+    first = last = None
+    n = 0
+    stream = await client.completions.create(
+        model=_MODEL, prompt=prompt, max_tokens=new, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    async for ch in stream:
+        if ch.choices:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+        if ch.usage is not None:
+            n = ch.usage.completion_tokens
+    if first is None or n < 2:
+        return -1.0, -1.0, 0
+    return first - t0, (last - first) / (n - 1), n
+
+
+_MODEL = "bench-ckpt"
+
+
+def _drive(port: int, prompts: list[list[int]], new: int) -> dict:
+    import openai
+
+    async def run() -> tuple[list, float]:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-",
+                                    max_retries=0, timeout=600)  # fmt: skip
+        try:
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(_one_stream(client, p, new) for p in prompts),
+                                       return_exceptions=True)  # fmt: skip
+            return res, time.perf_counter() - t0
+        finally:
+            await client.close()
+
+    res, wall = asyncio.run(run())
+    ok = [r for r in res if not isinstance(r, BaseException) and r[2] == new]
+    tpot = sorted(r[1] * 1e3 for r in ok) or [float("nan")]
+    ttft = sorted(r[0] * 1e3 for r in ok) or [float("nan")]
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    return {"tok_s": sum(r[2] for r in ok) / wall, "errors": len(res) - len(ok),
+            "tpot50": pct(tpot, 0.5), "tpot99": pct(tpot, 0.99), "ttft50": pct(ttft, 0.5),
+            "ttft99": pct(ttft, 0.99)}  # fmt: skip
+
+
+def _child_inprocess_server(ckpt: str, port: int) -> None:
+    """The same checkpoint served with the engine in a thread of the server's process
+    (:class:`EngineLoop`): the in-process peer of the engine process on the CPU."""
     import uvicorn
 
-    from lmforge.serve.server import EngineLoop, ServerState, build_app
+    from lmforge.serve.loading import load_for_serving
+    from lmforge.serve.server import EngineLoop, ServerState, make_server
 
-    model, kw, _ = _server_setup(shape, 64, 1)
-    eng = Engine(model, **kw)
-    loop = EngineLoop(eng)
-    state = ServerState(loop, _IdTokenizer(), "bench-random")
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
-                                           log_level="error"))  # fmt: skip
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    while not server.started:
-        time.sleep(0.05)
-    print("READY", flush=True)
-
-    def cpu_s(t: threading.Thread) -> float:  # CPU seconds a thread has used (Linux)
-        return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-
-    engine_thread = next(t for t in threading.enumerate() if t.name == "lmforge-engine")
-    sys.stdin.readline()  # the parent says "mark" after its warm-up requests
-    e0, l0, n0 = cpu_s(engine_thread), cpu_s(th), eng.stats["generated_tokens"]
-    sys.stdin.read()  # the parent closes our stdin when it is done
-    n = max(eng.stats["generated_tokens"] - n0, 1)
-    print(json.dumps({"engine_cpu_us": (cpu_s(engine_thread) - e0) * 1e6 / n,
-                      "loop_cpu_us": (cpu_s(th) - l0) * 1e6 / n}), flush=True)  # fmt: skip
-    server.should_exit = True
-    th.join(timeout=60)
+    model, tok, template, _ = load_for_serving(checkpoint=ckpt, device=DEVICE)
+    state = ServerState(EngineLoop(Engine(model, eos_token_id=tok.eot_id)), tok, _MODEL, template)
+    server = make_server(state, host="127.0.0.1", port=port, log_level="error")
+    assert isinstance(server, uvicorn.Server)
+    server.run()
 
 
-def _child_engine(shape: dict, n_clients: int, n_new: int) -> None:
-    """The same workload on the engine alone (no server): decode-step times, printed as JSON."""
-    model, kw, prompts = _server_setup(shape, n_clients, n_new)
-    eng = Engine(model, **kw)
-    params = SamplingParams(temperature=0, max_tokens=n_new, ignore_eos=True)
-    eng.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    for p in prompts:
-        eng.add_request(p, params)
-    steps = []
-    t_all = time.perf_counter()
-    while eng.has_unfinished():
-        t0 = time.perf_counter()
-        eng.step()
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-        steps.append(time.perf_counter() - t0)
-    wall = time.perf_counter() - t_all
-    decode = sorted(steps[-(n_new - 2) :])  # the pure decode steps at the full batch
-    print(json.dumps({"step_p50_ms": decode[len(decode) // 2] * 1e3, "steps": len(steps), "step_mean_ms": wall * 1e3 / len(steps),
-                      "wall_s": wall}), flush=True)  # fmt: skip
+def bench_server(quick: bool) -> None:
+    """Issue 33's targets through the user's command: ``lmforge serve --checkpoint DIR`` in a
+    subprocess, driven by the official openai client (single stream, then 64 concurrent
+    streams), against ``Engine(model)`` with its defaults and the independent compiled peer,
+    all in this run."""
+    import socket
+    import tempfile
+
+    from lmforge.hf import save_as_checkpoint
+
+    cuda = DEVICE == "cuda"
+    shape = TINYLLAMA if cuda else CPU_SERVER_SHAPE
+    n_streams = 64 if cuda or not quick else 16
+    new = 128 if cuda or not quick else 16
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(256, shape["vocab_size"], (128,), generator=g).tolist()
+               for _ in range(n_streams)]  # fmt: skip
+    model = _model(shape)
+    tmp = Path(tempfile.mkdtemp(prefix="lmforge-bench-serve-"))
+    ckpt = str(tmp / _MODEL)
+    save_as_checkpoint(model.to("cpu"), _bench_tokenizer(shape["vocab_size"]), ckpt, "benchmark")
+    model = model.to(DEVICE)
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    cmd = _serve_command(ckpt, port)
+    user_cmd = "lmforge serve --checkpoint DIR --port PORT"
+    _line(f"\n## 3. the user's server: `{user_cmd}` ({'TinyLlama shape, bf16' if cuda else shape}"
+          f", random weights), official openai client, greedy, 128-token prompts, ignore EOS")  # fmt: skip
+    log = tmp / "serve.log"
+    t0 = time.perf_counter()
+    proc = _start(cmd, port, log)
+    start_s = time.perf_counter() - t0
+    chose = [x for x in log.read_text().splitlines() if x.startswith("engine:")]
+    _line(f"server up in {start_s:.0f} s; it printed: {chose[0] if chose else '(no engine line)'}")
+    child, port2 = None, None
+    if not cuda:  # the in-process peer: the engine in a thread of the server, same checkpoint
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port2 = sk.getsockname()[1]
+        here = str(Path(__file__).resolve())
+        child = _start([sys.executable, here, "--_child", "inprocess", "--_src",
+                        str(Path(here).parents[1] / "src"), "--_device", DEVICE, "--_ckpt", ckpt,
+                        "--_port", str(port2)], port2, tmp / "inprocess.log")  # fmt: skip
+    singles, inprocs = [], []
+    try:
+        _drive(port, prompts[:4], 16)  # warm-up
+        if port2 is not None:
+            _drive(port2, prompts[:4], 16)
+        for _ in range(3 if quick else 5):  # interleaved: both see the same machine load
+            singles.append(_drive(port, prompts[:1], new)["tpot50"])
+            if port2 is not None:
+                inprocs.append(_drive(port2, prompts[:1], new)["tpot50"])
+        load = _drive(port, prompts, new)
+    finally:
+        _stop(proc)
+        if child is not None:
+            _stop(child)
+    single = statistics.median(singles)
+    inproc = statistics.median(inprocs) if inprocs else None
+    (eng1, eng64), summary = _engine_decode(model, [prompts[:1], prompts], new)
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    peer_ms, peer_name = _peer_decode(shape, prompts[0], new, compile=cuda)
+    _line(f"Engine(model) chose: {summary}")
+    _line(f"64 streams: TTFT p50 / p99 {load['ttft50']:.0f} / {load['ttft99']:.0f} ms, "
+          f"TPOT p99 {load['tpot99']:.2f} ms" if n_streams == 64 else
+          f"{n_streams} streams: TTFT p50 {load['ttft50']:.0f} ms")  # fmt: skip
+    _line("\n| measure | value | against | ratio | target (issue 33) | met |")
+    _line("|---|---:|---|---:|---|---|")
+
+    def row(name: str, v: float, ref: str, ratio: float | None, target: str, ok: bool) -> None:
+        r = f"{ratio:.2f}x" if ratio is not None else "-"
+        _line(f"| {name} | {v:,.3f} | {ref} | {r} | {target} | {'yes' if ok else 'NO'} |")
+
+    row(
+        "`lmforge serve` single-stream TPOT (ms)",
+        single,
+        f"Engine(model) {eng1:.3f} ms/token",
+        single / eng1,
+        "≤ 1.15x",
+        single <= 1.15 * eng1,
+    )
+    row(
+        f"`lmforge serve` {n_streams} streams TPOT p50 (ms)",
+        load["tpot50"],
+        f"Engine(model) decode step at batch {n_streams} {eng64:.3f} ms",
+        load["tpot50"] / eng64,
+        "≤ 1.5x",
+        load["tpot50"] <= 1.5 * eng64,
+    )
+    row(
+        f"`lmforge serve` {n_streams} streams output tok/s",
+        load["tok_s"],
+        "-",
+        None,
+        "≥ 10,000 (H200)",
+        load["tok_s"] >= 10_000,
+    )
+    row(
+        f"`lmforge serve` {n_streams} streams errors",
+        load["errors"],
+        "-",
+        None,
+        "0",
+        load["errors"] == 0,
+    )
+    row("Engine(model) decode, batch 1 (ms/token)", eng1, f"{peer_name} {peer_ms:.3f} ms/token",
+        eng1 / peer_ms, "≤ 1.0x", eng1 <= peer_ms)  # fmt: skip
+    _line(f"single-stream TPOT per request (ms): {', '.join(f'{x:.2f}' for x in singles)}")
+    if inproc is not None:
+        _line(f"in-process server, same requests interleaved: "
+              f"{', '.join(f'{x:.2f}' for x in inprocs)}")  # fmt: skip
+        row("engine in a thread of the server (EngineLoop), single-stream TPOT (ms)", inproc,
+            f"`lmforge serve` (engine process) {single:.3f} ms", single / inproc,
+            "process not slower: ≤ 1.0x (+ noise)", single <= 1.05 * inproc)  # fmt: skip
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _spawn(role: str, src: str, extra: list[str]):
@@ -1059,159 +1330,7 @@ def _spawn(role: str, src: str, extra: list[str]):
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_child", role, "--_src", src,
            "--_device", DEVICE, *extra]  # fmt: skip
-    if not GRAPHS:
-        cmd.append("--no-graphs")
-    if not COMPILE:
-        cmd.append("--no-compile")
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def _load(port: int, prompts: list[list[int]], n_new: int) -> dict:
-    """64 concurrent streaming clients (in this process, apart from the server's GIL)."""
-    import httpx
-
-    url = f"http://127.0.0.1:{port}/v1/completions"
-
-    def step_metric() -> tuple[float, int] | None:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        vals = {x.split()[0]: float(x.split()[1]) for x in text.splitlines()
-                if x.startswith("lmforge_engine_step_seconds")}  # fmt: skip
-        if not vals:
-            return None  # older servers do not export it
-        return vals["lmforge_engine_step_seconds_sum"], int(
-            vals["lmforge_engine_step_seconds_count"]
-        )
-
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, float, int]:
-        body = {"prompt": " ".join(map(str, prompt)), "max_tokens": n_new, "temperature": 0,
-                "stream": True, "ignore_eos": True}  # fmt: skip
-        t0 = time.perf_counter()
-        first = None
-        n = 0
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                return -1.0, -1.0, 0
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    k = len(json.loads(line[6:])["choices"][0]["text"].split())
-                    if k and first is None:
-                        first = time.perf_counter()
-                    n += k
-        end = time.perf_counter()
-        if first is None:
-            return -1.0, -1.0, 0
-        return first - t0, (end - first) / max(n - 1, 1), n
-
-    async def run_all() -> tuple[list, float]:
-        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=128)) as c:
-            await one(c, prompts[0])  # warm
-            t0 = time.perf_counter()
-            res = await asyncio.gather(*(one(c, p) for p in prompts))
-            return res, time.perf_counter() - t0
-
-    m0 = step_metric()
-    res, wall = asyncio.run(run_all())
-    m1 = step_metric()
-    in_server = None
-    if m0 is not None and m1 is not None and m1[1] > m0[1]:
-        in_server = (m1[0] - m0[0]) * 1e3 / (m1[1] - m0[1])
-    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    used = next(int(x.split()[1]) for x in metrics.splitlines()
-                if x.startswith("lmforge_kv_blocks_used "))  # fmt: skip
-    ok = [r for r in res if r[2] == n_new]
-    ttft = sorted(r[0] * 1e3 for r in ok) or [float("nan")]
-    tpot = sorted(r[1] * 1e3 for r in ok) or [float("nan")]
-
-    def pct(xs: list[float], q: float) -> float:
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-    return {"req_s": len(ok) / wall, "tok_s": len(ok) * n_new / wall, "errors": len(res) - len(ok),
-            "ttft50": pct(ttft, 0.5), "ttft99": pct(ttft, 0.99), "tpot50": pct(tpot, 0.5),
-            "tpot99": pct(tpot, 0.99), "blocks_used": used, "step_in_server": in_server}  # fmt: skip
-
-
-def bench_server(quick: bool, baseline_src: str | None = None, rounds: int = 2) -> None:
-    """Server under load: 64 streaming clients; the server runs in a child process (its own
-    GIL, as in production), the clients here. With ``baseline_src`` (another checkout's
-    ``src``) the same workload runs against that code too, interleaved round by round, so both
-    see the same machine load; the engine alone on the same workload gives the floor."""
-    import socket
-
-    shape = TINYLLAMA if DEVICE == "cuda" else CPU_SERVER_SHAPE
-    n_clients, n_new = 64, 64 if quick else 128
-    _, _, prompts = _server_setup(shape, n_clients, n_new)
-    here = str(Path(__file__).resolve().parents[1] / "src")
-    codes = [("this checkout", here)] + ([("baseline " + baseline_src, baseline_src)]
-                                         if baseline_src else [])  # fmt: skip
-    results: dict[str, list[dict]] = {name: [] for name, _ in codes}
-    engine_alone: list[dict] = []
-    loads: list[str] = []
-    for r in range(rounds):
-        order = codes if r % 2 == 0 else codes[::-1]
-        for name, src in order:
-            with socket.socket() as sk:
-                sk.bind(("127.0.0.1", 0))
-                port = sk.getsockname()[1]
-            child = _spawn("server", src, ["--_port", str(port)])
-            assert child.stdout is not None and child.stdin is not None
-            if child.stdout.readline().strip() != "READY":
-                raise RuntimeError(f"the server child ({name}) did not start")
-            try:
-                _load(port, prompts[:2], n_new)  # warm-up (first steps import and allocate)
-                child.stdin.write("mark\n")
-                child.stdin.flush()
-                results[name].append(_load(port, prompts, n_new))
-            finally:
-                child.stdin.close()
-                tail = child.stdout.read()
-                child.wait(timeout=120)
-            cpu = json.loads(tail.strip().splitlines()[-1]) if tail.strip() else {}
-            results[name][-1].update(cpu)
-            loads.append(Path("/proc/loadavg").read_text().split()[0] if DEVICE == "cpu" else "")
-        eng = _spawn("engine", here, ["--_n-new", str(n_new)])
-        out, _ = eng.communicate(timeout=600)
-        engine_alone.append(json.loads(out.strip().splitlines()[-1]))
-    step = statistics.median(e["step_p50_ms"] for e in engine_alone)
-    what = "TinyLlama shape bf16" if DEVICE == "cuda" else f"CPU (torch 1 thread), {shape}"
-    _line(f"\n## 3. server under load: {n_clients} concurrent streaming clients, 128-token "
-          f"prompts, {n_new} new tokens, greedy, {what}; {rounds} rounds interleaved, medians")  # fmt: skip
-    if DEVICE == "cpu":
-        _line(f"load average (1 min) after each run: {', '.join(loads)}")
-    per_round = ", ".join(f"{e['step_p50_ms']:.2f}" for e in engine_alone)
-    mean = statistics.median(e["step_mean_ms"] for e in engine_alone)
-    _line(f"engine alone, same workload: decode step p50 {step:.2f} ms at batch {n_clients} "
-          f"(per round: {per_round}); mean over all its steps, prefill included, {mean:.2f} ms")  # fmt: skip
-    _line(
-        "\n| server code | requests/s | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
-        "| TPOT p50 / engine-alone step | engine step inside the server (ms, mean) "
-        "| engine-thread / event-loop CPU per output token (µs) | errors | KV blocks in use after |"
-    )
-    _line("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-
-    def inside(runs: list[dict]) -> str:
-        xs = [x["step_in_server"] for x in runs if x["step_in_server"] is not None]
-        return f"{statistics.median(xs):.2f}" if xs else "n/a (not exported)"
-
-    for name, runs in results.items():
-
-        def med(k: str, runs: list[dict] = runs) -> float:
-            return statistics.median(x[k] for x in runs)
-
-        _line(f"| {name} | {med('req_s'):.2f} | {med('tok_s'):,.0f} | {med('ttft50'):.0f} / "
-              f"{med('ttft99'):.0f} | {med('tpot50'):.2f} / {med('tpot99'):.2f} | "
-              f"{med('tpot50') / step:.2f}x | {inside(runs)} | {med('engine_cpu_us'):.0f} / "
-              f"{med('loop_cpu_us'):.0f} | {sum(x['errors'] for x in runs)} | "
-              f"{max(x['blocks_used'] for x in runs)} |")  # fmt: skip
-    for name, runs in results.items():
-        tp = ", ".join(f"{x['tpot50']:.1f}" for x in runs)
-        lc = ", ".join(f"{x.get('loop_cpu_us', float('nan')):.0f}" for x in runs)
-        _line(f"per round, {name}: TPOT p50 {tp} ms; event-loop CPU/token {lc} µs")
-    if baseline_src:
-        a, b = results[codes[0][0]], results[codes[1][0]]
-        ratio = statistics.median(x["tpot50"] for x in b) / statistics.median(
-            x["tpot50"] for x in a
-        )
-        _line(f"TPOT p50: baseline / this checkout = {ratio:.2f}x")
 
 
 # ---------------------------------------------------------------- engine host overhead
@@ -1331,7 +1450,7 @@ def main() -> int:
                     help="server: also run another checkout's src (e.g. ../main/src), "
                          "interleaved with this one")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=2, help="server: interleaved rounds")
-    for hidden in ("--_child", "--_src", "--_device", "--_port", "--_n-new"):
+    for hidden in ("--_child", "--_src", "--_device", "--_port", "--_n-new", "--_ckpt"):
         ap.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     global GRAPHS, DEVICE, COMPILE, PROFILE
@@ -1342,13 +1461,10 @@ def main() -> int:
         DEVICE = args._device
         if DEVICE == "cpu":
             torch.set_num_threads(1)  # a shared CPU: the server child and the clients apart
-        shape = TINYLLAMA if DEVICE == "cuda" else CPU_SERVER_SHAPE
-        if args._child == "server":
-            _child_server(shape, int(args._port))
-        elif args._child == "host":
-            _child_engine_host(int(args._n_new))
+        if args._child == "inprocess":
+            _child_inprocess_server(args._ckpt, int(args._port))
         else:
-            _child_engine(shape, 64, int(args._n_new))
+            _child_engine_host(int(args._n_new))
         return 0
     if args.only == "engine-host":
         DEVICE, GRAPHS = "cpu", False
@@ -1359,10 +1475,11 @@ def main() -> int:
         return 0
     if args.server_cpu or args.only == "server-cpu":
         DEVICE, GRAPHS = "cpu", False
+        torch.set_num_threads(1)  # as the children: a shared CPU, clients and servers apart
         _line(f"# lmforge.serve server benchmark on the CPU, torch {torch.__version__}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
         _line(f"command: python benchmarks/serve.py {' '.join(sys.argv[1:])}")
-        bench_server(args.quick, args.baseline_src, args.rounds)
+        bench_server(args.quick)
         return 0
     if not torch.cuda.is_available():
         print("benchmarks/serve.py needs a CUDA GPU", file=sys.stderr)
@@ -1388,8 +1505,6 @@ def main() -> int:
         try:
             if name == "check":
                 fn()
-            elif name == "server":
-                fn(args.quick, args.baseline_src, args.rounds)
             else:
                 fn(args.quick)
         except Exception as e:  # report and go on: one missing peer must not hide the rest

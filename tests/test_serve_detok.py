@@ -195,3 +195,27 @@ def test_windowed_decoder_on_a_sentencepiece_style_tokenizer(tmp_path) -> None:
     check()
     pieces = _run(make_detokenizer(tok, prompt_ids=prompt), [2, 3, 4, 1])
     assert pieces[:3] == [" world", "", "é"] and "".join(pieces) == " worldé hello"
+
+
+def test_output_processor_stop_strings_eos_and_n() -> None:
+    """The server's output processor: a stop string spanning deltas ends its sample at the
+    token completing it (ids and text cut there, later deltas ignored); an EOS-ended sample
+    does not show the EOS token as text; each of n samples ends on its own."""
+    from lmforge.serve.output import Delta, OutputProcessor, SampleDelta
+    from lmforge.tokenizer import Tokenizer
+
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|eos|>"])
+    eos = tok.special_ids["<|eos|>"]
+    ids = list(b"hello STOP more")
+    proc = OutputProcessor(tok, tok.encode("p"), 2, ["STOP"])
+
+    def delta(i: int, part: list[int], finish: str | None = None) -> Delta:
+        return Delta([SampleDelta(i, part, [-0.5] * len(part), [], finish)], False)
+
+    a = proc.process([delta(0, ids[:8]), delta(1, [*b"ok", eos], "stop")])
+    assert a[0].text == "hello " and a[0].finish_reason is None  # "ST" held back
+    assert a[1].text == "ok" and a[1].finish_reason == "stop" and a[1].token_ids[-1] == eos
+    b = proc.process([delta(0, ids[8:12]), delta(0, ids[12:])])
+    assert b[0].text == "" and b[0].finish_reason == "stop"
+    assert b[0].token_ids == ids[8:10] and proc.finished  # ends at the token completing STOP
+    assert proc.process([delta(0, [1, 2])]) == {}  # a finished sample adds nothing

@@ -17,7 +17,7 @@ import torch
 
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
-from lmforge.serve.server import EngineLoop, ServerState, build_app
+from lmforge.serve.server import EngineLoop, ServerState, make_server
 from lmforge.serve.templates import render_chat
 from lmforge.tokenizer import Tokenizer
 
@@ -38,15 +38,14 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, engine: Engine, api_key: str | None = None) -> None:
-        self.tok = _tokenizer()
+    def __init__(
+        self, engine: Engine, api_key: str | None = None, tok: object = None, **state: object
+    ) -> None:
+        self.tok = tok or _tokenizer()
         self.engine = engine
-        self.state = ServerState(EngineLoop(engine), self.tok, "tiny", None, api_key)
+        self.state = ServerState(EngineLoop(engine), self.tok, "tiny", None, api_key, **state)
         self.port = _free_port()
-        config = uvicorn.Config(
-            build_app(self.state), host="127.0.0.1", port=self.port, log_level="error"
-        )
-        self.server = uvicorn.Server(config)
+        self.server = make_server(self.state, host="127.0.0.1", port=self.port, log_level="error")
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         for _ in range(200):
@@ -171,6 +170,7 @@ def test_stop_strings_and_n(server: _Server) -> None:
         ({"prompt": "x", "max_tokens": -1}, 400, "'max_tokens' must be at least 1"),
         ({"prompt": "x", "max_tokens": 10**9}, 400, "leaves room for"),
         ({"prompt": "x" * 300}, 400, "context is 256 tokens"),
+        ({"prompt": "y" * 100_000}, 400, "context is 256 tokens"),  # parsed in a thread
         ({"prompt": "x", "n": 99}, 400, "'n' must be between 1 and 16"),
         ({"prompt": "x", "temperature": "hot"}, 400, "'temperature' must be a number"),
         ({"prompt": 5}, 400, "'prompt' must be a string"),
@@ -272,59 +272,6 @@ def test_64_concurrent_streaming_clients_equal_solo_runs(server: _Server) -> Non
     assert server.engine.allocator.num_used == 0
 
 
-def _checkpoint(tmp_path) -> str:
-    from lmforge.hf import save_as_checkpoint
-
-    out = tmp_path / "ckpt"
-    save_as_checkpoint(_model(), _tokenizer(), out, "test")
-    return str(out)
-
-
-@pytest.mark.slow
-def test_sigterm_drains_in_flight_requests(tmp_path) -> None:
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lmforge", "serve", "--checkpoint", _checkpoint(tmp_path),
-         "--port", str(port), "--device", "cpu"],
-        env={**os.environ, "PYTHONPATH": src},
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        body = {"prompt": "drain", "max_tokens": 60, "temperature": 0, "stream": True,
-                "ignore_eos": True}  # fmt: skip
-        lines = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            for i, line in enumerate(r.iter_lines()):
-                if i == 1:
-                    proc.send_signal(signal.SIGTERM)  # mid-stream
-                lines.append(line)
-        assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
-        texts = [json.loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
-        assert texts[-1]["finish_reason"] == "length"
-        # uvicorn re-raises the signal once its graceful shutdown is done: the conventional
-        # "terminated by SIGTERM" status, after the stream above completed.
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
 def test_chat_repl_streams_replies() -> None:
     import io
 
@@ -361,6 +308,8 @@ def test_cli_help_lists_examples() -> None:
             capture_output=True, text=True, env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"},
         )  # fmt: skip
         assert r.returncode == 0 and "examples:" in r.stdout and "--gguf" in r.stdout
+        assert "--no-cuda-graphs" in r.stdout and "--no-compile" in r.stdout
+        assert ("--max-request-bytes" in r.stdout) == (cmd == "serve")
 
 
 def test_engine_failure_answers_500_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -379,10 +328,10 @@ def test_engine_failure_answers_500_not_a_hang(monkeypatch: pytest.MonkeyPatch) 
         s.close()
 
 
-def test_stop_strings_end_in_the_engine_streamed_equals_non_streamed(server: _Server) -> None:
-    """The engine ends the sample at the token completing the stop string (no extra steps while
-    the handler catches up); streamed chunks concatenate to the non-streamed text, never past
-    the stop string."""
+def test_stop_strings_streamed_equals_non_streamed(server: _Server) -> None:
+    """The output processor ends the sample at the token completing the stop string (its ids
+    and usage end there; the engine's request is aborted); streamed chunks concatenate to the
+    non-streamed text, never past the stop string."""
     c = server.client()
     e = Engine(server.engine.model, block_size=8, tokenizer=server.tok)
     ids = e.generate([server.tok.encode("stop here")], SamplingParams(temperature=0, max_tokens=24))
@@ -392,11 +341,9 @@ def test_stop_strings_end_in_the_engine_streamed_equals_non_streamed(server: _Se
     stop = text[at : at + 3]  # three one-byte tokens: spans token boundaries
     cut = text.find(stop)
     n_tok = next(k for k in range(1, len(ids) + 1) if stop in server.tok.decode(ids[:k]))
-    before = server.engine.stats["generated_tokens"]
     full = c.completions.create(
         model="tiny", prompt="stop here", max_tokens=24, temperature=0, stop=[stop, "\x00\x01"]
     )
-    assert server.engine.stats["generated_tokens"] - before == n_tok
     assert full.choices[0].text == text[:cut] and full.choices[0].finish_reason == "stop"
     assert full.usage.completion_tokens == n_tok
     parts, reasons = [], []
@@ -406,7 +353,15 @@ def test_stop_strings_end_in_the_engine_streamed_equals_non_streamed(server: _Se
         parts.append(ch.choices[0].text)
         reasons.append(ch.choices[0].finish_reason)
     assert "".join(parts) == text[:cut] and reasons[-1] == "stop"
-    assert server.engine.allocator.num_used == 0
+    _wait_idle(server.engine)
+
+
+def _wait_idle(engine: Engine) -> None:
+    for _ in range(200):  # an abort is applied by the engine thread before its next step
+        if engine.allocator.num_used == 0 and not engine.has_unfinished():
+            break
+        time.sleep(0.05)
+    assert engine.allocator.num_used == 0 and not engine.has_unfinished()
 
 
 def test_submissions_do_not_wait_for_the_engine_lock(server: _Server) -> None:
@@ -436,7 +391,7 @@ def test_submissions_do_not_wait_for_the_engine_lock(server: _Server) -> None:
 def test_engine_loop_hands_off_once_per_step_for_all_requests() -> None:
     """One call_soon_threadsafe per engine step carries every request's delta (not one per
     request per token); the deltas add up to the engine's own outputs."""
-    from lmforge.serve.server import Delta
+    from lmforge.serve.output import Delta, OutputProcessor
 
     tok = _tokenizer()
     engine = Engine(_model(), block_size=8, num_blocks=200, tokenizer=tok)
@@ -469,7 +424,7 @@ def test_engine_loop_hands_off_once_per_step_for_all_requests() -> None:
     assert calls == engine.stats["steps"]  # one hand-off per step, whatever the batch
     for i, deltas in enumerate(got):
         ids = [t for d in deltas for s in d.samples for t in s.token_ids]
-        text = "".join(s.text for d in deltas for s in d.samples)
+        text = OutputProcessor(tok, tok.encode(f"req {i}"), 1, []).process(deltas)[0].text
         solo = Engine(engine.model, block_size=8, tokenizer=tok).generate(
             [tok.encode(f"req {i}")], SamplingParams(temperature=0, max_tokens=6 + i)
         )[0]
@@ -492,3 +447,187 @@ def test_one_template_renderer_for_server_and_posttrain() -> None:
     assert (
         e.value.status == 400 and e.value.param == "messages" and "no system role" in str(e.value)
     )
+
+
+def test_content_parts_roles_and_developer(server: _Server) -> None:
+    c = server.client()
+    plain = [{"role": "user", "content": "one\ntwo"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "one"},
+                                          {"type": "text", "text": "two"}]}]  # fmt: skip
+    a = c.chat.completions.create(model="tiny", messages=plain, max_tokens=6, temperature=0)
+    b = c.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    dev = [{"role": "developer", "content": "terse"}, {"role": "user", "content": "hi"}]
+    sys_ = [{"role": "system", "content": "terse"}, {"role": "user", "content": "hi"}]
+    d = c.chat.completions.create(model="tiny", messages=dev, max_tokens=4, temperature=0)
+    s = c.chat.completions.create(model="tiny", messages=sys_, max_tokens=4, temperature=0)
+    assert d.choices[0].message.content == s.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="unknown message role 'wizard'"):
+        c.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}])
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(openai.BadRequestError, match="text only"):
+        c.chat.completions.create(model="tiny", messages=image)
+
+
+def test_stream_options_include_usage(server: _Server) -> None:
+    c = server.client()
+    msgs = [{"role": "user", "content": "count"}]
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=7, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 7
+    n_prompt = len(server.tok.encode(render_chat(None, msgs)))
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    assert all(ch.usage is None for ch in chunks[:-1])
+    plain = list(c.completions.create(model="tiny", prompt="x", max_tokens=3, stream=True))
+    assert all(ch.usage is None and ch.choices for ch in plain)
+    with pytest.raises(openai.BadRequestError, match="only allowed with 'stream': true"):
+        c.completions.create(model="tiny", prompt="x", stream_options={"include_usage": True})
+
+
+class _CountingTokenizer:
+    """The test tokenizer, counting encode calls (the body limit must come before them)."""
+
+    def __init__(self) -> None:
+        self.inner = _tokenizer()
+        self.encodes = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.encodes += 1
+        return self.inner.encode(text)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_request_body_limit_is_checked_before_parsing() -> None:
+    engine = Engine(_model(), block_size=8, num_blocks=64)
+    counting = _CountingTokenizer()
+    s = _Server(engine, tok=counting, max_request_bytes=2000)
+    try:
+        big = json.dumps({"prompt": "x" * (20 << 20), "max_tokens": 1})  # a 20 MB body
+        r = httpx.post(s.url + "/v1/completions", content=big, timeout=60,
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+        assert r.status_code == 413 and "takes at most 2000" in r.json()["error"]["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer encoding
+            for _ in range(10):
+                yield b" " * 500
+
+        r = httpx.post(s.url + "/v1/completions", content=chunks(), timeout=60)
+        assert r.status_code == 413 and "more than 2000" in r.json()["error"]["message"]
+        assert counting.encodes == 0
+        small = s.client().completions.create(model="tiny", prompt="ok", max_tokens=2)
+        assert small.usage.prompt_tokens == 2 and counting.encodes == 1
+        r = httpx.post(s.url + "/v1/completions", content=_chunked_json({"prompt": "ok",
+                       "max_tokens": 2}), timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text  # a chunked body under the limit is replayed
+    finally:
+        s.close()
+
+
+def _chunked_json(body: dict) -> Iterator[bytes]:
+    data = json.dumps(body).encode()
+    yield data[:5]
+    yield data[5:]
+
+
+def test_sigterm_drains_health_503_new_requests_503() -> None:
+    import signal
+
+    engine = Engine(_model(), block_size=8, num_blocks=64)
+    s = _Server(engine)
+    try:
+        read, real_step = threading.Semaphore(0), engine.step
+
+        def step():  # the engine thread waits for the test between steps
+            read.acquire(timeout=30)
+            return real_step()
+
+        engine.step = step  # type: ignore[method-assign]
+        body = {"prompt": "drain", "max_tokens": 6, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        lines = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            read.release()
+            it = r.iter_lines()
+            lines.append(next(it))
+            s.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+            h = httpx.get(s.url + "/health", timeout=30)
+            assert h.status_code == 503 and h.json() == {"status": "draining"}
+            refused = httpx.post(s.url + "/v1/completions", json={"prompt": "x"}, timeout=30)
+            assert refused.status_code == 503 and "shutting down" in refused.text
+            for line in it:
+                read.release()
+                lines.append(line)
+        texts = [json.loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
+        assert texts[-1]["finish_reason"] == "length" and "data: [DONE]" in lines
+        s.thread.join(timeout=30)  # nothing left in flight: the server shuts down by itself
+        assert not s.thread.is_alive()
+    finally:
+        read.release(100)
+        s.close()
+
+
+def test_logit_bias_and_penalties_through_the_client(server: _Server) -> None:
+    c = server.client()
+    a = server.tok.encode("A")[0]
+    r = c.completions.create(model="tiny", prompt="bias", max_tokens=5, temperature=0,
+                             logit_bias={str(a): 100})  # fmt: skip
+    assert r.choices[0].text == "AAAAA"
+    ids = server.tok.encode("pen")
+    want = (
+        Engine(server.engine.model, block_size=8)
+        .generate(
+            [ids],
+            SamplingParams(
+                temperature=0,
+                max_tokens=8,
+                ignore_eos=True,
+                presence_penalty=1.5,
+                frequency_penalty=0.5,
+                repetition_penalty=1.3,
+            ),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
+    r = c.completions.create(
+        model="tiny", prompt="pen", max_tokens=8, temperature=0, presence_penalty=1.5,
+        frequency_penalty=0.5, extra_body={"repetition_penalty": 1.3, "ignore_eos": True},
+    )  # fmt: skip
+    assert r.choices[0].text == server.tok.decode(want)
+    with pytest.raises(openai.BadRequestError, match="'presence_penalty' must be in"):
+        c.completions.create(model="tiny", prompt="x", presence_penalty=3)
+    with pytest.raises(openai.BadRequestError, match="'logit_bias' token id 999 is not in"):
+        c.completions.create(model="tiny", prompt="x", logit_bias={"999": 1})
+
+
+def test_echo_and_text_offset(server: _Server) -> None:
+    c = server.client()
+    plain = c.completions.create(model="tiny", prompt="Echo", max_tokens=6, temperature=0)
+    echoed = c.completions.create(model="tiny", prompt="Echo", max_tokens=6, temperature=0,
+                                  echo=True)  # fmt: skip
+    assert echoed.choices[0].text == "Echo" + plain.choices[0].text
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model="tiny", prompt="Echo", max_tokens=6, temperature=0, echo=True, stream=True
+        )
+    )
+    assert streamed == echoed.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="'echo' with 'logprobs'"):
+        c.completions.create(model="tiny", prompt="Echo", echo=True, logprobs=1)
+    lp = c.completions.create(model="tiny", prompt="Offs", max_tokens=8, temperature=0,
+                              logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    tokens, offsets = lp.choices[0].logprobs.tokens, lp.choices[0].logprobs.text_offset
+    assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+    stream_offsets = []
+    for ch in c.completions.create(model="tiny", prompt="Offs", max_tokens=8, temperature=0,
+                                   logprobs=1, stream=True, extra_body={"ignore_eos": True}):  # fmt: skip
+        stream_offsets += ch.choices[0].logprobs.text_offset
+    assert stream_offsets == offsets

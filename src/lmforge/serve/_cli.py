@@ -16,7 +16,10 @@ SERVE_EXAMPLES = """examples:
              print(c.completions.create(model='SmolLM2-135M-Instruct.Q4_1', prompt='Hi').choices[0].text)"
 
 Endpoints: /v1/completions, /v1/chat/completions (stream: true for server-sent events),
-/v1/models, /health, /metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise.
+/v1/models, /health (503 while draining), /metrics (Prometheus). Binds 127.0.0.1 unless --host
+says otherwise. The engine runs in its own process; on CUDA it uses CUDA graphs and the compiled
+decode step (--no-cuda-graphs, --no-compile turn them off; startup prints what it chose).
+SIGTERM or Ctrl-C drains: in-flight requests finish, new ones get 503; a second signal exits.
 """
 
 CHAT_EXAMPLES = """examples:
@@ -58,6 +61,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decode eagerly (default on CUDA: the decode step through torch.compile)",
     )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="no CUDA graphs (default on CUDA: decode steps replayed as CUDA graphs)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -77,6 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--max-queue", type=int, default=1024, help="waiting requests before 429 (default 1024)"
     )
+    s.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="larger request bodies are refused (413) before they are read (default 4 MiB)",
+    )
     s.set_defaults(func=_serve)
     c = sub.add_parser(
         "chat",
@@ -92,10 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_chat)
 
 
-def _load(args: argparse.Namespace) -> tuple:
-    from lmforge.serve.loading import load_for_serving
-
-    return load_for_serving(
+def _load_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
         checkpoint=args.checkpoint,
         hf=args.hf,
         gguf=args.gguf,
@@ -105,44 +117,69 @@ def _load(args: argparse.Namespace) -> tuple:
     )
 
 
-def _engine(args: argparse.Namespace, loaded: tuple, **kw: object) -> object:
-    from lmforge.serve.engine import Engine
-
-    model, tokenizer, _, _ = loaded
-    return Engine(
-        model,
+def _engine_kwargs(args: argparse.Namespace, **kw: object) -> dict:
+    # CUDA graphs and the compiled decode step are the measured-best decode on CUDA: on by
+    # default (the engine ignores graphs off CUDA; compile=None means "on for CUDA").
+    return dict(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
-        eos_token_id=getattr(tokenizer, "eot_id", None),
         compile=False if args.no_compile else None,
-        tokenizer=tokenizer,
+        cuda_graphs=not args.no_cuda_graphs,
         **kw,
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _bind(host: str, port: int) -> object:
+    """The listening socket, bound before anything is loaded: a busy port is one line."""
+    import errno
+    import socket
 
-    from lmforge.serve.server import EngineLoop, ServerState, build_app
     from lmforge.utils.errors import LmforgeError
 
-    loaded = _load(args)
-    model, tokenizer, template, name = loaded
-    if tokenizer is None:
-        raise LmforgeError("the model has no tokenizer; lmforge serve needs one to read text")
-    engine = _engine(args, loaded, max_queue=args.max_queue)
-    loop = EngineLoop(engine)  # type: ignore[arg-type]
-    state = ServerState(loop, tokenizer, args.model_name or name, template, args.api_key)
-    app = build_app(state)
-    cfg = model.config
-    print(
-        f"serving {state.model_name} ({model.num_parameters() / 1e6:.1f}M parameters, context "
-        f"{cfg.context_length}, {engine.allocator.num_blocks} KV blocks of "  # type: ignore[attr-defined]
-        f"{args.block_size}) on http://{args.host}:{args.port}/v1",
-        file=sys.stderr,
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise LmforgeError(
+                f"port {port} on {host} is already in use (is another server running? "
+                "choose another with --port)"
+            ) from None
+        raise LmforgeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from lmforge.serve.engine_process import EngineProcess, EngineSpec
+    from lmforge.serve.server import DEFAULT_MAX_REQUEST_BYTES, ServerState, run_server
+    from lmforge.utils.errors import LmforgeError
+
+    limit = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
+    if limit < 1:
+        raise LmforgeError(f"--max-request-bytes must be at least 1, got {limit}")
+    sock = _bind(args.host, args.port)
+    # The engine runs in its own process (lmforge.serve.engine_process): it loads the model,
+    # builds the engine and hands back the tokenizer; this process serves HTTP.
+    proc = EngineProcess(
+        EngineSpec(_load_kwargs(args), _engine_kwargs(args, max_queue=args.max_queue))
     )
-    budget = getattr(engine, "kv_budget", None)
+    try:
+        info = proc.launch()
+        if info["tokenizer"] is None:
+            raise LmforgeError("the model has no tokenizer; lmforge serve needs one to read text")
+    except BaseException:
+        proc.stop(timeout=5)  # a failed or interrupted start: do not wait on the model load
+        sock.close()  # type: ignore[attr-defined]
+        raise
+    name = args.model_name or info["name"]
+    state = ServerState(proc, info["tokenizer"], name, info["template"], args.api_key,
+                        max_request_bytes=limit)  # fmt: skip
+    print(info["summary"] + " (--no-cuda-graphs / --no-compile turn them off)", file=sys.stderr)
+    budget = info.get("kv_budget")
     if budget:
         print(
             f"KV cache sized after CUDA-graph capture: {budget['free_after_capture'] / 2**30:.2f} "
@@ -150,16 +187,28 @@ def _serve(args: argparse.Namespace) -> int:
             "MiB kept for the largest eager step",
             file=sys.stderr,
         )
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=60
+    print(
+        f"serving {name} ({info['num_parameters'] / 1e6:.1f}M parameters, context "
+        f"{info['context_length']}, {info['num_blocks']} KV blocks of {args.block_size}) on "
+        f"http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
     )
+    run_server(state, sock)  # type: ignore[arg-type]
     return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
     from lmforge.serve.chat import chat_repl
+    from lmforge.serve.engine import Engine
+    from lmforge.serve.engine_process import engine_summary
+    from lmforge.serve.loading import load_for_serving
 
-    loaded = _load(args)
-    engine = _engine(args, loaded)
-    _, tokenizer, template, _ = loaded
+    model, tokenizer, template, _ = load_for_serving(**_load_kwargs(args))
+    engine = Engine(
+        model,
+        eos_token_id=getattr(tokenizer, "eot_id", None),
+        tokenizer=tokenizer,
+        **_engine_kwargs(args),
+    )
+    print(engine_summary(engine), file=sys.stderr)
     return chat_repl(engine, tokenizer, template, args.temperature, args.max_tokens, args.system)

@@ -43,7 +43,7 @@ from lmforge.serve.blocks import BlockAllocator
 from lmforge.serve.detok import StopMatcher, make_detokenizer
 from lmforge.serve.model_runner import ModelRunner, kv_blocks_for_memory
 from lmforge.serve.runner import StepBatch
-from lmforge.serve.sampling import SamplingParams, logprobs_of, sample_tokens
+from lmforge.serve.sampling import SamplingParams, apply_penalties, logprobs_of, sample_tokens
 from lmforge.serve.scheduler import Scheduler, Seq
 from lmforge.utils.errors import LmforgeError
 
@@ -273,6 +273,12 @@ class Engine:
             )
         if self.speculative is not None and params.n != 1:
             raise LmforgeError("speculative decoding serves one sample per request (n = 1)")
+        if self.speculative is not None and params.penalised:
+            raise LmforgeError(
+                "speculative decoding does not apply logit_bias or penalties: drop them "
+                "or serve without --speculative"
+            )
+        params.check_vocab(self.config.vocab_size)
         if params.stop and self.tokenizer is None:
             raise LmforgeError("stop strings need an engine with a tokenizer (Engine(tokenizer=))")
         return prompt
@@ -413,6 +419,9 @@ class Engine:
             rows = torch.tensor([i for i, _ in ready], device=self.device)
             logits = logits[rows]
         params = [seq.params for _, seq in ready]
+        logits = apply_penalties(
+            logits, params, [s.tokens for _, s in ready], [s.n_prompt for _, s in ready]
+        )  # (R, V)
         lp = logprobs_of(logits, params)  # (R, V)
         gens = [seq.generator for _, seq in ready]
         toks = sample_tokens(lp, params, gens, default_generator=self.generator)

@@ -1,22 +1,40 @@
 """Per-request sampling: parameters, and pure functions of a batch of logits.
 
-Shape legend: B rows (one per sequence sampled this step), V vocab, N top-n logprobs.
+Shape legend: B rows (one per sequence sampled this step), V vocab, N top-n logprobs, L the
+longest output among the penalised rows.
+
+Order of a step (as vLLM's sampler): :func:`apply_penalties` (``logit_bias``, then the
+repetition, frequency and presence penalties, which need each row's prompt and output ids),
+then :func:`logprobs_of` (temperature, log-softmax), then :func:`sample_tokens` (truncation and
+the draw). Rows that ask for none of the penalties cost nothing in the first stage.
 
 Logprob semantics (the RL trainer depends on them): the logprob reported for a sampled token is
 ``log_softmax(logits / T)[token]`` over the full vocabulary in float32, T the request's
 temperature (T = 1 for greedy), taken *before* top-k / top-p / min-p truncation. A trainer that
 recomputes ``log_softmax(model(x) / T)`` gets the same number, so at learning rate 0 every
-importance ratio is 1. Truncation only changes which token is drawn.
+importance ratio is 1. Truncation only changes which token is drawn. With a logit bias or a
+penalty the reported logprob is of the biased / penalised logits (the distribution the token
+was drawn from); RL rollouts use neither.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "logprobs_of", "sample_tokens", "truncated_probs"]
+from lmforge.utils.errors import LmforgeError
+
+__all__ = [
+    "SamplingParams",
+    "apply_penalties",
+    "apply_penalties_reference",
+    "logprobs_of",
+    "sample_tokens",
+    "truncated_probs",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +63,14 @@ class SamplingParams:
     "keep going past the engine's EOS id (benchmarks)"
     stop: Sequence[str] = ()
     "strings that end a sample once its text contains one (the engine needs a tokenizer)"
+    presence_penalty: float = 0.0
+    "subtracted from the logit of every token already in the output, once (OpenAI, [-2, 2])"
+    frequency_penalty: float = 0.0
+    "subtracted from a token's logit once per time it is in the output (OpenAI, [-2, 2])"
+    repetition_penalty: float = 1.0
+    "tokens in the prompt or output: positive logits divided by it, negative multiplied (HF)"
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    "token id -> added to its logit, in [-100, 100] (kept as sorted (id, bias) pairs)"
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -67,11 +93,125 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not (0 < self.repetition_penalty <= 100 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}"
+            )
+        items = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        pairs = []
+        for t, b in items:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {b!r}")
+            pairs.append((t, float(b)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise LmforgeError (one line) when a ``logit_bias`` id is not in ``[0, vocab_size)``."""
+        for t, _ in self.logit_bias:  # type: ignore[misc]
+            if t >= vocab_size:
+                raise LmforgeError(f"logit_bias token id {t} is not in [0, {vocab_size})")
+
+    @property
+    def penalised(self) -> bool:
+        """Whether :func:`apply_penalties` changes this row (needs its prompt / output ids)."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
         """Whether the sample is the argmax (temperature 0)."""
         return self.temperature == 0
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[Sequence[int]],
+    n_prompt: Sequence[int],
+) -> torch.Tensor:
+    """``logits`` (B, V) with each row's logit bias and penalties applied: (B, V).
+
+    Row i's sequence is ``token_ids[i]``: its first ``n_prompt[i]`` ids are the prompt, the
+    rest the output so far. In order: ``logit_bias`` is added; the repetition penalty divides
+    the positive (multiplies the negative) logits of tokens seen in the prompt or the output;
+    the frequency penalty is subtracted once per occurrence in the output, the presence penalty
+    once per distinct output token (OpenAI's definitions; prompts do not count for them).
+    Returns ``logits`` itself when no row is penalised, else a new float32 tensor. Batched:
+    one scatter of the output counts for all penalised rows, no per-token Python on the
+    device. :func:`apply_penalties_reference` is the readable version it is tested against.
+    """
+    rows = [i for i, p in enumerate(params) if p.penalised]
+    if not rows:
+        return logits
+    x = logits.float().clone()  # (B, V): pure (the caller's logits are not changed)
+    V, dev = x.shape[-1], x.device
+    bias_r, bias_t, bias_v = [], [], []
+    for i in rows:
+        for t, b in params[i].logit_bias:  # type: ignore[misc]
+            bias_r.append(i)
+            bias_t.append(t)
+            bias_v.append(b)
+    if bias_r:
+        idx = (torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev))
+        x.index_put_(idx, torch.tensor(bias_v, device=dev), accumulate=True)
+    pen = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty
+           or params[i].repetition_penalty != 1.0]  # fmt: skip
+    if not pen:
+        return x
+    outs = [list(token_ids[i][n_prompt[i] :]) for i in pen]
+    width = max(1, max(len(o) for o in outs))
+    padded = torch.tensor([o + [V] * (width - len(o)) for o in outs], device=dev)  # (R, L)
+    counts = torch.zeros(len(pen), V + 1, device=dev)  # (R, V + 1): column V takes the padding
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    counts = counts[:, :V]  # (R, V)
+    sub = x[pen]  # (R, V)
+    rep = [params[i].repetition_penalty for i in pen]
+    if any(r != 1.0 for r in rep):
+        seen = counts > 0  # (R, V)
+        for j, i in enumerate(pen):
+            if rep[j] != 1.0:
+                prompt = torch.tensor(list(token_ids[i][: n_prompt[i]]), device=dev)
+                seen[j, prompt] = True
+        r = torch.tensor(rep, device=dev)[:, None]  # (R, 1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    freq = torch.tensor([params[i].frequency_penalty for i in pen], device=dev)[:, None]
+    pres = torch.tensor([params[i].presence_penalty for i in pen], device=dev)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0).float()  # (R, V)
+    x[pen] = sub
+    return x
+
+
+def apply_penalties_reference(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_ids: Sequence[Sequence[int]],
+    n_prompt: Sequence[int],
+) -> torch.Tensor:
+    """:func:`apply_penalties` one row and one token at a time, in float64 (the test oracle)."""
+    out = logits.double().clone()  # (B, V)
+    for i, p in enumerate(params):
+        row = out[i]
+        for t, b in p.logit_bias:  # type: ignore[misc]
+            row[t] += b
+        prompt = list(token_ids[i][: n_prompt[i]])
+        output = list(token_ids[i][n_prompt[i] :])
+        if p.repetition_penalty != 1.0:
+            for t in set(prompt) | set(output):
+                v = float(row[t])
+                row[t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        for t in set(output):
+            row[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return out
 
 
 def _effective_temperature(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:

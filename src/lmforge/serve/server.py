@@ -5,19 +5,22 @@ ChatML when none is recorded), both with ``stream: true`` as server-sent events;
 /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). With an API key every endpoint
 but ``/health`` needs ``Authorization: Bearer KEY``.
 
-Threads: the engine runs in one background thread (:class:`EngineLoop`) that steps while there
-is work. Handlers validate the request (bad ones get an OpenAI-style 4xx JSON error; the server
-keeps serving), tokenize and submit it to an inbox the engine thread drains between steps (the
-event loop never waits for a step). After each step the engine thread hands every request's
-:class:`Delta` (new ids, logprobs, text) to the event loop in one ``call_soon_threadsafe``; a
+Processes: ``lmforge serve`` runs the engine in its own process
+(:mod:`lmforge.serve.engine_process`, as vLLM runs its engine core apart from its API server),
+so the engine's steps and this event loop never share a GIL; :class:`EngineLoop` runs it in a
+thread of this process instead (tests, which reach into the engine). Either way the handlers
+validate the request (bad ones get an OpenAI-style 4xx JSON error; the server keeps serving),
+tokenize it and submit it without waiting for a step; each engine step comes back as one batch
+of per-request :class:`~lmforge.serve.output.Delta` objects (new ids and logprobs), and a
 handler that fell behind sends what piled up as one SSE chunk. A full queue answers 429; a
-client that disconnects has its request aborted and its blocks freed; SIGTERM (uvicorn's
-graceful shutdown) lets in-flight requests finish before the engine thread stops.
+client that disconnects has its request aborted and its blocks freed; a body over
+``--max-request-bytes`` is refused (413) before it is read; SIGTERM drains (:func:`run_server`:
+``/health`` answers 503, in-flight requests finish, then the engine stops).
 
-Text: the engine detokenizes incrementally and ends samples on ``stop`` strings itself
-(:mod:`lmforge.serve.detok`), so streamed and non-streamed text are the same released pieces
-and a stream never shows text past a stop string. The token that ended a sample (EOS / stop
-id) and the matched stop string are not part of the text.
+Text: the handlers' output processor (:mod:`lmforge.serve.output`) detokenizes incrementally
+and ends samples on ``stop`` strings, outside the engine; streamed and non-streamed text are
+the same released pieces and a stream never shows text past a stop string. The token that
+ended a sample (EOS / stop id) and the matched stop string are not part of the text.
 
 Exercised by ``pytest tests/test_serve_server.py`` (the official ``openai`` client against a
 server on a free 127.0.0.1 port).
@@ -28,89 +31,53 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from lmforge.serve.engine import Engine, QueueFull, RequestOutput
+from lmforge.serve.engine import Engine, QueueFull
+from lmforge.serve.output import Delta, DeltaTracker, OutputProcessor, Piece, engine_counts
 from lmforge.serve.sampling import SamplingParams
 from lmforge.serve.templates import CHATML_TEMPLATE, BadRequest, render_chat
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["CHATML_TEMPLATE", "EngineLoop", "build_app", "render_chat"]
+__all__ = [
+    "CHATML_TEMPLATE",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "EngineClient",
+    "EngineLoop",
+    "ServerState",
+    "build_app",
+    "make_server",
+    "render_chat",
+    "run_server",
+]
 
 MAX_N = 16
-
-
-@dataclasses.dataclass(slots=True)
-class SampleDelta:
-    """What one sample gained in one engine step (the engine thread builds it: O(new))."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    text: str
-    finish_reason: str | None
-
-
-@dataclasses.dataclass(slots=True)
-class Delta:
-    """A request's progress in one engine step; ``error`` set when the engine failed."""
-
-    samples: list[SampleDelta]
-    finished: bool
-    error: str | None = None
-    status: int = 500
-    "the HTTP status of ``error`` (429: the queue filled up before the request was admitted)"
-
-
-class _Sub:
-    """A request the loop routes deltas for: its event loop, its queue, what it was sent."""
-
-    __slots__ = ("aloop", "n_pieces", "n_tokens", "queue")
-
-    def __init__(self, aloop: asyncio.AbstractEventLoop, queue: asyncio.Queue, n: int) -> None:
-        self.aloop, self.queue = aloop, queue
-        self.n_tokens = [0] * n
-        self.n_pieces = [0] * n
-
-    def delta(self, out: RequestOutput) -> Delta:
-        samples = []
-        for o in out.outputs:
-            i = o.index
-            a, b = self.n_tokens[i], len(o.token_ids)
-            pa, pb = self.n_pieces[i], len(o.text_pieces)
-            if a == b and pa == pb and o.finish_reason is None:
-                continue
-            self.n_tokens[i], self.n_pieces[i] = b, pb
-            tops = o.top_logprobs[a:b] if o.top_logprobs is not None else []
-            text = o.text_pieces[pa] if pb == pa + 1 else "".join(o.text_pieces[pa:pb])
-            samples.append(
-                SampleDelta(i, o.token_ids[a:b], o.logprobs[a:b], tops, text, o.finish_reason)
-            )
-        return Delta(samples, out.finished)
-
-
-def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 128k-token prompt as JSON token ids is ~1 MiB
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Bodies and texts this large are parsed / tokenized in a worker thread: the event loop (and
+# /health, and every stream) keeps its turn every few ms instead of waiting for the whole of it.
+OFFLOAD_BYTES = 1 << 16
 
 
 class EngineLoop:
-    """Runs ``engine.step()`` in a background thread and routes outputs to subscribers.
+    """The engine in a background thread of the server's process (tests; see also
+    :class:`lmforge.serve.engine_process.EngineProcess`, what ``lmforge serve`` runs).
 
     The hand-offs are batched: requests arriving from the event loop go into an inbox the
     engine thread drains before its next step (the event loop never waits for a step to end),
     and after each step the engine thread sends *one* ``call_soon_threadsafe`` per event loop
-    carrying every request's :class:`Delta` (new ids, logprobs and text since the last step,
-    sliced from the end: O(new tokens)). Aborts go through an inbox the same way.
+    carrying every request's :class:`Delta` (new ids and logprobs since the last step, sliced
+    from the end: O(new tokens)). Aborts go through an inbox the same way. Text is the
+    handlers' (:mod:`lmforge.serve.output`), not the engine thread's.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -121,13 +88,15 @@ class EngineLoop:
         self._subs: dict[str, _Sub] = {}  # the engine thread's: requests it routes
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
-        self.ttft_sum = 0.0
-        self.ttft_count = 0
         self.requests_total = 0
         self.step_seconds = 0.0  # time inside engine.step() (the rest of the loop is hand-off)
         self.step_count = 0
         self._tokens_window: deque[tuple[float, int]] = deque()
-        self.error: BaseException | None = None
+        self.error: BaseException | str | None = None
+        cfg = engine.config
+        self.context_length: int = cfg.context_length
+        self.vocab_size: int = cfg.vocab_size
+        self.eos_token_id: int | None = engine.eos_token_id
 
     def start(self) -> None:
         self._thread.start()
@@ -170,6 +139,14 @@ class EngineLoop:
         now = time.monotonic()
         recent = [(t, n) for t, n in list(self._tokens_window) if now - t <= window]
         return sum(n for _, n in recent) / window
+
+    def metrics(self) -> dict[str, float]:
+        """The gauges and counters of ``/metrics``."""
+        counts = engine_counts(self.engine)
+        counts["waiting"] += len(self._inbox)
+        return {**counts, "step_seconds": self.step_seconds, "step_count": self.step_count,
+                "requests_total": self.requests_total,
+                "tokens_per_second": self.tokens_per_second()}  # fmt: skip
 
     def _drain(self) -> list[tuple[_Sub, Delta]]:
         """Admit the inbox, apply aborts (engine thread). Refusals to deliver, if any."""
@@ -240,21 +217,59 @@ class EngineLoop:
                     continue  # aborted meanwhile
                 if out.finished:
                     del self._subs[out.request_id]
-                items.append((sub, sub.delta(out)))
+                items.append((sub, sub.tracker.delta(out)))
             if items:
                 self._send(items)
 
 
+class _Sub:
+    """A request the loop routes deltas for: its event loop, its queue, what it was sent."""
+
+    __slots__ = ("aloop", "queue", "tracker")
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop, queue: asyncio.Queue, n: int) -> None:
+        self.aloop, self.queue = aloop, queue
+        self.tracker = DeltaTracker(n)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for queue, delta in items:
+        queue.put_nowait(delta)
+
+
+class EngineClient(Protocol):
+    """What the handlers need of the engine side: :class:`EngineLoop` (a thread) or
+    :class:`~lmforge.serve.engine_process.EngineProcess` (a process)."""
+
+    context_length: int
+    vocab_size: int
+    eos_token_id: int | None
+    error: BaseException | str | None
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str: ...
+    def abort(self, rid: str) -> None: ...
+    def metrics(self) -> dict[str, float]: ...
+
+
 @dataclasses.dataclass
 class ServerState:
-    """What the handlers share: the engine loop, the tokenizer and the served model's name."""
+    """What the handlers share: the engine side, the tokenizer and the served model's name."""
 
-    loop: EngineLoop
+    loop: EngineClient
     tokenizer: Any
     model_name: str
     chat_template: str | None = None
     api_key: str | None = None
     max_default_tokens: int = 512
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    "bodies larger than this are refused with 413 before they are read"
+    draining: bool = False
+    "set by SIGTERM / Ctrl-C: /health answers 503, new requests 503, in-flight ones finish"
+    inflight: int = 0
+    ttft_sum: float = 0.0
+    ttft_count: int = 0
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str | None = None) -> Any:
@@ -303,17 +318,47 @@ _COMMON = {
     "logprobs",
     "frequency_penalty",
     "presence_penalty",
+    "repetition_penalty",
+    "logit_bias",
 }
 _COMPLETION_FIELDS = _COMMON | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
 
+def _number(
+    body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False
+) -> float:
+    v = float(_get(body, key, (int, float), default))
+    if not (lo < v if lo_open else lo <= v) or not v <= hi:
+        bounds = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise BadRequest(f"'{key}' must be in {bounds}, got {v}", key)
+    return v
+
+
+def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
+    raw = _get(body, "logit_bias", dict, {})
+    out = {}
+    for k, v in raw.items():
+        try:
+            t = int(k)
+        except ValueError:
+            raise BadRequest(
+                f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias"
+            ) from None
+        if not 0 <= t < vocab:
+            raise BadRequest(f"'logit_bias' token id {t} is not in [0, {vocab})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise BadRequest(f"'logit_bias' values must be numbers in [-100, 100], got {v!r}",
+                             "logit_bias")  # fmt: skip
+        out[t] = float(v)
+    return out
+
+
 def _sampling(
-    body: dict, n_prompt: int, ctx: int, default_max: int, chat: bool
+    body: dict, n_prompt: int, ctx: int, vocab: int, default_max: int, chat: bool
 ) -> tuple[SamplingParams, list[str]]:
-    for pen in ("frequency_penalty", "presence_penalty"):
-        if _get(body, pen, (int, float), 0) != 0:
-            raise BadRequest(f"'{pen}' is not supported (only 0)", pen)
+    """The engine's SamplingParams (no stop strings: the output processor matches them) and
+    the request's stop strings."""
     max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     room = ctx - n_prompt
     if room < 1:
@@ -378,19 +423,55 @@ def _sampling(
         seed=seed,
         logprobs=logprobs,
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
-        stop=stops,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True),
+        logit_bias=_logit_bias(body, vocab),
     )
     return params, stops
 
 
+def _chat_text(m: Any) -> dict:
+    """A message with string content: a list of text parts is joined (as vLLM: with newlines)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BadRequest("each message needs a string 'role'", "messages")
+    role = m["role"]
+    if role not in ROLES:
+        raise BadRequest(
+            f"unknown message role '{role}' (expected one of {', '.join(ROLES)})", "messages"
+        )
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(
+                    f"message content parts must be {{'type': 'text', ...}}, got {kind!r} "
+                    "(this server serves text only)",
+                    "messages",
+                )
+            if not isinstance(part.get("text"), str):
+                raise BadRequest("a text content part needs a string 'text'", "messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise BadRequest("each message needs a string 'content' (or a list of text parts)",
+                         "messages")  # fmt: skip
+    # 'developer' is OpenAI's newer name for the system role; chat templates know 'system'
+    return {**m, "role": "system" if role == "developer" else role, "content": content}
+
+
 def build_app(state: ServerState) -> Any:
-    """The FastAPI application serving ``state``'s engine."""
+    """The FastAPI application serving ``state``'s engine side."""
     import contextlib
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
-        # Started with the server, stopped after uvicorn's graceful shutdown has let in-flight
-        # requests finish (SIGTERM drains).
+        # Started with the server, stopped after the graceful shutdown has let in-flight
+        # requests finish (SIGTERM drains: see run_server).
         state.loop.start()
         try:
             yield
@@ -398,19 +479,23 @@ def build_app(state: ServerState) -> Any:
             state.loop.stop()
 
     app = FastAPI(title="lmforge serve", docs_url=None, redoc_url=None, lifespan=lifespan)
-    engine = state.loop.engine
-    if engine.tokenizer is None:  # the engine detokenizes and matches stop strings
-        engine.set_tokenizer(state.tokenizer)
-    ctx = engine.config.context_length
+    ctx = state.loop.context_length
+    vocab = state.loop.vocab_size
+    tok = state.tokenizer
+    special = _special_names(state)
+    # Plain ASGI middlewares: starlette's BaseHTTPMiddleware would put every streamed chunk
+    # through an extra task and memory stream. The size limit is outermost: an oversized body
+    # is refused before anything reads, parses or tokenizes it.
     if state.api_key:
-        # A plain ASGI middleware: starlette's BaseHTTPMiddleware would put every streamed
-        # chunk through an extra task and memory stream.
         app.add_middleware(_ApiKey, key=state.api_key)
+    app.add_middleware(_BodyLimit, state=state)
 
     @app.get("/health")
     async def health() -> Any:
         if state.loop.error is not None:
             return JSONResponse({"status": "error", "detail": str(state.loop.error)}, 500)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, 503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -420,49 +505,42 @@ def build_app(state: ServerState) -> Any:
 
     @app.get("/metrics")
     async def metrics() -> Any:
-        a = engine.allocator
-        lines = [
-            "# HELP lmforge_requests_running Sequences in the running batch.",
-            "# TYPE lmforge_requests_running gauge",
-            f"lmforge_requests_running {len(engine.running)}",
-            "# HELP lmforge_requests_waiting Sequences waiting for admission.",
-            "# TYPE lmforge_requests_waiting gauge",
-            f"lmforge_requests_waiting {len(engine.waiting)}",
-            "# HELP lmforge_kv_blocks_used KV-cache blocks held by sequences.",
-            "# TYPE lmforge_kv_blocks_used gauge",
-            f"lmforge_kv_blocks_used {a.num_used}",
-            "# HELP lmforge_kv_blocks_total KV-cache blocks.",
-            "# TYPE lmforge_kv_blocks_total gauge",
-            f"lmforge_kv_blocks_total {a.num_blocks}",
-            "# HELP lmforge_generated_tokens_total Tokens sampled.",
-            "# TYPE lmforge_generated_tokens_total counter",
-            f"lmforge_generated_tokens_total {engine.stats['generated_tokens']}",
-            "# HELP lmforge_tokens_per_second Generated tokens per second over the last 10 s.",
-            "# TYPE lmforge_tokens_per_second gauge",
-            f"lmforge_tokens_per_second {state.loop.tokens_per_second():.3f}",
-            "# HELP lmforge_time_to_first_token_seconds Time to first token.",
-            "# TYPE lmforge_time_to_first_token_seconds summary",
-            f"lmforge_time_to_first_token_seconds_sum {state.loop.ttft_sum:.6f}",
-            f"lmforge_time_to_first_token_seconds_count {state.loop.ttft_count}",
-            "# HELP lmforge_engine_step_seconds Time inside engine steps (hand-offs excluded).",
-            "# TYPE lmforge_engine_step_seconds summary",
-            f"lmforge_engine_step_seconds_sum {state.loop.step_seconds:.6f}",
-            f"lmforge_engine_step_seconds_count {state.loop.step_count}",
-            "# HELP lmforge_requests_total Requests accepted.",
-            "# TYPE lmforge_requests_total counter",
-            f"lmforge_requests_total {state.loop.requests_total}",
-            "# HELP lmforge_prefix_cache_hits_total Prefix-cache block hits.",
-            "# TYPE lmforge_prefix_cache_hits_total counter",
-            f"lmforge_prefix_cache_hits_total {a.hits}",
-            "# HELP lmforge_preemptions_total Sequences preempted (recomputed later).",
-            "# TYPE lmforge_preemptions_total counter",
-            f"lmforge_preemptions_total {engine.stats['preemptions']}",
-        ]
+        m = state.loop.metrics()
+        rows = [
+            ("requests_running", "gauge", "Sequences in the running batch.", m["running"]),
+            ("requests_waiting", "gauge", "Sequences waiting for admission.", m["waiting"]),
+            ("kv_blocks_used", "gauge", "KV-cache blocks held by sequences.", m["kv_used"]),
+            ("kv_blocks_total", "gauge", "KV-cache blocks.", m["kv_total"]),
+            ("generated_tokens_total", "counter", "Tokens sampled.", m["generated_tokens"]),
+            ("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
+             f"{m['tokens_per_second']:.3f}"),
+            ("requests_total", "counter", "Requests accepted.", m["requests_total"]),
+            ("prefix_cache_hits_total", "counter", "Prefix-cache block hits.", m["prefix_hits"]),
+            ("preemptions_total", "counter", "Sequences preempted (recomputed later).",
+             m["preemptions"]),
+        ]  # fmt: skip
+        lines = []
+        for name, kind, help_, value in rows:
+            lines += [f"# HELP lmforge_{name} {help_}", f"# TYPE lmforge_{name} {kind}",
+                      f"lmforge_{name} {value}"]  # fmt: skip
+        for name, help_, total, count in (
+            ("time_to_first_token_seconds", "Time to first token.", state.ttft_sum,
+             state.ttft_count),
+            ("engine_step_seconds", "Time inside engine steps (hand-offs excluded).",
+             m["step_seconds"], m["step_count"]),
+        ):  # fmt: skip
+            lines += [f"# HELP lmforge_{name} {help_}", f"# TYPE lmforge_{name} summary",
+                      f"lmforge_{name}_sum {total:.6f}", f"lmforge_{name}_count {int(count)}"]  # fmt: skip
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def _body(request: Request, fields: set[str]) -> dict:
         try:
-            body = json.loads(await request.body())
+            raw = await request.body()
+            body = (
+                json.loads(raw)
+                if len(raw) < OFFLOAD_BYTES
+                else await asyncio.to_thread(json.loads, raw)
+            )
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
@@ -479,12 +557,19 @@ def build_app(state: ServerState) -> Any:
             )
         return body
 
+    def _usage(n_prompt: int, completion: int) -> dict:
+        return {"prompt_tokens": n_prompt, "completion_tokens": completion,
+                "total_tokens": n_prompt + completion}  # fmt: skip
+
     async def _run(
         request: Request,
         prompt: list[int],
         params: SamplingParams,
+        stops: list[str],
         chat: bool,
         stream: bool,
+        include_usage: bool,
+        echo: str | None,
     ) -> Any:
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         t0 = time.monotonic()
@@ -494,14 +579,28 @@ def build_app(state: ServerState) -> Any:
             return _error(429, str(e))
         except LmforgeError as e:
             return _error(400, str(e))
+        proc = OutputProcessor(tok, prompt, params.n, stops)
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         want_lp = params.logprobs is not None
-        tok = state.tokenizer
+        base = len(echo) if echo else 0
+        offsets = [base] * params.n  # text_offset of each sample's next token
 
         def first_seen() -> None:
-            state.loop.ttft_sum += time.monotonic() - t0
-            state.loop.ttft_count += 1
+            state.ttft_sum += time.monotonic() - t0
+            state.ttft_count += 1
+
+        def take(deltas: list[Delta]) -> dict[int, Piece]:
+            pieces = proc.process(deltas)
+            if proc.finished and not deltas[-1].finished:
+                state.loop.abort(rid)  # every sample ended on a stop string: free the blocks
+            return pieces
+
+        def logprobs(i: int, p: Piece) -> Any:
+            lp = _logprobs_json(tok, p.token_ids, p.logprobs, p.top_logprobs, chat, offsets[i])
+            if not chat:
+                offsets[i] += sum(len(t) for t in lp["tokens"])
+            return lp
 
         if stream:
             # Everything but the choices is the same in every chunk: encode it once.
@@ -510,13 +609,16 @@ def build_app(state: ServerState) -> Any:
                 f'data: {{"id": "{rid}", "object": "{obj}", "created": {created}, '
                 f'"model": {json.dumps(state.model_name)}, "choices": '
             ).encode()
+            tail = b', "usage": null}\n\n' if include_usage else b"}\n\n"
 
             def chunk(choices: list) -> bytes:
-                return head + json.dumps(choices).encode() + b"}\n\n"
+                return head + json.dumps(choices).encode() + tail
 
             async def events() -> AsyncIterator[bytes]:
                 finished = [False] * params.n
+                n_tokens = 0
                 first = True
+                state.inflight += 1
                 try:
                     if chat:  # OpenAI sends the role first
                         yield chunk(
@@ -526,14 +628,18 @@ def build_app(state: ServerState) -> Any:
                                 for i in range(params.n)
                             ]
                         )  # fmt: skip
+                    elif echo:
+                        yield chunk([{"index": i, "text": echo, "logprobs": None,
+                                      "finish_reason": None} for i in range(params.n)])  # fmt: skip
                     while not all(finished):
                         deltas = [await queue.get()]
                         while not queue.empty():  # behind: send what piled up as one chunk
                             deltas.append(queue.get_nowait())
-                        error = next((d.error for d in deltas if d.error), None)
+                        error = next((d for d in deltas if d.error), None)
                         if error is not None:
-                            err = {"message": error, "type": "server_error", "param": None,
-                                   "code": None}  # fmt: skip
+                            err = {"message": error.error, "type": "server_error" if
+                                   error.status >= 500 else "invalid_request_error",
+                                   "param": None, "code": error.status}  # fmt: skip
                             yield _sse({"error": err})
                             finished = [True] * params.n
                             return
@@ -541,22 +647,33 @@ def build_app(state: ServerState) -> Any:
                             first = False
                             first_seen()
                         choices = []
-                        for i, parts in _merge(deltas).items():
-                            text, finish, ids, lps, tops = parts
-                            lp = _logprobs_json(tok, ids, lps, tops, chat) if want_lp else None
+                        for i, p in take(deltas).items():
+                            n_tokens += len(p.token_ids)
+                            lp = logprobs(i, p) if want_lp else None
                             if chat:
-                                delta = {"content": text} if text or finish is None else {}
+                                delta = (
+                                    {"content": p.text} if p.text or p.finish_reason is None else {}
+                                )
                                 choices.append({"index": i, "delta": delta, "logprobs": lp,
-                                                "finish_reason": finish})  # fmt: skip
+                                                "finish_reason": p.finish_reason})  # fmt: skip
                             else:
-                                choices.append({"index": i, "text": text, "logprobs": lp,
-                                                "finish_reason": finish})  # fmt: skip
-                            if finish is not None:
+                                choices.append({"index": i, "text": p.text, "logprobs": lp,
+                                                "finish_reason": p.finish_reason})  # fmt: skip
+                            if p.finish_reason is not None:
                                 finished[i] = True
                         if choices:
                             yield chunk(choices)
+                    if include_usage:
+                        yield (
+                            head
+                            + b"[], "
+                            + b'"usage": '
+                            + json.dumps(_usage(len(prompt), n_tokens)).encode()
+                            + b"}\n\n"
+                        )
                     yield b"data: [DONE]\n\n"
                 finally:
+                    state.inflight -= 1
                     if not all(finished):
                         state.loop.abort(rid)  # client went away: free the blocks now
 
@@ -568,6 +685,7 @@ def build_app(state: ServerState) -> Any:
         tops: list[list[dict]] = [[] for _ in range(params.n)]
         reasons: dict[int, str] = {}
         first = True
+        state.inflight += 1
         try:
             while len(reasons) < params.n:
                 get = asyncio.ensure_future(queue.get())
@@ -576,70 +694,67 @@ def build_app(state: ServerState) -> Any:
                     if not done and await request.is_disconnected():
                         get.cancel()
                         return _error(499, "client disconnected")
-                d = get.result()
-                if d.error is not None:
+                deltas = [get.result()]
+                while not queue.empty():
+                    deltas.append(queue.get_nowait())
+                error = next((d for d in deltas if d.error), None)
+                if error is not None:
                     reasons = dict.fromkeys(range(params.n), "error")
-                    return _error(d.status, d.error)
+                    return _error(error.status, error.error or "engine failed")
                 if first:
                     first = False
                     first_seen()
-                for sd in d.samples:
-                    i = sd.index
-                    texts[i].append(sd.text)
-                    ids[i] += sd.token_ids
-                    lps[i] += sd.logprobs
-                    tops[i] += sd.top_logprobs
-                    if sd.finish_reason is not None:
-                        reasons[i] = sd.finish_reason
+                for i, p in take(deltas).items():
+                    texts[i].append(p.text)
+                    ids[i] += p.token_ids
+                    lps[i] += p.logprobs
+                    tops[i] += p.top_logprobs
+                    if p.finish_reason is not None:
+                        reasons[i] = p.finish_reason
         finally:
+            state.inflight -= 1
             if len(reasons) < params.n:
                 state.loop.abort(rid)
         choices = []
         for i in range(params.n):
             text = "".join(texts[i])
-            lp = _logprobs_json(tok, ids[i], lps[i], tops[i], chat) if want_lp else None
+            lp = logprobs(i, Piece(text, ids[i], lps[i], tops[i], None)) if want_lp else None
             if chat:
                 msg = {"role": "assistant", "content": text}
                 choices.append(
                     {"index": i, "message": msg, "logprobs": lp, "finish_reason": reasons[i]}
                 )
             else:
-                choices.append(
-                    {"index": i, "text": text, "logprobs": lp, "finish_reason": reasons[i]}
-                )
-        completion_tokens = sum(len(x) for x in ids)
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt) + completion_tokens,
-        }
+                choices.append({"index": i, "text": (echo or "") + text, "logprobs": lp,
+                                "finish_reason": reasons[i]})  # fmt: skip
         return {
             "id": rid,
             "object": kind,
             "created": created,
             "model": state.model_name,
             "choices": choices,
-            "usage": usage,
+            "usage": _usage(len(prompt), sum(len(x) for x in ids)),
         }
 
     async def handle(request: Request, chat: bool) -> Any:
+        if state.draining:
+            return _error(503, "the server is shutting down", kind="server_error")
+        if state.loop.error is not None:
+            return _error(500, f"engine failed: {state.loop.error}")
         try:
             body = await _body(request, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
+            echo = None
             if chat:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise BadRequest("'messages' must be a non-empty list", "messages")
-                for m in messages:
-                    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                        raise BadRequest("each message needs a string 'role'", "messages")
-                    if not isinstance(m.get("content"), str):
-                        raise BadRequest("each message needs a string 'content'", "messages")
-                text = render_chat(state.chat_template, messages, **_special_names(state))
-                prompt = state.tokenizer.encode(text)
+                messages = [_chat_text(m) for m in messages]
+                text = render_chat(state.chat_template, messages, **special)
+                prompt = await _encode(tok, text)
             else:
                 raw = body.get("prompt")
                 if isinstance(raw, str):
-                    prompt = state.tokenizer.encode(raw)
+                    prompt = await _encode(tok, raw)
                 elif (
                     isinstance(raw, list)
                     and raw
@@ -647,23 +762,30 @@ def build_app(state: ServerState) -> Any:
                 ):
                     prompt = list(raw)
                 elif isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-                    prompt = state.tokenizer.encode(raw[0])
+                    prompt = await _encode(tok, raw[0])
                 else:
                     raise BadRequest(
                         "'prompt' must be a string or a non-empty list of token ids", "prompt"
                     )
-                if body.get("echo"):
-                    raise BadRequest("'echo' is not supported", "echo")
+                if _get(body, "echo", bool, False):
+                    if body.get("logprobs") is not None:
+                        raise BadRequest(
+                            "'echo' with 'logprobs' needs the prompt's logprobs, which this "
+                            "server does not compute; ask for one or the other",
+                            "echo",
+                        )
+                    echo = raw if isinstance(raw, str) else raw[0] if len(raw) == 1 and \
+                        isinstance(raw[0], str) else tok.decode(prompt)  # fmt: skip
             if not prompt:
                 raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
-            vocab = engine.config.vocab_size
             if any(t < 0 or t >= vocab for t in prompt):
                 raise BadRequest(f"token ids must be in [0, {vocab})", "prompt")
-            params, _stops = _sampling(body, len(prompt), ctx, state.max_default_tokens, chat)
+            params, stops = _sampling(body, len(prompt), ctx, vocab, state.max_default_tokens, chat)
             stream = bool(_get(body, "stream", bool, False))
+            include_usage = _stream_options(body, stream)
         except BadRequest as e:
             return _error(e.status, e.message, e.param)
-        return await _run(request, prompt, params, chat, stream)
+        return await _run(request, prompt, params, stops, chat, stream, include_usage, echo)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -684,24 +806,82 @@ def build_app(state: ServerState) -> Any:
     return app
 
 
-def _merge(deltas: list[Delta]) -> dict[int, tuple[str, str | None, list, list, list]]:
-    """Per sample: (text, finish reason, ids, logprobs, top logprobs) over several deltas."""
-    if len(deltas) == 1:
-        return {
-            sd.index: (sd.text, sd.finish_reason, sd.token_ids, sd.logprobs, sd.top_logprobs)
-            for sd in deltas[0].samples
-        }
-    out: dict[int, tuple[str, str | None, list, list, list]] = {}
-    for d in deltas:
-        for sd in d.samples:
-            if sd.index in out:
-                text, _f, ids, lps, tops = out[sd.index]
-                out[sd.index] = (text + sd.text, sd.finish_reason, ids + sd.token_ids,
-                                 lps + sd.logprobs, tops + sd.top_logprobs)  # fmt: skip
-            else:
-                out[sd.index] = (sd.text, sd.finish_reason, sd.token_ids, sd.logprobs,
-                                 sd.top_logprobs)  # fmt: skip
-    return out
+def run_server(state: ServerState, sock: socket.socket, drain_timeout: float = 60.0) -> None:
+    """Serve ``state`` on the bound socket ``sock`` until SIGTERM or Ctrl-C.
+
+    The first signal starts draining: ``/health`` answers 503 (a load balancer stops sending
+    traffic), new completions 503, in-flight ones run to the end; when none is left (or after
+    ``drain_timeout`` seconds) uvicorn's own graceful shutdown closes the listener and the
+    engine side stops. A second signal skips the wait. The socket is bound by the caller, so a
+    busy port is reported before anything is loaded.
+    """
+    make_server(state, drain_timeout).run(sockets=[sock])
+
+
+def make_server(state: ServerState, drain_timeout: float = 60.0, **config: Any) -> Any:
+    """A ``uvicorn.Server`` for ``state``'s app with the draining phase of :func:`run_server`
+    (``config``: more ``uvicorn.Config`` arguments, e.g. host and port)."""
+    import uvicorn
+
+    cfg = uvicorn.Config(
+        build_app(state),
+        log_level=config.pop("log_level", "warning"),
+        timeout_graceful_shutdown=int(drain_timeout),
+        **config,
+    )
+    return _draining_server_class()(cfg, state, drain_timeout)
+
+
+def _draining_server_class() -> type:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config: Any, state: ServerState, drain_timeout: float) -> None:
+            super().__init__(config)
+            self.state, self.drain_timeout = state, drain_timeout
+            self.deadline = 0.0
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.state.draining or self.state.inflight == 0:
+                self.state.draining = True
+                super().handle_exit(sig, frame)
+                return
+            captured = getattr(self, "_captured_signals", None)
+            if captured is not None:  # uvicorn re-raises it once shut down (exit status)
+                captured.append(sig)
+            self.state.draining = True
+            self.deadline = time.monotonic() + self.drain_timeout
+
+        async def on_tick(self, counter: int) -> bool:
+            st = self.state
+            if (
+                st.draining
+                and not self.should_exit
+                and (st.inflight == 0 or time.monotonic() > self.deadline)
+            ):
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return DrainingServer
+
+
+async def _encode(tok: Any, text: str) -> list[int]:
+    if len(text) < OFFLOAD_BYTES:
+        return tok.encode(text)
+    return await asyncio.to_thread(tok.encode, text)
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    """Whether the stream ends with a usage chunk (``stream_options.include_usage``)."""
+    opts = _get(body, "stream_options", dict, None)
+    if opts is None:
+        return False
+    if not stream:
+        raise BadRequest("'stream_options' is only allowed with 'stream': true", "stream_options")
+    unknown = sorted(set(opts) - {"include_usage"})
+    if unknown:
+        raise BadRequest(f"unknown field 'stream_options.{unknown[0]}'", "stream_options")
+    return bool(_get(opts, "include_usage", bool, False))
 
 
 class _ApiKey:
@@ -721,15 +901,83 @@ class _ApiKey:
         await self.app(scope, receive, send)
 
 
+class _BodyLimit:
+    """ASGI middleware: a body over ``state.max_request_bytes`` is answered 413 at once.
+
+    A declared ``Content-Length`` is checked before a byte is read; a chunked body is read
+    up to the limit and refused the moment it passes it (then replayed to the app if it fits).
+    Nothing is parsed or tokenized before this check, so a huge body costs the event loop
+    nothing but the bytes it reads."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.state.max_request_bytes
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                await _error(400, "the Content-Length header is not a number")(scope, receive, send)
+                return
+            if n > limit:
+                await self._refuse(n, scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if headers.get(b"transfer-encoding") is None:
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                break
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                await self._refuse(size, scope, receive, send, at_least=True)
+                return
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(
+        self, n: int, scope: dict, receive: Any, send: Any, at_least: bool = False
+    ) -> None:
+        size = f"more than {self.state.max_request_bytes}" if at_least else str(n)
+        msg = (f"the request body is {size} bytes; this server takes at most "
+               f"{self.state.max_request_bytes} (lmforge serve --max-request-bytes)")  # fmt: skip
+        await _error(413, msg)(scope, receive, send)
+
+
 def _special_names(state: ServerState) -> dict[str, str]:
     out = {}
-    eos = state.loop.engine.eos_token_id
+    eos = state.loop.eos_token_id
     if eos is not None:
         out["eos_token"] = state.tokenizer.decode([eos])
     return out
 
 
-def _logprobs_json(tok: Any, ids: list[int], lps: list[float], tops: list, chat: bool) -> Any:
+def _logprobs_json(
+    tok: Any, ids: list[int], lps: list[float], tops: list, chat: bool, offset: int = 0
+) -> Any:
     if chat:
         content = []
         for j, (t, lp) in enumerate(zip(ids, lps, strict=True)):
@@ -746,24 +994,19 @@ def _logprobs_json(tok: Any, ids: list[int], lps: list[float], tops: list, chat:
                 }
             )
         return {"content": content}
+    tokens = [tok.decode([t]) for t in ids]
+    text_offset = []
+    for t in tokens:  # each token's start in the choice's text (after an echoed prompt)
+        text_offset.append(offset)
+        offset += len(t)
     return {
-        "tokens": [tok.decode([t]) for t in ids],
+        "tokens": tokens,
         "token_logprobs": list(lps),
         "top_logprobs": [
             {tok.decode([a]): v for a, v in (tops[j] if j < len(tops) else {}).items()}
             for j in range(len(ids))
         ],
-        "text_offset": None,
-    }
-
-
-def _chunk(rid: str, kind: str, created: int, model: str, choices: list, chat: bool) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else kind,
-        "created": created,
-        "model": model,
-        "choices": choices,
+        "text_offset": text_offset,
     }
 
 

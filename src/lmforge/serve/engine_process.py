@@ -1,0 +1,402 @@
+"""The engine in its own process: what ``lmforge serve`` runs (the API server is the parent).
+
+Why: in one process the engine's step loop and the HTTP event loop share one GIL, so with 64
+streams every handler's JSON and SSE work stretches the engine's step (issue 33 measured a
+7.7 ms time per output token against a ~3 ms step). vLLM runs its API server and engine core as
+separate processes for this reason; so does this module.
+
+Layout (one pipe each way, pickled messages, batched)::
+
+    API process (FastAPI, uvicorn)                  engine process (spawned)
+    handlers: validate, tokenize ──submit──▶ sender ══ [ops] ══▶ drain ops, Engine.step()
+    output processor: detok, stops ◀─ reader ◀══ [deltas of one step + counts] ══┘
+
+- The parent's handlers never wait on the pipe: ``submit`` / ``abort`` append to a list a
+  sender thread ships as one message (a prompt bigger than the pipe's buffer cannot block the
+  event loop). The child drains every message between two steps.
+- After each step the child sends one message with every request's new ids and logprobs
+  (:class:`~lmforge.serve.output.Delta`, as tuples) and its counters (for ``/metrics`` and the
+  429 check). The event loop reads it when the pipe is readable (``add_reader``: no thread
+  hop) and puts each delta on its request's queue.
+- Text and stop strings are the parent's (:mod:`lmforge.serve.output`); the child is ids-only.
+- The child ignores SIGINT / SIGTERM: the parent drains and then sends ``stop``; if the parent
+  dies, the child sees the pipe close and exits. If the child dies, every open request gets a
+  500 and ``/health`` answers 500.
+
+The child builds its own model and engine from an :class:`EngineSpec` (a CUDA model cannot be
+handed across processes), then sends back the tokenizer, chat template and the facts the
+server needs. Exercised by ``pytest tests/test_serve_server_process.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from lmforge.serve.output import Delta, DeltaTracker, SampleDelta, engine_counts
+from lmforge.serve.sampling import SamplingParams
+from lmforge.utils.errors import LmforgeError
+
+__all__ = ["EngineProcess", "EngineSpec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """How the engine process builds its model and engine (plain data: it is pickled)."""
+
+    load: dict[str, Any]
+    "keyword arguments of :func:`lmforge.serve.loading.load_for_serving` (the model source)"
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    "keyword arguments of :class:`lmforge.serve.engine.Engine` besides the model (no tokenizer)"
+
+
+class EngineProcess:
+    """The parent's handle on the engine process; the same interface as
+    :class:`lmforge.serve.server.EngineLoop` (``submit``, ``abort``, ``metrics``, ...).
+
+    :meth:`launch` spawns the process and blocks until the engine is built (it returns what the
+    server needs: tokenizer, template, name, the startup line); :meth:`start` (the server's
+    startup, inside the event loop) attaches the pipe to the loop; :meth:`stop` stops the child.
+    """
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.error: BaseException | str | None = None
+        self.requests_total = 0
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ops: list[tuple] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._adds_sent = 0
+        self._counts: dict[str, float] = {}
+        self._tokens_window: deque[tuple[float, int]] = deque()
+        self._last_generated = 0
+        self._proc: Any = None
+        self._conn: Any = None
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._sender: threading.Thread | None = None
+        self.info: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def launch(self, timeout: float | None = None) -> dict[str, Any]:
+        """Spawn the engine process and wait until its engine is built; returns its info
+        (``tokenizer``, ``template``, ``name``, ``context_length``, ``vocab_size``,
+        ``eos_token_id``, ``num_blocks``, ``max_queue``, ``summary``, ...). A loading error in
+        the child is raised here as one :class:`LmforgeError` line."""
+        ctx = mp.get_context("spawn")  # fork after torch / CUDA initialisation is unsafe
+        parent, child = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(
+            target=_engine_main, args=(self.spec, child), name="lmforge-engine", daemon=True
+        )
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        if not parent.poll(timeout):
+            self._proc.kill()
+            raise LmforgeError(f"the engine process did not start within {timeout} s")
+        try:
+            kind, payload = parent.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise LmforgeError(
+                f"the engine process exited while loading (exit code {self._proc.exitcode})"
+            ) from None
+        if kind == "error":
+            self._proc.join(30)
+            raise LmforgeError(payload)
+        self.info = payload
+        self.context_length: int = payload["context_length"]
+        self.vocab_size: int = payload["vocab_size"]
+        self.eos_token_id: int | None = payload["eos_token_id"]
+        self.num_blocks: int = payload["num_blocks"]
+        self.block_size: int = payload["block_size"]
+        self.max_queue: int | None = payload["max_queue"]
+        self._counts = payload["counts"]
+        return payload
+
+    def start(self) -> None:
+        """Attach to the running event loop (the server's startup)."""
+        assert self._conn is not None, "launch() first"
+        self._aloop = asyncio.get_running_loop()
+        self._aloop.add_reader(self._conn.fileno(), self._on_readable)
+        self._sender = threading.Thread(target=self._send_loop, name="lmforge-send", daemon=True)
+        self._sender.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ask the child to finish what it has and exit; wait for it (kill after ``timeout``)."""
+        if self._aloop is not None and self._conn is not None:
+            try:
+                self._aloop.remove_reader(self._conn.fileno())
+            except (ValueError, OSError):
+                pass
+        with self._cv:
+            self._ops.append(("stop",))
+            self._stopping = True
+            self._cv.notify_all()
+        if self._sender is not None:
+            self._sender.join(timeout=10)
+        elif self._conn is not None and self._proc is not None and self._proc.is_alive():
+            self._ship([("stop",)])  # launched but never started
+        if self._proc is not None:
+            self._proc.join(timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (None before launch)."""
+        return None if self._proc is None else self._proc.pid
+
+    # ------------------------------------------------------------------ requests
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue,
+        aloop: asyncio.AbstractEventLoop | None = None,
+    ) -> str:
+        """Queue a request whose :class:`Delta` objects go to ``queue``. Requests that could
+        never fit raise LmforgeError; a full queue (as of the child's last counts plus what was
+        sent since) raises QueueFull. Never waits for the engine."""
+        from lmforge.serve.engine import QueueFull
+
+        if self.error is not None:
+            raise LmforgeError(f"the engine failed: {self.error}")
+        prompt = [int(t) for t in prompt]
+        if not prompt or len(prompt) >= self.context_length:
+            raise LmforgeError(
+                f"prompt has {len(prompt)} tokens; the model's context is {self.context_length}"
+            )
+        need = -(-min(len(prompt) + params.max_tokens, self.context_length) // self.block_size)
+        if need > self.num_blocks:
+            raise LmforgeError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
+        waiting = self._counts.get("waiting", 0) + self._adds_sent - self._counts.get("adds", 0)
+        if self.max_queue is not None and waiting >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        self._queues[rid] = queue
+        self._adds_sent += 1
+        self.requests_total += 1
+        with self._cv:
+            self._ops.append(("add", rid, prompt, params))
+            self._cv.notify_all()
+        return rid
+
+    def abort(self, rid: str) -> None:
+        """Drop a request; the child frees its blocks before its next step."""
+        if self._queues.pop(rid, None) is None:
+            return  # finished (or never admitted): nothing to free
+        with self._cv:
+            self._ops.append(("abort", rid))
+            self._cv.notify_all()
+
+    def metrics(self) -> dict[str, float]:
+        """The gauges and counters of ``/metrics`` (the child's as of its last step)."""
+        now = time.monotonic()
+        recent = sum(n for t, n in list(self._tokens_window) if now - t <= 10.0)
+        return {**self._counts, "requests_total": self.requests_total,
+                "tokens_per_second": recent / 10.0}  # fmt: skip
+
+    # ------------------------------------------------------------------ plumbing
+    def _ship(self, ops: list[tuple]) -> None:
+        try:
+            self._conn.send(ops)
+        except (BrokenPipeError, OSError, EOFError):
+            pass  # the child is gone: the reader reports it
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._ops:
+                    self._cv.wait()
+                ops, self._ops = self._ops, []
+            self._ship(ops)
+            if any(op[0] == "stop" for op in ops):
+                return
+
+    def _on_readable(self) -> None:
+        conn = self._conn
+        try:
+            while conn is not None and conn.poll():
+                self._dispatch(conn.recv())
+        except (EOFError, OSError):
+            self._child_died()
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "failed":
+            self.error = msg[1]
+            return
+        _, deltas, counts = msg
+        made = counts["generated_tokens"] - self._last_generated
+        self._last_generated = counts["generated_tokens"]
+        if made:
+            self._tokens_window.append((time.monotonic(), made))
+            while len(self._tokens_window) > 4096:
+                self._tokens_window.popleft()
+        self._counts = counts
+        for rid, finished, error, status, samples in deltas:
+            queue = self._queues.get(rid)
+            if queue is None:
+                continue  # aborted meanwhile
+            if finished:
+                del self._queues[rid]
+            queue.put_nowait(Delta([SampleDelta(*s) for s in samples], finished, error, status))
+
+    def _child_died(self) -> None:
+        if self._aloop is not None and self._conn is not None:
+            try:
+                self._aloop.remove_reader(self._conn.fileno())
+            except (ValueError, OSError):
+                pass
+        if self._stopping:
+            return
+        code = self._proc.exitcode if self._proc is not None else None
+        self.error = f"the engine process exited (exit code {code})"
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(Delta([], True, self.error, 500))
+
+
+# ---------------------------------------------------------------------- the child
+def _engine_main(spec: EngineSpec, conn: Any) -> None:
+    """The engine process: build the engine, then drain ops and step until told to stop."""
+    # The parent owns shutdown (it drains first); a Ctrl-C reaching the whole process group
+    # must not kill a step half-way.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from lmforge.serve.engine import QueueFull
+
+    try:
+        engine, info = _build(spec)
+    except LmforgeError as e:
+        conn.send(("error", str(e)))
+        return
+    except Exception as e:  # a bug while loading: one line to the parent, the trace here
+        conn.send(("error", f"the engine process failed to start: {type(e).__name__}: {e}"))
+        raise
+    adds = 0
+    info["counts"] = {**engine_counts(engine), "adds": 0, "step_seconds": 0.0, "step_count": 0}
+    conn.send(("ready", info))
+    trackers: dict[str, DeltaTracker] = {}
+    step_seconds, step_count = 0.0, 0
+    failed: str | None = None
+    while True:
+        out: list[tuple] = []
+        try:
+            if not engine.has_unfinished() and not conn.poll(0.5):
+                continue
+            while conn.poll(0):  # everything the parent sent since the last step
+                for op in conn.recv():
+                    if op[0] == "add":
+                        _, rid, prompt, params = op
+                        adds += 1
+                        if failed is not None:
+                            out.append((rid, True, failed, 500, []))
+                            continue
+                        try:
+                            engine.add_request(prompt, params, request_id=rid)
+                        except LmforgeError as e:
+                            status = 429 if isinstance(e, QueueFull) else 400
+                            out.append((rid, True, str(e), status, []))
+                            continue
+                        trackers[rid] = DeltaTracker(params.n)
+                    elif op[0] == "abort":
+                        if trackers.pop(op[1], None) is not None:
+                            engine.abort(op[1])
+                    else:  # the parent has drained: whatever is left was given up on
+                        for rid in trackers:
+                            engine.abort(rid)
+                        return
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if engine.has_unfinished() and failed is None:
+            try:
+                t0 = time.perf_counter()
+                outs = engine.step()
+                step_seconds += time.perf_counter() - t0
+                step_count += 1
+            except Exception as e:  # a bug, not a user error: fail every request loudly
+                failed = f"engine failed: {type(e).__name__}: {e}"
+                for rid in trackers:
+                    engine.abort(rid)
+                    out.append((rid, True, failed, 500, []))
+                trackers.clear()
+                try:
+                    conn.send(("failed", failed))
+                except (BrokenPipeError, OSError):
+                    return
+                outs = []
+            for ro in outs:
+                tracker = trackers.get(ro.request_id)
+                if tracker is None:
+                    continue
+                if ro.finished:
+                    del trackers[ro.request_id]
+                d = tracker.delta(ro)
+                samples = [(s.index, s.token_ids, s.logprobs, s.top_logprobs, s.finish_reason)
+                           for s in d.samples]  # fmt: skip
+                out.append((ro.request_id, d.finished, None, 200, samples))
+        counts = {**engine_counts(engine), "adds": adds, "step_seconds": step_seconds,
+                  "step_count": step_count}  # fmt: skip
+        try:
+            conn.send(("out", out, counts))
+        except (BrokenPipeError, OSError):
+            return
+
+
+def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    from lmforge.serve.engine import Engine
+    from lmforge.serve.loading import load_for_serving
+
+    model, tokenizer, template, name = load_for_serving(**spec.load)
+    if next(model.parameters()).device.type == "cpu":
+        # Leave a core to the API process: intra-op threads spin-wait between parallel regions,
+        # and on an oversubscribed CPU a step then waits for a descheduled thread (measured on
+        # 2 cores: ~25-48 ms per tiny-model step with 2 threads against ~2-4 ms with 1).
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (cores or 1) - 1)))
+    kw = dict(spec.engine)
+    kw.setdefault("eos_token_id", getattr(tokenizer, "eot_id", None))
+    engine = Engine(model, **kw)
+    info = {
+        "tokenizer": tokenizer,
+        "template": template,
+        "name": name,
+        "context_length": engine.config.context_length,
+        "vocab_size": engine.config.vocab_size,
+        "eos_token_id": engine.eos_token_id,
+        "num_blocks": engine.allocator.num_blocks,
+        "block_size": engine.block_size,
+        "max_queue": engine.max_queue,
+        "num_parameters": model.num_parameters(),
+        "summary": engine_summary(engine),
+        "kv_budget": getattr(engine, "kv_budget", None),
+    }
+    return engine, info
+
+
+def engine_summary(engine: Any) -> str:
+    """One line saying what the engine chose: device, dtype, CUDA graphs, compiled step, KV."""
+    graphs = getattr(engine, "graphs", None) is not None
+    compiled = getattr(engine, "decoder", None) is not None
+    on = {True: "on", False: "off"}
+    return (
+        f"engine: {engine.device.type}, {str(engine.kv_dtype).removeprefix('torch.')}, "
+        f"CUDA graphs {on[graphs]}, compiled decode step {on[compiled]}, "
+        f"{engine.allocator.num_blocks} KV blocks of {engine.block_size}"
+    )
