@@ -28,6 +28,7 @@ EXTRA_PACKAGES = {
     "lm_eval": "lm-eval ([eval])",
     "tokenizers": "tokenizers ([dev])",
     "transformers": "transformers ([dev])",
+    "gguf": "gguf ([serve])",
 }
 
 
