@@ -103,6 +103,22 @@ def test_text_prompts_greedy_equal_the_reference(tmp_path: Path, capsys) -> None
     )
 
 
+def test_padded_vocabulary_ids_read_as_no_text(tmp_path: Path, capsys) -> None:
+    """A model with more rows than its tokenizer has ids (300 vs 257): greedy output is the
+    reference's, the padding ids printing as nothing, never a KeyError."""
+    tok = _byte_tokenizer()
+    model = _write_checkpoint(tmp_path / "ckpt", dataclasses.replace(TINY, vocab_size=300), tok)
+    new = greedy_generate_reference(model, tok.encode("ab"), 30)
+    new = new[: new.index(tok.eot_id)] if tok.eot_id in new else new
+    assert any(i >= tok.vocab_size for i in new)  # the case is exercised
+    out = _gen(capsys, "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "ab",
+               "--max-new-tokens", "30", "--temperature", "0")  # fmt: skip
+    assert out == "ab" + tok.decode([i for i in new if i < tok.vocab_size]) + "\n"
+    for seed in range(3):  # sampled: every id reachable, the command still prints
+        _gen(capsys, "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "ab", "--prompt", "c",
+             "--max-new-tokens", "30", "--seed", str(seed))  # fmt: skip
+
+
 def test_stop_strings_cut_the_text(tmp_path: Path, capsys) -> None:
     tok = _byte_tokenizer()
     model = _write_checkpoint(tmp_path / "ckpt", TINY, tok)

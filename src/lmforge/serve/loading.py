@@ -117,7 +117,14 @@ def load_for_serving(
         raise LmforgeError(f"--context-length must be at least 2, got {context_length}")
     template = None
     if gguf is not None:
+        import importlib.util
+
         from lmforge.hf.gguf import import_gguf
+
+        if not Path(gguf).is_file():
+            raise LmforgeError(f"GGUF file not found: {gguf}")
+        if importlib.util.find_spec("gguf") is None:
+            raise LmforgeError("--gguf needs the gguf package: pip install 'lmforge[serve]'")
 
         model, tokenizer, template = import_gguf(
             gguf, context_length=context_length or _IMPORT_CONTEXT
