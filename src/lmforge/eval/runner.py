@@ -433,11 +433,16 @@ def run_eval(
     results: dict[str, Any] = {}
     details: dict[str, Any] = {}
     timings: dict[str, float] = {}
-    engine = None  # built at the first generative task, shared by the rest
+    # One engine for a run of generative tasks; dropped before a scoring task, whose batches
+    # need the memory the engine's KV cache takes (on CUDA, most of what is free).
+    engine = None
     bar = tqdm(list(tasks), desc="eval", disable=not options.progress)
     for task in bar:
         bar.set_postfix_str(task)
         t0 = time.perf_counter()
+        if engine is not None and task in ("ppl", "mmlu", "arc", "hellaswag"):
+            device, engine = engine.device, None
+            _empty_cache(device)
         if task == "ppl":
             docs = inputs[task]
             res = perplexity(
@@ -495,12 +500,23 @@ def run_eval(
         if task != "ppl":
             results[task]["shots"] = DEFAULT_SHOTS[task] if options.shots is None else options.shots
         timings[task] = time.perf_counter() - t0
+    if engine is not None:
+        device, engine = engine.device, None
+        _empty_cache(device)
     return {
         "results": results,
         "seconds": timings,
         "options": dataclasses.asdict(options),
         "details": details,
     }
+
+
+def _empty_cache(device: Any) -> None:
+    """Hand a dropped engine's KV cache back to the device (CUDA keeps freed blocks cached)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 _MAIN_METRICS = {
