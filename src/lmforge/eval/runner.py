@@ -514,8 +514,11 @@ def run_eval(
 def _empty_cache(device: Any) -> None:
     """Hand a dropped engine's KV cache back to the device (CUDA keeps freed blocks cached)."""
     if device.type == "cuda":
+        import gc
+
         import torch
 
+        gc.collect()  # the engine's compiled step and graphs may hold it in reference cycles
         torch.cuda.empty_cache()
 
 
