@@ -75,3 +75,30 @@ def test_errors_are_one_line(tmp_path: Path) -> None:
         with pytest.raises(LmforgeError, match=message) as info:
             load_for_serving(device=kw.pop("device", "cpu"), **kw)
         assert "\n" not in str(info.value)
+
+
+def test_engine_tokenizer_reads_padding_ids_as_no_text() -> None:
+    from lmforge.serve.detok import make_detokenizer
+    from lmforge.serve.loading import engine_tokenizer
+    from lmforge.tokenizer import Tokenizer
+
+    tok = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    assert engine_tokenizer(tok, 257) is tok and engine_tokenizer(None, 300) is None
+    padded = engine_tokenizer(tok, 300)
+    assert padded.eot_id == tok.eot_id and padded.encode("ab") == tok.encode("ab")
+    ids = [104, 299, 105, 258]
+    assert padded.decode(ids) == "hi"
+    detok = make_detokenizer(padded)  # byte-exact path (id_to_bytes)
+    assert "".join(detok.feed(i) for i in ids) + detok.flush() == "hi"
+
+    class DecodeOnly:  # a tokenizer with decode() only, like the HF wrapper
+        vocab_size, eot_id = 256, None
+
+        def encode(self, text: str) -> list[int]:
+            return list(text.encode())
+
+        def decode(self, ids: list[int]) -> str:
+            return bytes(ids).decode()
+
+    view = engine_tokenizer(DecodeOnly(), 300)
+    assert not hasattr(view, "id_to_bytes") and view.decode(ids) == "hi"

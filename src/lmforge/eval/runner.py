@@ -152,8 +152,10 @@ def make_engine(model: Any, tokenizer: TextTokenizer, seed: int = 0) -> Any:
     """The serving engine generative tasks decode on (:class:`lmforge.serve.Engine`, its defaults:
     the compiled step on CUDA), with ``tokenizer`` for text and stop strings."""
     from lmforge.serve import Engine
+    from lmforge.serve.loading import engine_tokenizer
 
-    return Engine(model, tokenizer=tokenizer, eos_token_id=tokenizer.eot_id, seed=seed)
+    text = engine_tokenizer(tokenizer, int(model.config.vocab_size))
+    return Engine(model, tokenizer=text, eos_token_id=tokenizer.eot_id, seed=seed)
 
 
 def generate_texts(

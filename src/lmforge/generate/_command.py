@@ -73,33 +73,10 @@ def _source(args: argparse.Namespace) -> str:
     return args.checkpoint or args.hf or args.gguf
 
 
-class _PaddedVocab:
-    """``tokenizer`` for a model whose vocabulary is padded past it (e.g. 50304 rows for GPT-2's
-    50257 ids): a sampled padding id has no text and reads as nothing, as Hugging Face tokenizers
-    read unknown ids, instead of ending the command with a KeyError. A trained model gives such
-    ids almost no probability; an untrained one samples them freely."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = int(tokenizer.vocab_size)
-        self.eot_id = getattr(tokenizer, "eot_id", None)
-        if callable(getattr(tokenizer, "id_to_bytes", None)):  # the byte-exact detokenizer
-            self.id_to_bytes = self._id_to_bytes
-
-    def _id_to_bytes(self, i: int) -> bytes:
-        return self.tokenizer.id_to_bytes(i) if i < self.vocab_size else b""
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i < self.vocab_size])
-
-
 def main(args: argparse.Namespace) -> int:
     """Run ``lmforge generate`` with parsed ``args``; returns the exit status."""
     from lmforge.serve import Engine, SamplingParams
-    from lmforge.serve.loading import load_from_args
+    from lmforge.serve.loading import engine_tokenizer, load_from_args
 
     _check_args(args)
     model, tokenizer, _, _ = load_from_args(args)
@@ -115,8 +92,7 @@ def main(args: argparse.Namespace) -> int:
             f"model's context_length {cfg.context_length}"
         )
     eot = getattr(tokenizer, "eot_id", None)
-    if tokenizer is not None and int(tokenizer.vocab_size) < cfg.vocab_size:
-        tokenizer = _PaddedVocab(tokenizer)
+    tokenizer = engine_tokenizer(tokenizer, cfg.vocab_size)
     engine = Engine(
         model,
         eos_token_id=eot,

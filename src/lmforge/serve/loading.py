@@ -17,7 +17,13 @@ from typing import Any
 
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["add_model_source_args", "find_chat_template", "load_for_serving", "load_from_args"]
+__all__ = [
+    "add_model_source_args",
+    "engine_tokenizer",
+    "find_chat_template",
+    "load_for_serving",
+    "load_from_args",
+]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _IMPORT_CONTEXT = 4096  # imports default to this much context (RoPE tables are kept per layer)
@@ -161,3 +167,34 @@ def load_for_serving(
         want = getattr(torch, dtype)
     model = model.to(device=dev, dtype=want).eval()
     return model, tokenizer, template, name
+
+
+class _PaddedVocab:
+    """``tokenizer`` for a model whose vocabulary is padded past it (e.g. 50304 rows for GPT-2's
+    50257 ids): a sampled padding id has no text and reads as nothing, as Hugging Face tokenizers
+    read unknown ids, instead of ending the command with a KeyError. A trained model gives such
+    ids almost no probability; an untrained one samples them freely."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(tokenizer.vocab_size)
+        self.eot_id = getattr(tokenizer, "eot_id", None)
+        if callable(getattr(tokenizer, "id_to_bytes", None)):  # the byte-exact detokenizer
+            self.id_to_bytes = self._id_to_bytes
+
+    def _id_to_bytes(self, i: int) -> bytes:
+        return self.tokenizer.id_to_bytes(i) if i < self.vocab_size else b""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i < self.vocab_size])
+
+
+def engine_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """The tokenizer to give an engine decoding a ``vocab_size`` model: itself, or, when the
+    model's vocabulary is padded past it, a view that reads the padding ids as no text."""
+    if tokenizer is None or int(tokenizer.vocab_size) >= vocab_size:
+        return tokenizer
+    return _PaddedVocab(tokenizer)
