@@ -287,3 +287,30 @@ def test_shared_smollm2_gguf(capsys) -> None:
     out = _gen(capsys, "--gguf", str(SMOL), "--context-length", "256", "--prompt", prompt,
                "--max-new-tokens", "6", "--temperature", "0")  # fmt: skip
     assert out == _reference_text(model, tok, prompt, 6) + "\n" and "Paris" in out
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_command_equals_the_reference(tmp_path: Path, capsys) -> None:
+    """On the GPU, the engine's defaults (compiled step, CUDA graphs where on), float32: the
+    command's greedy text and eval's engine decode equal the reference loop's."""
+    from lmforge.eval.runner import generate_texts
+
+    tok = _byte_tokenizer()
+    cfg = dataclasses.replace(TINY, context_length=128, d_model=64, n_layers=3)
+    model = _write_checkpoint(tmp_path / "ckpt", cfg, tok).cuda()
+    prompts = ["def f(", "x = 1", "import os"]
+    rc = main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--device", "cuda",
+               "--dtype", "float32", "--temperature", "0", "--max-new-tokens", "16",
+               *(a for p in prompts for a in ("--prompt", p))])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0
+    want = [_greedy_text(model, tok, p, 16) for p in prompts]
+    assert out == "".join(f"--- prompt {i + 1}, sample 1 ---\n{w}\n" for i, w in enumerate(want))
+    texts = generate_texts(model, tok, prompts, max_new_tokens=16)
+    bos = [_greedy_text_from(model, tok, [tok.eot_id, *tok.encode(p)], 16) for p in prompts]
+    assert [t[0] for t in texts] == bos
+
+
+def _greedy_text_from(model, tok, ids: list[int], n: int) -> str:
+    new = greedy_generate_reference(model, ids, n)
+    return tok.decode(new[: new.index(tok.eot_id)] if tok.eot_id in new else new)
