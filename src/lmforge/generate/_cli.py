@@ -74,6 +74,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="decode eagerly (default on CUDA: the engine's compiled decode step)",
     )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="launch decode steps one by one (default on CUDA: the engine's choice)",
+    )
     p.set_defaults(func=_run)
 
 

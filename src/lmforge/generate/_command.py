@@ -98,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
         eos_token_id=eot,
         tokenizer=tokenizer if args.prompt or stops else None,
         compile=False if args.no_compile else None,
+        cuda_graphs=False if args.no_cuda_graphs else None,
         seed=args.seed,
     )
     n = args.num_samples
