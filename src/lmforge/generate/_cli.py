@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="TEXT",
-        help="end a sample at this text, not printed (repeatable; needs a tokenizer)",
+        help="end a sample at this text, not printed (repeatable; \\n and \\t are a newline "
+        "and a tab; needs a tokenizer)",
     )
     p.add_argument(
         "--stop-id",
