@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/h200_session.sh PART [PART ...]
 #
-#   tests      every GPU test (pytest -m gpu)
+#   tests      every GPU test (pytest -m gpu), one step per part (longer than one device call)
 #   kernels    benchmarks/kernels.py: attention, RMSNorm, fused linear + CE, SwiGLU/RoPE, packed
 #              RoPE, AdamW, each against its peer (torch, cuDNN, Liger when its wheel is in .whl/)
 #   train      benchmarks/train.py: the shipped configuration vs the nanoGPT-style peer; then a
@@ -36,6 +36,12 @@
 #
 #   OUT=runs/h200 bash benchmarks/h200_session.sh kernels train
 #   bash benchmarks/h200_session.sh parallel
+#
+# The GPU tests one part per device call (each part fits one ~8-minute call; tests/conftest.py's
+# GPU_PARTS says which files each holds; PART:I/N runs the I-th of N slices of a part):
+#
+#   bash benchmarks/h200_session.sh gpu-tests kernels     # also: serve, train, other
+#   bash benchmarks/h200_session.sh gpu-tests kernels:1/2
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -78,8 +84,16 @@ have() {
     return 1
 }
 
+GPU_TEST_PARTS=(kernels serve train other)
+
+# gpu_tests PART: one part of the GPU tier (pytest -m gpu --gpu-part PART), under 8 minutes.
+gpu_tests() {
+    step "gpu-tests-${1//[:\/]/-}" 480 "$PY" -m pytest -q -m gpu --gpu-part "$1" -p no:cacheprovider tests
+}
+
 part_tests() {
-    step gpu-tests 400 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
+    local p
+    for p in "${GPU_TEST_PARTS[@]}"; do gpu_tests "$p"; done
 }
 
 part_kernels() {
@@ -174,6 +188,15 @@ part_smol() {
 }
 
 [ $# -ge 1 ] || { usage; exit 2; }
+# gpu-tests PART [PART ...]: parts of the GPU tier only (each its own step), then exit.
+if [ "$1" = gpu-tests ]; then
+    shift
+    [ $# -ge 1 ] || { echo "gpu-tests needs a part: ${GPU_TEST_PARTS[*]} (or PART:I/N)" >&2; exit 2; }
+    [ -n "${OUT:-}" ] && mkdir -p "$OUT"
+    for p in "$@"; do gpu_tests "$p"; done
+    [ ${#FAILED[@]} -eq 0 ] || { echo "== failed: ${FAILED[*]}"; exit 1; }
+    exit 0
+fi
 for arg in "$@"; do
     case "$arg" in
         -h | --help) usage; exit 0 ;;

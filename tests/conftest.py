@@ -2,15 +2,20 @@
 
 The default suite (``./run test``) deselects ``slow``, ``gpu`` and ``dist_slow`` through pyproject's
 addopts; run ``./run test -m gpu`` on a GPU machine, ``./run test -m slow`` for the long tier.
+The GPU tier is longer than one device call, so it comes in parts by area (:data:`GPU_PARTS`):
+``pytest -m gpu --gpu-part serve`` runs one (``bash benchmarks/h200_session.sh gpu-tests serve``).
+Every test file belongs to exactly one part; ``other`` holds what no area names.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import importlib
 import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -28,7 +33,99 @@ EXTRA_PACKAGES = {
     "lm_eval": "lm-eval ([eval])",
     "tokenizers": "tokenizers ([dev])",
     "transformers": "transformers ([dev])",
+    "gguf": "gguf ([serve])",
+    "ray": "ray ([ray])",
+    "brotli": "brotli ([data])",
+    "openai": "openai ([dev])",
+    "uvicorn": "uvicorn ([serve])",
+    "fastapi": "fastapi ([serve])",
+    "triton": "triton ([dev], Linux x86-64)",
 }
+
+
+@functools.cache
+def _unavailable(module: str) -> str | None:
+    """Why an optional module cannot be used here (None: it imports).
+
+    It is imported, not only looked up: an installed package that fails to import (say, built
+    for another torch) is as unusable as a missing one, and the test is skipped naming it.
+    """
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        top = module.split(".")[0]
+        package = EXTRA_PACKAGES.get(top, top)
+        if isinstance(e, ModuleNotFoundError) and e.name in (top, module):
+            return f"optional dependency missing: {package}"
+        return f"optional dependency {package} does not import: {type(e).__name__}: {e}"
+    return None
+
+
+def optional_import(module: str) -> ModuleType:
+    """Import an optional extra's module at a test file's top, or skip the file saying which
+    package to install (the module-level form of the ``requires`` marker)."""
+    why = _unavailable(module)
+    if why is not None:
+        pytest.skip(why, allow_module_level=True)
+    return importlib.import_module(module)
+
+
+# Parts of the GPU tier, each sized to fit one ~8-minute device call: (part, file-name prefixes).
+GPU_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("kernels", ("test_kernels",)),
+    ("serve", ("test_serve", "test_generate", "test_eval")),
+    ("train", ("test_train", "test_model", "test_accounting", "test_parallel", "test_optim")),
+)
+GPU_PART_NAMES = (*(name for name, _ in GPU_PARTS), "other")
+
+
+def gpu_part(test_file: str) -> str:
+    """The part of the GPU tier a test file (its name or path) belongs to."""
+    name = Path(test_file).name
+    return next((part for part, heads in GPU_PARTS if name.startswith(heads)), "other")
+
+
+def parse_gpu_part(value: str) -> tuple[str, int, int]:
+    """``"serve"`` → ("serve", 1, 1); ``"kernels:2/3"`` → ("kernels", 2, 3): the second of three
+    equal slices of the part (in collection order), for a part that outgrows one device call."""
+    name, _, piece = value.partition(":")
+    i, n = 1, 1
+    if piece:
+        try:
+            i, n = (int(x) for x in piece.split("/"))
+        except ValueError:
+            raise pytest.UsageError(f"--gpu-part {value}: expected PART or PART:I/N") from None
+    if name not in GPU_PART_NAMES or not 1 <= i <= n:
+        raise pytest.UsageError(
+            f"--gpu-part {value}: expected PART[:I/N] with PART one of {', '.join(GPU_PART_NAMES)}"
+            " and 1 <= I <= N"
+        )
+    return name, i, n
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--gpu-part",
+        default=None,
+        metavar="PART[:I/N]",
+        help=f"run one part of the suite by file ({', '.join(GPU_PART_NAMES)}; conftest.GPU_PARTS),"
+        " optionally its I-th of N slices",
+    )
+
+
+def _selected(config: pytest.Config, item: pytest.Item) -> bool:
+    """Whether ``-m`` keeps ``item`` (pytest applies it after this hook; slices need it now)."""
+    from _pytest.mark import MarkMatcher
+    from _pytest.mark.expression import Expression
+
+    expr = config.getoption("markexpr")
+    if not expr:
+        return True
+    try:  # pytest >= 8.1
+        matcher = MarkMatcher.from_markers(item.iter_markers())
+    except AttributeError:  # older pytest
+        matcher = MarkMatcher.from_item(item)  # type: ignore[attr-defined]
+    return Expression.compile(expr).evaluate(matcher)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,17 +135,18 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _missing(modules: tuple[str, ...]) -> list[str]:
-    return [m for m in modules if importlib.util.find_spec(m) is None]
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        for mark in item.iter_markers("requires"):
-            gone = _missing(mark.args)
-            if gone:
-                names = ", ".join(EXTRA_PACKAGES.get(m, m) for m in gone)
-                item.add_marker(pytest.mark.skip(reason=f"optional dependency missing: {names}"))
+    option = config.getoption("--gpu-part")
+    if option is not None:
+        part, i, n = parse_gpu_part(option)
+        # Slices count only the tests the -m expression keeps, so N parts of `-m gpu` are even.
+        mine = [it for it in items if gpu_part(str(it.path)) == part and _selected(config, it)]
+        keep = [it for k, it in enumerate(mine) if k * n // max(1, len(mine)) == i - 1]
+        kept = set(map(id, keep))
+        gone = [it for it in items if id(it) not in kept]
+        if gone:
+            config.hook.pytest_deselected(items=gone)
+            items[:] = keep
     try:
         import torch
 
@@ -59,6 +157,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``requires`` marks: checked when the test is about to run (only selected tests import)."""
+    why = [w for mark in item.iter_markers("requires") for m in mark.args if (w := _unavailable(m))]
+    if why:
+        pytest.skip("; ".join(why))
 
 
 @pytest.fixture(autouse=True)

@@ -354,8 +354,8 @@ def test_unimax_mix_plan(capsys: pytest.CaptureFixture) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.requires("ray")
 def test_ray_executor_matches_local(tmp_path: Path) -> None:
-    pytest.importorskip("ray")
     inputs = _corpus(tmp_path / "in", 3, 30)[0].parent
     outs = {}
     for ex in ("local", "ray"):

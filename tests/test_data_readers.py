@@ -87,10 +87,13 @@ ENCODINGS = {
 
 
 @pytest.mark.requires("fastwarc")
-@pytest.mark.parametrize("name", [*ENCODINGS, "br"])
+@pytest.mark.parametrize(
+    "name", [*ENCODINGS, pytest.param("br", marks=pytest.mark.requires("brotli"))]
+)
 def test_warc_reader_decodes_http_bodies(tmp_path: Path, name: str) -> None:
     if name == "br":
-        brotli = pytest.importorskip("brotli", reason="br needs the brotli package")
+        import brotli
+
         encode, headers = brotli.compress, ("Content-Encoding: br",)
     else:
         encode, headers = ENCODINGS[name]

@@ -264,9 +264,8 @@ def test_vectorised_ngram_stats_match_reference(words: list[str]) -> None:
         assert ng.dup_fraction(n) == pytest.approx(_dup_ngram_fraction_reference(words, n, total))
 
 
-@pytest.mark.requires("resiliparse")
+@pytest.mark.requires("resiliparse", "trafilatura")
 def test_extract_trafilatura_backend_option() -> None:
-    pytest.importorskip("trafilatura")
     html = f"<html><body><nav>Home | About</nav><article><p>{PROSE}</p></article></body></html>"
     text = extract_text_from_html_bytes(html.encode(), backend="trafilatura")
     assert text is not None and "history of the city" in text

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-lm_eval = pytest.importorskip("lm_eval")
+from conftest import optional_import
+
+lm_eval = optional_import("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 

@@ -1,4 +1,6 @@
-"""lmforge.generate: sampling properties, KV-cache decode vs full recompute, the CLI end to end."""
+"""lmforge.generate, the reference decoder: the one sampler's properties (lmforge.serve.sampling,
+which the reference and the engine share), KV-cache decode vs full recompute. The command,
+``lmforge generate``, is tested in tests/test_generate_cli.py."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from lmforge.generate import generate, greedy_generate_reference, sample_next_token
+from lmforge.generate import generate, greedy_generate_reference
 from lmforge.model import ModelConfig, TransformerLM
+from lmforge.serve.sampling import SamplingParams, logprobs_of, sample_tokens
 from lmforge.utils import LmforgeError
 
 TINY = ModelConfig(
@@ -22,6 +25,20 @@ def _model(seed: int = 0, **kw) -> TransformerLM:
 
 
 # ----------------------------------------------------------------------------- sampling
+
+
+def sample_next_token(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One draw per row from the one sampler, every row with the same parameters."""
+    p = SamplingParams(temperature, top_k or 0, 1.0 if top_p is None else top_p)
+    params = [p] * logits.shape[0]
+    lp = logprobs_of(logits, params)  # (B, V)
+    return sample_tokens(lp, params, [None] * len(params), default_generator=generator)
 
 
 def _logits(b: int = 4, v: int = 50, seed: int = 0) -> torch.Tensor:
@@ -140,133 +157,6 @@ def test_generation_limits():
         generate(model, [[1], []], 3)
 
 
-# ----------------------------------------------------------------------------- CLI
-
-
-def _write_checkpoint(path, cfg: ModelConfig, tokenizer=None) -> TransformerLM:
-    from safetensors.torch import save_file
-
-    from lmforge.config import RunConfig
-    from lmforge.utils import config_to_toml
-
-    torch.manual_seed(0)
-    model = TransformerLM(cfg).eval()
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(model.state_dict(), path / "model.safetensors")
-    (path / "config.toml").write_text(config_to_toml(RunConfig(model=cfg)))
-    if tokenizer is not None:
-        tokenizer.save(path / "tokenizer")
-    return model
-
-
-def test_cli_generate_with_token_ids(tmp_path, capsys):
-    from lmforge.cli import main
-
-    cfg = dataclasses.replace(TINY, tie_embeddings=True)
-    model = _write_checkpoint(tmp_path / "ckpt", cfg)
-    prompt = [5, 17, 42]
-    rc = main(
-        [
-            "generate",
-            "--checkpoint",
-            str(tmp_path / "ckpt"),
-            "--prompt-ids",
-            "5 17 42",
-            "--max-new-tokens",
-            "6",
-            "--temperature",
-            "0",
-            "--device",
-            "cpu",
-        ]
-    )
-    assert rc == 0
-    printed = [int(t) for t in capsys.readouterr().out.split()]
-    assert printed == prompt + greedy_generate_reference(model, prompt, 6)
-
-    rc = main(
-        [
-            "generate",
-            "--checkpoint",
-            str(tmp_path / "ckpt"),
-            "--prompt-ids",
-            "1 2",
-            "--num-samples",
-            "3",
-            "--max-new-tokens",
-            "4",
-            "--top-k",
-            "20",
-            "--seed",
-            "3",
-            "--device",
-            "cpu",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert rc == 0 and out.count("--- prompt 1, sample") == 3
-
-
-def test_cli_generate_with_tokenizer(tmp_path, capsys):
-    from lmforge.cli import main
-    from lmforge.tokenizer import Tokenizer
-
-    vocab = {i: bytes([i]) for i in range(256)}
-    tok = Tokenizer(vocab, [], ["<|endoftext|>"])
-    model = _write_checkpoint(tmp_path / "ckpt", TINY, tok)
-    tok = Tokenizer.load(tmp_path / "ckpt" / "tokenizer")
-    rc = main(
-        [
-            "generate",
-            "--checkpoint",
-            str(tmp_path / "ckpt"),
-            "--prompt",
-            "def f(",
-            "--max-new-tokens",
-            "5",
-            "--temperature",
-            "0",
-            "--device",
-            "cpu",
-        ]
-    )
-    assert rc == 0
-    # Independent expectation: full recomputation, argmax over the tokenizer's 257 ids only
-    # (the model's vocabulary of 300 is padded past the tokenizer's).
-    seq = tok.encode("def f(")
-    new: list[int] = []
-    with torch.no_grad():
-        for _ in range(5):
-            logits = model(torch.tensor([seq + new]))[0, -1, : tok.vocab_size]
-            nxt = int(logits.argmax())
-            if nxt == tok.eot_id:
-                break
-            new.append(nxt)
-    assert capsys.readouterr().out == "def f(" + tok.decode(new) + "\n"
-
-
-def test_cli_errors_are_one_line(tmp_path, capsys):
-    from lmforge.cli import main
-
-    rc = main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt-ids", "1"])
-    err = capsys.readouterr().err
-    assert rc == 2 and "not found" in err and len(err.strip().splitlines()) == 1
-
-    _write_checkpoint(tmp_path / "ckpt", TINY)
-    base = ["generate", "--checkpoint", str(tmp_path / "ckpt"), "--device", "cpu"]
-    for extra, message in [
-        (["--prompt", "hello"], "tokenizer"),
-        (["--prompt-ids", "1 x"], "integers"),
-        (["--prompt-ids", "1 999"], "outside the vocabulary"),
-        (["--prompt-ids", "1", "--max-new-tokens", "100"], "context_length"),
-        ([], "at least one"),
-    ]:
-        rc = main(base + extra)
-        err = capsys.readouterr().err
-        assert rc == 2 and message in err, (extra, err)
-        assert len(err.strip().splitlines()) == 1
-
-
 def test_vocab_limit_restricts_sampling():
     model = _model()
     out = generate(model, PROMPTS, 8, temperature=1.5, seed=0, vocab_limit=10)
@@ -282,13 +172,3 @@ def test_kv_cache_greedy_equals_full_recompute_on_cuda():
     assert cached == [greedy_generate_reference(model, p, 16) for p in PROMPTS]
     sampled = generate(model, PROMPTS, 16, temperature=0.8, top_p=0.9, seed=0)
     assert sampled == generate(model, PROMPTS, 16, temperature=0.8, top_p=0.9, seed=0)
-
-
-def test_cli_help_has_examples(capsys):
-    from lmforge.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--help"])
-    assert exit_info.value.code == 0
-    out = capsys.readouterr().out
-    assert "examples:" in out and "--max-new-tokens" in out and "--top-p" in out

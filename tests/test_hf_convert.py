@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import optional_import
 from lmforge.hf import (
     export_model,
     hf_config_to_model_config,
@@ -19,7 +20,7 @@ from lmforge.hf import (
 from lmforge.model import ModelConfig, RotaryEmbedding, TransformerLM
 from lmforge.utils import LmforgeError
 
-transformers = pytest.importorskip("transformers")
+transformers = optional_import("transformers")
 
 TOL = 1e-4
 

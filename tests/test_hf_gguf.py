@@ -14,11 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import optional_import
 from lmforge.hf import HFTokenizer, load_hf_tokenizer
 from lmforge.hf.gguf import dequantize, import_gguf, load_gguf, write_tokenizer_folder
 from lmforge.utils import LmforgeError
 
-gguf = pytest.importorskip("gguf")
+gguf = optional_import("gguf")
 
 SMOL = Path("/work/shared/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 needs_smol = pytest.mark.skipif(not SMOL.is_file(), reason="shared SmolLM2 GGUF not present")
@@ -106,9 +107,11 @@ def test_smollm2_tokenizer_encodes_like_tokenizers(smol_tokenizer_dir: Path) -> 
 
 @needs_smol
 @pytest.mark.slow
+@pytest.mark.requires("transformers")
 def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(smol_tokenizer_dir: Path) -> None:
     """Our tokenizer.json from the GGUF metadata encodes like the one transformers builds."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     theirs = transformers.AutoTokenizer.from_pretrained(str(SMOL.parent), gguf_file=SMOL.name)
     ours = load_hf_tokenizer(smol_tokenizer_dir)
     for text in TEXTS:
@@ -133,7 +136,7 @@ def test_smollm2_tokenizer_random_text(smol_tokenizer_dir: Path) -> None:
 
 
 def _transformers_gguf_model():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     import transformers.modeling_utils as mu
 
     # transformers asks for accelerate before any GGUF load, though a CPU load never uses it;
@@ -151,6 +154,7 @@ def _transformers_gguf_model():
 
 @needs_smol
 @pytest.mark.slow
+@pytest.mark.requires("transformers")
 def test_smollm2_logits_match_transformers_gguf_loader() -> None:
     ours, tok, template = import_gguf(SMOL, context_length=256)
     assert template is not None and "<|im_start|>" in template
@@ -164,6 +168,7 @@ def test_smollm2_logits_match_transformers_gguf_loader() -> None:
 
 @needs_smol
 @pytest.mark.slow
+@pytest.mark.requires("transformers")
 def test_cli_import_gguf_and_hf_folder_written_by_transformers(tmp_path: Path) -> None:
     """`hf import --gguf`, and item 12: `hf import --model` on the folder transformers writes."""
     from lmforge.hf import load_pretrained
@@ -182,7 +187,8 @@ def test_cli_import_gguf_and_hf_folder_written_by_transformers(tmp_path: Path) -
     assert (tmp_path / "a" / "chat_template.jinja").is_file()
 
     hf_dir = tmp_path / "hf"
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     loaded = _transformers_gguf_model()
     # A GGUF-loaded model refuses save_pretrained; a plain copy of it does not.
     plain = transformers.AutoModelForCausalLM.from_config(loaded.config)

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import optional_import
 from lmforge.hf import (
     HFTokenizer,
     export_model,
@@ -23,7 +24,7 @@ from lmforge.model import ModelConfig, TransformerLM
 from lmforge.tokenizer import Tokenizer
 from lmforge.utils import LmforgeError
 
-tokenizers = pytest.importorskip("tokenizers")
+tokenizers = optional_import("tokenizers")
 
 TEXTS = [
     "the theme of the thesis",
@@ -71,8 +72,10 @@ def test_gpt2_style_tokenizer_round_trips_as_lmforge(tmp_path: Path) -> None:
     assert isinstance(imported, Tokenizer) and imported.sha256 == tok.sha256
 
 
+@pytest.mark.requires("transformers")
 def test_transformers_loads_the_exported_tokenizer(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     tok = _lmforge_tokenizer()
     cfg = ModelConfig(
         vocab_size=tok.vocab_size, context_length=32, d_model=32, n_layers=1, n_heads=2

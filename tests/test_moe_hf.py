@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import optional_import
 from lmforge.hf import export_model, import_model
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.model.moe_config import MoEConfig
 from lmforge.utils.errors import LmforgeError
 
-transformers = pytest.importorskip("transformers")
+transformers = optional_import("transformers")
 TOL = 1e-4
 
 

@@ -153,8 +153,10 @@ def test_accumulation_gradient_equals_full_batch(unit: str) -> None:
         assert grads[0][1] == pytest.approx(loss, rel=1e-5)
 
 
+@pytest.mark.requires("transformers")
 def test_works_on_a_transformers_gpt2() -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
         vocab_size=40,
@@ -190,9 +192,9 @@ TEMPLATE = (
 )
 
 
+@pytest.mark.requires("transformers", "tokenizers")
 def test_attached_template_renders_like_transformers() -> None:
     """A template string on a non-transformers tokenizer renders the text transformers renders."""
-    pytest.importorskip("transformers")
     from tokenizers import Tokenizer as HF
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
@@ -293,7 +295,6 @@ def _old_transformers_gguf_path(p: Path):
 def test_gguf_path_matches_the_old_transformers_path() -> None:
     """SmolLM2: same chat-templated ids and masks, per-token log-probs equal within fp32 tolerance
     (so figures measured with the transformers path, e.g. the DPO one, still stand)."""
-    pytest.importorskip("transformers")
     from lmforge.hf.tokenizer import HFTokenizer
     from lmforge.posttrain.core import is_lmforge_model
     from lmforge.posttrain.models import eos_ids, load_model
@@ -329,9 +330,10 @@ def test_gguf_path_matches_the_old_transformers_path() -> None:
     assert worst < 1e-4, worst  # measured 1.0e-5 (2026-12-01)
 
 
+@pytest.mark.requires("transformers", "tokenizers")
 def test_transformers_folder_loads_as_a_transformers_model(tmp_path) -> None:
     """A transformers folder stays a transformers model with its own tokenizer and template."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from tokenizers import Tokenizer as HF
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace

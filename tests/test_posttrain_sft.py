@@ -55,8 +55,10 @@ def test_packing_equals_one_by_one_lmforge(attention: str) -> None:
     _check_packing(TransformerLM(cfg), _examples(40, (5, 9, 4, 7, 3)))
 
 
+@pytest.mark.requires("transformers")
 def test_packing_equals_one_by_one_transformers_gpt2() -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=40, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                                   bos_token_id=0, eos_token_id=1, attn_pdrop=0.0, resid_pdrop=0.0,

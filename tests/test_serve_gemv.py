@@ -126,10 +126,10 @@ def _step_logits(model, device, decoder_fn):
 
 if not _CHILD:
 
+    @pytest.mark.requires("triton")
     def test_table_configs_are_valid() -> None:
         """Every table launch: power-of-two tiles (tl.arange), a chunk no wider than K, at most
         one split per chunk and MAX_SPLIT splits (inductor unrolls that sum into the consumer)."""
-        pytest.importorskip("triton")
         from lmforge.serve._gemv_triton import MAX_ROWS, MAX_SPLIT, TABLE, default_config
         from lmforge.serve.compiled import GEMV_MAX_ROWS, SUM_UNROLL
 
@@ -145,10 +145,10 @@ if not _CHILD:
         for shape in [(2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048)]:
             assert shape in TABLE
 
+    @pytest.mark.requires("triton")
     def test_gemv_plan_marks_plain_half_precision_projections() -> None:
         """The plan: off on the CPU by default, forced on it covers every projection; a Linear
         with a hook (or an fp32 weight by default) keeps the module call."""
-        pytest.importorskip("triton")
         from lmforge.serve.compiled import GEMV_DTYPES, CompiledDecode, gemv_plan, pack_weights
         from lmforge.serve.runner import PagedKVCache
 

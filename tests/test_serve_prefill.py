@@ -291,12 +291,12 @@ def test_prefill_kernel_compiles_for_sm90(e) -> None:
         assert short.metadata.shared <= 232448
 
 
+@pytest.mark.requires("triton")
 def test_prefill_falls_back_to_torch_when_the_kernel_cannot_build(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A Triton build error at the kernel's first launch: one line on stderr, the torch path's
     result, and later calls skip the kernel."""
-    pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
     from lmforge.serve import _prefill_triton, attention
@@ -323,13 +323,13 @@ def test_prefill_falls_back_to_torch_when_the_kernel_cannot_build(
     assert len(calls) == 1
 
 
+@pytest.mark.requires("triton")
 def test_engine_skips_a_prefill_kernel_that_failed_to_build(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The engine's default (kernel where it runs): after the first build failure no later
     layer or step tries the kernel again — one stderr line for the whole run, the torch path's
     tokens. The CPU stands in for CUDA in the rule (the rule itself unchanged)."""
-    pytest.importorskip("triton")
     from triton.runtime.errors import OutOfResources
 
     from lmforge.serve import _prefill_triton, attention, runner

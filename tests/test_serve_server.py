@@ -15,14 +15,15 @@ import httpx
 import pytest
 import torch
 
+from conftest import optional_import
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
 from lmforge.serve.server import EngineLoop, ServerState, make_server
 from lmforge.serve.templates import render_chat
 from lmforge.tokenizer import Tokenizer
 
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+openai = optional_import("openai")
+uvicorn = optional_import("uvicorn")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -5,13 +5,12 @@ n-gram drafts), and the rejection sampler's emitted tokens distributed exactly a
 from __future__ import annotations
 
 import pytest
+import scipy.stats as scipy_stats
 import torch
 
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
 from lmforge.serve.speculative import DraftModel, NgramDraft, Speculative, verify
-
-scipy_stats = pytest.importorskip("scipy.stats")
 
 V = 61
 

@@ -61,7 +61,6 @@ def test_trains_on_gpu_bf16(tmp_path: Path, compile_: bool) -> None:
 
 
 def test_fused_and_reference_losses_agree_on_gpu(tmp_path: Path) -> None:
-    pytest.importorskip("lmforge.kernels")
     ref = Trainer(_cfg(tmp_path, loss="reference"))
     fused = Trainer(_cfg(tmp_path, loss="fused"))
     x, y = ref.sampler.next_batch(8, "cuda")

@@ -48,7 +48,6 @@ def _cfg(tmp: Path, **train: object) -> RunConfig:
 
 
 def test_fused_loss_path_matches_reference(tmp_path: Path) -> None:
-    pytest.importorskip("lmforge.kernels")
     ref = Trainer(_cfg(tmp_path, loss="reference", z_loss=1e-3))
     fused = Trainer(_cfg(tmp_path, loss="fused", z_loss=1e-3))
     assert ref.fused is None and fused.fused is not None
@@ -66,7 +65,8 @@ def test_fused_loss_path_matches_reference(tmp_path: Path) -> None:
 def test_fused_loss_chunk_rows_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """train.loss_chunk_rows reaches the fused op (as its chunk size) and changes only the
     schedule, not the loss or gradients; a negative value is one clear error."""
-    kernels = pytest.importorskip("lmforge.kernels")
+    from lmforge import kernels
+
     seen: list[object] = []
     real = kernels.fused_linear_cross_entropy
 

@@ -2,7 +2,7 @@
 
 :class:`LmforgeLM` implements the harness's ``LM`` interface (``loglikelihood``,
 ``loglikelihood_rolling``, ``generate_until``) on top of :mod:`lmforge.eval.scoring` and
-:func:`lmforge.generate.generate`, and is registered under the name ``lmforge`` when this module
+the serving engine (:func:`lmforge.eval.runner.generate_texts`), and is registered under the name ``lmforge`` when this module
 is imported. lm-eval 0.4 finds models only in its own registry (it does not scan entry points),
 so this module must be imported before the harness runs; ``python -m lmforge.eval.harness`` does
 exactly that and then hands the command line to lm-eval::
@@ -131,41 +131,36 @@ class LmforgeLM(LM):
     def generate_until(self, requests: list[Any]) -> list[str]:
         """Greedy (or sampled, with ``do_sample`` and ``temperature``) text cut at ``until``.
 
-        Requests with the same generation settings decode together, ``batch_size`` at a time
-        (left-padded by :func:`lmforge.generate.generate`); the end-of-text id always stops.
+        Every request decodes at once on the serving engine
+        (:func:`lmforge.eval.runner.generate_texts`, one call per generation setting); the
+        end-of-text id always stops.
         """
-        from lmforge.generate import generate
+        from lmforge.eval.runner import generate_texts, make_engine
 
         groups: dict[tuple, list[int]] = {}
-        settings = []
         for i, req in enumerate(requests):
             _, kwargs = req.args
             kwargs = dict(kwargs or {})
             until = kwargs.get("until") or []
             until = (until,) if isinstance(until, str) else tuple(until)
             max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
-            max_new = max(1, min(max_new, self.max_length // 2))
             sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature", 0.0)) > 0
             temperature = float(kwargs["temperature"]) if sample else 0.0
-            key = (max_new, temperature)
-            settings.append(until)
-            groups.setdefault(key, []).append(i)
-        prefix = [] if self.eot_token_id is None else [self.eot_token_id]
+            groups.setdefault((max_new, temperature, until), []).append(i)
         outs = [""] * len(requests)
-        for (max_new, temperature), idx in groups.items():
-            for start in range(0, len(idx), self.batch_size):
-                chunk = idx[start : start + self.batch_size]
-                prompts = [
-                    [*prefix, *self.tok_encode(requests[i].args[0])][-(self.max_length - max_new) :]
-                    for i in chunk
-                ]
-                new = generate(
-                    self.model, prompts, max_new, temperature=temperature, stop_tokens=prefix
-                )
-                for i, ids in zip(chunk, new):
-                    text = self.tok_decode(ids)
-                    cuts = [j for j in (text.find(u) for u in settings[i] if u) if j >= 0]
-                    outs[i] = text[: min(cuts, default=len(text))]
+        engine = make_engine(self.model, self.tokenizer)
+        for (max_new, temperature, until), idx in groups.items():
+            texts = generate_texts(
+                self.model,
+                self.tokenizer,
+                [requests[i].args[0] for i in idx],
+                max_new_tokens=max_new,
+                temperature=temperature,
+                stops=until,
+                engine=engine,
+            )
+            for i, samples in zip(idx, texts, strict=True):
+                outs[i] = samples[0]
         return outs
 
 

@@ -47,6 +47,8 @@ __all__ = [
     "evaluate_mmlu_generative",
     "evaluate_multiple_choice",
     "format_table",
+    "generate_texts",
+    "make_engine",
     "run_eval",
 ]
 
@@ -79,7 +81,7 @@ class EvalOptions:
     shots: int | None = None
     "few-shot examples per prompt (None = each task's default)"
     batch_size: int = 8
-    "sequences per forward pass"
+    "sequences per forward pass of log-likelihood scoring (generation batches on the engine)"
     max_new_tokens: int = 256
     "generation budget for gsm8k/math"
     samples: int = 1
@@ -146,59 +148,60 @@ def evaluate_multiple_choice(
 # ---------------------------------------------------------------- generation
 
 
-def _truncate_at_stop(text: str, stops: Sequence[str]) -> str:
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
-    return text[:cut]
+def make_engine(model: Any, tokenizer: TextTokenizer, seed: int = 0) -> Any:
+    """The serving engine generative tasks decode on (:class:`lmforge.serve.Engine`, its defaults:
+    the compiled step on CUDA), with ``tokenizer`` for text and stop strings."""
+    from lmforge.serve import Engine
+    from lmforge.serve.loading import engine_tokenizer
+
+    text = engine_tokenizer(tokenizer, int(model.config.vocab_size))
+    return Engine(model, tokenizer=text, eos_token_id=tokenizer.eot_id, seed=seed)
 
 
-def _generate_texts(
+def generate_texts(
     model: Any,
     tokenizer: TextTokenizer,
     prompts: Sequence[str],
     *,
     max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    batch_size: int,
-    stops: Sequence[str],
-    progress: bool,
-    desc: str,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    samples: int = 1,
+    stops: Sequence[str] = (),
     seed: int = 0,
-) -> list[str]:
-    """Decode a continuation of each prompt with ``lmforge.generate.generate``.
+    engine: Any = None,
+    progress: bool = False,
+) -> list[list[str]]:
+    """``samples`` continuations of each prompt, all decoded at once on one serving engine.
 
-    Prompts longer than ``context_length - max_new_tokens`` keep their rightmost tokens.
+    Each prompt starts with the end-of-text id (documents start that way in training) and keeps
+    its rightmost ``context_length - new tokens`` tokens (new tokens: ``max_new_tokens``, at most
+    half the context). A sample ends at the end-of-text id or at a stop string; its text holds
+    neither. Sample ``j`` of prompt ``i`` is seeded with ``seed + i * samples + j``, so results
+    do not depend on what else is in the batch. ``engine`` (default: :func:`make_engine`)
+    lets several tasks share one.
     """
-    from lmforge.generate import generate
+    from lmforge.serve import SamplingParams
 
     ctx_len = int(getattr(getattr(model, "config", None), "context_length", 1 << 30))
     new_tokens = max(1, min(max_new_tokens, ctx_len // 2))
     keep = ctx_len - new_tokens
-    stop_tokens = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
-    encoded = []
-    for p in prompts:
-        ids = tokenizer.encode(p)
-        if tokenizer.eot_id is not None:
-            ids = [tokenizer.eot_id, *ids]
-        encoded.append(ids[-keep:])
-    outs: list[str] = []
-    for start in tqdm(
-        range(0, len(encoded), batch_size), desc=desc, disable=not progress, leave=False
-    ):
-        chunk = encoded[start : start + batch_size]
-        new = generate(
-            model,
-            chunk,
-            new_tokens,
+    prefix = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
+    encoded = [[*prefix, *tokenizer.encode(p)][-keep:] for p in prompts]
+    params = [
+        SamplingParams(
             temperature=temperature,
-            top_p=top_p if top_p < 1.0 else None,
-            stop_tokens=stop_tokens,
-            seed=seed + start,
+            top_p=top_p,
+            max_tokens=new_tokens,
+            n=samples,
+            seed=None if temperature == 0 else seed + i * samples,
+            stop=tuple(s for s in stops if s),
         )
-        for ids in new:
-            ids = [t for t in ids if t not in stop_tokens]
-            outs.append(_truncate_at_stop(tokenizer.decode(ids), stops))
-    return outs
+        for i in range(len(prompts))
+    ]
+    engine = engine if engine is not None else make_engine(model, tokenizer, seed)
+    outs = engine.generate(encoded, params, progress=progress)
+    return [[sample.text for sample in out.outputs] for out in outs]
 
 
 def evaluate_generative_math(
@@ -212,13 +215,14 @@ def evaluate_generative_math(
     samples: int = 1,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    batch_size: int = 8,
     progress: bool = False,
     seed: int = 0,
+    engine: Any = None,
 ) -> dict[str, Any]:
     """pass@1 (and pass@k for k = 2, 4, 8, … ≤ samples and k = samples) on GSM8K (``kind="gsm8k"``) or MATH.
 
-    Each problem is answered ``samples`` times; with c correct of n, pass@k is the unbiased
+    Each problem is answered ``samples`` times (:func:`generate_texts`: every problem and sample
+    decoded together on the serving engine); with c correct of n, pass@k is the unbiased
     estimate 1 - C(n-c, k)/C(n, k), averaged over problems with its standard error.
     """
     if kind == "gsm8k":
@@ -227,24 +231,22 @@ def evaluate_generative_math(
     else:
         prompts = [T.math_prompt(ex, list(shots)) for ex in examples]
         stops = _STOP_STRINGS["math"]
-    repeated = [p for p in prompts for _ in range(samples)]
-    outputs = _generate_texts(
+    outputs = generate_texts(
         model,
         tokenizer,
-        repeated,
+        prompts,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
-        batch_size=batch_size,
+        samples=samples,
         stops=stops,
-        progress=progress,
-        desc=kind,
         seed=seed,
+        engine=engine,
+        progress=progress,
     )
     n_correct = []
     records = []
-    for i, ex in enumerate(examples):
-        outs = outputs[i * samples : (i + 1) * samples]
+    for ex, outs in zip(examples, outputs, strict=True):
         if kind == "gsm8k":
             preds = [parse_gsm8k_response(o) for o in outs]
             ok = [p is not None and p == ex.answer for p in preds]
@@ -270,24 +272,20 @@ def evaluate_mmlu_generative(
     items: Sequence[tuple[T.MultipleChoiceExample, str]],
     *,
     max_new_tokens: int = 16,
-    batch_size: int = 8,
     progress: bool = False,
-    seed: int = 0,
+    engine: Any = None,
 ) -> dict[str, Any]:
     """Accuracy of letters generated after each ``(example, prompt)`` (greedy, one line)."""
-    outputs = _generate_texts(
+    texts = generate_texts(
         model,
         tokenizer,
         [prompt for _, prompt in items],
         max_new_tokens=max_new_tokens,
-        temperature=0.0,
-        top_p=1.0,
-        batch_size=batch_size,
         stops=("\n",),
+        engine=engine,
         progress=progress,
-        desc="mmlu_gen",
-        seed=seed,
     )
+    outputs = [t[0] for t in texts]
     preds = [parse_mmlu_response(ex, out) for (ex, _), out in zip(items, outputs)]
     correct = [float(p == ex.labels[ex.answer]) for (ex, _), p in zip(items, preds)]
     acc, se = mean_stderr(correct)
@@ -437,10 +435,16 @@ def run_eval(
     results: dict[str, Any] = {}
     details: dict[str, Any] = {}
     timings: dict[str, float] = {}
+    # One engine for a run of generative tasks; dropped before a scoring task, whose batches
+    # need the memory the engine's KV cache takes (on CUDA, most of what is free).
+    engine = None
     bar = tqdm(list(tasks), desc="eval", disable=not options.progress)
     for task in bar:
         bar.set_postfix_str(task)
         t0 = time.perf_counter()
+        if engine is not None and task in ("ppl", "mmlu", "arc", "hellaswag"):
+            device, engine = engine.device, None
+            _empty_cache(device)
         if task == "ppl":
             docs = inputs[task]
             res = perplexity(
@@ -465,19 +469,20 @@ def run_eval(
             details[task] = res.pop("_correct")
             results[task] = res
         elif task == "mmlu_gen":
+            engine = engine or make_engine(model, tokenizer, options.seed)
             res = evaluate_mmlu_generative(
                 model,
                 tokenizer,
                 inputs[task],
                 max_new_tokens=min(options.max_new_tokens, 16),
-                batch_size=options.batch_size,
                 progress=options.progress,
-                seed=options.seed,
+                engine=engine,
             )
             details[task] = res.pop("_records")
             results[task] = res
         else:
             examples, shots = inputs[task]
+            engine = engine or make_engine(model, tokenizer, options.seed)
             res = evaluate_generative_math(
                 model,
                 tokenizer,
@@ -488,21 +493,35 @@ def run_eval(
                 samples=options.samples,
                 temperature=options.temperature,
                 top_p=options.top_p,
-                batch_size=options.batch_size,
                 progress=options.progress,
                 seed=options.seed,
+                engine=engine,
             )
             details[task] = res.pop("_records")
             results[task] = res
         if task != "ppl":
             results[task]["shots"] = DEFAULT_SHOTS[task] if options.shots is None else options.shots
         timings[task] = time.perf_counter() - t0
+    if engine is not None:
+        device, engine = engine.device, None
+        _empty_cache(device)
     return {
         "results": results,
         "seconds": timings,
         "options": dataclasses.asdict(options),
         "details": details,
     }
+
+
+def _empty_cache(device: Any) -> None:
+    """Hand a dropped engine's KV cache back to the device (CUDA keeps freed blocks cached)."""
+    if device.type == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()  # the engine's compiled step and graphs may hold it in reference cycles
+        torch.cuda.empty_cache()
 
 
 _MAIN_METRICS = {

@@ -1,4 +1,6 @@
-"""Inference on token ids: KV-cache sampling (the tokenizer stays outside, in the CLI).
+"""The readable reference decoder: a KV-cache loop on token ids, the oracle the serving engine
+(:class:`lmforge.serve.Engine`) is tested against. Every command decodes on the engine;
+``lmforge generate`` (``_cli.py``) is one of them.
 
 This is the public API of ``lmforge.generate``.
 """
@@ -11,13 +13,11 @@ from lmforge.utils.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from lmforge.generate.engine import generate, greedy_generate_reference
-    from lmforge.generate.sampling import sample_next_token
 
-__all__ = ["generate", "greedy_generate_reference", "sample_next_token"]
+__all__ = ["generate", "greedy_generate_reference"]
 
 _EXPORTS = {
     "generate": "engine",
     "greedy_generate_reference": "engine",
-    "sample_next_token": "sampling",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

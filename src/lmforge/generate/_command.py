@@ -1,144 +1,160 @@
-"""The body of ``lmforge generate``: load a checkpoint, encode, sample, decode, print."""
+"""The body of ``lmforge generate``: load (the shared loader), encode, decode on the serving
+engine, print.
+
+Every prompt and sample goes to one :class:`~lmforge.serve.Engine` at once (continuous
+batching); nothing here runs the model itself. Sample ``i`` of prompt ``j`` is seeded with
+``seed + j * num_samples + i``, so a run prints the same text whatever else is in the batch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from lmforge.generate.engine import generate
-from lmforge.model import TransformerLM
 from lmforge.utils.errors import LmforgeError
 
-
-def _load_checkpoint(path: Path, device: str) -> tuple[TransformerLM, Any]:
-    """Minimal loader for a checkpoint folder (``model.safetensors`` + ``config.toml``).
-
-    Used only when ``lmforge.train.load_for_inference`` is not available in this checkout; it
-    reads the same layout (a run folder is not resolved to its latest checkpoint here).
-    """
-    from safetensors import SafetensorsError
-    from safetensors.torch import load_file
-
-    from lmforge.config import RunConfig
-    from lmforge.utils.config import load_config
-
-    weights, config = path / "model.safetensors", path / "config.toml"
-    for f in (weights, config):
-        if not f.is_file():
-            raise LmforgeError(f"checkpoint file not found: {f}")
-    cfg = load_config(RunConfig, config).model
-    model = TransformerLM(cfg, device=device)
-    try:
-        state = load_file(str(weights), device=str(device))
-    except (SafetensorsError, OSError) as e:
-        raise LmforgeError(f"cannot read {weights}: {e}") from None
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise LmforgeError(f"{weights} does not match {config}: {first}") from None
-    model.eval()
-    tokenizer = None
-    if (path / "tokenizer").is_dir():
-        from lmforge.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.load(path / "tokenizer")
-    return model, tokenizer
+_ESCAPES = {"\\n": "\n", "\\t": "\t"}
 
 
-def load_model(path: str | Path, device: str) -> tuple[TransformerLM, Any]:
-    """(model, tokenizer or None) via ``lmforge.train.load_for_inference`` when present."""
-    path = Path(path)
-    if not path.exists():
-        raise LmforgeError(f"checkpoint folder not found: {path}")
-    try:
-        from lmforge.train import load_for_inference
-    except ImportError:
-        return _load_checkpoint(path, device)
-    try:
-        return load_for_inference(path, device)
-    except LmforgeError as e:
-        from lmforge.utils.corpus import run_folder_hint
-
-        raise LmforgeError(f"{e}{run_folder_hint(path)}") from None
-
-
-def _parse_ids(text: str) -> list[int]:
+def _parse_ids(text: str, vocab: int) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
         raise LmforgeError(f"--prompt-ids '{text}' must be space-separated integers") from None
     if not ids:
         raise LmforgeError("--prompt-ids needs at least one token id")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise LmforgeError(f"--prompt-ids: id {bad[0]} outside the vocabulary [0, {vocab})")
     return ids
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run ``lmforge generate`` with parsed ``args``; returns the exit status."""
-    from lmforge.utils.runtime import Runtime
+def _unescape(stop: str) -> str:
+    for k, v in _ESCAPES.items():
+        stop = stop.replace(k, v)
+    return stop
 
+
+def _check_args(args: argparse.Namespace) -> None:
     if not args.prompt and not args.prompt_ids:
         raise LmforgeError("give at least one --prompt TEXT or --prompt-ids IDS")
     if args.num_samples < 1:
         raise LmforgeError(f"--num-samples must be >= 1, got {args.num_samples}")
-    if args.max_new_tokens < 0:
-        raise LmforgeError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+    if args.max_new_tokens < 1:
+        raise LmforgeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        raise LmforgeError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
         raise LmforgeError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if args.top_k is not None and args.top_k < 1:
-        raise LmforgeError(f"--top-k must be >= 1, got {args.top_k}")
-    runtime = Runtime.from_env(device=args.device, seed=args.seed)
-    model, tokenizer = load_model(args.checkpoint, runtime.device)
-    vocab = model.config.vocab_size
+    if args.top_k < 0:
+        raise LmforgeError(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0.0 <= args.min_p <= 1.0:
+        raise LmforgeError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if any(not s for s in args.stop):
+        raise LmforgeError("--stop needs a non-empty text")
 
-    prompts: list[list[int]] = []
-    labels: list[str] = []
+
+def _prompts(args: argparse.Namespace, tokenizer: Any, vocab: int) -> list[list[int]]:
+    """Token ids of the text prompts (first), then of the id prompts."""
+    prompts = []
     for text in args.prompt:
         if tokenizer is None:
-            raise LmforgeError(
-                f"checkpoint {args.checkpoint} has no tokenizer/ folder; use --prompt-ids"
-            )
+            raise LmforgeError(f"{_source(args)} has no tokenizer; use --prompt-ids")
         ids = tokenizer.encode(text)
         if not ids:
             raise LmforgeError("--prompt encodes to no tokens; give a non-empty prompt")
         prompts.append(ids)
-        labels.append(text)
-    for text in args.prompt_ids:
-        ids = _parse_ids(text)
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise LmforgeError(f"--prompt-ids: id {bad[0]} outside the vocabulary [0, {vocab})")
-        prompts.append(ids)
-        labels.append(text)
+    prompts += [_parse_ids(text, vocab) for text in args.prompt_ids]
+    return prompts
 
-    stops = set(args.stop_id)
+
+def _source(args: argparse.Namespace) -> str:
+    return args.checkpoint or args.hf or args.gguf
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``lmforge generate`` with parsed ``args``; returns the exit status."""
+    from lmforge.serve import Engine, SamplingParams
+    from lmforge.serve.loading import engine_tokenizer, load_from_args
+
+    _check_args(args)
+    model, tokenizer, _, _ = load_from_args(args)
+    cfg = model.config
+    prompts = _prompts(args, tokenizer, cfg.vocab_size)
+    stops = tuple(_unescape(s) for s in args.stop)
+    if stops and tokenizer is None:
+        raise LmforgeError(f"--stop needs a tokenizer; {_source(args)} has none (use --stop-id)")
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > cfg.context_length:
+        raise LmforgeError(
+            f"prompt ({longest} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
+            f"model's context_length {cfg.context_length}"
+        )
     eot = getattr(tokenizer, "eot_id", None)
-    if eot is not None:
-        stops.add(int(eot))
-    batch = [p for p in prompts for _ in range(args.num_samples)]
-    torch.manual_seed(args.seed)
-    outs = generate(
+    tokenizer = engine_tokenizer(tokenizer, cfg.vocab_size)
+    engine = Engine(
         model,
-        batch,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_tokens=stops,
+        eos_token_id=eot,
+        tokenizer=tokenizer if args.prompt or stops else None,
+        compile=False if args.no_compile else None,
+        cuda_graphs=False if args.no_cuda_graphs else None,
         seed=args.seed,
-        vocab_limit=getattr(tokenizer, "vocab_size", None),
     )
-    for i, new in enumerate(outs):
-        prompt_i, sample_i = divmod(i, args.num_samples)
-        if args.num_samples > 1 or len(prompts) > 1:
-            print(f"--- prompt {prompt_i + 1}, sample {sample_i + 1} ---")
-        if tokenizer is not None and prompt_i < len(args.prompt):
-            print(labels[prompt_i] + tokenizer.decode(new))
-        else:
-            print(" ".join(str(t) for t in batch[i] + new))
+    n = args.num_samples
+    params = [
+        SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            max_tokens=args.max_new_tokens,
+            n=n,
+            seed=args.seed + j * n,
+            stop_token_ids=tuple(args.stop_id),
+            stop=stops,
+        )
+        for j in range(len(prompts))
+    ]
+    n_text = len(args.prompt)
+    if len(prompts) == 1 and n == 1 and n_text == 1:
+        _stream(engine, prompts[0], params[0], args.prompt[0])
+        return 0
+    outs = engine.generate(prompts, params, progress=len(prompts) * n > 1)
+    for j, req in enumerate(outs):
+        for sample in req.outputs:
+            if n > 1 or len(prompts) > 1:
+                print(f"--- prompt {j + 1}, sample {sample.index + 1} ---")
+            if j < n_text:
+                print(args.prompt[j] + sample.text)
+            else:
+                print(" ".join(str(t) for t in prompts[j] + _without_stop(sample)))
     sys.stdout.flush()
     return 0
+
+
+def _without_stop(sample: Any) -> list[int]:
+    """The generated ids less the stop / EOS id that ended the sample (it is not text either)."""
+    ids = list(sample.token_ids)
+    if sample.finish_reason == "stop" and isinstance(sample.stop_reason, int) and ids:
+        ids.pop()
+    return ids
+
+
+def _stream(engine: Any, prompt: list[int], params: Any, text: str) -> None:
+    """One prompt, one sample: print the text as the engine releases it."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    rid = engine.add_request(prompt, params)
+    released = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            pieces = out.outputs[0].text_pieces
+            if len(pieces) > released:
+                sys.stdout.write("".join(pieces[released:]))
+                sys.stdout.flush()
+                released = len(pieces)
+    sys.stdout.write("\n")
+    sys.stdout.flush()

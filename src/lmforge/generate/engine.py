@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from lmforge.generate.sampling import sample_next_token
 from lmforge.model import KVCache
+from lmforge.serve.sampling import SamplingParams, logprobs_of, sample_tokens
 from lmforge.utils.errors import LmforgeError
 
 
@@ -47,7 +47,8 @@ def generate(
     float rounding). A row stops
     at its first token in ``stop_tokens`` (that token is not returned) or after
     ``max_new_tokens``; generation ends when every row has stopped. Sampling is
-    :func:`sample_next_token` (``temperature=0`` is greedy); ``seed`` is an int, a
+    the engine's sampler (:mod:`lmforge.serve.sampling`; ``temperature=0`` is greedy, ``top_k``
+    None or 0 and ``top_p`` None or 1 are off); ``seed`` is an int, a
     ``torch.Generator`` or None (torch's global RNG). ``vocab_limit`` restricts sampling to ids
     below it (a model's vocabulary is often padded past its tokenizer's, e.g. 50304 vs 50257).
     The prompt plus new tokens must fit in the model's context (no sliding window).
@@ -74,6 +75,7 @@ def generate(
     gen = _generator(seed, device)
     stops = set(stop_tokens)
     b = len(prompts)
+    params = [SamplingParams(temperature, top_k or 0, 1.0 if top_p is None else top_p)] * b
 
     idx = torch.zeros(b, longest, dtype=torch.long, device=device)  # (B, T) left-padded
     valid = torch.zeros(b, longest, dtype=torch.bool, device=device)  # (B, T)
@@ -88,7 +90,8 @@ def generate(
     for step in range(max_new_tokens):
         if vocab_limit is not None:
             logits[:, vocab_limit:] = float("-inf")
-        token = sample_next_token(logits, temperature, top_k, top_p, gen)  # (B,)
+        lp = logprobs_of(logits, params)  # (B, V)
+        token = sample_tokens(lp, params, [None] * b, default_generator=gen)  # (B,)
         hit_stop = torch.isin(token, stop_ids) if stops else torch.zeros_like(done)
         emit = ~done & ~hit_stop
         for row in emit.nonzero().flatten().tolist():

@@ -140,6 +140,12 @@ def _linear_ce_setup(ctx, inputs, output) -> None:
         ctx.save_for_backward(dh, dw)
 
 
+def _traced(t: Tensor) -> bool:
+    # AOTAutograd traces backward on fake/functional tensor subclasses; torch < 2.13 does not
+    # report is_compiling() there, so the type is checked too.
+    return torch.compiler.is_compiling() or type(t) is not torch.Tensor
+
+
 def linear_ce_grads(
     reduction: str,
     saved: tuple[Tensor, ...],
@@ -163,8 +169,17 @@ def linear_ce_grads(
         # Always rescale: reading grad_out back to skip the multiply when it is 1 was a host
         # sync in every eager training step (the trainer's launch-ahead stalled there), for two
         # passes over dh and dW worth ~0.2% of a GPT-2-small step. Multiplying by 1 is exact.
-        dh = dh * grad_out.to(dh.dtype) if want_dh else dh
-        dw = dw * grad_out.to(dw.dtype) if want_dw else dw
+        # In place: the saved dh and dW are this graph's own (the op's caller never sees them),
+        # and a scaled copy would hold both twice at the backward's peak, 2·(N·D + V·D) values
+        # instead of N·D + V·D (at 8192×1024→128256 bf16: 533 MiB instead of 267). A second
+        # backward through a retained graph then fails in autograd's saved-tensor version check
+        # rather than scaling twice. With create_graph the graph's tensors stay intact, and
+        # traced (AOTAutograd cannot mutate the forward's outputs in backward) the multiply is
+        # out of place, for the compiler to plan.
+        eager = not (torch.is_grad_enabled() or _traced(grad_out))
+        scale = torch.Tensor.mul_ if eager else torch.Tensor.mul
+        dh = scale(dh, grad_out.to(dh.dtype)) if want_dh else dh
+        dw = scale(dw, grad_out.to(dw.dtype)) if want_dw else dw
     return (dh if want_dh else None), (dw if want_dw else None)
 
 

@@ -1,20 +1,72 @@
-"""Loading a model to serve: an lmforge checkpoint, an HF folder or a GGUF file, with its
-tokenizer, chat template and a display name."""
+"""The one model loader of the inference commands (``generate``, ``chat``, ``serve``): an lmforge
+checkpoint (trained, or made by ``lmforge hf import``), a Hugging Face folder or a GGUF file, with
+its tokenizer, chat template and a display name.
+
+:func:`add_model_source_args` adds the same source flags to every command, so ``lmforge generate
+--gguf FILE`` reads what ``lmforge serve --gguf FILE`` reads; :func:`load_for_serving` loads it.
+Nothing here imports torch until a model is loaded (the CLI registers commands without torch).
+Exercised by ``pytest tests/test_loading.py``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["find_chat_template", "load_for_serving"]
+__all__ = [
+    "add_model_source_args",
+    "engine_tokenizer",
+    "find_chat_template",
+    "load_for_serving",
+    "load_from_args",
+]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 _IMPORT_CONTEXT = 4096  # imports default to this much context (RoPE tables are kept per layer)
+
+
+def add_model_source_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """``--checkpoint | --hf | --gguf`` (exactly one; at most one with ``required=False``, for a
+    command with another mode), ``--device``, ``--dtype``, ``--context-length``."""
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="lmforge checkpoint or run folder (trained, or written by 'lmforge hf import')",
+    )
+    src.add_argument("--hf", metavar="DIR", help="Hugging Face Llama/Qwen3 folder")
+    src.add_argument("--gguf", metavar="FILE", help="llama.cpp GGUF file (Llama/Qwen3)")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="context for --hf/--gguf imports (default: the model's, at most 4096)",
+    )
+
+
+def load_from_args(args: argparse.Namespace) -> tuple[Any, Any, str | None, str]:
+    """:func:`load_for_serving` with the flags :func:`add_model_source_args` added."""
+    return load_for_serving(
+        checkpoint=args.checkpoint,
+        hf=args.hf,
+        gguf=args.gguf,
+        device=args.device,
+        dtype=args.dtype,
+        context_length=args.context_length,
+    )
 
 
 def find_chat_template(folder: Path) -> str | None:
@@ -35,6 +87,16 @@ def find_chat_template(folder: Path) -> str | None:
     return None
 
 
+def _device(device: str | None) -> str:
+    import torch
+
+    from lmforge.utils.runtime import resolve_device
+
+    if device is None or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_device(device)
+
+
 def load_for_serving(
     *,
     checkpoint: str | None = None,
@@ -44,17 +106,32 @@ def load_for_serving(
     dtype: str = "auto",
     context_length: int | None = None,
 ) -> tuple[Any, Any, str | None, str]:
-    """``(model, tokenizer, chat template or None, name)`` from exactly one source."""
+    """``(model, tokenizer or None, chat template or None, name)`` from exactly one source.
+
+    A checkpoint folder is read by :func:`lmforge.hf.load_pretrained`: a run folder gives its
+    latest checkpoint, and the tokenizer comes from ``tokenizer/`` (trained) or ``hf_tokenizer/``
+    (imported). The model comes back in eval mode on ``device`` (None or ``auto``: CUDA when
+    available) in ``dtype`` (``auto``: bfloat16 on CUDA, float32 on the CPU).
+    """
+    import torch
+
     if sum(x is not None for x in (checkpoint, hf, gguf)) != 1:
         raise LmforgeError("give exactly one of --checkpoint, --hf, --gguf")
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise LmforgeError("--device cuda, but no CUDA GPU is available")
+    if dtype not in DTYPES:
+        raise LmforgeError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dev = _device(device)
     if context_length is not None and context_length < 2:
         raise LmforgeError(f"--context-length must be at least 2, got {context_length}")
     template = None
     if gguf is not None:
+        import importlib.util
+
         from lmforge.hf.gguf import import_gguf
+
+        if not Path(gguf).is_file():
+            raise LmforgeError(f"GGUF file not found: {gguf}")
+        if importlib.util.find_spec("gguf") is None:
+            raise LmforgeError("--gguf needs the gguf package: pip install 'lmforge[serve]'")
 
         model, tokenizer, template = import_gguf(
             gguf, context_length=context_length or _IMPORT_CONTEXT
@@ -63,14 +140,20 @@ def load_for_serving(
     elif hf is not None:
         from lmforge.hf import import_model
 
+        if not Path(hf).is_dir():
+            raise LmforgeError(f"Hugging Face model folder not found: {hf}")
         model, tokenizer = import_model(hf, context_length=context_length or _IMPORT_CONTEXT)
         template = find_chat_template(Path(hf))
         name = Path(hf).name
     else:
         from lmforge.hf import load_pretrained
+        from lmforge.utils.corpus import run_folder_hint
 
         assert checkpoint is not None
-        model, tokenizer = load_pretrained(checkpoint, "cpu")
+        try:
+            model, tokenizer = load_pretrained(checkpoint, "cpu")
+        except LmforgeError as e:
+            raise LmforgeError(f"{e}{run_folder_hint(checkpoint)}") from None
         template = find_chat_template(Path(checkpoint))
         name = Path(checkpoint).resolve().name
         if context_length is not None and context_length != model.config.context_length:
@@ -78,10 +161,40 @@ def load_for_serving(
                 "--context-length applies to imports; a checkpoint serves its own "
                 f"({model.config.context_length})"
             )
-    want = (
-        _DTYPES.get(dtype)
-        if dtype != "auto"
-        else (torch.bfloat16 if dev.startswith("cuda") else torch.float32)
-    )
+    if dtype == "auto":
+        want = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    else:
+        want = getattr(torch, dtype)
     model = model.to(device=dev, dtype=want).eval()
     return model, tokenizer, template, name
+
+
+class _PaddedVocab:
+    """``tokenizer`` for a model whose vocabulary is padded past it (e.g. 50304 rows for GPT-2's
+    50257 ids): a sampled padding id has no text and reads as nothing, as Hugging Face tokenizers
+    read unknown ids, instead of ending the command with a KeyError. A trained model gives such
+    ids almost no probability; an untrained one samples them freely."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(tokenizer.vocab_size)
+        self.eot_id = getattr(tokenizer, "eot_id", None)
+        if callable(getattr(tokenizer, "id_to_bytes", None)):  # the byte-exact detokenizer
+            self.id_to_bytes = self._id_to_bytes
+
+    def _id_to_bytes(self, i: int) -> bytes:
+        return self.tokenizer.id_to_bytes(i) if i < self.vocab_size else b""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i < self.vocab_size])
+
+
+def engine_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """The tokenizer to give an engine decoding a ``vocab_size`` model: itself, or, when the
+    model's vocabulary is padded past it, a view that reads the padding ids as no text."""
+    if tokenizer is None or int(tokenizer.vocab_size) >= vocab_size:
+        return tokenizer
+    return _PaddedVocab(tokenizer)
