@@ -1110,7 +1110,9 @@ def _start(cmd: list[str], port: int, log: Path, timeout: float = 420) -> object
 
     import httpx
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    rest = os.environ.get("PYTHONPATH")  # keep carried wheels' site dirs importable
+    env = {**os.environ, "PYTHONPATH": f"{src}:{rest}" if rest else src}
     err = log.open("w")
     proc = subprocess.Popen(cmd, env=env, stderr=err, stdout=err)
     t0 = time.perf_counter()

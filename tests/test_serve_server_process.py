@@ -246,7 +246,10 @@ def test_cli_serve_prints_the_choice_and_sigterm_drains(checkpoint: str) -> None
         assert texts[-1]["finish_reason"] == "length" and "data: [DONE]" in lines
         assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
         err = proc.stderr.read()
-        assert "engine: cpu, float32, CUDA graphs off, compiled decode step off" in err
+        assert (
+            "engine on cpu, CUDA graphs off, compiled decode step off" in err
+            and "KV dtype float32" in err
+        )
         assert err.index("engine: cpu") < err.index("serving ")
     finally:
         if proc.poll() is None:

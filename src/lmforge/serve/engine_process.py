@@ -391,12 +391,7 @@ def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
 
 
 def engine_summary(engine: Any) -> str:
-    """One line saying what the engine chose: device, dtype, CUDA graphs, compiled step, KV."""
-    graphs = getattr(engine, "graphs", None) is not None
-    compiled = getattr(engine, "decoder", None) is not None
-    on = {True: "on", False: "off"}
-    return (
-        f"engine: {engine.device.type}, {str(engine.kv_dtype).removeprefix('torch.')}, "
-        f"CUDA graphs {on[graphs]}, compiled decode step {on[compiled]}, "
-        f"{engine.allocator.num_blocks} KV blocks of {engine.block_size}"
-    )
+    """One line saying what the engine chose: device, CUDA graphs, compiled step, KV cache
+    (the engine's own ``startup_line``) and the KV dtype."""
+    dtype = str(engine.runner.kv_dtype).removeprefix("torch.")
+    return f"{engine.startup_line}, KV dtype {dtype}"
