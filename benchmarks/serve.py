@@ -1238,7 +1238,7 @@ def bench_server(quick: bool) -> None:
     t0 = time.perf_counter()
     proc = _start(cmd, port, log)
     start_s = time.perf_counter() - t0
-    chose = [x for x in log.read_text().splitlines() if x.startswith("engine:")]
+    chose = [x for x in log.read_text().splitlines() if x.startswith("engine")]
     _line(f"server up in {start_s:.0f} s; it printed: {chose[0] if chose else '(no engine line)'}")
     child, port2 = None, None
     if not cuda:  # the in-process peer: the engine in a thread of the server, same checkpoint

@@ -201,9 +201,13 @@ def test_engine_equals_reference_gpu(switch: str) -> None:
     prompts = _prompts()
     want = [generate(model, [p], 10, temperature=0)[0] for p in prompts]
     eng = Engine(model, block_size=16, num_blocks=64, max_num_seqs=8)
-    assert eng.graphs is not None and eng.decoder is not None
+    if eng.runner.host_reads:  # fp32 MoE experts read counts on the host: eager by design
+        assert eng.graphs is None and eng.decoder is None
+        assert "eager because MoE" in eng.startup_line
+    else:
+        assert eng.graphs is not None and eng.decoder is not None
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    assert eng.decoder.failed is None
+    assert eng.decoder is None or eng.decoder.failed is None
     assert [o.outputs[0].token_ids for o in outs] == want
     for prompt, o in zip(prompts, outs, strict=True):
         seq = prompt + o.outputs[0].token_ids

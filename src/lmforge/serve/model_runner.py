@@ -80,6 +80,9 @@ class ModelRunner:
         # the measured-best path is the default: CUDA graphs and the compiled step on CUDA
         self.use_graphs = (cuda_graphs is not False) and self._graphs_supported()
         want_compile = compile if compile is not None else device.type == "cuda"
+        self.host_reads = self._host_reads(dtype)
+        if self.host_reads:  # a step that reads the device on the host can be neither
+            self.use_graphs = want_compile = False
         if num_blocks is None and probe is not None:
             num_blocks = self._size_after_capture(
                 probe, kv_memory_fraction, self.use_graphs, want_compile
@@ -106,11 +109,24 @@ class ModelRunner:
         ]
         if dec is not None:
             parts.append(f"decode GEMV {'on' if dec.gemv is not None else 'off'}")
+        if self.host_reads:
+            parts.append(f"eager because {self.host_reads}")
         parts.append(f"KV cache {self.num_blocks} blocks of {self.block_size} tokens")
         return ", ".join(parts)
 
     def _graphs_supported(self) -> bool:
         return self.device.type == "cuda"
+
+    def _host_reads(self, dtype: torch.dtype) -> str | None:
+        """Why a decode step must stay eager (it reads device values on the host), or None.
+
+        MoE experts outside bf16 on CUDA run the readable per-expert loop, which reads the
+        expert counts on the host (``torch._grouped_mm`` is bf16 only): no CUDA graph can
+        capture that and the compiled step would break its graph at every MoE layer."""
+        moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))
+        if moe and self.device.type == "cuda" and dtype != torch.bfloat16:
+            return f"MoE experts in {str(dtype).removeprefix('torch.')} read counts on the host"
+        return None
 
     def _new_cache(self, n: int) -> PagedKVCache:
         cfg = self.config
