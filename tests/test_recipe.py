@@ -232,7 +232,7 @@ def test_kill_mid_pretraining_then_rerun_continues(tmp_path: Path) -> None:
     root = _copy_repo(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "lmforge", "recipe", "run", "mini.toml", "--until", "pretrain",
-            "--pretrain.steps=400", "--pretrain.save_every=20", "--pretrain.eval_every=0"]  # fmt: skip
+            "--pretrain.steps=150", "--pretrain.save_every=20", "--pretrain.eval_every=0"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     ckpts = root / "runs" / "recipe-mini" / "train" / "checkpoints"
@@ -251,9 +251,9 @@ def test_kill_mid_pretraining_then_rerun_continues(tmp_path: Path) -> None:
     assert "data: already done" in rerun.stderr
     assert "pretrain: an earlier attempt was interrupted; continuing it" in rerun.stderr
     assert "resumed from" in rerun.stderr  # the trainer's own resume, not step 0
-    assert read_marker(out / "train" / DONE)["metrics"]["steps"] == 400
+    assert read_marker(out / "train" / DONE)["metrics"]["steps"] == 150
     rows = [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines()]
-    assert max(r.get("step", 0) for r in rows) == 400
+    assert max(r.get("step", 0) for r in rows) == 150
 
 
 @pytest.mark.slow

@@ -64,7 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from lmforge.hf import export_model, load_pretrained
+    from lmforge.utils.io import ensure_writable_dir
 
+    ensure_writable_dir(args.out, "--out")  # before loading: a read-only folder is one line
     model, tokenizer = load_pretrained(args.checkpoint, "cpu")
     out = export_model(model, args.out, tokenizer)
     note = "" if tokenizer is not None else " (no tokenizer in the checkpoint: weights only)"
@@ -75,7 +77,9 @@ def _export(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from lmforge.hf import HFTokenizer, import_model, save_as_checkpoint
     from lmforge.hf.tokenizer import gpt2_incompatibility
+    from lmforge.utils.io import ensure_writable_dir
 
+    ensure_writable_dir(args.out, "--out")
     template = None
     if args.gguf is not None:
         from lmforge.hf.gguf import import_gguf

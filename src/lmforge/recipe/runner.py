@@ -165,8 +165,10 @@ def run_recipe(
         status[st.name] = "ran"
     if last == len(STAGES) - 1:
         result = model_path(cfg, out, "rl")
-        card = (out / "report.md").read_text(encoding="utf-8")
-        print("\n" + card.split("## Curves")[0].split("## Settings")[0].rstrip())
+        card_path = out / "report.md"
+        if card_path.is_file():
+            card = card_path.read_text(encoding="utf-8")
+            print("\n" + card.split("## Curves")[0].split("## Settings")[0].rstrip())
         print(f"\nreport card: {out / 'report.md'}")
         print(f"chat with the result:  lmforge chat --checkpoint {result} --temperature 0.7")
         print(f"serve it:              lmforge serve --checkpoint {result} --port 8000")

@@ -333,6 +333,8 @@ def _print_report(rep: dict) -> None:
             f"{100 * sp['n_opt']:.1f}%, loss spread {100 * sp['loss']:.2f}%): the coefficients are "
             "poorly identified; trust the predictions' intervals, not the coefficients"
         )
+    for w in rep.get("warnings", []):
+        print(f"warning: {w}")
 
     def ci(iv: dict, key: str) -> str:
         return f" [{iv[key][0]:.3g}, {iv[key][1]:.3g}]" if key in iv else ""
