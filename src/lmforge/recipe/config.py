@@ -80,8 +80,8 @@ class TokenizerSection:
     "256 bytes + merges + special tokens"
     train_mb: float = 6.0
     "MB of training text the merges are learned on"
-    special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-    "special tokens: end of text and the ChatML turn markers SFT renders"
+    special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>")
+    "special tokens: end of text (also the end of a chat turn) and the chat turn header"
     workers: int = 1
     "pre-tokenization and encoding processes"
 
@@ -116,6 +116,8 @@ class SftSection:
     "run this stage (off: RL and eval start from the pretrained model)"
     data: str = "examples/chat/sft.jsonl"
     "JSONL conversations"
+    chat_template: str = "configs/recipes/chat_template.jinja"
+    "Jinja chat template given to the pretrained model (empty: lmforge's ChatML default, whose turns end in <|im_end|>, not a stop token of the model)"
     steps: int = 200
     "optimizer steps"
     batch_size: int = 16

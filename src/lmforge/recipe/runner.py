@@ -96,7 +96,7 @@ def _prepare(out: Path, stage: Stage, key: str) -> None:
             if (out / d).exists():
                 existed = True
                 shutil.rmtree(out / d)
-        if existed:
+        if existed and stage.name != "report":  # the report is always rewritten
             why = "interrupted" if attempt is not None and attempt.get("key") == key else "stale"
             _log(f"{stage.name}: cleared its {why} outputs; starting it afresh")
     write_marker(out / stage.dirs[0] / ATTEMPT, {"key": key, "started": time.time()})

@@ -344,6 +344,9 @@ def _threads(ctx: Context) -> list[str]:
 
 def _run_sft(ctx: Context) -> dict[str, Any]:
     s = ctx.cfg.sft
+    if s.chat_template:
+        # the chat format travels with the model (sft, rl, chat and serve read it from there)
+        shutil.copyfile(s.chat_template, ctx.path("train", "chat_template.jinja"))
     ctx.lmforge("sft", "--model", str(ctx.path("train")), "--data", s.data,
                 "--steps", str(s.steps), "--batch-size", str(s.batch_size),
                 "--micro-batch", str(s.micro_batch), "--lr", str(s.lr),
@@ -477,7 +480,9 @@ STAGE_LIST: tuple[Stage, ...] = (
           _run_tokenizer),
     Stage("pretrain", ("train",), True, _section("pretrain"),
           lambda cfg: [cfg.pretrain.config], _run_pretrain),
-    Stage("sft", ("sft",), False, _section("sft"), lambda cfg: [cfg.sft.data], _run_sft,
+    Stage("sft", ("sft",), False, _section("sft"),
+          lambda cfg: [cfg.sft.data, cfg.sft.chat_template] if cfg.sft.chat_template
+          else [cfg.sft.data], _run_sft,
           enabled=lambda cfg: cfg.sft.enabled),
     Stage("rl", ("rl",), False, _section("rl"), lambda cfg: [cfg.rl.data, cfg.rl.eval_data],
           _run_rl, enabled=lambda cfg: cfg.rl.enabled),
