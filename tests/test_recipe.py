@@ -269,3 +269,20 @@ def test_tiny_cpu_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert ev["rl"]["bits_per_byte"] < ev["pretrain"]["bits_per_byte"] * 1.5
     pre = read_marker(out / "train" / DONE)["metrics"]
     assert pre["steps"] == 800 and pre["val_loss"] < 5.0
+
+
+def test_presets_load_and_gsm8k_chats() -> None:
+    from lmforge.recipe.stages import eval_targets, gsm8k_chats
+
+    for name in ("tiny-cpu", "h200"):
+        cfg = load_recipe(REPO / "configs" / "recipes" / f"{name}.toml")
+        assert cfg.pretrain.steps > 0 and cfg.eval.models == ("pretrain", "sft", "rl")
+    h200 = load_recipe(REPO / "configs" / "recipes" / "h200.toml")
+    assert h200.recipe.device == "cuda" and h200.rl.task == "gsm8k"
+    rows = eval_targets(h200, Path("runs/h200"))
+    assert rows[-1][0] == "SmolLM2-135M-Instruct" and rows[-1][1].endswith(".gguf")
+    chats = gsm8k_chats([{"question": "Tom has 2 apples and buys 3. How many?",
+                          "answer": "He has 2+3=<<2+3=5>>5.\n#### 5"}])  # fmt: skip
+    user, reply = chats[0]["messages"]
+    assert user["content"].startswith("Tom has") and "####" in user["content"]
+    assert reply["content"] == "He has 2+3=5.\n#### 5"

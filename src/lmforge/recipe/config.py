@@ -116,6 +116,10 @@ class SftSection:
     "run this stage (off: RL and eval start from the pretrained model)"
     data: str = "examples/chat/sft.jsonl"
     "JSONL conversations"
+    gsm8k: str = ""
+    "GSM8K-format JSONL {question, answer} added to the chats as worked-solution turns (empty: none)"
+    gsm8k_limit: int = 0
+    "at most this many of those problems (0: all)"
     chat_template: str = "configs/recipes/chat_template.jinja"
     "Jinja chat template given to the pretrained model (empty: lmforge's ChatML default, whose turns end in <|im_end|>, not a stop token of the model)"
     steps: int = 200
@@ -181,7 +185,9 @@ class EvalSection:
     models: tuple[str, ...] = ("pretrain", "sft", "rl")
     "the recipe's models to evaluate (stages that ran); the last is the recipe's result"
     anchors: tuple[str, ...] = ()
-    "reference models evaluated by the same eval, as NAME=PATH (checkpoint or HF folder)"
+    "reference models evaluated by the same eval, as NAME=PATH (checkpoint, HF folder or .gguf)"
+    anchor_context: int = 2048
+    "context length a .gguf anchor is imported with"
 
 
 @dataclasses.dataclass(frozen=True)

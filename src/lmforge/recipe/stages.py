@@ -342,12 +342,48 @@ def _threads(ctx: Context) -> list[str]:
     return ["--threads", str(ctx.threads)]
 
 
+def gsm8k_chats(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GSM8K ``{question, answer}`` records as chats: the question with lmforge's GSM8K
+    instruction, the worked solution ending in ``#### N`` (what ``lmforge rl --task gsm8k``
+    prompts with and rewards)."""
+    from lmforge.posttrain.tasks import gsm8k_sft_response, gsm8k_user_message
+
+    out = []
+    for r in records:
+        if "question" not in r or "answer" not in r:
+            raise LmforgeError("sft.gsm8k: a record lacks 'question' or 'answer'")
+        out.append({"messages": [
+            {"role": "user", "content": gsm8k_user_message(str(r["question"]))},
+            {"role": "assistant", "content": gsm8k_sft_response(str(r["answer"]))},
+        ]})  # fmt: skip
+    return out
+
+
+def _sft_data(ctx: Context) -> str:
+    """The SFT data file: ``sft.data``, or it plus ``sft.gsm8k``'s problems as chats."""
+    s = ctx.cfg.sft
+    if not s.gsm8k:
+        return s.data
+    from lmforge.utils.io import iter_jsonl
+
+    chats = [rec for _, rec in iter_jsonl(s.data, "sft.data")]
+    problems = [rec for _, rec in iter_jsonl(s.gsm8k, "sft.gsm8k")]
+    chats += gsm8k_chats(problems[: s.gsm8k_limit] if s.gsm8k_limit else problems)
+    path = ctx.path("sft", "data.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path, "w") as f:
+        for rec in chats:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return str(path)
+
+
 def _run_sft(ctx: Context) -> dict[str, Any]:
     s = ctx.cfg.sft
     if s.chat_template:
         # the chat format travels with the model (sft, rl, chat and serve read it from there)
         shutil.copyfile(s.chat_template, ctx.path("train", "chat_template.jinja"))
-    ctx.lmforge("sft", "--model", str(ctx.path("train")), "--data", s.data,
+    data = _sft_data(ctx)
+    ctx.lmforge("sft", "--model", str(ctx.path("train")), "--data", data,
                 "--steps", str(s.steps), "--batch-size", str(s.batch_size),
                 "--micro-batch", str(s.micro_batch), "--lr", str(s.lr),
                 "--max-len", str(s.max_len), "--out", str(ctx.path("sft")),
@@ -437,6 +473,13 @@ def _run_eval(ctx: Context) -> dict[str, Any]:
     metrics: dict[str, Any] = {}
     for name, path in eval_targets(ctx.cfg, ctx.out):
         report_path = ctx.path("eval", f"{name}.json")
+        if path.endswith(".gguf") and not report_path.is_file():
+            # lmforge eval reads checkpoints and HF folders: a GGUF anchor is imported first
+            imported = ctx.path("eval", "anchors", name)
+            if not (imported / "config.toml").is_file():
+                ctx.lmforge("hf", "import", "--gguf", path, "--out", str(imported),
+                            "--context-length", str(e.anchor_context))  # fmt: skip
+            path = str(imported)
         if not report_path.is_file():  # a killed eval stage keeps the models already scored
             ctx.lmforge("eval", "--checkpoint", path, "--tasks", e.tasks, "--data-dir", e.data_dir,
                         "--max-new-tokens", str(e.max_new_tokens), "--batch-size",
@@ -481,11 +524,13 @@ STAGE_LIST: tuple[Stage, ...] = (
     Stage("pretrain", ("train",), True, _section("pretrain"),
           lambda cfg: [cfg.pretrain.config], _run_pretrain),
     Stage("sft", ("sft",), False, _section("sft"),
-          lambda cfg: [cfg.sft.data, cfg.sft.chat_template] if cfg.sft.chat_template
-          else [cfg.sft.data], _run_sft,
+          lambda cfg: [p for p in (cfg.sft.data, cfg.sft.chat_template, cfg.sft.gsm8k) if p],
+          _run_sft,
           enabled=lambda cfg: cfg.sft.enabled),
     Stage("rl", ("rl",), False, _section("rl"), lambda cfg: [cfg.rl.data, cfg.rl.eval_data],
           _run_rl, enabled=lambda cfg: cfg.rl.enabled),
-    Stage("eval", ("eval",), True, _section("eval"), lambda cfg: [cfg.eval.data_dir], _run_eval),
+    Stage("eval", ("eval",), True, _section("eval"),
+          lambda cfg: [cfg.eval.data_dir, *(a.split("=", 1)[1] for a in cfg.eval.anchors)],
+          _run_eval),
     Stage("report", ("report",), False, lambda cfg: {}, lambda cfg: [], _report_stage),
 )  # fmt: skip
