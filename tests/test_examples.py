@@ -82,6 +82,10 @@ ROWS: tuple[Row, ...] = (
     Row(r"^lmforge recipe run configs/recipes/h200\.toml", skip="needs a GPU (an H200)"),
     Row(r"^lmforge recipe run configs/recipes/tiny-cpu\.toml$", extra=DEMO_ARGS),  # all skipped
     Row(r"^lmforge recipe run ", extra=DEMO_ARGS, slow=True),
+    # download (a model)
+    Row(r"^lmforge download --list$"),
+    Row(r"^lmforge download ", skip="downloads over the network; tests/test_download_model.py "
+        "checks the offline line"),
     # tokenizer
     Row(r"^lmforge tokenizer train ", extra=("--vocab-size", "300", "--workers", "1")),
     Row(r"^lmforge tokenizer encode ", extra=("--workers", "1")),

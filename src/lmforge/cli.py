@@ -34,6 +34,7 @@ _STAGES: tuple[tuple[str, str], ...] = (
     ("lmforge.scaling._cli", "scaling laws: plan and run sweeps, fit and predict, muP coord check"),
     ("lmforge.probe._cli", "probe a model: causality of MoE routing and of KV-cache decoding"),
     ("lmforge.recipe._cli", "the whole system as one resumable recipe with a report card"),
+    ("lmforge.recipe._download_cli", "download a pretrained model (SmolLM2-135M-Instruct GGUF)"),
 )
 
 EPILOG = """examples:
