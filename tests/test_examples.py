@@ -119,7 +119,7 @@ ROWS: tuple[Row, ...] = (
     Row(r"^lmforge eval ", extra=EVAL),
     # hf (src/lmforge/hf/_cli.py: serve's file)
     Row(r"^lmforge hf import --model '?~/", skip="needs a Hugging Face model folder downloaded"),
-    Row(r"^lmforge hf import --gguf ", skip="needs the GGUF file in ../shared/models; tests/test_hf_gguf.py"),
+    Row(r"^lmforge hf import --gguf ", skip="needs the GGUF file lmforge download fetches; tests/test_hf_gguf.py"),
     Row(r"^lmforge hf export "),
     # serve, chat (src/lmforge/serve/_cli.py)
     Row(r"^lmforge serve ", skip="a long-running server; tests/test_serve_server.py starts one"),
@@ -168,10 +168,13 @@ def _labelled(ws: Path) -> None:
 
 
 def _hf_demo(ws: Path) -> None:
-    assert main(["hf", "export", "--checkpoint", "runs/demo/train", "--out", "hf/demo"]) == 0
+    assert main(["hf", "export", "--checkpoint", "runs/demo/train", "--out", "runs/hf/demo"]) == 0
 
 
-PREPARE: dict[str, Callable[[Path], None]] = {"labelled.jsonl": _labelled, "hf/demo": _hf_demo}
+PREPARE: dict[str, Callable[[Path], None]] = {
+    "labelled.jsonl": _labelled,
+    "runs/hf/demo": _hf_demo,
+}
 
 
 # ----------------------------------------------------------------------------- collection

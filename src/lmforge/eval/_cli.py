@@ -10,7 +10,7 @@ EXAMPLES = """examples:
   lmforge eval --checkpoint runs/demo/train --tasks ppl,arc --limit 200 --device cpu
   lmforge eval --checkpoint runs/demo/train --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir examples/eval
   lmforge eval --checkpoint runs/demo/train --tasks gsm8k --samples 4 --temperature 0.7 --limit 5
-  lmforge eval --checkpoint hf/demo --tasks mmlu --shots 2 --out runs/demo/mmlu.json   # an HF folder
+  lmforge eval --checkpoint runs/hf/demo --tasks mmlu --shots 2 --out runs/demo/mmlu.json   # an HF folder
   lmforge eval --pairwise examples/eval/battles.jsonl   # Bradley–Terry/Elo from {"model_a","model_b","winner"}
 
 runs/demo/train is the run ./run demo writes; DATA (--data-dir) defaults to examples/eval.
