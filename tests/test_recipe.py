@@ -221,10 +221,12 @@ def test_mini_recipe_end_to_end(
     err = capsys.readouterr().err
     assert "sft: already done" in err and "eval: running" in err
     assert "gsm8k" not in read_marker(out / "eval" / DONE)["metrics"]["rl"]
-    # --from sft re-runs sft, rl, eval even though they are current
-    assert main(["recipe", "run", "mini.toml", "--eval.tasks=ppl,arc", "--from", "sft"]) == 0
+    # --from sft re-runs sft even though it is current (--until: and stops there)
+    argv = ["recipe", "run", "mini.toml", "--eval.tasks=ppl,arc", "--from", "sft", "--until", "sft"]
+    assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "pretrain: already done" in err and "sft: running" in err and "rl: running" in err
+    assert "pretrain: already done" in err and "sft: running" in err and "rl:" not in err
+    assert not (out / "rl" / DONE).exists()  # rl consumed the old SFT model: no longer done
 
 
 @pytest.mark.requires(*WEB)

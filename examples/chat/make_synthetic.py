@@ -39,6 +39,7 @@ ANIMALS = {
 }  # fmt: skip
 WORDS = ("cat", "tree", "house", "river", "apple", "light", "stone", "bread", "cloud", "music",
          "garden", "window", "pencil", "forest", "summer", "winter", "letter", "bottle")  # fmt: skip
+MAX_OPERAND = 9  # one-digit operands: a 1M-parameter model can learn them, so RL has a signal
 GREETINGS = (
     ("Hello!", "Hello! How can I help you today?"),
     ("Hi there.", "Hi! What would you like to talk about?"),
@@ -64,8 +65,8 @@ def addition(rng: random.Random, max_value: int) -> tuple[str, str, int]:
     return q, f"{a} + {b} = {a + b}.\n#### {a + b}", a + b
 
 
-def chat(rng: random.Random) -> list[dict[str, str]]:
-    """One conversation of a randomly chosen kind."""
+def chat(rng: random.Random, held_out: set[str]) -> list[dict[str, str]]:
+    """One conversation of a randomly chosen kind (no addition whose question is ``held_out``)."""
     kind = rng.randrange(6)
     if kind == 0:
         u, a = rng.choice(GREETINGS)
@@ -88,7 +89,9 @@ def chat(rng: random.Random) -> list[dict[str, str]]:
         else:
             u, a = f"How many letters are in '{w}'?", f"'{w}' has {len(w)} letters."
     else:
-        q, a, _ = addition(rng, 20)
+        q, a, _ = addition(rng, MAX_OPERAND)
+        while q in held_out:
+            q, a, _ = addition(rng, MAX_OPERAND)
         u = q + GSM8K_INSTRUCTION
     msgs = [{"role": "user", "content": u}, {"role": "assistant", "content": a}]
     if rng.random() < 0.1:
@@ -96,7 +99,7 @@ def chat(rng: random.Random) -> list[dict[str, str]]:
     return msgs
 
 
-def preference(rng: random.Random) -> dict[str, str]:
+def preference(rng: random.Random, held_out: set[str]) -> dict[str, str]:
     """A prompt with a right, polite reply (chosen) and a wrong or curt one (rejected)."""
     if rng.random() < 0.5:
         country = rng.choice(sorted(CAPITALS))
@@ -105,7 +108,9 @@ def preference(rng: random.Random) -> dict[str, str]:
         chosen = f"The capital of {country} is {CAPITALS[country]}."
         rejected = rng.choice((f"The capital of {country} is {wrong}.", "I don't know."))
     else:
-        q, a, n = addition(rng, 20)
+        q, a, n = addition(rng, MAX_OPERAND)
+        while q in held_out:
+            q, a, n = addition(rng, MAX_OPERAND)
         prompt, chosen = q + GSM8K_INSTRUCTION, a
         rejected = rng.choice((f"#### {n + rng.randint(1, 5)}", "Figure it out yourself."))
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
@@ -115,7 +120,7 @@ def problems(rng: random.Random, n: int, seen: set[str]) -> list[dict[str, str]]
     """``n`` GSM8K-format addition problems whose questions are not in ``seen`` (then added)."""
     out: list[dict[str, str]] = []
     while len(out) < n:
-        q, a, _ = addition(rng, 20)
+        q, a, _ = addition(rng, MAX_OPERAND)
         if q not in seen:
             seen.add(q)
             out.append({"question": q, "answer": a})
@@ -130,13 +135,14 @@ def write_jsonl(path: Path, records: list) -> None:
 def main() -> None:
     """Rewrite the four files beside this script."""
     here = Path(__file__).resolve().parent
-    rng = random.Random(0)
-    write_jsonl(here / "sft.jsonl", [{"messages": chat(rng)} for _ in range(1500)])
-    write_jsonl(here / "preferences.jsonl", [preference(rng) for _ in range(300)])
     seen: set[str] = set()
-    test = problems(random.Random(1), 100, seen)
+    test = problems(random.Random(1), 60, seen)  # of the 300 distinct questions
+    held_out = {p["question"] for p in test}  # never in the SFT chats or preference pairs
+    rng = random.Random(0)
+    write_jsonl(here / "sft.jsonl", [{"messages": chat(rng, held_out)} for _ in range(1500)])
+    write_jsonl(here / "preferences.jsonl", [preference(rng, held_out) for _ in range(300)])
     write_jsonl(here / "arithmetic-test.jsonl", test)
-    write_jsonl(here / "arithmetic-train.jsonl", problems(random.Random(2), 400, seen))
+    write_jsonl(here / "arithmetic-train.jsonl", problems(random.Random(2), 200, seen))
 
 
 if __name__ == "__main__":
