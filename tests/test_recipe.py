@@ -289,3 +289,14 @@ def test_presets_load_and_gsm8k_chats() -> None:
     user, reply = chats[0]["messages"]
     assert user["content"].startswith("Tom has") and "####" in user["content"]
     assert reply["content"] == "He has 2+3=5.\n#### 5"
+
+
+def test_second_run_on_the_same_folder_is_one_line(tmp_path: Path) -> None:
+    from lmforge.recipe.runner import recipe_lock
+
+    with recipe_lock(tmp_path):
+        with pytest.raises(LmforgeError, match=f"another recipe run \\(pid {os.getpid()}\\)"):
+            with recipe_lock(tmp_path):
+                pass
+    with recipe_lock(tmp_path):  # released: a later run goes ahead
+        pass

@@ -9,12 +9,13 @@ an attempt marker is written, the stage runs, and its completion marker is writt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,33 @@ def _prepare(out: Path, stage: Stage, key: str) -> None:
     write_marker(out / stage.dirs[0] / ATTEMPT, {"key": key, "started": time.time()})
 
 
+@contextlib.contextmanager
+def recipe_lock(out: Path) -> Iterator[None]:
+    """Hold ``out/.recipe-lock`` for the run: a second run on the same folder (whose stages
+    would clear each other's outputs) is one line. The operating system drops the lock when the
+    process dies, so a ``kill -9`` leaves nothing to clean up."""
+    import fcntl
+
+    f = open(out / ".recipe-lock", "a+")
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            raise LmforgeError(
+                f"another recipe run (pid {pid}) is using {out}; wait for it or use another "
+                "recipe.out"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        f.close()
+
+
 def run_recipe(
     cfg: RecipeConfig,
     *,
@@ -127,6 +155,13 @@ def run_recipe(
         raise LmforgeError(f"cannot create the recipe folder {out}: {e.strerror}") from None
     if not os.access(out, os.W_OK):
         raise LmforgeError(f"recipe folder {out} is not writable")
+    with recipe_lock(out):
+        return _run_stages(cfg, out, ctx, first, last, from_stage)
+
+
+def _run_stages(
+    cfg: RecipeConfig, out: Path, ctx: Context, first: int, last: int, from_stage: str | None
+) -> dict[str, Any]:
     keys = stage_keys(cfg)
     status: dict[str, Any] = {}
     for i, st in enumerate(STAGE_LIST):
