@@ -8,7 +8,7 @@ import os
 EXAMPLES = """examples:
   lmforge recipe run configs/recipes/tiny-cpu.toml                 # what ./run demo runs (CPU)
   lmforge recipe run configs/recipes/tiny-cpu.toml --until tokenizer
-  lmforge recipe run configs/recipes/tiny-cpu.toml --from sft --sft.steps=400   # redo SFT on
+  lmforge recipe run configs/recipes/tiny-cpu.toml --from sft --sft.steps=400   # SFT onwards again
   lmforge recipe run configs/recipes/h200.toml --recipe.out=runs/h200          # the GPU tier
 
 Stages: data → tokenizer → pretrain → sft → rl → eval → report. Each writes a completion

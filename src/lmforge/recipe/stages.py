@@ -514,7 +514,8 @@ def _section(name: str) -> Callable[[RecipeConfig], Any]:
 
 
 STAGE_LIST: tuple[Stage, ...] = (
-    Stage("data", ("data",), False, _data_settings, _data_inputs, _run_data),
+    # data resumes in place: `lmforge data run` skips the shards it finished (its own markers)
+    Stage("data", ("data",), True, _data_settings, _data_inputs, _run_data),
     Stage("tokenizer", ("tokenizer", "tokens"), False,
           lambda cfg: {**config_to_dict(cfg.tokenizer),
                        **{k: getattr(cfg.data, k)
