@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--data", nargs="+", help="your text (files, folders, globs) instead of the "
-                   "shipped mixture")  # fmt: skip
+                   "shipped mixture: its first 12 MB (--data.code_mb=N for more; the mixture "
+                   "holds --data.tokens bytes)")  # fmt: skip
     p.add_argument("--out", help="output folder (default: runs/demo)")
     p.add_argument("--preset", help="model preset from configs/ or a TOML path (default: demo)")
     p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary size (default 4096)")
