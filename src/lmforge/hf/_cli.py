@@ -6,10 +6,12 @@ import argparse
 import sys
 
 EXAMPLES = """examples:
-  lmforge hf export --checkpoint runs/demo/train --out hf/demo    # latest checkpoint of a run
-  lmforge hf import --model ~/models/Qwen3-1.7B --out ckpt/qwen3-1.7b --context-length 4096
-  lmforge hf import --model ~/models/SmolLM2-135M --out ckpt/smollm2   # then: lmforge eval --checkpoint ckpt/smollm2
-  lmforge hf import --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --out ckpt/smollm2-instruct --context-length 2048
+  lmforge hf export --checkpoint runs/demo/train --out runs/hf/demo    # latest checkpoint of a run
+  lmforge hf import --model ~/models/Qwen3-1.7B --out runs/ckpt/qwen3-1.7b --context-length 4096
+  lmforge hf import --model ~/models/SmolLM2-135M --out runs/ckpt/smollm2   # then: lmforge eval --checkpoint runs/ckpt/smollm2
+  lmforge hf import --gguf runs/models/SmolLM2-135M-Instruct.Q4_1.gguf --out runs/ckpt/smollm2-instruct --context-length 2048
+
+runs/models/SmolLM2-135M-Instruct.Q4_1.gguf is what `lmforge download smollm2-135m-instruct` fetches.
 
 A run folder exports its latest checkpoint; a folder under its checkpoints/ exports that one.
 export writes config.json (LlamaForCausalLM; Qwen3ForCausalLM when model.qk_norm), model.safetensors
@@ -64,7 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from lmforge.hf import export_model, load_pretrained
+    from lmforge.utils.io import ensure_writable_dir
 
+    ensure_writable_dir(args.out, "--out")  # before loading: a read-only folder is one line
     model, tokenizer = load_pretrained(args.checkpoint, "cpu")
     out = export_model(model, args.out, tokenizer)
     note = "" if tokenizer is not None else " (no tokenizer in the checkpoint: weights only)"
@@ -75,7 +79,9 @@ def _export(args: argparse.Namespace) -> int:
 def _import(args: argparse.Namespace) -> int:
     from lmforge.hf import HFTokenizer, import_model, save_as_checkpoint
     from lmforge.hf.tokenizer import gpt2_incompatibility
+    from lmforge.utils.io import ensure_writable_dir
 
+    ensure_writable_dir(args.out, "--out")
     template = None
     if args.gguf is not None:
         from lmforge.hf.gguf import import_gguf

@@ -10,6 +10,12 @@ PLAN_EXAMPLES = """examples:
       --depths 1,2,3,4,6 --out runs/sweep/plan.json
   lmforge scaling plan --config configs/scaling/cpu-tiny.toml --budgets 1e12 --depths 2,4 \\
       --flops exact --train.batch_size=16          # exact per-layer FLOPs instead of 6ND
+
+The plan's runs read the token shards the config names (configs/scaling/cpu-tiny.toml:
+runs/scaling/data/{train,val}.bin, a 512-token BPE). Make them once:
+  lmforge tokenizer train --input examples/text/tinyshakespeare/input.txt --vocab-size 512 --out runs/scaling/tok
+  lmforge tokenizer encode --tokenizer runs/scaling/tok --input examples/text/tinyshakespeare/input.txt --out runs/scaling/data/train.bin
+  lmforge tokenizer encode --tokenizer runs/scaling/tok --input examples/text/wikitext2/test.txt --out runs/scaling/data/val.bin
 """
 
 RUN_EXAMPLES = """examples:
@@ -20,8 +26,8 @@ RUN_EXAMPLES = """examples:
 
 FIT_EXAMPLES = """examples:
   lmforge scaling fit --runs runs/sweep/results.jsonl --method parametric --predict 1e13,1e14
-  lmforge scaling fit --runs ../shared/data/scaling/isoflops_curves.json \\
-      --method isoflop-parabola --predict 1e21,1e23,1e24 --json fit.json --plot fit.png
+  lmforge scaling fit --runs runs/sweep/results.jsonl --method isoflop-parabola \\
+      --predict 1e13,1e14 --json runs/sweep/fit.json --plot runs/sweep/fit.png
   lmforge scaling fit --runs runs.csv --method isoflop-argmin --predict 1e23 --drop-worst 2
 """
 
@@ -333,6 +339,8 @@ def _print_report(rep: dict) -> None:
             f"{100 * sp['n_opt']:.1f}%, loss spread {100 * sp['loss']:.2f}%): the coefficients are "
             "poorly identified; trust the predictions' intervals, not the coefficients"
         )
+    for w in rep.get("warnings", []):
+        print(f"warning: {w}")
 
     def ci(iv: dict, key: str) -> str:
         return f" [{iv[key][0]:.3g}, {iv[key][1]:.3g}]" if key in iv else ""

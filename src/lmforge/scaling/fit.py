@@ -171,6 +171,8 @@ class ParametricFit:
     "bootstrap θ samples"
     k: float = 6.0
     "C = k·N·D for compute-optimal allocation"
+    min_loss: float = 1.0
+    "the smallest loss fitted (the scale a vanished E is judged against)"
 
 
 def fit_parametric(
@@ -235,6 +237,7 @@ def fit_parametric(
         start_spread=spread,
         boot=tuple(boot),
         k=k,
+        min_loss=float(np.exp(np.min(log_l))),
     )
 
 
@@ -480,6 +483,48 @@ def predict_isoflop(fit: IsoflopFit, budgets: Sequence[float]) -> dict[str, dict
     return out
 
 
+EXPONENT_BOUNDS = (0.0, 10.0)
+"the L-BFGS bounds of α and β (:func:`_lbfgs`)"
+
+
+def fit_warnings(
+    params: dict[str, float],
+    intervals: dict[str, list[float]] | None,
+    min_loss: float,
+    bounds: dict[str, tuple[float, float]] | None = None,
+    spread: float = 100.0,
+) -> list[str]:
+    """Why a fit's coefficients should not be trusted, one sentence each (empty: none seen).
+
+    A parameter on its optimisation bound (``bounds``; default α, β in :data:`EXPONENT_BOUNDS`),
+    an irreducible loss E that collapsed to nothing (below 1e-6 of the smallest loss: the data
+    cannot tell E from the power-law terms), and a bootstrap interval whose ends differ by more
+    than ``spread``× (or straddle zero) each give a warning. Too few runs show up this way.
+    """
+    bounds = bounds if bounds is not None else {"alpha": EXPONENT_BOUNDS, "beta": EXPONENT_BOUNDS}
+    out: list[str] = []
+    for key, (lo, hi) in bounds.items():
+        v = params.get(key)
+        if v is not None and (abs(v - lo) <= 1e-6 * max(1.0, abs(lo)) or abs(v - hi) <= 1e-6 * hi):
+            out.append(f"{key} = {v:.4g} sits on its bound [{lo:g}, {hi:g}]: it is not identified")
+    e = params.get("E")
+    if e is not None and e < 1e-6 * min_loss:
+        out.append(
+            f"E = {e:.3g} collapsed to zero: the runs cannot separate the irreducible loss "
+            "from the power-law terms"
+        )
+    for key, iv in (intervals or {}).items():
+        lo, hi = float(iv[0]), float(iv[1])
+        if lo <= 0 < hi and params.get(key, 1.0) > 0:
+            out.append(f"the 95% interval of {key} [{lo:.3g}, {hi:.3g}] includes zero")
+        elif lo > 0 and hi / lo > spread:
+            out.append(
+                f"the 95% interval of {key} [{lo:.3g}, {hi:.3g}] spans "
+                f"{math.log10(hi / lo):.0f} orders of magnitude"
+            )
+    return out
+
+
 def parametric_report(fit: ParametricFit, budgets: Sequence[float]) -> dict[str, Any]:
     """The JSON the CLI writes for Approach 3."""
     law = fit.law
@@ -501,6 +546,7 @@ def parametric_report(fit: ParametricFit, budgets: Sequence[float]) -> dict[str,
             for key in ("A", "B", "E", "alpha", "beta")
         }
         rep["bootstrap_samples"] = len(laws)
+    rep["warnings"] = fit_warnings(params, rep.get("intervals"), fit.min_loss)
     return rep
 
 
@@ -529,6 +575,7 @@ def isoflop_report(fit: IsoflopFit, budgets: Sequence[float]) -> dict[str, Any]:
             "gamma": _interval(bs[:, 5]),
         }
         rep["bootstrap_samples"] = int(bs.shape[0])
+    rep["warnings"] = fit_warnings(rep["params"], rep.get("intervals"), math.inf, bounds={})
     return rep
 
 

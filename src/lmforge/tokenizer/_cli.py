@@ -115,6 +115,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from lmforge.utils.corpus import expand_inputs, looks_binary
     from lmforge.utils.errors import LmforgeError
+    from lmforge.utils.io import ensure_writable_dir
 
     if args.workers is not None and args.workers < 1:
         raise LmforgeError(f"--workers must be at least 1, got {args.workers}")
@@ -122,6 +123,8 @@ def _train(args: argparse.Namespace) -> int:
         raise LmforgeError(f"--holdout-files must be in [0, 1), got {args.holdout_files}")
     specials = args.special_tokens if args.special_tokens is not None else ["<|endoftext|>"]
     files = expand_inputs(args.input)
+    # a file in --out's place or a read-only folder is one line now, not after the training
+    ensure_writable_dir(args.out, "--out")
     for f in files:
         why = looks_binary(f)
         if why:
@@ -221,9 +224,15 @@ def _encode(args: argparse.Namespace) -> int:
 
     from lmforge.tokenizer.shards import encode_files
     from lmforge.utils.errors import LmforgeError
+    from lmforge.utils.io import ensure_writable_dir
 
     if args.workers is not None and args.workers < 1:
         raise LmforgeError(f"--workers must be at least 1, got {args.workers}")
+    if Path(args.out).is_dir():
+        raise LmforgeError(
+            f"--out {args.out} is a directory, expected a shard file (e.g. train.bin)"
+        )
+    ensure_writable_dir(Path(args.out).parent or ".", "--out's folder")
     t0 = time.perf_counter()
     meta = encode_files(
         args.tokenizer,

@@ -243,17 +243,25 @@ def load_config(
 
 
 def read_toml(path: str | os.PathLike, what: str = "config file") -> dict[str, Any]:
-    """The parsed TOML file at ``path``; a missing, non-UTF-8 or invalid file is one
-    :class:`ConfigError` line naming ``what`` and the path."""
+    """The parsed TOML file at ``path``; a missing, non-UTF-8, invalid or empty file (or a
+    folder) is one :class:`ConfigError` line naming ``what`` and the path."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{what} {p} is a directory, expected a file")
     if not p.is_file():
         raise ConfigError(f"{what} not found: {p}")
     try:
-        return tomllib.loads(p.read_text(encoding="utf-8"))
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{what} {p} is not valid TOML: {e}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{what} {p} is not UTF-8 text") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {p}: {e.strerror or e}") from None
+    if not data:
+        # an empty file would silently give every default (e.g. a 162M model on the CPU)
+        raise ConfigError(f"{what} {p} is empty: it sets no keys")
+    return data
 
 
 def config_to_dict(obj: Any) -> Any:

@@ -100,6 +100,8 @@ def iter_jsonl(path: str | os.PathLike, what: str = "data file") -> Iterator[tup
     from lmforge.utils.errors import LmforgeError
 
     p = Path(path)
+    if p.is_dir():
+        raise LmforgeError(f"{what} {p} is a directory, expected a file")
     if not p.is_file():
         raise LmforgeError(f"{what} not found: {p}")
     opener = gzip.open if p.suffix == ".gz" else open
@@ -117,3 +119,22 @@ def iter_jsonl(path: str | os.PathLike, what: str = "data file") -> Iterator[tup
                 yield n, rec
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise LmforgeError(f"cannot read {p}: {e}") from None
+
+
+def ensure_writable_dir(path: str | os.PathLike, what: str = "output folder") -> Path:
+    """Create folder ``path`` (with its parents) and check that a file can be written in it,
+    before any long work; a file in its place, a read-only folder or file system, or any other
+    refusal is one :class:`~lmforge.utils.errors.LmforgeError` line naming ``what`` and why."""
+    from lmforge.utils.errors import LmforgeError
+
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise LmforgeError(f"{what} {p} is a file, expected a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=p, prefix=".lmforge-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise LmforgeError(f"cannot write to {what} {p}: {e.strerror or e}") from None
+    return p
