@@ -178,8 +178,11 @@ def _draw(canvas: np.ndarray, obj: SceneObject, rng: random.Random) -> None:
     jitter = cell / 2 - half
     cy = (obj.row + 0.5) * cell + rng.uniform(-jitter, jitter) * 0.8
     cx = (obj.col + 0.5) * cell + rng.uniform(-jitter, jitter) * 0.8
-    yy, xx = np.mgrid[0:s, 0:s].astype(np.float32) + 0.5  # (S, S) pixel centres
-    dy, dx = (yy - cy) / half, (xx - cx) / half  # (S, S) in units of the half-size
+    # only the object's bounding box is evaluated (h, w); the rest of the canvas is untouched
+    y0, y1 = max(0, int(cy - half) - 1), min(s, int(cy + half) + 2)
+    x0, x1 = max(0, int(cx - half) - 1), min(s, int(cx + half) + 2)
+    yy, xx = np.mgrid[y0:y1, x0:x1].astype(np.float32) + 0.5  # (h, w) pixel centres
+    dy, dx = (yy - cy) / half, (xx - cx) / half  # (h, w) in units of the half-size
     if obj.kind == "circle":
         mask = dy**2 + dx**2 <= 1.0
     elif obj.kind == "square":
@@ -188,13 +191,13 @@ def _draw(canvas: np.ndarray, obj: SceneObject, rng: random.Random) -> None:
         mask = (dy <= 0.8) & (dy >= -1.0 + 2 * np.abs(dx))
     else:
         rows = _FONT[obj.glyph]
-        gy = np.floor((dy + 1.0) / 2.0 * 7).astype(int)  # (S, S) font row, 7 rows over the box
-        gx = np.floor((dx + 0.72) / 1.44 * 5).astype(int)  # (S, S) font column, 5 narrower ones
+        gy = np.floor((dy + 1.0) / 2.0 * 7).astype(int)  # (h, w) font row, 7 rows over the box
+        gx = np.floor((dx + 0.72) / 1.44 * 5).astype(int)  # (h, w) font column, 5 narrower ones
         inside = (gy >= 0) & (gy < 7) & (gx >= 0) & (gx < 5)
         bitmap = np.array([[c == "#" for c in r] for r in rows])  # (7, 5)
         mask = np.zeros_like(inside)
         mask[inside] = bitmap[gy[inside], gx[inside]]
-    canvas[mask] = COLORS[obj.color]
+    canvas[y0:y1, x0:x1][mask] = COLORS[obj.color]
 
 
 def render(scene: Scene, image_size: int = 64, seed: str = "") -> np.ndarray:
