@@ -32,7 +32,7 @@ kind (count, color, position, digit) for each and writes results.json to --vlm.o
 
 VQ_EXAMPLES = """examples:
   lmforge vision vqvae --config configs/vision/vq-tiny.toml
-  lmforge vision vqvae --config configs/vision/vq-tiny.toml --vq.steps=2000 --lm.steps=3000
+  lmforge vision vqvae --config configs/vision/vq-tiny.toml --vq_train.steps=2000 --lm_train.steps=3000
 
 Trains a VQ-VAE on procedural scenes (reconstruction MSE, codebook perplexity, PNG grid of
 reconstructions), then an LM with QK-norm and z-loss on interleaved caption + image tokens that
