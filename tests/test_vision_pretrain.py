@@ -106,3 +106,14 @@ def test_help_lists_examples(capsys) -> None:
     assert (
         "lmforge vision pretrain --config configs/vision/clip-tiny.toml" in capsys.readouterr().out
     )
+
+
+def test_worker_processes_draw_the_same_batches() -> None:
+    tok = build_tokenizer(ImageDataConfig())
+    plain = ContrastiveObjective(ImageDataConfig(), tok, 24, 40, 6, rank=1, world_size=2)
+    pooled = ContrastiveObjective(ImageDataConfig(workers=2), tok, 24, 40, 6, rank=1, world_size=2)
+    for _ in range(2):
+        a, b = plain.next_batch(), pooled.next_batch()
+        torch.testing.assert_close(a[0], b[0])
+        torch.testing.assert_close(a[1], b[1])
+    pooled._pool.shutdown()

@@ -49,12 +49,16 @@ class ImageDataConfig:
     "procedural: the scene seed"
     max_objects: int = 3
     "procedural: objects per scene are 1..max_objects"
+    render_size: int = 64
+    "procedural: side the scenes are drawn at (then resized to the model's input like any image)"
     val_size: int = 512
     "held-out pairs scored by retrieval (chance recall@k = k / val_size)"
     max_pixels: int = DEFAULT_MAX_PIXELS
     "images with more pixels are refused (one error line) before decoding"
     vocab: str = ""
     "word vocabulary JSON (default: the procedural vocabulary, or fitted on the captions)"
+    workers: int = 0
+    "procedural: processes drawing the scenes of a batch (0 = in this process)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +122,7 @@ def pair_stream(
 ) -> Iterator[tuple[Any, str]]:
     """(image, caption) pairs from ``cfg``, starting at pair ``start``, cycling over files."""
     if cfg.source == "procedural":
-        scenes = ProceduralScenes(seed=cfg.seed, split=split, max_objects=cfg.max_objects)
+        scenes = ProceduralScenes(cfg.seed, split, cfg.render_size, cfg.max_objects)
         return ((s.image, s.caption) for s in scenes.stream(start))
     path = cfg.path if split == "train" else cfg.val_path
     if not path:
@@ -172,10 +176,13 @@ class ContrastiveObjective:
         self.rank, self.world_size = rank, world_size
         self.batches = 0
         self._stream: Iterator | None = None
+        self._pool: Any = None
         self._last: dict[str, float] = {}
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(images (B, 3, S, S), tokens (B, L)): this rank's B pairs of the next global batch."""
+        if self.data.source == "procedural" and self.data.workers > 0:
+            return self._procedural_batch()
         if self._stream is None:
             start = self.batches * self.batch_size * self.world_size
             self._stream = pair_stream(self.data, "train", start)
@@ -184,6 +191,25 @@ class ContrastiveObjective:
         self.batches += 1
         images = torch.stack([preprocess(img, self.image_size) for img, _ in mine])
         tokens = encode_batch(self.tokenizer, [c for _, c in mine], self.context_length)
+        return images, tokens
+
+    def _procedural_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # the same pairs as the stream (global index batch·B·W + rank + k·W), drawn in parallel
+        if self._pool is None:
+            import concurrent.futures
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("spawn")  # no fork of a process holding torch threads
+            self._pool = concurrent.futures.ProcessPoolExecutor(self.data.workers, mp_context=ctx)
+        first = self.batches * self.batch_size * self.world_size + self.rank
+        index = list(range(first, first + self.batch_size * self.world_size, self.world_size))
+        chunks = [index[i :: self.data.workers] for i in range(self.data.workers)]
+        args = (self.data.seed, self.data.max_objects, self.data.render_size, self.image_size)
+        parts = list(self._pool.map(_draw_pairs, [(args, c) for c in chunks if c]))
+        by_index = {i: pair for part in parts for i, pair in part}
+        self.batches += 1
+        images = torch.stack([by_index[i][0] for i in index])
+        tokens = encode_batch(self.tokenizer, [by_index[i][1] for i in index], self.context_length)
         return images, tokens
 
     def batch_weight(self, batch: Any) -> float:
@@ -222,6 +248,17 @@ class ContrastiveObjective:
         return evaluate_retrieval(
             model, pairs, self.tokenizer, self.image_size, self.context_length
         )
+
+
+def _draw_pairs(job: tuple[tuple[int, int, int, int], list[int]]) -> list[tuple[int, tuple]]:
+    """Worker: (index, (preprocessed image, caption)) for procedural train scenes."""
+    (seed, max_objects, render, size), indices = job
+    scenes = ProceduralScenes(seed=seed, split="train", image_size=render, max_objects=max_objects)
+    out = []
+    for i in indices:
+        s = scenes[i]
+        out.append((i, (preprocess(s.image, size), s.caption)))
+    return out
 
 
 @torch.no_grad()
