@@ -26,6 +26,7 @@ from lmforge.vision.vqvae import VQVAE, EMACodebook, VQConfig
 def test_codebook_nearest_straight_through_and_ema_reference() -> None:
     torch.manual_seed(0)
     cb = EMACodebook(6, 3, decay=0.9, restart_below=0.0)
+    cb.initialized.fill_(1.0)  # keep the random codes (no data init) to test the EMA step alone
     z = torch.randn(2, 3, 2, 2, requires_grad=True)
     flat = z.detach().permute(0, 2, 3, 1).reshape(-1, 3)
     embed0, size0, sum0 = cb.embed.clone(), cb.cluster_size.clone(), cb.embed_sum.clone()
@@ -52,9 +53,18 @@ def test_codebook_nearest_straight_through_and_ema_reference() -> None:
 def test_dead_codes_restart_at_encoder_outputs() -> None:
     torch.manual_seed(0)
     cb = EMACodebook(4, 2, decay=0.5, restart_below=0.9)
+    cb.initialized.fill_(1.0)
     z = torch.full((1, 2, 2, 2), 5.0)
     cb(z)
     assert (cb.embed == 5.0).all(dim=1).sum() >= 3  # unused codes moved onto the data
+
+
+def test_codes_start_at_the_first_batch() -> None:
+    torch.manual_seed(0)
+    cb = EMACodebook(8, 2, decay=0.99)
+    z = torch.randn(4, 2, 3, 3) * 50 + 100  # far from the random init's scale
+    _, codes, _, ppl = cb(z)
+    assert ppl > 2.0 and codes.unique().numel() > 2
 
 
 def test_vq_objective_learns() -> None:

@@ -6,7 +6,7 @@ pass the quantiser unchanged (straight-through: ``z + (z_q − z).detach()``); t
 ``β·‖z − sg(z_q)‖²`` keeps encoder outputs near their codes; the codebook itself is not trained
 by gradient but moves to the running mean of the vectors assigned to each code (EMA, the
 paper's appendix / VQ-VAE-2), and a code unused for a while is restarted at a random encoder
-output so the codebook stays in use.
+output so the codebook stays in use (the codes start as encoder outputs of the first batch).
 
 Shape legend: B batch, D code dim, K codebook size, h×w code grid (S/8 × S/8), M = B·h·w.
 Exercised by ``pytest tests/test_vision_vqvae.py``.
@@ -53,6 +53,9 @@ class EMACodebook(nn.Module):
         self.register_buffer("embed", init.clone())
         self.register_buffer("cluster_size", torch.ones(k))
         self.register_buffer("embed_sum", init.clone())
+        # 0 until the first training batch, whose encoder outputs seed the codes (a random
+        # init far from the data's scale sends every vector to one code: collapse)
+        self.register_buffer("initialized", torch.zeros(()))
 
     def quantize(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, D) -> (M,) index of the nearest code (squared Euclidean distance)."""
@@ -62,6 +65,14 @@ class EMACodebook(nn.Module):
             + self.embed.pow(2).sum(1)[None]
         )  # (M, K)
         return dist.argmin(1)
+
+    @torch.no_grad()
+    def _init_from(self, flat: torch.Tensor) -> None:
+        pick = torch.randint(0, flat.shape[0], (self.embed.shape[0],), device=flat.device)
+        self.embed.copy_(flat[pick])
+        self.embed_sum.copy_(flat[pick])
+        self.cluster_size.fill_(1.0)
+        self.initialized.fill_(1.0)
 
     @torch.no_grad()
     def ema_update(self, flat: torch.Tensor, idx: torch.Tensor) -> None:
@@ -87,6 +98,8 @@ class EMACodebook(nn.Module):
         MSE, perplexity of this batch's code usage). Updates the codebook in training mode."""
         b, d, h, w = z.shape
         flat = z.permute(0, 2, 3, 1).reshape(-1, d)  # (M, D)
+        if self.training and not self.initialized:
+            self._init_from(flat.detach().float())
         idx = self.quantize(flat.detach())  # (M,)
         # the codes as they were when chosen (indexing copies), then the EMA step moves them
         zq = self.embed[idx].view(b, h, w, d).permute(0, 3, 1, 2)  # (B, D, h, w)
