@@ -114,3 +114,30 @@ def test_encode_image_for_prompt() -> None:
         encode_image_for_prompt(model, b"garbage", prompt)
     with pytest.raises(LmforgeError, match="exactly one <image>"):
         encode_image_for_prompt(model, image, [TOK.bos_id, 10])
+
+
+def test_run_vlm_end_to_end(tmp_path) -> None:
+    import json
+
+    from lmforge.utils.config import load_config
+    from lmforge.vision.contrastive import ContrastiveRunConfig, pretrain
+    from lmforge.vision.vlm_train import VLMRunConfig, run_vlm
+
+    enc = load_config(ContrastiveRunConfig, None, [
+        "vision.image_size=24", "vision.d_model=32", "vision.n_layers=1", "vision.n_heads=2",
+        "text.d_model=32", "text.n_layers=1", "text.n_heads=2", "joint.embed_dim=16",
+        "data.val_size=8", "data.render_size=24", "train.batch_size=4", "train.steps=1",
+        "train.warmup=1", f"train.out={tmp_path / 'enc'}",
+    ])  # fmt: skip
+    pretrain(enc, log=lambda r: None)
+    cfg = load_config(VLMRunConfig, None, [
+        "lm.d_model=32", "lm.n_layers=1", "lm.n_heads=2", "vlm.batch_size=4", "vlm.text_steps=2",
+        "vlm.stage1_steps=2", "vlm.stage2_steps=2", "vlm.warmup=1", "vlm.eval_scenes=3",
+        f"vlm.out={tmp_path / 'vlm'}",
+    ])  # fmt: skip
+    res = run_vlm(cfg, tmp_path / "enc", log=lambda r: None)
+    assert set(res) == {"upper", "lower", "stage1", "stage2"}
+    assert all(0.0 <= r["acc"] <= 1.0 for r in res.values())
+    assert json.loads((tmp_path / "vlm" / "results.json").read_text()) == res
+    with pytest.raises(LmforgeError, match="not a `vision pretrain` run"):
+        run_vlm(cfg, tmp_path / "nothing", log=lambda r: None)
