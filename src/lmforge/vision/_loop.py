@@ -1,12 +1,8 @@
-"""A minimal objective driver: the bridge until the one Trainer runs objectives.
-
-Every vision phase is an objective (``next_batch``, ``loss -> (loss_sum, weight)``,
-``state_dict``; optional ``evaluate``, ``metrics``) of the contract in
-``lmforge.train.objective``. This loop runs one on one device: one micro-batch per step, a
-learning-rate schedule, gradient clipping, periodic evaluation, and a resumable checkpoint
-(weights and AdamW state as safetensors, the objective's position as JSON). At merge the lead
-replaces :func:`run_objective` with ``Trainer`` (which adds accumulation, parallelism, fast
-AdamW, metrics.jsonl); nothing else in ``lmforge.vision`` depends on this file.
+"""The bridge until the one Trainer runs objectives: a minimal driver for one objective (the
+``lmforge.train.objective`` contract) on one device — a step per micro-batch, an LR schedule,
+gradient clipping, periodic ``evaluate``, and a resumable checkpoint (weights and AdamW state as
+safetensors, the objective's position as JSON). At merge the lead replaces :func:`run_objective`
+with ``Trainer`` in its three callers (``pretrain``, ``run_vlm``, ``run_vq``).
 """
 
 from __future__ import annotations
@@ -20,18 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.train.checkpoint import (
-    load_model_state,
-    load_optimizer_state,
-    save_model_state,
-    save_optimizer_state,
-)
+from lmforge.train import checkpoint as ckpt
 from lmforge.utils.io import atomic_write_text
 
 
 def _save(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    for name, write in (("model", save_model_state), ("optimizer", save_optimizer_state)):
+    for name, write in (("model", ckpt.save_model_state), ("optimizer", ckpt.save_optimizer_state)):
         tmp = folder / f".{name}.safetensors.tmp"
         write(tmp, model.state_dict() if name == "model" else optimizer)
         os.replace(tmp, folder / f"{name}.safetensors")
@@ -51,16 +42,16 @@ def run_objective(
     eval_every: int = 0,
     log: Callable[[dict], None] = lambda record: None,
 ) -> dict[str, float]:
-    """Train ``model`` on ``objective`` for ``steps`` steps (resuming from ``out`` if it holds a
-    checkpoint); returns the final evaluation (``{}`` without ``objective.evaluate``)."""
+    """Train ``model`` on ``objective`` for ``steps`` steps (resuming from a checkpoint in ``out``);
+    returns the final evaluation (``{}`` without ``objective.evaluate``)."""
     from tqdm import tqdm
 
     folder = Path(out) if out is not None else None
     start = 0
     if folder is not None and (folder / "state.json").is_file():
         state = json.loads((folder / "state.json").read_text())
-        model.load_state_dict(load_model_state(folder / "model.safetensors"))
-        load_optimizer_state(folder / "optimizer.safetensors", optimizer)
+        model.load_state_dict(ckpt.load_model_state(folder / "model.safetensors"))
+        ckpt.load_optimizer_state(folder / "optimizer.safetensors", optimizer)
         objective.load_state_dict(state["objective"])
         start = state["step"]
     evaluate = getattr(objective, "evaluate", None)
