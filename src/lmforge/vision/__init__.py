@@ -16,7 +16,6 @@ from lmforge.vision.hf import HFVisionTower, load_hf_vision_tower
 from lmforge.vision.losses import clip_loss, retrieval_recall, siglip_loss
 from lmforge.vision.scenes import QA, ProceduralScenes, Scene, SceneSample
 from lmforge.vision.vlm import (
-    INPUT_EMBEDS_DIFF,
     Projector,
     VisionLanguageModel,
     VLMObjective,
@@ -26,7 +25,6 @@ from lmforge.vision.vlm import (
 from lmforge.vision.vqvae import VQVAE, EMACodebook, VQConfig
 
 __all__ = [
-    "INPUT_EMBEDS_DIFF",
     "QA",
     "VQVAE",
     "DualEncoder",

@@ -6,8 +6,9 @@ rows of the LM's input embeddings are replaced by the projected features (``mask
 order). The LM's own ``forward`` then runs every layer (the one-forward rule): the spliced
 embeddings enter through ``TransformerLM.forward(idx, input_embeds=...)``.
 
-``TransformerLM.forward`` in this checkout has no ``input_embeds`` argument yet. Until the lead
-adds it (a three-line diff, see :data:`INPUT_EMBEDS_DIFF`), :func:`lm_forward_with_embeds`
+``TransformerLM.forward`` in this checkout has no ``input_embeds`` argument yet (an optional
+(B, T, D) tensor used instead of ``token_embeddings(idx)`` in ``forward_hidden``, passed through
+by ``forward``: a four-line change). Until it lands, :func:`lm_forward_with_embeds`
 reaches the same result with a forward hook on ``lm.token_embeddings`` that returns the spliced
 tensor in place of the lookup — a documented ``nn.Module`` extension point, installed for the
 one call and removed after it; the model's forward still runs all layers. Tests check the two
@@ -33,28 +34,6 @@ from lmforge.model.layers import Linear
 from lmforge.vision.data import WordTokenizer, preprocess
 from lmforge.vision.encoders import ViT
 from lmforge.vision.scenes import QA, ProceduralScenes, SceneSample
-
-INPUT_EMBEDS_DIFF = """\
---- a/src/lmforge/model/transformer.py
-+++ b/src/lmforge/model/transformer.py
-@@ def forward_hidden(
-         kv_cache: KVCache | None = None,
-         valid_mask: torch.Tensor | None = None,
-+        input_embeds: torch.Tensor | None = None,
-     ) -> torch.Tensor:
-@@
--        x = self.residual_stream(self.token_embeddings(idx))  # (B, T, D)
-+        # input_embeds (B, T, D) replaces the lookup (a VLM's spliced image tokens); idx still
-+        # gives B, T and the cache's positions
-+        x = self.token_embeddings(idx) if input_embeds is None else input_embeds  # (B, T, D)
-+        x = self.residual_stream(x)
-@@ def forward(
-         valid_mask: torch.Tensor | None = None,
-+        input_embeds: torch.Tensor | None = None,
-     ) -> torch.Tensor:
--        h = self.forward_hidden(idx, token_positions, kv_cache, valid_mask)  # (B, T, D)
-+        h = self.forward_hidden(idx, token_positions, kv_cache, valid_mask, input_embeds)
-"""
 
 
 def splice_image_embeds(
