@@ -89,7 +89,9 @@ def _dist_worker(rank: int, world: int, kind: str) -> dict:
     bias = torch.tensor(-3.0, dtype=torch.float64)
     loss = clip_loss(img, txt, s) if kind == "clip" else siglip_loss(img, txt, s, bias)
     loss.backward()
-    return {"loss": loss.item(), "img_grad": img.grad, "txt_grad": txt.grad}
+    # numpy arrays pickle by value; torch tensors would travel as file descriptors that die
+    # with this process before the parent reads them
+    return {"loss": loss.item(), "img_grad": img.grad.numpy(), "txt_grad": txt.grad.numpy()}
 
 
 @pytest.mark.dist
@@ -114,5 +116,6 @@ def test_gathered_loss_matches_full_batch(kind: str) -> None:
     assert math.isclose(mean_loss, full.item(), rel_tol=1e-10)
     for rank, r in enumerate(results):
         rows = slice(rank * 8, (rank + 1) * 8)
-        torch.testing.assert_close(r["img_grad"], world * img_all.grad[rows], rtol=1e-9, atol=1e-12)
-        torch.testing.assert_close(r["txt_grad"], world * txt_all.grad[rows], rtol=1e-9, atol=1e-12)
+        img_grad, txt_grad = torch.from_numpy(r["img_grad"]), torch.from_numpy(r["txt_grad"])
+        torch.testing.assert_close(img_grad, world * img_all.grad[rows], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(txt_grad, world * txt_all.grad[rows], rtol=1e-9, atol=1e-12)
