@@ -35,6 +35,7 @@ _STAGES: tuple[tuple[str, str], ...] = (
     ("lmforge.probe._cli", "probe a model: causality of MoE routing and of KV-cache decoding"),
     ("lmforge.recipe._cli", "the whole system as one resumable recipe with a report card"),
     ("lmforge.recipe._download_cli", "download a pretrained model (SmolLM2-135M-Instruct GGUF)"),
+    ("lmforge.vision._cli", "vision: CLIP/SigLIP pretraining, a LLaVA-style VLM, VQ-VAE tokens"),
 )
 
 EPILOG = """examples:

@@ -1,0 +1,156 @@
+"""VQ-VAE (straight-through, commitment, EMA codebook) and the interleaved image-token LM."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.utils.config import load_config
+from lmforge.vision.data import WordTokenizer
+from lmforge.vision.scenes import ProceduralScenes, vocabulary
+from lmforge.vision.vq_train import (
+    ImageTokenLMObjective,
+    TokenLayout,
+    VQObjective,
+    VQRunConfig,
+    caption_codes,
+    evaluate_vq,
+    generate_codes,
+    interleave,
+    run_vq,
+)
+from lmforge.vision.vqvae import VQVAE, EMACodebook, VQConfig
+
+
+def test_codebook_nearest_straight_through_and_ema_reference() -> None:
+    torch.manual_seed(0)
+    cb = EMACodebook(6, 3, decay=0.9, restart_below=0.0)
+    cb.initialized.fill_(1.0)  # keep the random codes (no data init) to test the EMA step alone
+    z = torch.randn(2, 3, 2, 2, requires_grad=True)
+    flat = z.detach().permute(0, 2, 3, 1).reshape(-1, 3)
+    embed0, size0, sum0 = cb.embed.clone(), cb.cluster_size.clone(), cb.embed_sum.clone()
+    zq, codes, commit, ppl = cb(z)
+    # nearest code by brute force
+    ref_idx = torch.stack([((embed0 - v) ** 2).sum(1).argmin() for v in flat])
+    assert torch.equal(codes.flatten(), ref_idx)
+    # straight-through: forward is the code, backward the identity
+    torch.testing.assert_close(zq.detach().permute(0, 2, 3, 1).reshape(-1, 3), embed0[ref_idx])
+    zq.sum().backward()
+    torch.testing.assert_close(z.grad, torch.ones_like(z))
+    torch.testing.assert_close(commit, F.mse_loss(flat, embed0[ref_idx]))
+    # EMA by hand
+    counts = torch.bincount(ref_idx, minlength=6).float()
+    sums = torch.zeros(6, 3).index_add_(0, ref_idx, flat)
+    size = 0.9 * size0 + 0.1 * counts
+    total = size.sum()
+    smoothed = (size + 1e-5) / (total + 6e-5) * total
+    torch.testing.assert_close(cb.embed, (0.9 * sum0 + 0.1 * sums) / smoothed[:, None])
+    p = counts / counts.sum()
+    torch.testing.assert_close(ppl, torch.exp(-(p[p > 0] * p[p > 0].log()).sum()))
+
+
+def test_dead_codes_restart_at_encoder_outputs() -> None:
+    torch.manual_seed(0)
+    cb = EMACodebook(4, 2, decay=0.5, restart_below=0.9)
+    cb.initialized.fill_(1.0)
+    z = torch.full((1, 2, 2, 2), 5.0)
+    cb(z)
+    assert (cb.embed == 5.0).all(dim=1).sum() >= 3  # unused codes moved onto the data
+
+
+def test_codes_start_at_the_first_batch() -> None:
+    torch.manual_seed(0)
+    cb = EMACodebook(8, 2, decay=0.99)
+    z = torch.randn(4, 2, 3, 3) * 50 + 100  # far from the random init's scale
+    _, codes, _, ppl = cb(z)
+    assert ppl > 2.0 and codes.unique().numel() > 2
+
+
+def test_vq_objective_learns() -> None:
+    torch.manual_seed(0)
+    scenes = ProceduralScenes(image_size=16)
+    vq = VQVAE(VQConfig(channels=16, code_dim=8, codebook_size=16))
+    obj = VQObjective(scenes, 8)
+    opt = torch.optim.Adam(vq.parameters(), lr=3e-3)
+    batch = obj.next_batch()
+    first = None
+    for _ in range(25):
+        loss, w = obj.loss(vq, batch)
+        first = first or loss.item()
+        opt.zero_grad()
+        (loss / w).backward()
+        opt.step()
+    assert loss.item() < 0.6 * first and obj.metrics()["perplexity"] >= 1.0
+    assert vq.encode(batch).shape == (8, 2, 2) and vq.decode(vq.encode(batch)).shape == batch.shape
+    res = evaluate_vq(vq, scenes, 8)
+    assert 0 < res["recon_mse"] < 1 and 1 <= res["perplexity"] <= 16
+
+
+def test_interleaved_sequences_and_decoding() -> None:
+    tok = WordTokenizer(vocabulary())
+    layout = TokenLayout(tok.vocab_size, 16)
+    codes = torch.tensor([[3, 0], [15, 7]])
+    gen = interleave(tok, layout, "one object", codes, generate=True)
+    assert gen == [
+        tok.bos_id,
+        *tok.encode("one object"),
+        layout.boi,
+        *(layout.first_code + torch.tensor([3, 0, 15, 7])).tolist(),
+        layout.eoi,
+        tok.eos_id,
+    ]
+    cap = interleave(tok, layout, "one object", codes, generate=False)
+    assert cap[1] == layout.boi and cap[-3:] == [*tok.encode("one object"), tok.eos_id][-3:]
+
+    torch.manual_seed(0)
+    scenes = ProceduralScenes(image_size=16)
+    vq = VQVAE(VQConfig(channels=16, code_dim=8, codebook_size=16))
+    lm = TransformerLM(
+        ModelConfig(
+            vocab_size=layout.vocab_size,
+            context_length=64,
+            d_model=32,
+            n_layers=1,
+            n_heads=2,
+            qk_norm=True,
+        )
+    )
+    obj = ImageTokenLMObjective(scenes, vq, tok, 4, z_loss=1e-4)
+    x, y = obj.next_batch()
+    loss, n = obj.loss(lm, (x, y))
+    assert n == (y != -100).sum() and torch.isfinite(loss)
+    said = caption_codes(lm, tok, layout, codes[None], max_words=5)
+    assert len(said) == 1 and all(w in tok.stoi for w in said[0].split())
+    sampled = generate_codes(lm, tok, layout, "one object", 2, 2, torch.Generator().manual_seed(0))
+    assert sampled.shape == (2, 2, 2) and sampled.min() >= 0 and sampled.max() < 16
+
+
+def test_run_vq_writes_pngs_and_results(tmp_path) -> None:
+    cfg = load_config(
+        VQRunConfig,
+        None,
+        [
+            "vq.channels=8",
+            "vq.code_dim=4",
+            "vq.codebook_size=8",
+            "vq_train.steps=3",
+            "vq_train.batch_size=4",
+            "vq_train.warmup=1",
+            "lm.d_model=16",
+            "lm.n_layers=1",
+            "lm.n_heads=2",
+            "lm_train.steps=2",
+            "lm_train.batch_size=4",
+            "lm_train.warmup=1",
+            "run.image_size=16",
+            "run.eval_images=4",
+            "run.samples=2",
+            f"run.out={tmp_path}",
+        ],
+    )
+    res = run_vq(cfg, log=lambda r: None)
+    assert {"recon_mse", "perplexity", "caption_exact", "gen_caption_exact"} <= set(res)
+    for name in ("recon.png", "samples.png", "results.json", "config.toml"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert (tmp_path / "recon.png").read_bytes()[:4] == b"\x89PNG"
