@@ -449,6 +449,7 @@ class TransformerLM(nn.Module):
         valid_mask: torch.Tensor | None = None,
         *,
         context: Context | None = None,
+        input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (B, T) -> hidden states after ``ln_final`` (B, T, D).
 
@@ -457,11 +458,13 @@ class TransformerLM(nn.Module):
         used with a ``kv_cache`` (see :class:`~lmforge.model.KVCache`). With a paged ``context``
         (:class:`~lmforge.model.context.Context`, one engine step) idx is (1, N), the step's
         tokens flattened, and the result (1, S, D) holds only the rows ``context.last_rows``
-        (every row when None).
+        (every row when None). ``input_embeds`` (B, T, D) replaces the token-embedding lookup
+        (a VLM's spliced image tokens, :mod:`lmforge.vision`); idx still gives B, T.
         """
         _, t = idx.shape
+        x = self.token_embeddings(idx) if input_embeds is None else input_embeds  # (B, T, D)
         if context is not None:
-            x = self.residual_stream(self.token_embeddings(idx))  # (1, N, D)
+            x = self.residual_stream(x)  # (1, N, D)
             for layer in self.layers:
                 x = layer(x, context=context)  # (1, N, D)
             if context.last_rows is not None:  # only each sequence's last token is sampled
@@ -478,7 +481,7 @@ class TransformerLM(nn.Module):
                 raise ValueError(
                     f"sequence length {t} exceeds context_length {self.config.context_length}"
                 )
-        x = self.residual_stream(self.token_embeddings(idx))  # (B, T, D)
+        x = self.residual_stream(x)  # (B, T, D)
         for layer in self.layers:
             if kv_cache is None:
                 x = layer(x, token_positions)  # (B, T, D)
@@ -519,10 +522,13 @@ class TransformerLM(nn.Module):
         valid_mask: torch.Tensor | None = None,
         *,
         context: Context | None = None,
+        input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (B, T) long -> logits (B, T, V). Arguments as in :meth:`forward_hidden`;
         with a paged ``context``, (1, N) -> (1, S, V) (see there)."""
-        h = self.forward_hidden(idx, token_positions, kv_cache, valid_mask, context=context)
+        h = self.forward_hidden(
+            idx, token_positions, kv_cache, valid_mask, context=context, input_embeds=input_embeds
+        )
         return self.logits_from_hidden(h, context)  # (B, T, V)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

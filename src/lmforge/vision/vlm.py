@@ -6,14 +6,6 @@ rows of the LM's input embeddings are replaced by the projected features (``mask
 order). The LM's own ``forward`` then runs every layer (the one-forward rule): the spliced
 embeddings enter through ``TransformerLM.forward(idx, input_embeds=...)``.
 
-``TransformerLM.forward`` in this checkout has no ``input_embeds`` argument yet (an optional
-(B, T, D) tensor used instead of ``token_embeddings(idx)`` in ``forward_hidden``, passed through
-by ``forward``: a four-line change). Until it lands, :func:`lm_forward_with_embeds`
-reaches the same result with a forward hook on ``lm.token_embeddings`` that returns the spliced
-tensor in place of the lookup — a documented ``nn.Module`` extension point, installed for the
-one call and removed after it; the model's forward still runs all layers. Tests check the two
-paths give the same logits as running the blocks by hand.
-
 Shape legend: B batch, T tokens, N image tokens per image, D LM width, Dv ViT width.
 Exercised by ``pytest tests/test_vision_vlm.py``.
 """
@@ -21,7 +13,6 @@ Exercised by ``pytest tests/test_vision_vlm.py``.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import random
 from typing import Any
 
@@ -55,15 +46,8 @@ def lm_forward_with_embeds(
     lm: nn.Module, tokens: torch.Tensor, input_embeds: torch.Tensor
 ) -> torch.Tensor:
     """``lm(tokens)`` with ``input_embeds`` (B, T, D) in place of the token-embedding lookup:
-    through ``input_embeds=`` when ``lm.forward`` takes it, else through a forward hook on
-    ``lm.token_embeddings`` held for this call only (the bridge described in the module doc)."""
-    if "input_embeds" in inspect.signature(lm.forward).parameters:
-        return lm(tokens, input_embeds=input_embeds)
-    handle = lm.token_embeddings.register_forward_hook(lambda mod, args, out: input_embeds)
-    try:
-        return lm(tokens)
-    finally:
-        handle.remove()
+    the LM's own forward runs every layer (``TransformerLM.forward(..., input_embeds=)``)."""
+    return lm(tokens, input_embeds=input_embeds)
 
 
 class Projector(nn.Module):
