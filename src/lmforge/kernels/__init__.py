@@ -1,4 +1,5 @@
-"""Fused kernels: FlashAttention-2, RMSNorm, linear + cross-entropy, RoPE, SwiGLU gate, AdamW.
+"""Fused kernels: FlashAttention-2, RMSNorm, linear + cross-entropy, RoPE, SwiGLU gate, AdamW,
+the chunked gated delta rule (Gated DeltaNet).
 
 This is the public API.
 
@@ -22,6 +23,12 @@ from lmforge.kernels.flash_attention import (
     attention_reference,
     flash_attention,
     flash_supported,
+)
+from lmforge.kernels.gated_delta import (
+    gated_delta_chunked_torch,
+    gated_delta_reference,
+    gated_delta_rule,
+    gated_delta_step,
 )
 from lmforge.kernels.rms_norm import (
     rms_norm,
@@ -52,6 +59,10 @@ __all__ = [
     "flash_attention",
     "flash_supported",
     "fused_linear_cross_entropy",
+    "gated_delta_chunked_torch",
+    "gated_delta_reference",
+    "gated_delta_rule",
+    "gated_delta_step",
     "linear_cross_entropy_reference",
     "rms_norm",
     "rms_norm_reference",
