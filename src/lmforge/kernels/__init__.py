@@ -1,5 +1,5 @@
 """Fused kernels: FlashAttention-2, RMSNorm, linear + cross-entropy, RoPE, SwiGLU gate, AdamW,
-the chunked gated delta rule (Gated DeltaNet).
+the chunked gated delta rule (Gated DeltaNet), decayed linear attention and Mamba-2 SSD.
 
 This is the public API.
 
@@ -41,6 +41,15 @@ from lmforge.kernels.rope import (
     rope_packed_reference,
     rope_reference,
 )
+from lmforge.kernels.ssd import (
+    linear_attention,
+    linear_attention_chunked_torch,
+    linear_attention_reference,
+    linear_attention_step,
+    ssd,
+    ssd_reference,
+    ssd_step,
+)
 from lmforge.kernels.swiglu import (
     swiglu,
     swiglu_packed,
@@ -63,6 +72,10 @@ __all__ = [
     "gated_delta_reference",
     "gated_delta_rule",
     "gated_delta_step",
+    "linear_attention",
+    "linear_attention_chunked_torch",
+    "linear_attention_reference",
+    "linear_attention_step",
     "linear_cross_entropy_reference",
     "rms_norm",
     "rms_norm_reference",
@@ -71,6 +84,9 @@ __all__ = [
     "rope_packed",
     "rope_packed_reference",
     "rope_reference",
+    "ssd",
+    "ssd_reference",
+    "ssd_step",
     "swiglu",
     "swiglu_packed",
     "swiglu_packed_reference",
