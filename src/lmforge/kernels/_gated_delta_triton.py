@@ -7,7 +7,7 @@ the global chunk list is sequence-major, so chunk ``chunk_offsets[n] + c`` is ch
 
 Forward, three launches:
   1. ``_wy_fwd`` (chunks × heads, parallel): G = cumsum g in the chunk, A = strict-lower
-     β_i e^{G_i−G_j} k_i·k_j, T = (I+A)⁻¹ by forward substitution, W = T·diag(βe^G)·K and
+     β_i e^{G_i−G_j} k_i·k_j, T = (I+A)⁻¹ by recursive doubling of diagonal blocks, W = T·diag(βe^G)·K and
      U = T·diag(β)·V (the WY / UT form of the chunk's delta-rule products).
   2. ``_state_fwd`` (V-blocks × sequences·heads, sequential over chunks): stores each chunk's start
      state h, δ = U − W·h (the corrected values), h ← e^{G_last} h + (e^{G_last−G}K)ᵀδ.
@@ -39,6 +39,7 @@ def _wy_fwd(
     K_ptr, V_ptr, G_in, B_ptr, GC, TINV, W_ptr, U_ptr, CHUNKS, CU,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    LOG_BT: tl.constexpr, PREC_T: tl.constexpr,
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -66,12 +67,17 @@ def _wy_fwd(
     kk = tl.dot(k, tl.trans(k), input_precision=PREC)  # (BT, BT)
     A = tl.where(strict, b[:, None] * kk * decay, 0.0)
 
-    # T = (I + A)⁻¹, A strictly lower: row i of T is e_i − Σ_{j<i} A_ij T_j (rows j < i are final).
+    # T = (I + A)⁻¹ by recursive doubling: with T_b the inverse of I + A's diagonal b×b blocks,
+    # each 2b-block [[X, 0], [Y, Z]] has inverse T_b − T_b·[[0, 0], [Y, 0]]·T_b, exactly. log2(BT)
+    # steps of two BT×BT matmuls (tensor cores) instead of a BT-step row-by-row substitution.
     Tm = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        a_i = tl.sum(tl.where(rows[:, None] == i, A, 0.0), 0)  # (BT,) row i of A, over j
-        t_i = tl.sum(a_i[:, None] * Tm, 0)  # (BT,) Σ_j A_ij T_j
-        Tm = tl.where(rows[:, None] == i, Tm - t_i[None, :], Tm)
+    for s in tl.static_range(LOG_BT):
+        half = 1 << s  # the block size before this step
+        off = (rows[:, None] // (2 * half) == rows[None, :] // (2 * half)) & (
+            rows[:, None] // half != rows[None, :] // half
+        )
+        TA = tl.dot(Tm, tl.where(off, A, 0.0), input_precision=PREC_T)
+        Tm = Tm - tl.dot(TA, Tm, input_precision=PREC_T)
     tl.store(TINV + ((i_c * H + i_h) * BT + rows[:, None]) * BT + rows[None, :], Tm)
 
     Tc = Tm.to(DT)
@@ -367,19 +373,38 @@ def _meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
 
 
 def chunk_tables(
-    cu_seqlens: torch.Tensor, chunk_size: int
+    cu_seqlens: torch.Tensor, chunk_size: int, seq_len: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(chunks (NC, 2) int32 [sequence, chunk in it], chunk_offsets (N,) int32, NC) for the
-    sequence-major global chunk list of ``cu_seqlens`` (read on the host once per call)."""
+    sequence-major global chunk list. ``seq_len`` > 0: every sequence has that length (a batch),
+    and the tables are built on the device without reading ``cu_seqlens`` back; otherwise the
+    offsets are read on the host once (the grid size depends on them)."""
+    dev = cu_seqlens.device
+    N = cu_seqlens.numel() - 1
+    if seq_len > 0:
+        per = -(-seq_len // chunk_size)
+        idx = torch.arange(N * per, device=dev, dtype=torch.int32)  # (NC,)
+        table = torch.stack([idx // per, idx % per], 1)  # (NC, 2)
+        return table, torch.arange(N, device=dev, dtype=torch.int32) * per, N * per
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     counts = [-(-n // chunk_size) for n in lens]
     chunks = [(i, c) for i, m in enumerate(counts) for c in range(m)]
     offsets = [0]
     for m in counts[:-1]:
         offsets.append(offsets[-1] + m)
-    dev = cu_seqlens.device
     table = torch.tensor(chunks, dtype=torch.int32, device=dev).reshape(-1, 2)  # (NC, 2)
     return table, torch.tensor(offsets, dtype=torch.int32, device=dev), len(chunks)
+
+
+def _state_block(meta: dict, n_programs: int, device: torch.device) -> dict:
+    # The sequential state kernels run one program per (V block, sequence, head): with few long
+    # sequences, halve the V block so twice as many SMs share the recurrence.
+    if device.type != "cuda":
+        return meta
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if meta["BV"] > 32 and n_programs * triton.cdiv(meta["V"], meta["BV"]) < 2 * sms:
+        return dict(meta, BV=32)
+    return meta
 
 
 def _prepare(q: torch.Tensor) -> None:
@@ -394,23 +419,29 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
     tinv = torch.empty(nc, H, BT, BT, **f32)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    _wy_fwd[(nc, H)](k, v, g, beta, gc, tinv, w, u, chunks, cu, **meta, num_warps=4)
+    # The inverse's matmuls in TF32 for bf16 inputs (T is rounded to bf16 right after: TF32's
+    # 10-bit mantissa is below that error; 3×TF32 spilled registers on sm_90).
+    prec_t = "ieee" if meta["PREC"] == "ieee" else "tf32"
+    _wy_fwd[(nc, H)](
+        k, v, g, beta, gc, tinv, w, u, chunks, cu, **meta,
+        LOG_BT=BT.bit_length() - 1, PREC_T=prec_t, num_warps=4,
+    )  # fmt: skip
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     vn = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if store_ht else None
-    grid = (triton.cdiv(V, meta["BV"]), N * H)
-    _state_fwd[grid](
-        k, w, u, gc, h0, hs, vn, ht, cu, coff, **meta,
+    sm = _state_block(meta, N * H, k.device)
+    _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
+        k, w, u, gc, h0, hs, vn, ht, cu, coff, **sm,
         HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4,
     )  # fmt: skip
     return gc, tinv, w, hs, vn, ht
 
 
-def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht):
+def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     """o (N_tok, H, V) in q's dtype and the final states (N, H, K, V) float32 (or None)."""
     _prepare(q)
     meta = _meta(q, v, chunk_size)
-    chunks, coff, nc = chunk_tables(cu, chunk_size)
+    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
     gc, _tinv, _w, hs, vn, ht = _wy_and_states(
         k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta
     )
@@ -420,20 +451,20 @@ def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht):
     return o, ht
 
 
-def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht):
+def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     """(dq, dk, dv, dg, dβ, dh0): input gradients, recomputing the forward's chunk states."""
     _prepare(q)
     meta = _meta(q, v, chunk_size)
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
-    chunks, coff, nc = chunk_tables(cu, chunk_size)
+    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
     gc, tinv, w, hs, vn, _ = _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, False, meta)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty(nc, H, K, V, **f32)
     dvn = torch.empty(v.shape, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    grid = (triton.cdiv(V, meta["BV"]), N * H)
-    _state_bwd[grid](
-        q, k, w, gc, do, dht, dhs, dvn, dh0, cu, coff, scale, **meta,
+    sm = _state_block(meta, N * H, k.device)
+    _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
+        q, k, w, gc, do, dht, dhs, dvn, dh0, cu, coff, scale, **sm,
         HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4,
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
-from lmforge.kernels._gated_delta_triton import chunk_tables
+from lmforge.kernels._gated_delta_triton import _state_block, chunk_tables
 
 
 @triton.jit
@@ -259,19 +259,20 @@ def _states(k, v, g, cu, coff, nc, h0, store_ht, meta):
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     ht = torch.empty(N, H, K, V, device=k.device, dtype=torch.float32) if store_ht else None
-    _state_fwd[(triton.cdiv(V, meta["BV"]), N * H)](
-        k, v, g, h0, hs, ht, cu, coff, **meta,
+    sm = _state_block(meta, N * H, k.device)
+    _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
+        k, v, g, h0, hs, ht, cu, coff, **sm,
         HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4,
     )  # fmt: skip
     return hs, ht
 
 
-def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht):
+def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     """o (N_tok, H, V) in q's dtype and the final states (N, H, K, V) float32 (or None)."""
     if interpreting():
         ensure_interpreter_compat()
     meta = _meta(q, v, chunk_size)
-    chunks, coff, nc = chunk_tables(cu, chunk_size)
+    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
     hs, ht = _states(k, v, g, cu, coff, nc, h0, store_ht, meta)
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
@@ -279,19 +280,20 @@ def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht):
     return o, ht
 
 
-def backward(q, k, v, g, scale, h0, cu, chunk_size, do, dht):
+def backward(q, k, v, g, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     """(dq, dk, dv, dg, dh0), recomputing the forward's chunk states."""
     if interpreting():
         ensure_interpreter_compat()
     meta = _meta(q, v, chunk_size)
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
-    chunks, coff, nc = chunk_tables(cu, chunk_size)
+    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
     hs, _ = _states(k, v, g, cu, coff, nc, h0, False, meta)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty(nc, H, K, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    _state_bwd[(triton.cdiv(V, meta["BV"]), N * H)](
-        q, g, do, dht, dhs, dh0, cu, coff, scale, **meta,
+    sm = _state_block(meta, N * H, k.device)
+    _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
+        q, g, do, dht, dhs, dh0, cu, coff, scale, **sm,
         HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4,
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

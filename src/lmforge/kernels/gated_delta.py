@@ -226,12 +226,14 @@ class GatedDeltaTriton(torch.autograd.Function):
     """The Triton chunked kernels as one differentiable op over packed (N_tok, H, ·) tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, cu, scale, chunk_size, store_ht):
+    def forward(ctx, q, k, v, g, beta, h0, cu, scale, chunk_size, store_ht, seq_len):
         from lmforge.kernels import _gated_delta_triton
 
-        o, ht = _gated_delta_triton.forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht)
+        o, ht = _gated_delta_triton.forward(
+            q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len
+        )
         ctx.save_for_backward(q, k, v, g, beta, h0, cu)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.scale, ctx.chunk_size, ctx.seq_len = scale, chunk_size, seq_len
         ctx.set_materialize_grads(False)
         return o, ht
 
@@ -245,8 +247,9 @@ class GatedDeltaTriton(torch.autograd.Function):
         dq, dk, dv, dg, db, dh0 = _gated_delta_triton.backward(
             q, k, v, g, beta, ctx.scale, h0, cu, ctx.chunk_size,
             do.to(q.dtype).contiguous(), None if dht is None else dht.float().contiguous(),
+            ctx.seq_len,
         )  # fmt: skip
-        return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, None, None, None, None
+        return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, None, None, None, None, None
 
 
 def resolve_backend(backend: str, *tensors: Tensor) -> str:
@@ -312,6 +315,9 @@ def gated_delta_rule(
     v2 = _flatten(v, None).to(dt).contiguous()  # (B·T, H, V)
     g2, b2 = (_flatten(x, None).float().contiguous() for x in (g, beta))  # (B·T, H)
     h0 = None if initial_state is None else initial_state.float().contiguous()
-    o, ht = GatedDeltaTriton.apply(q2, k2, v2, g2, b2, h0, cu, s, chunk_size, output_final_state)
+    seq_len = T if cu_seqlens is None else 0  # equal lengths: chunk tables without a host sync
+    o, ht = GatedDeltaTriton.apply(
+        q2, k2, v2, g2, b2, h0, cu, s, chunk_size, output_final_state, seq_len
+    )
     del n
     return o.reshape(B, T, H, V).to(v.dtype), ht

@@ -153,12 +153,12 @@ class LinearAttentionTriton(torch.autograd.Function):
     """The Triton chunked kernels as one differentiable op over packed (N_tok, H, ·) tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, cu, scale, chunk_size, store_ht):
+    def forward(ctx, q, k, v, g, h0, cu, scale, chunk_size, store_ht, seq_len):
         from lmforge.kernels import _ssd_triton
 
-        o, ht = _ssd_triton.forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht)
+        o, ht = _ssd_triton.forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len)
         ctx.save_for_backward(q, k, v, g, h0, cu)
-        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.scale, ctx.chunk_size, ctx.seq_len = scale, chunk_size, seq_len
         ctx.set_materialize_grads(False)
         return o, ht
 
@@ -172,8 +172,9 @@ class LinearAttentionTriton(torch.autograd.Function):
         dq, dk, dv, dg, dh0 = _ssd_triton.backward(
             q, k, v, g, ctx.scale, h0, cu, ctx.chunk_size,
             do.to(q.dtype).contiguous(), None if dht is None else dht.float().contiguous(),
+            ctx.seq_len,
         )  # fmt: skip
-        return dq, dk, dv, dg, dh0, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None
 
 
 def linear_attention(
@@ -225,8 +226,9 @@ def linear_attention(
         else _flatten(g, None).float().contiguous()
     )  # (B·T, H)
     h0 = None if initial_state is None else initial_state.float().contiguous()
+    seq_len = T if cu_seqlens is None else 0  # equal lengths: chunk tables without a host sync
     o, ht = LinearAttentionTriton.apply(
-        q2, k2, v2, g2, h0, cu, float(scale), chunk_size, output_final_state
+        q2, k2, v2, g2, h0, cu, float(scale), chunk_size, output_final_state, seq_len
     )
     return o.reshape(B, T, H, V).to(v.dtype), ht
 
