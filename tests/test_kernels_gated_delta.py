@@ -87,6 +87,29 @@ def _chunked(chunk, backend):
     return run
 
 
+def _sm90_arg(name: str) -> tuple[str, bool]:
+    # Triton signature types of the kernels' arguments: bf16 activations, fp32 decays/states.
+    if name in ("CHUNKS", "CU", "COFF"):
+        return "*i32", True
+    if name == "scale":
+        return "fp32", False
+    bf16 = {
+        "K_ptr",
+        "V_ptr",
+        "Q_ptr",
+        "W_ptr",
+        "U_ptr",
+        "HS",
+        "VN",
+        "O_ptr",
+        "DO",
+        "DQ",
+        "DK",
+        "DV",
+    }
+    return ("*bf16" if name in bf16 else "*fp32"), True
+
+
 if not _CHILD:
 
     @pytest.mark.parametrize("chunk", [16, 32, 64])
@@ -144,6 +167,28 @@ if not _CHILD:
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
     def test_triton_kernels_in_interpreter_subprocess_larger() -> None:
         run_pytest_in_interpreter(__file__, "-m", "slow", timeout=1800)
+
+    @pytest.mark.slow
+    @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
+    @pytest.mark.parametrize(
+        "kernel", ["_wy_fwd", "_state_fwd", "_output_fwd", "_dv_local", "_state_bwd", "_grad"]
+    )
+    def test_kernels_compile_for_sm90(kernel: str) -> None:
+        # Hopper lowering on the CPU (no GPU): bf16, d = 128, chunk 64, the launch's warps.
+        from _sm90 import compile_sm90, ptxas_registers
+        from lmforge.kernels import _gated_delta_triton as mod
+
+        meta = dict(H=16, K=128, V=128, BT=64, BK=128, BV=64, PREC="tf32")
+        extra = {
+            "_wy_fwd": dict(LOG_BT=6, PREC_T="tf32"),
+            "_state_fwd": dict(HAS_H0=True, STORE_HT=True),
+            "_state_bwd": dict(HAS_DHT=True, STORE_DH0=True),
+        }.get(kernel, {})
+        compiled = compile_sm90(
+            getattr(mod, kernel), meta | extra, _sm90_arg, 8 if kernel == "_grad" else 4, stages=2
+        )
+        assert "wgmma" in compiled.asm["ptx"]  # Hopper tensor-core matmuls
+        ptxas_registers(compiled.asm["ptx"])  # ptxas accepts it
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("chunk", [32, 64])

@@ -13,8 +13,9 @@ Forward, three launches:
      state h, δ = U − W·h (the corrected values), h ← e^{G_last} h + (e^{G_last−G}K)ᵀδ.
   3. ``_output_fwd`` (V-blocks × chunks × heads, parallel): o = s(e^G ⊙ Q h + (QKᵀ⊙Γ⊙M) δ).
 Backward, after re-running 1–2 (nothing but q/k/v/g/β and the initial state is saved):
-  4. ``_state_bwd`` (sequential, reverse): stores dh (the gradient of each chunk's end state),
-     dδ = s(QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G}K) dh, dh ← e^{G_last} dh + s(e^G Q)ᵀdO − Wᵀdδ.
+  4. ``_dv_local`` (parallel) then ``_state_bwd`` (sequential, reverse): stores dh (the
+     gradient of each chunk's end state), dδ = s(QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G}K) dh (the first
+     term from ``_dv_local``), dh ← e^{G_last} dh + s(e^G Q)ᵀdO − Wᵀdδ.
   5. ``_grad`` (chunks × heads, parallel): dq, dk, dv, dβ, dg of one chunk from h, dh, δ, dδ.
 
 Per-chunk cumulative decays G and the inverses T live in padded per-chunk buffers (NC, H, BT) and
@@ -189,6 +190,40 @@ def _output_fwd(
 
 # ----------------------------------------------------------------------------------- backward
 @triton.jit
+def _dv_local(
+    Q_ptr, K_ptr, GC, DO, DVN, CHUNKS, CU, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    # The chunk-local part of dδ, s·(QKᵀ⊙Γ⊙M)ᵀ dO, off the sequential recurrence's path.
+    i_v = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    n = tl.load(CHUNKS + 2 * i_c)
+    c = tl.load(CHUNKS + 2 * i_c + 1)
+    bos = tl.load(CU + n)
+    eos = tl.load(CU + n + 1)
+    rows = tl.arange(0, BT)
+    tt = (bos + c * BT + rows).to(tl.int64)
+    mt = tt < eos
+    ks = tl.arange(0, BK)
+    vs = i_v * BV + tl.arange(0, BV)
+    mtk = mt[:, None] & (ks < K)[None, :]
+    mtv = mt[:, None] & (vs < V)[None, :]
+    DT = Q_ptr.dtype.element_ty
+    q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
+    k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
+    do = tl.load(DO + (tt[:, None] * H + i_h) * V + vs[None, :], mask=mtv, other=0.0)
+    G = tl.load(GC + (i_c.to(tl.int64) * H + i_h) * BT + rows)
+    # Pᵀ is upper triangular: entry (j, i) = k_j·q_i e^{G_i − G_j} for i ≥ j.
+    upper = rows[:, None] <= rows[None, :]
+    kq = tl.dot(k, tl.trans(q), input_precision=PREC)  # (BT, BT)
+    Pt = tl.where(upper, kq * tl.exp(tl.where(upper, G[None, :] - G[:, None], 0.0)), 0.0)
+    dvl = scale * tl.dot(Pt.to(DT), do.to(DT), input_precision=PREC)  # (BT, BV)
+    tl.store(DVN + (tt[:, None] * H + i_h) * V + vs[None, :], dvl, mask=mtv)
+
+
+@triton.jit
 def _state_bwd(
     Q_ptr, K_ptr, W_ptr, GC, DO, DHT, DHS, DVN, DH0, CU, COFF, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -211,8 +246,6 @@ def _state_bwd(
     mkv = mk[:, None] & mv[None, :]
     DT = Q_ptr.dtype.element_ty
     state_offs = ks[:, None] * V + vs[None, :]
-    # Pᵀ is upper triangular: entry (j, i) = k_j·q_i e^{G_i − G_j} for i ≥ j.
-    upper = rows[:, None] <= rows[None, :]
 
     dh = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_DHT:
@@ -231,12 +264,12 @@ def _state_bwd(
         do = tl.load(DO + (tt[:, None] * H + i_h) * V + vs[None, :], mask=mtv, other=0.0)
         G = tl.load(GC + (i_c * H + i_h) * BT + rows)
         g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
-        kq = tl.dot(k, tl.trans(q), input_precision=PREC)  # (BT, BT)
-        Pt = tl.where(upper, kq * tl.exp(tl.where(upper, G[None, :] - G[:, None], 0.0)), 0.0)
         kd = (k * tl.exp(g_last - G)[:, None]).to(DT)
-        dvn = scale * tl.dot(Pt.to(DT), do, input_precision=PREC)
+        # dδ = s·Pᵀ dO (chunk-local, from _dv_local) + (e^{G_last−G} K) dh.
+        tok_v = (tt[:, None] * H + i_h) * V + vs[None, :]
+        dvn = tl.load(DVN + tok_v, mask=mtv, other=0.0)
         dvn += tl.dot(kd, dh.to(DT), input_precision=PREC)  # (BT, BV)
-        tl.store(DVN + (tt[:, None] * H + i_h) * V + vs[None, :], dvn, mask=mtv)
+        tl.store(DVN + tok_v, dvn, mask=mtv)
         qg = (q * (scale * tl.exp(G))[:, None]).to(DT)
         dh = dh * tl.exp(g_last) + tl.dot(tl.trans(qg), do.to(DT), input_precision=PREC)
         dh -= tl.dot(tl.trans(w), dvn.to(DT), input_precision=PREC)
@@ -462,6 +495,9 @@ def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     dhs = torch.empty(nc, H, K, V, **f32)
     dvn = torch.empty(v.shape, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
+    _dv_local[(triton.cdiv(V, meta["BV"]), nc, H)](
+        q, k, gc, do, dvn, chunks, cu, scale, **meta, num_warps=4
+    )
     sm = _state_block(meta, N * H, k.device)
     _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
         q, k, w, gc, do, dht, dhs, dvn, dh0, cu, coff, scale, **sm,
