@@ -227,6 +227,18 @@ else:
         _compare_linear("triton", 16, *CASES[1], decay=False)
         _compare_ssd("triton", 16, [0, 7, 8, 45])
 
+    @pytest.mark.parametrize("decay", [True, False])
+    def test_triton_step_matches_torch_step(decay: bool) -> None:
+        gen = torch.Generator().manual_seed(5)
+        q, k, v = _rand(gen, 3, 2, 12), _rand(gen, 3, 2, 12), _rand(gen, 3, 2, 20)
+        g = -torch.rand(3, 2, generator=gen, dtype=torch.float64) if decay else None
+        S = _rand(gen, 3, 2, 12, 20)
+        f32 = [None if x is None else x.float() for x in (q, k, v, g, S)]
+        o, S_new = linear_attention_step(*f32[:4], f32[4], scale=0.5, backend="triton")
+        o_ref, S_ref = linear_attention_step(q, k, v, g, S, scale=0.5, backend="torch")
+        torch.testing.assert_close(o.double(), o_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(S_new.double(), S_ref, rtol=1e-5, atol=1e-5)
+
     @pytest.mark.slow
     @pytest.mark.parametrize("chunk", [32, 64])
     def test_triton_matches_reference_larger(chunk: int) -> None:

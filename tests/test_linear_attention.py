@@ -5,9 +5,13 @@ ones, gradients reach every parameter, and the state has a constant, stated size
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
+from _interp import run_pytest_in_interpreter
 from lmforge.model.linear_attention import (
     GatedDeltaNet,
     LinearAttention,
@@ -135,3 +139,11 @@ def test_short_conv_matches_torch_conv1d() -> None:
 def test_bad_mamba_width_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match="not a multiple of head_dim"):
         Mamba2Mixer(40, head_dim=64)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already the child")
+def test_layers_on_the_triton_kernels_in_interpreter_subprocess() -> None:
+    # The same tests with backend "auto" resolving to the Triton kernels (chunked and step).
+    run_pytest_in_interpreter(__file__, timeout=1200)

@@ -511,3 +511,52 @@ def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht, seq_len=0):
         **meta, num_warps=8,
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
+
+
+# --------------------------------------------------------------------------------- decoding
+@triton.jit
+def _step(
+    Q_ptr, K_ptr, V_ptr, G_in, B_ptr, S_in, S_out, O_ptr, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DELTA: tl.constexpr,
+):  # fmt: skip
+    # One token of one sequence and head, on a K × BV slice of its state: one read and one write
+    # of the state (the decode step is bound by the state's bytes).
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1).to(tl.int64)
+    ks = tl.arange(0, BK)
+    vs = i_v * BV + tl.arange(0, BV)
+    mk = ks < K
+    mv = vs < V
+    mkv = mk[:, None] & mv[None, :]
+    offs = i_nh * K * V + ks[:, None] * V + vs[None, :]
+    S = tl.load(S_in + offs, mask=mkv, other=0.0).to(tl.float32)  # (BK, BV)
+    q = tl.load(Q_ptr + i_nh * K + ks, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(K_ptr + i_nh * K + ks, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(V_ptr + i_nh * V + vs, mask=mv, other=0.0).to(tl.float32)
+    S = S * tl.exp(tl.load(G_in + i_nh).to(tl.float32))
+    if DELTA:
+        beta = tl.load(B_ptr + i_nh).to(tl.float32)
+        v = beta * (v - tl.sum(k[:, None] * S, 0))  # β(v − Sᵀk)
+    S = S + k[:, None] * v[None, :]
+    o = scale * tl.sum(q[:, None] * S, 0)  # (BV,)
+    tl.store(S_out + offs, S, mask=mkv)
+    tl.store(O_ptr + i_nh * V + vs, o.to(O_ptr.dtype.element_ty), mask=mv)
+
+
+def step(q, k, v, g, beta, state, scale):
+    """One decoding token: q, k (N, H, K), v (N, H, V), g, β (N, H) (β None: no delta rule),
+    state (N, H, K, V) float32 → (o (N, H, V) in v's dtype, the new state)."""
+    if interpreting():
+        ensure_interpreter_compat()
+    N, H, K = q.shape
+    V = v.shape[-1]
+    BK = max(16, triton.next_power_of_2(K))
+    BV = max(16, min(32, triton.next_power_of_2(V)))
+    new = torch.empty_like(state)
+    o = torch.empty_like(v)
+    _step[(triton.cdiv(V, BV), N * H)](
+        q, k, v, g, beta, state, new, o, scale, H=H, K=K, V=V, BK=BK, BV=BV,
+        DELTA=beta is not None, num_warps=4,
+    )  # fmt: skip
+    return o, new

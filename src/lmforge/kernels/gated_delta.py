@@ -142,11 +142,20 @@ def gated_delta_step(
     state: Tensor,
     *,
     scale: float | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """One decoding step for N sequences: q, k (N, H, K), v (N, H, V), g, β (N, H), state
-    (N, H, K, V) float32. Returns (o (N, H, V) in v's dtype, the new state, float32)."""
-    acc = state.dtype
+    (N, H, K, V) float32. Returns (o (N, H, V) in v's dtype, the new state). ``triton`` (the
+    ``auto`` choice on CUDA) is one fused kernel reading and writing the state once; ``torch``
+    and ``reference`` are the same math in torch (the state's dtype, e.g. float64, kept)."""
     s = q.shape[-1] ** -0.5 if scale is None else scale
+    if resolve_backend(backend, q, k, v, state) == "triton":
+        from lmforge.kernels import _gated_delta_triton
+
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        g, beta = g.float().contiguous(), beta.float().contiguous()
+        return _gated_delta_triton.step(q, k, v, g, beta, state.float().contiguous(), s)
+    acc = state.dtype
     qf, kf, vf, gf, bf = (x.to(acc) for x in (q, k, v, g, beta))
     S = state * gf.exp()[..., None, None]  # (N, H, K, V)
     kS = torch.einsum("nhk,nhkv->nhv", kf, S)

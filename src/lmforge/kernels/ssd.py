@@ -82,9 +82,17 @@ def linear_attention_step(
     state: Tensor,
     *,
     scale: float = 1.0,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """One decoding step: q, k (N, H, K), v (N, H, V), g (N, H) or None, state (N, H, K, V).
-    Returns (o (N, H, V) in v's dtype, the new state in the state's dtype)."""
+    Returns (o (N, H, V) in v's dtype, the new state). ``triton`` (``auto`` on CUDA) is one fused
+    kernel; ``torch`` / ``reference`` keep the state's dtype."""
+    if resolve_backend(backend, q, k, v, state) == "triton":
+        from lmforge.kernels import _gated_delta_triton
+
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        g = torch.zeros(q.shape[:2], device=q.device) if g is None else g.float().contiguous()
+        return _gated_delta_triton.step(q, k, v, g, None, state.float().contiguous(), float(scale))
     acc = state.dtype
     S = state if g is None else state * g.to(acc).exp()[..., None, None]  # (N, H, K, V)
     S = S + k.to(acc)[..., :, None] * v.to(acc)[..., None, :]
@@ -332,14 +340,16 @@ def ssd_step(
     state: Tensor,
     *,
     D: Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """One decoding step: x (N, H, P), dt (N, H), A (H,), B, C (N, G, N_s), state (N, H, N_s, P).
-    Returns (y (N, H, P) in x's dtype, the new state in the state's dtype)."""
+    Returns (y (N, H, P) in x's dtype, the new state); backends as :func:`linear_attention_step`."""
     H = x.shape[1]
     rep = H // B.shape[1]
     q, k = C.repeat_interleave(rep, 1), B.repeat_interleave(rep, 1)  # (N, H, N_s)
     v = x.to(state.dtype) * dt.to(state.dtype)[..., None]
-    y, state = linear_attention_step(q, k, v, dt.to(state.dtype) * A.to(state.dtype), state)
+    g = dt.to(state.dtype) * A.to(state.dtype)  # (N, H)
+    y, state = linear_attention_step(q, k, v, g, state, backend=backend)
     if D is not None:
         y = y + D.to(state.dtype)[:, None] * x.to(state.dtype)
     return y.to(x.dtype), state
