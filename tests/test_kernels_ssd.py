@@ -227,6 +227,16 @@ else:
         _compare_linear("triton", 16, *CASES[1], decay=False)
         _compare_ssd("triton", 16, [0, 7, 8, 45])
 
+    def test_custom_ops_opcheck() -> None:
+        # torch.ops.lmforge.decay_linear_attn_fwd/_bwd: schema, fakes, autograd registration.
+        gen = torch.Generator().manual_seed(6)
+        q, k, v = (torch.randn(40, 2, 16, generator=gen).requires_grad_() for _ in range(3))
+        g = (-torch.rand(40, 2, generator=gen)).requires_grad_()
+        h0 = torch.randn(3, 2, 16, 16, generator=gen).requires_grad_()
+        cu = torch.tensor([0, 7, 30, 40], dtype=torch.int32)
+        args = (q, k, v, g, h0, cu, 0.5, 16, True, 0)
+        torch.library.opcheck(torch.ops.lmforge.decay_linear_attn_fwd.default, args)
+
     @pytest.mark.parametrize("decay", [True, False])
     def test_triton_step_matches_torch_step(decay: bool) -> None:
         gen = torch.Generator().manual_seed(5)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
+from lmforge.kernels._ops import _define
 
 BACKENDS = ("auto", "triton", "torch", "reference")
 
@@ -80,7 +81,12 @@ def check_inputs(
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be 1 (packed), got B = {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens[0].item() != 0 or cu_seqlens[-1].item() != T:
+        # The values are read back from the device, so not while torch.compile traces.
+        bad = cu_seqlens.dim() != 1 or (
+            not torch.compiler.is_compiling()
+            and (cu_seqlens[0].item() != 0 or cu_seqlens[-1].item() != T)
+        )
+        if bad:
             raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at T = {T}")
         n = cu_seqlens.numel() - 1
     else:
@@ -231,34 +237,111 @@ def gated_delta_chunked_torch(
 
 
 # ------------------------------------------------------------------------------ Triton path
-class GatedDeltaTriton(torch.autograd.Function):
-    """The Triton chunked kernels as one differentiable op over packed (N_tok, H, ·) tensors."""
+# The Triton path is a pair of torch custom ops (``torch.ops.lmforge.gated_delta_fwd`` / ``_bwd``,
+# see ``_ops``): the forward's registered autograd — the role of an autograd.Function — saves the
+# inputs and calls the backward op, and torch.compile sees one node instead of a graph break.
+# Over packed tensors: q, k (N_tok, H, K), v (N_tok, H, V), g, β (N_tok, H) float32, h0
+# (N, H, K, V) float32 or None, cu (N + 1,) int32; ht is (0,) when not asked for.
+def _gdn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    store_ht: bool,
+    seq_len: int,
+) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _gated_delta_triton
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, cu, scale, chunk_size, store_ht, seq_len):
-        from lmforge.kernels import _gated_delta_triton
+    o, ht = _gated_delta_triton.forward(
+        q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len
+    )
+    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
 
-        o, ht = _gated_delta_triton.forward(
-            q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len
-        )
-        ctx.save_for_backward(q, k, v, g, beta, h0, cu)
-        ctx.scale, ctx.chunk_size, ctx.seq_len = scale, chunk_size, seq_len
-        ctx.set_materialize_grads(False)
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        from lmforge.kernels import _gated_delta_triton
+def _gdn_fwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    store_ht: bool,
+    seq_len: int,
+) -> tuple[Tensor, Tensor]:
+    shape = (cu.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]) if store_ht else (0,)
+    return torch.empty_like(v), q.new_empty(shape, dtype=torch.float32)  # (N_tok, H, V), ht
 
-        q, k, v, g, beta, h0, cu = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(v)
-        dq, dk, dv, dg, db, dh0 = _gated_delta_triton.backward(
-            q, k, v, g, beta, ctx.scale, h0, cu, ctx.chunk_size,
-            do.to(q.dtype).contiguous(), None if dht is None else dht.float().contiguous(),
-            ctx.seq_len,
-        )  # fmt: skip
-        return dq, dk, dv, dg.to(g.dtype), db.to(beta.dtype), dh0, None, None, None, None, None
+
+def _gdn_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    seq_len: int,
+    do: Tensor,
+    dht: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from lmforge.kernels import _gated_delta_triton
+
+    dq, dk, dv, dg, db, dh0 = _gated_delta_triton.backward(
+        q, k, v, g, beta, scale, h0, cu, chunk_size, do.contiguous(),
+        None if dht is None else dht.contiguous(), seq_len,
+    )  # fmt: skip
+    return dq, dk, dv, dg, db, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
+
+
+def _gdn_bwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    seq_len: int,
+    do: Tensor,
+    dht: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dh0 = torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)  # fmt: skip
+
+
+def _gdn_setup(ctx, inputs, output) -> None:
+    q, k, v, g, beta, h0, cu, scale, chunk_size, _store_ht, seq_len = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu)
+    ctx.args = (scale, chunk_size, seq_len)
+    ctx.set_materialize_grads(False)
+
+
+def _gdn_backward(ctx, do, dht):
+    q, k, v, g, beta, h0, cu = ctx.saved_tensors
+    scale, chunk_size, seq_len = ctx.args
+    do = torch.zeros_like(v) if do is None else do.to(q.dtype)
+    dht = None if dht is None or dht.numel() == 0 else dht.float()
+    dq, dk, dv, dg, db, dh0 = gated_delta_bwd(
+        q, k, v, g, beta, h0, cu, scale, chunk_size, seq_len, do, dht
+    )
+    return dq, dk, dv, dg, db, dh0 if h0 is not None else None, None, None, None, None, None
+
+
+gated_delta_fwd = _define("gated_delta_fwd", _gdn_fwd, _gdn_fwd_fake, _gdn_backward, _gdn_setup)
+gated_delta_bwd = _define("gated_delta_bwd", _gdn_bwd, _gdn_bwd_fake)
 
 
 def resolve_backend(backend: str, *tensors: Tensor) -> str:
@@ -325,8 +408,6 @@ def gated_delta_rule(
     g2, b2 = (_flatten(x, None).float().contiguous() for x in (g, beta))  # (B·T, H)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     seq_len = T if cu_seqlens is None else 0  # equal lengths: chunk tables without a host sync
-    o, ht = GatedDeltaTriton.apply(
-        q2, k2, v2, g2, b2, h0, cu, s, chunk_size, output_final_state, seq_len
-    )
+    o, ht = gated_delta_fwd(q2, k2, v2, g2, b2, h0, cu, s, chunk_size, output_final_state, seq_len)
     del n
-    return o.reshape(B, T, H, V).to(v.dtype), ht
+    return o.reshape(B, T, H, V).to(v.dtype), ht if output_final_state else None

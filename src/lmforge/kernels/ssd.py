@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lmforge.kernels._common import check_triton_tensors
+from lmforge.kernels._ops import _define
 from lmforge.kernels.gated_delta import (
     _acc_dtype,
     _flatten,
@@ -157,32 +158,104 @@ def linear_attention_chunked_torch(
 
 
 # ------------------------------------------------------------------------------ Triton path
-class LinearAttentionTriton(torch.autograd.Function):
-    """The Triton chunked kernels as one differentiable op over packed (N_tok, H, ·) tensors."""
+# Custom ops ``torch.ops.lmforge.decay_linear_attn_fwd`` / ``_bwd`` (see ``_ops`` and the gated
+# delta rule's): q, k (N_tok, H, K), v (N_tok, H, V), g (N_tok, H) float32, h0 (N, H, K, V) or
+# None, cu (N + 1,) int32; ht is (0,) when not asked for.
+def _la_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    store_ht: bool,
+    seq_len: int,
+) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _ssd_triton
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, h0, cu, scale, chunk_size, store_ht, seq_len):
-        from lmforge.kernels import _ssd_triton
+    o, ht = _ssd_triton.forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len)
+    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
 
-        o, ht = _ssd_triton.forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len)
-        ctx.save_for_backward(q, k, v, g, h0, cu)
-        ctx.scale, ctx.chunk_size, ctx.seq_len = scale, chunk_size, seq_len
-        ctx.set_materialize_grads(False)
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        from lmforge.kernels import _ssd_triton
+def _la_fwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    store_ht: bool,
+    seq_len: int,
+) -> tuple[Tensor, Tensor]:
+    shape = (cu.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]) if store_ht else (0,)
+    return torch.empty_like(v), q.new_empty(shape, dtype=torch.float32)
 
-        q, k, v, g, h0, cu = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(v)
-        dq, dk, dv, dg, dh0 = _ssd_triton.backward(
-            q, k, v, g, ctx.scale, h0, cu, ctx.chunk_size,
-            do.to(q.dtype).contiguous(), None if dht is None else dht.float().contiguous(),
-            ctx.seq_len,
-        )  # fmt: skip
-        return dq, dk, dv, dg, dh0, None, None, None, None, None
+
+def _la_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    seq_len: int,
+    do: Tensor,
+    dht: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from lmforge.kernels import _ssd_triton
+
+    dq, dk, dv, dg, dh0 = _ssd_triton.backward(
+        q, k, v, g, scale, h0, cu, chunk_size, do.contiguous(),
+        None if dht is None else dht.contiguous(), seq_len,
+    )  # fmt: skip
+    return dq, dk, dv, dg, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
+
+
+def _la_bwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    seq_len: int,
+    do: Tensor,
+    dht: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dh0 = torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), dh0
+
+
+def _la_setup(ctx, inputs, output) -> None:
+    q, k, v, g, h0, cu, scale, chunk_size, _store_ht, seq_len = inputs
+    ctx.save_for_backward(q, k, v, g, h0, cu)
+    ctx.args = (scale, chunk_size, seq_len)
+    ctx.set_materialize_grads(False)
+
+
+def _la_backward(ctx, do, dht):
+    q, k, v, g, h0, cu = ctx.saved_tensors
+    scale, chunk_size, seq_len = ctx.args
+    do = torch.zeros_like(v) if do is None else do.to(q.dtype)
+    dht = None if dht is None or dht.numel() == 0 else dht.float()
+    dq, dk, dv, dg, dh0 = decay_linear_attn_bwd(
+        q, k, v, g, h0, cu, scale, chunk_size, seq_len, do, dht
+    )
+    return dq, dk, dv, dg, dh0 if h0 is not None else None, None, None, None, None, None
+
+
+decay_linear_attn_fwd = _define(
+    "decay_linear_attn_fwd", _la_fwd, _la_fwd_fake, _la_backward, _la_setup
+)
+decay_linear_attn_bwd = _define("decay_linear_attn_bwd", _la_bwd, _la_bwd_fake)
 
 
 def linear_attention(
@@ -235,10 +308,10 @@ def linear_attention(
     )  # (B·T, H)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     seq_len = T if cu_seqlens is None else 0  # equal lengths: chunk tables without a host sync
-    o, ht = LinearAttentionTriton.apply(
+    o, ht = decay_linear_attn_fwd(
         q2, k2, v2, g2, h0, cu, float(scale), chunk_size, output_final_state, seq_len
     )
-    return o.reshape(B, T, H, V).to(v.dtype), ht
+    return o.reshape(B, T, H, V).to(v.dtype), ht if output_final_state else None
 
 
 # ----------------------------------------------------------------------- Mamba-2 SSD naming
