@@ -160,8 +160,10 @@ if not _CHILD:
             gated_delta_rule(q, k, kw.pop("v"), kw.pop("g"), beta, **kw)
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
-    def test_triton_kernels_in_interpreter_subprocess() -> None:
-        run_pytest_in_interpreter(__file__, timeout=600)
+    @pytest.mark.parametrize("select", ["not opcheck", "opcheck"], ids=["kernels", "custom-op"])
+    def test_triton_kernels_in_interpreter_subprocess(select: str) -> None:
+        # Two groups of similar length, so no single default-tier test runs long.
+        run_pytest_in_interpreter(__file__, "-k", select, timeout=600)
 
     @pytest.mark.slow
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
