@@ -13,6 +13,7 @@ Then timings at a fixed token budget B·T (default 32k), 16 heads, head dim 128,
     says so and keeps its forward time;
   * ours SSD — ``lmforge.kernels.linear_attention`` with a per-token decay (Mamba-2's core);
   * SDPA — ``F.scaled_dot_product_attention(is_causal=True)`` on the flash backend.
+Last, one decoding token (the fused Triton step vs torch) at batch 1 and 32.
 FLOP conventions (matmul FLOPs of the algorithm, per token and head, chunk C, head dim d):
 GDN forward 10·C·d + 6·d², forward + backward 4 × that; SSD forward 4·C·d + 4·d², forward +
 backward 3 ×; causal attention forward 4·T·d/2, forward + backward 3.5 ×. Times: warmup, CUDA
@@ -26,6 +27,7 @@ events, medians (``lmforge.bench.timing.time_ms``). The ``ms/token`` column show
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -196,6 +198,15 @@ def _bench_one(T: int, args, device: str, fla) -> tuple[dict, bool]:
             row["fla_fwd_error"] = f"{type(e).__name__}: {str(e)[:120]}"
         try:
             row["fla_fb"] = time_ms(_fwd_bwd(theirs, ins, do), iters=args.iters, device=device)
+            # Where FLA's backward runs, its gradients next to ours (same inputs, bf16).
+            theirs().backward(do)
+            fla_grads = [x.grad.double() for x in ins]
+            for x in ins:
+                x.grad = None
+            ours().backward(do)
+            row["fla_vs_ours_grad_max_rel_diff"] = max(
+                _rel_err(x.grad, gr) for x, gr in zip(ins, fla_grads)
+            )
         except Exception as e:
             row["fla_fb_error"] = f"{type(e).__name__}: {str(e)[:120]}"
 
@@ -220,6 +231,47 @@ def _bench_one(T: int, args, device: str, fla) -> tuple[dict, bool]:
     if "sdpa_fb" in row:
         row["sdpa_tflops"] = 3.5 * tok * 2 * T * d / row["sdpa_fb"] / 1e9
     return row, ok
+
+
+def bench_decode(args, device: str) -> list[dict]:
+    """One decoding token of a GDN head group: the fused Triton step vs the same math in torch,
+    batch 1 and 32; GB/s counts one read and one write of the float32 state."""
+    from lmforge.bench.timing import time_ms
+    from lmforge.kernels import gated_delta_step
+
+    H, d = args.heads, args.dim
+    rows = []
+    for n in (1, 32):
+        gen = torch.Generator(device=device).manual_seed(n)
+        q, k, v = (torch.randn(n, H, d, generator=gen, device=device) for _ in range(3))
+        k = F.normalize(k, dim=-1)
+        g = -torch.rand(n, H, generator=gen, device=device)
+        beta = torch.rand(n, H, generator=gen, device=device)
+        state = torch.randn(n, H, d, d, generator=gen, device=device)
+        row = {"batch": n, "state_bytes_per_seq": H * d * d * 4}
+        for backend in ("triton", "torch"):
+            row[backend] = time_ms(
+                functools.partial(gated_delta_step, q, k, v, g, beta, state, backend=backend),
+                iters=args.iters,
+                device=device,
+            )
+        row["triton_GBps"] = 2 * n * row["state_bytes_per_seq"] / row["triton"] / 1e6
+        rows.append(row)
+    return rows
+
+
+def decode_table(rows: list[dict]) -> str:
+    lines = [
+        "decode step (one token, GDN, float32 state; GB/s: state read + write)\n",
+        "| batch | state KiB/seq | Triton step ms | torch step ms | torch/Triton | Triton GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['state_bytes_per_seq'] / 1024:.0f} | {r['triton']:.4f} | "
+            f"{r['torch']:.4f} | {r['torch'] / r['triton']:.2f} | {r['triton_GBps']:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -272,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ok, report = check(device, args.chunk, big=device == "cuda")
     rows, ok_bench = bench(args, device)
     ok = ok and ok_bench
+    decode = bench_decode(args, device)
     versions = {"torch": torch.__version__}
     try:
         import triton
@@ -287,12 +340,18 @@ def main(argv: list[str] | None = None) -> int:
         versions["fla"] = getattr(fla, "__version__", "?")
     except Exception:
         pass
-    text = table(rows, args)
+    text = table(rows, args) + "\n\n" + decode_table(decode)
     if args.out:
         from lmforge.utils.io import atomic_write
 
         args.out.mkdir(parents=True, exist_ok=True)
-        payload = {"versions": versions, "correctness": report, "rows": rows, "ok": ok}
+        payload = {
+            "versions": versions,
+            "correctness": report,
+            "rows": rows,
+            "decode": decode,
+            "ok": ok,
+        }
         atomic_write(args.out / "results.json", json.dumps(payload, indent=1, default=str))
         atomic_write(args.out / "table.md", text + "\n")
     print("\nversions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
