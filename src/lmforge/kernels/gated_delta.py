@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmforge.kernels._common import KernelUnsupportedError, check_triton_tensors
+from lmforge.kernels._common import KernelUnsupportedError, autocast_dtype, check_triton_tensors
 from lmforge.kernels._ops import _define
 
 BACKENDS = ("auto", "triton", "torch", "reference")
@@ -402,8 +402,8 @@ def gated_delta_rule(
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)  # (B + 1,)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    dt = q.dtype
-    q2, k2 = (_flatten(x, None).contiguous() for x in (q, k))  # (B·T, H, K)
+    dt = autocast_dtype(q.device.type) or q.dtype  # the kernels' matmul dtype, as autocast's
+    q2, k2 = (_flatten(x, None).to(dt).contiguous() for x in (q, k))  # (B·T, H, K)
     v2 = _flatten(v, None).to(dt).contiguous()  # (B·T, H, V)
     g2, b2 = (_flatten(x, None).float().contiguous() for x in (g, beta))  # (B·T, H)
     h0 = None if initial_state is None else initial_state.float().contiguous()

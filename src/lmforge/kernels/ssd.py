@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lmforge.kernels._common import check_triton_tensors
+from lmforge.kernels._common import autocast_dtype, check_triton_tensors
 from lmforge.kernels._ops import _define
 from lmforge.kernels.gated_delta import (
     _acc_dtype,
@@ -298,9 +298,9 @@ def linear_attention(
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)  # (B + 1,)
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    q2 = _flatten(q, None).contiguous()  # (B·T, H, K)
-    k2 = _flatten(k, None).to(q.dtype).contiguous()
-    v2 = _flatten(v, None).to(q.dtype).contiguous()  # (B·T, H, V)
+    dt = autocast_dtype(q.device.type) or q.dtype  # the kernels' matmul dtype, as autocast's
+    q2, k2 = (_flatten(x, None).to(dt).contiguous() for x in (q, k))  # (B·T, H, K)
+    v2 = _flatten(v, None).to(dt).contiguous()  # (B·T, H, V)
     g2 = (
         torch.zeros(B * T, H, device=q.device, dtype=torch.float32)
         if g is None
