@@ -189,9 +189,12 @@ if not _CHILD:
         }.get(kernel, {})
         if kernel == "_step":  # no matmul: the decode step is a state read and write
             meta = dict(H=16, K=128, V=128, BK=128, BV=32, DELTA=True)
+        # The launches' warps and stages (2 only for the sequential state kernels).
+        stages = 2 if kernel in ("_state_fwd", "_state_bwd") else 1
         compiled = compile_sm90(
-            getattr(mod, kernel), meta | extra, _sm90_arg, 8 if kernel == "_grad" else 4, stages=2
+            getattr(mod, kernel), meta | extra, _sm90_arg, 8 if kernel == "_grad" else 4, stages
         )
+        assert compiled.metadata.shared <= 232448  # the shared memory a block may use on H100/H200
         assert kernel == "_step" or "wgmma" in compiled.asm["ptx"]  # Hopper tensor cores
         ptxas_registers(compiled.asm["ptx"])  # ptxas accepts it
 

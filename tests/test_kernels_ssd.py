@@ -195,9 +195,12 @@ if not _CHILD:
             "_state_fwd": dict(HAS_H0=True, STORE_HT=True),
             "_state_bwd": dict(HAS_DHT=True, STORE_DH0=True),
         }.get(kernel, {})
+        # The launches' warps and stages (2 only for the sequential state kernels).
+        stages = 2 if kernel in ("_state_fwd", "_state_bwd") else 1
         compiled = compile_sm90(
-            getattr(mod, kernel), meta | extra, _sm90_arg, 8 if kernel == "_grad" else 4, stages=2
+            getattr(mod, kernel), meta | extra, _sm90_arg, 8 if kernel == "_grad" else 4, stages
         )
+        assert compiled.metadata.shared <= 232448  # the shared memory a block may use on H100/H200
         assert "wgmma" in compiled.asm["ptx"]
         ptxas_registers(compiled.asm["ptx"])
 

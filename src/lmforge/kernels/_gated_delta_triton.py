@@ -23,6 +23,9 @@ Per-chunk cumulative decays G and the inverses T live in padded per-chunk buffer
 row can overflow. Matmuls take the input dtype (bf16 on the GPU: tensor cores, fp32 accumulation);
 float32 inputs use IEEE fp32 dots (``PREC``) so the float32 path is exact to rounding. States
 stay float32 in registers; the per-chunk state snapshots are stored in the input dtype.
+Launches name ``num_stages``: 2 for the sequential state kernels (the next chunk's loads overlap
+this chunk's matmuls), 1 elsewhere — Triton's default of 3 would pipeline the short V loop of
+``_grad`` into 256 KiB of shared memory, more than an H100/H200 block may use (227 KiB).
 """
 
 from __future__ import annotations
@@ -457,7 +460,7 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
     prec_t = "ieee" if meta["PREC"] == "ieee" else "tf32"
     _wy_fwd[(nc, H)](
         k, v, g, beta, gc, tinv, w, u, chunks, cu, **meta,
-        LOG_BT=BT.bit_length() - 1, PREC_T=prec_t, num_warps=4,
+        LOG_BT=BT.bit_length() - 1, PREC_T=prec_t, num_warps=4, num_stages=1,
     )  # fmt: skip
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     vn = torch.empty_like(v)
@@ -465,7 +468,7 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
     sm = _state_block(meta, N * H, k.device)
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, w, u, gc, h0, hs, vn, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4,
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=2,
     )  # fmt: skip
     return gc, tinv, w, hs, vn, ht
 
@@ -480,7 +483,7 @@ def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     )
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
-    _output_fwd[grid](q, k, vn, gc, hs, o, chunks, cu, scale, **meta, num_warps=4)
+    _output_fwd[grid](q, k, vn, gc, hs, o, chunks, cu, scale, **meta, num_warps=4, num_stages=1)
     return o, ht
 
 
@@ -496,19 +499,19 @@ def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     dvn = torch.empty(v.shape, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     _dv_local[(triton.cdiv(V, meta["BV"]), nc, H)](
-        q, k, gc, do, dvn, chunks, cu, scale, **meta, num_warps=4
+        q, k, gc, do, dvn, chunks, cu, scale, **meta, num_warps=4, num_stages=1
     )
     sm = _state_block(meta, N * H, k.device)
     _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
         q, k, w, gc, do, dht, dhs, dvn, dh0, cu, coff, scale, **sm,
-        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4,
+        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty(beta.shape, **f32)
     dg = torch.empty(g.shape, **f32)
     _grad[(nc, H)](
         q, k, v, beta, gc, tinv, hs, dhs, vn, dvn, do, dq, dk, dv, dbeta, dg, chunks, cu, scale,
-        **meta, num_warps=8,
+        **meta, num_warps=8, num_stages=1,
     )  # fmt: skip
     return dq, dk, dv, dg, dbeta, dh0
 
@@ -557,6 +560,6 @@ def step(q, k, v, g, beta, state, scale):
     o = torch.empty_like(v)
     _step[(triton.cdiv(V, BV), N * H)](
         q, k, v, g, beta, state, new, o, scale, H=H, K=K, V=V, BK=BK, BV=BV,
-        DELTA=beta is not None, num_warps=4,
+        DELTA=beta is not None, num_warps=4, num_stages=1,
     )  # fmt: skip
     return o, new

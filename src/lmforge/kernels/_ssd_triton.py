@@ -262,7 +262,7 @@ def _states(k, v, g, cu, coff, nc, h0, store_ht, meta):
     sm = _state_block(meta, N * H, k.device)
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, v, g, h0, hs, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4,
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=2,
     )  # fmt: skip
     return hs, ht
 
@@ -276,7 +276,7 @@ def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     hs, ht = _states(k, v, g, cu, coff, nc, h0, store_ht, meta)
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
-    _output_fwd[grid](q, k, v, g, hs, o, chunks, cu, scale, **meta, num_warps=4)
+    _output_fwd[grid](q, k, v, g, hs, o, chunks, cu, scale, **meta, num_warps=4, num_stages=1)
     return o, ht
 
 
@@ -294,11 +294,11 @@ def backward(q, k, v, g, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     sm = _state_block(meta, N * H, k.device)
     _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
         q, g, do, dht, dhs, dh0, cu, coff, scale, **sm,
-        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4,
+        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(g.shape, **f32)
     _grad[(nc, H)](
-        q, k, v, g, hs, dhs, do, dq, dk, dv, dg, chunks, cu, scale, **meta, num_warps=8
+        q, k, v, g, hs, dhs, do, dq, dk, dv, dg, chunks, cu, scale, **meta, num_warps=8, num_stages=1
     )  # fmt: skip
     return dq, dk, dv, dg, dh0
