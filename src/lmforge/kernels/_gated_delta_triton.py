@@ -21,7 +21,8 @@ Backward, after re-running 1–2 (nothing but q/k/v/g/β and the initial state i
 Per-chunk cumulative decays G and the inverses T live in padded per-chunk buffers (NC, H, BT) and
 (NC, H, BT, BT): padded rows then carry G = G_last (g = 0 there), so no e^{G_i − G_j} of a padded
 row can overflow. Matmuls take the input dtype (bf16 on the GPU: tensor cores, fp32 accumulation);
-float32 inputs use IEEE fp32 dots (``PREC``) so the float32 path is exact to rounding. States
+float32 inputs use 3×TF32 dots (``PREC``: fp32-level accuracy on tensor cores; IEEE fp32 dots
+unrolled into FMAs took ptxas past 15 minutes per kernel). States
 stay float32 in registers; the per-chunk state snapshots are stored in the input dtype.
 Launches name ``num_stages``: 2 for the sequential state kernels (the next chunk's loads overlap
 this chunk's matmuls), 1 elsewhere — Triton's default of 3 would pipeline the short V loop of
@@ -43,7 +44,7 @@ def _wy_fwd(
     K_ptr, V_ptr, G_in, B_ptr, GC, TINV, W_ptr, U_ptr, CHUNKS, CU,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    LOG_BT: tl.constexpr, PREC_T: tl.constexpr,
+    LOG_BT: tl.constexpr,
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -80,8 +81,8 @@ def _wy_fwd(
         off = (rows[:, None] // (2 * half) == rows[None, :] // (2 * half)) & (
             rows[:, None] // half != rows[None, :] // half
         )
-        TA = tl.dot(Tm, tl.where(off, A, 0.0), input_precision=PREC_T)
-        Tm = Tm - tl.dot(TA, Tm, input_precision=PREC_T)
+        TA = tl.dot(Tm, tl.where(off, A, 0.0), input_precision=PREC)
+        Tm = Tm - tl.dot(TA, Tm, input_precision=PREC)
     tl.store(TINV + ((i_c * H + i_h) * BT + rows[:, None]) * BT + rows[None, :], Tm)
 
     Tc = Tm.to(DT)
@@ -404,7 +405,7 @@ def _meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
         "BT": chunk_size,
         "BK": BK,
         "BV": max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(V))),
-        "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+        "PREC": "tf32x3" if q.dtype == torch.float32 else "tf32",
     }
 
 
@@ -455,12 +456,11 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
     tinv = torch.empty(nc, H, BT, BT, **f32)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    # The inverse's matmuls in TF32 for bf16 inputs (T is rounded to bf16 right after: TF32's
-    # 10-bit mantissa is below that error; 3×TF32 spilled registers on sm_90).
-    prec_t = "ieee" if meta["PREC"] == "ieee" else "tf32"
+    # The inverse's matmuls run in TF32 for bf16 inputs: T is rounded to bf16 right after, and
+    # TF32's 10-bit mantissa is below that error.
     _wy_fwd[(nc, H)](
         k, v, g, beta, gc, tinv, w, u, chunks, cu, **meta,
-        LOG_BT=BT.bit_length() - 1, PREC_T=prec_t, num_warps=4, num_stages=1,
+        LOG_BT=BT.bit_length() - 1, num_warps=4, num_stages=1,
     )  # fmt: skip
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     vn = torch.empty_like(v)

@@ -10,7 +10,7 @@ recomputes G = cumsum g of its chunk from g (padded rows load g = 0 and so carry
      dh ← e^{G_last} dh + s (e^G ⊙ Q)ᵀ dO; the gradient of the initial state is the last dh.
   4. ``_grad`` (chunks × heads): dv = s (QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G} K) dh, then dq, dk, dg.
 Matmul operands in the input dtype (bf16 on the GPU), fp32 accumulation and states; float32
-inputs use IEEE fp32 dots.
+inputs use 3×TF32 dots (fp32-level accuracy on tensor cores).
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def _meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
         "BT": chunk_size,
         "BK": BK,
         "BV": max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(V))),
-        "PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+        "PREC": "tf32x3" if q.dtype == torch.float32 else "tf32",
     }
 
 
