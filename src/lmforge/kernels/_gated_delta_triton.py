@@ -404,7 +404,11 @@ def _meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
         "V": V,
         "BT": chunk_size,
         "BK": BK,
-        "BV": max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(V))),
+        # float32 tiles take twice the shared memory: half the V block keeps _grad and the state
+        # kernels within Hopper's 227 KiB per block.
+        "BV": max(
+            16, min(64 if BK <= 128 and q.dtype != torch.float32 else 32, triton.next_power_of_2(V))
+        ),
         "PREC": "tf32x3" if q.dtype == torch.float32 else "tf32",
     }
 
@@ -431,6 +435,18 @@ def chunk_tables(
         offsets.append(offsets[-1] + m)
     table = torch.tensor(chunks, dtype=torch.int32, device=dev).reshape(-1, 2)  # (NC, 2)
     return table, torch.tensor(offsets, dtype=torch.int32, device=dev), len(chunks)
+
+
+def _chunk(q: torch.Tensor, chunk_size: int) -> int:
+    # float32 inputs (the validation path) run in chunks of at most 32: with 64, _grad's float32
+    # tiles need 256 KiB of shared memory. The result does not depend on the chunk size.
+    return min(chunk_size, 32) if q.dtype == torch.float32 and not interpreting() else chunk_size
+
+
+def _state_stages(x: torch.Tensor) -> int:
+    # Pipelining the sequential chunk loop (next chunk's loads during this chunk's matmuls) fits
+    # in shared memory for 2-byte inputs; float32 (the validation path) runs unpipelined.
+    return 1 if x.dtype == torch.float32 else 2
 
 
 def _state_block(meta: dict, n_programs: int, device: torch.device) -> dict:
@@ -468,7 +484,7 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
     sm = _state_block(meta, N * H, k.device)
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, w, u, gc, h0, hs, vn, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=2,
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=_state_stages(k),
     )  # fmt: skip
     return gc, tinv, w, hs, vn, ht
 
@@ -476,6 +492,7 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
 def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     """o (N_tok, H, V) in q's dtype and the final states (N, H, K, V) float32 (or None)."""
     _prepare(q)
+    chunk_size = _chunk(q, chunk_size)
     meta = _meta(q, v, chunk_size)
     chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
     gc, _tinv, _w, hs, vn, ht = _wy_and_states(
@@ -490,6 +507,7 @@ def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
 def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     """(dq, dk, dv, dg, dβ, dh0): input gradients, recomputing the forward's chunk states."""
     _prepare(q)
+    chunk_size = _chunk(q, chunk_size)
     meta = _meta(q, v, chunk_size)
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
     chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
@@ -504,7 +522,7 @@ def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     sm = _state_block(meta, N * H, k.device)
     _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
         q, k, w, gc, do, dht, dhs, dvn, dh0, cu, coff, scale, **sm,
-        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=2,
+        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=_state_stages(k),
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty(beta.shape, **f32)

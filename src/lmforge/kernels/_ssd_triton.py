@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
-from lmforge.kernels._gated_delta_triton import _state_block, chunk_tables
+from lmforge.kernels._gated_delta_triton import _state_block, _state_stages, chunk_tables
 
 
 @triton.jit
@@ -250,7 +250,11 @@ def _meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
         "V": V,
         "BT": chunk_size,
         "BK": BK,
-        "BV": max(16, min(64 if BK <= 128 else 32, triton.next_power_of_2(V))),
+        # float32 tiles take twice the shared memory: half the V block keeps _grad and the state
+        # kernels within Hopper's 227 KiB per block.
+        "BV": max(
+            16, min(64 if BK <= 128 and q.dtype != torch.float32 else 32, triton.next_power_of_2(V))
+        ),
         "PREC": "tf32x3" if q.dtype == torch.float32 else "tf32",
     }
 
@@ -262,7 +266,7 @@ def _states(k, v, g, cu, coff, nc, h0, store_ht, meta):
     sm = _state_block(meta, N * H, k.device)
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, v, g, h0, hs, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=2,
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=_state_stages(k),
     )  # fmt: skip
     return hs, ht
 
@@ -294,7 +298,7 @@ def backward(q, k, v, g, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     sm = _state_block(meta, N * H, k.device)
     _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
         q, g, do, dht, dhs, dh0, cu, coff, scale, **sm,
-        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=2,
+        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=_state_stages(k),
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(g.shape, **f32)
