@@ -1,4 +1,5 @@
-"""Fused kernels: FlashAttention-2, RMSNorm, linear + cross-entropy, RoPE, SwiGLU gate, AdamW.
+"""Fused kernels: FlashAttention-2, RMSNorm, linear + cross-entropy, RoPE, SwiGLU gate, AdamW,
+the chunked gated delta rule (Gated DeltaNet), decayed linear attention and Mamba-2 SSD.
 
 This is the public API.
 
@@ -23,6 +24,12 @@ from lmforge.kernels.flash_attention import (
     flash_attention,
     flash_supported,
 )
+from lmforge.kernels.gated_delta import (
+    gated_delta_chunked_torch,
+    gated_delta_reference,
+    gated_delta_rule,
+    gated_delta_step,
+)
 from lmforge.kernels.rms_norm import (
     rms_norm,
     rms_norm_reference,
@@ -33,6 +40,15 @@ from lmforge.kernels.rope import (
     rope_packed,
     rope_packed_reference,
     rope_reference,
+)
+from lmforge.kernels.ssd import (
+    linear_attention,
+    linear_attention_chunked_torch,
+    linear_attention_reference,
+    linear_attention_step,
+    ssd,
+    ssd_reference,
+    ssd_step,
 )
 from lmforge.kernels.swiglu import (
     swiglu,
@@ -52,6 +68,14 @@ __all__ = [
     "flash_attention",
     "flash_supported",
     "fused_linear_cross_entropy",
+    "gated_delta_chunked_torch",
+    "gated_delta_reference",
+    "gated_delta_rule",
+    "gated_delta_step",
+    "linear_attention",
+    "linear_attention_chunked_torch",
+    "linear_attention_reference",
+    "linear_attention_step",
     "linear_cross_entropy_reference",
     "rms_norm",
     "rms_norm_reference",
@@ -60,6 +84,9 @@ __all__ = [
     "rope_packed",
     "rope_packed_reference",
     "rope_reference",
+    "ssd",
+    "ssd_reference",
+    "ssd_step",
     "swiglu",
     "swiglu_packed",
     "swiglu_packed_reference",

@@ -1,0 +1,413 @@
+"""Gated DeltaNet: the chunked gated delta rule, forward and backward, with its references.
+
+Math, per sequence and head (state S ∈ R^{K×V}, decay γ_t = e^{g_t} with g_t ≤ 0, β_t ∈ (0, 1),
+scale s, q/k usually L2-normalised by the caller — ``normalize_qk`` does it here):
+    S_t = γ_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ          o_t = s · S_tᵀ q_t
+Chunked (chunks of C tokens; G = cumsum g inside a chunk, Γ_ij = e^{G_i − G_j}, S_0 the state
+entering the chunk): writing S_i = e^{g_i} S_{i−1} + k_i δ_iᵀ with δ_i = β_i (v_i − e^{g_i} S_{i−1}ᵀ k_i),
+the δ's solve a unit lower-triangular system (I + A) δ = β⊙V − β e^G ⊙ K S_0 with
+A_ij = β_i Γ_ij k_i·k_j (j < i). With T = (I + A)⁻¹ (the UT transform) and the WY factors
+W = T diag(βe^G) K, U = T diag(β) V:
+    δ = U − W S_0        O = s (e^G ⊙ Q S_0 + (QKᵀ ⊙ Γ ⊙ M) δ)        S_C = e^{G_C} S_0 + (e^{G_C−G} K)ᵀ δ
+so everything inside a chunk is matmuls and only the K×V state crosses chunks. The backward runs
+the same recurrence in reverse for dS and differentiates the chunk-local products; derivation
+and kernels in ``_gated_delta_triton.py``.
+
+Floor (per token and head, K = V = d, chunk C): forward ≈ 6Cd + 4Cd + 6d² FLOPs (QKᵀ, KKᵀ, W, U,
+Pδ at chunk width; W S, state update and Q S at state width) ≈ 180 kFLOP at C = 64, d = 128 —
+linear in T; the backward does ≈ 2.5× that (plus a recompute of the forward's WY factors and
+states). Bytes: q, k, v, o in bf16 and g, β in fp32 (≈ 1 KiB at d = 128) plus one bf16 K×V
+state snapshot per chunk (2d²/C = 512 B per token). At B·T = 32k tokens and 16 heads both floors
+are ≈ 0.2 ms on an H200 (≈ 95 GFLOP; ≈ 0.8 GB).
+
+Backends: ``triton`` (GPU, or CPU under ``TRITON_INTERPRET=1``), ``torch`` (the same chunked
+algorithm in plain torch, differentiated by autograd: the CPU path of the layers), and the
+readable token-by-token recurrence :func:`gated_delta_reference`. One-token decoding:
+:func:`gated_delta_step`. Exercise: ``pytest tests/test_kernels_gated_delta.py``; on the GPU
+``pytest -m gpu tests/test_kernels_gated_delta.py`` and ``python benchmarks/linear_attention.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lmforge.kernels._common import KernelUnsupportedError, autocast_dtype, check_triton_tensors
+from lmforge.kernels._ops import _define
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _segments(cu_seqlens: Tensor | None, batch: int, length: int) -> list[tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(i * length, (i + 1) * length) for i in range(batch)]
+    bounds = cu_seqlens.tolist()
+    return list(itertools.pairwise(bounds))
+
+
+def _flatten(x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+    # (B, T, H, ...) → (B·T, H, ...): packed sequences are one token axis.
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def check_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+) -> int:
+    """Validate shapes of a chunked call; returns the number of sequences N. One clear
+    ValueError naming the mismatch otherwise."""
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(
+            f"q and k must both be (B, T, H, K), got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    B, T, H, _ = q.shape
+    if v.dim() != 4 or v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be (B, T, H, V) = ({B}, {T}, {H}, V), got {tuple(v.shape)}")
+    for name, t in (("g", g), ("beta", beta)):
+        if t is not None and t.shape != (B, T, H):
+            raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got {tuple(t.shape)}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be 1 (packed), got B = {B}")
+        # The values are read back from the device, so not while torch.compile traces.
+        bad = cu_seqlens.dim() != 1 or (
+            not torch.compiler.is_compiling()
+            and (cu_seqlens[0].item() != 0 or cu_seqlens[-1].item() != T)
+        )
+        if bad:
+            raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at T = {T}")
+        n = cu_seqlens.numel() - 1
+    else:
+        n = B
+    if initial_state is not None and initial_state.shape != (n, H, q.shape[-1], v.shape[-1]):
+        raise ValueError(
+            f"initial_state must be (N, H, K, V) = ({n}, {H}, {q.shape[-1]}, {v.shape[-1]}), "
+            f"got {tuple(initial_state.shape)}"
+        )
+    return n
+
+
+# ------------------------------------------------------------------------------- references
+def gated_delta_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """The recurrence token by token, in float32 (float64 for float64 inputs). Shapes as
+    :func:`gated_delta_rule`; returns (o in v's dtype, final states (N, H, K, V) or None)."""
+    n = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    acc = _acc_dtype(q)
+    s = K**-0.5 if scale is None else scale
+    qf, kf, vf = (_flatten(x, cu_seqlens).to(acc) for x in (q, k, v))  # (B·T, H, ·)
+    gf, bf = (_flatten(x, cu_seqlens).to(acc) for x in (g, beta))  # (B·T, H)
+    out = torch.empty_like(vf)
+    finals = []
+    for i, (start, end) in enumerate(_segments(cu_seqlens, B, T)):
+        S = (
+            initial_state[i].to(acc)
+            if initial_state is not None
+            else torch.zeros(H, K, V, dtype=acc, device=q.device)
+        )  # (H, K, V)
+        for t in range(start, end):
+            S = S * gf[t].exp()[:, None, None]
+            kS = torch.einsum("hk,hkv->hv", kf[t], S)  # (H, V) what the state recalls for k_t
+            S = S + torch.einsum("hk,hv->hkv", kf[t], bf[t][:, None] * (vf[t] - kS))
+            out[t] = s * torch.einsum("hk,hkv->hv", qf[t], S)
+        finals.append(S)
+    o = out.reshape(B, T, H, V).to(v.dtype)
+    return o, torch.stack(finals) if output_final_state and n else None
+
+
+def gated_delta_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    *,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """One decoding step for N sequences: q, k (N, H, K), v (N, H, V), g, β (N, H), state
+    (N, H, K, V) float32. Returns (o (N, H, V) in v's dtype, the new state). ``triton`` (the
+    ``auto`` choice on CUDA) is one fused kernel reading and writing the state once; ``torch``
+    and ``reference`` are the same math in torch (the state's dtype, e.g. float64, kept)."""
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    if resolve_backend(backend, q, k, v, state) == "triton":
+        from lmforge.kernels import _gated_delta_triton
+
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        g, beta = g.float().contiguous(), beta.float().contiguous()
+        return _gated_delta_triton.step(q, k, v, g, beta, state.float().contiguous(), s)
+    acc = state.dtype
+    qf, kf, vf, gf, bf = (x.to(acc) for x in (q, k, v, g, beta))
+    S = state * gf.exp()[..., None, None]  # (N, H, K, V)
+    kS = torch.einsum("nhk,nhkv->nhv", kf, S)
+    S = S + kf[..., :, None] * (bf[..., None] * (vf - kS))[..., None, :]
+    o = s * torch.einsum("nhk,nhkv->nhv", qf, S)  # (N, H, V)
+    return o.to(v.dtype), S
+
+
+def _chunk_torch_one(q, k, v, g, b, S, scale, C):
+    """One sequence, chunked: q, k (T, H, K), v (T, H, V), g, b (T, H), S (H, K, V)."""
+    outs = []
+    for start in range(0, q.shape[0], C):
+        sl = slice(start, start + C)
+        qc, kc, vc = (x[sl].transpose(0, 1) for x in (q, k, v))  # (H, c, ·)
+        gc, bc = g[sl].t(), b[sl].t()  # (H, c)
+        c = qc.shape[1]
+        G = gc.cumsum(-1)
+        diff = G[:, :, None] - G[:, None, :]  # (H, c, c)
+        ones = torch.ones(c, c, dtype=torch.bool, device=q.device)
+        strict, incl = ones.tril(-1), ones.tril()
+        A = torch.where(
+            strict,
+            bc[:, :, None] * (kc @ kc.transpose(1, 2)) * diff.masked_fill(~strict, 0).exp(),
+            0,
+        )
+        eye = torch.eye(c, dtype=q.dtype, device=q.device)
+        T = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)  # (I + A)⁻¹
+        W = T @ (kc * (bc * G.exp())[..., None])  # (H, c, K)
+        U = T @ (vc * bc[..., None])  # (H, c, V)
+        delta = U - W @ S
+        P = torch.where(incl, (qc @ kc.transpose(1, 2)) * diff.masked_fill(~incl, 0).exp(), 0)
+        outs.append(scale * (G.exp()[..., None] * (qc @ S) + P @ delta))  # (H, c, V)
+        g_last = G[:, -1]
+        kd = kc * (g_last[:, None] - G).exp()[..., None]
+        S = g_last.exp()[:, None, None] * S + kd.transpose(1, 2) @ delta
+    return torch.cat(outs, 1).transpose(0, 1), S  # (T, H, V)
+
+
+def gated_delta_chunked_torch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """The chunked WY algorithm in plain torch (float32, float64 for float64 inputs),
+    differentiable through autograd; same signature and results as :func:`gated_delta_rule`."""
+    n = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    acc = _acc_dtype(q)
+    s = K**-0.5 if scale is None else scale
+    qf, kf, vf, gf, bf = (_flatten(x, cu_seqlens).to(acc) for x in (q, k, v, g, beta))
+    outs, finals = [], []
+    for i, (start, end) in enumerate(_segments(cu_seqlens, B, T)):
+        S = (
+            initial_state[i].to(acc)
+            if initial_state is not None
+            else torch.zeros(H, K, V, dtype=acc, device=q.device)
+        )
+        sl = slice(start, end)
+        o, S = _chunk_torch_one(qf[sl], kf[sl], vf[sl], gf[sl], bf[sl], S, s, chunk_size)
+        outs.append(o)
+        finals.append(S)
+    o = torch.cat(outs).reshape(B, T, H, V).to(v.dtype)
+    return o, torch.stack(finals) if output_final_state and n else None
+
+
+# ------------------------------------------------------------------------------ Triton path
+# The Triton path is a pair of torch custom ops (``torch.ops.lmforge.gated_delta_fwd`` / ``_bwd``,
+# see ``_ops``): the forward's registered autograd — the role of an autograd.Function — saves the
+# inputs and calls the backward op, and torch.compile sees one node instead of a graph break.
+# Over packed tensors: q, k (N_tok, H, K), v (N_tok, H, V), g, β (N_tok, H) float32, h0
+# (N, H, K, V) float32 or None, cu (N + 1,) int32; ht is (0,) when not asked for.
+def _gdn_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    store_ht: bool,
+    seq_len: int,
+) -> tuple[Tensor, Tensor]:
+    from lmforge.kernels import _gated_delta_triton
+
+    o, ht = _gated_delta_triton.forward(
+        q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len
+    )
+    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
+
+
+def _gdn_fwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    store_ht: bool,
+    seq_len: int,
+) -> tuple[Tensor, Tensor]:
+    shape = (cu.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]) if store_ht else (0,)
+    return torch.empty_like(v), q.new_empty(shape, dtype=torch.float32)  # (N_tok, H, V), ht
+
+
+def _gdn_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    seq_len: int,
+    do: Tensor,
+    dht: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from lmforge.kernels import _gated_delta_triton
+
+    dq, dk, dv, dg, db, dh0 = _gated_delta_triton.backward(
+        q, k, v, g, beta, scale, h0, cu, chunk_size, do.contiguous(),
+        None if dht is None else dht.contiguous(), seq_len,
+    )  # fmt: skip
+    return dq, dk, dv, dg, db, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
+
+
+def _gdn_bwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    h0: Tensor | None,
+    cu: Tensor,
+    scale: float,
+    chunk_size: int,
+    seq_len: int,
+    do: Tensor,
+    dht: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dh0 = torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)  # fmt: skip
+
+
+def _gdn_setup(ctx, inputs, output) -> None:
+    q, k, v, g, beta, h0, cu, scale, chunk_size, _store_ht, seq_len = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu)
+    ctx.args = (scale, chunk_size, seq_len)
+    ctx.set_materialize_grads(False)
+
+
+def _gdn_backward(ctx, do, dht):
+    q, k, v, g, beta, h0, cu = ctx.saved_tensors
+    scale, chunk_size, seq_len = ctx.args
+    do = torch.zeros_like(v) if do is None else do.to(q.dtype)
+    dht = None if dht is None or dht.numel() == 0 else dht.float()
+    dq, dk, dv, dg, db, dh0 = gated_delta_bwd(
+        q, k, v, g, beta, h0, cu, scale, chunk_size, seq_len, do, dht
+    )
+    return dq, dk, dv, dg, db, dh0 if h0 is not None else None, None, None, None, None, None
+
+
+gated_delta_fwd = _define("gated_delta_fwd", _gdn_fwd, _gdn_fwd_fake, _gdn_backward, _gdn_setup)
+gated_delta_bwd = _define("gated_delta_bwd", _gdn_bwd, _gdn_bwd_fake)
+
+
+def resolve_backend(backend: str, *tensors: Tensor) -> str:
+    """``auto`` → ``triton`` where the Triton kernels can run these tensors (CUDA, or the CPU
+    interpreter), else ``torch``; other names are checked and returned."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    try:
+        check_triton_tensors("gated_delta_rule", *tensors)
+    except KernelUnsupportedError:
+        return "torch"
+    return "triton"
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+    normalize_qk: bool = False,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Chunked gated delta rule over a batch or packed sequences.
+
+    q, k (B, T, H, K); v (B, T, H, V); g (B, T, H) log decays (≤ 0); beta (B, T, H) in (0, 1);
+    scale defaults to K^-½; cu_seqlens (N + 1,) int32 offsets of N packed sequences (then B = 1);
+    initial_state (N, H, K, V). Returns (o (B, T, H, V) in v's dtype, final states (N, H, K, V)
+    float32 — float64 for float64 inputs on the torch paths — when ``output_final_state``, else None). ``normalize_qk`` L2-normalises q and k
+    (differentiably) first, as Gated DeltaNet does. chunk_size: 16, 32 or 64 (a power of two).
+    """
+    n = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two ≥ 16, got {chunk_size}")
+    if normalize_qk:
+        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    s = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    kw = dict(scale=s, initial_state=initial_state, output_final_state=output_final_state)
+    backend = resolve_backend(backend, q, k, v)
+    if backend == "reference":
+        return gated_delta_reference(q, k, v, g, beta, cu_seqlens=cu_seqlens, **kw)
+    if backend == "torch":
+        return gated_delta_chunked_torch(
+            q, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=chunk_size, **kw
+        )
+    check_triton_tensors("gated_delta_rule", q, k, v)
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)  # (B + 1,)
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    dt = autocast_dtype(q.device.type) or q.dtype  # the kernels' matmul dtype, as autocast's
+    q2, k2 = (_flatten(x, None).to(dt).contiguous() for x in (q, k))  # (B·T, H, K)
+    v2 = _flatten(v, None).to(dt).contiguous()  # (B·T, H, V)
+    g2, b2 = (_flatten(x, None).float().contiguous() for x in (g, beta))  # (B·T, H)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    seq_len = T if cu_seqlens is None else 0  # equal lengths: chunk tables without a host sync
+    o, ht = gated_delta_fwd(q2, k2, v2, g2, b2, h0, cu, s, chunk_size, output_final_state, seq_len)
+    del n
+    return o.reshape(B, T, H, V).to(v.dtype), ht if output_final_state else None

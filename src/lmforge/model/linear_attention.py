@@ -1,0 +1,397 @@
+"""Linear-attention token mixers with a constant-size recurrent state: Gated DeltaNet, Mamba-2,
+and plain (optionally RetNet-decayed) linear attention.
+
+Each mixer maps (B, T, D) → (B, T, D) like attention, but carries a per-sequence state of fixed
+size instead of a KV cache:
+  * ``forward(x, cu_seqlens=None, state=None) -> (y, new_state)`` — training and prefill, through
+    the chunked kernels (:mod:`lmforge.kernels.gated_delta`, :mod:`lmforge.kernels.ssd`; Triton on
+    CUDA, the chunked torch path on CPU — ``backend`` picks); packed sequences via ``cu_seqlens``
+    (then B = 1), and ``state`` continues sequences from an earlier call (prefill into a cache).
+  * ``step(x_t, state) -> (y_t, new_state)`` — one decoding token per sequence, x_t (N, D).
+  * ``init_state(batch, dtype, device)`` — the zero state; :meth:`RecurrentState.nbytes` and
+    ``state_bytes(dtype)`` give its size (constant in context length).
+The state of a layer is a :class:`RecurrentState`: the short convolution's last W − 1 inputs
+(N, C, W − 1) in the activation dtype and the SSM / fast-weight state (N, H, K, V) in float32.
+
+Simplifications: query, key and value heads are equal in number (no grouped value heads as in
+Qwen3-Next's 16:32); Mamba-2's gated norm spans the whole inner width (one group). Exercise:
+``pytest tests/test_linear_attention.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmforge.kernels.gated_delta import gated_delta_rule, gated_delta_step
+from lmforge.kernels.ssd import linear_attention, linear_attention_step, ssd, ssd_step
+from lmforge.model.layers import Linear, RMSNorm
+
+
+@dataclasses.dataclass
+class RecurrentState:
+    """One linear layer's decoding state for N sequences.
+
+    conv: (N, C, W − 1) the last W − 1 inputs of the short causal convolution (oldest first), or
+    None for a layer without one; ssm: (N, H, K, V) float32, the recurrent matrix state.
+    """
+
+    conv: Tensor | None
+    ssm: Tensor
+
+    def nbytes(self) -> int:
+        """Bytes held for all N sequences."""
+        conv = 0 if self.conv is None else self.conv.numel() * self.conv.element_size()
+        return conv + self.ssm.numel() * self.ssm.element_size()
+
+
+# --------------------------------------------------------------------- short causal convolution
+class ShortConv(nn.Module):
+    """Depthwise causal 1-D convolution of width W with SiLU, over packed sequences, with state.
+
+    ``weight`` is (C, W); tap W − 1 multiplies the current token. A sequence's first tokens see
+    its conv state (the previous W − 1 inputs; zeros for a fresh sequence), never the previous
+    sequence in the pack.
+    """
+
+    def __init__(self, channels: int, width: int = 4, bias: bool = False) -> None:
+        super().__init__()
+        self.channels, self.width = channels, width
+        self.weight = nn.Parameter(torch.empty(channels, width))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform in ±1/√W, as ``nn.Conv1d`` for a depthwise kernel."""
+        bound = 1.0 / math.sqrt(self.width)
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x: Tensor, cu: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+        """x (N_tok, C) packed tokens, cu (N + 1,) offsets, state (N, C, W − 1) or None.
+        Returns (y (N_tok, C), the new state (N, C, W − 1))."""
+        W, C = self.width, self.channels
+        N = cu.numel() - 1
+        n_tok = x.shape[0]
+        lens = cu[1:] - cu[:-1]  # (N,)
+        seq = torch.repeat_interleave(torch.arange(N, device=x.device), lens, output_size=n_tok)
+        # Each sequence gets its W − 1 history rows in front: token t moves to t + (seq + 1)(W − 1).
+        pos = torch.arange(n_tok, device=x.device) + (seq + 1) * (W - 1)  # (N_tok,)
+        hist = (
+            torch.zeros(N, W - 1, C, dtype=x.dtype, device=x.device)
+            if state is None
+            else state.transpose(1, 2).to(x.dtype)
+        )  # (N, W − 1, C)
+        hist_pos = (cu[:-1] + torch.arange(N, device=x.device) * (W - 1))[:, None] + torch.arange(
+            W - 1, device=x.device
+        )  # (N, W − 1)
+        buf = x.new_empty(n_tok + N * (W - 1), C)
+        buf[pos] = x
+        buf[hist_pos.reshape(-1)] = hist.reshape(-1, C)
+        taps = pos[:, None] - (W - 1) + torch.arange(W, device=x.device)  # (N_tok, W)
+        y = (buf[taps] * self.weight.t().to(x.dtype)).sum(1)  # (N_tok, C)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        end = cu[1:] + torch.arange(1, N + 1, device=x.device) * (W - 1)  # one past each span
+        new = buf[end[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)]  # (N, W − 1, C)
+        return F.silu(y), new.transpose(1, 2).contiguous()
+
+    def step(self, x: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        """x (N, C) one token per sequence, state (N, C, W − 1) → (y (N, C), new state)."""
+        window = torch.cat([state.to(x.dtype), x[:, :, None]], 2)  # (N, C, W)
+        y = (window * self.weight.to(x.dtype)).sum(-1)  # (N, C)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return F.silu(y), window[:, :, 1:]
+
+
+def _packed(x: Tensor, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(B, T, C) → packed (B·T, C) and offsets (N + 1,) int32; a batch is N = B sequences."""
+    B, T = x.shape[:2]
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be 1 (packed), got B = {B}")
+        return x[0], cu_seqlens.to(device=x.device, dtype=torch.int32)
+    cu = torch.arange(0, (B + 1) * T, T, device=x.device, dtype=torch.int32)  # (B + 1,)
+    return x.reshape(B * T, -1), cu
+
+
+def _log_uniform_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> Tensor:
+    # Mamba's init: Δ = softplus(bias) log-uniform in [dt_min, dt_max], so bias = softplus⁻¹(Δ).
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+# ------------------------------------------------------------------------------ Gated DeltaNet
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer (Yang et al. 2024; the layer of Qwen3-Next).
+
+    q, k, v = SiLU(ShortConv(x W_q | x W_k | x W_v)) per head, q and k L2-normalised;
+    β = σ(x W_β); g = −e^{A_log} · softplus(x W_a + dt_bias) (the log decay, ≤ 0);
+    o = GatedDelta(q, k, v, g, β); y = (RMSNorm_head(o) ⊙ SiLU(x W_z)) W_o.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int = 128,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
+        self.chunk_size, self.backend = chunk_size, backend
+        inner = n_heads * head_dim
+        self.q_proj = Linear(d_model, inner)
+        self.k_proj = Linear(d_model, inner)
+        self.v_proj = Linear(d_model, inner)
+        self.z_proj = Linear(d_model, inner)
+        self.b_proj = Linear(d_model, n_heads)
+        self.a_proj = Linear(d_model, n_heads)
+        self.conv = ShortConv(3 * inner, conv_size)
+        self.A_log = nn.Parameter(torch.log(torch.empty(n_heads).uniform_(1, 16)))
+        self.dt_bias = nn.Parameter(_log_uniform_dt_bias(n_heads))
+        self.o_norm = RMSNorm(head_dim, eps=1e-6)
+        self.o_proj = Linear(inner, d_model)
+
+    def _gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        beta = torch.sigmoid(self.b_proj(x).float())  # (..., H)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        return g, beta
+
+    def _out(self, o: Tensor, x: Tensor) -> Tensor:
+        z = self.z_proj(x).unflatten(-1, (self.n_heads, self.head_dim))  # (..., H, E)
+        o = self.o_norm(o) * F.silu(z.to(o.dtype))
+        return self.o_proj(o.flatten(-2))  # (..., D)
+
+    def forward(
+        self, x: Tensor, cu_seqlens: Tensor | None = None, state: RecurrentState | None = None
+    ) -> tuple[Tensor, RecurrentState]:
+        """x (B, T, D) → (y (B, T, D), the state after the last token of every sequence)."""
+        B, T, _ = x.shape
+        H, E = self.n_heads, self.head_dim
+        proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (B, T, 3HE)
+        flat, cu = _packed(proj, cu_seqlens)  # (B·T, 3HE)
+        mixed, conv_state = self.conv(flat, cu, None if state is None else state.conv)
+        q, k, v = mixed.reshape(B, T, 3, H, E).unbind(2)  # (B, T, H, E) each
+        g, beta = self._gates(x)  # (B, T, H)
+        o, ssm = gated_delta_rule(
+            q, k, v, g, beta, initial_state=None if state is None else state.ssm,
+            output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=self.chunk_size,
+            normalize_qk=True, backend=self.backend,
+        )  # fmt: skip
+        return self._out(o, x), RecurrentState(conv_state, ssm.float())
+
+    def step(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
+        """x (N, D), one token per sequence → (y (N, D), new state)."""
+        H, E = self.n_heads, self.head_dim
+        proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (N, 3HE)
+        mixed, conv_state = self.conv.step(proj, state.conv)
+        q, k, v = mixed.reshape(-1, 3, H, E).unbind(1)  # (N, H, E) each
+        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+        g, beta = self._gates(x)  # (N, H)
+        o, ssm = gated_delta_step(q, k, v, g, beta, state.ssm)
+        return self._out(o, x), RecurrentState(conv_state, ssm)
+
+    def init_state(
+        self,
+        batch: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> RecurrentState:
+        """Zero state for ``batch`` fresh sequences (conv state in ``dtype``, SSM in float32)."""
+        inner = self.n_heads * self.head_dim
+        conv = torch.zeros(batch, 3 * inner, self.conv.width - 1, dtype=dtype, device=device)
+        E = self.head_dim
+        ssm = torch.zeros(batch, self.n_heads, E, E, dtype=torch.float32, device=device)
+        return RecurrentState(conv, ssm)
+
+    def state_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of one sequence's state (independent of its length)."""
+        return self.init_state(1, dtype, "meta").nbytes()
+
+
+# ------------------------------------------------------------------------------------- Mamba-2
+class Mamba2Mixer(nn.Module):
+    """Mamba-2 mixer (Dao & Gu 2024): in-proj → [z | x B C | Δ], causal conv over x B C, SSD with
+    a scalar decay per head, gated RMSNorm, out-proj.
+
+    d_inner = expand · D split into H = d_inner / head_dim heads; B and C (d_state each) shared by
+    all heads (one group); Δ = softplus(Δ_raw + dt_bias), A = −e^{A_log}; y = SSD + D ⊙ x;
+    out = RMSNorm(y ⊙ SiLU(z)) W_out.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 64,
+        head_dim: int = 64,
+        expand: int = 2,
+        conv_size: int = 4,
+        chunk_size: int = 64,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        d_inner = expand * d_model
+        if d_inner % head_dim:
+            raise ValueError(
+                f"Mamba-2: expand·d_model = {d_inner} is not a multiple of head_dim = {head_dim}"
+            )
+        self.d_model, self.d_inner, self.d_state, self.head_dim = (
+            d_model,
+            d_inner,
+            d_state,
+            head_dim,
+        )
+        self.n_heads = d_inner // head_dim
+        self.chunk_size, self.backend = chunk_size, backend
+        self.conv_dim = d_inner + 2 * d_state
+        self.in_proj = Linear(d_model, d_inner + self.conv_dim + self.n_heads)
+        self.conv = ShortConv(self.conv_dim, conv_size, bias=True)
+        self.dt_bias = nn.Parameter(_log_uniform_dt_bias(self.n_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))
+        self.D = nn.Parameter(torch.ones(self.n_heads))
+        self.norm = RMSNorm(d_inner, eps=1e-6)
+        self.out_proj = Linear(d_inner, d_model)
+
+    def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        zxbc_dt = self.in_proj(x)  # (..., d_inner + conv_dim + H)
+        return zxbc_dt.split([self.d_inner, self.conv_dim, self.n_heads], -1)
+
+    def _out(self, y: Tensor, z: Tensor) -> Tensor:
+        y = self.norm(y.flatten(-2) * F.silu(z.to(y.dtype)))  # (..., d_inner)
+        return self.out_proj(y)
+
+    def forward(
+        self, x: Tensor, cu_seqlens: Tensor | None = None, state: RecurrentState | None = None
+    ) -> tuple[Tensor, RecurrentState]:
+        """x (B, T, D) → (y (B, T, D), the state after the last token of every sequence)."""
+        B, T, _ = x.shape
+        H, P, N = self.n_heads, self.head_dim, self.d_state
+        z, xbc, dt = self._split(x)
+        flat, cu = _packed(xbc, cu_seqlens)  # (B·T, conv_dim)
+        xbc, conv_state = self.conv(flat, cu, None if state is None else state.conv)
+        xs, Bm, Cm = xbc.reshape(B, T, -1).split([self.d_inner, N, N], -1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
+        y, ssm = ssd(
+            xs.unflatten(-1, (H, P)), dt, -self.A_log.float().exp(), Bm[:, :, None], Cm[:, :, None],
+            D=self.D, initial_state=None if state is None else state.ssm, output_final_state=True,
+            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend,
+        )  # fmt: skip
+        return self._out(y, z), RecurrentState(conv_state, ssm.float())
+
+    def step(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
+        """x (N, D), one token per sequence → (y (N, D), new state)."""
+        H, P, N = self.n_heads, self.head_dim, self.d_state
+        z, xbc, dt = self._split(x)
+        xbc, conv_state = self.conv.step(xbc, state.conv)
+        xs, Bm, Cm = xbc.split([self.d_inner, N, N], -1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # (N, H)
+        y, ssm = ssd_step(
+            xs.unflatten(-1, (H, P)), dt, -self.A_log.float().exp(), Bm[:, None], Cm[:, None],
+            state.ssm, D=self.D,
+        )  # fmt: skip
+        return self._out(y, z), RecurrentState(conv_state, ssm)
+
+    def init_state(
+        self,
+        batch: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> RecurrentState:
+        """Zero state: conv (batch, conv_dim, W − 1) in ``dtype``, SSM (batch, H, N, P) float32."""
+        conv = torch.zeros(batch, self.conv_dim, self.conv.width - 1, dtype=dtype, device=device)
+        ssm = torch.zeros(
+            batch, self.n_heads, self.d_state, self.head_dim, dtype=torch.float32, device=device
+        )
+        return RecurrentState(conv, ssm)
+
+    def state_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of one sequence's state (independent of its length)."""
+        return self.init_state(1, dtype, "meta").nbytes()
+
+
+# --------------------------------------------------------------------- plain linear attention
+class LinearAttention(nn.Module):
+    """Linear attention with the identity feature map: S_t = γ S_{t−1} + k_t v_tᵀ, o_t = S_tᵀ q_t/√E,
+    per-head output RMSNorm (RetNet's group norm), then W_o.
+
+    ``decay=True`` gives RetNet's fixed per-head decays γ_h = 1 − 2^{−5−h}; ``decay=False`` the
+    undecayed sum (the special case g = 0 of the decayed kernel).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int = 64,
+        decay: bool = True,
+        chunk_size: int = 64,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
+        self.decay, self.chunk_size, self.backend = decay, chunk_size, backend
+        inner = n_heads * head_dim
+        self.q_proj = Linear(d_model, inner)
+        self.k_proj = Linear(d_model, inner)
+        self.v_proj = Linear(d_model, inner)
+        self.o_norm = RMSNorm(head_dim, eps=1e-6)
+        self.o_proj = Linear(inner, d_model)
+
+    def log_decay(self, device: torch.device | None = None) -> Tensor | None:
+        """(H,) float32 log γ_h, or None without decay."""
+        if not self.decay:
+            return None
+        h = torch.arange(self.n_heads, device=device, dtype=torch.float32)
+        return torch.log1p(-torch.exp2(-5.0 - h))
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        shape = (self.n_heads, self.head_dim)
+        return tuple(p(x).unflatten(-1, shape) for p in (self.q_proj, self.k_proj, self.v_proj))
+
+    def forward(
+        self, x: Tensor, cu_seqlens: Tensor | None = None, state: RecurrentState | None = None
+    ) -> tuple[Tensor, RecurrentState]:
+        """x (B, T, D) → (y (B, T, D), the state after the last token of every sequence)."""
+        q, k, v = self._qkv(x)  # (B, T, H, E)
+        ld = self.log_decay(x.device)
+        g = None if ld is None else ld.expand(*x.shape[:2], -1)  # (B, T, H)
+        o, ssm = linear_attention(
+            q, k, v, g, scale=self.head_dim**-0.5,
+            initial_state=None if state is None else state.ssm, output_final_state=True,
+            cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend,
+        )  # fmt: skip
+        return self.o_proj(self.o_norm(o).flatten(-2)), RecurrentState(None, ssm.float())
+
+    def step(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
+        """x (N, D), one token per sequence → (y (N, D), new state)."""
+        q, k, v = self._qkv(x)  # (N, H, E)
+        ld = self.log_decay(x.device)
+        g = None if ld is None else ld.expand(x.shape[0], -1)
+        o, ssm = linear_attention_step(q, k, v, g, state.ssm, scale=self.head_dim**-0.5)
+        return self.o_proj(self.o_norm(o).flatten(-2)), RecurrentState(None, ssm)
+
+    def init_state(
+        self,
+        batch: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> RecurrentState:
+        """Zero state (batch, H, E, E) float32; no convolution."""
+        E = self.head_dim
+        return RecurrentState(
+            None, torch.zeros(batch, self.n_heads, E, E, dtype=torch.float32, device=device)
+        )
+
+    def state_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of one sequence's state (independent of its length)."""
+        return self.init_state(1, dtype, "meta").nbytes()
