@@ -26,6 +26,12 @@ if TYPE_CHECKING:
         silu,
         softmax,
     )
+    from lmforge.model.linear_attention import (
+        GatedDeltaNet,
+        LinearAttention,
+        Mamba2Mixer,
+        RecurrentState,
+    )
     from lmforge.model.moe import MoEFFN
     from lmforge.model.moe_config import MoEConfig
     from lmforge.model.presets import load_preset
@@ -35,13 +41,17 @@ __all__ = [
     "CausalSelfAttention",
     "Context",
     "Embedding",
+    "GatedDeltaNet",
     "KVCache",
     "Linear",
+    "LinearAttention",
+    "Mamba2Mixer",
     "MoEConfig",
     "MoEFFN",
     "ModelConfig",
     "PagedKVCache",
     "RMSNorm",
+    "RecurrentState",
     "RotaryEmbedding",
     "StepOps",
     "SwiGLU",
@@ -56,6 +66,10 @@ __all__ = [
 ]
 
 _EXPORTS = {
+    "GatedDeltaNet": "linear_attention",
+    "LinearAttention": "linear_attention",
+    "Mamba2Mixer": "linear_attention",
+    "RecurrentState": "linear_attention",
     "CausalSelfAttention": "transformer",
     "Context": "context",
     "PagedKVCache": "context",
