@@ -105,6 +105,20 @@ class PipelineConfig:
     epochs: int = 1
     "optimizer steps per rollout batch (one new version per batch either way)"
 
+    @classmethod
+    def from_run(cls, cfg: Any, **derived: Any) -> PipelineConfig:
+        """The pipeline's settings from a run config's ``rl`` and ``train`` branches (plus the
+        ``derived`` values the command computed: task, max_tokens, overlong_cache)."""
+        rc, tc = cfg.rl, cfg.train
+        return cls(algo=rc.algo, iterations=rc.iterations, prompts_per_step=rc.prompts_per_step,
+                   group_size=rc.group_size, lr=tc.lr, temperature=rc.temperature,
+                   max_lag=rc.max_lag, digits=rc.digits, seed=tc.seed,
+                   eval_every=tc.eval_every or 5, eval_size=rc.eval_size,
+                   target=rc.target or None, queue_size=rc.queue_size,
+                   engine_threads=rc.engine_threads or None, micro_batch=tc.batch_size,
+                   kl_coef=rc.kl_coef, epochs=rc.epochs, transport=rc.weight_transport,
+                   **derived)  # fmt: skip
+
 
 # ---------------------------------------------------------------------------------------------
 # Prompt sources: picklable, so the engine process draws the prompts itself

@@ -47,8 +47,9 @@ from lmforge.posttrain.losses import (
     overlong_penalty,
     policy_token_loss,
 )
-from lmforge.posttrain.rollout import LocalEngine, SamplingParams
+from lmforge.posttrain.rollout import LocalEngine
 from lmforge.posttrain.tasks import Reward
+from lmforge.serve import SamplingParams
 from lmforge.utils.errors import LmforgeError
 
 
@@ -231,8 +232,10 @@ def score_groups(
     max_tokens: int,
     overlong_cache: int = 0,
     eos_ids: Sequence[int] = (),
+    std: str = "sample",
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Rewards (G, N), advantages (G, N) and reward statistics of grouped outputs."""
+    """Rewards (G, N), advantages (G, N) and reward statistics of grouped outputs (``std``:
+    the group std that normalises, see :func:`~lmforge.posttrain.losses.group_advantages`)."""
     stops = set(eos_ids)
     rewards, answers, formats, lengths = [], [], [], []
     for item, out in zip(items, outputs):
@@ -250,7 +253,7 @@ def score_groups(
     if overlong_cache > 0:
         lens = torch.tensor(lengths, dtype=torch.float32).view_as(r)
         shaped = r + overlong_penalty(lens, max_tokens, overlong_cache)
-    adv = group_advantages(shaped, algo.baseline, algo.normalizer)
+    adv = group_advantages(shaped, algo.baseline, algo.normalizer, std=std)  # type: ignore[arg-type]
     stats = {
         "reward": float(r.mean()),
         "reward_answer": sum(answers) / len(answers),
@@ -313,11 +316,12 @@ def evaluate_accuracy(
     reward_fn: Callable[[dict[str, Any], str], Reward],
     max_tokens: int,
     batch_size: int = 256,
+    eos_ids: Sequence[int] | None = None,
 ) -> float:
     """Greedy held-out accuracy (mean answer reward)."""
     total = 0.0
-    eos = set(engine.eos_ids)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    eos = set(getattr(engine, "eos_ids", ()) if eos_ids is None else eos_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=tuple(eos))
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
         outs = engine.generate([encode_text(tokenizer, it["prompt"]) for it in chunk], params)
@@ -481,3 +485,214 @@ def random_sampler(task: Any, seed: int) -> Callable[[int], list[dict[str, Any]]
     """A function n -> n fresh training items of ``task`` (seeded)."""
     rng = random.Random(seed)
     return lambda n: task.sample(n, rng)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GRPO family as an objective of the one Trainer
+
+
+def _samples_state(s: Samples) -> dict[str, torch.Tensor]:
+    return {"input_ids": s.batch.input_ids, "labels": s.batch.labels, "old_logp": s.old_logp,
+            "versions": s.versions, "advantages": s.advantages, "rewards": s.rewards,
+            "lengths": s.lengths, "truncated": s.truncated, "weights": s.weights}  # fmt: skip
+
+
+def _samples_from(d: dict[str, torch.Tensor]) -> Samples:
+    return Samples(Batch(d["input_ids"], d["labels"]), d["old_logp"], d["versions"],
+                   d["advantages"], d["rewards"], d["lengths"], d["truncated"],
+                   d["weights"])  # fmt: skip
+
+
+class GRPOObjective:
+    """The GRPO family (REINFORCE, RLOO, GRPO, Dr. GRPO, DAPO, GSPO, MaxRL) as a
+    :class:`~lmforge.train.Objective`.
+
+    Every ``epochs`` optimizer steps, :meth:`before_step` samples a rollout batch on the serving
+    engine (:func:`~lmforge.posttrain.rollout.rollout_engine`, which shares the trained module:
+    its policy version is bumped to the step count first), scores it and computes group
+    advantages; each step then takes one pass over that batch in micro-batches of
+    ``micro_batch`` sequences (:meth:`micro_batches` says how many; off-policy after the first
+    pass: the engine's recorded log-probs are the importance-sampling denominators). Loss:
+    :func:`~lmforge.posttrain.losses.policy_token_loss` aggregated as the algorithm says (its
+    weight: sequences, or tokens for ``token_mean``), plus an optional k3 KL to ``ref_model``.
+
+    Exact resume: the state holds the RNG that picks prompts and per-request sampling seeds (so
+    the engine's own generator is never used), the current rollout batch and the pass within it.
+    ``draw(n, rng)`` gives n training items; ``eval_items`` are scored greedily by
+    :meth:`evaluate`.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        draw: Callable[[int, random.Random], list[dict[str, Any]]],
+        reward_fn: Callable[[dict[str, Any], str], Reward],
+        algo_name: str,
+        *,
+        prompts_per_step: int,
+        group_size: int,
+        epochs: int,
+        micro_batch: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        kl_coef: float = 0.0,
+        std: str = "sample",
+        overlong_cache: int = 0,
+        eos_ids: Sequence[int] = (),
+        eval_items: Sequence[dict[str, Any]] = (),
+        eval_max_tokens: int | None = None,
+        ref_model: nn.Module | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.name = algo_name
+        self.algo = algorithm(algo_name)
+        self.engine, self.tokenizer, self.draw, self.reward_fn = engine, tokenizer, draw, reward_fn
+        self.prompts_per_step, self.group_size, self.epochs = prompts_per_step, group_size, epochs
+        self.micro_batch, self.max_tokens, self.temperature = micro_batch, max_tokens, temperature
+        self.kl_coef, self.std, self.overlong_cache = kl_coef, std, overlong_cache
+        self.eos = list(eos_ids)
+        self.eval_items = list(eval_items)
+        self.eval_max_tokens = eval_max_tokens or max_tokens
+        if kl_coef > 0 and ref_model is None:
+            raise LmforgeError("rl.kl_coef > 0 needs a reference model")
+        self.ref_model = ref_model
+        self.rng = random.Random(seed)
+        self.samples: Samples | None = None
+        self.passes_left = 0
+        self.samples_seen = 0
+        self.queue: list[Samples] = []
+        self._stats: dict[str, float] = {}
+        self._clip: list[float] = []
+
+    # -- rollouts
+
+    def _rollout(self, version: int) -> tuple[Samples, dict[str, float]]:
+        self.engine.update_weights({}, version)  # the module is shared: only the version moves
+        items = self.draw(self.prompts_per_step, self.rng)
+        prompts = [encode_text(self.tokenizer, it["prompt"]) for it in items]
+        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
+                                 n=self.group_size, seed=self.rng.randrange(2**31),
+                                 stop_token_ids=tuple(self.eos))
+                  for _ in prompts]  # fmt: skip
+        t = time.perf_counter()
+        outs = self.engine.generate(prompts, params)
+        gen_s = time.perf_counter() - t
+        r, adv, stats = score_groups(items, outs, self.tokenizer, self.reward_fn, self.algo,
+                                     self.max_tokens, self.overlong_cache, self.eos,
+                                     self.std)  # fmt: skip
+        stats["gen_s"] = gen_s
+        keep = (dynamic_sampling_keep(r) if self.algo.dynamic_sampling
+                else torch.ones(len(items), dtype=torch.bool))  # fmt: skip
+        stats["groups_kept"] = float(keep.float().mean())
+        self.samples_seen += len(items) * self.group_size
+        flat_p, flat_c, flat_a, flat_r = [], [], [], []
+        for g, out in enumerate(outs):
+            if keep[g]:
+                for j, c in enumerate(out.outputs):
+                    flat_p.append(prompts[g])
+                    flat_c.append(c)
+                    flat_a.append(float(adv[g, j]))
+                    flat_r.append(float(r[g, j]))
+        if not flat_c:  # every group had equal rewards: no gradient to take
+            return Samples(Batch(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)),
+                           torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0),
+                           torch.zeros(0), torch.zeros(0, dtype=torch.long),
+                           torch.zeros(0, dtype=torch.bool), torch.zeros(0)), stats  # fmt: skip
+        return build_samples(flat_p, flat_c, torch.tensor(flat_a), torch.tensor(flat_r)), stats
+
+    def before_step(self, trainer: Any, step: int) -> None:
+        """A new rollout batch every ``epochs`` steps; this step's micro-batches."""
+        if self.passes_left == 0:
+            for _ in range(8):  # DAPO's dynamic sampling may drop a whole batch: sample again
+                self.samples, self._stats = self._rollout(step - 1)
+                if len(self.samples):
+                    break
+            self.passes_left = self.epochs
+            self._stats["samples"] = float(self.samples_seen)
+        assert self.samples is not None
+        self.passes_left -= 1
+        n = len(self.samples)
+        self.queue = [self.samples.select(range(i, min(i + self.micro_batch, n)))
+                      for i in range(0, n, self.micro_batch)] or [self.samples]  # fmt: skip
+
+    def micro_batches(self) -> int:
+        """Micro-batches of this step's pass over the rollout batch."""
+        return len(self.queue)
+
+    def next_batch(self) -> Samples:
+        """The next micro-batch of this step's pass."""
+        return self.queue.pop(0)
+
+    # -- loss
+
+    def _mask(self, labels: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+        # completion tokens, minus truncated rows under DAPO's overlong filter
+        mask = labels != IGNORE
+        if self.algo.overlong_filter:
+            mask = mask & ~truncated[:, None]
+        return mask
+
+    def batch_weight(self, s: Samples) -> float:
+        """What :func:`~lmforge.posttrain.losses.aggregate` returns as the weight, without a
+        forward: sequences, or masked tokens for ``token_mean``."""
+        if self.algo.aggregation != "token_mean":
+            return float(len(s))
+        return float(self._mask(s.batch.labels, s.truncated).sum())
+
+    def loss(self, model: nn.Module, s: Samples) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aggregated policy loss of the micro-batch, its weight)."""
+        device = next(model.parameters()).device
+        ids, labels = s.batch.input_ids.to(device), s.batch.labels.to(device)
+        mask = self._mask(labels, s.truncated.to(device))
+        logp, _ = sequence_logprobs(model, ids, labels, self.temperature)
+        algo = self.algo
+        token_loss, clipped = policy_token_loss(
+            logp, s.old_logp.to(device), s.advantages.to(device), mask,
+            algo.reweight, algo.eps_low, algo.eps_high,
+        )  # fmt: skip
+        if self.ref_model is not None and self.kl_coef > 0:
+            with torch.no_grad():
+                ref, _ = sequence_logprobs(self.ref_model, ids, labels, self.temperature)
+            token_loss = token_loss + self.kl_coef * k3_kl(logp, ref) * mask
+        token_loss = token_loss * s.weights.to(device)[:, None]
+        self._clip.append(float(clipped.sum()) / max(float(mask.sum()), 1.0))
+        loss_sum, weight = aggregate(token_loss, mask, algo.aggregation, float(self.max_tokens))
+        return loss_sum, torch.as_tensor(float(weight))
+
+    def metrics(self) -> dict[str, float]:
+        """Reward statistics of the rollout batch and the step's clip fraction."""
+        out = dict(self._stats)
+        if self._clip:
+            out["clip_fraction"] = sum(self._clip) / len(self._clip)
+        self._clip = []
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Greedy held-out accuracy (mean answer reward) on the engine."""
+        if not self.eval_items:
+            return {}
+        return {"eval_accuracy": evaluate_accuracy(self.engine, self.tokenizer, self.eval_items,
+                                                   self.reward_fn, self.eval_max_tokens,
+                                                   eos_ids=self.eos)}  # fmt: skip
+
+    # -- resume
+
+    def state_dict(self) -> dict:
+        """Prompt/seed RNG, the rollout batch, the passes left over it, samples seen."""
+        out: dict[str, Any] = {"rng": self.rng.getstate(), "passes_left": self.passes_left,
+                               "samples_seen": self.samples_seen,
+                               "stats": dict(self._stats)}  # fmt: skip
+        if self.samples is not None:
+            out["samples"] = _samples_state(self.samples)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        v, internal, gauss = state["rng"]
+        self.rng.setstate((v, tuple(internal), gauss))
+        self.passes_left = int(state["passes_left"])
+        self.samples_seen = int(state["samples_seen"])
+        self._stats = dict(state["stats"])
+        self.samples = _samples_from(state["samples"]) if "samples" in state else None

@@ -494,3 +494,43 @@ class _ServeDecoding:
             o = _local_output(self.finished[rid])
             rows += [RequestOutput(o.request_id, o.prompt_token_ids, [c], True) for c in o.outputs]
         return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The one engine
+
+
+def _kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    # keys and values of every layer for one block of tokens
+    cfg = model.config
+    kv_heads = getattr(cfg, "n_kv_heads", None) or cfg.n_heads
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.d_model // cfg.n_heads)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.n_layers * kv_heads * head_dim * block_size * itemsize
+
+
+def rollout_engine(model: nn.Module, eos_ids: Iterable[int] = (), seed: int = 0) -> Any:
+    """A :class:`lmforge.serve.Engine` sampling from ``model`` itself (no copy: the trainer
+    updates the weights in place and bumps the engine's ``policy_version`` with
+    ``update_weights({}, version)``). On CUDA the KV cache is sized by :func:`rollout_kv_blocks`
+    (the trainer needs the rest of the memory) and decode runs through CUDA graphs, which read
+    the updated weights in place. Requests pass ``stop_token_ids``; the engine's own EOS is the
+    first of ``eos_ids``."""
+    from lmforge.serve import Engine
+
+    if not is_lmforge_model(model):
+        raise LmforgeError(
+            "rollouts run on lmforge.serve.Engine, which needs an lmforge model (a checkpoint, "
+            "GGUF or HF import), not a transformers module"
+        )
+    param = next(model.parameters())
+    eos = list(eos_ids)
+    num_blocks = None
+    cuda = param.device.type == "cuda"
+    if cuda:
+        per_block = _kv_bytes_per_block(model, 16, param.dtype)
+        free = int(torch.cuda.mem_get_info(param.device)[0])
+        num_blocks = rollout_kv_blocks(model.config.context_length, per_block, free)
+    return Engine(model, device=param.device, block_size=16, num_blocks=num_blocks,
+                  eos_token_id=eos[0] if eos else None, seed=seed,
+                  cuda_graphs=cuda)  # fmt: skip

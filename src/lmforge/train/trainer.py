@@ -25,6 +25,7 @@ Exercised by ``lmforge train --config configs/tiny.toml`` and ``pytest tests/tes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -58,8 +59,10 @@ from lmforge.train.fastpath import (
 from lmforge.train.hooks import model_callbacks
 from lmforge.train.loss import cross_entropy, fused_model_loss, model_loss
 from lmforge.train.metrics import read_metrics, start_run_log
+from lmforge.train.objective import LMObjective, Objective
+from lmforge.train.objective import forward_backward as objective_forward_backward
 from lmforge.train.optim import build_optimizer
-from lmforge.train.plan import TrainingPlan, training_plan
+from lmforge.train.plan import TrainingPlan, objective_plan, training_plan
 from lmforge.train.schedule import lr_at
 from lmforge.train.state import OutDirLock
 from lmforge.train.step import Pending, StepRunner
@@ -90,6 +93,9 @@ class Trainer:
         cfg: RunConfig,
         runtime: Runtime | None = None,
         callbacks: Sequence[Callback] = (),
+        *,
+        model: nn.Module | None = None,
+        objective: Objective | Callable[[Trainer], Objective] | None = None,
     ) -> None:
         self.run_config = cfg
         self.mcfg, self.tcfg, self.dcfg, self.pcfg = cfg.model, cfg.train, cfg.data, cfg.parallel
@@ -101,28 +107,49 @@ class Trainer:
         self.device_type = torch.device(self.device).type
         self.T = tc.context_length or self.mcfg.context_length
         self.callbacks: list[Callback] = list(callbacks)
+        # Pretraining builds its model from [model] and reads [data]; an objective given here
+        # (post-training) brings its own model and data.
+        self.pretraining = objective is None
         self._validate()
-        # Data first: a missing shard or a vocabulary mismatch fails before a big model is built.
-        sources = [open_source(src, self.mcfg.vocab_size) for src in self.dcfg.train]
-        self.val_shards: list[TokenShard] = self._open_val()
+        sources: list[Any] = []
+        self.val_shards: list[TokenShard] = []
+        if self.pretraining:
+            # Data first: a missing shard or a vocabulary mismatch fails before a big model.
+            sources = [open_source(src, self.mcfg.vocab_size) for src in self.dcfg.train]
+            self.val_shards = self._open_val()
         self.val_bytes_per_token = bytes_per_token(self.val_shards) if self.val_shards else None
 
         kind = strategy_kind(self.pcfg, runtime.world_size, _group_joined())
+        if not self.pretraining and kind in ("tp", "pp", "ep"):
+            raise LmforgeError(
+                f"post-training objectives run on one process, DDP or FSDP, not {kind}; "
+                "drop parallel.tp/pp/ep"
+            )
         self._replicated_grads = kind in ("single", "ddp")  # clipping may go into the update
-        self.fast: FastPath = resolve_fast_path(
-            self.mcfg,
-            tc,
-            FastPathRuntime(
-                device_type=self.device_type,
-                world_size=runtime.world_size,
-                strategy=kind,
-                triton=self.device_type == "cuda" and _triton_installed(),
-            ),
+        fast_rt = FastPathRuntime(
+            device_type=self.device_type,
+            world_size=runtime.world_size,
+            strategy=kind,
+            triton=self.device_type == "cuda" and _triton_installed(),
         )
-        from lmforge.model import TransformerLM
+        if self.pretraining:
+            self.fast: FastPath = resolve_fast_path(self.mcfg, tc, fast_rt)
+            from lmforge.model import TransformerLM
 
-        torch.manual_seed(tc.seed)  # same initial weights on every rank and every rerun
-        model = TransformerLM(self.fast.model_config(self.mcfg), device=self.device)
+            torch.manual_seed(tc.seed)  # same initial weights on every rank and every rerun
+            model = TransformerLM(self.fast.model_config(self.mcfg), device=self.device)
+        else:
+            if model is None:
+                raise LmforgeError("a Trainer with an objective needs its model")
+            # The objective's model is trained as given: no master weights, compile, fused loss
+            # or step graph (they assume the pretraining batch); the fast AdamW and the
+            # sync-free step hold for any objective.
+            plain = dataclasses.replace(
+                tc, master_weights="off", compile=False, loss="reference", cuda_graph=False
+            )
+            self.fast = resolve_fast_path(self.mcfg, plain, fast_rt)
+            model = model.to(self.device)
+        assert model is not None
         self.model = model
         # name -> (bf16 parameter, fp32 master) under master weights
         self.masters = bf16_weight_copies(model) if self.fast.master_weights else {}
@@ -130,7 +157,8 @@ class Trainer:
             apply_activation_checkpointing(model)
         # Modules whose aux_loss() (e.g. MoE balancing terms of the last forward) joins the loss.
         self._aux_modules = [m for m in model.modules() if callable(getattr(m, "aux_loss", None))]
-        self.callbacks[:0] = model_callbacks(self.mcfg, model)  # e.g. MoE bias and routing stats
+        if self.pretraining:
+            self.callbacks[:0] = model_callbacks(self.mcfg, model)  # e.g. MoE bias, routing
         self._ce: Callable[..., torch.Tensor] = cross_entropy
         self._fused_loss: Callable[..., torch.Tensor] = fused_model_loss
         self._model_loss: Callable[..., torch.Tensor] | None = None
@@ -154,16 +182,43 @@ class Trainer:
         mup_scales = lr_multipliers(model)  # muP's per-parameter LR scales ({} unless model.mup)
         self.optimizer = self.strategy.make_optimizer(
             lambda ps: build_optimizer(
-                [to_master.get(id(p), p) for p in ps],
+                [to_master.get(id(p), p) for p in ps if p.requires_grad],
                 tc,
                 adamw=self.fast.adamw,
                 copies=copies,
-                lr_scales=[mup_scales.get(id(p), 1.0) for p in ps],
+                lr_scales=[mup_scales.get(id(p), 1.0) for p in ps if p.requires_grad],
             )
         )
         from lmforge.train.optim import AdamW
 
         sync_free = self.fast.sync_free and isinstance(self.optimizer, AdamW)
+        # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
+        # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
+        dp_size = int(getattr(self.strategy, "dp_size", self.strategy.world_size))
+        self.dp_rank = int(getattr(self.strategy, "dp_rank", self.strategy.rank))
+        self.plan: TrainingPlan = (
+            training_plan(self.mcfg, tc, dp_size)
+            if self.pretraining
+            else objective_plan(model, tc, dp_size)
+        )
+        self.sampler_sources = sources
+        self.sampler: MixtureSampler | None = None
+        if self.pretraining:
+            seed = tc.seed + 1_000_003 * self.dp_rank  # each replica draws its own windows
+            self.sampler = MixtureSampler(
+                sources, self.T, self.dcfg.weights, seed, self.mcfg.vocab_size
+            )
+            self.objective: Any = LMObjective(
+                self.sampler,
+                tc.batch_size,
+                self.device,
+                lambda m, x, y: self.loss_fn(m, x, y),  # looked up per call (tests swap it)
+            )
+        else:
+            assert objective is not None
+            # A factory receives the built trainer (device, strategy, optimizer are known).
+            self.objective = objective if hasattr(objective, "loss") else objective(self)
+        obj = self.objective
         self.stepper = StepRunner(
             self.strategy,
             self.optimizer,
@@ -174,16 +229,9 @@ class Trainer:
             clip_in_update=sync_free and self.fast.clip_in_update,
             cuda_graph=sync_free and self.fast.cuda_graph,
             device=self.device,
-        )
-        # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
-        # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
-        dp_size = int(getattr(self.strategy, "dp_size", self.strategy.world_size))
-        self.dp_rank = int(getattr(self.strategy, "dp_rank", self.strategy.rank))
-        self.plan: TrainingPlan = training_plan(self.mcfg, tc, dp_size)
-        self.sampler_sources = sources
-        seed = tc.seed + 1_000_003 * self.dp_rank  # each replica draws its own windows
-        self.sampler = MixtureSampler(
-            sources, self.T, self.dcfg.weights, seed, self.mcfg.vocab_size
+            forward_backward=None
+            if self.pretraining
+            else (lambda micro: objective_forward_backward(self.strategy, micro, obj)[0]),
         )
         self.out_dir = Path(tc.out_dir)
         self.iteration = 0
@@ -219,11 +267,11 @@ class Trainer:
 
     def _validate(self) -> None:
         tc, mc = self.tcfg, self.mcfg
-        if not self.dcfg.train:
+        if self.pretraining and not self.dcfg.train:
             raise LmforgeError(
                 "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
             )
-        if self.T > mc.context_length:
+        if self.pretraining and self.T > mc.context_length:
             raise LmforgeError(
                 f"train.context_length {self.T} exceeds model.context_length {mc.context_length}"
             )
@@ -287,7 +335,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Validation loss, perplexity and bits per byte over fixed sequential windows."""
+        """Validation loss, perplexity and bits per byte over fixed sequential windows (an
+        objective's own ``evaluate(model)`` when it has one)."""
+        own = getattr(self.objective, "evaluate", None)
+        if own is not None:
+            model = self.strategy.model
+            model.eval()
+            try:
+                return dict(own(model))
+            finally:
+                model.train()
         if not self.val_shards:
             return {}
         model = self.strategy.model
@@ -332,8 +389,16 @@ class Trainer:
         )  # fmt: skip
         for group in self.optimizer.param_groups:
             group["lr"] = self.current_lr * group.get("lr_scale", 1.0)
-        micro = [self.sampler.next_batch(tc.batch_size, self.device) for _ in range(tc.grad_accum)]
+        obj = self.objective
+        before = getattr(obj, "before_step", None)
+        if before is not None:
+            before(self, self.iteration + 1)  # e.g. RL rollouts under the current weights
+        count = getattr(obj, "micro_batches", None)
+        n = int(count()) if count is not None else tc.grad_accum
+        micro = [obj.next_batch() for _ in range(n)]
         pending = self.stepper.launch(micro, self.iteration + 1, self.current_lr)
+        stats = getattr(obj, "metrics", None)
+        pending.extra = dict(stats()) if stats is not None else {}  # this step's, read now
         self.iteration += 1
         for cb in (c for c in self.callbacks if hasattr(c, "after_launch")):  # hooks.py
             cb.after_launch(self)  # device work queued behind the step, e.g. the MoE bias update
@@ -364,7 +429,7 @@ class Trainer:
         bar = tqdm(
             total=tc.max_steps,
             initial=self.iteration,
-            desc="train",
+            desc="train" if self.pretraining else self.objective.name,
             unit="step",
             file=sys.stderr,
             dynamic_ncols=True,
@@ -396,7 +461,7 @@ class Trainer:
             else:
                 last_loss = loss_v
             metrics: dict[str, Any] = {"loss": loss_v, "lr": p.lr, "grad_norm": norm_v,
-                                       "skipped": reason is not None}  # fmt: skip
+                                       "skipped": reason is not None, **p.extra}  # fmt: skip
             for cb in self.callbacks:
                 if self.is_main or getattr(cb, "all_ranks", False):
                     cb(self, it, metrics)
