@@ -111,6 +111,14 @@ class TrainConfig:
         # One line per mistake at config load (lmforge.utils.config turns ValueError into it).
         checks = [
             (self.lr > 0, f"train.lr must be positive, got {self.lr}"),
+            *[
+                (getattr(self, k) > 0, f"train.{k} must be positive, got {getattr(self, k)}")
+                for k in ("batch_size", "grad_accum", "max_steps", "log_every", "keep_last")
+            ],
+            *[
+                (getattr(self, k) >= 0, f"train.{k} must be 0 or more, got {getattr(self, k)}")
+                for k in ("eval_every", "save_every", "max_minutes", "eval_batches")
+            ],
             (self.min_lr >= 0, f"train.min_lr must be 0 or more, got {self.min_lr}"),
             (
                 self.min_lr <= self.lr,

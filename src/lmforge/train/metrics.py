@@ -154,6 +154,15 @@ def start_run_log(trainer: Trainer) -> MetricsLogger | None:
     if trainer.resumed_from is not None:
         rec["resumed_from"] = str(trainer.resumed_from)
     loggers.log(rec)
+    if not trainer.pretraining:
+        print(
+            f"lmforge train: objective {trainer.objective.name}, {plan.n_params / 1e6:.2f}M "
+            f"params, {plan.max_steps} steps, device {trainer.device}; adamw "
+            f"{trainer.fast.adamw}"
+            + (f"; resumed from {trainer.resumed_from}" if trainer.resumed_from else ""),
+            file=sys.stderr,
+        )
+        return loggers
     print(
         f"lmforge train: {plan.n_params / 1e6:.2f}M params, {plan.tokens_per_step} tokens/step, "
         f"{plan.max_steps} steps = {plan.total_tokens / 1e6:.2f}M tokens, "

@@ -32,7 +32,8 @@ FREE_KEYS = frozenset(
         "log_every", "save_every", "keep_last", "resume", "tensorboard", "wandb",
         "peak_tflops", "progress", "plot", "allow_config_change", "max_bad_steps",
     )
-)  # fmt: skip
+) | {"rl.iterations", "rl.target", "dpo.epochs"}  # fmt: skip
+# (the post-training keys that only move the end of a run, as train.max_steps does)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

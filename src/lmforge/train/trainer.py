@@ -179,7 +179,9 @@ class Trainer:
         # weights, reads the gradients from those, and writes them back.
         to_master = {id(p): m for p, m in self.masters.values()}
         copies = {m: p for p, m in self.masters.values()}
-        mup_scales = lr_multipliers(model)  # muP's per-parameter LR scales ({} unless model.mup)
+        # muP's per-parameter LR scales ({} unless model.mup; an objective's model, e.g. a
+        # reward model or a transformers module, may have no lmforge config)
+        mup_scales = lr_multipliers(model) if hasattr(model, "config") else {}
         self.optimizer = self.strategy.make_optimizer(
             lambda ps: build_optimizer(
                 [to_master.get(id(p), p) for p in ps if p.requires_grad],
@@ -476,14 +478,17 @@ class Trainer:
                 mfu = tok_s * plan.flops_per_token / (tc.peak_tflops * 1e12)
                 last_t, last_it = now, it
                 extra = {k: v for k, v in metrics.items() if k != "skipped"}
-                rec = {"event": "train", "step": it, **extra,
-                       "tokens": it * plan.tokens_per_step, "tokens_per_s": tok_s, "mfu": mfu,
-                       "elapsed_s": now - start}  # fmt: skip
+                rec = {"event": "train", "step": it, **extra, "elapsed_s": now - start}
+                if self.pretraining:  # an objective's tokens per step vary: not planned
+                    rec.update(tokens=it * plan.tokens_per_step, tokens_per_s=tok_s, mfu=mfu)
                 if loggers:
                     loggers.log(rec)
-                bar.set_postfix(
-                    loss=f"{loss_v:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%"
-                )
+                if self.pretraining:
+                    bar.set_postfix(
+                        loss=f"{loss_v:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%"
+                    )
+                else:
+                    bar.set_postfix(loss=f"{loss_v:.4f}")
 
         pending: Pending | None = None
         try:
