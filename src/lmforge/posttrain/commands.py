@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -309,13 +308,13 @@ def arithmetic_start(cfg: RunConfig, runtime: Any) -> tuple[Any, Any, Any]:
 
 
 def run_rl(cfg: RunConfig, threads: int | None = None) -> int:
-    """``lmforge rl``: the GRPO family as a Trainer objective with rollouts on the serving engine
-    (``train.max_steps`` = ``rl.iterations`` × ``rl.epochs``); PPO and Pipeline RL run their
-    own loops (:mod:`lmforge.posttrain.ppo`, :mod:`lmforge.posttrain.pipeline`)."""
+    """``lmforge rl``: the GRPO family, PPO (:class:`~lmforge.posttrain.ppo.PPOObjective`) or
+    Pipeline RL (:func:`~lmforge.posttrain.pipeline.run_pipeline`) as Trainer objectives, rollouts
+    on the serving engine; ``train.max_steps`` = ``rl.iterations`` × ``rl.epochs``."""
     import dataclasses
 
     from lmforge.posttrain import rl
-    from lmforge.posttrain.models import clone_frozen, eos_ids, save_model
+    from lmforge.posttrain.models import clone_frozen, eos_ids
     from lmforge.posttrain.rollout import rollout_engine
 
     rc, tc = cfg.rl, cfg.train
@@ -347,41 +346,66 @@ def run_rl(cfg: RunConfig, threads: int | None = None) -> int:
     if rc.algo != "ppo":
         max_tokens, overlong_cache = rl.overlong_budget(answer_tokens, rl.algorithm(rc.algo))
     eos = eos_ids(tok)
-    if rc.algo == "ppo" or rc.pipeline:
-        return _legacy_rl(cfg, task, tok, model, reward_fn, draw, None if toy else items,
-                          eval_items, max_tokens, overlong_cache, eos)  # fmt: skip
     cfg = dataclasses.replace(
         cfg, train=dataclasses.replace(tc, max_steps=rc.iterations * rc.epochs)
     )
+    if rc.pipeline:
+        return _pipeline(cfg, task, tok, model, reward_fn, None if toy else items, eval_items,
+                         max_tokens, overlong_cache, eos)  # fmt: skip
     engine = rollout_engine(model, eos, seed=tc.seed)
-    ref = clone_frozen(model) if rc.kl_coef > 0 else None
-    objective = rl.GRPOObjective(
-        engine, tok, draw, reward_fn, rc.algo, prompts_per_step=rc.prompts_per_step,
-        group_size=rc.group_size, epochs=rc.epochs, micro_batch=tc.batch_size,
-        max_tokens=max_tokens, temperature=rc.temperature, kl_coef=rc.kl_coef, std=rc.std,
-        overlong_cache=overlong_cache, eos_ids=eos, eval_items=eval_items, ref_model=ref,
-        seed=tc.seed + 1,
-    )  # fmt: skip
+    trained: torch.nn.Module = model
+    if rc.algo == "ppo":
+        from lmforge.posttrain.dpo import hidden_size
+        from lmforge.posttrain.ppo import PolicyWithValue, PPOConfig, PPOObjective
+
+        trained = PolicyWithValue(model, hidden_size(model)).to(runtime.device)
+        pcfg = PPOConfig(max_tokens=max_tokens, kl_coef=rc.kl_coef, temperature=rc.temperature,
+                         epochs=rc.epochs, samples_per_prompt=rc.group_size)  # fmt: skip
+        objective: Any = PPOObjective(trained, engine, tok, draw, reward_fn, pcfg,  # type: ignore[arg-type]
+                                      prompts_per_step=rc.prompts_per_step, eos_ids=eos,
+                                      eval_items=eval_items, seed=tc.seed + 1,
+                                      target=rc.target)  # fmt: skip
+    else:
+        ref = clone_frozen(model) if rc.kl_coef > 0 else None
+        objective = rl.GRPOObjective(
+            engine, tok, draw, reward_fn, rc.algo, prompts_per_step=rc.prompts_per_step,
+            group_size=rc.group_size, epochs=rc.epochs, micro_batch=tc.batch_size,
+            max_tokens=max_tokens, temperature=rc.temperature, kl_coef=rc.kl_coef, std=rc.std,
+            overlong_cache=overlong_cache, eos_ids=eos, eval_items=eval_items, ref_model=ref,
+            seed=tc.seed + 1, target=rc.target,
+        )  # fmt: skip
     from lmforge.train import Trainer
 
     t_start = time.perf_counter()
-    trainer = Trainer(_with_model_config(cfg, model), runtime, model=model, objective=objective,
-                      callbacks=[_target_stop(rc.target)] if rc.target else ())  # fmt: skip
+    run_cfg = _with_model_config(cfg, model) if rc.algo != "ppo" else cfg
+    trainer = Trainer(run_cfg, runtime, model=trained, objective=objective)
     a0 = _first_eval(out, trainer, objective)
     result = trainer.run()
     if not trainer.is_main:
         return 0
+    return _rl_outputs(cfg, out, model, None if toy else tok, a0, objective.samples_seen,
+                       result, time.perf_counter() - t_start)  # fmt: skip
+
+
+def _rl_outputs(cfg: RunConfig, out: Path, model: torch.nn.Module, tok: Any, a0: float,
+                samples: int, result: dict[str, Any], wall: float,
+                extra: dict[str, Any] | None = None) -> int:  # fmt: skip
+    """curve.png, model/, summary.json of an RL run (printed too)."""
+    from lmforge.posttrain.models import save_model
+
+    rc = cfg.rl
     evals = [(r["step"], r["eval_accuracy"]) for r in _eval_records(out)]
     final = evals[-1][1] if evals else a0
     per = rc.prompts_per_step * rc.group_size / rc.epochs  # samples per optimizer step
-    curve = [(0.0, a0)] + [(s * per, a) for s, a in evals]
-    plot_curves(out / "curve.png", {rc.algo: curve}, "rollout samples",
+    curve = [(0.0, a0)] + [(step * per, acc) for step, acc in evals]
+    name = rc.algo + (" (pipeline)" if rc.pipeline else "")
+    plot_curves(out / "curve.png", {name: curve}, "rollout samples",
                 "held-out greedy accuracy", f"lmforge rl --task {rc.task}")  # fmt: skip
-    save_model(model, None if toy else tok, out / "model")
-    summary = {"task": rc.task, "algo": rc.algo, "pipeline": False, "accuracy_before": a0,
+    save_model(model, tok, out / "model")
+    summary = {"task": rc.task, "algo": rc.algo, "pipeline": rc.pipeline, "accuracy_before": a0,
                "accuracy_after": final, "iterations": -(-int(result["iteration"]) // rc.epochs),
-               "samples": objective.samples_seen, "wall_s": round(time.perf_counter() - t_start, 1),
-               "stopped": result.get("stopped")}  # fmt: skip
+               "samples": samples, "wall_s": round(wall, 1), "stopped": result.get("stopped"),
+               **(extra or {})}  # fmt: skip
     _write_json(out / "summary.json", summary)
     print(json.dumps(summary))
     return 0
@@ -400,93 +424,47 @@ def _first_eval(out: Path, trainer: Trainer, objective: Any) -> float:
     if trainer.iteration > 0 and f.is_file():
         return float(json.loads(f.read_text(encoding="utf-8"))["eval_accuracy"])
     a0 = float(objective.evaluate(trainer.model).get("eval_accuracy", float("nan")))
+    objective.should_stop = False  # a starting policy already at the target still trains
     if trainer.is_main:
         _write_json(f, {"eval_accuracy": a0})
     return a0
 
 
-def _target_stop(target: float) -> Callable[..., None]:
-    """A callback that ends the run once an evaluation reaches ``target`` (sets max_steps)."""
-
-    def cb(trainer: Trainer, step: int, metrics: dict[str, Any]) -> None:
-        recs = _eval_records(trainer.out_dir)
-        if recs and recs[-1]["eval_accuracy"] >= target and recs[-1]["step"] == step - 0:
-            import dataclasses
-
-            trainer.tcfg = dataclasses.replace(trainer.tcfg, max_steps=step)
-
-    return cb
-
-
-def _legacy_rl(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any, draw: Any,
-               items: list[dict[str, Any]] | None, eval_items: Any, max_tokens: int,
-               overlong_cache: int, eos: list[int]) -> int:  # fmt: skip
-    """PPO and Pipeline RL: their own loops, not yet objectives of the Trainer."""
+def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
+              items: list[dict[str, Any]] | None, eval_items: Any, max_tokens: int,
+              overlong_cache: int, eos: list[int]) -> int:  # fmt: skip
+    """``lmforge rl --pipeline``: an engine process and :class:`PipelineObjective` in the
+    Trainer (:func:`~lmforge.posttrain.pipeline.run_pipeline`)."""
     from lmforge.posttrain import rl
-    from lmforge.posttrain.models import clone_frozen, save_model
-    from lmforge.posttrain.rollout import LocalEngine
+    from lmforge.posttrain.models import clone_frozen
+    from lmforge.posttrain.pipeline import ListPrompts, PipelineConfig, check_inputs, run_pipeline
+    from lmforge.posttrain.rollout import rollout_engine
 
     rc, tc = cfg.rl, cfg.train
     out = Path(tc.out_dir)
     toy = rc.task in _TOY_TASKS
-    engine = LocalEngine(model, eos_ids=eos)
-    rng = random.Random(tc.seed + 1)
-
-    def sample_items(n: int) -> list[dict[str, Any]]:
-        return draw(n, rng)
+    pcfg = PipelineConfig.from_run(cfg, task=task, max_tokens=max_tokens,
+                                   overlong_cache=overlong_cache)  # fmt: skip
+    prompts = check_inputs(model, pcfg, None if items is None else ListPrompts(items, tc.seed),
+                           tok)  # fmt: skip
+    eval_engine = rollout_engine(model, eos, seed=tc.seed)
 
     def evaluate() -> float:
-        return rl.evaluate_accuracy(engine, tok, eval_items, reward_fn, max_tokens)
+        return rl.evaluate_accuracy(eval_engine, tok, eval_items, reward_fn, max_tokens,
+                                    eos_ids=eos)  # fmt: skip
 
-    model.eval()
+    t_start = time.perf_counter()
     a0 = evaluate()
-    (out / "metrics.jsonl").write_text("", encoding="utf-8")
-
-    def log(rec: dict[str, Any]) -> None:
-        with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
-
-    log({"iteration": 0, "samples": 0, "time_s": 0.0, "eval_accuracy": a0})
-    target = rc.target or None
-    if rc.algo == "ppo":
-        from tqdm import tqdm
-
-        from lmforge.posttrain.ppo import PPOConfig, run_ppo
-
-        with tqdm(total=rc.iterations, desc="ppo", disable=not tc.progress) as bar:
-            hist = run_ppo(model, engine, tok, sample_items, reward_fn,
-                           PPOConfig(max_tokens=max_tokens, kl_coef=rc.kl_coef, lr=tc.lr,
-                                     temperature=rc.temperature, epochs=rc.epochs),
-                           iterations=rc.iterations, prompts_per_step=rc.prompts_per_step,
-                           eval_fn=evaluate, eval_every=tc.eval_every or 5, target=target,
-                           log=log, progress=bar)  # fmt: skip
-    else:
-        from lmforge.posttrain.pipeline import (
-            ListPrompts,
-            PipelineConfig,
-            check_inputs,
-            run_pipeline,
-        )
-
-        pcfg = PipelineConfig.from_run(cfg, task=task, max_tokens=max_tokens,
-                                       overlong_cache=overlong_cache)  # fmt: skip
-        prompts = check_inputs(model, pcfg, None if items is None else ListPrompts(items, tc.seed),
-                               tok)  # fmt: skip
-        ref = clone_frozen(model) if rc.kl_coef > 0 else None
-        hist = run_pipeline(model, pcfg, log=log, progress=tc.progress, reward_fn=reward_fn,
-                            prompts=prompts, tokenizer=tok, eos_ids=eos,
-                            eval_fn=None if toy else evaluate, ref_model=ref)  # fmt: skip
-    model.eval()
-    final = hist[-1].get("eval_accuracy") if hist and "eval_accuracy" in hist[-1] else evaluate()
-    save_model(model, None if toy else tok, out / "model")
-    summary = {"task": rc.task, "algo": rc.algo, "pipeline": rc.pipeline, "accuracy_before": a0,
-               "accuracy_after": final, "iterations": len(hist),
-               "samples": hist[-1]["samples"] if hist else 0}  # fmt: skip
-    if rc.pipeline and hist:
-        summary["staleness_histogram"] = hist[-1].get("staleness_histogram")
-    _write_json(out / "summary.json", summary)
-    print(json.dumps(summary))
-    return 0
+    _write_json(out / "accuracy_before.json", {"eval_accuracy": a0})
+    ref = clone_frozen(model) if rc.kl_coef > 0 else None
+    hist = run_pipeline(model, pcfg, progress=tc.progress, reward_fn=reward_fn, prompts=prompts,
+                        tokenizer=tok, eos_ids=eos, eval_fn=evaluate, ref_model=ref,
+                        run_config=_with_model_config(cfg, model))  # fmt: skip
+    result = {"iteration": len(hist) * rc.epochs, "stopped": None}
+    extra = {"staleness_histogram": hist[-1].get("staleness_histogram")} if hist else {}
+    return _rl_outputs(cfg, out, model, None if toy else tok, a0,
+                       hist[-1]["samples"] if hist else 0, result,
+                       time.perf_counter() - t_start, extra)  # fmt: skip
 
 
 def math_items(task: str, tok: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -544,8 +544,11 @@ class GRPOObjective:
         eval_max_tokens: int | None = None,
         ref_model: nn.Module | None = None,
         seed: int = 0,
+        target: float = 0.0,
     ) -> None:
         self.name = algo_name
+        self.target = target  # stop once an evaluation reaches it (0 = off)
+        self.should_stop = False
         self.algo = algorithm(algo_name)
         self.engine, self.tokenizer, self.draw, self.reward_fn = engine, tokenizer, draw, reward_fn
         self.prompts_per_step, self.group_size, self.epochs = prompts_per_step, group_size, epochs
@@ -643,6 +646,8 @@ class GRPOObjective:
     def loss(self, model: nn.Module, s: Samples) -> tuple[torch.Tensor, torch.Tensor]:
         """(aggregated policy loss of the micro-batch, its weight)."""
         device = next(model.parameters()).device
+        if len(s) == 0:  # nothing kept (dynamic sampling, staleness): no gradient this step
+            return torch.zeros((), device=device, requires_grad=True), torch.zeros(())
         ids, labels = s.batch.input_ids.to(device), s.batch.labels.to(device)
         mask = self._mask(labels, s.truncated.to(device))
         logp, _ = sequence_logprobs(model, ids, labels, self.temperature)
@@ -673,9 +678,10 @@ class GRPOObjective:
         """Greedy held-out accuracy (mean answer reward) on the engine."""
         if not self.eval_items:
             return {}
-        return {"eval_accuracy": evaluate_accuracy(self.engine, self.tokenizer, self.eval_items,
-                                                   self.reward_fn, self.eval_max_tokens,
-                                                   eos_ids=self.eos)}  # fmt: skip
+        acc = evaluate_accuracy(self.engine, self.tokenizer, self.eval_items, self.reward_fn,
+                                self.eval_max_tokens, eos_ids=self.eos)  # fmt: skip
+        self.should_stop = bool(self.target) and acc >= self.target
+        return {"eval_accuracy": acc}
 
     # -- resume
 

@@ -23,6 +23,8 @@ The contract (members marked optional are looked up with ``getattr``):
 * optional ``batch_weight(batch) -> float``: the weight ``loss`` will return, known without a
   forward; then each backward runs right after its forward with its final scale and frees its
   graph (otherwise all micro-batch graphs are kept until the total weight is known).
+* optional ``should_stop``: a bool the loop reads after each step (e.g. an RL target reached
+  in ``evaluate``): the run ends there with its final evaluation and checkpoint.
 * optional ``micro_batches() -> int``: micro-batches of the next step (default
   ``train.grad_accum``), for objectives whose batch size varies (RL with dynamic sampling).
 

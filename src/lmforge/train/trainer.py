@@ -239,6 +239,9 @@ class Trainer:
         self.iteration = 0
         self.current_lr = 0.0
         self.resumed_from: Path | None = None
+        # Set by a callback or an objective (e.g. an RL target reached): the loop ends after
+        # this step with its final evaluation and checkpoint.
+        self.should_stop = False
         resume.restore_latest(self)
 
     # -- the step's state, as the loop and tests see it
@@ -513,7 +516,7 @@ class Trainer:
                 # Callbacks may change the model between steps: they see each step at once,
                 # unless ``deferrable`` (their device work ran at launch; hooks.py).
                 late = all(getattr(cb, "deferrable", False) for cb in self.callbacks)
-                late_ok = self.deferred and late
+                late_ok = self.deferred and late and self.pretraining
                 if not late_ok or eval_due or save_due or time_up or it == tc.max_steps:
                     report(launched)  # the loop looks at the model after this step: read it now
                 else:
@@ -526,6 +529,9 @@ class Trainer:
                     self.save(last_eval.get("val_loss"))
                 if time_up:
                     stopped = "max_minutes"
+                    break
+                if self.should_stop or getattr(self.objective, "should_stop", False):
+                    stopped = "requested"
                     break
             if pending is not None:
                 report(pending)
