@@ -3,16 +3,17 @@
 Two processes (``torch.multiprocessing``, spawn), joined by a ``torch.distributed`` group (gloo
 on CPU; NCCL when each has its own GPU):
 
-- the **engine** decodes batches of ``prompts_per_step × group_size`` rollouts continuously with
-  :class:`~lmforge.posttrain.rollout.LocalEngine` (or, ``engine="serve"``, the batched serve
-  engine through :func:`~lmforge.posttrain.rollout.make_engine`). Before every decode step it checks the
+- the **engine** decodes batches of ``prompts_per_step × group_size`` rollouts continuously on
+  :class:`lmforge.serve.Engine` (:func:`~lmforge.posttrain.rollout.rollout_engine`), stepping it
+  itself. Before every engine step it checks the
   trainer's published version; when newer, it receives the weights (bucketed broadcast,
   :mod:`lmforge.posttrain.weight_sync`; or, ``transport="shared"`` on one device, copies them
   out of buckets shared with the trainer) and swaps them in **mid-sequence**, keeping the KV
   cache; every token records the version that sampled it. Finished batches go to a queue.
-- the **trainer** takes finished batches as they arrive, scores them, drops (or down-weights)
-  rollouts whose oldest token is more than ``max_lag`` versions behind, runs one optimizer
-  step, publishes the new version and broadcasts the weights.
+- the **trainer** (:class:`PipelineObjective` in the one Trainer) takes finished batches as they
+  arrive, scores them, drops (or down-weights) rollouts whose oldest token is more than
+  ``max_lag`` versions behind, runs one optimizer step, publishes the new version and
+  broadcasts the weights.
 
 The importance ratio uses the engine's recorded log-probs (the behaviour policy, possibly mixed
 across versions within a sequence), clipped as in GRPO; that is what makes lag tolerable.
@@ -30,8 +31,8 @@ so the engine never needs the tokenizer (it stops on the EOS ids it is given). A
 the engine gives the same prompts, in the same order, as its twin drawn by a synchronous run of
 the same seed (:func:`item_stream`). The trainer decodes and scores with the task's reward.
 
-Simplification: one engine; a batch is started whole (the serve engine batches its rows
-continuously, the local one in lockstep). Weights are the model's parameters: buffers (an MoE
+Simplification: one engine; a batch is started whole (the engine batches its rows
+continuously). Weights are the model's parameters: buffers (an MoE
 router's bias) are not sent. Placement across hosts belongs to an existing launcher (torchrun,
 Ray), not to this module.
 Exercised by ``pytest tests/test_posttrain_pipeline.py`` and ``lmforge rl --pipeline``.
@@ -125,9 +126,9 @@ class PipelineConfig:
 class TaskPrompts:
     """The toy tasks' prompt stream: ``task.sample(n, random.Random(seed))``.
 
-    Calling it gives the items (what the synchronous loop's ``sample_items`` gives, the same
-    stream as :func:`lmforge.posttrain.rl.random_sampler`); :meth:`draw` gives the items and
-    their prompt token ids (the task's own tokenizer, which pickles)."""
+    Calling it gives the items (the stream ``GRPOObjective`` draws with a ``random.Random(seed)``
+    of the same seed); :meth:`draw` gives the items and their prompt token ids (the task's own
+    tokenizer, which pickles)."""
 
     def __init__(self, task: Any, seed: int) -> None:
         self.task = task

@@ -1,18 +1,19 @@
-"""RL with verifiable rewards: rollouts in groups, advantages, and the GRPO-family train step.
+"""RL with verifiable rewards: rollouts in groups, advantages, and the GRPO family's objective.
 
-One iteration: sample ``group_size`` completions per prompt with the rollout engine (recording
-each token's log-prob and policy version), score them, compute group advantages, then run
-``epochs`` optimizer passes over that batch (off-policy after the first: the recorded log-probs
+One rollout batch: sample ``group_size`` completions per prompt on the serving engine
+(:func:`~lmforge.posttrain.rollout.rollout_engine`, recording each token's log-prob and policy
+version), score them, compute group advantages (:func:`score_groups`), then ``epochs`` optimizer
+steps of the one Trainer over that batch (off-policy after the first: the recorded log-probs
 are the importance-sampling denominators). The loss is the per-token policy loss of
 :mod:`lmforge.posttrain.losses` with the chosen reweighting, aggregated as chosen, plus an
-optional k3 KL to a frozen reference model.
+optional k3 KL to a frozen reference model (:class:`GRPOObjective`).
 
-The arithmetic command (``lmforge rl --task arithmetic``) first pretrains a tiny model on the
-task's format (a short supervised warm start that leaves it well below the target accuracy),
-then runs RL; both phases and the held-out accuracy curve are logged.
+The arithmetic command (``lmforge rl --task arithmetic``) first warm-starts a tiny model on the
+task's format (the SFT objective, a short run that leaves it well below the target accuracy),
+then runs RL; both runs and the held-out accuracy curve are logged.
 
 Shape legend: B batch (sequences), T tokens, V vocab.
-Exercised by ``pytest tests/test_posttrain_rl.py``.
+Exercised by ``pytest tests/test_posttrain_rl.py tests/test_posttrain_resume.py``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ from torch import nn
 from lmforge.posttrain.core import (
     IGNORE,
     Batch,
-    accumulate_step,
     collate,
     decode_ids,
     encode_text,
-    masked_mean,
     prompt_response_example,
     sequence_logprobs,
 )
@@ -47,7 +46,6 @@ from lmforge.posttrain.losses import (
     overlong_penalty,
     policy_token_loss,
 )
-from lmforge.posttrain.rollout import LocalEngine
 from lmforge.posttrain.tasks import Reward
 from lmforge.serve import SamplingParams
 from lmforge.utils.errors import LmforgeError
@@ -120,109 +118,6 @@ def build_samples(
                    torch.ones(b))  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Loss choices of one RL train step (see :mod:`lmforge.posttrain.losses`)."""
-
-    algorithm: Algorithm
-    kl_coef: float = 0.0
-    "weight of the k3 KL to the reference model (0 = no reference needed)"
-    max_tokens: int = 16
-    "the generation budget: Dr. GRPO's constant normalizer"
-    micro_batch: int = 64
-    "sequences per forward/backward"
-    max_grad_norm: float | None = 1.0
-    "clip the gradient norm (None = off)"
-    temperature: float = 1.0
-    "sampling temperature (the log-probs are at this temperature)"
-
-
-def _loss_fn(cfg: StepConfig, ref_model: nn.Module | None) -> Callable[..., Any]:
-    algo = cfg.algorithm
-
-    def fn(model: nn.Module, s: Samples) -> tuple[torch.Tensor, float]:
-        device = next(model.parameters()).device
-        ids, labels = s.batch.input_ids.to(device), s.batch.labels.to(device)
-        mask = _loss_mask(cfg, labels, s.truncated.to(device))
-        t = time.perf_counter()
-        logp, _ = sequence_logprobs(model, ids, labels, cfg.temperature)
-        fn.forward_s += time.perf_counter() - t
-        token_loss, clipped = policy_token_loss(
-            logp, s.old_logp.to(device), s.advantages.to(device), mask,
-            algo.reweight, algo.eps_low, algo.eps_high,
-        )  # fmt: skip
-        if cfg.kl_coef > 0:
-            if ref_model is None:
-                raise LmforgeError("kl_coef > 0 needs a reference model")
-            with torch.no_grad():
-                ref, _ = sequence_logprobs(ref_model, ids, labels, cfg.temperature)
-            token_loss = token_loss + cfg.kl_coef * k3_kl(logp, ref) * mask
-        token_loss = token_loss * s.weights.to(device)[:, None]
-        fn.clip_fraction.append(float(clipped.sum()) / max(float(mask.sum()), 1.0))
-        return aggregate(token_loss, mask, algo.aggregation, float(cfg.max_tokens))
-
-    fn.clip_fraction = []  # type: ignore[attr-defined]
-    fn.forward_s = 0.0  # type: ignore[attr-defined]
-    return fn
-
-
-def _loss_mask(cfg: StepConfig, labels: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-    """(B, T) tokens the loss counts: completion tokens, minus truncated rows under DAPO's
-    overlong filter."""
-    mask = labels != IGNORE
-    if cfg.algorithm.overlong_filter:
-        mask = mask & ~truncated[:, None]
-    return mask
-
-
-def _chunk_weight(cfg: StepConfig, s: Samples) -> float:
-    """The weight :func:`~lmforge.posttrain.losses.aggregate` returns for this micro-batch
-    (sequences, or masked tokens for ``token_mean``), computed without a forward."""
-    if cfg.algorithm.aggregation != "token_mean":
-        return float(len(s))
-    return float(_loss_mask(cfg, s.batch.labels, s.truncated).sum())
-
-
-def rl_train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    samples: Samples,
-    cfg: StepConfig,
-    ref_model: nn.Module | None = None,
-) -> dict[str, float]:
-    """One optimizer step on ``samples``, split into micro-batches of ``cfg.micro_batch``
-    sequences (gradient accumulation normalised over the whole batch, see
-    :func:`~lmforge.posttrain.core.accumulate_step`). Takes any torch optimizer.
-
-    The stats include a time breakdown: ``fwd_s`` (the policy forwards), ``opt_s`` (the
-    optimizer step, timed by its step hooks) and ``bwd_s`` (the rest: backward, clipping)."""
-    n = len(samples)
-    if n == 0:
-        raise LmforgeError("no samples to train on")
-    chunks = [samples.select(range(i, min(i + cfg.micro_batch, n)))
-              for i in range(0, n, cfg.micro_batch)]  # fmt: skip
-    fn = _loss_fn(cfg, ref_model)
-    # Each micro-batch's weight is known before its forward, so each backward runs right after
-    # its forward and frees its graph: keeping all graphs (16 micro-batches × 16 × 400 tokens ×
-    # a 49k vocabulary) ran an H200 out of memory.
-    weights = [_chunk_weight(cfg, c) for c in chunks]
-    opt_t = [0.0, 0.0]
-    pre = optimizer.register_step_pre_hook(lambda *_: opt_t.__setitem__(0, time.perf_counter()))
-    post = optimizer.register_step_post_hook(lambda *_: opt_t.__setitem__(1, time.perf_counter()))
-    t = time.perf_counter()
-    try:
-        stats = accumulate_step(model, optimizer, chunks, fn, cfg.max_grad_norm, weights)
-    finally:
-        pre.remove()
-        post.remove()
-    total = time.perf_counter() - t
-    stats["clip_fraction"] = sum(fn.clip_fraction) / len(fn.clip_fraction)
-    stats["fwd_s"] = fn.forward_s
-    stats["opt_s"] = opt_t[1] - opt_t[0]
-    stats["bwd_s"] = total - stats["fwd_s"] - stats["opt_s"]
-    return stats
-
-
 def score_groups(
     items: Sequence[dict[str, Any]],
     outputs: Sequence[Any],
@@ -264,53 +159,9 @@ def score_groups(
     return r, adv, stats
 
 
-def rollout_and_score(
-    engine: LocalEngine,
-    tokenizer: Any,
-    items: Sequence[dict[str, Any]],
-    reward_fn: Callable[[dict[str, Any], str], Reward],
-    algo: Algorithm,
-    params: SamplingParams,
-    overlong_cache: int = 0,
-) -> tuple[Samples, dict[str, float]]:
-    """Sample ``params.n`` completions per item, score them and build :class:`Samples`
-    (groups dropped by dynamic sampling when the algorithm asks for it)."""
-    prompts = [encode_text(tokenizer, it["prompt"]) for it in items]
-    t = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    gen_s = time.perf_counter() - t
-    eos = list(engine.eos_ids)
-    r, adv, stats = score_groups(items, outs, tokenizer, reward_fn, algo, params.max_tokens,
-                                 overlong_cache, eos)  # fmt: skip
-    stats["gen_s"] = gen_s
-    keep = (
-        dynamic_sampling_keep(r)
-        if algo.dynamic_sampling
-        else torch.ones(len(items), dtype=torch.bool)
-    )
-    stats["groups_kept"] = float(keep.float().mean())
-    flat_p, flat_c, flat_a, flat_r = [], [], [], []
-    for g, out in enumerate(outs):
-        if not keep[g]:
-            continue
-        for j, c in enumerate(out.outputs):
-            flat_p.append(prompts[g])
-            flat_c.append(c)
-            flat_a.append(float(adv[g, j]))
-            flat_r.append(float(r[g, j]))
-    if not flat_c:
-        return Samples(Batch(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)),
-                       torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0),
-                       torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool),
-                       torch.zeros(0)), stats  # fmt: skip
-    samples = build_samples(flat_p, flat_c, torch.tensor(flat_a), torch.tensor(flat_r))
-    stats["score_s"] = time.perf_counter() - t - gen_s
-    return samples, stats
-
-
 @torch.no_grad()
 def evaluate_accuracy(
-    engine: LocalEngine,
+    engine: Any,
     tokenizer: Any,
     items: Sequence[dict[str, Any]],
     reward_fn: Callable[[dict[str, Any], str], Reward],
@@ -329,45 +180,6 @@ def evaluate_accuracy(
             toks = [t for t in o.outputs[0].token_ids if t not in eos]
             total += reward_fn(it, decode_ids(tokenizer, toks)).answer
     return total / max(len(items), 1)
-
-
-def supervised_warmup(
-    model: nn.Module,
-    tokenizer: Any,
-    sample_items: Callable[[int], list[dict[str, Any]]],
-    steps: int,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    eos_id: int | None = None,
-    stop_at: Callable[[int], bool] | None = None,
-    progress: Any = None,
-    answer_fn: Callable[[dict[str, Any]], str] | None = None,
-) -> int:
-    """Supervised warm start on ``{"prompt", "answer"}`` items (loss on the answer and EOS;
-    ``answer_fn(item)`` replaces the target answer when given).
-
-    Runs ``steps`` AdamW steps, or fewer when ``stop_at(step)`` says so (checked every step).
-    Returns the number of steps taken.
-    """
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    device = next(model.parameters()).device
-    target = answer_fn or (lambda it: it["answer"])
-    model.train()
-    for step in range(1, steps + 1):
-        exs = [prompt_response_example(encode_text(tokenizer, it["prompt"]),
-                                       encode_text(tokenizer, target(it)), eos_id)
-               for it in sample_items(batch_size)]  # fmt: skip
-        b = collate(exs).to(device)
-        logp, _ = sequence_logprobs(model, b.input_ids, b.labels)
-        loss = -masked_mean(logp, b.mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if progress is not None:
-            progress.update(1)
-        if stop_at is not None and stop_at(step):
-            return step
-    return steps
 
 
 def overlong_budget(answer_tokens: int, algo: Algorithm) -> tuple[int, int]:
@@ -389,85 +201,6 @@ def algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
-def run_iterations(
-    model: nn.Module,
-    engine: LocalEngine,
-    tokenizer: Any,
-    sample_items: Callable[[int], list[dict[str, Any]]],
-    reward_fn: Callable[[dict[str, Any], str], Reward],
-    step_cfg: StepConfig,
-    *,
-    iterations: int,
-    prompts_per_step: int,
-    group_size: int,
-    lr: float,
-    epochs: int = 1,
-    eval_fn: Callable[[], float] | None = None,
-    eval_every: int = 10,
-    target: float | None = None,
-    overlong_cache: int = 0,
-    ref_model: nn.Module | None = None,
-    log: Callable[[dict[str, Any]], None] | None = None,
-    progress: Any = None,
-    on_step: Callable[[dict[str, Any], nn.Module], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Synchronous RL: rollout → score → ``epochs`` optimizer steps, ``iterations`` times.
-
-    Evaluates every ``eval_every`` iterations (and stops early once ``target`` accuracy is
-    reached). The engine must sample from ``model`` (same module, or weights pushed in
-    ``update_weights`` by the caller). Returns one record per iteration; ``time_s`` leaves out
-    the evaluations (``eval_s`` holds their time) and ``on_step(record, model)``, which runs
-    after every iteration with its clock stopped (e.g. to snapshot the weights and evaluate
-    them after the run, as the Pipeline RL benchmark does for both modes).
-    """
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
-    params = SamplingParams(temperature=step_cfg.temperature, max_tokens=step_cfg.max_tokens,
-                            n=group_size)  # fmt: skip
-    history: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    paused = 0.0  # seconds spent in evaluation and on_step: not part of time_s
-    samples_seen = 0
-    for it in range(1, iterations + 1):
-        model.eval()
-        samples, stats = rollout_and_score(
-            engine,
-            tokenizer,
-            sample_items(prompts_per_step),
-            reward_fn,
-            step_cfg.algorithm,
-            params,
-            overlong_cache,
-        )
-        samples_seen += prompts_per_step * group_size
-        model.train()
-        for _ in range(epochs):
-            if len(samples) == 0:
-                break
-            stats.update(rl_train_step(model, opt, samples, step_cfg, ref_model))
-        engine.version += 1  # the engine shares the module: its next tokens come from this policy
-        rec: dict[str, Any] = {"iteration": it, "samples": samples_seen,
-                               "time_s": time.perf_counter() - t0 - paused, **stats}  # fmt: skip
-        t_pause = time.perf_counter()
-        if eval_fn is not None and (it % eval_every == 0 or it == iterations):
-            model.eval()
-            rec["eval_accuracy"] = eval_fn()
-            rec["eval_s"] = time.perf_counter() - t_pause
-        if on_step is not None:
-            on_step(rec, model)
-        paused += time.perf_counter() - t_pause
-        history.append(rec)
-        if log is not None:
-            log(rec)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(
-                reward=f"{stats['reward']:.2f}", acc=f"{rec.get('eval_accuracy', float('nan')):.2f}"
-            )
-        if target is not None and rec.get("eval_accuracy", -1.0) >= target:
-            break
-    return history
-
-
 def arithmetic_model(
     vocab_size: int, seed: int = 0, d_model: int = 128, n_layers: int = 2, context_length: int = 32
 ) -> nn.Module:
@@ -479,16 +212,6 @@ def arithmetic_model(
     cfg = ModelConfig(vocab_size=vocab_size, context_length=context_length, d_model=d_model,
                       n_layers=n_layers, n_heads=4, attention="sdpa")  # fmt: skip
     return TransformerLM(cfg)
-
-
-def random_sampler(task: Any, seed: int) -> Callable[[int], list[dict[str, Any]]]:
-    """A function n -> n fresh training items of ``task`` (seeded)."""
-    rng = random.Random(seed)
-    return lambda n: task.sample(n, rng)
-
-
-# ---------------------------------------------------------------------------------------------
-# The GRPO family as an objective of the one Trainer
 
 
 def _samples_state(s: Samples) -> dict[str, torch.Tensor]:
