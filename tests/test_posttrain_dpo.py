@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from lmforge.model import ModelConfig, TransformerLM
 from lmforge.config import RunConfig
+from lmforge.model import ModelConfig, TransformerLM
 from lmforge.posttrain.config import DPOConfig
 from lmforge.posttrain.dpo import (
     DPOObjective,
@@ -22,9 +22,9 @@ from lmforge.posttrain.dpo import (
     steps_per_epoch,
     tokenize_pairs,
 )
+from lmforge.posttrain.tasks import CharTokenizer, read_jsonl
 from lmforge.train import TrainConfig, Trainer
 from lmforge.train.metrics import read_metrics
-from lmforge.posttrain.tasks import CharTokenizer, read_jsonl
 from lmforge.utils.errors import LmforgeError
 
 

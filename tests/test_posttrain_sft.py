@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmforge.config import RunConfig
 from lmforge.model import ModelConfig, TransformerLM
+from lmforge.posttrain.config import SFTConfig
 from lmforge.posttrain.core import Example, collate, sequence_logprobs
 from lmforge.posttrain.packing import pack
-from lmforge.config import RunConfig
-from lmforge.posttrain.config import SFTConfig
 from lmforge.posttrain.sft import SFTObjective, examples_from_records
+from lmforge.posttrain.tasks import CharTokenizer
 from lmforge.train import TrainConfig, Trainer
 from lmforge.train.metrics import read_metrics
-from lmforge.posttrain.tasks import CharTokenizer
 from lmforge.utils.errors import LmforgeError
 
 

@@ -262,14 +262,10 @@ def arithmetic_start(cfg: RunConfig, runtime: Any) -> tuple[Any, Any, Any]:
     """(task, tokenizer, model): ``rl.model`` when given, else a tiny model warm-started here
     by the SFT objective on the task's carry-dropping mixture (a Trainer run of its own in
     ``OUT/warm_start``: resumable, and skipped when finished)."""
-    import dataclasses
 
     from lmforge.posttrain import rl
-    from lmforge.posttrain.config import SFTConfig
-    from lmforge.posttrain.core import encode_text, prompt_response_example
     from lmforge.posttrain.models import load_model
     from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
-    from lmforge.posttrain.sft import SFTObjective
     from lmforge.posttrain.tasks import ArithmeticTask
 
     rc, tc = cfg.rl, cfg.train
@@ -286,23 +282,9 @@ def arithmetic_start(cfg: RunConfig, runtime: Any) -> tuple[Any, Any, Any]:
     ctx = 16 * ((3 * rc.digits + 3 + task.answer_tokens) // 16 + 1)
     model = rl.arithmetic_model(tok.vocab_size, seed=tc.seed, context_length=max(32, ctx))
     model = model.to(runtime.device)
-    if rc.warmup_steps == 0:
-        return task, tok, model
-    batch = 64
-    items = task.sample(batch * rc.warmup_steps, random.Random(tc.seed))
-    wr = random.Random(tc.seed + 5)
-    exs = [prompt_response_example(encode_text(tok, it["prompt"]),
-                                   encode_text(tok, task.warmup_answer(it, wr)), tok.eos_id)
-           for it in items]  # fmt: skip
-    warm_train = dataclasses.replace(
-        tc, out_dir=str(Path(tc.out_dir) / "warm_start"), lr=3e-3, max_steps=rc.warmup_steps,
-        batch_size=batch, grad_accum=1, beta2=0.999, grad_clip=0.0, eval_every=0,
-        save_every=max(rc.warmup_steps // 4, 1),
-    )  # fmt: skip
-    warm_cfg = dataclasses.replace(cfg, train=warm_train)
-    objective = SFTObjective(exs, SFTConfig(max_len=ctx, packing=False), batch, runtime.device,
-                             seed=tc.seed)  # fmt: skip
-    _run_trainer(warm_cfg, runtime, model, objective)
+    if rc.warmup_steps:
+        rl.warm_start(model, task, rc.warmup_steps, str(Path(tc.out_dir) / "warm_start"),
+                      seed=tc.seed, device=runtime.device, progress=tc.progress)  # fmt: skip
     model.eval()
     return task, tok, model
 

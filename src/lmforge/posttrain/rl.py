@@ -425,3 +425,102 @@ class GRPOObjective:
         self.samples_seen = int(state["samples_seen"])
         self._stats = dict(state["stats"])
         self.samples = _samples_from(state["samples"]) if "samples" in state else None
+
+
+def warm_start(
+    model: nn.Module, task: Any, steps: int, out_dir: str, seed: int = 0, batch: int = 64,
+    device: str = "cpu", progress: bool = False,
+) -> None:  # fmt: skip
+    """The arithmetic tasks' supervised warm start, as an SFT objective in the Trainer: ``steps``
+    AdamW steps (lr 3e-3, constant, no clipping) of ``batch`` items whose answers follow the
+    task's warm-up mixture (``task.warmup_answer``: carries dropped part of the time). A run
+    folder of its own (``out_dir``): resumable, and a rerun of a finished one does nothing."""
+    from lmforge.config import RunConfig
+    from lmforge.posttrain.config import SFTConfig
+    from lmforge.posttrain.sft import SFTObjective
+    from lmforge.train import TrainConfig, Trainer
+
+    tok = task.tokenizer()
+    items = task.sample(batch * steps, random.Random(seed))
+    wr = random.Random(seed + 5)
+    exs = [prompt_response_example(encode_text(tok, it["prompt"]),
+                                   encode_text(tok, task.warmup_answer(it, wr)), tok.eos_id)
+           for it in items]  # fmt: skip
+    ctx = model.config.context_length
+    tc = TrainConfig(out_dir=out_dir, device=device, seed=seed, precision="fp32", lr=3e-3,
+                     min_lr=0.0, beta2=0.999, weight_decay=0.0, schedule="constant",
+                     warmup_steps=0, max_steps=steps, batch_size=batch, grad_clip=0.0,
+                     eval_every=0, save_every=max(steps // 4, 1), log_every=10, plot=False,
+                     progress=progress)  # fmt: skip
+    obj = SFTObjective(exs, SFTConfig(max_len=ctx, packing=False), batch, device, seed=seed)
+    Trainer(RunConfig(train=tc), model=model, objective=obj).run()
+    model.eval()
+
+
+def train_grpo(
+    model: nn.Module,
+    tokenizer: Any,
+    draw: Callable[[int, random.Random], list[dict[str, Any]]],
+    reward_fn: Callable[[dict[str, Any], str], Reward],
+    algo_name: str,
+    *,
+    out_dir: str,
+    iterations: int,
+    prompts_per_step: int,
+    group_size: int,
+    lr: float,
+    max_tokens: int,
+    micro_batch: int = 256,
+    overlong_cache: int = 0,
+    eval_items: Sequence[dict[str, Any]] = (),
+    eval_every: int = 0,
+    seed: int = 0,
+    device: str = "cpu",
+    on_step: Callable[[dict[str, Any], nn.Module], None] | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Synchronous GRPO-family RL of ``model``: :class:`GRPOObjective` (rollouts on the serving
+    engine) in the one Trainer, run into ``out_dir``; one record per iteration (the ``train``
+    records of its metrics.jsonl, with ``time_s`` that leaves out ``on_step(record, model)``
+    and the evaluations, and ``eval_accuracy`` where one ran). For benchmarks and tests that
+    compare modes; ``lmforge rl`` builds the same from the config tree."""
+    from lmforge.config import RunConfig
+    from lmforge.posttrain.rollout import rollout_engine
+    from lmforge.train import TrainConfig, Trainer
+
+    eos = [tokenizer.eos_id] if getattr(tokenizer, "eos_id", None) is not None else []
+    obj = GRPOObjective(rollout_engine(model, eos, seed=seed), tokenizer, draw, reward_fn,
+                        algo_name, prompts_per_step=prompts_per_step, group_size=group_size,
+                        epochs=1, micro_batch=micro_batch, max_tokens=max_tokens,
+                        overlong_cache=overlong_cache, eos_ids=eos, eval_items=eval_items,
+                        seed=seed + 1)  # fmt: skip
+    tc = TrainConfig(out_dir=out_dir, device=device, seed=seed, precision="fp32", lr=lr,
+                     min_lr=0.0, beta2=0.99, weight_decay=0.0, schedule="constant",
+                     warmup_steps=0, max_steps=iterations, batch_size=micro_batch,
+                     eval_every=eval_every, save_every=0, log_every=1, plot=False,
+                     progress=progress)  # fmt: skip
+    history: list[dict[str, Any]] = []
+    paused = [0.0]
+    t0 = [0.0]
+
+    def record(trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        rec = {"iteration": step, **{k: v for k, v in metrics.items() if k != "skipped"}}
+        rec["samples"] = int(metrics.get("samples", step * prompts_per_step * group_size))
+        rec["time_s"] = time.perf_counter() - t0[0] - paused[0]
+        if on_step is not None:
+            t = time.perf_counter()
+            on_step(rec, model)
+            paused[0] += time.perf_counter() - t
+        history.append(rec)
+
+    trainer = Trainer(RunConfig(train=tc), model=model, objective=obj, callbacks=[record])
+    t0[0] = time.perf_counter()
+    trainer.run()
+    from lmforge.train.metrics import read_metrics
+
+    evals = {r["step"]: r["eval_accuracy"] for r in read_metrics(f"{out_dir}/metrics.jsonl")
+             if r.get("event") == "eval" and "eval_accuracy" in r}  # fmt: skip
+    for rec in history:
+        if rec["iteration"] in evals:
+            rec["eval_accuracy"] = evals[rec["iteration"]]
+    return history
