@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from lmforge.model.config import ModelConfig
 from lmforge.parallel.config import ParallelConfig
-from lmforge.posttrain.config import DistillConfig, DPOConfig, RLConfig, SFTConfig
 from lmforge.train.config import DataConfig, TrainConfig
+from lmforge.train.posttrain_config import DistillConfig, DPOConfig, RLConfig, SFTConfig
 from lmforge.utils.config import load_config
 
 

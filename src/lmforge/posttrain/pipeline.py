@@ -313,7 +313,7 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    from lmforge.train.checkpoint import load_model_state
+    from lmforge.checkpoint.io import load_model_state
 
     model = rebuild_model(model_cfg, load_model_state(state_file), device)
     engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1)
@@ -509,10 +509,10 @@ def run_pipeline(
     """
     import torch.multiprocessing as mp
 
+    from lmforge.checkpoint.io import save_model_state
     from lmforge.posttrain import rl
     from lmforge.posttrain.models import eos_ids as tokenizer_eos
     from lmforge.posttrain.weight_sync import bucket_layout
-    from lmforge.train.checkpoint import save_model_state
 
     if cfg.kl_coef > 0 and ref_model is None:
         raise LmforgeError("kl_coef > 0 needs a reference model")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmforge.train.checkpoint import (
+from lmforge.checkpoint.io import (
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
@@ -141,11 +141,12 @@ def _check_config(trainer: Trainer, ckpt: Path) -> None:
         old = tomllib.loads(f.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError):
         raise LmforgeError(f"checkpoint {ckpt}: config.toml is not valid TOML") from None
-    from lmforge.config import RunConfig
     from lmforge.utils.config import from_dict
 
-    try:
-        old_dict = config_to_dict(from_dict(RunConfig, old))  # defaults filled in, as now
+    try:  # the run's own config class: train imports nothing above it (no lmforge.config)
+        old_dict = config_to_dict(
+            from_dict(type(trainer.run_config), old)
+        )  # defaults filled in, as now
     except LmforgeError:
         old_dict = old  # written by another version: compare what it says
     changes = config_changes(old_dict, config_to_dict(trainer.run_config))
