@@ -16,7 +16,6 @@ Shape legend: B pairs, T tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -55,16 +54,6 @@ def split_pair(rec: dict[str, Any], where: str) -> tuple[str, str, str]:
         raise LmforgeError(f"{where}: no common '{_ASSISTANT.strip()}' prefix to split at")
     cut += len(_ASSISTANT)
     return c[:cut], c[cut:], r[cut:]
-
-
-@dataclasses.dataclass
-class PairBatch:
-    """Chosen and rejected sequences of B pairs, stacked as one batch of 2B rows
-    (chosen first) so one forward scores both."""
-
-    batch: Batch
-    ref_chosen: torch.Tensor | None = None
-    ref_rejected: torch.Tensor | None = None
 
 
 def tokenize_pairs(
