@@ -218,6 +218,9 @@ def restore_latest(trainer: Trainer) -> None:
     """Resume ``trainer`` from the newest intact checkpoint of its out_dir, if there is one."""
     ckpts = list_checkpoints(trainer.out_dir)
     if not ckpts:
+        if trainer.is_main:  # said, so a rerun after an early kill never restarts silently
+            print(f"lmforge train: no checkpoint in {trainer.out_dir}: starting from step 0",
+                  file=sys.stderr)  # fmt: skip
         return
     if not trainer.tcfg.resume:
         raise LmforgeError(

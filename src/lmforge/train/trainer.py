@@ -242,6 +242,7 @@ class Trainer:
         # Set by a callback or an objective (e.g. an RL target reached): the loop ends after
         # this step with its final evaluation and checkpoint.
         self.should_stop = False
+        self.stop_signal: str | None = None  # SIGINT / SIGTERM received during run()
         resume.restore_latest(self)
 
     # -- the step's state, as the loop and tests see it
@@ -332,6 +333,19 @@ class Trainer:
                 loss = loss + aux.float()
         return loss
 
+    def _start_line(self) -> str:
+        plan = self.plan
+        if not self.pretraining:
+            return (
+                f"lmforge train: objective {self.objective.name}, {plan.n_params / 1e6:.2f}M "
+                f"params, {plan.max_steps} steps, device {self.device}; adamw {self.fast.adamw}"
+            )
+        return (
+            f"lmforge train: {plan.n_params / 1e6:.2f}M params, {plan.tokens_per_step} "
+            f"tokens/step, {plan.max_steps} steps = {plan.total_tokens / 1e6:.2f}M tokens, "
+            f"{plan.flops_per_step:.3g} FLOPs/step, device {self.device}; {self.fast.summary()}"
+        )
+
     # -- checkpoints and evaluation
 
     def save(self, val_loss: float | None = None) -> Path:
@@ -421,16 +435,51 @@ class Trainer:
         try:
             if self.resumed_from is not None and self.iteration >= self.tcfg.max_steps:
                 return resume.finished_result(self)
-            return self._run()
+            with self._stop_on_signals():
+                return self._run()
         finally:
             if lock is not None:
                 lock.release()
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Any:
+        """SIGINT / SIGTERM end the run after the step in flight, with a checkpoint (a second
+        one stops at once, as Ctrl-C does). Only in the main thread, where Python delivers them."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.stop_signal is not None:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+            self.should_stop = True
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
 
     def _run(self) -> dict[str, Any]:
         from tqdm import tqdm
 
         tc, plan = self.tcfg, self.plan
-        loggers = start_run_log(self)
+        loggers = None
+        if self.is_main:
+            loggers = start_run_log(
+                self.out_dir,
+                self.run_config,
+                plan,
+                iteration=self.iteration,
+                resumed_from=self.resumed_from,
+                fast_summary=self.fast.summary(),
+                start_line=self._start_line(),
+            )
         bar = tqdm(
             total=tc.max_steps,
             initial=self.iteration,
@@ -441,6 +490,7 @@ class Trainer:
             disable=not (tc.progress and self.is_main),
         )
         start = time.monotonic()
+        last_save = start
         last_t, last_it = start, self.iteration
         last_eval: dict[str, float] = {}
         last_loss = float("nan")
@@ -510,9 +560,18 @@ class Trainer:
                     pending = None
                 eval_due = bool(tc.eval_every) and it % tc.eval_every == 0 and it < tc.max_steps
                 save_due = bool(tc.save_every) and it % tc.save_every == 0 and it < tc.max_steps
+                now = time.monotonic()
+                # Every rank must decide alike (a save is a collective): on several processes the
+                # wall-clock and stop decisions are agreed at log steps only (one all-reduce).
+                agree = self.strategy.world_size == 1 or it % tc.log_every == 0
+                if tc.save_every_minutes and agree and it < tc.max_steps:
+                    save_due = save_due or self._time_is_up(
+                        now - last_save > 60 * tc.save_every_minutes
+                    )
                 time_up = bool(tc.max_minutes) and self._time_is_up(
-                    time.monotonic() - start > 60 * tc.max_minutes
+                    now - start > 60 * tc.max_minutes
                 )
+
                 # Callbacks may change the model between steps: they see each step at once,
                 # unless ``deferrable`` (their device work ran at launch; hooks.py).
                 late = all(getattr(cb, "deferrable", False) for cb in self.callbacks)
@@ -521,22 +580,34 @@ class Trainer:
                     report(launched)  # the loop looks at the model after this step: read it now
                 else:
                     pending = launched
+                # after this step's callbacks (which may ask to stop); a signal sets it too
+                stop = agree and self._time_is_up(
+                    self.should_stop or bool(getattr(self.objective, "should_stop", False))
+                )
+                if stop and pending is not None:
+                    report(pending)
+                    pending = None
                 if eval_due:
                     last_eval = self.evaluate()
                     if last_eval and loggers:
                         loggers.log({"event": "eval", "step": it, **last_eval})
-                if save_due:
+                if save_due and not stop:
                     self.save(last_eval.get("val_loss"))
+                    last_save = time.monotonic()
                 if time_up:
                     stopped = "max_minutes"
                     break
-                if self.should_stop or getattr(self.objective, "should_stop", False):
-                    stopped = "requested"
+                if stop:
+                    stopped = self.stop_signal or "requested"
+                    if self.stop_signal and self.is_main:
+                        bar.write(f"lmforge train: {self.stop_signal} at step {it}: saving a "
+                                  f"checkpoint and stopping", file=sys.stderr)  # fmt: skip
                     break
             if pending is not None:
                 report(pending)
             bar.close()
-            final = self.evaluate()
+            # A signal asks to stop soon: the checkpoint, not a full validation pass.
+            final = {} if self.stop_signal else self.evaluate()
             if final and loggers:
                 loggers.log({"event": "eval", "step": self.iteration, **final})
             # Saved even if a periodic save just wrote this step: the final one records val_loss.
