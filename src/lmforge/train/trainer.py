@@ -1,4 +1,9 @@
-"""The pretraining loop: data → step (forward/backward, clip, AdamW) → callbacks → logs, eval, saves.
+"""The one training loop: objective → step (forward/backward, clip, AdamW) → callbacks → logs,
+eval, saves. Every phase is an :class:`~lmforge.train.Objective` (:mod:`lmforge.train.objective`):
+pretraining's :class:`~lmforge.train.LMObjective` (built here from ``[model]`` and ``[data]``, with
+all the fast paths below), or one given with its model (SFT, DPO, reward models, RL,
+distillation in :mod:`lmforge.posttrain`: fast AdamW, schedules, clipping, accumulation,
+DDP/FSDP, metrics.jsonl and exact resume, without master weights, compile or the step graph).
 
 The model is built single-device with the backends of the run's :class:`~lmforge.train.FastPath`
 (:func:`~lmforge.train.resolve_fast_path`: every ``auto`` resolved once, in one pure function),
@@ -86,6 +91,9 @@ class Trainer:
     Uses only the ``model``, ``train``, ``data`` and ``parallel`` branches. ``Trainer(cfg,
     runtime).run()`` returns the final metrics; construction builds the model, strategy,
     optimizer and data and restores the latest intact checkpoint when ``train.resume`` is on.
+    ``Trainer(cfg, runtime, model=m, objective=o)`` trains ``m`` on objective ``o`` instead
+    (``o`` may be a factory called with the built trainer); ``[model]`` and ``[data]`` are then
+    not read. SIGINT / SIGTERM end a run with a checkpoint.
     """
 
     def __init__(
