@@ -93,6 +93,8 @@ def _flag(p: argparse.ArgumentParser, flag: str, key: str, help: str = "", **kw:
     # A short flag for a dotted key: recorded only when given (argparse.SUPPRESS), so the file
     # and the dotted overrides sit between it and the defaults.
     kw.setdefault("default", argparse.SUPPRESS)
+    if "choices" not in kw:
+        kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
     text = f"{help} [{key}]" if help else f"[{key}]"
     p.add_argument(flag, dest=f"cfg:{key}", help=text, **kw)
 
