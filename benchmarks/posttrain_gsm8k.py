@@ -11,7 +11,7 @@ Three stages, each on the train split, each evaluated greedily on the **full tes
 
 Every stage sees the same prompt: the question plus :data:`~lmforge.posttrain.tasks.GSM8K_INSTRUCTION`
 as a user turn under the model's own chat template. Generation goes through
-:func:`lmforge.posttrain.rollout.make_engine` (the batched serve engine when present).
+:func:`lmforge.posttrain.rollout.rollout_engine` (the serving engine RL samples on).
 Accuracy = the mean of :func:`lmforge.posttrain.tasks.gsm8k_reward`'s answer component (the last
 number of the reply against the ``#### N`` gold, ``lmforge.eval.answers`` canonicalisation);
 standard error = sqrt(p(1 − p) / n).
@@ -114,12 +114,13 @@ def evaluate(model_path: str, problems: list[dict[str, Any]], args: argparse.Nam
     from lmforge.posttrain.chat import prompt_text
     from lmforge.posttrain.core import decode_ids, encode_text
     from lmforge.posttrain.models import eos_ids, load_model
-    from lmforge.posttrain.rollout import SamplingParams, make_engine
+    from lmforge.posttrain.rollout import rollout_engine
     from lmforge.posttrain.tasks import gsm8k_reward, gsm8k_user_message
+    from lmforge.serve import SamplingParams
 
     model, tok = load_model(model_path, args.device)
     eos = eos_ids(tok)
-    engine = make_engine(model, eos)
+    engine = rollout_engine(model, eos)
     partial = out / f"eval_{stage}.partial.jsonl"
     done: dict[int, dict[str, Any]] = {}
     if partial.is_file():
@@ -132,7 +133,7 @@ def evaluate(model_path: str, problems: list[dict[str, Any]], args: argparse.Nam
         from lmforge.utils.io import atomic_write_text
 
         atomic_write_text(partial, "".join(json.dumps(r) + "\n" for r in done.values()))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, stop_token_ids=tuple(eos))
     todo = [i for i in range(len(problems)) if i not in done]
     t0 = time.perf_counter()
     with tqdm(total=len(problems), initial=len(done), desc=f"eval {stage}",
@@ -254,16 +255,18 @@ def plot(path: Path, results: dict[str, dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(13, 3.8))
-    sft = _jsonl(out / "sft" / "metrics.jsonl")
+    sft = [r for r in _jsonl(out / "sft" / "metrics.jsonl") if r.get("event") == "train"]
     if sft:
         a1.plot([r["step"] for r in sft], [r["loss"] for r in sft], lw=1)
     a1.set(xlabel="SFT step", ylabel="loss (assistant tokens)", title="SFT on the train split")
-    rl = [r for r in _jsonl(out / "grpo" / "metrics.jsonl") if r.get("iteration", 0) > 0]
+    recs = _jsonl(out / "grpo" / "metrics.jsonl")
+    rl = [r for r in recs if r.get("event") == "train"]
     if rl:
         a2.plot([r["samples"] for r in rl], [r["reward"] for r in rl], lw=1, label="mean reward")
-    ev = [r for r in _jsonl(out / "grpo" / "metrics.jsonl") if "eval_accuracy" in r]
-    if ev:
-        a2.plot([r["samples"] for r in ev], [r["eval_accuracy"] for r in ev], marker="o",
+    ev = [r for r in recs if r.get("event") == "eval" and "eval_accuracy" in r]
+    if ev and rl:
+        per = rl[0]["samples"]  # samples per step (one rollout batch per step)
+        a2.plot([r["step"] * per for r in ev], [r["eval_accuracy"] for r in ev], marker="o",
                 label="test accuracy (in-run subset)")  # fmt: skip
     a2.set(
         xlabel="GRPO rollout samples", ylabel="reward / accuracy", title="GRPO on the train split"

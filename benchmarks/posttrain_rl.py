@@ -46,7 +46,6 @@ import argparse
 import copy
 import json
 import platform
-import random
 import sys
 import time
 from pathlib import Path
@@ -58,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from lmforge.posttrain import rl
 from lmforge.posttrain.commands import plot_curves
 from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
-from lmforge.posttrain.rollout import LocalEngine, make_engine
+from lmforge.posttrain.rollout import rollout_engine
 from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
 from lmforge.posttrain.tasks import ArithmeticTask
 
@@ -111,10 +110,6 @@ def main() -> None:
     ap.add_argument("--figure", default=None, help="--pipeline: also write the figure here")
     ap.add_argument("--device", default="cpu",
                     help="cpu | cuda: every model on it (the pipeline's two processes share it)")  # fmt: skip
-    ap.add_argument("--engine", choices=["local", "serve"], default=None,
-                    help="rollout engine of every run (sync and pipeline): local = lockstep "
-                         "LocalEngine, serve = the batched serve engine (CUDA graphs on a GPU); "
-                         "default local for the toy tasks, serve for gsm8k / math")  # fmt: skip
     ap.add_argument("--model", default=None,
                     help="gsm8k / math: the policy (lmforge checkpoint, .gguf, HF import)")  # fmt: skip
     ap.add_argument("--data", default=None,
@@ -142,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     real = args.task in ("gsm8k", "math")
     args.lr = args.lr if args.lr is not None else (2e-6 if real else 1e-3)
-    args.engine = args.engine or ("serve" if real else "local")
+    args.engine = "serve"  # the one engine (lmforge.serve.Engine) behind every run
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or 'cpu'}, "
@@ -165,7 +160,6 @@ def main() -> None:
     base = rl.arithmetic_model(tok.vocab_size, seed=0, d_model=args.d_model,
                                n_layers=args.layers, context_length=max(32, ctx))  # fmt: skip
     base.to(args.device)
-    wr = random.Random(5)
     t0 = time.perf_counter()
     ws = Path(args.warm_start) if args.warm_start else None
     if ws is not None and ws.is_file():
@@ -174,8 +168,10 @@ def main() -> None:
         base.load_state_dict(load_file(str(ws), device=str(args.device)))
         print(f"warm start loaded from {ws}", flush=True)
     else:
-        rl.supervised_warmup(base, tok, rl.random_sampler(task, 0), args.warmup_steps, 64, 3e-3,
-                             tok.eos_id, answer_fn=lambda it: task.warmup_answer(it, wr))  # fmt: skip
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            rl.warm_start(base, task, args.warmup_steps, d, seed=0, device=str(args.device))
         if ws is not None:
             from safetensors.torch import save
 
@@ -185,8 +181,8 @@ def main() -> None:
             atomic_write_bytes(ws, save(state))  # temp name, fsync, rename
     base.eval()
     eval_items = task.eval_set(args.eval_size)
-    a0 = rl.evaluate_accuracy(LocalEngine(base, eos_ids=[tok.eos_id]), tok, eval_items,
-                              task.reward, task.answer_tokens)  # fmt: skip
+    a0 = rl.evaluate_accuracy(rollout_engine(base, [tok.eos_id]), tok, eval_items,
+                              task.reward, task.answer_tokens, eos_ids=[tok.eos_id])  # fmt: skip
     print(f"warm start: {args.warmup_steps} steps in {time.perf_counter() - t0:.0f} s, "
           f"held-out A0 = {a0:.3f}", flush=True)  # fmt: skip
     results: dict = {"A0": a0, "runs": {}}
@@ -194,17 +190,15 @@ def main() -> None:
     def sync_run(algo: str, threads: int, stop_at_target: bool) -> dict:
         torch.set_num_threads(threads)
         model = copy.deepcopy(base)
-        eng = _rollout_engine(args, model, tok)
         max_tokens, cache = rl.overlong_budget(task.answer_tokens, rl.algorithm(algo))
-        cfg = rl.StepConfig(rl.algorithm(algo), max_tokens=max_tokens, micro_batch=256)
-        hist = rl.run_iterations(
-            model, eng, tok, rl.random_sampler(task, 1), task.reward, cfg,
-            iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
-            lr=args.lr, eval_fn=lambda: rl.evaluate_accuracy(eng, tok, eval_items, task.reward,
-                                                             task.answer_tokens),
-            eval_every=args.eval_every, target=args.target if stop_at_target else None,
-            overlong_cache=cache,
+        hist = rl.train_grpo(
+            model, tok, lambda n, rng: task.sample(n, rng), task.reward, algo,
+            out_dir=str(out / f"sync-{algo}"), iterations=args.iterations,
+            prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
+            max_tokens=max_tokens, overlong_cache=cache, eval_items=eval_items,
+            eval_every=args.eval_every, device=str(args.device),
         )  # fmt: skip
+        del stop_at_target  # the whole budget: curves to compare
         return _summary(hist, args.target)
 
     for algo in [a for a in args.algos.split(",") if a]:
@@ -233,14 +227,6 @@ def main() -> None:
         _print_pipeline(results["pipeline"], args.target)
 
 
-def _rollout_engine(args, model: torch.nn.Module, tok, eos: list[int] | None = None) -> object:
-    """The synchronous runs' engine: the same kind the pipeline's engine process runs."""
-    eos = [tok.eos_id] if eos is None else eos
-    if args.engine == "serve":
-        return make_engine(model, eos, prefer="serve")
-    return LocalEngine(model, eos_ids=eos)
-
-
 def _summary(hist: list[dict], target: float = 0.8) -> dict:
     evals = [h for h in hist if "eval_accuracy" in h]
     hit = next((h for h in evals if h["eval_accuracy"] >= target), None)
@@ -259,8 +245,8 @@ def _summary(hist: list[dict], target: float = 0.8) -> dict:
 # Pipeline RL vs synchronous GRPO
 
 _PARTS = {
-    "sync": ["gen_s", "score_s", "fwd_s", "bwd_s", "opt_s"],
-    "trainer": ["wait_s", "score_s", "fwd_s", "bwd_s", "opt_s", "broadcast_s"],
+    "sync": ["gen_s", "score_s"],
+    "trainer": ["wait_s", "score_s", "broadcast_s"],
     "engine": ["engine_gen_s", "engine_recv_s", "engine_idle_s"],
 }
 
@@ -277,7 +263,6 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
     threads), interleaved so they see the same machine load. Every run takes the same sample
     budget (``--iterations`` × prompts × group) with no evaluation inside its timed loop: the
     weights are snapshotted after every iteration (clock stopped) and evaluated after the run."""
-    algo = rl.algorithm("grpo")
     max_tokens = task.answer_tokens
     runs: list[dict] = []
 
@@ -293,15 +278,15 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         model = copy.deepcopy(base)
-        eng = _rollout_engine(args, model, tok)
         snaps: list = []
         load0 = _loadavg()
         # the prompt stream of the pipeline's engine (random.Random(seed + 1)): same prompts, in order
-        hist = rl.run_iterations(
-            model, eng, tok, rl.random_sampler(task, seed + 1), task.reward,
-            rl.StepConfig(algo, max_tokens=max_tokens, micro_batch=256),
-            iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
-            lr=args.lr, on_step=snapshotter(snaps),
+        hist = rl.train_grpo(
+            model, tok, lambda n, rng: task.sample(n, rng), task.reward, "grpo",
+            out_dir=str(out / f"sync-{seed}-{threads}"), iterations=args.iterations,
+            prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
+            max_tokens=max_tokens, seed=seed, device=str(args.device),
+            on_step=snapshotter(snaps),
         )  # fmt: skip
         runs.append({"mode": f"sync {threads}t", "seed": seed, "hist": hist, "snaps": snaps,
                      "load": [load0, _loadavg()]})  # fmt: skip
@@ -316,7 +301,7 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
                               lr=args.lr, max_tokens=max_tokens, max_lag=args.max_lag,
                               digits=args.digits, task=task, seed=seed, eval_every=10**9,
                               eval_size=1, threads=tt, engine_threads=et,
-                              queue_size=q, engine=args.engine)  # fmt: skip
+                              queue_size=q)  # fmt: skip
         snaps: list = []
         load0 = _loadavg()
         torch.manual_seed(seed)
@@ -343,12 +328,14 @@ def _pipeline_vs_sync(args, task, tok, base, a0, eval_items, out: Path) -> dict:
     # evaluation of every snapshot, after all timed runs (identical for every mode)
     torch.set_num_threads(1)
     probe = copy.deepcopy(base)
-    eng = LocalEngine(probe, eos_ids=[tok.eos_id])
+    eng = rollout_engine(probe, [tok.eos_id])
     for r in runs:
         curve = [(0, 0, 0.0, a0)]
         for it, samples, t, state in r.pop("snaps"):
             probe.load_state_dict(state)
-            acc = rl.evaluate_accuracy(eng, tok, eval_items, task.reward, max_tokens)
+            eng.update_weights({}, it)  # the module's weights changed: drop the prefix cache
+            acc = rl.evaluate_accuracy(eng, tok, eval_items, task.reward, max_tokens,
+                                       eos_ids=[tok.eos_id])  # fmt: skip
             curve.append((it, samples, round(t, 2), acc))
         r["curve"] = curve
         hit = next((c for c in curve if c[3] >= args.target), None)
@@ -440,7 +427,7 @@ def _print_pipeline(res: dict, target: float) -> None:
                       if p["time_to_target"] and r["time_to_target"] else "n/a")  # fmt: skip
                 it = r["per_iteration_s"]["wall"] / p["per_iteration_s"]["wall"]
                 print(f"seed {seed}: {pm} vs {m}: {to} to {target}; {it:.2f}x per iteration")
-    cols = ["wall", "gen_s", "wait_s", "score_s", "fwd_s", "bwd_s", "opt_s", "broadcast_s",
+    cols = ["wall", "gen_s", "wait_s", "score_s", "broadcast_s",
             "engine_gen_s", "engine_idle_s", "engine_recv_s"]  # fmt: skip
     print("\nmean seconds per iteration (sync: generation in the loop; pipeline: the trainer's "
           "wait for a batch, and the engine's own time per batch):")  # fmt: skip
@@ -461,8 +448,8 @@ def _print_pipeline(res: dict, target: float) -> None:
 # Pipeline RL vs synchronous GRPO on a real model and task (gsm8k / math)
 
 _REAL_PARTS = {
-    "sync": ["gen_s", "serve_decode_s", "serve_mixed_s", "score_s", "fwd_s", "bwd_s", "opt_s"],
-    "trainer": ["wait_s", "score_s", "fwd_s", "bwd_s", "opt_s", "broadcast_s"],
+    "sync": ["gen_s", "serve_decode_s", "serve_mixed_s", "score_s"],
+    "trainer": ["wait_s", "score_s", "broadcast_s"],
     "engine": ["engine_gen_s", "engine_serve_decode_s", "engine_serve_mixed_s", "engine_recv_s",
                "engine_idle_s"],
 }  # fmt: skip
@@ -503,10 +490,9 @@ def _recording(reward, key: str):
 def _real_task(args) -> dict:
     """Synchronous GRPO and Pipeline RL from the same weights on the same prompt stream and
     sample budget, per seed, alternated; no evaluation anywhere (reward per iteration instead)."""
-    from lmforge.posttrain.core import encode_text, is_lmforge_model
+    from lmforge.posttrain.core import is_lmforge_model
     from lmforge.posttrain.models import eos_ids, load_model
     from lmforge.posttrain.pipeline import ListPrompts, item_stream
-    from lmforge.posttrain.rollout import SamplingParams
     from lmforge.posttrain.tasks import gsm8k_reward, math_reward
     from lmforge.utils.errors import LmforgeError
 
@@ -520,8 +506,6 @@ def _real_task(args) -> dict:
     items = _real_items(args, tok)
     reward = gsm8k_reward if args.task == "gsm8k" else math_reward
     key = "question" if args.task == "gsm8k" else "problem"
-    algo = rl.algorithm("grpo")
-    step_cfg = rl.StepConfig(algo, max_tokens=args.max_tokens, micro_batch=args.micro_batch)
     n_params = sum(p.numel() for p in base.parameters())
     print(f"{args.model}: {n_params / 1e6:.1f} M parameters on {args.device}, {len(items)} "
           f"problems, {args.iterations} iterations x {args.prompts} prompts x {args.group} "
@@ -556,30 +540,20 @@ def _real_task(args) -> dict:
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         model = copy.deepcopy(base)
-        eng = _rollout_engine(args, model, tok, eos)
-        # warm as the pipeline's engine is when its clock starts (first-call allocations, JIT),
-        # with the same call (the stream's first prompt, 2 tokens): a serve engine then samples
-        # the first batch exactly as the pipeline's does (same generator state)
-        warm = ListPrompts(items, seed)(1)[0]["prompt"]
-        eng.generate([encode_text(tok, warm)], SamplingParams(max_tokens=2))
-        serve = [_serve_stats(eng)]
-
-        def on_step(rec: dict, _model: torch.nn.Module, eng: object = eng) -> None:  # no clock
-            now = _serve_stats(eng)
-            rec.update({k: v - serve[0].get(k, 0.0) for k, v in now.items()})
-            serve[0] = now
-
         load0 = _loadavg()
         scored, seen = _recording(reward, key)
-        hist = rl.run_iterations(
-            model, eng, tok, item_stream(ListPrompts(items, seed)), scored, step_cfg,
-            iterations=args.iterations, prompts_per_step=args.prompts, group_size=args.group,
-            lr=args.lr, on_step=on_step,
+        stream = item_stream(ListPrompts(items, seed))  # the pipeline engine's prompt stream
+        hist = rl.train_grpo(
+            model, tok, lambda n, rng: stream(n), scored, "grpo",
+            out_dir=str(out / f"sync-{seed}-{threads}"), iterations=args.iterations,
+            prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
+            max_tokens=args.max_tokens, micro_batch=args.micro_batch, seed=seed,
+            device=str(args.device),
         )  # fmt: skip
         runs.append(_real_record(f"sync {threads}t", seed, hist, "sync", [load0, _loadavg()],
                                  seen))  # fmt: skip
         print(f"  seed {seed} sync {threads} thread(s): {hist[-1]['time_s']:.1f} s", flush=True)
-        del eng, model
+        del model
         free()
 
     def run_pipe(seed: int, tt: int, et: int, q: int, transport: str) -> None:
@@ -589,7 +563,7 @@ def _real_task(args) -> dict:
                               prompts_per_step=args.prompts, group_size=args.group, lr=args.lr,
                               max_tokens=args.max_tokens, max_lag=args.max_lag, seed=seed,
                               eval_every=args.check_every, threads=tt, engine_threads=et,
-                              queue_size=q, engine=args.engine, micro_batch=args.micro_batch,
+                              queue_size=q, micro_batch=args.micro_batch,
                               backend=args.backend, engine_device=args.engine_device,
                               transport=transport)  # fmt: skip
         load0 = _loadavg()
@@ -700,8 +674,7 @@ def _print_real(res: dict) -> None:
     for r in res["runs"]:
         cells = " ".join(f"{t:.2f};{w:.3f}" for t, w in zip(r["iteration_s"], r["reward"]))
         print(f"  {r['mode']} seed {r['seed']}: {cells}")
-    cols = ["gen_s", "serve_decode_s", "serve_mixed_s", "wait_s", "score_s", "fwd_s", "bwd_s",
-            "opt_s", "broadcast_s", "engine_gen_s", "engine_serve_decode_s",
+    cols = ["gen_s", "serve_decode_s", "serve_mixed_s", "wait_s", "score_s", "broadcast_s", "engine_gen_s", "engine_serve_decode_s",
             "engine_serve_mixed_s", "engine_recv_s", "engine_idle_s"]  # fmt: skip
     print("\nmean seconds per iteration after the first (sync: generation in the loop; pipeline: "
           "the trainer's parts, then the engine's own time per batch; serve_decode / "

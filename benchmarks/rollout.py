@@ -5,7 +5,7 @@ samples of ~140 tokens (~100 ms per decode step) where the weights (0.54 GB fp32
 ~0.13 ms. This script reproduces that workload without the GGUF (which is over one device
 call's carry): a SmolLM2-135M-shaped model with random weights, in float32 (what ``lmforge rl``
 trains in) and bfloat16, 32 prompts × 8 samples at temperature 1, 256 new tokens, ignore EOS,
-through :func:`lmforge.posttrain.rollout.make_engine` — the exact engine the RL loop builds.
+through :func:`lmforge.posttrain.rollout.rollout_engine` — the exact engine the RL loop builds.
 
 Correctness first: the engine's greedy tokens equal ``lmforge.generate`` on two prompts.
 Then, per configuration: engine setup (KV allocation, compile, graph capture), the wall time of
@@ -35,7 +35,8 @@ import torch
 from lmforge.bench.timing import cuda_kernel_totals, environment_line, markdown_table
 from lmforge.generate import generate
 from lmforge.model import ModelConfig, TransformerLM
-from lmforge.posttrain.rollout import SamplingParams, make_engine
+from lmforge.posttrain.rollout import rollout_engine
+from lmforge.serve import SamplingParams
 
 SMOLLM2_135M = dict(
     vocab_size=49152, context_length=4096, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3,
@@ -67,7 +68,7 @@ def _sync(device: str) -> None:
 def check(shape: dict, dtype: torch.dtype, device: str) -> None:
     """The rollout engine's greedy tokens == lmforge.generate's (the readable reference)."""
     model = _model(shape, dtype, device)
-    eng = make_engine(model, eos_ids=[])
+    eng = rollout_engine(model)
     prompts = [[5, 17, 33, 2, 9, 41, 7], [101, 3, 8]]
     outs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     refs = generate(model, prompts, max_new_tokens=12, temperature=0.0)
@@ -108,8 +109,7 @@ def run(shape: dict, dtype: torch.dtype, device: str, n_prompts: int, group: int
     """One configuration: setup, one timed generate, the prefill/decode split, a profile."""
     model = _model(shape, dtype, device)
     t0 = time.perf_counter()
-    adapter = make_engine(model, eos_ids=[])
-    eng = adapter.engine
+    adapter = eng = rollout_engine(model)
     setup = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, shape["vocab_size"], (prompt_len,), generator=g).tolist()
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         check(shape, dt, args.device)
     rows = [run(shape, dt, args.device, args.prompts, args.group, args.max_tokens,
                 args.prompt_len, args.profile) for dt in dtypes]  # fmt: skip
-    header = ["engine (make_engine)", "output tokens", "wall (s)", "output tok/s", "decode ms/step"]
+    header = ["engine (rollout_engine)", "output tokens", "wall (s)", "output tok/s", "decode ms/step"]
     _line("\n" + markdown_table(header, rows))
     return 0
 

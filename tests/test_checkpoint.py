@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from lmforge.checkpoint import io as ckpt_mod
 from lmforge.config import RunConfig
 from lmforge.model import ModelConfig, TransformerLM, load_preset
 from lmforge.train import (
@@ -18,7 +19,6 @@ from lmforge.train import (
     load_for_inference,
     save_checkpoint,
 )
-from lmforge.train import checkpoint as ckpt_mod
 from lmforge.train.checkpoint import checkpoint_path, list_checkpoints, prune_checkpoints
 from lmforge.utils.errors import LmforgeError
 

@@ -20,12 +20,13 @@ LAYERS = {
     "model": 2,
     "optim": 3,
     "parallel": 4,
+    "checkpoint": 4,  # lmforge.checkpoint: checkpoint I/O below the trainer
     "train": 5,
     "config": 5,  # lmforge.config: the RunConfig composed of the branches below it
 }
 ALLOWED = {
     # A checkpoint carries its tokenizer folder; load_for_inference hands it back loaded.
-    ("lmforge.train.checkpoint", "lmforge.tokenizer"),
+    ("lmforge.checkpoint.io", "lmforge.tokenizer"),
 }
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from lmforge.model import ModelConfig, TransformerLM
+from lmforge.parallel import Strategy
 from lmforge.posttrain.chat import chat_example, render_chatml
 from lmforge.posttrain.core import (
     IGNORE,
     Example,
-    accumulate_step,
     collate,
     masked_mean,
     masked_sum_normalize,
@@ -24,6 +24,7 @@ from lmforge.posttrain.core import (
     token_logprobs,
 )
 from lmforge.posttrain.tasks import CharTokenizer
+from lmforge.train.objective import forward_backward
 from lmforge.utils.errors import LmforgeError
 
 
@@ -136,18 +137,25 @@ def test_accumulation_gradient_equals_full_batch(unit: str) -> None:
         per_seq = -(logp * b.mask).sum(-1) / b.mask.sum(-1)
         return per_seq.sum(), float(len(per_seq))
 
+    class Obj:  # the Trainer's objective contract; batch_weight when the weights are known
+        def loss(self, model, b):
+            loss_sum, w = loss_fn(model, b)
+            return loss_sum, torch.tensor(w)
+
+    class Known(Obj):
+        def batch_weight(self, b):
+            return float(b.mask.sum()) if unit == "token" else float(b.input_ids.shape[0])
+
     grads = []
     for split, known in (([5], False), ([1, 3, 1], False), ([1, 3, 1], True)):
         model = tiny_lm()
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
         chunks, i = [], 0
         for n in split:
             chunks.append(collate(exs[i : i + n]))
             i += n
-        # weights up front: backward right after each forward (what SFT passes)
-        weights = [loss_fn(model, c)[1] for c in chunks] if known else None
-        stats = accumulate_step(model, opt, chunks, loss_fn, weights=weights)
-        grads.append((torch.cat([p.grad.flatten() for p in model.parameters()]), stats["loss"]))
+        # weights up front: backward right after each forward (what SFT does)
+        loss, _ = forward_backward(Strategy(model), chunks, Known() if known else Obj())
+        grads.append((torch.cat([p.grad.flatten() for p in model.parameters()]), float(loss)))
     for g, loss in grads[1:]:
         torch.testing.assert_close(grads[0][0], g, atol=1e-6, rtol=1e-5)
         assert grads[0][1] == pytest.approx(loss, rel=1e-5)

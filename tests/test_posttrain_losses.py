@@ -49,8 +49,17 @@ def test_dpo_ipo_cdpo_simpo_by_hand() -> None:
 
 def test_group_advantages_by_hand() -> None:
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    # the sample std by default (TRL, verl, CS336): sqrt(1/3) over [1, 0, 0, 1]
     a = group_advantages(r, "mean", "std", eps=0.0 + 1e-12)
+    torch.testing.assert_close(a[0], torch.tensor([1.0, -1.0, -1.0, 1.0]) * (3 / 4) ** 0.5)
+    a = group_advantages(r, "mean", "std", eps=0.0 + 1e-12, std="population")
     torch.testing.assert_close(a[0], torch.tensor([1.0, -1.0, -1.0, 1.0]))
+    # group size 2: the two differ by sqrt(2), the gap the issue measured
+    two = torch.tensor([[1.0, 0.0]])
+    ratio = group_advantages(two, "mean", "std", eps=0.0, std="population") / group_advantages(
+        two, "mean", "std", eps=0.0
+    )
+    torch.testing.assert_close(ratio, torch.full((1, 2), 2**0.5))
     a = group_advantages(r, "mean", "std")
     assert float(a[1].abs().max()) == 0.0  # identical rewards: no signal, no NaN
     torch.testing.assert_close(

@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lmforge.config import RunConfig
 from lmforge.model import ModelConfig, TransformerLM
+from lmforge.posttrain.config import SFTConfig
 from lmforge.posttrain.core import Example, collate, sequence_logprobs
 from lmforge.posttrain.packing import pack
-from lmforge.posttrain.sft import SFTConfig, examples_from_records, sft_loss, train_sft
+from lmforge.posttrain.sft import SFTObjective, examples_from_records
 from lmforge.posttrain.tasks import CharTokenizer
+from lmforge.train import TrainConfig, Trainer
+from lmforge.train.metrics import read_metrics
 from lmforge.utils.errors import LmforgeError
 
 
@@ -24,6 +28,11 @@ def _examples(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[Examp
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def sft_loss(model: torch.nn.Module, mb: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    obj = SFTObjective([Example([1, 2], [False, True])], SFTConfig(), 1, "cpu")
+    return obj.loss(model, mb)
 
 
 def _check_packing(model: torch.nn.Module, exs: list[Example]) -> None:
@@ -66,15 +75,20 @@ def test_packing_equals_one_by_one_transformers_gpt2() -> None:
     _check_packing(transformers.GPT2LMHeadModel(cfg), _examples(40, (5, 9, 4, 7, 3)))
 
 
-def test_sft_loop_learns_and_validates_records() -> None:
+def test_sft_objective_learns_in_the_trainer_and_validates_records(tmp_path) -> None:
     tok = CharTokenizer()
     recs = [{"prompt": f"{a}+{a}=", "response": str(2 * a)} for a in range(10)]
     exs = examples_from_records(recs, tok, chat=False, eos_id=tok.eos_id)
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(vocab_size=tok.vocab_size, context_length=32, d_model=32,
                                       n_layers=1, n_heads=2))  # fmt: skip
-    hist = train_sft(model, exs, SFTConfig(steps=40, batch_size=10, micro_batch=5, lr=3e-3,
-                                           max_len=32), progress=False)  # fmt: skip
+    tc = TrainConfig(out_dir=str(tmp_path), device="cpu", precision="fp32", batch_size=5,
+                     grad_accum=2, max_steps=40, lr=3e-3, min_lr=0.0, schedule="constant",
+                     warmup_steps=0, weight_decay=0.0, eval_every=0, save_every=0, log_every=1,
+                     plot=False, progress=False)  # fmt: skip
+    obj = SFTObjective(exs, SFTConfig(max_len=32), 5, "cpu")
+    Trainer(RunConfig(train=tc), model=model, objective=obj).run()
+    hist = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["event"] == "train"]
     assert hist[-1]["loss"] < 0.5 * hist[0]["loss"]
     with pytest.raises(LmforgeError, match="record 1"):
         examples_from_records([{"text": "x"}], tok)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -208,3 +209,85 @@ def test_build_optimizer_groups_and_hyperparameters(tmp_path: Path) -> None:
     assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in other["params"])
     assert decay["lr"] == 1e-3 and decay["betas"] == (0.8, cfg.beta2)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing a user does is lost (issue 39 item 4): signals, wall-clock checkpoints, reruns
+
+
+def _job(tmp: Path, script: str) -> subprocess.CompletedProcess:
+    # a training job in its own process, built by this file's _cfg (one thread, as conftest)
+    code = (
+        f"import sys, os, signal; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import torch; torch.set_num_threads(1)\n"
+        "from pathlib import Path\n"
+        "from test_train_resume import _cfg\n"
+        "from lmforge.train import Trainer\n"
+    ) + script
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp, env=env, capture_output=True,
+                          text=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_saves_a_checkpoint_and_stops(tmp_path: Path, sig: str) -> None:
+    # Before: SIGTERM exited without a checkpoint (up to save_every - 1 steps lost).
+    done = _job(
+        tmp_path,
+        f"""
+def cb(trainer, step, metrics):
+    if step == 3:
+        os.kill(os.getpid(), signal.{sig})
+cfg = _cfg(Path({str(tmp_path)!r}), max_steps=50, save_every=0, save_every_minutes=0.0)
+print(Trainer(cfg, callbacks=[cb]).run()["stopped"])
+""",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == sig
+    assert f"{sig} at step 3: saving a checkpoint" in done.stderr
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_0000003"]
+
+
+def test_checkpoints_by_wall_clock_as_well_as_steps(tmp_path: Path) -> None:
+    # Before: only every save_every steps (the demo had none until its end).
+    cfg = _cfg(tmp_path, max_steps=4, save_every=0, save_every_minutes=1e-9, keep_last=10)
+    Trainer(cfg).run()
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == [
+        f"step_{s:07d}" for s in (1, 2, 3, 4)
+    ]
+    assert TrainConfig().save_every_minutes > 0  # on by default
+    with pytest.raises(LmforgeError, match="save_every_minutes must be 0 or more"):
+        load_run_config(None, ["train.save_every_minutes=-1"])
+
+
+def test_a_start_without_checkpoint_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    Trainer(_cfg(tmp_path))
+    assert f"no checkpoint in {tmp_path / 'run'}: starting from step 0" in capsys.readouterr().err
+
+
+def test_a_new_attempt_appends_to_metrics(tmp_path: Path) -> None:
+    # Before: a rerun after kill -9 before the first checkpoint truncated metrics.jsonl.
+    job = f"""
+def cb(trainer, step, metrics):
+    if step == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+cfg = _cfg(Path({str(tmp_path)!r}), max_steps=4, save_every=0, save_every_minutes=0.0,
+           log_every=1)
+Trainer(cfg, callbacks=[cb] if len(sys.argv) < 2 else []).run()
+"""
+    first = _job(tmp_path, job)
+    assert first.returncode == -9 and not list_checkpoints(tmp_path / "run")
+    path = tmp_path / "run" / "metrics.jsonl"
+    before = path.read_text().splitlines()
+    assert any('"step": 2' in line for line in before)
+    second = _job(tmp_path, job.replace("len(sys.argv) < 2", "False"))
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "no checkpoint in" in second.stderr
+    after = path.read_text().splitlines()
+    assert after[: len(before)] == before  # appended, never truncated
+    events = [r["event"] for r in read_metrics(path, all_attempts=True)]
+    assert events.count("attempt") == 2
+    view = [r["step"] for r in read_metrics(path) if r["event"] == "train"]
+    assert view == [1, 2, 3, 4]  # one run's curve: the second attempt's

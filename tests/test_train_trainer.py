@@ -15,7 +15,6 @@ from lmforge.model import ModelConfig, TransformerLM, load_preset
 from lmforge.train import DataConfig, TrainConfig, Trainer, apply_activation_checkpointing
 from lmforge.train.data import write_shard
 from lmforge.train.metrics import plot_loss_curve, read_metrics
-from lmforge.train.metrics import truncate_metrics as _truncate_metrics
 from lmforge.train.state import rng_state as _rng_state
 from lmforge.train.state import set_rng_state as _set_rng_state
 from lmforge.utils.errors import LmforgeError
@@ -140,12 +139,20 @@ def test_rng_state_roundtrip_through_json() -> None:
     assert np.array_equal(got[1], expected[1]) and got[2] == expected[2]
 
 
-def test_truncate_metrics_drops_steps_after_checkpoint_and_torn_lines(tmp_path: Path) -> None:
+def test_read_metrics_views_attempts_as_one_run_and_skips_torn_lines(tmp_path: Path) -> None:
+    # attempt 1 logged steps 1..7 and died; attempt 2 resumed from the step-5 checkpoint
     path = tmp_path / "metrics.jsonl"
-    lines = [json.dumps({"event": "train", "step": s, "loss": 1.0 / s}) for s in range(1, 8)]
-    path.write_text("\n".join(lines) + '\n{"event": "tra')
-    _truncate_metrics(path, 5)
-    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4, 5]
+    first = [{"event": "attempt", "step": 0, "attempt": 1}, {"event": "plan", "step": 0}]
+    first += [{"event": "train", "step": s, "loss": 1.0 / s} for s in range(1, 8)]
+    second = [{"event": "attempt", "step": 5, "attempt": 2}, {"event": "plan", "step": 5}]
+    second += [{"event": "train", "step": s, "loss": 2.0 / s} for s in range(6, 9)]
+    text = "\n".join(json.dumps(r) for r in first) + '\n{"event": "tra\n'
+    path.write_text(text + "\n".join(json.dumps(r) for r in second) + "\n")
+    view = [r for r in read_metrics(path) if r["event"] == "train"]
+    assert [r["step"] for r in view] == list(range(1, 9))
+    assert view[5]["loss"] == 2.0 / 6  # the redone step, not the first attempt's
+    assert len(read_metrics(path, all_attempts=True)) == len(first) + len(second)
+    assert [r["event"] for r in read_metrics(path)].count("plan") == 1
 
 
 def test_plot_loss_curve(tmp_path: Path) -> None:
@@ -191,7 +198,8 @@ def test_max_minutes_stops_with_final_eval_and_checkpoint(tmp_path: Path) -> Non
     assert result["stopped"] == "max_minutes" and result["iteration"] < 10_000
     assert np.isfinite(result["val_loss"]) and result["val_bpb"] > 0
     assert Path(result["checkpoint"]).name == f"step_{result['iteration']:07d}"
-    plan = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    attempt, plan = read_metrics(tmp_path / "run" / "metrics.jsonl")[:2]
+    assert attempt == {"event": "attempt", "step": 0, "attempt": 1}
     assert plan["event"] == "plan" and plan["tokens_per_step"] == 2 * 16
 
 

@@ -25,8 +25,6 @@ class ParallelConfig:
     "shard only optimizer state (ZeRO-1); ignored with fsdp"
     bucket_size_mb: float = 25.0
     "DDP gradient bucket size"
-    microbatches: int = 4
-    "pipeline micro-batches per step"
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
     "pipeline schedule"
     domain_size: int = 0

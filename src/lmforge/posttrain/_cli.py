@@ -1,31 +1,38 @@
 """``lmforge sft``, ``lmforge dpo``, ``lmforge rl``, ``lmforge distill``: registered here, run in
 :mod:`lmforge.posttrain.commands` (so torch is imported only when a command runs).
 
-Config files: ``--config FILE`` reads a TOML file holding one table named after the command
-(``[sft]``, ``[dpo]``, ``[rl]``, ``[distill]``) whose keys are the command's long options with
-``_`` for ``-`` (``batch_size = 16``, ``no_packing = true``). Precedence: a flag given on the
-command line, then the file, then the built-in default. Unknown keys, other tables and values of
-the wrong type (or outside an option's choices) are one-line errors naming the file and key.
-The resolved options are written to ``config.toml`` in the run's output folder, so
-``--config OUT/config.toml`` repeats a run. Files for the README examples: ``configs/posttrain/``.
+Every command reads the one run-config tree (:class:`lmforge.config.RunConfig`): its own branch
+(``[sft]``, ``[dpo]``, ``[rl]``, ``[distill]``) and ``[train]`` (learning rate, schedule, steps,
+micro-batch, accumulation, clipping, ``out_dir``, device, seed: the Trainer's). Precedence, low
+to high: the tree's defaults, the command's defaults (:data:`COMMAND_DEFAULTS`), ``--config
+FILE``, dotted overrides (``--train.warmup_steps=20``, ``--dpo.reference=online``), the
+command's short flags (``--lr`` is ``train.lr``, ``--model`` is ``sft.model``, ...; each flag's
+help names its key). Every value is checked as the config loads, before any model is read: a
+mistake is one line. The resolved tree is written to ``OUT/config.toml``, so
+``--config OUT/config.toml`` repeats a run. Presets: ``configs/posttrain/``.
 Exercised by ``pytest tests/test_posttrain_config.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-from typing import Any
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmforge.config import RunConfig
 
 SFT_EXAMPLES = """examples:
   lmforge sft --model ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --data chats.jsonl --out runs/sft
   lmforge sft --model runs/demo/ckpt --data pairs.jsonl --steps 200 --lr 1e-4 --no-packing
-  lmforge sft --config configs/posttrain/sft-smollm2.toml --data chats.jsonl   # flags override the file
+  lmforge sft --config configs/posttrain/sft-smollm2.toml --sft.data=chats.jsonl --train.schedule=cosine
 
 Data: JSONL with {"messages": [{"role": "user"|"assistant"|"system", "content": ...}, ...]}
 (rendered with the model's chat template, else ChatML) or {"prompt": ..., "response": ...}.
 Loss on assistant tokens only; examples are packed per row without attention between them.
-Outputs in --out: model/, metrics.jsonl, summary.json.
+Outputs in --out: model/, metrics.jsonl, summary.json, config.toml, checkpoints/ (a rerun of the
+same command resumes from the latest one, e.g. after a kill).
 """
 
 DPO_EXAMPLES = """examples:
@@ -36,24 +43,22 @@ DPO_EXAMPLES = """examples:
 
 Data: JSONL(.gz) with {"prompt", "chosen", "rejected"} or HH-RLHF {"chosen", "rejected"} dialogues.
 The last --eval-fraction of the pairs is held out: the implicit reward's preference accuracy on
-it is reported before and after. Outputs in --out: model/, metrics.jsonl, summary.json.
+it is reported before and after. Outputs in --out: model/, metrics.jsonl, summary.json,
+config.toml, checkpoints/ (a rerun resumes).
 """
 
 RL_EXAMPLES = """examples:
   lmforge rl --task arithmetic                       # warm start a tiny model, then GRPO (CPU, minutes)
   lmforge rl --task arithmetic --algo dapo --out runs/rl-dapo
   lmforge rl --task arithmetic --pipeline --max-lag 4  # Pipeline RL: engine and trainer processes
-  lmforge rl --task scratchpad --pipeline --lr 1e-4 --target 0.95   # worked answers: generation ~35%
   lmforge rl --task gsm8k --model runs/sft/model --algo dr_grpo --max-tokens 256
-  lmforge rl --task gsm8k --pipeline --model SmolLM2.gguf --data train.jsonl --lr 2e-6 --micro-batch 16
-  lmforge rl --config configs/posttrain/rl-arithmetic.toml --algo gspo   # a config file, one flag overridden
+  lmforge rl --config configs/posttrain/rl-arithmetic.toml --algo gspo --rl.std=population
 
 Algorithms: reinforce, reinforce_baseline, rloo, grpo, dr_grpo, dapo, gspo, maxrl, ppo
-(each a combination of baseline/normalizer, importance reweighting and aggregation).
---pipeline runs any task on any lmforge model (checkpoint, GGUF or HF import; not PPO): the
-engine process rebuilds the model and draws the same prompts a synchronous run of the seed would.
-Outputs in --out: metrics.jsonl, curve.png, summary.json, model/, config.toml (the resolved
-options: --config OUT/config.toml repeats the run; every command writes one).
+(each a combination of baseline/normalizer, importance reweighting and aggregation). Rollouts
+are sampled by the serving engine (lmforge.serve.Engine), which shares the trained weights.
+Outputs in --out: metrics.jsonl, curve.png, summary.json, model/, config.toml, checkpoints/
+(a rerun resumes, prompts, sampling seeds and rollouts included).
 """
 
 DISTILL_EXAMPLES = """examples:
@@ -64,27 +69,39 @@ Data: JSONL with {"text"} (or SFT records); on-policy uses their prompts and sam
 Teacher and student must share the vocabulary. Outputs in --out: model/, metrics.jsonl.
 """
 
+# What each command changes in [train] (a preset under the config file, the overrides and flags):
+# post-training runs small learning rates without weight decay, in fp32 on the CPU by default.
+_POST = {"device": "cpu", "precision": "fp32", "weight_decay": 0.0, "min_lr": 0.0,
+         "schedule": "constant", "warmup_steps": 0, "grad_accum": 1, "log_every": 1,
+         "eval_every": 0, "plot": False}  # fmt: skip
+COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sft": {"train": {**_POST, "out_dir": "runs/sft", "lr": 2e-5, "beta2": 0.999,
+                      "warmup_steps": 10, "max_steps": 100, "batch_size": 4, "grad_accum": 4,
+                      "save_every": 50}},
+    "dpo": {"train": {**_POST, "out_dir": "runs/dpo", "lr": 5e-6, "beta2": 0.999,
+                      "batch_size": 8, "save_every": 50}},
+    "rl": {"train": {**_POST, "out_dir": "runs/rl", "lr": 1e-3, "beta2": 0.99,
+                     "batch_size": 64, "eval_every": 5, "save_every": 10}},
+    "distill": {"train": {**_POST, "out_dir": "runs/distill", "lr": 1e-4, "beta2": 0.999,
+                          "batch_size": 8, "max_steps": 100, "save_every": 50}},
+}  # fmt: skip
+"""The ``[train]`` values each command starts from (AdamW β2 and schedule as the loops they
+replaced: torch's default β2 0.999 for SFT/DPO/distillation, 0.99 for RL)."""
 
-class IntAtLeast:
-    """An argparse ``type``: an integer ≥ ``low``. A bad value is argparse's usage error naming
-    the flag; a config file's value is checked against it too (:func:`_check_value`), so neither
-    reaches the command as a zero divisor or an empty micro-batch."""
 
-    def __init__(self, low: int) -> None:
-        self.low = low
-        self.__name__ = f"integer >= {low}"  # argparse and _type_label name the type with it
-
-    def __call__(self, text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < self.low:
-            raise argparse.ArgumentTypeError(f"must be >= {self.low}, got {value}")
-        return value
+def _flag(p: argparse.ArgumentParser, flag: str, key: str, help: str = "", **kw: Any) -> None:
+    # A short flag for a dotted key: recorded only when given (argparse.SUPPRESS), so the file
+    # and the dotted overrides sit between it and the defaults.
+    kw.setdefault("default", argparse.SUPPRESS)
+    if "choices" not in kw:
+        kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())
+    text = f"{help} [{key}]" if help else f"[{key}]"
+    p.add_argument(flag, dest=f"cfg:{key}", help=text, **kw)
 
 
-POSITIVE_INT, NONNEGATIVE_INT = IntAtLeast(1), IntAtLeast(0)
+def _switch(p: argparse.ArgumentParser, flag: str, key: str, value: bool, help: str) -> None:
+    p.add_argument(flag, dest=f"cfg:{key}", action="store_const", const=value,
+                   default=argparse.SUPPRESS, help=f"{help} [{key}={str(value).lower()}]")  # fmt: skip
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -92,19 +109,21 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--config",
         metavar="FILE",
         default=None,
-        help="TOML file with a table named after the command holding these options (keys: the "
-        "long flags with _ for -); flags given here override it",
+        help="TOML run config ([train] and the command's table, e.g. configs/posttrain/); "
+        "dotted overrides (--train.lr=1e-5) and the flags here override it",
     )
-    p.add_argument("--out", default=None, help="output folder (default runs/<command>)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default cpu)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _flag(p, "--out", "train.out_dir", "output folder (a rerun resumes from its checkpoints)")
+    _flag(p, "--device", "train.device", "cpu, cuda, cuda:N or auto")
+    _flag(p, "--seed", "train.seed", type=int)
+    _flag(p, "--lr", "train.lr", "peak AdamW learning rate", type=float)
+    _switch(p, "--quiet", "train.progress", False, "no progress bars")
     p.add_argument(
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads (default: torch's; rl: 1, tiny models gain nothing)",
+        help="torch CPU threads (default: torch's; rl on a toy task: 1, tiny models gain nothing)",
     )
+    p.set_defaults(accepts_overrides=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -113,268 +132,141 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sft", help="supervised fine-tuning on conversations (packed)",
                        description="Supervised fine-tuning, loss on assistant tokens only.",
                        epilog=SFT_EXAMPLES, formatter_class=raw)  # fmt: skip
-    p.add_argument("--model", required=True, help="lmforge checkpoint, .gguf file or HF folder")
-    p.add_argument("--data", required=True, help="JSONL of conversations or prompt/response pairs")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--no-packing", action="store_true", help="pad each example instead")
-    p.add_argument("--no-chat", action="store_true", help="prompt/response pairs without template")
+    _flag(p, "--model", "sft.model", "lmforge checkpoint, .gguf file or HF folder")
+    _flag(p, "--data", "sft.data", "JSONL of conversations or prompt/response pairs")
+    _flag(p, "--steps", "train.max_steps", "optimizer steps", type=int)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="examples per optimizer step (sets train.grad_accum = this / "
+                   "train.batch_size, rounded up)")  # fmt: skip
+    _flag(p, "--micro-batch", "train.batch_size", "examples per forward/backward", type=int)
+    _flag(p, "--max-len", "sft.max_len", "longest (packed) sequence", type=int)
+    _switch(p, "--no-packing", "sft.packing", False, "pad each example instead")
+    _switch(p, "--no-chat", "sft.chat", False, "prompt/response pairs without template")
     _common(p)
-    _defer_defaults(p, "sft")
     p.set_defaults(func=_dispatch("sft"))
 
     p = sub.add_parser("dpo", help="preference optimisation: DPO, IPO, cDPO, SimPO; reward models",
                        description="Direct preference optimisation and variants; or train a "
                        "Bradley-Terry reward model (--reward-model).",
                        epilog=DPO_EXAMPLES, formatter_class=raw)  # fmt: skip
-    p.add_argument("--model", required=True, help="lmforge checkpoint, .gguf file or HF folder")
-    p.add_argument("--data", required=True, help="JSONL(.gz) preference pairs")
-    p.add_argument("--loss", default="dpo", choices=["dpo", "ipo", "cdpo", "simpo"])
-    p.add_argument("--beta", type=float, default=0.1)
-    p.add_argument("--label-smoothing", type=float, default=0.1, help="cDPO's ε")
-    p.add_argument("--lr", type=float, default=5e-6)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--limit", type=int, default=None, help="use only the first N pairs")
-    p.add_argument("--eval-fraction", type=float, default=0.1)
-    p.add_argument("--reward-model", action="store_true", help="train a Bradley-Terry reward model")
+    _flag(p, "--model", "dpo.model", "lmforge checkpoint, .gguf file or HF folder")
+    _flag(p, "--data", "dpo.data", "JSONL(.gz) preference pairs")
+    _flag(p, "--loss", "dpo.loss", choices=["dpo", "ipo", "cdpo", "simpo"])
+    _flag(p, "--beta", "dpo.beta", type=float)
+    _flag(p, "--label-smoothing", "dpo.label_smoothing", "cDPO's ε", type=float)
+    _flag(p, "--epochs", "dpo.epochs", type=int)
+    _flag(p, "--batch-size", "train.batch_size", "pairs per micro-batch", type=int)
+    _flag(p, "--max-len", "dpo.max_len", type=int)
+    _flag(p, "--limit", "dpo.limit", "use only the first N pairs (0 = all)", type=int)
+    _flag(p, "--eval-fraction", "dpo.eval_fraction", type=float)
+    _switch(p, "--reward-model", "dpo.reward_model", True, "train a Bradley-Terry reward model")
     _common(p)
-    _defer_defaults(p, "dpo")
     p.set_defaults(func=_dispatch("dpo"))
 
     p = sub.add_parser("rl", help="RL with verifiable rewards: GRPO family, PPO, Pipeline RL",
                        description="Reinforcement learning with verifiable rewards.",
                        epilog=RL_EXAMPLES, formatter_class=raw)  # fmt: skip
-    p.add_argument(
-        "--task",
-        default="arithmetic",
-        choices=["arithmetic", "scratchpad", "gsm8k", "math"],
-        help="scratchpad: the arithmetic task with worked column-by-column answers (~30 tokens)",
-    )
-    p.add_argument("--algo", default="grpo")
-    p.add_argument(
-        "--model", default=None, help="policy to start from (arithmetic: warm-started here)"
-    )
-    p.add_argument("--data", default=None, help="gsm8k/math: JSONL of problems (default ../shared)")
-    p.add_argument(
-        "--eval-data",
-        default=None,
-        help="gsm8k/math: JSONL of held-out problems (default: the test split in ../shared)",
-    )
-    p.add_argument("--iterations", type=int, default=60)
-    p.add_argument("--prompts-per-step", type=POSITIVE_INT, default=32)
-    p.add_argument("--group-size", type=POSITIVE_INT, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--epochs", type=int, default=1, help="optimizer passes per rollout batch")
-    p.add_argument(
-        "--micro-batch",
-        type=POSITIVE_INT,
-        default=64,
-        help="sequences per forward/backward of a train step (GRPO family; lower it for "
-        "long replies on a large vocabulary: the logits are sequences × tokens × vocab)",
-    )
-    p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the initial policy")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--digits", type=int, default=3, help="arithmetic: operand digits")
-    p.add_argument("--warmup-steps", type=int, default=1000, help="arithmetic: warm-start steps")
-    p.add_argument("--eval-size", type=int, default=200)
-    p.add_argument("--eval-every", type=POSITIVE_INT, default=5)
-    p.add_argument("--target", type=float, default=None, help="stop at this held-out accuracy")
-    p.add_argument(
-        "--pipeline",
-        action="store_true",
-        help="Pipeline RL: engine + trainer processes (any task; an lmforge model)",
-    )
-    p.add_argument("--max-lag", type=int, default=4, help="pipeline: drop samples older than this")
-    p.add_argument(
-        "--queue-size",
-        type=NONNEGATIVE_INT,
-        default=0,
-        help="pipeline: finished batches the engine may hold unconsumed (0: token lag <= 1)",
-    )
-    p.add_argument(
-        "--engine-threads", type=int, default=None, help="pipeline: torch threads of the engine"
-    )
-    p.add_argument(
-        "--weight-transport",
-        choices=["broadcast", "shared"],
-        default="broadcast",
-        help="pipeline: how new weights reach the engine process: a bucketed broadcast (gloo/"
-        "NCCL), or buffers both processes map (CUDA IPC / shared memory; one device only)",
-    )
-    p.add_argument(
-        "--rollout-engine",
-        choices=["auto", "local", "serve"],
-        default="auto",
-        help="what samples rollouts: local (lockstep), serve (the batched serve engine, CUDA "
-        "graphs on a GPU), auto (local for the arithmetic tasks, serve for the others)",
-    )
+    _flag(p, "--task", "rl.task", choices=["arithmetic", "scratchpad", "gsm8k", "math"])
+    _flag(p, "--algo", "rl.algo")
+    _flag(p, "--model", "rl.model", "policy to start from (arithmetic: warm-started here)")
+    _flag(p, "--data", "rl.data", "gsm8k/math: JSONL of problems")
+    _flag(p, "--eval-data", "rl.eval_data", "gsm8k/math: JSONL of held-out problems")
+    _flag(p, "--iterations", "rl.iterations", "rollout batches", type=int)
+    _flag(p, "--prompts-per-step", "rl.prompts_per_step", type=int)
+    _flag(p, "--group-size", "rl.group_size", type=int)
+    _flag(p, "--epochs", "rl.epochs", "optimizer steps per rollout batch", type=int)
+    _flag(p, "--micro-batch", "train.batch_size", "sequences per forward/backward", type=int)
+    _flag(p, "--kl-coef", "rl.kl_coef", "k3 KL to the initial policy", type=float)
+    _flag(p, "--max-tokens", "rl.max_tokens", type=int)
+    _flag(p, "--temperature", "rl.temperature", type=float)
+    _flag(p, "--digits", "rl.digits", "arithmetic: operand digits", type=int)
+    _flag(p, "--warmup-steps", "rl.warmup_steps", "arithmetic: warm-start steps", type=int)
+    _flag(p, "--eval-size", "rl.eval_size", type=int)
+    _flag(p, "--eval-every", "train.eval_every", "evaluate every N steps", type=int)
+    _flag(p, "--target", "rl.target", "stop at this held-out accuracy", type=float)
+    _switch(p, "--pipeline", "rl.pipeline", True, "Pipeline RL: engine + trainer processes")
+    _flag(p, "--max-lag", "rl.max_lag", "pipeline: drop samples older than this", type=int)
+    _flag(p, "--queue-size", "rl.queue_size", "pipeline: batches held unconsumed", type=int)
+    _flag(p, "--engine-threads", "rl.engine_threads", "pipeline: engine threads", type=int)
+    _flag(p, "--weight-transport", "rl.weight_transport", choices=["broadcast", "shared"])
     _common(p)
-    _defer_defaults(p, "rl")
     p.set_defaults(func=_dispatch("rl"))
 
     p = sub.add_parser("distill", help="distil a teacher into a student (KL, JSD; on-policy)",
                        description="Logit distillation on a corpus or on-policy.",
                        epilog=DISTILL_EXAMPLES, formatter_class=raw)  # fmt: skip
-    p.add_argument("--teacher", required=True)
-    p.add_argument("--student", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--loss", default="forward", choices=["forward", "reverse", "jsd"])
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--beta", type=float, default=0.5, help="JSD mixture weight")
-    p.add_argument("--on-policy", action="store_true")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=64)
+    _flag(p, "--teacher", "distill.teacher")
+    _flag(p, "--student", "distill.student")
+    _flag(p, "--data", "distill.data")
+    _flag(p, "--loss", "distill.loss", choices=["forward", "reverse", "jsd"])
+    _flag(p, "--temperature", "distill.temperature", type=float)
+    _flag(p, "--beta", "distill.beta", "JSD mixture weight", type=float)
+    _switch(p, "--on-policy", "distill.on_policy", True, "sample the student")
+    _flag(p, "--steps", "train.max_steps", type=int)
+    _flag(p, "--batch-size", "train.batch_size", type=int)
+    _flag(p, "--max-len", "distill.max_len", type=int)
+    _flag(p, "--max-tokens", "distill.max_tokens", type=int)
     _common(p)
-    _defer_defaults(p, "distill")
     p.set_defaults(func=_dispatch("distill"))
 
 
-# ---------------------------------------------------------------------------------------------
-# Config files
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
 
 
-_SKIP = ("help", "config")
+_REQUIRED = {"sft": ("sft.model", "sft.data"), "dpo": ("dpo.model", "dpo.data"),
+             "distill": ("distill.teacher", "distill.student", "distill.data")}  # fmt: skip
 
 
-def option_spec(p: argparse.ArgumentParser) -> dict[str, dict[str, Any]]:
-    """The options of a command's parser: dest → {flag, default, type, choices, required}.
-
-    ``type`` is ``bool`` for switches, else the argument's type (``str`` when none is given).
-    """
-    spec: dict[str, dict[str, Any]] = {}
-    for a in p._actions:
-        if a.dest in _SKIP or not a.option_strings:
-            continue
-        switch = isinstance(a, argparse._StoreTrueAction)
-        spec[a.dest] = {
-            "flag": max(a.option_strings, key=len),
-            "default": False if switch else a.default,
-            "type": bool if switch else (a.type or str),
-            "choices": a.choices,
-            "required": a.required,
-        }
-    return spec
-
-
-def _defer_defaults(p: argparse.ArgumentParser, command: str) -> None:
-    """Make argparse record only the flags actually given, so a config file can sit between
-    them and the defaults (resolved by :func:`resolve_options` when the command runs)."""
-    spec = option_spec(p)
-    for a in p._actions:
-        if a.dest in spec:
-            shown = a.default is not None and a.default is not False
-            shown = shown and "default" not in (a.help or "")
-            if shown:  # argparse no longer knows the default: say it in the help
-                a.help = f"{a.help} (default {a.default})" if a.help else f"default {a.default}"
-            if a.required:
-                a.help = f"{a.help or ''} (required: flag or config key)".strip()
-            a.default = argparse.SUPPRESS
-            a.required = False
-    p.set_defaults(posttrain_command=command, posttrain_spec=spec)
-
-
-def _type_label(tp: Any) -> str:
-    if isinstance(tp, IntAtLeast):
-        return f"an {tp.__name__}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        tp, getattr(tp, "__name__", str(tp))
-    )
-
-
-def _check_value(where: str, key: str, value: Any, opt: dict[str, Any]) -> Any:
-    tp = opt["type"]
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    ok = (
-        (tp is bool and isinstance(value, bool))
-        or (tp is int and whole)
-        or (isinstance(tp, IntAtLeast) and whole and value >= tp.low)
-        or (tp is float and isinstance(value, int | float) and not isinstance(value, bool))
-        or (tp is str and isinstance(value, str))
-    )
-    if not ok:
-        from lmforge.utils.errors import LmforgeError
-
-        raise LmforgeError(
-            f"{where}: key '{key}' must be {_type_label(tp)}, got {type(value).__name__} {value!r}"
-        )
-    if tp is float:
-        value = float(value)
-    if opt["choices"] is not None and value not in opt["choices"]:
-        from lmforge.utils.errors import LmforgeError
-
-        raise LmforgeError(
-            f"{where}: key '{key}' is {value!r}, expected one of {', '.join(map(str, opt['choices']))}"
-        )
-    return value
-
-
-def read_config(path: str | Path, command: str, spec: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The checked ``[command]`` table of a TOML config file (see the module docstring)."""
-    from lmforge.utils.config import read_toml
+def resolve_config(
+    command: str,
+    config: str | None = None,
+    overrides: Sequence[str] = (),
+    flags: dict[str, Any] | None = None,
+    examples_per_step: int | None = None,
+) -> RunConfig:
+    """The run config of ``lmforge COMMAND``: defaults < command defaults < file < dotted
+    overrides < flags (``{"train.lr": 1e-5}``); every value checked, required keys present.
+    ``examples_per_step`` (sft's ``--batch-size``) sets ``train.grad_accum``."""
+    from lmforge.config import RunConfig
+    from lmforge.utils.config import load_config
     from lmforge.utils.errors import LmforgeError
 
-    p = Path(path)
-    data = read_toml(p)
-    for key, value in data.items():
-        if key != command:
-            what = f"table [{key}]" if isinstance(value, dict) else f"top-level key '{key}'"
-            raise LmforgeError(
-                f"{p}: {what} does not belong to `lmforge {command}` "
-                f"(put its options under [{command}])"
-            )
-    table = data.get(command)
-    if not isinstance(table, dict):
-        raise LmforgeError(f"{p}: no [{command}] table")
-    where = f"{p} [{command}]"
-    out = {}
-    for key, value in table.items():
-        opt = spec.get(key)
-        if opt is None:
-            hint = f" (did you mean '{key.replace('-', '_')}'?)" if "-" in key else ""
-            raise LmforgeError(
-                f"{where}: unknown key '{key}'{hint}; known keys: {', '.join(sorted(spec))}"
-            )
-        out[key] = _check_value(where, key, value, opt)
-    return out
+    top = _nest(flags or {})
+    cfg = load_config(RunConfig, config, overrides, base=COMMAND_DEFAULTS[command], top=top)
+    if examples_per_step is not None:
+        if examples_per_step < 1:
+            raise LmforgeError(f"--batch-size must be at least 1, got {examples_per_step}")
+        accum = math.ceil(examples_per_step / cfg.train.batch_size)
+        top.setdefault("train", {})["grad_accum"] = accum
+        cfg = load_config(RunConfig, config, overrides, base=COMMAND_DEFAULTS[command], top=top)
+    for key in _REQUIRED.get(command, ()):
+        branch, name = key.split(".")
+        if not getattr(getattr(cfg, branch), name):
+            flag = "--" + name.replace("_", "-")
+            raise LmforgeError(f"`lmforge {command}` needs {flag} (or {key} in the config)")
+    for key, low in (("batch_size", 1), ("grad_accum", 1), ("max_steps", 1)):
+        if getattr(cfg.train, key) < low:
+            raise LmforgeError(f"train.{key} must be positive, got {getattr(cfg.train, key)}")
+    if cfg.train.precision == "fp16":
+        raise LmforgeError("train.precision=fp16 needs loss scaling, which is not implemented")
+    return cfg
 
 
-def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` with every option filled: flags given, then ``--config``'s table, then defaults.
-
-    Also sets ``args.posttrain_options`` (the resolved options, saved beside the outputs).
-    A required option given neither way is a one-line error.
-    """
-    from lmforge.utils.errors import LmforgeError
-
-    command, spec = args.posttrain_command, args.posttrain_spec
-    given = {k: v for k, v in vars(args).items() if k in spec}
-    config = getattr(args, "config", None)
-    from_file = read_config(config, command, spec) if config else {}
-    resolved = {k: opt["default"] for k, opt in spec.items()} | from_file | given
-    for k, opt in spec.items():
-        if opt["required"] and resolved[k] is None:
-            raise LmforgeError(
-                f"`lmforge {command}` needs {opt['flag']} (or '{k}' in the --config file)"
-            )
-    for k, v in resolved.items():
-        setattr(args, k, v)
-    args.posttrain_options = resolved
-    return args
-
-
-def _dispatch(name: str):
+def _dispatch(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         from lmforge.posttrain import commands
 
-        return getattr(commands, f"run_{name}")(resolve_options(args))
+        flags = {k[4:]: v for k, v in vars(args).items() if k.startswith("cfg:")}
+        cfg = resolve_config(name, args.config, getattr(args, "overrides", ()), flags,
+                             getattr(args, "batch_size", None) if name == "sft" else None)  # fmt: skip
+        return getattr(commands, f"run_{name}")(cfg, threads=args.threads)
 
     return run

@@ -1,62 +1,75 @@
-"""The bodies of ``lmforge sft | dpo | rl | distill`` (argument parsing lives in ``_cli``)."""
+"""The bodies of ``lmforge sft | dpo | rl | distill`` (argument parsing and the config tree in
+``_cli``): each loads its model and data, builds its objective and runs it in the one
+:class:`~lmforge.train.Trainer` (fast AdamW, schedule, clipping, accumulation, metrics.jsonl,
+checkpoints and exact resume: rerunning a command resumes from ``train.out_dir``).
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write, atomic_write_text
 
+if TYPE_CHECKING:
+    from lmforge.config import RunConfig
+    from lmforge.train import Trainer
 
-def _out(args: argparse.Namespace, default: str, threads: int | None = None) -> Path:
-    n = args.threads if getattr(args, "threads", None) else threads
+
+def _setup(cfg: RunConfig, threads: int | None, default_threads: int | None = None) -> Any:
+    """Threads, the runtime (device, rank) and a data check, before any model is read."""
+    from lmforge.utils.runtime import Runtime
+
+    n = threads or default_threads
     if n:
         torch.set_num_threads(n)
-    out = Path(args.out or f"runs/{default}")
-    out.mkdir(parents=True, exist_ok=True)
-    options = getattr(args, "posttrain_options", None)
-    if options is not None:
-        # the resolved options: `--config OUT/config.toml` repeats the run
-        atomic_write_text(out / "config.toml", options_toml(args.posttrain_command, options))
-    return out
+    dev = cfg.train.device
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise LmforgeError(f"train.device={dev}: CUDA is not available")
+    return Runtime.from_env(device=dev, seed=cfg.train.seed)
 
 
-def options_toml(command: str, options: dict[str, Any]) -> str:
-    """``options`` as a ``[command]`` TOML table (unset options omitted: TOML has no null)."""
-    lines = [f"[{command}]"]
-    for k, v in options.items():
-        if v is None:
-            continue
-        text = ("true" if v else "false") if isinstance(v, bool) else json.dumps(v)
-        lines.append(f"{k} = {text}")
-    return "\n".join(lines) + "\n"
-
-
-def _device(name: str) -> str:
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise LmforgeError(f"--device {name}: CUDA is not available")
-    return name
+def _need_file(path: str, key: str) -> None:
+    p = Path(path)
+    if p.is_dir() and not (p / "config.toml").is_file() and not (p / "config.json").is_file():
+        raise LmforgeError(f"{key} {p} is a directory, expected a file")
+    if not p.exists():
+        raise LmforgeError(f"{key} not found: {p}")
 
 
 def _write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def _jsonl_logger(path: Path):
-    path.write_text("", encoding="utf-8")
+def _with_model_config(cfg: RunConfig, model: torch.nn.Module) -> RunConfig:
+    # The checkpoints' config.toml names the model actually trained (an imported one included).
+    import dataclasses
 
-    def log(rec: dict[str, Any]) -> None:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+    from lmforge.model import ModelConfig
 
-    return log
+    mc = getattr(model, "config", None)
+    return dataclasses.replace(cfg, model=mc) if isinstance(mc, ModelConfig) else cfg
+
+
+def _run_trainer(
+    cfg: RunConfig, runtime: Any, model: torch.nn.Module, objective: Any
+) -> tuple[Trainer, dict[str, Any]]:
+    from lmforge.train import Trainer
+
+    trainer = Trainer(_with_model_config(cfg, model), runtime, model=model, objective=objective)
+    return trainer, trainer.run()
+
+
+def _train_records(out_dir: Path) -> list[dict[str, Any]]:
+    from lmforge.train.metrics import read_metrics
+
+    return [r for r in read_metrics(out_dir / "metrics.jsonl") if r.get("event") == "train"]
 
 
 def plot_curves(path: Path, series: dict[str, list[tuple[float, float]]], xlabel: str,
@@ -85,139 +98,155 @@ def plot_curves(path: Path, series: dict[str, list[tuple[float, float]]], xlabel
 # ---------------------------------------------------------------------------------------------
 
 
-def run_sft(args: argparse.Namespace) -> int:
+def run_sft(cfg: RunConfig, threads: int | None = None) -> int:
+    """``lmforge sft``: the SFT objective on ``cfg.sft``'s model and data."""
     from lmforge.posttrain.models import eos_ids, load_model, save_model
-    from lmforge.posttrain.sft import SFTConfig, examples_from_records, train_sft
+    from lmforge.posttrain.sft import SFTObjective, examples_from_records
     from lmforge.posttrain.tasks import read_jsonl
 
-    out = _out(args, "sft")
-    torch.manual_seed(args.seed)
-    model, tok = load_model(args.model, _device(args.device))
+    sc, tc = cfg.sft, cfg.train
+    _need_file(sc.data, "sft.data")
+    runtime = _setup(cfg, threads)
+    out = Path(tc.out_dir)
+    model, tok = load_model(sc.model, runtime.device)
     if tok is None:
-        raise LmforgeError(f"{args.model} has no tokenizer to encode the data with")
+        raise LmforgeError(f"{sc.model} has no tokenizer to encode the data with")
     eos = eos_ids(tok)
-    exs = examples_from_records(read_jsonl(args.data, "--data"), tok, chat=not args.no_chat,
-                                eos_id=eos[0] if eos else None, where=str(args.data))  # fmt: skip
-    cfg = SFTConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        micro_batch=args.micro_batch,
-        lr=args.lr,
-        max_len=args.max_len,
-        packing=not args.no_packing,
-        seed=args.seed,
-    )
-    log = out / "metrics.jsonl"
-    log.write_text("", encoding="utf-8")
-    hist = train_sft(model, exs, cfg, pad_id=0, log_path=log, progress=not args.quiet)
+    exs = examples_from_records(read_jsonl(sc.data, "sft.data"), tok, chat=sc.chat,
+                                eos_id=eos[0] if eos else None, where=sc.data)  # fmt: skip
+    objective = SFTObjective(exs, sc, tc.batch_size, runtime.device, seed=tc.seed)
+    trainer, result = _run_trainer(cfg, runtime, model, objective)
+    if not trainer.is_main:
+        return 0
     save_model(model, tok, out / "model")
-    summary = {"examples": len(exs), "first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"]}
+    hist = _train_records(out)
+    summary = {"examples": len(exs), "steps": result.get("iteration"),
+               "first_loss": hist[0]["loss"] if hist else None,
+               "last_loss": hist[-1]["loss"] if hist else None}  # fmt: skip
     _write_json(out / "summary.json", summary)
     print(json.dumps(summary))
     return 0
 
 
-def _preference_pairs(args: argparse.Namespace, tok: Any) -> tuple[list, list]:
+def _preference_pairs(cfg: RunConfig, tok: Any) -> tuple[list, list]:
     from lmforge.posttrain.dpo import tokenize_pairs
     from lmforge.posttrain.models import eos_ids
     from lmforge.posttrain.tasks import read_jsonl
 
-    recs = read_jsonl(args.data, "--data")
-    if args.limit:
-        recs = recs[: args.limit]
+    dc = cfg.dpo
+    recs = read_jsonl(dc.data, "dpo.data")
+    if dc.limit:
+        recs = recs[: dc.limit]
     if len(recs) < 2:
-        raise LmforgeError(f"{args.data}: need at least 2 preference pairs, found {len(recs)}")
+        raise LmforgeError(f"{dc.data}: need at least 2 preference pairs, found {len(recs)}")
     eos = eos_ids(tok)
-    pairs = tokenize_pairs(recs, tok, args.max_len, eos[0] if eos else None, str(args.data))
-    n_eval = max(1, int(len(pairs) * args.eval_fraction))
-    return pairs[:-n_eval], pairs[-n_eval:]
+    pairs = tokenize_pairs(recs, tok, dc.max_len, eos[0] if eos else None, dc.data)
+    n_eval = max(1, int(len(pairs) * dc.eval_fraction)) if dc.eval_fraction > 0 else 0
+    return (pairs[:-n_eval], pairs[-n_eval:]) if n_eval else (pairs, [])
 
 
-def run_dpo(args: argparse.Namespace) -> int:
+def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
+    """``lmforge dpo``: DPO/IPO/cDPO/SimPO, or a reward model, on ``cfg.dpo``'s pairs;
+    ``train.max_steps`` is ``dpo.epochs`` passes over the training pairs."""
+    import dataclasses
+
     from lmforge.posttrain.dpo import (
-        DPOConfig,
+        DPOObjective,
         RewardModel,
+        RewardModelObjective,
         hidden_size,
-        train_dpo,
-        train_reward_model,
+        steps_per_epoch,
     )
     from lmforge.posttrain.models import load_model, save_model
 
-    out = _out(args, "dpo")
-    torch.manual_seed(args.seed)
-    model, tok = load_model(args.model, _device(args.device))
+    dc, tc = cfg.dpo, cfg.train
+    _need_file(dc.data, "dpo.data")
+    runtime = _setup(cfg, threads)
+    out = Path(tc.out_dir)
+    model, tok = load_model(dc.model, runtime.device)
     if tok is None:
-        raise LmforgeError(f"{args.model} has no tokenizer to encode the data with")
-    train, held = _preference_pairs(args, tok)
-    if args.reward_model:
-        rm = RewardModel(model, hidden_size(model)).to(next(model.parameters()).device)
-        res = train_reward_model(rm, train, held, lr=args.lr, epochs=args.epochs,
-                                 batch_size=args.batch_size, seed=args.seed,
-                                 progress=not args.quiet)  # fmt: skip
-        torch.save({"head": rm.head.state_dict()}, out / "reward_head.pt")
-        save_model(model, tok, out / "model")
-        summary = {
-            "pairs_train": len(train),
-            "pairs_eval": len(held),
-            "heldout_accuracy_before": res["before"],
-            "heldout_accuracy_after": res["after"],
-        }
+        raise LmforgeError(f"{dc.model} has no tokenizer to encode the data with")
+    train, held = _preference_pairs(cfg, tok)
+    steps = dc.epochs * steps_per_epoch(len(train), tc.batch_size)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(tc, max_steps=steps))
+    progress = tc.progress
+    if dc.reward_model:
+        torch.manual_seed(tc.seed)  # the head's initial weights
+        rm = RewardModel(model, hidden_size(model)).to(runtime.device)
+        objective: Any = RewardModelObjective(train, held, tc.batch_size, seed=tc.seed)
+        trained: torch.nn.Module = rm
     else:
-        cfg = DPOConfig(loss=args.loss, beta=args.beta, label_smoothing=args.label_smoothing,
-                        lr=args.lr, epochs=args.epochs, batch_size=args.batch_size,
-                        max_len=args.max_len, seed=args.seed)  # fmt: skip
-        log = out / "metrics.jsonl"
-        log.write_text("", encoding="utf-8")
-        res = train_dpo(model, train, held, cfg, pad_id=0, log_path=log, progress=not args.quiet)
-        save_model(model, tok, out / "model")
-        summary = {"loss": args.loss, "pairs_train": len(train), "pairs_eval": len(held),
-                   "heldout_before": res["before"], "heldout_after": res["after"]}  # fmt: skip
+        objective = DPOObjective(model, train, held, dc, tc.batch_size, seed=tc.seed,
+                                 progress=progress)  # fmt: skip
+        trained = model
+    from lmforge.train import Trainer
+
+    trainer = Trainer(_with_model_config(cfg, model) if not dc.reward_model else cfg, runtime,
+                      model=trained, objective=objective)  # fmt: skip
+    # Before: the starting policy (a resumed run reads it back from its first eval record).
+    before = objective.evaluate(trainer.model) if trainer.iteration == 0 else None
+    if before is not None and trainer.is_main:
+        (out / "before.json").parent.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "before.json", before)
+    elif (out / "before.json").is_file():
+        before = json.loads((out / "before.json").read_text(encoding="utf-8"))
+    trainer.model.train()
+    result = trainer.run()
+    if not trainer.is_main:
+        return 0
+    if dc.reward_model:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in rm.head.state_dict().items()},
+                  str(out / "reward_head.safetensors"))  # fmt: skip
+    save_model(model, tok, out / "model")
+    after = {k: v for k, v in result.items() if k.startswith("eval_")}
+    summary = {"loss": "reward_model" if dc.reward_model else dc.loss, "pairs_train": len(train),
+               "pairs_eval": len(held), "steps": result.get("iteration"),
+               "heldout_before": before, "heldout_after": after}  # fmt: skip
     _write_json(out / "summary.json", summary)
     print(json.dumps(summary))
     return 0
 
 
-def run_distill(args: argparse.Namespace) -> int:
+def run_distill(cfg: RunConfig, threads: int | None = None) -> int:
+    """``lmforge distill``: the distillation objective, on a corpus or on-policy."""
     from lmforge.posttrain.core import Example, encode_text
-    from lmforge.posttrain.distill import DistillConfig, train_distill
-    from lmforge.posttrain.models import eos_ids, load_model, save_model
+    from lmforge.posttrain.distill import DistillObjective, check_vocabularies
+    from lmforge.posttrain.models import clone_frozen, eos_ids, load_model, save_model
     from lmforge.posttrain.sft import examples_from_records
     from lmforge.posttrain.tasks import read_jsonl
 
-    out = _out(args, "distill")
-    dev = _device(args.device)
-    teacher, _ = load_model(args.teacher, dev)
-    student, tok = load_model(args.student, dev)
+    kc, tc = cfg.distill, cfg.train
+    _need_file(kc.data, "distill.data")
+    runtime = _setup(cfg, threads)
+    out = Path(tc.out_dir)
+    teacher, _ = load_model(kc.teacher, runtime.device)
+    student, tok = load_model(kc.student, runtime.device)
     if tok is None:
-        raise LmforgeError(f"{args.student} has no tokenizer to encode the data with")
-    recs = read_jsonl(args.data, "--data")
-    cfg = DistillConfig(
-        loss=args.loss,
-        temperature=args.temperature,
-        beta=args.beta,
-        lr=args.lr,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        max_tokens=args.max_tokens,
-    )
-    if args.on_policy:
-        prompts = [
-            encode_text(tok, r.get("prompt") or r.get("text", ""))[-args.max_len :] for r in recs
-        ]
-        prompts = [p for p in prompts if p]
-        rng = random.Random(args.seed)
-        hist = train_distill(student, teacher, cfg, prompts=lambda n: rng.sample(prompts, min(n, len(prompts))),
-                             eos_ids=eos_ids(tok), progress=not args.quiet)  # fmt: skip
+        raise LmforgeError(f"{kc.student} has no tokenizer to encode the data with")
+    check_vocabularies(teacher, student)
+    teacher = clone_frozen(teacher)
+    recs = read_jsonl(kc.data, "distill.data")
+    if kc.on_policy:
+        prompts = [encode_text(tok, r.get("prompt") or r.get("text", ""))[-kc.max_len :]
+                   for r in recs]  # fmt: skip
+        objective = DistillObjective(teacher, kc, tc.batch_size, prompts=[p for p in prompts if p],
+                                     eos_ids=eos_ids(tok), seed=tc.seed)  # fmt: skip
     else:
-        text = [r for r in recs if "text" in r]
-        corpus = [Example(encode_text(tok, r["text"])[: args.max_len + 1], [True] * len(encode_text(tok, r["text"])[: args.max_len + 1]))
-                  for r in text] + examples_from_records([r for r in recs if "text" not in r], tok)  # fmt: skip
-        hist = train_distill(student, teacher, cfg, corpus=corpus, progress=not args.quiet)
+        corpus = []
+        for r in (r for r in recs if "text" in r):
+            ids = encode_text(tok, r["text"])[: kc.max_len + 1]
+            corpus.append(Example(ids, [True] * len(ids)))
+        corpus += examples_from_records([r for r in recs if "text" not in r], tok)
+        objective = DistillObjective(teacher, kc, tc.batch_size, corpus=corpus, seed=tc.seed)
+    trainer, _ = _run_trainer(cfg, runtime, student, objective)
+    if not trainer.is_main:
+        return 0
     save_model(student, tok, out / "model")
-    log = _jsonl_logger(out / "metrics.jsonl")
-    for h in hist:
-        log(h)
-    summary = {"first_loss": hist[0]["loss"], "last_loss": hist[-1]["loss"]}
+    hist = _train_records(out)
+    summary = {"first_loss": hist[0]["loss"] if hist else None,
+               "last_loss": hist[-1]["loss"] if hist else None}  # fmt: skip
     _write_json(out / "summary.json", summary)
     print(json.dumps(summary))
     return 0
@@ -229,162 +258,195 @@ def run_distill(args: argparse.Namespace) -> int:
 _TOY_TASKS = ("arithmetic", "scratchpad")  # a tiny model warm-started here, char tokenizer
 
 
-def arithmetic_start(args: argparse.Namespace, out: Path) -> tuple[Any, Any, Any]:
-    """(task, tokenizer, model): ``--model`` when given, else a tiny model warm-started here on
-    the task's carry-dropping mixture (saved to ``out/warm_start``)."""
+def arithmetic_start(cfg: RunConfig, runtime: Any) -> tuple[Any, Any, Any]:
+    """(task, tokenizer, model): ``rl.model`` when given, else a tiny model warm-started here
+    by the SFT objective on the task's carry-dropping mixture (a Trainer run of its own in
+    ``OUT/warm_start``: resumable, and skipped when finished)."""
+
     from lmforge.posttrain import rl
-    from lmforge.posttrain.models import load_model, save_model
+    from lmforge.posttrain.models import load_model
     from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
     from lmforge.posttrain.tasks import ArithmeticTask
 
-    cls = ScratchpadAdditionTask if args.task == "scratchpad" else ArithmeticTask
-    task = cls(digits=args.digits)
+    rc, tc = cfg.rl, cfg.train
+    cls = ScratchpadAdditionTask if rc.task == "scratchpad" else ArithmeticTask
+    task = cls(digits=rc.digits)
     tok = task.tokenizer()
-    if args.model:
-        model, _ = load_model(args.model, args.device)
+    if rc.model:
+        model, _ = load_model(rc.model, runtime.device)
         if model.config.vocab_size != tok.vocab_size:
-            raise LmforgeError(f"{args.model}: vocabulary {model.config.vocab_size} is not the "
+            raise LmforgeError(f"{rc.model}: vocabulary {model.config.vocab_size} is not the "
                                f"arithmetic task's ({tok.vocab_size})")  # fmt: skip
         return task, tok, model
-    from tqdm import tqdm
-
     # room for the prompt (two operands, '+', '=') and the answer with its EOS, in 16s
-    ctx = 16 * ((3 * args.digits + 3 + task.answer_tokens) // 16 + 1)
-    model = rl.arithmetic_model(tok.vocab_size, seed=args.seed, context_length=max(32, ctx))
-    model = model.to(args.device)
-    wr = random.Random(args.seed + 5)
-    with tqdm(total=args.warmup_steps, desc="warm start", disable=args.quiet) as bar:
-        rl.supervised_warmup(model, tok, rl.random_sampler(task, args.seed), args.warmup_steps,
-                             64, 3e-3, tok.eos_id, progress=bar,
-                             answer_fn=lambda it: task.warmup_answer(it, wr))  # fmt: skip
+    ctx = 16 * ((3 * rc.digits + 3 + task.answer_tokens) // 16 + 1)
+    model = rl.arithmetic_model(tok.vocab_size, seed=tc.seed, context_length=max(32, ctx))
+    model = model.to(runtime.device)
+    if rc.warmup_steps:
+        rl.warm_start(model, task, rc.warmup_steps, str(Path(tc.out_dir) / "warm_start"),
+                      seed=tc.seed, device=runtime.device, progress=tc.progress)  # fmt: skip
     model.eval()
-    save_model(model, None, out / "warm_start")
     return task, tok, model
 
 
-def run_rl(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def run_rl(cfg: RunConfig, threads: int | None = None) -> int:
+    """``lmforge rl``: the GRPO family, PPO (:class:`~lmforge.posttrain.ppo.PPOObjective`) or
+    Pipeline RL (:func:`~lmforge.posttrain.pipeline.run_pipeline`) as Trainer objectives, rollouts
+    on the serving engine; ``train.max_steps`` = ``rl.iterations`` × ``rl.epochs``."""
+    import dataclasses
 
     from lmforge.posttrain import rl
-    from lmforge.posttrain.core import is_lmforge_model
-    from lmforge.posttrain.rollout import LocalEngine, make_engine
+    from lmforge.posttrain.models import clone_frozen, eos_ids
+    from lmforge.posttrain.rollout import rollout_engine
 
-    if args.algo != "ppo":
-        rl.algorithm(args.algo)  # an unknown name fails before any work
-    elif args.pipeline:
-        raise LmforgeError("--pipeline runs the GRPO family (--algo grpo, dapo, ...), not ppo")
-    toy = args.task in _TOY_TASKS
-    out = _out(args, f"rl-{args.task}", threads=1 if toy else None)
-    dev = _device(args.device)
-    args.device = dev
-    torch.manual_seed(args.seed)
+    rc, tc = cfg.rl, cfg.train
+    toy = rc.task in _TOY_TASKS
+    if rc.data:
+        _need_file(rc.data, "rl.data")
+    runtime = _setup(cfg, threads, default_threads=1 if toy else None)
+    out = Path(tc.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(tc.seed)
     if toy:
-        task, tok, model = arithmetic_start(args, out)
+        task, tok, model = arithmetic_start(cfg, runtime)
         reward_fn = task.reward
-        answer_tokens = args.max_tokens or task.answer_tokens
-        eval_items = task.eval_set(args.eval_size)
-        sample_items = rl.random_sampler(task, args.seed + 1)
+        answer_tokens = rc.max_tokens or task.answer_tokens
+        eval_items = task.eval_set(rc.eval_size)
+
+        def draw(n: int, rng: random.Random) -> list[dict[str, Any]]:
+            return task.sample(n, rng)
     else:
-        task, tok, model, reward_fn, sample_items, eval_items = _math_task(args)
-        answer_tokens = args.max_tokens or 256
-    from lmforge.posttrain.models import clone_frozen, eos_ids, save_model
+        task, tok, model, reward_fn, items, eval_items = _math_task(cfg, runtime.device)
+        answer_tokens = rc.max_tokens or 256
 
-    overlong_cache = 0
-    max_tokens = answer_tokens
-    if args.algo != "ppo":
-        max_tokens, overlong_cache = rl.overlong_budget(answer_tokens, rl.algorithm(args.algo))
+        def draw(n: int, rng: random.Random) -> list[dict[str, Any]]:
+            if n > len(items):
+                raise LmforgeError(f"{n} prompts per step from {len(items)} problems")
+            return [items[i] for i in rng.sample(range(len(items)), n)]
 
+    max_tokens, overlong_cache = answer_tokens, 0
+    if rc.algo != "ppo":
+        max_tokens, overlong_cache = rl.overlong_budget(answer_tokens, rl.algorithm(rc.algo))
     eos = eos_ids(tok)
-    # the arithmetic task's tiny model stays on the lockstep LocalEngine (its RESULTS figures);
-    # lmforge models of real tasks sample through the batched serve engine when it is there
-    choice = args.rollout_engine
-    serve = choice == "serve" or (choice == "auto" and not toy and is_lmforge_model(model))
-    if serve and not is_lmforge_model(model):
-        raise LmforgeError("--rollout-engine serve needs an lmforge model (or a GGUF/HF import)")
-    if args.pipeline:
-        from lmforge.posttrain.pipeline import PipelineConfig, check_inputs
-
-        pcfg = PipelineConfig(algo=args.algo, iterations=args.iterations,
-                              prompts_per_step=args.prompts_per_step, group_size=args.group_size,
-                              lr=args.lr, max_tokens=max_tokens, temperature=args.temperature,
-                              max_lag=args.max_lag, digits=args.digits, seed=args.seed,
-                              eval_every=args.eval_every, eval_size=args.eval_size,
-                              target=args.target, overlong_cache=overlong_cache, task=task,
-                              queue_size=args.queue_size, engine="serve" if serve else "local",
-                              engine_threads=args.engine_threads, micro_batch=args.micro_batch,
-                              kl_coef=args.kl_coef, epochs=max(args.epochs, 1),
-                              transport=args.weight_transport)  # fmt: skip
-        # a mistake (not an lmforge model, too few problems, too long prompts) is one line now,
-        # not after the first evaluation; toy tasks (None): run_pipeline draws the task's prompts
-        prompts = check_inputs(model, pcfg, None if toy else sample_items, tok)
-    engine = make_engine(model, eos, prefer="serve") if serve else LocalEngine(model, eos_ids=eos)
-    t_start = time.perf_counter()
-
-    def evaluate() -> float:
-        return rl.evaluate_accuracy(engine, tok, eval_items, reward_fn, max_tokens)
-
-    model.eval()
-    a0 = evaluate()
-    log = _jsonl_logger(out / "metrics.jsonl")
-    log({"iteration": 0, "samples": 0, "time_s": 0.0, "eval_accuracy": a0})
-    if args.algo == "ppo":
-        from lmforge.posttrain.ppo import PPOConfig, run_ppo
-
-        with tqdm(total=args.iterations, desc="ppo", disable=args.quiet) as bar:
-            hist = run_ppo(model, engine, tok, sample_items, reward_fn,
-                           PPOConfig(max_tokens=max_tokens, kl_coef=args.kl_coef, lr=args.lr,
-                                     temperature=args.temperature, epochs=max(args.epochs, 1)),
-                           iterations=args.iterations, prompts_per_step=args.prompts_per_step,
-                           eval_fn=evaluate, eval_every=args.eval_every, target=args.target,
-                           log=log, progress=bar)  # fmt: skip
-    elif args.pipeline:
-        from lmforge.posttrain.pipeline import run_pipeline
-
-        ref = clone_frozen(model) if args.kl_coef > 0 else None
-        # toy tasks (prompts None): the task's own prompts and held-out set, evaluated on a
-        # LocalEngine (its RESULTS figures); the others: the synchronous run's prompt stream
-        hist = run_pipeline(model, pcfg, log=log, progress=not args.quiet, reward_fn=reward_fn,
-                            prompts=prompts, tokenizer=tok, eos_ids=eos,
-                            eval_fn=None if toy else evaluate, ref_model=ref)  # fmt: skip
-    else:
-        step_cfg = rl.StepConfig(
-            rl.algorithm(args.algo),
-            kl_coef=args.kl_coef,
-            max_tokens=max_tokens,
-            temperature=args.temperature,
-            micro_batch=args.micro_batch,
-        )
-        ref = clone_frozen(model) if args.kl_coef > 0 else None
-        with tqdm(total=args.iterations, desc=args.algo, disable=args.quiet) as bar:
-            hist = rl.run_iterations(model, engine, tok, sample_items, reward_fn, step_cfg,
-                                     iterations=args.iterations,
-                                     prompts_per_step=args.prompts_per_step,
-                                     group_size=args.group_size, lr=args.lr, epochs=args.epochs,
-                                     eval_fn=evaluate, eval_every=args.eval_every,
-                                     target=args.target,
-                                     overlong_cache=overlong_cache,
-                                     ref_model=ref, log=log, progress=bar)  # fmt: skip
-    model.eval()
-    final = hist[-1].get("eval_accuracy") if hist and "eval_accuracy" in hist[-1] else evaluate()
-    wall = time.perf_counter() - t_start
-    curve = [(0.0, a0)] + [(h["samples"], h["eval_accuracy"]) for h in hist if "eval_accuracy" in h]
-    plot_curves(
-        out / "curve.png",
-        {args.algo + (" (pipeline)" if args.pipeline else ""): curve},
-        "rollout samples",
-        "held-out greedy accuracy",
-        f"lmforge rl --task {args.task}",
+    cfg = dataclasses.replace(
+        cfg, train=dataclasses.replace(tc, max_steps=rc.iterations * rc.epochs)
     )
-    save_model(model, None if toy else tok, out / "model")
-    summary = {"task": args.task, "algo": args.algo, "pipeline": bool(args.pipeline),
-               "accuracy_before": a0, "accuracy_after": final, "iterations": len(hist),
-               "samples": hist[-1]["samples"] if hist else 0, "wall_s": round(wall, 1),
-               "rl_time_s": round(hist[-1]["time_s"], 1) if hist else 0.0}  # fmt: skip
-    if args.pipeline and hist:
-        summary["staleness_histogram"] = hist[-1].get("staleness_histogram")
+    if rc.pipeline:
+        return _pipeline(cfg, task, tok, model, reward_fn, None if toy else items, eval_items,
+                         max_tokens, overlong_cache, eos)  # fmt: skip
+    engine = rollout_engine(model, eos, seed=tc.seed)
+    trained: torch.nn.Module = model
+    if rc.algo == "ppo":
+        from lmforge.posttrain.dpo import hidden_size
+        from lmforge.posttrain.ppo import PolicyWithValue, PPOConfig, PPOObjective
+
+        trained = PolicyWithValue(model, hidden_size(model)).to(runtime.device)
+        pcfg = PPOConfig(max_tokens=max_tokens, kl_coef=rc.kl_coef, temperature=rc.temperature,
+                         epochs=rc.epochs, samples_per_prompt=rc.group_size)  # fmt: skip
+        objective: Any = PPOObjective(trained, engine, tok, draw, reward_fn, pcfg,  # type: ignore[arg-type]
+                                      prompts_per_step=rc.prompts_per_step, eos_ids=eos,
+                                      eval_items=eval_items, seed=tc.seed + 1,
+                                      target=rc.target)  # fmt: skip
+    else:
+        ref = clone_frozen(model) if rc.kl_coef > 0 else None
+        objective = rl.GRPOObjective(
+            engine, tok, draw, reward_fn, rc.algo, prompts_per_step=rc.prompts_per_step,
+            group_size=rc.group_size, epochs=rc.epochs, micro_batch=tc.batch_size,
+            max_tokens=max_tokens, temperature=rc.temperature, kl_coef=rc.kl_coef, std=rc.std,
+            overlong_cache=overlong_cache, eos_ids=eos, eval_items=eval_items, ref_model=ref,
+            seed=tc.seed + 1, target=rc.target,
+        )  # fmt: skip
+    from lmforge.train import Trainer
+
+    t_start = time.perf_counter()
+    run_cfg = _with_model_config(cfg, model) if rc.algo != "ppo" else cfg
+    trainer = Trainer(run_cfg, runtime, model=trained, objective=objective)
+    a0 = _first_eval(out, trainer, objective)
+    result = trainer.run()
+    if not trainer.is_main:
+        return 0
+    return _rl_outputs(cfg, out, model, None if toy else tok, a0, objective.samples_seen,
+                       result, time.perf_counter() - t_start)  # fmt: skip
+
+
+def _rl_outputs(cfg: RunConfig, out: Path, model: torch.nn.Module, tok: Any, a0: float,
+                samples: int, result: dict[str, Any], wall: float,
+                extra: dict[str, Any] | None = None) -> int:  # fmt: skip
+    """curve.png, model/, summary.json of an RL run (printed too)."""
+    from lmforge.posttrain.models import save_model
+
+    rc = cfg.rl
+    evals = [(r["step"], r["eval_accuracy"]) for r in _eval_records(out)]
+    final = evals[-1][1] if evals else a0
+    per = rc.prompts_per_step * rc.group_size / rc.epochs  # samples per optimizer step
+    curve = [(0.0, a0)] + [(step * per, acc) for step, acc in evals]
+    name = rc.algo + (" (pipeline)" if rc.pipeline else "")
+    plot_curves(out / "curve.png", {name: curve}, "rollout samples",
+                "held-out greedy accuracy", f"lmforge rl --task {rc.task}")  # fmt: skip
+    save_model(model, tok, out / "model")
+    summary = {"task": rc.task, "algo": rc.algo, "pipeline": rc.pipeline, "accuracy_before": a0,
+               "accuracy_after": final, "iterations": -(-int(result["iteration"]) // rc.epochs),
+               "samples": samples, "wall_s": round(wall, 1), "stopped": result.get("stopped"),
+               **(extra or {})}  # fmt: skip
     _write_json(out / "summary.json", summary)
     print(json.dumps(summary))
     return 0
+
+
+def _eval_records(out: Path) -> list[dict[str, Any]]:
+    from lmforge.train.metrics import read_metrics
+
+    return [r for r in read_metrics(out / "metrics.jsonl")
+            if r.get("event") == "eval" and "eval_accuracy" in r]  # fmt: skip
+
+
+def _first_eval(out: Path, trainer: Trainer, objective: Any) -> float:
+    # The starting policy's accuracy: measured once, kept beside the run for resumed attempts.
+    f = out / "accuracy_before.json"
+    if trainer.iteration > 0 and f.is_file():
+        return float(json.loads(f.read_text(encoding="utf-8"))["eval_accuracy"])
+    a0 = float(objective.evaluate(trainer.model).get("eval_accuracy", float("nan")))
+    objective.should_stop = False  # a starting policy already at the target still trains
+    if trainer.is_main:
+        _write_json(f, {"eval_accuracy": a0})
+    return a0
+
+
+def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
+              items: list[dict[str, Any]] | None, eval_items: Any, max_tokens: int,
+              overlong_cache: int, eos: list[int]) -> int:  # fmt: skip
+    """``lmforge rl --pipeline``: an engine process and :class:`PipelineObjective` in the
+    Trainer (:func:`~lmforge.posttrain.pipeline.run_pipeline`)."""
+    from lmforge.posttrain import rl
+    from lmforge.posttrain.models import clone_frozen
+    from lmforge.posttrain.pipeline import ListPrompts, PipelineConfig, check_inputs, run_pipeline
+    from lmforge.posttrain.rollout import rollout_engine
+
+    rc, tc = cfg.rl, cfg.train
+    out = Path(tc.out_dir)
+    toy = rc.task in _TOY_TASKS
+    pcfg = PipelineConfig.from_run(cfg, task=task, max_tokens=max_tokens,
+                                   overlong_cache=overlong_cache)  # fmt: skip
+    prompts = check_inputs(model, pcfg, None if items is None else ListPrompts(items, tc.seed),
+                           tok)  # fmt: skip
+    eval_engine = rollout_engine(model, eos, seed=tc.seed)
+
+    def evaluate() -> float:
+        return rl.evaluate_accuracy(eval_engine, tok, eval_items, reward_fn, max_tokens,
+                                    eos_ids=eos)  # fmt: skip
+
+    t_start = time.perf_counter()
+    a0 = evaluate()
+    _write_json(out / "accuracy_before.json", {"eval_accuracy": a0})
+    ref = clone_frozen(model) if rc.kl_coef > 0 else None
+    hist = run_pipeline(model, pcfg, progress=tc.progress, reward_fn=reward_fn, prompts=prompts,
+                        tokenizer=tok, eos_ids=eos, eval_fn=evaluate, ref_model=ref,
+                        run_config=_with_model_config(cfg, model))  # fmt: skip
+    result = {"iteration": len(hist) * rc.epochs, "stopped": None}
+    extra = {"staleness_histogram": hist[-1].get("staleness_histogram")} if hist else {}
+    return _rl_outputs(cfg, out, model, None if toy else tok, a0,
+                       hist[-1]["samples"] if hist else 0, result,
+                       time.perf_counter() - t_start, extra)  # fmt: skip
 
 
 def math_items(task: str, tok: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -406,15 +468,16 @@ def math_items(task: str, tok: Any, records: list[dict[str, Any]]) -> list[dict[
     return items
 
 
-def _math_task(args: argparse.Namespace) -> tuple[Any, ...]:
+def _math_task(cfg: RunConfig, device: str) -> tuple[Any, ...]:
     from lmforge.posttrain.models import load_model
     from lmforge.posttrain.tasks import gsm8k_reward, math_reward, read_jsonl
 
-    if not args.model:
-        raise LmforgeError(f"--task {args.task} needs --model (an SFT'd policy)")
-    model, tok = load_model(args.model, args.device)
+    rc = cfg.rl
+    if not rc.model:
+        raise LmforgeError(f"rl.task {rc.task} needs rl.model (--model: an SFT'd policy)")
+    model, tok = load_model(rc.model, device)
     if tok is None:
-        raise LmforgeError(f"{args.model} has no tokenizer")
+        raise LmforgeError(f"{rc.model} has no tokenizer")
     import os
 
     # ../shared beside the checkout, as the tests look for it (LMFORGE_SHARED_DATA overrides)
@@ -422,25 +485,22 @@ def _math_task(args: argparse.Namespace) -> tuple[Any, ...]:
     root = (
         Path(shared) if shared else Path(__file__).resolve().parents[4] / "shared" / "data"
     ) / "eval"
-    if args.task == "gsm8k":
-        train_p = Path(args.data) if args.data else root / "gsm8k" / "train.jsonl"
+    if rc.task == "gsm8k":
+        train_p = Path(rc.data) if rc.data else root / "gsm8k" / "train.jsonl"
         test_p = root / "gsm8k" / "test.jsonl"
         reward = gsm8k_reward
     else:
-        train_p = Path(args.data) if args.data else root / "math" / "math" / "train.jsonl"
+        train_p = Path(rc.data) if rc.data else root / "math" / "math" / "train.jsonl"
         test_p = root / "math" / "math" / "test.jsonl"
         reward = math_reward
-    if args.eval_data:
-        test_p = Path(args.eval_data)
-    train = read_jsonl(train_p, "--data")
+    if rc.eval_data:
+        test_p = Path(rc.eval_data)
+    train = read_jsonl(train_p, "rl.data")
     test = (
-        read_jsonl(test_p, "--eval-data")
-        if test_p.is_file() or args.eval_data
-        else train[-args.eval_size :]
+        read_jsonl(test_p, "rl.eval_data")
+        if test_p.is_file() or rc.eval_data
+        else train[-rc.eval_size :]
     )
-    from lmforge.posttrain.pipeline import ListPrompts
-
-    # random.Random(seed).sample(items, n) per call, picklable: --pipeline's engine draws it too
-    items = ListPrompts(math_items(args.task, tok, train), args.seed)
+    items = math_items(rc.task, tok, train)
     return (None, tok, model, reward, items,
-            math_items(args.task, tok, test[: args.eval_size]))  # fmt: skip
+            math_items(rc.task, tok, test[: rc.eval_size]))  # fmt: skip

@@ -1,5 +1,5 @@
-"""Building blocks shared by every post-training loop: model calls, tokenization with a response
-mask, per-token log-probs and entropy, masked reductions and a gradient-accumulation step.
+"""Building blocks shared by every post-training objective: model calls, tokenization with a
+response mask, per-token log-probs and entropy, masked reductions.
 
 Everything works on any module mapping token ids to logits: an lmforge ``TransformerLM`` (called
 as ``model(ids)``), or a transformers model (called as ``model(input_ids=...)`` and read through
@@ -13,8 +13,7 @@ Exercised by ``pytest tests/test_posttrain_core.py``.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -208,59 +207,3 @@ def collate(examples: Sequence[Example], pad_id: int = 0, max_len: int | None = 
         ids[row, : len(i)] = torch.tensor(i, dtype=torch.long)
         labels[row, : len(lab)] = torch.tensor(lab, dtype=torch.long)
     return Batch(ids, labels)
-
-
-# ---------------------------------------------------------------------------------------------
-# Gradient accumulation
-
-
-def accumulate_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_batches: Sequence[Any],
-    loss_fn: Callable[[nn.Module, Any], tuple[torch.Tensor, float]],
-    max_grad_norm: float | None = None,
-    weights: Sequence[float] | None = None,
-) -> dict[str, float]:
-    """One optimizer step over several micro-batches; returns ``loss``, ``grad_norm``, ``weight``.
-
-    Loss normalization (stated, and tested): ``loss_fn(model, mb)`` returns ``(loss_sum,
-    weight)`` — the *sum* of the per-unit losses in the micro-batch and how many units it holds
-    (tokens for a token-level mean, sequences for a per-sequence mean). The step minimises
-    Σ loss_sum / Σ weight over all micro-batches, so the gradient equals the one of the whole
-    batch at once however it is split (a mean of micro-batch means would over-weight small
-    micro-batches). With ``weights`` (each micro-batch's weight, known up front) every backward
-    runs right after its forward with its final scale; without, the graphs are kept until the
-    total is known (fine for small models; pass ``weights`` for large ones).
-    """
-    if not micro_batches:
-        raise ValueError("accumulate_step needs at least one micro-batch")
-    optimizer.zero_grad(set_to_none=True)
-    total = None if weights is None else float(sum(weights))
-    pending: list[torch.Tensor] = []
-    loss_total = 0.0
-    weight_total = 0.0
-    for mb in micro_batches:
-        loss_sum, weight = loss_fn(model, mb)
-        weight_total += float(weight)
-        loss_total += float(loss_sum.detach())
-        if total is not None:
-            if total > 0:
-                (loss_sum / total).backward()
-        else:
-            pending.append(loss_sum)
-    if pending and weight_total > 0:
-        torch.autograd.backward([ls / weight_total for ls in pending])
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    if max_grad_norm is not None and params:
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
-    elif params:
-        norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-    else:
-        norm = 0.0
-    optimizer.step()
-    return {
-        "loss": loss_total / max(weight_total, 1e-12),
-        "grad_norm": norm if math.isfinite(norm) else float("nan"),
-        "weight": weight_total,
-    }

@@ -2,23 +2,32 @@
 on-policy (the student samples, the teacher scores every sampled token, as in GKD / on-policy
 distillation). Losses: forward KL, reverse KL, generalised JSD, with a temperature
 (:func:`lmforge.posttrain.losses.distill_token_loss`). Teacher and student can differ in size;
-their vocabularies must match. Exercised by ``pytest tests/test_posttrain_distill.py``.
+their vocabularies must match. :class:`DistillObjective` runs in the one Trainer loop;
+on-policy samples come from the serving engine. Exercised by ``pytest tests/test_posttrain_distill.py``.
 
 Shape legend: B batch, T tokens, V vocab.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Sequence
+import random
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from lmforge.posttrain.core import IGNORE, Batch, collate, model_logits, prompt_response_example
+from lmforge.posttrain.config import DistillConfig
+from lmforge.posttrain.core import (
+    IGNORE,
+    Batch,
+    Example,
+    collate,
+    model_logits,
+    prompt_response_example,
+)
 from lmforge.posttrain.losses import distill_token_loss
-from lmforge.posttrain.rollout import LocalEngine, SamplingParams
+from lmforge.serve import SamplingParams
 from lmforge.utils.errors import LmforgeError
 
 
@@ -41,80 +50,89 @@ def check_vocabularies(teacher: nn.Module, student: nn.Module) -> None:
                            "distillation needs the same tokenizer")  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class DistillConfig:
-    """Distillation hyperparameters."""
-
-    loss: str = "forward"
-    "forward | reverse | jsd"
-    temperature: float = 1.0
-    "softening temperature of both distributions"
-    beta: float = 0.5
-    "JSD mixture weight"
-    lr: float = 1e-3
-    "AdamW learning rate"
-    steps: int = 100
-    "optimizer steps"
-    batch_size: int = 16
-    "sequences per step"
-    max_tokens: int = 16
-    "on-policy: tokens the student samples per prompt"
-
-
 def distill_loss(
     student: nn.Module, teacher: nn.Module, batch: Batch, cfg: DistillConfig
-) -> torch.Tensor:
-    """Mean divergence over the labelled positions of ``batch``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed divergence over the labelled positions of ``batch``, their count)."""
     s = model_logits(student, batch.input_ids)  # (B, T, V)
     with torch.no_grad():
         t = model_logits(teacher, batch.input_ids)  # (B, T, V)
-    per = distill_token_loss(s, t, cfg.loss, cfg.temperature, cfg.beta)  # type: ignore[arg-type]
+    per = distill_token_loss(s, t, cfg.loss, cfg.temperature, cfg.beta)  # (B, T)
     mask = batch.labels != IGNORE
-    return (per * mask).sum() / mask.sum().clamp_min(1)
+    return (per * mask).sum(), mask.sum().float()
 
 
-def train_distill(
-    student: nn.Module,
-    teacher: nn.Module,
-    cfg: DistillConfig,
-    *,
-    corpus: Sequence[Any] | None = None,
-    prompts: Callable[[int], list[list[int]]] | None = None,
-    eos_ids: Sequence[int] = (),
-    pad_id: int = 0,
-    progress: bool = True,
-) -> list[dict[str, float]]:
-    """Distil ``teacher`` into ``student`` in place, on ``corpus`` (a list of
-    :class:`~lmforge.posttrain.core.Example`) or on-policy from ``prompts(n)``."""
-    from tqdm import tqdm
+class DistillObjective:
+    """Distillation as a :class:`~lmforge.train.Objective`: ``batch_size`` sequences per
+    micro-batch, drawn from ``corpus`` (examples picked by a seeded RNG) or, on-policy, sampled
+    by the student on the serving engine from ``prompts`` (seeded per request, so a resumed run
+    samples the same); loss summed over target tokens with their count as weight."""
 
-    check_vocabularies(teacher, student)
-    if (corpus is None) == (prompts is None):
-        raise LmforgeError("distillation needs exactly one of a corpus or prompts (on-policy)")
-    device = next(student.parameters()).device
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
-    engine = LocalEngine(student, eos_ids=eos_ids) if prompts is not None else None
-    g = torch.Generator().manual_seed(0)
-    history = []
-    for step in tqdm(range(1, cfg.steps + 1), desc="distill", disable=not progress):
-        if engine is not None:
-            assert prompts is not None
-            student.eval()
-            ps = prompts(cfg.batch_size)
-            outs = engine.generate(ps, SamplingParams(temperature=1.0, max_tokens=cfg.max_tokens))
-            exs = [prompt_response_example(o.prompt_token_ids, o.outputs[0].token_ids or [pad_id])
-                   for o in outs]  # fmt: skip
+    name = "distill"
+
+    def __init__(
+        self,
+        teacher: nn.Module,
+        cfg: DistillConfig,
+        batch_size: int,
+        *,
+        corpus: Sequence[Example] | None = None,
+        prompts: Sequence[list[int]] | None = None,
+        eos_ids: Sequence[int] = (),
+        seed: int = 0,
+        pad_id: int = 0,
+    ) -> None:
+        if (corpus is None) == (prompts is None):
+            raise LmforgeError("distillation needs exactly one of a corpus or prompts (on-policy)")
+        if not (corpus or prompts):
+            raise LmforgeError("no distillation data")
+        self.teacher, self.cfg, self.batch_size = teacher, cfg, batch_size
+        self.corpus, self.prompts = corpus, prompts
+        self.eos, self.pad_id = list(eos_ids), pad_id
+        self.rng = random.Random(seed)
+        self.engine: Any = None
+        self.version = 0
+
+    def before_step(self, trainer: Any, step: int) -> None:
+        """On-policy: the engine (built once, on the student) samples under this step's weights."""
+        if self.prompts is not None and self.engine is None:
+            from lmforge.posttrain.rollout import rollout_engine
+
+            self.engine = rollout_engine(trainer.model, self.eos)
+        self.version = step - 1
+
+    def next_batch(self) -> Batch:
+        """The next ``batch_size`` sequences (sampled by the student on-policy)."""
+        if self.corpus is not None:
+            exs = [self.corpus[self.rng.randrange(len(self.corpus))]
+                   for _ in range(self.batch_size)]  # fmt: skip
         else:
-            assert corpus is not None
-            idx = torch.randint(len(corpus), (cfg.batch_size,), generator=g).tolist()
-            exs = [corpus[i] for i in idx]
-        batch = collate(exs, pad_id).to(device)
-        student.train()
-        loss = distill_loss(student, teacher, batch, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        history.append({"step": step, "loss": float(loss.detach())})
-    student.eval()
-    return history
+            assert self.prompts is not None
+            ps = [self.prompts[self.rng.randrange(len(self.prompts))]
+                  for _ in range(self.batch_size)]  # fmt: skip
+            self.engine.update_weights({}, self.version)
+            params = [SamplingParams(temperature=1.0, max_tokens=self.cfg.max_tokens,
+                                     seed=self.rng.randrange(2**31),
+                                     stop_token_ids=tuple(self.eos)) for _ in ps]  # fmt: skip
+            outs = self.engine.generate(ps, params)
+            exs = [prompt_response_example(p, o.outputs[0].token_ids or [self.pad_id])
+                   for p, o in zip(ps, outs)]  # fmt: skip
+        device = next(self.teacher.parameters()).device
+        return collate(exs, self.pad_id).to(device)
+
+    def batch_weight(self, batch: Batch) -> float:
+        """Target tokens."""
+        return float((batch.labels != IGNORE).sum())
+
+    def loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed divergence, target tokens)."""
+        return distill_loss(model, self.teacher, batch, self.cfg)
+
+    def state_dict(self) -> dict:
+        """The RNG that picks sequences or prompts and sampling seeds."""
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        v, internal, gauss = state["rng"]
+        self.rng.setstate((v, tuple(internal), gauss))

@@ -5,7 +5,9 @@ Data: JSONL (or .jsonl.gz) records ``{"prompt", "chosen", "rejected"}``, or HH-R
 last common ``\\n\\nAssistant:`` into a shared prompt and the two final replies.
 
 The reference policy's sequence log-probs are computed once before training and cached (they
-never change), so the reference model is not kept in memory during training. Metrics: loss,
+never change), so the reference model is not kept in memory during training (or, with
+``dpo.reference = "online"``, by a frozen copy per batch). :class:`DPOObjective` and
+:class:`RewardModelObjective` run in the one Trainer loop. Metrics: loss,
 reward accuracy (implicit reward of chosen > rejected), reward margin, on training batches and
 on a held-out split. Exercised by ``pytest tests/test_posttrain_dpo.py``.
 
@@ -14,16 +16,14 @@ Shape legend: B pairs, T tokens.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import random
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lmforge.posttrain.config import DPOConfig
 from lmforge.posttrain.core import (
     Batch,
     collate,
@@ -54,16 +54,6 @@ def split_pair(rec: dict[str, Any], where: str) -> tuple[str, str, str]:
         raise LmforgeError(f"{where}: no common '{_ASSISTANT.strip()}' prefix to split at")
     cut += len(_ASSISTANT)
     return c[:cut], c[cut:], r[cut:]
-
-
-@dataclasses.dataclass
-class PairBatch:
-    """Chosen and rejected sequences of B pairs, stacked as one batch of 2B rows
-    (chosen first) so one forward scores both."""
-
-    batch: Batch
-    ref_chosen: torch.Tensor | None = None
-    ref_rejected: torch.Tensor | None = None
 
 
 def tokenize_pairs(
@@ -98,45 +88,22 @@ def sequence_scores(model: nn.Module, batch: Batch, average: bool = False) -> to
     return total / batch.mask.sum(-1).clamp_min(1) if average else total
 
 
-@dataclasses.dataclass(frozen=True)
-class DPOConfig:
-    """Preference-optimisation hyperparameters."""
-
-    loss: str = "dpo"
-    "dpo | ipo | cdpo | simpo"
-    beta: float = 0.1
-    "inverse temperature β (SimPO: its β, typically 2)"
-    label_smoothing: float = 0.1
-    "cDPO's label-flip probability ε"
-    simpo_gamma: float = 0.5
-    "SimPO's target margin γ"
-    lr: float = 5e-6
-    "AdamW learning rate"
-    epochs: int = 1
-    "passes over the training pairs"
-    batch_size: int = 8
-    "pairs per optimizer step"
-    max_len: int = 512
-    "longest prompt + response, in tokens"
-    seed: int = 0
-    "shuffling seed"
-
-
 def _avg(cfg: DPOConfig) -> bool:
     return cfg.loss in ("ipo", "simpo")  # IPO and SimPO use length-averaged log-probs
 
 
 @torch.no_grad()
 def reference_scores(
-    model: nn.Module, pairs: Sequence[Any], cfg: DPOConfig, pad_id: int, progress: bool = False
-) -> torch.Tensor:
+    model: nn.Module, pairs: Sequence[Any], cfg: DPOConfig, pad_id: int, progress: bool = False,
+    batch_size: int = 8,
+) -> torch.Tensor:  # fmt: skip
     """The reference policy's scores (N, 2): computed once, before training, and cached."""
     from tqdm import tqdm
 
     device = next(model.parameters()).device
     out = []
-    for i in tqdm(range(0, len(pairs), cfg.batch_size), desc="reference", disable=not progress):
-        chunk = pairs[i : i + cfg.batch_size]
+    for i in tqdm(range(0, len(pairs), batch_size), desc="reference", disable=not progress):
+        chunk = pairs[i : i + batch_size]
         s = sequence_scores(model, pair_batch(chunk, pad_id).to(device), _avg(cfg))
         out.append(torch.stack([s[: len(chunk)], s[len(chunk) :]], -1).cpu())
     return torch.cat(out)
@@ -159,21 +126,22 @@ def pair_losses(
 
 @torch.no_grad()
 def preference_accuracy(
-    model: nn.Module, pairs: Sequence[Any], ref: torch.Tensor, cfg: DPOConfig, pad_id: int
-) -> dict[str, float]:
+    model: nn.Module, pairs: Sequence[Any], ref: torch.Tensor, cfg: DPOConfig, pad_id: int,
+    batch_size: int = 8,
+) -> dict[str, float]:  # fmt: skip
     """Held-out accuracy of the implicit reward (ties count ½), its mean margin, and the
     accuracy of the policy's own log-probs (log π(chosen) > log π(rejected), no reference)."""
     device = next(model.parameters()).device
     acc, margin, lp_acc = 0.0, 0.0, 0.0
-    for i in range(0, len(pairs), cfg.batch_size):
-        chunk = pairs[i : i + cfg.batch_size]
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i : i + batch_size]
         s = sequence_scores(model, pair_batch(chunk, pad_id).to(device), _avg(cfg))
         pc, pr = s[: len(chunk)], s[len(chunk) :]
         lp_acc += float((pc > pr).float().sum() + 0.5 * (pc == pr).float().sum())
         if cfg.loss == "simpo":
             rc, rr = cfg.beta * pc, cfg.beta * pr
         else:
-            r = ref[i : i + cfg.batch_size].to(device)
+            r = ref[i : i + batch_size].to(device)
             rc, rr = cfg.beta * (pc - r[:, 0]), cfg.beta * (pr - r[:, 1])
         acc += float((rc > rr).float().sum() + 0.5 * (rc == rr).float().sum())
         margin += float((rc - rr).sum())
@@ -181,51 +149,161 @@ def preference_accuracy(
     return {"accuracy": acc / n, "margin": margin / n, "logp_accuracy": lp_acc / n}
 
 
-def train_dpo(
-    model: nn.Module,
-    train_pairs: Sequence[Any],
-    eval_pairs: Sequence[Any],
-    cfg: DPOConfig,
-    pad_id: int = 0,
-    log_path: str | Path | None = None,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Run preference optimisation in place; returns held-out metrics before and after."""
-    from tqdm import tqdm
+def _rng_state(rng: random.Random) -> tuple:
+    return rng.getstate()
 
-    if not train_pairs:
-        raise LmforgeError("no training pairs")
-    ref_train = reference_scores(model, train_pairs, cfg, pad_id, progress)
-    ref_eval = reference_scores(model, eval_pairs, cfg, pad_id, progress) if eval_pairs else None
-    before = preference_accuracy(model, eval_pairs, ref_eval, cfg, pad_id) if eval_pairs else {}
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    rng = random.Random(cfg.seed)
-    history = []
-    step = 0
-    model.train()
-    for _ in range(cfg.epochs):
-        order = list(range(len(train_pairs)))
-        rng.shuffle(order)
-        for i in tqdm(range(0, len(order), cfg.batch_size), desc="dpo", disable=not progress):
-            idx = order[i : i + cfg.batch_size]
-            loss, rc, rr = pair_losses(model, [train_pairs[j] for j in idx], ref_train[idx], cfg,
-                                       pad_id)  # fmt: skip
-            opt.zero_grad(set_to_none=True)
-            loss.mean().backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            step += 1
-            rec = {"step": step, "loss": float(loss.detach().mean()),
-                   "reward_accuracy": float((rc > rr).float().mean()),
-                   "reward_margin": float((rc - rr).mean()),
-                   "reward_chosen": float(rc.mean()), "reward_rejected": float(rr.mean())}  # fmt: skip
-            history.append(rec)
-            if log_path is not None:
-                with open(log_path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec) + "\n")
-    model.eval()
-    after = preference_accuracy(model, eval_pairs, ref_eval, cfg, pad_id) if eval_pairs else {}
-    return {"before": before, "after": after, "steps": step, "history": history}
+
+def _set_rng_state(rng: random.Random, state: Any) -> None:
+    v, internal, gauss = state
+    rng.setstate((v, tuple(internal), gauss))
+
+
+class _PairStream:
+    """Pairs in a shuffled order per epoch, ``batch_size`` at a time (the last batch of an epoch
+    may be smaller); its position and RNG are part of the objective's state."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.batch_size = n, batch_size
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+        self.pos = 0
+
+    def next(self) -> list[int]:
+        if self.pos >= len(self.order):
+            self.order = list(range(self.n))
+            self.rng.shuffle(self.order)
+            self.pos = 0
+        idx = self.order[self.pos : self.pos + self.batch_size]
+        self.pos += len(idx)
+        return idx
+
+    def state_dict(self) -> dict:
+        return {"rng": _rng_state(self.rng), "order": list(self.order), "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        _set_rng_state(self.rng, state["rng"])
+        self.order, self.pos = list(state["order"]), int(state["pos"])
+
+
+def steps_per_epoch(n_pairs: int, batch_size: int) -> int:
+    """Optimizer steps of one pass over ``n_pairs`` (the last batch may be smaller)."""
+    return -(-n_pairs // batch_size)
+
+
+class DPOObjective:
+    """DPO, IPO, cDPO or SimPO as a :class:`~lmforge.train.Objective`.
+
+    A micro-batch is ``batch_size`` pairs (chosen and rejected scored in one forward of 2B rows);
+    ``loss`` is the sum of the per-pair losses with weight B. The reference policy's scores are
+    computed once from the starting weights (``reference="cached"``, the default; they are part
+    of the objective's state, so a resumed run keeps the starting policy's scores) or by a frozen
+    copy of the starting model on every batch (``"online"``). ``evaluate`` reports the held-out
+    preference accuracy and margin of the implicit reward.
+    """
+
+    name = "dpo"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_pairs: Sequence[Any],
+        eval_pairs: Sequence[Any],
+        cfg: DPOConfig,
+        batch_size: int,
+        seed: int = 0,
+        pad_id: int = 0,
+        progress: bool = False,
+    ) -> None:
+        if not train_pairs:
+            raise LmforgeError("no training pairs")
+        self.cfg, self.pad_id, self.progress = cfg, pad_id, progress
+        self.train_pairs, self.eval_pairs = list(train_pairs), list(eval_pairs)
+        self.batch_size = batch_size
+        self.stream = _PairStream(len(self.train_pairs), batch_size, seed)
+        self.start = model  # the reference: scored before the first step, or kept frozen
+        self.ref_model: nn.Module | None = None
+        if cfg.reference == "online" and cfg.loss != "simpo":
+            from lmforge.posttrain.models import clone_frozen
+
+            self.ref_model = clone_frozen(model)
+        self.ref_train: torch.Tensor | None = None
+        self.ref_eval: torch.Tensor | None = None
+        self._stats: list[torch.Tensor] = []
+
+    def _refs(self) -> None:
+        # Cached reference scores, from the starting weights (before any step runs).
+        if self.ref_train is not None or self.ref_model is not None or self.cfg.loss == "simpo":
+            return
+        bs = self.batch_size
+        self.ref_train = reference_scores(self.start, self.train_pairs, self.cfg, self.pad_id,
+                                          self.progress, bs)  # fmt: skip
+        self.ref_eval = (
+            reference_scores(self.start, self.eval_pairs, self.cfg, self.pad_id, batch_size=bs)
+            if self.eval_pairs
+            else torch.zeros(0, 2)
+        )
+
+    def _ref_of(self, pairs: Sequence[Any], cached: torch.Tensor | None) -> torch.Tensor:
+        if self.cfg.loss == "simpo":
+            return torch.zeros(len(pairs), 2)
+        if self.ref_model is not None:
+            return reference_scores(self.ref_model, pairs, self.cfg, self.pad_id,
+                                    batch_size=self.batch_size)  # fmt: skip
+        assert cached is not None
+        return cached
+
+    def next_batch(self) -> tuple[list[Any], torch.Tensor]:
+        """The next pairs and their reference scores (B, 2)."""
+        self._refs()
+        idx = self.stream.next()
+        pairs = [self.train_pairs[j] for j in idx]
+        cached = self.ref_train[idx] if self.ref_train is not None else None
+        return pairs, self._ref_of(pairs, cached)
+
+    def batch_weight(self, batch: tuple[list[Any], torch.Tensor]) -> float:
+        """Pairs in the micro-batch."""
+        return float(len(batch[0]))
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of per-pair losses, pairs)."""
+        pairs, ref = batch
+        loss, rc, rr = pair_losses(model, pairs, ref, self.cfg, self.pad_id)
+        d = torch.stack([(rc > rr).float().sum(), (rc - rr).sum(), rc.sum(), rr.sum(),
+                         torch.tensor(float(len(pairs)), device=rc.device)]).detach()  # fmt: skip
+        self._stats.append(d.cpu())
+        return loss.sum(), torch.tensor(float(len(pairs)))
+
+    def metrics(self) -> dict[str, float]:
+        """Implicit-reward accuracy, margin and means over the last step's pairs."""
+        if not self._stats:
+            return {}
+        acc, margin, rc, rr, n = torch.stack(self._stats).sum(0).tolist()
+        self._stats = []
+        return {"reward_accuracy": acc / n, "reward_margin": margin / n,
+                "reward_chosen": rc / n, "reward_rejected": rr / n}  # fmt: skip
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out accuracy and margin of the implicit reward, and log-prob accuracy."""
+        if not self.eval_pairs:
+            return {}
+        self._refs()
+        ref = self._ref_of(self.eval_pairs, self.ref_eval)
+        got = preference_accuracy(model, self.eval_pairs, ref, self.cfg, self.pad_id,
+                                  self.batch_size)  # fmt: skip
+        return {f"eval_{k}": v for k, v in got.items()}
+
+    def state_dict(self) -> dict:
+        """Pair order, position, RNG and the cached reference scores."""
+        out: dict[str, Any] = {"stream": self.stream.state_dict()}
+        if self.ref_train is not None:
+            out["ref_train"], out["ref_eval"] = self.ref_train, self.ref_eval
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.stream.load_state_dict(state["stream"])
+        if "ref_train" in state:
+            self.ref_train, self.ref_eval = state["ref_train"], state["ref_eval"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,34 +358,55 @@ def reward_pair_loss(
     return bradley_terry_loss(sc, sr), (sc > sr).float() + 0.5 * (sc == sr).float()
 
 
-def train_reward_model(
-    rm: RewardModel, train_pairs: Sequence[Any], eval_pairs: Sequence[Any], lr: float = 1e-5,
-    epochs: int = 1, batch_size: int = 8, pad_id: int = 0, seed: int = 0, progress: bool = True,
-) -> dict[str, Any]:  # fmt: skip
-    """Fit a reward model on preference pairs; held-out pair accuracy before and after."""
-    from tqdm import tqdm
+class RewardModelObjective:
+    """A Bradley–Terry reward model as a :class:`~lmforge.train.Objective`: the Trainer's model
+    is the :class:`RewardModel` (LM + scalar head); loss −log σ(s_chosen − s_rejected) summed
+    over the pairs, weight B; ``evaluate`` gives the held-out pair accuracy."""
 
-    def accuracy() -> float:
-        with torch.no_grad():
-            hits = [reward_pair_loss(rm, eval_pairs[i : i + batch_size], pad_id)[1]
-                    for i in range(0, len(eval_pairs), batch_size)]  # fmt: skip
-        return float(torch.cat(hits).mean()) if hits else float("nan")
+    name = "reward_model"
 
-    before = accuracy()
-    opt = torch.optim.AdamW(rm.parameters(), lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    history = []
-    rm.train()
-    for _ in range(epochs):
-        order = list(range(len(train_pairs)))
-        rng.shuffle(order)
-        for i in tqdm(range(0, len(order), batch_size), desc="reward model", disable=not progress):
-            loss, hit = reward_pair_loss(
-                rm, [train_pairs[j] for j in order[i : i + batch_size]], pad_id
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.mean().backward()
-            opt.step()
-            history.append({"loss": float(loss.detach().mean()), "accuracy": float(hit.mean())})
-    rm.eval()
-    return {"before": before, "after": accuracy(), "history": history}
+    def __init__(
+        self, train_pairs: Sequence[Any], eval_pairs: Sequence[Any], batch_size: int,
+        seed: int = 0, pad_id: int = 0,
+    ) -> None:  # fmt: skip
+        if not train_pairs:
+            raise LmforgeError("no training pairs")
+        self.train_pairs, self.eval_pairs = list(train_pairs), list(eval_pairs)
+        self.batch_size, self.pad_id = batch_size, pad_id
+        self.stream = _PairStream(len(self.train_pairs), batch_size, seed)
+        self._hits: list[float] = []
+
+    def next_batch(self) -> list[Any]:
+        """The next pairs."""
+        return [self.train_pairs[j] for j in self.stream.next()]
+
+    def batch_weight(self, batch: list[Any]) -> float:
+        """Pairs in the micro-batch."""
+        return float(len(batch))
+
+    def loss(self, model: nn.Module, batch: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of Bradley–Terry losses, pairs)."""
+        loss, hit = reward_pair_loss(model, batch, self.pad_id)  # type: ignore[arg-type]
+        self._hits.extend(hit.detach().cpu().tolist())
+        return loss.sum(), torch.tensor(float(len(batch)))
+
+    def metrics(self) -> dict[str, float]:
+        """Pair accuracy over the last step."""
+        out = {"accuracy": sum(self._hits) / len(self._hits)} if self._hits else {}
+        self._hits = []
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Held-out pair accuracy."""
+        hits = [reward_pair_loss(model, self.eval_pairs[i : i + self.batch_size], self.pad_id)[1]  # type: ignore[arg-type]
+                for i in range(0, len(self.eval_pairs), self.batch_size)]  # fmt: skip
+        return {"eval_accuracy": float(torch.cat(hits).mean())} if hits else {}
+
+    def state_dict(self) -> dict:
+        """Pair order, position and RNG."""
+        return {"stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.stream.load_state_dict(state["stream"])

@@ -92,13 +92,18 @@ def group_advantages(
     baseline: Baseline = "mean",
     normalizer: Normalizer = "std",
     eps: float = 1e-6,
+    std: Literal["sample", "population"] = "sample",
 ) -> torch.Tensor:
     """Advantages (G, N) of rewards (G, N), one row per prompt's group of N samples.
 
     baseline ``mean``: r − mean(group); ``loo``: r − mean of the *other* N−1 samples (RLOO);
-    ``none``: r. normalizer ``std``: divide by the group's std (population, as GRPO) + eps;
+    ``none``: r. normalizer ``std``: divide by the group's std + eps, by default the *sample*
+    (unbiased, N−1) std as TRL, verl and the CS336 reference compute it; ``std="population"``
+    (N) gives advantages smaller by √((N−1)/N) (1/√2 at N = 2), lmforge's choice before;
     ``mean``: divide by the group's mean reward + eps (MaxRL); ``none``: no division (Dr. GRPO).
     """
+    if std not in ("sample", "population"):
+        raise ValueError(f"unknown std {std!r} (sample, population)")
     r = rewards.float()
     n = r.shape[-1]
     if baseline == "mean":
@@ -112,7 +117,9 @@ def group_advantages(
     else:
         raise ValueError(f"unknown baseline {baseline!r} (mean, loo, none)")
     if normalizer == "std":
-        adv = adv / (r.std(-1, unbiased=False, keepdim=True) + eps)
+        if std == "sample" and n < 2:
+            raise ValueError("the sample std needs at least 2 samples per group")
+        adv = adv / (r.std(-1, unbiased=std == "sample", keepdim=True) + eps)
     elif normalizer == "mean":
         adv = adv / (r.mean(-1, keepdim=True) + eps)
     elif normalizer != "none":

@@ -67,10 +67,10 @@ def save_model(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         if is_lmforge_model(model):
+            from lmforge.checkpoint.io import save_model_state
             from lmforge.hf.api import HF_TOKENIZER_DIR
             from lmforge.hf.tokenizer import HFTokenizer
             from lmforge.posttrain.chat import template_of
-            from lmforge.train.checkpoint import save_model_state
             from lmforge.utils.config import config_to_toml
             from lmforge.utils.io import atomic_write_text
 

@@ -3,16 +3,17 @@
 Two processes (``torch.multiprocessing``, spawn), joined by a ``torch.distributed`` group (gloo
 on CPU; NCCL when each has its own GPU):
 
-- the **engine** decodes batches of ``prompts_per_step × group_size`` rollouts continuously with
-  :class:`~lmforge.posttrain.rollout.LocalEngine` (or, ``engine="serve"``, the batched serve
-  engine through :func:`~lmforge.posttrain.rollout.make_engine`). Before every decode step it checks the
+- the **engine** decodes batches of ``prompts_per_step × group_size`` rollouts continuously on
+  :class:`lmforge.serve.Engine` (:func:`~lmforge.posttrain.rollout.rollout_engine`), stepping it
+  itself. Before every engine step it checks the
   trainer's published version; when newer, it receives the weights (bucketed broadcast,
   :mod:`lmforge.posttrain.weight_sync`; or, ``transport="shared"`` on one device, copies them
   out of buckets shared with the trainer) and swaps them in **mid-sequence**, keeping the KV
   cache; every token records the version that sampled it. Finished batches go to a queue.
-- the **trainer** takes finished batches as they arrive, scores them, drops (or down-weights)
-  rollouts whose oldest token is more than ``max_lag`` versions behind, runs one optimizer
-  step, publishes the new version and broadcasts the weights.
+- the **trainer** (:class:`PipelineObjective` in the one Trainer) takes finished batches as they
+  arrive, scores them, drops (or down-weights) rollouts whose oldest token is more than
+  ``max_lag`` versions behind, runs one optimizer step, publishes the new version and
+  broadcasts the weights.
 
 The importance ratio uses the engine's recorded log-probs (the behaviour policy, possibly mixed
 across versions within a sequence), clipped as in GRPO; that is what makes lag tolerable.
@@ -30,8 +31,8 @@ so the engine never needs the tokenizer (it stops on the EOS ids it is given). A
 the engine gives the same prompts, in the same order, as its twin drawn by a synchronous run of
 the same seed (:func:`item_stream`). The trainer decodes and scores with the task's reward.
 
-Simplification: one engine; a batch is started whole (the serve engine batches its rows
-continuously, the local one in lockstep). Weights are the model's parameters: buffers (an MoE
+Simplification: one engine; a batch is started whole (the engine batches its rows
+continuously). Weights are the model's parameters: buffers (an MoE
 router's bias) are not sent. Placement across hosts belongs to an existing launcher (torchrun,
 Ray), not to this module.
 Exercised by ``pytest tests/test_posttrain_pipeline.py`` and ``lmforge rl --pipeline``.
@@ -94,8 +95,6 @@ class PipelineConfig:
     "broadcast (bucketed torch.distributed broadcast over the backend) | shared (engine on the trainer's device: the trainer packs each version into buckets the engine process maps — CUDA IPC on a GPU, shared memory on the CPU — and the engine copies them out; no collective, no CPU staging)"
     overlong_cache: int = 0
     "DAPO's soft overlong penalty ramp (0 = off)"
-    engine: str = "local"
-    "the engine process's rollout engine: local (LocalEngine, lockstep) | serve (the batched serve engine: paged KV, CUDA graphs on a GPU)"
     queue_size: int = 0
     "finished batches the engine may hold unconsumed when it starts the next one: 0 = it samples batch k+1 while the trainer trains on batch k (token lag ≤ 1); each more adds overlap slack and one version of lag"
     micro_batch: int = 256
@@ -105,6 +104,20 @@ class PipelineConfig:
     epochs: int = 1
     "optimizer steps per rollout batch (one new version per batch either way)"
 
+    @classmethod
+    def from_run(cls, cfg: Any, **derived: Any) -> PipelineConfig:
+        """The pipeline's settings from a run config's ``rl`` and ``train`` branches (plus the
+        ``derived`` values the command computed: task, max_tokens, overlong_cache)."""
+        rc, tc = cfg.rl, cfg.train
+        return cls(algo=rc.algo, iterations=rc.iterations, prompts_per_step=rc.prompts_per_step,
+                   group_size=rc.group_size, lr=tc.lr, temperature=rc.temperature,
+                   max_lag=rc.max_lag, digits=rc.digits, seed=tc.seed,
+                   eval_every=tc.eval_every or 5, eval_size=rc.eval_size,
+                   target=rc.target or None, queue_size=rc.queue_size,
+                   engine_threads=rc.engine_threads or None, micro_batch=tc.batch_size,
+                   kl_coef=rc.kl_coef, epochs=rc.epochs, transport=rc.weight_transport,
+                   **derived)  # fmt: skip
+
 
 # ---------------------------------------------------------------------------------------------
 # Prompt sources: picklable, so the engine process draws the prompts itself
@@ -113,9 +126,9 @@ class PipelineConfig:
 class TaskPrompts:
     """The toy tasks' prompt stream: ``task.sample(n, random.Random(seed))``.
 
-    Calling it gives the items (what the synchronous loop's ``sample_items`` gives, the same
-    stream as :func:`lmforge.posttrain.rl.random_sampler`); :meth:`draw` gives the items and
-    their prompt token ids (the task's own tokenizer, which pickles)."""
+    Calling it gives the items (the stream ``GRPOObjective`` draws with a ``random.Random(seed)``
+    of the same seed); :meth:`draw` gives the items and their prompt token ids (the task's own
+    tokenizer, which pickles)."""
 
     def __init__(self, task: Any, seed: int) -> None:
         self.task = task
@@ -247,7 +260,7 @@ def fingerprint_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _serve_stats(engine: Any) -> dict[str, float]:
-    stats = getattr(getattr(engine, "engine", None), "stats", None)
+    stats = getattr(engine, "stats", None)
     if not isinstance(stats, dict):
         return {}
     return {k: float(stats[k]) for k in ("decode_s", "mixed_s", "decode_steps", "mixed_steps")
@@ -288,24 +301,22 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
                  acked: Any) -> None:  # fmt: skip
     import torch.distributed as dist
 
-    from lmforge.posttrain.rollout import LocalEngine, SamplingParams, make_engine
+    from lmforge.posttrain.rollout import rollout_engine
     from lmforge.posttrain.weight_sync import (
         broadcast_model,
         bucket_layout,
         copy_into,
         unpack_buckets,
     )
+    from lmforge.serve import SamplingParams
 
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    from lmforge.train.checkpoint import load_model_state
+    from lmforge.checkpoint.io import load_model_state
 
     model = rebuild_model(model_cfg, load_model_state(state_file), device)
-    if cfg.engine == "serve":
-        engine = make_engine(model, eos_ids, prefer="serve")
-    else:
-        engine = LocalEngine(model, eos_ids=eos_ids)
+    engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1)
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     buckets = (
         []
@@ -313,12 +324,11 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
         else layout.empty_buckets(_bucket_device(cfg, torch.device(device)))
     )
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                            n=cfg.group_size)  # fmt: skip
+                            n=cfg.group_size, stop_token_ids=tuple(eos_ids))  # fmt: skip
     # Warm up (first-call allocations, kernel compilation) before joining the group: the
     # trainer's clock starts when the group forms, and a synchronous run's engine is warm by
     # then too. A copy of the prompt source, so the stream itself is untouched.
     engine.generate(copy.deepcopy(prompts).draw(1)[1], SamplingParams(max_tokens=2))
-    torch.manual_seed(cfg.seed + 1)
     out_q.put(("ready",))
     _init(1, port, cfg.backend)
 
@@ -328,18 +338,20 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     cuda = device.startswith("cuda")
 
     def sync() -> None:
-        while published.value > engine.version:  # one transfer per published version, in order
+        # one transfer per published version, in order, between two engine steps
+        while published.value > engine.policy_version:
             t = time.perf_counter()
             if shared is None:
                 broadcast_model(model, layout, buckets, src=0)
-            else:  # the trainer packed version engine.version + 1 and waits for this ack
+            else:  # the trainer packed version policy_version + 1 and waits for this ack
                 copy_into(named, unpack_buckets(layout, shared))
                 if cuda:
                     torch.cuda.synchronize()
             recv[0] += time.perf_counter() - t
-            engine.version += 1
+            # the weights were written in place; the version moves (running KV is kept)
+            engine.update_weights({}, engine.policy_version + 1)
             if shared is not None:
-                acked.value = engine.version
+                acked.value = engine.policy_version
 
     produced = 0
     while not stop.value:
@@ -353,7 +365,7 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
         sync()
         k = produced + 1  # the trainer consumes in order: this batch is its iteration k
         check = (
-            (engine.version, weight_fingerprint(model))
+            (engine.policy_version, weight_fingerprint(model))
             if k == 1 or k % cfg.eval_every == 0
             else None
         )
@@ -361,12 +373,15 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
         s0 = _serve_stats(engine)
         t_gen = time.perf_counter()
         idle_s = t_gen - t_idle
-        dec = engine.start(prompt_ids, params)
-        while not dec.done:
+        ids = [engine.add_request(p, params) for p in prompt_ids]
+        done: dict[str, Any] = {}
+        while engine.has_unfinished():
             sync()  # in-flight: new weights mid-sequence, the KV cache is kept
-            dec.step()
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
         gen_s = time.perf_counter() - t_gen
-        rows = [(o.prompt_token_ids, o.outputs[0]) for o in dec.outputs()]
+        rows = [(list(done[i].prompt_token_ids), c) for i in ids for c in done[i].outputs]
         timing = {"gen_s": gen_s, "recv_s": recv[0], "idle_s": idle_s}
         timing.update({f"serve_{n}": v - s0[n] for n, v in _serve_stats(engine).items()})
         payload = ("batch", items, rows, timing, check)
@@ -377,7 +392,7 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
                 break
             except queue.Full:
                 sync()
-    while published.value > engine.version:  # the trainer may still be broadcasting
+    while published.value > engine.policy_version:  # the trainer may still be broadcasting
         sync()
     dist.barrier()
     dist.destroy_process_group()
@@ -422,8 +437,6 @@ def check_inputs(model: nn.Module, cfg: PipelineConfig, prompts: Any = None,
     to hold ``prompts_per_step`` problems; any other source as given."""
     from lmforge.posttrain.core import is_lmforge_model
 
-    if cfg.engine not in ("local", "serve"):
-        raise LmforgeError(f"unknown rollout engine {cfg.engine!r} (local, serve)")
     if cfg.transport not in ("broadcast", "shared"):
         raise LmforgeError(f"unknown weight transport {cfg.transport!r} (broadcast, shared)")
     if not is_lmforge_model(model):
@@ -463,6 +476,7 @@ def run_pipeline(
     eos_ids: Sequence[int] | None = None,
     eval_fn: Callable[[], float] | None = None,
     ref_model: nn.Module | None = None,
+    run_config: Any = None,
 ) -> list[dict[str, Any]]:
     """Train ``model`` (an lmforge ``TransformerLM``: a checkpoint, a GGUF/HF import or one made
     here) with Pipeline RL.
@@ -482,23 +496,23 @@ def run_pipeline(
     that batch and the trainer's at the version it then held (``weight_check_version``; 0 up to
     rounding when every broadcast arrived intact).
 
+    The trainer side is :class:`PipelineObjective` in the one Trainer (``run_config``: its
+    ``[train]``, else one built from ``cfg`` in a temporary folder); one optimizer step per
+    rollout batch and epoch, the weights published before the next batch is taken.
+
     Each record has the trainer's time breakdown (``wait_s`` for a batch, ``score_s``,
-    ``fwd_s``/``bwd_s``/``opt_s`` of the step, ``broadcast_s``, ``eval_s``) and the engine's for
+    ``broadcast_s``) and the engine's for
     that batch (``engine_gen_s``, ``engine_recv_s``, ``engine_idle_s``; ``engine_serve_*`` with
     the serve engine). ``time_s`` leaves out ``on_step(record, model)``, called after every step
     (the engine keeps decoding meanwhile, so keep it short: the benchmark only snapshots the
     weights there).
     """
-    import torch.distributed as dist
     import torch.multiprocessing as mp
-    from tqdm import tqdm
 
+    from lmforge.checkpoint.io import save_model_state
     from lmforge.posttrain import rl
-    from lmforge.posttrain.core import sequence_logprobs
     from lmforge.posttrain.models import eos_ids as tokenizer_eos
-    from lmforge.posttrain.rollout import LocalEngine
-    from lmforge.posttrain.weight_sync import broadcast_model, bucket_layout
-    from lmforge.train.checkpoint import save_model_state
+    from lmforge.posttrain.weight_sync import bucket_layout
 
     if cfg.kl_coef > 0 and ref_model is None:
         raise LmforgeError("kl_coef > 0 needs a reference model")
@@ -509,29 +523,26 @@ def run_pipeline(
         prompts = TaskPrompts(task, cfg.seed + 1)
         reward_fn = reward_fn or task.reward
         if eval_fn is None:
+            from lmforge.posttrain.rollout import rollout_engine
+
             eval_items = task.eval_set(cfg.eval_size)
-            eval_engine = LocalEngine(model, eos_ids=[tokenizer.eos_id])
+            eval_engine = rollout_engine(model, [tokenizer.eos_id])
 
             def eval_fn() -> float:
                 return rl.evaluate_accuracy(eval_engine, tokenizer, eval_items, task.reward,
-                                            cfg.max_tokens)  # fmt: skip
+                                            cfg.max_tokens, eos_ids=[tokenizer.eos_id])  # fmt: skip
     elif tokenizer is None or reward_fn is None:
         raise LmforgeError("run_pipeline with prompts needs a tokenizer and a reward_fn")
     prompts = check_inputs(model, cfg, prompts, tokenizer)
     eos = list(eos_ids) if eos_ids is not None else tokenizer_eos(tokenizer)
-    algo = rl.algorithm(cfg.algo)
-    step_cfg = rl.StepConfig(algo, kl_coef=cfg.kl_coef, max_tokens=cfg.max_tokens,
-                             temperature=cfg.temperature, micro_batch=cfg.micro_batch)  # fmt: skip
 
     ctx = mp.get_context("spawn")
-    published = ctx.Value("i", 0)
-    consumed = ctx.Value("i", 0)
-    stop = ctx.Value("b", False)
-    out_q = ctx.Queue(maxsize=cfg.queue_size + 1)
+    link = _Link(ctx.Value("i", 0), ctx.Value("i", 0), ctx.Value("b", False),
+                 ctx.Queue(maxsize=cfg.queue_size + 1), ctx.Value("i", 0))  # fmt: skip
     port = _free_port()
     device = next(model.parameters()).device
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-    shared, acked = None, ctx.Value("i", 0)
+    shared = None
     if cfg.transport == "shared":
         shared = layout.empty_buckets(device)  # CUDA tensors travel to the engine by IPC
         if device.type == "cpu":
@@ -543,129 +554,49 @@ def run_pipeline(
     save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
     proc = ctx.Process(
         target=_engine_main,
-        args=(
-            cfg,
-            model.config,
-            state_file,
-            port,
-            published,
-            consumed,
-            stop,
-            out_q,
-            cfg.engine_device or str(device),
-            prompts,
-            eos,
-            shared,
-            acked,
-        ),
+        args=(cfg, model.config, state_file, port, link.published, link.consumed, link.stop,
+              link.out_q, cfg.engine_device or str(device), prompts, eos, shared,
+              link.acked),
         daemon=True,
-    )
+    )  # fmt: skip
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     proc.start()
-    version = 0
-    hist_total: collections.Counter[int] = collections.Counter()
+    run_dir = None
+    if run_config is None:
+        run_dir = tempfile.mkdtemp(prefix="lmforge-pipeline-run-")
+        run_config = pipeline_run_config(cfg, run_dir, progress, str(device))
+    objective = PipelineObjective(cfg, model, tokenizer, reward_fn, eos, link, proc, layout,
+                                  shared, ref_model=ref_model, eval_fn=eval_fn)  # fmt: skip
     history: list[dict[str, Any]] = []
-    fingerprints = {0: weight_fingerprint(model)}  # version -> the trainer's weights then
+
+    def record(trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        # one record per rollout batch (its last epoch's step); on_step off the clock
+        if objective.passes_left:
+            return
+        rec = {"step": step, **{k: v for k, v in metrics.items() if k not in ("lr", "skipped")}}
+        rec["time_s"] = time.perf_counter() - objective.t0 - objective.paused
+        if on_step is not None:
+            t_pause = time.perf_counter()
+            on_step(rec, model)
+            objective.paused += time.perf_counter() - t_pause
+        history.append(rec)
+
     engine_failed = False
     try:
-        _take(out_q, proc)  # "ready": the engine is built and warm
+        _take(link.out_q, proc)  # "ready": the engine is built and warm
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init(0, port, cfg.backend)
-        buckets = layout.empty_buckets(_bucket_device(cfg, device)) if shared is None else []
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-        t0 = time.perf_counter()
-        paused = 0.0  # seconds in on_step: not part of time_s
-        samples = 0
-        for it in tqdm(
-            range(1, cfg.iterations + 1), desc=f"pipeline {cfg.algo}", disable=not progress
-        ):
-            t_wait = time.perf_counter()
-            _, items, rows, eng_t, check = _take(out_q, proc)
-            with consumed.get_lock():
-                consumed.value += 1  # credit: the engine may start the next batch now
-            wait_s = time.perf_counter() - t_wait
-            t_score = time.perf_counter()
-            samples += len(rows)
-            comps = [c for _, c in rows]
-            prompt_ids = [p for p, _ in rows]
-            n = cfg.group_size
-            grouped = [type("O", (), {"outputs": comps[g * n : (g + 1) * n]})()
-                       for g in range(len(items))]  # fmt: skip
-            r, adv, stats = rl.score_groups(items, grouped, tokenizer, reward_fn, algo,
-                                            cfg.max_tokens, cfg.overlong_cache,
-                                            eos_ids=eos)  # fmt: skip
-            s = rl.build_samples(prompt_ids, comps, adv.flatten(), r.flatten())
-            score_s = time.perf_counter() - t_score
-            if check is not None and fingerprints.get(check[0]) is not None:
-                stats["weight_check"] = fingerprint_mismatch(fingerprints[check[0]], check[1])
-                stats["weight_check_version"] = check[0]
-            if it == 1 or it % cfg.eval_every == 0:  # a diagnostic forward: not every step
-                stats["sync_check"], stats["sync_check_tokens"] = _sync_check(
-                    model, s, version, cfg, device, sequence_logprobs
-                )
-            lags = [version - v for c in comps for v in c.policy_versions]
-            step_hist = collections.Counter(lags)
-            hist_total.update(step_hist)
-            oldest = torch.tensor([version - min(c.policy_versions) if c.policy_versions else 0
-                                   for c in comps])  # fmt: skip
-            if cfg.stale == "drop":
-                s = s.select((oldest <= cfg.max_lag).nonzero().flatten())
-            else:
-                s.weights = 1.0 / (1.0 + (oldest - cfg.max_lag).clamp_min(0).float())
-            if algo.dynamic_sampling and len(s):
-                keep = (s.advantages != 0).nonzero().flatten()
-                s = s.select(keep)
-            model.train()
-            if len(s):
-                for _ in range(cfg.epochs):
-                    stats.update(rl.rl_train_step(model, opt, s, step_cfg, ref_model))
-            model.eval()
-            t_bc = time.perf_counter()
-            if shared is None:
-                version += 1
-                published.value = version
-                broadcast_model(model, layout, buckets, src=0)
-            else:
-                _publish_shared(model, layout, shared, version, acked, proc)
-                version += 1
-                published.value = version  # after the pack: the engine copies a whole version
-            broadcast_s = time.perf_counter() - t_bc
-            fingerprints[version] = weight_fingerprint(model) if _checks_ahead(cfg, it) else None
-            for old in [v for v in fingerprints if v < version - cfg.queue_size - 2]:
-                del fingerprints[old]  # the engine starts no batch that far behind
-            rec: dict[str, Any] = {"iteration": it, "samples": samples,
-                                   "time_s": time.perf_counter() - t0 - paused,
-                                   "version": version,
-                                   "kept": len(s), "mean_lag": sum(lags) / max(len(lags), 1),
-                                   "max_lag": max(lags, default=0),
-                                   "wait_s": wait_s, "score_s": score_s,
-                                   "broadcast_s": broadcast_s,
-                                   **{f"engine_{k}": v for k, v in eng_t.items()},
-                                   "mixed_version_rollouts": sum(len(set(c.policy_versions)) > 1
-                                                                 for c in comps),
-                                   **stats}  # fmt: skip
-            if eval_fn is not None and (it % cfg.eval_every == 0 or it == cfg.iterations):
-                t_eval = time.perf_counter()
-                rec["eval_accuracy"] = eval_fn()
-                rec["eval_s"] = time.perf_counter() - t_eval
-            if on_step is not None:
-                t_pause = time.perf_counter()
-                on_step(rec, model)
-                paused += time.perf_counter() - t_pause
-            if it == cfg.iterations or (cfg.target is not None
-                                        and rec.get("eval_accuracy", -1) >= cfg.target):  # fmt: skip
-                rec["staleness_histogram"] = {str(k): v for k, v in sorted(hist_total.items())}
-            history.append(rec)
-            if log is not None:
-                log(rec)
-            if cfg.target is not None and rec.get("eval_accuracy", -1) >= cfg.target:
-                break
+        from lmforge.train import Trainer
+
+        trainer = Trainer(run_config, model=model, objective=objective, callbacks=[record])
+        objective.start()
+        trainer.run()
     except _EngineError:
         engine_failed = True
         raise
     except RuntimeError:  # a collective failing because the engine died: say why
-        reason = _engine_reported(out_q)
+        reason = _engine_reported(link.out_q)
         if reason is None and proc.is_alive():
             raise
         engine_failed = True
@@ -673,12 +604,14 @@ def run_pipeline(
             reason or f"the Pipeline RL engine process exited (code {proc.exitcode})"
         ) from None
     finally:
-        stop.value = True
+        link.stop.value = True
         try:
             while True:
-                out_q.get_nowait()
+                link.out_q.get_nowait()
         except (queue.Empty, OSError, EOFError, ValueError):
             pass
+        import torch.distributed as dist
+
         if dist.is_initialized():
             if not engine_failed and proc.is_alive():
                 dist.barrier()
@@ -687,7 +620,226 @@ def run_pipeline(
         if proc.is_alive():
             proc.terminate()
         shutil.rmtree(handoff, ignore_errors=True)
+    evals = {r["step"]: r for r in _metrics(run_config) if r.get("event") == "eval"}
+    for rec in history:
+        ev = evals.get(rec.get("step"))
+        if ev is not None:
+            rec["eval_accuracy"] = ev["eval_accuracy"]
+    if history:
+        history[-1]["staleness_histogram"] = {
+            str(k): v for k, v in sorted(objective.hist_total.items())
+        }
+    if log is not None:
+        for rec in history:
+            log(rec)
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)
     return history
+
+
+def _metrics(run_config: Any) -> list[dict[str, Any]]:
+    from lmforge.train.metrics import read_metrics
+
+    return read_metrics(os.path.join(run_config.train.out_dir, "metrics.jsonl"))
+
+
+def pipeline_run_config(cfg: PipelineConfig, out_dir: str, progress: bool, device: str) -> Any:
+    """The Trainer's run config of a Pipeline RL run given only its :class:`PipelineConfig`
+    (AdamW β2 0.99 without weight decay at a constant ``cfg.lr``, clipping at 1, one step per
+    batch and epoch, evaluation every ``eval_every`` batches)."""
+    from lmforge.config import RunConfig
+    from lmforge.train import TrainConfig
+
+    tc = TrainConfig(out_dir=out_dir, device=device, precision="fp32", lr=cfg.lr, min_lr=0.0,
+                     beta2=0.99, weight_decay=0.0, schedule="constant", warmup_steps=0,
+                     max_steps=cfg.iterations * cfg.epochs, batch_size=cfg.micro_batch,
+                     eval_every=cfg.eval_every * cfg.epochs, save_every=0, log_every=1,
+                     plot=False, progress=progress)  # fmt: skip
+    return RunConfig(train=tc)
+
+
+@dataclasses.dataclass
+class _Link:
+    """What the trainer and the engine process share: the published version, the batches the
+    trainer has taken (the engine's credit), the stop flag, the queue of finished batches and
+    the version the engine copied out of shared buckets."""
+
+    published: Any
+    consumed: Any
+    stop: Any
+    out_q: Any
+    acked: Any
+
+
+class PipelineObjective:
+    """Pipeline RL's trainer side as a :class:`~lmforge.train.Objective` (the GRPO family's
+    loss, :class:`~lmforge.posttrain.rl.GRPOObjective`): before the step that starts a new
+    rollout batch it publishes the weights of the last step (a bucketed broadcast or shared
+    buckets), takes the next finished batch from the engine process, scores it and drops (or
+    down-weights) rollouts older than ``max_lag`` versions. Not resumable: the engine process's
+    in-flight rollouts are not checkpointed (a rerun into the same folder says so)."""
+
+    def __init__(self, cfg: PipelineConfig, model: nn.Module, tokenizer: Any, reward_fn: Any,
+                 eos: list[int], link: _Link, proc: Any, layout: Any,
+                 shared: list[torch.Tensor] | None, *, ref_model: nn.Module | None = None,
+                 eval_fn: Callable[[], float] | None = None) -> None:  # fmt: skip
+        from lmforge.posttrain import rl
+
+        self.grpo = rl.GRPOObjective(None, tokenizer, None, reward_fn, cfg.algo,  # type: ignore[arg-type]
+                                     prompts_per_step=cfg.prompts_per_step,
+                                     group_size=cfg.group_size, epochs=cfg.epochs,
+                                     micro_batch=cfg.micro_batch, max_tokens=cfg.max_tokens,
+                                     temperature=cfg.temperature, kl_coef=cfg.kl_coef,
+                                     overlong_cache=cfg.overlong_cache, eos_ids=eos,
+                                     ref_model=ref_model, target=cfg.target or 0.0)  # fmt: skip
+        self.name = f"pipeline {cfg.algo}"
+        self.cfg, self.model, self.link, self.proc = cfg, model, link, proc
+        self.layout, self.shared = layout, shared
+        self.eval_fn = eval_fn
+        device = next(model.parameters()).device
+        self.buckets = (layout.empty_buckets(_bucket_device(cfg, device))
+                        if shared is None else [])  # fmt: skip
+        self.version = 0
+        self.batches = 0
+        self.samples = 0
+        self.passes_left = 0
+        self.hist_total: collections.Counter[int] = collections.Counter()
+        self.fingerprints: dict[int, torch.Tensor | None] = {0: weight_fingerprint(model)}
+        self.t0 = time.perf_counter()
+        self.paused = 0.0
+        self._stats: dict[str, Any] = {}
+
+    @property
+    def should_stop(self) -> bool:
+        """The target accuracy was reached at the last evaluation."""
+        return self.grpo.should_stop
+
+    def start(self) -> None:
+        """The clock starts (after the trainer is built and the engine joined)."""
+        self.t0 = time.perf_counter()
+
+    def _publish(self) -> float:
+        from lmforge.posttrain.weight_sync import broadcast_model
+
+        t = time.perf_counter()
+        if self.shared is None:
+            self.version += 1
+            self.link.published.value = self.version
+            broadcast_model(self.model, self.layout, self.buckets, src=0)
+        else:
+            _publish_shared(self.model, self.layout, self.shared, self.version, self.link.acked,
+                            self.proc)  # fmt: skip
+            self.version += 1
+            self.link.published.value = self.version  # after the pack: a whole version
+        self.fingerprints[self.version] = (weight_fingerprint(self.model)
+                                           if _checks_ahead(self.cfg, self.batches) else None)  # fmt: skip
+        for old in [v for v in self.fingerprints if v < self.version - self.cfg.queue_size - 2]:
+            del self.fingerprints[old]  # the engine starts no batch that far behind
+        return time.perf_counter() - t
+
+    def before_step(self, trainer: Any, step: int) -> None:
+        """At a new rollout batch: publish, take, score, filter; then this step's pass."""
+        from lmforge.posttrain import rl
+        from lmforge.posttrain.core import sequence_logprobs
+
+        g = self.grpo
+        if self.passes_left == 0:
+            broadcast_s = self._publish() if self.batches else 0.0
+            t_wait = time.perf_counter()
+            _, items, rows, eng_t, check = _take(self.link.out_q, self.proc)
+            with self.link.consumed.get_lock():
+                self.link.consumed.value += 1  # credit: the engine may start the next batch
+            wait_s = time.perf_counter() - t_wait
+            self.batches += 1
+            t_score = time.perf_counter()
+            self.samples += len(rows)
+            comps = [c for _, c in rows]
+            n = self.cfg.group_size
+            grouped = [type("O", (), {"outputs": comps[i * n : (i + 1) * n]})()
+                       for i in range(len(items))]  # fmt: skip
+            r, adv, stats = rl.score_groups(items, grouped, g.tokenizer, g.reward_fn, g.algo,
+                                            self.cfg.max_tokens, self.cfg.overlong_cache,
+                                            eos_ids=g.eos, std=g.std)  # fmt: skip
+            s = rl.build_samples([p for p, _ in rows], comps, adv.flatten(), r.flatten())
+            score_s = time.perf_counter() - t_score
+            if check is not None and self.fingerprints.get(check[0]) is not None:
+                stats["weight_check"] = fingerprint_mismatch(self.fingerprints[check[0]],
+                                                             check[1])  # fmt: skip
+                stats["weight_check_version"] = check[0]
+            if self.batches == 1 or self.batches % self.cfg.eval_every == 0:
+                device = next(self.model.parameters()).device
+                stats["sync_check"], stats["sync_check_tokens"] = _sync_check(
+                    self.model, s, self.version, self.cfg, device, sequence_logprobs
+                )
+            lags = [self.version - v for c in comps for v in c.policy_versions]
+            self.hist_total.update(collections.Counter(lags))
+            oldest = torch.tensor([self.version - min(c.policy_versions) if c.policy_versions
+                                   else 0 for c in comps])  # fmt: skip
+            if self.cfg.stale == "drop":
+                s = s.select((oldest <= self.cfg.max_lag).nonzero().flatten())
+            else:
+                s.weights = 1.0 / (1.0 + (oldest - self.cfg.max_lag).clamp_min(0).float())
+            if g.algo.dynamic_sampling and len(s):
+                s = s.select((s.advantages != 0).nonzero().flatten())
+            g.samples = s
+            self.passes_left = self.cfg.epochs
+            self._stats = {"iteration": self.batches, "samples": self.samples,
+                           "version": self.version + 1, "kept": len(s),
+                           "mean_lag": sum(lags) / max(len(lags), 1),
+                           "max_lag": max(lags, default=0), "wait_s": wait_s,
+                           "score_s": score_s, "broadcast_s": broadcast_s,
+                           **{f"engine_{k}": v for k, v in eng_t.items()},
+                           "mixed_version_rollouts": sum(len(set(c.policy_versions)) > 1
+                                                         for c in comps), **stats}  # fmt: skip
+        self.passes_left -= 1
+        g.passes_left = 1  # the GRPO objective's pass bookkeeping: one pass, made here
+        s = g.samples
+        assert s is not None
+        m = self.cfg.micro_batch
+        g.queue = [s.select(range(i, min(i + m, len(s)))) for i in range(0, len(s), m)] or [s]
+
+    def micro_batches(self) -> int:
+        """Micro-batches of this step's pass."""
+        return self.grpo.micro_batches()
+
+    def next_batch(self) -> Any:
+        """The next micro-batch of this step's pass."""
+        return self.grpo.next_batch()
+
+    def batch_weight(self, s: Any) -> float:
+        """As the GRPO family's."""
+        return self.grpo.batch_weight(s)
+
+    def loss(self, model: nn.Module, s: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the GRPO family's."""
+        return self.grpo.loss(model, s)
+
+    def metrics(self) -> dict[str, Any]:
+        """The batch's record (staleness, time breakdown, checks, rewards) and clip fraction."""
+        out = dict(self._stats)
+        if self.grpo._clip:
+            out["clip_fraction"] = sum(self.grpo._clip) / len(self.grpo._clip)
+        self.grpo._clip = []
+        return out
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """``eval_fn()`` (held-out accuracy), when given; the target check."""
+        if self.eval_fn is None:
+            return {}
+        acc = float(self.eval_fn())
+        self.grpo.should_stop = bool(self.grpo.target) and acc >= self.grpo.target
+        return {"eval_accuracy": acc}
+
+    def state_dict(self) -> dict:
+        """Nothing that would make a resume exact (see the class docstring)."""
+        return {"pipeline": True}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Refused: a Pipeline RL run does not resume."""
+        raise LmforgeError(
+            "Pipeline RL runs do not resume (the engine process's in-flight rollouts are not "
+            "checkpointed); use a new train.out_dir"
+        )
 
 
 @torch.no_grad()

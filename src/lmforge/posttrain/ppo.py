@@ -15,7 +15,7 @@ Shape legend: B batch, T tokens, D model dim.
 from __future__ import annotations
 
 import dataclasses
-import time
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,7 +25,6 @@ from torch import nn
 from lmforge.posttrain.core import IGNORE, encode_text, masked_mean, masked_whiten, token_logprobs
 from lmforge.posttrain.losses import gae, kl_penalized_rewards, policy_token_loss, value_loss
 from lmforge.posttrain.models import clone_frozen
-from lmforge.posttrain.rollout import SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,89 +66,137 @@ class PolicyWithValue(nn.Module):
         return logits, self.value_head(h.float()).squeeze(-1)
 
 
-def run_ppo(
-    model: nn.Module,
-    engine: Any,
-    tokenizer: Any,
-    sample_items: Callable[[int], list[dict[str, Any]]],
-    reward_fn: Callable[[dict[str, Any], str], Any],
-    cfg: PPOConfig,
-    *,
-    iterations: int,
-    prompts_per_step: int,
-    eval_fn: Callable[[], float] | None = None,
-    eval_every: int = 5,
-    target: float | None = None,
-    log: Callable[[dict[str, Any]], None] | None = None,
-    progress: Any = None,
-) -> list[dict[str, Any]]:
-    """PPO iterations on ``model`` in place (the engine samples from the same module)."""
-    from lmforge.posttrain.core import decode_ids
-    from lmforge.posttrain.dpo import hidden_size
-    from lmforge.posttrain.rl import build_samples
+class PPOObjective:
+    """PPO (policy + value head) as a :class:`~lmforge.train.Objective`; the Trainer's model is
+    the :class:`PolicyWithValue`.
 
-    device = next(model.parameters()).device
-    pv = PolicyWithValue(model, hidden_size(model)).to(device)
-    ref = clone_frozen(model)
-    opt = torch.optim.AdamW(pv.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                            n=cfg.samples_per_prompt)  # fmt: skip
-    eos = set(engine.eos_ids)
-    history: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    seen = 0
-    for it in range(1, iterations + 1):
-        items = sample_items(prompts_per_step)
-        prompts = [encode_text(tokenizer, x["prompt"]) for x in items]
-        model.eval()
-        outs = engine.generate(prompts, params)
+    Every ``epochs`` steps :meth:`before_step` samples ``prompts_per_step × samples_per_prompt``
+    completions on the serving engine (which shares ``policy.lm``), scores them, and computes
+    KL-penalised per-token rewards against the frozen starting policy, GAE advantages
+    (whitened) and returns under the current value head; each step is one pass over that batch
+    (clipped policy loss + ``vf_coef`` × clipped value loss, one micro-batch of weight 1). The
+    prompt/seed RNG and the rollout batch are the objective's state (exact resume).
+    """
+
+    name = "ppo"
+
+    def __init__(
+        self, policy: PolicyWithValue, engine: Any, tokenizer: Any,
+        draw: Callable[[int, random.Random], list[dict[str, Any]]],
+        reward_fn: Callable[[dict[str, Any], str], Any], cfg: PPOConfig, *,
+        prompts_per_step: int, eos_ids: Sequence[int] = (),
+        eval_items: Sequence[dict[str, Any]] = (), seed: int = 0, target: float = 0.0,
+    ) -> None:  # fmt: skip
+        self.policy, self.engine, self.tokenizer = policy, engine, tokenizer
+        self.draw, self.reward_fn, self.cfg = draw, reward_fn, cfg
+        self.prompts_per_step = prompts_per_step
+        self.eos = list(eos_ids)
+        self.eval_items = list(eval_items)
+        self.ref = clone_frozen(policy.lm)
+        self.rng = random.Random(seed)
+        self.target, self.should_stop = target, False
+        self.passes_left = 0
+        self.batch: dict[str, torch.Tensor] | None = None
+        self._stats: dict[str, float] = {}
+        self.samples_seen = 0
+
+    @torch.no_grad()
+    def _rollout(self, version: int) -> None:
+        from lmforge.posttrain.core import decode_ids
+        from lmforge.posttrain.rl import build_samples
+        from lmforge.serve import SamplingParams
+
+        cfg = self.cfg
+        self.engine.update_weights({}, version)
+        items = self.draw(self.prompts_per_step, self.rng)
+        prompts = [encode_text(self.tokenizer, x["prompt"]) for x in items]
+        params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                                 n=cfg.samples_per_prompt, seed=self.rng.randrange(2**31),
+                                 stop_token_ids=tuple(self.eos)) for _ in prompts]  # fmt: skip
+        outs = self.engine.generate(prompts, params)
+        stop = set(self.eos)
         flat_p: list[Sequence[int]] = []
         comps, scores = [], []
         for item, p, o in zip(items, prompts, outs):
             for c in o.outputs:
-                text = decode_ids(tokenizer, [t for t in c.token_ids if t not in eos])
-                scores.append(float(reward_fn(item, text).total))
+                text = decode_ids(self.tokenizer, [t for t in c.token_ids if t not in stop])
+                scores.append(float(self.reward_fn(item, text).total))
                 flat_p.append(p)
                 comps.append(c)
-        seen += len(comps)
+        self.samples_seen += len(comps)
         s = build_samples(flat_p, comps, torch.zeros(len(comps)), torch.tensor(scores))
+        device = next(self.policy.parameters()).device
         ids, labels = s.batch.input_ids.to(device), s.batch.labels.to(device)
         mask = labels != IGNORE
-        with torch.no_grad():
-            _, old_values = pv(ids)
-            ref_logp = token_logprobs(ref(ids), labels, cfg.temperature)
-            old_logp = s.old_logp.to(device)
-            rewards = kl_penalized_rewards(s.rewards.to(device), old_logp, ref_logp, mask,
-                                           cfg.kl_coef)  # fmt: skip
-            adv, returns = gae(rewards, old_values * mask, mask, cfg.gamma, cfg.lam)
-            adv = masked_whiten(adv, mask)
-        pv.train()
-        for _ in range(cfg.epochs):
-            logits, values = pv(ids)
-            logp = token_logprobs(logits, labels, cfg.temperature)
-            pl, clipped = policy_token_loss(logp, old_logp, adv, mask, "clip", cfg.clip, cfg.clip)
-            vl = value_loss(values, old_values, returns, mask, cfg.vf_clip)
-            loss = masked_mean(pl, mask) + cfg.vf_coef * vl
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(pv.parameters(), 1.0)
-            opt.step()
-        pv.eval()
-        engine.version += 1
-        rec: dict[str, Any] = {
-            "iteration": it, "samples": seen, "time_s": time.perf_counter() - t0,
-            "reward": sum(scores) / len(scores), "value_loss": float(vl),
-            "kl": float(masked_mean(old_logp - ref_logp, mask)),
-            "clip_fraction": float(clipped.float().sum() / mask.sum().clamp_min(1)),
-        }  # fmt: skip
-        if eval_fn is not None and (it % eval_every == 0 or it == iterations):
-            model.eval()
-            rec["eval_accuracy"] = eval_fn()
-        history.append(rec)
-        if log is not None:
-            log(rec)
-        if progress is not None:
-            progress.update(1)
-        if target is not None and rec.get("eval_accuracy", -1.0) >= target:
-            break
-    return history
+        _, old_values = self.policy(ids)
+        ref_logp = token_logprobs(self.ref(ids), labels, cfg.temperature)
+        old_logp = s.old_logp.to(device)
+        rewards = kl_penalized_rewards(s.rewards.to(device), old_logp, ref_logp, mask,
+                                       cfg.kl_coef)  # fmt: skip
+        adv, returns = gae(rewards, old_values * mask, mask, cfg.gamma, cfg.lam)
+        adv = masked_whiten(adv, mask)
+        self.batch = {"ids": ids, "labels": labels, "old_logp": old_logp,
+                      "old_values": old_values, "adv": adv, "returns": returns}  # fmt: skip
+        self._stats = {"reward": sum(scores) / len(scores), "samples": float(self.samples_seen),
+                       "kl": float(masked_mean(old_logp - ref_logp, mask))}  # fmt: skip
+
+    def before_step(self, trainer: Any, step: int) -> None:
+        """A new rollout batch every ``epochs`` steps."""
+        if self.passes_left == 0:
+            self._rollout(step - 1)
+            self.passes_left = self.cfg.epochs
+        self.passes_left -= 1
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The rollout batch (one micro-batch per step)."""
+        assert self.batch is not None
+        return self.batch
+
+    def loss(
+        self, model: nn.Module, b: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(clipped policy loss + vf_coef × value loss, 1)."""
+        cfg = self.cfg
+        mask = b["labels"] != IGNORE
+        logits, values = model(b["ids"])
+        logp = token_logprobs(logits, b["labels"], cfg.temperature)
+        pl, clipped = policy_token_loss(logp, b["old_logp"], b["adv"], mask, "clip", cfg.clip,
+                                        cfg.clip)  # fmt: skip
+        vl = value_loss(values, b["old_values"], b["returns"], mask, cfg.vf_clip)
+        self._stats["value_loss"] = float(vl.detach())
+        self._stats["clip_fraction"] = float(clipped.float().sum() / mask.sum().clamp_min(1))
+        return masked_mean(pl, mask) + cfg.vf_coef * vl, torch.ones(())
+
+    def metrics(self) -> dict[str, float]:
+        """Reward, KL to the start, value loss and clip fraction."""
+        return dict(self._stats)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Greedy held-out accuracy on the engine."""
+        from lmforge.posttrain.rl import evaluate_accuracy
+
+        if not self.eval_items:
+            return {}
+        acc = evaluate_accuracy(self.engine, self.tokenizer, self.eval_items, self.reward_fn,
+                                self.cfg.max_tokens, eos_ids=self.eos)  # fmt: skip
+        self.should_stop = bool(self.target) and acc >= self.target
+        return {"eval_accuracy": acc}
+
+    def state_dict(self) -> dict:
+        """Prompt/seed RNG, the rollout batch and the passes left over it."""
+        out: dict[str, Any] = {"rng": self.rng.getstate(), "passes_left": self.passes_left,
+                               "samples_seen": self.samples_seen, "stats": dict(self._stats)}  # fmt: skip
+        if self.batch is not None:
+            out["batch"] = {k: v.cpu() for k, v in self.batch.items()}
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        v, internal, gauss = state["rng"]
+        self.rng.setstate((v, tuple(internal), gauss))
+        self.passes_left, self.samples_seen = int(state["passes_left"]), int(state["samples_seen"])
+        self._stats = dict(state["stats"])
+        device = next(self.policy.parameters()).device
+        if "batch" in state:
+            self.batch = {k: v.to(device) for k, v in state["batch"].items()}

@@ -1,18 +1,19 @@
-"""RL with verifiable rewards: rollouts in groups, advantages, and the GRPO-family train step.
+"""RL with verifiable rewards: rollouts in groups, advantages, and the GRPO family's objective.
 
-One iteration: sample ``group_size`` completions per prompt with the rollout engine (recording
-each token's log-prob and policy version), score them, compute group advantages, then run
-``epochs`` optimizer passes over that batch (off-policy after the first: the recorded log-probs
+One rollout batch: sample ``group_size`` completions per prompt on the serving engine
+(:func:`~lmforge.posttrain.rollout.rollout_engine`, recording each token's log-prob and policy
+version), score them, compute group advantages (:func:`score_groups`), then ``epochs`` optimizer
+steps of the one Trainer over that batch (off-policy after the first: the recorded log-probs
 are the importance-sampling denominators). The loss is the per-token policy loss of
 :mod:`lmforge.posttrain.losses` with the chosen reweighting, aggregated as chosen, plus an
-optional k3 KL to a frozen reference model.
+optional k3 KL to a frozen reference model (:class:`GRPOObjective`).
 
-The arithmetic command (``lmforge rl --task arithmetic``) first pretrains a tiny model on the
-task's format (a short supervised warm start that leaves it well below the target accuracy),
-then runs RL; both phases and the held-out accuracy curve are logged.
+The arithmetic command (``lmforge rl --task arithmetic``) first warm-starts a tiny model on the
+task's format (the SFT objective, a short run that leaves it well below the target accuracy),
+then runs RL; both runs and the held-out accuracy curve are logged.
 
 Shape legend: B batch (sequences), T tokens, V vocab.
-Exercised by ``pytest tests/test_posttrain_rl.py``.
+Exercised by ``pytest tests/test_posttrain_rl.py tests/test_posttrain_resume.py``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ from torch import nn
 from lmforge.posttrain.core import (
     IGNORE,
     Batch,
-    accumulate_step,
     collate,
     decode_ids,
     encode_text,
-    masked_mean,
     prompt_response_example,
     sequence_logprobs,
 )
@@ -47,8 +46,8 @@ from lmforge.posttrain.losses import (
     overlong_penalty,
     policy_token_loss,
 )
-from lmforge.posttrain.rollout import LocalEngine, SamplingParams
 from lmforge.posttrain.tasks import Reward
+from lmforge.serve import SamplingParams
 from lmforge.utils.errors import LmforgeError
 
 
@@ -119,109 +118,6 @@ def build_samples(
                    torch.ones(b))  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    """Loss choices of one RL train step (see :mod:`lmforge.posttrain.losses`)."""
-
-    algorithm: Algorithm
-    kl_coef: float = 0.0
-    "weight of the k3 KL to the reference model (0 = no reference needed)"
-    max_tokens: int = 16
-    "the generation budget: Dr. GRPO's constant normalizer"
-    micro_batch: int = 64
-    "sequences per forward/backward"
-    max_grad_norm: float | None = 1.0
-    "clip the gradient norm (None = off)"
-    temperature: float = 1.0
-    "sampling temperature (the log-probs are at this temperature)"
-
-
-def _loss_fn(cfg: StepConfig, ref_model: nn.Module | None) -> Callable[..., Any]:
-    algo = cfg.algorithm
-
-    def fn(model: nn.Module, s: Samples) -> tuple[torch.Tensor, float]:
-        device = next(model.parameters()).device
-        ids, labels = s.batch.input_ids.to(device), s.batch.labels.to(device)
-        mask = _loss_mask(cfg, labels, s.truncated.to(device))
-        t = time.perf_counter()
-        logp, _ = sequence_logprobs(model, ids, labels, cfg.temperature)
-        fn.forward_s += time.perf_counter() - t
-        token_loss, clipped = policy_token_loss(
-            logp, s.old_logp.to(device), s.advantages.to(device), mask,
-            algo.reweight, algo.eps_low, algo.eps_high,
-        )  # fmt: skip
-        if cfg.kl_coef > 0:
-            if ref_model is None:
-                raise LmforgeError("kl_coef > 0 needs a reference model")
-            with torch.no_grad():
-                ref, _ = sequence_logprobs(ref_model, ids, labels, cfg.temperature)
-            token_loss = token_loss + cfg.kl_coef * k3_kl(logp, ref) * mask
-        token_loss = token_loss * s.weights.to(device)[:, None]
-        fn.clip_fraction.append(float(clipped.sum()) / max(float(mask.sum()), 1.0))
-        return aggregate(token_loss, mask, algo.aggregation, float(cfg.max_tokens))
-
-    fn.clip_fraction = []  # type: ignore[attr-defined]
-    fn.forward_s = 0.0  # type: ignore[attr-defined]
-    return fn
-
-
-def _loss_mask(cfg: StepConfig, labels: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-    """(B, T) tokens the loss counts: completion tokens, minus truncated rows under DAPO's
-    overlong filter."""
-    mask = labels != IGNORE
-    if cfg.algorithm.overlong_filter:
-        mask = mask & ~truncated[:, None]
-    return mask
-
-
-def _chunk_weight(cfg: StepConfig, s: Samples) -> float:
-    """The weight :func:`~lmforge.posttrain.losses.aggregate` returns for this micro-batch
-    (sequences, or masked tokens for ``token_mean``), computed without a forward."""
-    if cfg.algorithm.aggregation != "token_mean":
-        return float(len(s))
-    return float(_loss_mask(cfg, s.batch.labels, s.truncated).sum())
-
-
-def rl_train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    samples: Samples,
-    cfg: StepConfig,
-    ref_model: nn.Module | None = None,
-) -> dict[str, float]:
-    """One optimizer step on ``samples``, split into micro-batches of ``cfg.micro_batch``
-    sequences (gradient accumulation normalised over the whole batch, see
-    :func:`~lmforge.posttrain.core.accumulate_step`). Takes any torch optimizer.
-
-    The stats include a time breakdown: ``fwd_s`` (the policy forwards), ``opt_s`` (the
-    optimizer step, timed by its step hooks) and ``bwd_s`` (the rest: backward, clipping)."""
-    n = len(samples)
-    if n == 0:
-        raise LmforgeError("no samples to train on")
-    chunks = [samples.select(range(i, min(i + cfg.micro_batch, n)))
-              for i in range(0, n, cfg.micro_batch)]  # fmt: skip
-    fn = _loss_fn(cfg, ref_model)
-    # Each micro-batch's weight is known before its forward, so each backward runs right after
-    # its forward and frees its graph: keeping all graphs (16 micro-batches × 16 × 400 tokens ×
-    # a 49k vocabulary) ran an H200 out of memory.
-    weights = [_chunk_weight(cfg, c) for c in chunks]
-    opt_t = [0.0, 0.0]
-    pre = optimizer.register_step_pre_hook(lambda *_: opt_t.__setitem__(0, time.perf_counter()))
-    post = optimizer.register_step_post_hook(lambda *_: opt_t.__setitem__(1, time.perf_counter()))
-    t = time.perf_counter()
-    try:
-        stats = accumulate_step(model, optimizer, chunks, fn, cfg.max_grad_norm, weights)
-    finally:
-        pre.remove()
-        post.remove()
-    total = time.perf_counter() - t
-    stats["clip_fraction"] = sum(fn.clip_fraction) / len(fn.clip_fraction)
-    stats["fwd_s"] = fn.forward_s
-    stats["opt_s"] = opt_t[1] - opt_t[0]
-    stats["bwd_s"] = total - stats["fwd_s"] - stats["opt_s"]
-    return stats
-
-
 def score_groups(
     items: Sequence[dict[str, Any]],
     outputs: Sequence[Any],
@@ -231,8 +127,10 @@ def score_groups(
     max_tokens: int,
     overlong_cache: int = 0,
     eos_ids: Sequence[int] = (),
+    std: str = "sample",
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Rewards (G, N), advantages (G, N) and reward statistics of grouped outputs."""
+    """Rewards (G, N), advantages (G, N) and reward statistics of grouped outputs (``std``:
+    the group std that normalises, see :func:`~lmforge.posttrain.losses.group_advantages`)."""
     stops = set(eos_ids)
     rewards, answers, formats, lengths = [], [], [], []
     for item, out in zip(items, outputs):
@@ -250,7 +148,7 @@ def score_groups(
     if overlong_cache > 0:
         lens = torch.tensor(lengths, dtype=torch.float32).view_as(r)
         shaped = r + overlong_penalty(lens, max_tokens, overlong_cache)
-    adv = group_advantages(shaped, algo.baseline, algo.normalizer)
+    adv = group_advantages(shaped, algo.baseline, algo.normalizer, std=std)  # type: ignore[arg-type]
     stats = {
         "reward": float(r.mean()),
         "reward_answer": sum(answers) / len(answers),
@@ -261,63 +159,20 @@ def score_groups(
     return r, adv, stats
 
 
-def rollout_and_score(
-    engine: LocalEngine,
-    tokenizer: Any,
-    items: Sequence[dict[str, Any]],
-    reward_fn: Callable[[dict[str, Any], str], Reward],
-    algo: Algorithm,
-    params: SamplingParams,
-    overlong_cache: int = 0,
-) -> tuple[Samples, dict[str, float]]:
-    """Sample ``params.n`` completions per item, score them and build :class:`Samples`
-    (groups dropped by dynamic sampling when the algorithm asks for it)."""
-    prompts = [encode_text(tokenizer, it["prompt"]) for it in items]
-    t = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    gen_s = time.perf_counter() - t
-    eos = list(engine.eos_ids)
-    r, adv, stats = score_groups(items, outs, tokenizer, reward_fn, algo, params.max_tokens,
-                                 overlong_cache, eos)  # fmt: skip
-    stats["gen_s"] = gen_s
-    keep = (
-        dynamic_sampling_keep(r)
-        if algo.dynamic_sampling
-        else torch.ones(len(items), dtype=torch.bool)
-    )
-    stats["groups_kept"] = float(keep.float().mean())
-    flat_p, flat_c, flat_a, flat_r = [], [], [], []
-    for g, out in enumerate(outs):
-        if not keep[g]:
-            continue
-        for j, c in enumerate(out.outputs):
-            flat_p.append(prompts[g])
-            flat_c.append(c)
-            flat_a.append(float(adv[g, j]))
-            flat_r.append(float(r[g, j]))
-    if not flat_c:
-        return Samples(Batch(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)),
-                       torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0),
-                       torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool),
-                       torch.zeros(0)), stats  # fmt: skip
-    samples = build_samples(flat_p, flat_c, torch.tensor(flat_a), torch.tensor(flat_r))
-    stats["score_s"] = time.perf_counter() - t - gen_s
-    return samples, stats
-
-
 @torch.no_grad()
 def evaluate_accuracy(
-    engine: LocalEngine,
+    engine: Any,
     tokenizer: Any,
     items: Sequence[dict[str, Any]],
     reward_fn: Callable[[dict[str, Any], str], Reward],
     max_tokens: int,
     batch_size: int = 256,
+    eos_ids: Sequence[int] | None = None,
 ) -> float:
     """Greedy held-out accuracy (mean answer reward)."""
     total = 0.0
-    eos = set(engine.eos_ids)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    eos = set(getattr(engine, "eos_ids", ()) if eos_ids is None else eos_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=tuple(eos))
     for i in range(0, len(items), batch_size):
         chunk = items[i : i + batch_size]
         outs = engine.generate([encode_text(tokenizer, it["prompt"]) for it in chunk], params)
@@ -325,45 +180,6 @@ def evaluate_accuracy(
             toks = [t for t in o.outputs[0].token_ids if t not in eos]
             total += reward_fn(it, decode_ids(tokenizer, toks)).answer
     return total / max(len(items), 1)
-
-
-def supervised_warmup(
-    model: nn.Module,
-    tokenizer: Any,
-    sample_items: Callable[[int], list[dict[str, Any]]],
-    steps: int,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    eos_id: int | None = None,
-    stop_at: Callable[[int], bool] | None = None,
-    progress: Any = None,
-    answer_fn: Callable[[dict[str, Any]], str] | None = None,
-) -> int:
-    """Supervised warm start on ``{"prompt", "answer"}`` items (loss on the answer and EOS;
-    ``answer_fn(item)`` replaces the target answer when given).
-
-    Runs ``steps`` AdamW steps, or fewer when ``stop_at(step)`` says so (checked every step).
-    Returns the number of steps taken.
-    """
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    device = next(model.parameters()).device
-    target = answer_fn or (lambda it: it["answer"])
-    model.train()
-    for step in range(1, steps + 1):
-        exs = [prompt_response_example(encode_text(tokenizer, it["prompt"]),
-                                       encode_text(tokenizer, target(it)), eos_id)
-               for it in sample_items(batch_size)]  # fmt: skip
-        b = collate(exs).to(device)
-        logp, _ = sequence_logprobs(model, b.input_ids, b.labels)
-        loss = -masked_mean(logp, b.mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if progress is not None:
-            progress.update(1)
-        if stop_at is not None and stop_at(step):
-            return step
-    return steps
 
 
 def overlong_budget(answer_tokens: int, algo: Algorithm) -> tuple[int, int]:
@@ -385,85 +201,6 @@ def algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
-def run_iterations(
-    model: nn.Module,
-    engine: LocalEngine,
-    tokenizer: Any,
-    sample_items: Callable[[int], list[dict[str, Any]]],
-    reward_fn: Callable[[dict[str, Any], str], Reward],
-    step_cfg: StepConfig,
-    *,
-    iterations: int,
-    prompts_per_step: int,
-    group_size: int,
-    lr: float,
-    epochs: int = 1,
-    eval_fn: Callable[[], float] | None = None,
-    eval_every: int = 10,
-    target: float | None = None,
-    overlong_cache: int = 0,
-    ref_model: nn.Module | None = None,
-    log: Callable[[dict[str, Any]], None] | None = None,
-    progress: Any = None,
-    on_step: Callable[[dict[str, Any], nn.Module], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Synchronous RL: rollout → score → ``epochs`` optimizer steps, ``iterations`` times.
-
-    Evaluates every ``eval_every`` iterations (and stops early once ``target`` accuracy is
-    reached). The engine must sample from ``model`` (same module, or weights pushed in
-    ``update_weights`` by the caller). Returns one record per iteration; ``time_s`` leaves out
-    the evaluations (``eval_s`` holds their time) and ``on_step(record, model)``, which runs
-    after every iteration with its clock stopped (e.g. to snapshot the weights and evaluate
-    them after the run, as the Pipeline RL benchmark does for both modes).
-    """
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
-    params = SamplingParams(temperature=step_cfg.temperature, max_tokens=step_cfg.max_tokens,
-                            n=group_size)  # fmt: skip
-    history: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    paused = 0.0  # seconds spent in evaluation and on_step: not part of time_s
-    samples_seen = 0
-    for it in range(1, iterations + 1):
-        model.eval()
-        samples, stats = rollout_and_score(
-            engine,
-            tokenizer,
-            sample_items(prompts_per_step),
-            reward_fn,
-            step_cfg.algorithm,
-            params,
-            overlong_cache,
-        )
-        samples_seen += prompts_per_step * group_size
-        model.train()
-        for _ in range(epochs):
-            if len(samples) == 0:
-                break
-            stats.update(rl_train_step(model, opt, samples, step_cfg, ref_model))
-        engine.version += 1  # the engine shares the module: its next tokens come from this policy
-        rec: dict[str, Any] = {"iteration": it, "samples": samples_seen,
-                               "time_s": time.perf_counter() - t0 - paused, **stats}  # fmt: skip
-        t_pause = time.perf_counter()
-        if eval_fn is not None and (it % eval_every == 0 or it == iterations):
-            model.eval()
-            rec["eval_accuracy"] = eval_fn()
-            rec["eval_s"] = time.perf_counter() - t_pause
-        if on_step is not None:
-            on_step(rec, model)
-        paused += time.perf_counter() - t_pause
-        history.append(rec)
-        if log is not None:
-            log(rec)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(
-                reward=f"{stats['reward']:.2f}", acc=f"{rec.get('eval_accuracy', float('nan')):.2f}"
-            )
-        if target is not None and rec.get("eval_accuracy", -1.0) >= target:
-            break
-    return history
-
-
 def arithmetic_model(
     vocab_size: int, seed: int = 0, d_model: int = 128, n_layers: int = 2, context_length: int = 32
 ) -> nn.Module:
@@ -477,7 +214,313 @@ def arithmetic_model(
     return TransformerLM(cfg)
 
 
-def random_sampler(task: Any, seed: int) -> Callable[[int], list[dict[str, Any]]]:
-    """A function n -> n fresh training items of ``task`` (seeded)."""
-    rng = random.Random(seed)
-    return lambda n: task.sample(n, rng)
+def _samples_state(s: Samples) -> dict[str, torch.Tensor]:
+    return {"input_ids": s.batch.input_ids, "labels": s.batch.labels, "old_logp": s.old_logp,
+            "versions": s.versions, "advantages": s.advantages, "rewards": s.rewards,
+            "lengths": s.lengths, "truncated": s.truncated, "weights": s.weights}  # fmt: skip
+
+
+def _samples_from(d: dict[str, torch.Tensor]) -> Samples:
+    return Samples(Batch(d["input_ids"], d["labels"]), d["old_logp"], d["versions"],
+                   d["advantages"], d["rewards"], d["lengths"], d["truncated"],
+                   d["weights"])  # fmt: skip
+
+
+class GRPOObjective:
+    """The GRPO family (REINFORCE, RLOO, GRPO, Dr. GRPO, DAPO, GSPO, MaxRL) as a
+    :class:`~lmforge.train.Objective`.
+
+    Every ``epochs`` optimizer steps, :meth:`before_step` samples a rollout batch on the serving
+    engine (:func:`~lmforge.posttrain.rollout.rollout_engine`, which shares the trained module:
+    its policy version is bumped to the step count first), scores it and computes group
+    advantages; each step then takes one pass over that batch in micro-batches of
+    ``micro_batch`` sequences (:meth:`micro_batches` says how many; off-policy after the first
+    pass: the engine's recorded log-probs are the importance-sampling denominators). Loss:
+    :func:`~lmforge.posttrain.losses.policy_token_loss` aggregated as the algorithm says (its
+    weight: sequences, or tokens for ``token_mean``), plus an optional k3 KL to ``ref_model``.
+
+    Exact resume: the state holds the RNG that picks prompts and per-request sampling seeds (so
+    the engine's own generator is never used), the current rollout batch and the pass within it.
+    ``draw(n, rng)`` gives n training items; ``eval_items`` are scored greedily by
+    :meth:`evaluate`.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        draw: Callable[[int, random.Random], list[dict[str, Any]]],
+        reward_fn: Callable[[dict[str, Any], str], Reward],
+        algo_name: str,
+        *,
+        prompts_per_step: int,
+        group_size: int,
+        epochs: int,
+        micro_batch: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        kl_coef: float = 0.0,
+        std: str = "sample",
+        overlong_cache: int = 0,
+        eos_ids: Sequence[int] = (),
+        eval_items: Sequence[dict[str, Any]] = (),
+        eval_max_tokens: int | None = None,
+        ref_model: nn.Module | None = None,
+        seed: int = 0,
+        target: float = 0.0,
+    ) -> None:
+        self.name = algo_name
+        self.target = target  # stop once an evaluation reaches it (0 = off)
+        self.should_stop = False
+        self.algo = algorithm(algo_name)
+        self.engine, self.tokenizer, self.draw, self.reward_fn = engine, tokenizer, draw, reward_fn
+        self.prompts_per_step, self.group_size, self.epochs = prompts_per_step, group_size, epochs
+        self.micro_batch, self.max_tokens, self.temperature = micro_batch, max_tokens, temperature
+        self.kl_coef, self.std, self.overlong_cache = kl_coef, std, overlong_cache
+        self.eos = list(eos_ids)
+        self.eval_items = list(eval_items)
+        self.eval_max_tokens = eval_max_tokens or max_tokens
+        if kl_coef > 0 and ref_model is None:
+            raise LmforgeError("rl.kl_coef > 0 needs a reference model")
+        self.ref_model = ref_model
+        self.rng = random.Random(seed)
+        self.samples: Samples | None = None
+        self.passes_left = 0
+        self.samples_seen = 0
+        self.queue: list[Samples] = []
+        self._stats: dict[str, float] = {}
+        self._clip: list[float] = []
+
+    # -- rollouts
+
+    def _rollout(self, version: int) -> tuple[Samples, dict[str, float]]:
+        self.engine.update_weights({}, version)  # the module is shared: only the version moves
+        items = self.draw(self.prompts_per_step, self.rng)
+        prompts = [encode_text(self.tokenizer, it["prompt"]) for it in items]
+        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
+                                 n=self.group_size, seed=self.rng.randrange(2**31),
+                                 stop_token_ids=tuple(self.eos))
+                  for _ in prompts]  # fmt: skip
+        t = time.perf_counter()
+        outs = self.engine.generate(prompts, params)
+        gen_s = time.perf_counter() - t
+        r, adv, stats = score_groups(items, outs, self.tokenizer, self.reward_fn, self.algo,
+                                     self.max_tokens, self.overlong_cache, self.eos,
+                                     self.std)  # fmt: skip
+        stats["gen_s"] = gen_s
+        keep = (dynamic_sampling_keep(r) if self.algo.dynamic_sampling
+                else torch.ones(len(items), dtype=torch.bool))  # fmt: skip
+        stats["groups_kept"] = float(keep.float().mean())
+        self.samples_seen += len(items) * self.group_size
+        flat_p, flat_c, flat_a, flat_r = [], [], [], []
+        for g, out in enumerate(outs):
+            if keep[g]:
+                for j, c in enumerate(out.outputs):
+                    flat_p.append(prompts[g])
+                    flat_c.append(c)
+                    flat_a.append(float(adv[g, j]))
+                    flat_r.append(float(r[g, j]))
+        if not flat_c:  # every group had equal rewards: no gradient to take
+            return Samples(Batch(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)),
+                           torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0),
+                           torch.zeros(0), torch.zeros(0, dtype=torch.long),
+                           torch.zeros(0, dtype=torch.bool), torch.zeros(0)), stats  # fmt: skip
+        return build_samples(flat_p, flat_c, torch.tensor(flat_a), torch.tensor(flat_r)), stats
+
+    def before_step(self, trainer: Any, step: int) -> None:
+        """A new rollout batch every ``epochs`` steps; this step's micro-batches."""
+        if self.passes_left == 0:
+            for _ in range(8):  # DAPO's dynamic sampling may drop a whole batch: sample again
+                self.samples, self._stats = self._rollout(step - 1)
+                if len(self.samples):
+                    break
+            self.passes_left = self.epochs
+            self._stats["samples"] = float(self.samples_seen)
+        assert self.samples is not None
+        self.passes_left -= 1
+        n = len(self.samples)
+        self.queue = [self.samples.select(range(i, min(i + self.micro_batch, n)))
+                      for i in range(0, n, self.micro_batch)] or [self.samples]  # fmt: skip
+
+    def micro_batches(self) -> int:
+        """Micro-batches of this step's pass over the rollout batch."""
+        return len(self.queue)
+
+    def next_batch(self) -> Samples:
+        """The next micro-batch of this step's pass."""
+        return self.queue.pop(0)
+
+    # -- loss
+
+    def _mask(self, labels: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+        # completion tokens, minus truncated rows under DAPO's overlong filter
+        mask = labels != IGNORE
+        if self.algo.overlong_filter:
+            mask = mask & ~truncated[:, None]
+        return mask
+
+    def batch_weight(self, s: Samples) -> float:
+        """What :func:`~lmforge.posttrain.losses.aggregate` returns as the weight, without a
+        forward: sequences, or masked tokens for ``token_mean``."""
+        if self.algo.aggregation != "token_mean":
+            return float(len(s))
+        return float(self._mask(s.batch.labels, s.truncated).sum())
+
+    def loss(self, model: nn.Module, s: Samples) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aggregated policy loss of the micro-batch, its weight)."""
+        device = next(model.parameters()).device
+        if len(s) == 0:  # nothing kept (dynamic sampling, staleness): no gradient this step
+            return torch.zeros((), device=device, requires_grad=True), torch.zeros(())
+        ids, labels = s.batch.input_ids.to(device), s.batch.labels.to(device)
+        mask = self._mask(labels, s.truncated.to(device))
+        logp, _ = sequence_logprobs(model, ids, labels, self.temperature)
+        algo = self.algo
+        token_loss, clipped = policy_token_loss(
+            logp, s.old_logp.to(device), s.advantages.to(device), mask,
+            algo.reweight, algo.eps_low, algo.eps_high,
+        )  # fmt: skip
+        if self.ref_model is not None and self.kl_coef > 0:
+            with torch.no_grad():
+                ref, _ = sequence_logprobs(self.ref_model, ids, labels, self.temperature)
+            token_loss = token_loss + self.kl_coef * k3_kl(logp, ref) * mask
+        token_loss = token_loss * s.weights.to(device)[:, None]
+        self._clip.append(float(clipped.sum()) / max(float(mask.sum()), 1.0))
+        loss_sum, weight = aggregate(token_loss, mask, algo.aggregation, float(self.max_tokens))
+        return loss_sum, torch.as_tensor(float(weight))
+
+    def metrics(self) -> dict[str, float]:
+        """Reward statistics of the rollout batch and the step's clip fraction."""
+        out = dict(self._stats)
+        if self._clip:
+            out["clip_fraction"] = sum(self._clip) / len(self._clip)
+        self._clip = []
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Greedy held-out accuracy (mean answer reward) on the engine."""
+        if not self.eval_items:
+            return {}
+        acc = evaluate_accuracy(self.engine, self.tokenizer, self.eval_items, self.reward_fn,
+                                self.eval_max_tokens, eos_ids=self.eos)  # fmt: skip
+        self.should_stop = bool(self.target) and acc >= self.target
+        return {"eval_accuracy": acc}
+
+    # -- resume
+
+    def state_dict(self) -> dict:
+        """Prompt/seed RNG, the rollout batch, the passes left over it, samples seen."""
+        out: dict[str, Any] = {"rng": self.rng.getstate(), "passes_left": self.passes_left,
+                               "samples_seen": self.samples_seen,
+                               "stats": dict(self._stats)}  # fmt: skip
+        if self.samples is not None:
+            out["samples"] = _samples_state(self.samples)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        v, internal, gauss = state["rng"]
+        self.rng.setstate((v, tuple(internal), gauss))
+        self.passes_left = int(state["passes_left"])
+        self.samples_seen = int(state["samples_seen"])
+        self._stats = dict(state["stats"])
+        self.samples = _samples_from(state["samples"]) if "samples" in state else None
+
+
+def warm_start(
+    model: nn.Module, task: Any, steps: int, out_dir: str, seed: int = 0, batch: int = 64,
+    device: str = "cpu", progress: bool = False,
+) -> None:  # fmt: skip
+    """The arithmetic tasks' supervised warm start, as an SFT objective in the Trainer: ``steps``
+    AdamW steps (lr 3e-3, constant, no clipping) of ``batch`` items whose answers follow the
+    task's warm-up mixture (``task.warmup_answer``: carries dropped part of the time). A run
+    folder of its own (``out_dir``): resumable, and a rerun of a finished one does nothing."""
+    from lmforge.config import RunConfig
+    from lmforge.posttrain.config import SFTConfig
+    from lmforge.posttrain.sft import SFTObjective
+    from lmforge.train import TrainConfig, Trainer
+
+    tok = task.tokenizer()
+    items = task.sample(batch * steps, random.Random(seed))
+    wr = random.Random(seed + 5)
+    exs = [prompt_response_example(encode_text(tok, it["prompt"]),
+                                   encode_text(tok, task.warmup_answer(it, wr)), tok.eos_id)
+           for it in items]  # fmt: skip
+    ctx = model.config.context_length
+    tc = TrainConfig(out_dir=out_dir, device=device, seed=seed, precision="fp32", lr=3e-3,
+                     min_lr=0.0, beta2=0.999, weight_decay=0.0, schedule="constant",
+                     warmup_steps=0, max_steps=steps, batch_size=batch, grad_clip=0.0,
+                     eval_every=0, save_every=max(steps // 4, 1), log_every=10, plot=False,
+                     progress=progress)  # fmt: skip
+    obj = SFTObjective(exs, SFTConfig(max_len=ctx, packing=False), batch, device, seed=seed)
+    Trainer(RunConfig(train=tc), model=model, objective=obj).run()
+    model.eval()
+
+
+def train_grpo(
+    model: nn.Module,
+    tokenizer: Any,
+    draw: Callable[[int, random.Random], list[dict[str, Any]]],
+    reward_fn: Callable[[dict[str, Any], str], Reward],
+    algo_name: str,
+    *,
+    out_dir: str,
+    iterations: int,
+    prompts_per_step: int,
+    group_size: int,
+    lr: float,
+    max_tokens: int,
+    micro_batch: int = 256,
+    overlong_cache: int = 0,
+    eval_items: Sequence[dict[str, Any]] = (),
+    eval_every: int = 0,
+    seed: int = 0,
+    device: str = "cpu",
+    on_step: Callable[[dict[str, Any], nn.Module], None] | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Synchronous GRPO-family RL of ``model``: :class:`GRPOObjective` (rollouts on the serving
+    engine) in the one Trainer, run into ``out_dir``; one record per iteration (the ``train``
+    records of its metrics.jsonl, with ``time_s`` that leaves out ``on_step(record, model)``
+    and the evaluations, and ``eval_accuracy`` where one ran). For benchmarks and tests that
+    compare modes; ``lmforge rl`` builds the same from the config tree."""
+    from lmforge.config import RunConfig
+    from lmforge.posttrain.rollout import rollout_engine
+    from lmforge.train import TrainConfig, Trainer
+
+    eos = [tokenizer.eos_id] if getattr(tokenizer, "eos_id", None) is not None else []
+    obj = GRPOObjective(rollout_engine(model, eos, seed=seed), tokenizer, draw, reward_fn,
+                        algo_name, prompts_per_step=prompts_per_step, group_size=group_size,
+                        epochs=1, micro_batch=micro_batch, max_tokens=max_tokens,
+                        overlong_cache=overlong_cache, eos_ids=eos, eval_items=eval_items,
+                        seed=seed + 1)  # fmt: skip
+    tc = TrainConfig(out_dir=out_dir, device=device, seed=seed, precision="fp32", lr=lr,
+                     min_lr=0.0, beta2=0.99, weight_decay=0.0, schedule="constant",
+                     warmup_steps=0, max_steps=iterations, batch_size=micro_batch,
+                     eval_every=eval_every, save_every=0, log_every=1, plot=False,
+                     progress=progress)  # fmt: skip
+    history: list[dict[str, Any]] = []
+    paused = [0.0]
+    t0 = [0.0]
+
+    def record(trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+        rec = {"iteration": step, **{k: v for k, v in metrics.items() if k != "skipped"}}
+        rec["samples"] = int(metrics.get("samples", step * prompts_per_step * group_size))
+        rec["time_s"] = time.perf_counter() - t0[0] - paused[0]
+        if on_step is not None:
+            t = time.perf_counter()
+            on_step(rec, model)
+            paused[0] += time.perf_counter() - t
+        history.append(rec)
+
+    trainer = Trainer(RunConfig(train=tc), model=model, objective=obj, callbacks=[record])
+    t0[0] = time.perf_counter()
+    trainer.run()
+    from lmforge.train.metrics import read_metrics
+
+    evals = {r["step"]: r["eval_accuracy"] for r in read_metrics(f"{out_dir}/metrics.jsonl")
+             if r.get("event") == "eval" and "eval_accuracy" in r}  # fmt: skip
+    for rec in history:
+        if rec["iteration"] in evals:
+            rec["eval_accuracy"] = evals[rec["iteration"]]
+    return history

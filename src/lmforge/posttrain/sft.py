@@ -4,27 +4,24 @@ optionally packed without cross-attention (:mod:`lmforge.posttrain.packing`).
 Data: JSONL records, either ``{"messages": [{"role", "content"}, ...]}`` (rendered with the
 tokenizer's chat template or ChatML) or ``{"prompt": ..., "response": ...}`` (prompt through the
 chat template when ``chat`` is on, raw otherwise). Loss: token-level mean over every assistant
-token of the optimizer step (:func:`~lmforge.posttrain.core.accumulate_step`).
+token of the optimizer step; :class:`SFTObjective` runs in the one Trainer loop.
 Exercised by ``pytest tests/test_posttrain_sft.py`` and ``lmforge sft --help``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import random
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from lmforge.posttrain.chat import chat_example, prompt_text
+from lmforge.posttrain.config import SFTConfig
 from lmforge.posttrain.core import (
     Batch,
     Example,
-    accumulate_step,
     collate,
     encode_text,
     prompt_response_example,
@@ -55,86 +52,72 @@ def examples_from_records(
     return out
 
 
-def sft_loss(model: nn.Module, mb: tuple[Batch, Packed | None]) -> tuple[torch.Tensor, float]:
-    """Token-level SFT loss of a micro-batch: (sum of −log p over target tokens, their count)."""
-    batch, packed = mb
-    logp, _ = sequence_logprobs(model, batch.input_ids, batch.labels, attention=packed)
-    return -(logp * batch.mask).sum(), float(batch.mask.sum())
+class SFTObjective:
+    """SFT as a :class:`~lmforge.train.Objective`: ``batch_size`` examples per micro-batch,
+    drawn in a shuffled order that is reshuffled at the end of each pass, packed (with masks, no
+    attention across examples) or padded. Loss: the sum of −log p over target tokens, weighted
+    by their count, so a step's loss is the token-level mean over all its micro-batches."""
 
+    name = "sft"
 
-@dataclasses.dataclass(frozen=True)
-class SFTConfig:
-    """SFT hyperparameters."""
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        cfg: SFTConfig,
+        batch_size: int,
+        device: torch.device | str,
+        seed: int = 0,
+        pad_id: int = 0,
+    ) -> None:
+        if not examples:
+            raise LmforgeError("no SFT examples")
+        self.examples = list(examples)
+        self.cfg = cfg
+        self.batch_size = batch_size
+        self.device = device
+        self.pad_id = pad_id
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+        self._tokens = 0.0
 
-    steps: int = 100
-    "optimizer steps"
-    batch_size: int = 16
-    "examples per optimizer step"
-    micro_batch: int = 4
-    "examples per forward/backward (gradient accumulation over the rest)"
-    lr: float = 2e-5
-    "AdamW learning rate (constant after a 10-step warm-up)"
-    max_len: int = 1024
-    "longest (packed) sequence"
-    packing: bool = True
-    "pack several examples per row without cross-attention"
-    max_grad_norm: float = 1.0
-    "gradient clipping"
-    seed: int = 0
-    "shuffling seed"
-
-
-def sft_micro_batches(
-    examples: Sequence[Example], cfg: SFTConfig, pad_id: int, device: torch.device
-) -> list[tuple[Batch, Packed | None]]:
-    """The micro-batches of one optimizer step's examples."""
-    out: list[tuple[Batch, Packed | None]] = []
-    for i in range(0, len(examples), cfg.micro_batch):
-        chunk = examples[i : i + cfg.micro_batch]
-        if cfg.packing:
-            b, p = pack(chunk, cfg.max_len, pad_id)
-            out.append((b.to(device), p.to(device)))
-        else:
-            out.append((collate(chunk, pad_id, cfg.max_len).to(device), None))
-    return out
-
-
-def train_sft(
-    model: nn.Module,
-    examples: Sequence[Example],
-    cfg: SFTConfig,
-    pad_id: int = 0,
-    log_path: str | Path | None = None,
-    progress: bool = True,
-) -> list[dict[str, float]]:
-    """Fine-tune ``model`` in place; returns the per-step metrics (also appended to ``log_path``)."""
-    from tqdm import tqdm
-
-    if not examples:
-        raise LmforgeError("no SFT examples")
-    device = next(model.parameters()).device
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    rng = random.Random(cfg.seed)
-    order: list[int] = []
-    history = []
-    model.train()
-    for step in tqdm(range(1, cfg.steps + 1), desc="sft", disable=not progress):
+    def next_batch(self) -> tuple[Batch, Packed | None]:
+        """The next ``batch_size`` examples as one micro-batch on the device."""
         chosen = []
-        for _ in range(cfg.batch_size):
-            if not order:
-                order = list(range(len(examples)))
-                rng.shuffle(order)
-            chosen.append(examples[order.pop()])
-        mbs = sft_micro_batches(chosen, cfg, pad_id, device)
-        weights = [float(b.mask.sum()) for b, _ in mbs]
-        stats = accumulate_step(model, opt, mbs, sft_loss, cfg.max_grad_norm, weights)
-        sched.step()
-        rec = {"step": step, "loss": stats["loss"], "grad_norm": stats["grad_norm"],
-               "tokens": stats["weight"]}  # fmt: skip
-        history.append(rec)
-        if log_path is not None:
-            with open(log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(rec) + "\n")
-    model.eval()
-    return history
+        for _ in range(self.batch_size):
+            if not self.order:
+                self.order = list(range(len(self.examples)))
+                self.rng.shuffle(self.order)
+            chosen.append(self.examples[self.order.pop()])
+        if self.cfg.packing:
+            b, p = pack(chosen, self.cfg.max_len, self.pad_id)
+            return b.to(self.device), p.to(self.device)
+        return collate(chosen, self.pad_id, self.cfg.max_len).to(self.device), None
+
+    def batch_weight(self, mb: tuple[Batch, Packed | None]) -> float:
+        """Target tokens of the micro-batch."""
+        return float(mb[0].mask.sum())
+
+    def loss(
+        self, model: nn.Module, mb: tuple[Batch, Packed | None]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of −log p over target tokens, their count)."""
+        batch, packed = mb
+        logp, _ = sequence_logprobs(model, batch.input_ids, batch.labels, attention=packed)
+        mask = batch.mask
+        self._tokens += float(mask.sum())
+        return -(logp * mask).sum(), mask.sum().float()
+
+    def metrics(self) -> dict[str, float]:
+        """Target tokens of the last step."""
+        out, self._tokens = {"tokens": self._tokens}, 0.0
+        return out
+
+    def state_dict(self) -> dict:
+        """Shuffle RNG and the rest of this pass's order."""
+        return {"rng": self.rng.getstate(), "order": list(self.order)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        v, internal, gauss = state["rng"]
+        self.rng.setstate((v, tuple(internal), gauss))
+        self.order = list(state["order"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,6 @@ class Reward:
     answer: float = 0.0
     format: float = 0.0
 
-
-RewardFn = Callable[[dict[str, Any], str], Reward]
 
 _FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>(.*?)</answer>\s*$", re.DOTALL)
 

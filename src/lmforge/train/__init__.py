@@ -1,4 +1,6 @@
-"""Pretraining: losses, optimizer, schedules, data loading, the trainer and checkpoints.
+"""The one Trainer and what it runs: objectives (pretraining's LM objective here; SFT, preference,
+RL and distillation objectives in ``lmforge.posttrain``), losses, optimizer, schedules, data
+loading and checkpoints.
 
 This is the public API; everything else in ``lmforge.train`` is internal.
 """
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
     from lmforge.train.data import MixtureSampler, TokenShard, eval_batches, get_batch, open_shard
     from lmforge.train.fastpath import FastPath, FastPathRuntime, resolve_fast_path
     from lmforge.train.loss import cross_entropy
+    from lmforge.train.objective import LMObjective, Objective
     from lmforge.train.optim import AdamW, build_optimizer, clip_grad_norm
     from lmforge.train.plan import TrainingPlan, training_plan
     from lmforge.train.schedule import constant_schedule, cosine_schedule, lr_at, wsd_schedule
@@ -31,7 +34,9 @@ __all__ = [
     "DataConfig",
     "FastPath",
     "FastPathRuntime",
+    "LMObjective",
     "MixtureSampler",
+    "Objective",
     "TokenShard",
     "TrainConfig",
     "Trainer",
@@ -62,7 +67,9 @@ _EXPORTS = {
     "DataConfig": "config",
     "FastPath": "fastpath",
     "FastPathRuntime": "fastpath",
+    "LMObjective": "objective",
     "MixtureSampler": "data",
+    "Objective": "objective",
     "TokenShard": "data",
     "TrainConfig": "config",
     "Trainer": "trainer",

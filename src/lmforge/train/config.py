@@ -86,6 +86,8 @@ class TrainConfig:
     "write a metrics line every N steps"
     save_every: int = 500
     "checkpoint every N steps (0 = only at the end)"
+    save_every_minutes: float = 30.0
+    "also checkpoint when this many minutes passed since the last one (0 = off); SIGINT and SIGTERM save one too"
     keep_last: int = 3
     "checkpoints kept"
     resume: bool = True
@@ -111,6 +113,20 @@ class TrainConfig:
         # One line per mistake at config load (lmforge.utils.config turns ValueError into it).
         checks = [
             (self.lr > 0, f"train.lr must be positive, got {self.lr}"),
+            *[
+                (getattr(self, k) > 0, f"train.{k} must be positive, got {getattr(self, k)}")
+                for k in ("batch_size", "grad_accum", "max_steps", "log_every", "keep_last")
+            ],
+            *[
+                (getattr(self, k) >= 0, f"train.{k} must be 0 or more, got {getattr(self, k)}")
+                for k in (
+                    "eval_every",
+                    "save_every",
+                    "save_every_minutes",
+                    "max_minutes",
+                    "eval_batches",
+                )
+            ],
             (self.min_lr >= 0, f"train.min_lr must be 0 or more, got {self.min_lr}"),
             (
                 self.min_lr <= self.lr,

@@ -1,8 +1,10 @@
 """Metrics of a training run: ``metrics.jsonl`` (always), TensorBoard and W&B (when asked for).
 
-One JSON record per line: ``{"event": "plan" | "train" | "eval" | "skip" | "final", "step": …}``.
-On resume the file is cut back to the checkpoint's step (:func:`truncate_metrics`), so the
-logged curve continues as if never interrupted. A full disk while writing ends the run with one
+One JSON record per line: ``{"event": "attempt" | "plan" | "train" | "eval" | "skip" | "final",
+"step": …}``. The file is only ever appended to: each attempt at a run (the first, a resume
+after a kill, a rerun that found no checkpoint) starts with an ``attempt`` record at the step it
+starts from, and :func:`read_metrics` gives the run as if never interrupted (records of an
+earlier attempt past that step were redone and are left out of the view, never deleted). A full disk while writing ends the run with one
 line naming the folder and what was kept (:func:`disk_full_is_one_line`).
 """
 
@@ -14,14 +16,11 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lmforge.utils.config import config_to_dict, save_config
 from lmforge.utils.errors import LmforgeError
-from lmforge.utils.io import atomic_write, atomic_write_text
-
-if TYPE_CHECKING:
-    from lmforge.train.trainer import Trainer
+from lmforge.utils.io import atomic_write
 
 
 @contextlib.contextmanager
@@ -90,24 +89,24 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl`` (a torn last line from a killed run is skipped)."""
-    out = []
+def read_metrics(path: str | Path, all_attempts: bool = False) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` as one uninterrupted run: at each ``attempt`` record
+    (step s) the earlier records past step s, and the earlier plan, are dropped from the view
+    (``all_attempts``: every line as written). A torn last line from a killed run is skipped."""
+    out: list[dict[str, Any]] = []
     p = Path(path)
     if not p.is_file():
         return out
     for line in p.read_text(encoding="utf-8").splitlines():
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not all_attempts and rec.get("event") == "attempt":
+            s = int(rec.get("step", 0))
+            out = [r for r in out if int(r.get("step", 0)) <= s and r.get("event") != "plan"]
+        out.append(rec)
     return out
-
-
-def truncate_metrics(path: Path, iteration: int) -> None:
-    # A killed run may have logged steps after its last checkpoint; the resumed run redoes them.
-    records = [r for r in read_metrics(path) if int(r.get("step", 0)) <= iteration]
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def plot_loss_curve(metrics: list[dict[str, Any]], path: str | Path) -> None:
@@ -134,31 +133,33 @@ def plot_loss_curve(metrics: list[dict[str, Any]], path: str | Path) -> None:
     plt.close(fig)
 
 
-def start_run_log(trainer: Trainer) -> MetricsLogger | None:
-    """On rank 0: config.toml, a fresh or truncated metrics.jsonl, the plan record and the
-    start line on stderr; the logger to use (None on other ranks)."""
-    if not trainer.is_main:
-        return None
-    tc, plan = trainer.tcfg, trainer.plan
-    trainer.out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(trainer.run_config, trainer.out_dir / "config.toml")
-    if trainer.resumed_from is not None:
-        truncate_metrics(trainer.out_dir / "metrics.jsonl", trainer.iteration)
-    else:  # a fresh run: nothing from an earlier attempt that never checkpointed
-        atomic_write_text(trainer.out_dir / "metrics.jsonl", "")
-    loggers = MetricsLogger(
-        trainer.out_dir, tc.tensorboard, tc.wandb, config_to_dict(trainer.run_config)
-    )
-    rec: dict[str, Any] = {"event": "plan", "step": trainer.iteration, **vars(plan)}
-    rec["fast_path"] = trainer.fast.summary()
-    if trainer.resumed_from is not None:
-        rec["resumed_from"] = str(trainer.resumed_from)
+def start_run_log(
+    out_dir: Path,
+    run_config: Any,
+    plan: Any,
+    *,
+    iteration: int,
+    resumed_from: Path | None,
+    fast_summary: str,
+    start_line: str,
+) -> MetricsLogger:
+    """On rank 0: config.toml, an ``attempt`` and a ``plan`` record appended to metrics.jsonl
+    (an earlier attempt's records are kept: see the module docstring), and ``start_line`` on
+    stderr; the logger to use."""
+    tc = run_config.train
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(run_config, out_dir / "config.toml")
+    path = out_dir / "metrics.jsonl"
+    earlier = [r for r in read_metrics(path, all_attempts=True) if r.get("event") == "attempt"]
+    loggers = MetricsLogger(out_dir, tc.tensorboard, tc.wandb, config_to_dict(run_config))
+    attempt: dict[str, Any] = {"event": "attempt", "step": iteration, "attempt": len(earlier) + 1}
+    if resumed_from is not None:
+        attempt["resumed_from"] = str(resumed_from)
+    loggers.log(attempt)
+    rec: dict[str, Any] = {"event": "plan", "step": iteration, **vars(plan)}
+    rec["fast_path"] = fast_summary
+    if resumed_from is not None:
+        rec["resumed_from"] = str(resumed_from)
     loggers.log(rec)
-    print(
-        f"lmforge train: {plan.n_params / 1e6:.2f}M params, {plan.tokens_per_step} tokens/step, "
-        f"{plan.max_steps} steps = {plan.total_tokens / 1e6:.2f}M tokens, "
-        f"{plan.flops_per_step:.3g} FLOPs/step, device {trainer.device}; {trainer.fast.summary()}"
-        + (f"; resumed from {trainer.resumed_from}" if trainer.resumed_from else ""),
-        file=sys.stderr,
-    )
+    print(start_line + (f"; resumed from {resumed_from}" if resumed_from else ""), file=sys.stderr)
     return loggers

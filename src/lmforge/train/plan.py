@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lmforge.model.config import ModelConfig
@@ -66,4 +66,23 @@ def training_plan(
         flops_per_token=fpt,
         flops_per_step=fpt * tokens_per_step,
         total_flops=fpt * tokens_per_step * train_cfg.max_steps,
+    )
+
+
+def objective_plan(model: Any, train_cfg: TrainConfig, world_size: int = 1) -> TrainingPlan:
+    """The plan of a post-training objective's run: parameters and steps (its sequences vary in
+    length, so tokens and FLOPs per step are not known up front and are given as 0)."""
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return TrainingPlan(
+        context_length=0,
+        micro_batch_size=train_cfg.batch_size,
+        grad_accum=train_cfg.grad_accum,
+        world_size=world_size,
+        tokens_per_step=0,
+        max_steps=train_cfg.max_steps,
+        total_tokens=0,
+        n_params=int(n_params),
+        flops_per_token=0.0,
+        flops_per_step=0.0,
+        total_flops=0.0,
     )

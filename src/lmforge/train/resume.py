@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmforge.train.checkpoint import (
+from lmforge.checkpoint.io import (
     checkpoint_path,
     latest_checkpoint,
     list_checkpoints,
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["finished_result", "latest_checkpoint", "restore_latest", "save"]
 
+OBJECTIVE_FILE = "objective.pt"
+"an objective's state_dict in a checkpoint folder (read with torch.load(weights_only=True))"
+
 
 def _optimizer_is_per_rank(trainer: Trainer) -> bool:
     # Single process, DDP and ZeRO-1 (whose state_dict gathers) have one optimizer state;
@@ -57,6 +60,8 @@ def _optimizer_is_per_rank(trainer: Trainer) -> bool:
 
 def _sampler_states(trainer: Trainer) -> dict[str, Any]:
     # Every data-parallel replica has its own data position; all go into the checkpoint.
+    if trainer.sampler is None:  # an objective's run: its position is in objective.pt
+        return {}
     mine = (trainer.dp_rank, trainer.sampler.state_dict())
     if trainer.strategy.world_size == 1 or not torch.distributed.is_initialized():
         return {str(mine[0]): mine[1]}
@@ -95,6 +100,11 @@ def save(trainer: Trainer, val_loss: float | None = None) -> Path:
     staging = path.parent / f".staging-{path.name}"
     kept = "the earlier checkpoints in " + str(path.parent)
     with disk_full_is_one_line(path.parent, kept):
+        if not trainer.pretraining and trainer.is_main:
+            # The objective's data position, RNG streams and buffers (rollouts, reference
+            # log-probs), moved into the checkpoint folder before its atomic rename.
+            staging.mkdir(parents=True, exist_ok=True)
+            torch.save(trainer.objective.state_dict(), staging / OBJECTIVE_FILE)
         if per_rank:
             if strategy.rank > 0:
                 staging.mkdir(parents=True, exist_ok=True)
@@ -115,7 +125,7 @@ def save(trainer: Trainer, val_loss: float | None = None) -> Path:
                     "tokens": trainer.iteration * trainer.plan.tokens_per_step,
                     "optimizer_ranks": strategy.world_size if per_rank else 1,
                 },
-                extra_dir=staging if per_rank else None,
+                extra_dir=staging if staging.is_dir() else None,
             )
             prune_checkpoints(trainer.out_dir, trainer.tcfg.keep_last)
     strategy.barrier()
@@ -131,11 +141,12 @@ def _check_config(trainer: Trainer, ckpt: Path) -> None:
         old = tomllib.loads(f.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError):
         raise LmforgeError(f"checkpoint {ckpt}: config.toml is not valid TOML") from None
-    from lmforge.config import RunConfig
     from lmforge.utils.config import from_dict
 
-    try:
-        old_dict = config_to_dict(from_dict(RunConfig, old))  # defaults filled in, as now
+    try:  # the run's own config class: train imports nothing above it (no lmforge.config)
+        old_dict = config_to_dict(
+            from_dict(type(trainer.run_config), old)
+        )  # defaults filled in, as now
     except LmforgeError:
         old_dict = old  # written by another version: compare what it says
     changes = config_changes(old_dict, config_to_dict(trainer.run_config))
@@ -177,7 +188,12 @@ def _restore(trainer: Trainer, ckpt: Path) -> None:
         load_optimizer_state(ckpt / f"optimizer-rank{rank:05d}.safetensors", trainer.optimizer)
     state = read_trainer_state(ckpt)
     samplers = state.get("samplers", {})
-    if str(trainer.dp_rank) in samplers:
+    if not trainer.pretraining:
+        f = ckpt / OBJECTIVE_FILE
+        if not f.is_file():
+            raise LmforgeError(f"checkpoint file missing: {f}")
+        trainer.objective.load_state_dict(torch.load(f, weights_only=True))
+    elif str(trainer.dp_rank) in samplers:
         trainer.sampler.load_state_dict(samplers[str(trainer.dp_rank)])
     else:
         # A replica the checkpoint did not have (more data-parallel ranks than before):
@@ -189,6 +205,7 @@ def _restore(trainer: Trainer, ckpt: Path) -> None:
             seed=trainer.tcfg.seed + 1_000_003 * trainer.dp_rank + it,
             vocab_size=trainer.mcfg.vocab_size,
         )
+        trainer.objective.sampler = trainer.sampler
     set_rng_state(state["rng"])
     trainer.stepper.restore(
         state.get("loss_ema"), int(state.get("good_steps", 0)), int(state.get("bad_steps", 0))
@@ -201,6 +218,9 @@ def restore_latest(trainer: Trainer) -> None:
     """Resume ``trainer`` from the newest intact checkpoint of its out_dir, if there is one."""
     ckpts = list_checkpoints(trainer.out_dir)
     if not ckpts:
+        if trainer.is_main:  # said, so a rerun after an early kill never restarts silently
+            print(f"lmforge train: no checkpoint in {trainer.out_dir}: starting from step 0",
+                  file=sys.stderr)  # fmt: skip
         return
     if not trainer.tcfg.resume:
         raise LmforgeError(

@@ -29,10 +29,11 @@ FREE_KEYS = frozenset(
     f"train.{k}"
     for k in (
         "out_dir", "device", "max_steps", "max_minutes", "eval_every", "eval_batches",
-        "log_every", "save_every", "keep_last", "resume", "tensorboard", "wandb",
+        "log_every", "save_every", "save_every_minutes", "keep_last", "resume", "tensorboard", "wandb",
         "peak_tflops", "progress", "plot", "allow_config_change", "max_bad_steps",
     )
-)  # fmt: skip
+) | {"rl.iterations", "rl.target", "dpo.epochs"}  # fmt: skip
+# (the post-training keys that only move the end of a run, as train.max_steps does)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

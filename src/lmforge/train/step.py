@@ -74,6 +74,7 @@ class Pending:
     values: torch.Tensor  # (loss, norm, ok, running mean before, running mean after, good before)
     event: Any = None  # torch.cuda.Event recorded after the copy (CUDA only)
     reason: str | None = None  # the host's skip reason (synchronous steps only)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # the objective's metrics
 
 
 @dataclasses.dataclass
@@ -106,8 +107,12 @@ class StepRunner:
         clip_in_update: bool,
         cuda_graph: bool,
         device: str,
+        forward_backward: Callable[[Sequence[Any]], torch.Tensor] | None = None,
     ) -> None:
         self.strategy = strategy
+        # An objective's step (lmforge.train.objective.forward_backward): micro-batches of any
+        # type, weighted; None = the strategy's (x, y) path with equal weights.
+        self.forward_backward = forward_backward
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.max_norm = grad_clip if grad_clip > 0 else math.inf
@@ -127,7 +132,7 @@ class StepRunner:
 
     # -- launching
 
-    def launch(self, micro: list[Batch], iteration: int, lr: float) -> Pending:
+    def launch(self, micro: list[Any], iteration: int, lr: float) -> Pending:
         """Launch one step on ``micro`` without waiting for it (``iteration`` = after it)."""
         if self.cuda_graph and self.sync_free and not self.graph_off:
             values, reason = self._graph_step(micro), None
@@ -142,11 +147,14 @@ class StepRunner:
         return pending
 
     def _body(
-        self, micro: Sequence[Batch], capturing: bool = False
+        self, micro: Sequence[Any], capturing: bool = False
     ) -> tuple[torch.Tensor, str | None]:
         # Forward/backward, clip and update of one step; (record, host skip reason). Everything
         # here is also what a CUDA graph captures, so no host reads on the sync-free path.
-        loss = self.strategy.forward_backward(micro, self.loss_fn)
+        if self.forward_backward is not None:
+            loss = self.forward_backward(micro)
+        else:
+            loss = self.strategy.forward_backward(micro, self.loss_fn)
         reason = None
         if self.sync_free:
             scale = None

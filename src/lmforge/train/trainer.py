@@ -1,4 +1,9 @@
-"""The pretraining loop: data → step (forward/backward, clip, AdamW) → callbacks → logs, eval, saves.
+"""The one training loop: objective → step (forward/backward, clip, AdamW) → callbacks → logs,
+eval, saves. Every phase is an :class:`~lmforge.train.Objective` (:mod:`lmforge.train.objective`):
+pretraining's :class:`~lmforge.train.LMObjective` (built here from ``[model]`` and ``[data]``, with
+all the fast paths below), or one given with its model (SFT, DPO, reward models, RL,
+distillation in :mod:`lmforge.posttrain`: fast AdamW, schedules, clipping, accumulation,
+DDP/FSDP, metrics.jsonl and exact resume, without master weights, compile or the step graph).
 
 The model is built single-device with the backends of the run's :class:`~lmforge.train.FastPath`
 (:func:`~lmforge.train.resolve_fast_path`: every ``auto`` resolved once, in one pure function),
@@ -25,6 +30,7 @@ Exercised by ``lmforge train --config configs/tiny.toml`` and ``pytest tests/tes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -58,8 +64,10 @@ from lmforge.train.fastpath import (
 from lmforge.train.hooks import model_callbacks
 from lmforge.train.loss import cross_entropy, fused_model_loss, model_loss
 from lmforge.train.metrics import read_metrics, start_run_log
+from lmforge.train.objective import LMObjective, Objective
+from lmforge.train.objective import forward_backward as objective_forward_backward
 from lmforge.train.optim import build_optimizer
-from lmforge.train.plan import TrainingPlan, training_plan
+from lmforge.train.plan import TrainingPlan, objective_plan, training_plan
 from lmforge.train.schedule import lr_at
 from lmforge.train.state import OutDirLock
 from lmforge.train.step import Pending, StepRunner
@@ -83,6 +91,9 @@ class Trainer:
     Uses only the ``model``, ``train``, ``data`` and ``parallel`` branches. ``Trainer(cfg,
     runtime).run()`` returns the final metrics; construction builds the model, strategy,
     optimizer and data and restores the latest intact checkpoint when ``train.resume`` is on.
+    ``Trainer(cfg, runtime, model=m, objective=o)`` trains ``m`` on objective ``o`` instead
+    (``o`` may be a factory called with the built trainer); ``[model]`` and ``[data]`` are then
+    not read. SIGINT / SIGTERM end a run with a checkpoint.
     """
 
     def __init__(
@@ -90,6 +101,9 @@ class Trainer:
         cfg: RunConfig,
         runtime: Runtime | None = None,
         callbacks: Sequence[Callback] = (),
+        *,
+        model: nn.Module | None = None,
+        objective: Objective | Callable[[Trainer], Objective] | None = None,
     ) -> None:
         self.run_config = cfg
         self.mcfg, self.tcfg, self.dcfg, self.pcfg = cfg.model, cfg.train, cfg.data, cfg.parallel
@@ -101,28 +115,49 @@ class Trainer:
         self.device_type = torch.device(self.device).type
         self.T = tc.context_length or self.mcfg.context_length
         self.callbacks: list[Callback] = list(callbacks)
+        # Pretraining builds its model from [model] and reads [data]; an objective given here
+        # (post-training) brings its own model and data.
+        self.pretraining = objective is None
         self._validate()
-        # Data first: a missing shard or a vocabulary mismatch fails before a big model is built.
-        sources = [open_source(src, self.mcfg.vocab_size) for src in self.dcfg.train]
-        self.val_shards: list[TokenShard] = self._open_val()
+        sources: list[Any] = []
+        self.val_shards: list[TokenShard] = []
+        if self.pretraining:
+            # Data first: a missing shard or a vocabulary mismatch fails before a big model.
+            sources = [open_source(src, self.mcfg.vocab_size) for src in self.dcfg.train]
+            self.val_shards = self._open_val()
         self.val_bytes_per_token = bytes_per_token(self.val_shards) if self.val_shards else None
 
         kind = strategy_kind(self.pcfg, runtime.world_size, _group_joined())
+        if not self.pretraining and kind in ("tp", "pp", "ep"):
+            raise LmforgeError(
+                f"post-training objectives run on one process, DDP or FSDP, not {kind}; "
+                "drop parallel.tp/pp/ep"
+            )
         self._replicated_grads = kind in ("single", "ddp")  # clipping may go into the update
-        self.fast: FastPath = resolve_fast_path(
-            self.mcfg,
-            tc,
-            FastPathRuntime(
-                device_type=self.device_type,
-                world_size=runtime.world_size,
-                strategy=kind,
-                triton=self.device_type == "cuda" and _triton_installed(),
-            ),
+        fast_rt = FastPathRuntime(
+            device_type=self.device_type,
+            world_size=runtime.world_size,
+            strategy=kind,
+            triton=self.device_type == "cuda" and _triton_installed(),
         )
-        from lmforge.model import TransformerLM
+        if self.pretraining:
+            self.fast: FastPath = resolve_fast_path(self.mcfg, tc, fast_rt)
+            from lmforge.model import TransformerLM
 
-        torch.manual_seed(tc.seed)  # same initial weights on every rank and every rerun
-        model = TransformerLM(self.fast.model_config(self.mcfg), device=self.device)
+            torch.manual_seed(tc.seed)  # same initial weights on every rank and every rerun
+            model = TransformerLM(self.fast.model_config(self.mcfg), device=self.device)
+        else:
+            if model is None:
+                raise LmforgeError("a Trainer with an objective needs its model")
+            # The objective's model is trained as given: no master weights, compile, fused loss
+            # or step graph (they assume the pretraining batch); the fast AdamW and the
+            # sync-free step hold for any objective.
+            plain = dataclasses.replace(
+                tc, master_weights="off", compile=False, loss="reference", cuda_graph=False
+            )
+            self.fast = resolve_fast_path(self.mcfg, plain, fast_rt)
+            model = model.to(self.device)
+        assert model is not None
         self.model = model
         # name -> (bf16 parameter, fp32 master) under master weights
         self.masters = bf16_weight_copies(model) if self.fast.master_weights else {}
@@ -130,7 +165,8 @@ class Trainer:
             apply_activation_checkpointing(model)
         # Modules whose aux_loss() (e.g. MoE balancing terms of the last forward) joins the loss.
         self._aux_modules = [m for m in model.modules() if callable(getattr(m, "aux_loss", None))]
-        self.callbacks[:0] = model_callbacks(self.mcfg, model)  # e.g. MoE bias and routing stats
+        if self.pretraining:
+            self.callbacks[:0] = model_callbacks(self.mcfg, model)  # e.g. MoE bias, routing
         self._ce: Callable[..., torch.Tensor] = cross_entropy
         self._fused_loss: Callable[..., torch.Tensor] = fused_model_loss
         self._model_loss: Callable[..., torch.Tensor] | None = None
@@ -151,19 +187,48 @@ class Trainer:
         # weights, reads the gradients from those, and writes them back.
         to_master = {id(p): m for p, m in self.masters.values()}
         copies = {m: p for p, m in self.masters.values()}
-        mup_scales = lr_multipliers(model)  # muP's per-parameter LR scales ({} unless model.mup)
+        # muP's per-parameter LR scales ({} unless model.mup; an objective's model, e.g. a
+        # reward model or a transformers module, may have no lmforge config)
+        mup_scales = lr_multipliers(model) if hasattr(model, "config") else {}
         self.optimizer = self.strategy.make_optimizer(
             lambda ps: build_optimizer(
-                [to_master.get(id(p), p) for p in ps],
+                [to_master.get(id(p), p) for p in ps if p.requires_grad],
                 tc,
                 adamw=self.fast.adamw,
                 copies=copies,
-                lr_scales=[mup_scales.get(id(p), 1.0) for p in ps],
+                lr_scales=[mup_scales.get(id(p), 1.0) for p in ps if p.requires_grad],
             )
         )
         from lmforge.train.optim import AdamW
 
         sync_free = self.fast.sync_free and isinstance(self.optimizer, AdamW)
+        # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
+        # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
+        dp_size = int(getattr(self.strategy, "dp_size", self.strategy.world_size))
+        self.dp_rank = int(getattr(self.strategy, "dp_rank", self.strategy.rank))
+        self.plan: TrainingPlan = (
+            training_plan(self.mcfg, tc, dp_size)
+            if self.pretraining
+            else objective_plan(model, tc, dp_size)
+        )
+        self.sampler_sources = sources
+        self.sampler: MixtureSampler | None = None
+        if self.pretraining:
+            seed = tc.seed + 1_000_003 * self.dp_rank  # each replica draws its own windows
+            self.sampler = MixtureSampler(
+                sources, self.T, self.dcfg.weights, seed, self.mcfg.vocab_size
+            )
+            self.objective: Any = LMObjective(
+                self.sampler,
+                tc.batch_size,
+                self.device,
+                lambda m, x, y: self.loss_fn(m, x, y),  # looked up per call (tests swap it)
+            )
+        else:
+            assert objective is not None
+            # A factory receives the built trainer (device, strategy, optimizer are known).
+            self.objective = objective if hasattr(objective, "loss") else objective(self)
+        obj = self.objective
         self.stepper = StepRunner(
             self.strategy,
             self.optimizer,
@@ -174,21 +239,18 @@ class Trainer:
             clip_in_update=sync_free and self.fast.clip_in_update,
             cuda_graph=sync_free and self.fast.cuda_graph,
             device=self.device,
-        )
-        # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
-        # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
-        dp_size = int(getattr(self.strategy, "dp_size", self.strategy.world_size))
-        self.dp_rank = int(getattr(self.strategy, "dp_rank", self.strategy.rank))
-        self.plan: TrainingPlan = training_plan(self.mcfg, tc, dp_size)
-        self.sampler_sources = sources
-        seed = tc.seed + 1_000_003 * self.dp_rank  # each replica draws its own windows
-        self.sampler = MixtureSampler(
-            sources, self.T, self.dcfg.weights, seed, self.mcfg.vocab_size
+            forward_backward=None
+            if self.pretraining
+            else (lambda micro: objective_forward_backward(self.strategy, micro, obj)[0]),
         )
         self.out_dir = Path(tc.out_dir)
         self.iteration = 0
         self.current_lr = 0.0
         self.resumed_from: Path | None = None
+        # Set by a callback or an objective (e.g. an RL target reached): the loop ends after
+        # this step with its final evaluation and checkpoint.
+        self.should_stop = False
+        self.stop_signal: str | None = None  # SIGINT / SIGTERM received during run()
         resume.restore_latest(self)
 
     # -- the step's state, as the loop and tests see it
@@ -219,11 +281,11 @@ class Trainer:
 
     def _validate(self) -> None:
         tc, mc = self.tcfg, self.mcfg
-        if not self.dcfg.train:
+        if self.pretraining and not self.dcfg.train:
             raise LmforgeError(
                 "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
             )
-        if self.T > mc.context_length:
+        if self.pretraining and self.T > mc.context_length:
             raise LmforgeError(
                 f"train.context_length {self.T} exceeds model.context_length {mc.context_length}"
             )
@@ -279,6 +341,19 @@ class Trainer:
                 loss = loss + aux.float()
         return loss
 
+    def _start_line(self) -> str:
+        plan = self.plan
+        if not self.pretraining:
+            return (
+                f"lmforge train: objective {self.objective.name}, {plan.n_params / 1e6:.2f}M "
+                f"params, {plan.max_steps} steps, device {self.device}; adamw {self.fast.adamw}"
+            )
+        return (
+            f"lmforge train: {plan.n_params / 1e6:.2f}M params, {plan.tokens_per_step} "
+            f"tokens/step, {plan.max_steps} steps = {plan.total_tokens / 1e6:.2f}M tokens, "
+            f"{plan.flops_per_step:.3g} FLOPs/step, device {self.device}; {self.fast.summary()}"
+        )
+
     # -- checkpoints and evaluation
 
     def save(self, val_loss: float | None = None) -> Path:
@@ -287,7 +362,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Validation loss, perplexity and bits per byte over fixed sequential windows."""
+        """Validation loss, perplexity and bits per byte over fixed sequential windows (an
+        objective's own ``evaluate(model)`` when it has one)."""
+        own = getattr(self.objective, "evaluate", None)
+        if own is not None:
+            model = self.strategy.model
+            model.eval()
+            try:
+                return dict(own(model))
+            finally:
+                model.train()
         if not self.val_shards:
             return {}
         model = self.strategy.model
@@ -332,8 +416,16 @@ class Trainer:
         )  # fmt: skip
         for group in self.optimizer.param_groups:
             group["lr"] = self.current_lr * group.get("lr_scale", 1.0)
-        micro = [self.sampler.next_batch(tc.batch_size, self.device) for _ in range(tc.grad_accum)]
+        obj = self.objective
+        before = getattr(obj, "before_step", None)
+        if before is not None:
+            before(self, self.iteration + 1)  # e.g. RL rollouts under the current weights
+        count = getattr(obj, "micro_batches", None)
+        n = int(count()) if count is not None else tc.grad_accum
+        micro = [obj.next_batch() for _ in range(n)]
         pending = self.stepper.launch(micro, self.iteration + 1, self.current_lr)
+        stats = getattr(obj, "metrics", None)
+        pending.extra = dict(stats()) if stats is not None else {}  # this step's, read now
         self.iteration += 1
         for cb in (c for c in self.callbacks if hasattr(c, "after_launch")):  # hooks.py
             cb.after_launch(self)  # device work queued behind the step, e.g. the MoE bias update
@@ -351,26 +443,62 @@ class Trainer:
         try:
             if self.resumed_from is not None and self.iteration >= self.tcfg.max_steps:
                 return resume.finished_result(self)
-            return self._run()
+            with self._stop_on_signals():
+                return self._run()
         finally:
             if lock is not None:
                 lock.release()
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self) -> Any:
+        """SIGINT / SIGTERM end the run after the step in flight, with a checkpoint (a second
+        one stops at once, as Ctrl-C does). Only in the main thread, where Python delivers them."""
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.stop_signal is not None:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self.stop_signal = signal.Signals(signum).name
+            self.should_stop = True
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
 
     def _run(self) -> dict[str, Any]:
         from tqdm import tqdm
 
         tc, plan = self.tcfg, self.plan
-        loggers = start_run_log(self)
+        loggers = None
+        if self.is_main:
+            loggers = start_run_log(
+                self.out_dir,
+                self.run_config,
+                plan,
+                iteration=self.iteration,
+                resumed_from=self.resumed_from,
+                fast_summary=self.fast.summary(),
+                start_line=self._start_line(),
+            )
         bar = tqdm(
             total=tc.max_steps,
             initial=self.iteration,
-            desc="train",
+            desc="train" if self.pretraining else self.objective.name,
             unit="step",
             file=sys.stderr,
             dynamic_ncols=True,
             disable=not (tc.progress and self.is_main),
         )
         start = time.monotonic()
+        last_save = start
         last_t, last_it = start, self.iteration
         last_eval: dict[str, float] = {}
         last_loss = float("nan")
@@ -396,7 +524,7 @@ class Trainer:
             else:
                 last_loss = loss_v
             metrics: dict[str, Any] = {"loss": loss_v, "lr": p.lr, "grad_norm": norm_v,
-                                       "skipped": reason is not None}  # fmt: skip
+                                       "skipped": reason is not None, **p.extra}  # fmt: skip
             for cb in self.callbacks:
                 if self.is_main or getattr(cb, "all_ranks", False):
                     cb(self, it, metrics)
@@ -411,14 +539,17 @@ class Trainer:
                 mfu = tok_s * plan.flops_per_token / (tc.peak_tflops * 1e12)
                 last_t, last_it = now, it
                 extra = {k: v for k, v in metrics.items() if k != "skipped"}
-                rec = {"event": "train", "step": it, **extra,
-                       "tokens": it * plan.tokens_per_step, "tokens_per_s": tok_s, "mfu": mfu,
-                       "elapsed_s": now - start}  # fmt: skip
+                rec = {"event": "train", "step": it, **extra, "elapsed_s": now - start}
+                if self.pretraining:  # an objective's tokens per step vary: not planned
+                    rec.update(tokens=it * plan.tokens_per_step, tokens_per_s=tok_s, mfu=mfu)
                 if loggers:
                     loggers.log(rec)
-                bar.set_postfix(
-                    loss=f"{loss_v:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%"
-                )
+                if self.pretraining:
+                    bar.set_postfix(
+                        loss=f"{loss_v:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%"
+                    )
+                else:
+                    bar.set_postfix(loss=f"{loss_v:.4f}")
 
         pending: Pending | None = None
         try:
@@ -437,30 +568,54 @@ class Trainer:
                     pending = None
                 eval_due = bool(tc.eval_every) and it % tc.eval_every == 0 and it < tc.max_steps
                 save_due = bool(tc.save_every) and it % tc.save_every == 0 and it < tc.max_steps
+                now = time.monotonic()
+                # Every rank must decide alike (a save is a collective): on several processes the
+                # wall-clock and stop decisions are agreed at log steps only (one all-reduce).
+                agree = self.strategy.world_size == 1 or it % tc.log_every == 0
+                if tc.save_every_minutes and agree and it < tc.max_steps:
+                    save_due = save_due or self._time_is_up(
+                        now - last_save > 60 * tc.save_every_minutes
+                    )
                 time_up = bool(tc.max_minutes) and self._time_is_up(
-                    time.monotonic() - start > 60 * tc.max_minutes
+                    now - start > 60 * tc.max_minutes
                 )
+
                 # Callbacks may change the model between steps: they see each step at once,
                 # unless ``deferrable`` (their device work ran at launch; hooks.py).
                 late = all(getattr(cb, "deferrable", False) for cb in self.callbacks)
-                late_ok = self.deferred and late
+                late_ok = self.deferred and late and self.pretraining
                 if not late_ok or eval_due or save_due or time_up or it == tc.max_steps:
                     report(launched)  # the loop looks at the model after this step: read it now
                 else:
                     pending = launched
+                # after this step's callbacks (which may ask to stop); a signal sets it too
+                stop = agree and self._time_is_up(
+                    self.should_stop or bool(getattr(self.objective, "should_stop", False))
+                )
+                if stop and pending is not None:
+                    report(pending)
+                    pending = None
                 if eval_due:
                     last_eval = self.evaluate()
                     if last_eval and loggers:
                         loggers.log({"event": "eval", "step": it, **last_eval})
-                if save_due:
+                if save_due and not stop:
                     self.save(last_eval.get("val_loss"))
+                    last_save = time.monotonic()
                 if time_up:
                     stopped = "max_minutes"
+                    break
+                if stop:
+                    stopped = self.stop_signal or "requested"
+                    if self.stop_signal and self.is_main:
+                        bar.write(f"lmforge train: {self.stop_signal} at step {it}: saving a "
+                                  f"checkpoint and stopping", file=sys.stderr)  # fmt: skip
                     break
             if pending is not None:
                 report(pending)
             bar.close()
-            final = self.evaluate()
+            # A signal asks to stop soon: the checkpoint, not a full validation pass.
+            final = {} if self.stop_signal else self.evaluate()
             if final and loggers:
                 loggers.log({"event": "eval", "step": self.iteration, **final})
             # Saved even if a periodic save just wrote this step: the final one records val_loss.

@@ -233,12 +233,16 @@ def load_config(
     path: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
     base: Mapping[str, Any] | None = None,
+    top: Mapping[str, Any] | None = None,
 ) -> T:
-    """Load ``cls`` from optional ``base`` values, then a TOML file, then dotted overrides."""
+    """Load ``cls`` from optional ``base`` values, then a TOML file, then dotted overrides, then
+    ``top`` (nested values that win over all: a command's own flags)."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
         data = _merge(data, read_toml(path))
     data = _merge(data, _stringify_for_str_fields(cls, parse_overrides(overrides)))
+    if top:
+        data = _merge(data, top)
     return from_dict(cls, data)
 
 

@@ -1,0 +1,157 @@
+"""What the Trainer trains: an objective is a batch source plus a loss, with optional hooks.
+
+Every training phase is an :class:`Objective` of the one :class:`~lmforge.train.Trainer` loop:
+pretraining (:class:`LMObjective`), SFT, preference optimisation (DPO/IPO/cDPO/SimPO), reward
+models and RL (:mod:`lmforge.posttrain`), so all of them share the fast AdamW, the schedules,
+clipping, gradient accumulation, the parallel wrapping, ``metrics.jsonl`` and exact resume.
+
+The contract (members marked optional are looked up with ``getattr``):
+
+* ``name``: shown in logs.
+* ``next_batch()``: the next micro-batch; the objective owns its data order.
+* ``loss(model, batch) -> (loss_sum, weight)``: the *sum* of the per-unit losses of the
+  micro-batch and how many units (tokens, pairs, sequences) it holds. A step minimises
+  Σ loss_sum / Σ weight over its micro-batches, so the gradient is the whole batch's however
+  it is split (a mean of micro-batch means would over-weight small micro-batches).
+* ``state_dict()`` / ``load_state_dict(state)``: data position and RNG streams, for exact
+  resume (saved as ``objective.pt`` in each checkpoint; tensors, numbers, strings, lists, tuples
+  and dicts only: it is read back with ``torch.load(weights_only=True)``).
+* optional ``before_step(trainer, step)``: runs before each step's batches are drawn (rollouts,
+  reference refresh).
+* optional ``metrics() -> dict[str, float]``: logged with the step's ``train`` record.
+* optional ``evaluate(model) -> dict[str, float]``: at ``train.eval_every`` and at the end.
+* optional ``batch_weight(batch) -> float``: the weight ``loss`` will return, known without a
+  forward; then each backward runs right after its forward with its final scale and frees its
+  graph (otherwise all micro-batch graphs are kept until the total weight is known).
+* optional ``should_stop``: a bool the loop reads after each step (e.g. an RL target reached
+  in ``evaluate``): the run ends there with its final evaluation and checkpoint.
+* optional ``micro_batches() -> int``: micro-batches of the next step (default
+  ``train.grad_accum``), for objectives whose batch size varies (RL with dynamic sampling).
+
+Exercised by ``pytest tests/test_train_objective.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from lmforge.parallel import Strategy
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """A batch source plus ``loss(model, batch) -> (loss_sum, weight)`` (module docstring)."""
+
+    name: str
+
+    def next_batch(self) -> Any:
+        """The next micro-batch."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_sum, weight) of one micro-batch."""
+        ...
+
+    def state_dict(self) -> dict:
+        """Data position and RNG streams."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        ...
+
+
+class LMObjective:
+    """Pretraining: next-token loss on windows of token shards.
+
+    ``sampler`` is the trainer's :class:`~lmforge.train.data.MixtureSampler`, ``loss_fn(model,
+    x, y)`` the trainer's mean next-token loss (fused, compiled or reference). Every micro-batch
+    has the same number of tokens, so ``loss`` returns the micro-batch mean with weight 1: the
+    step's loss is the mean of the means, exactly as before objectives existed, and the trainer
+    keeps its (x, y) fast paths (CUDA graph of the step, pipeline schedules) for it.
+    """
+
+    name = "lm"
+
+    def __init__(
+        self,
+        sampler: Any,
+        batch_size: int,
+        device: str,
+        loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.device = device
+        self.loss_fn = loss_fn
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of shape (B, T) on the device."""
+        return self.sampler.next_batch(self.batch_size, self.device)
+
+    def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss of the micro-batch, 1)."""
+        x, y = batch
+        loss = self.loss_fn(model, x, y)
+        return loss, torch.ones((), device=loss.device)
+
+    def batch_weight(self, batch: Any) -> float:
+        """Every micro-batch weighs the same."""
+        return 1.0
+
+    def state_dict(self) -> dict:
+        """The sampler's position (the trainer also saves it per data-parallel rank)."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the sampler's position."""
+        self.sampler.load_state_dict(state["sampler"])
+
+
+def forward_backward(
+    strategy: Strategy, micro: Sequence[Any], objective: Any
+) -> tuple[torch.Tensor, float]:
+    """Forward and backward of one step's micro-batches under ``objective``.
+
+    Gradients end as those of Σ loss_sum / Σ weight; returns (that loss, detached and averaged
+    over the data-parallel group, and Σ weight). With ``objective.batch_weight`` each backward
+    runs right after its forward with its final scale; without, the graphs are kept until the
+    total weight is known.
+    """
+    model = strategy.model
+    weigh = getattr(objective, "batch_weight", None)
+    n = len(micro)
+    total: float | None = None
+    if weigh is not None:
+        total = float(sum(float(weigh(b)) for b in micro))
+    loss_total: torch.Tensor | None = None
+    weight_total = 0.0
+    pending: list[torch.Tensor] = []
+    for i, batch in enumerate(micro):
+        ctx = strategy.no_sync() if i < n - 1 else contextlib.nullcontext()
+        with ctx:
+            loss_sum, weight = objective.loss(model, batch)
+            weight_total += float(weight)
+            if total is not None:
+                if total > 0:
+                    (loss_sum / total).backward()
+            elif i < n - 1:
+                pending.append(loss_sum)
+            else:
+                # The last micro-batch's backward runs inside the synchronising context; the
+                # kept graphs go with it (DDP reduces once, after the last backward).
+                pending.append(loss_sum)
+                if weight_total > 0:
+                    torch.autograd.backward([ls / weight_total for ls in pending])
+        d = loss_sum.detach().float()
+        loss_total = d if loss_total is None else loss_total + d
+    strategy.finish_gradient_synchronization()
+    assert loss_total is not None
+    mean = loss_total / max(weight_total, 1e-12)
+    return strategy.reduce_mean(mean), weight_total
