@@ -207,7 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         check(shape, dt, args.device)
     rows = [run(shape, dt, args.device, args.prompts, args.group, args.max_tokens,
                 args.prompt_len, args.profile) for dt in dtypes]  # fmt: skip
-    header = ["engine (rollout_engine)", "output tokens", "wall (s)", "output tok/s", "decode ms/step"]
+    header = [
+        "engine (rollout_engine)",
+        "output tokens",
+        "wall (s)",
+        "output tok/s",
+        "decode ms/step",
+    ]
     _line("\n" + markdown_table(header, rows))
     return 0
 

@@ -176,22 +176,37 @@ def distill_draft(
 ) -> Any:  # fmt: skip
     """A ``truncated_draft`` copy trained for ``steps`` AdamW steps on forward KL to the target,
     over the target's own greedy answers to ``prompts`` (sequence-level distillation data)."""
+    import dataclasses
+    import tempfile
+
+    from lmforge.config import RunConfig
+    from lmforge.posttrain.config import DistillConfig
     from lmforge.posttrain.core import prompt_response_example
-    from lmforge.posttrain.distill import DistillConfig, train_distill
+    from lmforge.posttrain.distill import DistillObjective
+    from lmforge.train import Trainer
+    from lmforge.train.metrics import read_metrics
+    from lmforge.utils.runtime import Runtime
 
     student = truncated_draft(target, n_layers, share=False)
     outs = Engine(target, eos_token_id=eos).generate(
         prompts, SamplingParams(temperature=0, max_tokens=max_tokens)
     )
     corpus = [prompt_response_example(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
-    cfg = DistillConfig(loss="forward", lr=1e-4, steps=steps, batch_size=4)
+    dc = DistillConfig(loss="forward")
     t0 = time.perf_counter()
-    hist = train_distill(student, target, cfg, corpus=corpus, progress=True)
-    first = statistics.mean(h["loss"] for h in hist[: max(1, steps // 10)])
-    last = statistics.mean(h["loss"] for h in hist[-max(1, steps // 10) :])
-    _line(f"distilled a {n_layers}-layer draft: {steps} steps x 4 sequences over {len(corpus)} "
-          f"target answers, forward KL {first:.3f} -> {last:.3f} (first/last tenth), "
-          f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        dev = str(next(target.parameters()).device)
+        tc = dataclasses.replace(RunConfig().train, lr=1e-4, max_steps=steps, batch_size=4,
+                                 out_dir=tmp, device=dev, log_every=1)  # fmt: skip
+        cfg = dataclasses.replace(RunConfig(), model=student.config, train=tc, distill=dc)
+        objective = DistillObjective(target, dc, 4, corpus=corpus)
+        Trainer(cfg, Runtime.from_env(device=dev), model=student, objective=objective).run()
+        hist = [r for r in read_metrics(Path(tmp) / "metrics.jsonl") if r.get("event") == "train"]
+    first = statistics.mean(h["loss"] for h in hist[: max(1, len(hist) // 10)])
+    last = statistics.mean(h["loss"] for h in hist[-max(1, len(hist) // 10) :])
+    _line(f"distilled a {n_layers}-layer draft through the Trainer: {steps} steps x 4 sequences "
+          f"over {len(corpus)} target answers, forward KL {first:.3f} -> {last:.3f} "
+          f"(first/last tenth), {time.perf_counter() - t0:.0f} s")  # fmt: skip
     return student.eval()
 
 

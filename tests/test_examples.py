@@ -124,6 +124,15 @@ ROWS: tuple[Row, ...] = (
     # serve, chat (src/lmforge/serve/_cli.py)
     Row(r"^lmforge serve ", skip="a long-running server; tests/test_serve_server.py starts one"),
     Row(r"^lmforge chat ", skip="interactive (reads stdin); tests/test_serve_server.py runs it"),
+    # vision (src/lmforge/vision/_cli.py)
+    Row(r"^lmforge vision pretrain .*--data\.source=(folder|tar)", skip="needs your own images"),
+    Row(r"^lmforge vision pretrain ", slow=True,
+        extra=("--train.steps=2", "--train.eval_every=2", "--train.save_every=2",
+               "--data.val_size=16", "--train.batch_size=8")),
+    Row(r"^lmforge vision vlm ", skip="needs the pretrain example's CLIP run; "
+        "tests/test_vision_vlm.py runs the command end to end"),
+    Row(r"^lmforge vision vqvae ", slow=True,
+        extra=("--vq_train.steps=2", "--lm_train.steps=2", "--run.eval_images=4")),
     # probe (src/lmforge/probe/_cli.py)
     Row(r"^lmforge probe causality --checkpoint runs/moe/", skip="needs a trained MoE run"),
     Row(r"^lmforge probe causality .*(expert_choice|token_choice_capacity)", rc=1),
@@ -308,7 +317,9 @@ def clone(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     ws = tmp_path_factory.mktemp("clone")
     shutil.copytree(REPO / "configs", ws / "configs")
     shutil.copytree(REPO / "examples", ws / "examples")
-    cache = request.config.cache.mkdir("lmforge-demo") / "runs-demo"
+    cached = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    root = cached.mkdir("lmforge-demo") if cached else tmp_path_factory.mktemp("lmforge-demo")
+    cache = root / "runs-demo"
     cwd = os.getcwd()
     os.chdir(REPO)  # the recipe's paths (configs/, examples/) are the repository's
     try:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmforge.utils.errors import LmforgeError
-from lmforge.utils.io import atomic_write, atomic_write_text
+from lmforge.utils.io import atomic_write, atomic_write_text, ensure_writable_dir
 
 if TYPE_CHECKING:
     from lmforge.config import RunConfig
@@ -32,7 +32,10 @@ def _setup(cfg: RunConfig, threads: int | None, default_threads: int | None = No
     dev = cfg.train.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise LmforgeError(f"train.device={dev}: CUDA is not available")
-    return Runtime.from_env(device=dev, seed=cfg.train.seed)
+    runtime = Runtime.from_env(device=dev, seed=cfg.train.seed)
+    if runtime.is_main:  # a read-only or occupied output folder is one line before loading
+        ensure_writable_dir(cfg.train.out_dir, "train.out_dir (--out)")
+    return runtime
 
 
 def _need_file(path: str, key: str) -> None:

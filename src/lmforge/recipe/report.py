@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from lmforge.recipe.config import RecipeConfig
 from lmforge.recipe.markers import DONE, read_marker
-from lmforge.recipe.stages import STAGE_LIST, model_path
 from lmforge.utils.io import atomic_write_text
 
 
@@ -86,7 +86,9 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def write_report(cfg: RecipeConfig, out: Path) -> Path:
+def write_report(
+    cfg: RecipeConfig, out: Path, stages: Sequence[Any], model_path: Callable[..., Any]
+) -> Path:
     """Write ``out/report.md`` (and its PNG curves) from the stages' markers; returns its path."""
     lines = [f"# lmforge recipe report card — {out}", "",
              f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; device "
@@ -95,7 +97,7 @@ def write_report(cfg: RecipeConfig, out: Path) -> Path:
     lines += ["| stage | time | key metrics |", "|---|---:|---|"]
     markers: dict[str, dict[str, Any]] = {}
     total = 0.0
-    for st in STAGE_LIST:
+    for st in stages:
         if st.name == "report":
             continue
         m = read_marker(out / st.dirs[0] / DONE)

@@ -505,7 +505,8 @@ def _run_eval(ctx: Context) -> dict[str, Any]:
 def _report_stage(ctx: Context) -> dict[str, Any]:
     from lmforge.recipe.report import write_report
 
-    return {"report": str(write_report(ctx.cfg, ctx.out))}
+    # the stage list and model paths go in as arguments: report.py does not import this module
+    return {"report": str(write_report(ctx.cfg, ctx.out, STAGE_LIST, model_path))}
 
 
 def _section(name: str) -> Callable[[RecipeConfig], Any]:

@@ -51,6 +51,10 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args.config, args.overrides)
     runtime = Runtime.from_env(device=cfg.train.device, seed=cfg.train.seed)
+    if runtime.is_main:  # a read-only or occupied out_dir is one line before any work
+        from lmforge.utils.io import ensure_writable_dir
+
+        ensure_writable_dir(cfg.train.out_dir, "train.out_dir")
     result = train(cfg, runtime)
     if runtime.is_main:
         print(json.dumps(result), file=sys.stdout)

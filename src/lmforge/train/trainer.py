@@ -545,9 +545,10 @@ class Trainer:
                 if loggers:
                     loggers.log(rec)
                 if self.pretraining:
-                    bar.set_postfix(
-                        loss=f"{loss_v:.4f}", tok_s=f"{tok_s:,.0f}", mfu=f"{100 * mfu:.1f}%"
-                    )
+                    post = {"loss": f"{loss_v:.4f}", "tok_s": f"{tok_s:,.0f}"}
+                    if self.device_type == "cuda":  # MFU against a GPU peak means nothing on CPU
+                        post["mfu"] = f"{100 * mfu:.1f}%"
+                    bar.set_postfix(**post)
                 else:
                     bar.set_postfix(loss=f"{loss_v:.4f}")
 
