@@ -39,6 +39,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from lmforge.serve.output import Delta, DeltaTracker, SampleDelta, engine_counts
@@ -56,6 +57,9 @@ class EngineSpec:
     "keyword arguments of :func:`lmforge.serve.loading.load_for_serving` (the model source)"
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     "keyword arguments of :class:`lmforge.serve.engine.Engine` besides the model (no tokenizer)"
+    builder: Callable[[EngineSpec], tuple[Any, dict[str, Any]]] | None = None
+    "builds ``(engine, info)`` in the child instead of loading a model (a module-level function:"
+    " it is pickled by name); ``benchmarks/serve_api_cost.py`` plugs a fake engine in here"
 
 
 class EngineProcess:
@@ -358,6 +362,8 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
 
 
 def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
+    if spec.builder is not None:
+        return spec.builder(spec)
     import torch
 
     from lmforge.serve.engine import Engine
