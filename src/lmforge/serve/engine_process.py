@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -291,6 +292,7 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
     except Exception as e:  # a bug while loading: one line to the parent, the trace here
         conn.send(("error", f"the engine process failed to start: {type(e).__name__}: {e}"))
         raise
+    gc.freeze()  # the model and engine live as long as the process: keep them out of collections
     adds = 0
     info["counts"] = {**engine_counts(engine), "adds": 0, "step_seconds": 0.0, "step_count": 0}
     conn.send(("ready", info))
