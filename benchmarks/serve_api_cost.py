@@ -19,7 +19,8 @@ Run (CPU, no model, < 2 minutes)::
     PYTHONPATH=src python benchmarks/serve_api_cost.py                     # 64 streams x 128
     PYTHONPATH=src python benchmarks/serve_api_cost.py --step-ms 3         # a ~3 ms engine step
     PYTHONPATH=src python benchmarks/serve_api_cost.py --profile /tmp/api  # + cProfile
-    PYTHONPATH=src python benchmarks/serve_api_cost.py --baseline-src ../main/src --rounds 3
+    PYTHONPATH=src python benchmarks/serve_api_cost.py --client openai --client-procs 4
+    PYTHONPATH=src python benchmarks/serve_api_cost.py --baseline-src /tmp/old/src --rounds 5
 """
 
 from __future__ import annotations
@@ -221,10 +222,42 @@ async def _stream_openai(client: Any, prompt: list[int], new: int) -> tuple[floa
     return ((last - first) / (n - 1) if first and n > 1 else -1.0), n, chunks
 
 
-def _load(port: int, streams: int, new: int, kind: str) -> tuple[list, float]:
-    import httpx
-
+def _load(
+    port: int, streams: int, new: int, kind: str, procs: int = 1
+) -> tuple[list, float, float]:
+    """Run ``streams`` streams at once (over ``procs`` client processes); (results, wall s,
+    the clients' CPU s during the load)."""
     prompts = [[65 + (i + j) % 26 for j in range(16)] for i in range(streams)]
+    if procs <= 1:
+        c0 = os.times()
+        res, wall = _load_part(port, prompts, new, kind)
+        c1 = os.times()
+        return res, wall, (c1.user - c0.user) + (c1.system - c0.system)
+    ctx = mp.get_context("spawn")
+    parts = [prompts[i::procs] for i in range(procs)]
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    ps = [ctx.Process(target=_client_proc, args=(port, p, new, kind, barrier, out)) for p in parts]
+    for pr in ps:
+        pr.start()
+    got = [out.get(timeout=600) for _ in ps]
+    for pr in ps:
+        pr.join(60)
+    res = [r if not isinstance(r, str) else RuntimeError(r) for g in got for r in g[0]]
+    return res, max(g[2] for g in got) - min(g[1] for g in got), sum(g[3] for g in got)
+
+
+def _client_proc(port: int, prompts: list, new: int, kind: str, barrier: Any, out: Any) -> None:
+    _load_part(port, prompts[:1], 2, kind)  # warm-up: the client's first call is not measured
+    barrier.wait()
+    t0, c0 = time.time(), os.times()
+    res, wall = _load_part(port, prompts, new, kind)
+    c1 = os.times()
+    cpu = (c1.user - c0.user) + (c1.system - c0.system)
+    out.put(([r if not isinstance(r, BaseException) else repr(r) for r in res], t0, t0 + wall, cpu))
+
+
+def _load_part(port: int, prompts: list[list[int]], new: int, kind: str) -> tuple[list, float]:
+    import httpx
 
     async def run() -> tuple[list, float]:
         if kind == "openai":
@@ -234,7 +267,7 @@ def _load(port: int, streams: int, new: int, kind: str) -> tuple[list, float]:
                                         max_retries=0, timeout=600)  # fmt: skip
             coros = [_stream_openai(client, p, new) for p in prompts]
         else:
-            limits = httpx.Limits(max_connections=streams + 8)
+            limits = httpx.Limits(max_connections=len(prompts) + 8)
             client = httpx.AsyncClient(timeout=600, limits=limits)
             url = f"http://127.0.0.1:{port}/v1/completions"
             coros = [_stream_httpx(client, url, p, new) for p in prompts]
@@ -282,9 +315,8 @@ def run_round(src: str, args: argparse.Namespace, profile: str | None) -> dict[s
         kids = _children(proc.pid)
         api0 = _cpu_s(proc.pid)
         eng0 = sum(_cpu_s(k) for k in kids)
-        me0 = os.times()
-        res, wall = _load(port, args.streams, args.tokens, args.client)
-        me1 = os.times()
+        res, wall, client_cpu = _load(port, args.streams, args.tokens, args.client,
+                                      args.client_procs)  # fmt: skip
         api1 = _cpu_s(proc.pid)
         eng1 = sum(_cpu_s(k) for k in kids)
     finally:
@@ -300,7 +332,6 @@ def run_round(src: str, args: argparse.Namespace, profile: str | None) -> dict[s
     if errs:
         print(f"  {len(errs)} errors, e.g. {errs[0]!r}", file=sys.stderr)
     per = 1e6 / max(tokens, 1)
-    client_cpu = (me1.user - me0.user) + (me1.system - me0.system)
     chunks = sum(r[2] for r in ok)
     return {"tok_s": tokens / wall, "tpot50": tpots[len(tpots) // 2],
             "tok_per_chunk": tokens / max(chunks, 1), "api_us_chunk": (api1 - api0) * 1e6 / max(chunks, 1),
@@ -317,6 +348,8 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=0.0,
                     help="the fake engine's step time (0: as fast as it goes)")  # fmt: skip
     ap.add_argument("--client", choices=("httpx", "openai"), default="httpx")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="spread the streams over this many client processes")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline-src", default=None, metavar="DIR",
                     help="another checkout's src, run interleaved with this one")  # fmt: skip
@@ -338,7 +371,8 @@ def main() -> int:
         run_round(mine, args, args.profile)
         print(f"cProfile of the API process: {args.profile}/api_top.txt", file=sys.stderr)
     print(f"\n# serve API cost: {args.streams} streams x {args.tokens} tokens, fake engine step "
-          f"{args.step_ms} ms, {args.client} clients, {os.cpu_count()} CPUs, medians of "
+          f"{args.step_ms} ms, {args.client} clients in {args.client_procs} process(es), "
+          f"{os.cpu_count()} CPUs, medians of "
           f"{args.rounds} rounds\n")  # fmt: skip
     print(
         "| src | output tok/s | TPOT p50 ms | API µs/token | engine proc µs/token "
