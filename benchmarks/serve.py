@@ -1224,6 +1224,16 @@ def _drive(port: int, prompts: list[list[int]], new: int, per_proc: int = 8) -> 
             "ttft99": pct(ttft, 0.99)}  # fmt: skip
 
 
+def _server_steps(port: int) -> tuple[float, float]:
+    """(seconds inside engine steps, steps) as the server's /metrics reports them."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    vals = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("lmforge_"))
+    return (float(vals["lmforge_engine_step_seconds_sum"]),
+            float(vals["lmforge_engine_step_seconds_count"]))  # fmt: skip
+
+
 def _child_inprocess_server(ckpt: str, port: int) -> None:
     """The same checkpoint served with the engine in a thread of the server's process
     (:class:`EngineLoop`): the in-process peer of the engine process on the CPU."""
@@ -1288,11 +1298,15 @@ def bench_server(quick: bool) -> None:
         _drive(port, prompts[:4], 16)  # warm-up
         if port2 is not None:
             _drive(port2, prompts[:4], 16)
+        steps = [_server_steps(port)]  # the engine's own step inside the server's process
         for _ in range(3 if quick else 5):  # interleaved: both see the same machine load
             singles.append(_drive(port, prompts[:1], new)["tpot50"])
+            steps.append(_server_steps(port))
             if port2 is not None:
                 inprocs.append(_drive(port2, prompts[:1], new)["tpot50"])
+                steps.append(_server_steps(port))
         load = _drive(port, prompts, new)
+        steps.append(_server_steps(port))
     finally:
         _stop(proc)
         if child is not None:
@@ -1305,6 +1319,13 @@ def bench_server(quick: bool) -> None:
         torch.cuda.empty_cache()
     peer_ms, peer_name = _peer_decode(shape, prompts[0], new, compile=cuda)
     _line(f"Engine(model) chose: {summary}")
+
+    def step_ms(a: tuple[float, float], b: tuple[float, float]) -> float:
+        return 1e3 * (b[0] - a[0]) / max(b[1] - a[1], 1)
+
+    _line(f"engine step inside `lmforge serve` (its /metrics): {step_ms(steps[0], steps[-2]):.3f} "
+          f"ms over the single-stream runs (TPOT minus this: the hand-off), "
+          f"{step_ms(steps[-2], steps[-1]):.3f} ms over the {n_streams}-stream load")  # fmt: skip
     _line(f"64 streams: TTFT p50 / p99 {load['ttft50']:.0f} / {load['ttft99']:.0f} ms, "
           f"TPOT p99 {load['tpot99']:.2f} ms" if n_streams == 64 else
           f"{n_streams} streams: TTFT p50 {load['ttft50']:.0f} ms")  # fmt: skip
