@@ -632,3 +632,20 @@ def test_echo_and_text_offset(server: _Server) -> None:
                                    logprobs=1, stream=True, extra_body={"ignore_eos": True}):  # fmt: skip
         stream_offsets += ch.choices[0].logprobs.text_offset
     assert stream_offsets == offsets
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize(
+    "text", ["", "hello", ' a "quoted"\n\\ line', "caf\u00e9 \u2603 \U0001f600"]
+)
+@pytest.mark.parametrize("finish", [None, "stop", "length"])
+def test_streamed_choice_bytes_equal_json_dumps(chat: bool, text: str, finish: str | None) -> None:
+    """The streaming fast path's choice bytes are exactly json.dumps of the dict it replaces."""
+    from lmforge.serve.server import _choice_json
+
+    if chat:
+        delta = {"content": text} if text or finish is None else {}
+        ref = {"index": 3, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        ref = {"index": 3, "text": text, "logprobs": None, "finish_reason": finish}
+    assert _choice_json(3, text, finish, chat) == json.dumps(ref).encode()

@@ -255,3 +255,38 @@ def test_cli_serve_prints_the_choice_and_sigterm_drains(checkpoint: str) -> None
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_step_message_round_trip() -> None:
+    """pack_step / unpack_step (the engine process's per-step message) lose nothing: several
+    tokens per sample, n > 1, top logprobs, finish reasons, errors, empty deltas."""
+    from lmforge.serve.engine_process import pack_step, unpack_step
+    from lmforge.serve.output import Delta, SampleDelta
+
+    items = [
+        ("a", False, None, 200, [(0, [5], [-0.25], [], None)]),
+        (
+            "b",
+            True,
+            None,
+            200,
+            [
+                (
+                    1,
+                    [7, 8, 9],
+                    [-1.0, -2.5, -0.125],
+                    [{7: -1.0}, {8: -2.5, 3: -3.0}, {9: -0.125}],
+                    "length",
+                ),
+                (0, [], [], [], "stop"),
+            ],
+        ),
+        ("c", True, "the queue is full", 429, []),
+        ("d", False, None, 200, []),
+    ]
+    want = [
+        (rid, Delta([SampleDelta(*s) for s in samples], fin, err, status))
+        for rid, fin, err, status, samples in items
+    ]
+    assert unpack_step(pack_step(items)) == want
+    assert unpack_step(pack_step([])) == []

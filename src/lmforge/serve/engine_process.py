@@ -15,7 +15,7 @@ Layout (one pipe each way, pickled messages, batched)::
   sender thread ships as one message (a prompt bigger than the pipe's buffer cannot block the
   event loop). The child drains every message between two steps.
 - After each step the child sends one message with every request's new ids and logprobs
-  (:class:`~lmforge.serve.output.Delta`, as tuples) and its counters (for ``/metrics`` and the
+  (:class:`~lmforge.serve.output.Delta`, packed as flat arrays by :func:`pack_step`) and its counters (for ``/metrics`` and the
   429 check). The event loop reads it when the pipe is readable (``add_reader``: no thread
   hop) and puts each delta on its request's queue.
 - Text and stop strings are the parent's (:mod:`lmforge.serve.output`); the child is ids-only.
@@ -32,20 +32,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
 import uuid
+from array import array
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from lmforge.serve.output import Delta, DeltaTracker, SampleDelta, engine_counts
 from lmforge.serve.sampling import SamplingParams
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["EngineProcess", "EngineSpec"]
+__all__ = ["EngineProcess", "EngineSpec", "pack_step", "unpack_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,9 @@ class EngineSpec:
     "keyword arguments of :func:`lmforge.serve.loading.load_for_serving` (the model source)"
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     "keyword arguments of :class:`lmforge.serve.engine.Engine` besides the model (no tokenizer)"
+    builder: Callable[[EngineSpec], tuple[Any, dict[str, Any]]] | None = None
+    "builds ``(engine, info)`` in the child instead of loading a model (a module-level function:"
+    " it is pickled by name); ``benchmarks/serve_api_cost.py`` plugs a fake engine in here"
 
 
 class EngineProcess:
@@ -247,13 +253,14 @@ class EngineProcess:
             while len(self._tokens_window) > 4096:
                 self._tokens_window.popleft()
         self._counts = counts
-        for rid, finished, error, status, samples in deltas:
-            queue = self._queues.get(rid)
+        queues = self._queues
+        for rid, delta in unpack_step(deltas):
+            queue = queues.get(rid)
             if queue is None:
                 continue  # aborted meanwhile
-            if finished:
-                del self._queues[rid]
-            queue.put_nowait(Delta([SampleDelta(*s) for s in samples], finished, error, status))
+            if delta.finished:
+                del queues[rid]
+            queue.put_nowait(delta)
 
     def _child_died(self) -> None:
         if self._aloop is not None and self._conn is not None:
@@ -268,6 +275,57 @@ class EngineProcess:
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             queue.put_nowait(Delta([], True, self.error, 500))
+
+
+# ---------------------------------------------------------------------- the step message
+_FINISH = (None, "stop", "length")
+
+
+def pack_step(items: list[tuple]) -> tuple:
+    """One step's ``(rid, finished, error, status, samples)`` rows (``samples``: tuples of
+    :class:`SampleDelta`'s fields) as a few flat arrays: the ids and logprobs of 64 streams
+    become two ``bytes``, not 64 nested lists, so the API process's unpickling allocates a
+    handful of objects instead of hundreds (and triggers no collections). Inverse:
+    :func:`unpack_step`."""
+    rids, reqs, rows, toks, lps = [], array("q"), array("q"), array("q"), array("d")
+    errors: dict[int, str] = {}
+    tops: dict[int, list] = {}
+    for rid, finished, error, status, samples in items:
+        if error is not None:
+            errors[len(rids)] = error
+        rids.append(rid)
+        reqs.extend((int(finished), status, len(samples)))
+        for index, ids, lp, top, reason in samples:
+            if top:
+                tops[len(rows) // 3] = list(top)
+            rows.extend((index, len(ids), _FINISH.index(reason)))
+            toks.extend(ids)
+            lps.extend(lp)
+    return rids, reqs.tobytes(), rows.tobytes(), toks.tobytes(), lps.tobytes(), errors, tops
+
+
+def unpack_step(packed: tuple) -> list[tuple[str, Delta]]:
+    """``(rid, Delta)`` per request of a :func:`pack_step` message."""
+    rids, reqs_b, rows_b, toks_b, lps_b, errors, tops = packed
+    reqs, rows, toks, lps = array("q"), array("q"), array("q"), array("d")
+    reqs.frombytes(reqs_b)
+    rows.frombytes(rows_b)
+    toks.frombytes(toks_b)
+    lps.frombytes(lps_b)
+    reqs_l, rows_l, toks_l, lps_l = reqs.tolist(), rows.tolist(), toks.tolist(), lps.tolist()
+    out = []
+    row = pos = 0
+    for k, rid in enumerate(rids):
+        finished, status, n = reqs_l[3 * k : 3 * k + 3]
+        samples = []
+        for _ in range(n):
+            index, m, code = rows_l[3 * row : 3 * row + 3]
+            samples.append(SampleDelta(index, toks_l[pos : pos + m], lps_l[pos : pos + m],
+                                       tops.get(row, []), _FINISH[code]))  # fmt: skip
+            row += 1
+            pos += m
+        out.append((rid, Delta(samples, bool(finished), errors.get(k), status)))
+    return out
 
 
 # ---------------------------------------------------------------------- the child
@@ -287,6 +345,7 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
     except Exception as e:  # a bug while loading: one line to the parent, the trace here
         conn.send(("error", f"the engine process failed to start: {type(e).__name__}: {e}"))
         raise
+    gc.freeze()  # the model and engine live as long as the process: keep them out of collections
     adds = 0
     info["counts"] = {**engine_counts(engine), "adds": 0, "step_seconds": 0.0, "step_count": 0}
     conn.send(("ready", info))
@@ -352,12 +411,14 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
         counts = {**engine_counts(engine), "adds": adds, "step_seconds": step_seconds,
                   "step_count": step_count}  # fmt: skip
         try:
-            conn.send(("out", out, counts))
+            conn.send(("out", pack_step(out), counts))
         except (BrokenPipeError, OSError):
             return
 
 
 def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
+    if spec.builder is not None:
+        return spec.builder(spec)
     import torch
 
     from lmforge.serve.engine import Engine
