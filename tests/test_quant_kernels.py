@@ -96,9 +96,10 @@ else:
         x = _x(3, 128, torch.float32)
 
         def f(inp: torch.Tensor) -> torch.Tensor:
-            return torch.ops.lmforge_quant.int4_matmul(
-                inp, mod.qweight, mod.scales, mod.offsets, 32
-            ) * 2
+            return (
+                torch.ops.lmforge_quant.int4_matmul(inp, mod.qweight, mod.scales, mod.offsets, 32)
+                * 2
+            )
 
         compiled = torch.compile(f, fullgraph=True, backend="eager")
         torch.testing.assert_close(compiled(x), f(x))

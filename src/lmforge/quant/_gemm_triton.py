@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
-
 from lmforge.quant._gemv_triton import int8_block_k
 
 

@@ -124,5 +124,7 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
     """Replace the linears of ``model`` (those ``spec.skip`` leaves out excepted) by
     round-to-nearest quantized modules, in place; returns ``model``."""
     check_spec(model, spec)
-    new = {name: quantize_linear(m.weight, spec) for name, m in find_linears(model, spec.skip).items()}
+    new = {
+        name: quantize_linear(m.weight, spec) for name, m in find_linears(model, spec.skip).items()
+    }
     return replace_linears(model, new)
