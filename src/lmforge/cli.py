@@ -33,6 +33,7 @@ _STAGES: tuple[tuple[str, str], ...] = (
     ("lmforge.posttrain._cli", "post-train: SFT, DPO, RL (GRPO family, PPO), distillation"),
     ("lmforge.scaling._cli", "scaling laws: plan and run sweeps, fit and predict, muP coord check"),
     ("lmforge.probe._cli", "probe a model: causality of MoE routing and of KV-cache decoding"),
+    ("lmforge.quant._cli", "quantize weights (rtn, awq, gptq, smoothquant; int8/int4/fp8)"),
 )
 
 EPILOG = """examples:
