@@ -80,8 +80,14 @@ def save_quantized(
     from lmforge.config import RunConfig
     from lmforge.hf.api import HF_TOKENIZER_DIR
     from lmforge.hf.tokenizer import HFTokenizer
+    from lmforge.quant.formats import QuantEmbedding
     from lmforge.train import save_checkpoint
 
+    if any(isinstance(m, QuantEmbedding) for m in model.modules()):
+        raise LmforgeError(
+            "a model with a quantized embedding (a GGUF import) is not saved as a checkpoint: "
+            "serve the GGUF file directly, or quantize its dequantized import (--gguf)"
+        )
     modules = {n: _describe(m) for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     info = {
         "version": _VERSION,

@@ -43,6 +43,7 @@ __all__ = [
     "Fp8Linear",
     "Int4Linear",
     "Int8Linear",
+    "QuantEmbedding",
     "QuantLinear",
     "int4_codes",
     "int4_params",
@@ -99,6 +100,43 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_in={self.d_in}, d_out={self.d_out}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings read from a quantized (V, D) table: the looked-up rows are dequantized.
+
+    ``table`` is an :class:`Int8Linear` or :class:`Int4Linear` (a GGUF file's Q8_0/Q4 embedding);
+    with tied embeddings the LM head is that same module, so the matrix is held once, quantized.
+    The output dtype follows ``module.to(dtype)`` like a float embedding's (fp32 by default).
+    """
+
+    _probe: torch.Tensor
+
+    def __init__(self, table: QuantLinear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.d_out, table.d_in
+        # a float buffer that module.to(dtype) casts: it records the dtype to return
+        self.register_buffer("_probe", torch.zeros(0), persistent=False)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(...) long -> (..., D)."""
+        t = self.table
+        flat = token_ids.reshape(-1)  # (M,)
+        g = t.group_size  # type: ignore[attr-defined]
+        s = t.scales[flat].float().repeat_interleave(g, dim=1)  # (M, D)
+        if isinstance(t, Int4Linear):
+            q = unpack_int4(t.qweight[flat], g).float()  # (M, D)
+            if t.offsets is None:
+                rows = (q - 8.0) * s
+            else:
+                rows = q * s + t.offsets[flat].float().repeat_interleave(g, dim=1)
+        else:
+            rows = t.qweight[flat].float() * s  # (M, D)
+        return rows.to(self._probe.dtype).reshape(*token_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
