@@ -34,6 +34,7 @@ _STAGES: tuple[tuple[str, str], ...] = (
     ("lmforge.scaling._cli", "scaling laws: plan and run sweeps, fit and predict, muP coord check"),
     ("lmforge.probe._cli", "probe a model: causality of MoE routing and of KV-cache decoding"),
     ("lmforge.quant._cli", "quantize weights (rtn, awq, gptq, smoothquant; int8/int4/fp8)"),
+    ("lmforge.prune._cli", "prune a model (width or depth) to a parameter target"),
 )
 
 EPILOG = """examples:
