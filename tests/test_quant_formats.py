@@ -163,3 +163,22 @@ def test_group_not_dividing_the_width_is_one_line() -> None:
         quantize_model(model, QuantSpec("int4", 48))
     with pytest.raises(LmforgeError, match="unknown quantization format"):
         QuantSpec("int3")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_gpu_fast_paths_match_their_references(rows: int) -> None:
+    torch.manual_seed(7)
+    w = torch.randn(384, 512, device="cuda") * 0.05
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    mods = [Int4Linear.from_float(w, 128), Int4Linear.from_float(w, 64, symmetric=True)]
+    mods += [Int8Linear.from_float(w), Int8Linear.from_float(w, 32)]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        mods.append(Fp8Linear.from_float(w))
+    for m in mods:
+        with torch.no_grad():
+            got = m(x).float()
+            want = m.reference(x.float()).float()  # fp32 reference of the same rounding
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-2, (type(m).__name__, rel)

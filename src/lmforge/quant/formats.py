@@ -392,7 +392,7 @@ class Fp8Linear(QuantLinear):
             return self.reference(x)
         x = self._scaled_input(x)
         xq, sx = fp8_quantize_rows(_rows(x))  # (M, K) e4m3, (M, 1)
-        sw = self.scales.float().expand(self.d_out).reshape(1, self.d_out)  # (1, N)
+        sw = self.scales.float().expand(self.d_out).reshape(1, self.d_out).contiguous()  # (1, N)
         # row-wise scales (one per token, one per output channel) need a bf16 output
         y = torch._scaled_mm(
             xq, self.qweight.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16
