@@ -81,12 +81,13 @@ def _foldable(block: nn.Module, fold: str, first: str) -> bool:
 class ActStats:
     """Per-channel |x| statistics and a row sample of one group's input."""
 
-    def __init__(self, max_rows: int = 4096, seed: int = 0) -> None:
+    def __init__(self, max_rows: int = 4096, calls: int = 16, seed: int = 0) -> None:
         self.abs_sum: torch.Tensor | None = None
         self.abs_max: torch.Tensor | None = None
         self.count = 0
         self.rows: list[torch.Tensor] = []
         self.max_rows = max_rows
+        self.per_call = -(-max_rows // max(calls, 1))  # rows sampled from each add()
         self.seen = 0
         self.gen = torch.Generator().manual_seed(seed)
 
@@ -98,9 +99,8 @@ class ActStats:
         self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
         self.abs_max = m if self.abs_max is None else torch.maximum(self.abs_max, m)
         self.count += x.shape[0]
-        # a uniform sample of about max_rows rows: keep each batch's share (decided up front
-        # per batch, since the total is unknown: a fixed share of every batch)
-        take = min(x.shape[0], max(1, self.max_rows // 16))
+        # about max_rows rows over the expected number of calls, the same share from each
+        take = min(x.shape[0], self.per_call)
         idx = torch.randperm(x.shape[0], generator=self.gen)[:take]
         self.rows.append(xf[idx.to(x.device)].cpu())
         self.seen += 1

@@ -83,7 +83,7 @@ def _hessians(runner: BlockRunner, block: nn.Module, names: list[str]) -> dict[s
 
 
 def _stats(runner: BlockRunner, block: nn.Module, names: list[str]) -> dict[str, ActStats]:
-    stats = {n: ActStats() for n in names}
+    stats = {n: ActStats(calls=len(runner.states)) for n in names}
     runner.inputs_of(block, names, lambda n, x: stats[n].add(x))
     return stats
 
