@@ -382,8 +382,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_grad_enabled(False)
     out = {}
-    if args.part in ("quality", "all"):
+    if args.part == "quality" or (args.part == "all" and Path(args.gguf).is_file()):
         out["quality"] = quality(args)
+    elif args.part == "all":
+        print(f"quality part skipped: {args.gguf} not found (--gguf FILE)")
     if args.part in ("speed", "all"):
         out["speed"] = speed(args)
     if args.out:
