@@ -36,6 +36,8 @@ _STAGES: tuple[tuple[str, str], ...] = (
     ("lmforge.recipe._cli", "the whole system as one resumable recipe with a report card"),
     ("lmforge.recipe._download_cli", "download a pretrained model (SmolLM2-135M-Instruct GGUF)"),
     ("lmforge.vision._cli", "vision: CLIP/SigLIP pretraining, a LLaVA-style VLM, VQ-VAE tokens"),
+    ("lmforge.quant._cli", "quantize weights (rtn, awq, gptq, smoothquant; int8/int4/fp8)"),
+    ("lmforge.prune._cli", "prune a model (width or depth) to a parameter target"),
 )
 
 EPILOG = """examples:

@@ -34,7 +34,7 @@ from lmforge.model.config import ModelConfig
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write_text
 
-__all__ = ["GGUFModel", "dequantize", "load_gguf"]
+__all__ = ["GGUFModel", "GGUFTensor", "dequantize", "load_gguf", "read_gguf"]
 
 _BLOCK = 32  # weights per quantization block in Q4_0 / Q4_1 / Q8_0
 
@@ -278,6 +278,74 @@ def load_gguf(path: str | os.PathLike, context_length: int | None = None) -> GGU
         bos_token_id=None if bos is None else int(bos),
         chat_template=_field(reader, "tokenizer.chat_template"),
     )
+
+
+@dataclasses.dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file as stored (not dequantized), under its lmforge name."""
+
+    name: str
+    "lmforge state-dict name"
+    type_name: str
+    "GGUF type (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...)"
+    data: np.ndarray
+    "the reader's memory-mapped bytes (uint8 rows of blocks for quantized types)"
+    shape: tuple[int, ...]
+    "torch-order shape of the weights"
+    row_perm: torch.Tensor | None
+    "rows (or entries, for a 1-D tensor) to take in this order (Qwen3 q/k un-permutation), or None"
+
+
+def read_gguf(
+    path: str | os.PathLike, context_length: int | None = None
+) -> tuple[GGUFModel, list[GGUFTensor]]:
+    """Like :func:`load_gguf` without dequantizing anything: the metadata (``state`` left empty)
+    and every tensor as stored, so a caller can keep the quantized blocks
+    (:func:`lmforge.quant.import_gguf_quantized`). Same one-line errors as :func:`load_gguf`."""
+    from gguf import GGUFReader
+
+    from lmforge.hf.convert import _permute_heads, rope_permutation
+
+    p = Path(path)
+    if not p.is_file():
+        raise LmforgeError(f"GGUF file not found: {p}")
+    try:
+        reader = GGUFReader(str(p))
+    except Exception as e:  # the reader raises ValueError/struct errors on damaged files
+        raise LmforgeError(f"{p}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    cfg = _config(reader, str(p), context_length)
+    names = _names(cfg)
+    inv = torch.argsort(rope_permutation(cfg.head_dim))
+    tensors: list[GGUFTensor] = []
+    for t in reader.tensors:
+        lm = names.get(t.name)
+        if lm is None:
+            if t.name.startswith("rope_freqs"):
+                raise LmforgeError(f"{p}: GGUF RoPE frequency factors are not supported")
+            raise LmforgeError(f"{p}: unexpected tensor {t.name!r} (lmforge has no place for it)")
+        shape = tuple(int(x) for x in reversed(list(t.shape)))  # GGUF lists the inner dim first
+        perm = None
+        if cfg.qk_norm and (".attn_q" in t.name or ".attn_k" in t.name) and len(shape) == 2:
+            heads = cfg.n_heads if ".attn_q" in t.name else cfg.kv_heads
+            rows = torch.arange(shape[0]).reshape(shape[0], 1)
+            perm = _permute_heads(rows, heads, cfg.head_dim, inv).reshape(-1)
+        elif t.name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+            perm = inv
+        tensors.append(GGUFTensor(lm, t.tensor_type.name, t.data, shape, perm))
+    missing = sorted(set(names.values()) - {t.name for t in tensors})
+    if missing:
+        raise LmforgeError(f"{p}: tensor for {missing[0]!r} is missing")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    meta = GGUFModel(
+        config=cfg,
+        state={},
+        tokenizer_json=_tokenizer_json(reader),
+        eos_token_id=None if eos is None else int(eos),
+        bos_token_id=None if bos is None else int(bos),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+    return meta, tensors
 
 
 def write_tokenizer_folder(g: GGUFModel, out_dir: str | os.PathLike) -> Path:

@@ -1,0 +1,422 @@
+"""Quantization benchmark: quality on SmolLM2-135M-Instruct and decode speed at TinyLlama-1.1B shape.
+
+Part ``quality`` (CPU or GPU): the shipped SmolLM2-135M-Instruct GGUF (dequantized import: the
+float baseline, itself carrying the file's Q4_1 rounding) is quantized by the library's own
+``quantize_calibrated`` — the function ``lmforge quantize`` calls — with each method, and scored
+in bits per byte on WikiText-2 test (calibration on a Gutenberg book, so the two texts differ).
+Rows: fp32, bf16, int8 (per channel), int4 RTN / AWQ / GPTQ (group 64: SmolLM2's width 576 is
+not a multiple of 128), fp8 weight-only, fp8 W8A8 (dynamic per-token scales; ``torch._scaled_mm``
+on Hopper, emulated with the same rounding elsewhere).
+
+Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16), a gpt-fast-style static-cache
+decode step (one token per sequence, the model's own modules, CUDA-graph replayed) at batch 1
+(ms/token) and batch 64 (tokens/s) for bf16 / int8 / int4 (g128) / fp8 W8A8 linears; the floor
+is the bytes the step reads (weights + scales) / 4.27 TB/s. Peer in the same run: torchao's int4
+weight-only (``Int4WeightOnlyConfig``, group 128) when torchao imports, else the
+dequantize-then-matmul torch reference of Int4Linear (the table says which ran). Correctness first:
+each format's kernel path against a float64 product with its dequantized weights, and the
+decode step's logits against the eager reference model.
+
+    python benchmarks/quant.py --part quality --device cpu          # ~20 min on 2 CPU cores
+    python benchmarks/quant.py --part speed --out bench_out/quant    # H200, < 5 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from lmforge.quant import QuantSpec, quantize_calibrated  # noqa: E402
+from lmforge.quant.calib import calibration_tokens  # noqa: E402
+from lmforge.quant.formats import Int4Linear, QuantLinear  # noqa: E402
+
+SHARED = ROOT.parent / "shared"
+HBM_BYTES_PER_S = 4.27e12
+
+
+# ------------------------------------------------------------------------------ part (a): quality
+
+
+@torch.no_grad()
+def bits_per_byte(model, ids: torch.Tensor, n_bytes: int, seq_len: int, batch: int) -> float:
+    """Σ NLL (nats) over ids[1:] / ln 2 / bytes: windows of seq_len+1 tokens overlapping by one,
+    so every token after the first is predicted exactly once."""
+    dev = next(model.buffers()).device
+    n = (ids.numel() - 1) // seq_len
+    windows = torch.stack([ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
+    total = 0.0
+    for chunk in windows.split(batch):
+        chunk = chunk.to(dev)
+        logits = model(chunk[:, :-1]).float()  # (B, T, V)
+        total += F.cross_entropy(
+            logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
+        ).item()
+    return total / math.log(2) / n_bytes
+
+
+def quality(args: argparse.Namespace) -> list[dict]:
+    from lmforge.hf.gguf import import_gguf
+    from lmforge.model import TransformerLM
+
+    dev = args.device
+    text = Path(args.eval_text).read_text(encoding="utf-8")
+    base, tok, _ = import_gguf(args.gguf, context_length=max(args.seq_len, args.calib_seq_len) + 1)
+    ids = torch.tensor(tok.encode(text[: args.eval_tokens * 8]), dtype=torch.long)
+    n = (min(ids.numel() - 1, args.eval_tokens) // args.seq_len) * args.seq_len
+    ids = ids[: n + 1]
+    n_bytes = len(tok.decode(ids[1:].tolist()).encode("utf-8"))
+    calib = calibration_tokens(args.calib, tok, args.calib_samples, args.calib_seq_len)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    rows = []
+    g = args.group
+    configs = [
+        ("fp32", None, None),
+        ("bf16", None, None),
+        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None)),
+        (f"int4 rtn g{g}", "rtn", QuantSpec("int4", g)),
+        (f"int4 awq g{g}", "awq", QuantSpec("int4", g)),
+        (f"int4 gptq g{g}", "gptq", QuantSpec("int4", g)),
+        ("fp8 weight-only", "rtn", QuantSpec("fp8", fp8_activations="none")),
+        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8")),
+        ("fp8 W8A8 rtn", "rtn", QuantSpec("fp8")),
+    ]
+    ref_bpb = None
+    for name, method, spec in configs:
+        if args.only and not any(o in name for o in args.only):
+            continue
+        model = TransformerLM(base.config)  # a fresh float model for every row
+        model.load_state_dict(state)
+        model = model.to(dev).eval()
+        t0 = time.time()
+        if method is not None:
+            model = quantize_calibrated(model, spec, method, calib if method != "rtn" else None)
+        qtime = time.time() - t0
+        if name == "bf16":
+            model = model.to(torch.bfloat16)
+        bpb = bits_per_byte(model, ids, n_bytes, args.seq_len, args.batch)
+        ref_bpb = bpb if name == "fp32" else ref_bpb
+        wbytes = sum(
+            sum(b.numel() * b.element_size() for b in m.buffers())
+            if isinstance(m, QuantLinear)
+            else m.weight.numel() * m.weight.element_size()
+            for m in model.modules()
+            if isinstance(m, QuantLinear) or type(m).__name__ == "Linear"
+        )
+        row = {"config": name, "bpb": bpb, "linear_MB": wbytes / 1e6, "quantize_s": qtime}
+        if ref_bpb is not None:
+            row["vs_fp32_%"] = 100 * (bpb / ref_bpb - 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+# -------------------------------------------------------------------------------- part (b): speed
+
+
+def tinyllama_config():
+    from lmforge.model import ModelConfig
+
+    return ModelConfig(
+        vocab_size=32000, context_length=2048, d_model=2048, n_layers=22, n_heads=32,
+        n_kv_heads=4, d_ff=5632, rope_theta=10000.0, norm_eps=1e-5, attention="sdpa",
+    )  # fmt: skip
+
+
+class StaticDecoder:
+    """gpt-fast-style decode: static (L, B, K, S, E) caches, one token per row per step, the
+    model's own modules (so quantized linears run as they would anywhere), CUDA-graph replay."""
+
+    def __init__(self, model, batch: int, max_len: int) -> None:
+        cfg = model.config
+        self.model, self.b, self.max_len = model, batch, max_len
+        dev = next(model.buffers()).device
+        shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, int(cfg.head_dim))
+        self.k = torch.zeros(shape, device=dev, dtype=torch.bfloat16)
+        self.v = torch.zeros(shape, device=dev, dtype=torch.bfloat16)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graph = None
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        m, cfg = self.model, self.model.config
+        b = self.b
+        h, kh, e = cfg.n_heads, cfg.kv_heads, int(cfg.head_dim)
+        x = m.token_embeddings(self.tok).to(torch.bfloat16)  # (B, 1, D)
+        slots = torch.arange(self.max_len, device=x.device)
+        mask = (slots <= self.pos)[None, None, None, :]  # (1, 1, 1, S)
+        for i, layer in enumerate(m.layers):
+            attn = layer.attn
+            y = layer.ln1(x)
+            q = attn.q_proj(y).view(b, 1, h, e).transpose(1, 2)  # (B, H, 1, E)
+            k = attn.k_proj(y).view(b, 1, kh, e).transpose(1, 2)  # (B, K, 1, E)
+            v = attn.v_proj(y).view(b, 1, kh, e).transpose(1, 2)  # (B, K, 1, E)
+            q, k = attn.rope(q, self.pos), attn.rope(k, self.pos)
+            self.k[i].index_copy_(2, self.pos, k)
+            self.v[i].index_copy_(2, self.pos, v)
+            o = F.scaled_dot_product_attention(
+                q, self.k[i], self.v[i], attn_mask=mask, enable_gqa=True
+            )  # (B, H, 1, E)
+            x = x + attn.output_proj(o.transpose(1, 2).reshape(b, 1, h * e))
+            x = x + layer.ffn(layer.ln2(x))
+        return m.lm_head(m.ln_final(x))  # (B, 1, V)
+
+    def capture(self) -> None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.step()
+
+    def time_ms(self, steps: int, reps: int) -> float:
+        """Median ms per step over ``reps`` runs of ``steps`` replays (CUDA events)."""
+        times = []
+        for _ in range(reps):
+            self.pos.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                self.graph.replay()
+                self.pos.add_(1)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / steps)
+        return statistics.median(times)
+
+
+def _bytes_read(model) -> int:
+    """Bytes a decode step reads from the linears (codes, scales, offsets; bf16 weights)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            total += m.weight_bytes()
+        elif type(m).__name__ in ("Linear",) and hasattr(m, "weight"):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def _check_format(spec: QuantSpec, dev: str) -> float:
+    """Max relative error of the module's fast path vs float64 with its dequantized weights."""
+    from lmforge.quant.apply import quantize_linear
+
+    w = torch.randn(2048, 5632, device=dev) * 0.02
+    m = quantize_linear(w, spec)
+    worst = 0.0
+    for rows in (1, 8, 64):
+        x = torch.randn(rows, 5632, device=dev, dtype=torch.bfloat16)
+        got = m(x).double()
+        xin = x.double()
+        if spec.format == "fp8" and spec.fp8_activations == "dynamic":
+            from lmforge.quant.formats import fp8_quantize_rows
+
+            xq, sx = fp8_quantize_rows(x)
+            xin = xq.double() * sx.double()
+        want = xin @ m.dequantize().double().t()
+        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+def _model(kind: str, dev: str):
+    from lmforge.model import TransformerLM
+    from lmforge.quant import quantize_model
+
+    torch.manual_seed(0)
+    model = TransformerLM(tinyllama_config(), device=dev)
+    spec = {
+        "int8": QuantSpec("int8", None),
+        "int4": QuantSpec("int4", 128),
+        "fp8": QuantSpec("fp8"),
+        "int4-torch-ref": QuantSpec("int4", 128),
+    }.get(kind)
+    if spec is not None:
+        quantize_model(model, spec)
+    model = model.to(torch.bfloat16).eval()
+    if kind == "int4-torch-ref":
+        for mod in model.modules():
+            if isinstance(mod, Int4Linear):
+                mod.forward = mod.reference  # the dequantize-then-matmul torch path
+    if kind == "torchao-int4":
+        from torchao.quantization import Int4WeightOnlyConfig, quantize_
+
+        _to_nn_linear(model)
+        quantize_(model, Int4WeightOnlyConfig(group_size=128))
+    return model
+
+
+def _to_nn_linear(model) -> None:
+    from torch import nn
+
+    from lmforge.model.layers import Linear
+
+    for name, m in list(model.named_modules()):
+        if type(m) is Linear and name != "lm_head":
+            lin = nn.Linear(
+                m.d_in, m.d_out, bias=False, device=m.weight.device, dtype=m.weight.dtype
+            )
+            lin.weight = m.weight
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, lin)
+
+
+def speed(args: argparse.Namespace) -> list[dict]:
+    assert torch.cuda.is_available(), "the speed part needs CUDA"
+    dev = "cuda"
+    print("correctness (kernel path vs float64, rel. max error):")
+    for spec in (
+        QuantSpec("int8", None),
+        QuantSpec("int4", 128),
+        QuantSpec("int4", 128, symmetric=True),
+        QuantSpec("fp8"),
+    ):
+        err = _check_format(spec, dev)
+        ok = err < (0.03 if spec.format == "fp8" else 0.01)
+        print(
+            f"  {spec.format} g{spec.group_size} sym={spec.symmetric}: {err:.2e} {'ok' if ok else 'FAIL'}"
+        )
+        assert ok
+    kinds = ["bf16", "int8", "int4", "fp8"]
+    try:
+        import torchao  # noqa: F401
+
+        peer = "torchao-int4"
+    except Exception as e:
+        print(f"torchao not usable ({type(e).__name__}: {e}); peer = int4 torch dequant reference")
+        peer = "int4-torch-ref"
+    kinds.append(peer)
+    rows = []
+    ref_logits = None
+    for kind in kinds:
+        try:
+            model = _model(kind, dev)
+        except Exception as e:
+            print(f"{kind}: could not build ({type(e).__name__}: {e})")
+            continue
+        wbytes = _bytes_read(model)
+        if kind == "torchao-int4" and rows:  # its tensor subclass reports logical bf16 sizes:
+            wbytes = next(r["weight_MB"] for r in rows if r["format"] == "int4") * 1e6  # ~same
+        row = {
+            "format": kind,
+            "weight_MB": wbytes / 1e6,
+            "floor_ms": wbytes / HBM_BYTES_PER_S * 1e3,
+        }
+        for batch in (1, 64):
+            dec = StaticDecoder(model, batch, args.max_len)
+            dec.tok.copy_(
+                torch.randint(0, 32000, (batch, 1), generator=torch.Generator().manual_seed(1))
+            )
+            if batch == 1:  # correctness of the step: logits vs the model's own eager forward
+                logits = dec.step()[0, 0].float()
+                eager = model(dec.tok[:1])[0, -1].float()
+                rel = ((logits - eager).norm() / eager.norm()).item()
+                row["step_vs_forward_rel"] = rel
+                assert rel < 0.05, f"{kind}: decode step disagrees with the forward ({rel:.3f})"
+                if kind == "bf16":
+                    ref_logits = eager
+                elif ref_logits is not None:
+                    row["logits_vs_bf16_rel"] = (
+                        (eager - ref_logits).norm() / ref_logits.norm()
+                    ).item()
+                dec.pos.zero_()
+            dec.capture()
+            ms = dec.time_ms(args.steps, args.reps)
+            if batch == 1:
+                row["b1_ms_per_token"] = ms
+            else:
+                row["b64_tokens_per_s"] = batch / ms * 1e3
+            del dec
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--part", choices=["quality", "speed", "all"], default="all")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--gguf", default=str(SHARED / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--eval-text", default=str(SHARED / "data/text/wikitext2/test.txt"))
+    p.add_argument("--calib", default=str(SHARED / "data/text/gutenberg/Austen_Emma.txt"))
+    p.add_argument("--eval-tokens", type=int, default=16384)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--calib-samples", type=int, default=64)
+    p.add_argument("--calib-seq-len", type=int, default=256)
+    p.add_argument("--group", type=int, default=64)
+    p.add_argument(
+        "--only", nargs="*", default=None, help="quality rows whose name contains one of these"
+    )
+    p.add_argument("--max-len", type=int, default=512, help="speed: KV-cache slots")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_grad_enabled(False)
+    out = {}
+    if args.part == "quality" or (args.part == "all" and Path(args.gguf).is_file()):
+        out["quality"] = quality(args)
+    elif args.part == "all":
+        print(f"quality part skipped: {args.gguf} not found (--gguf FILE)")
+    if args.part in ("speed", "all"):
+        out["speed"] = speed(args)
+    if args.out:
+        d = Path(args.out)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "quant.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(
+        f"\ntorch {torch.__version__}, device {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "")
+    )
+    if "quality" in out:
+        print("\nSmolLM2-135M-Instruct, WikiText-2 test bits per byte (calibration: Gutenberg)")
+        print(_table(out["quality"], ["config", "bpb", "vs_fp32_%", "linear_MB", "quantize_s"]))
+    if "speed" in out:
+        print(
+            f"\nTinyLlama-1.1B shape, random weights, static-cache decode + CUDA graph; floor = bytes / {HBM_BYTES_PER_S / 1e12} TB/s"
+        )
+        print(
+            _table(
+                out["speed"],
+                [
+                    "format",
+                    "weight_MB",
+                    "floor_ms",
+                    "b1_ms_per_token",
+                    "b64_tokens_per_s",
+                    "logits_vs_bf16_rel",
+                ],
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""GGUF files served quantized: Q8_0, Q4_0 and Q4_1 blocks become lmforge's formats as they are.
+
+The three llama.cpp block formats are lmforge formats at group size 32 with the same bytes:
+
+- ``Q8_0`` (fp16 d, 32 int8 q; w = d·q) → :class:`~lmforge.quant.Int8Linear`, group 32;
+- ``Q4_0`` (fp16 d, 16 bytes of nibbles; w = d·(q − 8)) → symmetric :class:`~lmforge.quant.Int4Linear`;
+- ``Q4_1`` (fp16 d, fp16 m, 16 bytes; w = d·q + m) → asymmetric Int4Linear with offsets m.
+
+A block's nibble order (low nibbles = weights 0..15, high = 16..31) is Int4Linear's per-group
+half-split layout, so the codes are copied without repacking and nothing is ever dequantized to
+float: the model holds about the file's bytes (plus fp32 norms and the RoPE tables). A quantized
+token embedding becomes a :class:`~lmforge.quant.formats.QuantEmbedding` (rows dequantized on
+lookup), shared with the LM head when the file ties them. Float tensors (F32/F16/BF16) load as
+fp32. K-quants and other types: one line naming the type. Exercised by
+``pytest tests/test_quant_gguf.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lmforge.quant.formats import Int4Linear, Int8Linear, QuantEmbedding, QuantLinear
+from lmforge.utils.errors import LmforgeError
+
+__all__ = ["gguf_linear", "import_gguf_quantized"]
+
+_QUANT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 weights
+_FLOAT = ("F32", "F16", "BF16")
+
+
+def gguf_linear(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantLinear:
+    """The module holding one quantized GGUF matrix (N, K) as stored (no float copy)."""
+    n, k = shape
+    size = _QUANT.get(type_name)
+    if size is None:
+        raise LmforgeError(
+            f"GGUF tensor type {type_name} cannot be served quantized (Q8_0, Q4_0, Q4_1)"
+        )
+    if k % 32:
+        raise LmforgeError(f"GGUF {type_name} matrix of width {k} is not whole blocks of 32")
+    # one copy of the stored bytes out of the read-only memory map (torch wants writable arrays)
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8).reshape(n, k // 32, size))
+    d = raw[:, :, 0:2].contiguous().view(torch.float16)[..., 0]  # (N, K/32)
+    if type_name == "Q8_0":
+        m = Int8Linear(k, n, 32)
+        m.qweight = raw[:, :, 2:].contiguous().view(torch.int8).reshape(n, k)  # (N, K)
+        m.scales = d.clone()
+        return m
+    if type_name == "Q4_0":
+        m4 = Int4Linear(k, n, 32, symmetric=True)
+        m4.qweight = raw[:, :, 2:].reshape(n, k // 2).clone()  # (N, K/2): the same nibbles
+        m4.scales = d.clone()
+        return m4
+    m4 = Int4Linear(k, n, 32, symmetric=False)
+    m4.offsets = raw[:, :, 2:4].contiguous().view(torch.float16)[..., 0].clone()  # (N, K/32)
+    m4.qweight = raw[:, :, 4:].reshape(n, k // 2).clone()  # (N, K/2)
+    m4.scales = d.clone()
+    return m4
+
+
+def _permuted(m: QuantLinear, rows: torch.Tensor) -> QuantLinear:
+    # output rows are independent: reorder every per-row buffer
+    for name, buf in list(m._buffers.items()):
+        if buf is not None and buf.dim() == 2:
+            m._buffers[name] = buf[rows].contiguous()
+    return m
+
+
+def import_gguf_quantized(
+    path: str | os.PathLike, *, context_length: int | None = None, device: str = "cpu"
+) -> tuple[nn.Module, Any]:
+    """``(TransformerLM with quantized linears, tokenizer or None)`` from a GGUF file; the chat
+    template is in the tokenizer folder's ``tokenizer_config.json``."""
+    from lmforge.hf.gguf import dequantize, read_gguf, write_tokenizer_folder
+    from lmforge.hf.tokenizer import load_hf_tokenizer
+    from lmforge.model import RotaryEmbedding, TransformerLM
+
+    meta, tensors = read_gguf(path, context_length)
+    cfg = meta.config
+    model = TransformerLM(cfg, device="meta")
+    state: dict[str, torch.Tensor] = {}
+    quant: dict[str, QuantLinear] = {}
+    for t in tensors:
+        if t.type_name in _FLOAT or len(t.shape) == 1:
+            w = torch.from_numpy(dequantize(t.data, t.type_name, t.shape).copy())
+            if t.row_perm is not None:
+                w = w[t.row_perm].contiguous()
+            state[t.name] = w
+            continue
+        m = gguf_linear(t.data, t.type_name, t.shape)  # type: ignore[arg-type]
+        if t.row_perm is not None:
+            m = _permuted(m, t.row_perm)
+        quant[t.name.removesuffix(".weight")] = m
+    emb = quant.pop("token_embeddings", None)
+    if emb is not None:
+        model.token_embeddings = QuantEmbedding(emb)
+        if cfg.tie_embeddings:
+            model.lm_head = emb  # the one quantized matrix, read by the lookup and the head
+    elif cfg.tie_embeddings:
+        state["lm_head.weight"] = state["token_embeddings.weight"]
+    for name, m in quant.items():  # not replace_linears: it would move them to the meta device
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, m)
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as e:
+        raise LmforgeError(f"{path}: {' '.join(str(e).split())[:300]}") from None
+    if emb is None and cfg.tie_embeddings:
+        model.tie_weights()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # non-persistent tables: build them for real
+            module.cos = torch.empty_like(module.cos, device="cpu")
+            module.sin = torch.empty_like(module.sin, device="cpu")
+            module.reset_parameters()
+        elif isinstance(module, QuantEmbedding):
+            module._probe = torch.zeros(0)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise LmforgeError(f"{path}: no tensor for {left[0]!r}")
+    model.to(device).eval()
+    tokenizer = None
+    if meta.tokenizer_json is not None:
+        folder = Path(tempfile.mkdtemp(prefix="lmforge-gguf-tok-"))
+        write_tokenizer_folder(meta, folder)
+        tokenizer = load_hf_tokenizer(folder)
+    return model, tokenizer

@@ -1,0 +1,184 @@
+"""Quantized weight formats: pack/unpack round trips, dequantization error bounds, each module's
+forward against its dequantize-then-matmul reference, dtype-keeping moves, quantize_model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.quant import Fp8Linear, Int4Linear, Int8Linear, QuantSpec, quantize_model
+from lmforge.quant.formats import (
+    fp8_quantize_rows,
+    int4_codes,
+    int4_params,
+    pack_int4,
+    unpack_int4,
+)
+from lmforge.utils import LmforgeError
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    groups=st.integers(1, 4),
+    group=st.sampled_from([2, 8, 32, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_pack_unpack_round_trip(rows: int, groups: int, group: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (rows, groups * group), generator=g, dtype=torch.uint8)
+    packed = pack_int4(codes, group)
+    assert packed.shape == (rows, groups * group // 2) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed, group), codes)
+
+
+def test_int4_layout_is_half_split_per_group() -> None:
+    # byte i of a group: low nibble = column i, high nibble = column G/2 + i (GGUF's Q4 layout)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(1, 2)  # (1, 32): 0..15, 0..15
+    packed = pack_int4(codes, 32)
+    assert packed[0, 0].item() == 0 | (0 << 4) and packed[0, 1].item() == 1 | (1 << 4)
+    codes = torch.cat([torch.zeros(1, 16), torch.full((1, 16), 15)], 1).to(torch.uint8)
+    assert torch.all(pack_int4(codes, 32) == 0xF0)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_error_is_at_most_half_a_step(symmetric: bool, group: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(24, 256)
+    m = Int4Linear.from_float(w, group, symmetric)
+    s = m.scales.float().repeat_interleave(group, 1)  # (N, K)
+    err = (m.dequantize() - w).abs()
+    # half a step, plus the fp16 rounding of the stored offset (asymmetric)
+    slack = 0 if symmetric else m.offsets.float().abs().repeat_interleave(group, 1) * 2**-10
+    assert torch.all(err <= s / 2 + slack + 1e-6)
+    assert (m.offsets is None) == symmetric
+    assert m.qweight.numel() == w.numel() // 2
+
+
+def test_int4_reference_formula() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(8, 64)
+    s, off = int4_params(w, 32, symmetric=False)
+    q = int4_codes(w, s, off, 32).float()  # (8, 64)
+    want = q * s.float().repeat_interleave(32, 1) + off.float().repeat_interleave(32, 1)
+    m = Int4Linear.from_float(w, 32)
+    torch.testing.assert_close(m.dequantize(), want, rtol=0, atol=0)
+    x = torch.randn(3, 5, 64)
+    torch.testing.assert_close(m(x), x @ want.t(), rtol=1e-5, atol=1e-5)
+    sym = Int4Linear.from_float(w, 32, symmetric=True)
+    qs = sym.codes().float()
+    want_s = (qs - 8) * sym.scales.float().repeat_interleave(32, 1)
+    torch.testing.assert_close(sym.dequantize(), want_s, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_error_and_forward(group: int | None) -> None:
+    torch.manual_seed(2)
+    w = torch.randn(16, 96)
+    m = Int8Linear.from_float(w, group)
+    g = 96 if group is None else group
+    assert m.scales.shape == (16, 96 // g)
+    s = m.scales.float().repeat_interleave(g, 1)
+    assert torch.all((m.dequantize() - w).abs() <= s / 2 + 1e-6)
+    assert m.qweight.abs().max() <= 127
+    x = torch.randn(4, 96)
+    torch.testing.assert_close(m(x), x @ m.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8_weight_only_and_w8a8_reference(per_channel: bool) -> None:
+    torch.manual_seed(3)
+    w = torch.randn(32, 64)
+    m = Fp8Linear.from_float(w, per_channel, activations="none")
+    assert m.qweight.dtype == torch.float8_e4m3fn
+    assert m.scales.shape == ((32,) if per_channel else (1,))
+    # e4m3 has 3 mantissa bits: relative error ≤ 2^-4 (normal range)
+    rel = ((m.dequantize() - w).abs() / w.abs().clamp_min(1e-2)).max()
+    assert rel <= 2**-4 + 1e-6
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(m(x), x @ m.dequantize().t(), rtol=1e-5, atol=1e-5)
+    a = Fp8Linear.from_float(w, per_channel, activations="dynamic")
+    xq, sx = fp8_quantize_rows(x)
+    assert sx.shape == (5, 1) and xq.float().abs().max() <= 448
+    want = (xq.float() * sx) @ a.dequantize().t()
+    torch.testing.assert_close(a(x), want, rtol=1e-5, atol=1e-5)
+    assert (a(x) - x @ w.t()).abs().max() < 0.15 * (x @ w.t()).abs().max()
+
+
+def test_input_scale_is_divided_out() -> None:
+    torch.manual_seed(4)
+    w = torch.randn(8, 64)
+    scale = torch.rand(64) + 0.5
+    m = Int8Linear.from_float(w * scale)  # W' = W·diag(s), x' = x / s: same product
+    m.set_input_scale(scale)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(m(x), (x / scale) @ m.dequantize().t(), rtol=1e-5, atol=1e-5)
+    exact = x @ w.t()
+    assert (m(x) - exact).norm() < 0.02 * exact.norm()
+
+
+def test_buffers_keep_their_dtypes_under_model_to() -> None:
+    w = torch.randn(16, 64)
+    mods = [Int8Linear.from_float(w), Int4Linear.from_float(w, 32), Fp8Linear.from_float(w)]
+    for m in mods:
+        before = {k: v.dtype for k, v in m.named_buffers()}
+        m.to(torch.bfloat16)
+        assert {k: v.dtype for k, v in m.named_buffers()} == before
+        x = torch.randn(2, 64, dtype=torch.bfloat16)
+        assert m(x).dtype == torch.bfloat16
+
+
+def _tiny() -> TransformerLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, context_length=32, d_model=64, n_layers=2, n_heads=4, d_ff=128)
+    return TransformerLM(cfg).eval()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [QuantSpec("int8", None), QuantSpec("int4", 32), QuantSpec("fp8", fp8_activations="none")],
+)
+def test_quantize_model_swaps_linears_in_place(spec: QuantSpec) -> None:
+    model = _tiny()
+    ids = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        ref = model(ids)
+        quantize_model(model, spec)
+        got = model(ids)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert type(model.lm_head).__name__ == "Linear"  # skipped by default
+    assert {"Int8Linear", "Int4Linear", "Fp8Linear"} & kinds
+    assert not any(type(m).__name__ == "Linear" for m in model.layers.modules())
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < {"int4": 0.15, "int8": 0.01, "fp8": 0.06}[spec.format]
+
+
+def test_group_not_dividing_the_width_is_one_line() -> None:
+    model = _tiny()
+    with pytest.raises(LmforgeError, match="group size 48 does not divide the width 64"):
+        quantize_model(model, QuantSpec("int4", 48))
+    with pytest.raises(LmforgeError, match="unknown quantization format"):
+        QuantSpec("int3")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_gpu_fast_paths_match_their_references(rows: int) -> None:
+    torch.manual_seed(7)
+    w = torch.randn(384, 512, device="cuda") * 0.05
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    mods = [Int4Linear.from_float(w, 128), Int4Linear.from_float(w, 64, symmetric=True)]
+    mods += [Int8Linear.from_float(w), Int8Linear.from_float(w, 32)]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        mods.append(Fp8Linear.from_float(w))
+    for m in mods:
+        with torch.no_grad():
+            got = m(x).float()
+            want = m.reference(x.float()).float()  # fp32 reference of the same rounding
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-2, (type(m).__name__, rel)

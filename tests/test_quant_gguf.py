@@ -1,0 +1,119 @@
+"""GGUF served quantized: Q8_0 / Q4_0 / Q4_1 blocks kept as Int8Linear / Int4Linear (no float
+copy), logits equal to the dequantizing import, K-quants refused in one line; on the shipped
+SmolLM2 Q4_1 file (skipped when absent) logits match and the weights take about the file's bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmforge.hf.gguf import import_gguf
+from lmforge.quant import Int4Linear, Int8Linear, import_gguf_quantized
+from lmforge.quant.formats import QuantEmbedding
+from lmforge.utils import LmforgeError
+
+gguf = pytest.importorskip("gguf")
+
+SMOL = Path(__file__).resolve().parents[1].parent / "shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+D, L, H, K, F, V = 64, 2, 4, 2, 256, 96
+TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1",
+         "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}  # fmt: skip
+
+
+def _write(path: Path, arch: str = "llama", tied: bool = True, down: str = "Q4_1") -> Path:
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(128)
+    w.add_embedding_length(D)
+    w.add_block_count(L)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(K)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_uint32(f"{arch}.vocab_size", V)
+    e = D // H
+
+    def add(name: str, shape: tuple[int, ...], kind: str) -> None:
+        x = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if kind == "F32":
+            w.add_tensor(name, x)
+        else:
+            q = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, gguf.quants.quantize(x, q), raw_dtype=q)
+
+    add("token_embd.weight", (V, D), "Q8_0")
+    if not tied:
+        add("output.weight", (V, D), "Q4_0")
+    add("output_norm.weight", (D,), "F32")
+    shapes = {"attn_q": (H * e, D), "attn_k": (K * e, D), "attn_v": (K * e, D),
+              "attn_output": (D, H * e), "ffn_gate": (F, D), "ffn_up": (F, D), "ffn_down": (D, F)}  # fmt: skip
+    for i in range(L):
+        for name, shape in shapes.items():
+            kind = down if name == "ffn_down" else TYPES[name]
+            if kind == "Q6_K":  # raw blocks: 210 bytes per 256 weights
+                raw = rng.integers(0, 255, (shape[0], shape[1] // 256 * 210), dtype=np.uint8)
+                w.add_tensor(
+                    f"blk.{i}.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K
+                )
+                continue
+            add(f"blk.{i}.{name}.weight", shape, kind)
+        add(f"blk.{i}.attn_norm.weight", (D,), "F32")
+        add(f"blk.{i}.ffn_norm.weight", (D,), "F32")
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", (e,), "F32")
+            add(f"blk.{i}.attn_k_norm.weight", (e,), "F32")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen3", True)])
+def test_quantized_import_matches_dequantized(tmp_path: Path, arch: str, tied: bool) -> None:
+    path = _write(tmp_path / "m.gguf", arch, tied)
+    model, tok = import_gguf_quantized(path)
+    ref, _, _ = import_gguf(path)
+    assert tok is None  # the file has no vocabulary
+    attn = model.layers[0].attn
+    assert isinstance(attn.q_proj, Int4Linear) and attn.q_proj.symmetric  # Q4_0
+    assert isinstance(attn.k_proj, Int4Linear) and not attn.k_proj.symmetric  # Q4_1
+    assert isinstance(attn.v_proj, Int8Linear)  # Q8_0
+    assert isinstance(model.token_embeddings, QuantEmbedding)
+    assert (model.lm_head is model.token_embeddings.table) == tied
+    for name, m in model.named_modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            want = ref.get_submodule(name.removesuffix(".table")).weight
+            torch.testing.assert_close(m.dequantize(), want, rtol=0, atol=0)
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-5, atol=1e-5)
+        assert model.to(torch.bfloat16)(ids).dtype == torch.bfloat16
+
+
+def test_k_quants_are_one_line(tmp_path: Path) -> None:
+    path = _write(tmp_path / "k.gguf", down="Q6_K")
+    with pytest.raises(LmforgeError, match="Q6_K cannot be served quantized"):
+        import_gguf_quantized(path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SMOL.is_file(), reason="shared SmolLM2 GGUF not present")
+def test_smollm2_q4_1_served_at_file_size() -> None:
+    model, tok = import_gguf_quantized(SMOL, context_length=256)
+    ref, _, _ = import_gguf(SMOL, context_length=256)
+    ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Germany is")])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-4)
+    seen: dict[int, int] = {}
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        if "rope" not in n:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    weights = sum(seen.values())
+    assert 0.95 * SMOL.stat().st_size < weights < 1.02 * SMOL.stat().st_size
+    fp32 = sum(p.numel() * 4 for p in ref.parameters())
+    assert weights < 0.2 * fp32
