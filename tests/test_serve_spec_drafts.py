@@ -153,7 +153,10 @@ def test_benchmark_distill_option_runs_on_a_tiny_random_model(
     argv = ["--tiny", "--quick", "--ks", "2", "--temperatures", "0"]
     assert bench.main([*argv, "--distill-steps", "2", "--distill-prompts", "4"]) == 0
     out = capsys.readouterr().out
-    assert "distilled a 1-layer draft through the Trainer: 2 steps" in out and "| distilled layers 1/2 | 2 |" in out
+    assert (
+        "distilled a 1-layer draft through the Trainer: 2 steps" in out
+        and "| distilled layers 1/2 | 2 |" in out
+    )
 
 
 def test_break_even_acceptance_solves_the_expected_tokens_equation() -> None:
