@@ -92,9 +92,11 @@ def _fusable(*linears: nn.Module) -> bool:
         or hooks._global_backward_pre_hooks
     ):
         return False
+    if any(type(m) is not Linear for m in linears):  # e.g. a quantized linear: call it
+        return False
     first = linears[0].weight
     for m in linears:
-        if type(m) is not Linear or "forward" in m.__dict__:
+        if "forward" in m.__dict__:
             return False
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             return False

@@ -197,8 +197,11 @@ def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tens
     out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
     for layer in model.layers:
         attn, ffn = layer.attn, layer.ffn
-        qkv = _pack_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-        w13 = _pack_rows([ffn.w1, ffn.w3]) if isinstance(ffn, SwiGLU) else None
+        # only plain Linears pack (a quantized or hooked module runs as itself, unpacked)
+        qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+        qkv = _pack_rows(qkv_mods) if _fusable(*qkv_mods) else None
+        swiglu = isinstance(ffn, SwiGLU) and _fusable(ffn.w1, ffn.w3)
+        w13 = _pack_rows([ffn.w1, ffn.w3]) if swiglu else None
         out.append((qkv, w13))
     return out
 

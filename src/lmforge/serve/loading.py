@@ -151,7 +151,12 @@ def load_for_serving(
 
         assert checkpoint is not None
         try:
-            model, tokenizer = load_pretrained(checkpoint, "cpu")
+            if (Path(checkpoint) / "quantization.json").is_file():  # lmforge quantize's output
+                from lmforge.quant import load_quantized
+
+                model, tokenizer = load_quantized(checkpoint, "cpu")
+            else:
+                model, tokenizer = load_pretrained(checkpoint, "cpu")
         except LmforgeError as e:
             raise LmforgeError(f"{e}{run_folder_hint(checkpoint)}") from None
         template = find_chat_template(Path(checkpoint))
