@@ -146,7 +146,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "  lmforge data mix --source web=9e9 --source code=1e9:2 --source wiki=3e8 "
         "--tokens 2e10 --max-epochs 4\n"
         "  lmforge data mix --source web=examples/web/:3 --source books=examples/text/ "
-        "--tokens 5e5 --tokenizer runs/demo/tokenizer --out runs/mixed/\n",
+        "--tokens 3e5 --tokenizer runs/demo/tokenizer --out runs/mixed/\n",
         formatter_class=_RAW,
     )
     m.add_argument(

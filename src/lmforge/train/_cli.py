@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 EXAMPLES = """examples:
-  lmforge train --config configs/tiny.toml --data.train='["runs/demo/tokens/train.bin"]' --data.val='["runs/demo/tokens/val.bin"]'
+  lmforge train --config configs/demo.toml --data.train='["runs/demo/tokens/train.bin"]' --data.val='["runs/demo/tokens/val.bin"]'
   lmforge train --config configs/gpt2-small-train.toml --train.max_steps=2000 --train.device=cuda
-  lmforge train --config configs/tiny.toml --data.train=runs/demo/tokens/train.bin --train.out_dir=runs/t   # rerun: resumes from runs/t's latest checkpoint
+  lmforge train --config configs/demo.toml --data.train=runs/demo/tokens/train.bin --train.out_dir=runs/t   # rerun: resumes from runs/t's latest checkpoint
   torchrun --nproc_per_node 2 -m lmforge train --config configs/gpt2-small-train.toml --parallel.dp=2
 
 Every [model], [train], [data] and [parallel] key can be overridden as --section.key=value
