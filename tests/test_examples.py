@@ -117,6 +117,11 @@ ROWS: tuple[Row, ...] = (
     # serve, chat (src/lmforge/serve/_cli.py)
     Row(r"^lmforge serve ", skip="a long-running server; tests/test_serve_server.py starts one"),
     Row(r"^lmforge chat ", skip="interactive (reads stdin); tests/test_serve_server.py runs it"),
+    # quantize, prune (src/lmforge/quant/_cli.py, src/lmforge/prune/_cli.py)
+    Row(r"^lmforge (quantize|prune) --gguf runs/models/", skip="needs the GGUF lmforge download "
+        "fetches; tests/test_quant_gguf.py and tests/test_prune.py run the GGUF paths"),
+    Row(r"^lmforge quantize --hf ", skip="needs a Hugging Face model folder downloaded"),
+    Row(r"^lmforge (quantize|prune) --checkpoint runs/demo/"),
     # vision (src/lmforge/vision/_cli.py)
     Row(r"^lmforge vision pretrain .*--data\.source=(folder|tar)", skip="needs your own images"),
     Row(r"^lmforge vision pretrain ", slow=True,

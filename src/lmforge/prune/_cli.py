@@ -6,12 +6,13 @@ import argparse
 import sys
 
 EXAMPLES = """examples:
-  lmforge prune --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --target-params 100e6 --mode width \\
-      --calib ../shared/data/text/gutenberg/Austen_Emma.txt --out runs/smol-100m-width
-  lmforge prune --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --target-params 100e6 --mode depth \\
-      --calib ../shared/data/text/gutenberg/Austen_Emma.txt --calib-samples 256 --out runs/smol-100m-depth
+  lmforge prune --checkpoint runs/demo/train --target-params 6e5 --mode depth --calib examples/text/wikitext2/test.txt --calib-samples 16 --out runs/demo-pruned
+  lmforge prune --gguf runs/models/SmolLM2-135M-Instruct.Q4_1.gguf --target-params 100e6 --mode width \\
+      --calib my_text.txt --out runs/smol-100m-width
+  lmforge prune --gguf runs/models/SmolLM2-135M-Instruct.Q4_1.gguf --target-params 100e6 --mode depth \\
+      --calib my_text.txt --calib-samples 256 --out runs/smol-100m-depth
   # recover by logit distillation from the unpruned model (lmforge.posttrain's distill objective):
-  lmforge distill --teacher ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --student runs/smol-100m-width \\
+  lmforge distill --teacher runs/models/SmolLM2-135M-Instruct.Q4_1.gguf --student runs/smol-100m-width \\
       --data corpus.jsonl --out runs/smol-100m-kd
 
 Importance comes from activations on --calib (default 1024 samples × 128 tokens, Minitron's

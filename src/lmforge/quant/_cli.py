@@ -10,11 +10,11 @@ if TYPE_CHECKING:
     from lmforge.quant.apply import QuantSpec
 
 EXAMPLES = """examples:
-  lmforge quantize --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --method rtn --bits 8 --out q/smol-int8
-  lmforge quantize --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf --method gptq --bits 4 --group 128 \\
-      --calib ../shared/data/text/tinyshakespeare/input.txt --calib-samples 64 --calib-seq-len 256 --out q/smol-gptq
-  lmforge quantize --checkpoint runs/demo/train --method awq --bits 4 --group 64 --calib notes.txt --out q/demo-awq
-  lmforge quantize --hf ~/models/SmolLM2-135M --method smoothquant --format fp8 --bits 8 --calib notes.txt --out q/fp8
+  lmforge quantize --checkpoint runs/demo/train --method rtn --bits 8 --group 0 --out runs/q/demo-int8
+  lmforge quantize --checkpoint runs/demo/train --method awq --bits 4 --group 32 --calib examples/text/wikitext2/test.txt --calib-samples 16 --calib-seq-len 128 --out runs/q/demo-awq
+  lmforge quantize --checkpoint runs/demo/train --method gptq --bits 4 --group 32 --calib examples/text/tinyshakespeare/input.txt --calib-samples 16 --calib-seq-len 128 --out runs/q/demo-gptq
+  lmforge quantize --gguf runs/models/SmolLM2-135M-Instruct.Q4_1.gguf --method gptq --bits 4 --group 64 --calib my_text.txt --out runs/q/smol-gptq
+  lmforge quantize --hf ~/models/SmolLM2-135M --method smoothquant --format fp8 --bits 8 --calib my_text.txt --out runs/q/fp8
 
 Methods: rtn (round to nearest, no calibration), awq (activation-aware per-channel scales),
 gptq (Hessian-based error correction, act order), smoothquant (activation-outlier migration for
