@@ -315,3 +315,33 @@ def test_on_cuda_the_command_equals_the_reference(tmp_path: Path, capsys) -> Non
 def _greedy_text_from(model, tok, ids: list[int], n: int) -> str:
     new = greedy_generate_reference(model, ids, n)
     return tok.decode(new[: new.index(tok.eot_id)] if tok.eot_id in new else new)
+
+
+def test_speculative_flag_keeps_greedy_output(tmp_path: Path, capsys) -> None:
+    """``--speculative ngram`` and ``draft:1`` run the engine's speculative mode; greedy output is
+    the plain engine's, token for token; a bad value is one line (exit 2)."""
+    cfg = dataclasses.replace(TINY, n_layers=3)
+    model = _write_checkpoint(tmp_path / "ckpt", cfg)
+    ck = ("--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "12", "--temperature", "0")
+    prompt = ("--prompt-ids", "5 17 42 5 17 42 5 17")
+    want = [
+        5,
+        17,
+        42,
+        5,
+        17,
+        42,
+        5,
+        17,
+        *greedy_generate_reference(model, [5, 17, 42] * 2 + [5, 17], 12),
+    ]
+    for mode in ("ngram", "draft:1"):
+        out = _gen(capsys, *ck, *prompt, "--speculative", mode, "--speculative-k", "3")
+        assert [int(t) for t in out.split()] == want, mode
+    rc = main(["generate", *ck, *prompt, "--speculative", "draft:3", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert (
+        rc == 2
+        and "--speculative must be 'ngram' or 'draft:N'" in err
+        and len(err.splitlines()) == 1
+    )

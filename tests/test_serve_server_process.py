@@ -290,3 +290,18 @@ def test_step_message_round_trip() -> None:
     ]
     assert unpack_step(pack_step(items)) == want
     assert unpack_step(pack_step([])) == []
+
+
+def test_engine_process_builds_the_speculative_mode_from_the_flag(checkpoint: str) -> None:
+    """``lmforge serve --speculative ngram`` passes the flag value to the engine process, which
+    builds the proposer next to the loaded model; a bad value fails the start in one line."""
+    from lmforge.serve.engine_process import _build
+    from lmforge.serve.speculative import Speculative
+    from lmforge.utils.errors import LmforgeError
+
+    load = {"checkpoint": checkpoint, "device": "cpu"}
+    engine, _ = _build(EngineSpec(load, {"num_blocks": 64, "speculative": "ngram",
+                                         "speculative_k": 3}))  # fmt: skip
+    assert isinstance(engine.speculative, Speculative) and engine.speculative.k == 3
+    with pytest.raises(LmforgeError, match="--speculative must be"):
+        _build(EngineSpec(load, {"num_blocks": 64, "speculative": "bogus"}))

@@ -12,6 +12,8 @@ EXAMPLES = """examples:
   lmforge generate --checkpoint runs/demo/train --prompt "x = " --temperature 0 --stop "\\n"
   lmforge generate --checkpoint runs/demo/train --prompt "class " --prompt "for " --top-k 50
   lmforge generate --checkpoint runs/demo/train --prompt-ids "1 2 3" --stop-id 0  # ids in and out
+  lmforge generate --checkpoint runs/demo/train --prompt "def f(x):" --temperature 0 --speculative ngram
+  lmforge generate --checkpoint runs/demo/train --prompt "def f(x):" --temperature 0 --speculative draft:2
 
 runs/demo/train is the run ./run demo writes; a run folder loads its latest checkpoint.
 
@@ -80,6 +82,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="launch decode steps one by one (default on CUDA: the engine's choice)",
     )
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="MODE",
+        help="speculative decoding (one sequence at a time): ngram (prompt lookup) or draft:N "
+        "(the model's own first N blocks draft); greedy output is unchanged",
+    )
+    p.add_argument("--speculative-k", type=int, default=4, help="drafted tokens per step (4)")
     p.set_defaults(func=_run)
 
 

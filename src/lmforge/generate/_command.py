@@ -93,8 +93,14 @@ def main(args: argparse.Namespace) -> int:
         )
     eot = getattr(tokenizer, "eot_id", None)
     tokenizer = engine_tokenizer(tokenizer, cfg.vocab_size)
+    from lmforge.serve.speculative import speculative_from_flag
+
+    spec = speculative_from_flag(model, args.speculative, args.speculative_k)
+    if spec is not None and args.num_samples > 1:
+        raise LmforgeError("--speculative decodes one sample per prompt: drop --num-samples")
     engine = Engine(
         model,
+        speculative=spec,
         eos_token_id=eot,
         tokenizer=tokenizer if args.prompt or stops else None,
         compile=False if args.no_compile else None,

@@ -66,6 +66,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no CUDA graphs (default on CUDA: decode steps replayed as CUDA graphs)",
     )
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="MODE",
+        help="speculative decoding, one sequence at a time: ngram (prompt lookup) or draft:N "
+        "(the model's own first N blocks draft); exact rejection sampling keeps the outputs",
+    )
+    p.add_argument("--speculative-k", type=int, default=4, help="drafted tokens per step (4)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -126,6 +134,8 @@ def _engine_kwargs(args: argparse.Namespace, **kw: object) -> dict:
         max_num_seqs=args.max_num_seqs,
         compile=False if args.no_compile else None,
         cuda_graphs=not args.no_cuda_graphs,
+        speculative=args.speculative,  # a flag value: the engine's builder makes the proposer
+        speculative_k=args.speculative_k,
         **kw,
     )
 
@@ -202,13 +212,17 @@ def _chat(args: argparse.Namespace) -> int:
     from lmforge.serve.engine import Engine
     from lmforge.serve.engine_process import engine_summary
     from lmforge.serve.loading import load_for_serving
+    from lmforge.serve.speculative import speculative_from_flag
 
     model, tokenizer, template, _ = load_for_serving(**_load_kwargs(args))
+    kw = _engine_kwargs(args)
+    spec = speculative_from_flag(model, kw.pop("speculative"), kw.pop("speculative_k"))
     engine = Engine(
         model,
         eos_token_id=getattr(tokenizer, "eot_id", None),
         tokenizer=tokenizer,
-        **_engine_kwargs(args),
+        speculative=spec,
+        **kw,
     )
     print(engine_summary(engine), file=sys.stderr)
     return chat_repl(engine, tokenizer, template, args.temperature, args.max_tokens, args.system)

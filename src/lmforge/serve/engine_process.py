@@ -433,7 +433,12 @@ def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (cores or 1) - 1)))
     kw = dict(spec.engine)
     kw.setdefault("eos_token_id", getattr(tokenizer, "eot_id", None))
-    engine = Engine(model, **kw)
+    flag, k = kw.pop("speculative", None), kw.pop("speculative_k", 4)
+    if isinstance(flag, str):  # a --speculative value: the proposer needs the loaded model
+        from lmforge.serve.speculative import speculative_from_flag
+
+        flag = speculative_from_flag(model, flag, k)
+    engine = Engine(model, speculative=flag, **kw)
     info = {
         "tokenizer": tokenizer,
         "template": template,

@@ -263,3 +263,23 @@ def propose(
         qs.append(q)
         feed = [tok]
     return drafts, torch.stack(qs)  # (k, V)
+
+
+def speculative_from_flag(model: nn.Module, flag: str | None, k: int = 4) -> Speculative | None:
+    """The engine's speculative mode from a command-line value: ``ngram`` (prompt lookup),
+    ``draft:N`` (the target's own first N blocks, :func:`truncated_draft`) or None/"" (off).
+    A bad value or N outside [1, layers) is one :class:`LmforgeError` line."""
+    from lmforge.utils.errors import LmforgeError
+
+    if not flag:
+        return None
+    if k < 1:
+        raise LmforgeError(f"--speculative-k must be at least 1, got {k}")
+    if flag == "ngram":
+        return Speculative(NgramDraft(), k)
+    n_layers = len(model.layers)
+    if flag.startswith("draft:") and flag[6:].isdigit() and 1 <= int(flag[6:]) < n_layers:
+        return Speculative(DraftModel(truncated_draft(model, int(flag[6:]))), k)
+    raise LmforgeError(
+        f"--speculative must be 'ngram' or 'draft:N' with 1 <= N < {n_layers}, got {flag!r}"
+    )
