@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from lmforge.checkpoint import checkpoint_path, list_checkpoints, prune_checkpoints
 from lmforge.checkpoint import io as ckpt_mod
 from lmforge.config import RunConfig
 from lmforge.model import ModelConfig, TransformerLM, load_preset
@@ -19,7 +20,6 @@ from lmforge.train import (
     load_for_inference,
     save_checkpoint,
 )
-from lmforge.train.checkpoint import checkpoint_path, list_checkpoints, prune_checkpoints
 from lmforge.utils.errors import LmforgeError
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from lmforge.checkpoint import list_checkpoints
 from lmforge.config import RunConfig, load_run_config
 from lmforge.model import load_preset
 from lmforge.train import (
@@ -24,7 +25,6 @@ from lmforge.train import (
     load_checkpoint,
     train,
 )
-from lmforge.train.checkpoint import list_checkpoints
 from lmforge.train.data import write_shard
 from lmforge.train.trainer import read_metrics
 from lmforge.utils.errors import LmforgeError

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+from lmforge.checkpoint import list_checkpoints
 from lmforge.config import RunConfig, load_run_config
 from lmforge.model import load_preset
 from lmforge.train import DataConfig, TrainConfig, Trainer, build_optimizer
-from lmforge.train.checkpoint import list_checkpoints
 from lmforge.train.data import write_shard
 from lmforge.train.metrics import read_metrics
 from lmforge.train.state import OutDirLock, config_changes

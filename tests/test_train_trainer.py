@@ -227,7 +227,7 @@ def test_master_weights_train_exactly_like_autocast_over_fp32(tmp_path: Path) ->
     # bf16 copies of fp32 masters (train.master_weights=on) against bf16 autocast over fp32
     # weights: the same losses, norms and weights, bit for bit, with clipping active; the
     # checkpoint holds the fp32 masters, and a resumed run continues exactly.
-    from lmforge.train.checkpoint import latest_checkpoint, load_model_state
+    from lmforge.checkpoint import latest_checkpoint, load_model_state
 
     kw = dict(precision="bf16", grad_clip=0.5, lr=3e-3, warmup_steps=2, max_steps=8)
     runs = {}

@@ -132,8 +132,8 @@ def save_as_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike, s
     meta.json) so ``lmforge train``/``generate``/``eval`` accept it. An lmforge tokenizer goes to
     ``tokenizer/``; a wrapped HF tokenizer to ``hf_tokenizer/`` (read by :func:`load_pretrained`).
     """
+    from lmforge.checkpoint import save_checkpoint
     from lmforge.config import RunConfig
-    from lmforge.train import save_checkpoint
 
     out = Path(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,11 +161,11 @@ def save_as_checkpoint(model: Any, tokenizer: Any, out_dir: str | os.PathLike, s
 def load_pretrained(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, Any]:
     """``(model, tokenizer)`` from an lmforge checkpoint or run folder, or an HF model folder.
 
-    An lmforge folder loads with :func:`lmforge.train.load_for_inference`; its tokenizer comes
+    An lmforge folder loads with :func:`lmforge.checkpoint.load_for_inference`; its tokenizer comes
     from ``tokenizer/`` or, for imported models, ``hf_tokenizer/``. A folder with ``config.json``
     and no ``config.toml`` is imported from Hugging Face format on the fly.
     """
-    from lmforge.train import load_for_inference
+    from lmforge.checkpoint import load_for_inference
 
     p = Path(path)
     if not p.exists():
@@ -182,7 +182,7 @@ def load_pretrained(path: str | os.PathLike, device: str = "cpu") -> tuple[Any, 
 
 
 def _checkpoint_dirs(run_dir: Path) -> list[Path]:
-    from lmforge.train import latest_checkpoint
+    from lmforge.checkpoint import latest_checkpoint
 
     latest = latest_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
     return [] if latest is None else [latest / HF_TOKENIZER_DIR]

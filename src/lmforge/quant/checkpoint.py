@@ -77,11 +77,11 @@ def save_quantized(
     chat_template: str | None = None,
 ) -> Path:
     """Write the quantized ``model`` (+ tokenizer, chat template) as one folder, atomically."""
+    from lmforge.checkpoint import save_checkpoint
     from lmforge.config import RunConfig
     from lmforge.hf.api import HF_TOKENIZER_DIR
     from lmforge.hf.tokenizer import HFTokenizer
     from lmforge.quant.formats import QuantEmbedding
-    from lmforge.train import save_checkpoint
 
     if any(isinstance(m, QuantEmbedding) for m in model.modules()):
         raise LmforgeError(
@@ -129,10 +129,10 @@ def is_quantized_checkpoint(path: str | os.PathLike) -> bool:
 
 def load_quantized(path: str | os.PathLike, device: str = "cpu") -> tuple[nn.Module, Any]:
     """``(model, tokenizer or None)`` from a quantized checkpoint folder (eval mode)."""
+    from lmforge.checkpoint import load_model_state
     from lmforge.hf.api import HF_TOKENIZER_DIR
     from lmforge.hf.tokenizer import HFTokenizer
     from lmforge.model import ModelConfig, RotaryEmbedding, TransformerLM
-    from lmforge.train.checkpoint import load_model_state
     from lmforge.utils.config import from_dict
 
     d = Path(path)

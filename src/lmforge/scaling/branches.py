@@ -68,7 +68,7 @@ def run_branches(
     Records: ``steps``, ``tokens``, ``branch_from``, ``wsd_loss`` and, with ``compare_cosine``,
     ``cosine_loss`` and ``rel_diff`` = wsd/cosine − 1. Written to ``out_dir/branches.json``.
     """
-    from lmforge.train.checkpoint import checkpoint_path
+    from lmforge.checkpoint import checkpoint_path
     from lmforge.train.trainer import train
 
     out = Path(out_dir)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from lmforge.utils.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from lmforge.train.checkpoint import (
+    from lmforge.checkpoint import (
         latest_checkpoint,
         load_checkpoint,
         load_for_inference,
@@ -83,13 +83,13 @@ _EXPORTS = {
     "cross_entropy": "loss",
     "eval_batches": "data",
     "get_batch": "data",
-    "latest_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "load_for_inference": "checkpoint",
+    "latest_checkpoint": "lmforge.checkpoint.io",
+    "load_checkpoint": "lmforge.checkpoint.io",
+    "load_for_inference": "lmforge.checkpoint.io",
     "lr_at": "schedule",
     "open_shard": "data",
     "resolve_fast_path": "fastpath",
-    "save_checkpoint": "checkpoint",
+    "save_checkpoint": "lmforge.checkpoint.io",
     "train": "trainer",
     "training_plan": "plan",
     "wsd_schedule": "schedule",

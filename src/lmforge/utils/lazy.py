@@ -28,7 +28,7 @@ def lazy_exports(
             sub = exports[name]
         except KeyError:
             raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
-        full = sub if sub.startswith(f"{package}.") else f"{package}.{sub}"
+        full = sub if sub.startswith("lmforge.") else f"{package}.{sub}"  # full or relative
         module = importlib.import_module(full)
         value = module if sub == name else getattr(module, name)
         globals_ = importlib.import_module(package).__dict__

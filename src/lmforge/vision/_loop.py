@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.train import checkpoint as ckpt
+from lmforge import checkpoint as ckpt
 from lmforge.utils.io import atomic_write_text
 
 

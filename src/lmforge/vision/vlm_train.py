@@ -75,7 +75,7 @@ class VLMRunConfig:
 
 def load_encoder(folder: str | Path):
     """(ViT, WordTokenizer, the run's ContrastiveRunConfig) from a ``vision pretrain`` folder."""
-    from lmforge.train.checkpoint import load_model_state
+    from lmforge.checkpoint import load_model_state
     from lmforge.vision.contrastive import ContrastiveRunConfig, build_dual_encoder
     from lmforge.vision.data import WordTokenizer
 
