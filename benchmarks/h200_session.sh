@@ -26,7 +26,21 @@
 #              there (cat /tmp/smol/part.00 .carry/smol/part.01 > /tmp/smol/smol.gguf; sha256
 #              b179c952...db53); also .carry/gsm8k/{train,test}.jsonl, .carry/ggufwhl (the gguf
 #              wheel) and .carry/specdata (speculative.py --shared)
-#   all        every part above but smol, in this order (longer than one 10-minute device call)
+#   recipe-prep  (on the CPU machine with ../shared, not the GPU) the GPU tier's data + tokenizer
+#              (lmforge recipe run configs/recipes/h200.toml --until tokenizer), the benchmark
+#              files into .carry/recipe-eval.tar.gz and the pack for pretraining in .carry/recipe-a
+#   recipe-a   device call A (carry .carry/recipe-a, .carry/recipe-eval.tar.gz): pretraining,
+#              SFT, the pretrained model's eval row; the pack for RL comes back in $OUT/recipe-b
+#   recipe-b   device call B (carry .carry/recipe-b, .carry/recipe-eval.tar.gz; put the files of
+#              call A's $OUT/recipe-b in .carry/recipe-b): GRPO on GSM8K, eval of the SFT and RL
+#              models, the report card without the anchor; everything small in $OUT/recipe-card
+#   recipe-card  (on the CPU machine, after recipe-b; put call B's $OUT/recipe-card files in
+#              .carry/recipe-card) the SmolLM2 anchor row on the CPU (its GGUF does not travel;
+#              skipped when already scored) and the full card: runs/h200/report.md
+#              RECIPE_OVERRIDES (words) are added to every recipe command: the CPU rehearsal of
+#              all four (tests/test_recipe_session.py) shrinks every stage with them
+#   all        every part above but smol and recipe-*, in this order (longer than one 10-minute
+#              device call)
 #
 # A part whose script is not in the tree yet prints one line and is skipped. With OUT set, each
 # command's output is also written to $OUT/<name>.log and result tables to $OUT/RESULTS-*.md
@@ -47,7 +61,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
-EXTRA_PARTS=(smol)
+EXTRA_PARTS=(smol recipe-prep recipe-a recipe-b recipe-card)
 FAILED=()
 
 usage() {
@@ -187,6 +201,88 @@ part_smol() {
         --shared .carry/specdata
 }
 
+# The GPU tier of the recipe in two device calls (configs/recipes/h200.toml's header). Each recipe
+# command is one step (its own time limit); the logs of a part go to one $OUT/recipe-*.log, so
+# what comes back stays within 8 files (the pack's parts are at most 16 MB).
+RECIPE=configs/recipes/h200.toml
+RUN_DIR=runs/h200
+read -r -a RECIPE_OVR <<< "${RECIPE_OVERRIDES:-}"
+
+# rstep LOG NAME SECONDS ARGS...: `python -m lmforge ARGS` (with RECIPE_OVERRIDES when ARGS name
+# the recipe file) under a time limit, its output appended to $OUT/LOG.log when OUT is set.
+rstep() {
+    local log="$1" name="$2" limit="$3" rc a
+    local -a ovr=()
+    shift 3
+    for a in "$@"; do [ "$a" = "$RECIPE" ] && ovr=("${RECIPE_OVR[@]}"); done
+    set -- "$@" "${ovr[@]}"
+    echo "== $name: lmforge $*"
+    if [ -n "${OUT:-}" ]; then
+        echo "== $name: lmforge $*" >> "$OUT/$log.log"
+        timeout "$limit" "$PY" -m lmforge "$@" 2>&1 | tee -a "$OUT/$log.log"
+        rc=${PIPESTATUS[0]}
+    else
+        timeout "$limit" "$PY" -m lmforge "$@"
+        rc=$?
+    fi
+    [ "$rc" -eq 0 ] || { echo "== $name: exit status $rc"; FAILED+=("$name"); return 1; }
+}
+
+# need PART FILE...: true when every file exists, else one line naming the missing one.
+need() {
+    local part="$1" f
+    shift
+    for f in "$@"; do [ -e "$f" ] || { echo "== $part: $f is missing"; FAILED+=("$part"); return 1; }; done
+}
+
+part_recipe-prep() {
+    local src="${SHARED_DATA:-../shared/data}" e=.carry/recipe-eval
+    need recipe-prep "$src/eval/gsm8k/train.jsonl" "$src/eval/mmlu" "$src/eval/arc_challenge" \
+        "$src/text/wikitext2/test.txt" || return 0
+    # the benchmark files at the paths h200.toml names, here and (from the tarball) there
+    rm -rf "$e" && mkdir -p "$e/eval/gsm8k" "$e/text/wikitext2" || return 0
+    cp "$src/eval/gsm8k/train.jsonl" "$src/eval/gsm8k/test.jsonl" "$e/eval/gsm8k/"
+    cp -r "$src/eval/mmlu" "$src/eval/arc_challenge" "$e/eval/"
+    cp "$src/text/wikitext2/test.txt" "$e/text/wikitext2/"
+    chmod -R u+w "$e"
+    tar -czf .carry/recipe-eval.tar.gz -C "$e" eval text
+    rstep recipe-prep recipe-data 900 recipe run "$RECIPE" --until tokenizer || return 0
+    rstep recipe-prep recipe-pack-a 300 recipe pack "$RECIPE" --next pretrain --out .carry/recipe-a
+}
+
+# recipe_unpack PART PACK: the benchmark files and the pack PACK into runs/h200.
+recipe_unpack() {
+    need "$1" .carry/recipe-eval.tar.gz "$2/recipe-pack.json" || return 1
+    rm -rf .carry/recipe-eval && mkdir -p .carry/recipe-eval &&
+        tar -xzf .carry/recipe-eval.tar.gz -C .carry/recipe-eval || { FAILED+=("$1"); return 1; }
+    rstep "$1" "$1-unpack" 60 recipe unpack "$2" --into "$RUN_DIR"
+}
+
+part_recipe-a() {
+    recipe_unpack recipe-a .carry/recipe-a || return 0
+    rstep recipe-a recipe-pretrain-sft 420 recipe run "$RECIPE" --until sft || return 0
+    rstep recipe-a recipe-eval-pretrain 75 recipe eval "$RECIPE" --row pretrain
+    # the SFT model (bf16 weights) and every marker, for call B; 15 MB parts come back in $OUT
+    rstep recipe-a recipe-pack-b 60 recipe pack "$RECIPE" --next rl --out "${OUT:-runs}/recipe-b"
+}
+
+part_recipe-b() {
+    recipe_unpack recipe-b .carry/recipe-b || return 0
+    # the anchor's GGUF is not here: its row is scored on the CPU machine (part recipe-card)
+    rstep recipe-b recipe-rl-eval-card 480 recipe run "$RECIPE" "--eval.anchors=[]"
+    rstep recipe-b recipe-pack-card 60 recipe pack "$RECIPE" --next report \
+        --out "${OUT:-runs}/recipe-card"
+}
+
+part_recipe-card() {
+    need recipe-card .carry/recipe-card/recipe-pack.json .carry/recipe-eval || return 0
+    rstep recipe-card recipe-unpack-card 60 recipe unpack .carry/recipe-card --into "$RUN_DIR" ||
+        return 0
+    rstep recipe-card recipe-anchor 3600 recipe eval "$RECIPE" --row SmolLM2-135M-Instruct \
+        --recipe.device=cpu || return 0
+    rstep recipe-card recipe-report 600 recipe run "$RECIPE"
+}
+
 [ $# -ge 1 ] || { usage; exit 2; }
 # gpu-tests PART [PART ...]: parts of the GPU tier only (each its own step), then exit.
 if [ "$1" = gpu-tests ]; then
@@ -210,6 +306,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/lmforge-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/lmforge-site"
 fi
+[[ " $* " == *" recipe-prep "* || " $* " == *" recipe-card "* ]] ||
 step env 60 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', \
 'gpus', torch.cuda.device_count())"

@@ -94,7 +94,7 @@ def write_report(
              f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; device "
              f"`{cfg.recipe.device}`. Rebuild with `lmforge recipe run CONFIG --from report`.",
              ""]  # fmt: skip
-    lines += ["| stage | time | key metrics |", "|---|---:|---|"]
+    lines += ["| stage | time | ran on | key metrics |", "|---|---:|---|---|"]
     markers: dict[str, dict[str, Any]] = {}
     total = 0.0
     for st in stages:
@@ -102,7 +102,9 @@ def write_report(
             continue
         m = read_marker(out / st.dirs[0] / DONE)
         if m is None:
-            lines.append(f"| {st.name} | — | {'disabled' if not st.enabled(cfg) else 'not run'} |")
+            lines.append(
+                f"| {st.name} | — | — | {'disabled' if not st.enabled(cfg) else 'not run'} |"
+            )
             continue
         markers[st.name] = m
         total += float(m.get("seconds", 0.0))
@@ -111,21 +113,24 @@ def write_report(
                           if not isinstance(v, dict) and k != "model")  # fmt: skip
         if st.name == "eval":
             shown = "see the table below"
-        lines.append(f"| {st.name} | {float(m.get('seconds', 0)):.0f} s | {shown} |")
+        # eval rows come from a cache filled on any machine: each row says where it ran
+        ran_on = "each row's (below)" if st.name == "eval" else m.get("where", "—")
+        lines.append(f"| {st.name} | {float(m.get('seconds', 0)):.0f} s | {ran_on} | {shown} |")
     lines += ["", f"Total stage time: {total / 60:.1f} min.", ""]
 
     ev = markers.get("eval", {}).get("metrics", {})
     if ev:
-        cols = sorted({k for row in ev.values() for k in row if k not in ("model",)})
+        cols = sorted({k for row in ev.values() for k in row if k not in ("model", "ran_on")})
         lines += ["## Evaluation (`lmforge eval`, same settings for every row)", "",
                   f"Tasks `{cfg.eval.tasks}` on `{cfg.eval.data_dir}`"
                   + (f" (at most {cfg.eval.limit} per task)" if cfg.eval.limit else "")
                   + ". `core`: accuracy centered on chance (0 = chance, 1 = perfect), "
                   "averaged over the accuracy tasks.", "",
-                  "| model | " + " | ".join(cols) + " |",
-                  "|---|" + "---:|" * len(cols)]  # fmt: skip
+                  "| model | " + " | ".join(cols) + " | ran on |",
+                  "|---|" + "---:|" * len(cols) + "---|"]  # fmt: skip
         for name, row in ev.items():
-            lines.append(f"| {name} | " + " | ".join(_fmt(row.get(c, "—")) for c in cols) + " |")
+            lines.append(f"| {name} | " + " | ".join(_fmt(row.get(c, "—")) for c in cols)
+                         + f" | {row.get('ran_on', '—')} |")  # fmt: skip
         lines.append("")
 
     plots = []

@@ -28,9 +28,12 @@ from lmforge.recipe.markers import (
     stage_key,
     write_marker,
 )
-from lmforge.recipe.stages import STAGE_LIST, Context, Stage, model_path
+from lmforge.recipe.stages import STAGE_LIST, Context, Stage, model_path, where
 from lmforge.utils.config import ConfigError
 from lmforge.utils.errors import LmforgeError
+
+DEVICE_STAGES = ("pretrain", "sft", "rl", "eval")
+"stages that run on recipe.device (the others run on the CPU of the machine that runs them)"
 
 
 def _log(msg: str) -> None:
@@ -130,6 +133,13 @@ def recipe_lock(out: Path) -> Iterator[None]:
         f.close()
 
 
+def make_context(cfg: RecipeConfig, threads: int) -> Context:
+    """The stages' context for ``cfg`` with its configured launcher."""
+    launch = (subprocess_launcher if cfg.recipe.launcher == "subprocess"
+              else inprocess_launcher)(threads)  # fmt: skip
+    return Context(cfg, Path(cfg.recipe.out), threads, launch)
+
+
 def run_recipe(
     cfg: RecipeConfig,
     *,
@@ -145,10 +155,7 @@ def run_recipe(
     last = stage_index(until_stage, "--until") if until_stage else len(STAGES) - 1
     if first > last:
         raise ConfigError(f"--from {from_stage} comes after --until {until_stage}")
-    if launch is None:
-        launch = (subprocess_launcher if cfg.recipe.launcher == "subprocess"
-                  else inprocess_launcher)(threads)  # fmt: skip
-    ctx = Context(cfg, out, threads, launch)
+    ctx = make_context(cfg, threads) if launch is None else Context(cfg, out, threads, launch)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -191,10 +198,11 @@ def _run_stages(
         t0 = time.time()
         metrics = st.run(ctx)
         seconds = time.time() - t0
+        device = cfg.recipe.device if st.name in DEVICE_STAGES else "cpu"
         write_marker(
             out / st.dirs[0] / DONE,
             {"key": key, "stage": st.name, "settings": st.settings(cfg), "seconds": seconds,
-             "metrics": metrics, "finished": time.time()},
+             "metrics": metrics, "finished": time.time(), "where": where(device)},
         )  # fmt: skip
         _log(f"{st.name}: done in {seconds:.1f} s")
         status[st.name] = "ran"

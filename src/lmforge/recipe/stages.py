@@ -16,6 +16,7 @@ import json
 import math
 import shutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from lmforge.recipe.config import RecipeConfig
 from lmforge.utils.config import config_to_dict
 from lmforge.utils.errors import LmforgeError
-from lmforge.utils.io import atomic_write
+from lmforge.utils.io import atomic_write, atomic_write_text
 
 
 @dataclasses.dataclass
@@ -315,7 +316,9 @@ def _run_pretrain(ctx: Context) -> dict[str, Any]:
     ]  # fmt: skip
     ctx.lmforge(*args, *[f"--{o.removeprefix('--')}" for o in p.overrides])
     rows = _read_jsonl(ctx.path("train", "metrics.jsonl"))
-    metrics: dict[str, Any] = {"steps": p.steps}
+    # the steps taken: fewer than pretrain.steps when a train.max_minutes override stopped it
+    steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
+    metrics: dict[str, Any] = {"steps": max(steps) if steps else p.steps}
     for row in rows:
         for k in ("val_loss", "val_bpb", "val_bits_per_byte", "tokens_seen", "loss"):
             if k in row and isinstance(row[k], int | float):
@@ -468,35 +471,143 @@ def eval_targets(cfg: RecipeConfig, out: Path) -> list[tuple[str, str]]:
     return rows
 
 
-def _run_eval(ctx: Context) -> dict[str, Any]:
+def benchmark_files(cfg: RecipeConfig) -> dict[str, Path]:
+    """``{task/name: path}`` of the benchmark files (or folders) the eval tasks read."""
+    from lmforge.eval.tasks import task_files
+
+    e = cfg.eval
+    out: dict[str, Path] = {}
+    for task in (t.strip() for t in e.tasks.split(",") if t.strip()):
+        if task == "ppl":
+            out["ppl"] = Path(e.data_dir).parent / "text" / "wikitext2" / "test.txt"
+            continue
+        try:
+            files = task_files(e.data_dir, task)
+        except (KeyError, ValueError):
+            continue  # lmforge eval names an unknown task itself
+        for role, path in files.items():
+            out[f"{task}/{role}"] = Path(path)
+    return out
+
+
+def _content_digest(paths: dict[str, Path]) -> str:
+    """One hash of the files' contents, by their names under the task (not where they are), so
+    a copy of the benchmarks elsewhere (a device machine) gives the same digest."""
+    h = hashlib.sha256()
+    for name, p in sorted(paths.items()):
+        files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+        for f in files:
+            rel = f.relative_to(p).as_posix() if p.is_dir() else ""
+            h.update(f"{name}/{rel}\0".encode())
+            h.update(f.read_bytes() if f.is_file() else b"missing")
+    return h.hexdigest()[:16]
+
+
+def model_identity(cfg: RecipeConfig, out: Path, name: str, path: str) -> str:
+    """What an eval row's model is: the completion key of the stage that trained it (a recipe
+    model), or the anchor's name, file name and import context (an anchor)."""
+    from lmforge.recipe.markers import DONE, read_marker
+
+    if name in ("pretrain", "sft", "rl") and not path.endswith(".gguf"):
+        folder = {"pretrain": "train", "sft": "sft", "rl": "rl"}[name]
+        if name == "rl" and not cfg.rl.enabled:
+            folder = "sft" if cfg.sft.enabled else "train"
+        elif name == "sft" and not cfg.sft.enabled:
+            folder = "train"
+        marker = read_marker(out / folder / DONE)
+        if marker is None:
+            raise LmforgeError(f"eval row {name!r}: stage folder {out / folder} has not finished")
+        return f"{folder}:{marker.get('key')}"
+    return f"anchor:{name}:{Path(path).name}:context={cfg.eval.anchor_context}"
+
+
+def eval_cache_path(cfg: RecipeConfig, out: Path, name: str, path: str) -> Path:
+    """Where row ``name``'s ``lmforge eval`` report is kept: ``out/evals/NAME-HASH.json``, the
+    hash over the model's identity, the eval settings and the benchmark files' contents (not
+    the device, nor where the files are): a row scored once (on any machine) is reused."""
+    e = cfg.eval
+    ident = {"model": model_identity(cfg, out, name, path), "tasks": e.tasks, "limit": e.limit,
+             "max_new_tokens": e.max_new_tokens, "batch_size": e.batch_size,
+             "seed": cfg.recipe.seed, "benchmarks": _content_digest(benchmark_files(cfg))}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    return out / "evals" / f"{safe}-{digest}.json"
+
+
+def where(device: str) -> str:
+    """The machine a stage runs on, in words: the device, with the GPU's name or the CPU count,
+    and the host name."""
+    import os
+    import platform
+    import subprocess
+
+    if device.startswith("cuda"):
+        gpu = ""
+        try:
+            gpu = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout
+            gpu = gpu.strip().splitlines()[0] if gpu.strip() else ""
+        except (OSError, subprocess.SubprocessError):
+            pass
+        what = f"{device} ({gpu})" if gpu else device
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        what = f"{device} ({cores} cores)"
+    return f"{what} on {platform.node() or 'an unnamed host'}"
+
+
+def evaluate_row(ctx: Context, name: str, path: str) -> dict[str, Any]:
+    """Row ``name`` of the eval table: from the cache (:func:`eval_cache_path`), else by
+    ``lmforge eval`` on the recipe's device (a GGUF anchor imported first); the report is also
+    copied to ``out/eval/NAME.json``."""
     e = ctx.cfg.eval
-    metrics: dict[str, Any] = {}
-    for name, path in eval_targets(ctx.cfg, ctx.out):
-        report_path = ctx.path("eval", f"{name}.json")
-        if path.endswith(".gguf") and not report_path.is_file():
+    cached = eval_cache_path(ctx.cfg, ctx.out, name, path)
+    sidecar = cached.with_suffix(".where.json")
+    if not cached.is_file():
+        if path.endswith(".gguf"):
             # lmforge eval reads checkpoints and HF folders: a GGUF anchor is imported first
-            imported = ctx.path("eval", "anchors", name)
+            imported = ctx.path("evals", "anchors", name)
             if not (imported / "config.toml").is_file():
+                if not Path(path).is_file():
+                    raise LmforgeError(
+                        f"eval anchor {name}: {path} not found and its row is not in "
+                        f"{cached.parent} (score it where the file is: lmforge recipe eval)"
+                    )
                 ctx.lmforge("hf", "import", "--gguf", path, "--out", str(imported),
                             "--context-length", str(e.anchor_context))  # fmt: skip
             path = str(imported)
-        if not report_path.is_file():  # a killed eval stage keeps the models already scored
-            ctx.lmforge("eval", "--checkpoint", path, "--tasks", e.tasks, "--data-dir", e.data_dir,
-                        "--max-new-tokens", str(e.max_new_tokens), "--batch-size",
-                        str(e.batch_size), "--out", str(report_path), "--no-progress",
-                        *(["--limit", str(e.limit)] if e.limit else []),
-                        *_device_flags(ctx))  # fmt: skip
-        report = _read_json(report_path)
-        accs = task_accuracies(report)
-        row: dict[str, Any] = {"model": path, **{t: round(a, 4) for t, a in accs.items()}}
-        bpb = bits_per_byte(report)
-        if bpb is not None:
-            row["bits_per_byte"] = round(bpb, 4)
-        core = core_score(accs)
-        if core is not None:
-            row["core"] = round(core, 4)
-        metrics[name] = row
-    return metrics
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        ctx.lmforge("eval", "--checkpoint", path, "--tasks", e.tasks, "--data-dir", e.data_dir,
+                    "--max-new-tokens", str(e.max_new_tokens), "--batch-size",
+                    str(e.batch_size), "--out", str(cached), "--no-progress",
+                    *(["--limit", str(e.limit)] if e.limit else []),
+                    *_device_flags(ctx))  # fmt: skip
+        atomic_write_text(sidecar, json.dumps({"where": where(ctx.cfg.recipe.device),
+                                               "seconds": round(time.time() - t0, 1)}))  # fmt: skip
+    report = _read_json(cached)
+    ctx.path("eval").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(cached, ctx.path("eval", f"{name}.json"))
+    accs = task_accuracies(report)
+    row: dict[str, Any] = {"model": path, **{t: round(a, 4) for t, a in accs.items()}}
+    bpb = bits_per_byte(report)
+    if bpb is not None:
+        row["bits_per_byte"] = round(bpb, 4)
+    core = core_score(accs)
+    if core is not None:
+        row["core"] = round(core, 4)
+    side = _read_json(sidecar)
+    if side.get("where"):
+        row["ran_on"] = side["where"]
+    return row
+
+
+def _run_eval(ctx: Context) -> dict[str, Any]:
+    return {name: evaluate_row(ctx, name, path) for name, path in eval_targets(ctx.cfg, ctx.out)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,7 +643,8 @@ STAGE_LIST: tuple[Stage, ...] = (
     Stage("rl", ("rl",), False, _section("rl"), lambda cfg: [cfg.rl.data, cfg.rl.eval_data],
           _run_rl, enabled=lambda cfg: cfg.rl.enabled),
     Stage("eval", ("eval",), True, _section("eval"),
-          lambda cfg: [cfg.eval.data_dir, *(a.split("=", 1)[1] for a in cfg.eval.anchors)],
-          _run_eval),
+          # the anchors are identified by name and file name (eval.anchors, in the settings), not
+          # by their files, so the key is the same on a machine without them (see handoff)
+          lambda cfg: [cfg.eval.data_dir], _run_eval),
     Stage("report", ("report",), False, lambda cfg: {}, lambda cfg: [], _report_stage),
 )  # fmt: skip
