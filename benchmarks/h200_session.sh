@@ -61,7 +61,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
-EXTRA_PARTS=(smol recipe-prep recipe-a recipe-b recipe-card)
+EXTRA_PARTS=(smol recipe-prep recipe-a recipe-b recipe-gpu recipe-card)
 FAILED=()
 
 usage() {
@@ -272,6 +272,17 @@ part_recipe-b() {
     rstep recipe-b recipe-rl-eval-card 480 recipe run "$RECIPE" "--eval.anchors=[]"
     rstep recipe-b recipe-pack-card 60 recipe pack "$RECIPE" --next report \
         --out "${OUT:-runs}/recipe-card"
+}
+
+# recipe-gpu: calls A and B as ONE device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
+# pretraining, SFT, GRPO, eval rows and the card without the anchor; the card's pack comes back in
+# $OUT/recipe-card (or, if a stage ran out of time, the pack for RL in $OUT/recipe-b)
+part_recipe-gpu() {
+    recipe_unpack recipe-gpu .carry/recipe-a || return 0
+    rstep recipe-gpu recipe-all 470 recipe run "$RECIPE" "--eval.anchors=[]"
+    rstep recipe-gpu recipe-pack-card 60 recipe pack "$RECIPE" --next report \
+        --out "${OUT:-runs}/recipe-card" ||
+        rstep recipe-gpu recipe-pack-b 60 recipe pack "$RECIPE" --next rl --out "${OUT:-runs}/recipe-b"
 }
 
 part_recipe-card() {
