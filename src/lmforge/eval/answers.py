@@ -17,16 +17,6 @@ import re
 from fractions import Fraction
 from typing import Protocol
 
-__all__ = [
-    "extract_boxed",
-    "gsm8k_reference",
-    "math_answers_equal",
-    "normalize_math_answer",
-    "parse_gsm8k_response",
-    "parse_math_response",
-    "parse_mmlu_response",
-]
-
 # A number as people write it in word problems: optional sign, thousands separators, decimals.
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
 
@@ -40,8 +30,7 @@ def _canonical_number(text: str) -> str:
         return text
     if value.denominator == 1:
         return str(value.numerator)
-    out = f"{float(value):.10f}".rstrip("0").rstrip(".")
-    return out
+    return f"{float(value):.10f}".rstrip("0").rstrip(".")
 
 
 def parse_gsm8k_response(model_output: str) -> str | None:
@@ -185,11 +174,6 @@ def _fix_fracs(s: str) -> str:
     return "".join(out)
 
 
-def _fix_sqrt(s: str) -> str:
-    # "\sqrt3" → "\sqrt{3}"
-    return re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
-
-
 def normalize_math_answer(answer: str) -> str:
     """A canonical string for a MATH answer so that notational variants compare equal.
 
@@ -216,7 +200,7 @@ def normalize_math_answer(answer: str) -> str:
         lhs, rhs = s.split("=")
         if len(lhs.strip()) <= 2:
             s = rhs.strip()
-    s = _fix_sqrt(s)
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)  # "\sqrt3" → "\sqrt{3}"
     s = s.replace(" ", "")
     s = _fix_fracs(s)
     s = re.sub(r"(?<![\d}])\.(\d)", r"0.\1", s)  # ".5" → "0.5"
