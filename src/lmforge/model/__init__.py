@@ -65,31 +65,22 @@ __all__ = [
     "softmax",
 ]
 
+# name → defining module (a module's own name exports the module), imported on first access.
 _EXPORTS = {
-    "GatedDeltaNet": "linear_attention",
-    "LinearAttention": "linear_attention",
-    "Mamba2Mixer": "linear_attention",
-    "RecurrentState": "linear_attention",
-    "CausalSelfAttention": "transformer",
-    "Context": "context",
-    "PagedKVCache": "context",
-    "StepOps": "context",
-    "Embedding": "layers",
-    "KVCache": "kv_cache",
-    "Linear": "layers",
-    "ModelConfig": "config",
-    "MoEConfig": "moe_config",
-    "MoEFFN": "moe",
-    "RMSNorm": "layers",
-    "RotaryEmbedding": "layers",
-    "SwiGLU": "layers",
-    "TransformerBlock": "transformer",
-    "TransformerLM": "transformer",
-    "accounting": "accounting",
-    "default_d_ff": "config",
-    "load_preset": "presets",
-    "scaled_dot_product_attention": "layers",
-    "silu": "layers",
-    "softmax": "layers",
+    name: module
+    for module, names in {
+        "accounting": "accounting",
+        "config": "ModelConfig default_d_ff",
+        "context": "Context PagedKVCache StepOps",
+        "kv_cache": "KVCache",
+        "layers": "Embedding Linear RMSNorm RotaryEmbedding SwiGLU scaled_dot_product_attention "
+        "silu softmax",
+        "linear_attention": "GatedDeltaNet LinearAttention Mamba2Mixer RecurrentState",
+        "moe": "MoEFFN",
+        "moe_config": "MoEConfig",
+        "presets": "load_preset",
+        "transformer": "CausalSelfAttention TransformerBlock TransformerLM",
+    }.items()
+    for name in names.split()
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -556,33 +556,20 @@ def experts_grouped(
     # int32 keys: half the radix-sort passes of int64 on CUDA; stable keeps token order per expert.
     order = torch.argsort(r.expert_idx.to(torch.int32), stable=True)  # (A,)
     counts = expert_counts(r.expert_idx, n)  # (N,)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
     if r.top_k:  # token-major: token of row order[i] is order[i] // k
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
         xs = _Gather.apply(x, order, inv, r.top_k, dtype)  # (A, D) sorted by expert
         ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
         m, k = x.shape[0], r.top_k
         out = out_dtype or _acc_dtype(ys.dtype)
         return _Combine.apply(ys, r.weight.view(m, k), order, inv, k, out)  # (M, D)
-    # index_select: its backward is an index_add_ (indexing's would sort the indices first).
-    xs = x.to(dtype).index_select(0, r.token_idx.index_select(0, order))  # (A, D) by expert
-    ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
-    return combine(_Permute.apply(ys, inv, order), r, x.shape[0])
-
-
-class _Permute(torch.autograd.Function):
-    """``x[perm]`` for a permutation ``perm`` with inverse ``inv``: the backward is the gather
-    ``g[inv]`` (indexing's own backward would scatter-add into zeros)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(perm, inv)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        _, inv = ctx.saved_tensors
-        return g.index_select(0, inv), None, None
+    # index_select: its backward is an index_add_ (indexing's would sort the indices first); the
+    # sorted outputs are added back in sorted order (index_add_'s backward is a gather).
+    tok = r.token_idx.index_select(0, order)  # (A,) token of each sorted row
+    ys = expert_rows(x.to(dtype).index_select(0, tok), w1, w2, w3, counts)  # (A, D) by expert
+    out = torch.zeros((x.shape[0], ys.shape[-1]), dtype=_acc_dtype(ys.dtype), device=ys.device)
+    return out.index_add_(0, tok, ys.to(out.dtype) * r.weight.index_select(0, order)[:, None])
 
 
 def combine(y: torch.Tensor, r: Routing, m: int) -> torch.Tensor:
@@ -675,7 +662,8 @@ class MoEFFN(nn.Module):
             self._balance(logits, scores, r)
         else:
             self._aux = None
-        return out.to(_out_dtype(x)).view(shape)  # (B, T, D)
+        # The dense FFN returns autocast's dtype under autocast; the residual add promotes anyway.
+        return out.to(_compute_dtype(x)).view(shape)  # (B, T, D)
 
     def _balance(self, logits: torch.Tensor, scores: torch.Tensor, r: Routing) -> None:
         mc = self.config.moe
@@ -704,11 +692,6 @@ class MoEFFN(nn.Module):
             return torch.stack([load_ratio, dropped, routing_entropy(scores)])
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    # The dense FFN returns autocast's dtype under autocast; the residual add promotes either way.
-    return _compute_dtype(x)
-
-
 def _compute_reference(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tensor:
     dtype = _compute_dtype(x)
     w = [p.to(dtype) for p in (layer.w1, layer.w2, layer.w3)]
@@ -717,7 +700,7 @@ def _compute_reference(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tens
 
 def _compute_grouped(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tensor:
     # Without shared experts the layer's output dtype is final: the combine writes it directly.
-    out_dtype = _out_dtype(x) if layer.shared is None else None
+    out_dtype = _compute_dtype(x) if layer.shared is None else None
     return experts_grouped(x, layer.w1, layer.w2, layer.w3, r, out_dtype)
 
 
