@@ -106,21 +106,14 @@ def _pairwise(args: argparse.Namespace) -> int:
 
     from lmforge.eval.metrics import fit_bradley_terry
     from lmforge.utils.errors import LmforgeError
-    from lmforge.utils.io import atomic_write_text
+    from lmforge.utils.io import atomic_write_text, iter_jsonl
 
     path = Path(args.pairwise)
-    if path.is_dir():
-        raise LmforgeError(f"pairwise records {path} is a directory, expected a JSONL file")
-    if not path.is_file():
-        raise LmforgeError(f"pairwise records file not found: {path}")
     records = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, obj in iter_jsonl(path, "pairwise records"):
         try:
-            obj = json.loads(line)
             records.append((str(obj["model_a"]), str(obj["model_b"]), obj.get("winner")))
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except KeyError:
             raise LmforgeError(
                 f'{path}:{lineno}: expected {{"model_a", "model_b", "winner"}}'
             ) from None

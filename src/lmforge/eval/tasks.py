@@ -311,27 +311,14 @@ def choose_shots(pool: list, k: int, seed: int = 1234, avoid: set[str] | None = 
 
 def task_files(data_dir: str | Path, task: str) -> dict[str, Path]:
     """The evaluation and few-shot files of ``task`` under ``data_dir`` (layout in this module)."""
-    d = Path(data_dir)
-    layout = {
-        "mmlu": {"eval": d / "mmlu", "shots": d / "mmlu"},
-        "arc": {
-            "eval": d / "arc_challenge" / "ARC-Challenge-Test.jsonl",
-            "shots": d / "arc_challenge" / "ARC-Challenge-Dev.jsonl",
-        },
-        "hellaswag": {
-            "eval": d / "hellaswag" / "val.jsonl",
-            "shots": d / "hellaswag" / "train.jsonl",
-        },
-        "gsm8k": {"eval": d / "gsm8k" / "test.jsonl", "shots": d / "gsm8k" / "train.jsonl"},
-        "math500": {
-            "eval": d / "math" / "math_oai" / "test.jsonl",
-            "shots": d / "math" / "math" / "test.jsonl",
-        },
-        "math": {
-            "eval": d / "math" / "math" / "test.jsonl",
-            "shots": d / "math" / "math_oai" / "test.jsonl",
-        },
+    layout = {  # task: (evaluation file, few-shot file) under data_dir
+        "mmlu": ("mmlu", "mmlu"),
+        "arc": ("arc_challenge/ARC-Challenge-Test.jsonl", "arc_challenge/ARC-Challenge-Dev.jsonl"),
+        "hellaswag": ("hellaswag/val.jsonl", "hellaswag/train.jsonl"),
+        "gsm8k": ("gsm8k/test.jsonl", "gsm8k/train.jsonl"),
+        "math500": ("math/math_oai/test.jsonl", "math/math/test.jsonl"),
+        "math": ("math/math/test.jsonl", "math/math_oai/test.jsonl"),
     }
     if task not in layout:
         raise LmforgeError(f"unknown task '{task}' (expected one of {', '.join(layout)})")
-    return layout[task]
+    return {"eval": Path(data_dir, layout[task][0]), "shots": Path(data_dir, layout[task][1])}
