@@ -98,23 +98,25 @@ def extract_boxed(text: str) -> str | None:
 
     ``\\boxed 5`` (no braces) gives ``"5"``; an unbalanced box gives ``None``.
     """
-    starts = [m for m in re.finditer(r"\\(?:boxed|fbox)\s*", text)]
+    starts = list(re.finditer(r"\\(?:boxed|fbox)\s*", text))
     if not starts:
         return None
-    m = starts[-1]
-    i = m.end()
+    i = starts[-1].end()
     if i < len(text) and text[i] != "{":
         rest = re.match(r"[^\s$]+", text[i:])
         return rest.group(0) if rest else None
+    end = _group_end(text, i)
+    return text[i + 1 : end - 1] if end else None
+
+
+def _group_end(s: str, i: int) -> int:
+    """The index after the brace group opening at ``s[i]``; 0 when it never closes."""
     depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
+    for j in range(i, len(s)):
+        depth += (s[j] == "{") - (s[j] == "}")
+        if depth == 0:
+            return j + 1
+    return 0
 
 
 def parse_math_response(model_output: str) -> str | None:
@@ -149,28 +151,17 @@ def _fix_fracs(s: str) -> str:
     out = []
     i = 0
     while i < len(s):
-        if s.startswith("\\frac", i):
-            out.append("\\frac")
-            i += 5
-            for _ in range(2):
-                if i < len(s) and s[i] == "{":
-                    depth = 0
-                    for j in range(i, len(s)):
-                        depth += s[j] == "{"
-                        depth -= s[j] == "}"
-                        if depth == 0:
-                            out.append(s[i : j + 1])
-                            i = j + 1
-                            break
-                    else:
-                        out.append(s[i:])
-                        i = len(s)
-                elif i < len(s):
-                    out.append("{" + s[i] + "}")
-                    i += 1
-        else:
+        if not s.startswith("\\frac", i):
             out.append(s[i])
             i += 1
+            continue
+        out.append("\\frac")
+        i += 5
+        for _ in range(2):  # a braced argument as it is (to the end if unclosed), else one char
+            if i < len(s):
+                end = (_group_end(s, i) or len(s)) if s[i] == "{" else i + 1
+                out.append(s[i:end] if s[i] == "{" else "{" + s[i] + "}")
+                i = end
     return "".join(out)
 
 

@@ -40,7 +40,8 @@ class LmforgeLM(LM):
     """An lmforge model as an lm-evaluation-harness ``LM``.
 
     Construct from ``checkpoint`` (an lmforge checkpoint/run folder or an HF Llama/Qwen3 folder,
-    loaded with :func:`lmforge.hf.load_pretrained`) or from an in-memory ``model`` + ``tokenizer``.
+    loaded by :func:`lmforge.serve.loading.load_for_serving`) or from an in-memory ``model`` and
+    ``tokenizer``.
     Simplification: one process (no data-parallel ranks); ``batch_size="auto"`` means 8.
     """
 
@@ -58,9 +59,11 @@ class LmforgeLM(LM):
         if model is None:
             if checkpoint is None:
                 raise ValueError("LmforgeLM needs checkpoint=DIR (or model= and tokenizer=)")
-            from lmforge.hf import load_pretrained
+            from lmforge.serve.loading import load_for_serving
 
-            model, tokenizer = load_pretrained(checkpoint, device or "cpu")
+            model, tokenizer, _, _ = load_for_serving(
+                checkpoint=checkpoint, device=device or "cpu", dtype="float32"
+            )
         if tokenizer is None:
             raise ValueError("LmforgeLM needs a tokenizer (the checkpoint has none)")
         self.model = model.eval()

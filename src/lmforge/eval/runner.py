@@ -103,19 +103,13 @@ def evaluate_multiple_choice(
     ``acc`` picks argmax of the summed log-probability; ``acc_norm`` of log-probability divided by
     the continuation's UTF-8 byte length. Both with standard errors; ``n`` items.
     """
-    requests: list[tuple[list[int], list[int]]] = []
-    spans = []
-    for context, conts, _ in prompts:
-        start = len(requests)
-        for c in conts:
-            requests.append(encode_pair(tokenizer, context, c))
-        spans.append((start, len(requests)))
-    scores = score_continuations(
-        model, requests, batch_size=batch_size, progress=progress, desc=desc
+    requests = [encode_pair(tokenizer, ctx, c) for ctx, conts, _ in prompts for c in conts]
+    scores = iter(
+        score_continuations(model, requests, batch_size=batch_size, progress=progress, desc=desc)
     )
     correct, correct_norm = [], []
-    for (_, conts, answer), (a, b) in zip(prompts, spans):
-        lls = [scores[k][0] for k in range(a, b)]
+    for _, conts, answer in prompts:
+        lls = [next(scores)[0] for _ in conts]
         norm = [ll / max(1, len(c.encode("utf-8"))) for ll, c in zip(lls, conts)]
         correct.append(float(max(range(len(lls)), key=lls.__getitem__) == answer))
         correct_norm.append(float(max(range(len(norm)), key=norm.__getitem__) == answer))
@@ -240,10 +234,8 @@ def evaluate_generative_math(
     result: dict[str, Any] = {"n": len(examples), "samples": samples}
     ks = sorted({1, samples, *(k for k in (2, 4, 8, 16, 32, 64, 128) if k <= samples)})
     for k in ks:
-        vals = [pass_at_k(samples, c, k) for c in n_correct]
-        mean, se = mean_stderr(vals)
-        result[f"pass@{k}"] = mean
-        result[f"pass@{k}_stderr"] = se
+        mean_se = mean_stderr([pass_at_k(samples, c, k) for c in n_correct])
+        result[f"pass@{k}"], result[f"pass@{k}_stderr"] = mean_se
     result["_records"] = records
     return result
 
