@@ -202,11 +202,7 @@ class PerplexityResult:
     def as_dict(self) -> dict[str, float]:
         """Plain numbers for a JSON report."""
         return {
-            "loss": self.loss,
-            "perplexity": self.perplexity,
-            "bits_per_byte": self.bits_per_byte,
-            "tokens": self.tokens,
-            "bytes": self.bytes,
+            k: getattr(self, k) for k in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
         }
 
 

@@ -95,10 +95,8 @@ def _ffn_parameters(cfg: ModelConfig, active: bool) -> float:
 def active_parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     """Parameters one token's forward uses: the total minus the routed experts it skips
     (:func:`parameter_count` for a dense model)."""
-    parts = parameter_breakdown(cfg)
-    parts["ffn"] = round(_ffn_parameters(cfg, active=True))
-    total = sum(parts.values())
-    return total - parts["embedding"] if exclude_embeddings else total
+    skipped = parameter_breakdown(cfg)["ffn"] - round(_ffn_parameters(cfg, active=True))
+    return parameter_count(cfg, exclude_embeddings) - skipped
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:

@@ -248,13 +248,6 @@ def routing_entropy(scores: torch.Tensor) -> torch.Tensor:
 # Expert compute: the reference loop and the sorted, grouped fast path
 
 
-def _swiglu_rows(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
-) -> torch.Tensor:
-    """One expert on its rows: (n, D) -> (n, D) with w1, w3 (F, D) and w2 (D, F)."""
-    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
-
-
 def experts_reference(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, r: Routing
 ) -> torch.Tensor:
@@ -267,7 +260,8 @@ def experts_reference(
         if sel.numel() == 0:
             continue
         tok = r.token_idx[sel]  # (n_e,)
-        y = _swiglu_rows(x[tok], w1[e], w2[e], w3[e])  # (n_e, D)
+        xe = x[tok]  # (n_e, D)
+        y = (F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t()  # (n_e, D): its SwiGLU
         out.index_add_(0, tok, y.to(out.dtype) * r.weight[sel, None])
     return out
 
@@ -565,11 +559,10 @@ def experts_grouped(
         out = out_dtype or _acc_dtype(ys.dtype)
         return _Combine.apply(ys, r.weight.view(m, k), order, inv, k, out)  # (M, D)
     # index_select: its backward is an index_add_ (indexing's would sort the indices first); the
-    # sorted outputs are added back in sorted order (index_add_'s backward is a gather).
+    # sorted rows are combined as the assignments of the same routing in sorted order.
     tok = r.token_idx.index_select(0, order)  # (A,) token of each sorted row
     ys = expert_rows(x.to(dtype).index_select(0, tok), w1, w2, w3, counts)  # (A, D) by expert
-    out = torch.zeros((x.shape[0], ys.shape[-1]), dtype=_acc_dtype(ys.dtype), device=ys.device)
-    return out.index_add_(0, tok, ys.to(out.dtype) * r.weight.index_select(0, order)[:, None])
+    return combine(ys, r._replace(token_idx=tok, weight=r.weight[order]), x.shape[0])  # (M, D)
 
 
 def combine(y: torch.Tensor, r: Routing, m: int) -> torch.Tensor:
