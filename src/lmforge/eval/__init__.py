@@ -8,6 +8,8 @@ The harness adapter lives in :mod:`lmforge.eval.harness` (imported only on deman
 ``lm-eval``).
 """
 
+# ruff: noqa: F401 (the imports for type checkers below are the names __all__ exports)
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -76,45 +78,6 @@ _EXPORTS = {
     for name in names.split()
 }
 
-__all__ = [
-    "DEFAULT_SHOTS",
-    "TASKS",
-    "EvalOptions",
-    "MathExample",
-    "MultipleChoiceExample",
-    "PairwiseRatings",
-    "PerplexityResult",
-    "arc_prompt",
-    "conditional_perplexity",
-    "evaluate_generative_math",
-    "evaluate_mmlu_generative",
-    "evaluate_multiple_choice",
-    "extract_boxed",
-    "fit_bradley_terry",
-    "format_table",
-    "gsm8k_prompt",
-    "gsm8k_reference",
-    "hellaswag_prompt",
-    "load_arc",
-    "load_gsm8k",
-    "load_hellaswag",
-    "load_math",
-    "load_mmlu",
-    "math_answers_equal",
-    "math_prompt",
-    "mean_stderr",
-    "mmlu_prompt",
-    "normalize_math_answer",
-    "parse_gsm8k_response",
-    "parse_math_response",
-    "parse_mmlu_response",
-    "pass_at_k",
-    "perplexity",
-    "rolling_windows",
-    "run_eval",
-    "score_continuations",
-    "score_sequences",
-]
 
-
+__all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -5,6 +5,8 @@ every file here: B batch, T sequence, S key/value slots, D model dim, H heads, K
 E head dim, V vocab, F ffn dim.
 """
 
+# ruff: noqa: F401 (the imports for type checkers below are the names __all__ exports)
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -37,33 +39,6 @@ if TYPE_CHECKING:
     from lmforge.model.presets import load_preset
     from lmforge.model.transformer import CausalSelfAttention, TransformerBlock, TransformerLM
 
-__all__ = [
-    "CausalSelfAttention",
-    "Context",
-    "Embedding",
-    "GatedDeltaNet",
-    "KVCache",
-    "Linear",
-    "LinearAttention",
-    "Mamba2Mixer",
-    "MoEConfig",
-    "MoEFFN",
-    "ModelConfig",
-    "PagedKVCache",
-    "RMSNorm",
-    "RecurrentState",
-    "RotaryEmbedding",
-    "StepOps",
-    "SwiGLU",
-    "TransformerBlock",
-    "TransformerLM",
-    "accounting",
-    "default_d_ff",
-    "load_preset",
-    "scaled_dot_product_attention",
-    "silu",
-    "softmax",
-]
 
 # name → defining module (a module's own name exports the module), imported on first access.
 _EXPORTS = {
@@ -83,4 +58,5 @@ _EXPORTS = {
     }.items()
     for name in names.split()
 }
+__all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
