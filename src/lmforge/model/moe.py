@@ -72,12 +72,6 @@ class Routing(NamedTuple):
 # Routing: pure functions of the scores
 
 
-def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
-    """(M, N) router logits -> (M, N) scores (fp32 or wider): softmax or per-expert sigmoid."""
-    logits = logits.to(_acc_dtype(logits.dtype))
-    return logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-
-
 def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
     """(A,) expert ids -> (N,) long counts, without a host sync: ``torch.bincount`` reads the
     input's max on the host on CUDA (``.item()``), which stalls the queue every MoE layer."""
@@ -88,19 +82,6 @@ def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
     """Slots per expert: ⌈factor · tokens · k / N⌉, at most the number of tokens."""
     return max(1, min(n_tokens, math.ceil(factor * n_tokens * top_k / n_experts)))
-
-
-def route_token_choice(
-    scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm_top_k: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k experts per token: (M, k) expert ids chosen on ``scores + bias``, (M, k) weights
-    from the unbiased scores (renormalised to sum 1 with ``norm_top_k``)."""
-    select = scores if bias is None else scores + bias  # (M, N)
-    idx = select.topk(top_k, dim=-1).indices  # (M, k)
-    w = scores.gather(-1, idx)  # (M, k)
-    if norm_top_k:
-        w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
-    return idx, w
 
 
 def capacity_keep(
@@ -132,10 +113,16 @@ def route(
     cfg: ModelConfig,
     bias: torch.Tensor | None = None,
 ) -> tuple[Routing, torch.Tensor]:
-    """(M, N) router logits -> (assignments, (M, N) fp32 scores) for ``cfg.moe.routing``."""
+    """(M, N) router logits -> (assignments, (M, N) fp32 scores) for ``cfg.moe.routing``.
+
+    Scores: softmax or per-expert sigmoid, in fp32 (or wider). Token choice takes each token's
+    top-k experts of ``scores + bias``; the gate weights are the unbiased scores of those
+    experts (renormalised to sum 1 with ``norm_top_k``).
+    """
     mc = cfg.moe
     m, n = logits.shape
-    scores = router_scores(logits, mc.score)  # (M, N)
+    logits = logits.to(_acc_dtype(logits.dtype))
+    scores = logits.softmax(-1) if mc.score == "softmax" else logits.sigmoid()  # (M, N)
     dev = logits.device
     if mc.routing == "expert_choice":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
@@ -144,11 +131,15 @@ def route(
         load = torch.full((n,), float(cap), device=dev)
         kept = torch.ones(n * cap, dtype=torch.bool, device=dev)
         return Routing(tok.reshape(-1), expert, w.reshape(-1), 0, load, kept), scores
-    idx, w = route_token_choice(scores, bias, mc.top_k, mc.norm_top_k)  # (M, k) each
+    select = scores if bias is None else scores + bias  # (M, N): the bias only selects
+    idx = select.topk(mc.top_k, dim=-1).indices  # (M, k)
+    raw = w = scores.gather(-1, idx)  # (M, k)
+    if mc.norm_top_k:
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
     load = expert_counts(idx.reshape(-1), n).float()  # (N,)
     if mc.routing == "token_choice_capacity":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
-        keep = capacity_keep(idx, scores.gather(-1, idx), cap, n)  # priority: raw scores
+        keep = capacity_keep(idx, raw, cap, n)  # priority: raw scores
         w = w * keep  # (M, k): dropped choices weigh 0
     else:
         keep = torch.ones_like(idx, dtype=torch.bool)
