@@ -289,6 +289,7 @@ def _subsample(items: list, limit: int | None, seed: int, shuffle: bool) -> list
 
 
 def _ppl_texts(task: str, options: EvalOptions) -> list[tuple[str, str]]:
+    """(file, text) of each ppl document (``task`` as the other task readers take it)."""
     files = [Path(f) for f in options.ppl_files] or [
         Path(options.data_dir).parent / "text" / "wikitext2" / "test.txt"
     ]
