@@ -95,12 +95,6 @@ def default_report_path(checkpoint: str) -> str:
     return str(p / "eval_report.json")
 
 
-def pairwise_out(records: Path) -> Path:
-    """Default ratings path: ``runs/ratings/<records stem>.json`` (never beside the records,
-    which may be the repository's own examples/)."""
-    return Path("runs") / "ratings" / f"{records.stem}.json"
-
-
 def _pairwise(args: argparse.Namespace) -> int:
     import json
 
@@ -122,7 +116,8 @@ def _pairwise(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise LmforgeError(f"{path}: {e}") from None
     report = {"ratings": ratings.ratings, "ci95": ratings.ci, "n_games": ratings.n_games}
-    out = Path(args.out) if args.out else pairwise_out(path)
+    # Default runs/ratings/<stem>.json: never beside the records (they may be examples/ files).
+    out = Path(args.out) if args.out else Path("runs", "ratings", f"{path.stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(report, indent=2) + "\n")
     print(ratings.table())

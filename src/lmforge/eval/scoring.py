@@ -295,12 +295,6 @@ def conditional_perplexity(
     return PerplexityResult(nll=nll, tokens=sum(len(c) for _, c in requests), bytes=n_bytes)
 
 
-def split_context(context: str, continuation: str) -> tuple[str, str]:
-    """Move trailing spaces of the context onto the continuation (as tokenizers expect)."""
-    stripped = context.rstrip(" ")
-    return stripped, context[len(stripped) :] + continuation
-
-
 def encode_pair(
     tokenizer: TextTokenizer, context: str, continuation: str
 ) -> tuple[list[int], list[int]]:
@@ -309,7 +303,8 @@ def encode_pair(
     The end-of-text id plays the part of BOS: lmforge models see it between training documents,
     so a prompt after it reads as the start of a document (and an empty context still works).
     """
-    context, continuation = split_context(context, continuation)
+    stripped = context.rstrip(" ")  # trailing spaces go to the continuation (as tokenizers expect)
+    context, continuation = stripped, context[len(stripped) :] + continuation
     ctx = tokenizer.encode(context) if context else []
     prefix = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
     return [*prefix, *ctx], tokenizer.encode(continuation)
