@@ -28,7 +28,7 @@ Expert compute, on assignments: the reference (:func:`experts_reference`) loops 
 gathers each expert's tokens and adds the weighted outputs back; the fast path
 (:func:`experts_grouped`) sorts assignments by expert and runs each projection as one grouped
 GEMM over the sorted rows (``torch._grouped_mm`` for bf16 on CUDA; elsewhere a loop over the
-sorted segments), then un-permutes and combines. Dropped assignments (weight 0) are computed and
+sorted segments), then sums each token's weighted rows straight from the sorted order. Dropped assignments (weight 0) are computed and
 multiplied by 0, which keeps every shape static (no host sync, CUDA-graph friendly); outputs and
 gradients are those of skipping them.
 
