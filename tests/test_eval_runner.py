@@ -357,3 +357,24 @@ def test_generation_on_the_engine_equals_the_old_loop(tmp_path: Path) -> None:
         assert preds == [parse(t) for t in want]
         if kind == "gsm8k":  # the comparison is not vacuous (MATH wants a \\boxed{} answer)
             assert sum(p is not None for p in preds) >= 2
+
+
+@pytest.mark.parametrize("package", ["lmforge.eval", "lmforge.model"])
+def test_type_checking_imports_match_the_lazy_exports(package: str) -> None:
+    """``__all__`` is the export table; the imports type checkers read list the same names from
+    the same modules (the two copies cannot drift apart)."""
+    import ast
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(package)
+    tree = ast.parse(inspect.getsource(mod))
+    block = next(n for n in tree.body if isinstance(n, ast.If))  # if TYPE_CHECKING:
+    imported = {
+        alias.name: node.module.rsplit(".", 1)[-1] if node.module != package else alias.name
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported == mod._EXPORTS
+    assert mod.__all__ == sorted(imported)

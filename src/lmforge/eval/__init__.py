@@ -8,6 +8,8 @@ The harness adapter lives in :mod:`lmforge.eval.harness` (imported only on deman
 ``lm-eval``).
 """
 
+# ruff: noqa: F401 (the imports for type checkers below are the names __all__ exports)
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -61,84 +63,21 @@ if TYPE_CHECKING:
 # name → defining module; resolved on first access so ``lmforge eval --help`` (which imports
 # this package's ``_cli``) does not pull in torch.
 _EXPORTS = {
-    "DEFAULT_SHOTS": "lmforge.eval.runner",
-    "EvalOptions": "lmforge.eval.runner",
-    "MathExample": "lmforge.eval.tasks",
-    "MultipleChoiceExample": "lmforge.eval.tasks",
-    "PairwiseRatings": "lmforge.eval.metrics",
-    "PerplexityResult": "lmforge.eval.scoring",
-    "TASKS": "lmforge.eval.runner",
-    "arc_prompt": "lmforge.eval.tasks",
-    "conditional_perplexity": "lmforge.eval.scoring",
-    "evaluate_generative_math": "lmforge.eval.runner",
-    "evaluate_mmlu_generative": "lmforge.eval.runner",
-    "evaluate_multiple_choice": "lmforge.eval.runner",
-    "extract_boxed": "lmforge.eval.answers",
-    "fit_bradley_terry": "lmforge.eval.metrics",
-    "format_table": "lmforge.eval.runner",
-    "gsm8k_prompt": "lmforge.eval.tasks",
-    "gsm8k_reference": "lmforge.eval.answers",
-    "hellaswag_prompt": "lmforge.eval.tasks",
-    "load_arc": "lmforge.eval.tasks",
-    "load_gsm8k": "lmforge.eval.tasks",
-    "load_hellaswag": "lmforge.eval.tasks",
-    "load_math": "lmforge.eval.tasks",
-    "load_mmlu": "lmforge.eval.tasks",
-    "math_answers_equal": "lmforge.eval.answers",
-    "math_prompt": "lmforge.eval.tasks",
-    "mean_stderr": "lmforge.eval.metrics",
-    "mmlu_prompt": "lmforge.eval.tasks",
-    "normalize_math_answer": "lmforge.eval.answers",
-    "parse_gsm8k_response": "lmforge.eval.answers",
-    "parse_math_response": "lmforge.eval.answers",
-    "parse_mmlu_response": "lmforge.eval.answers",
-    "pass_at_k": "lmforge.eval.metrics",
-    "perplexity": "lmforge.eval.scoring",
-    "rolling_windows": "lmforge.eval.scoring",
-    "run_eval": "lmforge.eval.runner",
-    "score_continuations": "lmforge.eval.scoring",
-    "score_sequences": "lmforge.eval.scoring",
+    name: module
+    for module, names in {
+        "answers": "extract_boxed gsm8k_reference math_answers_equal normalize_math_answer "
+        "parse_gsm8k_response parse_math_response parse_mmlu_response",
+        "metrics": "PairwiseRatings fit_bradley_terry mean_stderr pass_at_k",
+        "runner": "DEFAULT_SHOTS TASKS EvalOptions evaluate_generative_math "
+        "evaluate_mmlu_generative evaluate_multiple_choice format_table run_eval",
+        "scoring": "PerplexityResult conditional_perplexity perplexity rolling_windows "
+        "score_continuations score_sequences",
+        "tasks": "MathExample MultipleChoiceExample arc_prompt gsm8k_prompt hellaswag_prompt "
+        "load_arc load_gsm8k load_hellaswag load_math load_mmlu math_prompt mmlu_prompt",
+    }.items()
+    for name in names.split()
 }
 
-__all__ = [
-    "DEFAULT_SHOTS",
-    "TASKS",
-    "EvalOptions",
-    "MathExample",
-    "MultipleChoiceExample",
-    "PairwiseRatings",
-    "PerplexityResult",
-    "arc_prompt",
-    "conditional_perplexity",
-    "evaluate_generative_math",
-    "evaluate_mmlu_generative",
-    "evaluate_multiple_choice",
-    "extract_boxed",
-    "fit_bradley_terry",
-    "format_table",
-    "gsm8k_prompt",
-    "gsm8k_reference",
-    "hellaswag_prompt",
-    "load_arc",
-    "load_gsm8k",
-    "load_hellaswag",
-    "load_math",
-    "load_mmlu",
-    "math_answers_equal",
-    "math_prompt",
-    "mean_stderr",
-    "mmlu_prompt",
-    "normalize_math_answer",
-    "parse_gsm8k_response",
-    "parse_math_response",
-    "parse_mmlu_response",
-    "pass_at_k",
-    "perplexity",
-    "rolling_windows",
-    "run_eval",
-    "score_continuations",
-    "score_sequences",
-]
 
-
+__all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -89,51 +89,25 @@ def default_report_path(checkpoint: str) -> str:
     ``runs/x/checkpoints/step_N`` → ``runs/x/eval_report.json``; any other folder (a run, an HF
     or imported model folder) holds its own report.
     """
-    from pathlib import Path
-
     p = Path(checkpoint)
     if p.parent.name == "checkpoints" and p.name.startswith("step_"):
         p = p.parent.parent
     return str(p / "eval_report.json")
 
 
-def _device(name: str) -> str:
-    import torch
-
-    from lmforge.utils.runtime import resolve_device
-
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_device(name)
-
-
-def pairwise_out(records: Path) -> Path:
-    """Default ratings path: ``runs/ratings/<records stem>.json`` (never beside the records,
-    which may be the repository's own examples/)."""
-    return Path("runs") / "ratings" / f"{records.stem}.json"
-
-
 def _pairwise(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from lmforge.eval.metrics import fit_bradley_terry
     from lmforge.utils.errors import LmforgeError
-    from lmforge.utils.io import atomic_write_text
+    from lmforge.utils.io import atomic_write_text, iter_jsonl
 
     path = Path(args.pairwise)
-    if path.is_dir():
-        raise LmforgeError(f"pairwise records {path} is a directory, expected a JSONL file")
-    if not path.is_file():
-        raise LmforgeError(f"pairwise records file not found: {path}")
     records = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, obj in iter_jsonl(path, "pairwise records"):
         try:
-            obj = json.loads(line)
             records.append((str(obj["model_a"]), str(obj["model_b"]), obj.get("winner")))
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except KeyError:
             raise LmforgeError(
                 f'{path}:{lineno}: expected {{"model_a", "model_b", "winner"}}'
             ) from None
@@ -142,7 +116,8 @@ def _pairwise(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise LmforgeError(f"{path}: {e}") from None
     report = {"ratings": ratings.ratings, "ci95": ratings.ci, "n_games": ratings.n_games}
-    out = Path(args.out) if args.out else pairwise_out(path)
+    # Default runs/ratings/<stem>.json: never beside the records (they may be examples/ files).
+    out = Path(args.out) if args.out else Path("runs", "ratings", f"{path.stem}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(report, indent=2) + "\n")
     print(ratings.table())
@@ -153,10 +128,11 @@ def _pairwise(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.pairwise:
         return _pairwise(args)
+    import dataclasses
     import json
 
     from lmforge.eval.runner import TASKS, EvalOptions, format_table, run_eval
-    from lmforge.hf import load_pretrained
+    from lmforge.serve.loading import load_for_serving
     from lmforge.utils.config import config_to_dict
     from lmforge.utils.errors import LmforgeError
     from lmforge.utils.io import atomic_write_text
@@ -173,26 +149,15 @@ def _run(args: argparse.Namespace) -> int:
             raise LmforgeError(f"--{name.replace('_', '-')} must be ≥ 1, got {value}")
     if args.samples > 1 and args.temperature <= 0:
         raise LmforgeError("--samples > 1 needs --temperature > 0 (greedy samples are identical)")
-    options = EvalOptions(
-        data_dir=args.data_dir,
-        limit=args.limit,
-        shots=args.shots,
-        batch_size=args.batch_size,
-        max_new_tokens=args.max_new_tokens,
-        samples=args.samples,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        ppl_files=tuple(args.ppl_text),
-        ppl_max_tokens=args.ppl_max_tokens,
-        seed=args.seed,
-        progress=not args.no_progress,
+    # Every option but two is the flag of the same name.
+    same = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EvalOptions) if f.name in args
+    }
+    options = EvalOptions(**same, ppl_files=tuple(args.ppl_text), progress=not args.no_progress)
+    # The one model loader of the inference commands (an HF folder also loads as a checkpoint).
+    model, tokenizer, _, _ = load_for_serving(
+        checkpoint=args.checkpoint, device=args.device, dtype="float32"
     )
-    try:
-        model, tokenizer = load_pretrained(args.checkpoint, _device(args.device))
-    except LmforgeError as e:
-        from lmforge.utils.corpus import run_folder_hint
-
-        raise LmforgeError(f"{e}{run_folder_hint(args.checkpoint)}") from None
     if tokenizer is None:
         raise LmforgeError(
             f"{args.checkpoint}: no tokenizer in the checkpoint (tokenizer/ missing)"

@@ -17,16 +17,6 @@ import re
 from fractions import Fraction
 from typing import Protocol
 
-__all__ = [
-    "extract_boxed",
-    "gsm8k_reference",
-    "math_answers_equal",
-    "normalize_math_answer",
-    "parse_gsm8k_response",
-    "parse_math_response",
-    "parse_mmlu_response",
-]
-
 # A number as people write it in word problems: optional sign, thousands separators, decimals.
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
 
@@ -40,8 +30,7 @@ def _canonical_number(text: str) -> str:
         return text
     if value.denominator == 1:
         return str(value.numerator)
-    out = f"{float(value):.10f}".rstrip("0").rstrip(".")
-    return out
+    return f"{float(value):.10f}".rstrip("0").rstrip(".")
 
 
 def parse_gsm8k_response(model_output: str) -> str | None:
@@ -109,23 +98,25 @@ def extract_boxed(text: str) -> str | None:
 
     ``\\boxed 5`` (no braces) gives ``"5"``; an unbalanced box gives ``None``.
     """
-    starts = [m for m in re.finditer(r"\\(?:boxed|fbox)\s*", text)]
+    starts = list(re.finditer(r"\\(?:boxed|fbox)\s*", text))
     if not starts:
         return None
-    m = starts[-1]
-    i = m.end()
+    i = starts[-1].end()
     if i < len(text) and text[i] != "{":
         rest = re.match(r"[^\s$]+", text[i:])
         return rest.group(0) if rest else None
+    end = _group_end(text, i)
+    return text[i + 1 : end - 1] if end else None
+
+
+def _group_end(s: str, i: int) -> int:
+    """The index after the brace group opening at ``s[i]``; 0 when it never closes."""
     depth = 0
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-    return None
+    for j in range(i, len(s)):
+        depth += (s[j] == "{") - (s[j] == "}")
+        if depth == 0:
+            return j + 1
+    return 0
 
 
 def parse_math_response(model_output: str) -> str | None:
@@ -160,34 +151,18 @@ def _fix_fracs(s: str) -> str:
     out = []
     i = 0
     while i < len(s):
-        if s.startswith("\\frac", i):
-            out.append("\\frac")
-            i += 5
-            for _ in range(2):
-                if i < len(s) and s[i] == "{":
-                    depth = 0
-                    for j in range(i, len(s)):
-                        depth += s[j] == "{"
-                        depth -= s[j] == "}"
-                        if depth == 0:
-                            out.append(s[i : j + 1])
-                            i = j + 1
-                            break
-                    else:
-                        out.append(s[i:])
-                        i = len(s)
-                elif i < len(s):
-                    out.append("{" + s[i] + "}")
-                    i += 1
-        else:
+        if not s.startswith("\\frac", i):
             out.append(s[i])
             i += 1
+            continue
+        out.append("\\frac")
+        i += 5
+        for _ in range(2):  # a braced argument as it is (to the end if unclosed), else one char
+            if i < len(s):
+                end = (_group_end(s, i) or len(s)) if s[i] == "{" else i + 1
+                out.append(s[i:end] if s[i] == "{" else "{" + s[i] + "}")
+                i = end
     return "".join(out)
-
-
-def _fix_sqrt(s: str) -> str:
-    # "\sqrt3" → "\sqrt{3}"
-    return re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
 
 
 def normalize_math_answer(answer: str) -> str:
@@ -216,7 +191,7 @@ def normalize_math_answer(answer: str) -> str:
         lhs, rhs = s.split("=")
         if len(lhs.strip()) <= 2:
             s = rhs.strip()
-    s = _fix_sqrt(s)
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)  # "\sqrt3" → "\sqrt{3}"
     s = s.replace(" ", "")
     s = _fix_fracs(s)
     s = re.sub(r"(?<![\d}])\.(\d)", r"0.\1", s)  # ".5" → "0.5"

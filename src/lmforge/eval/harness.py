@@ -40,7 +40,8 @@ class LmforgeLM(LM):
     """An lmforge model as an lm-evaluation-harness ``LM``.
 
     Construct from ``checkpoint`` (an lmforge checkpoint/run folder or an HF Llama/Qwen3 folder,
-    loaded with :func:`lmforge.hf.load_pretrained`) or from an in-memory ``model`` + ``tokenizer``.
+    loaded by :func:`lmforge.serve.loading.load_for_serving`) or from an in-memory ``model`` and
+    ``tokenizer``.
     Simplification: one process (no data-parallel ranks); ``batch_size="auto"`` means 8.
     """
 
@@ -58,9 +59,11 @@ class LmforgeLM(LM):
         if model is None:
             if checkpoint is None:
                 raise ValueError("LmforgeLM needs checkpoint=DIR (or model= and tokenizer=)")
-            from lmforge.hf import load_pretrained
+            from lmforge.serve.loading import load_for_serving
 
-            model, tokenizer = load_pretrained(checkpoint, device or "cpu")
+            model, tokenizer, _, _ = load_for_serving(
+                checkpoint=checkpoint, device=device or "cpu", dtype="float32"
+            )
         if tokenizer is None:
             raise ValueError("LmforgeLM needs a tokenizer (the checkpoint has none)")
         self.model = model.eval()
@@ -103,14 +106,10 @@ class LmforgeLM(LM):
         """``(log p(continuation | context), is_greedy)`` per ``(context, continuation)``."""
         pairs = [encode_pair(self.tokenizer, *req.args) for req in requests]
         # An empty continuation scores 0 (the harness never sends one, but guard anyway).
-        keep = [i for i, (_, cont) in enumerate(pairs) if cont]
-        scored = score_continuations(
-            self.model, [pairs[i] for i in keep], batch_size=self.batch_size
+        scored = iter(
+            score_continuations(self.model, [p for p in pairs if p[1]], batch_size=self.batch_size)
         )
-        out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
-        for i, s in zip(keep, scored):
-            out[i] = s
-        return out
+        return [next(scored) if cont else (0.0, True) for _, cont in pairs]
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
         """Log-likelihood of each whole string, every token scored once (after the EOT prefix)."""
@@ -121,12 +120,8 @@ class LmforgeLM(LM):
             s = [*prefix, *self.tok_encode(text)]
             per_doc.append(_document_items(s, self.max_length, None) if len(s) > 1 else [])
         flat = [item for items in per_doc for item in items]
-        scored = score_sequences(self.model, flat, batch_size=self.batch_size)
-        out, k = [], 0
-        for items in per_doc:
-            out.append(math.fsum(x for lp, _ in scored[k : k + len(items)] for x in lp))
-            k += len(items)
-        return out
+        scored = iter(score_sequences(self.model, flat, batch_size=self.batch_size))
+        return [math.fsum(x for _ in items for x in next(scored)[0]) for items in per_doc]
 
     def generate_until(self, requests: list[Any]) -> list[str]:
         """Greedy (or sampled, with ``do_sample`` and ``temperature``) text cut at ``until``.

@@ -12,13 +12,6 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = [
-    "PairwiseRatings",
-    "fit_bradley_terry",
-    "mean_stderr",
-    "pass_at_k",
-]
-
 
 def mean_stderr(values: Sequence[float]) -> tuple[float, float]:
     """Mean and its standard error (sample std with ddof=1 over sqrt(n)); stderr 0 for n < 2.

@@ -39,19 +39,6 @@ from lmforge.eval.metrics import mean_stderr, pass_at_k
 from lmforge.eval.scoring import TextTokenizer, encode_pair, perplexity, score_continuations
 from lmforge.utils.errors import LmforgeError
 
-__all__ = [
-    "DEFAULT_SHOTS",
-    "TASKS",
-    "EvalOptions",
-    "evaluate_generative_math",
-    "evaluate_mmlu_generative",
-    "evaluate_multiple_choice",
-    "format_table",
-    "generate_texts",
-    "make_engine",
-    "run_eval",
-]
-
 TASKS = ("ppl", "mmlu", "mmlu_gen", "arc", "hellaswag", "gsm8k", "math500", "math")
 DEFAULT_SHOTS = {
     "mmlu": 5,
@@ -65,7 +52,6 @@ DEFAULT_SHOTS = {
 # Text after which a generated answer is over: the model starts the next few-shot example.
 _STOP_STRINGS = {
     "gsm8k": ("\n\nQuestion:", "\nQuestion:", "\n\n\n"),
-    "math500": ("\n\nProblem:", "\nProblem:", "\n\n\n"),
     "math": ("\n\nProblem:", "\nProblem:", "\n\n\n"),
 }
 
@@ -117,19 +103,13 @@ def evaluate_multiple_choice(
     ``acc`` picks argmax of the summed log-probability; ``acc_norm`` of log-probability divided by
     the continuation's UTF-8 byte length. Both with standard errors; ``n`` items.
     """
-    requests: list[tuple[list[int], list[int]]] = []
-    spans = []
-    for context, conts, _ in prompts:
-        start = len(requests)
-        for c in conts:
-            requests.append(encode_pair(tokenizer, context, c))
-        spans.append((start, len(requests)))
-    scores = score_continuations(
-        model, requests, batch_size=batch_size, progress=progress, desc=desc
+    requests = [encode_pair(tokenizer, ctx, c) for ctx, conts, _ in prompts for c in conts]
+    scores = iter(
+        score_continuations(model, requests, batch_size=batch_size, progress=progress, desc=desc)
     )
     correct, correct_norm = [], []
-    for (_, conts, answer), (a, b) in zip(prompts, spans):
-        lls = [scores[k][0] for k in range(a, b)]
+    for _, conts, answer in prompts:
+        lls = [next(scores)[0] for _ in conts]
         norm = [ll / max(1, len(c.encode("utf-8"))) for ll, c in zip(lls, conts)]
         correct.append(float(max(range(len(lls)), key=lls.__getitem__) == answer))
         correct_norm.append(float(max(range(len(norm)), key=norm.__getitem__) == answer))
@@ -225,21 +205,17 @@ def evaluate_generative_math(
     decoded together on the serving engine); with c correct of n, pass@k is the unbiased
     estimate 1 - C(n-c, k)/C(n, k), averaged over problems with its standard error.
     """
-    if kind == "gsm8k":
-        prompts = [T.gsm8k_prompt(ex, list(shots)) for ex in examples]
-        stops = _STOP_STRINGS["gsm8k"]
-    else:
-        prompts = [T.math_prompt(ex, list(shots)) for ex in examples]
-        stops = _STOP_STRINGS["math"]
+    gsm8k = kind == "gsm8k"
+    prompt_fn = T.gsm8k_prompt if gsm8k else T.math_prompt
     outputs = generate_texts(
         model,
         tokenizer,
-        prompts,
+        [prompt_fn(ex, list(shots)) for ex in examples],
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
         samples=samples,
-        stops=stops,
+        stops=_STOP_STRINGS["gsm8k" if gsm8k else "math"],
         seed=seed,
         engine=engine,
         progress=progress,
@@ -247,7 +223,7 @@ def evaluate_generative_math(
     n_correct = []
     records = []
     for ex, outs in zip(examples, outputs, strict=True):
-        if kind == "gsm8k":
+        if gsm8k:
             preds = [parse_gsm8k_response(o) for o in outs]
             ok = [p is not None and p == ex.answer for p in preds]
         else:
@@ -258,10 +234,8 @@ def evaluate_generative_math(
     result: dict[str, Any] = {"n": len(examples), "samples": samples}
     ks = sorted({1, samples, *(k for k in (2, 4, 8, 16, 32, 64, 128) if k <= samples)})
     for k in ks:
-        vals = [pass_at_k(samples, c, k) for c in n_correct]
-        mean, se = mean_stderr(vals)
-        result[f"pass@{k}"] = mean
-        result[f"pass@{k}_stderr"] = se
+        mean_se = mean_stderr([pass_at_k(samples, c, k) for c in n_correct])
+        result[f"pass@{k}"], result[f"pass@{k}_stderr"] = mean_se
     result["_records"] = records
     return result
 
@@ -314,7 +288,8 @@ def _subsample(items: list, limit: int | None, seed: int, shuffle: bool) -> list
     return items[:limit]
 
 
-def _ppl_texts(options: EvalOptions) -> list[tuple[str, str]]:
+def _ppl_texts(task: str, options: EvalOptions) -> list[tuple[str, str]]:
+    """(file, text) of each ppl document (``task`` as the other task readers take it)."""
     files = [Path(f) for f in options.ppl_files] or [
         Path(options.data_dir).parent / "text" / "wikitext2" / "test.txt"
     ]
@@ -367,11 +342,7 @@ def _mc_prompts(task: str, options: EvalOptions) -> list[tuple[str, list[str], i
     pool = loader(files["shots"]) if k > 0 else []
     avoid = {ex.question for ex in examples}
     shots = T.choose_shots(pool, k, options.seed, avoid)
-    out = []
-    for ex in examples:
-        ctx, conts = prompt_fn(ex, shots)
-        out.append((ctx, conts, ex.answer))
-    return out
+    return [(*prompt_fn(ex, shots), ex.answer) for ex in examples]
 
 
 def _math_examples(
@@ -396,15 +367,7 @@ def _math_examples(
     return examples, shots
 
 
-def _check_compatible(model: Any, tokenizer: Any, where: str = "checkpoint") -> None:
-    """Raise one line when the tokenizer emits ids the model has no embedding for."""
-    model_vocab = int(model.config.vocab_size)
-    tok_vocab = int(tokenizer.vocab_size)
-    if tok_vocab > model_vocab:
-        raise LmforgeError(
-            f"{where}: tokenizer has {tok_vocab} ids but the model's vocab_size is {model_vocab} "
-            "(checkpoint/tokenizer mismatch)"
-        )
+_SCORED = ("ppl", "mmlu", "arc", "hellaswag")  # log-likelihood tasks; the rest generate
 
 
 def run_eval(
@@ -421,86 +384,80 @@ def run_eval(
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise LmforgeError(f"unknown task(s) {', '.join(unknown)} (expected {', '.join(TASKS)})")
-    _check_compatible(model, tokenizer)
-    inputs: dict[str, Any] = {}
-    for task in tasks:
-        if task == "ppl":
-            inputs[task] = _ppl_texts(options)
-        elif task in ("mmlu", "arc", "hellaswag"):
-            inputs[task] = _mc_prompts(task, options)
-        elif task == "mmlu_gen":
-            inputs[task] = _mmlu_items(task, options)
-        else:
-            inputs[task] = _math_examples(task, options)
+    if int(tokenizer.vocab_size) > int(model.config.vocab_size):  # ids with no embedding
+        raise LmforgeError(
+            f"checkpoint: tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+            f"{model.config.vocab_size} (checkpoint/tokenizer mismatch)"
+        )
+    # What each task runs on: texts (ppl), prompts (multiple choice), examples and shots.
+    read = {"ppl": _ppl_texts, "mmlu_gen": _mmlu_items, **dict.fromkeys(_SCORED[1:], _mc_prompts)}
+    inputs = {task: read.get(task, _math_examples)(task, options) for task in tasks}
+    o = options
     results: dict[str, Any] = {}
     details: dict[str, Any] = {}
     timings: dict[str, float] = {}
     # One engine for a run of generative tasks; dropped before a scoring task, whose batches
     # need the memory the engine's KV cache takes (on CUDA, most of what is free).
     engine = None
-    bar = tqdm(list(tasks), desc="eval", disable=not options.progress)
+    bar = tqdm(list(tasks), desc="eval", disable=not o.progress)
     for task in bar:
         bar.set_postfix_str(task)
         t0 = time.perf_counter()
-        if engine is not None and task in ("ppl", "mmlu", "arc", "hellaswag"):
+        if task in _SCORED and engine is not None:
             device, engine = engine.device, None
             _empty_cache(device)
+        elif task not in _SCORED:
+            engine = engine or make_engine(model, tokenizer, o.seed)
         if task == "ppl":
             docs = inputs[task]
-            res = perplexity(
+            ppl = perplexity(
                 model,
                 tokenizer,
                 [text for _, text in docs],
-                batch_size=options.batch_size,
-                max_tokens=options.ppl_max_tokens,
-                max_windows=options.limit,
-                progress=options.progress,
+                batch_size=o.batch_size,
+                max_tokens=o.ppl_max_tokens,
+                max_windows=o.limit,
+                progress=o.progress,
             )
-            results[task] = {**res.as_dict(), "files": [name for name, _ in docs]}
-        elif task in ("mmlu", "arc", "hellaswag"):
+            res = {**ppl.as_dict(), "files": [name for name, _ in docs]}
+        elif task in _SCORED:
             res = evaluate_multiple_choice(
                 model,
                 tokenizer,
                 inputs[task],
-                batch_size=options.batch_size,
-                progress=options.progress,
+                batch_size=o.batch_size,
+                progress=o.progress,
                 desc=task,
             )
-            details[task] = res.pop("_correct")
-            results[task] = res
         elif task == "mmlu_gen":
-            engine = engine or make_engine(model, tokenizer, options.seed)
             res = evaluate_mmlu_generative(
                 model,
                 tokenizer,
                 inputs[task],
-                max_new_tokens=min(options.max_new_tokens, 16),
-                progress=options.progress,
+                max_new_tokens=min(o.max_new_tokens, 16),
+                progress=o.progress,
                 engine=engine,
             )
-            details[task] = res.pop("_records")
-            results[task] = res
         else:
-            examples, shots = inputs[task]
-            engine = engine or make_engine(model, tokenizer, options.seed)
             res = evaluate_generative_math(
                 model,
                 tokenizer,
-                examples,
-                shots,
+                *inputs[task],
                 kind="gsm8k" if task == "gsm8k" else "math",
-                max_new_tokens=options.max_new_tokens,
-                samples=options.samples,
-                temperature=options.temperature,
-                top_p=options.top_p,
-                progress=options.progress,
-                seed=options.seed,
+                max_new_tokens=o.max_new_tokens,
+                samples=o.samples,
+                temperature=o.temperature,
+                top_p=o.top_p,
+                progress=o.progress,
+                seed=o.seed,
                 engine=engine,
             )
-            details[task] = res.pop("_records")
-            results[task] = res
+        for key in ("_correct", "_records"):
+            if key in res:
+                details[task] = res.pop(key)
         if task != "ppl":
-            results[task]["shots"] = DEFAULT_SHOTS[task] if options.shots is None else options.shots
+            res["shots"] = DEFAULT_SHOTS[task] if o.shots is None else o.shots
+        results[task] = res
         timings[task] = time.perf_counter() - t0
     if engine is not None:
         device, engine = engine.device, None

@@ -22,17 +22,6 @@ from tqdm import tqdm
 
 from lmforge.utils.errors import LmforgeError
 
-__all__ = [
-    "PerplexityResult",
-    "TextTokenizer",
-    "conditional_perplexity",
-    "encode_pair",
-    "perplexity",
-    "rolling_windows",
-    "score_continuations",
-    "score_sequences",
-]
-
 
 class TextTokenizer(Protocol):
     """What evaluation needs from a tokenizer (lmforge's ``Tokenizer`` or the HF wrapper)."""
@@ -65,17 +54,16 @@ def _logprobs_at(
     Only the needed rows of the LM head are computed when the model exposes ``forward_hidden``
     (lmforge's TransformerLM), so a (B, T, V) logit tensor is never built for long contexts.
     """
-    out = []
     if hasattr(model, "forward_hidden") and hasattr(model, "logits_from_hidden"):
         hidden = model.forward_hidden(batch)  # (B, T, D)
-        for b, (pos, tgt) in enumerate(zip(positions, targets)):
-            logits = model.logits_from_hidden(hidden[b, pos]).float()  # (n, V)
-            logp = torch.log_softmax(logits, dim=-1)
-            out.append((logp.gather(-1, tgt[:, None])[:, 0], logits.argmax(-1) == tgt))
-        return out
-    logits_all = model(batch)  # (B, T, V)
-    for b, (pos, tgt) in enumerate(zip(positions, targets)):
-        logits = logits_all[b, pos].float()  # (n, V)
+        # A generator: one row's (n, V) logits exist at a time.
+        rows = (model.logits_from_hidden(hidden[b, pos]) for b, pos in enumerate(positions))
+    else:
+        logits_all = model(batch)  # (B, T, V)
+        rows = (logits_all[b, pos] for b, pos in enumerate(positions))
+    out = []
+    for logits, tgt in zip(rows, targets):
+        logits = logits.float()  # (n, V)
         logp = torch.log_softmax(logits, dim=-1)
         out.append((logp.gather(-1, tgt[:, None])[:, 0], logits.argmax(-1) == tgt))
     return out
@@ -214,11 +202,7 @@ class PerplexityResult:
     def as_dict(self) -> dict[str, float]:
         """Plain numbers for a JSON report."""
         return {
-            "loss": self.loss,
-            "perplexity": self.perplexity,
-            "bits_per_byte": self.bits_per_byte,
-            "tokens": self.tokens,
-            "bytes": self.bytes,
+            k: getattr(self, k) for k in ("loss", "perplexity", "bits_per_byte", "tokens", "bytes")
         }
 
 
@@ -311,12 +295,6 @@ def conditional_perplexity(
     return PerplexityResult(nll=nll, tokens=sum(len(c) for _, c in requests), bytes=n_bytes)
 
 
-def split_context(context: str, continuation: str) -> tuple[str, str]:
-    """Move trailing spaces of the context onto the continuation (as tokenizers expect)."""
-    stripped = context.rstrip(" ")
-    return stripped, context[len(stripped) :] + continuation
-
-
 def encode_pair(
     tokenizer: TextTokenizer, context: str, continuation: str
 ) -> tuple[list[int], list[int]]:
@@ -325,7 +303,8 @@ def encode_pair(
     The end-of-text id plays the part of BOS: lmforge models see it between training documents,
     so a prompt after it reads as the start of a document (and an empty context still works).
     """
-    context, continuation = split_context(context, continuation)
+    stripped = context.rstrip(" ")  # trailing spaces go to the continuation (as tokenizers expect)
+    context, continuation = stripped, context[len(stripped) :] + continuation
     ctx = tokenizer.encode(context) if context else []
     prefix = [] if tokenizer.eot_id is None else [tokenizer.eot_id]
     return [*prefix, *ctx], tokenizer.encode(continuation)

@@ -33,24 +33,6 @@ from pathlib import Path
 from lmforge.eval.answers import extract_boxed, gsm8k_reference
 from lmforge.utils.errors import LmforgeError
 
-__all__ = [
-    "MATH_FEWSHOT",
-    "MathExample",
-    "MultipleChoiceExample",
-    "arc_prompt",
-    "choose_shots",
-    "gsm8k_prompt",
-    "hellaswag_prompt",
-    "load_arc",
-    "load_gsm8k",
-    "load_hellaswag",
-    "load_math",
-    "load_mmlu",
-    "math_prompt",
-    "mmlu_prompt",
-    "task_files",
-]
-
 LETTERS = "ABCDEFGHIJ"
 
 
@@ -86,10 +68,12 @@ class MathExample:
     "worked solution (used for few-shot demonstrations)"
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+def _records(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` per JSONL line; ``where`` ("FILE:LINE") starts every error message."""
     from lmforge.utils.io import iter_jsonl
 
-    return iter_jsonl(path, "task file")
+    for lineno, obj in iter_jsonl(Path(path), "task file"):
+        yield f"{path}:{lineno}", obj
 
 
 def _field(obj: dict, key: str, typ: type, where: str) -> object:
@@ -150,10 +134,6 @@ def load_mmlu(
     return out
 
 
-def _subject_title(subject: str) -> str:
-    return subject.replace("_", " ")
-
-
 def _mmlu_block(ex: MultipleChoiceExample) -> str:
     lines = [ex.question]
     lines += [f"{label}. {choice}" for label, choice in zip(ex.labels, ex.choices)]
@@ -166,7 +146,7 @@ def mmlu_prompt(
     """(context, continuations) in the original MMLU format; the continuations are " A".." D"."""
     head = (
         "The following are multiple choice questions (with answers) about "
-        f"{_subject_title(example.subject)}.\n\n"
+        f"{example.subject.replace('_', ' ')}.\n\n"
     )
     demos = "".join(f"{_mmlu_block(s)} {s.labels[s.answer]}\n\n" for s in shots)
     return head + demos + _mmlu_block(example), [f" {label}" for label in example.labels]
@@ -177,10 +157,8 @@ def mmlu_prompt(
 
 def load_arc(path: str | Path) -> list[MultipleChoiceExample]:
     """ARC questions from a JSONL file of ``{question: {stem, choices: [{text, label}]}, answerKey}``."""
-    path = Path(path)
     out = []
-    for lineno, obj in _read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, obj in _records(path):
         q = _field(obj, "question", dict, where)
         stem = _field(q, "stem", str, where + " question")
         choices = _field(q, "choices", list, where + " question")
@@ -215,10 +193,8 @@ def arc_prompt(
 
 def load_hellaswag(path: str | Path) -> list[MultipleChoiceExample]:
     """Sentence-completion items from JSONL ``{ctx, endings: [...], label}`` (HellaSwag format)."""
-    path = Path(path)
     out = []
-    for lineno, obj in _read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, obj in _records(path):
         ctx = _field(obj, "ctx", str, where)
         endings = _field(obj, "endings", list, where)
         label = obj.get("label")
@@ -247,10 +223,8 @@ def hellaswag_prompt(
 
 def load_gsm8k(path: str | Path) -> list[MathExample]:
     """GSM8K problems from JSONL ``{question, answer}``; the gold answer is the ``#### N`` number."""
-    path = Path(path)
     out = []
-    for lineno, obj in _read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, obj in _records(path):
         question = _field(obj, "question", str, where)
         answer = _field(obj, "answer", str, where)
         try:
@@ -263,10 +237,8 @@ def load_gsm8k(path: str | Path) -> list[MathExample]:
 
 def load_math(path: str | Path) -> list[MathExample]:
     """MATH problems from JSONL ``{problem, solution[, answer]}`` (answer = last \\boxed{} if absent)."""
-    path = Path(path)
     out = []
-    for lineno, obj in _read_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, obj in _records(path):
         problem = _field(obj, "problem", str, where)
         solution = obj.get("solution", "")
         answer = obj.get("answer")
@@ -339,27 +311,14 @@ def choose_shots(pool: list, k: int, seed: int = 1234, avoid: set[str] | None = 
 
 def task_files(data_dir: str | Path, task: str) -> dict[str, Path]:
     """The evaluation and few-shot files of ``task`` under ``data_dir`` (layout in this module)."""
-    d = Path(data_dir)
-    layout = {
-        "mmlu": {"eval": d / "mmlu", "shots": d / "mmlu"},
-        "arc": {
-            "eval": d / "arc_challenge" / "ARC-Challenge-Test.jsonl",
-            "shots": d / "arc_challenge" / "ARC-Challenge-Dev.jsonl",
-        },
-        "hellaswag": {
-            "eval": d / "hellaswag" / "val.jsonl",
-            "shots": d / "hellaswag" / "train.jsonl",
-        },
-        "gsm8k": {"eval": d / "gsm8k" / "test.jsonl", "shots": d / "gsm8k" / "train.jsonl"},
-        "math500": {
-            "eval": d / "math" / "math_oai" / "test.jsonl",
-            "shots": d / "math" / "math" / "test.jsonl",
-        },
-        "math": {
-            "eval": d / "math" / "math" / "test.jsonl",
-            "shots": d / "math" / "math_oai" / "test.jsonl",
-        },
+    layout = {  # task: (evaluation file, few-shot file) under data_dir
+        "mmlu": ("mmlu", "mmlu"),
+        "arc": ("arc_challenge/ARC-Challenge-Test.jsonl", "arc_challenge/ARC-Challenge-Dev.jsonl"),
+        "hellaswag": ("hellaswag/val.jsonl", "hellaswag/train.jsonl"),
+        "gsm8k": ("gsm8k/test.jsonl", "gsm8k/train.jsonl"),
+        "math500": ("math/math_oai/test.jsonl", "math/math/test.jsonl"),
+        "math": ("math/math/test.jsonl", "math/math_oai/test.jsonl"),
     }
     if task not in layout:
         raise LmforgeError(f"unknown task '{task}' (expected one of {', '.join(layout)})")
-    return layout[task]
+    return {"eval": Path(data_dir, layout[task][0]), "shots": Path(data_dir, layout[task][1])}

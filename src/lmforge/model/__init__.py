@@ -5,6 +5,8 @@ every file here: B batch, T sequence, S key/value slots, D model dim, H heads, K
 E head dim, V vocab, F ffn dim.
 """
 
+# ruff: noqa: F401 (the imports for type checkers below are the names __all__ exports)
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -37,59 +39,24 @@ if TYPE_CHECKING:
     from lmforge.model.presets import load_preset
     from lmforge.model.transformer import CausalSelfAttention, TransformerBlock, TransformerLM
 
-__all__ = [
-    "CausalSelfAttention",
-    "Context",
-    "Embedding",
-    "GatedDeltaNet",
-    "KVCache",
-    "Linear",
-    "LinearAttention",
-    "Mamba2Mixer",
-    "MoEConfig",
-    "MoEFFN",
-    "ModelConfig",
-    "PagedKVCache",
-    "RMSNorm",
-    "RecurrentState",
-    "RotaryEmbedding",
-    "StepOps",
-    "SwiGLU",
-    "TransformerBlock",
-    "TransformerLM",
-    "accounting",
-    "default_d_ff",
-    "load_preset",
-    "scaled_dot_product_attention",
-    "silu",
-    "softmax",
-]
 
+# name → defining module (a module's own name exports the module), imported on first access.
 _EXPORTS = {
-    "GatedDeltaNet": "linear_attention",
-    "LinearAttention": "linear_attention",
-    "Mamba2Mixer": "linear_attention",
-    "RecurrentState": "linear_attention",
-    "CausalSelfAttention": "transformer",
-    "Context": "context",
-    "PagedKVCache": "context",
-    "StepOps": "context",
-    "Embedding": "layers",
-    "KVCache": "kv_cache",
-    "Linear": "layers",
-    "ModelConfig": "config",
-    "MoEConfig": "moe_config",
-    "MoEFFN": "moe",
-    "RMSNorm": "layers",
-    "RotaryEmbedding": "layers",
-    "SwiGLU": "layers",
-    "TransformerBlock": "transformer",
-    "TransformerLM": "transformer",
-    "accounting": "accounting",
-    "default_d_ff": "config",
-    "load_preset": "presets",
-    "scaled_dot_product_attention": "layers",
-    "silu": "layers",
-    "softmax": "layers",
+    name: module
+    for module, names in {
+        "accounting": "accounting",
+        "config": "ModelConfig default_d_ff",
+        "context": "Context PagedKVCache StepOps",
+        "kv_cache": "KVCache",
+        "layers": "Embedding Linear RMSNorm RotaryEmbedding SwiGLU scaled_dot_product_attention "
+        "silu softmax",
+        "linear_attention": "GatedDeltaNet LinearAttention Mamba2Mixer RecurrentState",
+        "moe": "MoEFFN",
+        "moe_config": "MoEConfig",
+        "presets": "load_preset",
+        "transformer": "CausalSelfAttention TransformerBlock TransformerLM",
+    }.items()
+    for name in names.split()
 }
+__all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

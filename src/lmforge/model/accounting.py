@@ -47,22 +47,19 @@ FLOP_COMPONENTS: tuple[str, ...] = (
 # Parameters
 
 
+def _dims(cfg: ModelConfig) -> tuple[int, int, int, int, int, int]:
+    """(D, E, H, K, V, L): model dim, head dim, heads, kv heads, vocab, layers."""
+    return cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.vocab_size, cfg.n_layers
+
+
 def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter count per component (all layers summed); ``lm_head`` is 0 when tied."""
-    d, e, h, k, f, v, n = (
-        cfg.d_model,
-        cfg.head_dim,
-        cfg.n_heads,
-        cfg.kv_heads,
-        cfg.ffn_dim,
-        cfg.vocab_size,
-        cfg.n_layers,
-    )
+    d, e, h, k, v, n = _dims(cfg)
     return {
         "embedding": v * d,
         "attention": n * (d * h * e + 2 * d * k * e + h * e * d),
         "qk_norm": n * 2 * e if cfg.qk_norm else 0,
-        "ffn": int(_ffn_parameters(cfg, active=False)) if cfg.moe.enabled else n * 3 * d * f,
+        "ffn": int(_ffn_parameters(cfg, active=False)),
         "norms": n * 2 * d + d,
         "lm_head": 0 if cfg.tie_embeddings else v * d,
     }
@@ -75,10 +72,6 @@ def parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     return total - parts["embedding"] if exclude_embeddings else total
 
 
-def _moe_layer_count(cfg: ModelConfig) -> int:
-    return sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
-
-
 def _experts_per_token(cfg: ModelConfig) -> float:
     """Routed experts a token runs through on average: top_k (token choice; capacity-dropped
     choices are computed and weighed 0 by lmforge's kernels), capacity_factor · top_k for
@@ -89,9 +82,10 @@ def _experts_per_token(cfg: ModelConfig) -> float:
 
 def _ffn_parameters(cfg: ModelConfig, active: bool) -> float:
     """FFN weights of all layers: dense SwiGLUs, and per MoE layer the router (N·D), the shared
-    experts and the routed experts (all N, or the ones a token uses when ``active``)."""
+    experts and the routed experts (all N, or the ones a token uses when ``active``). Exact for
+    a dense model (no MoE layer: an integer-valued float)."""
     mc, d = cfg.moe, cfg.d_model
-    n_moe = _moe_layer_count(cfg)
+    n_moe = sum(mc.is_moe_layer(i) for i in range(cfg.n_layers))
     dense = (cfg.n_layers - n_moe) * 3 * d * cfg.ffn_dim
     routed = _experts_per_token(cfg) if active else mc.n_experts
     per_moe = mc.n_experts * d + 3 * d * cfg.expert_dim * (mc.n_shared_experts + routed)
@@ -101,10 +95,8 @@ def _ffn_parameters(cfg: ModelConfig, active: bool) -> float:
 def active_parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     """Parameters one token's forward uses: the total minus the routed experts it skips
     (:func:`parameter_count` for a dense model)."""
-    parts = parameter_breakdown(cfg)
-    parts["ffn"] = round(_ffn_parameters(cfg, active=True)) if cfg.moe.enabled else parts["ffn"]
-    total = sum(parts.values())
-    return total - parts["embedding"] if exclude_embeddings else total
+    skipped = parameter_breakdown(cfg)["ffn"] - round(_ffn_parameters(cfg, active=True))
+    return parameter_count(cfg, exclude_embeddings) - skipped
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
@@ -126,15 +118,7 @@ def flops_breakdown(
     it). ``backward=True`` gives forward + backward (3× forward); ``causal=True`` halves the two
     attention terms (the work a causal kernel can skip).
     """
-    d, e, h, k, f, v, n = (
-        cfg.d_model,
-        cfg.head_dim,
-        cfg.n_heads,
-        cfg.kv_heads,
-        cfg.ffn_dim,
-        cfg.vocab_size,
-        cfg.n_layers,
-    )
+    d, e, h, k, v, n = _dims(cfg)
     attn_len = seq_len / 2 if causal else seq_len
     fwd = {
         "embedding": 0.0,  # a row lookup, no arithmetic
@@ -143,7 +127,7 @@ def flops_breakdown(
         "attn_values": 2.0 * n * h * e * attn_len,
         "output_proj": 2.0 * n * h * e * d,
         # MoE: the active weights (top-k routed + shared experts + router) per token.
-        "ffn": 2.0 * (_ffn_parameters(cfg, active=True) if cfg.moe.enabled else n * 3 * d * f),
+        "ffn": 2.0 * _ffn_parameters(cfg, active=True),
         "lm_head": 2.0 * d * v,
     }
     factor = 3.0 if backward else 1.0

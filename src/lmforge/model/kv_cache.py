@@ -84,14 +84,6 @@ class KVCache:
         """Slots S."""
         return self.k.shape[3]
 
-    def reset(self) -> None:
-        """Empty the cache (keeps its memory)."""
-        self.valid.zero_()
-        self.next_position.zero_()
-        self.length = 0
-        self._start = 0
-        self._mask = None
-
     def begin(
         self, num_new: int, valid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

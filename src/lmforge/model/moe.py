@@ -28,7 +28,7 @@ Expert compute, on assignments: the reference (:func:`experts_reference`) loops 
 gathers each expert's tokens and adds the weighted outputs back; the fast path
 (:func:`experts_grouped`) sorts assignments by expert and runs each projection as one grouped
 GEMM over the sorted rows (``torch._grouped_mm`` for bf16 on CUDA; elsewhere a loop over the
-sorted segments), then un-permutes and combines. Dropped assignments (weight 0) are computed and
+sorted segments), then sums each token's weighted rows straight from the sorted order. Dropped assignments (weight 0) are computed and
 multiplied by 0, which keeps every shape static (no host sync, CUDA-graph friendly); outputs and
 gradients are those of skipping them.
 
@@ -72,12 +72,6 @@ class Routing(NamedTuple):
 # Routing: pure functions of the scores
 
 
-def router_scores(logits: torch.Tensor, score: str) -> torch.Tensor:
-    """(M, N) router logits -> (M, N) scores (fp32 or wider): softmax or per-expert sigmoid."""
-    logits = logits.to(_acc_dtype(logits.dtype))
-    return logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-
-
 def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
     """(A,) expert ids -> (N,) long counts, without a host sync: ``torch.bincount`` reads the
     input's max on the host on CUDA (``.item()``), which stalls the queue every MoE layer."""
@@ -88,19 +82,6 @@ def expert_counts(idx: torch.Tensor, n_experts: int) -> torch.Tensor:
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, factor: float) -> int:
     """Slots per expert: ⌈factor · tokens · k / N⌉, at most the number of tokens."""
     return max(1, min(n_tokens, math.ceil(factor * n_tokens * top_k / n_experts)))
-
-
-def route_token_choice(
-    scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, norm_top_k: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k experts per token: (M, k) expert ids chosen on ``scores + bias``, (M, k) weights
-    from the unbiased scores (renormalised to sum 1 with ``norm_top_k``)."""
-    select = scores if bias is None else scores + bias  # (M, N)
-    idx = select.topk(top_k, dim=-1).indices  # (M, k)
-    w = scores.gather(-1, idx)  # (M, k)
-    if norm_top_k:
-        w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
-    return idx, w
 
 
 def capacity_keep(
@@ -132,10 +113,16 @@ def route(
     cfg: ModelConfig,
     bias: torch.Tensor | None = None,
 ) -> tuple[Routing, torch.Tensor]:
-    """(M, N) router logits -> (assignments, (M, N) fp32 scores) for ``cfg.moe.routing``."""
+    """(M, N) router logits -> (assignments, (M, N) fp32 scores) for ``cfg.moe.routing``.
+
+    Scores: softmax or per-expert sigmoid, in fp32 (or wider). Token choice takes each token's
+    top-k experts of ``scores + bias``; the gate weights are the unbiased scores of those
+    experts (renormalised to sum 1 with ``norm_top_k``).
+    """
     mc = cfg.moe
     m, n = logits.shape
-    scores = router_scores(logits, mc.score)  # (M, N)
+    logits = logits.to(_acc_dtype(logits.dtype))
+    scores = logits.softmax(-1) if mc.score == "softmax" else logits.sigmoid()  # (M, N)
     dev = logits.device
     if mc.routing == "expert_choice":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
@@ -144,11 +131,15 @@ def route(
         load = torch.full((n,), float(cap), device=dev)
         kept = torch.ones(n * cap, dtype=torch.bool, device=dev)
         return Routing(tok.reshape(-1), expert, w.reshape(-1), 0, load, kept), scores
-    idx, w = route_token_choice(scores, bias, mc.top_k, mc.norm_top_k)  # (M, k) each
+    select = scores if bias is None else scores + bias  # (M, N): the bias only selects
+    idx = select.topk(mc.top_k, dim=-1).indices  # (M, k)
+    raw = w = scores.gather(-1, idx)  # (M, k)
+    if mc.norm_top_k:
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
     load = expert_counts(idx.reshape(-1), n).float()  # (N,)
     if mc.routing == "token_choice_capacity":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
-        keep = capacity_keep(idx, scores.gather(-1, idx), cap, n)  # priority: raw scores
+        keep = capacity_keep(idx, raw, cap, n)  # priority: raw scores
         w = w * keep  # (M, k): dropped choices weigh 0
     else:
         keep = torch.ones_like(idx, dtype=torch.bool)
@@ -248,13 +239,6 @@ def routing_entropy(scores: torch.Tensor) -> torch.Tensor:
 # Expert compute: the reference loop and the sorted, grouped fast path
 
 
-def _swiglu_rows(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
-) -> torch.Tensor:
-    """One expert on its rows: (n, D) -> (n, D) with w1, w3 (F, D) and w2 (D, F)."""
-    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
-
-
 def experts_reference(
     x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, r: Routing
 ) -> torch.Tensor:
@@ -267,7 +251,8 @@ def experts_reference(
         if sel.numel() == 0:
             continue
         tok = r.token_idx[sel]  # (n_e,)
-        y = _swiglu_rows(x[tok], w1[e], w2[e], w3[e])  # (n_e, D)
+        xe = x[tok]  # (n_e, D)
+        y = (F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())) @ w2[e].t()  # (n_e, D): its SwiGLU
         out.index_add_(0, tok, y.to(out.dtype) * r.weight[sel, None])
     return out
 
@@ -556,33 +541,19 @@ def experts_grouped(
     # int32 keys: half the radix-sort passes of int64 on CUDA; stable keeps token order per expert.
     order = torch.argsort(r.expert_idx.to(torch.int32), stable=True)  # (A,)
     counts = expert_counts(r.expert_idx, n)  # (N,)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
     if r.top_k:  # token-major: token of row order[i] is order[i] // k
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=order.device)  # (A,)
         xs = _Gather.apply(x, order, inv, r.top_k, dtype)  # (A, D) sorted by expert
         ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
         m, k = x.shape[0], r.top_k
         out = out_dtype or _acc_dtype(ys.dtype)
         return _Combine.apply(ys, r.weight.view(m, k), order, inv, k, out)  # (M, D)
-    # index_select: its backward is an index_add_ (indexing's would sort the indices first).
-    xs = x.to(dtype).index_select(0, r.token_idx.index_select(0, order))  # (A, D) by expert
-    ys = expert_rows(xs, w1, w2, w3, counts)  # (A, D)
-    return combine(_Permute.apply(ys, inv, order), r, x.shape[0])
-
-
-class _Permute(torch.autograd.Function):
-    """``x[perm]`` for a permutation ``perm`` with inverse ``inv``: the backward is the gather
-    ``g[inv]`` (indexing's own backward would scatter-add into zeros)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(perm, inv)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        _, inv = ctx.saved_tensors
-        return g.index_select(0, inv), None, None
+    # index_select: its backward is an index_add_ (indexing's would sort the indices first); the
+    # sorted rows are combined as the assignments of the same routing in sorted order.
+    tok = r.token_idx.index_select(0, order)  # (A,) token of each sorted row
+    ys = expert_rows(x.to(dtype).index_select(0, tok), w1, w2, w3, counts)  # (A, D) by expert
+    return combine(ys, r._replace(token_idx=tok, weight=r.weight[order]), x.shape[0])  # (M, D)
 
 
 def combine(y: torch.Tensor, r: Routing, m: int) -> torch.Tensor:
@@ -675,7 +646,8 @@ class MoEFFN(nn.Module):
             self._balance(logits, scores, r)
         else:
             self._aux = None
-        return out.to(_out_dtype(x)).view(shape)  # (B, T, D)
+        # The dense FFN returns autocast's dtype under autocast; the residual add promotes anyway.
+        return out.to(_compute_dtype(x)).view(shape)  # (B, T, D)
 
     def _balance(self, logits: torch.Tensor, scores: torch.Tensor, r: Routing) -> None:
         mc = self.config.moe
@@ -704,11 +676,6 @@ class MoEFFN(nn.Module):
             return torch.stack([load_ratio, dropped, routing_entropy(scores)])
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    # The dense FFN returns autocast's dtype under autocast; the residual add promotes either way.
-    return _compute_dtype(x)
-
-
 def _compute_reference(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tensor:
     dtype = _compute_dtype(x)
     w = [p.to(dtype) for p in (layer.w1, layer.w2, layer.w3)]
@@ -717,7 +684,7 @@ def _compute_reference(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tens
 
 def _compute_grouped(layer: MoEFFN, x: torch.Tensor, r: Routing) -> torch.Tensor:
     # Without shared experts the layer's output dtype is final: the combine writes it directly.
-    out_dtype = _out_dtype(x) if layer.shared is None else None
+    out_dtype = _compute_dtype(x) if layer.shared is None else None
     return experts_grouped(x, layer.w1, layer.w2, layer.w3, r, out_dtype)
 
 

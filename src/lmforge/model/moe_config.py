@@ -7,12 +7,10 @@ is a dense model; the layer itself lives in :mod:`lmforge.model.moe`.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 Routing = Literal["token_choice", "token_choice_capacity", "expert_choice"]
-
-CAUSAL_ROUTINGS: tuple[str, ...] = ("token_choice",)
-"""Routing modes in which a token's output depends on that token alone (see ``lmforge probe``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,17 +70,13 @@ class MoEConfig:
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"moe.{name} must be >= 0, got {getattr(self, name)}")
-        if self.score not in ("softmax", "sigmoid"):
-            raise ValueError(f"moe.score must be softmax or sigmoid, got {self.score!r}")
-        if self.routing not in ("token_choice", "token_choice_capacity", "expert_choice"):
-            raise ValueError(
-                "moe.routing must be token_choice, token_choice_capacity or expert_choice, "
-                f"got {self.routing!r}"
-            )
-        if self.backend not in ("reference", "grouped", "auto"):
-            raise ValueError(
-                f"moe.backend must be reference, grouped or auto, got {self.backend!r}"
-            )
+        hints = typing.get_type_hints(MoEConfig)
+        for name in ("score", "routing", "backend"):
+            allowed = typing.get_args(hints[name])
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"moe.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
 
     @property
     def enabled(self) -> bool:
@@ -92,7 +86,7 @@ class MoEConfig:
     @property
     def causal(self) -> bool:
         """Whether the routing keeps each token's output a function of that token alone."""
-        return self.routing in CAUSAL_ROUTINGS
+        return self.routing == "token_choice"  # the one such mode (see ``lmforge probe``)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether block ``layer_idx`` (0-based) gets the MoE feed-forward."""

@@ -24,14 +24,9 @@ if TYPE_CHECKING:
 _BASE_LR = ("token_embeddings.weight", "lm_head.weight")
 
 
-def width_multiplier(cfg: ModelConfig) -> float:
-    """m = d_model / mup_base_width."""
-    return cfg.d_model / cfg.mup_base_width
-
-
 def output_multiplier(cfg: ModelConfig) -> float:
-    """The logits' factor 1/m."""
-    return 1.0 / width_multiplier(cfg)
+    """The logits' factor 1/m = mup_base_width / d_model (also the hidden matrices' LR factor)."""
+    return cfg.mup_base_width / cfg.d_model
 
 
 def q_scale(cfg: ModelConfig) -> float:
@@ -44,7 +39,7 @@ def lr_multipliers(model: nn.Module) -> dict[int, float]:
     cfg = model.config
     if not getattr(cfg, "mup", False):
         return {}
-    hidden = 1.0 / width_multiplier(cfg)
+    hidden = output_multiplier(cfg)
     return {
         id(p): (hidden if p.ndim >= 2 and name not in _BASE_LR else 1.0)
         for name, p in model.named_parameters()
