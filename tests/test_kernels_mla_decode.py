@@ -1,0 +1,120 @@
+"""The paged MLA decode kernel against a float64 reference on random (never zero) inputs: ragged
+context lengths (one slot, exactly one block, many blocks), shuffled block tables, several block
+sizes, forced partition counts (the split + combine path), head counts that are not powers of
+two. The Triton kernel runs under TRITON_INTERPRET=1 in a subprocess (tiny shapes; bigger under
+``-m slow``) and on the GPU with ``-m gpu``."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+from _interp import run_pytest_in_interpreter
+from lmforge.kernels.mla_decode import mla_decode, mla_decode_reference
+
+_CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+SHAPES = [  # (H, C, R, BS, lens)
+    (4, 32, 16, 4, [5, 1, 11]),
+    (3, 16, 8, 8, [17, 8]),  # H, R not powers of two / below 16; a context exactly one block
+    (16, 64, 16, 16, [3, 40, 16]),
+]
+SLOW_SHAPES = [
+    (16, 512, 64, 16, [300, 1, 129, 64]),  # DeepSeek-V2's widths
+    (20, 96, 32, 32, [70, 200]),
+    (80, 32, 16, 1, [33, 7]),  # more heads than one program holds; block size 1
+]
+
+
+def _setup(h, c, r, bs, lens, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    nb = sum(-(-n // bs) for n in lens) + 3
+    cache = torch.randn(nb, bs, c + r, generator=g).to(device, dtype)
+    perm = torch.randperm(nb, generator=g).tolist()  # blocks deliberately out of order
+    tables, used = [], 0
+    for n in lens:
+        m = -(-n // bs)
+        tables.append(perm[used : used + m])
+        used += m
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [perm[-1]] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lens), h, c + r, generator=g).to(device, dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, cache, tables, bt.to(device), lens_t
+
+
+def _float64(q, cache, tables, c, lens, scale):
+    """Per sequence, straight from its table list, in float64."""
+    outs = []
+    for i, n in enumerate(lens):
+        bs = cache.shape[1]
+        rows = cache.cpu().double()[torch.tensor(tables[i])].reshape(-1, cache.shape[-1])[:n]
+        p = (q[i].cpu().double() @ rows.T * scale).softmax(-1)  # (H, n)
+        outs.append(p @ rows[:, :c])
+        assert rows.shape[0] == n and n <= len(tables[i]) * bs
+    return torch.stack(outs)  # (S, H, C)
+
+
+def _check(shape, n_parts=None, dtype=torch.float32, device="cpu", use_triton=True, tol=2e-5):
+    h, c, r, bs, lens = shape
+    q, cache, tables, bt, lens_t = _setup(h, c, r, bs, lens, dtype, device)
+    scale = 1 / math.sqrt(48.0)
+    got = mla_decode(
+        q, cache, bt, lens_t, kv_lora_rank=c, scale=scale, use_triton=use_triton, n_parts=n_parts
+    )
+    assert got.shape == (len(lens), h, c) and got.dtype == dtype
+    want = _float64(q, cache, tables, c, lens, scale)
+    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+
+
+if not _CHILD:
+
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_reference_matches_float64(shape) -> None:
+        _check(shape, use_triton=False, tol=1e-5)
+
+    def test_reference_in_float64_is_exact() -> None:
+        h, c, r, bs, lens = SHAPES[0]
+        q, cache, tables, bt, lens_t = _setup(h, c, r, bs, lens, torch.float64)
+        got = mla_decode_reference(q, cache, bt, lens_t, c, 0.25)
+        torch.testing.assert_close(got, _float64(q, cache, tables, c, lens, 0.25))
+
+    @pytest.mark.skipif(not _HAS_TRITON, reason="triton not installed")
+    def test_kernel_under_interpreter() -> None:
+        run_pytest_in_interpreter(__file__, "-m", "not slow", timeout=600)
+
+    @pytest.mark.slow
+    @pytest.mark.skipif(not _HAS_TRITON, reason="triton not installed")
+    def test_kernel_under_interpreter_slow_shapes() -> None:
+        run_pytest_in_interpreter(__file__, "-m", "slow", timeout=1800)
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("shape", SHAPES + SLOW_SHAPES)
+    def test_kernel_on_gpu(shape, dtype) -> None:
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        _check(shape, dtype=dtype, device="cuda", tol=tol)
+        _check(shape, n_parts=3, dtype=dtype, device="cuda", tol=tol)
+
+else:
+
+    @pytest.mark.parametrize("n_parts", [None, 1, 3])
+    @pytest.mark.parametrize("shape", SHAPES)
+    def test_kernel_matches_float64(shape, n_parts) -> None:
+        _check(shape, n_parts=n_parts)
+
+    def test_kernel_bf16_cache() -> None:
+        _check(SHAPES[0], dtype=torch.bfloat16, tol=2e-2)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("shape", SLOW_SHAPES)
+    def test_kernel_matches_float64_slow(shape) -> None:
+        _check(shape)
+        _check(shape, n_parts=4)
