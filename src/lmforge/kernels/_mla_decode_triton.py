@@ -149,7 +149,9 @@ def _combine_kernel(
     m = tl.load(m_ptr + base + p, mask=p_ok, other=float("-inf"))  # (PP,)
     l_p = tl.load(l_ptr + base + p, mask=p_ok, other=0.0)
     acc = tl.load(
-        acc_ptr + (base + p)[:, None] * CP + ci[None, :], mask=p_ok[:, None], other=0.0
+        acc_ptr + (base + p)[:, None] * CP + ci[None, :],
+        mask=p_ok[:, None] & (ci < C)[None, :],  # the workspace's padding columns are unwritten
+        other=0.0,
     )  # (PP, CP)
     m_max = tl.max(m, axis=0)  # finite: partition 0 always holds slot 0
     w = tl.where(p_ok, tl.exp(m - m_max), 0.0)  # (PP,) empty partitions: e^-inf = 0

@@ -217,9 +217,7 @@ class PagedLatentCache:
         self.num_blocks = num_blocks
 
     @staticmethod
-    def bytes_per_block(
-        n_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype
-    ) -> int:
+    def bytes_per_block(n_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype) -> int:
         """Bytes one block takes across ``n_layers`` layers."""
         elem = torch.empty((), dtype=dtype).element_size()
         return n_layers * block_size * latent_dim * elem
