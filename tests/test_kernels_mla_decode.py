@@ -113,6 +113,27 @@ else:
     def test_kernel_bf16_cache() -> None:
         _check(SHAPES[0], dtype=torch.bfloat16, tol=2e-2)
 
+    def test_module_decode_through_kernel_matches_explicit() -> None:
+        """MultiHeadLatentAttention.decode_paged on the kernel equals its explicit form."""
+        from lmforge.model.mla import MLAConfig, MultiHeadLatentAttention
+
+        cfg = MLAConfig(d_model=32, n_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                        qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=8, max_seq_len=64)  # fmt: skip
+        torch.manual_seed(0)
+        m = MultiHeadLatentAttention(cfg)
+        bs, n = 4, 10
+        x = torch.randn(n, cfg.d_model)
+        table = torch.tensor([[3, 0, 5]], dtype=torch.int32)
+        pages = torch.zeros(6, bs, cfg.latent_dim)
+        slots = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(n)])
+        with torch.no_grad():
+            m.prefill_paged(x[: n - 1], torch.arange(n - 1), pages, slots[:-1], table[0], n - 1)
+            got = m.decode_paged(
+                x[n - 1 :], torch.tensor([n - 1]), pages, slots[-1:], table,
+                torch.tensor([n], dtype=torch.int32), use_triton=True,
+            )  # fmt: skip
+            torch.testing.assert_close(got[0], m(x[None])[0, -1], atol=1e-5, rtol=1e-5)
+
     @pytest.mark.slow
     @pytest.mark.parametrize("shape", SLOW_SHAPES)
     def test_kernel_matches_float64_slow(shape) -> None:

@@ -395,6 +395,28 @@ class MultiHeadLatentAttention(nn.Module):
         o_lat = torch.einsum("bhts,bsc->bthc", probs, c)  # (B, T, H, C)
         return self.absorbed_output(o_lat), new
 
+    def prefill_paged(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        latent_pages: torch.Tensor,
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        ctx_len: int,
+    ) -> torch.Tensor:
+        """A prefill chunk of one sequence over a paged latent cache: x (T, D) -> (T, D).
+
+        Writes the chunk's cache entries at ``slots`` (T,), then gathers the sequence's
+        ``ctx_len`` cached rows (the chunk's included, last) through ``block_table`` (M,) and
+        attends in the explicit form (bottom-right causal): chunked prefill and a cached
+        prefix (prefix caching) read the same pages the decode kernel does.
+        """
+        write_latent(latent_pages, slots, self.compress_kv(x[None], positions)[0])
+        bs = latent_pages.shape[1]
+        n_blocks = -(-ctx_len // bs)
+        rows = latent_pages[block_table[:n_blocks].long()].flatten(0, 1)[:ctx_len]  # (S, C+R)
+        return self.attend_explicit(x[None], positions, rows[None])[0]  # (T, D)
+
     def decode_paged(
         self,
         x: torch.Tensor,
