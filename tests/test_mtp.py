@@ -139,3 +139,21 @@ def test_draft_beyond_depth_reuses_last_module_and_proposer_api() -> None:
 def test_bad_depth_is_one_line() -> None:
     with pytest.raises(LmforgeError, match="MTP depth must be an integer >= 1"):
         MultiTokenPrediction(8, 0, lambda k: torch.nn.Identity())
+
+
+def test_custom_ce_callable_matches_head_path() -> None:
+    """The trainer's fused linear + cross-entropy plugs in as ``ce``: same loss."""
+    from lmforge.kernels import linear_cross_entropy_reference
+
+    model, mtp = _setup(depth=2)
+    seq = torch.randint(0, V, (2, 9))
+    x, y = seq[:, :-1], seq[:, 1:]
+    h = model.forward_hidden(x)
+    emb, head = model.token_embeddings, model.logits_from_hidden
+    want, _ = mtp_loss(mtp, h, x, y, emb, head, 0.5)
+
+    def ce(hid: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy_reference(hid, model.lm_head.weight, target)
+
+    got, _ = mtp_loss(mtp, h, x, y, emb, head, 0.5, ce=ce)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -84,16 +84,16 @@ class MultiTokenPrediction(nn.Module):
             MTPModule(d_model, block_factory(k), norm_eps) for k in range(depth)
         )
 
-    def forward(
+    def hidden_states(
         self,
         hidden: torch.Tensor,
         tokens: torch.Tensor,
         embed: Callable[[torch.Tensor], torch.Tensor],
-        head: Callable[[torch.Tensor], torch.Tensor],
     ) -> list[torch.Tensor]:
-        """The main model's hidden states (B, T, D) over input ``tokens`` (B, T) -> logits of
-        each depth k = 1..D, (B, T-k, V): row i predicts t_{i+k+1} (the labels ``y[:, k:]``
-        when y is ``tokens`` shifted by one). Depths with T-k < 1 are left out."""
+        """The main model's hidden states (B, T, D) over input ``tokens`` (B, T) -> each depth
+        k = 1..D's output-head input ``norm_out(h^k)``, (B, T-k, D): row i predicts t_{i+k+1}
+        (the labels ``y[:, k:]`` when y is ``tokens`` shifted by one). Depths with T-k < 1 are
+        left out."""
         t = tokens.shape[1]
         out: list[torch.Tensor] = []
         h = hidden
@@ -103,8 +103,18 @@ class MultiTokenPrediction(nn.Module):
                 break
             positions = torch.arange(n, device=hidden.device)  # (T-k,)
             h = module(h[:, :n], embed(tokens[:, k:]), positions)  # (B, T-k, D)
-            out.append(head(module.norm_out(h)))  # (B, T-k, V)
+            out.append(module.norm_out(h))  # (B, T-k, D)
         return out
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        head: Callable[[torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Logits of each depth, (B, T-k, V): ``head`` of :meth:`hidden_states`."""
+        return [head(h) for h in self.hidden_states(hidden, tokens, embed)]
 
 
 def mtp_loss(
@@ -116,18 +126,24 @@ def mtp_loss(
     head: Callable[[torch.Tensor], torch.Tensor],
     weight: float,
     ignore_index: int = -100,
+    ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``(λ / D · Σ_k CE_k, [CE_1, …, CE_D])`` for inputs ``tokens`` (B, T) with next-token
     ``labels`` (B, T) (the main loss's targets; ``ignore_index`` entries skipped) and the main
     model's ``hidden`` (B, T, D). Depth k's row i is scored against ``labels[:, i + k]``; each
-    CE_k is a mean over its scored tokens, in fp32."""
+    CE_k is a mean over its scored tokens, in fp32.
+
+    ``ce(h (N, D), targets (N,)) -> mean loss`` replaces ``head`` + cross-entropy (the trainer's
+    fused linear + cross-entropy kernel, so no (N, V) logits are materialised)."""
     per_depth = []
-    for k, logits in enumerate(mtp(hidden, tokens, embed, head), start=1):
-        target = labels[:, k:]  # (B, T-k)
-        ce = F.cross_entropy(
-            logits.float().flatten(0, 1), target.flatten(), ignore_index=ignore_index
-        )
-        per_depth.append(ce)
+    for k, h in enumerate(mtp.hidden_states(hidden, tokens, embed), start=1):
+        target = labels[:, k:].flatten()  # (B·(T-k),)
+        h = h.flatten(0, 1)  # (B·(T-k), D)
+        if ce is not None:
+            per_depth.append(ce(h, target))
+        else:
+            logits = head(h).float()  # (B·(T-k), V)
+            per_depth.append(F.cross_entropy(logits, target, ignore_index=ignore_index))
     if not per_depth:
         raise LmforgeError(f"MTP needs sequences longer than 1 token, got {tokens.shape[1]}")
     return weight * torch.stack(per_depth).mean(), per_depth
