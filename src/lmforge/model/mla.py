@@ -37,56 +37,15 @@ dim, H heads, C kv_lora_rank, R rope dim, N nope dim, Ev v head dim, Q q_lora_ra
 BS block size, L layers.
 Exercised by ``pytest tests/test_mla.py``.
 
-Wiring plan (next session; this module is not yet reachable from ``TransformerLM``)
--------------------------------------------------------------------------------------
-``model/config.py`` (``ModelConfig``): fields ``attention_type: Literal["gqa", "mla"] = "gqa"``
-(a new field: ``attention`` already names the backend), ``kv_lora_rank: int = 512``,
-``q_lora_rank: int = 0``, ``qk_nope_head_dim: int = 128``, ``qk_rope_head_dim: int = 64``,
-``v_head_dim: int = 128``, ``kv_share_every: int = 1``, ``mtp_depth: int = 0``,
-``mtp_weight: float = 0.3``; in ``__post_init__`` (with attention_type == "mla") build
-``mla_config(cfg)`` = ``MLAConfig(d_model, n_heads, …, rope_theta, norm_eps,
-max_seq_len=context_length)`` and call ``validate()`` (raises one LmforgeError line), check
-``kv_share_every >= 1`` and ``mtp_depth >= 0``; rope_scaling must be "none" with MLA.
-
-``model/transformer.py``: ``TransformerBlock.__init__``: ``self.attn = MultiHeadLatentAttention(
-mla_config(config), layer_idx) if config.attention_type == "mla" else CausalSelfAttention(…)``.
-``MultiHeadLatentAttention.forward`` already has the block's call signature for training
-(``attn(x, token_positions)``); add its ``kv_cache=`` branch for the reference generation loop
-as ``decode_absorbed(x, positions, past_latent)`` over a contiguous per-layer latent list (the
-``KVCache`` class holds K and V, so either a ``LatentCache`` twin of it or latents stored in
-``KVCache.k`` with E = C + R and K = 1; v unused). With ``context``: call
-``context.ops.attend_latent(layer, q_abs, latent_new, ctx)`` (below) from a new method
-``forward_paged(x, context)`` = :meth:`decode_paged` with the context's slots, block tables
-and lengths; prefill chunks of a step take the explicit form over the up-projected pages
-(:meth:`forward` with ``past_latent`` gathered from the block table), decode rows the kernel.
-CLA (``kv_share_every = k``): blocks whose ``layer_idx % k != 0`` do not compute
-``compress_kv``/``k_proj``/``v_proj``; the block of the producing layer returns its latent (or
-K, V) and ``TransformerLM.forward_hidden`` passes it to the next k − 1 layers
-(:func:`lmforge.model.cla.kv_source_layer`); paged: ``ctx`` layer index →
-``kv_cache_index(layer, k)``.
-
-``model/context.py``: ``StepOps.attend_latent(layer, q_abs (N, H, C+R), latent (N, C+R), ctx)
--> (N, H, C)`` (write latent at ``ctx.slots``, then :func:`~lmforge.kernels.mla_decode.
-mla_decode` for decode rows); ``Context.latent_cache: torch.Tensor | None`` ((L_kv, NB, BS,
-C+R), :class:`PagedLatentCache`).
-
-``serve/``: ``runner.py``/``engine.py`` allocate :class:`PagedLatentCache` (``n_layers`` →
-the number of KV-producing layers, ``kv_cache_layers``) when ``attention_type == "mla"``; the
-KV budget uses :meth:`PagedLatentCache.bytes_per_block`; ``attention.PagedOps`` implements
-``attend_latent`` (Triton kernel on CUDA, :func:`mla_decode_reference` on CPU); prefix caching
-is unchanged (blocks are blocks); CUDA graphs capture ``mla_decode`` (partition count depends
-on shapes only). ``speculative.py``: a third proposer ``MTPDraft``
-(:class:`lmforge.model.mtp.MTPDraft`) beside ``NgramDraft``/``DraftModel``: ``propose`` takes the
-verify forward's hidden states, so ``forward_step`` must return ``forward_hidden`` rows too.
-
-``train/`` (LM objective): when ``mtp_depth > 0`` the model owns ``self.mtp = MTPModules(…)``
-and the objective adds :func:`lmforge.model.mtp.mtp_loss` (on ``forward_hidden``'s output, the
-shared ``lm_head``) to the main cross-entropy; log the per-depth losses.
-
-``hf/``: ``convert.py`` dispatches ``model_type == "deepseek_v3"`` to
-:mod:`lmforge.hf.deepseek` (attention: :func:`~lmforge.hf.deepseek.mla_state_from_hf`; MoE: the
-existing ``_moe`` mapping plus DeepSeek's shared experts and ``e_score_correction_bias``; MTP:
-``model.layers.{n_layers + k}.{enorm,hnorm,eh_proj,shared_head.norm}`` ↔ ``mtp.modules.k``).
+Wiring plan (next session; nothing here is reachable from ``TransformerLM`` yet)
+------------------------------------------------------------------------------
+``docs/mla_mtp_wiring.md`` lists the changes: ``ModelConfig`` fields (``attention_type="mla"``,
+``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
+``kv_share_every``, ``mtp_depth``, ``mtp_weight``); ``TransformerBlock`` choosing this module and
+its ``kv_cache``/``context`` branches (:meth:`decode_absorbed`, :meth:`prefill_paged`,
+:meth:`decode_paged`); ``Context.latent_cache`` and ``StepOps.attend_latent``; the engine
+allocating :class:`PagedLatentCache` for the KV-producing layers only (CLA); the MTP loss in
+the LM objective and the MTP drafter in speculative mode; DeepSeek-V3 import/export in ``hf/``.
 """
 
 from __future__ import annotations
