@@ -170,3 +170,39 @@ def test_latent_cache_bytes() -> None:
     # DeepSeek-V2: C = 512, R = 64 -> 576 values per token per layer (1152 bytes in bf16)
     assert PagedLatentCache.bytes_per_block(1, 1, 576, torch.bfloat16) == 1152
     assert PagedLatentCache.bytes_per_block(4, 16, 576, torch.float32) == 4 * 16 * 576 * 4
+
+
+class _MLAInBlock(torch.nn.Module):
+    """The MLA module in a TransformerBlock's attention slot (the wiring's call signature):
+    explicit form, or absorbed form over a contiguous latent cache it keeps itself."""
+
+    def __init__(self, mla: MultiHeadLatentAttention) -> None:
+        super().__init__()
+        self.mla, self.absorbed, self.cache = mla, False, None
+
+    def forward(self, x, token_positions=None, *, kv_cache=None, context=None):
+        if not self.absorbed:
+            return self.mla(x, token_positions)
+        out, new = self.mla.decode_absorbed(x, token_positions, self.cache)
+        self.cache = new if self.cache is None else torch.cat([self.cache, new], 1)
+        return out
+
+
+def test_model_logits_explicit_equal_absorbed_prefill_then_decode() -> None:
+    """A 3-layer TransformerLM with MLA attention: the logits of the explicit form over the whole
+    sequence equal those of an absorbed prefill followed by token-by-token absorbed decode."""
+    from lmforge.model import ModelConfig, TransformerLM
+
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=50, context_length=64, d_model=64, n_layers=3,
+                                      n_heads=4)).eval()  # fmt: skip
+    for i, layer in enumerate(model.layers):
+        layer.attn = _MLAInBlock(_module(CONFIGS[i % 2], seed=i))
+    idx = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        want = model(idx)  # (B, T, V)
+        for layer in model.layers:
+            layer.attn.absorbed = True
+        got = [model(idx[:, :7], torch.arange(7))]
+        got += [model(idx[:, t : t + 1], torch.tensor([t])) for t in range(7, 12)]
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-5, rtol=1e-5)
