@@ -206,3 +206,9 @@ def test_model_logits_explicit_equal_absorbed_prefill_then_decode() -> None:
         got = [model(idx[:, :7], torch.arange(7))]
         got += [model(idx[:, t : t + 1], torch.tensor([t])) for t in range(7, 12)]
     torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_num_parameters(cfg: MLAConfig) -> None:
+    m = MultiHeadLatentAttention(cfg)
+    assert cfg.num_parameters == sum(p.numel() for p in m.parameters())

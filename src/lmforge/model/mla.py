@@ -105,6 +105,20 @@ class MLAConfig:
         """1 / sqrt(N + R), in both forms."""
         return 1.0 / math.sqrt(self.qk_head_dim)
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of one layer: q path, kv_a (D -> C+R), its norm, kv_b, output."""
+        d, h, c, r = self.d_model, self.n_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        qk, q = self.qk_head_dim, self.q_lora_rank
+        q_path = d * q + q + q * h * qk if q else d * h * qk
+        return (
+            q_path
+            + d * (c + r)
+            + c
+            + c * h * (self.qk_nope_head_dim + self.v_head_dim)
+            + (h * self.v_head_dim * d)
+        )
+
     def validate(self) -> MLAConfig:
         """Raise one :class:`LmforgeError` line for a shape that cannot work; return self."""
         ints = (
