@@ -93,6 +93,51 @@ if not _CHILD:
     def test_kernel_under_interpreter_slow_shapes() -> None:
         run_pytest_in_interpreter(__file__, "-m", "slow", timeout=1800)
 
+    @pytest.mark.skipif(not _HAS_TRITON, reason="triton not installed")
+    @pytest.mark.parametrize("heads", [16, 128])
+    def test_kernel_compiles_for_sm90_without_spills(heads) -> None:
+        """No GPU needed: Triton compiles the kernel for sm_90 (H100/H200) at DeepSeek's widths
+        (C = 512, R = 64, bf16, block size 16) with the launch config mla_decode uses, and
+        ptxas reports no register spills (a spilling config is several times slower)."""
+        import subprocess
+        import tempfile
+        from pathlib import Path
+
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        from lmforge.kernels._mla_decode_triton import _mla_decode_kernel, launch_config
+
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+        if not ptxas.is_file():
+            pytest.skip("Triton's bundled ptxas is missing")
+        hb, nt, warps = launch_config(heads, 512, 16)
+        ptrs = ("q", "cache", "bt", "lens", "out", "m", "l", "acc")
+        types = ("*bf16", "*bf16", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32")
+        sig = {f"{p}_ptr": t for p, t in zip(ptrs, types, strict=True)}
+        sig["scale"] = "fp32"
+        for name in ("part_blocks", "n_parts", "n_heads", "stride_qs", "stride_qh", "stride_cb",
+                     "stride_ct", "stride_bts", "stride_os", "stride_oh"):  # fmt: skip
+            sig[name] = "i32"
+        consts = {"HB": hb, "C": 512, "CP": 512, "R": 64, "RP": 64, "BS": 16, "NT": nt,
+                  "SPLIT": True, "PREC": "tf32", "MMA": tl.bfloat16}  # fmt: skip
+        sig.update(dict.fromkeys(consts, "constexpr"))
+        src = ASTSource(fn=_mla_decode_kernel, signature=sig, constexprs=consts)
+        kernel = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3}
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = Path(tmp) / "k.ptx"
+            ptx.write_text(kernel.asm["ptx"])
+            done = subprocess.run(
+                [str(ptxas), "--gpu-name=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.o")],
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "0 bytes spill stores" in done.stderr, done.stderr[-2000:]
+
     @pytest.mark.gpu
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     @pytest.mark.parametrize("shape", SHAPES + SLOW_SHAPES)

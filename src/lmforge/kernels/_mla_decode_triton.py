@@ -6,7 +6,8 @@ token j being ``[c_j (C) ; k^R_j (R)]`` and the latent-space query ``q̃_h = [q^
     s_hj = scale · (q^C_h · c_j + q^R_h · k^R_j),     out_h = Σ_j softmax_j(s_hj) c_j   (C,)
 
 The grid is (sequence, head block, partition). One program holds HB query heads (all H of the
-sequence when H ≤ 64, padded to 16 rows so both products are ``tl.dot`` tiles) and walks its
+sequence when H ≤ 32, padded to 16 rows so both products are ``tl.dot`` tiles; more heads go in
+blocks of 32, each reading the latents once: 64 heads × C = 512 spill registers on sm_90) and walks its
 partition's blocks of the table one TILE (NT blocks of BS slots) at a time: it loads the tile's
 latent rows ONCE, as a (TILE, C) value/key tile and a (TILE, R) rope-key tile, and uses them for
 every head: ``scores = q_c · c_tileᵀ + q_r · r_tileᵀ`` (HB, TILE), then ``acc += p · c_tile``
@@ -30,7 +31,7 @@ import triton.language as tl
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
 
 TARGET_PROGRAMS = 512  # enough (seq, head-block, partition) programs to fill an H200's SMs
-MAX_HEAD_BLOCK = 64  # heads per program; more heads re-read the latent once per 64
+MAX_HEAD_BLOCK = 32  # heads per program (64 spills registers on sm_90); more re-read per 32
 
 
 @triton.jit
@@ -161,6 +162,23 @@ def _combine_kernel(
     )
 
 
+def launch_config(
+    h: int, c: int, bs: int, tile: int = 32, elem_bytes: int = 2
+) -> tuple[int, int, int]:
+    """(heads per program HB, blocks per tile NT, warps) for H heads, latent width C, block size
+    BS, ``tile`` slots per iteration and the cache's element size (fp32 caches: half the
+    tile). Checked to compile for sm_90 without register spills at C = 512 in bf16
+    (``tests/test_kernels_mla_decode.py``)."""
+    hb = min(max(16, triton.next_power_of_2(h)), MAX_HEAD_BLOCK)
+    if elem_bytes > 2:
+        tile //= 2
+    nt = max(1, tile // bs)
+    if nt * bs < 16:  # tl.dot needs K >= 16 for the p · c_tile product
+        nt = triton.cdiv(16, bs)
+    cp = max(16, triton.next_power_of_2(c))
+    return hb, nt, 8 if hb * cp >= 8192 else 4
+
+
 def num_partitions(s: int, head_blocks: int, width: int, nt: int) -> tuple[int, int]:
     """(partitions, blocks per partition) for S sequences, head blocks and tables ``width``
     blocks wide: split until about TARGET_PROGRAMS programs run, never below one tile each."""
@@ -191,11 +209,8 @@ def mla_decode_triton(
     c = kv_lora_rank
     r = latent_dim - c
     assert width_q == latent_dim and cache.stride(-1) == 1
-    hb = min(max(16, triton.next_power_of_2(h)), MAX_HEAD_BLOCK)
+    hb, nt, num_warps = launch_config(h, c, bs, tile, cache.element_size())
     head_blocks = triton.cdiv(h, hb)
-    nt = max(1, tile // bs)
-    if nt * bs < 16:  # tl.dot needs K >= 16 for the p · c_tile product
-        nt = triton.cdiv(16, bs)
     width = block_tables.shape[1]
     if n_parts is None:
         n_parts, part_blocks = num_partitions(s, head_blocks, width, nt)
@@ -247,7 +262,7 @@ def mla_decode_triton(
         SPLIT=split,
         PREC="ieee" if mma == tl.float32 else "tf32",
         MMA=mma,
-        num_warps=8 if hb * cp >= 8192 else 4,
+        num_warps=num_warps,
     )
     if split:
         _combine_kernel[(s, h)](

@@ -13,7 +13,7 @@ Math (per sequence s with n cached tokens and head h; q̃ is the absorbed query
 
 so the latents are the keys (with the rope part) and the values at once, and every head reads
 the same rows. The Triton kernel (:mod:`lmforge.kernels._mla_decode_triton`) therefore loads
-each block once for all heads of a sequence (up to 64 per program) and keeps an online softmax;
+each block once for all heads of a sequence (up to 32 per program) and keeps an online softmax;
 :func:`mla_decode_reference` is the torch path (gather + fp32 math) and the kernel's reference.
 
 Shape legend: S sequences, H heads, C kv_lora_rank, R rope dims, NB blocks, BS block size,
