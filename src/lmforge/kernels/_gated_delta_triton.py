@@ -58,6 +58,7 @@ def _wy_fwd(
     ks = tl.arange(0, BK)
     mk = ks < K
     DT = K_ptr.dtype.element_ty
+    i_c = i_c.to(tl.int64)  # TINV holds NC·H·BT² floats: past 2³¹ at 2M tokens × 16 heads
 
     k = tl.load(
         K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mt[:, None] & mk[None, :], other=0.0
@@ -171,9 +172,9 @@ def _output_fwd(
     mtk = mt[:, None] & mk[None, :]
     q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
     k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    G = tl.load(GC + (i_c * H + i_h) * BT + rows)
+    G = tl.load(GC + (i_c.to(tl.int64) * H + i_h) * BT + rows)
     h = tl.load(
-        HS + (i_c * H + i_h).to(tl.int64) * K * V + ks[:, None] * V + vs[None, :],
+        HS + (i_c.to(tl.int64) * H + i_h) * K * V + ks[:, None] * V + vs[None, :],
         mask=mk[:, None] & mv[None, :],
         other=0.0,
     )

@@ -10,7 +10,12 @@ recomputes G = cumsum g of its chunk from g (padded rows load g = 0 and so carry
      dh ← e^{G_last} dh + s (e^G ⊙ Q)ᵀ dO; the gradient of the initial state is the last dh.
   4. ``_grad`` (chunks × heads): dv = s (QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G} K) dh, then dq, dk, dg.
 Matmul operands in the input dtype (bf16 on the GPU), fp32 accumulation and states; float32
-inputs use 3×TF32 dots (fp32-level accuracy on tensor cores).
+inputs use 3×TF32 dots (fp32-level accuracy on tensor cores) in chunks of at most 32 on the GPU,
+as the gated delta rule's (``_chunk``): at chunk 64 the float32 ``_grad`` lowers to wgmma with
+255 registers and spills, and on triton 3.6 + H200 the float32 SSD test at chunk 64 (K = 16,
+V = 12) ended in an illegal memory access while every kernel's addressing stays in bounds
+(checked under ``lmforge.kernels._bounds.checked_bounds``); the result does not depend on the
+chunk size, and bf16 (the training path) keeps the requested chunk.
 """
 
 from __future__ import annotations
@@ -19,8 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lmforge.kernels._common import ensure_interpreter_compat, interpreting
-from lmforge.kernels._gated_delta_triton import _state_block, _state_stages, chunk_tables
+from lmforge.kernels._gated_delta_triton import (
+    _chunk,
+    _meta,
+    _prepare,
+    _state_block,
+    _state_stages,
+    chunk_tables,
+)
 
 
 @triton.jit
@@ -241,24 +252,6 @@ def _grad(
     tl.store(DG + tt * H + i_h, dg, mask=mt)
 
 
-def _meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
-    K, V = q.shape[-1], v.shape[-1]
-    BK = max(16, triton.next_power_of_2(K))
-    return {
-        "H": q.shape[1],
-        "K": K,
-        "V": V,
-        "BT": chunk_size,
-        "BK": BK,
-        # float32 tiles take twice the shared memory: half the V block keeps _grad and the state
-        # kernels within Hopper's 227 KiB per block.
-        "BV": max(
-            16, min(64 if BK <= 128 and q.dtype != torch.float32 else 32, triton.next_power_of_2(V))
-        ),
-        "PREC": "tf32x3" if q.dtype == torch.float32 else "tf32",
-    }
-
-
 def _states(k, v, g, cu, coff, nc, h0, store_ht, meta):
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
@@ -273,10 +266,9 @@ def _states(k, v, g, cu, coff, nc, h0, store_ht, meta):
 
 def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     """o (N_tok, H, V) in q's dtype and the final states (N, H, K, V) float32 (or None)."""
-    if interpreting():
-        ensure_interpreter_compat()
-    meta = _meta(q, v, chunk_size)
-    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
+    _prepare(q)
+    meta = _meta(q, v, _chunk(q, chunk_size))
+    chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
     hs, ht = _states(k, v, g, cu, coff, nc, h0, store_ht, meta)
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
@@ -286,11 +278,10 @@ def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len=0):
 
 def backward(q, k, v, g, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     """(dq, dk, dv, dg, dh0), recomputing the forward's chunk states."""
-    if interpreting():
-        ensure_interpreter_compat()
-    meta = _meta(q, v, chunk_size)
+    _prepare(q)
+    meta = _meta(q, v, _chunk(q, chunk_size))
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
-    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
+    chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
     hs, _ = _states(k, v, g, cu, coff, nc, h0, False, meta)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty(nc, H, K, V, **f32)
