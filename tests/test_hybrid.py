@@ -163,3 +163,33 @@ def test_kv_cache_and_engine_refuse_hybrids_in_one_line() -> None:
         model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
     with pytest.raises(LmforgeError, match="serving hybrid layers is not supported yet"):
         model(torch.zeros(1, 3, dtype=torch.long), context=object())  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+def test_gpu_hybrid_on_triton_kernels_matches_torch_path_and_trains() -> None:
+    # The linear mixers' auto backend is the Triton kernels on CUDA; the torch chunked path is
+    # their CPU path. float32 weights and inputs: the kernels' 3×TF32 dots are fp32-accurate.
+    torch.manual_seed(0)
+    model = TransformerLM(_cfg(layers="GMLWA", attention="sdpa"), device="cuda")
+    idx = torch.randint(0, 61, (2, 100), device="cuda")
+    with torch.no_grad():
+        fast = model(idx)
+        for block in model.layers:
+            if block.recurrent:
+                block.attn.backend = "torch"
+        slow = model(idx)
+        for block in model.layers:
+            if block.recurrent:
+                block.attn.backend = "auto"
+    torch.testing.assert_close(fast, slow, rtol=1e-3, atol=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(idx[:, :-1])  # (B, T, V)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses

@@ -1,8 +1,7 @@
 """Triton kernels of chunked scalar-decay linear attention (Mamba-2 SSD; math in ``ssd.py``).
 
-Same layout and chunk tables as ``_gated_delta_triton.py`` (packed tokens, sequence-major chunk
-list). With a scalar decay per head and token there is no triangular solve, so each kernel
-recomputes G = cumsum g of its chunk from g (padded rows load g = 0 and so carry G_last):
+Layout, chunk tables and prologues as the gated delta rule's (``_chunked_triton.py``). With a
+scalar decay per head and token there is no triangular solve, so each kernel recomputes G = cumsum g of its chunk from g (padded rows load g = 0 and so carry G_last):
   1. ``_state_fwd`` (V-blocks × sequences·heads, sequential over chunks): stores each chunk's
      start state h; h ← e^{G_last} h + (e^{G_last−G} K)ᵀ V.
   2. ``_output_fwd`` (V-blocks × chunks × heads): o = s(e^G ⊙ Q h + (QKᵀ ⊙ Γ ⊙ M) V).
@@ -10,12 +9,8 @@ recomputes G = cumsum g of its chunk from g (padded rows load g = 0 and so carry
      dh ← e^{G_last} dh + s (e^G ⊙ Q)ᵀ dO; the gradient of the initial state is the last dh.
   4. ``_grad`` (chunks × heads): dv = s (QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G} K) dh, then dq, dk, dg.
 Matmul operands in the input dtype (bf16 on the GPU), fp32 accumulation and states; float32
-inputs use 3×TF32 dots (fp32-level accuracy on tensor cores) in chunks of at most 32 on the GPU,
-as the gated delta rule's (``_chunk``): at chunk 64 the float32 ``_grad`` lowers to wgmma with
-255 registers and spills, and on triton 3.6 + H200 the float32 SSD test at chunk 64 (K = 16,
-V = 12) ended in an illegal memory access while every kernel's addressing stays in bounds
-(checked under ``lmforge.kernels._bounds.checked_bounds``); the result does not depend on the
-chunk size, and bf16 (the training path) keeps the requested chunk.
+inputs use 3×TF32 dots (fp32-level accuracy on tensor cores) in chunks of at most 32 on the GPU
+(``_chunked_triton.launch_chunk`` says why).
 """
 
 from __future__ import annotations
@@ -24,13 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
-from lmforge.kernels._gated_delta_triton import (
-    _chunk,
-    _meta,
-    _prepare,
-    _state_block,
-    _state_stages,
+from lmforge.kernels._chunked_triton import (
+    _chunk_of,
+    _sequence_of,
+    _state_tile,
+    _tok,
     chunk_tables,
+    kernel_meta,
+    launch_chunk,
+    prepare,
+    state_block,
+    state_stages,
 )
 
 
@@ -43,20 +42,10 @@ def _state_fwd(
 ):  # fmt: skip
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
-    n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    coff = tl.load(COFF + n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    n, i_h, bos, eos, coff, n_chunks = _sequence_of(CU, COFF, i_nh, H, BT)
     rows = tl.arange(0, BT)
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    mkv = mk[:, None] & mv[None, :]
+    ks, vs, mk, mv, mkv, state_offs = _state_tile(i_v, K, V, BK, BV)
     DT = K_ptr.dtype.element_ty
-    state_offs = ks[:, None] * V + vs[None, :]
 
     h = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_H0:
@@ -67,12 +56,12 @@ def _state_fwd(
         tt = (bos + c * BT + rows).to(tl.int64)
         mt = tt < eos
         k = tl.load(
-            K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :],
+            _tok(K_ptr, tt, i_h, ks, H, K),
             mask=mt[:, None] & mk[None, :],
             other=0.0,
         )
         v = tl.load(
-            V_ptr + (tt[:, None] * H + i_h) * V + vs[None, :],
+            _tok(V_ptr, tt, i_h, vs, H, V),
             mask=mt[:, None] & mv[None, :],
             other=0.0,
         )
@@ -93,13 +82,7 @@ def _output_fwd(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
-    n = tl.load(CHUNKS + 2 * i_c)
-    c = tl.load(CHUNKS + 2 * i_c + 1)
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    rows = tl.arange(0, BT)
-    tt = (bos + c * BT + rows).to(tl.int64)
-    mt = tt < eos
+    _c, _bos, _eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
     ks = tl.arange(0, BK)
     vs = i_v * BV + tl.arange(0, BV)
     mk = ks < K
@@ -107,9 +90,9 @@ def _output_fwd(
     DT = Q_ptr.dtype.element_ty
     mtk = mt[:, None] & mk[None, :]
     mtv = mt[:, None] & mv[None, :]
-    q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    v = tl.load(V_ptr + (tt[:, None] * H + i_h) * V + vs[None, :], mask=mtv, other=0.0)
+    q = tl.load(_tok(Q_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    v = tl.load(_tok(V_ptr, tt, i_h, vs, H, V), mask=mtv, other=0.0)
     G = tl.cumsum(tl.load(G_in + tt * H + i_h, mask=mt, other=0.0).to(tl.float32), 0)
     h = tl.load(
         HS + (i_c.to(tl.int64) * H + i_h) * K * V + ks[:, None] * V + vs[None, :],
@@ -122,7 +105,7 @@ def _output_fwd(
     o = tl.dot(q, h, input_precision=PREC) * tl.exp(G)[:, None]
     o += tl.dot(P.to(DT), v.to(DT), input_precision=PREC)
     tl.store(
-        O_ptr + (tt[:, None] * H + i_h) * V + vs[None, :],
+        _tok(O_ptr, tt, i_h, vs, H, V),
         (o * scale).to(O_ptr.dtype.element_ty),
         mask=mtv,
     )
@@ -137,20 +120,10 @@ def _state_bwd(
 ):  # fmt: skip
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
-    n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    coff = tl.load(COFF + n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    n, i_h, bos, eos, coff, n_chunks = _sequence_of(CU, COFF, i_nh, H, BT)
     rows = tl.arange(0, BT)
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    mkv = mk[:, None] & mv[None, :]
+    ks, vs, mk, mv, mkv, state_offs = _state_tile(i_v, K, V, BK, BV)
     DT = Q_ptr.dtype.element_ty
-    state_offs = ks[:, None] * V + vs[None, :]
 
     dh = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_DHT:
@@ -162,12 +135,12 @@ def _state_bwd(
         tt = (bos + c * BT + rows).to(tl.int64)
         mt = tt < eos
         q = tl.load(
-            Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :],
+            _tok(Q_ptr, tt, i_h, ks, H, K),
             mask=mt[:, None] & mk[None, :],
             other=0.0,
         )
         do = tl.load(
-            DO + (tt[:, None] * H + i_h) * V + vs[None, :],
+            _tok(DO, tt, i_h, vs, H, V),
             mask=mt[:, None] & mv[None, :],
             other=0.0,
         )
@@ -187,13 +160,7 @@ def _grad(
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    n = tl.load(CHUNKS + 2 * i_c)
-    c = tl.load(CHUNKS + 2 * i_c + 1)
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    rows = tl.arange(0, BT)
-    tt = (bos + c * BT + rows).to(tl.int64)
-    mt = tt < eos
+    c, bos, eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
     last = tl.minimum(eos - bos - c * BT, BT) - 1
     ks = tl.arange(0, BK)
     mk = ks < K
@@ -201,8 +168,8 @@ def _grad(
     DT = Q_ptr.dtype.element_ty
     base = i_c.to(tl.int64) * H + i_h
 
-    q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
+    q = tl.load(_tok(Q_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
     G = tl.cumsum(tl.load(G_in + tt * H + i_h, mask=mt, other=0.0).to(tl.float32), 0)
     g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
     eG = tl.exp(G)
@@ -256,18 +223,18 @@ def _states(k, v, g, cu, coff, nc, h0, store_ht, meta):
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     ht = torch.empty(N, H, K, V, device=k.device, dtype=torch.float32) if store_ht else None
-    sm = _state_block(meta, N * H, k.device)
+    sm = state_block(meta, N * H, k.device)
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, v, g, h0, hs, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=_state_stages(k),
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=state_stages(k),
     )  # fmt: skip
     return hs, ht
 
 
 def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     """o (N_tok, H, V) in q's dtype and the final states (N, H, K, V) float32 (or None)."""
-    _prepare(q)
-    meta = _meta(q, v, _chunk(q, chunk_size))
+    prepare()
+    meta = kernel_meta(q, v, launch_chunk(q, chunk_size))
     chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
     hs, ht = _states(k, v, g, cu, coff, nc, h0, store_ht, meta)
     o = torch.empty_like(v)
@@ -278,18 +245,18 @@ def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len=0):
 
 def backward(q, k, v, g, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     """(dq, dk, dv, dg, dh0), recomputing the forward's chunk states."""
-    _prepare(q)
-    meta = _meta(q, v, _chunk(q, chunk_size))
+    prepare()
+    meta = kernel_meta(q, v, launch_chunk(q, chunk_size))
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
     chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
     hs, _ = _states(k, v, g, cu, coff, nc, h0, False, meta)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty(nc, H, K, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    sm = _state_block(meta, N * H, k.device)
+    sm = state_block(meta, N * H, k.device)
     _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
         q, g, do, dht, dhs, dh0, cu, coff, scale, **sm,
-        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=_state_stages(k),
+        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=state_stages(k),
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(g.shape, **f32)
