@@ -194,6 +194,7 @@ if not _CHILD:
         extra = {
             "_state_fwd": dict(HAS_H0=True, STORE_HT=True),
             "_state_bwd": dict(HAS_DHT=True, STORE_DH0=True),
+            "_output_fwd": dict(CUMSUM_G=True),
         }.get(kernel, {})
         # The launches' warps and stages (2 only for the sequential state kernels).
         stages = 2 if kernel in ("_state_fwd", "_state_bwd") else 1

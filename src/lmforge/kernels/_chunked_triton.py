@@ -64,6 +64,49 @@ def _tok(P, tt, i_h, cols, H: tl.constexpr, W: tl.constexpr):
     return P + (tt[:, None] * H + i_h) * W + cols[None, :]
 
 
+# ------------------------------------------------------------------------------ shared kernel
+@triton.jit
+def _output_fwd(
+    Q_ptr, K_ptr, V_ptr, G_ptr, HS, O_ptr, CHUNKS, CU, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    CUMSUM_G: tl.constexpr,
+):  # fmt: skip
+    """Both rules' output, one (V block, chunk, head) per program: o = s(e^G ⊙ Q h + (QKᵀ ⊙ Γ ⊙ M)
+    V) from the chunk's start state h. V_ptr holds the values (decayed linear attention) or the
+    delta rule's corrected values δ; G_ptr the per-token log decays g, summed here
+    (``CUMSUM_G``), or the delta rule's per-chunk cumulative decays G (NC, H, BT)."""
+    i_v = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    _c, _bos, _eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
+    ks = tl.arange(0, BK)
+    vs = i_v * BV + tl.arange(0, BV)
+    mk = ks < K
+    mv = vs < V
+    DT = Q_ptr.dtype.element_ty
+    mtk = mt[:, None] & mk[None, :]
+    mtv = mt[:, None] & mv[None, :]
+    q = tl.load(_tok(Q_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    v = tl.load(_tok(V_ptr, tt, i_h, vs, H, V), mask=mtv, other=0.0)
+    if CUMSUM_G:  # padded rows load g = 0 and so carry G_last
+        G = tl.cumsum(tl.load(G_ptr + tt * H + i_h, mask=mt, other=0.0).to(tl.float32), 0)
+    else:
+        G = tl.load(G_ptr + (i_c.to(tl.int64) * H + i_h) * BT + rows)
+    h = tl.load(
+        HS + (i_c.to(tl.int64) * H + i_h) * K * V + ks[:, None] * V + vs[None, :],
+        mask=mk[:, None] & mv[None, :],
+        other=0.0,
+    )
+    incl = rows[:, None] >= rows[None, :]
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # (BT, BT)
+    P = tl.where(incl, qk * tl.exp(tl.where(incl, G[:, None] - G[None, :], 0.0)), 0.0)
+    o = tl.dot(q, h, input_precision=PREC) * tl.exp(G)[:, None]
+    o += tl.dot(P.to(DT), v.to(DT), input_precision=PREC)
+    tl.store(_tok(O_ptr, tt, i_h, vs, H, V), (o * scale).to(O_ptr.dtype.element_ty), mask=mtv)
+
+
 # ------------------------------------------------------------------------------------- launch
 def kernel_meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
     """The constexprs every kernel takes: H, K, V, chunk BT, blocks BK, BV and the dots' PREC."""

@@ -9,7 +9,8 @@ Forward, three launches:
      U = T·diag(β)·V (the WY / UT form of the chunk's delta-rule products).
   2. ``_state_fwd`` (V-blocks × sequences·heads, sequential over chunks): stores each chunk's start
      state h, δ = U − W·h (the corrected values), h ← e^{G_last} h + (e^{G_last−G}K)ᵀδ.
-  3. ``_output_fwd`` (V-blocks × chunks × heads, parallel): o = s(e^G ⊙ Q h + (QKᵀ⊙Γ⊙M) δ).
+  3. ``_output_fwd`` (V-blocks × chunks × heads, parallel; shared with the SSD path):
+     o = s(e^G ⊙ Q h + (QKᵀ⊙Γ⊙M) δ).
 Backward, after re-running 1–2 (nothing but q/k/v/g/β and the initial state is saved):
   4. ``_dv_local`` (parallel) then ``_state_bwd`` (sequential, reverse): stores dh (the
      gradient of each chunk's end state), dδ = s(QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G}K) dh (the first
@@ -35,6 +36,7 @@ import triton.language as tl
 
 from lmforge.kernels._chunked_triton import (
     _chunk_of,
+    _output_fwd,
     _sequence_of,
     _state_tile,
     _tok,
@@ -135,43 +137,6 @@ def _state_fwd(
         h = h * tl.exp(g_last) + tl.dot(tl.trans(kd), vn, input_precision=PREC)
     if STORE_HT:
         tl.store(HT + (n * H + i_h).to(tl.int64) * K * V + state_offs, h, mask=mkv)
-
-
-@triton.jit
-def _output_fwd(
-    Q_ptr, K_ptr, VN, GC, HS, O_ptr, CHUNKS, CU, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    i_v = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_h = tl.program_id(2)
-    _c, _bos, _eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    DT = Q_ptr.dtype.element_ty
-    mtk = mt[:, None] & mk[None, :]
-    q = tl.load(_tok(Q_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
-    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
-    G = tl.load(GC + (i_c.to(tl.int64) * H + i_h) * BT + rows)
-    h = tl.load(
-        HS + (i_c.to(tl.int64) * H + i_h) * K * V + ks[:, None] * V + vs[None, :],
-        mask=mk[:, None] & mv[None, :],
-        other=0.0,
-    )
-    vn = tl.load(_tok(VN, tt, i_h, vs, H, V), mask=mt[:, None] & mv[None, :], other=0.0)
-    incl = rows[:, None] >= rows[None, :]
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # (BT, BT)
-    P = tl.where(incl, qk * tl.exp(tl.where(incl, G[:, None] - G[None, :], 0.0)), 0.0)
-    o = tl.dot(q, h, input_precision=PREC) * tl.exp(G)[:, None]
-    o += tl.dot(P.to(DT), vn, input_precision=PREC)
-    tl.store(
-        _tok(O_ptr, tt, i_h, vs, H, V),
-        (o * scale).to(O_ptr.dtype.element_ty),
-        mask=mt[:, None] & mv[None, :],
-    )
 
 
 # ----------------------------------------------------------------------------------- backward
@@ -391,7 +356,9 @@ def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     )
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
-    _output_fwd[grid](q, k, vn, gc, hs, o, chunks, cu, scale, **meta, num_warps=4, num_stages=1)
+    _output_fwd[grid](
+        q, k, vn, gc, hs, o, chunks, cu, scale, **meta, CUMSUM_G=False, num_warps=4, num_stages=1
+    )  # fmt: skip
     return o, ht
 
 

@@ -4,7 +4,8 @@ Layout, chunk tables and prologues as the gated delta rule's (``_chunked_triton.
 scalar decay per head and token there is no triangular solve, so each kernel recomputes G = cumsum g of its chunk from g (padded rows load g = 0 and so carry G_last):
   1. ``_state_fwd`` (V-blocks × sequences·heads, sequential over chunks): stores each chunk's
      start state h; h ← e^{G_last} h + (e^{G_last−G} K)ᵀ V.
-  2. ``_output_fwd`` (V-blocks × chunks × heads): o = s(e^G ⊙ Q h + (QKᵀ ⊙ Γ ⊙ M) V).
+  2. ``_output_fwd`` (V-blocks × chunks × heads; the gated delta rule's, ``CUMSUM_G``):
+     o = s(e^G ⊙ Q h + (QKᵀ ⊙ Γ ⊙ M) V).
   3. ``_state_bwd`` (sequential, reverse): stores dh, the gradient of each chunk's end state;
      dh ← e^{G_last} dh + s (e^G ⊙ Q)ᵀ dO; the gradient of the initial state is the last dh.
   4. ``_grad`` (chunks × heads): dv = s (QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G} K) dh, then dq, dk, dg.
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from lmforge.kernels._chunked_triton import (
     _chunk_of,
+    _output_fwd,
     _sequence_of,
     _state_tile,
     _tok,
@@ -71,44 +73,6 @@ def _state_fwd(
         h = h * tl.exp(g_last) + tl.dot(tl.trans(kd), v.to(DT), input_precision=PREC)
     if STORE_HT:
         tl.store(HT + (n * H + i_h).to(tl.int64) * K * V + state_offs, h, mask=mkv)
-
-
-@triton.jit
-def _output_fwd(
-    Q_ptr, K_ptr, V_ptr, G_in, HS, O_ptr, CHUNKS, CU, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    i_v = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_h = tl.program_id(2)
-    _c, _bos, _eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    DT = Q_ptr.dtype.element_ty
-    mtk = mt[:, None] & mk[None, :]
-    mtv = mt[:, None] & mv[None, :]
-    q = tl.load(_tok(Q_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
-    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
-    v = tl.load(_tok(V_ptr, tt, i_h, vs, H, V), mask=mtv, other=0.0)
-    G = tl.cumsum(tl.load(G_in + tt * H + i_h, mask=mt, other=0.0).to(tl.float32), 0)
-    h = tl.load(
-        HS + (i_c.to(tl.int64) * H + i_h) * K * V + ks[:, None] * V + vs[None, :],
-        mask=mk[:, None] & mv[None, :],
-        other=0.0,
-    )
-    incl = rows[:, None] >= rows[None, :]
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # (BT, BT)
-    P = tl.where(incl, qk * tl.exp(tl.where(incl, G[:, None] - G[None, :], 0.0)), 0.0)
-    o = tl.dot(q, h, input_precision=PREC) * tl.exp(G)[:, None]
-    o += tl.dot(P.to(DT), v.to(DT), input_precision=PREC)
-    tl.store(
-        _tok(O_ptr, tt, i_h, vs, H, V),
-        (o * scale).to(O_ptr.dtype.element_ty),
-        mask=mtv,
-    )
 
 
 @triton.jit
@@ -239,7 +203,9 @@ def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     hs, ht = _states(k, v, g, cu, coff, nc, h0, store_ht, meta)
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
-    _output_fwd[grid](q, k, v, g, hs, o, chunks, cu, scale, **meta, num_warps=4, num_stages=1)
+    _output_fwd[grid](
+        q, k, v, g, hs, o, chunks, cu, scale, **meta, CUMSUM_G=True, num_warps=4, num_stages=1
+    )  # fmt: skip
     return o, ht
 
 
