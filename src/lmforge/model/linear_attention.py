@@ -150,6 +150,20 @@ class _StateMixer(nn.Module):
             self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(1, 16)))
             self.dt_bias.copy_(_log_uniform_dt_bias(self.dt_bias.numel()).to(self.dt_bias))
 
+    def _step_size(self, raw: Tensor) -> Tensor:
+        """Δ = softplus(raw + dt_bias) (…, H) float32, and the decay rates A = −e^{A_log} (H,):
+        the log decay of a token is Δ·A ≤ 0."""
+        return F.softplus(raw.float() + self.dt_bias.float()), -self.A_log.float().exp()
+
+    def _convolve(
+        self, x: Tensor, cu_seqlens: Tensor | None, state: RecurrentState | None
+    ) -> tuple[Tensor, Tensor]:
+        """The short causal convolution over (B, T, C) or packed (1, N_tok, C) inputs, continuing
+        from ``state``: (the result (B, T, C), the new conv state (N, C, W − 1))."""
+        flat, cu = _packed(x, cu_seqlens)  # (B·T, C)
+        y, conv_state = self.conv(flat, cu, None if state is None else state.conv)
+        return y.reshape(x.shape), conv_state
+
     def reset_parameters(self) -> None:
         """Re-initialise this module's own parameters (the projections, norms and convolution
         reset themselves)."""
@@ -212,7 +226,8 @@ class GatedDeltaNet(_StateMixer):
 
     def _gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         beta = torch.sigmoid(self.b_proj(x).float())  # (..., H)
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        dt, A = self._step_size(self.a_proj(x))
+        g = A * dt
         return g, beta
 
     def _out(self, o: Tensor, x: Tensor) -> Tensor:
@@ -227,8 +242,7 @@ class GatedDeltaNet(_StateMixer):
         B, T, _ = x.shape
         H, E = self.n_heads, self.head_dim
         proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (B, T, 3HE)
-        flat, cu = _packed(proj, cu_seqlens)  # (B·T, 3HE)
-        mixed, conv_state = self.conv(flat, cu, None if state is None else state.conv)
+        mixed, conv_state = self._convolve(proj, cu_seqlens, state)
         q, k, v = mixed.reshape(B, T, 3, H, E).unbind(2)  # (B, T, H, E) each
         g, beta = self._gates(x)  # (B, T, H)
         o, ssm = gated_delta_rule(
@@ -307,15 +321,13 @@ class Mamba2Mixer(_StateMixer):
         self, x: Tensor, cu_seqlens: Tensor | None = None, state: RecurrentState | None = None
     ) -> tuple[Tensor, RecurrentState]:
         """x (B, T, D) → (y (B, T, D), the state after the last token of every sequence)."""
-        B, T, _ = x.shape
         H, P, N = self.n_heads, self.head_dim, self.d_state
         z, xbc, dt = self._split(x)
-        flat, cu = _packed(xbc, cu_seqlens)  # (B·T, conv_dim)
-        xbc, conv_state = self.conv(flat, cu, None if state is None else state.conv)
-        xs, Bm, Cm = xbc.reshape(B, T, -1).split([self.d_inner, N, N], -1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
+        xbc, conv_state = self._convolve(xbc, cu_seqlens, state)
+        xs, Bm, Cm = xbc.split([self.d_inner, N, N], -1)
+        dt, A = self._step_size(dt)  # (B, T, H), (H,)
         y, ssm = ssd(
-            xs.unflatten(-1, (H, P)), dt, -self.A_log.float().exp(), Bm[:, :, None], Cm[:, :, None],
+            xs.unflatten(-1, (H, P)), dt, A, Bm[:, :, None], Cm[:, :, None],
             D=self.D, initial_state=None if state is None else state.ssm, output_final_state=True,
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend,
         )  # fmt: skip
@@ -327,9 +339,9 @@ class Mamba2Mixer(_StateMixer):
         z, xbc, dt = self._split(x)
         xbc, conv_state = self.conv.step(xbc, state.conv)
         xs, Bm, Cm = xbc.split([self.d_inner, N, N], -1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # (N, H)
+        dt, A = self._step_size(dt)  # (N, H), (H,)
         y, ssm = ssd_step(
-            xs.unflatten(-1, (H, P)), dt, -self.A_log.float().exp(), Bm[:, None], Cm[:, None],
+            xs.unflatten(-1, (H, P)), dt, A, Bm[:, None], Cm[:, None],
             state.ssm, D=self.D,
         )  # fmt: skip
         return self._out(y, z), RecurrentState(conv_state, ssm)
