@@ -162,6 +162,20 @@ def none_as_empty(x: Tensor | None, like: Tensor) -> Tensor:
     return x if x is not None else like.new_empty(0, dtype=torch.float32)
 
 
+def forward_fake(q: Tensor, v: Tensor, cu: Tensor, store_ht: bool) -> tuple[Tensor, Tensor]:
+    """A forward op's fake (meta) outputs: o like v (N_tok, H, V), ht (N, H, K, V) float32 when
+    stored, else (0,)."""
+    shape = (cu.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]) if store_ht else (0,)
+    return torch.empty_like(v), q.new_empty(shape, dtype=torch.float32)
+
+
+def backward_fake(tensors: list[Tensor], h0: Tensor | None) -> tuple[Tensor, ...]:
+    """A backward op's fake outputs: a gradient like each of ``tensors``, then dh0 like h0
+    (float32 (0,) without one)."""
+    dh0 = torch.empty_like(h0) if h0 is not None else none_as_empty(None, tensors[0])
+    return (*(torch.empty_like(t) for t in tensors), dh0)
+
+
 def chunked_autograd(
     backward_op: Callable[[], Callable[..., tuple[Tensor, ...]]],
 ) -> tuple[Callable[..., None], Callable[..., tuple[Tensor | None, ...]]]:

@@ -36,9 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lmforge.kernels._chunked import (
+    backward_fake,
     check_chunk_size,
     check_inputs,
     chunked_autograd,
+    forward_fake,
     none_as_empty,
     per_sequence,
     resolve_backend,
@@ -192,21 +194,10 @@ def _gdn_fwd(
     return o, none_as_empty(ht, q)
 
 
-def _gdn_fwd_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    h0: Tensor | None,
-    cu: Tensor,
-    scale: float,
-    chunk_size: int,
-    store_ht: bool,
-    seq_len: int,
-) -> tuple[Tensor, Tensor]:
-    shape = (cu.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]) if store_ht else (0,)
-    return torch.empty_like(v), q.new_empty(shape, dtype=torch.float32)  # (N_tok, H, V), ht
+# The fakes (output shapes for tracing) take the ops' arguments; the shared bodies are in
+# ``_chunked``.
+def _gdn_fwd_fake(q, k, v, g, beta, h0, cu, scale, chunk_size, store_ht, seq_len):
+    return forward_fake(q, v, cu, store_ht)
 
 
 def _gdn_bwd(
@@ -232,23 +223,8 @@ def _gdn_bwd(
     return dq, dk, dv, dg, db, none_as_empty(dh0, q)
 
 
-def _gdn_bwd_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    h0: Tensor | None,
-    cu: Tensor,
-    scale: float,
-    chunk_size: int,
-    seq_len: int,
-    do: Tensor,
-    dht: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dh0 = torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)  # fmt: skip
+def _gdn_bwd_fake(q, k, v, g, beta, h0, cu, scale, chunk_size, seq_len, do, dht):
+    return backward_fake([q, k, v, g, beta], h0)
 
 
 _gdn_setup, _gdn_backward = chunked_autograd(lambda: gated_delta_bwd)
