@@ -34,8 +34,15 @@ not apply (a CPU tensor, explicit positions, a KV cache, hooks on the projection
 - swiglu: ``reference`` (:class:`lmforge.model.SwiGLU`) or ``triton`` (one GEMM against
   ``cat([w1, w3])`` through ``lmforge.kernels.swiglu_packed``).
 
-Exercised by ``pytest tests/test_model.py`` (and ``pytest -m gpu tests/test_model.py`` for the
-Triton backends).
+Layer pattern (``ModelConfig.layers``, e.g. ``"GGGA"`` repeated to ``n_layers``): each block's
+token mixer is full attention (A), sliding-window attention (W, ``model.window``; an explicit
+(T, T) mask through SDPA, the flash kernel having no window), Gated DeltaNet (G), Mamba-2 (M) or
+linear attention (L) from :mod:`lmforge.model.linear_attention` (chunked Triton kernels on CUDA,
+the chunked torch path on CPU). Training and evaluation run every pattern; decoding with a KV
+cache and the engine run full attention only and refuse other patterns in one line.
+
+Exercised by ``pytest tests/test_model.py tests/test_hybrid.py`` (and ``pytest -m gpu`` on them for
+the Triton backends).
 """
 
 from __future__ import annotations
