@@ -10,7 +10,8 @@ Then timings at a fixed token budget B·T (default 32k), 16 heads, head dim 128,
   * ours GDN — ``lmforge.kernels.gated_delta_rule`` (Triton), forward and forward + backward;
   * FLA GDN — ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` where the ``fla-core`` wheel
     is installed; where its backward refuses (FLA issue #640: triton < 3.7.1 on Hopper) the row
-    says so and keeps its forward time;
+    says so, keeps its forward time and adds its recurrent reference's forward
+    (``fused_recurrent_gated_delta_rule``);
   * ours SSD — ``lmforge.kernels.linear_attention`` with a per-token decay (Mamba-2's core);
   * SDPA — ``F.scaled_dot_product_attention(is_causal=True)`` on the flash backend.
 Last, one decoding token (the fused Triton step vs torch) at batch 1 and 32.
@@ -30,6 +31,7 @@ import argparse
 import functools
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
@@ -50,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=128, help="head dim (K = V)")
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--budget", type=float, default=300.0,
+                   help="seconds: lengths not started by then are skipped (the table still prints)")  # fmt: skip
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: tiny smoke run through TRITON_INTERPRET=1 (numbers mean nothing)")  # fmt: skip
     p.add_argument("--out", type=Path, help="directory for results.json and table.md")
@@ -125,10 +129,13 @@ def check(device: str, chunk: int, big: bool) -> tuple[bool, dict]:
 # ------------------------------------------------------------------------------------ timings
 def _fla():
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
     except Exception as err:
         return None, f"{type(err).__name__}: {err}"
-    return chunk_gated_delta_rule, None
+    return (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule), None
 
 
 def _fwd_bwd(fn, inputs, do):
@@ -141,12 +148,15 @@ def _fwd_bwd(fn, inputs, do):
     return run
 
 
-def bench(args, device: str) -> tuple[list[dict], bool]:
+def bench(args, device: str, start: float) -> tuple[list[dict], bool]:
     fla, fla_err = _fla()
     if fla_err:
         print(f"FLA not available: {fla_err}")
     rows, ok = [], True
     for T in [int(s) for s in args.seqs.split(",")]:
+        if time.perf_counter() - start > args.budget:
+            print(f"  T={T}: skipped (past the --budget of {args.budget:.0f} s)")
+            continue
         row, row_ok = _bench_one(T, args, device, fla)
         rows.append(row)
         ok = ok and row_ok
@@ -182,9 +192,10 @@ def _bench_one(T: int, args, device: str, fla) -> tuple[dict, bool]:
     row["gdn_fwd"] = time_ms(ours, iters=args.iters, device=device)
     row["gdn_fb"] = time_ms(_fwd_bwd(ours, ins, do), iters=args.iters, device=device)
     if fla is not None:
+        fla_chunk, fla_recurrent = fla
 
         def theirs():
-            return fla(q, k, v, g, beta.to(q.dtype))[0]
+            return fla_chunk(q, k, v, g, beta.to(q.dtype))[0]
 
         try:
             with torch.no_grad():
@@ -209,6 +220,14 @@ def _bench_one(T: int, args, device: str, fla) -> tuple[dict, bool]:
             )
         except Exception as e:
             row["fla_fb_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            for x in ins:
+                x.grad = None
+            try:  # its token-recurrent kernel, forward only, in the refused backward's place
+                with torch.no_grad():
+                    rec = functools.partial(fla_recurrent, q, k, v, g, beta=beta.to(q.dtype))
+                    row["fla_recurrent_fwd"] = time_ms(rec, iters=args.iters, device=device)
+            except Exception as e2:
+                row["fla_recurrent_error"] = f"{type(e2).__name__}: {str(e2)[:120]}"
 
     def ssd():
         return linear_attention(q, k, v, g, scale=d**-0.5, chunk_size=C, backend="triton")[0]
@@ -283,7 +302,8 @@ def table(rows: list[dict], args) -> str:
         f"B·T = {args.tokens}, H = {args.heads}, d = {args.dim}, chunk {args.chunk}, bf16; "
         "fwd+bwd ms (TFLOP/s); ratio > 1: ours faster\n\n"
         "| T | B | GDN fwd | GDN fwd+bwd | µs per 1k tok | FLA fwd | FLA fwd+bwd | FLA/ours | "
-        "SSD fwd+bwd | SDPA fwd+bwd | SDPA/ours GDN |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "FLA recurrent fwd | SSD fwd+bwd | SDPA fwd+bwd | SDPA/ours GDN |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -296,11 +316,13 @@ def table(rows: list[dict], args) -> str:
         lines.append(
             f"| {r['T']} | {r['B']} | {_fmt(r['gdn_fwd'])} | {_fmt(r['gdn_fb'])} "
             f"({_fmt(r['gdn_tflops'], '.0f')}) | {1e3 * r['gdn_fb'] / (r['B'] * r['T'] / 1e3):.1f} | "
-            f"{_fmt(fla_fwd)} | {fla_col} | {_fmt(ratio)}{ratio_fwd} | {_fmt(r['ssd_fb'])} "
+            f"{_fmt(fla_fwd)} | {fla_col} | {_fmt(ratio)}{ratio_fwd} | "
+            f"{_fmt(r.get('fla_recurrent_fwd'))} | {_fmt(r['ssd_fb'])} "
             f"({_fmt(r['ssd_tflops'], '.0f')}) | {_fmt(sdpa)} "
             f"({_fmt(r.get('sdpa_tflops'), '.0f')}) | {_fmt(sdpa / r['gdn_fb'] if sdpa else None)} |"
         )
-    errors = {r["T"]: r[k] for r in rows for k in ("fla_fb_error", "fla_fwd_error") if k in r}
+    keys = ("fla_fb_error", "fla_fwd_error", "fla_recurrent_error")
+    errors = {r["T"]: r[k] for r in rows for k in keys if k in r}
     if errors:
         lines.append("\nFLA errors: " + "; ".join(f"T={t}: {e}" for t, e in errors.items()))
     return "\n".join(lines)
@@ -308,6 +330,8 @@ def table(rows: list[dict], args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    start = time.perf_counter()
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines arrive as they happen
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; run with --device cpu under TRITON_INTERPRET=1 for a smoke run")
@@ -322,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             1,
         )
     ok, report = check(device, args.chunk, big=device == "cuda")
-    rows, ok_bench = bench(args, device)
+    print(f"correctness done at {time.perf_counter() - start:.0f} s")
+    rows, ok_bench = bench(args, device, start)
     ok = ok and ok_bench
     decode = bench_decode(args, device)
     versions = {"torch": torch.__version__}

@@ -186,6 +186,7 @@ if not _CHILD:
             "_wy_fwd": dict(LOG_BT=6),
             "_state_fwd": dict(HAS_H0=True, STORE_HT=True),
             "_state_bwd": dict(HAS_DHT=True, STORE_DH0=True),
+            "_output_fwd": dict(CUMSUM_G=False),
         }.get(kernel, {})
         if kernel == "_step":  # no matmul: the decode step is a state read and write
             meta = dict(H=16, K=128, V=128, BK=128, BV=32, DELTA=True)

@@ -194,6 +194,7 @@ if not _CHILD:
         extra = {
             "_state_fwd": dict(HAS_H0=True, STORE_HT=True),
             "_state_bwd": dict(HAS_DHT=True, STORE_DH0=True),
+            "_output_fwd": dict(CUMSUM_G=True),
         }.get(kernel, {})
         # The launches' warps and stages (2 only for the sequential state kernels).
         stages = 2 if kernel in ("_state_fwd", "_state_bwd") else 1
@@ -218,6 +219,12 @@ if not _CHILD:
         _compare_linear(
             "triton", 64, 2, 512, 4, 128, 128, device="cuda", dtype=torch.bfloat16, tol=5e-2
         )
+        # The float32 chunk-64 failure's shapes (short packed sequences, K = 16, V = 12) at the
+        # training dtype, which keeps chunk 64 (float32 runs in chunks of 32 on the GPU).
+        _compare_linear(
+            "triton", 64, 1, 45, 4, 16, 12, [0, 7, 8, 45], device="cuda", dtype=torch.bfloat16,
+            tol=5e-2,
+        )  # fmt: skip
 
 else:
 

@@ -1,9 +1,7 @@
 """Triton kernels of the chunked gated delta rule (math, floor and public op in ``gated_delta.py``).
 
-Layout: every sequence is packed into one token axis (varlen, ``cu_seqlens``), q/k (N_tok, H, K),
-v (N_tok, H, V), g/β (N_tok, H); a batch of equal lengths is the case cu_seqlens = [0, T, 2T, ..].
-Chunks of BT tokens never cross a sequence boundary (the last chunk of a sequence is ragged), and
-the global chunk list is sequence-major, so chunk ``chunk_offsets[n] + c`` is chunk c of sequence n.
+Layout, chunk tables, launch sizes and the kernels' shared prologues: ``_chunked_triton.py``
+(packed tokens, a sequence-major chunk list, ragged last chunks).
 
 Forward, three launches:
   1. ``_wy_fwd`` (chunks × heads, parallel): G = cumsum g in the chunk, A = strict-lower
@@ -11,7 +9,8 @@ Forward, three launches:
      U = T·diag(β)·V (the WY / UT form of the chunk's delta-rule products).
   2. ``_state_fwd`` (V-blocks × sequences·heads, sequential over chunks): stores each chunk's start
      state h, δ = U − W·h (the corrected values), h ← e^{G_last} h + (e^{G_last−G}K)ᵀδ.
-  3. ``_output_fwd`` (V-blocks × chunks × heads, parallel): o = s(e^G ⊙ Q h + (QKᵀ⊙Γ⊙M) δ).
+  3. ``_output_fwd`` (V-blocks × chunks × heads, parallel; shared with the SSD path):
+     o = s(e^G ⊙ Q h + (QKᵀ⊙Γ⊙M) δ).
 Backward, after re-running 1–2 (nothing but q/k/v/g/β and the initial state is saved):
   4. ``_dv_local`` (parallel) then ``_state_bwd`` (sequential, reverse): stores dh (the
      gradient of each chunk's end state), dδ = s(QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G}K) dh (the first
@@ -35,7 +34,19 @@ import torch
 import triton
 import triton.language as tl
 
-from lmforge.kernels._common import ensure_interpreter_compat, interpreting
+from lmforge.kernels._chunked_triton import (
+    _chunk_of,
+    _output_fwd,
+    _sequence_of,
+    _state_tile,
+    _tok,
+    chunk_tables,
+    kernel_meta,
+    launch_chunk,
+    prepare,
+    state_block,
+    state_stages,
+)
 
 
 # ------------------------------------------------------------------------------------ forward
@@ -48,20 +59,13 @@ def _wy_fwd(
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    n = tl.load(CHUNKS + 2 * i_c)
-    c = tl.load(CHUNKS + 2 * i_c + 1)
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    rows = tl.arange(0, BT)
-    tt = (bos + c * BT + rows).to(tl.int64)
-    mt = tt < eos
+    _c, _bos, _eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
     ks = tl.arange(0, BK)
     mk = ks < K
     DT = K_ptr.dtype.element_ty
+    i_c = i_c.to(tl.int64)  # TINV holds NC·H·BT² floats: past 2³¹ at 2M tokens × 16 heads
 
-    k = tl.load(
-        K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mt[:, None] & mk[None, :], other=0.0
-    )
+    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mt[:, None] & mk[None, :], other=0.0)
     g = tl.load(G_in + tt * H + i_h, mask=mt, other=0.0).to(tl.float32)
     b = tl.load(B_ptr + tt * H + i_h, mask=mt, other=0.0).to(tl.float32)
     G = tl.cumsum(g, 0)  # (BT,) padded rows keep G_last
@@ -88,15 +92,13 @@ def _wy_fwd(
     Tc = Tm.to(DT)
     xw = (k * (b * tl.exp(G))[:, None]).to(DT)
     w = tl.dot(Tc, xw, input_precision=PREC)  # (BT, BK)
-    tl.store(
-        W_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], w.to(DT), mask=mt[:, None] & mk[None, :]
-    )
+    tl.store(_tok(W_ptr, tt, i_h, ks, H, K), w.to(DT), mask=mt[:, None] & mk[None, :])
     for i_v in range(0, tl.cdiv(V, BV)):
         vs = i_v * BV + tl.arange(0, BV)
         m = mt[:, None] & (vs < V)[None, :]
-        v = tl.load(V_ptr + (tt[:, None] * H + i_h) * V + vs[None, :], mask=m, other=0.0)
+        v = tl.load(_tok(V_ptr, tt, i_h, vs, H, V), mask=m, other=0.0)
         u = tl.dot(Tc, (v * b[:, None]).to(DT), input_precision=PREC)  # (BT, BV)
-        tl.store(U_ptr + (tt[:, None] * H + i_h) * V + vs[None, :], u.to(DT), mask=m)
+        tl.store(_tok(U_ptr, tt, i_h, vs, H, V), u.to(DT), mask=m)
 
 
 @triton.jit
@@ -108,20 +110,10 @@ def _state_fwd(
 ):  # fmt: skip
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
-    n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    coff = tl.load(COFF + n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    n, i_h, bos, eos, coff, n_chunks = _sequence_of(CU, COFF, i_nh, H, BT)
     rows = tl.arange(0, BT)
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    mkv = mk[:, None] & mv[None, :]
+    ks, vs, mk, mv, mkv, state_offs = _state_tile(i_v, K, V, BK, BV)
     DT = K_ptr.dtype.element_ty
-    state_offs = ks[:, None] * V + vs[None, :]
 
     h = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_H0:
@@ -133,63 +125,18 @@ def _state_fwd(
         mt = tt < eos
         mtk = mt[:, None] & mk[None, :]
         mtv = mt[:, None] & mv[None, :]
-        w = tl.load(W_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-        u = tl.load(U_ptr + (tt[:, None] * H + i_h) * V + vs[None, :], mask=mtv, other=0.0)
+        w = tl.load(_tok(W_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+        u = tl.load(_tok(U_ptr, tt, i_h, vs, H, V), mask=mtv, other=0.0)
         vn = u.to(tl.float32) - tl.dot(w, h.to(DT), input_precision=PREC)  # (BT, BV)
         vn = vn.to(DT)
-        tl.store(VN + (tt[:, None] * H + i_h) * V + vs[None, :], vn, mask=mtv)
+        tl.store(_tok(VN, tt, i_h, vs, H, V), vn, mask=mtv)
         G = tl.load(GC + (i_c * H + i_h) * BT + rows)
         g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
-        k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
+        k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
         kd = (k * tl.exp(g_last - G)[:, None]).to(DT)
         h = h * tl.exp(g_last) + tl.dot(tl.trans(kd), vn, input_precision=PREC)
     if STORE_HT:
         tl.store(HT + (n * H + i_h).to(tl.int64) * K * V + state_offs, h, mask=mkv)
-
-
-@triton.jit
-def _output_fwd(
-    Q_ptr, K_ptr, VN, GC, HS, O_ptr, CHUNKS, CU, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    i_v = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_h = tl.program_id(2)
-    n = tl.load(CHUNKS + 2 * i_c)
-    c = tl.load(CHUNKS + 2 * i_c + 1)
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    rows = tl.arange(0, BT)
-    tt = (bos + c * BT + rows).to(tl.int64)
-    mt = tt < eos
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    DT = Q_ptr.dtype.element_ty
-    mtk = mt[:, None] & mk[None, :]
-    q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    G = tl.load(GC + (i_c * H + i_h) * BT + rows)
-    h = tl.load(
-        HS + (i_c * H + i_h).to(tl.int64) * K * V + ks[:, None] * V + vs[None, :],
-        mask=mk[:, None] & mv[None, :],
-        other=0.0,
-    )
-    vn = tl.load(
-        VN + (tt[:, None] * H + i_h) * V + vs[None, :], mask=mt[:, None] & mv[None, :], other=0.0
-    )
-    incl = rows[:, None] >= rows[None, :]
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # (BT, BT)
-    P = tl.where(incl, qk * tl.exp(tl.where(incl, G[:, None] - G[None, :], 0.0)), 0.0)
-    o = tl.dot(q, h, input_precision=PREC) * tl.exp(G)[:, None]
-    o += tl.dot(P.to(DT), vn, input_precision=PREC)
-    tl.store(
-        O_ptr + (tt[:, None] * H + i_h) * V + vs[None, :],
-        (o * scale).to(O_ptr.dtype.element_ty),
-        mask=mt[:, None] & mv[None, :],
-    )
 
 
 # ----------------------------------------------------------------------------------- backward
@@ -203,28 +150,22 @@ def _dv_local(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
-    n = tl.load(CHUNKS + 2 * i_c)
-    c = tl.load(CHUNKS + 2 * i_c + 1)
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    rows = tl.arange(0, BT)
-    tt = (bos + c * BT + rows).to(tl.int64)
-    mt = tt < eos
+    _c, _bos, _eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
     ks = tl.arange(0, BK)
     vs = i_v * BV + tl.arange(0, BV)
     mtk = mt[:, None] & (ks < K)[None, :]
     mtv = mt[:, None] & (vs < V)[None, :]
     DT = Q_ptr.dtype.element_ty
-    q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    do = tl.load(DO + (tt[:, None] * H + i_h) * V + vs[None, :], mask=mtv, other=0.0)
+    q = tl.load(_tok(Q_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    do = tl.load(_tok(DO, tt, i_h, vs, H, V), mask=mtv, other=0.0)
     G = tl.load(GC + (i_c.to(tl.int64) * H + i_h) * BT + rows)
     # Pᵀ is upper triangular: entry (j, i) = k_j·q_i e^{G_i − G_j} for i ≥ j.
     upper = rows[:, None] <= rows[None, :]
     kq = tl.dot(k, tl.trans(q), input_precision=PREC)  # (BT, BT)
     Pt = tl.where(upper, kq * tl.exp(tl.where(upper, G[None, :] - G[:, None], 0.0)), 0.0)
     dvl = scale * tl.dot(Pt.to(DT), do.to(DT), input_precision=PREC)  # (BT, BV)
-    tl.store(DVN + (tt[:, None] * H + i_h) * V + vs[None, :], dvl, mask=mtv)
+    tl.store(_tok(DVN, tt, i_h, vs, H, V), dvl, mask=mtv)
 
 
 @triton.jit
@@ -236,20 +177,10 @@ def _state_bwd(
 ):  # fmt: skip
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
-    n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    coff = tl.load(COFF + n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    n, i_h, bos, eos, coff, n_chunks = _sequence_of(CU, COFF, i_nh, H, BT)
     rows = tl.arange(0, BT)
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    mkv = mk[:, None] & mv[None, :]
+    ks, vs, mk, mv, mkv, state_offs = _state_tile(i_v, K, V, BK, BV)
     DT = Q_ptr.dtype.element_ty
-    state_offs = ks[:, None] * V + vs[None, :]
 
     dh = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_DHT:
@@ -262,6 +193,8 @@ def _state_bwd(
         mt = tt < eos
         mtk = mt[:, None] & mk[None, :]
         mtv = mt[:, None] & mv[None, :]
+        # Pointers written out rather than through _tok: ptxas then spills 88 bytes here, not 112
+        # (sm_90, bf16, d = 128; every other kernel lowers the same either way).
         q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
         k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
         w = tl.load(W_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
@@ -290,13 +223,7 @@ def _grad(
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    n = tl.load(CHUNKS + 2 * i_c)
-    c = tl.load(CHUNKS + 2 * i_c + 1)
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    rows = tl.arange(0, BT)
-    tt = (bos + c * BT + rows).to(tl.int64)
-    mt = tt < eos
+    c, bos, eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
     last = tl.minimum(eos - bos - c * BT, BT) - 1  # the chunk's last real row
     ks = tl.arange(0, BK)
     mk = ks < K
@@ -304,8 +231,8 @@ def _grad(
     DT = Q_ptr.dtype.element_ty
     base = i_c.to(tl.int64) * H + i_h
 
-    q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
+    q = tl.load(_tok(Q_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
     b = tl.load(B_ptr + tt * H + i_h, mask=mt, other=0.0).to(tl.float32)
     G = tl.load(GC + base * BT + rows)
     Tm = tl.load(TINV + (base * BT + rows[:, None]) * BT + rows[None, :])
@@ -395,76 +322,6 @@ def _grad(
 
 
 # ------------------------------------------------------------------------------------- launch
-def _meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
-    K, V = q.shape[-1], v.shape[-1]
-    BK = max(16, triton.next_power_of_2(K))
-    return {
-        "H": q.shape[1],
-        "K": K,
-        "V": V,
-        "BT": chunk_size,
-        "BK": BK,
-        # float32 tiles take twice the shared memory: half the V block keeps _grad and the state
-        # kernels within Hopper's 227 KiB per block.
-        "BV": max(
-            16, min(64 if BK <= 128 and q.dtype != torch.float32 else 32, triton.next_power_of_2(V))
-        ),
-        "PREC": "tf32x3" if q.dtype == torch.float32 else "tf32",
-    }
-
-
-def chunk_tables(
-    cu_seqlens: torch.Tensor, chunk_size: int, seq_len: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(chunks (NC, 2) int32 [sequence, chunk in it], chunk_offsets (N,) int32, NC) for the
-    sequence-major global chunk list. ``seq_len`` > 0: every sequence has that length (a batch),
-    and the tables are built on the device without reading ``cu_seqlens`` back; otherwise the
-    offsets are read on the host once (the grid size depends on them)."""
-    dev = cu_seqlens.device
-    N = cu_seqlens.numel() - 1
-    if seq_len > 0:
-        per = -(-seq_len // chunk_size)
-        idx = torch.arange(N * per, device=dev, dtype=torch.int32)  # (NC,)
-        table = torch.stack([idx // per, idx % per], 1)  # (NC, 2)
-        return table, torch.arange(N, device=dev, dtype=torch.int32) * per, N * per
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    counts = [-(-n // chunk_size) for n in lens]
-    chunks = [(i, c) for i, m in enumerate(counts) for c in range(m)]
-    offsets = [0]
-    for m in counts[:-1]:
-        offsets.append(offsets[-1] + m)
-    table = torch.tensor(chunks, dtype=torch.int32, device=dev).reshape(-1, 2)  # (NC, 2)
-    return table, torch.tensor(offsets, dtype=torch.int32, device=dev), len(chunks)
-
-
-def _chunk(q: torch.Tensor, chunk_size: int) -> int:
-    # float32 inputs (the validation path) run in chunks of at most 32: with 64, _grad's float32
-    # tiles need 256 KiB of shared memory. The result does not depend on the chunk size.
-    return min(chunk_size, 32) if q.dtype == torch.float32 and not interpreting() else chunk_size
-
-
-def _state_stages(x: torch.Tensor) -> int:
-    # Pipelining the sequential chunk loop (next chunk's loads during this chunk's matmuls) fits
-    # in shared memory for 2-byte inputs; float32 (the validation path) runs unpipelined.
-    return 1 if x.dtype == torch.float32 else 2
-
-
-def _state_block(meta: dict, n_programs: int, device: torch.device) -> dict:
-    # The sequential state kernels run one program per (V block, sequence, head): with few long
-    # sequences, halve the V block so twice as many SMs share the recurrence.
-    if device.type != "cuda":
-        return meta
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if meta["BV"] > 32 and n_programs * triton.cdiv(meta["V"], meta["BV"]) < 2 * sms:
-        return dict(meta, BV=32)
-    return meta
-
-
-def _prepare(q: torch.Tensor) -> None:
-    if interpreting():
-        ensure_interpreter_compat()
-
-
 def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
     N, H, K, V, BT = cu.numel() - 1, meta["H"], meta["K"], meta["V"], meta["BT"]
     f32 = dict(device=k.device, dtype=torch.float32)
@@ -481,36 +338,36 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     vn = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if store_ht else None
-    sm = _state_block(meta, N * H, k.device)
+    sm = state_block(meta, N * H, k.device)
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, w, u, gc, h0, hs, vn, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=_state_stages(k),
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=state_stages(k),
     )  # fmt: skip
     return gc, tinv, w, hs, vn, ht
 
 
 def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     """o (N_tok, H, V) in q's dtype and the final states (N, H, K, V) float32 (or None)."""
-    _prepare(q)
-    chunk_size = _chunk(q, chunk_size)
-    meta = _meta(q, v, chunk_size)
-    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
+    prepare()
+    meta = kernel_meta(q, v, launch_chunk(q, chunk_size))
+    chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
     gc, _tinv, _w, hs, vn, ht = _wy_and_states(
         k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta
     )
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
-    _output_fwd[grid](q, k, vn, gc, hs, o, chunks, cu, scale, **meta, num_warps=4, num_stages=1)
+    _output_fwd[grid](
+        q, k, vn, gc, hs, o, chunks, cu, scale, **meta, CUMSUM_G=False, num_warps=4, num_stages=1
+    )  # fmt: skip
     return o, ht
 
 
 def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     """(dq, dk, dv, dg, dβ, dh0): input gradients, recomputing the forward's chunk states."""
-    _prepare(q)
-    chunk_size = _chunk(q, chunk_size)
-    meta = _meta(q, v, chunk_size)
+    prepare()
+    meta = kernel_meta(q, v, launch_chunk(q, chunk_size))
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
-    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
+    chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
     gc, tinv, w, hs, vn, _ = _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, False, meta)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty(nc, H, K, V, **f32)
@@ -519,10 +376,10 @@ def backward(q, k, v, g, beta, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     _dv_local[(triton.cdiv(V, meta["BV"]), nc, H)](
         q, k, gc, do, dvn, chunks, cu, scale, **meta, num_warps=4, num_stages=1
     )
-    sm = _state_block(meta, N * H, k.device)
+    sm = state_block(meta, N * H, k.device)
     _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
         q, k, w, gc, do, dht, dhs, dvn, dh0, cu, coff, scale, **sm,
-        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=_state_stages(k),
+        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=state_stages(k),
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dbeta = torch.empty(beta.shape, **f32)
@@ -568,8 +425,7 @@ def _step(
 def step(q, k, v, g, beta, state, scale):
     """One decoding token: q, k (N, H, K), v (N, H, V), g, β (N, H) (β None: no delta rule),
     state (N, H, K, V) float32 → (o (N, H, V) in v's dtype, the new state)."""
-    if interpreting():
-        ensure_interpreter_compat()
+    prepare()
     N, H, K = q.shape
     V = v.shape[-1]
     BK = max(16, triton.next_power_of_2(K))

@@ -1,16 +1,17 @@
 """Triton kernels of chunked scalar-decay linear attention (Mamba-2 SSD; math in ``ssd.py``).
 
-Same layout and chunk tables as ``_gated_delta_triton.py`` (packed tokens, sequence-major chunk
-list). With a scalar decay per head and token there is no triangular solve, so each kernel
-recomputes G = cumsum g of its chunk from g (padded rows load g = 0 and so carry G_last):
+Layout, chunk tables and prologues as the gated delta rule's (``_chunked_triton.py``). With a
+scalar decay per head and token there is no triangular solve, so each kernel recomputes G = cumsum g of its chunk from g (padded rows load g = 0 and so carry G_last):
   1. ``_state_fwd`` (V-blocks × sequences·heads, sequential over chunks): stores each chunk's
      start state h; h ← e^{G_last} h + (e^{G_last−G} K)ᵀ V.
-  2. ``_output_fwd`` (V-blocks × chunks × heads): o = s(e^G ⊙ Q h + (QKᵀ ⊙ Γ ⊙ M) V).
+  2. ``_output_fwd`` (V-blocks × chunks × heads; the gated delta rule's, ``CUMSUM_G``):
+     o = s(e^G ⊙ Q h + (QKᵀ ⊙ Γ ⊙ M) V).
   3. ``_state_bwd`` (sequential, reverse): stores dh, the gradient of each chunk's end state;
      dh ← e^{G_last} dh + s (e^G ⊙ Q)ᵀ dO; the gradient of the initial state is the last dh.
   4. ``_grad`` (chunks × heads): dv = s (QKᵀ⊙Γ⊙M)ᵀ dO + (e^{G_last−G} K) dh, then dq, dk, dg.
 Matmul operands in the input dtype (bf16 on the GPU), fp32 accumulation and states; float32
-inputs use 3×TF32 dots (fp32-level accuracy on tensor cores).
+inputs use 3×TF32 dots (fp32-level accuracy on tensor cores) in chunks of at most 32 on the GPU
+(``_chunked_triton.launch_chunk`` says why).
 """
 
 from __future__ import annotations
@@ -19,8 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
-from lmforge.kernels._common import ensure_interpreter_compat, interpreting
-from lmforge.kernels._gated_delta_triton import _state_block, _state_stages, chunk_tables
+from lmforge.kernels._chunked_triton import (
+    _chunk_of,
+    _output_fwd,
+    _sequence_of,
+    _state_tile,
+    _tok,
+    chunk_tables,
+    kernel_meta,
+    launch_chunk,
+    prepare,
+    state_block,
+    state_stages,
+)
 
 
 @triton.jit
@@ -32,20 +44,10 @@ def _state_fwd(
 ):  # fmt: skip
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
-    n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    coff = tl.load(COFF + n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    n, i_h, bos, eos, coff, n_chunks = _sequence_of(CU, COFF, i_nh, H, BT)
     rows = tl.arange(0, BT)
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    mkv = mk[:, None] & mv[None, :]
+    ks, vs, mk, mv, mkv, state_offs = _state_tile(i_v, K, V, BK, BV)
     DT = K_ptr.dtype.element_ty
-    state_offs = ks[:, None] * V + vs[None, :]
 
     h = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_H0:
@@ -56,12 +58,12 @@ def _state_fwd(
         tt = (bos + c * BT + rows).to(tl.int64)
         mt = tt < eos
         k = tl.load(
-            K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :],
+            _tok(K_ptr, tt, i_h, ks, H, K),
             mask=mt[:, None] & mk[None, :],
             other=0.0,
         )
         v = tl.load(
-            V_ptr + (tt[:, None] * H + i_h) * V + vs[None, :],
+            _tok(V_ptr, tt, i_h, vs, H, V),
             mask=mt[:, None] & mv[None, :],
             other=0.0,
         )
@@ -74,50 +76,6 @@ def _state_fwd(
 
 
 @triton.jit
-def _output_fwd(
-    Q_ptr, K_ptr, V_ptr, G_in, HS, O_ptr, CHUNKS, CU, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    i_v = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_h = tl.program_id(2)
-    n = tl.load(CHUNKS + 2 * i_c)
-    c = tl.load(CHUNKS + 2 * i_c + 1)
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    rows = tl.arange(0, BT)
-    tt = (bos + c * BT + rows).to(tl.int64)
-    mt = tt < eos
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    DT = Q_ptr.dtype.element_ty
-    mtk = mt[:, None] & mk[None, :]
-    mtv = mt[:, None] & mv[None, :]
-    q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    v = tl.load(V_ptr + (tt[:, None] * H + i_h) * V + vs[None, :], mask=mtv, other=0.0)
-    G = tl.cumsum(tl.load(G_in + tt * H + i_h, mask=mt, other=0.0).to(tl.float32), 0)
-    h = tl.load(
-        HS + (i_c.to(tl.int64) * H + i_h) * K * V + ks[:, None] * V + vs[None, :],
-        mask=mk[:, None] & mv[None, :],
-        other=0.0,
-    )
-    incl = rows[:, None] >= rows[None, :]
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # (BT, BT)
-    P = tl.where(incl, qk * tl.exp(tl.where(incl, G[:, None] - G[None, :], 0.0)), 0.0)
-    o = tl.dot(q, h, input_precision=PREC) * tl.exp(G)[:, None]
-    o += tl.dot(P.to(DT), v.to(DT), input_precision=PREC)
-    tl.store(
-        O_ptr + (tt[:, None] * H + i_h) * V + vs[None, :],
-        (o * scale).to(O_ptr.dtype.element_ty),
-        mask=mtv,
-    )
-
-
-@triton.jit
 def _state_bwd(
     Q_ptr, G_in, DO, DHT, DHS, DH0, CU, COFF, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -126,20 +84,10 @@ def _state_bwd(
 ):  # fmt: skip
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
-    n = i_nh // H
-    i_h = i_nh % H
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    coff = tl.load(COFF + n)
-    n_chunks = tl.cdiv(eos - bos, BT)
+    n, i_h, bos, eos, coff, n_chunks = _sequence_of(CU, COFF, i_nh, H, BT)
     rows = tl.arange(0, BT)
-    ks = tl.arange(0, BK)
-    vs = i_v * BV + tl.arange(0, BV)
-    mk = ks < K
-    mv = vs < V
-    mkv = mk[:, None] & mv[None, :]
+    ks, vs, mk, mv, mkv, state_offs = _state_tile(i_v, K, V, BK, BV)
     DT = Q_ptr.dtype.element_ty
-    state_offs = ks[:, None] * V + vs[None, :]
 
     dh = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_DHT:
@@ -151,12 +99,12 @@ def _state_bwd(
         tt = (bos + c * BT + rows).to(tl.int64)
         mt = tt < eos
         q = tl.load(
-            Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :],
+            _tok(Q_ptr, tt, i_h, ks, H, K),
             mask=mt[:, None] & mk[None, :],
             other=0.0,
         )
         do = tl.load(
-            DO + (tt[:, None] * H + i_h) * V + vs[None, :],
+            _tok(DO, tt, i_h, vs, H, V),
             mask=mt[:, None] & mv[None, :],
             other=0.0,
         )
@@ -176,13 +124,7 @@ def _grad(
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    n = tl.load(CHUNKS + 2 * i_c)
-    c = tl.load(CHUNKS + 2 * i_c + 1)
-    bos = tl.load(CU + n)
-    eos = tl.load(CU + n + 1)
-    rows = tl.arange(0, BT)
-    tt = (bos + c * BT + rows).to(tl.int64)
-    mt = tt < eos
+    c, bos, eos, rows, tt, mt = _chunk_of(CHUNKS, CU, i_c, BT)
     last = tl.minimum(eos - bos - c * BT, BT) - 1
     ks = tl.arange(0, BK)
     mk = ks < K
@@ -190,8 +132,8 @@ def _grad(
     DT = Q_ptr.dtype.element_ty
     base = i_c.to(tl.int64) * H + i_h
 
-    q = tl.load(Q_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
-    k = tl.load(K_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
+    q = tl.load(_tok(Q_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
+    k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
     G = tl.cumsum(tl.load(G_in + tt * H + i_h, mask=mt, other=0.0).to(tl.float32), 0)
     g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
     eG = tl.exp(G)
@@ -241,64 +183,46 @@ def _grad(
     tl.store(DG + tt * H + i_h, dg, mask=mt)
 
 
-def _meta(q: torch.Tensor, v: torch.Tensor, chunk_size: int) -> dict:
-    K, V = q.shape[-1], v.shape[-1]
-    BK = max(16, triton.next_power_of_2(K))
-    return {
-        "H": q.shape[1],
-        "K": K,
-        "V": V,
-        "BT": chunk_size,
-        "BK": BK,
-        # float32 tiles take twice the shared memory: half the V block keeps _grad and the state
-        # kernels within Hopper's 227 KiB per block.
-        "BV": max(
-            16, min(64 if BK <= 128 and q.dtype != torch.float32 else 32, triton.next_power_of_2(V))
-        ),
-        "PREC": "tf32x3" if q.dtype == torch.float32 else "tf32",
-    }
-
-
 def _states(k, v, g, cu, coff, nc, h0, store_ht, meta):
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     ht = torch.empty(N, H, K, V, device=k.device, dtype=torch.float32) if store_ht else None
-    sm = _state_block(meta, N * H, k.device)
+    sm = state_block(meta, N * H, k.device)
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, v, g, h0, hs, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=_state_stages(k),
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=state_stages(k),
     )  # fmt: skip
     return hs, ht
 
 
 def forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     """o (N_tok, H, V) in q's dtype and the final states (N, H, K, V) float32 (or None)."""
-    if interpreting():
-        ensure_interpreter_compat()
-    meta = _meta(q, v, chunk_size)
-    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
+    prepare()
+    meta = kernel_meta(q, v, launch_chunk(q, chunk_size))
+    chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
     hs, ht = _states(k, v, g, cu, coff, nc, h0, store_ht, meta)
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
-    _output_fwd[grid](q, k, v, g, hs, o, chunks, cu, scale, **meta, num_warps=4, num_stages=1)
+    _output_fwd[grid](
+        q, k, v, g, hs, o, chunks, cu, scale, **meta, CUMSUM_G=True, num_warps=4, num_stages=1
+    )  # fmt: skip
     return o, ht
 
 
 def backward(q, k, v, g, scale, h0, cu, chunk_size, do, dht, seq_len=0):
     """(dq, dk, dv, dg, dh0), recomputing the forward's chunk states."""
-    if interpreting():
-        ensure_interpreter_compat()
-    meta = _meta(q, v, chunk_size)
+    prepare()
+    meta = kernel_meta(q, v, launch_chunk(q, chunk_size))
     N, H, K, V = cu.numel() - 1, meta["H"], meta["K"], meta["V"]
-    chunks, coff, nc = chunk_tables(cu, chunk_size, seq_len)
+    chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
     hs, _ = _states(k, v, g, cu, coff, nc, h0, False, meta)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty(nc, H, K, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
-    sm = _state_block(meta, N * H, k.device)
+    sm = state_block(meta, N * H, k.device)
     _state_bwd[(triton.cdiv(V, sm["BV"]), N * H)](
         q, g, do, dht, dhs, dh0, cu, coff, scale, **sm,
-        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=_state_stages(k),
+        HAS_DHT=dht is not None, STORE_DH0=h0 is not None, num_warps=4, num_stages=state_stages(k),
     )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg = torch.empty(g.shape, **f32)

@@ -29,74 +29,24 @@ readable token-by-token recurrence :func:`gated_delta_reference`. One-token deco
 
 from __future__ import annotations
 
-import itertools
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lmforge.kernels._common import KernelUnsupportedError, autocast_dtype, check_triton_tensors
+from lmforge.kernels._chunked import (
+    backward_fake,
+    check_chunk_size,
+    check_inputs,
+    chunked_autograd,
+    forward_fake,
+    none_as_empty,
+    per_sequence,
+    resolve_backend,
+    triton_operands,
+)
 from lmforge.kernels._ops import _define
-
-BACKENDS = ("auto", "triton", "torch", "reference")
-
-
-def _acc_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _segments(cu_seqlens: Tensor | None, batch: int, length: int) -> list[tuple[int, int]]:
-    if cu_seqlens is None:
-        return [(i * length, (i + 1) * length) for i in range(batch)]
-    bounds = cu_seqlens.tolist()
-    return list(itertools.pairwise(bounds))
-
-
-def _flatten(x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
-    # (B, T, H, ...) → (B·T, H, ...): packed sequences are one token axis.
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def check_inputs(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor | None,
-    initial_state: Tensor | None,
-    cu_seqlens: Tensor | None,
-) -> int:
-    """Validate shapes of a chunked call; returns the number of sequences N. One clear
-    ValueError naming the mismatch otherwise."""
-    if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(
-            f"q and k must both be (B, T, H, K), got {tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    B, T, H, _ = q.shape
-    if v.dim() != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be (B, T, H, V) = ({B}, {T}, {H}, V), got {tuple(v.shape)}")
-    for name, t in (("g", g), ("beta", beta)):
-        if t is not None and t.shape != (B, T, H):
-            raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got {tuple(t.shape)}")
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch must be 1 (packed), got B = {B}")
-        # The values are read back from the device, so not while torch.compile traces.
-        bad = cu_seqlens.dim() != 1 or (
-            not torch.compiler.is_compiling()
-            and (cu_seqlens[0].item() != 0 or cu_seqlens[-1].item() != T)
-        )
-        if bad:
-            raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at T = {T}")
-        n = cu_seqlens.numel() - 1
-    else:
-        n = B
-    if initial_state is not None and initial_state.shape != (n, H, q.shape[-1], v.shape[-1]):
-        raise ValueError(
-            f"initial_state must be (N, H, K, V) = ({n}, {H}, {q.shape[-1]}, {v.shape[-1]}), "
-            f"got {tuple(initial_state.shape)}"
-        )
-    return n
 
 
 # ------------------------------------------------------------------------------- references
@@ -114,29 +64,22 @@ def gated_delta_reference(
 ) -> tuple[Tensor, Tensor | None]:
     """The recurrence token by token, in float32 (float64 for float64 inputs). Shapes as
     :func:`gated_delta_rule`; returns (o in v's dtype, final states (N, H, K, V) or None)."""
-    n = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    acc = _acc_dtype(q)
-    s = K**-0.5 if scale is None else scale
-    qf, kf, vf = (_flatten(x, cu_seqlens).to(acc) for x in (q, k, v))  # (B·T, H, ·)
-    gf, bf = (_flatten(x, cu_seqlens).to(acc) for x in (g, beta))  # (B·T, H)
-    out = torch.empty_like(vf)
-    finals = []
-    for i, (start, end) in enumerate(_segments(cu_seqlens, B, T)):
-        S = (
-            initial_state[i].to(acc)
-            if initial_state is not None
-            else torch.zeros(H, K, V, dtype=acc, device=q.device)
-        )  # (H, K, V)
-        for t in range(start, end):
-            S = S * gf[t].exp()[:, None, None]
-            kS = torch.einsum("hk,hkv->hv", kf[t], S)  # (H, V) what the state recalls for k_t
-            S = S + torch.einsum("hk,hv->hkv", kf[t], bf[t][:, None] * (vf[t] - kS))
-            out[t] = s * torch.einsum("hk,hkv->hv", qf[t], S)
-        finals.append(S)
-    o = out.reshape(B, T, H, V).to(v.dtype)
-    return o, torch.stack(finals) if output_final_state and n else None
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+
+    def one(q, k, v, g, b, S):  # one sequence: (T_n, H, ·), S (H, K, V)
+        out = torch.empty_like(v)
+        for t in range(q.shape[0]):
+            S = S * g[t].exp()[:, None, None]
+            kS = torch.einsum("hk,hkv->hv", k[t], S)  # (H, V) what the state recalls for k_t
+            S = S + torch.einsum("hk,hv->hkv", k[t], b[t][:, None] * (v[t] - kS))
+            out[t] = s * torch.einsum("hk,hkv->hv", q[t], S)
+        return out, S
+
+    return per_sequence(
+        one, q, k, v, [g, beta], initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
 
 
 def gated_delta_step(
@@ -215,25 +158,13 @@ def gated_delta_chunked_torch(
 ) -> tuple[Tensor, Tensor | None]:
     """The chunked WY algorithm in plain torch (float32, float64 for float64 inputs),
     differentiable through autograd; same signature and results as :func:`gated_delta_rule`."""
-    n = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    acc = _acc_dtype(q)
-    s = K**-0.5 if scale is None else scale
-    qf, kf, vf, gf, bf = (_flatten(x, cu_seqlens).to(acc) for x in (q, k, v, g, beta))
-    outs, finals = [], []
-    for i, (start, end) in enumerate(_segments(cu_seqlens, B, T)):
-        S = (
-            initial_state[i].to(acc)
-            if initial_state is not None
-            else torch.zeros(H, K, V, dtype=acc, device=q.device)
-        )
-        sl = slice(start, end)
-        o, S = _chunk_torch_one(qf[sl], kf[sl], vf[sl], gf[sl], bf[sl], S, s, chunk_size)
-        outs.append(o)
-        finals.append(S)
-    o = torch.cat(outs).reshape(B, T, H, V).to(v.dtype)
-    return o, torch.stack(finals) if output_final_state and n else None
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    s = q.shape[-1] ** -0.5 if scale is None else scale
+    return per_sequence(
+        functools.partial(_chunk_torch_one, scale=s, C=chunk_size), q, k, v, [g, beta],
+        initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ Triton path
@@ -260,24 +191,13 @@ def _gdn_fwd(
     o, ht = _gated_delta_triton.forward(
         q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len
     )
-    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
+    return o, none_as_empty(ht, q)
 
 
-def _gdn_fwd_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    h0: Tensor | None,
-    cu: Tensor,
-    scale: float,
-    chunk_size: int,
-    store_ht: bool,
-    seq_len: int,
-) -> tuple[Tensor, Tensor]:
-    shape = (cu.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]) if store_ht else (0,)
-    return torch.empty_like(v), q.new_empty(shape, dtype=torch.float32)  # (N_tok, H, V), ht
+# The fakes (output shapes for tracing) take the ops' arguments; the shared bodies are in
+# ``_chunked``.
+def _gdn_fwd_fake(q, k, v, g, beta, h0, cu, scale, chunk_size, store_ht, seq_len):
+    return forward_fake(q, v, cu, store_ht)
 
 
 def _gdn_bwd(
@@ -300,62 +220,16 @@ def _gdn_bwd(
         q, k, v, g, beta, scale, h0, cu, chunk_size, do.contiguous(),
         None if dht is None else dht.contiguous(), seq_len,
     )  # fmt: skip
-    return dq, dk, dv, dg, db, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, dg, db, none_as_empty(dh0, q)
 
 
-def _gdn_bwd_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    h0: Tensor | None,
-    cu: Tensor,
-    scale: float,
-    chunk_size: int,
-    seq_len: int,
-    do: Tensor,
-    dht: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dh0 = torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)  # fmt: skip
+def _gdn_bwd_fake(q, k, v, g, beta, h0, cu, scale, chunk_size, seq_len, do, dht):
+    return backward_fake([q, k, v, g, beta], h0)
 
 
-def _gdn_setup(ctx, inputs, output) -> None:
-    q, k, v, g, beta, h0, cu, scale, chunk_size, _store_ht, seq_len = inputs
-    ctx.save_for_backward(q, k, v, g, beta, h0, cu)
-    ctx.args = (scale, chunk_size, seq_len)
-    ctx.set_materialize_grads(False)
-
-
-def _gdn_backward(ctx, do, dht):
-    q, k, v, g, beta, h0, cu = ctx.saved_tensors
-    scale, chunk_size, seq_len = ctx.args
-    do = torch.zeros_like(v) if do is None else do.to(q.dtype)
-    dht = None if dht is None or dht.numel() == 0 else dht.float()
-    dq, dk, dv, dg, db, dh0 = gated_delta_bwd(
-        q, k, v, g, beta, h0, cu, scale, chunk_size, seq_len, do, dht
-    )
-    return dq, dk, dv, dg, db, dh0 if h0 is not None else None, None, None, None, None, None
-
-
+_gdn_setup, _gdn_backward = chunked_autograd(lambda: gated_delta_bwd)
 gated_delta_fwd = _define("gated_delta_fwd", _gdn_fwd, _gdn_fwd_fake, _gdn_backward, _gdn_setup)
 gated_delta_bwd = _define("gated_delta_bwd", _gdn_bwd, _gdn_bwd_fake)
-
-
-def resolve_backend(backend: str, *tensors: Tensor) -> str:
-    """``auto`` → ``triton`` where the Triton kernels can run these tensors (CUDA, or the CPU
-    interpreter), else ``torch``; other names are checked and returned."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    try:
-        check_triton_tensors("gated_delta_rule", *tensors)
-    except KernelUnsupportedError:
-        return "torch"
-    return "triton"
 
 
 def gated_delta_rule(
@@ -381,9 +255,8 @@ def gated_delta_rule(
     float32 — float64 for float64 inputs on the torch paths — when ``output_final_state``, else None). ``normalize_qk`` L2-normalises q and k
     (differentiably) first, as Gated DeltaNet does. chunk_size: 16, 32 or 64 (a power of two).
     """
-    n = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two ≥ 16, got {chunk_size}")
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    check_chunk_size(chunk_size)
     if normalize_qk:
         q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
     s = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -395,19 +268,9 @@ def gated_delta_rule(
         return gated_delta_chunked_torch(
             q, k, v, g, beta, cu_seqlens=cu_seqlens, chunk_size=chunk_size, **kw
         )
-    check_triton_tensors("gated_delta_rule", q, k, v)
     B, T, H, _ = q.shape
-    V = v.shape[-1]
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)  # (B + 1,)
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    dt = autocast_dtype(q.device.type) or q.dtype  # the kernels' matmul dtype, as autocast's
-    q2, k2 = (_flatten(x, None).to(dt).contiguous() for x in (q, k))  # (B·T, H, K)
-    v2 = _flatten(v, None).to(dt).contiguous()  # (B·T, H, V)
-    g2, b2 = (_flatten(x, None).float().contiguous() for x in (g, beta))  # (B·T, H)
-    h0 = None if initial_state is None else initial_state.float().contiguous()
-    seq_len = T if cu_seqlens is None else 0  # equal lengths: chunk tables without a host sync
+    (q2, k2, v2, g2, b2), h0, cu, seq_len = triton_operands(
+        q, k, v, [g, beta], initial_state, cu_seqlens
+    )
     o, ht = gated_delta_fwd(q2, k2, v2, g2, b2, h0, cu, s, chunk_size, output_final_state, seq_len)
-    del n
-    return o.reshape(B, T, H, V).to(v.dtype), ht if output_final_state else None
+    return o.reshape(B, T, H, v.shape[-1]).to(v.dtype), ht if output_final_state else None

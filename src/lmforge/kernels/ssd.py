@@ -24,18 +24,25 @@ the token-by-token ``reference``; decoding steps :func:`linear_attention_step` a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from lmforge.kernels._common import autocast_dtype, check_triton_tensors
-from lmforge.kernels._ops import _define
-from lmforge.kernels.gated_delta import (
-    _acc_dtype,
-    _flatten,
-    _segments,
+from lmforge.kernels._chunked import (
+    acc_dtype,
+    backward_fake,
+    check_chunk_size,
     check_inputs,
+    chunked_autograd,
+    forward_fake,
+    none_as_empty,
+    per_sequence,
     resolve_backend,
+    segments,
+    triton_operands,
 )
+from lmforge.kernels._ops import _define
 
 
 # ------------------------------------------------------------------------------- references
@@ -52,27 +59,21 @@ def linear_attention_reference(
 ) -> tuple[Tensor, Tensor | None]:
     """The decayed recurrence token by token (float32; float64 for float64 inputs)."""
     check_inputs(q, k, v, g, None, initial_state, cu_seqlens)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    acc = _acc_dtype(q)
-    qf, kf, vf = (_flatten(x, cu_seqlens).to(acc) for x in (q, k, v))  # (B·T, H, ·)
-    gf = None if g is None else _flatten(g, cu_seqlens).to(acc)  # (B·T, H)
-    out = torch.empty_like(vf)
-    finals = []
-    for i, (start, end) in enumerate(_segments(cu_seqlens, B, T)):
-        S = (
-            initial_state[i].to(acc)
-            if initial_state is not None
-            else torch.zeros(H, K, V, dtype=acc, device=q.device)
-        )  # (H, K, V)
-        for t in range(start, end):
-            if gf is not None:
-                S = S * gf[t].exp()[:, None, None]
-            S = S + kf[t][:, :, None] * vf[t][:, None, :]
-            out[t] = scale * torch.einsum("hk,hkv->hv", qf[t], S)
-        finals.append(S)
-    o = out.reshape(B, T, H, V).to(v.dtype)
-    return o, torch.stack(finals) if output_final_state else None
+
+    def one(q, k, v, *g_S):  # one sequence: (T_n, H, ·), [g (T_n, H)], S (H, K, V)
+        *g, S = g_S
+        out = torch.empty_like(v)
+        for t in range(q.shape[0]):
+            if g:
+                S = S * g[0][t].exp()[:, None, None]
+            S = S + k[t][:, :, None] * v[t][:, None, :]
+            out[t] = scale * torch.einsum("hk,hkv->hv", q[t], S)
+        return out, S
+
+    return per_sequence(
+        one, q, k, v, [] if g is None else [g], initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
 
 
 def linear_attention_step(
@@ -133,28 +134,12 @@ def linear_attention_chunked_torch(
 ) -> tuple[Tensor, Tensor | None]:
     """The chunked algorithm in plain torch (differentiable through autograd)."""
     check_inputs(q, k, v, g, None, initial_state, cu_seqlens)
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    acc = _acc_dtype(q)
-    qf, kf, vf = (_flatten(x, cu_seqlens).to(acc) for x in (q, k, v))
-    gf = (
-        torch.zeros(B * T, H, dtype=acc, device=q.device)
-        if g is None
-        else _flatten(g, cu_seqlens).to(acc)
-    )
-    outs, finals = [], []
-    for i, (start, end) in enumerate(_segments(cu_seqlens, B, T)):
-        S = (
-            initial_state[i].to(acc)
-            if initial_state is not None
-            else torch.zeros(H, K, V, dtype=acc, device=q.device)
-        )
-        sl = slice(start, end)
-        o, S = _chunk_torch_one(qf[sl], kf[sl], vf[sl], gf[sl], S, scale, chunk_size)
-        outs.append(o)
-        finals.append(S)
-    o = torch.cat(outs).reshape(B, T, H, V).to(v.dtype)
-    return o, torch.stack(finals) if output_final_state else None
+    gates = [torch.zeros(q.shape[:3], dtype=q.dtype, device=q.device) if g is None else g]
+    return per_sequence(
+        functools.partial(_chunk_torch_one, scale=scale, C=chunk_size), q, k, v, gates,
+        initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ Triton path
@@ -176,23 +161,13 @@ def _la_fwd(
     from lmforge.kernels import _ssd_triton
 
     o, ht = _ssd_triton.forward(q, k, v, g, scale, h0, cu, chunk_size, store_ht, seq_len)
-    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
+    return o, none_as_empty(ht, q)
 
 
-def _la_fwd_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    h0: Tensor | None,
-    cu: Tensor,
-    scale: float,
-    chunk_size: int,
-    store_ht: bool,
-    seq_len: int,
-) -> tuple[Tensor, Tensor]:
-    shape = (cu.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]) if store_ht else (0,)
-    return torch.empty_like(v), q.new_empty(shape, dtype=torch.float32)
+# The fakes (output shapes for tracing) take the ops' arguments; the shared bodies are in
+# ``_chunked``.
+def _la_fwd_fake(q, k, v, g, h0, cu, scale, chunk_size, store_ht, seq_len):
+    return forward_fake(q, v, cu, store_ht)
 
 
 def _la_bwd(
@@ -214,44 +189,14 @@ def _la_bwd(
         q, k, v, g, scale, h0, cu, chunk_size, do.contiguous(),
         None if dht is None else dht.contiguous(), seq_len,
     )  # fmt: skip
-    return dq, dk, dv, dg, dh0 if dh0 is not None else q.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, dg, none_as_empty(dh0, q)
 
 
-def _la_bwd_fake(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    h0: Tensor | None,
-    cu: Tensor,
-    scale: float,
-    chunk_size: int,
-    seq_len: int,
-    do: Tensor,
-    dht: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    dh0 = torch.empty_like(h0) if h0 is not None else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), dh0
+def _la_bwd_fake(q, k, v, g, h0, cu, scale, chunk_size, seq_len, do, dht):
+    return backward_fake([q, k, v, g], h0)
 
 
-def _la_setup(ctx, inputs, output) -> None:
-    q, k, v, g, h0, cu, scale, chunk_size, _store_ht, seq_len = inputs
-    ctx.save_for_backward(q, k, v, g, h0, cu)
-    ctx.args = (scale, chunk_size, seq_len)
-    ctx.set_materialize_grads(False)
-
-
-def _la_backward(ctx, do, dht):
-    q, k, v, g, h0, cu = ctx.saved_tensors
-    scale, chunk_size, seq_len = ctx.args
-    do = torch.zeros_like(v) if do is None else do.to(q.dtype)
-    dht = None if dht is None or dht.numel() == 0 else dht.float()
-    dq, dk, dv, dg, dh0 = decay_linear_attn_bwd(
-        q, k, v, g, h0, cu, scale, chunk_size, seq_len, do, dht
-    )
-    return dq, dk, dv, dg, dh0 if h0 is not None else None, None, None, None, None, None
-
-
+_la_setup, _la_backward = chunked_autograd(lambda: decay_linear_attn_bwd)
 decay_linear_attn_fwd = _define(
     "decay_linear_attn_fwd", _la_fwd, _la_fwd_fake, _la_backward, _la_setup
 )
@@ -279,8 +224,7 @@ def linear_attention(
     ``output_final_state``, else None). chunk_size: a power of two ≥ 16.
     """
     check_inputs(q, k, v, g, None, initial_state, cu_seqlens)
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two ≥ 16, got {chunk_size}")
+    check_chunk_size(chunk_size)
     kw = dict(
         scale=float(scale), initial_state=initial_state, output_final_state=output_final_state
     )
@@ -291,27 +235,14 @@ def linear_attention(
         return linear_attention_chunked_torch(
             q, k, v, g, cu_seqlens=cu_seqlens, chunk_size=chunk_size, **kw
         )
-    check_triton_tensors("linear_attention", q, k, v)
     B, T, H, _ = q.shape
-    V = v.shape[-1]
-    if cu_seqlens is None:
-        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)  # (B + 1,)
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    dt = autocast_dtype(q.device.type) or q.dtype  # the kernels' matmul dtype, as autocast's
-    q2, k2 = (_flatten(x, None).to(dt).contiguous() for x in (q, k))  # (B·T, H, K)
-    v2 = _flatten(v, None).to(dt).contiguous()  # (B·T, H, V)
-    g2 = (
-        torch.zeros(B * T, H, device=q.device, dtype=torch.float32)
-        if g is None
-        else _flatten(g, None).float().contiguous()
-    )  # (B·T, H)
-    h0 = None if initial_state is None else initial_state.float().contiguous()
-    seq_len = T if cu_seqlens is None else 0  # equal lengths: chunk tables without a host sync
+    if g is None:
+        g = torch.zeros(B, T, H, device=q.device, dtype=torch.float32)
+    (q2, k2, v2, g2), h0, cu, seq_len = triton_operands(q, k, v, [g], initial_state, cu_seqlens)
     o, ht = decay_linear_attn_fwd(
         q2, k2, v2, g2, h0, cu, float(scale), chunk_size, output_final_state, seq_len
     )
-    return o.reshape(B, T, H, V).to(v.dtype), ht if output_final_state else None
+    return o.reshape(B, T, H, v.shape[-1]).to(v.dtype), ht if output_final_state else None
 
 
 # ----------------------------------------------------------------------- Mamba-2 SSD naming
@@ -378,13 +309,13 @@ def ssd_reference(
     y_t = h_tᵀ C_t + D x_t (float32; float64 for float64 inputs)."""
     Bt, T, H, P = x.shape
     N = B.shape[-1]
-    acc = _acc_dtype(x)
+    acc = acc_dtype(x)
     Bh, Ch = _heads(B, H).to(acc), _heads(C, H).to(acc)  # (Bt, T, H, N)
     xf, dtf, Af = x.to(acc), dt.to(acc), A.to(acc)
     y = torch.empty(Bt, T, H, P, dtype=acc, device=x.device)
     finals = []
     rows = [(b, 0, T) for b in range(Bt)] if cu_seqlens is None else [
-        (0, s, e) for s, e in _segments(cu_seqlens, 1, T)
+        (0, s, e) for s, e in segments(cu_seqlens, 1, T)
     ]  # fmt: skip
     for i, (b, start, end) in enumerate(rows):
         h = (

@@ -14,6 +14,9 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
     return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
 
 
+LAYER_TYPES = "AWGML"
+
+
 class _DerivedHeadDim(int):
     """``head_dim`` resolved from d_model / n_heads (the field was left at None).
 
@@ -97,6 +100,26 @@ class ModelConfig:
     "muP: the width whose hyperparameters transfer (multipliers are 1 there)"
     mup_base_head_dim: int = 64
     "muP: the head width at which the attention scale is the standard 1/sqrt(E)"
+    layers: str = "A"
+    "token mixer of each block, one letter per block, the pattern repeated to n_layers: A full"
+    " attention, W sliding-window attention (model.window), G Gated DeltaNet, M Mamba-2 (SSD),"
+    " L linear attention; e.g. GGGA = 3:1 Gated DeltaNet:attention (lmforge.model.linear_attention)"
+    window: int = 4096
+    "W layers: each query attends to itself and the window − 1 tokens before it"
+    linear_heads: int | None = None
+    "G and L layers: heads (None = n_heads)"
+    linear_head_dim: int | None = None
+    "G and L layers: per-head width of q, k and v (None = head_dim); state (heads, E, E) per sequence"
+    linear_decay: bool = True
+    "L layers: RetNet's fixed per-head decays 1 − 2^(−5−h) (false: the undecayed sum)"
+    ssm_state: int = 64
+    "M layers: Mamba-2 state size N (width of B and C, one group)"
+    ssm_head_dim: int = 64
+    "M layers: Mamba-2 head width P; heads = ssm_expand·d_model / P"
+    ssm_expand: int = 2
+    "M layers: Mamba-2 inner width = ssm_expand·d_model"
+    conv_size: int = 4
+    "G and M layers: width of the short causal convolution (≥ 2)"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -147,6 +170,46 @@ class ModelConfig:
             raise ValueError("mup_base_width and mup_base_head_dim must be positive")
         if self.swiglu not in ("reference", "triton", "auto"):
             raise ValueError(f"swiglu must be reference, triton or auto, got {self.swiglu!r}")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        if not isinstance(self.layers, str) or not self.layers:
+            raise ValueError(
+                f"layers must be a non-empty pattern of {LAYER_TYPES}, got {self.layers!r}"
+            )
+        bad = sorted(set(self.layers) - set(LAYER_TYPES))
+        if bad:
+            raise ValueError(
+                f"layers {self.layers!r}: unknown layer type {bad[0]!r} (A full attention, W sliding"
+                " window, G Gated DeltaNet, M Mamba-2, L linear attention)"
+            )
+        if self.window <= 0:
+            raise ValueError(f"window must be positive, got {self.window}")
+        for name in ("linear_heads", "linear_head_dim"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or unset, got {value}")
+        for name in ("ssm_state", "ssm_head_dim", "ssm_expand"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if "M" in self.layers and (self.ssm_expand * self.d_model) % self.ssm_head_dim:
+            raise ValueError(
+                f"ssm_head_dim ({self.ssm_head_dim}) must divide ssm_expand·d_model"
+                f" ({self.ssm_expand * self.d_model})"
+            )
+        if self.conv_size < 2:
+            raise ValueError(f"conv_size must be at least 2, got {self.conv_size}")
+
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        """The token mixer letter of every block: ``layers`` repeated to ``n_layers``."""
+        reps = -(-self.n_layers // len(self.layers))
+        return tuple((self.layers * reps)[: self.n_layers])
+
+    @property
+    def full_attention_only(self) -> bool:
+        """Whether every block is full attention (the layers the serving engine runs)."""
+        return set(self.layer_types) == {"A"}
 
     @property
     def kv_heads(self) -> int:

@@ -128,8 +128,71 @@ def _log_uniform_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 0.1) -> T
     return dt + torch.log(-torch.expm1(-dt))
 
 
+class _StateMixer(nn.Module):
+    """What the three mixers share: the zero state and its size from ``_state_dims``, and the
+    Mamba-style decay parameters (``A_log``, ``dt_bias``) with their init, re-run by
+    ``reset_parameters`` (a model built on the meta device materialises them uninitialised)."""
+
+    n_heads: int
+
+    def _state_dims(self) -> tuple[int, int]:
+        """(K, V) of the per-head state matrix."""
+        raise NotImplementedError
+
+    def _decay_parameters(self, n_heads: int) -> None:
+        self.A_log = nn.Parameter(torch.empty(n_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_heads))
+        self._reset_decay()
+
+    def _reset_decay(self) -> None:
+        # A = e^{A_log} uniform in [1, 16]; Δ = softplus(dt_bias) log-uniform in [1e-3, 0.1].
+        with torch.no_grad():
+            self.A_log.copy_(torch.log(torch.empty_like(self.A_log).uniform_(1, 16)))
+            self.dt_bias.copy_(_log_uniform_dt_bias(self.dt_bias.numel()).to(self.dt_bias))
+
+    def _step_size(self, raw: Tensor) -> Tensor:
+        """Δ = softplus(raw + dt_bias) (…, H) float32, and the decay rates A = −e^{A_log} (H,):
+        the log decay of a token is Δ·A ≤ 0."""
+        return F.softplus(raw.float() + self.dt_bias.float()), -self.A_log.float().exp()
+
+    def _convolve(
+        self, x: Tensor, cu_seqlens: Tensor | None, state: RecurrentState | None
+    ) -> tuple[Tensor, Tensor]:
+        """The short causal convolution over (B, T, C) or packed (1, N_tok, C) inputs, continuing
+        from ``state``: (the result (B, T, C), the new conv state (N, C, W − 1))."""
+        flat, cu = _packed(x, cu_seqlens)  # (B·T, C)
+        y, conv_state = self.conv(flat, cu, None if state is None else state.conv)
+        return y.reshape(x.shape), conv_state
+
+    def reset_parameters(self) -> None:
+        """Re-initialise this module's own parameters (the projections, norms and convolution
+        reset themselves)."""
+        if hasattr(self, "A_log"):
+            self._reset_decay()
+
+    def init_state(
+        self,
+        batch: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> RecurrentState:
+        """Zero state for ``batch`` fresh sequences: conv (batch, C, W − 1) in ``dtype`` (None
+        without a convolution), SSM (batch, H, K, V) float32."""
+        conv = None
+        c = getattr(self, "conv", None)  # ShortConv, or None for a layer without one
+        if c is not None:
+            conv = torch.zeros(batch, c.channels, c.width - 1, dtype=dtype, device=device)
+        K, V = self._state_dims()
+        ssm = torch.zeros(batch, self.n_heads, K, V, dtype=torch.float32, device=device)
+        return RecurrentState(conv, ssm)
+
+    def state_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of one sequence's state (independent of its length)."""
+        return self.init_state(1, dtype, "meta").nbytes()
+
+
 # ------------------------------------------------------------------------------ Gated DeltaNet
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(_StateMixer):
     """Gated DeltaNet token mixer (Yang et al. 2024; the layer of Qwen3-Next).
 
     q, k, v = SiLU(ShortConv(x W_q | x W_k | x W_v)) per head, q and k L2-normalised;
@@ -157,14 +220,14 @@ class GatedDeltaNet(nn.Module):
         self.b_proj = Linear(d_model, n_heads)
         self.a_proj = Linear(d_model, n_heads)
         self.conv = ShortConv(3 * inner, conv_size)
-        self.A_log = nn.Parameter(torch.log(torch.empty(n_heads).uniform_(1, 16)))
-        self.dt_bias = nn.Parameter(_log_uniform_dt_bias(n_heads))
+        self._decay_parameters(n_heads)
         self.o_norm = RMSNorm(head_dim, eps=1e-6)
         self.o_proj = Linear(inner, d_model)
 
     def _gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         beta = torch.sigmoid(self.b_proj(x).float())  # (..., H)
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        dt, A = self._step_size(self.a_proj(x))
+        g = A * dt
         return g, beta
 
     def _out(self, o: Tensor, x: Tensor) -> Tensor:
@@ -179,8 +242,7 @@ class GatedDeltaNet(nn.Module):
         B, T, _ = x.shape
         H, E = self.n_heads, self.head_dim
         proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (B, T, 3HE)
-        flat, cu = _packed(proj, cu_seqlens)  # (B·T, 3HE)
-        mixed, conv_state = self.conv(flat, cu, None if state is None else state.conv)
+        mixed, conv_state = self._convolve(proj, cu_seqlens, state)
         q, k, v = mixed.reshape(B, T, 3, H, E).unbind(2)  # (B, T, H, E) each
         g, beta = self._gates(x)  # (B, T, H)
         o, ssm = gated_delta_rule(
@@ -201,26 +263,12 @@ class GatedDeltaNet(nn.Module):
         o, ssm = gated_delta_step(q, k, v, g, beta, state.ssm)
         return self._out(o, x), RecurrentState(conv_state, ssm)
 
-    def init_state(
-        self,
-        batch: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> RecurrentState:
-        """Zero state for ``batch`` fresh sequences (conv state in ``dtype``, SSM in float32)."""
-        inner = self.n_heads * self.head_dim
-        conv = torch.zeros(batch, 3 * inner, self.conv.width - 1, dtype=dtype, device=device)
-        E = self.head_dim
-        ssm = torch.zeros(batch, self.n_heads, E, E, dtype=torch.float32, device=device)
-        return RecurrentState(conv, ssm)
-
-    def state_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of one sequence's state (independent of its length)."""
-        return self.init_state(1, dtype, "meta").nbytes()
+    def _state_dims(self) -> tuple[int, int]:
+        return self.head_dim, self.head_dim
 
 
 # ------------------------------------------------------------------------------------- Mamba-2
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(_StateMixer):
     """Mamba-2 mixer (Dao & Gu 2024): in-proj → [z | x B C | Δ], causal conv over x B C, SSD with
     a scalar decay per head, gated RMSNorm, out-proj.
 
@@ -256,8 +304,7 @@ class Mamba2Mixer(nn.Module):
         self.conv_dim = d_inner + 2 * d_state
         self.in_proj = Linear(d_model, d_inner + self.conv_dim + self.n_heads)
         self.conv = ShortConv(self.conv_dim, conv_size, bias=True)
-        self.dt_bias = nn.Parameter(_log_uniform_dt_bias(self.n_heads))
-        self.A_log = nn.Parameter(torch.log(torch.empty(self.n_heads).uniform_(1, 16)))
+        self._decay_parameters(self.n_heads)
         self.D = nn.Parameter(torch.ones(self.n_heads))
         self.norm = RMSNorm(d_inner, eps=1e-6)
         self.out_proj = Linear(d_inner, d_model)
@@ -274,15 +321,13 @@ class Mamba2Mixer(nn.Module):
         self, x: Tensor, cu_seqlens: Tensor | None = None, state: RecurrentState | None = None
     ) -> tuple[Tensor, RecurrentState]:
         """x (B, T, D) → (y (B, T, D), the state after the last token of every sequence)."""
-        B, T, _ = x.shape
         H, P, N = self.n_heads, self.head_dim, self.d_state
         z, xbc, dt = self._split(x)
-        flat, cu = _packed(xbc, cu_seqlens)  # (B·T, conv_dim)
-        xbc, conv_state = self.conv(flat, cu, None if state is None else state.conv)
-        xs, Bm, Cm = xbc.reshape(B, T, -1).split([self.d_inner, N, N], -1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # (B, T, H)
+        xbc, conv_state = self._convolve(xbc, cu_seqlens, state)
+        xs, Bm, Cm = xbc.split([self.d_inner, N, N], -1)
+        dt, A = self._step_size(dt)  # (B, T, H), (H,)
         y, ssm = ssd(
-            xs.unflatten(-1, (H, P)), dt, -self.A_log.float().exp(), Bm[:, :, None], Cm[:, :, None],
+            xs.unflatten(-1, (H, P)), dt, A, Bm[:, :, None], Cm[:, :, None],
             D=self.D, initial_state=None if state is None else state.ssm, output_final_state=True,
             cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, backend=self.backend,
         )  # fmt: skip
@@ -294,33 +339,25 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self._split(x)
         xbc, conv_state = self.conv.step(xbc, state.conv)
         xs, Bm, Cm = xbc.split([self.d_inner, N, N], -1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # (N, H)
+        dt, A = self._step_size(dt)  # (N, H), (H,)
         y, ssm = ssd_step(
-            xs.unflatten(-1, (H, P)), dt, -self.A_log.float().exp(), Bm[:, None], Cm[:, None],
+            xs.unflatten(-1, (H, P)), dt, A, Bm[:, None], Cm[:, None],
             state.ssm, D=self.D,
         )  # fmt: skip
         return self._out(y, z), RecurrentState(conv_state, ssm)
 
-    def init_state(
-        self,
-        batch: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> RecurrentState:
-        """Zero state: conv (batch, conv_dim, W − 1) in ``dtype``, SSM (batch, H, N, P) float32."""
-        conv = torch.zeros(batch, self.conv_dim, self.conv.width - 1, dtype=dtype, device=device)
-        ssm = torch.zeros(
-            batch, self.n_heads, self.d_state, self.head_dim, dtype=torch.float32, device=device
-        )
-        return RecurrentState(conv, ssm)
+    def reset_parameters(self) -> None:
+        """Decay parameters as Mamba-2 initialises them; the skip D at ones."""
+        super().reset_parameters()
+        with torch.no_grad():
+            self.D.fill_(1.0)
 
-    def state_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of one sequence's state (independent of its length)."""
-        return self.init_state(1, dtype, "meta").nbytes()
+    def _state_dims(self) -> tuple[int, int]:
+        return self.d_state, self.head_dim
 
 
 # --------------------------------------------------------------------- plain linear attention
-class LinearAttention(nn.Module):
+class LinearAttention(_StateMixer):
     """Linear attention with the identity feature map: S_t = γ S_{t−1} + k_t v_tᵀ, o_t = S_tᵀ q_t/√E,
     per-head output RMSNorm (RetNet's group norm), then W_o.
 
@@ -380,18 +417,5 @@ class LinearAttention(nn.Module):
         o, ssm = linear_attention_step(q, k, v, g, state.ssm, scale=self.head_dim**-0.5)
         return self.o_proj(self.o_norm(o).flatten(-2)), RecurrentState(None, ssm)
 
-    def init_state(
-        self,
-        batch: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> RecurrentState:
-        """Zero state (batch, H, E, E) float32; no convolution."""
-        E = self.head_dim
-        return RecurrentState(
-            None, torch.zeros(batch, self.n_heads, E, E, dtype=torch.float32, device=device)
-        )
-
-    def state_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of one sequence's state (independent of its length)."""
-        return self.init_state(1, dtype, "meta").nbytes()
+    def _state_dims(self) -> tuple[int, int]:
+        return self.head_dim, self.head_dim

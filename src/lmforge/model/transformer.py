@@ -34,8 +34,15 @@ not apply (a CPU tensor, explicit positions, a KV cache, hooks on the projection
 - swiglu: ``reference`` (:class:`lmforge.model.SwiGLU`) or ``triton`` (one GEMM against
   ``cat([w1, w3])`` through ``lmforge.kernels.swiglu_packed``).
 
-Exercised by ``pytest tests/test_model.py`` (and ``pytest -m gpu tests/test_model.py`` for the
-Triton backends).
+Layer pattern (``ModelConfig.layers``, e.g. ``"GGGA"`` repeated to ``n_layers``): each block's
+token mixer is full attention (A), sliding-window attention (W, ``model.window``; an explicit
+(T, T) mask through SDPA, the flash kernel having no window), Gated DeltaNet (G), Mamba-2 (M) or
+linear attention (L) from :mod:`lmforge.model.linear_attention` (chunked Triton kernels on CUDA,
+the chunked torch path on CPU). Training and evaluation run every pattern; decoding with a KV
+cache and the engine run full attention only and refuse other patterns in one line.
+
+Exercised by ``pytest tests/test_model.py tests/test_hybrid.py`` (and ``pytest -m gpu`` on them for
+the Triton backends).
 """
 
 from __future__ import annotations
@@ -73,7 +80,9 @@ from lmforge.model.layers import (
     scaled_dot_product_attention,
     silu,
 )
+from lmforge.model.linear_attention import GatedDeltaNet, LinearAttention, Mamba2Mixer
 from lmforge.model.moe import MoEFFN
+from lmforge.utils.errors import LmforgeError
 
 
 def _kernel_runs_on(x: torch.Tensor) -> bool:
@@ -162,10 +171,11 @@ class CausalSelfAttention(nn.Module):
     RMSNorm over each head vector with one E-sized gain shared by all heads, applied before RoPE.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, window: int | None = None) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        self.window = window  # sliding window: each query sees itself and window − 1 earlier keys
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         # a plain int: a derived head_dim is an int subclass (config._DerivedHeadDim), which
@@ -301,11 +311,14 @@ class CausalSelfAttention(nn.Module):
         return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = q.shape[-2]
+        if self.window is not None and self.window < t:
+            # The flash kernel has no window: an explicit (T, T) mask, through SDPA.
+            return self._masked(q, k, v, sliding_window_mask(t, self.window, q.device))
         if self.backend == "flash" and flash_supported(q, k, v):
             return flash_attention(q, k, v, is_causal=True)
         if self.backend != "reference":
             return self._sdpa(q, k, v, None)
-        t = q.shape[-2]
         mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
         return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
 
@@ -330,14 +343,46 @@ class CausalSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
 
 
+def sliding_window_mask(t: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """(T, T) bool, True where query i may attend key j: j ≤ i and i − j < ``window``."""
+    i = torch.arange(t, device=device)
+    d = i[:, None] - i[None, :]  # (T, T) query minus key position
+    return (d >= 0) & (d < window)
+
+
+def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """The token mixer of block ``layer_idx``, by its letter in ``config.layer_types``:
+    A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention.
+    Linear mixers run their chunked kernels (Triton on CUDA, the chunked torch path on CPU)."""
+    kind = config.layer_types[layer_idx]
+    if kind in "AW":
+        return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
+    heads = config.linear_heads or config.n_heads
+    head_dim = config.linear_head_dim or int(config.head_dim)
+    if kind == "G":
+        return GatedDeltaNet(config.d_model, heads, head_dim, conv_size=config.conv_size)
+    if kind == "M":
+        return Mamba2Mixer(
+            config.d_model, d_state=config.ssm_state, head_dim=config.ssm_head_dim,
+            expand=config.ssm_expand, conv_size=config.conv_size,
+        )  # fmt: skip
+    return LinearAttention(config.d_model, heads, head_dim, decay=config.linear_decay)
+
+
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln1(x))``, then ``+ ffn(ln2(x))``."""
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``+ ffn(ln2(x))``.
+
+    ``attn`` is the block's token mixer (:func:`token_mixer`): attention, full or windowed, or a
+    linear-attention mixer with a constant-size state, which takes no positions (order comes from
+    its recurrence) and runs each batch row as one sequence.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.ln1 = _Norm(config.d_model, config.norm_eps, config.norm)
-        self.attn = CausalSelfAttention(config, layer_idx)
+        self.attn = token_mixer(config, layer_idx)
+        self.recurrent = not isinstance(self.attn, CausalSelfAttention)
         self.ln2 = _Norm(config.d_model, config.norm_eps, config.norm)
         moe = config.moe.is_moe_layer(layer_idx)
         self.ffn: nn.Module = MoEFFN(config, layer_idx) if moe else _FFN(config, layer_idx)
@@ -351,6 +396,9 @@ class TransformerBlock(nn.Module):
         context: Context | None = None,
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D)."""
+        if self.recurrent:  # the caller (TransformerLM) refused a KV cache or an engine step
+            x = x + self.attn(self.ln1(x))[0]
+            return x + self.ffn(self.ln2(x))
         if context is None:
             x = x + self.attn(self.ln1(x), token_positions, kv_cache=kv_cache)
             return x + self.ffn(self.ln2(x))
@@ -462,6 +510,12 @@ class TransformerLM(nn.Module):
         (a VLM's spliced image tokens, :mod:`lmforge.vision`); idx still gives B, T.
         """
         _, t = idx.shape
+        if (context is not None or kv_cache is not None) and not self.config.full_attention_only:
+            what = "serving" if context is not None else "decoding with a KV cache"
+            raise LmforgeError(
+                f"{what} hybrid layers is not supported yet (model.layers = "
+                f"{self.config.layers!r}; only full attention, A, runs there)"
+            )
         x = self.token_embeddings(idx) if input_embeds is None else input_embeds  # (B, T, D)
         if context is not None:
             x = self.residual_stream(x)  # (1, N, D)
