@@ -210,11 +210,12 @@ class VLMObjective:
     def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of target-token cross-entropies, number of target tokens)."""
         device = next(model.parameters()).device
+        weight = (batch[1] != -100).sum()  # counted where the batch is (the host): no sync
         inputs, targets, images = (None if t is None else t.to(device) for t in batch)
         with torch.autocast(device.type, torch.bfloat16, enabled=self.bf16):
             logits = model(inputs) if images is None else model(inputs, images)  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-        return loss, (targets != -100).sum()
+        return loss, weight
 
     def batch_weight(self, batch: Any) -> float:
         """Target tokens of the batch (counted on the host: no device sync)."""
