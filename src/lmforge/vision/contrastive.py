@@ -2,9 +2,10 @@
 
 ``lmforge vision pretrain --config configs/vision/clip-tiny.toml`` runs :func:`pretrain`: it
 builds the tokenizer and the :class:`~lmforge.vision.encoders.DualEncoder`, trains it with
-:class:`ContrastiveObjective` and reports recall@1/@5 in both directions on held-out pairs
-(procedural ``val`` scenes, or ``data.val_path``). Exercised by
-``pytest tests/test_vision_pretrain.py``.
+:class:`ContrastiveObjective` in the one :class:`~lmforge.train.Trainer` (its AdamW with CLIP's
+β2 = 0.98 and ε = 1e-6, cosine schedule, clipping, checkpoints and exact resume) and reports
+recall@1/@5 in both directions on held-out pairs (procedural ``val`` scenes, or
+``data.val_path``). Exercised by ``pytest tests/test_vision_pretrain.py``.
 """
 
 from __future__ import annotations
