@@ -50,6 +50,7 @@ import shutil
 import socket
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -270,7 +271,7 @@ def _serve_stats(engine: Any) -> dict[str, float]:
 def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
                  published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
                  prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
-                 acked: Any) -> None:  # fmt: skip
+                 acked: Any, parent: int) -> None:  # fmt: skip
     """The engine process: decode forever, swapping weights in between decode steps.
 
     It starts batch k only once the trainer has taken batch k − 1 − ``queue_size`` (credit
@@ -278,13 +279,18 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     carries the engine's time breakdown for that batch: decoding (``gen_s``, weight receives
     included), receiving weights (``recv_s``) and idling for credit or queue room (``idle_s``);
     with the serve engine also its decode-only and prefill-carrying step seconds. A failure is
-    sent to the trainer as one line instead of a batch.
+    sent to the trainer as one line instead of a batch. It exits on its own when the trainer
+    process (``parent``) is gone (a ``kill -9``), so a resumed run starts a fresh engine.
+
+    A resumed run starts it at the trainer's batch count (``consumed``) and version
+    (``published``): its first batch is the prompt stream's next, sampled by the checkpoint's
+    weights, fingerprinted for the weight check.
     """
     import torch.distributed as dist
 
     try:
         _engine_loop(cfg, model_cfg, state_file, port, published, consumed, stop, out_q, device,
-                     prompts, eos_ids, shared, acked)  # fmt: skip
+                     prompts, eos_ids, shared, acked, parent)  # fmt: skip
     except Exception as e:  # the trainer raises it as one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
@@ -298,7 +304,7 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
 def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
                  published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
                  prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
-                 acked: Any) -> None:  # fmt: skip
+                 acked: Any, parent: int) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from lmforge.posttrain.rollout import rollout_engine
@@ -316,7 +322,11 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     from lmforge.checkpoint.io import load_model_state
 
     model = rebuild_model(model_cfg, load_model_state(state_file), device)
-    engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1)
+    start = consumed.value  # batches the trainer already trained on (a resumed run: > 0)
+    # The engine's sampling generator is not checkpointed (its position depends on batches
+    # lost in flight): each attempt seeds its own stream from the batch it starts at.
+    engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1 + 1_000_003 * start)
+    engine.update_weights({}, published.value)  # the checkpoint's weights carry its version
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     buckets = (
         []
@@ -353,10 +363,15 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
             if shared is not None:
                 acked.value = engine.policy_version
 
-    produced = 0
+    def orphaned() -> bool:
+        if os.getppid() != parent:  # the trainer was killed: nobody reads the queue any more
+            os._exit(0)  # not sys.exit: the queue's feeder thread would wait for a reader
+        return False
+
+    produced = start
     while not stop.value:
         t_idle = time.perf_counter()
-        while not stop.value and consumed.value < produced - cfg.queue_size:
+        while not stop.value and consumed.value < produced - cfg.queue_size and not orphaned():
             sync()  # keep answering broadcasts while the trainer is busy
             time.sleep(0.0005)
         if stop.value:
@@ -366,7 +381,7 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
         k = produced + 1  # the trainer consumes in order: this batch is its iteration k
         check = (
             (engine.policy_version, weight_fingerprint(model))
-            if k == 1 or k % cfg.eval_every == 0
+            if k in (1, start + 1) or k % cfg.eval_every == 0
             else None
         )
         recv[0] = 0.0
@@ -385,7 +400,7 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
         timing = {"gen_s": gen_s, "recv_s": recv[0], "idle_s": idle_s}
         timing.update({f"serve_{n}": v - s0[n] for n, v in _serve_stats(engine).items()})
         payload = ("batch", items, rows, timing, check)
-        while not stop.value:
+        while not stop.value and not orphaned():
             try:
                 out_q.put(payload, timeout=0.05)
                 produced += 1
@@ -536,10 +551,8 @@ def run_pipeline(
     prompts = check_inputs(model, cfg, prompts, tokenizer)
     eos = list(eos_ids) if eos_ids is not None else tokenizer_eos(tokenizer)
 
-    ctx = mp.get_context("spawn")
-    link = _Link(ctx.Value("i", 0), ctx.Value("i", 0), ctx.Value("b", False),
-                 ctx.Queue(maxsize=cfg.queue_size + 1), ctx.Value("i", 0))  # fmt: skip
-    port = _free_port()
+    from lmforge.train import Trainer
+
     device = next(model.parameters()).device
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     shared = None
@@ -547,25 +560,11 @@ def run_pipeline(
         shared = layout.empty_buckets(device)  # CUDA tensors travel to the engine by IPC
         if device.type == "cpu":
             shared = [b.share_memory_() for b in shared]
-    # The weights go to the engine through a file, not the process arguments: pickled tensors
-    # travel through /dev/shm, which containers often keep at 64 MB (a 135 M model is 540 MB).
-    handoff = tempfile.mkdtemp(prefix="lmforge-pipeline-")
-    state_file = os.path.join(handoff, "state.safetensors")
-    save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
-    proc = ctx.Process(
-        target=_engine_main,
-        args=(cfg, model.config, state_file, port, link.published, link.consumed, link.stop,
-              link.out_q, cfg.engine_device or str(device), prompts, eos, shared,
-              link.acked),
-        daemon=True,
-    )  # fmt: skip
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    proc.start()
     run_dir = None
     if run_config is None:
         run_dir = tempfile.mkdtemp(prefix="lmforge-pipeline-run-")
         run_config = pipeline_run_config(cfg, run_dir, progress, str(device))
-    objective = PipelineObjective(cfg, model, tokenizer, reward_fn, eos, link, proc, layout,
+    objective = PipelineObjective(cfg, model, tokenizer, reward_fn, eos, prompts, layout,
                                   shared, ref_model=ref_model, eval_fn=eval_fn)  # fmt: skip
     history: list[dict[str, Any]] = []
 
@@ -581,15 +580,35 @@ def run_pipeline(
             objective.paused += time.perf_counter() - t_pause
         history.append(rec)
 
+    # Built (and restored from the latest checkpoint) before the engine starts: a resumed
+    # engine starts from the restored weights, version, batch count and prompt stream.
+    trainer = Trainer(run_config, model=model, objective=objective, callbacks=[record])
+    ctx = mp.get_context("spawn")
+    link = _Link(ctx.Value("i", objective.version), ctx.Value("i", objective.batches),
+                 ctx.Value("b", False), ctx.Queue(maxsize=cfg.queue_size + 1),
+                 ctx.Value("i", objective.version))  # fmt: skip
+    port = _free_port()
+    # The weights go to the engine through a file, not the process arguments: pickled tensors
+    # travel through /dev/shm, which containers often keep at 64 MB (a 135 M model is 540 MB).
+    handoff = tempfile.mkdtemp(prefix="lmforge-pipeline-")
+    state_file = os.path.join(handoff, "state.safetensors")
+    save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
+    proc = ctx.Process(
+        target=_engine_main,
+        args=(cfg, model.config, state_file, port, link.published, link.consumed, link.stop,
+              link.out_q, cfg.engine_device or str(device),
+              item_stream(objective.prompts or prompts), eos, shared, link.acked, os.getpid()),
+        daemon=True,
+    )  # fmt: skip
+    objective.link, objective.proc = link, proc
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    proc.start()
     engine_failed = False
     try:
         _take(link.out_q, proc)  # "ready": the engine is built and warm
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init(0, port, cfg.backend)
-        from lmforge.train import Trainer
-
-        trainer = Trainer(run_config, model=model, objective=objective, callbacks=[record])
         objective.start()
         trainer.run()
     except _EngineError:
@@ -676,12 +695,24 @@ class PipelineObjective:
     loss, :class:`~lmforge.posttrain.rl.GRPOObjective`): before the step that starts a new
     rollout batch it publishes the weights of the last step (a bucketed broadcast or shared
     buckets), takes the next finished batch from the engine process, scores it and drops (or
-    down-weights) rollouts older than ``max_lag`` versions. Not resumable: the engine process's
-    in-flight rollouts are not checkpointed (a rerun into the same folder says so)."""
+    down-weights) rollouts older than ``max_lag`` versions. ``link`` and ``proc`` (the engine
+    process) are attached by :func:`run_pipeline` once the Trainer has restored the checkpoint,
+    since the engine starts from what it restored.
+
+    Resume after ``kill -9``: the checkpoint holds the learner (weights, optimizer, schedule,
+    step), the version and batch counters, the staleness histogram, the position of the prompt
+    stream (a twin of the engine's source, advanced one draw per batch taken) and, mid-batch
+    (``epochs`` > 1), the batch being trained on. The resumed engine starts from the
+    checkpoint's weights as the next version, at the next batch of the stream: prompts, batch
+    and version numbering continue exactly as uninterrupted (a mid-batch resume adds one
+    version). Not exact: the rollouts themselves. Batches in flight at the kill are sampled
+    again, wholly by the checkpoint's weights, with a new sampling stream; and even two
+    uninterrupted runs differ there, since where a weight swap lands mid-sequence depends on
+    timing."""
 
     def __init__(self, cfg: PipelineConfig, model: nn.Module, tokenizer: Any, reward_fn: Any,
-                 eos: list[int], link: _Link, proc: Any, layout: Any,
-                 shared: list[torch.Tensor] | None, *, ref_model: nn.Module | None = None,
+                 eos: list[int], prompts: Any, layout: Any, shared: list[torch.Tensor] | None,
+                 *, ref_model: nn.Module | None = None,
                  eval_fn: Callable[[], float] | None = None) -> None:  # fmt: skip
         from lmforge.posttrain import rl
 
@@ -693,14 +724,20 @@ class PipelineObjective:
                                      overlong_cache=cfg.overlong_cache, eos_ids=eos,
                                      ref_model=ref_model, target=cfg.target or 0.0)  # fmt: skip
         self.name = f"pipeline {cfg.algo}"
-        self.cfg, self.model, self.link, self.proc = cfg, model, link, proc
-        self.layout, self.shared = layout, shared
+        self.cfg, self.model, self.layout, self.shared = cfg, model, layout, shared
+        # A twin of the engine's prompt stream, one draw per batch taken, whose RNG is saved
+        # (TaskPrompts, ListPrompts; a source without an ``rng`` is not resumable)
+        self.prompts = item_stream(prompts) if hasattr(prompts, "rng") else None
+        self.link: _Link | None = None
+        self.proc: Any = None
         self.eval_fn = eval_fn
         device = next(model.parameters()).device
         self.buckets = (layout.empty_buckets(_bucket_device(cfg, device))
                         if shared is None else [])  # fmt: skip
         self.version = 0
         self.batches = 0
+        self.first = 1  # this attempt's first batch (its sync check always runs)
+        self.fresh = True  # the engine already holds the current weights: nothing to publish
         self.samples = 0
         self.passes_left = 0
         self.hist_total: collections.Counter[int] = collections.Counter()
@@ -722,15 +759,17 @@ class PipelineObjective:
         from lmforge.posttrain.weight_sync import broadcast_model
 
         t = time.perf_counter()
+        link = self.link
+        assert link is not None
         if self.shared is None:
             self.version += 1
-            self.link.published.value = self.version
+            link.published.value = self.version
             broadcast_model(self.model, self.layout, self.buckets, src=0)
         else:
-            _publish_shared(self.model, self.layout, self.shared, self.version, self.link.acked,
+            _publish_shared(self.model, self.layout, self.shared, self.version, link.acked,
                             self.proc)  # fmt: skip
             self.version += 1
-            self.link.published.value = self.version  # after the pack: a whole version
+            link.published.value = self.version  # after the pack: a whole version
         self.fingerprints[self.version] = (weight_fingerprint(self.model)
                                            if _checks_ahead(self.cfg, self.batches) else None)  # fmt: skip
         for old in [v for v in self.fingerprints if v < self.version - self.cfg.queue_size - 2]:
@@ -742,15 +781,19 @@ class PipelineObjective:
         from lmforge.posttrain import rl
         from lmforge.posttrain.core import sequence_logprobs
 
-        g = self.grpo
+        g, link = self.grpo, self.link
+        assert link is not None, "run_pipeline attaches the engine's link"
         if self.passes_left == 0:
-            broadcast_s = self._publish() if self.batches else 0.0
+            broadcast_s = 0.0 if self.fresh else self._publish()
+            self.fresh = False
             t_wait = time.perf_counter()
-            _, items, rows, eng_t, check = _take(self.link.out_q, self.proc)
-            with self.link.consumed.get_lock():
-                self.link.consumed.value += 1  # credit: the engine may start the next batch
+            _, items, rows, eng_t, check = _take(link.out_q, self.proc)
+            with link.consumed.get_lock():
+                link.consumed.value += 1  # credit: the engine may start the next batch
             wait_s = time.perf_counter() - t_wait
             self.batches += 1
+            if self.prompts is not None:
+                self.prompts(self.cfg.prompts_per_step)  # the twin follows the engine's stream
             t_score = time.perf_counter()
             self.samples += len(rows)
             comps = [c for _, c in rows]
@@ -766,7 +809,7 @@ class PipelineObjective:
                 stats["weight_check"] = fingerprint_mismatch(self.fingerprints[check[0]],
                                                              check[1])  # fmt: skip
                 stats["weight_check_version"] = check[0]
-            if self.batches == 1 or self.batches % self.cfg.eval_every == 0:
+            if self.batches == self.first or self.batches % self.cfg.eval_every == 0:
                 device = next(self.model.parameters()).device
                 stats["sync_check"], stats["sync_check_tokens"] = _sync_check(
                     self.model, s, self.version, self.cfg, device, sequence_logprobs
@@ -783,7 +826,10 @@ class PipelineObjective:
                 s = s.select((s.advantages != 0).nonzero().flatten())
             g.samples = s
             self.passes_left = self.cfg.epochs
+            # which prompts this batch holds: a resumed run's batches match an uninterrupted one's
+            digest = zlib.crc32("\x00".join(it["prompt"] for it in items).encode())
             self._stats = {"iteration": self.batches, "samples": self.samples,
+                           "prompt_digest": digest,
                            "version": self.version + 1, "kept": len(s),
                            "mean_lag": sum(lags) / max(len(lags), 1),
                            "max_lag": max(lags, default=0), "wait_s": wait_s,
@@ -831,15 +877,31 @@ class PipelineObjective:
         return {"eval_accuracy": acc}
 
     def state_dict(self) -> dict:
-        """Nothing that would make a resume exact (see the class docstring)."""
-        return {"pipeline": True}
+        """Counters, staleness histogram, the prompt stream's RNG and, mid-batch, the batch
+        (see the class docstring for what a resume reproduces)."""
+        return {"version": self.version, "batches": self.batches, "samples": self.samples,
+                "passes_left": self.passes_left, "hist": dict(self.hist_total),
+                "prompt_rng": self.prompts.rng.getstate() if self.prompts else None,
+                "stats": dict(self._stats), "grpo": self.grpo.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        """Refused: a Pipeline RL run does not resume."""
-        raise LmforgeError(
-            "Pipeline RL runs do not resume (the engine process's in-flight rollouts are not "
-            "checkpointed); use a new train.out_dir"
-        )
+        """Restore what :meth:`state_dict` returned (after the Trainer restored the weights):
+        those weights become the next version, which the engine starts from."""
+        self.batches, self.samples = int(state["batches"]), int(state["samples"])
+        self.passes_left = int(state["passes_left"])
+        self.hist_total = collections.Counter({int(k): int(v) for k, v in state["hist"].items()})
+        if self.prompts is None or state["prompt_rng"] is None:
+            raise LmforgeError("this Pipeline RL prompt source keeps no RNG to resume from; "
+                               "use a new train.out_dir")  # fmt: skip
+        v, internal, gauss = state["prompt_rng"]
+        self.prompts.rng.setstate((v, tuple(internal), gauss))
+        self._stats = dict(state["stats"])
+        self.grpo.load_state_dict(state["grpo"])
+        # The checkpoint's weights are newer than the last published version (a step ran since)
+        self.version = int(state["version"]) + 1
+        self.fingerprints = {self.version: weight_fingerprint(self.model)}
+        self.first = self.batches + 1
+        self.fresh = self.passes_left == 0  # mid-batch, the next batch publishes as usual
 
 
 @torch.no_grad()
