@@ -439,16 +439,24 @@ def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
                                     eos_ids=eos)  # fmt: skip
 
     t_start = time.perf_counter()
-    a0 = evaluate()
-    _write_json(out / "accuracy_before.json", {"eval_accuracy": a0})
+    f = out / "accuracy_before.json"
+    if f.is_file() and (out / "checkpoints").is_dir():  # resumed: its first attempt measured it
+        a0 = float(json.loads(f.read_text(encoding="utf-8"))["eval_accuracy"])
+    else:
+        a0 = evaluate()
+        _write_json(f, {"eval_accuracy": a0})
     ref = clone_frozen(model) if rc.kl_coef > 0 else None
     hist = run_pipeline(model, pcfg, progress=tc.progress, reward_fn=reward_fn, prompts=prompts,
                         tokenizer=tok, eos_ids=eos, eval_fn=evaluate, ref_model=ref,
                         run_config=_with_model_config(cfg, model))  # fmt: skip
-    result = {"iteration": len(hist) * rc.epochs, "stopped": None}
+    from lmforge.train.metrics import read_metrics
+
+    # every attempt's records (a resumed run's history holds only its own)
+    trains = [r for r in read_metrics(out / "metrics.jsonl") if r.get("event") == "train"]
+    result = {"iteration": trains[-1]["step"] if trains else 0, "stopped": None}
     extra = {"staleness_histogram": hist[-1].get("staleness_histogram")} if hist else {}
     return _rl_outputs(cfg, out, model, None if toy else tok, a0,
-                       hist[-1]["samples"] if hist else 0, result,
+                       trains[-1].get("samples", 0) if trains else 0, result,
                        time.perf_counter() - t_start, extra)  # fmt: skip
 
 
