@@ -25,6 +25,7 @@ from lmforge.posttrain.core import (
     collate,
     model_logits,
     prompt_response_example,
+    set_random_state,
 )
 from lmforge.posttrain.losses import distill_token_loss
 from lmforge.serve import SamplingParams
@@ -134,5 +135,4 @@ class DistillObjective:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        v, internal, gauss = state["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        set_random_state(self.rng, state["rng"])

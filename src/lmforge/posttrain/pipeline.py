@@ -890,11 +890,12 @@ class PipelineObjective:
         self.batches, self.samples = int(state["batches"]), int(state["samples"])
         self.passes_left = int(state["passes_left"])
         self.hist_total = collections.Counter({int(k): int(v) for k, v in state["hist"].items()})
+        from lmforge.posttrain.core import set_random_state
+
         if self.prompts is None or state["prompt_rng"] is None:
             raise LmforgeError("this Pipeline RL prompt source keeps no RNG to resume from; "
                                "use a new train.out_dir")  # fmt: skip
-        v, internal, gauss = state["prompt_rng"]
-        self.prompts.rng.setstate((v, tuple(internal), gauss))
+        set_random_state(self.prompts.rng, state["prompt_rng"])
         self._stats = dict(state["stats"])
         self.grpo.load_state_dict(state["grpo"])
         # The checkpoint's weights are newer than the last published version (a step ran since)

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.posttrain.core import IGNORE, encode_text, masked_mean, masked_whiten, token_logprobs
+from lmforge.posttrain.core import (
+    IGNORE,
+    encode_text,
+    masked_mean,
+    masked_whiten,
+    set_random_state,
+    token_logprobs,
+)
 from lmforge.posttrain.losses import gae, kl_penalized_rewards, policy_token_loss, value_loss
 from lmforge.posttrain.models import clone_frozen
 
@@ -193,8 +200,7 @@ class PPOObjective:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        v, internal, gauss = state["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        set_random_state(self.rng, state["rng"])
         self.passes_left, self.samples_seen = int(state["passes_left"]), int(state["samples_seen"])
         self._stats = dict(state["stats"])
         device = next(self.policy.parameters()).device

@@ -35,6 +35,7 @@ from lmforge.posttrain.core import (
     encode_text,
     prompt_response_example,
     sequence_logprobs,
+    set_random_state,
 )
 from lmforge.posttrain.losses import (
     ALGORITHMS,
@@ -419,8 +420,7 @@ class GRPOObjective:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        v, internal, gauss = state["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        set_random_state(self.rng, state["rng"])
         self.passes_left = int(state["passes_left"])
         self.samples_seen = int(state["samples_seen"])
         self._stats = dict(state["stats"])

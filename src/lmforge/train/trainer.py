@@ -293,22 +293,10 @@ class Trainer:
         self.stepper.sync_free = on
         self.stepper.clip_in_update = on and self._replicated_grads
 
-    @property
-    def _graph(self) -> Any:
-        return self.stepper.graph
-
-    @property
-    def _graph_off(self) -> bool:
-        return self.stepper.graph_off
-
-    loss_ema = property(lambda self: self.stepper.loss_ema, doc="running mean of good losses")
-    good_steps = property(lambda self: self.stepper.good_steps, doc="applied steps so far")
-    bad_steps = property(lambda self: self.stepper.bad_steps, doc="consecutive skipped steps")
-
     # -- setup helpers
 
     def _validate(self) -> None:
-        tc, mc = self.tcfg, self.mcfg
+        mc = self.mcfg
         if self.pretraining and not self.dcfg.train:
             raise LmforgeError(
                 "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
@@ -316,13 +304,6 @@ class Trainer:
         if self.pretraining and self.T > mc.context_length:
             raise LmforgeError(
                 f"train.context_length {self.T} exceeds model.context_length {mc.context_length}"
-            )
-        for key in ("batch_size", "grad_accum", "max_steps"):
-            if getattr(tc, key) <= 0:
-                raise LmforgeError(f"train.{key} must be positive, got {getattr(tc, key)}")
-        if tc.precision == "fp16":
-            raise LmforgeError(
-                "train.precision=fp16 needs loss scaling, which is not implemented; use bf16"
             )
 
     def _open_val(self) -> list[TokenShard]:
@@ -562,10 +543,10 @@ class Trainer:
                                  "grad_norm": norm_v, "reason": reason})  # fmt: skip
                 if self.is_main:
                     bar.write(f"step {it}: skipped ({reason})", file=sys.stderr)
-                if self.bad_steps >= tc.max_bad_steps:
+                if self.stepper.bad_steps >= tc.max_bad_steps:
                     latest = resume.latest_checkpoint(self.out_dir)
                     raise LmforgeError(
-                        f"stopped at step {it} after {self.bad_steps} consecutive bad steps "
+                        f"stopped at step {it} after {self.stepper.bad_steps} consecutive bad steps "
                         f"(last: {reason}); last good checkpoint: {latest or 'none'}"
                     )
             else:
