@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.posttrain.rl import GRPOObjective, build_samples, score_groups
 from lmforge.utils.errors import LmforgeError
 
 
@@ -268,10 +269,9 @@ def _serve_stats(engine: Any) -> dict[str, float]:
             if k in stats}  # fmt: skip
 
 
-def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
-                 published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
-                 prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
-                 acked: Any, parent: int) -> None:  # fmt: skip
+def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int, link: _Link,
+                 device: str, prompts: Any, eos_ids: list[int],
+                 shared: list[torch.Tensor] | None, parent: int) -> None:  # fmt: skip
     """The engine process: decode forever, swapping weights in between decode steps.
 
     It starts batch k only once the trainer has taken batch k − 1 − ``queue_size`` (credit
@@ -289,22 +289,21 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     import torch.distributed as dist
 
     try:
-        _engine_loop(cfg, model_cfg, state_file, port, published, consumed, stop, out_q, device,
-                     prompts, eos_ids, shared, acked, parent)  # fmt: skip
+        _engine_loop(cfg, model_cfg, state_file, port, link, device, prompts, eos_ids, shared,
+                     parent)  # fmt: skip
     except Exception as e:  # the trainer raises it as one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
-            out_q.put(("error", f"Pipeline RL engine process: {msg}"), timeout=5)
+            link.out_q.put(("error", f"Pipeline RL engine process: {msg}"), timeout=5)
         except (queue.Full, OSError, ValueError):
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
-                 published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
-                 prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
-                 acked: Any, parent: int) -> None:  # fmt: skip
+def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int, link: _Link,
+                 device: str, prompts: Any, eos_ids: list[int],
+                 shared: list[torch.Tensor] | None, parent: int) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from lmforge.posttrain.rollout import rollout_engine
@@ -316,6 +315,8 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     )
     from lmforge.serve import SamplingParams
 
+    published, consumed, stop, out_q, acked = (link.published, link.consumed, link.stop,
+                                               link.out_q, link.acked)  # fmt: skip
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -595,9 +596,8 @@ def run_pipeline(
     save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
     proc = ctx.Process(
         target=_engine_main,
-        args=(cfg, model.config, state_file, port, link.published, link.consumed, link.stop,
-              link.out_q, cfg.engine_device or str(device),
-              item_stream(objective.prompts or prompts), eos, shared, link.acked, os.getpid()),
+        args=(cfg, model.config, state_file, port, link, cfg.engine_device or str(device),
+              item_stream(objective.prompts or prompts), eos, shared, os.getpid()),
         daemon=True,
     )  # fmt: skip
     objective.link, objective.proc = link, proc
@@ -690,9 +690,10 @@ class _Link:
     acked: Any
 
 
-class PipelineObjective:
-    """Pipeline RL's trainer side as a :class:`~lmforge.train.Objective` (the GRPO family's
-    loss, :class:`~lmforge.posttrain.rl.GRPOObjective`): before the step that starts a new
+class PipelineObjective(GRPOObjective):
+    """Pipeline RL's trainer side as a :class:`~lmforge.train.Objective`: the GRPO family's
+    loss, micro-batches and metrics (:class:`~lmforge.posttrain.rl.GRPOObjective`) with its own
+    rollouts: before the step that starts a new
     rollout batch it publishes the weights of the last step (a bucketed broadcast or shared
     buckets), takes the next finished batch from the engine process, scores it and drops (or
     down-weights) rollouts older than ``max_lag`` versions. ``link`` and ``proc`` (the engine
@@ -714,15 +715,12 @@ class PipelineObjective:
                  eos: list[int], prompts: Any, layout: Any, shared: list[torch.Tensor] | None,
                  *, ref_model: nn.Module | None = None,
                  eval_fn: Callable[[], float] | None = None) -> None:  # fmt: skip
-        from lmforge.posttrain import rl
-
-        self.grpo = rl.GRPOObjective(None, tokenizer, None, reward_fn, cfg.algo,  # type: ignore[arg-type]
-                                     prompts_per_step=cfg.prompts_per_step,
-                                     group_size=cfg.group_size, epochs=cfg.epochs,
-                                     micro_batch=cfg.micro_batch, max_tokens=cfg.max_tokens,
-                                     temperature=cfg.temperature, kl_coef=cfg.kl_coef,
-                                     overlong_cache=cfg.overlong_cache, eos_ids=eos,
-                                     ref_model=ref_model, target=cfg.target or 0.0)  # fmt: skip
+        super().__init__(None, tokenizer, None, reward_fn, cfg.algo,  # type: ignore[arg-type]
+                         prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
+                         epochs=cfg.epochs, micro_batch=cfg.micro_batch,
+                         max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                         kl_coef=cfg.kl_coef, overlong_cache=cfg.overlong_cache, eos_ids=eos,
+                         ref_model=ref_model, target=cfg.target or 0.0)  # fmt: skip
         self.name = f"pipeline {cfg.algo}"
         self.cfg, self.model, self.layout, self.shared = cfg, model, layout, shared
         # A twin of the engine's prompt stream, one draw per batch taken, whose RNG is saved
@@ -738,18 +736,10 @@ class PipelineObjective:
         self.batches = 0
         self.first = 1  # this attempt's first batch (its sync check always runs)
         self.fresh = True  # the engine already holds the current weights: nothing to publish
-        self.samples = 0
-        self.passes_left = 0
         self.hist_total: collections.Counter[int] = collections.Counter()
         self.fingerprints: dict[int, torch.Tensor | None] = {0: weight_fingerprint(model)}
         self.t0 = time.perf_counter()
         self.paused = 0.0
-        self._stats: dict[str, Any] = {}
-
-    @property
-    def should_stop(self) -> bool:
-        """The target accuracy was reached at the last evaluation."""
-        return self.grpo.should_stop
 
     def start(self) -> None:
         """The clock starts (after the trainer is built and the engine joined)."""
@@ -778,10 +768,9 @@ class PipelineObjective:
 
     def before_step(self, trainer: Any, step: int) -> None:
         """At a new rollout batch: publish, take, score, filter; then this step's pass."""
-        from lmforge.posttrain import rl
         from lmforge.posttrain.core import sequence_logprobs
 
-        g, link = self.grpo, self.link
+        link = self.link
         assert link is not None, "run_pipeline attaches the engine's link"
         if self.passes_left == 0:
             broadcast_s = 0.0 if self.fresh else self._publish()
@@ -795,15 +784,15 @@ class PipelineObjective:
             if self.prompts is not None:
                 self.prompts(self.cfg.prompts_per_step)  # the twin follows the engine's stream
             t_score = time.perf_counter()
-            self.samples += len(rows)
+            self.samples_seen += len(rows)
             comps = [c for _, c in rows]
             n = self.cfg.group_size
             grouped = [type("O", (), {"outputs": comps[i * n : (i + 1) * n]})()
                        for i in range(len(items))]  # fmt: skip
-            r, adv, stats = rl.score_groups(items, grouped, g.tokenizer, g.reward_fn, g.algo,
-                                            self.cfg.max_tokens, self.cfg.overlong_cache,
-                                            eos_ids=g.eos, std=g.std)  # fmt: skip
-            s = rl.build_samples([p for p, _ in rows], comps, adv.flatten(), r.flatten())
+            r, adv, stats = score_groups(items, grouped, self.tokenizer, self.reward_fn,
+                                         self.algo, self.cfg.max_tokens, self.cfg.overlong_cache,
+                                         eos_ids=self.eos, std=self.std)  # fmt: skip
+            s = build_samples([p for p, _ in rows], comps, adv.flatten(), r.flatten())
             score_s = time.perf_counter() - t_score
             if check is not None and self.fingerprints.get(check[0]) is not None:
                 stats["weight_check"] = fingerprint_mismatch(self.fingerprints[check[0]],
@@ -822,13 +811,13 @@ class PipelineObjective:
                 s = s.select((oldest <= self.cfg.max_lag).nonzero().flatten())
             else:
                 s.weights = 1.0 / (1.0 + (oldest - self.cfg.max_lag).clamp_min(0).float())
-            if g.algo.dynamic_sampling and len(s):
+            if self.algo.dynamic_sampling and len(s):
                 s = s.select((s.advantages != 0).nonzero().flatten())
-            g.samples = s
+            self.samples = s
             self.passes_left = self.cfg.epochs
             # which prompts this batch holds: a resumed run's batches match an uninterrupted one's
             digest = zlib.crc32("\x00".join(it["prompt"] for it in items).encode())
-            self._stats = {"iteration": self.batches, "samples": self.samples,
+            self._stats = {"iteration": self.batches, "samples": self.samples_seen,
                            "prompt_digest": digest,
                            "version": self.version + 1, "kept": len(s),
                            "mean_lag": sum(lags) / max(len(lags), 1),
@@ -838,57 +827,29 @@ class PipelineObjective:
                            "mixed_version_rollouts": sum(len(set(c.policy_versions)) > 1
                                                          for c in comps), **stats}  # fmt: skip
         self.passes_left -= 1
-        g.passes_left = 1  # the GRPO objective's pass bookkeeping: one pass, made here
-        s = g.samples
-        assert s is not None
-        m = self.cfg.micro_batch
-        g.queue = [s.select(range(i, min(i + m, len(s)))) for i in range(0, len(s), m)] or [s]
-
-    def micro_batches(self) -> int:
-        """Micro-batches of this step's pass."""
-        return self.grpo.micro_batches()
-
-    def next_batch(self) -> Any:
-        """The next micro-batch of this step's pass."""
-        return self.grpo.next_batch()
-
-    def batch_weight(self, s: Any) -> float:
-        """As the GRPO family's."""
-        return self.grpo.batch_weight(s)
-
-    def loss(self, model: nn.Module, s: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the GRPO family's."""
-        return self.grpo.loss(model, s)
-
-    def metrics(self) -> dict[str, Any]:
-        """The batch's record (staleness, time breakdown, checks, rewards) and clip fraction."""
-        out = dict(self._stats)
-        if self.grpo._clip:
-            out["clip_fraction"] = sum(self.grpo._clip) / len(self.grpo._clip)
-        self.grpo._clip = []
-        return out
+        self._split()
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """``eval_fn()`` (held-out accuracy), when given; the target check."""
         if self.eval_fn is None:
             return {}
         acc = float(self.eval_fn())
-        self.grpo.should_stop = bool(self.grpo.target) and acc >= self.grpo.target
+        self.should_stop = bool(self.target) and acc >= self.target
         return {"eval_accuracy": acc}
 
     def state_dict(self) -> dict:
-        """Counters, staleness histogram, the prompt stream's RNG and, mid-batch, the batch
-        (see the class docstring for what a resume reproduces)."""
-        return {"version": self.version, "batches": self.batches, "samples": self.samples,
-                "passes_left": self.passes_left, "hist": dict(self.hist_total),
-                "prompt_rng": self.prompts.rng.getstate() if self.prompts else None,
-                "stats": dict(self._stats), "grpo": self.grpo.state_dict()}  # fmt: skip
+        """The GRPO state (batch, passes left, samples seen), the version and batch counters, the
+        staleness histogram and the prompt stream's RNG (the class docstring says what a resume
+        reproduces)."""
+        return {**super().state_dict(), "version": self.version, "batches": self.batches,
+                "hist": dict(self.hist_total),
+                "prompt_rng": self.prompts.rng.getstate() if self.prompts else None}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (after the Trainer restored the weights):
         those weights become the next version, which the engine starts from."""
-        self.batches, self.samples = int(state["batches"]), int(state["samples"])
-        self.passes_left = int(state["passes_left"])
+        super().load_state_dict(state)
+        self.batches = int(state["batches"])
         self.hist_total = collections.Counter({int(k): int(v) for k, v in state["hist"].items()})
         from lmforge.posttrain.core import set_random_state
 
@@ -896,8 +857,6 @@ class PipelineObjective:
             raise LmforgeError("this Pipeline RL prompt source keeps no RNG to resume from; "
                                "use a new train.out_dir")  # fmt: skip
         set_random_state(self.prompts.rng, state["prompt_rng"])
-        self._stats = dict(state["stats"])
-        self.grpo.load_state_dict(state["grpo"])
         # The checkpoint's weights are newer than the last published version (a step ran since)
         self.version = int(state["version"]) + 1
         self.fingerprints = {self.version: weight_fingerprint(self.model)}

@@ -337,11 +337,14 @@ class GRPOObjective:
                     break
             self.passes_left = self.epochs
             self._stats["samples"] = float(self.samples_seen)
-        assert self.samples is not None
         self.passes_left -= 1
-        n = len(self.samples)
-        self.queue = [self.samples.select(range(i, min(i + self.micro_batch, n)))
-                      for i in range(0, n, self.micro_batch)] or [self.samples]  # fmt: skip
+        self._split()
+
+    def _split(self) -> None:
+        # this step's pass over the rollout batch, in micro-batches
+        s, m = self.samples, self.micro_batch
+        assert s is not None
+        self.queue = [s.select(range(i, min(i + m, len(s)))) for i in range(0, len(s), m)] or [s]
 
     def micro_batches(self) -> int:
         """Micro-batches of this step's pass over the rollout batch."""
