@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmforge.train.metrics import plot_curves
 from lmforge.utils.errors import LmforgeError
-from lmforge.utils.io import atomic_write, atomic_write_text, ensure_writable_dir
+from lmforge.utils.io import atomic_write_text, ensure_writable_dir
 
 if TYPE_CHECKING:
     from lmforge.config import RunConfig
@@ -93,29 +94,6 @@ def _summary(out: Path, summary: dict[str, Any], first_last: bool = False) -> in
     _write_json(out / "summary.json", summary)
     print(json.dumps(summary))
     return 0
-
-
-def plot_curves(path: Path, series: dict[str, list[tuple[float, float]]], xlabel: str,
-                ylabel: str, title: str) -> None:  # fmt: skip
-    """A PNG of one or more (x, y) curves (written atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, pts in series.items():
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with atomic_write(path) as out:  # temp name, fsync, rename
-        fig.savefig(out, format="png", dpi=120)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------
