@@ -58,7 +58,8 @@ Algorithms: reinforce, reinforce_baseline, rloo, grpo, dr_grpo, dapo, gspo, maxr
 (each a combination of baseline/normalizer, importance reweighting and aggregation). Rollouts
 are sampled by the serving engine (lmforge.serve.Engine), which shares the trained weights.
 Outputs in --out: metrics.jsonl, curve.png, summary.json, model/, config.toml, checkpoints/
-(a rerun resumes, prompts, sampling seeds and rollouts included).
+(a rerun resumes, prompts, sampling seeds and rollouts included; --pipeline resumes the learner,
+its versions and the prompt stream exactly, and samples the batches lost in flight again).
 """
 
 DISTILL_EXAMPLES = """examples:

@@ -31,11 +31,18 @@ so the engine never needs the tokenizer (it stops on the EOS ids it is given). A
 the engine gives the same prompts, in the same order, as its twin drawn by a synchronous run of
 the same seed (:func:`item_stream`). The trainer decodes and scores with the task's reward.
 
+Resume after ``kill -9`` (the Trainer's checkpoints, ``train.save_every``): the engine
+process exits when its trainer dies; a rerun restores the learner and the objective's counters
+and prompt stream before it starts a new engine from the checkpoint's weights, so batch k holds
+the same prompts and version numbering as uninterrupted; the rollouts themselves are sampled
+again (see :class:`PipelineObjective` for exactly what is and is not bit-exact).
+
 Simplification: one engine; a batch is started whole (the engine batches its rows
 continuously). Weights are the model's parameters: buffers (an MoE
 router's bias) are not sent. Placement across hosts belongs to an existing launcher (torchrun,
 Ray), not to this module.
-Exercised by ``pytest tests/test_posttrain_pipeline.py`` and ``lmforge rl --pipeline``.
+Exercised by ``pytest tests/test_posttrain_pipeline.py``, ``pytest tests/test_posttrain_resume.py
+-k pipeline`` and ``lmforge rl --pipeline``.
 """
 
 from __future__ import annotations
@@ -639,7 +646,10 @@ def run_pipeline(
         if proc.is_alive():
             proc.terminate()
         shutil.rmtree(handoff, ignore_errors=True)
-    evals = {r["step"]: r for r in _metrics(run_config) if r.get("event") == "eval"}
+    from lmforge.train.metrics import read_metrics
+
+    path = os.path.join(run_config.train.out_dir, "metrics.jsonl")
+    evals = {r["step"]: r for r in read_metrics(path) if r.get("event") == "eval"}
     for rec in history:
         ev = evals.get(rec.get("step"))
         if ev is not None:
@@ -654,12 +664,6 @@ def run_pipeline(
     if run_dir is not None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return history
-
-
-def _metrics(run_config: Any) -> list[dict[str, Any]]:
-    from lmforge.train.metrics import read_metrics
-
-    return read_metrics(os.path.join(run_config.train.out_dir, "metrics.jsonl"))
 
 
 def pipeline_run_config(cfg: PipelineConfig, out_dir: str, progress: bool, device: str) -> Any:
