@@ -111,16 +111,21 @@ class PPOObjective:
     def _rollout(self, version: int) -> None:
         from lmforge.posttrain.core import decode_ids
         from lmforge.posttrain.rl import build_samples
-        from lmforge.serve import SamplingParams
+        from lmforge.posttrain.rollout import sample
 
         cfg = self.cfg
-        self.engine.update_weights({}, version)
         items = self.draw(self.prompts_per_step, self.rng)
         prompts = [encode_text(self.tokenizer, x["prompt"]) for x in items]
-        params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                 n=cfg.samples_per_prompt, seed=self.rng.randrange(2**31),
-                                 stop_token_ids=tuple(self.eos)) for _ in prompts]  # fmt: skip
-        outs = self.engine.generate(prompts, params)
+        outs = sample(
+            self.engine,
+            prompts,
+            self.rng,
+            version,
+            n=cfg.samples_per_prompt,
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            eos_ids=self.eos,
+        )
         stop = set(self.eos)
         flat_p: list[Sequence[int]] = []
         comps, scores = [], []

@@ -295,15 +295,13 @@ class GRPOObjective:
     # -- rollouts
 
     def _rollout(self, version: int) -> tuple[Samples, dict[str, float]]:
-        self.engine.update_weights({}, version)  # the module is shared: only the version moves
+        from lmforge.posttrain.rollout import sample
+
         items = self.draw(self.prompts_per_step, self.rng)
         prompts = [encode_text(self.tokenizer, it["prompt"]) for it in items]
-        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
-                                 n=self.group_size, seed=self.rng.randrange(2**31),
-                                 stop_token_ids=tuple(self.eos))
-                  for _ in prompts]  # fmt: skip
         t = time.perf_counter()
-        outs = self.engine.generate(prompts, params)
+        outs = sample(self.engine, prompts, self.rng, version, n=self.group_size,
+                      temperature=self.temperature, max_tokens=self.max_tokens, eos_ids=self.eos)  # fmt: skip
         gen_s = time.perf_counter() - t
         r, adv, stats = score_groups(items, outs, self.tokenizer, self.reward_fn, self.algo,
                                      self.max_tokens, self.overlong_cache, self.eos,
