@@ -205,7 +205,7 @@ def test_master_weights_train_like_autocast_over_fp32_on_gpu(
         trainer = Trainer(cfg)
         assert bool(trainer.masters) == (mw == "on")
         recs, _ = _run_with_device_nan(trainer, tmp_path / mw, nan_at=9)
-        assert (trainer._graph is not None) == graph
+        assert (trainer.stepper.graph is not None) == graph
         weights = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
         for name, (copy, master) in trainer.masters.items():
             assert copy.dtype == torch.bfloat16 and torch.equal(copy, master.bfloat16()), name
