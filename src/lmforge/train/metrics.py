@@ -136,7 +136,9 @@ def plot_curves(path: str | Path, series: dict[str, list[tuple[float, float]]], 
 def plot_loss_curve(metrics: list[dict[str, Any]], path: str | Path) -> None:
     """Write train (and validation) loss against step to a PNG."""
     train = [(r["step"], r["loss"]) for r in metrics if r.get("event") == "train"]
-    val = [(r["step"], r["val_loss"]) for r in metrics if r.get("event") == "eval"]
+    # an objective's own evaluate may report other numbers (recall, accuracy): plot val_loss only
+    val = [(r["step"], r["val_loss"]) for r in metrics
+           if r.get("event") == "eval" and "val_loss" in r]  # fmt: skip
     plot_curves(path, {"train loss": train, "validation loss": val}, "step",
                 "loss (nats/token)")  # fmt: skip
 
