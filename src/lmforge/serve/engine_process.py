@@ -48,7 +48,7 @@ from lmforge.serve.output import Delta, DeltaTracker, SampleDelta, engine_counts
 from lmforge.serve.sampling import SamplingParams
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["EngineProcess", "EngineSpec", "pack_step", "unpack_step"]
+__all__ = ["EngineLoop", "EngineProcess", "EngineSpec", "engine_info", "pack_step", "unpack_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +65,8 @@ class EngineSpec:
 
 
 class EngineProcess:
-    """The parent's handle on the engine process; the same interface as
-    :class:`lmforge.serve.server.EngineLoop` (``submit``, ``abort``, ``metrics``, ...).
+    """The parent's handle on the engine process (``submit``, ``abort``, ``metrics``, ...; what
+    :class:`~lmforge.serve.server.ServerState` holds; :class:`EngineLoop` is the in-thread kind).
 
     :meth:`launch` spawns the process and blocks until the engine is built (it returns what the
     server needs: tokenizer, template, name, the startup line); :meth:`start` (the server's
@@ -118,15 +118,18 @@ class EngineProcess:
         if kind == "error":
             self._proc.join(30)
             raise LmforgeError(payload)
-        self.info = payload
-        self.context_length: int = payload["context_length"]
-        self.vocab_size: int = payload["vocab_size"]
-        self.eos_token_id: int | None = payload["eos_token_id"]
-        self.num_blocks: int = payload["num_blocks"]
-        self.block_size: int = payload["block_size"]
-        self.max_queue: int | None = payload["max_queue"]
-        self._counts = payload["counts"]
+        self._set_info(payload)
         return payload
+
+    def _set_info(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self.context_length: int = info["context_length"]
+        self.vocab_size: int = info["vocab_size"]
+        self.eos_token_id: int | None = info["eos_token_id"]
+        self.num_blocks: int = info["num_blocks"]
+        self.block_size: int = info["block_size"]
+        self.max_queue: int | None = info["max_queue"]
+        self._counts = info["counts"]
 
     def start(self) -> None:
         """Attach to the running event loop (the server's startup)."""
@@ -154,25 +157,22 @@ class EngineProcess:
         if self._proc is not None:
             self._proc.join(timeout)
             if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
+                self._kill()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
 
+    def _kill(self) -> None:
+        self._proc.kill()
+        self._proc.join(5)
+
     @property
     def pid(self) -> int | None:
         """The engine process's id (None before launch)."""
-        return None if self._proc is None else self._proc.pid
+        return getattr(self._proc, "pid", None)
 
     # ------------------------------------------------------------------ requests
-    def submit(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        queue: asyncio.Queue,
-        aloop: asyncio.AbstractEventLoop | None = None,
-    ) -> str:
+    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str:
         """Queue a request whose :class:`Delta` objects go to ``queue``. Requests that could
         never fit raise LmforgeError; a full queue (as of the child's last counts plus what was
         sent since) raises QueueFull. Never waits for the engine."""
@@ -270,7 +270,7 @@ class EngineProcess:
                 pass
         if self._stopping:
             return
-        code = self._proc.exitcode if self._proc is not None else None
+        code = getattr(self._proc, "exitcode", None)
         self.error = f"the engine process exited (exit code {code})"
         queues, self._queues = self._queues, {}
         for queue in queues.values():
@@ -330,13 +330,11 @@ def unpack_step(packed: tuple) -> list[tuple[str, Delta]]:
 
 # ---------------------------------------------------------------------- the child
 def _engine_main(spec: EngineSpec, conn: Any) -> None:
-    """The engine process: build the engine, then drain ops and step until told to stop."""
+    """The engine process: build the engine, then :func:`_serve_engine` until told to stop."""
     # The parent owns shutdown (it drains first); a Ctrl-C reaching the whole process group
     # must not kill a step half-way.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from lmforge.serve.engine import QueueFull
-
     try:
         engine, info = _build(spec)
     except LmforgeError as e:
@@ -346,9 +344,16 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
         conn.send(("error", f"the engine process failed to start: {type(e).__name__}: {e}"))
         raise
     gc.freeze()  # the model and engine live as long as the process: keep them out of collections
-    adds = 0
-    info["counts"] = {**engine_counts(engine), "adds": 0, "step_seconds": 0.0, "step_count": 0}
     conn.send(("ready", info))
+    _serve_engine(engine, conn)
+
+
+def _serve_engine(engine: Any, conn: Any) -> None:
+    """The engine side's loop (a process's, or :class:`EngineLoop`'s thread): drain the
+    parent's ops, step, send the step's deltas and counters; until ``stop`` or the pipe closes."""
+    from lmforge.serve.engine import QueueFull
+
+    adds = 0
     trackers: dict[str, DeltaTracker] = {}
     step_seconds, step_count = 0.0, 0
     failed: str | None = None
@@ -440,20 +445,57 @@ def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
         flag = speculative_from_flag(model, flag, k)
     engine = Engine(model, speculative=flag, **kw)
     info = {
+        **engine_info(engine),
         "tokenizer": tokenizer,
         "template": template,
         "name": name,
+        "num_parameters": model.num_parameters(),
+        "summary": engine_summary(engine),
+        "kv_budget": getattr(engine, "kv_budget", None),
+    }
+    return engine, info
+
+
+def engine_info(engine: Any) -> dict[str, Any]:
+    """What the API side needs of an engine (the request checks, ``/metrics``' first counts)."""
+    return {
         "context_length": engine.config.context_length,
         "vocab_size": engine.config.vocab_size,
         "eos_token_id": engine.eos_token_id,
         "num_blocks": engine.allocator.num_blocks,
         "block_size": engine.block_size,
         "max_queue": engine.max_queue,
-        "num_parameters": model.num_parameters(),
-        "summary": engine_summary(engine),
-        "kv_budget": getattr(engine, "kv_budget", None),
+        "counts": {**engine_counts(engine), "adds": 0, "step_seconds": 0.0, "step_count": 0},
     }
-    return engine, info
+
+
+class EngineLoop(EngineProcess):
+    """The engine in a thread of the server's process, behind the same pipe and loop as the
+    engine process (:func:`_serve_engine`): tests, which reach into ``engine``, and the
+    in-process peer ``benchmarks/serve.py`` measures. Requests are checked against the engine
+    itself before they are queued (an invalid one is a 400 before any stream starts)."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(EngineSpec({}))
+        self.engine = engine
+        self._set_info(engine_info(engine))
+        self._conn, self._child = mp.Pipe(duplex=True)
+        self._proc = threading.Thread(target=_serve_engine, args=(engine, self._child),
+                                      name="lmforge-engine", daemon=True)  # fmt: skip
+
+    def start(self) -> None:
+        self._proc.start()
+        super().start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self._proc.is_alive():  # else never started (or stopped already)
+            super().stop(timeout)
+
+    def _kill(self) -> None:
+        pass  # a thread cannot be killed; it is a daemon and ends with the pipe
+
+    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str:
+        return super().submit(self.engine.check_request(prompt, params), params, queue)
 
 
 def engine_summary(engine: Any) -> str:

@@ -7,8 +7,8 @@ but ``/health`` needs ``Authorization: Bearer KEY``.
 
 Processes: ``lmforge serve`` runs the engine in its own process
 (:mod:`lmforge.serve.engine_process`, as vLLM runs its engine core apart from its API server),
-so the engine's steps and this event loop never share a GIL; :class:`EngineLoop` runs it in a
-thread of this process instead (tests, which reach into the engine). Either way the handlers
+so the engine's steps and this event loop never share a GIL; :class:`EngineLoop` runs the same
+loop in a thread of this process instead (tests, which reach into the engine). Either way the handlers
 validate the request (bad ones get an OpenAI-style 4xx JSON error; the server keeps serving),
 tokenize it and submit it without waiting for a step; each engine step comes back as one batch
 of per-request :class:`~lmforge.serve.output.Delta` objects (new ids and logprobs), and a
@@ -33,18 +33,16 @@ import dataclasses
 import gc
 import json
 import socket
-import threading
 import time
-import uuid
-from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from lmforge.serve.engine import Engine, QueueFull
-from lmforge.serve.output import Delta, DeltaTracker, OutputProcessor, Piece, engine_counts
+from lmforge.serve.engine import QueueFull
+from lmforge.serve.engine_process import EngineLoop, EngineProcess
+from lmforge.serve.output import Delta, OutputProcessor, Piece
 from lmforge.serve.sampling import SamplingParams
 from lmforge.serve.templates import CHATML_TEMPLATE, BadRequest, render_chat
 from lmforge.utils.errors import LmforgeError
@@ -52,7 +50,6 @@ from lmforge.utils.errors import LmforgeError
 __all__ = [
     "CHATML_TEMPLATE",
     "DEFAULT_MAX_REQUEST_BYTES",
-    "EngineClient",
     "EngineLoop",
     "ServerState",
     "build_app",
@@ -69,196 +66,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 OFFLOAD_BYTES = 1 << 16
 
 
-class EngineLoop:
-    """The engine in a background thread of the server's process (tests; see also
-    :class:`lmforge.serve.engine_process.EngineProcess`, what ``lmforge serve`` runs).
-
-    The hand-offs are batched: requests arriving from the event loop go into an inbox the
-    engine thread drains before its next step (the event loop never waits for a step to end),
-    and after each step the engine thread sends *one* ``call_soon_threadsafe`` per event loop
-    carrying every request's :class:`Delta` (new ids and logprobs since the last step, sliced
-    from the end: O(new tokens)). Aborts go through an inbox the same way. Text is the
-    handlers' (:mod:`lmforge.serve.output`), not the engine thread's.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._cv = threading.Condition()
-        self._inbox: deque[tuple[str, list[int], SamplingParams, _Sub]] = deque()
-        self._aborts: deque[str] = deque()
-        self._subs: dict[str, _Sub] = {}  # the engine thread's: requests it routes
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
-        self.requests_total = 0
-        self.step_seconds = 0.0  # time inside engine.step() (the rest of the loop is hand-off)
-        self.step_count = 0
-        self._tokens_window: deque[tuple[float, int]] = deque()
-        self.error: BaseException | str | None = None
-        cfg = engine.config
-        self.context_length: int = cfg.context_length
-        self.vocab_size: int = cfg.vocab_size
-        self.eos_token_id: int | None = engine.eos_token_id
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=30)
-
-    def submit(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        queue: asyncio.Queue,
-        aloop: asyncio.AbstractEventLoop | None = None,
-    ) -> str:
-        """Queue a request whose :class:`Delta` objects go to ``queue`` (on ``aloop``, the
-        running loop by default). Invalid requests raise LmforgeError; a full queue QueueFull.
-        Does not wait for the engine thread (it is usually inside a step)."""
-        eng = self.engine
-        prompt = eng.check_request(prompt, params)
-        if eng.max_queue is not None and len(eng.waiting) + len(self._inbox) >= eng.max_queue:
-            raise QueueFull(f"the queue is full ({eng.max_queue} requests waiting)")
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        sub = _Sub(aloop or asyncio.get_running_loop(), queue, params.n)
-        with self._cv:
-            self._inbox.append((rid, prompt, params, sub))
-            self.requests_total += 1
-            self._cv.notify_all()
-        return rid
-
-    def abort(self, rid: str) -> None:
-        """Drop a request (the engine thread frees its blocks before its next step)."""
-        with self._cv:
-            self._aborts.append(rid)
-            self._cv.notify_all()
-
-    def tokens_per_second(self, window: float = 10.0) -> float:
-        now = time.monotonic()
-        recent = [(t, n) for t, n in list(self._tokens_window) if now - t <= window]
-        return sum(n for _, n in recent) / window
-
-    def metrics(self) -> dict[str, float]:
-        """The gauges and counters of ``/metrics``."""
-        counts = engine_counts(self.engine)
-        counts["waiting"] += len(self._inbox)
-        return {**counts, "step_seconds": self.step_seconds, "step_count": self.step_count,
-                "requests_total": self.requests_total,
-                "tokens_per_second": self.tokens_per_second()}  # fmt: skip
-
-    def _drain(self) -> list[tuple[_Sub, Delta]]:
-        """Admit the inbox, apply aborts (engine thread). Refusals to deliver, if any."""
-        failed = []
-        while self._inbox:
-            rid, prompt, params, sub = self._inbox.popleft()
-            try:
-                self.engine.add_request(prompt, params, request_id=rid)
-            except LmforgeError as e:  # a race with the queue bound: say so to the handler
-                status = 429 if isinstance(e, QueueFull) else 400
-                failed.append((sub, Delta([], True, str(e), status)))
-                continue
-            self._subs[rid] = sub
-        while self._aborts:  # after admission: an abort may follow its submit in one drain
-            rid = self._aborts.popleft()
-            self._subs.pop(rid, None)
-            self.engine.abort(rid)
-        return failed
-
-    def _send(self, items: list[tuple[_Sub, Delta]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for sub, delta in items:
-            by_loop.setdefault(sub.aloop, []).append((sub.queue, delta))
-        for aloop, batch in by_loop.items():
-            try:
-                aloop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that event loop is closed: nobody is listening
-                pass
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cv:
-                while (
-                    not self._stop
-                    and not self._inbox
-                    and not self._aborts
-                    and not engine.has_unfinished()
-                ):
-                    self._cv.wait(timeout=0.5)
-                if self._stop and not self._inbox and not engine.has_unfinished():
-                    return
-            items = self._drain()
-            try:
-                before = engine.stats["generated_tokens"]
-                outs = []
-                if engine.has_unfinished():
-                    t0 = time.perf_counter()
-                    outs = engine.step()
-                    self.step_seconds += time.perf_counter() - t0
-                    self.step_count += 1
-                made = engine.stats["generated_tokens"] - before
-            except Exception as e:  # a bug, not a user error: fail every waiting request loudly
-                self.error = e
-                subs, self._subs = self._subs, {}
-                for rid in subs:
-                    engine.abort(rid)
-                msg = f"engine failed: {e}"
-                self._send(items + [(sub, Delta([], True, msg)) for sub in subs.values()])
-                continue
-            if made:
-                self._tokens_window.append((time.monotonic(), made))
-                while len(self._tokens_window) > 4096:
-                    self._tokens_window.popleft()
-            for out in outs:
-                sub = self._subs.get(out.request_id)
-                if sub is None:
-                    continue  # aborted meanwhile
-                if out.finished:
-                    del self._subs[out.request_id]
-                items.append((sub, sub.tracker.delta(out)))
-            if items:
-                self._send(items)
-
-
-class _Sub:
-    """A request the loop routes deltas for: its event loop, its queue, what it was sent."""
-
-    __slots__ = ("aloop", "queue", "tracker")
-
-    def __init__(self, aloop: asyncio.AbstractEventLoop, queue: asyncio.Queue, n: int) -> None:
-        self.aloop, self.queue = aloop, queue
-        self.tracker = DeltaTracker(n)
-
-
-def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
-
-
-class EngineClient(Protocol):
-    """What the handlers need of the engine side: :class:`EngineLoop` (a thread) or
-    :class:`~lmforge.serve.engine_process.EngineProcess` (a process)."""
-
-    context_length: int
-    vocab_size: int
-    eos_token_id: int | None
-    error: BaseException | str | None
-
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str: ...
-    def abort(self, rid: str) -> None: ...
-    def metrics(self) -> dict[str, float]: ...
-
-
 @dataclasses.dataclass
 class ServerState:
-    """What the handlers share: the engine side, the tokenizer and the served model's name."""
+    """What the handlers share: the engine side (:class:`EngineProcess`, or :class:`EngineLoop`
+    in a thread), the tokenizer and the served model's name."""
 
-    loop: EngineClient
+    loop: EngineProcess
     tokenizer: Any
     model_name: str
     chat_template: str | None = None
