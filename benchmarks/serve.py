@@ -624,7 +624,7 @@ def bench_prefill(quick: bool) -> None:
         paged_prefill_reference,
         prefill_plan,
     )
-    from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+    from lmforge.serve.model_runner import PagedKVCache, StepBatch, forward_step
 
     cfg = ModelConfig(**QWEN3_06B)
     h, k, e, bs = cfg.n_heads, cfg.kv_heads, cfg.head_dim, 16
@@ -846,7 +846,7 @@ def bench_throughput(quick: bool) -> None:
           f"{n_req} that bounds output at {n_req / (wb / HBM):,.0f} tok/s (before KV reads)")  # fmt: skip
     # The whole run's floor: every decode step reads each running sequence's K/V once (prompt +
     # tokens so far), the weights once per step (at least max(out) steps), prefill's GEMM FLOPs.
-    from lmforge.serve.runner import PagedKVCache
+    from lmforge.serve.model_runner import PagedKVCache
 
     kv_tok = PagedKVCache.bytes_per_block(model, 1, torch.bfloat16)  # K and V of one token
     kv_s = sum(sum(p + j for j in range(1, n)) for p, n in zip(in_lens, out_lens)) * kv_tok / HBM

@@ -158,7 +158,7 @@ if not _CHILD:
         """A bf16 model's step logits (chunks after cached prefixes, whole prompts, decode rows)
         with the prefill kernel against the SDPA loop: close, and the same argmax almost always
         (bf16 rounds the two paths differently, so greedy tokens may differ at near-ties)."""
-        from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+        from lmforge.serve.model_runner import PagedKVCache, StepBatch, forward_step
 
         model = _tiny_model(2, 64, context=1024).cuda().to(torch.bfloat16)
         cfg, bs = model.config, 16

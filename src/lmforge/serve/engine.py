@@ -41,8 +41,7 @@ from torch import nn
 from lmforge.model.context import PagedKVCache
 from lmforge.serve.blocks import BlockAllocator
 from lmforge.serve.detok import StopMatcher, make_detokenizer
-from lmforge.serve.model_runner import ModelRunner, kv_blocks_for_memory
-from lmforge.serve.runner import StepBatch
+from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
 from lmforge.serve.sampling import SamplingParams, apply_penalties, logprobs_of, sample_tokens
 from lmforge.serve.scheduler import Scheduler, Seq
 from lmforge.utils.errors import LmforgeError

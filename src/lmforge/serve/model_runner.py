@@ -4,8 +4,12 @@ What turns the :class:`~lmforge.serve.scheduler.Scheduler`'s decision into logit
 lists of a step are staged to the device (:meth:`ModelRunner.prepare`: two tensors, pinned
 buffers and asynchronous copies on CUDA) and run through the model's own forward
 (:meth:`ModelRunner.run`): decode-only steps by CUDA-graph replay where captured, else the
-compiled decode step (:mod:`lmforge.serve.compiled`), else eagerly
-(:func:`~lmforge.serve.runner.forward_step`); steps with prefill eagerly.
+compiled decode step (:mod:`lmforge.serve.compiled`), else eagerly (:func:`forward_step`); steps
+with prefill eagerly. There is no forward here: :func:`forward_step` builds the model's per-step
+:class:`~lmforge.model.context.Context` (positions, slots, block tables, lengths, the kernels of
+:mod:`lmforge.serve.attention`) and calls ``TransformerLM.forward``, which runs every model switch
+(muP, QK-norm, soft-cap, tied head, GQA, RoPE scaling, MoE) the way training does; the step's
+tokens of all sequences are one flat (1, N) batch (no padding).
 
 KV memory: ``num_blocks`` blocks, by default (CUDA, or any device given a ``memory_probe``) a
 fraction of the free device memory measured *after* the weights, the compiled decode step and
@@ -14,13 +18,14 @@ the CUDA-graph capture, minus the measured peak of the largest eager step
 size, recapture); on the CPU without a probe, 16 contexts capped at 1 GiB. The cache holds one
 block more than the allocator hands out: CUDA-graph padding rows write there.
 
-Shape legend: N tokens in the step, S sequences, V vocab.
+Shape legend: N tokens in the step, S sequences, V vocab, M block-table width.
 Exercised by ``pytest tests/test_serve_engine.py tests/test_serve_kvbudget.py
 tests/test_serve_hostpath.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,12 +33,61 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.model.context import PagedKVCache
-from lmforge.serve.runner import StepBatch, forward_step
+from lmforge.model.context import Context, PagedKVCache
+from lmforge.serve.attention import PagedOps, prefill_kernel_on, prefill_plan
 from lmforge.serve.scheduler import StepInputs
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["ModelRunner", "kv_blocks_for_memory"]
+__all__ = ["ModelRunner", "PagedKVCache", "StepBatch", "forward_step", "kv_blocks_for_memory"]
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """The inputs of one forward: tokens of S sequences, flattened (decode rows have 1 token)."""
+
+    tokens: torch.Tensor
+    "(N,) long token ids"
+    positions: torch.Tensor
+    "(N,) long RoPE positions"
+    slots: torch.Tensor
+    "(N,) long flat KV slots (block · BS + offset) the tokens' keys/values go to"
+    block_tables: torch.Tensor
+    "(S, M) int32 block tables, padded with block 0"
+    ctx_lens: torch.Tensor
+    "(S,) int32 tokens cached per sequence after this step"
+    last_rows: torch.Tensor
+    "(S,) long row of each sequence's last token in the step (its logits are returned)"
+    q_lens: list[int]
+    "tokens per sequence this step"
+    ctx_lens_list: list[int]
+    "ctx_lens as ints"
+    tables_list: list[list[int]]
+    "block tables as lists"
+
+    @property
+    def decode_only(self) -> bool:
+        """Whether every sequence feeds exactly one token (the decode kernel's case)."""
+        return all(t == 1 for t in self.q_lens)
+
+
+def forward_step(
+    model: nn.Module, cache: PagedKVCache, batch: StepBatch, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """Run ``model``'s own forward on one step's tokens with the paged-attention kernels of
+    :mod:`lmforge.serve.attention`, writing their KV; logits of each sequence's last token:
+    (S, V) float32."""
+    plan = None
+    if not batch.decode_only:  # the prefill kernel's tiles: built once per step, not per layer
+        dev, e = batch.tokens.device, cache.k.shape[-1]
+        if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
+            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
+    ctx = Context(
+        batch.positions, batch.slots, batch.block_tables, batch.ctx_lens, cache.k, cache.v,
+        PagedOps(use_triton), last_rows=batch.last_rows, decode=batch.decode_only,
+        q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
+        plan=plan,
+    )  # fmt: skip
+    return model(batch.tokens[None], context=ctx)[0].float()  # (1, N) -> (S, V)
 
 
 class ModelRunner:

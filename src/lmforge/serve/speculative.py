@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+from lmforge.serve.model_runner import PagedKVCache, StepBatch, forward_step
 from lmforge.serve.sampling import SamplingParams, truncated_probs
 from lmforge.utils.errors import LmforgeError
 
