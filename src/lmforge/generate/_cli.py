@@ -26,7 +26,7 @@ other sources (the same flags as lmforge serve and lmforge chat):
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``generate`` subcommand."""
-    from lmforge.serve.loading import add_model_source_args
+    from lmforge.serve.loading import add_engine_args, add_model_source_args
 
     p = sub.add_parser(
         "generate",
@@ -72,24 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="end a sample at this token id (repeatable; the tokenizer's end-of-text always does)",
     )
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="decode eagerly (default on CUDA: the engine's compiled decode step)",
-    )
-    p.add_argument(
-        "--no-cuda-graphs",
-        action="store_true",
-        help="launch decode steps one by one (default on CUDA: the engine's choice)",
-    )
-    p.add_argument(
-        "--speculative",
-        default=None,
-        metavar="MODE",
-        help="speculative decoding (one sequence at a time): ngram (prompt lookup) or draft:N "
-        "(the model's own first N blocks draft); greedy output is unchanged",
-    )
-    p.add_argument("--speculative-k", type=int, default=4, help="drafted tokens per step (4)")
+    add_engine_args(p)
     p.set_defaults(func=_run)
 
 

@@ -76,7 +76,8 @@ def _source(args: argparse.Namespace) -> str:
 def main(args: argparse.Namespace) -> int:
     """Run ``lmforge generate`` with parsed ``args``; returns the exit status."""
     from lmforge.serve import Engine, SamplingParams
-    from lmforge.serve.loading import engine_tokenizer, load_from_args
+    from lmforge.serve.loading import engine_flags, engine_tokenizer, load_from_args
+    from lmforge.serve.speculative import speculative_from_flag
 
     _check_args(args)
     model, tokenizer, _, _ = load_from_args(args)
@@ -93,20 +94,12 @@ def main(args: argparse.Namespace) -> int:
         )
     eot = getattr(tokenizer, "eot_id", None)
     tokenizer = engine_tokenizer(tokenizer, cfg.vocab_size)
-    from lmforge.serve.speculative import speculative_from_flag
-
-    spec = speculative_from_flag(model, args.speculative, args.speculative_k)
+    kw = engine_flags(args)
+    spec = speculative_from_flag(model, kw.pop("speculative"), kw.pop("speculative_k"))
     if spec is not None and args.num_samples > 1:
         raise LmforgeError("--speculative decodes one sample per prompt: drop --num-samples")
-    engine = Engine(
-        model,
-        speculative=spec,
-        eos_token_id=eot,
-        tokenizer=tokenizer if args.prompt or stops else None,
-        compile=False if args.no_compile else None,
-        cuda_graphs=False if args.no_cuda_graphs else None,
-        seed=args.seed,
-    )
+    tok = tokenizer if args.prompt or stops else None
+    engine = Engine(model, speculative=spec, eos_token_id=eot, tokenizer=tok, seed=args.seed, **kw)
     n = args.num_samples
     params = [
         SamplingParams(
