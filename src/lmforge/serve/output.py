@@ -23,7 +23,15 @@ from typing import Any
 
 from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer
 
-__all__ = ["Delta", "DeltaTracker", "OutputProcessor", "Piece", "SampleDelta", "engine_counts"]
+__all__ = [
+    "Delta",
+    "DeltaTracker",
+    "OutputProcessor",
+    "Piece",
+    "SampleDelta",
+    "engine_counts",
+    "join_pieces",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -152,11 +160,11 @@ class OutputProcessor:
                     continue
                 p = s.feed(sd)
                 prev = out.get(sd.index)
-                if prev is None:
-                    out[sd.index] = p
-                else:
-                    out[sd.index] = Piece(prev.text + p.text, prev.token_ids + p.token_ids,
-                                          prev.logprobs + p.logprobs,
-                                          prev.top_logprobs + p.top_logprobs,
-                                          p.finish_reason)  # fmt: skip
+                out[sd.index] = p if prev is None else join_pieces(prev, p)
         return out
+
+
+def join_pieces(a: Piece, b: Piece) -> Piece:
+    """``a`` then ``b`` as one piece (b's finish reason)."""
+    return Piece(a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
+                 a.top_logprobs + b.top_logprobs, b.finish_reason)  # fmt: skip

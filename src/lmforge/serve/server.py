@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from lmforge.serve.engine import QueueFull
 from lmforge.serve.engine_process import EngineLoop, EngineProcess
-from lmforge.serve.output import Delta, OutputProcessor, Piece
+from lmforge.serve.output import Delta, OutputProcessor, Piece, join_pieces
 from lmforge.serve.sampling import SamplingParams
 from lmforge.serve.templates import CHATML_TEMPLATE, BadRequest, render_chat
 from lmforge.utils.errors import LmforgeError
@@ -404,15 +404,37 @@ def build_app(state: ServerState) -> Any:
         base = len(echo) if echo else 0
         offsets = [base] * params.n  # text_offset of each sample's next token
 
-        def first_seen() -> None:
-            state.ttft_sum += time.monotonic() - t0
-            state.ttft_count += 1
+        finished = [False] * params.n
 
-        def take(deltas: list[Delta]) -> dict[int, Piece]:
-            pieces = proc.process(deltas)
-            if proc.finished and not deltas[-1].finished:
-                state.loop.abort(rid)  # every sample ended on a stop string: free the blocks
-            return pieces
+        async def updates(watch: Request | None) -> AsyncIterator[dict[int, Piece]]:
+            """Each batch of deltas that arrived together (a handler that fell behind takes
+            what piled up at once) as per-sample pieces, until every sample has ended; an
+            engine error raises :class:`_Failed`. ``watch``: the request whose disconnect
+            ends the wait (a stream's disconnect cancels the response itself)."""
+            first = True
+            while not all(finished):
+                deltas = [await (queue.get() if watch is None else _get_watching(queue, watch))]
+                while not queue.empty():
+                    deltas.append(queue.get_nowait())
+                error = next((d for d in deltas if d.error), None)
+                if error is not None:
+                    finished[:] = [True] * params.n  # the engine has dropped the request
+                    raise _Failed(error.status, error.error or "engine failed")
+                if first:
+                    first = False
+                    state.ttft_sum += time.monotonic() - t0
+                    state.ttft_count += 1
+                pieces = proc.process(deltas)
+                if proc.finished and not deltas[-1].finished:
+                    state.loop.abort(rid)  # every sample ended on a stop string: free the blocks
+                for i, p in pieces.items():
+                    finished[i] = finished[i] or p.finish_reason is not None
+                yield pieces
+
+        def leave() -> None:
+            state.inflight -= 1
+            if not all(finished):
+                state.loop.abort(rid)  # client went away (or its wait did): free the blocks now
 
         def logprobs(i: int, p: Piece) -> Any:
             lp = _logprobs_json(tok, p.token_ids, p.logprobs, p.top_logprobs, chat, offsets[i])
@@ -433,9 +455,7 @@ def build_app(state: ServerState) -> Any:
                 return head + json.dumps(choices).encode() + tail
 
             async def events() -> AsyncIterator[bytes]:
-                finished = [False] * params.n
                 n_tokens = 0
-                first = True
                 state.inflight += 1
                 try:
                     if chat:  # OpenAI sends the role first
@@ -449,26 +469,10 @@ def build_app(state: ServerState) -> Any:
                     elif echo:
                         yield chunk([{"index": i, "text": echo, "logprobs": None,
                                       "finish_reason": None} for i in range(params.n)])  # fmt: skip
-                    while not all(finished):
-                        deltas = [await queue.get()]
-                        while not queue.empty():  # behind: send what piled up as one chunk
-                            deltas.append(queue.get_nowait())
-                        error = next((d for d in deltas if d.error), None)
-                        if error is not None:
-                            err = {"message": error.error, "type": "server_error" if
-                                   error.status >= 500 else "invalid_request_error",
-                                   "param": None, "code": error.status}  # fmt: skip
-                            yield _sse({"error": err})
-                            finished = [True] * params.n
-                            return
-                        if first:
-                            first = False
-                            first_seen()
+                    async for pieces in updates(None):
                         choices = []
-                        for i, p in take(deltas).items():
+                        for i, p in pieces.items():
                             n_tokens += len(p.token_ids)
-                            if p.finish_reason is not None:
-                                finished[i] = True
                             if not want_lp:  # the common case: no dict, no json.dumps of it
                                 choices.append(_choice_json(i, p.text, p.finish_reason, chat))
                                 continue
@@ -494,68 +498,44 @@ def build_app(state: ServerState) -> Any:
                             + b"}\n\n"
                         )
                     yield b"data: [DONE]\n\n"
+                except _Failed as e:
+                    err = {"message": e.message, "type": "server_error" if e.status >= 500
+                           else "invalid_request_error", "param": None, "code": e.status}  # fmt: skip
+                    yield _sse({"error": err})
                 finally:
-                    state.inflight -= 1
-                    if not all(finished):
-                        state.loop.abort(rid)  # client went away: free the blocks now
+                    leave()
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        texts: list[list[str]] = [[] for _ in range(params.n)]
-        ids: list[list[int]] = [[] for _ in range(params.n)]
-        lps: list[list[float]] = [[] for _ in range(params.n)]
-        tops: list[list[dict]] = [[] for _ in range(params.n)]
-        reasons: dict[int, str] = {}
-        first = True
+        got: list[Piece | None] = [None] * params.n
         state.inflight += 1
         try:
-            while len(reasons) < params.n:
-                get = asyncio.ensure_future(queue.get())
-                while not get.done():
-                    done, _ = await asyncio.wait({get}, timeout=0.5)
-                    if not done and await request.is_disconnected():
-                        get.cancel()
-                        return _error(499, "client disconnected")
-                deltas = [get.result()]
-                while not queue.empty():
-                    deltas.append(queue.get_nowait())
-                error = next((d for d in deltas if d.error), None)
-                if error is not None:
-                    reasons = dict.fromkeys(range(params.n), "error")
-                    return _error(error.status, error.error or "engine failed")
-                if first:
-                    first = False
-                    first_seen()
-                for i, p in take(deltas).items():
-                    texts[i].append(p.text)
-                    ids[i] += p.token_ids
-                    lps[i] += p.logprobs
-                    tops[i] += p.top_logprobs
-                    if p.finish_reason is not None:
-                        reasons[i] = p.finish_reason
+            async for pieces in updates(request):
+                for i, p in pieces.items():
+                    got[i] = p if got[i] is None else join_pieces(got[i], p)
+        except _Failed as e:
+            return _error(e.status, e.message)
         finally:
-            state.inflight -= 1
-            if len(reasons) < params.n:
-                state.loop.abort(rid)
+            leave()
         choices = []
-        for i in range(params.n):
-            text = "".join(texts[i])
-            lp = logprobs(i, Piece(text, ids[i], lps[i], tops[i], None)) if want_lp else None
+        for i, p in enumerate(got):
+            assert p is not None
+            lp = logprobs(i, p) if want_lp else None
             if chat:
-                msg = {"role": "assistant", "content": text}
+                msg = {"role": "assistant", "content": p.text}
                 choices.append(
-                    {"index": i, "message": msg, "logprobs": lp, "finish_reason": reasons[i]}
+                    {"index": i, "message": msg, "logprobs": lp, "finish_reason": p.finish_reason}
                 )
             else:
-                choices.append({"index": i, "text": (echo or "") + text, "logprobs": lp,
-                                "finish_reason": reasons[i]})  # fmt: skip
+                choices.append({"index": i, "text": (echo or "") + p.text, "logprobs": lp,
+                                "finish_reason": p.finish_reason})  # fmt: skip
         return {
             "id": rid,
             "object": kind,
             "created": created,
             "model": state.model_name,
             "choices": choices,
-            "usage": _usage(len(prompt), sum(len(x) for x in ids)),
+            "usage": _usage(len(prompt), sum(len(p.token_ids) for p in got if p is not None)),
         }
 
     async def handle(request: Request, chat: bool) -> Any:
@@ -685,6 +665,26 @@ def _draining_server_class() -> type:
             return await super().on_tick(counter)
 
     return DrainingServer
+
+
+class _Failed(Exception):
+    """The engine side ended a request with an error (its HTTP status and message)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def _get_watching(queue: asyncio.Queue, request: Request) -> Delta:
+    """``queue.get()``, or :class:`_Failed` (499) once the client has gone (checked each 0.5 s)."""
+    get = asyncio.ensure_future(queue.get())
+    while True:
+        done, _ = await asyncio.wait({get}, timeout=0.5)
+        if done:
+            return get.result()
+        if await request.is_disconnected():
+            get.cancel()
+            raise _Failed(499, "client disconnected")
 
 
 async def _encode(tok: Any, text: str) -> list[int]:
