@@ -40,7 +40,7 @@ from torch import nn
 
 from lmforge.model.context import PagedKVCache
 from lmforge.serve.blocks import BlockAllocator
-from lmforge.serve.detok import StopMatcher, make_detokenizer
+from lmforge.serve.detok import StopMatcher, make_detokenizer, release
 from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
 from lmforge.serve.sampling import SamplingParams, apply_penalties, logprobs_of, sample_tokens
 from lmforge.serve.scheduler import Scheduler, Seq
@@ -458,8 +458,12 @@ class Engine:
         reason = self._finish_reason(seq, tok)
         if reason == "stop":
             out.stop_reason = tok
-        if seq.detok is not None:
-            reason = self._detokenize(seq, out, tok, reason)
+        if seq.detok is not None:  # the token's text, O(this token); a stop string ends here
+            piece, hit = release(seq.detok, seq.stops, tok, reason)
+            if hit is not None:
+                out.stop_reason, reason = hit, "stop"
+            if piece:
+                out.text_pieces.append(piece)
         if reason is not None:
             out.finish_reason = reason
             self.scheduler.finish(seq)
@@ -513,29 +517,6 @@ class Engine:
             self.scheduler.register_full_blocks(seq)
         spec.accepted_in(seq, old_len, n_acc_i, k)
         return True
-
-    @staticmethod
-    def _detokenize(
-        seq: Seq, out: CompletionOutput, tok: int, reason: FinishReason | None
-    ) -> FinishReason | None:
-        """Release ``tok``'s text (O(this token)); a stop string ends the sample here."""
-        assert seq.detok is not None
-        if reason == "stop":  # EOS / a stop id: the token itself is not text
-            piece = seq.detok.flush()
-        else:
-            piece = seq.detok.feed(tok)
-            if reason is not None:
-                piece += seq.detok.flush()
-        if seq.stops is not None:
-            piece, hit = seq.stops.feed(piece)
-            if hit is not None:
-                out.stop_reason = hit
-                reason = "stop"
-            elif reason is not None:
-                piece += seq.stops.flush()
-        if piece:
-            out.text_pieces.append(piece)
-        return reason
 
     # ---------------------------------------------------------------- offline API
     def generate(

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer
+from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer, release
 
 __all__ = [
     "Delta",
@@ -115,28 +115,18 @@ class _Sample:
 
     def feed(self, sd: SampleDelta) -> Piece:
         texts: list[str] = []
-        ids = sd.token_ids
-        finish = sd.finish_reason
-        last = len(ids) - 1
+        ids, last = sd.token_ids, len(sd.token_ids) - 1
         for j, tok in enumerate(ids):
-            if j == last and finish == "stop":  # a stop / EOS id: not text
-                piece = self.detok.flush()
-            else:
-                piece = self.detok.feed(tok)
-                if j == last and finish is not None:
-                    piece += self.detok.flush()
-            if self.stops is not None:
-                piece, hit = self.stops.feed(piece)
-                if hit is not None:  # ends here: ids up to this token, nothing after
-                    texts.append(piece)
-                    self.done = True
-                    return Piece("".join(texts), ids[: j + 1], sd.logprobs[: j + 1],
-                                 sd.top_logprobs[: j + 1], "stop")  # fmt: skip
-                if j == last and finish is not None:
-                    piece += self.stops.flush()
+            piece, hit = release(
+                self.detok, self.stops, tok, sd.finish_reason if j == last else None
+            )
             texts.append(piece)
-        self.done = finish is not None
-        return Piece("".join(texts), ids, sd.logprobs, sd.top_logprobs, finish)
+            if hit is not None:  # ends here: ids up to this token, nothing after
+                self.done = True
+                return Piece("".join(texts), ids[: j + 1], sd.logprobs[: j + 1],
+                             sd.top_logprobs[: j + 1], "stop")  # fmt: skip
+        self.done = sd.finish_reason is not None
+        return Piece("".join(texts), ids, sd.logprobs, sd.top_logprobs, sd.finish_reason)
 
 
 class OutputProcessor:

@@ -407,10 +407,9 @@ def build_app(state: ServerState) -> Any:
         finished = [False] * params.n
 
         async def updates(watch: Request | None) -> AsyncIterator[dict[int, Piece]]:
-            """Each batch of deltas that arrived together (a handler that fell behind takes
-            what piled up at once) as per-sample pieces, until every sample has ended; an
-            engine error raises :class:`_Failed`. ``watch``: the request whose disconnect
-            ends the wait (a stream's disconnect cancels the response itself)."""
+            """Per-sample pieces of each batch of deltas (a handler that fell behind takes what
+            piled up at once) until every sample ended; an engine error raises BadRequest with
+            its status. ``watch``: the request whose disconnect ends the wait (non-streamed)."""
             first = True
             while not all(finished):
                 deltas = [await (queue.get() if watch is None else _get_watching(queue, watch))]
@@ -419,7 +418,7 @@ def build_app(state: ServerState) -> Any:
                 error = next((d for d in deltas if d.error), None)
                 if error is not None:
                     finished[:] = [True] * params.n  # the engine has dropped the request
-                    raise _Failed(error.status, error.error or "engine failed")
+                    raise BadRequest(error.error or "engine failed", status=error.status)
                 if first:
                     first = False
                     state.ttft_sum += time.monotonic() - t0
@@ -498,7 +497,7 @@ def build_app(state: ServerState) -> Any:
                             + b"}\n\n"
                         )
                     yield b"data: [DONE]\n\n"
-                except _Failed as e:
+                except BadRequest as e:
                     err = {"message": e.message, "type": "server_error" if e.status >= 500
                            else "invalid_request_error", "param": None, "code": e.status}  # fmt: skip
                     yield _sse({"error": err})
@@ -513,7 +512,7 @@ def build_app(state: ServerState) -> Any:
             async for pieces in updates(request):
                 for i, p in pieces.items():
                     got[i] = p if got[i] is None else join_pieces(got[i], p)
-        except _Failed as e:
+        except BadRequest as e:
             return _error(e.status, e.message)
         finally:
             leave()
@@ -667,16 +666,8 @@ def _draining_server_class() -> type:
     return DrainingServer
 
 
-class _Failed(Exception):
-    """The engine side ended a request with an error (its HTTP status and message)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
 async def _get_watching(queue: asyncio.Queue, request: Request) -> Delta:
-    """``queue.get()``, or :class:`_Failed` (499) once the client has gone (checked each 0.5 s)."""
+    """``queue.get()``, or :class:`BadRequest` (499) once the client has gone (checked each 0.5 s)."""
     get = asyncio.ensure_future(queue.get())
     while True:
         done, _ = await asyncio.wait({get}, timeout=0.5)
@@ -684,7 +675,7 @@ async def _get_watching(queue: asyncio.Queue, request: Request) -> Delta:
             return get.result()
         if await request.is_disconnected():
             get.cancel()
-            raise _Failed(499, "client disconnected")
+            raise BadRequest("client disconnected", status=499)
 
 
 async def _encode(tok: Any, text: str) -> list[int]:
