@@ -142,18 +142,9 @@ def _without_stop(sample: Any) -> list[int]:
 
 def _stream(engine: Any, prompt: list[int], params: Any, text: str) -> None:
     """One prompt, one sample: print the text as the engine releases it."""
+    from lmforge.serve.chat import stream_text
+
     sys.stdout.write(text)
-    sys.stdout.flush()
-    rid = engine.add_request(prompt, params)
-    released = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id != rid:
-                continue
-            pieces = out.outputs[0].text_pieces
-            if len(pieces) > released:
-                sys.stdout.write("".join(pieces[released:]))
-                sys.stdout.flush()
-                released = len(pieces)
+    stream_text(engine, prompt, params, sys.stdout)
     sys.stdout.write("\n")
     sys.stdout.flush()
