@@ -38,7 +38,14 @@ from lmforge.serve.attention import PagedOps, prefill_kernel_on, prefill_plan
 from lmforge.serve.scheduler import StepInputs
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["ModelRunner", "PagedKVCache", "StepBatch", "forward_step", "kv_blocks_for_memory"]
+__all__ = [
+    "ModelRunner",
+    "PagedKVCache",
+    "StepBatch",
+    "forward_step",
+    "kv_blocks_for_memory",
+    "stage",
+]
 
 
 @dataclasses.dataclass
@@ -310,28 +317,8 @@ class ModelRunner:
         return int(peak + sampler)
 
     def prepare(self, inputs: StepInputs) -> StepBatch:
-        """The step's inputs on the device. Two host tensors (int64: tokens, positions, slots,
-        rows; int32: context lengths, tables), one copy each; the fields are views of them."""
-        tables = inputs.tables
-        width = max(len(t) for t in tables)
-        n_tok, n_seq = len(inputs.tokens), len(tables)
-        longs = inputs.tokens + inputs.positions + inputs.slots + inputs.last_rows
-        ints = inputs.ctx_lens.copy()
-        for t in tables:
-            ints += t
-            ints += [0] * (width - len(t))
-        dev64, dev32 = self._to_device(longs, ints)
-        return StepBatch(
-            tokens=dev64[:n_tok],
-            positions=dev64[n_tok : 2 * n_tok],
-            slots=dev64[2 * n_tok : 3 * n_tok],
-            block_tables=dev32[n_seq:].view(n_seq, width),
-            ctx_lens=dev32[:n_seq],
-            last_rows=dev64[3 * n_tok :],
-            q_lens=inputs.q_lens,
-            ctx_lens_list=inputs.ctx_lens,
-            tables_list=[list(t) for t in tables],
-        )
+        """The step's inputs on the device (:func:`stage`, through pinned buffers on CUDA)."""
+        return stage(inputs, self._to_device)
 
     def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's int64 and int32 inputs on the device. On CUDA through persistent pinned
@@ -376,6 +363,34 @@ class ModelRunner:
                     return logits
             return self.decode_step(batch)
         return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+
+
+def stage(
+    inputs: StepInputs, to_device: Callable[[list[int], list[int]], tuple[torch.Tensor, ...]]
+) -> StepBatch:
+    """A step's host lists as a :class:`StepBatch`: two host tensors (int64: tokens, positions,
+    slots, rows; int32: context lengths, tables) moved by ``to_device``, one copy each; the
+    fields are views of them."""
+    tables = inputs.tables
+    width = max(len(t) for t in tables)
+    n_tok, n_seq = len(inputs.tokens), len(tables)
+    longs = inputs.tokens + inputs.positions + inputs.slots + inputs.last_rows
+    ints = inputs.ctx_lens.copy()
+    for t in tables:
+        ints += t
+        ints += [0] * (width - len(t))
+    dev64, dev32 = to_device(longs, ints)
+    return StepBatch(
+        tokens=dev64[:n_tok],
+        positions=dev64[n_tok : 2 * n_tok],
+        slots=dev64[2 * n_tok : 3 * n_tok],
+        block_tables=dev32[n_seq:].view(n_seq, width),
+        ctx_lens=dev32[:n_seq],
+        last_rows=dev64[3 * n_tok :],
+        q_lens=inputs.q_lens,
+        ctx_lens_list=inputs.ctx_lens,
+        tables_list=[list(t) for t in tables],
+    )
 
 
 def kv_blocks_for_memory(
