@@ -172,7 +172,7 @@ def test_stop_strings_and_n(server: _Server) -> None:
         ({"prompt": "x", "max_tokens": 10**9}, 400, "leaves room for"),
         ({"prompt": "x" * 300}, 400, "context is 256 tokens"),
         ({"prompt": "y" * 100_000}, 400, "context is 256 tokens"),  # parsed in a thread
-        ({"prompt": "x", "n": 99}, 400, "'n' must be between 1 and 16"),
+        ({"prompt": "x", "n": 99}, 400, "'n' must be in [1, 16]"),
         ({"prompt": "x", "temperature": "hot"}, 400, "'temperature' must be a number"),
         ({"prompt": 5}, 400, "'prompt' must be a string"),
         ({"prompt": "x", "stream": "yes"}, 400, "'stream' must be a boolean"),

@@ -140,9 +140,20 @@ _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
 
 def _number(
-    body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False
-) -> float:
-    v = float(_get(body, key, (int, float), default))
+    body: dict,
+    key: str,
+    default: Any,
+    lo: float,
+    hi: float,
+    lo_open: bool = False,
+    kind: Any = float,
+) -> Any:
+    """``body[key]`` (``default`` when absent or null) checked to lie in [lo, hi] ((lo, hi]
+    with ``lo_open``); ``kind`` int takes integers only, float any number (as a float)."""
+    v = _get(body, key, int if kind is int else (int, float), default)
+    if v is None:
+        return None
+    v = kind(v)
     if not (lo < v if lo_open else lo <= v) or not v <= hi:
         bounds = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise BadRequest(f"'{key}' must be in {bounds}, got {v}", key)
@@ -189,34 +200,15 @@ def _sampling(
             f"{room} in this model's {ctx}-token context",
             max_key,
         )
-    n = _get(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise BadRequest(f"'n' must be between 1 and {MAX_N}, got {n}", "n")
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
-    if not 0 <= temperature <= 100:
-        raise BadRequest(
-            f"'temperature' must be between 0 and 100, got {temperature}", "temperature"
-        )
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    n = _number(body, "n", 1, 1, MAX_N, kind=int)
     top_k = _get(body, "top_k", int, 0)
     if top_k < 0 and top_k != -1:
         raise BadRequest(f"'top_k' must be >= 0 (or -1 for off), got {top_k}", "top_k")
-    min_p = float(_get(body, "min_p", (int, float), 0.0))
-    if not 0 <= min_p <= 1:
-        raise BadRequest(f"'min_p' must be in [0, 1], got {min_p}", "min_p")
-    seed = _get(body, "seed", int, None)
     if chat:
         want = _get(body, "logprobs", bool, False)
-        top = _get(body, "top_logprobs", int, 0)
-        if not 0 <= top <= 20:
-            raise BadRequest(f"'top_logprobs' must be between 0 and 20, got {top}", "top_logprobs")
-        logprobs = top if want else None
+        logprobs = _number(body, "top_logprobs", 0, 0, 20, kind=int) if want else None
     else:
-        logprobs = _get(body, "logprobs", int, None)
-        if logprobs is not None and not 0 <= logprobs <= 20:
-            raise BadRequest(f"'logprobs' must be between 0 and 20, got {logprobs}", "logprobs")
+        logprobs = _number(body, "logprobs", None, 0, 20, kind=int)
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -228,13 +220,13 @@ def _sampling(
         raise BadRequest("'stop' must be a string or a list of up to 4 strings", "stop")
     stops = [s for s in stops if s]
     params = SamplingParams(
-        temperature=temperature,
+        temperature=_number(body, "temperature", 1.0, 0, 100),
         top_k=max(top_k, 0),
-        top_p=top_p,
-        min_p=min_p,
+        top_p=_number(body, "top_p", 1.0, 0, 1, lo_open=True),
+        min_p=_number(body, "min_p", 0.0, 0, 1),
         max_tokens=max_tokens,
         n=n,
-        seed=seed,
+        seed=_get(body, "seed", int, None),
         logprobs=logprobs,
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
