@@ -98,7 +98,6 @@ class _Request:
     request_id: str
     prompt: list[int]
     seqs: list[Seq]
-    arrival_time: float
 
     @property
     def finished(self) -> bool:
@@ -194,7 +193,7 @@ class Engine:
             name = type(self.speculative.draft).__name__
             self.startup_line += f", speculative decoding ({name}, k={self.speculative.k}, batch 1)"
         # decode_* / mixed_* / spec_*: steps where every sequence fed one token (the graphs'
-        # case), steps that carried prefill, speculative steps; wall and CPU seconds of each
+        # case), steps that carried prefill, speculative steps; wall seconds of each
         self.stats: dict[str, float] = {
             "preemptions": 0,
             "prompt_tokens": 0,
@@ -202,7 +201,7 @@ class Engine:
             "steps": 0,
         }
         for kind in ("decode", "mixed", "spec"):
-            self.stats.update({f"{kind}_steps": 0, f"{kind}_s": 0.0, f"{kind}_cpu_s": 0.0})
+            self.stats.update({f"{kind}_steps": 0, f"{kind}_s": 0.0})
 
     # the parts, as attributes callers and tests read
     @property
@@ -312,7 +311,7 @@ class Engine:
                     if params.stop:
                         seq.stops = StopMatcher(params.stop)
                 seqs.append(seq)
-            self.requests[rid] = _Request(rid, prompt, seqs, time.monotonic())
+            self.requests[rid] = _Request(rid, prompt, seqs)
             self.scheduler.add(seqs)
         return rid
 
@@ -381,7 +380,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; the requests that got a token (or finished)."""
-        t_start, c_start = time.perf_counter(), time.process_time()
+        t_start = time.perf_counter()
         with self.lock:
             chosen = self.scheduler.schedule()
             if not chosen:
@@ -399,7 +398,6 @@ class Engine:
             self.stats["preemptions"] = self.scheduler.preemptions
             self.stats[f"{kind}_steps"] += 1
             self.stats[f"{kind}_s"] += time.perf_counter() - t_start
-            self.stats[f"{kind}_cpu_s"] += time.process_time() - c_start
             return outs
 
     def _plain_step(self, chosen: list[tuple[Seq, int]], touched: dict[str, _Request]) -> str:
@@ -452,8 +450,6 @@ class Engine:
         out.policy_versions.append(self.policy_version)
         if out.top_logprobs is not None:
             out.top_logprobs.append(top or {})
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
         self.stats["generated_tokens"] += 1
         reason = self._finish_reason(seq, tok)
         if reason == "stop":

@@ -64,7 +64,6 @@ class Seq:
     params: Any = None
     generator: Any = None
     out: Any = None
-    first_token_time: float | None = None
     detok: Any = None
     stops: Any = None
 
