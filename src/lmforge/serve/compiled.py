@@ -159,10 +159,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Te
     return torch.ops.lmforge_serve.gemv(x, w, split).sum(0).to(x.dtype)
 
 
-def _proj(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
-    return gemv(x, w, split) if split else F.linear(x, w)
-
-
 # first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
 _PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
 

@@ -193,7 +193,7 @@ class Engine:
             name = type(self.speculative.draft).__name__
             self.startup_line += f", speculative decoding ({name}, k={self.speculative.k}, batch 1)"
         # decode_* / mixed_* / spec_*: steps where every sequence fed one token (the graphs'
-        # case), steps that carried prefill, speculative steps; wall seconds of each
+        # case), steps that carried prefill, speculative steps; wall and CPU seconds of each
         self.stats: dict[str, float] = {
             "preemptions": 0,
             "prompt_tokens": 0,
@@ -201,7 +201,7 @@ class Engine:
             "steps": 0,
         }
         for kind in ("decode", "mixed", "spec"):
-            self.stats.update({f"{kind}_steps": 0, f"{kind}_s": 0.0})
+            self.stats.update({f"{kind}_steps": 0, f"{kind}_s": 0.0, f"{kind}_cpu_s": 0.0})
 
     # the parts, as attributes callers and tests read
     @property
@@ -380,7 +380,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; the requests that got a token (or finished)."""
-        t_start = time.perf_counter()
+        t_start, c_start = time.perf_counter(), time.process_time()
         with self.lock:
             chosen = self.scheduler.schedule()
             if not chosen:
@@ -398,6 +398,7 @@ class Engine:
             self.stats["preemptions"] = self.scheduler.preemptions
             self.stats[f"{kind}_steps"] += 1
             self.stats[f"{kind}_s"] += time.perf_counter() - t_start
+            self.stats[f"{kind}_cpu_s"] += time.process_time() - c_start
             return outs
 
     def _plain_step(self, chosen: list[tuple[Seq, int]], touched: dict[str, _Request]) -> str:

@@ -318,7 +318,7 @@ class ModelRunner:
 
     def prepare(self, inputs: StepInputs) -> StepBatch:
         """The step's inputs on the device (:func:`stage`, through pinned buffers on CUDA)."""
-        return stage(inputs, self._to_device)
+        return stage(inputs, self.device, self._to_device)
 
     def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's int64 and int32 inputs on the device. On CUDA through persistent pinned
@@ -366,11 +366,13 @@ class ModelRunner:
 
 
 def stage(
-    inputs: StepInputs, to_device: Callable[[list[int], list[int]], tuple[torch.Tensor, ...]]
+    inputs: StepInputs,
+    device: torch.device,
+    copy: Callable[[list[int], list[int]], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> StepBatch:
-    """A step's host lists as a :class:`StepBatch`: two host tensors (int64: tokens, positions,
-    slots, rows; int32: context lengths, tables) moved by ``to_device``, one copy each; the
-    fields are views of them."""
+    """A step's host lists as a :class:`StepBatch` on ``device``: two tensors (int64: tokens,
+    positions, slots, rows; int32: context lengths, tables), one copy each (by ``copy``, e.g.
+    the runner's pinned staging); the fields are views of them."""
     tables = inputs.tables
     width = max(len(t) for t in tables)
     n_tok, n_seq = len(inputs.tokens), len(tables)
@@ -379,7 +381,11 @@ def stage(
     for t in tables:
         ints += t
         ints += [0] * (width - len(t))
-    dev64, dev32 = to_device(longs, ints)
+    if copy is None:
+        dev64 = torch.tensor(longs, device=device)
+        dev32 = torch.tensor(ints, dtype=torch.int32, device=device)
+    else:
+        dev64, dev32 = copy(longs, ints)
     return StepBatch(
         tokens=dev64[:n_tok],
         positions=dev64[n_tok : 2 * n_tok],

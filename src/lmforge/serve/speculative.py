@@ -124,12 +124,7 @@ class _Paged:
         table = self.table[: math.ceil(end / bs)]
         step = StepInputs(list(tokens), list(range(start, end)), slots, rows, [n], [end], [table])
         self.n_cached = end
-        batch = stage(step, self._to_device)
-        return forward_step(self.model, self.cache, batch)  # (n or 1, V)
-
-    def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        dev = self.device
-        return torch.tensor(longs, device=dev), torch.tensor(ints, dtype=torch.int32, device=dev)
+        return forward_step(self.model, self.cache, stage(step, self.device))  # (n or 1, V)
 
 
 @dataclasses.dataclass
