@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import threading
 import time
 from collections import deque
@@ -43,7 +42,7 @@ from lmforge.serve.blocks import BlockAllocator
 from lmforge.serve.detok import StopMatcher, make_detokenizer, release
 from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
 from lmforge.serve.sampling import SamplingParams, apply_penalties, logprobs_of, sample_tokens
-from lmforge.serve.scheduler import Scheduler, Seq
+from lmforge.serve.scheduler import Scheduler, Seq, check_fits
 from lmforge.utils.errors import LmforgeError
 
 if TYPE_CHECKING:
@@ -254,21 +253,10 @@ class Engine:
         """The prompt as a list of ints if the engine can ever run the request, else raise
         :class:`LmforgeError` (one line). Reads only fixed state: safe from any thread."""
         prompt = [int(t) for t in prompt_token_ids]
-        ctx = self.config.context_length
-        if not prompt:
-            raise LmforgeError("the prompt needs at least one token")
         if any(t < 0 or t >= self.config.vocab_size for t in prompt):
             raise LmforgeError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-        if len(prompt) >= ctx:
-            raise LmforgeError(
-                f"prompt has {len(prompt)} tokens; the model's context is {ctx} "
-                "(at least one token must be generated)"
-            )
-        need = math.ceil(min(len(prompt) + params.max_tokens, ctx) / self.block_size)
-        if need > self.allocator.num_blocks:
-            raise LmforgeError(
-                f"request needs {need} KV blocks, the cache has {self.allocator.num_blocks}"
-            )
+        check_fits(len(prompt), params.max_tokens, self.config.context_length, self.block_size,
+                   self.allocator.num_blocks)  # fmt: skip
         if self.speculative is not None and params.n != 1:
             raise LmforgeError("speculative decoding serves one sample per request (n = 1)")
         if self.speculative is not None and params.penalised:

@@ -15,8 +15,8 @@ Layout (one pipe each way, pickled messages, batched)::
   sender thread ships as one message (a prompt bigger than the pipe's buffer cannot block the
   event loop). The child drains every message between two steps.
 - After each step the child sends one message with every request's new ids and logprobs
-  (:class:`~lmforge.serve.output.Delta`, packed as flat arrays by :func:`pack_step`) and its counters (for ``/metrics`` and the
-  429 check). The event loop reads it when the pipe is readable (``add_reader``: no thread
+  (:class:`~lmforge.serve.output.Delta`, packed as flat arrays by :func:`pack_step`) and its
+  counters (for ``/metrics`` and the 429 check). The event loop reads it when the pipe is readable (``add_reader``: no thread
   hop) and puts each delta on its request's queue.
 - Text and stop strings are the parent's (:mod:`lmforge.serve.output`); the child is ids-only.
 - The child ignores SIGINT / SIGTERM: the parent drains and then sends ``stop``; if the parent
@@ -25,7 +25,8 @@ Layout (one pipe each way, pickled messages, batched)::
 
 The child builds its own model and engine from an :class:`EngineSpec` (a CUDA model cannot be
 handed across processes), then sends back the tokenizer, chat template and the facts the
-server needs. Exercised by ``pytest tests/test_serve_server_process.py``.
+server needs. :class:`EngineLoop` runs the same loop in a thread over the same pipe (tests).
+Exercised by ``pytest tests/test_serve_server_process.py tests/test_serve_server.py``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from typing import Any
 
 from lmforge.serve.output import Delta, DeltaTracker, SampleDelta, engine_counts
 from lmforge.serve.sampling import SamplingParams
+from lmforge.serve.scheduler import check_fits
 from lmforge.utils.errors import LmforgeError
 
 __all__ = ["EngineLoop", "EngineProcess", "EngineSpec", "engine_info", "pack_step", "unpack_step"]
@@ -141,11 +143,7 @@ class EngineProcess:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ask the child to finish what it has and exit; wait for it (kill after ``timeout``)."""
-        if self._aloop is not None and self._conn is not None:
-            try:
-                self._aloop.remove_reader(self._conn.fileno())
-            except (ValueError, OSError):
-                pass
+        self._detach()
         with self._cv:
             self._ops.append(("stop",))
             self._stopping = True
@@ -181,13 +179,8 @@ class EngineProcess:
         if self.error is not None:
             raise LmforgeError(f"the engine failed: {self.error}")
         prompt = [int(t) for t in prompt]
-        if not prompt or len(prompt) >= self.context_length:
-            raise LmforgeError(
-                f"prompt has {len(prompt)} tokens; the model's context is {self.context_length}"
-            )
-        need = -(-min(len(prompt) + params.max_tokens, self.context_length) // self.block_size)
-        if need > self.num_blocks:
-            raise LmforgeError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
+        check_fits(len(prompt), params.max_tokens, self.context_length, self.block_size,
+                   self.num_blocks)  # fmt: skip
         waiting = self._counts.get("waiting", 0) + self._adds_sent - self._counts.get("adds", 0)
         if self.max_queue is not None and waiting >= self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
@@ -262,12 +255,15 @@ class EngineProcess:
                 del queues[rid]
             queue.put_nowait(delta)
 
-    def _child_died(self) -> None:
+    def _detach(self) -> None:
         if self._aloop is not None and self._conn is not None:
             try:
                 self._aloop.remove_reader(self._conn.fileno())
             except (ValueError, OSError):
                 pass
+
+    def _child_died(self) -> None:
+        self._detach()
         if self._stopping:
             return
         code = getattr(self._proc, "exitcode", None)
