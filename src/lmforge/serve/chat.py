@@ -27,7 +27,7 @@ def chat_repl(
     stdout = stdout or sys.stdout
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     if engine.tokenizer is None:  # the engine streams final text pieces (stop-safe, O(new))
-        engine.set_tokenizer(tokenizer)
+        engine.tokenizer = tokenizer  # for requests added from now on
     ctx = engine.config.context_length
     interactive = stdin.isatty()
     while True:

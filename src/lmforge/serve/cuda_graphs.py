@@ -59,8 +59,7 @@ class DecodeGraphs:
             print(
                 f"lmforge serve: CUDA graph capture failed, decoding eagerly ({e})", file=sys.stderr
             )
-            self.graphs.clear()
-            self.outputs.clear()
+            self.close()
 
     def close(self) -> None:
         """Drop the graphs and their outputs (their memory pool goes back to the allocator)."""

@@ -243,11 +243,6 @@ class Engine:
         """How the KV cache was sized from free memory (None: given or the CPU default)."""
         return self.runner.kv_budget
 
-    def set_tokenizer(self, tokenizer: Any) -> None:
-        """Turn on text (and stop strings) for requests added from now on."""
-        with self.lock:
-            self.tokenizer = tokenizer
-
     # ---------------------------------------------------------------- requests
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ints if the engine can ever run the request, else raise
@@ -512,25 +507,20 @@ class Engine:
         progress: bool = False,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order."""
+        from tqdm import tqdm
+
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise LmforgeError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         done: dict[str, RequestOutput] = {}
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    if bar is not None:
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not progress) as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
                         bar.update(1)
-        if bar is not None:
-            bar.close()
         return [done[i] for i in ids]
 
 

@@ -292,7 +292,8 @@ def build_app(state: ServerState) -> Any:
     ctx = state.loop.context_length
     vocab = state.loop.vocab_size
     tok = state.tokenizer
-    special = _special_names(state)
+    eos = state.loop.eos_token_id  # a template may name the model's EOS text
+    special = {} if eos is None else {"eos_token": tok.decode([eos])}
     # Plain ASGI middlewares: starlette's BaseHTTPMiddleware would put every streamed chunk
     # through an extra task and memory stream. The size limit is outermost: an oversized body
     # is refused before anything reads, parses or tokenizes it.
@@ -770,14 +771,6 @@ class _BodyLimit:
         msg = (f"the request body is {size} bytes; this server takes at most "
                f"{self.state.max_request_bytes} (lmforge serve --max-request-bytes)")  # fmt: skip
         await _error(413, msg)(scope, receive, send)
-
-
-def _special_names(state: ServerState) -> dict[str, str]:
-    out = {}
-    eos = state.loop.eos_token_id
-    if eos is not None:
-        out["eos_token"] = state.tokenizer.decode([eos])
-    return out
 
 
 def _logprobs_json(
