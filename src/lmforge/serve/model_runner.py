@@ -151,11 +151,7 @@ class ModelRunner:
         else:
             if num_blocks is None:
                 num_blocks = self._default_num_blocks(dtype)
-            self.cache = self._new_cache(num_blocks + 1)
-            self.decoder = self._make_decoder(want_compile)
-            self.graphs = self._make_graphs() if self.use_graphs else None
-            if self.graphs is None and self.decoder is not None:
-                self.decoder.warmup(self.cache.num_blocks - 1, block_size)
+            self._build(num_blocks, self.use_graphs, want_compile)
         self.num_blocks = num_blocks
 
     def describe(self) -> str:
@@ -195,6 +191,19 @@ class ModelRunner:
             cfg.n_layers, n, self.block_size, cfg.kv_heads, cfg.head_dim, self.device,
             self.kv_dtype,
         )  # fmt: skip
+
+    def _build(
+        self, n: int, use_graphs: bool, want_compile: bool, probe: Callable[[], int] | None = None
+    ) -> int | None:
+        """A cache of ``n`` blocks (+ the scratch block), the compiled step, then the CUDA graphs
+        (or, without graphs, the compiled step warmed up); ``probe()`` read before the capture."""
+        self.cache = self._new_cache(n + 1)
+        self.decoder = self._make_decoder(want_compile)
+        free = probe() if probe is not None else None
+        self.graphs = self._make_graphs() if use_graphs else None
+        if self.graphs is None and self.decoder is not None:
+            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+        return free
 
     def _make_decoder(self, want: bool) -> Any:
         # Decode steps through torch.compile (lmforge.serve.compiled); default on for CUDA.
@@ -242,12 +251,7 @@ class ModelRunner:
         blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
         n_seqs = math.ceil(self.max_num_batched_tokens / max(self.config.context_length - 1, 1))
         n_probe = math.ceil(self.max_num_batched_tokens / self.block_size) + n_seqs + 2
-        self.cache = self._new_cache(n_probe + 1)
-        self.decoder = self._make_decoder(want_compile)
-        free_before = probe()
-        self.graphs = self._make_graphs() if use_graphs else None
-        if self.graphs is None and self.decoder is not None:
-            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+        free_before = self._build(n_probe, use_graphs, want_compile, probe)
         reserve = self._profile_step_memory(n_probe) if self.device.type == "cuda" else 0
         free_after = probe()
         probe_bytes = self.cache.num_blocks * per_block
