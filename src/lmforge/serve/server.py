@@ -547,6 +547,8 @@ def build_app(state: ServerState) -> Any:
                 prompt = await _encode(tok, text)
             else:
                 raw = body.get("prompt")
+                if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+                    raw = raw[0]  # a batch of one text
                 if isinstance(raw, str):
                     prompt = await _encode(tok, raw)
                 elif (
@@ -555,8 +557,6 @@ def build_app(state: ServerState) -> Any:
                     and all(isinstance(t, int) and not isinstance(t, bool) for t in raw)
                 ):
                     prompt = list(raw)
-                elif isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-                    prompt = await _encode(tok, raw[0])
                 else:
                     raise BadRequest(
                         "'prompt' must be a string or a non-empty list of token ids", "prompt"
@@ -568,8 +568,7 @@ def build_app(state: ServerState) -> Any:
                             "server does not compute; ask for one or the other",
                             "echo",
                         )
-                    echo = raw if isinstance(raw, str) else raw[0] if len(raw) == 1 and \
-                        isinstance(raw[0], str) else tok.decode(prompt)  # fmt: skip
+                    echo = raw if isinstance(raw, str) else tok.decode(prompt)
             if not prompt:
                 raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
             if any(t < 0 or t >= vocab for t in prompt):
