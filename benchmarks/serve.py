@@ -1456,7 +1456,7 @@ def bench_engine_host(quick: bool, baseline_src: str | None = None, rounds: int 
 
 # ---------------------------------------------------------------- 4. speculative
 def bench_spec(quick: bool) -> None:
-    from lmforge.serve.speculative import DraftModel, NgramDraft, SpeculativeDecoder
+    from lmforge.serve.speculative import DraftModel, NgramDraft, Speculative
 
     target = _model(TINYLLAMA)
     draft = _model({**TINYLLAMA, "n_layers": 2}, seed=1)
@@ -1481,16 +1481,18 @@ def bench_spec(quick: bool) -> None:
         ("2-layer draft model", DraftModel(draft)),
         ("n-gram prompt lookup", NgramDraft()),
     ):
-        spec = SpeculativeDecoder(target, d, k=4)
-        spec.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        spec.stats = type(spec.stats)()
+        spec = Engine(target, block_size=16, max_num_seqs=1, num_blocks=256,
+                      speculative=Speculative(d, k=4))  # fmt: skip
+        spec.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        stats = spec.speculative.stats = type(spec.speculative.stats)()
+        steps0 = spec.stats["steps"]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = spec.generate(prompt, params)
+        out = spec.generate([prompt], params)[0].outputs[0]
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / new
         same = "yes" if out.token_ids == want else "NO"
-        _line(f"| {name} | {spec.stats.acceptance:.2f} | {spec.stats.target_steps} | {ms:.2f} | "
+        _line(f"| {name} | {stats.acceptance:.2f} | {spec.stats['steps'] - steps0} | {ms:.2f} | "
               f"{base / ms:.2f}x | {same} |")  # fmt: skip
 
 
