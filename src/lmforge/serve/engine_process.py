@@ -340,7 +340,7 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
         conn.send(("error", f"the engine process failed to start: {type(e).__name__}: {e}"))
         raise
     gc.freeze()  # the model and engine live as long as the process: keep them out of collections
-    conn.send(("ready", info))
+    conn.send(("ready", {**info, "counts": _counts(engine, 0, 0.0, 0)}))
     _serve_engine(engine, conn)
 
 
@@ -409,10 +409,8 @@ def _serve_engine(engine: Any, conn: Any) -> None:
                 samples = [(s.index, s.token_ids, s.logprobs, s.top_logprobs, s.finish_reason)
                            for s in d.samples]  # fmt: skip
                 out.append((ro.request_id, d.finished, None, 200, samples))
-        counts = {**engine_counts(engine), "adds": adds, "step_seconds": step_seconds,
-                  "step_count": step_count}  # fmt: skip
         try:
-            conn.send(("out", pack_step(out), counts))
+            conn.send(("out", pack_step(out), _counts(engine, adds, step_seconds, step_count)))
         except (BrokenPipeError, OSError):
             return
 
@@ -453,7 +451,7 @@ def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
-    """What the API side needs of an engine (the request checks, ``/metrics``' first counts)."""
+    """What the API side needs to know of an engine (for its request checks)."""
     return {
         "context_length": engine.config.context_length,
         "vocab_size": engine.config.vocab_size,
@@ -461,8 +459,13 @@ def engine_info(engine: Any) -> dict[str, Any]:
         "num_blocks": engine.allocator.num_blocks,
         "block_size": engine.block_size,
         "max_queue": engine.max_queue,
-        "counts": {**engine_counts(engine), "adds": 0, "step_seconds": 0.0, "step_count": 0},
     }
+
+
+def _counts(engine: Any, adds: int, step_seconds: float, step_count: int) -> dict[str, float]:
+    """The counters the child sends with every step (``/metrics``, the parent's 429 check)."""
+    return {**engine_counts(engine), "adds": adds, "step_seconds": step_seconds,
+            "step_count": step_count}  # fmt: skip
 
 
 class EngineLoop(EngineProcess):
@@ -474,7 +477,7 @@ class EngineLoop(EngineProcess):
     def __init__(self, engine: Any) -> None:
         super().__init__(EngineSpec({}))
         self.engine = engine
-        self._set_info(engine_info(engine))
+        self._set_info({**engine_info(engine), "counts": _counts(engine, 0, 0.0, 0)})
         self._conn, self._child = mp.Pipe(duplex=True)
         self._proc = threading.Thread(target=_serve_engine, args=(engine, self._child),
                                       name="lmforge-engine", daemon=True)  # fmt: skip
