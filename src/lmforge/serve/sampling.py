@@ -214,14 +214,6 @@ def apply_penalties_reference(
     return out
 
 
-def _effective_temperature(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
-    return torch.tensor(
-        [p.temperature if p.temperature > 0 else 1.0 for p in params],
-        dtype=torch.float32,
-        device=device,
-    )  # (B,)
-
-
 def logprobs_of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``log_softmax(logits / T)`` per row, float32, full vocabulary: (B, V) -> (B, V)."""
     t0 = params[0].temperature if params else 1.0
@@ -229,7 +221,8 @@ def logprobs_of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         t = t0 if t0 > 0 else 1.0
         x = logits.float()
         return torch.log_softmax(x if t == 1.0 else x / t, dim=-1)  # (B, V)
-    temps = _effective_temperature(params, logits.device)
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                         dtype=torch.float32, device=logits.device)  # (B,); greedy rows: T = 1  # fmt: skip
     return torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # (B, V)
 
 
@@ -256,10 +249,6 @@ def truncated_probs(logprobs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return lp.softmax(-1)  # (V,)
 
 
-def _plain(p: SamplingParams) -> bool:
-    return p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0
-
-
 def sample_tokens(
     logprobs: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -278,7 +267,7 @@ def sample_tokens(
     batch = [
         i
         for i, (p, g) in enumerate(zip(params, generators, strict=True))
-        if not p.greedy and g is None and _plain(p)
+        if not p.greedy and g is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0
     ]
     if batch:
         idx = torch.tensor(batch, device=logprobs.device)
