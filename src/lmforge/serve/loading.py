@@ -32,10 +32,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _IMPORT_CONTEXT = 4096  # imports default to this much context (RoPE tables are kept per layer)
 
 
-def add_model_source_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
-    """``--checkpoint | --hf | --gguf`` (exactly one; at most one with ``required=False``, for a
-    command with another mode), ``--device``, ``--dtype``, ``--context-length``."""
-    src = p.add_mutually_exclusive_group(required=required)
+def add_model_source_args(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint | --hf | --gguf`` (exactly one), ``--device``, ``--dtype``,
+    ``--context-length``."""
+    src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--checkpoint",
         metavar="DIR",
