@@ -214,6 +214,14 @@ def apply_penalties_reference(
     return out
 
 
+def _effective_temperature(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
+    return torch.tensor(
+        [p.temperature if p.temperature > 0 else 1.0 for p in params],
+        dtype=torch.float32,
+        device=device,
+    )  # (B,)
+
+
 def logprobs_of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """``log_softmax(logits / T)`` per row, float32, full vocabulary: (B, V) -> (B, V)."""
     t0 = params[0].temperature if params else 1.0
@@ -221,8 +229,7 @@ def logprobs_of(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
         t = t0 if t0 > 0 else 1.0
         x = logits.float()
         return torch.log_softmax(x if t == 1.0 else x / t, dim=-1)  # (B, V)
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         dtype=torch.float32, device=logits.device)  # (B,); greedy rows: T = 1  # fmt: skip
+    temps = _effective_temperature(params, logits.device)
     return torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # (B, V)
 
 
