@@ -354,7 +354,8 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     """The token mixer of block ``layer_idx``, by its letter in ``config.layer_types``:
     A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention.
     Linear mixers run their chunked kernels (Triton on CUDA, the chunked torch path on CPU)."""
-    kind = config.layer_types[layer_idx]
+    # blocks past n_layers (multi-token-prediction modules) are full attention: no recurrent state
+    kind = config.layer_types[layer_idx] if layer_idx < len(config.layer_types) else "A"
     if kind in "AW":
         return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
     heads = config.linear_heads or config.n_heads

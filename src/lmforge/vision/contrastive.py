@@ -368,7 +368,6 @@ def pretrain(cfg: ContrastiveRunConfig, log: Callable[[dict], None] = print) -> 
         grad_clip=t.grad_clip,
         eval_every=t.eval_every,
         save_every=t.save_every,
-        plot=False,  # the Trainer's loss plot needs val_loss in eval records; these hold recall
     )
     final = run_phase(objective, model, train, log)
     result = {k: float(final[k]) for k in RECALL_KEYS}
