@@ -70,6 +70,10 @@ class StepBatch:
     "ctx_lens as ints"
     tables_list: list[list[int]]
     "block tables as lists"
+    image_rows: torch.Tensor | None = None
+    "(I,) long rows whose input is an image embedding (a VLM prompt's slots), or None"
+    image_embeds: torch.Tensor | None = None
+    "(I, D) those rows' embeddings"
 
     @property
     def decode_only(self) -> bool:
@@ -94,7 +98,11 @@ def forward_step(
         q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
         plan=plan,
     )  # fmt: skip
-    return model(batch.tokens[None], context=ctx)[0].float()  # (1, N) -> (S, V)
+    embeds = None
+    if batch.image_rows is not None:  # a VLM's image slots: the one forward's input_embeds
+        embeds = model.token_embeddings(batch.tokens[None])  # (1, N, D)
+        embeds[0, batch.image_rows] = batch.image_embeds.to(embeds.dtype)
+    return model(batch.tokens[None], context=ctx, input_embeds=embeds)[0].float()  # (S, V)
 
 
 class ModelRunner:
@@ -360,7 +368,7 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Logits (S, V) float32 of the rows ``batch.last_rows``: graph replay, else the
         compiled step for decode-only steps; the model's eager forward otherwise."""
-        if batch.decode_only:
+        if batch.decode_only and batch.image_rows is None:
             if self.graphs is not None:
                 logits = self.graphs.run(batch)
                 if logits is not None:
@@ -390,7 +398,7 @@ def stage(
         dev32 = torch.tensor(ints, dtype=torch.int32, device=device)
     else:
         dev64, dev32 = copy(longs, ints)
-    return StepBatch(
+    batch = StepBatch(
         tokens=dev64[:n_tok],
         positions=dev64[n_tok : 2 * n_tok],
         slots=dev64[2 * n_tok : 3 * n_tok],
@@ -401,6 +409,11 @@ def stage(
         ctx_lens_list=inputs.ctx_lens,
         tables_list=[list(t) for t in tables],
     )
+    if inputs.image_rows:  # a VLM prompt's image slots in this step (rare: not staged above)
+        batch.image_rows = torch.tensor(inputs.image_rows, device=device)
+        parts = [e[lo:hi] for e, lo, hi in inputs.image_parts]
+        batch.image_embeds = torch.cat(parts).to(device)  # (I, D)
+    return batch
 
 
 def kv_blocks_for_memory(

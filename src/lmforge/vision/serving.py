@@ -53,6 +53,7 @@ __all__ = [
     "VisionTower",
     "decode_data_url",
     "decode_image",
+    "expand_placeholders",
     "image_pixels",
     "is_vlm_folder",
     "load_vlm",
@@ -177,6 +178,20 @@ class VisionTower(nn.Module):
         p = next(self.parameters())
         return self.projector(self.vision(pixels.to(p.device, p.dtype))[1])  # (M, N, D)
 
+    def embed_rows(self, pixels: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
+        """The slots' rows of M images' (3, S, S) pixels, one forward: (M·N, D) (M = 0 too)."""
+        s = self.image_size
+        for i, px in enumerate(pixels):
+            if tuple(px.shape) != (3, s, s):
+                raise LmforgeError(
+                    f"image {i + 1}: pixels {tuple(px.shape)}, expected (3, {s}, {s})"
+                )
+        if not pixels:
+            p = self.projector.fc2.weight
+            return p.new_empty(0, p.shape[0])  # (0, D)
+        batch = torch.stack([torch.as_tensor(px) for px in pixels])  # (M, 3, S, S)
+        return self(batch).flatten(0, 1)  # (M·N, D)
+
 
 @dataclasses.dataclass
 class ImagePrompt:
@@ -200,6 +215,29 @@ class ImagePrompt:
         }
 
 
+def expand_placeholders(
+    prompt_ids: Sequence[int], image_id: int, n_image_tokens: int, n_images: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """``(ids, spans)``: each ``<image>`` id of ``prompt_ids`` (one per image, in order) becomes
+    ``n_image_tokens`` slots; ``spans`` holds each image's (start, length) in ``ids``. A
+    placeholder count other than ``n_images`` raises one line."""
+    n_holders = sum(1 for t in prompt_ids if t == image_id)
+    if n_holders != n_images:
+        raise LmforgeError(
+            f"the prompt has {n_holders} <image> placeholder(s) but {n_images} image(s) were "
+            "given (one placeholder per image)"
+        )
+    ids: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for t in prompt_ids:
+        if t == image_id:
+            spans.append((len(ids), n_image_tokens))
+            ids.extend([image_id] * n_image_tokens)
+        else:
+            ids.append(int(t))
+    return ids, spans
+
+
 @torch.no_grad()
 def prepare_image_prompt(
     tower: VisionTower,
@@ -209,12 +247,11 @@ def prepare_image_prompt(
     pixels: Sequence[tuple[torch.Tensor, str]] | None = None,
 ) -> ImagePrompt:
     """Expand the ``<image>`` placeholders of ``prompt_ids`` (one per image, in order) to N slots
-    each and compute the slots' embeddings in one tower forward.
+    each (:func:`expand_placeholders`) and compute the slots' embeddings in one tower forward.
 
     ``images``: PIL images, (H, W, 3) uint8 arrays or image files' bytes (decoded with
     :func:`decode_image`). ``pixels`` instead gives each image already preprocessed with its
-    digest (:func:`image_pixels`, e.g. done in another process); then ``images`` is ignored.
-    A placeholder count that differs from the image count raises one line.
+    digest (:func:`image_pixels`); then ``images`` is ignored.
     """
     if pixels is None:
         pixels = [
@@ -226,34 +263,10 @@ def prepare_image_prompt(
             )
             for i, im in enumerate(images)
         ]
-    n_holders = sum(1 for t in prompt_ids if t == tower.image_id)
-    if n_holders != len(pixels):
-        raise LmforgeError(
-            f"the prompt has {n_holders} <image> placeholder(s) but {len(pixels)} image(s) were "
-            "given (one placeholder per image)"
-        )
-    size = tower.image_size
-    for i, (px, _) in enumerate(pixels):
-        if tuple(px.shape) != (3, size, size):
-            raise LmforgeError(
-                f"image {i + 1}: pixels {tuple(px.shape)}, expected (3, {size}, {size})"
-            )
-    n = tower.n_image_tokens
-    ids: list[int] = []
-    spans: list[tuple[int, int]] = []
-    for t in prompt_ids:
-        if t == tower.image_id:
-            spans.append((len(ids), n))
-            ids.extend([tower.image_id] * n)
-        else:
-            ids.append(int(t))
-    if pixels:
-        embeds = tower(torch.stack([px for px, _ in pixels]))  # (M, N, D)
-        embeds = embeds.reshape(-1, embeds.shape[-1])  # (M·N, D)
-    else:
-        d = tower.projector.fc2.weight.shape[0]
-        embeds = torch.empty(0, d, device=next(tower.parameters()).device)  # (0, D)
-    return ImagePrompt(ids, embeds, spans, [d for _, d in pixels])
+    ids, spans = expand_placeholders(prompt_ids, tower.image_id, tower.n_image_tokens, len(pixels))
+    return ImagePrompt(
+        ids, tower.embed_rows([px for px, _ in pixels]), spans, [d for _, d in pixels]
+    )
 
 
 class VLMTokenizer:
