@@ -22,8 +22,14 @@ and ends samples on ``stop`` strings, outside the engine; streamed and non-strea
 the same released pieces and a stream never shows text past a stop string. The token that
 ended a sample (EOS / stop id) and the matched stop string are not part of the text.
 
-Exercised by ``pytest tests/test_serve_server.py`` (the official ``openai`` client against a
-server on a free 127.0.0.1 port).
+Images (a VLM, ``lmforge serve --checkpoint VLM_RUN_DIR``): chat content parts ``{"type":
+"image_url", "image_url": {"url": "data:image/...;base64,..."}}`` become ``<image>``
+placeholders; the images are decoded, checked and preprocessed here in a worker thread
+(:mod:`lmforge.vision.serving`; only ``data:`` URLs, nothing is fetched) and the engine side
+embeds them. A bad image, a non-data URL or an image for a text model is a 400.
+
+Exercised by ``pytest tests/test_serve_server.py tests/test_serve_images_server.py`` (the
+official ``openai`` client or httpx against a server on a free 127.0.0.1 port).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@
 
 Simplification: an image is one fixed-size square (CLIP's resize + centre crop), N slots each,
 as the VLM was trained; there is no any-resolution tiling. Exercised by
-``pytest tests/test_vision_serve.py``.
+``pytest tests/test_vision_serve.py tests/test_serve_images.py tests/test_serve_images_server.py
+tests/test_serve_images_cli.py``.
 
 Shape legend: M images, N image tokens per image, D LM width, Dv ViT width, S image side.
 """
