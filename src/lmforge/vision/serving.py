@@ -302,6 +302,8 @@ class VLMTokenizer:
 class LoadedVLM:
     """A VLM run folder, ready to serve: the LM the engine runs, the tower, text tools."""
 
+    vlm: nn.Module
+    "the whole VisionLanguageModel (its training forward; ``lm`` and ``tower`` share its modules)"
     lm: nn.Module
     "the language model (a TransformerLM): the engine's model"
     tower: VisionTower
@@ -359,6 +361,5 @@ def load_vlm(
     template = VLM_CHAT_TEMPLATE
     if (p / "chat_template.jinja").is_file():
         template = (p / "chat_template.jinja").read_text(encoding="utf-8")
-    return LoadedVLM(
-        vlm.lm, VisionTower.from_vlm(vlm), VLMTokenizer(words), template, p.resolve().name
-    )
+    tower = VisionTower.from_vlm(vlm)
+    return LoadedVLM(vlm, vlm.lm, tower, VLMTokenizer(words), template, p.resolve().name)
