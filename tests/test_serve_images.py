@@ -161,3 +161,23 @@ def test_bad_image_embeds_are_one_line() -> None:
         with pytest.raises(LmforgeError, match=match):
             engine.add_request(p.token_ids, GREEDY, image_embeds=images)
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_speculative_decoding_with_an_image_prompt_is_exact(draft: str) -> None:
+    """Prefill (with the image) is a plain step; the drafts only propose: greedy output is the
+    full recompute's whatever the draft (the model's own first block sees no image)."""
+    from lmforge.serve.speculative import DraftModel, NgramDraft, truncated_draft
+
+    vlm = _vlm()
+    (a,) = _images(1)
+    p = _prompt(vlm, [a], text=(10, 11, 10, 11))
+    proposer = NgramDraft() if draft == "ngram" else DraftModel(truncated_draft(vlm.lm, 1))
+    engine = Engine(vlm.lm, block_size=4, num_blocks=32, speculative=proposer)
+    rid = engine.add_request(p.token_ids, SamplingParams(temperature=0, max_tokens=12,
+                             ignore_eos=True), image_embeds=p)  # fmt: skip
+    out = None
+    while engine.has_unfinished():
+        out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+    assert out.outputs[0].token_ids == _reference(vlm, p, 12)
+    assert engine.speculative.stats.drafted > 0  # speculative steps did run
