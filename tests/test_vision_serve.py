@@ -182,6 +182,11 @@ def test_load_vlm_refuses_what_is_not_a_vlm_folder(tmp_path) -> None:
         load_vlm(tmp_path / "missing")
     with pytest.raises(LmforgeError, match=r"no config\.toml"):
         load_vlm(tmp_path)
+    (tmp_path / "config.toml").write_text("")
+    (tmp_path / "stage2").mkdir()
+    assert is_vlm_folder(tmp_path)  # an older run: load_vlm says how to add what it lacks
+    with pytest.raises(LmforgeError, match=r"no vision\.toml.*run the same `lmforge vision vlm`"):
+        load_vlm(tmp_path)
     for name in ("config.toml", "vision.toml"):
         (tmp_path / name).write_text("")
     TOK.save(tmp_path / "vocab.json")

@@ -315,9 +315,11 @@ class LoadedVLM:
 
 
 def is_vlm_folder(path: str | Path) -> bool:
-    """Whether ``path`` is a run folder written by ``lmforge vision vlm``."""
+    """Whether ``path`` is a run folder written by ``lmforge vision vlm`` (a config.toml beside
+    vision.toml, or beside its stage folders: an older run, which :func:`load_vlm` explains)."""
     p = Path(path)
-    return (p / "vision.toml").is_file() and (p / "config.toml").is_file()
+    marks = (p / "vision.toml").is_file() or (p / "stage1").is_dir() or (p / "stage2").is_dir()
+    return (p / "config.toml").is_file() and marks
 
 
 def load_vlm(
@@ -337,7 +339,11 @@ def load_vlm(
         raise LmforgeError(f"VLM folder not found: {p}")
     for name in ("config.toml", "vision.toml", "vocab.json"):
         if not (p / name).is_file():
-            raise LmforgeError(f"{p} is not a `lmforge vision vlm` run folder (no {name})")
+            raise LmforgeError(
+                f"{p} has no {name}: a `lmforge vision vlm` run folder holds config.toml, "
+                "vision.toml and vocab.json (a run older than them: run the same `lmforge vision "
+                "vlm` command again; it resumes and writes them)"
+            )
     ckpt = None
     for stage in ("stage2", "stage1"):
         if (p / stage).is_dir() and (ckpt := latest_checkpoint(p / stage)) is not None:
