@@ -396,10 +396,10 @@ def _serve_engine(engine: Any, conn: Any, vision: Any = None) -> None:
                             out.append((rid, True, failed, 500, []))
                             continue
                         try:
-                            embeds = (
-                                None if images is None else _image_prompt(vision, prompt, images)
-                            )
-                            engine.add_request(prompt, params, request_id=rid, image_embeds=embeds)
+                            # (a text request's call is unchanged: EngineSpec builders' fakes)
+                            kw = {} if images is None else {
+                                "image_embeds": _image_prompt(vision, prompt, images)}  # fmt: skip
+                            engine.add_request(prompt, params, request_id=rid, **kw)
                         except LmforgeError as e:
                             status = 429 if isinstance(e, QueueFull) else 400
                             out.append((rid, True, str(e), status, []))
