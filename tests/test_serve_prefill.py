@@ -332,7 +332,7 @@ def test_engine_skips_a_prefill_kernel_that_failed_to_build(
     tokens. The CPU stands in for CUDA in the rule (the rule itself unchanged)."""
     from triton.runtime.errors import OutOfResources
 
-    from lmforge.serve import _prefill_triton, attention, model_runner
+    from lmforge.serve import _prefill_triton, attention, step
 
     calls = []
 
@@ -349,7 +349,7 @@ def test_engine_skips_a_prefill_kernel_that_failed_to_build(
     want = _greedy(model, use_triton=False)
     monkeypatch.setattr(_prefill_triton, "paged_prefill_triton", broken)
     monkeypatch.setattr(attention, "_PREFILL_FAILED", False)
-    for module in (attention, model_runner):
+    for module in (attention, step):
         monkeypatch.setattr(module, "prefill_kernel_on", as_if_cuda)
     assert _greedy(model, use_triton=None) == want  # several prefill steps, 2 layers each
     err = [line for line in capsys.readouterr().err.splitlines() if "prefill kernel" in line]
