@@ -357,6 +357,10 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     kind = config.layer_types[layer_idx]
     if kind in "AW":
         return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
+    if kind == "S":  # DeepSeek sparse attention (a CausalSelfAttention with a top-k indexer)
+        from lmforge.model.sparse_attention import SparseAttention
+
+        return SparseAttention(config, layer_idx)
     heads = config.linear_heads or config.n_heads
     head_dim = config.linear_head_dim or int(config.head_dim)
     if kind == "G":
