@@ -99,7 +99,8 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, valid: Tensor) 
     vs = v.gather(2, gather).view(b, kv, 1, t, kk, e)
     qg = q.view(b, kv, h // kv, t, 1, e)  # (B, K, H/K, T, 1, E): the heads of one kv group
     scores = (qg * ks).sum(-1) / math.sqrt(e)  # (B, K, H/K, T, k)
-    scores = scores.float().masked_fill(~valid[:, None, None], float("-inf"))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # fp32 softmax or wider
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
     probs = scores.softmax(-1).to(v.dtype)  # (B, K, H/K, T, k)
     out = (probs[..., None] * vs).sum(-2)  # (B, K, H/K, T, E)
     return out.reshape(b, h, t, e)
@@ -198,7 +199,8 @@ class SparseAttention(CausalSelfAttention):
             q = q * mup.q_scale(self.config)
         # The indexer sees a detached input: its loss must not move the main model.
         scores = self.indexer(x.detach(), pos)  # (B, T, T)
-        if self.dense_warmup:
+        if self.dense_warmup or self.topk >= t:
+            # Stage 1, or a context no longer than k (every past key is picked): dense attention.
             mask = causal_mask(t, x.device).expand(b, t, t)  # (B, T, T)
             out = self._causal(q, k, v)  # (B, H, T, E)
         else:
