@@ -315,3 +315,28 @@ def test_warm_start_keeps_the_loss_at_an_eighth_of_the_context(shared_data: Path
     assert fresh > 1.10 * base, (fresh, base)
     assert warm < 1.03 * base, (warm, base)
     assert dataclasses.replace(cfg, layers="S", dsa_topk=8).layer_types == ("S", "S")
+
+
+def test_hybrid_quality_benchmark_quick(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``benchmarks/hybrid_quality.py --quick``: both families on synthetic shards, one figure
+    and one table with every variant, parameters equalised through d_ff."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hybrid_quality.py"
+    spec = importlib.util.spec_from_file_location("hybrid_quality", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "hq"
+    assert bench.main(["--quick", "--out", str(out), "--variants", "full,gdn,swa"]) == 0
+    assert bench.main(["--quick", "--out", str(out), "--family", "dsa"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert (out / "hybrid_quality.png").stat().st_size > 0
+    rows = {line.split("|")[1].strip(): line for line in table if line.startswith("| ")}
+    assert {"full", "gdn", "swa", "dsa", "dense-cont"} <= set(rows)
+    assert "vs dense-cont" in rows["dsa"] and "% of dense" in rows["dsa"]
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    params = [results[v]["params"] for v in ("full", "gdn", "swa")]
+    assert max(params) - min(params) <= 3 * 32 * 4 * 8  # one d_ff rounding step
+    assert results["dsa"]["layers"] == "SSSS" and len(results["dsa"]["curve"]) >= 2
+    assert all(math.isfinite(loss) for _, loss in results["dsa"]["curve"])
