@@ -352,7 +352,8 @@ def sliding_window_mask(t: int, window: int, device: torch.device | None = None)
 
 def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     """The token mixer of block ``layer_idx``, by its letter in ``config.layer_types``:
-    A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention.
+    A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention,
+    S DeepSeek sparse attention (:mod:`lmforge.model.sparse_attention`).
     Linear mixers run their chunked kernels (Triton on CUDA, the chunked torch path on CPU)."""
     kind = config.layer_types[layer_idx]
     if kind in "AW":
