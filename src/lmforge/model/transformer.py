@@ -355,7 +355,8 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention,
     S DeepSeek sparse attention (:mod:`lmforge.model.sparse_attention`).
     Linear mixers run their chunked kernels (Triton on CUDA, the chunked torch path on CPU)."""
-    kind = config.layer_types[layer_idx]
+    # blocks past n_layers (multi-token-prediction modules) are full attention: no recurrent state
+    kind = config.layer_types[layer_idx] if layer_idx < len(config.layer_types) else "A"
     if kind in "AW":
         return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
     if kind == "S":  # DeepSeek sparse attention (a CausalSelfAttention with a top-k indexer)
