@@ -142,7 +142,7 @@ def _train_config(args: argparse.Namespace, out: Path, steps: int, lr: float, wa
         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=0,
         save_every_minutes=0.0, precision="fp32" if cpu else "bf16", master_weights="off",
         resume=False, plot=False,
-        progress=False, max_minutes=args.budget_min,
+        progress=True, max_minutes=args.budget_min,  # (progress=False + max_minutes: Trainer bug)
     )  # fmt: skip
 
 
