@@ -150,7 +150,9 @@ def _curve(out: Path, offset: int = 0) -> list[tuple[int, float]]:
     from lmforge.train.metrics import read_metrics
 
     recs = read_metrics(out / "metrics.jsonl")
-    return [(offset + int(r["step"]), float(r["val_loss"])) for r in recs if "val_loss" in r]
+    # one point per step: the last step's periodic and final evaluations are the same
+    points = {offset + int(r["step"]): float(r["val_loss"]) for r in recs if "val_loss" in r}
+    return sorted(points.items())
 
 
 class _LMWithIndexer:
