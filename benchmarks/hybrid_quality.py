@@ -18,12 +18,13 @@ the indexer loss (the pretraining path cannot start from a given model yet). The
 FLOPs the S layers save come from :func:`lmforge.model.sparse_attention.attention_flop_fraction`.
 
 Each variant writes ``<out>/<variant>.json`` (its curve, parameters, tokens); every call then
-draws all curves found in ``--out`` into ``<out>/hybrid_quality.png`` and prints the table last,
-so the two families, run as two device calls into one directory, end in one figure.
+draws all curves found in ``--out`` into ``<out>/hybrid_quality.png`` and prints the table last;
+``--merge`` draws the results of several calls (one per family) into one figure and table.
 ``--data DIR`` holds ``train.bin`` and ``val.bin`` (lmforge token shards with their sidecars).
 
     PYTHONPATH=src python benchmarks/hybrid_quality.py --data shards/ --family hybrids --out runs/hq
     PYTHONPATH=src python benchmarks/hybrid_quality.py --data shards/ --family dsa --out runs/hq
+    PYTHONPATH=src python benchmarks/hybrid_quality.py --merge runs/hq_a runs/hq_b --out runs/hq
     PYTHONPATH=src python benchmarks/hybrid_quality.py --quick --out /tmp/hq   # CPU smoke run
 """
 
@@ -74,8 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index-dim", type=int, default=32, help="dsa: lightning-indexer head width")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=10)
-    p.add_argument("--minutes", type=float, default=8.5, help="budget of the whole call")
+    p.add_argument("--minutes", type=float, default=7.5, help="training budget of the whole call")
     p.add_argument("--device", default="auto")
+    p.add_argument("--merge", type=Path, nargs="+", default=(),
+                   help="no training: draw the results of these earlier --out dirs into --out")  # fmt: skip
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: a tiny model on synthetic shards (numbers mean nothing)")  # fmt: skip
     return p
@@ -318,6 +321,10 @@ def _table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        found = {p.name: p for d in args.merge for p in sorted(d.glob("*.json"))}
+        _report([json.loads(p.read_text()) for _, p in sorted(found.items())], args.out)
+        return 0
     if args.quick:
         _quick(args)
     if args.device == "auto":
@@ -346,11 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         _continue(args, "dense-cont", dense, [
             (args.warmup_steps + args.sparse_steps, low, None)
         ], data)  # fmt: skip
-    results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))]
-    _figure(results, args.out / "hybrid_quality.png")
-    print(f"figure: {args.out / 'hybrid_quality.png'}")
-    print(_table(results))
+    _report([json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))], args.out)
     return 0
+
+
+def _report(results: list[dict[str, Any]], out: Path) -> None:
+    """The figure of every curve, then the table, printed last."""
+    _figure(results, out / "hybrid_quality.png")
+    print(f"figure: {out / 'hybrid_quality.png'}")
+    print(_table(results))
 
 
 if __name__ == "__main__":

@@ -341,3 +341,7 @@ def test_hybrid_quality_benchmark_quick(tmp_path: Path, capsys: pytest.CaptureFi
     assert max(params) - min(params) <= 3 * 32 * 4 * 8  # one d_ff rounding step
     assert results["dsa"]["layers"] == "SSSS" and len(results["dsa"]["curve"]) >= 2
     assert all(math.isfinite(loss) for _, loss in results["dsa"]["curve"])
+    merged = tmp_path / "merged"
+    assert bench.main(["--merge", str(out), "--out", str(merged)]) == 0
+    assert (merged / "hybrid_quality.png").is_file()
+    assert "| dsa |" in capsys.readouterr().out
