@@ -48,6 +48,16 @@ FLOP_COMPONENTS: tuple[str, ...] = (
 )
 """Keys of :func:`flops_breakdown`, in forward order."""
 
+MIXER_COMPONENTS: tuple[str, ...] = (
+    "qkv",
+    "attn_scores",
+    "attn_values",
+    "state",
+    "indexer",
+    "output_proj",
+)
+"""The keys of :data:`FLOP_COMPONENTS` a block's token mixer fills (:func:`mixer_flops`)."""
+
 
 # ---------------------------------------------------------------------------------------------
 # Parameters
@@ -129,7 +139,7 @@ def flops_breakdown(
     mixers = [mixer_flops(cfg, kind, seq_len, causal) for kind in cfg.layer_types]
     fwd = {
         "embedding": 0.0,  # a row lookup, no arithmetic
-        **{c: sum(m.get(c, 0.0) for m in mixers) for c in FLOP_COMPONENTS[1:-2]},
+        **{c: sum(m.get(c, 0.0) for m in mixers) for c in MIXER_COMPONENTS},
         # MoE: the active weights (top-k routed + shared experts + router) per token.
         "ffn": 2.0 * _ffn_parameters(cfg, active=True),
         "lm_head": 2.0 * d * v,
