@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from lmforge.model.moe import MoEFFN
     from lmforge.model.moe_config import MoEConfig
     from lmforge.model.presets import load_preset
+    from lmforge.model.sparse_attention import SparseAttention, add_indexer, set_dsa_stage
     from lmforge.model.transformer import CausalSelfAttention, TransformerBlock, TransformerLM
 
 
@@ -54,6 +55,7 @@ _EXPORTS = {
         "moe": "MoEFFN",
         "moe_config": "MoEConfig",
         "presets": "load_preset",
+        "sparse_attention": "SparseAttention add_indexer set_dsa_stage",
         "transformer": "CausalSelfAttention TransformerBlock TransformerLM",
     }.items()
     for name in names.split()

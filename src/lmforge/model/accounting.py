@@ -17,7 +17,11 @@ weights, :func:`active_parameter_count`, so MFU is computed on active FLOPs)::
 with N_matmul the weights that take part in matmuls (every Linear, the LM head included even when
 tied; not the embedding lookup, not the norm gains) — see :func:`matmul_parameters`.
 
-Exercised by ``pytest tests/test_accounting.py`` (parameter counts against ``sum(p.numel())``,
+Hybrid patterns (``model.layers``): each block's token mixer is counted by its letter
+(:func:`mixer_parameters`, :func:`mixer_flops`: windows for W, top-k plus the indexer for S,
+state-size terms for G, M and L), so the trainer's FLOPs/step hold for every pattern.
+
+Exercised by ``pytest tests/test_accounting.py tests/test_accounting_hybrid.py`` (parameter counts against ``sum(p.numel())``,
 FLOPs against ``torch.utils.flop_counter.FlopCounterMode`` and activations against the tensors
 autograd actually saves).
 """
@@ -36,11 +40,23 @@ FLOP_COMPONENTS: tuple[str, ...] = (
     "qkv",
     "attn_scores",
     "attn_values",
+    "state",
+    "indexer",
     "output_proj",
     "ffn",
     "lm_head",
 )
 """Keys of :func:`flops_breakdown`, in forward order."""
+
+MIXER_COMPONENTS: tuple[str, ...] = (
+    "qkv",
+    "attn_scores",
+    "attn_values",
+    "state",
+    "indexer",
+    "output_proj",
+)
+"""The keys of :data:`FLOP_COMPONENTS` a block's token mixer fills (:func:`mixer_flops`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,11 +70,11 @@ def _dims(cfg: ModelConfig) -> tuple[int, int, int, int, int, int]:
 
 def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter count per component (all layers summed); ``lm_head`` is 0 when tied."""
-    d, e, h, k, v, n = _dims(cfg)
+    d, e, _, _, v, n = _dims(cfg)
     return {
         "embedding": v * d,
-        "attention": n * (d * h * e + 2 * d * k * e + h * e * d),
-        "qk_norm": n * 2 * e if cfg.qk_norm else 0,
+        "attention": sum(mixer_parameters(cfg, kind) for kind in cfg.layer_types),
+        "qk_norm": _attention_layers(cfg) * 2 * e if cfg.qk_norm else 0,
         "ffn": int(_ffn_parameters(cfg, active=False)),
         "norms": n * 2 * d + d,
         "lm_head": 0 if cfg.tie_embeddings else v * d,
@@ -102,7 +118,8 @@ def active_parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -
 def matmul_parameters(cfg: ModelConfig) -> int:
     """N_matmul: weights used in matmuls (projections, FFN and the LM head, tied or not)."""
     parts = parameter_breakdown(cfg)
-    return parts["attention"] + parts["ffn"] + cfg.vocab_size * cfg.d_model
+    mixers = sum(mixer_parameters(cfg, kind, matmul_only=True) for kind in cfg.layer_types)
+    return mixers + parts["ffn"] + cfg.vocab_size * cfg.d_model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,14 +135,11 @@ def flops_breakdown(
     it). ``backward=True`` gives forward + backward (3× forward); ``causal=True`` halves the two
     attention terms (the work a causal kernel can skip).
     """
-    d, e, h, k, v, n = _dims(cfg)
-    attn_len = seq_len / 2 if causal else seq_len
+    d, v = cfg.d_model, cfg.vocab_size
+    mixers = [mixer_flops(cfg, kind, seq_len, causal) for kind in cfg.layer_types]
     fwd = {
         "embedding": 0.0,  # a row lookup, no arithmetic
-        "qkv": 2.0 * n * d * (h * e + 2 * k * e),
-        "attn_scores": 2.0 * n * h * e * attn_len,  # one query row against T keys
-        "attn_values": 2.0 * n * h * e * attn_len,
-        "output_proj": 2.0 * n * h * e * d,
+        **{c: sum(m.get(c, 0.0) for m in mixers) for c in MIXER_COMPONENTS},
         # MoE: the active weights (top-k routed + shared experts + router) per token.
         "ffn": 2.0 * _ffn_parameters(cfg, active=True),
         "lm_head": 2.0 * d * v,
@@ -152,6 +166,112 @@ def model_flops_utilization(
     if peak_flops <= 0:
         raise ValueError(f"peak_flops must be positive, got {peak_flops}")
     return tokens_per_s * flops_per_token(cfg, seq_len, backward=True) / peak_flops
+
+
+# ---------------------------------------------------------------------------------------------
+# Hybrid layers: the token mixer of each block by its letter in ``model.layers``
+
+
+def _attention_layers(cfg: ModelConfig) -> int:
+    """Blocks whose mixer is softmax attention (A, W, S: the ones with QK-norm gains)."""
+    return sum(kind in "AWS" for kind in cfg.layer_types)
+
+
+def _linear_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(heads, head width) of the G and L mixers."""
+    return cfg.linear_heads or cfg.n_heads, cfg.linear_head_dim or cfg.head_dim
+
+
+def _ssm_dims(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(inner width, heads, conv channels) of the M mixer (Mamba-2, one B/C group)."""
+    inner = cfg.ssm_expand * cfg.d_model
+    return inner, inner // cfg.ssm_head_dim, inner + 2 * cfg.ssm_state
+
+
+def mixer_parameters(cfg: ModelConfig, kind: str, matmul_only: bool = False) -> int:
+    """Parameters of one block's token mixer of type ``kind`` (a letter of
+    :data:`lmforge.model.config.LAYER_TYPES`), QK-norm gains excluded (``parameter_breakdown``
+    counts them apart); ``matmul_only``: only the projection matrices (N_matmul's share)."""
+    d, e, h, k = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads
+    w = cfg.conv_size
+    if kind in "AWS":
+        proj = d * h * e + 2 * d * k * e + h * e * d
+        if kind == "S":  # the lightning indexer: J query heads, one key, J weights
+            j, ei = cfg.dsa_index_heads, cfg.dsa_index_dim
+            proj += d * j * ei + d * ei + d * j
+        return proj
+    if kind == "G":  # q, k, v, z (D -> H·E), β and decay (D -> H), o (H·E -> D)
+        lh, le = _linear_dims(cfg)
+        proj = 5 * d * lh * le + 2 * d * lh
+        # the conv over q|k|v, A_log and dt_bias per head, the per-head output norm
+        return proj if matmul_only else proj + 3 * lh * le * w + 2 * lh + le
+    if kind == "L":  # q, k, v (D -> H·E), o (H·E -> D)
+        lh, le = _linear_dims(cfg)
+        proj = 4 * d * lh * le
+        return proj if matmul_only else proj + le  # + the per-head output norm
+    if kind == "M":  # in-proj (D -> z|x B C|Δ), out-proj (inner -> D)
+        inner, mh, conv = _ssm_dims(cfg)
+        proj = d * (inner + conv + mh) + inner * d
+        # the conv (weights and bias), A_log, dt_bias and the skip D per head, the gated norm
+        return proj if matmul_only else proj + conv * (w + 1) + 3 * mh + inner
+    raise ValueError(f"unknown layer type {kind!r}")
+
+
+def _keys_seen(keys: int, seq_len: int, causal: bool) -> float:
+    """Keys per query of a kernel that scores ``keys`` ≤ T of them (a band or a top-k): all of
+    them, or with ``causal`` the band's area per row, k − k²/(2T) (T/2 at k = T, as full
+    attention's causal halving)."""
+    keys = min(keys, seq_len)
+    return keys - keys * keys / (2 * seq_len) if causal else float(keys)
+
+
+def mixer_flops(
+    cfg: ModelConfig, kind: str, seq_len: int, causal: bool = False
+) -> dict[str, float]:
+    """Forward FLOPs per token of one block's token mixer of type ``kind``, by component
+    (a subset of :data:`FLOP_COMPONENTS`).
+
+    A: the T×T score and value matmuls (T/2 with ``causal``); W: min(window, T) keys per query
+    (the band a windowed kernel computes); S: top-k keys per query plus the lightning indexer
+    (its projections, J·E_I-wide scores against every key, and the weighted ReLU sum, 2·J per
+    key). The linear mixers are counted in their recurrent form, the model's arithmetic per
+    token (the chunked kernels do more in exchange for matmuls, as attention's causal kernels
+    do less than the dense count): the "state" term is, per head with a K×V state, 4·K·V for
+    L and M (write k vᵀ, read Sᵀ q) and 6·K·V for G (the delta rule also reads Sᵀ k);
+    the short convolutions (2·channels·width) join "qkv". Gates, norms and decays are
+    elementwise and not counted, as elsewhere in this module.
+    """
+    d, e, h, k = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads
+    if kind in "AWS":
+        keys = {"A": seq_len, "W": cfg.window, "S": cfg.dsa_topk}[kind]
+        seen = seq_len / 2 if causal and kind == "A" else _keys_seen(keys, seq_len, causal)
+        out = {
+            "qkv": 2.0 * d * (h * e + 2 * k * e),
+            "attn_scores": 2.0 * h * e * seen,  # one query row against its keys
+            "attn_values": 2.0 * h * e * seen,
+            "output_proj": 2.0 * h * e * d,
+        }
+        if kind == "S":
+            j, ei = cfg.dsa_index_heads, cfg.dsa_index_dim
+            every = seq_len / 2 if causal else seq_len  # the indexer scores every past key
+            out["indexer"] = 2.0 * d * (j * ei + ei + j) + 2.0 * j * ei * every + 2.0 * j * every
+        return out
+    w = cfg.conv_size
+    if kind in "GL":
+        lh, le = _linear_dims(cfg)
+        inner = lh * le
+        if kind == "G":
+            qkv = 2.0 * d * (4 * inner + 2 * lh) + 2.0 * 3 * inner * w
+            return {"qkv": qkv, "state": 6.0 * lh * le * le, "output_proj": 2.0 * inner * d}
+        return {"qkv": 6.0 * d * inner, "state": 4.0 * lh * le * le, "output_proj": 2.0 * inner * d}
+    if kind == "M":
+        inner, mh, conv = _ssm_dims(cfg)
+        return {
+            "qkv": 2.0 * d * (inner + conv + mh) + 2.0 * conv * w,
+            "state": 4.0 * mh * cfg.ssm_state * cfg.ssm_head_dim,
+            "output_proj": 2.0 * inner * d,
+        }
+    raise ValueError(f"unknown layer type {kind!r}")
 
 
 # ---------------------------------------------------------------------------------------------

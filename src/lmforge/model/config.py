@@ -14,7 +14,7 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
     return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
 
 
-LAYER_TYPES = "AWGML"
+LAYER_TYPES = "AWGMLS"
 
 
 class _DerivedHeadDim(int):
@@ -103,7 +103,8 @@ class ModelConfig:
     layers: str = "A"
     "token mixer of each block, one letter per block, the pattern repeated to n_layers: A full"
     " attention, W sliding-window attention (model.window), G Gated DeltaNet, M Mamba-2 (SSD),"
-    " L linear attention; e.g. GGGA = 3:1 Gated DeltaNet:attention (lmforge.model.linear_attention)"
+    " L linear attention, S DeepSeek sparse attention (model.dsa_*); e.g. GGGA = 3:1 Gated"
+    " DeltaNet:attention (lmforge.model.linear_attention)"
     window: int = 4096
     "W layers: each query attends to itself and the window − 1 tokens before it"
     linear_heads: int | None = None
@@ -120,6 +121,12 @@ class ModelConfig:
     "M layers: Mamba-2 inner width = ssm_expand·d_model"
     conv_size: int = 4
     "G and M layers: width of the short causal convolution (≥ 2)"
+    dsa_topk: int = 2048
+    "S layers: keys each query attends to, the top-k of the lightning indexer's scores"
+    dsa_index_heads: int = 4
+    "S layers: heads of the lightning indexer"
+    dsa_index_dim: int = 64
+    "S layers: per-head width of the lightning indexer's queries and its one key (even, RoPE)"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -181,7 +188,7 @@ class ModelConfig:
         if bad:
             raise ValueError(
                 f"layers {self.layers!r}: unknown layer type {bad[0]!r} (A full attention, W sliding"
-                " window, G Gated DeltaNet, M Mamba-2, L linear attention)"
+                " window, G Gated DeltaNet, M Mamba-2, L linear attention, S sparse attention)"
             )
         if self.window <= 0:
             raise ValueError(f"window must be positive, got {self.window}")
@@ -199,6 +206,11 @@ class ModelConfig:
             )
         if self.conv_size < 2:
             raise ValueError(f"conv_size must be at least 2, got {self.conv_size}")
+        for name in ("dsa_topk", "dsa_index_heads", "dsa_index_dim"):
+            if getattr(self, name) < 1 or (name == "dsa_index_dim" and self.dsa_index_dim % 2):
+                raise ValueError(
+                    f"{name} must be ≥ 1 (dsa_index_dim even), got {getattr(self, name)}"
+                )
 
     @property
     def layer_types(self) -> tuple[str, ...]:

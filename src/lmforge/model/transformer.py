@@ -352,12 +352,17 @@ def sliding_window_mask(t: int, window: int, device: torch.device | None = None)
 
 def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     """The token mixer of block ``layer_idx``, by its letter in ``config.layer_types``:
-    A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention.
+    A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention,
+    S DeepSeek sparse attention (:mod:`lmforge.model.sparse_attention`).
     Linear mixers run their chunked kernels (Triton on CUDA, the chunked torch path on CPU)."""
     # blocks past n_layers (multi-token-prediction modules) are full attention: no recurrent state
     kind = config.layer_types[layer_idx] if layer_idx < len(config.layer_types) else "A"
     if kind in "AW":
         return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
+    if kind == "S":  # DeepSeek sparse attention (a CausalSelfAttention with a top-k indexer)
+        from lmforge.model.sparse_attention import SparseAttention
+
+        return SparseAttention(config, layer_idx)
     heads = config.linear_heads or config.n_heads
     head_dim = config.linear_head_dim or int(config.head_dim)
     if kind == "G":

@@ -1,0 +1,373 @@
+"""Quality of hybrid layer patterns at equal tokens and parameters: validation-loss curves.
+
+Family ``hybrids`` trains, through lmforge's Trainer (the ``lmforge train`` loop: bf16 autocast,
+its AdamW and schedule, validation every ``--eval-every`` steps), the same model shape with
+  full     ``model.layers = "A"``     full attention in every block
+  gdn      ``"GGGA"``                 3:1 Gated DeltaNet : attention (Qwen3-Next)
+  mamba    ``"MMMA"``                 3:1 Mamba-2 : attention (Nemotron-H)
+  swa      ``"WWWA"``                 3:1 sliding window (T/8) : global attention
+  linear   ``"G"``                    all linear (Gated DeltaNet in every block)
+on the same token windows, each variant's ``d_ff`` set so that its parameter count equals the
+full-attention model's (:func:`lmforge.model.accounting.parameter_count`).
+Family ``dsa`` is DeepSeek-V3.2's warm start: a full-attention model is trained for ``--steps``,
+then (a) an indexer is added (:func:`lmforge.model.sparse_attention.add_indexer`) and trained
+alone against the dense attention for ``--warmup-steps`` (stage 1), then the whole model trains
+with top-k = T/8 attention for ``--sparse-steps`` (stage 2); (b) the dense model continues for
+the same steps and tokens, as the baseline. Stages run in the Trainer with an objective that adds
+the indexer loss (the pretraining path cannot start from a given model yet). The attention
+FLOPs the S layers save come from :func:`lmforge.model.sparse_attention.attention_flop_fraction`.
+
+Each variant writes ``<out>/<variant>.json`` (its curve, parameters, tokens); every call then
+draws all curves found in ``--out`` into ``<out>/hybrid_quality.png`` and prints the table last;
+``--merge`` draws the results of several calls (one per family) into one figure and table.
+``--data DIR`` holds ``train.bin`` and ``val.bin`` (lmforge token shards with their sidecars).
+
+    PYTHONPATH=src python benchmarks/hybrid_quality.py --data shards/ --family hybrids --out runs/hq
+    PYTHONPATH=src python benchmarks/hybrid_quality.py --data shards/ --family dsa --out runs/hq
+    PYTHONPATH=src python benchmarks/hybrid_quality.py --merge runs/hq_a runs/hq_b --out runs/hq
+    PYTHONPATH=src python benchmarks/hybrid_quality.py --quick --out /tmp/hq   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+FAMILIES = {
+    "hybrids": {"full": "A", "gdn": "GGGA", "mamba": "MMMA", "swa": "WWWA", "linear": "G"},
+    "dsa": {"full": "A"},
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__[: __doc__.index("    PYTHONPATH")].rstrip(),
+        epilog="examples:\n" + __doc__[__doc__.index("    PYTHONPATH") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--data", type=Path, help="directory with train.bin and val.bin shards")
+    p.add_argument("--family", choices=tuple(FAMILIES), default="hybrids")
+    p.add_argument("--variants", default="", help="comma-separated subset of the family's")
+    p.add_argument("--out", type=Path, default=Path("runs/hybrid_quality"))
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024, help="context length T")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=600, help="steps per variant (dsa: the base)")
+    p.add_argument("--warmup-steps", type=int, default=100, help="dsa stage 1 (indexer only)")
+    p.add_argument("--sparse-steps", type=int, default=200, help="dsa stage 2 (top-k)")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--index-heads", type=int, default=4, help="dsa: lightning-indexer heads")
+    p.add_argument("--index-dim", type=int, default=32, help="dsa: lightning-indexer head width")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=10)
+    p.add_argument("--minutes", type=float, default=7.5, help="training budget of the whole call")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--merge", type=Path, nargs="+", default=(),
+                   help="no training: draw the results of these earlier --out dirs into --out")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help="CPU smoke run: a tiny model on synthetic shards (numbers mean nothing)")  # fmt: skip
+    return p
+
+
+def _quick(args: argparse.Namespace) -> None:
+    """Shrink everything for a CPU smoke run; synthetic shards when no --data is given."""
+    args.d_model, args.layers, args.heads, args.seq, args.batch = 32, 4, 4, 32, 4
+    args.steps, args.warmup_steps, args.sparse_steps = 8, 4, 4
+    args.eval_every, args.eval_batches, args.device = 4, 2, "cpu"
+    args.index_heads, args.index_dim = 2, 8
+    if args.data is None:
+        from lmforge.train.data import write_shard
+
+        args.data = args.out / "synthetic"
+        rng = np.random.default_rng(0)
+        # a noisy copy task: runs of 8 random tokens, each run repeated once
+        runs = rng.integers(0, 61, (800, 8))
+        toks = np.concatenate([np.concatenate([r, r]) for r in runs])
+        args.data.mkdir(parents=True, exist_ok=True)
+        write_shard(args.data / "train.bin", toks[:10000], 64)
+        write_shard(args.data / "val.bin", toks[10000:], 64)
+
+
+def _shards(args: argparse.Namespace) -> tuple[str, str, int]:
+    from lmforge.train.data import open_shard
+    from lmforge.utils.errors import LmforgeError
+
+    if args.data is None:
+        raise LmforgeError("--data DIR (with train.bin and val.bin) is required without --quick")
+    train, val = args.data / "train.bin", args.data / "val.bin"
+    vocab = open_shard(train).vocab_size
+    if open_shard(val).vocab_size != vocab:
+        raise LmforgeError(f"{train} and {val} come from different vocabularies")
+    return str(train), str(val), vocab
+
+
+def _model_config(args: argparse.Namespace, vocab: int, layers: str) -> Any:
+    """The variant's config, its d_ff chosen so that its parameters equal full attention's."""
+    from lmforge.model import ModelConfig, accounting
+
+    base = ModelConfig(
+        vocab_size=vocab, context_length=args.seq, d_model=args.d_model, n_layers=args.layers,
+        n_heads=args.heads, window=max(1, args.seq // 8), dsa_topk=max(1, args.seq // 8),
+        dsa_index_heads=args.index_heads, dsa_index_dim=args.index_dim, ssm_head_dim=min(64, 2 * args.d_model // 4),
+        ssm_state=min(64, args.d_model), attention="auto",
+    )  # fmt: skip
+    target = accounting.parameter_count(base)
+    cfg = dataclasses.replace(base, layers=layers)
+    per_ffn = 3 * cfg.d_model * cfg.n_layers  # parameters per unit of d_ff
+    rest = accounting.parameter_count(cfg) - per_ffn * cfg.ffn_dim
+    d_ff = max(8, 8 * round((target - rest) / per_ffn / 8))
+    return dataclasses.replace(cfg, d_ff=d_ff)
+
+
+def _train_config(args: argparse.Namespace, out: Path, steps: int, lr: float, warmup: int) -> Any:
+    from lmforge.train import TrainConfig
+
+    shutil.rmtree(out, ignore_errors=True)  # this script's own scratch run: always from step 0
+    cpu = args.device == "cpu"
+    return TrainConfig(
+        out_dir=str(out), device=args.device, seed=0, batch_size=args.batch,
+        context_length=args.seq, max_steps=steps, lr=lr, min_lr=lr / 10, warmup_steps=warmup,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=0,
+        save_every_minutes=0.0, precision="fp32" if cpu else "bf16", master_weights="off",
+        resume=False, plot=False,
+        progress=True, max_minutes=args.budget_min,  # (progress=False + max_minutes: Trainer bug)
+    )  # fmt: skip
+
+
+def _curve(out: Path, offset: int = 0) -> list[tuple[int, float]]:
+    from lmforge.train.metrics import read_metrics
+
+    recs = read_metrics(out / "metrics.jsonl")
+    # one point per step: the last step's periodic and final evaluations are the same
+    points = {offset + int(r["step"]): float(r["val_loss"]) for r in recs if "val_loss" in r}
+    return sorted(points.items())
+
+
+class _LMWithIndexer:
+    """Next-token loss on the train shard plus the S layers' indexer loss (an objective of the
+    Trainer: the pretraining objective's data, a model given from outside); evaluated on the
+    fixed validation windows the Trainer uses."""
+
+    name = "lm+indexer"
+
+    def __init__(self, train: str, val: str, vocab: int, args: argparse.Namespace, dev: str):
+        from lmforge.train.data import MixtureSampler, open_source
+
+        self.sampler = MixtureSampler([open_source(train, vocab)], args.seq, (), 1, vocab)
+        self.val = open_source(val, vocab)
+        self.args, self.device = args, dev
+
+    def _ce(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", torch.bfloat16, enabled=self.device.startswith("cuda")):
+            logits = model(x)  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sampler.next_batch(self.args.batch, self.device)
+
+    def loss(self, model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        from lmforge.model.sparse_attention import indexer_loss
+
+        loss = self._ce(model, *batch)
+        aux = indexer_loss(model)
+        if aux is not None:
+            loss = loss + aux
+        return loss, torch.ones((), device=loss.device)
+
+    def batch_weight(self, batch: Any) -> float:
+        return 1.0
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Validation loss with top-k attention, also during the dense warm-up (stage 1)."""
+        from lmforge.model.sparse_attention import sparse_layers
+        from lmforge.train.data import _to_device, eval_batches
+
+        layers = sparse_layers(model)
+        stage = [m.dense_warmup for m in layers]
+        for m in layers:
+            m.dense_warmup = False
+        total, n = 0.0, 0
+        for x, y in eval_batches(self.val, self.args.batch, self.args.seq, self.args.eval_batches):
+            total += float(self._ce(model, _to_device(x, self.device), _to_device(y, self.device)))
+            n += 1
+        for m, dense in zip(layers, stage):
+            m.dense_warmup = dense
+        return {"val_loss": total / max(n, 1)}
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+
+def _save(args: argparse.Namespace, name: str, result: dict[str, Any]) -> None:
+    from lmforge.utils.io import atomic_write_text
+
+    atomic_write_text(args.out / f"{name}.json", json.dumps(result, indent=1))
+
+
+def _pretrain(args: argparse.Namespace, name: str, layers: str, data: tuple) -> Any:
+    """Train one variant from scratch through the Trainer; returns the trained model."""
+    from lmforge.config import RunConfig
+    from lmforge.model import accounting
+    from lmforge.train import DataConfig, Trainer
+
+    train, val, vocab = data
+    cfg = _model_config(args, vocab, layers)
+    out = args.out / "runs" / name
+    tc = _train_config(args, out, args.steps, args.lr, max(1, args.steps // 20))
+    run = RunConfig(model=cfg, train=tc, data=DataConfig(train=(train,), val=(val,)))
+    trainer = Trainer(run)
+    start = time.monotonic()
+    trainer.run()
+    curve = _curve(out)
+    tokens = trainer.iteration * args.batch * args.seq
+    _save(args, name, {
+        "variant": name, "layers": layers, "params": accounting.parameter_count(cfg),
+        "d_ff": cfg.ffn_dim, "tokens": tokens, "steps": trainer.iteration, "curve": curve,
+        "flops_per_token": accounting.flops_per_token(cfg, args.seq),
+        "seconds": time.monotonic() - start,
+    })  # fmt: skip
+    return trainer.model
+
+
+def _continue(args: argparse.Namespace, name: str, model: Any, stages: list, data: tuple) -> None:
+    """Train a given model through (steps, lr, dsa stage or None) stages; one curve."""
+    from lmforge.config import RunConfig
+    from lmforge.model import accounting
+    from lmforge.model.sparse_attention import attention_flop_fraction, set_dsa_stage
+    from lmforge.train import Trainer
+
+    train, val, vocab = data
+    offset, curve, start = args.steps, [], time.monotonic()
+    for i, (steps, lr, stage) in enumerate(stages):
+        if stage is not None:
+            set_dsa_stage(model, stage)
+        out = args.out / "runs" / f"{name}{i}"
+        run = RunConfig(model=model.config, train=_train_config(args, out, steps, lr, 1))
+        objective = _LMWithIndexer(train, val, vocab, args, args.dev)
+        trainer = Trainer(run, model=model, objective=objective)
+        trainer.run()
+        curve += _curve(out, offset)
+        offset += trainer.iteration
+    cfg = model.config
+    saved = attention_flop_fraction(cfg, args.seq) if "S" in cfg.layers else 1.0
+    _save(args, name, {
+        "variant": name, "layers": "".join(cfg.layer_types), "params":
+        accounting.parameter_count(cfg), "tokens": (offset - args.steps) * args.batch * args.seq,
+        "steps": offset - args.steps, "curve": curve, "attention_flop_fraction": saved,
+        "flops_per_token": accounting.flops_per_token(cfg, args.seq),
+        "seconds": time.monotonic() - start,
+    })  # fmt: skip
+
+
+def _figure(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        if r["curve"]:
+            steps, losses = zip(*r["curve"])
+            ax.plot(steps, losses, label=f"{r['variant']} ({r['layers'][:8]})")
+    ax.set_xlabel("step (equal tokens per step)")
+    ax.set_ylabel("validation loss")
+    ax.set_title("lmforge hybrid layer patterns at equal parameters")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    tmp.replace(path)
+    plt.close(fig)
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    final = {r["variant"]: r["curve"][-1][1] for r in results if r["curve"]}
+    rows = ["| variant | layers | params | tokens | final val loss | vs | attn FLOPs |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        last = final.get(r["variant"], math.nan)
+        # the DSA warm start against the dense model continued for the same tokens
+        peer = "dense-cont" if r["variant"] == "dsa" else "full"
+        rel = f"{100 * (last / final[peer] - 1):+.2f}% vs {peer}" if peer in final else "-"
+        frac = r.get("attention_flop_fraction")
+        rows.append(
+            f"| {r['variant']} | {r['layers'][:8]} | {r['params']:,} | "
+            f"{r['tokens'] / 1e6:.2f}M | {last:.4f} | {rel} | "
+            f"{'' if frac is None else f'{100 * frac:.1f}% of dense'} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        found = {p.name: p for d in args.merge for p in sorted(d.glob("*.json"))}
+        _report([json.loads(p.read_text()) for _, p in sorted(found.items())], args.out)
+        return 0
+    if args.quick:
+        _quick(args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dev = args.device
+    torch.manual_seed(0)
+    data = _shards(args)
+    names = FAMILIES[args.family]
+    chosen = [v for v in args.variants.split(",") if v] or list(names)
+    n_runs = len(chosen) if args.family == "hybrids" else 3
+    args.budget_min = 0.0 if args.quick else args.minutes / n_runs
+    if args.family == "hybrids":
+        for name in chosen:
+            _pretrain(args, name, names[name], data)
+    else:
+        from lmforge.model.sparse_attention import add_indexer
+
+        dense = _pretrain(args, "full", "A", data)
+        sparse = add_indexer(
+            dense, max(1, args.seq // 8), index_heads=args.index_heads, index_dim=args.index_dim
+        )
+        low = args.lr / 10  # both continue at the base run's final learning rate
+        _continue(args, "dsa", sparse, [
+            (args.warmup_steps, args.lr, "dense"), (args.sparse_steps, low, "sparse"),
+        ], data)  # fmt: skip
+        _continue(args, "dense-cont", dense, [
+            (args.warmup_steps + args.sparse_steps, low, None)
+        ], data)  # fmt: skip
+    _report([json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))], args.out)
+    return 0
+
+
+def _report(results: list[dict[str, Any]], out: Path) -> None:
+    """The figure of every curve, then the table, printed last."""
+    _figure(results, out / "hybrid_quality.png")
+    print(f"figure: {out / 'hybrid_quality.png'}")
+    print(_table(results))
+
+
+if __name__ == "__main__":
+    from lmforge.utils.errors import LmforgeError
+
+    try:
+        sys.exit(main())
+    except LmforgeError as err:
+        sys.exit(f"hybrid_quality: {err}")
