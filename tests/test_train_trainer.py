@@ -188,6 +188,14 @@ def test_optional_loggers_and_out_dir_guard(tmp_path: Path) -> None:
         Trainer(_cfg(tmp_path, resume=False))
 
 
+def test_max_minutes_without_a_progress_bar_runs_past_step_20(tmp_path: Path) -> None:
+    """A time budget sizes the bar after 20 steps; with the bar off (a non-interactive run, as
+    the recipe's) that used to raise AttributeError ('tqdm' object has no attribute 'initial')."""
+    cfg = _cfg(tmp_path, max_steps=22, max_minutes=60.0, eval_every=0, plot=False, progress=False)
+    result = Trainer(cfg).run()
+    assert result["iteration"] == 22
+
+
 def test_max_minutes_stops_with_final_eval_and_checkpoint(tmp_path: Path) -> None:
     cfg = _cfg(tmp_path, max_steps=10_000, max_minutes=1e-6, eval_every=0, plot=False)
     val = write_shard(tmp_path / "v.bin", np.arange(500) % 97, 512, num_bytes=1000)

@@ -526,6 +526,7 @@ class Trainer:
             disable=not (tc.progress and self.is_main),
         )
         start = time.monotonic()
+        first = self.iteration  # a disabled tqdm keeps no ``initial``: count from here
         last_save = start
         last_t, last_it = start, self.iteration
         last_eval: dict[str, float] = {}
@@ -586,11 +587,11 @@ class Trainer:
                 launched = self.launch_step()
                 it = self.iteration
                 bar.update(1)
-                if tc.max_minutes and it - bar.initial == 20:
+                if tc.max_minutes and it - first == 20:
                     # A time-limited run: size the bar (and its ETA) to the steps the budget allows.
                     per_step = (time.monotonic() - start) / 20
                     budget = int(60 * tc.max_minutes / max(per_step, 1e-9))
-                    bar.total = min(tc.max_steps, bar.initial + budget)
+                    bar.total = min(tc.max_steps, first + budget)
                     bar.refresh()
                 if pending is not None:
                     report(pending)  # the previous step, read while this one runs
