@@ -95,6 +95,31 @@ class StepOps:
         compute exactly what the module does."""
         return None
 
+    def attend_latent(
+        self,
+        layer: int,
+        q_abs: torch.Tensor,
+        ctx: Context,
+        *,
+        kv_lora_rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """MLA decode attention in latent space: q_abs (S, H, C + R) (one query per sequence,
+        absorbed form) over layer ``layer``'s pages of ``ctx.latent_cache`` (its rows already
+        written) -> (S, H, C). The default is :func:`lmforge.kernels.mla_decode.mla_decode`
+        (the Triton kernel where it runs, its torch reference elsewhere)."""
+        from lmforge.kernels.mla_decode import mla_decode
+
+        assert ctx.latent_cache is not None
+        return mla_decode(
+            q_abs,
+            ctx.latent_cache[layer],
+            ctx.block_tables,
+            ctx.ctx_lens,
+            kv_lora_rank=kv_lora_rank,
+            scale=scale,
+        )
+
 
 @dataclasses.dataclass
 class Context:
@@ -131,3 +156,6 @@ class Context:
     "block tables as host lists (None in decode steps)"
     plan: Any = None
     "the step's prefill tile list for a varlen kernel, built once per step (ops-specific)"
+    latent_cache: torch.Tensor | None = None
+    "(L_kv, NB, BS, C + R) MLA latents (:class:`~lmforge.model.mla.PagedLatentCache`; L_kv the"
+    " KV-producing layers under CLA); k_cache/v_cache are then empty"

@@ -47,6 +47,7 @@ the Triton backends).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -81,7 +82,9 @@ from lmforge.model.layers import (
     silu,
 )
 from lmforge.model.linear_attention import GatedDeltaNet, LinearAttention, Mamba2Mixer
+from lmforge.model.mla import MultiHeadLatentAttention
 from lmforge.model.moe import MoEFFN
+from lmforge.model.mtp import MultiTokenPrediction
 from lmforge.utils.errors import LmforgeError
 
 
@@ -355,6 +358,12 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention.
     Linear mixers run their chunked kernels (Triton on CUDA, the chunked torch path on CPU)."""
     kind = config.layer_types[layer_idx]
+    if kind == "A" and config.attention_type == "mla":
+        # CLA: layer i reads the latents of layer i − i mod k (cache index i // k).
+        k = config.kv_share_every
+        return MultiHeadLatentAttention(
+            config.mla, layer_idx, produces_kv=layer_idx % k == 0, cache_index=layer_idx // k
+        )
     if kind in "AW":
         return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
     heads = config.linear_heads or config.n_heads
@@ -372,9 +381,14 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(ln1(x))``, then ``+ ffn(ln2(x))``.
 
-    ``attn`` is the block's token mixer (:func:`token_mixer`): attention, full or windowed, or a
-    linear-attention mixer with a constant-size state, which takes no positions (order comes from
-    its recurrence) and runs each batch row as one sequence.
+    ``attn`` is the block's token mixer (:func:`token_mixer`): attention (GQA or MLA), full or
+    windowed, or a linear-attention mixer with a constant-size state, which takes no positions
+    (order comes from its recurrence) and runs each batch row as one sequence.
+
+    Cross-layer KV sharing (``kv_share_every`` > 1, MLA): without a cache the block returns
+    ``(x, latent)``, the latents (B, T, C + R) it produced or was given as ``shared``, so
+    :class:`TransformerLM` hands them to the next k − 1 blocks; with a cache the consumers read
+    the producer's cache rows instead.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
@@ -382,7 +396,8 @@ class TransformerBlock(nn.Module):
         self.layer_idx = layer_idx
         self.ln1 = _Norm(config.d_model, config.norm_eps, config.norm)
         self.attn = token_mixer(config, layer_idx)
-        self.recurrent = not isinstance(self.attn, CausalSelfAttention)
+        self.recurrent = not isinstance(self.attn, (CausalSelfAttention, MultiHeadLatentAttention))
+        self.shares_kv = config.kv_share_every > 1 and not self.recurrent
         self.ln2 = _Norm(config.d_model, config.norm_eps, config.norm)
         moe = config.moe.is_moe_layer(layer_idx)
         self.ffn: nn.Module = MoEFFN(config, layer_idx) if moe else _FFN(config, layer_idx)
@@ -394,17 +409,39 @@ class TransformerBlock(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         context: Context | None = None,
-    ) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D)."""
+        shared: torch.Tensor | None = None,
+    ) -> Any:
+        """(B, T, D) -> (B, T, D); a CLA block without a cache -> ((B, T, D), latents)."""
         if self.recurrent:  # the caller (TransformerLM) refused a KV cache or an engine step
             x = x + self.attn(self.ln1(x))[0]
             return x + self.ffn(self.ln2(x))
+        if self.shares_kv and kv_cache is None and context is None:
+            h = self.ln1(x)
+            if self.attn.produces_kv:
+                shared = self.attn.compress_kv(h, token_positions)  # (B, T, C+R)
+            x = x + self.attn.attend_explicit(h, token_positions, shared)
+            return x + self.ffn(self.ln2(x)), shared
         if context is None:
             x = x + self.attn(self.ln1(x), token_positions, kv_cache=kv_cache)
             return x + self.ffn(self.ln2(x))
         x = x + self.attn(self.ln1(x), context=context)
         y = self.ln2(x)
         return x + (self.ffn(y, context) if isinstance(self.ffn, _FFN) else self.ffn(y))
+
+
+def _mtp_modules(config: ModelConfig) -> MultiTokenPrediction:
+    """DeepSeek-V3's MTP modules; module k's block is a full-attention block of the model's own
+    kind (index n_layers + k, as DeepSeek-V3's checkpoints number them) that produces its own
+    keys/latents (no CLA: it runs alone)."""
+    block_cfg = dataclasses.replace(
+        config, layers="A", kv_share_every=1, n_layers=config.n_layers + config.mtp_depth
+    )
+    return MultiTokenPrediction(
+        config.d_model,
+        config.mtp_depth,
+        lambda k: TransformerBlock(block_cfg, config.n_layers + k),
+        config.norm_eps,
+    )
 
 
 def _tied_state_dict_hook(
@@ -467,6 +504,7 @@ class TransformerLM(nn.Module):
             self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
             self.ln_final = _Norm(config.d_model, config.norm_eps, config.norm)
             self.lm_head = Linear(config.d_model, config.vocab_size)
+            self.mtp = _mtp_modules(config) if config.mtp_depth else None
         if target.type != "meta":
             self.to_empty(device=target)
         self.tie_weights()
@@ -536,8 +574,11 @@ class TransformerLM(nn.Module):
                     f"sequence length {t} exceeds context_length {self.config.context_length}"
                 )
         x = self.residual_stream(x)  # (B, T, D)
+        shared = None  # CLA: the latents the current group of k blocks attends with
         for layer in self.layers:
-            if kv_cache is None:
+            if kv_cache is None and self.config.kv_share_every > 1:
+                x, shared = layer(x, token_positions, shared=shared)  # (B, T, D), (B, T, C+R)
+            elif kv_cache is None:
                 x = layer(x, token_positions)  # (B, T, D)
             else:
                 x = layer(x, token_positions, kv_cache=kv_cache)  # (B, T, D)
