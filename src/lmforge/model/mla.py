@@ -457,17 +457,10 @@ class MultiHeadLatentAttention(nn.Module):
         outs, start = [], 0
         for i, (q_len, ctx_len) in enumerate(zip(ctx.q_lens, ctx.ctx_lens_list, strict=True)):
             rows = slice(start, start + q_len)
-            outs.append(
-                self.prefill_paged(
-                    h[rows],
-                    ctx.positions[rows],
-                    pages,
-                    ctx.slots[rows],
-                    ctx.block_tables[i],
-                    ctx_len,
-                    write=False,
-                )  # fmt: skip
-            )  # (q_len, D)
+            x_i, pos_i, slots_i = h[rows], ctx.positions[rows], ctx.slots[rows]
+            table = ctx.block_tables[i]
+            out = self.prefill_paged(x_i, pos_i, pages, slots_i, table, ctx_len, write=False)
+            outs.append(out)  # (q_len, D)
             start += q_len
         return torch.cat(outs)[None]  # (1, N, D)
 
