@@ -39,6 +39,7 @@ FLOP_COMPONENTS: tuple[str, ...] = (
     "output_proj",
     "ffn",
     "lm_head",
+    "mtp",
 )
 """Keys of :func:`flops_breakdown`, in forward order."""
 
@@ -52,16 +53,56 @@ def _dims(cfg: ModelConfig) -> tuple[int, int, int, int, int, int]:
     return cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.vocab_size, cfg.n_layers
 
 
+def _mla_producers(cfg: ModelConfig) -> int:
+    """MLA layers that compute latents (all of them without CLA): ceil(L / kv_share_every)."""
+    return -(-cfg.n_layers // cfg.kv_share_every)
+
+
+def _attention_parameters(cfg: ModelConfig, n_layers: int, producers: int) -> tuple[int, int]:
+    """(matmul weights, norm gains) of ``n_layers`` attention layers, ``producers`` of which
+    compute K/V. MLA per layer: the q path ``D·H(N+R)`` (or ``D·Q + Q·H(N+R)``), ``D(C+R)``
+    (producers), ``C·H(N+Ev)``, ``H·Ev·D``; gains: ``C`` (producers), ``Q``. GQA:
+    ``D·H·E + 2·D·K·E + H·E·D``; gains: 2E under QK-norm."""
+    d, e, h, k, _, _ = _dims(cfg)
+    if cfg.attention_type != "mla":
+        return n_layers * (d * h * e + 2 * d * k * e + h * e * d), n_layers * 2 * e * cfg.qk_norm
+    m = cfg.mla
+    c, r, q = m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank
+    q_path = d * q + q * h * m.qk_head_dim if q else d * h * m.qk_head_dim
+    per_layer = q_path + c * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d
+    return n_layers * per_layer + producers * d * (c + r), n_layers * q + producers * c
+
+
+def _mtp_parameters(cfg: ModelConfig) -> int:
+    """MTP modules: per depth two input norms, the 2D -> D projection, one full-attention
+    block (its FFN MoE or dense as layer L + k's) and the output norm."""
+    if not cfg.mtp_depth:
+        return 0
+    d, total = cfg.d_model, 0
+    mc = cfg.moe
+    for j in range(cfg.mtp_depth):
+        matmul, gains = _attention_parameters(cfg, 1, 1)
+        if mc.is_moe_layer(cfg.n_layers + j):
+            ffn = mc.n_experts * d + 3 * d * cfg.expert_dim * (mc.n_shared_experts + mc.n_experts)
+        else:
+            ffn = 3 * d * cfg.ffn_dim
+        total += 3 * d + 2 * d * d + matmul + gains + ffn + 2 * d
+    return total
+
+
 def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Exact parameter count per component (all layers summed); ``lm_head`` is 0 when tied."""
-    d, e, h, k, v, n = _dims(cfg)
+    """Exact parameter count per component (all layers summed); ``lm_head`` is 0 when tied.
+    ``qk_norm`` holds the attention's norm gains (QK-norm's, or MLA's latent norms)."""
+    d, _, _, _, v, n = _dims(cfg)
+    attention, gains = _attention_parameters(cfg, n, _mla_producers(cfg))
     return {
         "embedding": v * d,
-        "attention": n * (d * h * e + 2 * d * k * e + h * e * d),
-        "qk_norm": n * 2 * e if cfg.qk_norm else 0,
+        "attention": attention,
+        "qk_norm": gains,
         "ffn": int(_ffn_parameters(cfg, active=False)),
         "norms": n * 2 * d + d,
         "lm_head": 0 if cfg.tie_embeddings else v * d,
+        "mtp": _mtp_parameters(cfg),
     }
 
 
@@ -120,18 +161,37 @@ def flops_breakdown(
     """
     d, e, h, k, v, n = _dims(cfg)
     attn_len = seq_len / 2 if causal else seq_len
+    qk_dim, v_dim = e, e
+    if cfg.attention_type == "mla":  # explicit form: every latent up-projected once (kv_b)
+        qk_dim, v_dim = cfg.mla.qk_head_dim, cfg.mla.v_head_dim
+        matmul, _ = _attention_parameters(cfg, n, _mla_producers(cfg))
+        qkv = 2.0 * (matmul - n * h * v_dim * d)
+    else:
+        qkv = 2.0 * n * d * (h * e + 2 * k * e)
     fwd = {
         "embedding": 0.0,  # a row lookup, no arithmetic
-        "qkv": 2.0 * n * d * (h * e + 2 * k * e),
-        "attn_scores": 2.0 * n * h * e * attn_len,  # one query row against T keys
-        "attn_values": 2.0 * n * h * e * attn_len,
-        "output_proj": 2.0 * n * h * e * d,
+        "qkv": qkv,
+        "attn_scores": 2.0 * n * h * qk_dim * attn_len,  # one query row against T keys
+        "attn_values": 2.0 * n * h * v_dim * attn_len,
+        "output_proj": 2.0 * n * h * v_dim * d,
         # MoE: the active weights (top-k routed + shared experts + router) per token.
         "ffn": 2.0 * _ffn_parameters(cfg, active=True),
         "lm_head": 2.0 * d * v,
+        # MTP (training): per depth the 2D -> D projection, one block, the shared LM head.
+        "mtp": _mtp_flops(cfg, attn_len),
     }
     factor = 3.0 if backward else 1.0
     return {name: factor * value for name, value in fwd.items()}
+
+
+def _mtp_flops(cfg: ModelConfig, attn_len: float) -> float:
+    """Forward FLOPs per token of the MTP modules (dense FFN counted in full, MoE active)."""
+    if not cfg.mtp_depth:
+        return 0.0
+    one = dataclasses.replace(cfg, n_layers=1, mtp_depth=0, kv_share_every=1)
+    per = flops_breakdown(one, int(attn_len), causal=False)
+    block = sum(per[key] for key in ("qkv", "attn_scores", "attn_values", "output_proj", "ffn"))
+    return cfg.mtp_depth * (block + 2.0 * 2 * cfg.d_model * cfg.d_model + per["lm_head"])
 
 
 def flops_per_token(
