@@ -34,6 +34,14 @@ not apply (a CPU tensor, explicit positions, a KV cache, hooks on the projection
 - swiglu: ``reference`` (:class:`lmforge.model.SwiGLU`) or ``triton`` (one GEMM against
   ``cat([w1, w3])`` through ``lmforge.kernels.swiglu_packed``).
 
+Attention kind (``ModelConfig.attention_type``): ``gqa`` (:class:`CausalSelfAttention`) or
+``mla`` (:class:`~lmforge.model.mla.MultiHeadLatentAttention`, DeepSeek-V2/V3: explicit form in
+training, absorbed form over the KV cache and the engine's paged latent cache). With
+``kv_share_every`` k > 1 (CLA, MLA only) layer i reuses the latents of layer i − i mod k.
+``mtp_depth`` > 0 builds DeepSeek-V3's multi-token-prediction modules as ``self.mtp``
+(:mod:`lmforge.model.mtp`); the forward never runs them (the main logits are unchanged), the
+training objective and the speculative proposer do.
+
 Layer pattern (``ModelConfig.layers``, e.g. ``"GGGA"`` repeated to ``n_layers``): each block's
 token mixer is full attention (A), sliding-window attention (W, ``model.window``; an explicit
 (T, T) mask through SDPA, the flash kernel having no window), Gated DeltaNet (G), Mamba-2 (M) or
