@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmforge.hf import _moe
+from lmforge.hf._rope import rope_permutation
 from lmforge.model.config import ModelConfig
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write_text
@@ -56,14 +57,6 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",  # MoE models: lmforge.hf._moe
     "deepseek_v3": "DeepseekV3ForCausalLM",  # MLA models: lmforge.hf.deepseek
 }
-
-
-def rope_permutation(head_dim: int) -> torch.Tensor:
-    """Row order that maps lmforge's interleaved RoPE layout to HF's half-split one.
-
-    ``hf_rows = lmforge_rows[perm]`` within each head: ``perm = [0, 2, …, E-2, 1, 3, …, E-1]``.
-    """
-    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
 
 
 def _permute_heads(

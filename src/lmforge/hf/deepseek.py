@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lmforge.hf.convert import rope_permutation
+from lmforge.hf._rope import rope_permutation
 from lmforge.model.config import ModelConfig
 from lmforge.model.mla import MLAConfig
 from lmforge.utils.errors import LmforgeError

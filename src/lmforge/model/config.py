@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from lmforge.model.mla_config import MLAConfig
 from lmforge.model.moe_config import MoEConfig
-
-if TYPE_CHECKING:
-    from lmforge.model.mla import MLAConfig
+from lmforge.utils.errors import LmforgeError
 
 
 def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
@@ -223,8 +222,6 @@ class ModelConfig:
                 raise ValueError(f"attention_type = mla does not support {name}")
         if k > 1 and set(self.layers) != {"A"}:
             raise ValueError("kv_share_every > 1 needs full-attention layers only (layers = A)")
-        from lmforge.utils.errors import LmforgeError
-
         try:
             self.mla.validate()
         except LmforgeError as e:
@@ -233,8 +230,6 @@ class ModelConfig:
     @property
     def mla(self) -> MLAConfig:
         """The :class:`~lmforge.model.mla.MLAConfig` of every MLA layer (one builder)."""
-        from lmforge.model.mla import MLAConfig
-
         return MLAConfig(
             d_model=self.d_model,
             n_heads=self.n_heads,
