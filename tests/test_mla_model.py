@@ -252,3 +252,34 @@ def test_config_errors_are_one_line(override: str, match: str) -> None:
 def test_cla_needs_mla() -> None:
     with pytest.raises(ValueError, match="needs attention_type = mla"):
         ModelConfig(d_model=64, n_heads=4, kv_share_every=2)
+
+
+def test_the_trainer_trains_an_mla_cla_model(tmp_path: Path) -> None:
+    """The one Trainer (``lmforge.train.train``), unchanged, on an MLA + CLA model: the loss
+    of a learnable stream falls and the checkpoint reloads with the fields."""
+    import numpy as np
+
+    from lmforge.config import load_run_config
+    from lmforge.train import load_for_inference, train
+    from lmforge.train.data import write_shard
+    from lmforge.train.trainer import read_metrics
+
+    rng = np.random.default_rng(0)
+    base = np.tile(np.arange(50), 300)
+    toks = np.where(rng.random(base.size) < 0.1, rng.integers(0, V, base.size), base)
+    tr = write_shard(tmp_path / "train.bin", toks[:12000], V, num_bytes=36000)
+    va = write_shard(tmp_path / "val.bin", toks[12000:], V, num_bytes=9000)
+    model = {**MLA, "kv_share_every": 2, "n_layers": 2}
+    overrides = [f"model.{k}={v}" for k, v in model.items()] + [
+        f'data.train=["{tr}"]', f'data.val=["{va}"]', f"train.out_dir={tmp_path / 'run'}",
+        "train.device=cpu", "train.precision=fp32", "train.batch_size=4",
+        "train.context_length=32", "train.lr=3e-3", "train.warmup_steps=5",
+        "train.max_steps=40", "train.log_every=1", "train.eval_every=40", "train.eval_batches=2",
+        "train.save_every=40", "train.progress=false",
+    ]  # fmt: skip
+    train(load_run_config(None, overrides))
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")
+              if r.get("event") == "train"]  # fmt: skip
+    assert len(losses) == 40 and losses[-1] < 0.6 * losses[0], losses
+    loaded, _ = load_for_inference(tmp_path / "run")
+    assert loaded.config.attention_type == "mla" and loaded.config.kv_share_every == 2
