@@ -1,25 +1,32 @@
-"""Vision on the GPU: the VLM training step (images/s, MFU) against Hugging Face's LLaVA of the
-same shape, and contrastive pretraining CLIP vs SigLIP at batch 64 and 1024 (retrieval recall).
+"""Vision on the GPU: the VLM training step through lmforge's Trainer (images/s, MFU) against
+Hugging Face's LLaVA of the same shape, and contrastive pretraining CLIP vs SigLIP at batch 64
+and 1024 (zero-shot retrieval recall@1/@5).
 
 Correctness first, on the device: CLIP and SigLIP losses against float64 references (the
 SigLIP paper's double loop), and the VLM's logits against a float64 CPU copy of the model.
 
-VLM step (stage 2: ViT frozen, projector + LM trained; bf16 autocast, AdamW): a ViT-B/16 at
-224 px (196 image tokens) and a 12-layer, 768-wide lmforge LM on 196 + ``--text`` tokens per
-sample; the peer is ``transformers``' ``LlavaForConditionalGeneration`` built with the same
-shapes (CLIP ViT-B/16 tower, Llama LM, 2-layer GELU projector), same batch, same frozen tower,
-same autocast. CUDA-event medians (``lmforge.bench.timing.time_ms``). MFU counts the model FLOPs
-(PaLM's 6·N + 12·L·D·T per trained token, 2·N + 4·L·D·T per frozen ViT token) against the
-H200's 989 TFLOP/s bf16 dense peak.
+VLM step (stage 2: ViT frozen, projector + LM trained): a ViT-B/16 at 224 px (196 image tokens)
+and a 12-layer, 768-wide lmforge LM on 1 + 196 + ``--text`` tokens per sample, run as
+``lmforge vision vlm`` runs it: :class:`~lmforge.vision.vlm.VLMObjective` (bf16 autocast on
+CUDA, fp32 loss) in the one :class:`~lmforge.train.Trainer` (its AdamW, clipping, sync-free
+step), one ``Trainer.train_step()`` per timed call. The batch is drawn once and replayed
+(drawing scenes is not timed): token ids and images on the device, targets on the host as the
+objective draws them. The peer is ``transformers``' ``LlavaForConditionalGeneration`` with the
+same shapes (CLIP ViT-B/16 tower, Llama LM, 2-layer GELU projector), same batch, frozen tower,
+bf16 autocast and torch's fused AdamW. CUDA-event medians (``lmforge.bench.timing.time_ms``).
+MFU counts model FLOPs, written out with the table: per sample, the frozen ViT's forward
+(N+1)·(2·N_vit + 4·L_v·D_v·(N+1)), the projector's 6·N_proj·N and the LM's
+T·(6·N_lm + 12·L·D·T) (PaLM's formula; N_· are matmul parameters), against the H200's 989 TFLOP/s
+bf16 dense peak.
 
-Retrieval: the user's path, :func:`lmforge.vision.contrastive.pretrain` on
-``configs/vision/clip-tiny.toml`` with the loss, batch and device overridden (workers draw the
-scenes), the same number of steps at both batch sizes; recall@1/@5 image→text and text→image on
-1024 held-out scenes (chance 0.1% / 0.5%).
+Retrieval: the user's path, :func:`lmforge.vision.contrastive.pretrain` (the Trainer) on
+``configs/vision/clip-tiny.toml`` with the loss, batch, steps and device overridden (worker
+processes draw the scenes), the same number of steps at both batch sizes; recall@1/@5
+image→text and text→image on ``--val-size`` held-out scenes (chance 1/n and 5/n).
 
     PYTHONPATH=src python benchmarks/vision.py --out bench_out/vision
     PYTHONPATH=src python benchmarks/vision.py --skip-retrieval
-    PYTHONPATH=src python benchmarks/vision.py --device cpu --vit-layers 1 --lm-layers 1 --width 64 --batch 2 --skip-retrieval
+    PYTHONPATH=src python benchmarks/vision.py --quick          # CPU smoke test, tiny shapes
 """
 
 from __future__ import annotations
@@ -61,8 +68,20 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--skip-retrieval", action="store_true")
     p.add_argument("--retrieval-steps", type=int, default=300)
+    p.add_argument("--val-size", type=int, default=1024, help="held-out scenes for retrieval")
     p.add_argument("--out", help="folder for results.json")
-    return p.parse_args()
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CPU smoke test: tiny VLM, 2 retrieval steps, 128 held-out scenes",
+    )
+    args = p.parse_args()
+    if args.quick:
+        small = dict(device="cpu", batch=2, text=16, width=64, vit_layers=1, lm_layers=1,
+                     vocab=512, iters=2, retrieval_steps=2, val_size=128)  # fmt: skip
+        for k, v in small.items():
+            setattr(args, k, v)
+    return args
 
 
 def check_losses(device: str) -> list[list[object]]:
@@ -124,8 +143,9 @@ def check_vlm(args: argparse.Namespace, device: str) -> list[object]:
     return ["VLM logits (fp32 device vs fp64 CPU)", err]
 
 
-def vlm_flops(model, batch: int, n_img: int, t: int) -> float:
-    """Model FLOPs of one stage-2 step (frozen ViT forward, projector + LM forward/backward)."""
+def vlm_flops(model, batch: int, n_img: int, t: int) -> dict[str, float]:
+    """Model FLOPs of one stage-2 step (frozen ViT forward, projector + LM forward/backward),
+    with the terms that make them up (see the module docstring)."""
     vit = model.vision
     n_vit = sum(p.numel() for n, p in vit.named_parameters() if p.ndim == 2 and "embed" not in n)
     n_vit += vit.patch_embed.weight.numel()
@@ -136,39 +156,60 @@ def vlm_flops(model, batch: int, n_img: int, t: int) -> float:
         n_lm += lm.lm_head.weight.numel()
     d_v, l_v = vit.config.d_model, vit.config.n_layers
     d, layers = lm.config.d_model, lm.config.n_layers
-    per_sample = (n_img + 1) * (2 * n_vit + 4 * l_v * d_v * (n_img + 1))
-    per_sample += 6 * n_proj * n_img + t * (6 * n_lm + 12 * layers * d * t)
-    return batch * per_sample
+    f_vit = (n_img + 1) * (2 * n_vit + 4 * l_v * d_v * (n_img + 1))
+    f_proj = 6 * n_proj * n_img
+    f_lm = t * (6 * n_lm + 12 * layers * d * t)
+    return {"n_vit": n_vit, "n_proj": n_proj, "n_lm": n_lm, "vit_per_sample": f_vit,
+            "proj_per_sample": f_proj, "lm_per_sample": f_lm, "tokens": t,
+            "total": float(batch * (f_vit + f_proj + f_lm))}  # fmt: skip
 
 
-def time_lmforge_step(args: argparse.Namespace, device: str) -> dict[str, float]:
+def synthetic_batch(args: argparse.Namespace, device: str, n_img: int = 196):
+    """(token ids, targets, images): ``<bos> <image>×N text``; the loss on the text tokens."""
+    g = torch.Generator().manual_seed(0)
+    t = 1 + n_img + args.text
+    tokens = torch.randint(5, args.vocab, (args.batch, t), generator=g)
+    tokens[:, 1 : 1 + n_img] = 4
+    targets = torch.randint(5, args.vocab, (args.batch, t), generator=g)
+    targets[:, : 1 + n_img] = -100
+    images = torch.randn(args.batch, 3, 224, 224, generator=g)
+    return tokens.to(device), targets, images.to(device)
+
+
+def time_lmforge_step(args: argparse.Namespace, device: str) -> dict[str, object]:
+    """``Trainer.train_step()`` of stage 2 (VLMObjective on a replayed batch)."""
     from lmforge.bench.timing import time_ms
+    from lmforge.config import RunConfig
+    from lmforge.train import Trainer
+    from lmforge.vision._train import phase_train_config
+    from lmforge.vision.data import WordTokenizer
+    from lmforge.vision.scenes import ProceduralScenes, vocabulary
+    from lmforge.vision.vlm import VLMObjective
+
+    class Replay(VLMObjective):
+        """VLMObjective's loss on one batch, drawn once."""
+
+        def next_batch(self):
+            return batch
 
     torch.manual_seed(0)
     model = build_vlm(args, device)
-    model.vision.requires_grad_(False)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
-    n_img = model.n_image_tokens
-    t = 1 + n_img + args.text
-    tokens = torch.randint(5, args.vocab, (args.batch, t), device=device)
-    tokens[:, 1 : 1 + n_img] = 4
-    targets = torch.randint(5, args.vocab, (args.batch, t), device=device)
-    targets[:, : 1 + n_img] = -100
-    images = torch.randn(args.batch, 3, 224, 224, device=device)
-
-    def step() -> None:
-        with torch.autocast(device, dtype=torch.bfloat16):
-            logits = model(tokens, images)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    ms = time_ms(step, warmup=3, iters=args.iters, device=device)
-    flops = vlm_flops(model, args.batch, n_img, t)
-    mfu = flops / (ms / 1e3) / PEAK_BF16
-    return {"ms": ms, "images_s": args.batch / ms * 1e3, "mfu": mfu, "flops": flops}
+    model.vision.requires_grad_(False)  # stage 2: the Trainer's AdamW gets projector + LM
+    batch = synthetic_batch(args, device, model.n_image_tokens)
+    bf16 = device.startswith("cuda")
+    objective = Replay(ProceduralScenes(image_size=224), WordTokenizer(vocabulary()),
+                       model.n_image_tokens, args.batch, "image", "answer", "stage2", bf16)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        tc = phase_train_config(tmp, steps=1000, lr=1e-4, warmup=0, batch_size=args.batch,
+                                device=device, seed=0, precision="bf16" if bf16 else "fp32")  # fmt: skip
+        trainer = Trainer(RunConfig(train=tc), model=model, objective=objective)
+        ms = time_ms(trainer.train_step, warmup=3, iters=args.iters, device=device)
+        loss = trainer.train_step()[0]
+    t = 1 + model.n_image_tokens + args.text
+    flops = vlm_flops(model, args.batch, model.n_image_tokens, t)
+    mfu = flops["total"] / (ms / 1e3) / PEAK_BF16
+    return {"ms": ms, "images_s": args.batch / ms * 1e3, "mfu": mfu, "flops": flops,
+            "adamw": trainer.fast.adamw, "loss": loss}  # fmt: skip
 
 
 def time_hf_llava_step(
@@ -220,20 +261,17 @@ def time_hf_llava_step(
     model.model.vision_tower.requires_grad_(False)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
-    n_img = 196
-    t = 1 + n_img + args.text
-    ids = torch.randint(5, args.vocab, (args.batch, t), device=device)
-    ids[:, 1 : 1 + n_img] = 4
-    labels = torch.randint(5, args.vocab, (args.batch, t), device=device)
-    labels[:, : 1 + n_img] = -100
-    pixels = torch.randn(args.batch, 3, 224, 224, device=device)
+    ids, labels, pixels = synthetic_batch(args, device)
+    labels = labels.to(device)
+    bf16 = device.startswith("cuda")
 
     def step() -> None:
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=bf16):
             logits = model(input_ids=ids, pixel_values=pixels).logits
-        loss = F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # as the Trainer clips
         opt.step()
 
     try:
@@ -262,7 +300,7 @@ def retrieval(args: argparse.Namespace, device: str) -> list[list[object]]:
                     "train.threads=0",
                     f"train.out={tmp}",
                     f"data.workers={workers}",
-                    "data.val_size=1024",
+                    f"data.val_size={args.val_size}",
                 ]
                 cfg = load_config(
                     ContrastiveRunConfig, ROOT / "configs/vision/clip-tiny.toml", overrides
@@ -281,15 +319,19 @@ def main() -> int:
     args = _parse()
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: run with --device cpu for a smoke test", file=sys.stderr)
+        print(
+            "no CUDA device: run with --quick (or --device cpu) for a smoke test", file=sys.stderr
+        )
         return 2
     checks = [*check_losses(device), check_vlm(args, device)]
     print("correctness: all relative errors below 1e-4", flush=True)
     ours = time_lmforge_step(args, device)
-    n_img = 196
-    peer = time_hf_llava_step(args, device, ours["flops"])
+    flops = ours["flops"]
+    print(f"lmforge VLM step: {ours['ms']:.2f} ms (loss {ours['loss']:.3f})", flush=True)
+    peer = time_hf_llava_step(args, device, flops["total"])
     results: dict[str, object] = {
         "env": environment_line(),
+        "args": vars(args),
         "checks": checks,
         "lmforge": ours,
         "peer": peer,
@@ -303,27 +345,37 @@ def main() -> int:
     print(environment_line())
     print(markdown_table(["check", "relative error"], checks))
     print()
-    shape = (
-        f"ViT {args.vit_layers}L/{args.width} 224px/16, LM {args.lm_layers}L/{args.width}, "
-        f"batch {args.batch}, {1 + n_img + args.text} tokens/sample, bf16 autocast"
+    t = flops["tokens"]
+    print(
+        f"Model FLOPs per step = B·(ViT fwd + projector + LM) = {args.batch}·("
+        f"{flops['vit_per_sample']:.4g} + {flops['proj_per_sample']:.4g} + "
+        f"{flops['lm_per_sample']:.4g}) = {flops['total']:.4g}; ViT 197·(2·{flops['n_vit']:,} + "
+        f"4·{args.vit_layers}·{args.width}·197), projector 6·{flops['n_proj']:,}·196, "
+        f"LM {t}·(6·{flops['n_lm']:,} + 12·{args.lm_layers}·{args.width}·{t})"
     )
-    print(f"VLM stage-2 training step ({shape})")
-    rows = [["lmforge VisionLanguageModel", ours["ms"], ours["images_s"], ours["mfu"]]]
+    autocast = "bf16 autocast" if device.startswith("cuda") else "fp32"
+    shape = (
+        f"ViT {args.vit_layers}L/{args.width} 224px/16 frozen, LM {args.lm_layers}L/{args.width} "
+        f"vocab {args.vocab}, batch {args.batch}, {t} tokens/sample, {autocast}"
+    )
+    print(f"VLM stage-2 training step ({shape}); MFU against {PEAK_BF16 / 1e12:.0f} TFLOP/s")
+    rows = [
+        [f"lmforge Trainer + VLMObjective (AdamW {ours['adamw']})", ours["ms"],
+         ours["images_s"], ours["mfu"]],
+    ]  # fmt: skip
     if isinstance(peer, dict):
-        rows.append(
-            [
-                "transformers LlavaForConditionalGeneration (peer)",
-                peer["ms"],
-                peer["images_s"],
-                peer["mfu"],
-            ]
-        )
-    print(markdown_table(["model", "step ms", "images/s", "MFU"], rows))
+        rows.append(["transformers LlavaForConditionalGeneration + torch AdamW (peer)",
+                     peer["ms"], peer["images_s"], peer["mfu"]])  # fmt: skip
+    print(markdown_table(["step", "ms", "images/s", "MFU"], rows))
     if not isinstance(peer, dict):
         print(f"peer: {peer}")
     if ret_rows:
+        n = args.val_size
         print()
-        print("Retrieval on 1024 held-out procedural scenes (chance: @1 0.001, @5 0.005)")
+        print(
+            f"Retrieval after `lmforge vision pretrain` (clip-tiny, {args.retrieval_steps} steps) "
+            f"on {n} held-out procedural scenes (chance: @1 {1 / n:.4f}, @5 {5 / n:.4f})"
+        )
         print(
             markdown_table(["loss", "batch", "steps", "i2t@1", "i2t@5", "t2i@1", "t2i@5"], ret_rows)
         )

@@ -1,8 +1,10 @@
 """Post-training objectives in the one Trainer: learning, the weighted accumulation, and exact
-resume after ``kill -9`` (SFT, DPO, GRPO with its rollouts on the serving engine).
+resume after ``kill -9`` (SFT, DPO, GRPO with its rollouts on the serving engine); Pipeline RL's
+resume (learner state, versions and prompt stream exact; rollouts not: see
+:class:`~lmforge.posttrain.pipeline.PipelineObjective`).
 
 Also a script: ``python tests/test_posttrain_resume.py KIND OUT_DIR STEPS [KILL_AT]`` trains
-KIND (sft, dpo, grpo) on a tiny model, SIGKILLing itself after step KILL_AT when given.
+KIND (sft, dpo, grpo, pipeline) on a tiny model, SIGKILLing itself after step KILL_AT when given.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -184,8 +187,76 @@ def test_kill_9_resumes_bit_exactly(tmp_path: Path, kind: str, steps: int, kill_
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
 
 
+def run_pipeline_rl(out: Path, steps: int, kill_at: int | None = None) -> None:
+    """Pipeline RL (engine process + trainer) on the 1-digit task into ``out``, checkpointing
+    every step; SIGKILLs the trainer after step ``kill_at`` (the engine is left to notice),
+    writing the pids of its child processes to ``out/children`` first."""
+    from lmforge.posttrain.pipeline import PipelineConfig, run_pipeline
+
+    task = ArithmeticTask(digits=1)
+    model = arithmetic_model(task.tokenizer().vocab_size, seed=0, d_model=32, n_layers=1)
+    cfg = PipelineConfig(iterations=steps, prompts_per_step=4, group_size=4, digits=1,
+                         max_tokens=task.answer_tokens, eval_every=100, eval_size=4, lr=1e-2)  # fmt: skip
+
+    def on_step(rec: dict[str, Any], m: Any) -> None:
+        if rec["step"] == kill_at:
+            me = os.getpid()
+            kids = Path(f"/proc/{me}/task/{me}/children").read_text().split()
+            (out / "children").write_text(" ".join(kids))
+            os.kill(me, signal.SIGKILL)
+
+    run_cfg = _cfg(out, steps, lr=1e-2, beta2=0.99, grad_accum=1, batch_size=256)
+    run_pipeline(model, cfg, progress=False, on_step=on_step, run_config=run_cfg)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+
+
+def test_pipeline_rl_resumes_after_kill_9(tmp_path: Path) -> None:
+    """What a Pipeline RL resume promises: the learner's checkpoint, the batch and version
+    numbering and the prompt stream continue exactly as in an uninterrupted run; the engine
+    restarts from the checkpoint's weights (its first batch is all lag 0, ratio 1 against the
+    trainer). The rollouts are not compared: where weight swaps land is timing."""
+    steps, kill_at = 6, 4
+    run_pipeline_rl(tmp_path / "straight", steps)
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    cmd = [sys.executable, str(Path(__file__)), "pipeline", str(out), str(steps)]
+    first = subprocess.run([*cmd, str(kill_at)], env=env, capture_output=True, text=True)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    # the orphaned engine process (and multiprocessing's helper) exit by themselves
+    kids = [int(p) for p in (out / "children").read_text().split()]
+    assert kids
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in kids)
+    assert (out / "checkpoints" / f"step_{kill_at - 1:07d}").is_dir()
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from" in second.stderr
+    a = [r for r in read_metrics(tmp_path / "straight" / "metrics.jsonl") if r["event"] == "train"]
+    b = [r for r in read_metrics(out / "metrics.jsonl") if r["event"] == "train"]
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    for key in ("iteration", "version", "samples", "prompt_digest"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert len({r["prompt_digest"] for r in b}) == steps  # the stream moved on every batch
+    back = b[kill_at - 1]  # the resumed engine's first batch: the checkpoint's weights, lag 0
+    assert back["max_lag"] == 0 and back["weight_check_version"] == kill_at - 1
+    assert back["weight_check"] < 1e-12
+    assert back["sync_check_tokens"] > 0 and back["sync_check"] < 1e-4
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # as conftest.py runs the uninterrupted run: same reductions
     kind, out, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-    kill = (_killer(int(sys.argv[4])),) if len(sys.argv) > 4 else ()
-    build(kind, out, steps, kill).run()
+    at = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    if kind == "pipeline":
+        run_pipeline_rl(out, steps, at)
+    else:
+        build(kind, out, steps, (_killer(at),) if at is not None else ()).run()

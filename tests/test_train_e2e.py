@@ -251,8 +251,11 @@ def test_sync_free_steps_equal_synchronous_steps(shards: tuple[Path, Path], tmp_
                 assert ra[k] == pytest.approx(rb[k], rel=1e-6, abs=1e-7, nan_ok=True), (k, ra, rb)
     for pa, pb in zip(params_a, params_b):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
-    assert (a.good_steps, a.bad_steps) == (b.good_steps, b.bad_steps)
-    assert a.loss_ema == pytest.approx(b.loss_ema, rel=1e-6)
+    assert (a.stepper.good_steps, a.stepper.bad_steps) == (
+        b.stepper.good_steps,
+        b.stepper.bad_steps,
+    )
+    assert a.stepper.loss_ema == pytest.approx(b.stepper.loss_ema, rel=1e-6)
 
 
 def test_bad_steps_in_a_row_stop_the_run(shards: tuple[Path, Path], tmp_path: Path) -> None:
@@ -340,7 +343,7 @@ def test_cuda_graph_option_is_ignored_off_cuda(shards: tuple[Path, Path], tmp_pa
     a = Trainer(_cfg(shards, tmp_path / "a", max_steps=4, cuda_graph=True))
     b = Trainer(_cfg(shards, tmp_path / "b", max_steps=4))
     ra, rb = a.run(), b.run()
-    assert a._graph is None and ra["train_loss"] == rb["train_loss"]
+    assert a.stepper.graph is None and ra["train_loss"] == rb["train_loss"]
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))

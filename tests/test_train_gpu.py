@@ -162,7 +162,7 @@ def test_cuda_graph_step_equals_eager_step(tmp_path: Path, compile_: bool, adamw
         )
         trainer = Trainer(cfg)
         recs, result = _run_with_device_nan(trainer, tmp_path / name, nan_at=11)
-        assert (trainer._graph is not None) == graph and not trainer._graph_off
+        assert (trainer.stepper.graph is not None) == graph and not trainer.stepper.graph_off
         runs.append((recs, [p.detach().clone() for p in trainer.model.parameters()], result))
     (ra, pa, res_a), (rb, pb, res_b) = runs
     assert [r[:2] for r in ra] == [r[:2] for r in rb] and ("skip", 12) in [r[:2] for r in rb]
@@ -205,7 +205,7 @@ def test_master_weights_train_like_autocast_over_fp32_on_gpu(
         trainer = Trainer(cfg)
         assert bool(trainer.masters) == (mw == "on")
         recs, _ = _run_with_device_nan(trainer, tmp_path / mw, nan_at=9)
-        assert (trainer._graph is not None) == graph
+        assert (trainer.stepper.graph is not None) == graph
         weights = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters()}
         for name, (copy, master) in trainer.masters.items():
             assert copy.dtype == torch.bfloat16 and torch.equal(copy, master.bfloat16()), name

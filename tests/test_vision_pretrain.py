@@ -1,4 +1,4 @@
-"""`lmforge vision pretrain`: config, objective, the bridge loop's checkpoint/resume, retrieval."""
+"""`lmforge vision pretrain`: config, objective, training and resuming in the Trainer, retrieval."""
 
 from __future__ import annotations
 
@@ -54,7 +54,13 @@ def test_pretrain_learns_and_resumes(tmp_path, loss: str) -> None:
     assert losses[-1] < losses[0]
     assert set(result) == {"i2t@1", "t2i@1", "i2t@5", "t2i@5", "n"} and result["n"] == 32
     run = tmp_path / "run"
-    assert json.loads((run / "state.json").read_text())["step"] == 40
+    assert [p.name for p in sorted((run / "train" / "checkpoints").iterdir())] == [
+        "step_0000020",
+        "step_0000040",
+    ]
+    records = [json.loads(line) for line in (run / "train" / "metrics.jsonl").open()]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert evals[-1]["step"] == 40 and evals[-1]["i2t@1"] == result["i2t@1"]
     assert json.loads((run / "results.json").read_text()) == result
     # rerunning with more steps resumes at 40 (only 10 new train records)
     more = _cfg(
@@ -83,6 +89,10 @@ def test_objective_shards_ranks_and_restores_position() -> None:
 def test_config_errors_are_one_line(tmp_path, capsys) -> None:
     with pytest.raises(ConfigError, match=r"unknown config key 'train\.lrr'"):
         _cfg(tmp_path, "train.lrr=1")
+    with pytest.raises(ConfigError, match=r"train\.lr must be positive, got -1"):
+        _cfg(tmp_path, "train.lr=-1")
+    with pytest.raises(ConfigError, match=r"train\.warmup must be 0 or more"):
+        _cfg(tmp_path, "train.warmup=-3")
     with pytest.raises(ConfigError, match="multiple of patch_size"):
         _cfg(tmp_path, "vision.patch_size=5")
     status = main(

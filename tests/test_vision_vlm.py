@@ -138,5 +138,19 @@ def test_run_vlm_end_to_end(tmp_path) -> None:
     assert set(res) == {"upper", "lower", "stage1", "stage2"}
     assert all(0.0 <= r["acc"] <= 1.0 for r in res.values())
     assert json.loads((tmp_path / "vlm" / "results.json").read_text()) == res
+    # each phase ran in the Trainer; stage 1 moved only the projector, stage 2 not the ViT
+    from lmforge.checkpoint import latest_checkpoint, load_model_state
+
+    def weights(folder):
+        return load_model_state(latest_checkpoint(folder) / "model.safetensors")
+
+    enc_w, text_w = weights(tmp_path / "enc" / "train"), weights(tmp_path / "vlm" / "text")
+    s1, s2 = weights(tmp_path / "vlm" / "stage1"), weights(tmp_path / "vlm" / "stage2")
+    for k, w in text_w.items():
+        assert torch.equal(s1[f"lm.{k}"], w), k
+    assert any(not torch.equal(s2[f"lm.{k}"], w) for k, w in text_w.items())
+    for k in (k for k in s2 if k.startswith("vision.")):
+        assert torch.equal(s2[k], s1[k]) and torch.equal(s2[k], enc_w[k]), k
+    assert all(not torch.equal(s1[k], s2[k]) for k in s1 if k.startswith("projector."))
     with pytest.raises(LmforgeError, match="not a `vision pretrain` run"):
         run_vlm(cfg, tmp_path / "nothing", log=lambda r: None)

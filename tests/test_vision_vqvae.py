@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.utils.config import load_config
+from lmforge.vision._train import phase_train_config, run_phase
 from lmforge.vision.data import WordTokenizer
 from lmforge.vision.scenes import ProceduralScenes, vocabulary
 from lmforge.vision.vq_train import (
@@ -20,7 +21,7 @@ from lmforge.vision.vq_train import (
     interleave,
     run_vq,
 )
-from lmforge.vision.vqvae import VQVAE, EMACodebook, VQConfig
+from lmforge.vision.vqvae import VQVAE, CodebookUpdate, EMACodebook, VQConfig
 
 
 def test_codebook_nearest_straight_through_and_ema_reference() -> None:
@@ -31,6 +32,10 @@ def test_codebook_nearest_straight_through_and_ema_reference() -> None:
     flat = z.detach().permute(0, 2, 3, 1).reshape(-1, 3)
     embed0, size0, sum0 = cb.embed.clone(), cb.cluster_size.clone(), cb.embed_sum.clone()
     zq, codes, commit, ppl = cb(z)
+    # the forward only records the assignment: the EMA step waits for update()
+    assert torch.equal(cb.embed, embed0) and len(cb.pending) == 1
+    cb.update()
+    assert cb.pending == []
     # nearest code by brute force
     ref_idx = torch.stack([((embed0 - v) ** 2).sum(1).argmin() for v in flat])
     assert torch.equal(codes.flatten(), ref_idx)
@@ -56,7 +61,28 @@ def test_dead_codes_restart_at_encoder_outputs() -> None:
     cb.initialized.fill_(1.0)
     z = torch.full((1, 2, 2, 2), 5.0)
     cb(z)
+    cb.update()
     assert (cb.embed == 5.0).all(dim=1).sum() >= 3  # unused codes moved onto the data
+
+
+def test_codebook_update_runs_after_the_step_and_skips_with_it() -> None:
+    # CodebookUpdate, the Trainer callback: one EMA step over all micro-batches of the step
+    # (as if they were one batch), nothing when the step was skipped
+    torch.manual_seed(0)
+    vq = VQVAE(VQConfig(channels=8, code_dim=4, codebook_size=8, restart_below=0.0))
+    vq.codebook.initialized.fill_(1.0)  # no data init: both see the same codes
+    twin = VQVAE(VQConfig(channels=8, code_dim=4, codebook_size=8, restart_below=0.0))
+    twin.load_state_dict(vq.state_dict())
+    images = torch.randn(4, 3, 16, 16)
+    vq(images[:2]), vq(images[2:])
+    CodebookUpdate(vq)(None, 1, {"skipped": False})
+    twin(images)
+    twin.codebook.update()
+    torch.testing.assert_close(vq.codebook.embed, twin.codebook.embed)
+    before = vq.codebook.embed.clone()
+    vq(images)
+    CodebookUpdate(vq)(None, 2, {"skipped": True})
+    assert torch.equal(vq.codebook.embed, before) and vq.codebook.pending == []
 
 
 def test_codes_start_at_the_first_batch() -> None:
@@ -67,21 +93,19 @@ def test_codes_start_at_the_first_batch() -> None:
     assert ppl > 2.0 and codes.unique().numel() > 2
 
 
-def test_vq_objective_learns() -> None:
+def test_vq_objective_learns_in_the_trainer(tmp_path) -> None:
     torch.manual_seed(0)
     scenes = ProceduralScenes(image_size=16)
     vq = VQVAE(VQConfig(channels=16, code_dim=8, codebook_size=16))
     obj = VQObjective(scenes, 8)
-    opt = torch.optim.Adam(vq.parameters(), lr=3e-3)
+    tc = phase_train_config(tmp_path, steps=25, lr=3e-3, warmup=0, batch_size=8, device="cpu",
+                            seed=0)  # fmt: skip
+    logs: list[dict] = []
+    run_phase(obj, vq, tc, logs.append, [CodebookUpdate(vq)])
+    losses = [r["loss"] for r in logs]
+    assert len(losses) == 25 and sum(losses[-5:]) < 0.6 * sum(losses[:5])
+    assert logs[-1]["perplexity"] >= 1.0 and vq.codebook.pending == []
     batch = obj.next_batch()
-    first = None
-    for _ in range(25):
-        loss, w = obj.loss(vq, batch)
-        first = first or loss.item()
-        opt.zero_grad()
-        (loss / w).backward()
-        opt.step()
-    assert loss.item() < 0.6 * first and obj.metrics()["perplexity"] >= 1.0
     assert vq.encode(batch).shape == (8, 2, 2) and vq.decode(vq.encode(batch)).shape == batch.shape
     res = evaluate_vq(vq, scenes, 8)
     assert 0 < res["recon_mse"] < 1 and 1 <= res["perplexity"] <= 16
@@ -151,6 +175,7 @@ def test_run_vq_writes_pngs_and_results(tmp_path) -> None:
     )
     res = run_vq(cfg, log=lambda r: None)
     assert {"recon_mse", "perplexity", "caption_exact", "gen_caption_exact"} <= set(res)
-    for name in ("recon.png", "samples.png", "results.json", "config.toml"):
+    for name in ("recon.png", "samples.png", "results.json", "config.toml", "vq/metrics.jsonl",
+                 "lm/metrics.jsonl", "vq/loss_curve.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0
     assert (tmp_path / "recon.png").read_bytes()[:4] == b"\x89PNG"

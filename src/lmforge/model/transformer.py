@@ -365,7 +365,8 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     """The token mixer of block ``layer_idx``, by its letter in ``config.layer_types``:
     A full attention, W sliding-window attention, G Gated DeltaNet, M Mamba-2, L linear attention.
     Linear mixers run their chunked kernels (Triton on CUDA, the chunked torch path on CPU)."""
-    kind = config.layers[layer_idx % len(config.layers)]  # the pattern goes on past n_layers (MTP)
+    # blocks past n_layers (multi-token-prediction modules) are full attention: no recurrent state
+    kind = config.layer_types[layer_idx] if layer_idx < len(config.layer_types) else "A"
     if kind == "A" and config.attention_type == "mla":
         # CLA: layer i reads the latents of layer i − i mod k (cache index i // k).
         k = config.kv_share_every

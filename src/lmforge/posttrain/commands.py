@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmforge.train.metrics import plot_curves
 from lmforge.utils.errors import LmforgeError
-from lmforge.utils.io import atomic_write, atomic_write_text, ensure_writable_dir
+from lmforge.utils.io import atomic_write_text, ensure_writable_dir
 
 if TYPE_CHECKING:
     from lmforge.config import RunConfig
@@ -69,33 +70,30 @@ def _run_trainer(
     return trainer, trainer.run()
 
 
-def _train_records(out_dir: Path) -> list[dict[str, Any]]:
+def _records(out_dir: Path, event: str = "train") -> list[dict[str, Any]]:
     from lmforge.train.metrics import read_metrics
 
-    return [r for r in read_metrics(out_dir / "metrics.jsonl") if r.get("event") == "train"]
+    return [r for r in read_metrics(out_dir / "metrics.jsonl") if r.get("event") == event]
 
 
-def plot_curves(path: Path, series: dict[str, list[tuple[float, float]]], xlabel: str,
-                ylabel: str, title: str) -> None:  # fmt: skip
-    """A PNG of one or more (x, y) curves (written atomically)."""
-    import matplotlib
+def _load_with_tokenizer(path: str, device: str) -> tuple[Any, Any]:
+    from lmforge.posttrain.models import load_model
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    model, tok = load_model(path, device)
+    if tok is None:
+        raise LmforgeError(f"{path} has no tokenizer to encode the data with")
+    return model, tok
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, pts in series.items():
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with atomic_write(path) as out:  # temp name, fsync, rename
-        fig.savefig(out, format="png", dpi=120)
-    plt.close(fig)
+
+def _summary(out: Path, summary: dict[str, Any], first_last: bool = False) -> int:
+    # summary.json (printed too); first_last: with the first and last train losses
+    if first_last:
+        hist = _records(out)
+        summary["first_loss"] = hist[0]["loss"] if hist else None
+        summary["last_loss"] = hist[-1]["loss"] if hist else None
+    _write_json(out / "summary.json", summary)
+    print(json.dumps(summary))
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +101,7 @@ def plot_curves(path: Path, series: dict[str, list[tuple[float, float]]], xlabel
 
 def run_sft(cfg: RunConfig, threads: int | None = None) -> int:
     """``lmforge sft``: the SFT objective on ``cfg.sft``'s model and data."""
-    from lmforge.posttrain.models import eos_ids, load_model, save_model
+    from lmforge.posttrain.models import eos_ids, save_model
     from lmforge.posttrain.sft import SFTObjective, examples_from_records
     from lmforge.posttrain.tasks import read_jsonl
 
@@ -111,9 +109,7 @@ def run_sft(cfg: RunConfig, threads: int | None = None) -> int:
     _need_file(sc.data, "sft.data")
     runtime = _setup(cfg, threads)
     out = Path(tc.out_dir)
-    model, tok = load_model(sc.model, runtime.device)
-    if tok is None:
-        raise LmforgeError(f"{sc.model} has no tokenizer to encode the data with")
+    model, tok = _load_with_tokenizer(sc.model, runtime.device)
     eos = eos_ids(tok)
     exs = examples_from_records(read_jsonl(sc.data, "sft.data"), tok, chat=sc.chat,
                                 eos_id=eos[0] if eos else None, where=sc.data)  # fmt: skip
@@ -122,13 +118,7 @@ def run_sft(cfg: RunConfig, threads: int | None = None) -> int:
     if not trainer.is_main:
         return 0
     save_model(model, tok, out / "model")
-    hist = _train_records(out)
-    summary = {"examples": len(exs), "steps": result.get("iteration"),
-               "first_loss": hist[0]["loss"] if hist else None,
-               "last_loss": hist[-1]["loss"] if hist else None}  # fmt: skip
-    _write_json(out / "summary.json", summary)
-    print(json.dumps(summary))
-    return 0
+    return _summary(out, {"examples": len(exs), "steps": result.get("iteration")}, True)
 
 
 def _preference_pairs(cfg: RunConfig, tok: Any) -> tuple[list, list]:
@@ -160,15 +150,13 @@ def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
         hidden_size,
         steps_per_epoch,
     )
-    from lmforge.posttrain.models import load_model, save_model
+    from lmforge.posttrain.models import save_model
 
     dc, tc = cfg.dpo, cfg.train
     _need_file(dc.data, "dpo.data")
     runtime = _setup(cfg, threads)
     out = Path(tc.out_dir)
-    model, tok = load_model(dc.model, runtime.device)
-    if tok is None:
-        raise LmforgeError(f"{dc.model} has no tokenizer to encode the data with")
+    model, tok = _load_with_tokenizer(dc.model, runtime.device)
     train, held = _preference_pairs(cfg, tok)
     steps = dc.epochs * steps_per_epoch(len(train), tc.batch_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(tc, max_steps=steps))
@@ -204,12 +192,10 @@ def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
                   str(out / "reward_head.safetensors"))  # fmt: skip
     save_model(model, tok, out / "model")
     after = {k: v for k, v in result.items() if k.startswith("eval_")}
-    summary = {"loss": "reward_model" if dc.reward_model else dc.loss, "pairs_train": len(train),
-               "pairs_eval": len(held), "steps": result.get("iteration"),
-               "heldout_before": before, "heldout_after": after}  # fmt: skip
-    _write_json(out / "summary.json", summary)
-    print(json.dumps(summary))
-    return 0
+    return _summary(out, {"loss": "reward_model" if dc.reward_model else dc.loss,
+                          "pairs_train": len(train), "pairs_eval": len(held),
+                          "steps": result.get("iteration"), "heldout_before": before,
+                          "heldout_after": after})  # fmt: skip
 
 
 def run_distill(cfg: RunConfig, threads: int | None = None) -> int:
@@ -225,9 +211,7 @@ def run_distill(cfg: RunConfig, threads: int | None = None) -> int:
     runtime = _setup(cfg, threads)
     out = Path(tc.out_dir)
     teacher, _ = load_model(kc.teacher, runtime.device)
-    student, tok = load_model(kc.student, runtime.device)
-    if tok is None:
-        raise LmforgeError(f"{kc.student} has no tokenizer to encode the data with")
+    student, tok = _load_with_tokenizer(kc.student, runtime.device)
     check_vocabularies(teacher, student)
     teacher = clone_frozen(teacher)
     recs = read_jsonl(kc.data, "distill.data")
@@ -247,12 +231,7 @@ def run_distill(cfg: RunConfig, threads: int | None = None) -> int:
     if not trainer.is_main:
         return 0
     save_model(student, tok, out / "model")
-    hist = _train_records(out)
-    summary = {"first_loss": hist[0]["loss"] if hist else None,
-               "last_loss": hist[-1]["loss"] if hist else None}  # fmt: skip
-    _write_json(out / "summary.json", summary)
-    print(json.dumps(summary))
-    return 0
+    return _summary(out, {}, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,16 +370,11 @@ def _rl_outputs(cfg: RunConfig, out: Path, model: torch.nn.Module, tok: Any, a0:
                "accuracy_after": final, "iterations": -(-int(result["iteration"]) // rc.epochs),
                "samples": samples, "wall_s": round(wall, 1), "stopped": result.get("stopped"),
                **(extra or {})}  # fmt: skip
-    _write_json(out / "summary.json", summary)
-    print(json.dumps(summary))
-    return 0
+    return _summary(out, summary)
 
 
 def _eval_records(out: Path) -> list[dict[str, Any]]:
-    from lmforge.train.metrics import read_metrics
-
-    return [r for r in read_metrics(out / "metrics.jsonl")
-            if r.get("event") == "eval" and "eval_accuracy" in r]  # fmt: skip
+    return [r for r in _records(out, "eval") if "eval_accuracy" in r]
 
 
 def _first_eval(out: Path, trainer: Trainer, objective: Any) -> float:
@@ -439,16 +413,21 @@ def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
                                     eos_ids=eos)  # fmt: skip
 
     t_start = time.perf_counter()
-    a0 = evaluate()
-    _write_json(out / "accuracy_before.json", {"eval_accuracy": a0})
+    f = out / "accuracy_before.json"
+    if f.is_file() and (out / "checkpoints").is_dir():  # resumed: its first attempt measured it
+        a0 = float(json.loads(f.read_text(encoding="utf-8"))["eval_accuracy"])
+    else:
+        a0 = evaluate()
+        _write_json(f, {"eval_accuracy": a0})
     ref = clone_frozen(model) if rc.kl_coef > 0 else None
     hist = run_pipeline(model, pcfg, progress=tc.progress, reward_fn=reward_fn, prompts=prompts,
                         tokenizer=tok, eos_ids=eos, eval_fn=evaluate, ref_model=ref,
                         run_config=_with_model_config(cfg, model))  # fmt: skip
-    result = {"iteration": len(hist) * rc.epochs, "stopped": None}
+    trains = _records(out)  # every attempt's (a resumed run's history holds only its own)
+    result = {"iteration": trains[-1]["step"] if trains else 0, "stopped": None}
     extra = {"staleness_histogram": hist[-1].get("staleness_histogram")} if hist else {}
     return _rl_outputs(cfg, out, model, None if toy else tok, a0,
-                       hist[-1]["samples"] if hist else 0, result,
+                       trains[-1].get("samples", 0) if trains else 0, result,
                        time.perf_counter() - t_start, extra)  # fmt: skip
 
 
@@ -472,16 +451,14 @@ def math_items(task: str, tok: Any, records: list[dict[str, Any]]) -> list[dict[
 
 
 def _math_task(cfg: RunConfig, device: str) -> tuple[Any, ...]:
-    from lmforge.posttrain.models import load_model
+    import os
+
     from lmforge.posttrain.tasks import gsm8k_reward, math_reward, read_jsonl
 
     rc = cfg.rl
     if not rc.model:
         raise LmforgeError(f"rl.task {rc.task} needs rl.model (--model: an SFT'd policy)")
-    model, tok = load_model(rc.model, device)
-    if tok is None:
-        raise LmforgeError(f"{rc.model} has no tokenizer")
-    import os
+    model, tok = _load_with_tokenizer(rc.model, device)
 
     # ../shared beside the checkout, as the tests look for it (LMFORGE_SHARED_DATA overrides)
     shared = os.environ.get("LMFORGE_SHARED_DATA")

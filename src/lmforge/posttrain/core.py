@@ -131,6 +131,13 @@ def sequence_logprobs(
 # Tokenization
 
 
+def set_random_state(rng: Any, state: Any) -> None:
+    """``rng.setstate(state)`` for a ``random.Random`` state read back from a checkpoint
+    (``torch.load`` gives its inner tuple as a list)."""
+    v, internal, gauss = state
+    rng.setstate((v, tuple(internal), gauss))
+
+
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` with either tokenizer family, never adding BOS/EOS by itself."""
     if hasattr(tokenizer, "apply_chat_template") or hasattr(tokenizer, "convert_tokens_to_ids"):

@@ -25,9 +25,10 @@ from lmforge.posttrain.core import (
     collate,
     model_logits,
     prompt_response_example,
+    set_random_state,
 )
 from lmforge.posttrain.losses import distill_token_loss
-from lmforge.serve import SamplingParams
+from lmforge.posttrain.rollout import rollout_engine, sample
 from lmforge.utils.errors import LmforgeError
 
 
@@ -96,8 +97,6 @@ class DistillObjective:
     def before_step(self, trainer: Any, step: int) -> None:
         """On-policy: the engine (built once, on the student) samples under this step's weights."""
         if self.prompts is not None and self.engine is None:
-            from lmforge.posttrain.rollout import rollout_engine
-
             self.engine = rollout_engine(trainer.model, self.eos)
         self.version = step - 1
 
@@ -110,11 +109,8 @@ class DistillObjective:
             assert self.prompts is not None
             ps = [self.prompts[self.rng.randrange(len(self.prompts))]
                   for _ in range(self.batch_size)]  # fmt: skip
-            self.engine.update_weights({}, self.version)
-            params = [SamplingParams(temperature=1.0, max_tokens=self.cfg.max_tokens,
-                                     seed=self.rng.randrange(2**31),
-                                     stop_token_ids=tuple(self.eos)) for _ in ps]  # fmt: skip
-            outs = self.engine.generate(ps, params)
+            outs = sample(self.engine, ps, self.rng, self.version, max_tokens=self.cfg.max_tokens,
+                          eos_ids=self.eos)  # fmt: skip
             exs = [prompt_response_example(p, o.outputs[0].token_ids or [self.pad_id])
                    for p, o in zip(ps, outs)]  # fmt: skip
         device = next(self.teacher.parameters()).device
@@ -134,5 +130,4 @@ class DistillObjective:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        v, internal, gauss = state["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        set_random_state(self.rng, state["rng"])

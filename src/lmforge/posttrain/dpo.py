@@ -30,6 +30,7 @@ from lmforge.posttrain.core import (
     encode_text,
     prompt_response_example,
     sequence_logprobs,
+    set_random_state,
 )
 from lmforge.posttrain.losses import bradley_terry_loss, dpo_loss, simpo_loss
 from lmforge.utils.errors import LmforgeError
@@ -149,15 +150,6 @@ def preference_accuracy(
     return {"accuracy": acc / n, "margin": margin / n, "logp_accuracy": lp_acc / n}
 
 
-def _rng_state(rng: random.Random) -> tuple:
-    return rng.getstate()
-
-
-def _set_rng_state(rng: random.Random, state: Any) -> None:
-    v, internal, gauss = state
-    rng.setstate((v, tuple(internal), gauss))
-
-
 class _PairStream:
     """Pairs in a shuffled order per epoch, ``batch_size`` at a time (the last batch of an epoch
     may be smaller); its position and RNG are part of the objective's state."""
@@ -178,10 +170,10 @@ class _PairStream:
         return idx
 
     def state_dict(self) -> dict:
-        return {"rng": _rng_state(self.rng), "order": list(self.order), "pos": self.pos}
+        return {"rng": self.rng.getstate(), "order": list(self.order), "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
-        _set_rng_state(self.rng, state["rng"])
+        set_random_state(self.rng, state["rng"])
         self.order, self.pos = list(state["order"]), int(state["pos"])
 
 

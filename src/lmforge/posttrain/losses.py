@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from lmforge.posttrain.core import masked_mean
+from lmforge.posttrain.core import masked_mean, masked_sum_normalize
 
 Baseline = Literal["mean", "loo", "none"]
 Normalizer = Literal["std", "mean", "none"]
@@ -197,18 +197,16 @@ def aggregate(
     ``seq_mean``: Σ_i mean_t(loss_i) over weight B; ``token_mean``: Σ loss over weight = number
     of tokens; ``constant``: Σ_i Σ_t loss_i,t / constant over weight B (Dr. GRPO, constant = the
     generation budget). Returning a sum and a weight lets gradient accumulation divide by the
-    weight of the whole batch (:func:`lmforge.posttrain.core.accumulate_step`).
+    weight of the whole batch (:func:`lmforge.train.objective.forward_backward`).
     """
-    m = mask.to(token_loss.dtype)
     if mode == "seq_mean":
-        per_seq = (token_loss * m).sum(-1) / m.sum(-1).clamp_min(1.0)
-        return per_seq.sum(), float(token_loss.shape[0])
+        return masked_mean(token_loss, mask, dim=-1).sum(), float(token_loss.shape[0])
     if mode == "token_mean":
-        return (token_loss * m).sum(), float(m.sum())
+        return (token_loss * mask.to(token_loss.dtype)).sum(), float(mask.sum())
     if mode == "constant":
-        if constant is None or constant <= 0:
+        if constant is None:
             raise ValueError("aggregation 'constant' needs a positive constant")
-        return (token_loss * m).sum() / constant, float(token_loss.shape[0])
+        return masked_sum_normalize(token_loss, mask, constant), float(token_loss.shape[0])
     raise ValueError(f"unknown aggregation {mode!r} (seq_mean, token_mean, constant)")
 
 

@@ -31,11 +31,18 @@ so the engine never needs the tokenizer (it stops on the EOS ids it is given). A
 the engine gives the same prompts, in the same order, as its twin drawn by a synchronous run of
 the same seed (:func:`item_stream`). The trainer decodes and scores with the task's reward.
 
+Resume after ``kill -9`` (the Trainer's checkpoints, ``train.save_every``): the engine
+process exits when its trainer dies; a rerun restores the learner and the objective's counters
+and prompt stream before it starts a new engine from the checkpoint's weights, so batch k holds
+the same prompts and version numbering as uninterrupted; the rollouts themselves are sampled
+again (see :class:`PipelineObjective` for exactly what is and is not bit-exact).
+
 Simplification: one engine; a batch is started whole (the engine batches its rows
 continuously). Weights are the model's parameters: buffers (an MoE
 router's bias) are not sent. Placement across hosts belongs to an existing launcher (torchrun,
 Ray), not to this module.
-Exercised by ``pytest tests/test_posttrain_pipeline.py`` and ``lmforge rl --pipeline``.
+Exercised by ``pytest tests/test_posttrain_pipeline.py``, ``pytest tests/test_posttrain_resume.py
+-k pipeline`` and ``lmforge rl --pipeline``.
 """
 
 from __future__ import annotations
@@ -50,12 +57,14 @@ import shutil
 import socket
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from lmforge.posttrain.rl import GRPOObjective, build_samples, score_groups
 from lmforge.utils.errors import LmforgeError
 
 
@@ -267,10 +276,9 @@ def _serve_stats(engine: Any) -> dict[str, float]:
             if k in stats}  # fmt: skip
 
 
-def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
-                 published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
-                 prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
-                 acked: Any) -> None:  # fmt: skip
+def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int, link: _Link,
+                 device: str, prompts: Any, eos_ids: list[int],
+                 shared: list[torch.Tensor] | None, parent: int) -> None:  # fmt: skip
     """The engine process: decode forever, swapping weights in between decode steps.
 
     It starts batch k only once the trainer has taken batch k − 1 − ``queue_size`` (credit
@@ -278,27 +286,31 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     carries the engine's time breakdown for that batch: decoding (``gen_s``, weight receives
     included), receiving weights (``recv_s``) and idling for credit or queue room (``idle_s``);
     with the serve engine also its decode-only and prefill-carrying step seconds. A failure is
-    sent to the trainer as one line instead of a batch.
+    sent to the trainer as one line instead of a batch. It exits on its own when the trainer
+    process (``parent``) is gone (a ``kill -9``), so a resumed run starts a fresh engine.
+
+    A resumed run starts it at the trainer's batch count (``consumed``) and version
+    (``published``): its first batch is the prompt stream's next, sampled by the checkpoint's
+    weights, fingerprinted for the weight check.
     """
     import torch.distributed as dist
 
     try:
-        _engine_loop(cfg, model_cfg, state_file, port, published, consumed, stop, out_q, device,
-                     prompts, eos_ids, shared, acked)  # fmt: skip
+        _engine_loop(cfg, model_cfg, state_file, port, link, device, prompts, eos_ids, shared,
+                     parent)  # fmt: skip
     except Exception as e:  # the trainer raises it as one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
-            out_q.put(("error", f"Pipeline RL engine process: {msg}"), timeout=5)
+            link.out_q.put(("error", f"Pipeline RL engine process: {msg}"), timeout=5)
         except (queue.Full, OSError, ValueError):
             pass
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
-                 published: Any, consumed: Any, stop: Any, out_q: Any, device: str,
-                 prompts: Any, eos_ids: list[int], shared: list[torch.Tensor] | None,
-                 acked: Any) -> None:  # fmt: skip
+def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int, link: _Link,
+                 device: str, prompts: Any, eos_ids: list[int],
+                 shared: list[torch.Tensor] | None, parent: int) -> None:  # fmt: skip
     import torch.distributed as dist
 
     from lmforge.posttrain.rollout import rollout_engine
@@ -310,13 +322,19 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     )
     from lmforge.serve import SamplingParams
 
+    published, consumed, stop, out_q, acked = (link.published, link.consumed, link.stop,
+                                               link.out_q, link.acked)  # fmt: skip
     torch.set_num_threads(cfg.engine_threads or cfg.threads)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     from lmforge.checkpoint.io import load_model_state
 
     model = rebuild_model(model_cfg, load_model_state(state_file), device)
-    engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1)
+    start = consumed.value  # batches the trainer already trained on (a resumed run: > 0)
+    # The engine's sampling generator is not checkpointed (its position depends on batches
+    # lost in flight): each attempt seeds its own stream from the batch it starts at.
+    engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1 + 1_000_003 * start)
+    engine.update_weights({}, published.value)  # the checkpoint's weights carry its version
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     buckets = (
         []
@@ -353,10 +371,15 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
             if shared is not None:
                 acked.value = engine.policy_version
 
-    produced = 0
+    def orphaned() -> bool:
+        if os.getppid() != parent:  # the trainer was killed: nobody reads the queue any more
+            os._exit(0)  # not sys.exit: the queue's feeder thread would wait for a reader
+        return False
+
+    produced = start
     while not stop.value:
         t_idle = time.perf_counter()
-        while not stop.value and consumed.value < produced - cfg.queue_size:
+        while not stop.value and consumed.value < produced - cfg.queue_size and not orphaned():
             sync()  # keep answering broadcasts while the trainer is busy
             time.sleep(0.0005)
         if stop.value:
@@ -366,7 +389,7 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
         k = produced + 1  # the trainer consumes in order: this batch is its iteration k
         check = (
             (engine.policy_version, weight_fingerprint(model))
-            if k == 1 or k % cfg.eval_every == 0
+            if k in (1, start + 1) or k % cfg.eval_every == 0
             else None
         )
         recv[0] = 0.0
@@ -385,7 +408,7 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
         timing = {"gen_s": gen_s, "recv_s": recv[0], "idle_s": idle_s}
         timing.update({f"serve_{n}": v - s0[n] for n, v in _serve_stats(engine).items()})
         payload = ("batch", items, rows, timing, check)
-        while not stop.value:
+        while not stop.value and not orphaned():
             try:
                 out_q.put(payload, timeout=0.05)
                 produced += 1
@@ -536,10 +559,8 @@ def run_pipeline(
     prompts = check_inputs(model, cfg, prompts, tokenizer)
     eos = list(eos_ids) if eos_ids is not None else tokenizer_eos(tokenizer)
 
-    ctx = mp.get_context("spawn")
-    link = _Link(ctx.Value("i", 0), ctx.Value("i", 0), ctx.Value("b", False),
-                 ctx.Queue(maxsize=cfg.queue_size + 1), ctx.Value("i", 0))  # fmt: skip
-    port = _free_port()
+    from lmforge.train import Trainer
+
     device = next(model.parameters()).device
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     shared = None
@@ -547,25 +568,11 @@ def run_pipeline(
         shared = layout.empty_buckets(device)  # CUDA tensors travel to the engine by IPC
         if device.type == "cpu":
             shared = [b.share_memory_() for b in shared]
-    # The weights go to the engine through a file, not the process arguments: pickled tensors
-    # travel through /dev/shm, which containers often keep at 64 MB (a 135 M model is 540 MB).
-    handoff = tempfile.mkdtemp(prefix="lmforge-pipeline-")
-    state_file = os.path.join(handoff, "state.safetensors")
-    save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
-    proc = ctx.Process(
-        target=_engine_main,
-        args=(cfg, model.config, state_file, port, link.published, link.consumed, link.stop,
-              link.out_q, cfg.engine_device or str(device), prompts, eos, shared,
-              link.acked),
-        daemon=True,
-    )  # fmt: skip
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    proc.start()
     run_dir = None
     if run_config is None:
         run_dir = tempfile.mkdtemp(prefix="lmforge-pipeline-run-")
         run_config = pipeline_run_config(cfg, run_dir, progress, str(device))
-    objective = PipelineObjective(cfg, model, tokenizer, reward_fn, eos, link, proc, layout,
+    objective = PipelineObjective(cfg, model, tokenizer, reward_fn, eos, prompts, layout,
                                   shared, ref_model=ref_model, eval_fn=eval_fn)  # fmt: skip
     history: list[dict[str, Any]] = []
 
@@ -581,15 +588,34 @@ def run_pipeline(
             objective.paused += time.perf_counter() - t_pause
         history.append(rec)
 
+    # Built (and restored from the latest checkpoint) before the engine starts: a resumed
+    # engine starts from the restored weights, version, batch count and prompt stream.
+    trainer = Trainer(run_config, model=model, objective=objective, callbacks=[record])
+    ctx = mp.get_context("spawn")
+    link = _Link(ctx.Value("i", objective.version), ctx.Value("i", objective.batches),
+                 ctx.Value("b", False), ctx.Queue(maxsize=cfg.queue_size + 1),
+                 ctx.Value("i", objective.version))  # fmt: skip
+    port = _free_port()
+    # The weights go to the engine through a file, not the process arguments: pickled tensors
+    # travel through /dev/shm, which containers often keep at 64 MB (a 135 M model is 540 MB).
+    handoff = tempfile.mkdtemp(prefix="lmforge-pipeline-")
+    state_file = os.path.join(handoff, "state.safetensors")
+    save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
+    proc = ctx.Process(
+        target=_engine_main,
+        args=(cfg, model.config, state_file, port, link, cfg.engine_device or str(device),
+              item_stream(objective.prompts or prompts), eos, shared, os.getpid()),
+        daemon=True,
+    )  # fmt: skip
+    objective.link, objective.proc = link, proc
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    proc.start()
     engine_failed = False
     try:
         _take(link.out_q, proc)  # "ready": the engine is built and warm
         if device.type == "cuda":
             torch.cuda.set_device(device)
         _init(0, port, cfg.backend)
-        from lmforge.train import Trainer
-
-        trainer = Trainer(run_config, model=model, objective=objective, callbacks=[record])
         objective.start()
         trainer.run()
     except _EngineError:
@@ -620,7 +646,10 @@ def run_pipeline(
         if proc.is_alive():
             proc.terminate()
         shutil.rmtree(handoff, ignore_errors=True)
-    evals = {r["step"]: r for r in _metrics(run_config) if r.get("event") == "eval"}
+    from lmforge.train.metrics import read_metrics
+
+    path = os.path.join(run_config.train.out_dir, "metrics.jsonl")
+    evals = {r["step"]: r for r in read_metrics(path) if r.get("event") == "eval"}
     for rec in history:
         ev = evals.get(rec.get("step"))
         if ev is not None:
@@ -635,12 +664,6 @@ def run_pipeline(
     if run_dir is not None:
         shutil.rmtree(run_dir, ignore_errors=True)
     return history
-
-
-def _metrics(run_config: Any) -> list[dict[str, Any]]:
-    from lmforge.train.metrics import read_metrics
-
-    return read_metrics(os.path.join(run_config.train.out_dir, "metrics.jsonl"))
 
 
 def pipeline_run_config(cfg: PipelineConfig, out_dir: str, progress: bool, device: str) -> Any:
@@ -671,48 +694,56 @@ class _Link:
     acked: Any
 
 
-class PipelineObjective:
-    """Pipeline RL's trainer side as a :class:`~lmforge.train.Objective` (the GRPO family's
-    loss, :class:`~lmforge.posttrain.rl.GRPOObjective`): before the step that starts a new
+class PipelineObjective(GRPOObjective):
+    """Pipeline RL's trainer side as a :class:`~lmforge.train.Objective`: the GRPO family's
+    loss, micro-batches and metrics (:class:`~lmforge.posttrain.rl.GRPOObjective`) with its own
+    rollouts: before the step that starts a new
     rollout batch it publishes the weights of the last step (a bucketed broadcast or shared
     buckets), takes the next finished batch from the engine process, scores it and drops (or
-    down-weights) rollouts older than ``max_lag`` versions. Not resumable: the engine process's
-    in-flight rollouts are not checkpointed (a rerun into the same folder says so)."""
+    down-weights) rollouts older than ``max_lag`` versions. ``link`` and ``proc`` (the engine
+    process) are attached by :func:`run_pipeline` once the Trainer has restored the checkpoint,
+    since the engine starts from what it restored.
+
+    Resume after ``kill -9``: the checkpoint holds the learner (weights, optimizer, schedule,
+    step), the version and batch counters, the staleness histogram, the position of the prompt
+    stream (a twin of the engine's source, advanced one draw per batch taken) and, mid-batch
+    (``epochs`` > 1), the batch being trained on. The resumed engine starts from the
+    checkpoint's weights as the next version, at the next batch of the stream: prompts, batch
+    and version numbering continue exactly as uninterrupted (a mid-batch resume adds one
+    version). Not exact: the rollouts themselves. Batches in flight at the kill are sampled
+    again, wholly by the checkpoint's weights, with a new sampling stream; and even two
+    uninterrupted runs differ there, since where a weight swap lands mid-sequence depends on
+    timing."""
 
     def __init__(self, cfg: PipelineConfig, model: nn.Module, tokenizer: Any, reward_fn: Any,
-                 eos: list[int], link: _Link, proc: Any, layout: Any,
-                 shared: list[torch.Tensor] | None, *, ref_model: nn.Module | None = None,
+                 eos: list[int], prompts: Any, layout: Any, shared: list[torch.Tensor] | None,
+                 *, ref_model: nn.Module | None = None,
                  eval_fn: Callable[[], float] | None = None) -> None:  # fmt: skip
-        from lmforge.posttrain import rl
-
-        self.grpo = rl.GRPOObjective(None, tokenizer, None, reward_fn, cfg.algo,  # type: ignore[arg-type]
-                                     prompts_per_step=cfg.prompts_per_step,
-                                     group_size=cfg.group_size, epochs=cfg.epochs,
-                                     micro_batch=cfg.micro_batch, max_tokens=cfg.max_tokens,
-                                     temperature=cfg.temperature, kl_coef=cfg.kl_coef,
-                                     overlong_cache=cfg.overlong_cache, eos_ids=eos,
-                                     ref_model=ref_model, target=cfg.target or 0.0)  # fmt: skip
+        super().__init__(None, tokenizer, None, reward_fn, cfg.algo,  # type: ignore[arg-type]
+                         prompts_per_step=cfg.prompts_per_step, group_size=cfg.group_size,
+                         epochs=cfg.epochs, micro_batch=cfg.micro_batch,
+                         max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                         kl_coef=cfg.kl_coef, overlong_cache=cfg.overlong_cache, eos_ids=eos,
+                         ref_model=ref_model, target=cfg.target or 0.0)  # fmt: skip
         self.name = f"pipeline {cfg.algo}"
-        self.cfg, self.model, self.link, self.proc = cfg, model, link, proc
-        self.layout, self.shared = layout, shared
+        self.cfg, self.model, self.layout, self.shared = cfg, model, layout, shared
+        # A twin of the engine's prompt stream, one draw per batch taken, whose RNG is saved
+        # (TaskPrompts, ListPrompts; a source without an ``rng`` is not resumable)
+        self.prompts = item_stream(prompts) if hasattr(prompts, "rng") else None
+        self.link: _Link | None = None
+        self.proc: Any = None
         self.eval_fn = eval_fn
         device = next(model.parameters()).device
         self.buckets = (layout.empty_buckets(_bucket_device(cfg, device))
                         if shared is None else [])  # fmt: skip
         self.version = 0
         self.batches = 0
-        self.samples = 0
-        self.passes_left = 0
+        self.first = 1  # this attempt's first batch (its sync check always runs)
+        self.fresh = True  # the engine already holds the current weights: nothing to publish
         self.hist_total: collections.Counter[int] = collections.Counter()
         self.fingerprints: dict[int, torch.Tensor | None] = {0: weight_fingerprint(model)}
         self.t0 = time.perf_counter()
         self.paused = 0.0
-        self._stats: dict[str, Any] = {}
-
-    @property
-    def should_stop(self) -> bool:
-        """The target accuracy was reached at the last evaluation."""
-        return self.grpo.should_stop
 
     def start(self) -> None:
         """The clock starts (after the trainer is built and the engine joined)."""
@@ -722,15 +753,17 @@ class PipelineObjective:
         from lmforge.posttrain.weight_sync import broadcast_model
 
         t = time.perf_counter()
+        link = self.link
+        assert link is not None
         if self.shared is None:
             self.version += 1
-            self.link.published.value = self.version
+            link.published.value = self.version
             broadcast_model(self.model, self.layout, self.buckets, src=0)
         else:
-            _publish_shared(self.model, self.layout, self.shared, self.version, self.link.acked,
+            _publish_shared(self.model, self.layout, self.shared, self.version, link.acked,
                             self.proc)  # fmt: skip
             self.version += 1
-            self.link.published.value = self.version  # after the pack: a whole version
+            link.published.value = self.version  # after the pack: a whole version
         self.fingerprints[self.version] = (weight_fingerprint(self.model)
                                            if _checks_ahead(self.cfg, self.batches) else None)  # fmt: skip
         for old in [v for v in self.fingerprints if v < self.version - self.cfg.queue_size - 2]:
@@ -739,34 +772,37 @@ class PipelineObjective:
 
     def before_step(self, trainer: Any, step: int) -> None:
         """At a new rollout batch: publish, take, score, filter; then this step's pass."""
-        from lmforge.posttrain import rl
         from lmforge.posttrain.core import sequence_logprobs
 
-        g = self.grpo
+        link = self.link
+        assert link is not None, "run_pipeline attaches the engine's link"
         if self.passes_left == 0:
-            broadcast_s = self._publish() if self.batches else 0.0
+            broadcast_s = 0.0 if self.fresh else self._publish()
+            self.fresh = False
             t_wait = time.perf_counter()
-            _, items, rows, eng_t, check = _take(self.link.out_q, self.proc)
-            with self.link.consumed.get_lock():
-                self.link.consumed.value += 1  # credit: the engine may start the next batch
+            _, items, rows, eng_t, check = _take(link.out_q, self.proc)
+            with link.consumed.get_lock():
+                link.consumed.value += 1  # credit: the engine may start the next batch
             wait_s = time.perf_counter() - t_wait
             self.batches += 1
+            if self.prompts is not None:
+                self.prompts(self.cfg.prompts_per_step)  # the twin follows the engine's stream
             t_score = time.perf_counter()
-            self.samples += len(rows)
+            self.samples_seen += len(rows)
             comps = [c for _, c in rows]
             n = self.cfg.group_size
             grouped = [type("O", (), {"outputs": comps[i * n : (i + 1) * n]})()
                        for i in range(len(items))]  # fmt: skip
-            r, adv, stats = rl.score_groups(items, grouped, g.tokenizer, g.reward_fn, g.algo,
-                                            self.cfg.max_tokens, self.cfg.overlong_cache,
-                                            eos_ids=g.eos, std=g.std)  # fmt: skip
-            s = rl.build_samples([p for p, _ in rows], comps, adv.flatten(), r.flatten())
+            r, adv, stats = score_groups(items, grouped, self.tokenizer, self.reward_fn,
+                                         self.algo, self.cfg.max_tokens, self.cfg.overlong_cache,
+                                         eos_ids=self.eos, std=self.std)  # fmt: skip
+            s = build_samples([p for p, _ in rows], comps, adv.flatten(), r.flatten())
             score_s = time.perf_counter() - t_score
             if check is not None and self.fingerprints.get(check[0]) is not None:
                 stats["weight_check"] = fingerprint_mismatch(self.fingerprints[check[0]],
                                                              check[1])  # fmt: skip
                 stats["weight_check_version"] = check[0]
-            if self.batches == 1 or self.batches % self.cfg.eval_every == 0:
+            if self.batches == self.first or self.batches % self.cfg.eval_every == 0:
                 device = next(self.model.parameters()).device
                 stats["sync_check"], stats["sync_check_tokens"] = _sync_check(
                     self.model, s, self.version, self.cfg, device, sequence_logprobs
@@ -779,11 +815,14 @@ class PipelineObjective:
                 s = s.select((oldest <= self.cfg.max_lag).nonzero().flatten())
             else:
                 s.weights = 1.0 / (1.0 + (oldest - self.cfg.max_lag).clamp_min(0).float())
-            if g.algo.dynamic_sampling and len(s):
+            if self.algo.dynamic_sampling and len(s):
                 s = s.select((s.advantages != 0).nonzero().flatten())
-            g.samples = s
+            self.samples = s
             self.passes_left = self.cfg.epochs
-            self._stats = {"iteration": self.batches, "samples": self.samples,
+            # which prompts this batch holds: a resumed run's batches match an uninterrupted one's
+            digest = zlib.crc32("\x00".join(it["prompt"] for it in items).encode())
+            self._stats = {"iteration": self.batches, "samples": self.samples_seen,
+                           "prompt_digest": digest,
                            "version": self.version + 1, "kept": len(s),
                            "mean_lag": sum(lags) / max(len(lags), 1),
                            "max_lag": max(lags, default=0), "wait_s": wait_s,
@@ -792,54 +831,41 @@ class PipelineObjective:
                            "mixed_version_rollouts": sum(len(set(c.policy_versions)) > 1
                                                          for c in comps), **stats}  # fmt: skip
         self.passes_left -= 1
-        g.passes_left = 1  # the GRPO objective's pass bookkeeping: one pass, made here
-        s = g.samples
-        assert s is not None
-        m = self.cfg.micro_batch
-        g.queue = [s.select(range(i, min(i + m, len(s)))) for i in range(0, len(s), m)] or [s]
-
-    def micro_batches(self) -> int:
-        """Micro-batches of this step's pass."""
-        return self.grpo.micro_batches()
-
-    def next_batch(self) -> Any:
-        """The next micro-batch of this step's pass."""
-        return self.grpo.next_batch()
-
-    def batch_weight(self, s: Any) -> float:
-        """As the GRPO family's."""
-        return self.grpo.batch_weight(s)
-
-    def loss(self, model: nn.Module, s: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the GRPO family's."""
-        return self.grpo.loss(model, s)
-
-    def metrics(self) -> dict[str, Any]:
-        """The batch's record (staleness, time breakdown, checks, rewards) and clip fraction."""
-        out = dict(self._stats)
-        if self.grpo._clip:
-            out["clip_fraction"] = sum(self.grpo._clip) / len(self.grpo._clip)
-        self.grpo._clip = []
-        return out
+        self._split()
 
     def evaluate(self, model: nn.Module) -> dict[str, float]:
         """``eval_fn()`` (held-out accuracy), when given; the target check."""
         if self.eval_fn is None:
             return {}
         acc = float(self.eval_fn())
-        self.grpo.should_stop = bool(self.grpo.target) and acc >= self.grpo.target
+        self.should_stop = bool(self.target) and acc >= self.target
         return {"eval_accuracy": acc}
 
     def state_dict(self) -> dict:
-        """Nothing that would make a resume exact (see the class docstring)."""
-        return {"pipeline": True}
+        """The GRPO state (batch, passes left, samples seen), the version and batch counters, the
+        staleness histogram and the prompt stream's RNG (the class docstring says what a resume
+        reproduces)."""
+        return {**super().state_dict(), "version": self.version, "batches": self.batches,
+                "hist": dict(self.hist_total),
+                "prompt_rng": self.prompts.rng.getstate() if self.prompts else None}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
-        """Refused: a Pipeline RL run does not resume."""
-        raise LmforgeError(
-            "Pipeline RL runs do not resume (the engine process's in-flight rollouts are not "
-            "checkpointed); use a new train.out_dir"
-        )
+        """Restore what :meth:`state_dict` returned (after the Trainer restored the weights):
+        those weights become the next version, which the engine starts from."""
+        super().load_state_dict(state)
+        self.batches = int(state["batches"])
+        self.hist_total = collections.Counter({int(k): int(v) for k, v in state["hist"].items()})
+        from lmforge.posttrain.core import set_random_state
+
+        if self.prompts is None or state["prompt_rng"] is None:
+            raise LmforgeError("this Pipeline RL prompt source keeps no RNG to resume from; "
+                               "use a new train.out_dir")  # fmt: skip
+        set_random_state(self.prompts.rng, state["prompt_rng"])
+        # The checkpoint's weights are newer than the last published version (a step ran since)
+        self.version = int(state["version"]) + 1
+        self.fingerprints = {self.version: weight_fingerprint(self.model)}
+        self.first = self.batches + 1
+        self.fresh = self.passes_left == 0  # mid-batch, the next batch publishes as usual
 
 
 @torch.no_grad()

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.posttrain.core import IGNORE, encode_text, masked_mean, masked_whiten, token_logprobs
+from lmforge.posttrain.core import (
+    IGNORE,
+    encode_text,
+    masked_mean,
+    masked_whiten,
+    set_random_state,
+    token_logprobs,
+)
 from lmforge.posttrain.losses import gae, kl_penalized_rewards, policy_token_loss, value_loss
 from lmforge.posttrain.models import clone_frozen
 
@@ -104,16 +111,21 @@ class PPOObjective:
     def _rollout(self, version: int) -> None:
         from lmforge.posttrain.core import decode_ids
         from lmforge.posttrain.rl import build_samples
-        from lmforge.serve import SamplingParams
+        from lmforge.posttrain.rollout import sample
 
         cfg = self.cfg
-        self.engine.update_weights({}, version)
         items = self.draw(self.prompts_per_step, self.rng)
         prompts = [encode_text(self.tokenizer, x["prompt"]) for x in items]
-        params = [SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                 n=cfg.samples_per_prompt, seed=self.rng.randrange(2**31),
-                                 stop_token_ids=tuple(self.eos)) for _ in prompts]  # fmt: skip
-        outs = self.engine.generate(prompts, params)
+        outs = sample(
+            self.engine,
+            prompts,
+            self.rng,
+            version,
+            n=cfg.samples_per_prompt,
+            temperature=cfg.temperature,
+            max_tokens=cfg.max_tokens,
+            eos_ids=self.eos,
+        )
         stop = set(self.eos)
         flat_p: list[Sequence[int]] = []
         comps, scores = [], []
@@ -193,8 +205,7 @@ class PPOObjective:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        v, internal, gauss = state["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        set_random_state(self.rng, state["rng"])
         self.passes_left, self.samples_seen = int(state["passes_left"]), int(state["samples_seen"])
         self._stats = dict(state["stats"])
         device = next(self.policy.parameters()).device

@@ -35,6 +35,7 @@ from lmforge.posttrain.core import (
     encode_text,
     prompt_response_example,
     sequence_logprobs,
+    set_random_state,
 )
 from lmforge.posttrain.losses import (
     ALGORITHMS,
@@ -294,15 +295,13 @@ class GRPOObjective:
     # -- rollouts
 
     def _rollout(self, version: int) -> tuple[Samples, dict[str, float]]:
-        self.engine.update_weights({}, version)  # the module is shared: only the version moves
+        from lmforge.posttrain.rollout import sample
+
         items = self.draw(self.prompts_per_step, self.rng)
         prompts = [encode_text(self.tokenizer, it["prompt"]) for it in items]
-        params = [SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
-                                 n=self.group_size, seed=self.rng.randrange(2**31),
-                                 stop_token_ids=tuple(self.eos))
-                  for _ in prompts]  # fmt: skip
         t = time.perf_counter()
-        outs = self.engine.generate(prompts, params)
+        outs = sample(self.engine, prompts, self.rng, version, n=self.group_size,
+                      temperature=self.temperature, max_tokens=self.max_tokens, eos_ids=self.eos)  # fmt: skip
         gen_s = time.perf_counter() - t
         r, adv, stats = score_groups(items, outs, self.tokenizer, self.reward_fn, self.algo,
                                      self.max_tokens, self.overlong_cache, self.eos,
@@ -336,11 +335,14 @@ class GRPOObjective:
                     break
             self.passes_left = self.epochs
             self._stats["samples"] = float(self.samples_seen)
-        assert self.samples is not None
         self.passes_left -= 1
-        n = len(self.samples)
-        self.queue = [self.samples.select(range(i, min(i + self.micro_batch, n)))
-                      for i in range(0, n, self.micro_batch)] or [self.samples]  # fmt: skip
+        self._split()
+
+    def _split(self) -> None:
+        # this step's pass over the rollout batch, in micro-batches
+        s, m = self.samples, self.micro_batch
+        assert s is not None
+        self.queue = [s.select(range(i, min(i + m, len(s)))) for i in range(0, len(s), m)] or [s]
 
     def micro_batches(self) -> int:
         """Micro-batches of this step's pass over the rollout batch."""
@@ -419,8 +421,7 @@ class GRPOObjective:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        v, internal, gauss = state["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        set_random_state(self.rng, state["rng"])
         self.passes_left = int(state["passes_left"])
         self.samples_seen = int(state["samples_seen"])
         self._stats = dict(state["stats"])

@@ -17,7 +17,8 @@ resumed run samples exactly what the uninterrupted one did.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import random
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -89,3 +90,18 @@ def rollout_engine(model: nn.Module, eos_ids: Iterable[int] = (), seed: int = 0)
     return Engine(model, device=param.device, block_size=16, num_blocks=num_blocks,
                   eos_token_id=eos[0] if eos else None, seed=seed,
                   cuda_graphs=cuda)  # fmt: skip
+
+
+def sample(engine: Any, prompts: Sequence[Sequence[int]], rng: random.Random, version: int, *,
+           n: int = 1, temperature: float = 1.0, max_tokens: int,
+           eos_ids: Sequence[int] = ()) -> list[Any]:  # fmt: skip
+    """``n`` completions per prompt under policy ``version`` (the shared module's weights), each
+    request seeded from ``rng`` in order, so a resumed run samples what the uninterrupted one
+    did: the RL and on-policy distillation objectives' rollouts."""
+    from lmforge.serve import SamplingParams
+
+    engine.update_weights({}, version)  # the module is shared: only the version moves
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, n=n,
+                             seed=rng.randrange(2**31), stop_token_ids=tuple(eos_ids))
+              for _ in prompts]  # fmt: skip
+    return engine.generate(prompts, params)

@@ -26,6 +26,7 @@ from lmforge.posttrain.core import (
     encode_text,
     prompt_response_example,
     sequence_logprobs,
+    set_random_state,
 )
 from lmforge.posttrain.packing import Packed, pack
 from lmforge.utils.errors import LmforgeError
@@ -118,6 +119,5 @@ class SFTObjective:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        v, internal, gauss = state["rng"]
-        self.rng.setstate((v, tuple(internal), gauss))
+        set_random_state(self.rng, state["rng"])
         self.order = list(state["order"])

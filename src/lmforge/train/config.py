@@ -110,49 +110,41 @@ class TrainConfig:
     "resume even though the checkpoint was written under a different config (the differing keys are logged); off: such a resume stops and names them"
 
     def __post_init__(self) -> None:
-        # One line per mistake at config load (lmforge.utils.config turns ValueError into it).
-        checks = [
+        pos = ("batch_size", "grad_accum", "max_steps", "log_every", "keep_last")
+        nonneg = (
+            "eval_every",
+            "save_every",
+            "save_every_minutes",
+            "max_minutes",
+            "eval_batches",
+            "min_lr",
+            "warmup_steps",
+            "weight_decay",
+        )
+        check([
             (self.lr > 0, f"train.lr must be positive, got {self.lr}"),
-            *[
-                (getattr(self, k) > 0, f"train.{k} must be positive, got {getattr(self, k)}")
-                for k in ("batch_size", "grad_accum", "max_steps", "log_every", "keep_last")
-            ],
-            *[
-                (getattr(self, k) >= 0, f"train.{k} must be 0 or more, got {getattr(self, k)}")
-                for k in (
-                    "eval_every",
-                    "save_every",
-                    "save_every_minutes",
-                    "max_minutes",
-                    "eval_batches",
-                )
-            ],
-            (self.min_lr >= 0, f"train.min_lr must be 0 or more, got {self.min_lr}"),
-            (
-                self.min_lr <= self.lr,
-                f"train.min_lr ({self.min_lr}) must not exceed train.lr ({self.lr})",
-            ),
-            (
-                self.warmup_steps >= 0,
-                f"train.warmup_steps must be 0 or more, got {self.warmup_steps}",
-            ),
+            *[(getattr(self, k) > 0, f"train.{k} must be positive, got {getattr(self, k)}")
+              for k in pos],
+            *[(getattr(self, k) >= 0, f"train.{k} must be 0 or more, got {getattr(self, k)}")
+              for k in nonneg],
+            (self.min_lr <= self.lr,
+             f"train.min_lr ({self.min_lr}) must not exceed train.lr ({self.lr})"),
             (0 <= self.beta1 < 1, f"train.beta1 must lie in [0, 1), got {self.beta1}"),
             (0 <= self.beta2 < 1, f"train.beta2 must lie in [0, 1), got {self.beta2}"),
             (self.eps > 0, f"train.eps must be positive, got {self.eps}"),
-            (
-                self.weight_decay >= 0,
-                f"train.weight_decay must be 0 or more, got {self.weight_decay}",
-            ),
-            (
-                self.context_length >= 0,
-                f"train.context_length must be 0 (the model's) or more, got {self.context_length}",
-            ),
+            (self.context_length >= 0,
+             f"train.context_length must be 0 (the model's) or more, got {self.context_length}"),
             (self.grad_clip >= 0, f"train.grad_clip must be 0 (off) or more, got {self.grad_clip}"),
-            (
-                0 <= self.decay_fraction <= 1,
-                f"train.decay_fraction must lie in [0, 1], got {self.decay_fraction}",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+            (0 <= self.decay_fraction <= 1,
+             f"train.decay_fraction must lie in [0, 1], got {self.decay_fraction}"),
+            (self.precision != "fp16",
+             "train.precision=fp16 needs loss scaling, which is not implemented; use bf16"),
+        ])  # fmt: skip
+
+
+def check(checks: list[tuple[bool, str]]) -> None:
+    """Raise the message of the first failed ``(ok, message)``: a config branch's
+    ``__post_init__`` checks (lmforge.utils.config turns the ValueError into one line)."""
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)

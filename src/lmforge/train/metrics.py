@@ -109,28 +109,38 @@ def read_metrics(path: str | Path, all_attempts: bool = False) -> list[dict[str,
     return out
 
 
-def plot_loss_curve(metrics: list[dict[str, Any]], path: str | Path) -> None:
-    """Write train (and validation) loss against step to a PNG (matplotlib, Agg backend)."""
+def plot_curves(path: str | Path, series: dict[str, list[tuple[float, float]]], xlabel: str,
+                ylabel: str, title: str = "") -> None:  # fmt: skip
+    """A PNG of one or more (x, y) curves (matplotlib, Agg backend; written atomically); the
+    points of a curve of at most 50 are marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [(r["step"], r["loss"]) for r in metrics if r.get("event") == "train"]
-    val = [(r["step"], r["val_loss"]) for r in metrics if r.get("event") == "eval"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=1.2)
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss", lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    for name, pts in series.items():
+        if pts:
+            ax.plot(*zip(*pts), "-o" if len(pts) <= 50 else "-", label=name, lw=1.2, ms=3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
+
+
+def plot_loss_curve(metrics: list[dict[str, Any]], path: str | Path) -> None:
+    """Write train (and validation) loss against step to a PNG."""
+    train = [(r["step"], r["loss"]) for r in metrics if r.get("event") == "train"]
+    # an objective's own evaluate may report other numbers (recall, accuracy): plot val_loss only
+    val = [(r["step"], r["val_loss"]) for r in metrics
+           if r.get("event") == "eval" and "val_loss" in r]  # fmt: skip
+    plot_curves(path, {"train loss": train, "validation loss": val}, "step",
+                "loss (nats/token)")  # fmt: skip
 
 
 def start_run_log(

@@ -12,18 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from lmforge.train.config import check
+
 ALGORITHM_NAMES = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "dapo", "gspo",
                    "maxrl", "ppo")  # fmt: skip
 "the RL algorithms (lmforge.posttrain.losses.ALGORITHMS, plus PPO)"
 
 _NO_GROUP = ("reinforce", "ppo")  # algorithms that need no group of samples per prompt
-
-
-def _check(checks: list[tuple[bool, str]]) -> None:
-    # One line per mistake at config load (lmforge.utils.config turns ValueError into it).
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +37,7 @@ class SFTConfig:
     "render prompt/response pairs through the chat template"
 
     def __post_init__(self) -> None:
-        _check([(self.max_len >= 2, f"sft.max_len must be at least 2, got {self.max_len}")])
+        check([(self.max_len >= 2, f"sft.max_len must be at least 2, got {self.max_len}")])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +71,7 @@ class DPOConfig:
 
     def __post_init__(self) -> None:
         simpo = self.loss == "simpo"
-        _check([
+        check([
             (self.beta > 0 if simpo else 0 < self.beta < 1,
              f"dpo.beta must lie in {'(0, inf)' if simpo else '(0, 1)'}, got {self.beta}"),
             (0 <= self.label_smoothing < 0.5,
@@ -139,7 +134,7 @@ class RLConfig:
     "pipeline: how new weights reach the engine process"
 
     def __post_init__(self) -> None:
-        _check([
+        check([
             (self.algo in ALGORITHM_NAMES,
              f"rl.algo {self.algo!r} is unknown (known: {', '.join(ALGORITHM_NAMES)})"),
             (self.iterations >= 1, f"rl.iterations must be at least 1, got {self.iterations}"),
@@ -189,7 +184,7 @@ class DistillConfig:
     "on-policy: longest sampled completion"
 
     def __post_init__(self) -> None:
-        _check([
+        check([
             (self.temperature > 0,
              f"distill.temperature must be positive, got {self.temperature}"),
             (0 <= self.beta <= 1, f"distill.beta must lie in [0, 1], got {self.beta}"),

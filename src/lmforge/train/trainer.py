@@ -69,7 +69,7 @@ from lmforge.train.objective import forward_backward as objective_forward_backwa
 from lmforge.train.optim import build_optimizer
 from lmforge.train.plan import TrainingPlan, objective_plan, training_plan
 from lmforge.train.schedule import lr_at
-from lmforge.train.state import OutDirLock
+from lmforge.train.state import OutDirLock, set_rng_state
 from lmforge.train.step import Pending, StepRunner
 from lmforge.train.wrap import apply_activation_checkpointing, bf16_weight_copies
 from lmforge.utils.errors import LmforgeError
@@ -246,12 +246,40 @@ class Trainer:
         self.out_dir = Path(tc.out_dir)
         self.iteration = 0
         self.current_lr = 0.0
-        self.resumed_from: Path | None = None
         # Set by a callback or an objective (e.g. an RL target reached): the loop ends after
         # this step with its final evaluation and checkpoint.
         self.should_stop = False
         self.stop_signal: str | None = None  # SIGINT / SIGTERM received during run()
-        resume.restore_latest(self)
+        self.resumed_from = resume.restore_latest(
+            self.strategy,
+            self.optimizer,
+            self.masters,
+            self.out_dir,
+            cfg,
+            self._apply_checkpoint,
+            is_main=self.is_main,
+        )
+
+    def _apply_checkpoint(self, it: int, state: dict[str, Any], objective: dict | None) -> None:
+        # What a checkpoint holds besides weights and optimizer (resume.restore_latest).
+        if not self.pretraining:
+            if objective is None:
+                raise LmforgeError(f"checkpoint file missing: {resume.OBJECTIVE_FILE}")
+            self.objective.load_state_dict(objective)
+        elif str(self.dp_rank) in state.get("samplers", {}):
+            self.sampler.load_state_dict(state["samplers"][str(self.dp_rank)])
+        else:
+            # A replica the checkpoint did not have (more data-parallel ranks than before):
+            # a fresh stream, seeded by rank and step, so replicas still differ.
+            seed = self.tcfg.seed + 1_000_003 * self.dp_rank + it
+            self.sampler = MixtureSampler(self.sampler_sources, self.T, self.dcfg.weights, seed,
+                                          self.mcfg.vocab_size)  # fmt: skip
+            self.objective.sampler = self.sampler
+        set_rng_state(state["rng"])
+        self.stepper.restore(
+            state.get("loss_ema"), int(state.get("good_steps", 0)), int(state.get("bad_steps", 0))
+        )
+        self.iteration = it
 
     # -- the step's state, as the loop and tests see it
 
@@ -265,22 +293,10 @@ class Trainer:
         self.stepper.sync_free = on
         self.stepper.clip_in_update = on and self._replicated_grads
 
-    @property
-    def _graph(self) -> Any:
-        return self.stepper.graph
-
-    @property
-    def _graph_off(self) -> bool:
-        return self.stepper.graph_off
-
-    loss_ema = property(lambda self: self.stepper.loss_ema, doc="running mean of good losses")
-    good_steps = property(lambda self: self.stepper.good_steps, doc="applied steps so far")
-    bad_steps = property(lambda self: self.stepper.bad_steps, doc="consecutive skipped steps")
-
     # -- setup helpers
 
     def _validate(self) -> None:
-        tc, mc = self.tcfg, self.mcfg
+        mc = self.mcfg
         if self.pretraining and not self.dcfg.train:
             raise LmforgeError(
                 "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
@@ -288,13 +304,6 @@ class Trainer:
         if self.pretraining and self.T > mc.context_length:
             raise LmforgeError(
                 f"train.context_length {self.T} exceeds model.context_length {mc.context_length}"
-            )
-        for key in ("batch_size", "grad_accum", "max_steps"):
-            if getattr(tc, key) <= 0:
-                raise LmforgeError(f"train.{key} must be positive, got {getattr(tc, key)}")
-        if tc.precision == "fp16":
-            raise LmforgeError(
-                "train.precision=fp16 needs loss scaling, which is not implemented; use bf16"
             )
 
     def _open_val(self) -> list[TokenShard]:
@@ -358,7 +367,25 @@ class Trainer:
 
     def save(self, val_loss: float | None = None) -> Path:
         """Checkpoint to ``out_dir/checkpoints/step_…`` and prune (every rank must call it)."""
-        return resume.save(self, val_loss)
+        tc = self.tcfg
+        schedule = {"name": tc.schedule, "lr": self.current_lr, "max_steps": tc.max_steps}
+        state = resume.trainer_state(self.strategy, self.dp_rank, self.sampler, schedule,
+                                     self.stepper)  # fmt: skip
+        return resume.save(
+            self.strategy,
+            self.optimizer,
+            self.masters,
+            self.out_dir,
+            self.iteration,
+            state=state,
+            objective_state=None if self.pretraining else self.objective.state_dict(),
+            run_config=self.run_config,
+            tokenizer_dir=self.dcfg.tokenizer or None,
+            tokens=self.iteration * self.plan.tokens_per_step,
+            keep_last=tc.keep_last,
+            is_main=self.is_main,
+            val_loss=val_loss,
+        )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -442,7 +469,8 @@ class Trainer:
             lock.acquire()
         try:
             if self.resumed_from is not None and self.iteration >= self.tcfg.max_steps:
-                return resume.finished_result(self)
+                return resume.finished_result(self.out_dir, self.iteration, self.tcfg.max_steps,
+                                              self.resumed_from, self.is_main)  # fmt: skip
             with self._stop_on_signals():
                 return self._run()
         finally:
@@ -515,10 +543,10 @@ class Trainer:
                                  "grad_norm": norm_v, "reason": reason})  # fmt: skip
                 if self.is_main:
                     bar.write(f"step {it}: skipped ({reason})", file=sys.stderr)
-                if self.bad_steps >= tc.max_bad_steps:
+                if self.stepper.bad_steps >= tc.max_bad_steps:
                     latest = resume.latest_checkpoint(self.out_dir)
                     raise LmforgeError(
-                        f"stopped at step {it} after {self.bad_steps} consecutive bad steps "
+                        f"stopped at step {it} after {self.stepper.bad_steps} consecutive bad steps "
                         f"(last: {reason}); last good checkpoint: {latest or 'none'}"
                     )
             else:

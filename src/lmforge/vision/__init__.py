@@ -32,11 +32,12 @@ if TYPE_CHECKING:
     )
     from lmforge.vision.vlm_train import VLMRunConfig, run_vlm
     from lmforge.vision.vq_train import VQRunConfig, run_vq
-    from lmforge.vision.vqvae import VQVAE, EMACodebook, VQConfig
+    from lmforge.vision.vqvae import VQVAE, CodebookUpdate, EMACodebook, VQConfig
 
 __all__ = [
     "QA",
     "VQVAE",
+    "CodebookUpdate",
     "ContrastiveRunConfig",
     "DualEncoder",
     "EMACodebook",
@@ -78,6 +79,7 @@ _EXPORTS = {
     "pretrain": "contrastive",
     "run_vlm": "vlm_train",
     "run_vq": "vq_train",
+    "CodebookUpdate": "vqvae",
     "DualEncoder": "encoders",
     "EMACodebook": "vqvae",
     "HFVisionTower": "hf",

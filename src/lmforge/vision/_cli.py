@@ -15,8 +15,9 @@ PRETRAIN_EXAMPLES = """examples:
 
 Folder data: one JSON object per line, {"image": "relative/path.png", "caption": "..."}.
 Tar shards: WebDataset layout (KEY.png + KEY.txt, or KEY.json with a "caption").
-Writes config.toml, vocab.json, model.safetensors, optimizer.safetensors, state.json (resumes
-from it when rerun) and results.json (recall@1/@5 image→text and text→image) to --train.out.
+Trains in lmforge's Trainer (AdamW, warm-up + cosine, clipping). Writes config.toml, vocab.json,
+results.json (recall@1/@5 image→text and text→image) and train/ (metrics.jsonl with the periodic
+evaluations, checkpoints/step_*) to --train.out; a rerun resumes from the latest checkpoint.
 """
 
 VLM_EXAMPLES = """examples:
@@ -27,7 +28,9 @@ VLM_EXAMPLES = """examples:
 Trains, on procedural scenes: a text-only LM given the caption (upper bound) and given only the
 question (lower bound), then the VLM's projector (stage 1: captioning, ViT and LM frozen) and
 projector + LM (stage 2: question answering). Prints held-out answer accuracy per question
-kind (count, color, position, digit) for each and writes results.json to --vlm.out.
+kind (count, color, position, digit) for each and writes results.json to --vlm.out. Each phase
+is an objective of lmforge's Trainer in its own folder (text/, stage1/, stage2/: metrics.jsonl,
+loss_curve.png, checkpoints); a rerun resumes where it stopped.
 """
 
 VQ_EXAMPLES = """examples:
@@ -37,6 +40,8 @@ VQ_EXAMPLES = """examples:
 Trains a VQ-VAE on procedural scenes (reconstruction MSE, codebook perplexity, PNG grid of
 reconstructions), then an LM with QK-norm and z-loss on interleaved caption + image tokens that
 captions images and generates them (PNG grid of samples, caption accuracy on its own samples).
+Both phases run in lmforge's Trainer (folders vq/ and lm/ under --run.out; the codebook's EMA
+step is a callback after each optimizer step); a rerun resumes where it stopped.
 """
 
 

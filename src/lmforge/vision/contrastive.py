@@ -2,9 +2,10 @@
 
 ``lmforge vision pretrain --config configs/vision/clip-tiny.toml`` runs :func:`pretrain`: it
 builds the tokenizer and the :class:`~lmforge.vision.encoders.DualEncoder`, trains it with
-:class:`ContrastiveObjective` and reports recall@1/@5 in both directions on held-out pairs
-(procedural ``val`` scenes, or ``data.val_path``). Exercised by
-``pytest tests/test_vision_pretrain.py``.
+:class:`ContrastiveObjective` in the one :class:`~lmforge.train.Trainer` (its AdamW with CLIP's
+β2 = 0.98 and ε = 1e-6, cosine schedule, clipping, checkpoints and exact resume) and reports
+recall@1/@5 in both directions on held-out pairs (procedural ``val`` scenes, or
+``data.val_path``). Exercised by ``pytest tests/test_vision_pretrain.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from lmforge.utils.config import save_config
 from lmforge.utils.errors import LmforgeError
+from lmforge.vision._train import check_phase
 from lmforge.vision.data import (
     DEFAULT_MAX_PIXELS,
     WordTokenizer,
@@ -76,7 +78,7 @@ class PretrainConfig:
     warmup: int = 30
     "warm-up steps"
     weight_decay: float = 0.1
-    "AdamW weight decay on matrices (not on norms, embeddings' positions, scale or bias)"
+    "AdamW weight decay on matrices (the Trainer's groups: not on norms, scale or bias)"
     grad_clip: float = 1.0
     "global gradient-norm clip"
     eval_every: int = 100
@@ -90,7 +92,20 @@ class PretrainConfig:
     threads: int = 0
     "CPU threads for torch (0 = torch's default; 1 is fastest on a machine shared with other jobs)"
     out: str = "runs/vision/clip-tiny"
-    "run folder: config.toml, vocab.json, model/optimizer safetensors, results.json"
+    "run folder: config.toml, vocab.json, results.json, train/ (metrics, checkpoints)"
+
+    def __post_init__(self) -> None:
+        check_phase(
+            "train",
+            batch_size=self.batch_size,
+            steps=self.steps,
+            lr=self.lr,
+            warmup=self.warmup,
+            eval_every=self.eval_every,
+            save_every=self.save_every,
+            weight_decay=self.weight_decay,
+            grad_clip=self.grad_clip,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,14 +302,6 @@ def evaluate_retrieval(
     return out
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices (dim ≥ 2) only, as CLIP does; norms, positions' class
-    token, scale and bias undecayed."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos_embed" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "pos_embed" not in n)]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-
-
 def build_dual_encoder(cfg: ContrastiveRunConfig, tokenizer: WordTokenizer) -> DualEncoder:
     """The dual encoder for ``cfg`` (weights drawn from the current torch seed)."""
     return DualEncoder(
@@ -316,10 +323,19 @@ def pick_device(device: str) -> str:
     return resolve_device(device)
 
 
+RECALL_KEYS = ("i2t@1", "i2t@5", "t2i@1", "t2i@5", "n")
+"what :func:`evaluate_retrieval` returns"
+
+
 def pretrain(cfg: ContrastiveRunConfig, log: Callable[[dict], None] = print) -> dict[str, float]:
-    """Run contrastive pretraining; writes ``cfg.train.out`` and returns the final recall."""
-    from lmforge.train.schedule import cosine_schedule
-    from lmforge.vision._loop import run_objective
+    """Run contrastive pretraining in the Trainer; returns the final recall.
+
+    ``cfg.train.out`` holds config.toml (this config), vocab.json, results.json and ``train/``:
+    the Trainer's folder (metrics.jsonl with the periodic retrieval evaluations, loss_curve.png,
+    ``checkpoints/step_*``); a rerun resumes from its latest checkpoint.
+    """
+    from lmforge.utils.io import atomic_write_text
+    from lmforge.vision._train import phase_train_config, run_phase
 
     t = cfg.train
     out = Path(t.out)
@@ -331,28 +347,30 @@ def pretrain(cfg: ContrastiveRunConfig, log: Callable[[dict], None] = print) -> 
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     device = pick_device(t.device)
-    model = build_dual_encoder(cfg, tokenizer).to(device)
+    model = build_dual_encoder(cfg, tokenizer)
     objective = ContrastiveObjective(
         cfg.data, tokenizer, cfg.vision.image_size, cfg.text.context_length, t.batch_size, t.loss
     )
-    optimizer = torch.optim.AdamW(
-        param_groups(model, t.weight_decay), lr=t.lr, betas=(0.9, 0.98), eps=1e-6
-    )
     n_params = sum(p.numel() for p in model.parameters())
     log({"params": n_params, "vocab": tokenizer.vocab_size, "loss": t.loss, "device": str(device)})
-    result = run_objective(
-        objective,
-        model,
-        optimizer,
-        t.steps,
-        lr_at=lambda s: cosine_schedule(s, t.lr, t.lr / 10, t.warmup, t.steps),
+    # CLIP's AdamW: β2 0.98, ε 1e-6 (the Trainer's groups decay matrices, not gains or biases)
+    train = phase_train_config(
+        out / "train",
+        steps=t.steps,
+        lr=t.lr,
+        warmup=t.warmup,
+        batch_size=t.batch_size,
+        device=device,
+        seed=t.seed,
+        weight_decay=t.weight_decay,
+        betas=(0.9, 0.98),
+        eps=1e-6,
         grad_clip=t.grad_clip,
-        out=out,
-        save_every=t.save_every or t.steps,
         eval_every=t.eval_every,
-        log=log,
+        save_every=t.save_every,
     )
-    from lmforge.utils.io import atomic_write_text
-
+    final = run_phase(objective, model, train, log)
+    result = {k: float(final[k]) for k in RECALL_KEYS}
+    log({"step": t.steps, **result})
     atomic_write_text(out / "results.json", json.dumps(result, indent=1) + "\n")
     return result

@@ -168,9 +168,12 @@ def collate(
 
 
 class VLMObjective:
-    """Next-token loss on procedural scenes for one VLM phase: ``context`` image / caption /
-    none, ``target`` caption (stage 1) or answer (stage 2 and the text baselines). ``loss``
-    returns (summed token losses, number of target tokens)."""
+    """Next-token loss on procedural scenes for one VLM phase, an objective of the one Trainer:
+    ``context`` image / caption / none, ``target`` caption (stage 1) or answer (stage 2 and the
+    text baselines). ``loss`` returns (summed token losses, number of target tokens). With
+    ``bf16`` the forward runs under bf16 autocast (fp32 weights and AdamW state; CUDA); the
+    loss is taken in fp32. Which parameters train is the model's ``requires_grad``: stage 1
+    freezes the ViT and the LM, stage 2 the ViT."""
 
     def __init__(
         self,
@@ -181,9 +184,11 @@ class VLMObjective:
         context: str,
         target: str,
         name: str = "vlm",
+        bf16: bool = False,
     ) -> None:
         self.scenes, self.tok, self.n_image = scenes, tokenizer, n_image_tokens
         self.batch_size, self.context, self.target, self.name = batch_size, context, target, name
+        self.bf16 = bf16
         self.position = 0
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -205,10 +210,16 @@ class VLMObjective:
     def loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of target-token cross-entropies, number of target tokens)."""
         device = next(model.parameters()).device
+        weight = (batch[1] != -100).sum()  # counted where the batch is (the host): no sync
         inputs, targets, images = (None if t is None else t.to(device) for t in batch)
-        logits = model(inputs) if images is None else model(inputs, images)  # (B, T, V)
+        with torch.autocast(device.type, torch.bfloat16, enabled=self.bf16):
+            logits = model(inputs) if images is None else model(inputs, images)  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-        return loss, (targets != -100).sum()
+        return loss, weight
+
+    def batch_weight(self, batch: Any) -> float:
+        """Target tokens of the batch (counted on the host: no device sync)."""
+        return float((batch[1] != -100).sum())
 
     def state_dict(self) -> dict:
         """Scenes consumed."""

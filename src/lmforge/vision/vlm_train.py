@@ -24,6 +24,7 @@ from lmforge.model.config import ModelConfig
 from lmforge.utils.config import load_config, save_config
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write_text
+from lmforge.vision._train import check_phase
 from lmforge.vision.scenes import ProceduralScenes
 
 
@@ -56,7 +57,14 @@ class VLMConfig:
     threads: int = 0
     "CPU threads for torch (0 = torch's default)"
     out: str = "runs/vision/vlm-tiny"
-    "run folder: config.toml, *.safetensors per phase, results.json"
+    "run folder: config.toml, results.json, a Trainer folder per phase (text, stage1, stage2)"
+
+    def __post_init__(self) -> None:
+        check_phase("vlm", batch_size=self.batch_size, lr=self.lr, stage2_lr=self.stage2_lr,
+                    warmup=self.warmup, eval_scenes=self.eval_scenes, text_steps=self.text_steps)  # fmt: skip
+        for key in ("stage1_steps", "stage2_steps"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"vlm.{key} must be 0 (skip) or more, got {getattr(self, key)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,29 +82,33 @@ class VLMRunConfig:
 
 
 def load_encoder(folder: str | Path):
-    """(ViT, WordTokenizer, the run's ContrastiveRunConfig) from a ``vision pretrain`` folder."""
-    from lmforge.checkpoint import load_model_state
+    """(ViT, WordTokenizer, the run's ContrastiveRunConfig) from a ``vision pretrain`` folder
+    (the weights of its latest checkpoint)."""
+    from lmforge.checkpoint import latest_checkpoint, load_model_state
     from lmforge.vision.contrastive import ContrastiveRunConfig, build_dual_encoder
     from lmforge.vision.data import WordTokenizer
 
     folder = Path(folder)
-    for name in ("config.toml", "vocab.json", "model.safetensors"):
+    for name in ("config.toml", "vocab.json"):
         if not (folder / name).is_file():
             raise LmforgeError(f"{folder} is not a `vision pretrain` run (no {name})")
+    ckpt = latest_checkpoint(folder / "train") if (folder / "train").is_dir() else None
+    if ckpt is None:
+        raise LmforgeError(f"{folder} is not a `vision pretrain` run (no train/checkpoints)")
     cfg = load_config(ContrastiveRunConfig, folder / "config.toml")
     tok = WordTokenizer.load(folder / "vocab.json")
     model = build_dual_encoder(cfg, tok)
-    model.load_state_dict(load_model_state(folder / "model.safetensors"))
+    model.load_state_dict(load_model_state(Path(ckpt) / "model.safetensors"))
     return model.vision, tok, cfg
 
 
 def run_vlm(
     cfg: VLMRunConfig, encoder: str | Path, log: Callable[[dict], None] = print
 ) -> dict[str, dict[str, float]]:
-    """All phases; writes ``cfg.vlm.out`` and returns {phase: accuracies}."""
+    """All phases, each an objective in the Trainer (its folder ``cfg.vlm.out/<phase>``: a rerun
+    resumes there); writes ``cfg.vlm.out`` and returns {phase: accuracies}."""
     from lmforge.model import TransformerLM
-    from lmforge.train.schedule import cosine_schedule
-    from lmforge.vision._loop import run_objective
+    from lmforge.vision._train import phase_train_config, run_phase
     from lmforge.vision.contrastive import pick_device
     from lmforge.vision.vlm import VisionLanguageModel, VLMObjective, question_accuracy
 
@@ -113,30 +125,27 @@ def run_vlm(
     train = ProceduralScenes(seed=v.seed, split="train", image_size=size, max_objects=v.max_objects)
     val = ProceduralScenes(seed=v.seed, split="val", image_size=size, max_objects=v.max_objects)
     n_img = enc_cfg.vision.n_patches
+    bf16 = torch.device(device).type == "cuda"  # autocast on CUDA; fp32 on the CPU
     results: dict[str, dict[str, float]] = {}
 
-    def phase(name: str, model, params, target: str, steps: int, lr: float) -> None:
-        objective = VLMObjective(train, tok, n_img, v.batch_size, "image", target, name)
-        opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-        run_objective(
-            objective,
-            model,
-            opt,
-            steps,
-            lr_at=lambda s: cosine_schedule(s, lr, lr / 10, v.warmup, steps),
-            out=out / name,
-            save_every=steps,
-            log=lambda r: log({"phase": name, **r}),
-        )
+    def fit(name: str, objective, model, steps: int, lr: float) -> None:
+        tc = phase_train_config(out / name, steps=steps, lr=lr, warmup=v.warmup,
+                                batch_size=v.batch_size, device=device, seed=v.seed,
+                                precision="bf16" if bf16 else "fp32")  # fmt: skip
+        run_phase(objective, model, tc, lambda r: log({"phase": name, **r}))
+
+    def phase(name: str, model, target: str, steps: int, lr: float) -> None:
+        objective = VLMObjective(train, tok, n_img, v.batch_size, "image", target, name, bf16)
+        fit(name, objective, model, steps, lr)
         results[name] = question_accuracy(model, val, tok, "image", n_img, v.eval_scenes)
         log({"phase": name, **results[name]})
 
     torch.manual_seed(v.seed)
-    lm = TransformerLM(lm_cfg).to(device)
+    lm = TransformerLM(lm_cfg)
     # the text LM sees both formats, so one model is the upper bound (with the caption) and
     # a fair lower bound (question alone, the priors it learned); trained on a 50/50 mix
     mixed = _MixedObjective(
-        VLMObjective(train, tok, n_img, v.batch_size // 2, "caption", "answer", "text"),
+        VLMObjective(train, tok, n_img, v.batch_size // 2, "caption", "answer", "text", bf16),
         VLMObjective(
             ProceduralScenes(v.seed, "train-q", size, v.max_objects),
             tok,
@@ -145,38 +154,30 @@ def run_vlm(
             "none",
             "answer",
             "text",
+            bf16,
         ),
     )
-    opt = torch.optim.AdamW(lm.parameters(), lr=v.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    run_objective(
-        mixed,
-        lm,
-        opt,
-        v.text_steps,
-        lr_at=lambda s: cosine_schedule(s, v.lr, v.lr / 10, v.warmup, v.text_steps),
-        out=out / "text",
-        save_every=v.text_steps,
-        log=lambda r: log({"phase": "text", **r}),
-    )
+    fit("text", mixed, lm, v.text_steps, v.lr)
     for ctx, label in (("caption", "upper"), ("none", "lower")):
         results[label] = question_accuracy(lm, val, tok, ctx, n_img, v.eval_scenes)
         log({"phase": label, **results[label]})
 
     vlm = VisionLanguageModel(vit, lm, tok.image_id).to(device)
+    # frozen parts have requires_grad off: the Trainer gives only the rest to AdamW
     vlm.vision.requires_grad_(False)
     if v.stage1_steps:
         vlm.lm.requires_grad_(False)
-        phase("stage1", vlm, list(vlm.projector.parameters()), "caption", v.stage1_steps, v.lr)
+        phase("stage1", vlm, "caption", v.stage1_steps, v.lr)
     if v.stage2_steps:
         vlm.lm.requires_grad_(True)
-        params = [*vlm.projector.parameters(), *vlm.lm.parameters()]
-        phase("stage2", vlm, params, "answer", v.stage2_steps, v.stage2_lr)
+        phase("stage2", vlm, "answer", v.stage2_steps, v.stage2_lr)
     atomic_write_text(out / "results.json", json.dumps(results, indent=1) + "\n")
     return results
 
 
 class _MixedObjective:
-    """Two objectives' batches concatenated along B (same target kind), one loss."""
+    """Two objectives' batches side by side (same target kind), one loss: summed token losses
+    over summed target tokens."""
 
     name = "text"
 
@@ -184,8 +185,12 @@ class _MixedObjective:
         self.parts = (a, b)
 
     def next_batch(self):
-        """Both parts' batches (padded to one length)."""
+        """Both parts' batches."""
         return [p.next_batch() for p in self.parts]
+
+    def batch_weight(self, batch) -> float:
+        """Target tokens of both parts."""
+        return sum(p.batch_weight(b) for p, b in zip(self.parts, batch, strict=True))
 
     def loss(self, model, batch):
         """Summed token losses and token counts of both parts."""

@@ -32,9 +32,10 @@ from torch import nn
 from lmforge.model.config import ModelConfig
 from lmforge.utils.config import save_config
 from lmforge.utils.io import atomic_write_bytes, atomic_write_text
+from lmforge.vision._train import check_phase
 from lmforge.vision.data import WordTokenizer, denormalize, preprocess
 from lmforge.vision.scenes import ProceduralScenes, vocabulary
-from lmforge.vision.vqvae import VQVAE, VQConfig
+from lmforge.vision.vqvae import VQVAE, CodebookUpdate, VQConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,10 @@ class PhaseConfig:
     "warm-up steps"
     z_loss: float = 1e-4
     "LM only: weight of the z-loss, mean of logsumexp(logits)² (PaLM; 0 = off)"
+
+    def __post_init__(self) -> None:
+        check_phase("", steps=self.steps, batch_size=self.batch_size,
+                    lr=self.lr, warmup=self.warmup, z_loss=self.z_loss)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +77,7 @@ class VQRunSection:
     threads: int = 0
     "CPU threads for torch (0 = torch's default)"
     out: str = "runs/vision/vq-tiny"
-    "run folder: config.toml, vq/ and lm/ checkpoints, recon.png, samples.png, results.json"
+    "run folder: config.toml, vq/ and lm/ (Trainer folders), recon.png, samples.png, results.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,8 +349,7 @@ def evaluate_vq(vq: VQVAE, scenes: ProceduralScenes, n: int) -> dict[str, float]
 def run_vq(cfg: VQRunConfig, log: Callable[[dict], None] = print) -> dict[str, float]:
     """Both phases and the evaluations; writes ``cfg.run.out`` and returns the results."""
     from lmforge.model import TransformerLM
-    from lmforge.train.schedule import cosine_schedule
-    from lmforge.vision._loop import run_objective
+    from lmforge.vision._train import phase_train_config, run_phase
     from lmforge.vision.contrastive import pick_device
 
     r = cfg.run
@@ -361,27 +365,15 @@ def run_vq(cfg: VQRunConfig, log: Callable[[dict], None] = print) -> dict[str, f
     train = ProceduralScenes(r.seed, "train", r.image_size, r.max_objects)
     val = ProceduralScenes(r.seed, "val", r.image_size, r.max_objects)
 
-    def fit(objective, model, phase: PhaseConfig, name: str) -> None:
-        opt = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=phase.lr,
-            betas=(0.9, 0.95),
-            weight_decay=0.0,
-        )
-        run_objective(
-            objective,
-            model,
-            opt,
-            phase.steps,
-            lr_at=lambda s: cosine_schedule(s, phase.lr, phase.lr / 10, phase.warmup, phase.steps),
-            out=out / name,
-            save_every=phase.steps,
-            log=lambda rec: log({"phase": name, **rec}),
-        )
+    def fit(objective, model, phase: PhaseConfig, name: str, callbacks=()) -> None:
+        tc = phase_train_config(out / name, steps=phase.steps, lr=phase.lr, warmup=phase.warmup,
+                                batch_size=phase.batch_size, device=device, seed=r.seed)  # fmt: skip
+        run_phase(objective, model, tc, lambda rec: log({"phase": name, **rec}), callbacks)
 
     torch.manual_seed(r.seed)
-    vq = VQVAE(cfg.vq).to(device)
-    fit(VQObjective(train, cfg.vq_train.batch_size), vq, cfg.vq_train, "vq")
+    vq = VQVAE(cfg.vq)
+    # the codebook is not trained by AdamW (buffers): its EMA step runs after each step
+    fit(VQObjective(train, cfg.vq_train.batch_size), vq, cfg.vq_train, "vq", [CodebookUpdate(vq)])
     results = evaluate_vq(vq, val, r.eval_images)
     log({"phase": "vq", **results})
     vq.eval()
@@ -391,7 +383,7 @@ def run_vq(cfg: VQRunConfig, log: Callable[[dict], None] = print) -> dict[str, f
         out / "recon.png", png_grid(np.concatenate([denormalize(show), denormalize(recon)]), 8)
     )
 
-    lm = TransformerLM(lm_cfg).to(device)
+    lm = TransformerLM(lm_cfg)
     vq.requires_grad_(False)
     fit(
         ImageTokenLMObjective(train, vq, tok, cfg.lm_train.batch_size, cfg.lm_train.z_loss),

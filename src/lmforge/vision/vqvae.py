@@ -7,6 +7,9 @@ pass the quantiser unchanged (straight-through: ``z + (z_q − z).detach()``); t
 by gradient but moves to the running mean of the vectors assigned to each code (EMA, the
 paper's appendix / VQ-VAE-2), and a code unused for a while is restarted at a random encoder
 output so the codebook stays in use (the codes start as encoder outputs of the first batch).
+The EMA step runs between optimizer steps: a training forward records which vectors went to
+which code, and :meth:`EMACodebook.update` (the Trainer callback :class:`CodebookUpdate`)
+applies it after the step, so a checkpoint never holds a half-applied update.
 
 Shape legend: B batch, D code dim, K codebook size, h×w code grid (S/8 × S/8), M = B·h·w.
 Exercised by ``pytest tests/test_vision_vqvae.py``.
@@ -56,6 +59,9 @@ class EMACodebook(nn.Module):
         # 0 until the first training batch, whose encoder outputs seed the codes (a random
         # init far from the data's scale sends every vector to one code: collapse)
         self.register_buffer("initialized", torch.zeros(()))
+        # (vectors, codes) of the training forwards since the last update (not in the state:
+        # the update runs before any checkpoint is written)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def quantize(self, flat: torch.Tensor) -> torch.Tensor:
         """(M, D) -> (M,) index of the nearest code (squared Euclidean distance)."""
@@ -95,7 +101,8 @@ class EMACodebook(nn.Module):
         self, z: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """z (B, D, h, w) -> (straight-through z_q (B, D, h, w), codes (B, h, w), commitment
-        MSE, perplexity of this batch's code usage). Updates the codebook in training mode."""
+        MSE, perplexity of this batch's code usage). In training mode records the assignment
+        for :meth:`update`."""
         b, d, h, w = z.shape
         flat = z.permute(0, 2, 3, 1).reshape(-1, d)  # (M, D)
         if self.training and not self.initialized:
@@ -104,11 +111,18 @@ class EMACodebook(nn.Module):
         # the codes as they were when chosen (indexing copies), then the EMA step moves them
         zq = self.embed[idx].view(b, h, w, d).permute(0, 3, 1, 2)  # (B, D, h, w)
         if self.training:
-            self.ema_update(flat.detach().float(), idx)
+            self.pending.append((flat.detach().float(), idx))
         commit = F.mse_loss(z, zq.detach())
         usage = torch.bincount(idx, minlength=self.embed.shape[0]).float() / idx.numel()  # (K,)
         perplexity = torch.exp(-(usage * torch.log(usage + 1e-10)).sum())
         return z + (zq - z).detach(), idx.view(b, h, w), commit, perplexity
+
+    def update(self, apply: bool = True) -> None:
+        """One EMA step over every vector recorded since the last call (all micro-batches of
+        the optimizer step); ``apply=False`` drops them (a skipped step)."""
+        pending, self.pending = self.pending, []
+        if apply and pending:
+            self.ema_update(torch.cat([f for f, _ in pending]), torch.cat([i for _, i in pending]))
 
     def lookup(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, h, w) code ids -> (B, D, h, w) code vectors."""
@@ -158,3 +172,18 @@ class VQVAE(nn.Module):
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """(B, h, w) code ids -> (B, 3, 8h, 8w) normalised pixels."""
         return self.decoder(self.codebook.lookup(codes))
+
+
+class CodebookUpdate:
+    """Trainer callback (``cb(trainer, step, metrics)``): the EMA codebook step of ``vq`` after
+    each optimizer step, dropped when the step was skipped. Runs on every rank (each updates
+    its own copy from its own batches)."""
+
+    all_ranks = True
+
+    def __init__(self, vq: VQVAE) -> None:
+        self.vq = vq
+
+    def __call__(self, trainer: object, step: int, metrics: dict) -> None:
+        """Apply (or drop) the step's recorded assignments."""
+        self.vq.codebook.update(apply=not metrics.get("skipped", False))
