@@ -283,3 +283,21 @@ def test_the_trainer_trains_an_mla_cla_model(tmp_path: Path) -> None:
     assert len(losses) == 40 and losses[-1] < 0.6 * losses[0], losses
     loaded, _ = load_for_inference(tmp_path / "run")
     assert loaded.config.attention_type == "mla" and loaded.config.kv_share_every == 2
+
+
+def test_cla_under_activation_checkpointing_gives_the_same_gradients() -> None:
+    """The trainer's activation checkpointing wraps each block's forward: a CLA block's
+    (x, latents) pair goes through it, gradients unchanged."""
+    from lmforge.train.wrap import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    plain = TransformerLM(ModelConfig(**{**MLA, "kv_share_every": 2}))
+    torch.manual_seed(0)
+    wrapped = apply_activation_checkpointing(
+        TransformerLM(ModelConfig(**{**MLA, "kv_share_every": 2}))
+    )
+    x = _tokens(2, 10)
+    for m in (plain, wrapped):
+        m(x).logsumexp(-1).mean().backward()
+    for p, q in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-6)
