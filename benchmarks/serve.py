@@ -624,7 +624,7 @@ def bench_prefill(quick: bool) -> None:
         paged_prefill_reference,
         prefill_plan,
     )
-    from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+    from lmforge.serve.model_runner import PagedKVCache, StepBatch, forward_step
 
     cfg = ModelConfig(**QWEN3_06B)
     h, k, e, bs = cfg.n_heads, cfg.kv_heads, cfg.head_dim, 16
@@ -846,7 +846,7 @@ def bench_throughput(quick: bool) -> None:
           f"{n_req} that bounds output at {n_req / (wb / HBM):,.0f} tok/s (before KV reads)")  # fmt: skip
     # The whole run's floor: every decode step reads each running sequence's K/V once (prompt +
     # tokens so far), the weights once per step (at least max(out) steps), prefill's GEMM FLOPs.
-    from lmforge.serve.runner import PagedKVCache
+    from lmforge.serve.model_runner import PagedKVCache
 
     kv_tok = PagedKVCache.bytes_per_block(model, 1, torch.bfloat16)  # K and V of one token
     kv_s = sum(sum(p + j for j in range(1, n)) for p, n in zip(in_lens, out_lens)) * kv_tok / HBM
@@ -1456,7 +1456,7 @@ def bench_engine_host(quick: bool, baseline_src: str | None = None, rounds: int 
 
 # ---------------------------------------------------------------- 4. speculative
 def bench_spec(quick: bool) -> None:
-    from lmforge.serve.speculative import DraftModel, NgramDraft, SpeculativeDecoder
+    from lmforge.serve.speculative import DraftModel, NgramDraft, Speculative
 
     target = _model(TINYLLAMA)
     draft = _model({**TINYLLAMA, "n_layers": 2}, seed=1)
@@ -1481,16 +1481,18 @@ def bench_spec(quick: bool) -> None:
         ("2-layer draft model", DraftModel(draft)),
         ("n-gram prompt lookup", NgramDraft()),
     ):
-        spec = SpeculativeDecoder(target, d, k=4)
-        spec.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        spec.stats = type(spec.stats)()
+        spec = Engine(target, block_size=16, max_num_seqs=1, num_blocks=256,
+                      speculative=Speculative(d, k=4))  # fmt: skip
+        spec.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        stats = spec.speculative.stats = type(spec.speculative.stats)()
+        steps0 = spec.stats["steps"]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = spec.generate(prompt, params)
+        out = spec.generate([prompt], params)[0].outputs[0]
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / new
         same = "yes" if out.token_ids == want else "NO"
-        _line(f"| {name} | {spec.stats.acceptance:.2f} | {spec.stats.target_steps} | {ms:.2f} | "
+        _line(f"| {name} | {stats.acceptance:.2f} | {spec.stats['steps'] - steps0} | {ms:.2f} | "
               f"{base / ms:.2f}x | {same} |")  # fmt: skip
 
 

@@ -50,7 +50,7 @@ def test_compiled_decode_is_token_identical(kw: dict) -> None:
 def test_compiled_decode_writes_the_pages_in_place() -> None:
     """The custom op's cache mutation reaches the engine's cache tensors (same storage)."""
     from lmforge.serve.compiled import CompiledDecode
-    from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+    from lmforge.serve.model_runner import PagedKVCache, StepBatch, forward_step
 
     model = _model()
     cfg = model.config

@@ -77,7 +77,7 @@ def _prompts(lengths=(3, 17, 40, 5)):
 
 
 def _decode_batch(device="cpu"):
-    from lmforge.serve.runner import StepBatch
+    from lmforge.serve.model_runner import StepBatch
 
     def t(x, dtype=torch.long):
         return torch.tensor(x, dtype=dtype, device=device)
@@ -111,7 +111,7 @@ def _count_gemv(monkeypatch) -> dict:
 
 def _step_logits(model, device, decoder_fn):
     """Logits of one decode step (3 sequences, pages pre-filled at random) and the caches."""
-    from lmforge.serve.runner import PagedKVCache
+    from lmforge.serve.model_runner import PagedKVCache
 
     cfg = model.config
     dtype = next(model.parameters()).dtype
@@ -150,7 +150,7 @@ if not _CHILD:
         """The plan: off on the CPU by default, forced on it covers every projection; a Linear
         with a hook (or an fp32 weight by default) keeps the module call."""
         from lmforge.serve.compiled import GEMV_DTYPES, CompiledDecode, gemv_plan, pack_weights
-        from lmforge.serve.runner import PagedKVCache
+        from lmforge.serve.model_runner import PagedKVCache
 
         model = _model()
         cfg = model.config
@@ -478,7 +478,7 @@ else:
         (QK-norm +) RoPE + the KV write ran fused (2 calls, one a layer)."""
         from lmforge.serve import _rope_kv_triton
         from lmforge.serve.compiled import CompiledDecode, decode_forward
-        from lmforge.serve.runner import forward_step
+        from lmforge.serve.model_runner import forward_step
 
         model = _model(**kw)
         want, c0 = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))
@@ -508,7 +508,7 @@ else:
         from lmforge.serve import _gemv_triton
         from lmforge.serve._gemv_triton import GemvConfig
         from lmforge.serve.compiled import CompiledDecode, decode_forward
-        from lmforge.serve.runner import forward_step
+        from lmforge.serve.model_runner import forward_step
 
         model = _model()
         want, _ = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))
@@ -547,7 +547,7 @@ else:
         stays), the eager step's logits."""
         from lmforge.serve import _gemv_triton
         from lmforge.serve.compiled import CompiledDecode, decode_forward
-        from lmforge.serve.runner import forward_step
+        from lmforge.serve.model_runner import forward_step
 
         model = _model()
         want, _ = _step_logits(model, "cpu", lambda c, b: forward_step(model, c, b))

@@ -13,8 +13,7 @@ import torch
 from lmforge.generate import generate
 from lmforge.model import ModelConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
-from lmforge.serve.model_runner import ModelRunner, kv_blocks_for_memory
-from lmforge.serve.runner import PagedKVCache
+from lmforge.serve.model_runner import ModelRunner, PagedKVCache, kv_blocks_for_memory
 from lmforge.utils import LmforgeError
 
 V = 97

@@ -158,7 +158,7 @@ if not _CHILD:
         """A bf16 model's step logits (chunks after cached prefixes, whole prompts, decode rows)
         with the prefill kernel against the SDPA loop: close, and the same argmax almost always
         (bf16 rounds the two paths differently, so greedy tokens may differ at near-ties)."""
-        from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+        from lmforge.serve.model_runner import PagedKVCache, StepBatch, forward_step
 
         model = _tiny_model(2, 64, context=1024).cuda().to(torch.bfloat16)
         cfg, bs = model.config, 16
@@ -332,7 +332,7 @@ def test_engine_skips_a_prefill_kernel_that_failed_to_build(
     tokens. The CPU stands in for CUDA in the rule (the rule itself unchanged)."""
     from triton.runtime.errors import OutOfResources
 
-    from lmforge.serve import _prefill_triton, attention, runner
+    from lmforge.serve import _prefill_triton, attention, model_runner
 
     calls = []
 
@@ -349,7 +349,7 @@ def test_engine_skips_a_prefill_kernel_that_failed_to_build(
     want = _greedy(model, use_triton=False)
     monkeypatch.setattr(_prefill_triton, "paged_prefill_triton", broken)
     monkeypatch.setattr(attention, "_PREFILL_FAILED", False)
-    for module in (attention, runner):
+    for module in (attention, model_runner):
         monkeypatch.setattr(module, "prefill_kernel_on", as_if_cuda)
     assert _greedy(model, use_triton=None) == want  # several prefill steps, 2 layers each
     err = [line for line in capsys.readouterr().err.splitlines() if "prefill kernel" in line]

@@ -1,9 +1,18 @@
-"""``lmforge generate``: sample from a model on the serving engine (heavy imports wait inside the
-handler)."""
+"""``lmforge generate``: load (the shared loader), encode, decode on the serving engine, print
+(heavy imports wait inside the handler).
+
+Every prompt and sample goes to one :class:`~lmforge.serve.Engine` at once (continuous
+batching); nothing here runs the model itself. Sample ``i`` of prompt ``j`` is seeded with
+``seed + j * num_samples + i``, so a run prints the same text whatever else is in the batch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
+
+from lmforge.utils.errors import LmforgeError
 
 EXAMPLES = """examples:
   lmforge generate --checkpoint runs/demo/train --prompt "def main(" --max-new-tokens 100
@@ -26,7 +35,7 @@ other sources (the same flags as lmforge serve and lmforge chat):
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``generate`` subcommand."""
-    from lmforge.serve.loading import add_model_source_args
+    from lmforge.serve.loading import add_engine_args, add_model_source_args
 
     p = sub.add_parser(
         "generate",
@@ -72,28 +81,141 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="end a sample at this token id (repeatable; the tokenizer's end-of-text always does)",
     )
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="decode eagerly (default on CUDA: the engine's compiled decode step)",
-    )
-    p.add_argument(
-        "--no-cuda-graphs",
-        action="store_true",
-        help="launch decode steps one by one (default on CUDA: the engine's choice)",
-    )
-    p.add_argument(
-        "--speculative",
-        default=None,
-        metavar="MODE",
-        help="speculative decoding (one sequence at a time): ngram (prompt lookup) or draft:N "
-        "(the model's own first N blocks draft); greedy output is unchanged",
-    )
-    p.add_argument("--speculative-k", type=int, default=4, help="drafted tokens per step (4)")
-    p.set_defaults(func=_run)
+    add_engine_args(p)
+    p.set_defaults(func=main)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from lmforge.generate._command import main
+_ESCAPES = {"\\n": "\n", "\\t": "\t"}
 
-    return main(args)
+
+def _parse_ids(text: str, vocab: int) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise LmforgeError(f"--prompt-ids '{text}' must be space-separated integers") from None
+    if not ids:
+        raise LmforgeError("--prompt-ids needs at least one token id")
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise LmforgeError(f"--prompt-ids: id {bad[0]} outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def _unescape(stop: str) -> str:
+    for k, v in _ESCAPES.items():
+        stop = stop.replace(k, v)
+    return stop
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not args.prompt and not args.prompt_ids:
+        raise LmforgeError("give at least one --prompt TEXT or --prompt-ids IDS")
+    if args.num_samples < 1:
+        raise LmforgeError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_new_tokens < 1:
+        raise LmforgeError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        raise LmforgeError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise LmforgeError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise LmforgeError(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0.0 <= args.min_p <= 1.0:
+        raise LmforgeError(f"--min-p must be in [0, 1], got {args.min_p}")
+    if any(not s for s in args.stop):
+        raise LmforgeError("--stop needs a non-empty text")
+
+
+def _prompts(args: argparse.Namespace, tokenizer: Any, vocab: int) -> list[list[int]]:
+    """Token ids of the text prompts (first), then of the id prompts."""
+    prompts = []
+    for text in args.prompt:
+        if tokenizer is None:
+            raise LmforgeError(f"{_source(args)} has no tokenizer; use --prompt-ids")
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise LmforgeError("--prompt encodes to no tokens; give a non-empty prompt")
+        prompts.append(ids)
+    prompts += [_parse_ids(text, vocab) for text in args.prompt_ids]
+    return prompts
+
+
+def _source(args: argparse.Namespace) -> str:
+    return args.checkpoint or args.hf or args.gguf
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``lmforge generate`` with parsed ``args``; returns the exit status."""
+    from lmforge.serve import Engine, SamplingParams
+    from lmforge.serve.loading import engine_flags, engine_tokenizer, load_from_args
+    from lmforge.serve.speculative import speculative_from_flag
+
+    _check_args(args)
+    model, tokenizer, _, _ = load_from_args(args)
+    cfg = model.config
+    prompts = _prompts(args, tokenizer, cfg.vocab_size)
+    stops = tuple(_unescape(s) for s in args.stop)
+    if stops and tokenizer is None:
+        raise LmforgeError(f"--stop needs a tokenizer; {_source(args)} has none (use --stop-id)")
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_new_tokens > cfg.context_length:
+        raise LmforgeError(
+            f"prompt ({longest} tokens) + --max-new-tokens ({args.max_new_tokens}) exceeds the "
+            f"model's context_length {cfg.context_length}"
+        )
+    eot = getattr(tokenizer, "eot_id", None)
+    tokenizer = engine_tokenizer(tokenizer, cfg.vocab_size)
+    kw = engine_flags(args)
+    spec = speculative_from_flag(model, kw.pop("speculative"), kw.pop("speculative_k"))
+    if spec is not None and args.num_samples > 1:
+        raise LmforgeError("--speculative decodes one sample per prompt: drop --num-samples")
+    tok = tokenizer if args.prompt or stops else None
+    engine = Engine(model, speculative=spec, eos_token_id=eot, tokenizer=tok, seed=args.seed, **kw)
+    n = args.num_samples
+    params = [
+        SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            max_tokens=args.max_new_tokens,
+            n=n,
+            seed=args.seed + j * n,
+            stop_token_ids=tuple(args.stop_id),
+            stop=stops,
+        )
+        for j in range(len(prompts))
+    ]
+    n_text = len(args.prompt)
+    if len(prompts) == 1 and n == 1 and n_text == 1:
+        _stream(engine, prompts[0], params[0], args.prompt[0])
+        return 0
+    outs = engine.generate(prompts, params, progress=len(prompts) * n > 1)
+    for j, req in enumerate(outs):
+        for sample in req.outputs:
+            if n > 1 or len(prompts) > 1:
+                print(f"--- prompt {j + 1}, sample {sample.index + 1} ---")
+            if j < n_text:
+                print(args.prompt[j] + sample.text)
+            else:
+                print(" ".join(str(t) for t in prompts[j] + _without_stop(sample)))
+    sys.stdout.flush()
+    return 0
+
+
+def _without_stop(sample: Any) -> list[int]:
+    """The generated ids less the stop / EOS id that ended the sample (it is not text either)."""
+    ids = list(sample.token_ids)
+    if sample.finish_reason == "stop" and isinstance(sample.stop_reason, int) and ids:
+        ids.pop()
+    return ids
+
+
+def _stream(engine: Any, prompt: list[int], params: Any, text: str) -> None:
+    """One prompt, one sample: print the text as the engine releases it."""
+    from lmforge.serve.chat import stream_text
+
+    sys.stdout.write(text)
+    stream_text(engine, prompt, params, sys.stdout)
+    sys.stdout.write("\n")
+    sys.stdout.flush()

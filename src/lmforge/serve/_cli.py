@@ -32,23 +32,9 @@ Type a message and press Enter; the reply streams as it is generated. /reset sta
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="lmforge checkpoint or run folder")
-    src.add_argument("--hf", metavar="DIR", help="Hugging Face Llama/Qwen3 folder")
-    src.add_argument("--gguf", metavar="FILE", help="llama.cpp GGUF file (Llama/Qwen3)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="weights and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)",
-    )
-    p.add_argument(
-        "--context-length",
-        type=int,
-        default=None,
-        help="context to serve (default: the model's, at most 4096 for imports)",
-    )
+    from lmforge.serve.loading import add_engine_args, add_model_source_args
+
+    add_model_source_args(p)
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size (tokens)")
     p.add_argument(
         "--num-blocks", type=int, default=None, help="KV-cache blocks (default: from memory)"
@@ -56,24 +42,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)"
     )
-    p.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="decode eagerly (default on CUDA: the decode step through torch.compile)",
-    )
-    p.add_argument(
-        "--no-cuda-graphs",
-        action="store_true",
-        help="no CUDA graphs (default on CUDA: decode steps replayed as CUDA graphs)",
-    )
-    p.add_argument(
-        "--speculative",
-        default=None,
-        metavar="MODE",
-        help="speculative decoding, one sequence at a time: ngram (prompt lookup) or draft:N "
-        "(the model's own first N blocks draft); exact rejection sampling keeps the outputs",
-    )
-    p.add_argument("--speculative-k", type=int, default=4, help="drafted tokens per step (4)")
+    add_engine_args(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -114,30 +83,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_chat)
 
 
-def _load_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        checkpoint=args.checkpoint,
-        hf=args.hf,
-        gguf=args.gguf,
-        device=args.device,
-        dtype=args.dtype,
-        context_length=args.context_length,
-    )
-
-
 def _engine_kwargs(args: argparse.Namespace, **kw: object) -> dict:
-    # CUDA graphs and the compiled decode step are the measured-best decode on CUDA: on by
-    # default (the engine ignores graphs off CUDA; compile=None means "on for CUDA").
-    return dict(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        compile=False if args.no_compile else None,
-        cuda_graphs=not args.no_cuda_graphs,
-        speculative=args.speculative,  # a flag value: the engine's builder makes the proposer
-        speculative_k=args.speculative_k,
-        **kw,
-    )
+    from lmforge.serve.loading import engine_flags
+
+    return dict(block_size=args.block_size, num_blocks=args.num_blocks,
+                max_num_seqs=args.max_num_seqs, **engine_flags(args), **kw)  # fmt: skip
 
 
 def _bind(host: str, port: int) -> object:
@@ -165,6 +115,7 @@ def _bind(host: str, port: int) -> object:
 
 def _serve(args: argparse.Namespace) -> int:
     from lmforge.serve.engine_process import EngineProcess, EngineSpec
+    from lmforge.serve.loading import load_kwargs
     from lmforge.serve.server import DEFAULT_MAX_REQUEST_BYTES, ServerState, run_server
     from lmforge.utils.errors import LmforgeError
 
@@ -175,7 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
     # The engine runs in its own process (lmforge.serve.engine_process): it loads the model,
     # builds the engine and hands back the tokenizer; this process serves HTTP.
     proc = EngineProcess(
-        EngineSpec(_load_kwargs(args), _engine_kwargs(args, max_queue=args.max_queue))
+        EngineSpec(load_kwargs(args), _engine_kwargs(args, max_queue=args.max_queue))
     )
     try:
         info = proc.launch()
@@ -211,10 +162,10 @@ def _chat(args: argparse.Namespace) -> int:
     from lmforge.serve.chat import chat_repl
     from lmforge.serve.engine import Engine
     from lmforge.serve.engine_process import engine_summary
-    from lmforge.serve.loading import load_for_serving
+    from lmforge.serve.loading import load_from_args
     from lmforge.serve.speculative import speculative_from_flag
 
-    model, tokenizer, template, _ = load_for_serving(**_load_kwargs(args))
+    model, tokenizer, template, _ = load_from_args(args)
     kw = _engine_kwargs(args)
     spec = speculative_from_flag(model, kw.pop("speculative"), kw.pop("speculative_k"))
     engine = Engine(

@@ -254,27 +254,11 @@ def prefill_plan(
     return build(q_lens, ctx_lens, device, block_m, head_dim=head_dim)
 
 
-def _triton_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    ctx_lens: torch.Tensor,
-) -> torch.Tensor:
-    from lmforge.serve._attention_triton import paged_decode_triton
-
-    return paged_decode_triton(q, k_cache, v_cache, block_tables, ctx_lens)
-
-
 def triton_decode_available(device: torch.device) -> bool:
     """Whether the Triton kernel can run here (CUDA + triton, or TRITON_INTERPRET=1 + triton)."""
-    import os
+    from lmforge.kernels._common import interpreting, triton_available
 
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_available() and (device.type == "cuda" or interpreting())
 
 
 def paged_decode(
@@ -290,7 +274,9 @@ def paged_decode(
     if use_triton is None:
         use_triton = q.is_cuda and triton_decode_available(q.device)
     if use_triton:
-        return _triton_decode(q, k_cache, v_cache, block_tables, ctx_lens)
+        from lmforge.serve._attention_triton import paged_decode_triton
+
+        return paged_decode_triton(q, k_cache, v_cache, block_tables, ctx_lens)
     return paged_decode_reference(q, k_cache, v_cache, block_tables, ctx_lens)
 
 

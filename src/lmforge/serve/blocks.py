@@ -67,7 +67,6 @@ class BlockAllocator:
         self._by_hash: dict[Hashable, int] = {}
         self._hash_of: dict[int, Hashable] = {}
         self.hits = 0
-        self.queries = 0
 
     @property
     def num_free(self) -> int:
@@ -109,7 +108,6 @@ class BlockAllocator:
 
     def lookup(self, block_hash: Hashable) -> int | None:
         """The cached block holding ``block_hash``'s content, with one more reference; or None."""
-        self.queries += 1
         if not self.enable_prefix_cache:
             return None
         block = self._by_hash.get(block_hash)

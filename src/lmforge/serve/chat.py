@@ -9,7 +9,7 @@ from lmforge.serve.engine import Engine
 from lmforge.serve.sampling import SamplingParams
 from lmforge.serve.templates import render_chat
 
-__all__ = ["chat_repl"]
+__all__ = ["chat_repl", "stream_text"]
 
 
 def chat_repl(
@@ -27,7 +27,7 @@ def chat_repl(
     stdout = stdout or sys.stdout
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     if engine.tokenizer is None:  # the engine streams final text pieces (stop-safe, O(new))
-        engine.set_tokenizer(tokenizer)
+        engine.tokenizer = tokenizer  # for requests added from now on
     ctx = engine.config.context_length
     interactive = stdin.isatty()
     while True:
@@ -58,17 +58,22 @@ def chat_repl(
         params = SamplingParams(
             temperature=temperature, max_tokens=min(max_tokens, ctx - len(prompt))
         )
-        rid = engine.add_request(prompt, params)
-        pieces: list[str] = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id != rid:
-                    continue
-                new = out.outputs[0].text_pieces[len(pieces) :]
-                if new:
-                    pieces += new
-                    stdout.write("".join(new))
-                    stdout.flush()
+        reply = stream_text(engine, prompt, params, stdout)
         stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(pieces)})
+        history.append({"role": "assistant", "content": reply})
     return 0
+
+
+def stream_text(engine: Engine, prompt: list[int], params: SamplingParams, out: TextIO) -> str:
+    """Run one request on ``engine`` (with a tokenizer), writing its text to ``out`` as the
+    engine releases it (final pieces: never past a stop string); returns the whole text."""
+    rid = engine.add_request(prompt, params)
+    pieces: list[str] = []
+    while engine.has_unfinished():
+        for ro in engine.step():
+            new = ro.outputs[0].text_pieces[len(pieces) :] if ro.request_id == rid else []
+            if new:
+                pieces += new
+                out.write("".join(new))
+                out.flush()
+    return "".join(pieces)

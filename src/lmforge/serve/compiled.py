@@ -48,7 +48,6 @@ import contextlib
 import sys
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -58,10 +57,7 @@ from lmforge.model import mup
 from lmforge.model.context import Context, StepOps
 from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable
 from lmforge.serve.attention import paged_decode, write_kv
-from lmforge.serve.runner import StepBatch, forward_step
-
-if TYPE_CHECKING:
-    from lmforge.serve.runner import PagedKVCache
+from lmforge.serve.model_runner import PagedKVCache, StepBatch, forward_step
 
 __all__ = ["CompiledDecode", "decode_forward", "gemv_plan", "pack_weights"]
 
@@ -161,10 +157,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Te
         assert cfg is not None, f"no decode GEMV for a {tuple(w.shape)} weight"
         split = cfg.split
     return torch.ops.lmforge_serve.gemv(x, w, split).sum(0).to(x.dtype)
-
-
-def _proj(x: torch.Tensor, w: torch.Tensor, split: int) -> torch.Tensor:
-    return gemv(x, w, split) if split else F.linear(x, w)
 
 
 # first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
@@ -388,7 +380,7 @@ def _trace_settings() -> Iterator[None]:
 
 class CompiledDecode:
     """``batch -> logits`` for decode-only steps: compiled :func:`decode_forward`, or the eager
-    :func:`~lmforge.serve.runner.forward_step` once compiling has failed.
+    :func:`~lmforge.serve.model_runner.forward_step` once compiling has failed.
 
     ``gemv``: run batches <= GEMV_MAX_ROWS through the Triton decode GEMV (None: on CUDA for
     bf16/fp16 weights; True forces it, fp32 included: tests, under TRITON_INTERPRET=1 on CPU)."""

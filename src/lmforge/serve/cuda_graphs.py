@@ -2,7 +2,7 @@
 
 A decode step (eager, or compiled: :mod:`lmforge.serve.compiled`) is many small kernels whose launch cost (CPU) exceeds their run time at
 small batches. Each bucket size B (1, 2, 4, 8, 16, 32, …, up to ``max_num_seqs``) gets one graph
-of :func:`~lmforge.serve.runner.forward_step` captured over static input tensors; a step with b ≤ B
+of :func:`~lmforge.serve.model_runner.forward_step` captured over static input tensors; a step with b ≤ B
 sequences copies its inputs into the first b rows and pads the rest with a dummy sequence whose
 one token is written to a scratch block outside the allocator's range (so padding never touches
 real KV). Block tables are padded to the context's full width; the kernel reads only
@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
-from lmforge.serve.runner import StepBatch
-
-if TYPE_CHECKING:
-    from lmforge.serve.model_runner import ModelRunner
+from lmforge.serve.model_runner import ModelRunner, StepBatch
 
 __all__ = ["DecodeGraphs", "bucket_sizes"]
 
@@ -63,8 +59,7 @@ class DecodeGraphs:
             print(
                 f"lmforge serve: CUDA graph capture failed, decoding eagerly ({e})", file=sys.stderr
             )
-            self.graphs.clear()
-            self.outputs.clear()
+            self.close()
 
     def close(self) -> None:
         """Drop the graphs and their outputs (their memory pool goes back to the allocator)."""

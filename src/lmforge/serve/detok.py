@@ -32,7 +32,7 @@ import codecs
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher", "make_detokenizer"]
+__all__ = ["IncrementalDetokenizer", "StopMatcher", "make_detokenizer", "release"]
 
 _CONTEXT = 5  # prompt tokens the windowed decoder starts with (as vLLM does)
 _REPLACEMENT = "\ufffd"
@@ -132,3 +132,23 @@ def make_detokenizer(tokenizer: Any, prompt_ids: Sequence[int] = ()) -> Incremen
     if callable(to_bytes):
         return IncrementalDetokenizer(id_to_bytes=to_bytes)
     return IncrementalDetokenizer(decode=lambda ids: tokenizer.decode(ids), prompt_ids=prompt_ids)
+
+
+def release(
+    detok: IncrementalDetokenizer, stops: StopMatcher | None, token: int, reason: str | None
+) -> tuple[str, str | None]:
+    """The text sampled ``token`` releases and the stop string it completed (or None): the one
+    per-token step of the engine's text and of the server's output processor. ``reason`` ends
+    the sample here: 'stop' (an EOS / stop id, which is not text) or 'length'."""
+    if reason == "stop":
+        piece = detok.flush()
+    else:
+        piece = detok.feed(token)
+        if reason is not None:
+            piece += detok.flush()
+    if stops is None:
+        return piece, None
+    piece, hit = stops.feed(piece)
+    if hit is None and reason is not None:
+        piece += stops.flush()
+    return piece, hit

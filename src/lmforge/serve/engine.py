@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import threading
 import time
 from collections import deque
@@ -40,11 +39,10 @@ from torch import nn
 
 from lmforge.model.context import PagedKVCache
 from lmforge.serve.blocks import BlockAllocator
-from lmforge.serve.detok import StopMatcher, make_detokenizer
-from lmforge.serve.model_runner import ModelRunner, kv_blocks_for_memory
-from lmforge.serve.runner import StepBatch
+from lmforge.serve.detok import StopMatcher, make_detokenizer, release
+from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
 from lmforge.serve.sampling import SamplingParams, apply_penalties, logprobs_of, sample_tokens
-from lmforge.serve.scheduler import Scheduler, Seq
+from lmforge.serve.scheduler import Scheduler, Seq, check_fits
 from lmforge.utils.errors import LmforgeError
 
 if TYPE_CHECKING:
@@ -99,7 +97,6 @@ class _Request:
     request_id: str
     prompt: list[int]
     seqs: list[Seq]
-    arrival_time: float
 
     @property
     def finished(self) -> bool:
@@ -246,31 +243,15 @@ class Engine:
         """How the KV cache was sized from free memory (None: given or the CPU default)."""
         return self.runner.kv_budget
 
-    def set_tokenizer(self, tokenizer: Any) -> None:
-        """Turn on text (and stop strings) for requests added from now on."""
-        with self.lock:
-            self.tokenizer = tokenizer
-
     # ---------------------------------------------------------------- requests
     def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         """The prompt as a list of ints if the engine can ever run the request, else raise
         :class:`LmforgeError` (one line). Reads only fixed state: safe from any thread."""
         prompt = [int(t) for t in prompt_token_ids]
-        ctx = self.config.context_length
-        if not prompt:
-            raise LmforgeError("the prompt needs at least one token")
         if any(t < 0 or t >= self.config.vocab_size for t in prompt):
             raise LmforgeError(f"prompt token ids must be in [0, {self.config.vocab_size})")
-        if len(prompt) >= ctx:
-            raise LmforgeError(
-                f"prompt has {len(prompt)} tokens; the model's context is {ctx} "
-                "(at least one token must be generated)"
-            )
-        need = math.ceil(min(len(prompt) + params.max_tokens, ctx) / self.block_size)
-        if need > self.allocator.num_blocks:
-            raise LmforgeError(
-                f"request needs {need} KV blocks, the cache has {self.allocator.num_blocks}"
-            )
+        check_fits(len(prompt), params.max_tokens, self.config.context_length, self.block_size,
+                   self.allocator.num_blocks)  # fmt: skip
         if self.speculative is not None and params.n != 1:
             raise LmforgeError("speculative decoding serves one sample per request (n = 1)")
         if self.speculative is not None and params.penalised:
@@ -313,7 +294,7 @@ class Engine:
                     if params.stop:
                         seq.stops = StopMatcher(params.stop)
                 seqs.append(seq)
-            self.requests[rid] = _Request(rid, prompt, seqs, time.monotonic())
+            self.requests[rid] = _Request(rid, prompt, seqs)
             self.scheduler.add(seqs)
         return rid
 
@@ -453,14 +434,16 @@ class Engine:
         out.policy_versions.append(self.policy_version)
         if out.top_logprobs is not None:
             out.top_logprobs.append(top or {})
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
         self.stats["generated_tokens"] += 1
         reason = self._finish_reason(seq, tok)
         if reason == "stop":
             out.stop_reason = tok
-        if seq.detok is not None:
-            reason = self._detokenize(seq, out, tok, reason)
+        if seq.detok is not None:  # the token's text, O(this token); a stop string ends here
+            piece, hit = release(seq.detok, seq.stops, tok, reason)
+            if hit is not None:
+                out.stop_reason, reason = hit, "stop"
+            if piece:
+                out.text_pieces.append(piece)
         if reason is not None:
             out.finish_reason = reason
             self.scheduler.finish(seq)
@@ -515,29 +498,6 @@ class Engine:
         spec.accepted_in(seq, old_len, n_acc_i, k)
         return True
 
-    @staticmethod
-    def _detokenize(
-        seq: Seq, out: CompletionOutput, tok: int, reason: FinishReason | None
-    ) -> FinishReason | None:
-        """Release ``tok``'s text (O(this token)); a stop string ends the sample here."""
-        assert seq.detok is not None
-        if reason == "stop":  # EOS / a stop id: the token itself is not text
-            piece = seq.detok.flush()
-        else:
-            piece = seq.detok.feed(tok)
-            if reason is not None:
-                piece += seq.detok.flush()
-        if seq.stops is not None:
-            piece, hit = seq.stops.feed(piece)
-            if hit is not None:
-                out.stop_reason = hit
-                reason = "stop"
-            elif reason is not None:
-                piece += seq.stops.flush()
-        if piece:
-            out.text_pieces.append(piece)
-        return reason
-
     # ---------------------------------------------------------------- offline API
     def generate(
         self,
@@ -547,25 +507,20 @@ class Engine:
         progress: bool = False,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs in prompt order."""
+        from tqdm import tqdm
+
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise LmforgeError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         done: dict[str, RequestOutput] = {}
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while self.has_unfinished():
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    if bar is not None:
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not progress) as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
                         bar.update(1)
-        if bar is not None:
-            bar.close()
         return [done[i] for i in ids]
 
 

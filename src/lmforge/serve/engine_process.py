@@ -15,8 +15,8 @@ Layout (one pipe each way, pickled messages, batched)::
   sender thread ships as one message (a prompt bigger than the pipe's buffer cannot block the
   event loop). The child drains every message between two steps.
 - After each step the child sends one message with every request's new ids and logprobs
-  (:class:`~lmforge.serve.output.Delta`, packed as flat arrays by :func:`pack_step`) and its counters (for ``/metrics`` and the
-  429 check). The event loop reads it when the pipe is readable (``add_reader``: no thread
+  (:class:`~lmforge.serve.output.Delta`, packed as flat arrays by :func:`pack_step`) and its
+  counters (for ``/metrics`` and the 429 check). The event loop reads it when the pipe is readable (``add_reader``: no thread
   hop) and puts each delta on its request's queue.
 - Text and stop strings are the parent's (:mod:`lmforge.serve.output`); the child is ids-only.
 - The child ignores SIGINT / SIGTERM: the parent drains and then sends ``stop``; if the parent
@@ -25,7 +25,8 @@ Layout (one pipe each way, pickled messages, batched)::
 
 The child builds its own model and engine from an :class:`EngineSpec` (a CUDA model cannot be
 handed across processes), then sends back the tokenizer, chat template and the facts the
-server needs. Exercised by ``pytest tests/test_serve_server_process.py``.
+server needs. :class:`EngineLoop` runs the same loop in a thread over the same pipe (tests).
+Exercised by ``pytest tests/test_serve_server_process.py tests/test_serve_server.py``.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ from typing import Any
 
 from lmforge.serve.output import Delta, DeltaTracker, SampleDelta, engine_counts
 from lmforge.serve.sampling import SamplingParams
+from lmforge.serve.scheduler import check_fits
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["EngineProcess", "EngineSpec", "pack_step", "unpack_step"]
+__all__ = ["EngineLoop", "EngineProcess", "EngineSpec", "engine_info", "pack_step", "unpack_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +67,8 @@ class EngineSpec:
 
 
 class EngineProcess:
-    """The parent's handle on the engine process; the same interface as
-    :class:`lmforge.serve.server.EngineLoop` (``submit``, ``abort``, ``metrics``, ...).
+    """The parent's handle on the engine process (``submit``, ``abort``, ``metrics``, ...; what
+    :class:`~lmforge.serve.server.ServerState` holds; :class:`EngineLoop` is the in-thread kind).
 
     :meth:`launch` spawns the process and blocks until the engine is built (it returns what the
     server needs: tokenizer, template, name, the startup line); :meth:`start` (the server's
@@ -118,15 +120,18 @@ class EngineProcess:
         if kind == "error":
             self._proc.join(30)
             raise LmforgeError(payload)
-        self.info = payload
-        self.context_length: int = payload["context_length"]
-        self.vocab_size: int = payload["vocab_size"]
-        self.eos_token_id: int | None = payload["eos_token_id"]
-        self.num_blocks: int = payload["num_blocks"]
-        self.block_size: int = payload["block_size"]
-        self.max_queue: int | None = payload["max_queue"]
-        self._counts = payload["counts"]
+        self._set_info(payload)
         return payload
+
+    def _set_info(self, info: dict[str, Any]) -> None:
+        self.info = info
+        self.context_length: int = info["context_length"]
+        self.vocab_size: int = info["vocab_size"]
+        self.eos_token_id: int | None = info["eos_token_id"]
+        self.num_blocks: int = info["num_blocks"]
+        self.block_size: int = info["block_size"]
+        self.max_queue: int | None = info["max_queue"]
+        self._counts = info["counts"]
 
     def start(self) -> None:
         """Attach to the running event loop (the server's startup)."""
@@ -138,11 +143,7 @@ class EngineProcess:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Ask the child to finish what it has and exit; wait for it (kill after ``timeout``)."""
-        if self._aloop is not None and self._conn is not None:
-            try:
-                self._aloop.remove_reader(self._conn.fileno())
-            except (ValueError, OSError):
-                pass
+        self._detach()
         with self._cv:
             self._ops.append(("stop",))
             self._stopping = True
@@ -154,25 +155,22 @@ class EngineProcess:
         if self._proc is not None:
             self._proc.join(timeout)
             if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
+                self._kill()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
 
+    def _kill(self) -> None:
+        self._proc.kill()
+        self._proc.join(5)
+
     @property
     def pid(self) -> int | None:
         """The engine process's id (None before launch)."""
-        return None if self._proc is None else self._proc.pid
+        return getattr(self._proc, "pid", None)
 
     # ------------------------------------------------------------------ requests
-    def submit(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        queue: asyncio.Queue,
-        aloop: asyncio.AbstractEventLoop | None = None,
-    ) -> str:
+    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str:
         """Queue a request whose :class:`Delta` objects go to ``queue``. Requests that could
         never fit raise LmforgeError; a full queue (as of the child's last counts plus what was
         sent since) raises QueueFull. Never waits for the engine."""
@@ -181,13 +179,8 @@ class EngineProcess:
         if self.error is not None:
             raise LmforgeError(f"the engine failed: {self.error}")
         prompt = [int(t) for t in prompt]
-        if not prompt or len(prompt) >= self.context_length:
-            raise LmforgeError(
-                f"prompt has {len(prompt)} tokens; the model's context is {self.context_length}"
-            )
-        need = -(-min(len(prompt) + params.max_tokens, self.context_length) // self.block_size)
-        if need > self.num_blocks:
-            raise LmforgeError(f"request needs {need} KV blocks, the cache has {self.num_blocks}")
+        check_fits(len(prompt), params.max_tokens, self.context_length, self.block_size,
+                   self.num_blocks)  # fmt: skip
         waiting = self._counts.get("waiting", 0) + self._adds_sent - self._counts.get("adds", 0)
         if self.max_queue is not None and waiting >= self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
@@ -262,15 +255,18 @@ class EngineProcess:
                 del queues[rid]
             queue.put_nowait(delta)
 
-    def _child_died(self) -> None:
+    def _detach(self) -> None:
         if self._aloop is not None and self._conn is not None:
             try:
                 self._aloop.remove_reader(self._conn.fileno())
             except (ValueError, OSError):
                 pass
+
+    def _child_died(self) -> None:
+        self._detach()
         if self._stopping:
             return
-        code = self._proc.exitcode if self._proc is not None else None
+        code = getattr(self._proc, "exitcode", None)
         self.error = f"the engine process exited (exit code {code})"
         queues, self._queues = self._queues, {}
         for queue in queues.values():
@@ -330,13 +326,11 @@ def unpack_step(packed: tuple) -> list[tuple[str, Delta]]:
 
 # ---------------------------------------------------------------------- the child
 def _engine_main(spec: EngineSpec, conn: Any) -> None:
-    """The engine process: build the engine, then drain ops and step until told to stop."""
+    """The engine process: build the engine, then :func:`_serve_engine` until told to stop."""
     # The parent owns shutdown (it drains first); a Ctrl-C reaching the whole process group
     # must not kill a step half-way.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from lmforge.serve.engine import QueueFull
-
     try:
         engine, info = _build(spec)
     except LmforgeError as e:
@@ -346,9 +340,16 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
         conn.send(("error", f"the engine process failed to start: {type(e).__name__}: {e}"))
         raise
     gc.freeze()  # the model and engine live as long as the process: keep them out of collections
+    conn.send(("ready", {**info, "counts": _counts(engine, 0, 0.0, 0)}))
+    _serve_engine(engine, conn)
+
+
+def _serve_engine(engine: Any, conn: Any) -> None:
+    """The engine side's loop (a process's, or :class:`EngineLoop`'s thread): drain the
+    parent's ops, step, send the step's deltas and counters; until ``stop`` or the pipe closes."""
+    from lmforge.serve.engine import QueueFull
+
     adds = 0
-    info["counts"] = {**engine_counts(engine), "adds": 0, "step_seconds": 0.0, "step_count": 0}
-    conn.send(("ready", info))
     trackers: dict[str, DeltaTracker] = {}
     step_seconds, step_count = 0.0, 0
     failed: str | None = None
@@ -408,10 +409,8 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
                 samples = [(s.index, s.token_ids, s.logprobs, s.top_logprobs, s.finish_reason)
                            for s in d.samples]  # fmt: skip
                 out.append((ro.request_id, d.finished, None, 200, samples))
-        counts = {**engine_counts(engine), "adds": adds, "step_seconds": step_seconds,
-                  "step_count": step_count}  # fmt: skip
         try:
-            conn.send(("out", pack_step(out), counts))
+            conn.send(("out", pack_step(out), _counts(engine, adds, step_seconds, step_count)))
         except (BrokenPipeError, OSError):
             return
 
@@ -440,20 +439,62 @@ def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
         flag = speculative_from_flag(model, flag, k)
     engine = Engine(model, speculative=flag, **kw)
     info = {
+        **engine_info(engine),
         "tokenizer": tokenizer,
         "template": template,
         "name": name,
+        "num_parameters": model.num_parameters(),
+        "summary": engine_summary(engine),
+        "kv_budget": getattr(engine, "kv_budget", None),
+    }
+    return engine, info
+
+
+def engine_info(engine: Any) -> dict[str, Any]:
+    """What the API side needs to know of an engine (for its request checks)."""
+    return {
         "context_length": engine.config.context_length,
         "vocab_size": engine.config.vocab_size,
         "eos_token_id": engine.eos_token_id,
         "num_blocks": engine.allocator.num_blocks,
         "block_size": engine.block_size,
         "max_queue": engine.max_queue,
-        "num_parameters": model.num_parameters(),
-        "summary": engine_summary(engine),
-        "kv_budget": getattr(engine, "kv_budget", None),
     }
-    return engine, info
+
+
+def _counts(engine: Any, adds: int, step_seconds: float, step_count: int) -> dict[str, float]:
+    """The counters the child sends with every step (``/metrics``, the parent's 429 check)."""
+    return {**engine_counts(engine), "adds": adds, "step_seconds": step_seconds,
+            "step_count": step_count}  # fmt: skip
+
+
+class EngineLoop(EngineProcess):
+    """The engine in a thread of the server's process, behind the same pipe and loop as the
+    engine process (:func:`_serve_engine`): tests, which reach into ``engine``, and the
+    in-process peer ``benchmarks/serve.py`` measures. Requests are checked against the engine
+    itself before they are queued (an invalid one is a 400 before any stream starts)."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(EngineSpec({}))
+        self.engine = engine
+        self._set_info({**engine_info(engine), "counts": _counts(engine, 0, 0.0, 0)})
+        self._conn, self._child = mp.Pipe(duplex=True)
+        self._proc = threading.Thread(target=_serve_engine, args=(engine, self._child),
+                                      name="lmforge-engine", daemon=True)  # fmt: skip
+
+    def start(self) -> None:
+        self._proc.start()
+        super().start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self._proc.is_alive():  # else never started (or stopped already)
+            super().stop(timeout)
+
+    def _kill(self) -> None:
+        pass  # a thread cannot be killed; it is a daemon and ends with the pipe
+
+    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str:
+        return super().submit(self.engine.check_request(prompt, params), params, queue)
 
 
 def engine_summary(engine: Any) -> str:

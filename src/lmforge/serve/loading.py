@@ -18,21 +18,24 @@ from typing import Any
 from lmforge.utils.errors import LmforgeError
 
 __all__ = [
+    "add_engine_args",
     "add_model_source_args",
+    "engine_flags",
     "engine_tokenizer",
     "find_chat_template",
     "load_for_serving",
     "load_from_args",
+    "load_kwargs",
 ]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _IMPORT_CONTEXT = 4096  # imports default to this much context (RoPE tables are kept per layer)
 
 
-def add_model_source_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
-    """``--checkpoint | --hf | --gguf`` (exactly one; at most one with ``required=False``, for a
-    command with another mode), ``--device``, ``--dtype``, ``--context-length``."""
-    src = p.add_mutually_exclusive_group(required=required)
+def add_model_source_args(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint | --hf | --gguf`` (exactly one), ``--device``, ``--dtype``,
+    ``--context-length``."""
+    src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
         "--checkpoint",
         metavar="DIR",
@@ -53,20 +56,54 @@ def add_model_source_args(p: argparse.ArgumentParser, *, required: bool = True) 
         "--context-length",
         type=int,
         default=None,
-        help="context for --hf/--gguf imports (default: the model's, at most 4096)",
+        help="context to serve for --hf/--gguf imports (default: the model's, at most 4096)",
     )
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's decode switches every inference command takes: ``--no-compile``,
+    ``--no-cuda-graphs``, ``--speculative``, ``--speculative-k`` (read by :func:`engine_flags`)."""
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="decode eagerly (default on CUDA: the decode step through torch.compile)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="no CUDA graphs (default on CUDA: decode steps replayed as CUDA graphs)",
+    )
+    p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="MODE",
+        help="speculative decoding, one sequence at a time: ngram (prompt lookup) or draft:N "
+        "(the model's own first N blocks draft); exact rejection sampling keeps the outputs",
+    )
+    p.add_argument("--speculative-k", type=int, default=4, help="drafted tokens per step (4)")
+
+
+def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """:class:`~lmforge.serve.Engine` keywords of :func:`add_engine_args`' flags (None: the
+    engine's measured-best default, CUDA graphs and the compiled step on CUDA); ``speculative``
+    is the flag's value (:func:`~lmforge.serve.speculative.speculative_from_flag` makes it)."""
+    return dict(
+        compile=False if args.no_compile else None,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        speculative=args.speculative,
+        speculative_k=args.speculative_k,
+    )
+
+
+def load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`load_for_serving`'s keywords from the flags :func:`add_model_source_args` added."""
+    keys = ("checkpoint", "hf", "gguf", "device", "dtype", "context_length")
+    return {k: getattr(args, k) for k in keys}
 
 
 def load_from_args(args: argparse.Namespace) -> tuple[Any, Any, str | None, str]:
     """:func:`load_for_serving` with the flags :func:`add_model_source_args` added."""
-    return load_for_serving(
-        checkpoint=args.checkpoint,
-        hf=args.hf,
-        gguf=args.gguf,
-        device=args.device,
-        dtype=args.dtype,
-        context_length=args.context_length,
-    )
+    return load_for_serving(**load_kwargs(args))
 
 
 def find_chat_template(folder: Path) -> str | None:

@@ -4,8 +4,12 @@ What turns the :class:`~lmforge.serve.scheduler.Scheduler`'s decision into logit
 lists of a step are staged to the device (:meth:`ModelRunner.prepare`: two tensors, pinned
 buffers and asynchronous copies on CUDA) and run through the model's own forward
 (:meth:`ModelRunner.run`): decode-only steps by CUDA-graph replay where captured, else the
-compiled decode step (:mod:`lmforge.serve.compiled`), else eagerly
-(:func:`~lmforge.serve.runner.forward_step`); steps with prefill eagerly.
+compiled decode step (:mod:`lmforge.serve.compiled`), else eagerly (:func:`forward_step`); steps
+with prefill eagerly. There is no forward here: :func:`forward_step` builds the model's per-step
+:class:`~lmforge.model.context.Context` (positions, slots, block tables, lengths, the kernels of
+:mod:`lmforge.serve.attention`) and calls ``TransformerLM.forward``, which runs every model switch
+(muP, QK-norm, soft-cap, tied head, GQA, RoPE scaling, MoE) the way training does; the step's
+tokens of all sequences are one flat (1, N) batch (no padding).
 
 KV memory: ``num_blocks`` blocks, by default (CUDA, or any device given a ``memory_probe``) a
 fraction of the free device memory measured *after* the weights, the compiled decode step and
@@ -14,13 +18,14 @@ the CUDA-graph capture, minus the measured peak of the largest eager step
 size, recapture); on the CPU without a probe, 16 contexts capped at 1 GiB. The cache holds one
 block more than the allocator hands out: CUDA-graph padding rows write there.
 
-Shape legend: N tokens in the step, S sequences, V vocab.
+Shape legend: N tokens in the step, S sequences, V vocab, M block-table width.
 Exercised by ``pytest tests/test_serve_engine.py tests/test_serve_kvbudget.py
 tests/test_serve_hostpath.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -28,12 +33,68 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.model.context import PagedKVCache
-from lmforge.serve.runner import StepBatch, forward_step
+from lmforge.model.context import Context, PagedKVCache
+from lmforge.serve.attention import PagedOps, prefill_kernel_on, prefill_plan
 from lmforge.serve.scheduler import StepInputs
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["ModelRunner", "kv_blocks_for_memory"]
+__all__ = [
+    "ModelRunner",
+    "PagedKVCache",
+    "StepBatch",
+    "forward_step",
+    "kv_blocks_for_memory",
+    "stage",
+]
+
+
+@dataclasses.dataclass
+class StepBatch:
+    """The inputs of one forward: tokens of S sequences, flattened (decode rows have 1 token)."""
+
+    tokens: torch.Tensor
+    "(N,) long token ids"
+    positions: torch.Tensor
+    "(N,) long RoPE positions"
+    slots: torch.Tensor
+    "(N,) long flat KV slots (block · BS + offset) the tokens' keys/values go to"
+    block_tables: torch.Tensor
+    "(S, M) int32 block tables, padded with block 0"
+    ctx_lens: torch.Tensor
+    "(S,) int32 tokens cached per sequence after this step"
+    last_rows: torch.Tensor
+    "(S,) long row of each sequence's last token in the step (its logits are returned)"
+    q_lens: list[int]
+    "tokens per sequence this step"
+    ctx_lens_list: list[int]
+    "ctx_lens as ints"
+    tables_list: list[list[int]]
+    "block tables as lists"
+
+    @property
+    def decode_only(self) -> bool:
+        """Whether every sequence feeds exactly one token (the decode kernel's case)."""
+        return all(t == 1 for t in self.q_lens)
+
+
+def forward_step(
+    model: nn.Module, cache: PagedKVCache, batch: StepBatch, *, use_triton: bool | None = None
+) -> torch.Tensor:
+    """Run ``model``'s own forward on one step's tokens with the paged-attention kernels of
+    :mod:`lmforge.serve.attention`, writing their KV; logits of each sequence's last token:
+    (S, V) float32."""
+    plan = None
+    if not batch.decode_only:  # the prefill kernel's tiles: built once per step, not per layer
+        dev, e = batch.tokens.device, cache.k.shape[-1]
+        if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
+            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
+    ctx = Context(
+        batch.positions, batch.slots, batch.block_tables, batch.ctx_lens, cache.k, cache.v,
+        PagedOps(use_triton), last_rows=batch.last_rows, decode=batch.decode_only,
+        q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
+        plan=plan,
+    )  # fmt: skip
+    return model(batch.tokens[None], context=ctx)[0].float()  # (1, N) -> (S, V)
 
 
 class ModelRunner:
@@ -90,11 +151,7 @@ class ModelRunner:
         else:
             if num_blocks is None:
                 num_blocks = self._default_num_blocks(dtype)
-            self.cache = self._new_cache(num_blocks + 1)
-            self.decoder = self._make_decoder(want_compile)
-            self.graphs = self._make_graphs() if self.use_graphs else None
-            if self.graphs is None and self.decoder is not None:
-                self.decoder.warmup(self.cache.num_blocks - 1, block_size)
+            self._build(num_blocks, self.use_graphs, want_compile)
         self.num_blocks = num_blocks
 
     def describe(self) -> str:
@@ -134,6 +191,19 @@ class ModelRunner:
             cfg.n_layers, n, self.block_size, cfg.kv_heads, cfg.head_dim, self.device,
             self.kv_dtype,
         )  # fmt: skip
+
+    def _build(
+        self, n: int, use_graphs: bool, want_compile: bool, probe: Callable[[], int] | None = None
+    ) -> int | None:
+        """A cache of ``n`` blocks (+ the scratch block), the compiled step, then the CUDA graphs
+        (or, without graphs, the compiled step warmed up); ``probe()`` read before the capture."""
+        self.cache = self._new_cache(n + 1)
+        self.decoder = self._make_decoder(want_compile)
+        free = probe() if probe is not None else None
+        self.graphs = self._make_graphs() if use_graphs else None
+        if self.graphs is None and self.decoder is not None:
+            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+        return free
 
     def _make_decoder(self, want: bool) -> Any:
         # Decode steps through torch.compile (lmforge.serve.compiled); default on for CUDA.
@@ -181,12 +251,7 @@ class ModelRunner:
         blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
         n_seqs = math.ceil(self.max_num_batched_tokens / max(self.config.context_length - 1, 1))
         n_probe = math.ceil(self.max_num_batched_tokens / self.block_size) + n_seqs + 2
-        self.cache = self._new_cache(n_probe + 1)
-        self.decoder = self._make_decoder(want_compile)
-        free_before = probe()
-        self.graphs = self._make_graphs() if use_graphs else None
-        if self.graphs is None and self.decoder is not None:
-            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+        free_before = self._build(n_probe, use_graphs, want_compile, probe)
         reserve = self._profile_step_memory(n_probe) if self.device.type == "cuda" else 0
         free_after = probe()
         probe_bytes = self.cache.num_blocks * per_block
@@ -256,28 +321,8 @@ class ModelRunner:
         return int(peak + sampler)
 
     def prepare(self, inputs: StepInputs) -> StepBatch:
-        """The step's inputs on the device. Two host tensors (int64: tokens, positions, slots,
-        rows; int32: context lengths, tables), one copy each; the fields are views of them."""
-        tables = inputs.tables
-        width = max(len(t) for t in tables)
-        n_tok, n_seq = len(inputs.tokens), len(tables)
-        longs = inputs.tokens + inputs.positions + inputs.slots + inputs.last_rows
-        ints = inputs.ctx_lens.copy()
-        for t in tables:
-            ints += t
-            ints += [0] * (width - len(t))
-        dev64, dev32 = self._to_device(longs, ints)
-        return StepBatch(
-            tokens=dev64[:n_tok],
-            positions=dev64[n_tok : 2 * n_tok],
-            slots=dev64[2 * n_tok : 3 * n_tok],
-            block_tables=dev32[n_seq:].view(n_seq, width),
-            ctx_lens=dev32[:n_seq],
-            last_rows=dev64[3 * n_tok :],
-            q_lens=inputs.q_lens,
-            ctx_lens_list=inputs.ctx_lens,
-            tables_list=[list(t) for t in tables],
-        )
+        """The step's inputs on the device (:func:`stage`, through pinned buffers on CUDA)."""
+        return stage(inputs, self.device, self._to_device)
 
     def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's int64 and int32 inputs on the device. On CUDA through persistent pinned
@@ -322,6 +367,40 @@ class ModelRunner:
                     return logits
             return self.decode_step(batch)
         return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+
+
+def stage(
+    inputs: StepInputs,
+    device: torch.device,
+    copy: Callable[[list[int], list[int]], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> StepBatch:
+    """A step's host lists as a :class:`StepBatch` on ``device``: two tensors (int64: tokens,
+    positions, slots, rows; int32: context lengths, tables), one copy each (by ``copy``, e.g.
+    the runner's pinned staging); the fields are views of them."""
+    tables = inputs.tables
+    width = max(len(t) for t in tables)
+    n_tok, n_seq = len(inputs.tokens), len(tables)
+    longs = inputs.tokens + inputs.positions + inputs.slots + inputs.last_rows
+    ints = inputs.ctx_lens.copy()
+    for t in tables:
+        ints += t
+        ints += [0] * (width - len(t))
+    if copy is None:
+        dev64 = torch.tensor(longs, device=device)
+        dev32 = torch.tensor(ints, dtype=torch.int32, device=device)
+    else:
+        dev64, dev32 = copy(longs, ints)
+    return StepBatch(
+        tokens=dev64[:n_tok],
+        positions=dev64[n_tok : 2 * n_tok],
+        slots=dev64[2 * n_tok : 3 * n_tok],
+        block_tables=dev32[n_seq:].view(n_seq, width),
+        ctx_lens=dev32[:n_seq],
+        last_rows=dev64[3 * n_tok :],
+        q_lens=inputs.q_lens,
+        ctx_lens_list=inputs.ctx_lens,
+        tables_list=[list(t) for t in tables],
+    )
 
 
 def kv_blocks_for_memory(

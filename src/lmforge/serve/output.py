@@ -21,9 +21,17 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer
+from lmforge.serve.detok import IncrementalDetokenizer, StopMatcher, make_detokenizer, release
 
-__all__ = ["Delta", "DeltaTracker", "OutputProcessor", "Piece", "SampleDelta", "engine_counts"]
+__all__ = [
+    "Delta",
+    "DeltaTracker",
+    "OutputProcessor",
+    "Piece",
+    "SampleDelta",
+    "engine_counts",
+    "join_pieces",
+]
 
 
 @dataclasses.dataclass(slots=True)
@@ -107,28 +115,18 @@ class _Sample:
 
     def feed(self, sd: SampleDelta) -> Piece:
         texts: list[str] = []
-        ids = sd.token_ids
-        finish = sd.finish_reason
-        last = len(ids) - 1
+        ids, last = sd.token_ids, len(sd.token_ids) - 1
         for j, tok in enumerate(ids):
-            if j == last and finish == "stop":  # a stop / EOS id: not text
-                piece = self.detok.flush()
-            else:
-                piece = self.detok.feed(tok)
-                if j == last and finish is not None:
-                    piece += self.detok.flush()
-            if self.stops is not None:
-                piece, hit = self.stops.feed(piece)
-                if hit is not None:  # ends here: ids up to this token, nothing after
-                    texts.append(piece)
-                    self.done = True
-                    return Piece("".join(texts), ids[: j + 1], sd.logprobs[: j + 1],
-                                 sd.top_logprobs[: j + 1], "stop")  # fmt: skip
-                if j == last and finish is not None:
-                    piece += self.stops.flush()
+            piece, hit = release(
+                self.detok, self.stops, tok, sd.finish_reason if j == last else None
+            )
             texts.append(piece)
-        self.done = finish is not None
-        return Piece("".join(texts), ids, sd.logprobs, sd.top_logprobs, finish)
+            if hit is not None:  # ends here: ids up to this token, nothing after
+                self.done = True
+                return Piece("".join(texts), ids[: j + 1], sd.logprobs[: j + 1],
+                             sd.top_logprobs[: j + 1], "stop")  # fmt: skip
+        self.done = sd.finish_reason is not None
+        return Piece("".join(texts), ids, sd.logprobs, sd.top_logprobs, sd.finish_reason)
 
 
 class OutputProcessor:
@@ -152,11 +150,11 @@ class OutputProcessor:
                     continue
                 p = s.feed(sd)
                 prev = out.get(sd.index)
-                if prev is None:
-                    out[sd.index] = p
-                else:
-                    out[sd.index] = Piece(prev.text + p.text, prev.token_ids + p.token_ids,
-                                          prev.logprobs + p.logprobs,
-                                          prev.top_logprobs + p.top_logprobs,
-                                          p.finish_reason)  # fmt: skip
+                out[sd.index] = p if prev is None else join_pieces(prev, p)
         return out
+
+
+def join_pieces(a: Piece, b: Piece) -> Piece:
+    """``a`` then ``b`` as one piece (b's finish reason)."""
+    return Piece(a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
+                 a.top_logprobs + b.top_logprobs, b.finish_reason)  # fmt: skip

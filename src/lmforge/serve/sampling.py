@@ -256,10 +256,6 @@ def truncated_probs(logprobs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return lp.softmax(-1)  # (V,)
 
 
-def _plain(p: SamplingParams) -> bool:
-    return p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0
-
-
 def sample_tokens(
     logprobs: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -278,7 +274,7 @@ def sample_tokens(
     batch = [
         i
         for i, (p, g) in enumerate(zip(params, generators, strict=True))
-        if not p.greedy and g is None and _plain(p)
+        if not p.greedy and g is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0
     ]
     if batch:
         idx = torch.tensor(batch, device=logprobs.device)

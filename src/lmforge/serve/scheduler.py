@@ -34,8 +34,22 @@ from collections.abc import Iterable
 from typing import Any
 
 from lmforge.serve.blocks import BlockAllocator, BlockKey, block_keys
+from lmforge.utils.errors import LmforgeError
 
-__all__ = ["Scheduler", "Seq", "StepInputs"]
+__all__ = ["Scheduler", "Seq", "StepInputs", "check_fits"]
+
+
+def check_fits(n_prompt: int, max_tokens: int, context: int, block_size: int, blocks: int) -> None:
+    """Raise :class:`LmforgeError` (one line) unless a request can ever run: a non-empty prompt
+    that leaves room for one token, and a longest sequence within ``blocks`` KV blocks."""
+    if not n_prompt:
+        raise LmforgeError("the prompt needs at least one token")
+    if n_prompt >= context:
+        raise LmforgeError(f"prompt has {n_prompt} tokens; the model's context is {context} "
+                           "(at least one token must be generated)")  # fmt: skip
+    need = math.ceil(min(n_prompt + max_tokens, context) / block_size)
+    if need > blocks:
+        raise LmforgeError(f"request needs {need} KV blocks, the cache has {blocks}")
 
 
 @dataclasses.dataclass(eq=False)
@@ -64,7 +78,6 @@ class Seq:
     params: Any = None
     generator: Any = None
     out: Any = None
-    first_token_time: float | None = None
     detok: Any = None
     stops: Any = None
 

@@ -7,8 +7,8 @@ but ``/health`` needs ``Authorization: Bearer KEY``.
 
 Processes: ``lmforge serve`` runs the engine in its own process
 (:mod:`lmforge.serve.engine_process`, as vLLM runs its engine core apart from its API server),
-so the engine's steps and this event loop never share a GIL; :class:`EngineLoop` runs it in a
-thread of this process instead (tests, which reach into the engine). Either way the handlers
+so the engine's steps and this event loop never share a GIL; :class:`EngineLoop` runs the same
+loop in a thread of this process instead (tests, which reach into the engine). Either way the handlers
 validate the request (bad ones get an OpenAI-style 4xx JSON error; the server keeps serving),
 tokenize it and submit it without waiting for a step; each engine step comes back as one batch
 of per-request :class:`~lmforge.serve.output.Delta` objects (new ids and logprobs), and a
@@ -33,18 +33,16 @@ import dataclasses
 import gc
 import json
 import socket
-import threading
 import time
-import uuid
-from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from lmforge.serve.engine import Engine, QueueFull
-from lmforge.serve.output import Delta, DeltaTracker, OutputProcessor, Piece, engine_counts
+from lmforge.serve.engine import QueueFull
+from lmforge.serve.engine_process import EngineLoop, EngineProcess
+from lmforge.serve.output import Delta, OutputProcessor, Piece, join_pieces
 from lmforge.serve.sampling import SamplingParams
 from lmforge.serve.templates import CHATML_TEMPLATE, BadRequest, render_chat
 from lmforge.utils.errors import LmforgeError
@@ -52,7 +50,6 @@ from lmforge.utils.errors import LmforgeError
 __all__ = [
     "CHATML_TEMPLATE",
     "DEFAULT_MAX_REQUEST_BYTES",
-    "EngineClient",
     "EngineLoop",
     "ServerState",
     "build_app",
@@ -69,196 +66,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 OFFLOAD_BYTES = 1 << 16
 
 
-class EngineLoop:
-    """The engine in a background thread of the server's process (tests; see also
-    :class:`lmforge.serve.engine_process.EngineProcess`, what ``lmforge serve`` runs).
-
-    The hand-offs are batched: requests arriving from the event loop go into an inbox the
-    engine thread drains before its next step (the event loop never waits for a step to end),
-    and after each step the engine thread sends *one* ``call_soon_threadsafe`` per event loop
-    carrying every request's :class:`Delta` (new ids and logprobs since the last step, sliced
-    from the end: O(new tokens)). Aborts go through an inbox the same way. Text is the
-    handlers' (:mod:`lmforge.serve.output`), not the engine thread's.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._cv = threading.Condition()
-        self._inbox: deque[tuple[str, list[int], SamplingParams, _Sub]] = deque()
-        self._aborts: deque[str] = deque()
-        self._subs: dict[str, _Sub] = {}  # the engine thread's: requests it routes
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="lmforge-engine", daemon=True)
-        self.requests_total = 0
-        self.step_seconds = 0.0  # time inside engine.step() (the rest of the loop is hand-off)
-        self.step_count = 0
-        self._tokens_window: deque[tuple[float, int]] = deque()
-        self.error: BaseException | str | None = None
-        cfg = engine.config
-        self.context_length: int = cfg.context_length
-        self.vocab_size: int = cfg.vocab_size
-        self.eos_token_id: int | None = engine.eos_token_id
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=30)
-
-    def submit(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        queue: asyncio.Queue,
-        aloop: asyncio.AbstractEventLoop | None = None,
-    ) -> str:
-        """Queue a request whose :class:`Delta` objects go to ``queue`` (on ``aloop``, the
-        running loop by default). Invalid requests raise LmforgeError; a full queue QueueFull.
-        Does not wait for the engine thread (it is usually inside a step)."""
-        eng = self.engine
-        prompt = eng.check_request(prompt, params)
-        if eng.max_queue is not None and len(eng.waiting) + len(self._inbox) >= eng.max_queue:
-            raise QueueFull(f"the queue is full ({eng.max_queue} requests waiting)")
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        sub = _Sub(aloop or asyncio.get_running_loop(), queue, params.n)
-        with self._cv:
-            self._inbox.append((rid, prompt, params, sub))
-            self.requests_total += 1
-            self._cv.notify_all()
-        return rid
-
-    def abort(self, rid: str) -> None:
-        """Drop a request (the engine thread frees its blocks before its next step)."""
-        with self._cv:
-            self._aborts.append(rid)
-            self._cv.notify_all()
-
-    def tokens_per_second(self, window: float = 10.0) -> float:
-        now = time.monotonic()
-        recent = [(t, n) for t, n in list(self._tokens_window) if now - t <= window]
-        return sum(n for _, n in recent) / window
-
-    def metrics(self) -> dict[str, float]:
-        """The gauges and counters of ``/metrics``."""
-        counts = engine_counts(self.engine)
-        counts["waiting"] += len(self._inbox)
-        return {**counts, "step_seconds": self.step_seconds, "step_count": self.step_count,
-                "requests_total": self.requests_total,
-                "tokens_per_second": self.tokens_per_second()}  # fmt: skip
-
-    def _drain(self) -> list[tuple[_Sub, Delta]]:
-        """Admit the inbox, apply aborts (engine thread). Refusals to deliver, if any."""
-        failed = []
-        while self._inbox:
-            rid, prompt, params, sub = self._inbox.popleft()
-            try:
-                self.engine.add_request(prompt, params, request_id=rid)
-            except LmforgeError as e:  # a race with the queue bound: say so to the handler
-                status = 429 if isinstance(e, QueueFull) else 400
-                failed.append((sub, Delta([], True, str(e), status)))
-                continue
-            self._subs[rid] = sub
-        while self._aborts:  # after admission: an abort may follow its submit in one drain
-            rid = self._aborts.popleft()
-            self._subs.pop(rid, None)
-            self.engine.abort(rid)
-        return failed
-
-    def _send(self, items: list[tuple[_Sub, Delta]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for sub, delta in items:
-            by_loop.setdefault(sub.aloop, []).append((sub.queue, delta))
-        for aloop, batch in by_loop.items():
-            try:
-                aloop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # that event loop is closed: nobody is listening
-                pass
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            with self._cv:
-                while (
-                    not self._stop
-                    and not self._inbox
-                    and not self._aborts
-                    and not engine.has_unfinished()
-                ):
-                    self._cv.wait(timeout=0.5)
-                if self._stop and not self._inbox and not engine.has_unfinished():
-                    return
-            items = self._drain()
-            try:
-                before = engine.stats["generated_tokens"]
-                outs = []
-                if engine.has_unfinished():
-                    t0 = time.perf_counter()
-                    outs = engine.step()
-                    self.step_seconds += time.perf_counter() - t0
-                    self.step_count += 1
-                made = engine.stats["generated_tokens"] - before
-            except Exception as e:  # a bug, not a user error: fail every waiting request loudly
-                self.error = e
-                subs, self._subs = self._subs, {}
-                for rid in subs:
-                    engine.abort(rid)
-                msg = f"engine failed: {e}"
-                self._send(items + [(sub, Delta([], True, msg)) for sub in subs.values()])
-                continue
-            if made:
-                self._tokens_window.append((time.monotonic(), made))
-                while len(self._tokens_window) > 4096:
-                    self._tokens_window.popleft()
-            for out in outs:
-                sub = self._subs.get(out.request_id)
-                if sub is None:
-                    continue  # aborted meanwhile
-                if out.finished:
-                    del self._subs[out.request_id]
-                items.append((sub, sub.tracker.delta(out)))
-            if items:
-                self._send(items)
-
-
-class _Sub:
-    """A request the loop routes deltas for: its event loop, its queue, what it was sent."""
-
-    __slots__ = ("aloop", "queue", "tracker")
-
-    def __init__(self, aloop: asyncio.AbstractEventLoop, queue: asyncio.Queue, n: int) -> None:
-        self.aloop, self.queue = aloop, queue
-        self.tracker = DeltaTracker(n)
-
-
-def _deliver(items: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
-
-
-class EngineClient(Protocol):
-    """What the handlers need of the engine side: :class:`EngineLoop` (a thread) or
-    :class:`~lmforge.serve.engine_process.EngineProcess` (a process)."""
-
-    context_length: int
-    vocab_size: int
-    eos_token_id: int | None
-    error: BaseException | str | None
-
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
-    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str: ...
-    def abort(self, rid: str) -> None: ...
-    def metrics(self) -> dict[str, float]: ...
-
-
 @dataclasses.dataclass
 class ServerState:
-    """What the handlers share: the engine side, the tokenizer and the served model's name."""
+    """What the handlers share: the engine side (:class:`EngineProcess`, or :class:`EngineLoop`
+    in a thread), the tokenizer and the served model's name."""
 
-    loop: EngineClient
+    loop: EngineProcess
     tokenizer: Any
     model_name: str
     chat_template: str | None = None
@@ -327,9 +140,20 @@ _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
 
 def _number(
-    body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False
-) -> float:
-    v = float(_get(body, key, (int, float), default))
+    body: dict,
+    key: str,
+    default: Any,
+    lo: float,
+    hi: float,
+    lo_open: bool = False,
+    kind: Any = float,
+) -> Any:
+    """``body[key]`` (``default`` when absent or null) checked to lie in [lo, hi] ((lo, hi]
+    with ``lo_open``); ``kind`` int takes integers only, float any number (as a float)."""
+    v = _get(body, key, int if kind is int else (int, float), default)
+    if v is None:
+        return None
+    v = kind(v)
     if not (lo < v if lo_open else lo <= v) or not v <= hi:
         bounds = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise BadRequest(f"'{key}' must be in {bounds}, got {v}", key)
@@ -376,34 +200,15 @@ def _sampling(
             f"{room} in this model's {ctx}-token context",
             max_key,
         )
-    n = _get(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise BadRequest(f"'n' must be between 1 and {MAX_N}, got {n}", "n")
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
-    if not 0 <= temperature <= 100:
-        raise BadRequest(
-            f"'temperature' must be between 0 and 100, got {temperature}", "temperature"
-        )
-    top_p = float(_get(body, "top_p", (int, float), 1.0))
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    n = _number(body, "n", 1, 1, MAX_N, kind=int)
     top_k = _get(body, "top_k", int, 0)
     if top_k < 0 and top_k != -1:
         raise BadRequest(f"'top_k' must be >= 0 (or -1 for off), got {top_k}", "top_k")
-    min_p = float(_get(body, "min_p", (int, float), 0.0))
-    if not 0 <= min_p <= 1:
-        raise BadRequest(f"'min_p' must be in [0, 1], got {min_p}", "min_p")
-    seed = _get(body, "seed", int, None)
     if chat:
         want = _get(body, "logprobs", bool, False)
-        top = _get(body, "top_logprobs", int, 0)
-        if not 0 <= top <= 20:
-            raise BadRequest(f"'top_logprobs' must be between 0 and 20, got {top}", "top_logprobs")
-        logprobs = top if want else None
+        logprobs = _number(body, "top_logprobs", 0, 0, 20, kind=int) if want else None
     else:
-        logprobs = _get(body, "logprobs", int, None)
-        if logprobs is not None and not 0 <= logprobs <= 20:
-            raise BadRequest(f"'logprobs' must be between 0 and 20, got {logprobs}", "logprobs")
+        logprobs = _number(body, "logprobs", None, 0, 20, kind=int)
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -415,13 +220,13 @@ def _sampling(
         raise BadRequest("'stop' must be a string or a list of up to 4 strings", "stop")
     stops = [s for s in stops if s]
     params = SamplingParams(
-        temperature=temperature,
+        temperature=_number(body, "temperature", 1.0, 0, 100),
         top_k=max(top_k, 0),
-        top_p=top_p,
-        min_p=min_p,
+        top_p=_number(body, "top_p", 1.0, 0, 1, lo_open=True),
+        min_p=_number(body, "min_p", 0.0, 0, 1),
         max_tokens=max_tokens,
         n=n,
-        seed=seed,
+        seed=_get(body, "seed", int, None),
         logprobs=logprobs,
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -487,7 +292,8 @@ def build_app(state: ServerState) -> Any:
     ctx = state.loop.context_length
     vocab = state.loop.vocab_size
     tok = state.tokenizer
-    special = _special_names(state)
+    eos = state.loop.eos_token_id  # a template may name the model's EOS text
+    special = {} if eos is None else {"eos_token": tok.decode([eos])}
     # Plain ASGI middlewares: starlette's BaseHTTPMiddleware would put every streamed chunk
     # through an extra task and memory stream. The size limit is outermost: an oversized body
     # is refused before anything reads, parses or tokenizes it.
@@ -591,15 +397,36 @@ def build_app(state: ServerState) -> Any:
         base = len(echo) if echo else 0
         offsets = [base] * params.n  # text_offset of each sample's next token
 
-        def first_seen() -> None:
-            state.ttft_sum += time.monotonic() - t0
-            state.ttft_count += 1
+        finished = [False] * params.n
 
-        def take(deltas: list[Delta]) -> dict[int, Piece]:
-            pieces = proc.process(deltas)
-            if proc.finished and not deltas[-1].finished:
-                state.loop.abort(rid)  # every sample ended on a stop string: free the blocks
-            return pieces
+        async def updates(watch: Request | None) -> AsyncIterator[dict[int, Piece]]:
+            """Per-sample pieces of each batch of deltas (a handler that fell behind takes what
+            piled up at once) until every sample ended; an engine error raises BadRequest with
+            its status. ``watch``: the request whose disconnect ends the wait (non-streamed)."""
+            first = True
+            while not all(finished):
+                deltas = [await (queue.get() if watch is None else _get_watching(queue, watch))]
+                while not queue.empty():
+                    deltas.append(queue.get_nowait())
+                error = next((d for d in deltas if d.error), None)
+                if error is not None:
+                    finished[:] = [True] * params.n  # the engine has dropped the request
+                    raise BadRequest(error.error or "engine failed", status=error.status)
+                if first:
+                    first = False
+                    state.ttft_sum += time.monotonic() - t0
+                    state.ttft_count += 1
+                pieces = proc.process(deltas)
+                if proc.finished and not deltas[-1].finished:
+                    state.loop.abort(rid)  # every sample ended on a stop string: free the blocks
+                for i, p in pieces.items():
+                    finished[i] = finished[i] or p.finish_reason is not None
+                yield pieces
+
+        def leave() -> None:
+            state.inflight -= 1
+            if not all(finished):
+                state.loop.abort(rid)  # client went away (or its wait did): free the blocks now
 
         def logprobs(i: int, p: Piece) -> Any:
             lp = _logprobs_json(tok, p.token_ids, p.logprobs, p.top_logprobs, chat, offsets[i])
@@ -620,9 +447,7 @@ def build_app(state: ServerState) -> Any:
                 return head + json.dumps(choices).encode() + tail
 
             async def events() -> AsyncIterator[bytes]:
-                finished = [False] * params.n
                 n_tokens = 0
-                first = True
                 state.inflight += 1
                 try:
                     if chat:  # OpenAI sends the role first
@@ -636,26 +461,10 @@ def build_app(state: ServerState) -> Any:
                     elif echo:
                         yield chunk([{"index": i, "text": echo, "logprobs": None,
                                       "finish_reason": None} for i in range(params.n)])  # fmt: skip
-                    while not all(finished):
-                        deltas = [await queue.get()]
-                        while not queue.empty():  # behind: send what piled up as one chunk
-                            deltas.append(queue.get_nowait())
-                        error = next((d for d in deltas if d.error), None)
-                        if error is not None:
-                            err = {"message": error.error, "type": "server_error" if
-                                   error.status >= 500 else "invalid_request_error",
-                                   "param": None, "code": error.status}  # fmt: skip
-                            yield _sse({"error": err})
-                            finished = [True] * params.n
-                            return
-                        if first:
-                            first = False
-                            first_seen()
+                    async for pieces in updates(None):
                         choices = []
-                        for i, p in take(deltas).items():
+                        for i, p in pieces.items():
                             n_tokens += len(p.token_ids)
-                            if p.finish_reason is not None:
-                                finished[i] = True
                             if not want_lp:  # the common case: no dict, no json.dumps of it
                                 choices.append(_choice_json(i, p.text, p.finish_reason, chat))
                                 continue
@@ -681,68 +490,44 @@ def build_app(state: ServerState) -> Any:
                             + b"}\n\n"
                         )
                     yield b"data: [DONE]\n\n"
+                except BadRequest as e:
+                    err = {"message": e.message, "type": "server_error" if e.status >= 500
+                           else "invalid_request_error", "param": None, "code": e.status}  # fmt: skip
+                    yield _sse({"error": err})
                 finally:
-                    state.inflight -= 1
-                    if not all(finished):
-                        state.loop.abort(rid)  # client went away: free the blocks now
+                    leave()
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        texts: list[list[str]] = [[] for _ in range(params.n)]
-        ids: list[list[int]] = [[] for _ in range(params.n)]
-        lps: list[list[float]] = [[] for _ in range(params.n)]
-        tops: list[list[dict]] = [[] for _ in range(params.n)]
-        reasons: dict[int, str] = {}
-        first = True
+        got: list[Piece | None] = [None] * params.n
         state.inflight += 1
         try:
-            while len(reasons) < params.n:
-                get = asyncio.ensure_future(queue.get())
-                while not get.done():
-                    done, _ = await asyncio.wait({get}, timeout=0.5)
-                    if not done and await request.is_disconnected():
-                        get.cancel()
-                        return _error(499, "client disconnected")
-                deltas = [get.result()]
-                while not queue.empty():
-                    deltas.append(queue.get_nowait())
-                error = next((d for d in deltas if d.error), None)
-                if error is not None:
-                    reasons = dict.fromkeys(range(params.n), "error")
-                    return _error(error.status, error.error or "engine failed")
-                if first:
-                    first = False
-                    first_seen()
-                for i, p in take(deltas).items():
-                    texts[i].append(p.text)
-                    ids[i] += p.token_ids
-                    lps[i] += p.logprobs
-                    tops[i] += p.top_logprobs
-                    if p.finish_reason is not None:
-                        reasons[i] = p.finish_reason
+            async for pieces in updates(request):
+                for i, p in pieces.items():
+                    got[i] = p if got[i] is None else join_pieces(got[i], p)
+        except BadRequest as e:
+            return _error(e.status, e.message)
         finally:
-            state.inflight -= 1
-            if len(reasons) < params.n:
-                state.loop.abort(rid)
+            leave()
         choices = []
-        for i in range(params.n):
-            text = "".join(texts[i])
-            lp = logprobs(i, Piece(text, ids[i], lps[i], tops[i], None)) if want_lp else None
+        for i, p in enumerate(got):
+            assert p is not None
+            lp = logprobs(i, p) if want_lp else None
             if chat:
-                msg = {"role": "assistant", "content": text}
+                msg = {"role": "assistant", "content": p.text}
                 choices.append(
-                    {"index": i, "message": msg, "logprobs": lp, "finish_reason": reasons[i]}
+                    {"index": i, "message": msg, "logprobs": lp, "finish_reason": p.finish_reason}
                 )
             else:
-                choices.append({"index": i, "text": (echo or "") + text, "logprobs": lp,
-                                "finish_reason": reasons[i]})  # fmt: skip
+                choices.append({"index": i, "text": (echo or "") + p.text, "logprobs": lp,
+                                "finish_reason": p.finish_reason})  # fmt: skip
         return {
             "id": rid,
             "object": kind,
             "created": created,
             "model": state.model_name,
             "choices": choices,
-            "usage": _usage(len(prompt), sum(len(x) for x in ids)),
+            "usage": _usage(len(prompt), sum(len(p.token_ids) for p in got if p is not None)),
         }
 
     async def handle(request: Request, chat: bool) -> Any:
@@ -762,6 +547,8 @@ def build_app(state: ServerState) -> Any:
                 prompt = await _encode(tok, text)
             else:
                 raw = body.get("prompt")
+                if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+                    raw = raw[0]  # a batch of one text
                 if isinstance(raw, str):
                     prompt = await _encode(tok, raw)
                 elif (
@@ -770,8 +557,6 @@ def build_app(state: ServerState) -> Any:
                     and all(isinstance(t, int) and not isinstance(t, bool) for t in raw)
                 ):
                     prompt = list(raw)
-                elif isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-                    prompt = await _encode(tok, raw[0])
                 else:
                     raise BadRequest(
                         "'prompt' must be a string or a non-empty list of token ids", "prompt"
@@ -783,8 +568,7 @@ def build_app(state: ServerState) -> Any:
                             "server does not compute; ask for one or the other",
                             "echo",
                         )
-                    echo = raw if isinstance(raw, str) else raw[0] if len(raw) == 1 and \
-                        isinstance(raw[0], str) else tok.decode(prompt)  # fmt: skip
+                    echo = raw if isinstance(raw, str) else tok.decode(prompt)
             if not prompt:
                 raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
             if any(t < 0 or t >= vocab for t in prompt):
@@ -872,6 +656,18 @@ def _draining_server_class() -> type:
             return await super().on_tick(counter)
 
     return DrainingServer
+
+
+async def _get_watching(queue: asyncio.Queue, request: Request) -> Delta:
+    """``queue.get()``, or :class:`BadRequest` (499) once the client has gone (checked each 0.5 s)."""
+    get = asyncio.ensure_future(queue.get())
+    while True:
+        done, _ = await asyncio.wait({get}, timeout=0.5)
+        if done:
+            return get.result()
+        if await request.is_disconnected():
+            get.cancel()
+            raise BadRequest("client disconnected", status=499)
 
 
 async def _encode(tok: Any, text: str) -> list[int]:
@@ -974,14 +770,6 @@ class _BodyLimit:
         msg = (f"the request body is {size} bytes; this server takes at most "
                f"{self.state.max_request_bytes} (lmforge serve --max-request-bytes)")  # fmt: skip
         await _error(413, msg)(scope, receive, send)
-
-
-def _special_names(state: ServerState) -> dict[str, str]:
-    out = {}
-    eos = state.loop.eos_token_id
-    if eos is not None:
-        out["eos_token"] = state.tokenizer.decode([eos])
-    return out
 
 
 def _logprobs_json(

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.serve.runner import PagedKVCache, StepBatch, forward_step
+from lmforge.serve.model_runner import PagedKVCache, forward_step, stage
 from lmforge.serve.sampling import SamplingParams, truncated_probs
+from lmforge.serve.scheduler import StepInputs
 from lmforge.utils.errors import LmforgeError
 
 __all__ = [
@@ -117,28 +118,13 @@ class _Paged:
     def feed(self, tokens: Sequence[int], all_logits: bool) -> torch.Tensor:
         """Run ``tokens`` after the cached prefix; logits of every fed token or of the last."""
         n, start = len(tokens), self.n_cached
-        end = start + n
-        dev = self.device
-        pos = torch.arange(start, end, device=dev)
-        slots = torch.tensor(
-            [self.table[p // self.bs] * self.bs + p % self.bs for p in range(start, end)],
-            device=dev,
-        )
-        width = math.ceil(end / self.bs)
-        rows = torch.arange(n, device=dev) if all_logits else torch.tensor([n - 1], device=dev)
-        batch = StepBatch(
-            tokens=torch.tensor(list(tokens), dtype=torch.long, device=dev),
-            positions=pos,
-            slots=slots,
-            block_tables=torch.tensor([self.table[:width]], dtype=torch.int32, device=dev),
-            ctx_lens=torch.tensor([end], dtype=torch.int32, device=dev),
-            last_rows=rows,
-            q_lens=[n],
-            ctx_lens_list=[end],
-            tables_list=[self.table[:width]],
-        )
+        end, bs = start + n, self.bs
+        slots = [self.table[p // bs] * bs + p % bs for p in range(start, end)]
+        rows = list(range(n)) if all_logits else [n - 1]
+        table = self.table[: math.ceil(end / bs)]
+        step = StepInputs(list(tokens), list(range(start, end)), slots, rows, [n], [end], [table])
         self.n_cached = end
-        return forward_step(self.model, self.cache, batch)  # (n or 1, V)
+        return forward_step(self.model, self.cache, stage(step, self.device))  # (n or 1, V)
 
 
 @dataclasses.dataclass
