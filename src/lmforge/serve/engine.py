@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from lmforge.model.context import PagedKVCache
+from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.blocks import BlockAllocator
 from lmforge.serve.detok import StopMatcher, make_detokenizer, release
 from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
@@ -225,7 +226,7 @@ class Engine:
         return self.scheduler.running
 
     @property
-    def cache(self) -> PagedKVCache:
+    def cache(self) -> PagedKVCache | PagedLatentCache:
         return self.runner.cache
 
     @property

@@ -33,7 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.model.cla import kv_cache_layers
 from lmforge.model.context import Context, PagedKVCache
+from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.attention import PagedOps, prefill_kernel_on, prefill_plan
 from lmforge.serve.scheduler import StepInputs
 from lmforge.utils.errors import LmforgeError
@@ -44,6 +46,8 @@ __all__ = [
     "StepBatch",
     "forward_step",
     "kv_blocks_for_memory",
+    "kv_bytes_per_block",
+    "new_kv_cache",
     "stage",
 ]
 
@@ -77,22 +81,56 @@ class StepBatch:
         return all(t == 1 for t in self.q_lens)
 
 
+def new_kv_cache(
+    model: nn.Module, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+) -> PagedKVCache | PagedLatentCache:
+    """The paged cache ``model``'s attention needs: keys and values of every layer (GQA), or
+    one (C + R)-wide latent per token of every KV-producing layer (MLA; ceil(L / k) layers with
+    cross-layer sharing every k, :mod:`lmforge.model.cla`)."""
+    cfg = model.config
+    if cfg.attention_type == "mla":
+        layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
+        return PagedLatentCache(layers, num_blocks, block_size, cfg.mla.latent_dim, device, dtype)
+    return PagedKVCache(
+        cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, device, dtype
+    )
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of :func:`new_kv_cache`'s cache takes across all its layers."""
+    cfg = model.config
+    if cfg.attention_type == "mla":
+        layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
+        return PagedLatentCache.bytes_per_block(layers, block_size, cfg.mla.latent_dim, dtype)
+    return PagedKVCache.bytes_per_block(model, block_size, dtype)
+
+
 def forward_step(
-    model: nn.Module, cache: PagedKVCache, batch: StepBatch, *, use_triton: bool | None = None
+    model: nn.Module,
+    cache: PagedKVCache | PagedLatentCache,
+    batch: StepBatch,
+    *,
+    use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Run ``model``'s own forward on one step's tokens with the paged-attention kernels of
     :mod:`lmforge.serve.attention`, writing their KV; logits of each sequence's last token:
-    (S, V) float32."""
+    (S, V) float32. An MLA model's cache is a :class:`PagedLatentCache` (the context's
+    ``latent_cache``; its attention reads no K/V pages and no prefill plan)."""
     plan = None
-    if not batch.decode_only:  # the prefill kernel's tiles: built once per step, not per layer
-        dev, e = batch.tokens.device, cache.k.shape[-1]
-        if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
-            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
+    latent = cache.latent if isinstance(cache, PagedLatentCache) else None
+    if latent is not None:
+        k_cache = v_cache = latent.new_empty(0)
+    else:
+        k_cache, v_cache = cache.k, cache.v
+        if not batch.decode_only:  # the prefill kernel's tiles: built once per step
+            dev, e = batch.tokens.device, cache.k.shape[-1]
+            if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
+                plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
     ctx = Context(
-        batch.positions, batch.slots, batch.block_tables, batch.ctx_lens, cache.k, cache.v,
+        batch.positions, batch.slots, batch.block_tables, batch.ctx_lens, k_cache, v_cache,
         PagedOps(use_triton), last_rows=batch.last_rows, decode=batch.decode_only,
         q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
-        plan=plan,
+        plan=plan, latent_cache=latent,
     )  # fmt: skip
     return model(batch.tokens[None], context=ctx)[0].float()  # (1, N) -> (S, V)
 
@@ -179,18 +217,19 @@ class ModelRunner:
 
         MoE experts outside bf16 on CUDA run the readable per-expert loop, which reads the
         expert counts on the host (``torch._grouped_mm`` is bf16 only): no CUDA graph can
-        capture that and the compiled step would break its graph at every MoE layer."""
+        capture that and the compiled step would break its graph at every MoE layer. MLA
+        models run eagerly too: the compiled step packs GQA q/k/v weights and has no latent
+        cache op yet (its decode attention is still the Triton latent kernel,
+        ``StepOps.attend_latent``)."""
+        if self.config.attention_type == "mla":
+            return "MLA's latent cache has no compiled decode step yet"
         moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))
         if moe and self.device.type == "cuda" and dtype != torch.bfloat16:
             return f"MoE experts in {str(dtype).removeprefix('torch.')} read counts on the host"
         return None
 
-    def _new_cache(self, n: int) -> PagedKVCache:
-        cfg = self.config
-        return PagedKVCache(
-            cfg.n_layers, n, self.block_size, cfg.kv_heads, cfg.head_dim, self.device,
-            self.kv_dtype,
-        )  # fmt: skip
+    def _new_cache(self, n: int) -> PagedKVCache | PagedLatentCache:
+        return new_kv_cache(self.model, n, self.block_size, self.device, self.kv_dtype)
 
     def _build(
         self, n: int, use_graphs: bool, want_compile: bool, probe: Callable[[], int] | None = None
@@ -220,7 +259,7 @@ class ModelRunner:
 
     def _default_num_blocks(self, dtype: torch.dtype) -> int:
         """CPU without a memory probe: 16 full contexts, at most 1 GiB (at least one context)."""
-        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, dtype)
+        per_block = kv_bytes_per_block(self.model, self.block_size, dtype)
         blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
         return max(
             blocks_per_seq, min(blocks_per_seq * min(self.max_num_seqs, 16), (1 << 30) // per_block)
@@ -247,7 +286,7 @@ class ModelRunner:
         admit a full-length request). ``probe`` is injectable (``Engine(memory_probe=)``) so the
         arithmetic and the admission control after it are testable without a GPU.
         """
-        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, self.kv_dtype)
+        per_block = kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
         blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
         n_seqs = math.ceil(self.max_num_batched_tokens / max(self.config.context_length - 1, 1))
         n_probe = math.ceil(self.max_num_batched_tokens / self.block_size) + n_seqs + 2

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.serve.model_runner import PagedKVCache, forward_step, stage
+from lmforge.serve.model_runner import forward_step, new_kv_cache, stage
 from lmforge.serve.sampling import SamplingParams, truncated_probs
 from lmforge.serve.scheduler import StepInputs
 from lmforge.utils.errors import LmforgeError
@@ -104,13 +104,10 @@ class _Paged:
 
     def __init__(self, model: nn.Module, max_len: int, block_size: int = 16) -> None:
         param = next(model.parameters())
-        cfg = model.config
         self.model = model
         self.bs = block_size
         nb = math.ceil(max_len / block_size) + 1
-        self.cache = PagedKVCache(
-            cfg.n_layers, nb, block_size, cfg.kv_heads, cfg.head_dim, param.device, param.dtype
-        )
+        self.cache = new_kv_cache(model, nb, block_size, param.device, param.dtype)
         self.table = list(range(nb))
         self.device = param.device
         self.n_cached = 0
