@@ -88,3 +88,13 @@ def test_the_trainer_trains_the_mtp_modules(tmp_path: Path) -> None:
     assert (logits[0][0, :-1].argmax(-1) == x[0, 2:-1]).float().mean() > 0.8
     moved = [k for k, v in model.mtp.state_dict().items() if not torch.equal(v, init[k])]
     assert moved
+    # self-speculative decoding with the trained modules: drafts accepted, output unchanged
+    from lmforge.serve import Engine, SamplingParams
+    from lmforge.serve.speculative import speculative_from_flag
+
+    params = SamplingParams(temperature=0, max_tokens=16)
+    prompt = list(range(5, 25))
+    plain = Engine(model).generate([prompt], params)[0].outputs[0].token_ids
+    spec = speculative_from_flag(model, "mtp", 2)
+    got = Engine(model, speculative=spec).generate([prompt], params)[0].outputs[0].token_ids
+    assert got == plain and spec.stats.acceptance > 0.5, spec.stats

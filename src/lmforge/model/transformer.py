@@ -570,7 +570,7 @@ class TransformerLM(nn.Module):
                 x = layer(x, context=context)  # (1, N, D)
             if context.last_rows is not None:  # only each sequence's last token is sampled
                 x = x[:, context.last_rows]  # (1, S, D)
-            return self._final(x)
+            return self.final_hidden(x)
         if kv_cache is not None:
             positions, _ = kv_cache.begin(t, valid_mask)  # (B, T)
             if token_positions is None:
@@ -591,10 +591,11 @@ class TransformerLM(nn.Module):
                 x = layer(x, token_positions)  # (B, T, D)
             else:
                 x = layer(x, token_positions, kv_cache=kv_cache)  # (B, T, D)
-        return self._final(x)
+        return self.final_hidden(x)
 
-    def _final(self, x: torch.Tensor) -> torch.Tensor:
-        """The last residual stream (…, D) -> the LM head's input (…, D)."""
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The last residual stream (…, D) -> the LM head's input (…, D): ``ln_final`` (and
+        muP's output multiplier); what :meth:`forward_hidden` returns and MTP modules read."""
         h = self.ln_final(x)  # (…, D)
         if self.config.mup:  # muP's logit multiplier, here so the fused loss sees it too
             h = h * mup.output_multiplier(self.config)

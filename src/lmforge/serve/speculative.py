@@ -5,7 +5,10 @@ them in one forward.
 lmforge model (:class:`DraftModel`) — e.g. :func:`truncated_draft`, the target's own first
 layers + final norm + LM head (a "self-speculative" draft that needs no other weights) — or
 prompt lookup (:class:`NgramDraft`: the tokens that followed the last occurrence of the
-sequence's trailing n-gram, a deterministic draft whose q is one-hot).
+sequence's trailing n-gram, a deterministic draft whose q is one-hot) — or the target's own
+multi-token-prediction modules (:class:`~lmforge.model.mtp.MTPDraft`, ``--speculative mtp``:
+greedy drafts, q one-hot, from the target's final hidden states of the sequence, which
+:class:`_HiddenTap` keeps by position as the engine's forwards compute them).
 
 Exact rejection sampling (Leviathan et al. 2023; Chen et al. 2023), :func:`verify`: for draft
 token x_i drawn from q_i, accept with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
@@ -37,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.model.mtp import MTPDraft
 from lmforge.serve.model_runner import forward_step, new_kv_cache, stage
 from lmforge.serve.sampling import SamplingParams, truncated_probs
 from lmforge.serve.scheduler import StepInputs
@@ -44,6 +48,7 @@ from lmforge.utils.errors import LmforgeError
 
 __all__ = [
     "DraftModel",
+    "MTPDraft",
     "NgramDraft",
     "SpecStats",
     "Speculative",
@@ -124,6 +129,40 @@ class _Paged:
         return forward_step(self.model, self.cache, stage(step, self.device))  # (n or 1, V)
 
 
+class _HiddenTap:
+    """The target's final hidden states (``final_hidden``, (P, D)) of every token its engine
+    steps feed, stored by position: a forward hook on the last block reads the step's context.
+
+    Speculative mode serves one sequence at a time, so position p holds the current sequence's
+    token p once a forward computed it (rejected drafts' rows are overwritten when the position
+    is fed again, like their KV pages). Prefix caching is off with it (a hit would skip the
+    forward that fills those rows)."""
+
+    def __init__(self, model: nn.Module, rows: int) -> None:
+        self.model, self.rows = model, rows
+        self.hidden: torch.Tensor | None = None  # (P, D)
+        self.handle = model.layers[-1].register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: nn.Module, args: Any, kwargs: dict, out: Any) -> None:
+        ctx = kwargs.get("context")
+        if ctx is None:
+            return
+        h = self.model.final_hidden(out)[0]  # (1, N, D) -> (N, D)
+        if self.hidden is None:
+            self.hidden = h.new_zeros(self.rows, h.shape[-1])  # (P, D)
+        self.hidden[ctx.positions] = h.to(self.hidden.dtype)
+
+
+def mtp_draft_for(model: nn.Module) -> MTPDraft:
+    """The target's own MTP modules as a proposer (one line when it has none)."""
+    if getattr(model, "mtp", None) is None:
+        raise LmforgeError(
+            "speculative mtp needs a model with multi-token-prediction modules"
+            " (model.mtp_depth > 0)"
+        )
+    return MTPDraft(model.mtp, model.token_embeddings, model.logits_from_hidden)
+
+
 @dataclasses.dataclass
 class DraftModel:
     """A small model that proposes tokens by sampling its own distribution."""
@@ -189,16 +228,23 @@ class Speculative:
     serves one sequence at a time (batch 1) and, at each decode step with drafts, verifies up
     to ``k`` of them in one target forward. ``stats`` counts drafted and accepted tokens."""
 
-    def __init__(self, draft: DraftModel | NgramDraft, k: int = 4) -> None:
-        if not isinstance(draft, DraftModel | NgramDraft):
+    def __init__(self, draft: DraftModel | NgramDraft | MTPDraft, k: int = 4) -> None:
+        if not isinstance(draft, DraftModel | NgramDraft | MTPDraft):
             raise LmforgeError(
-                f"a speculative draft is an NgramDraft or a DraftModel, got {draft!r}"
+                f"a speculative draft is an NgramDraft, a DraftModel or an MTPDraft, got {draft!r}"
             )
         if not isinstance(k, int) or k < 1:
             raise LmforgeError(f"speculative k must be >= 1, got {k!r}")
         self.draft, self.k = draft, k
         self.stats = SpecStats()
         self._state: tuple[object, _Paged] | None = None  # (sequence, the draft model's cache)
+        self.tap: _HiddenTap | None = None  # MTPDraft: the target's hidden states
+
+    def attach(self, target: nn.Module) -> None:
+        """Called by the engine with its model: an MTP proposer starts tapping its hidden
+        states."""
+        if isinstance(self.draft, MTPDraft) and self.tap is None:
+            self.tap = _HiddenTap(target, target.config.context_length + self.k + 1)
 
     def accepted_in(self, seq: object, old_len: int, n_acc: int, k: int) -> None:
         """After a verify: the draft model's cache keeps only KV of accepted tokens."""
@@ -224,6 +270,13 @@ def propose(
 ) -> tuple[list[int], torch.Tensor | None]:
     """Up to k drafts after ``seq.tokens`` and their draft distributions q (k, V)."""
     tokens = seq.tokens
+    if isinstance(spec.draft, MTPDraft):
+        n = len(tokens) - 1  # the target computed tokens[:n]; tokens[n] is its last sample
+        if spec.tap is None or spec.tap.hidden is None or n < 1:
+            return [], None
+        drafts = spec.draft.propose(spec.tap.hidden[:n], tokens, k)
+        q = nn.functional.one_hot(torch.tensor(drafts, device=gen.device), vocab_size).float()
+        return drafts, q  # greedy drafts: q one-hot (k, V)
     if isinstance(spec.draft, NgramDraft):
         drafts = spec.draft.propose(tokens, k)
         if not drafts:
@@ -250,7 +303,8 @@ def propose(
 
 def speculative_from_flag(model: nn.Module, flag: str | None, k: int = 4) -> Speculative | None:
     """The engine's speculative mode from a command-line value: ``ngram`` (prompt lookup),
-    ``draft:N`` (the target's own first N blocks, :func:`truncated_draft`) or None/"" (off).
+    ``draft:N`` (the target's own first N blocks, :func:`truncated_draft`), ``mtp`` (the
+    target's own MTP modules, :func:`mtp_draft_for`) or None/"" (off).
     A bad value or N outside [1, layers) is one :class:`LmforgeError` line."""
     from lmforge.utils.errors import LmforgeError
 
@@ -260,9 +314,11 @@ def speculative_from_flag(model: nn.Module, flag: str | None, k: int = 4) -> Spe
         raise LmforgeError(f"--speculative-k must be at least 1, got {k}")
     if flag == "ngram":
         return Speculative(NgramDraft(), k)
+    if flag == "mtp":
+        return Speculative(mtp_draft_for(model), k)
     n_layers = len(model.layers)
     if flag.startswith("draft:") and flag[6:].isdigit() and 1 <= int(flag[6:]) < n_layers:
         return Speculative(DraftModel(truncated_draft(model, int(flag[6:]))), k)
     raise LmforgeError(
-        f"--speculative must be 'ngram' or 'draft:N' with 1 <= N < {n_layers}, got {flag!r}"
+        f"--speculative must be 'ngram', 'mtp' or 'draft:N' with 1 <= N < {n_layers}, got {flag!r}"
     )
