@@ -99,25 +99,27 @@ class StepOps:
         self,
         layer: int,
         q_abs: torch.Tensor,
+        latent: torch.Tensor | None,
         ctx: Context,
         *,
         kv_lora_rank: int,
         scale: float,
     ) -> torch.Tensor:
-        """MLA decode attention in latent space: q_abs (S, H, C + R) (one query per sequence,
-        absorbed form) over layer ``layer``'s pages of ``ctx.latent_cache`` (its rows already
-        written) -> (S, H, C). The default is :func:`lmforge.kernels.mla_decode.mla_decode`
-        (the Triton kernel where it runs, its torch reference elsewhere)."""
+        """MLA decode: write ``latent`` (S, C + R), the step's new cache rows (None for a
+        cross-layer-sharing consumer, which writes nothing), at ``ctx.slots`` of layer
+        ``layer``'s pages of ``ctx.latent_cache``, then attend in latent space: q_abs
+        (S, H, C + R) (one query per sequence, absorbed form) -> (S, H, C). As :meth:`attend`,
+        the write is the op's so a compiled step can make both one mutating custom op. The
+        default: ``index_copy_``, then :func:`lmforge.kernels.mla_decode.mla_decode` (the
+        Triton kernel where it runs, its torch reference elsewhere)."""
         from lmforge.kernels.mla_decode import mla_decode
 
         assert ctx.latent_cache is not None
+        pages = ctx.latent_cache[layer]  # (NB, BS, C+R)
+        if latent is not None:
+            pages.view(-1, pages.shape[-1]).index_copy_(0, ctx.slots, latent.to(pages.dtype))
         return mla_decode(
-            q_abs,
-            ctx.latent_cache[layer],
-            ctx.block_tables,
-            ctx.ctx_lens,
-            kv_lora_rank=kv_lora_rank,
-            scale=scale,
+            q_abs, pages, ctx.block_tables, ctx.ctx_lens, kv_lora_rank=kv_lora_rank, scale=scale
         )
 
 

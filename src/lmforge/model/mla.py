@@ -327,8 +327,8 @@ class MultiHeadLatentAttention(nn.Module):
         """An engine step's flat tokens x (1, N, D) over the paged latent cache
         ``ctx.latent_cache`` (L_kv, NB, BS, C + R) -> (1, N, D).
 
-        Decode steps: absorbed form, the attention through ``ctx.ops.attend_latent`` (the paged
-        kernel). Steps with prefill chunks: each sequence's rows through :meth:`prefill_paged`
+        Decode steps: absorbed form, the latent write and the attention through
+        ``ctx.ops.attend_latent`` (the paged kernel). Steps with prefill chunks: each sequence's rows through :meth:`prefill_paged`
         (explicit form over its gathered pages, so chunked prefill and prefix-cache hits read
         what the decode kernel reads); decode rows inside such a step take the same path."""
         if ctx.latent_cache is None:
@@ -337,12 +337,12 @@ class MultiHeadLatentAttention(nn.Module):
         h = x[0]  # (N, D)
         if ctx.decode:
             xb, pos = h[:, None], ctx.positions[:, None]  # (S, 1, D), (S, 1)
-            if self.produces_kv:
-                write_latent(pages, ctx.slots, self.compress_kv(xb, pos)[:, 0])
+            new = self.compress_kv(xb, pos)[:, 0] if self.produces_kv else None  # (S, C+R)
             q_abs = self.absorbed_query(xb, pos)[:, 0]  # (S, H, C+R)
             o_lat = ctx.ops.attend_latent(
                 self.cache_index,
                 q_abs,
+                new,
                 ctx,
                 kv_lora_rank=self.config.kv_lora_rank,
                 scale=self.config.softmax_scale,
