@@ -320,5 +320,6 @@ def speculative_from_flag(model: nn.Module, flag: str | None, k: int = 4) -> Spe
     if flag.startswith("draft:") and flag[6:].isdigit() and 1 <= int(flag[6:]) < n_layers:
         return Speculative(DraftModel(truncated_draft(model, int(flag[6:]))), k)
     raise LmforgeError(
-        f"--speculative must be 'ngram', 'mtp' or 'draft:N' with 1 <= N < {n_layers}, got {flag!r}"
+        f"--speculative must be 'ngram' or 'draft:N' with 1 <= N < {n_layers}, or 'mtp'"
+        f" (a model with MTP modules), got {flag!r}"
     )
