@@ -196,6 +196,17 @@ def test_accounting_matches_the_model(kw) -> None:
     assert accounting.parameter_count(cfg) == TransformerLM(cfg).num_parameters()
 
 
+def test_kv_cache_bytes_match_the_engine_cache() -> None:
+    """accounting.kv_cache_bytes_per_token == the engine's paged cache bytes per token."""
+    from lmforge.serve.model_runner import kv_bytes_per_block
+
+    for kw in ({"attention_type": "gqa", "n_kv_heads": 2}, {}, {"kv_share_every": 3}):
+        model = TransformerLM(ModelConfig(**{**MLA, **kw}))
+        per_token = kv_bytes_per_block(model, 16, torch.bfloat16) // 16
+        assert accounting.kv_cache_bytes_per_token(model.config, 2) == per_token
+    assert accounting.kv_cache_bytes_per_token(ModelConfig(**MLA), 2) == 4 * 40 * 2
+
+
 def test_attention_flops_match_flop_counter() -> None:
     """MLA's explicit-form forward FLOPs (no MTP) against torch's FlopCounterMode."""
     from torch.utils.flop_counter import FlopCounterMode

@@ -133,6 +133,26 @@ def _ffn_parameters(cfg: ModelConfig, active: bool) -> float:
     return dense + n_moe * per_moe
 
 
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of KV cache one token takes across all layers (the engine's paged cache): 2·K·E
+    per layer (GQA) or C + R per KV-producing layer (MLA, ceil(L / kv_share_every) of them),
+    through :func:`lmforge.model.cla.kv_bytes_per_token`. Linear-attention layers (constant
+    state) count nothing."""
+    from lmforge.model.cla import kv_bytes_per_token
+
+    n_attn = sum(kind in "AW" for kind in cfg.layer_types)
+    if cfg.attention_type == "mla":
+        return kv_bytes_per_token(
+            "mla", n_layers=n_attn, kv_lora_rank=cfg.kv_lora_rank,
+            qk_rope_head_dim=cfg.qk_rope_head_dim, kv_share_every=cfg.kv_share_every,
+            dtype_bytes=dtype_bytes,
+        )  # fmt: skip
+    return kv_bytes_per_token(
+        "gqa", n_layers=n_attn, n_heads=cfg.n_heads, head_dim=int(cfg.head_dim),
+        n_kv_heads=cfg.kv_heads, dtype_bytes=dtype_bytes,
+    )  # fmt: skip
+
+
 def active_parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     """Parameters one token's forward uses: the total minus the routed experts it skips
     (:func:`parameter_count` for a dense model)."""
