@@ -145,7 +145,12 @@ class _HiddenTap:
 
     def _hook(self, module: nn.Module, args: Any, kwargs: dict, out: Any) -> None:
         ctx = kwargs.get("context")
-        if ctx is None:
+        # Not inside a traced or captured decode step (only eager steps feed the tap: in this
+        # mode prefill and verify steps are eager; a plain decode step that runs compiled
+        # leaves its row stale, which costs acceptance, never exactness).
+        if ctx is None or torch.compiler.is_compiling():
+            return
+        if ctx.positions.is_cuda and torch.cuda.is_current_stream_capturing():
             return
         h = self.model.final_hidden(out)[0]  # (1, N, D) -> (N, D)
         if self.hidden is None:
