@@ -328,9 +328,10 @@ class MultiHeadLatentAttention(nn.Module):
         ``ctx.latent_cache`` (L_kv, NB, BS, C + R) -> (1, N, D).
 
         Decode steps: absorbed form, the latent write and the attention through
-        ``ctx.ops.attend_latent`` (the paged kernel). Steps with prefill chunks: each sequence's rows through :meth:`prefill_paged`
-        (explicit form over its gathered pages, so chunked prefill and prefix-cache hits read
-        what the decode kernel reads); decode rows inside such a step take the same path."""
+        ``ctx.ops.attend_latent`` (the paged kernel). Steps with prefill chunks: each
+        sequence's rows through :meth:`prefill_paged` (explicit form over its gathered pages,
+        so chunked prefill and prefix-cache hits read what the decode kernel reads); decode
+        rows inside such a step take the same path."""
         if ctx.latent_cache is None:
             raise LmforgeError("an MLA model needs an engine step with a latent cache")
         pages = ctx.latent_cache[self.cache_index]  # (NB, BS, C+R)
