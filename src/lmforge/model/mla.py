@@ -42,8 +42,8 @@ In the model
 ``ModelConfig(attention_type="mla")`` builds this module for every full-attention block
 (:class:`lmforge.model.TransformerBlock`); :meth:`MultiHeadLatentAttention.forward` takes the
 block's keywords: no cache (training: explicit form), a contiguous
-:class:`~lmforge.model.KVCache` (``lmforge.generate``: :meth:`~MultiHeadLatentAttention.attend_cached`,
-absorbed form) or an engine step's :class:`~lmforge.model.context.Context`
+:class:`~lmforge.model.KVCache` (``lmforge.generate``:
+:meth:`~MultiHeadLatentAttention.attend_cached`, absorbed form) or an engine step's :class:`~lmforge.model.context.Context`
 (:meth:`~MultiHeadLatentAttention.attend_paged`: decode rows through ``ctx.ops.attend_latent``,
 prefill chunks through :meth:`~MultiHeadLatentAttention.prefill_paged`). With cross-layer
 sharing (``kv_share_every`` > 1, :mod:`lmforge.model.cla`) a consumer layer has no
