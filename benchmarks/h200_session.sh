@@ -34,11 +34,17 @@
 #   recipe-b   device call B (carry .carry/recipe-b, .carry/recipe-eval.tar.gz; put the files of
 #              call A's $OUT/recipe-b in .carry/recipe-b): GRPO on GSM8K, eval of the SFT and RL
 #              models, the report card without the anchor; everything small in $OUT/recipe-card
+#   recipe-gpu  calls A and B as one device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
+#              every GPU stage and the card without the anchor; $OUT/recipe-card as recipe-b's
+#   recipe-anchor  (on the CPU machine, any time after recipe-prep: start it in the background
+#              at once, it needs CPU-hours on a busy 2-core machine) the SmolLM2 anchor's eval
+#              row on the CPU into runs/h200/evals/, the cache the card reads
 #   recipe-card  (on the CPU machine, after recipe-b; put call B's $OUT/recipe-card files in
 #              .carry/recipe-card) the SmolLM2 anchor row on the CPU (its GGUF does not travel;
 #              skipped when already scored) and the full card: runs/h200/report.md
 #              RECIPE_OVERRIDES (words) are added to every recipe command: the CPU rehearsal of
-#              all four (tests/test_recipe_session.py) shrinks every stage with them
+#              all four (tests/test_recipe_handoff.py) shrinks every stage with them; run the
+#              four parts from one commit (stage keys hash the configs and examples they read)
 #   all        every part above but smol and recipe-*, in this order (longer than one 10-minute
 #              device call)
 #
@@ -61,7 +67,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
-EXTRA_PARTS=(smol recipe-prep recipe-a recipe-b recipe-gpu recipe-card)
+EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card)
 FAILED=()
 
 usage() {
@@ -261,7 +267,7 @@ recipe_unpack() {
 part_recipe-a() {
     recipe_unpack recipe-a .carry/recipe-a || return 0
     rstep recipe-a recipe-pretrain-sft 420 recipe run "$RECIPE" --until sft || return 0
-    rstep recipe-a recipe-eval-pretrain 75 recipe eval "$RECIPE" --row pretrain
+    rstep recipe-a recipe-eval-pretrain 120 recipe eval "$RECIPE" --row pretrain
     # the SFT model (bf16 weights) and every marker, for call B; 15 MB parts come back in $OUT
     rstep recipe-a recipe-pack-b 60 recipe pack "$RECIPE" --next rl --out "${OUT:-runs}/recipe-b"
 }
@@ -285,11 +291,19 @@ part_recipe-gpu() {
         rstep recipe-gpu recipe-pack-b 60 recipe pack "$RECIPE" --next rl --out "${OUT:-runs}/recipe-b"
 }
 
+part_recipe-anchor() {
+    need recipe-anchor .carry/recipe-eval ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf ||
+        return 0
+    rstep recipe-anchor recipe-anchor 14400 recipe eval "$RECIPE" --row SmolLM2-135M-Instruct \
+        --recipe.device=cpu
+}
+
 part_recipe-card() {
     need recipe-card .carry/recipe-card/recipe-pack.json .carry/recipe-eval || return 0
     rstep recipe-card recipe-unpack-card 60 recipe unpack .carry/recipe-card --into "$RUN_DIR" ||
         return 0
-    rstep recipe-card recipe-anchor 3600 recipe eval "$RECIPE" --row SmolLM2-135M-Instruct \
+    # scored already by part recipe-anchor (then this reads its cached row), else now
+    rstep recipe-card recipe-anchor 14400 recipe eval "$RECIPE" --row SmolLM2-135M-Instruct \
         --recipe.device=cpu || return 0
     rstep recipe-card recipe-report 600 recipe run "$RECIPE"
 }
@@ -317,7 +331,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/lmforge-site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/lmforge-site"
 fi
-[[ " $* " == *" recipe-prep "* || " $* " == *" recipe-card "* ]] ||
+[[ " $* " == *" recipe-prep "* || " $* " == *" recipe-card "* || " $* " == *" recipe-anchor "* ]] ||
 step env 60 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU', \
 'gpus', torch.cuda.device_count())"

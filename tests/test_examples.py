@@ -82,6 +82,10 @@ ROWS: tuple[Row, ...] = (
     Row(r"^lmforge recipe run configs/recipes/h200\.toml", skip="needs a GPU (an H200)"),
     Row(r"^lmforge recipe run configs/recipes/tiny-cpu\.toml$", extra=DEMO_ARGS),  # all skipped
     Row(r"^lmforge recipe run ", extra=DEMO_ARGS, slow=True),
+    Row(r"^lmforge recipe (eval|pack) configs/recipes/h200\.toml",
+        skip="the GPU tier's run folder and benchmark copy (benchmarks/h200_session.sh recipe-prep)"),
+    Row(r"^lmforge recipe unpack \.carry/", skip="a pack made on another machine (recipe pack)"),
+    Row(r"^lmforge recipe (eval|pack) configs/recipes/tiny-cpu\.toml", extra=DEMO_ARGS),
     # download (a model)
     Row(r"^lmforge download --list$"),
     Row(r"^lmforge download ", skip="downloads over the network; tests/test_download_model.py "

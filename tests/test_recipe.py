@@ -30,6 +30,7 @@ from lmforge.recipe import (
     split_documents,
 )
 from lmforge.recipe import runner as runner_mod
+from lmforge.recipe import stages as stages_mod
 from lmforge.recipe.markers import ATTEMPT, DONE, read_marker
 from lmforge.recipe.stages import Stage, task_accuracies
 from lmforge.recipe.threads import cgroup_cpu_quota
@@ -144,9 +145,15 @@ def test_markers_skip_change_from_until(tmp_path: Path, monkeypatch: pytest.Monk
     calls.clear()
     run_recipe(_cfg(tmp_path, steps=9), launch=launch)  # a changed setting: it and every later one
     assert calls == ["pretrain", "sft", "rl", "eval", "report"]
+    # the outputs of the earlier settings are kept, numbered (nothing a user ran is lost)
+    prev = tmp_path / "run" / "previous"
+    assert sorted(p.name for p in prev.iterdir()) == ["eval.1", "pretrain.1", "rl.1", "sft.1"]
+    assert (prev / "pretrain.1" / "out.txt").read_text() == "pretrain"
+    assert read_marker(prev / "pretrain.1" / DONE)["settings"] == {"steps": cfg.pretrain.steps}
     calls.clear()
     run_recipe(_cfg(tmp_path, steps=9), launch=launch, from_stage="rl", until_stage="eval")
     assert calls == ["rl", "eval"]
+    assert (prev / "rl.2" / DONE).is_file() and (prev / "eval.2").is_dir()
     calls.clear()
     with pytest.raises(LmforgeError, match="has not finished"):
         run_recipe(_cfg(tmp_path, steps=10), launch=launch, from_stage="sft")
@@ -202,6 +209,9 @@ def test_mini_recipe_end_to_end(
     root = _copy_repo(tmp_path)
     monkeypatch.chdir(root)
     assert main(["recipe", "run", "mini.toml", "--until", "rl"]) == 0
+    # the CPU progress bar shows tokens/s, not an MFU against a GPU peak (issue 39, item 6)
+    first = capsys.readouterr().err
+    assert "tok_s=" in first and "mfu=" not in first
     out = root / "runs" / "recipe-mini"
     for stage in ("data", "tokenizer", "train", "sft", "rl"):
         assert (out / stage / DONE).is_file(), stage
@@ -274,12 +284,25 @@ def test_tiny_cpu_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert pre["steps"] == 800 and pre["val_loss"] < 5.0  # well below log(4096) = 8.3
 
 
-def test_presets_load_and_gsm8k_chats() -> None:
+def test_presets_load_and_gsm8k_chats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from lmforge.recipe.stages import eval_targets, gsm8k_chats
 
     for name in ("tiny-cpu", "h200"):
         cfg = load_recipe(REPO / "configs" / "recipes" / f"{name}.toml")
         assert cfg.pretrain.steps > 0 and cfg.eval.models == ("pretrain", "sft", "rl")
+    # the demo checkpoints as it trains (issue 39, item 4: it used to save none), and the recipe
+    # hands that to the trainer
+    from lmforge.recipe.stages import STAGE_LIST
+
+    tiny = load_recipe(REPO / "configs" / "recipes" / "tiny-cpu.toml")
+    assert 0 < tiny.pretrain.save_every < tiny.pretrain.steps
+    argv: list[str] = []
+    ctx = runner_mod.Context(tiny, tmp_path, 1, lambda a: argv.extend(a) or 0)
+    monkeypatch.setattr(stages_mod, "_vocab_size", lambda tok_dir: 4096)
+    next(st for st in STAGE_LIST if st.name == "pretrain").run(ctx)
+    assert (
+        f"--train.save_every={tiny.pretrain.save_every}" in argv and "--train.resume=true" in argv
+    )
     h200 = load_recipe(REPO / "configs" / "recipes" / "h200.toml")
     assert h200.recipe.device == "cuda" and h200.rl.task == "gsm8k"
     rows = eval_targets(h200, Path("runs/h200"))

@@ -181,7 +181,7 @@ def _session(root: Path, part: str, out: Path | None = None) -> str:
     r = subprocess.run(["bash", "benchmarks/h200_session.sh", part], cwd=root, env=env,
                        capture_output=True, text=True, timeout=1800)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    return r.stdout
+    return r.stdout + r.stderr
 
 
 @pytest.mark.slow
@@ -193,6 +193,9 @@ def test_h200_session_rehearsed_on_cpu(tmp_path: Path) -> None:
     (tmp_path / "shared").symlink_to(shared.resolve())
     here = _tree(tmp_path / "here")  # beside ../shared, like the lead's CPU machine
     _session(here, "recipe-prep")
+    # the anchor's row, on the CPU here, while the device calls run (its GGUF stays here)
+    log = _session(here, "recipe-anchor")
+    assert "lmforge eval --checkpoint runs/h200/evals/anchors/SmolLM2-135M-Instruct" in log
     carry = here / ".carry"
     assert (carry / "recipe-a" / MANIFEST).is_file() and (carry / "recipe-eval.tar.gz").is_file()
     # call A in a tree without ../shared or runs/: only what `carry` names travels
@@ -215,7 +218,7 @@ def test_h200_session_rehearsed_on_cpu(tmp_path: Path) -> None:
     # the card, here: the anchor on the CPU, every other row from the cache
     shutil.copytree(tmp_path / "out-b" / "recipe-card", carry / "recipe-card")
     log = _session(here, "recipe-card")
-    assert "rl: already done" in log and "lmforge eval --checkpoint runs/h200/sft" not in log
+    assert "rl: already done" in log and "lmforge eval --checkpoint" not in log  # all cached
     card = (here / "runs" / "h200" / "report.md").read_text()
     for row in ("| pretrain |", "| sft |", "| rl |", "| SmolLM2-135M-Instruct |", "ran on"):
         assert row in card, row

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,6 @@ from lmforge.vision.vlm import (
     VLMObjective,
     build_example,
     collate,
-    encode_image_for_prompt,
     question_accuracy,
     splice_image_embeds,
 )
@@ -98,23 +96,6 @@ def test_examples_collate_and_objective_loss_decreases() -> None:
     assert set(acc) >= {"acc", "acc_count"} and 0.0 <= acc["acc"] <= 1.0
 
 
-def test_encode_image_for_prompt() -> None:
-    model = _vlm()
-    image = ProceduralScenes(image_size=24)[0].image
-    prompt = [TOK.bos_id, TOK.image_id, 10, 11]
-    embeds, ids, digest = encode_image_for_prompt(model, image, prompt)
-    n = model.n_image_tokens
-    assert embeds.shape == (n, 32) and ids == [TOK.bos_id] + [TOK.image_id] * n + [10, 11]
-    again = encode_image_for_prompt(model, image.copy(), prompt)
-    assert again[2] == digest and torch.equal(again[0], embeds)
-    other = encode_image_for_prompt(model, np.ascontiguousarray(image[::-1]), prompt)
-    assert other[2] != digest
-    with pytest.raises(LmforgeError, match="not a readable image"):
-        encode_image_for_prompt(model, b"garbage", prompt)
-    with pytest.raises(LmforgeError, match="exactly one <image>"):
-        encode_image_for_prompt(model, image, [TOK.bos_id, 10])
-
-
 def test_run_vlm_end_to_end(tmp_path) -> None:
     import json
 
@@ -152,5 +133,14 @@ def test_run_vlm_end_to_end(tmp_path) -> None:
     for k in (k for k in s2 if k.startswith("vision.")):
         assert torch.equal(s2[k], s1[k]) and torch.equal(s2[k], enc_w[k]), k
     assert all(not torch.equal(s1[k], s2[k]) for k in s1 if k.startswith("projector."))
+    # the run folder serves: lmforge.vision.serving.load_vlm reads stage 2's weights back
+    from lmforge.vision.serving import load_vlm
+
+    loaded = load_vlm(tmp_path / "vlm")
+    for k, w in loaded.lm.state_dict().items():
+        assert torch.equal(w, s2[f"lm.{k}"]), k
+    for k, w in loaded.tower.state_dict().items():
+        assert torch.equal(w, s2[k]), k
+    assert loaded.tower.n_image_tokens == 9 and loaded.tokenizer.vocab_size == TOK.vocab_size
     with pytest.raises(LmforgeError, match="not a `vision pretrain` run"):
         run_vlm(cfg, tmp_path / "nothing", log=lambda r: None)

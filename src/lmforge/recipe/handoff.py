@@ -75,7 +75,9 @@ def _members(cfg: RecipeConfig, out: Path, next_stage: str) -> tuple[list[Path],
     for f in sorted(q for q in out.rglob("*") if q.is_file()):
         rel = f.relative_to(out)
         top = rel.parts[0]
-        if f.name in (DONE, ATTEMPT):
+        if top == "previous":
+            continue  # outputs of earlier settings stay on this machine
+        if f.name in (DONE, ATTEMPT) and len(rel.parts) == 2:  # a stage's own markers
             files.append(rel)
         elif top == "data" or f.name == ".recipe-lock":
             continue

@@ -89,21 +89,35 @@ def is_done(out: Path, stage: Stage, key: str) -> bool:
 
 
 def _prepare(out: Path, stage: Stage, key: str) -> None:
-    """Clear the stage's folders for a fresh attempt, unless a killed attempt under the same key
-    can continue in place; then record this attempt."""
+    """Make room for a fresh attempt, unless a killed attempt under the same key can continue in
+    place; then record this attempt. A killed attempt's partial outputs are deleted; outputs of
+    other settings (a finished stage whose settings changed, or one run again by --from) are
+    kept, numbered, under ``out/previous/`` (nothing a user ran is lost)."""
     attempt = read_marker(out / stage.dirs[0] / ATTEMPT)
-    if attempt is not None and attempt.get("key") == key and stage.resumable:
+    same_key = attempt is not None and attempt.get("key") == key
+    if same_key and stage.resumable:
         _log(f"{stage.name}: an earlier attempt was interrupted; continuing it")
     else:
-        existed = False
         for d in stage.dirs:
-            if (out / d).exists():
-                existed = True
+            if not (out / d).exists():
+                continue
+            if same_key or stage.name == "report":  # a partial attempt; the card is rewritten
                 shutil.rmtree(out / d)
-        if existed and stage.name != "report":  # the report is always rewritten
-            why = "interrupted" if attempt is not None and attempt.get("key") == key else "stale"
-            _log(f"{stage.name}: cleared its {why} outputs; starting it afresh")
+                if stage.name != "report":
+                    _log(f"{stage.name}: cleared its interrupted outputs; starting it afresh")
+                continue
+            dest = previous_path(out, d)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(out / d, dest)
+            _log(f"{stage.name}: its earlier outputs ({d}/, other settings) are kept in {dest}")
     write_marker(out / stage.dirs[0] / ATTEMPT, {"key": key, "started": time.time()})
+
+
+def previous_path(out: Path, folder: str) -> Path:
+    """``out/previous/FOLDER.N``, N one more than the highest kept so far."""
+    taken = [int(p.name.rsplit(".", 1)[1]) for p in (out / "previous").glob(f"{folder}.*")
+             if p.name.rsplit(".", 1)[1].isdigit()]  # fmt: skip
+    return out / "previous" / f"{folder}.{max(taken, default=0) + 1}"
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ SERVE_EXAMPLES = """examples:
   lmforge serve --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf      # CPU, port 8000
   lmforge serve --checkpoint runs/demo/train --port 8080 --api-key secret
   lmforge serve --hf ~/models/Qwen3-0.6B --device cuda --context-length 4096
+  lmforge serve --checkpoint runs/vision/vlm-tiny      # a VLM ('lmforge vision vlm' run folder)
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
@@ -20,14 +21,17 @@ Endpoints: /v1/completions, /v1/chat/completions (stream: true for server-sent e
 says otherwise. The engine runs in its own process; on CUDA it uses CUDA graphs and the compiled
 decode step (--no-cuda-graphs, --no-compile turn them off; startup prints what it chose).
 SIGTERM or Ctrl-C drains: in-flight requests finish, new ones get 503; a second signal exits.
+A VLM takes images as chat content parts {"type": "image_url", "image_url": {"url":
+"data:image/png;base64,..."}} (data: URLs only: nothing is fetched; a bad image is a 400).
 """
 
 CHAT_EXAMPLES = """examples:
   lmforge chat --gguf ../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf
   lmforge chat --checkpoint runs/demo/train --temperature 0.7 --system "You are terse."
+  lmforge chat --checkpoint runs/vision/vlm-tiny --image scene.png     # a VLM ('vision vlm')
 
 Type a message and press Enter; the reply streams as it is generated. /reset starts over,
-/quit (or Ctrl-D) leaves.
+/quit (or Ctrl-D) leaves. --image FILE (a VLM) shows the image with the first message.
 """
 
 
@@ -66,7 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-request-bytes",
         type=int,
         default=None,
-        help="larger request bodies are refused (413) before they are read (default 4 MiB)",
+        help="larger request bodies are refused (413) before they are read (default 4 MiB; "
+        "about 22 MiB for a VLM: a 16 MiB image as base64)",
     )
     s.set_defaults(func=_serve)
     c = sub.add_parser(
@@ -80,6 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     c.add_argument("--max-tokens", type=int, default=256, help="longest reply (default 256)")
     c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument(
+        "--image",
+        metavar="FILE",
+        default=None,
+        help="an image shown with the first message (a VLM: a 'lmforge vision vlm' run folder)",
+    )
     c.set_defaults(func=_chat)
 
 
@@ -136,6 +147,10 @@ def _serve(args: argparse.Namespace) -> int:
         proc.stop(timeout=5)  # a failed or interrupted start: do not wait on the model load
         sock.close()  # type: ignore[attr-defined]
         raise
+    if info.get("vision") and args.max_request_bytes is None:  # room for a base64 image
+        from lmforge.vision.serving import DEFAULT_MAX_IMAGE_BYTES
+
+        limit = max(limit, DEFAULT_MAX_IMAGE_BYTES * 4 // 3 + (1 << 20))
     name = args.model_name or info["name"]
     state = ServerState(proc, info["tokenizer"], name, info["template"], args.api_key,
                         max_request_bytes=limit)  # fmt: skip
@@ -162,10 +177,12 @@ def _chat(args: argparse.Namespace) -> int:
     from lmforge.serve.chat import chat_repl
     from lmforge.serve.engine import Engine
     from lmforge.serve.engine_process import engine_summary
-    from lmforge.serve.loading import load_from_args
+    from lmforge.serve.loading import load_kwargs, load_model
     from lmforge.serve.speculative import speculative_from_flag
 
-    model, tokenizer, template, _ = load_from_args(args)
+    loaded = load_model(**load_kwargs(args))
+    model, tokenizer, template = loaded.model, loaded.tokenizer, loaded.template
+    image = _read_image(args.image, loaded.vision) if args.image else None
     kw = _engine_kwargs(args)
     spec = speculative_from_flag(model, kw.pop("speculative"), kw.pop("speculative_k"))
     engine = Engine(
@@ -176,4 +193,19 @@ def _chat(args: argparse.Namespace) -> int:
         **kw,
     )
     print(engine_summary(engine), file=sys.stderr)
-    return chat_repl(engine, tokenizer, template, args.temperature, args.max_tokens, args.system)
+    return chat_repl(engine, tokenizer, template, args.temperature, args.max_tokens, args.system,
+                     image=image, vision=loaded.vision)  # fmt: skip
+
+
+def _read_image(path: str, vision: object) -> tuple:
+    """``(pixels, digest)`` of ``--image FILE`` for the VLM's tower; one line if it cannot be."""
+    from pathlib import Path
+
+    from lmforge.utils.errors import LmforgeError
+    from lmforge.vision.serving import decode_image, image_pixels
+
+    if vision is None:
+        raise LmforgeError("--image needs a VLM (--checkpoint a 'lmforge vision vlm' run folder)")
+    if not Path(path).is_file():
+        raise LmforgeError(f"image not found: {path}")
+    return image_pixels(decode_image(Path(path).read_bytes(), path), vision.image_size)

@@ -54,10 +54,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.model import mup
-from lmforge.model.context import Context, StepOps
+from lmforge.model.context import Context, PagedKVCache, StepOps
 from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable
 from lmforge.serve.attention import paged_decode, write_kv
-from lmforge.serve.model_runner import PagedKVCache, StepBatch, forward_step
+from lmforge.serve.step import StepBatch, forward_step
 
 __all__ = ["CompiledDecode", "decode_forward", "gemv_plan", "pack_weights"]
 

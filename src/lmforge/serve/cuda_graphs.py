@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
-from lmforge.serve.model_runner import ModelRunner, StepBatch
+from lmforge.serve.step import StepBatch
+
+if TYPE_CHECKING:
+    from lmforge.serve.model_runner import ModelRunner
 
 __all__ = ["DecodeGraphs", "bucket_sizes"]
 

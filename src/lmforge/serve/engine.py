@@ -48,6 +48,7 @@ from lmforge.utils.errors import LmforgeError
 
 if TYPE_CHECKING:
     from lmforge.serve.speculative import DraftModel, MTPDraft, NgramDraft, Speculative
+    from lmforge.vision.serving import ImagePrompt
 
 __all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "kv_blocks_for_memory"]
 
@@ -272,10 +273,17 @@ class Engine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        image_embeds: ImagePrompt | None = None,
     ) -> str:
-        """Queue a prompt; returns its request id. Invalid requests raise :class:`LmforgeError`."""
+        """Queue a prompt; returns its request id. Invalid requests raise :class:`LmforgeError`.
+
+        ``image_embeds`` (a VLM prompt, :func:`lmforge.vision.serving.prepare_image_prompt`):
+        the rows of the prompt's image slots replace those tokens' embeddings in prefill, and
+        the slots' prefix-cache keys are their images' digests."""
         params = params or SamplingParams()
         prompt = self.check_request(prompt_token_ids, params)
+        if image_embeds is not None:
+            image_embeds = self._check_images(image_embeds, len(prompt))
         with self.lock:
             if self.max_queue is not None and len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests waiting)")
@@ -290,7 +298,7 @@ class Engine:
                     gen.manual_seed(params.seed + i)
                 first = seqs[0] if seqs else None
                 seq = Seq(rid, i, list(prompt), len(prompt), next(self._arrivals), first=first)
-                seq.params, seq.generator = params, gen
+                seq.params, seq.generator, seq.images = params, gen, image_embeds
                 seq.out = CompletionOutput([], [], [], None, [] if params.logprobs else None, i)
                 if self.tokenizer is not None:
                     seq.detok = make_detokenizer(self.tokenizer, prompt)
@@ -300,6 +308,24 @@ class Engine:
             self.requests[rid] = _Request(rid, prompt, seqs)
             self.scheduler.add(seqs)
         return rid
+
+    def _check_images(self, images: ImagePrompt, n_prompt: int) -> ImagePrompt:
+        """``images`` with its embeddings on the engine's device and dtype, once; spans that
+        overlap or leave the prompt, or rows that do not match them, raise one line."""
+        end = 0
+        for s, n in images.spans:
+            if s < end or n < 1 or s + n > n_prompt:
+                raise LmforgeError(f"image span ({s}, {n}) is not inside a {n_prompt}-token prompt")
+            end = s + n
+        rows = sum(n for _, n in images.spans)
+        want = (rows, self.config.d_model)
+        if tuple(images.embeds.shape) != want or len(images.digests) != len(images.spans):
+            raise LmforgeError(
+                f"image embeddings {tuple(images.embeds.shape)} for {len(images.spans)} span(s) "
+                f"and {len(images.digests)} digest(s): expected {want} and one digest per span"
+            )
+        dtype = next(self.model.parameters()).dtype
+        return dataclasses.replace(images, embeds=images.embeds.to(self.device, dtype))
 
     def abort(self, request_id: str) -> None:
         """Drop a request (queued or running) and free its blocks; unknown ids are ignored."""

@@ -19,6 +19,10 @@ Layout (one pipe each way, pickled messages, batched)::
   counters (for ``/metrics`` and the 429 check). The event loop reads it when the pipe is readable (``add_reader``: no thread
   hop) and puts each delta on its request's queue.
 - Text and stop strings are the parent's (:mod:`lmforge.serve.output`); the child is ids-only.
+- Images (a VLM's prompts): the parent decodes and preprocesses them (CPU work that would
+  otherwise stall every running stream's step) and sends the pixels, (3, S, S) float32 per image
+  (S = 64: 48 KiB, smaller than the (N, D) embeddings and independent of the LM's width); the
+  child's vision tower turns them into the slots' embeddings on the engine's device.
 - The child ignores SIGINT / SIGTERM: the parent drains and then sends ``stop``; if the parent
   dies, the child sees the pipe close and exits. If the child dies, every open request gets a
   500 and ``/health`` answers 500.
@@ -131,6 +135,8 @@ class EngineProcess:
         self.num_blocks: int = info["num_blocks"]
         self.block_size: int = info["block_size"]
         self.max_queue: int | None = info["max_queue"]
+        self.vision: dict[str, int] | None = info.get("vision")
+        "a VLM's image_size, n_image_tokens and image_id (None: text only)"
         self._counts = info["counts"]
 
     def start(self) -> None:
@@ -170,10 +176,20 @@ class EngineProcess:
         return getattr(self._proc, "pid", None)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue,
+        images: tuple | None = None,
+    ) -> str:
         """Queue a request whose :class:`Delta` objects go to ``queue``. Requests that could
         never fit raise LmforgeError; a full queue (as of the child's last counts plus what was
-        sent since) raises QueueFull. Never waits for the engine."""
+        sent since) raises QueueFull. Never waits for the engine.
+
+        ``images`` (a VLM's prompt, its placeholders already expanded): ``(pixels (M, 3, S, S)
+        float32 numpy, spans, digests)``, preprocessed here; the child's vision tower turns
+        them into the slots' embeddings (:func:`_image_prompt`)."""
         from lmforge.serve.engine import QueueFull
 
         if self.error is not None:
@@ -189,7 +205,7 @@ class EngineProcess:
         self._adds_sent += 1
         self.requests_total += 1
         with self._cv:
-            self._ops.append(("add", rid, prompt, params))
+            self._ops.append(("add", rid, prompt, params, images))
             self._cv.notify_all()
         return rid
 
@@ -340,13 +356,26 @@ def _engine_main(spec: EngineSpec, conn: Any) -> None:
         conn.send(("error", f"the engine process failed to start: {type(e).__name__}: {e}"))
         raise
     gc.freeze()  # the model and engine live as long as the process: keep them out of collections
+    vision = info.pop("vision_tower", None)  # stays here, with the weights
     conn.send(("ready", {**info, "counts": _counts(engine, 0, 0.0, 0)}))
-    _serve_engine(engine, conn)
+    _serve_engine(engine, conn, vision)
 
 
-def _serve_engine(engine: Any, conn: Any) -> None:
+def _image_prompt(vision: Any, prompt: list[int], images: tuple) -> Any:
+    """The engine's ``image_embeds`` of a submitted prompt: ``images`` = (pixels, spans,
+    digests) through ``vision`` (the VLM's tower, on the engine's device), one forward."""
+    from lmforge.vision.serving import ImagePrompt
+
+    if vision is None:
+        raise LmforgeError("this model has no vision tower: it cannot take images")
+    pixels, spans, digests = images
+    return ImagePrompt(prompt, vision.embed_rows(list(pixels)), list(spans), list(digests))
+
+
+def _serve_engine(engine: Any, conn: Any, vision: Any = None) -> None:
     """The engine side's loop (a process's, or :class:`EngineLoop`'s thread): drain the
-    parent's ops, step, send the step's deltas and counters; until ``stop`` or the pipe closes."""
+    parent's ops, step, send the step's deltas and counters; until ``stop`` or the pipe closes.
+    ``vision``: a VLM's tower, which turns submitted images into embeddings here."""
     from lmforge.serve.engine import QueueFull
 
     adds = 0
@@ -361,13 +390,16 @@ def _serve_engine(engine: Any, conn: Any) -> None:
             while conn.poll(0):  # everything the parent sent since the last step
                 for op in conn.recv():
                     if op[0] == "add":
-                        _, rid, prompt, params = op
+                        _, rid, prompt, params, images = op
                         adds += 1
                         if failed is not None:
                             out.append((rid, True, failed, 500, []))
                             continue
                         try:
-                            engine.add_request(prompt, params, request_id=rid)
+                            # (a text request's call is unchanged: EngineSpec builders' fakes)
+                            kw = {} if images is None else {
+                                "image_embeds": _image_prompt(vision, prompt, images)}  # fmt: skip
+                            engine.add_request(prompt, params, request_id=rid, **kw)
                         except LmforgeError as e:
                             status = 429 if isinstance(e, QueueFull) else 400
                             out.append((rid, True, str(e), status, []))
@@ -421,9 +453,10 @@ def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
     import torch
 
     from lmforge.serve.engine import Engine
-    from lmforge.serve.loading import load_for_serving
+    from lmforge.serve.loading import load_model
 
-    model, tokenizer, template, name = load_for_serving(**spec.load)
+    loaded = load_model(**spec.load)
+    model, tokenizer, template, name = loaded.model, loaded.tokenizer, loaded.template, loaded.name
     if next(model.parameters()).device.type == "cpu":
         # Leave a core to the API process: intra-op threads spin-wait between parallel regions,
         # and on an oversubscribed CPU a step then waits for a descheduled thread (measured on
@@ -446,8 +479,18 @@ def _build(spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
         "num_parameters": model.num_parameters(),
         "summary": engine_summary(engine),
         "kv_budget": getattr(engine, "kv_budget", None),
+        "vision": _vision_info(loaded.vision),
+        "vision_tower": loaded.vision,  # kept by the child (_engine_main), never sent
     }
     return engine, info
+
+
+def _vision_info(vision: Any) -> dict[str, int] | None:
+    """What the API side needs of a VLM's tower to prepare images (None: no tower)."""
+    if vision is None:
+        return None
+    return {"image_size": vision.image_size, "n_image_tokens": vision.n_image_tokens,
+            "image_id": vision.image_id}  # fmt: skip
 
 
 def engine_info(engine: Any) -> dict[str, Any]:
@@ -474,12 +517,13 @@ class EngineLoop(EngineProcess):
     in-process peer ``benchmarks/serve.py`` measures. Requests are checked against the engine
     itself before they are queued (an invalid one is a 400 before any stream starts)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, vision: Any = None) -> None:
         super().__init__(EngineSpec({}))
         self.engine = engine
-        self._set_info({**engine_info(engine), "counts": _counts(engine, 0, 0.0, 0)})
+        self._set_info({**engine_info(engine), "counts": _counts(engine, 0, 0.0, 0),
+                        "vision": _vision_info(vision)})  # fmt: skip
         self._conn, self._child = mp.Pipe(duplex=True)
-        self._proc = threading.Thread(target=_serve_engine, args=(engine, self._child),
+        self._proc = threading.Thread(target=_serve_engine, args=(engine, self._child, vision),
                                       name="lmforge-engine", daemon=True)  # fmt: skip
 
     def start(self) -> None:
@@ -493,8 +537,14 @@ class EngineLoop(EngineProcess):
     def _kill(self) -> None:
         pass  # a thread cannot be killed; it is a daemon and ends with the pipe
 
-    def submit(self, prompt: list[int], params: SamplingParams, queue: asyncio.Queue) -> str:
-        return super().submit(self.engine.check_request(prompt, params), params, queue)
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        queue: asyncio.Queue,
+        images: tuple | None = None,
+    ) -> str:
+        return super().submit(self.engine.check_request(prompt, params), params, queue, images)
 
 
 def engine_summary(engine: Any) -> str:

@@ -11,6 +11,7 @@ Exercised by ``pytest tests/test_loading.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from lmforge.utils.errors import LmforgeError
 
 __all__ = [
+    "ServingModel",
     "add_engine_args",
     "add_model_source_args",
     "engine_flags",
@@ -26,6 +28,7 @@ __all__ = [
     "load_for_serving",
     "load_from_args",
     "load_kwargs",
+    "load_model",
 ]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -135,7 +138,27 @@ def _device(device: str | None) -> str:
     return resolve_device(device)
 
 
-def load_for_serving(
+@dataclasses.dataclass
+class ServingModel:
+    """A loaded model source (:func:`load_model`)."""
+
+    model: Any
+    "the language model (a TransformerLM), in eval mode on its device"
+    tokenizer: Any
+    template: str | None
+    name: str
+    vision: Any = None
+    "a VLM's image side (:class:`lmforge.vision.serving.VisionTower`), else None"
+
+
+def load_for_serving(**source: Any) -> tuple[Any, Any, str | None, str]:
+    """``(model, tokenizer or None, chat template or None, name)``: :func:`load_model`'s
+    text side (a VLM's language model alone)."""
+    m = load_model(**source)
+    return m.model, m.tokenizer, m.template, m.name
+
+
+def load_model(
     *,
     checkpoint: str | None = None,
     hf: str | None = None,
@@ -143,15 +166,19 @@ def load_for_serving(
     device: str | None = None,
     dtype: str = "auto",
     context_length: int | None = None,
-) -> tuple[Any, Any, str | None, str]:
-    """``(model, tokenizer or None, chat template or None, name)`` from exactly one source.
+) -> ServingModel:
+    """The model of exactly one source, with its tokenizer, chat template and name.
 
     A checkpoint folder is read by :func:`lmforge.hf.load_pretrained`: a run folder gives its
     latest checkpoint, and the tokenizer comes from ``tokenizer/`` (trained) or ``hf_tokenizer/``
-    (imported). The model comes back in eval mode on ``device`` (None or ``auto``: CUDA when
-    available) in ``dtype`` (``auto``: bfloat16 on CUDA, float32 on the CPU).
+    (imported). A ``lmforge vision vlm`` run folder gives its language model and its vision
+    tower (:func:`lmforge.vision.serving.load_vlm`). The model comes back in eval mode on
+    ``device`` (None or ``auto``: CUDA when available) in ``dtype`` (``auto``: bfloat16 on
+    CUDA, float32 on the CPU).
     """
     import torch
+
+    from lmforge.vision.serving import is_vlm_folder, load_vlm
 
     if sum(x is not None for x in (checkpoint, hf, gguf)) != 1:
         raise LmforgeError("give exactly one of --checkpoint, --hf, --gguf")
@@ -160,8 +187,16 @@ def load_for_serving(
     dev = _device(device)
     if context_length is not None and context_length < 2:
         raise LmforgeError(f"--context-length must be at least 2, got {context_length}")
-    template = None
-    if gguf is not None:
+    template, vision = None, None
+    if checkpoint is not None and is_vlm_folder(checkpoint):
+        vlm = load_vlm(checkpoint)
+        model, tokenizer, template, name, vision = (vlm.lm, vlm.tokenizer, vlm.template,
+                                                    vlm.name, vlm.tower)  # fmt: skip
+        if context_length is not None and context_length != model.config.context_length:
+            raise LmforgeError(
+                f"--context-length: a VLM serves its own ({model.config.context_length})"
+            )
+    elif gguf is not None:
         import importlib.util
 
         from lmforge.hf.gguf import import_gguf
@@ -209,7 +244,9 @@ def load_for_serving(
     else:
         want = getattr(torch, dtype)
     model = model.to(device=dev, dtype=want).eval()
-    return model, tokenizer, template, name
+    if vision is not None:
+        vision = vision.to(device=dev, dtype=want).eval()
+    return ServingModel(model, tokenizer, template, name, vision)
 
 
 class _PaddedVocab:

@@ -19,7 +19,9 @@ the :class:`~lmforge.serve.model_runner.ModelRunner` turns its decision into ten
    :func:`~lmforge.serve.blocks.block_keys`) is taken as is, and only the rest is computed. At
    least one token is always computed (its logits start sampling). Keys are rooted at the
    policy version, so KV computed under old weights never matches. Blocks that became full
-   after a step are registered.
+   after a step are registered. A prompt's image slots (a VLM's, :attr:`Seq.images`) enter the
+   keys as their image's pixel digest instead of the placeholder id: two prompts with the same
+   tokens but different images share no block from the first image slot on.
 
 Sample i > 0 of an n-sample request waits until sample 0 has prefilled the prompt, then shares
 its prompt blocks through the prefix cache instead of recomputing them.
@@ -80,6 +82,19 @@ class Seq:
     out: Any = None
     detok: Any = None
     stops: Any = None
+    images: Any = None
+    "the prompt's images (``spans``, ``digests``, ``embeds`` (rows, D)), e.g. a VLM's"
+    " :class:`~lmforge.vision.serving.ImagePrompt`; None for text"
+
+    def key_tokens(self, start: int, stop: int) -> list[Any]:
+        """``tokens[start:stop]`` as prefix-cache keys hold them: an image slot is its image's
+        digest (the placeholder id says nothing about the pixels)."""
+        out: list[Any] = self.tokens[start:stop]
+        if self.images is not None:
+            for (s, n), digest in zip(self.images.spans, self.images.digests, strict=True):
+                for p in range(max(s, start), min(s + n, stop)):
+                    out[p - start] = digest
+        return out
 
     @property
     def n_out(self) -> int:
@@ -102,6 +117,10 @@ class StepInputs:
     "tokens cached per sequence after the step"
     tables: list[list[int]]
     "each sequence's block table"
+    image_rows: list[int] = dataclasses.field(default_factory=list)
+    "rows of the step whose input is an image embedding, not the token's"
+    image_parts: list[tuple[Any, int, int]] = dataclasses.field(default_factory=list)
+    "(embeds, lo, hi): those rows' embeddings, ``embeds[lo:hi]`` in row order"
 
 
 class Scheduler:
@@ -182,7 +201,8 @@ class Scheduler:
         if seq.blocks:
             return
         seq.root = self.version
-        seq.keys = block_keys(seq.tokens[:-1], self.block_size, hash(("policy", seq.root)))
+        prefix = seq.key_tokens(0, len(seq.tokens) - 1)
+        seq.keys = block_keys(prefix, self.block_size, hash(("policy", seq.root)))
         for key in seq.keys:
             block = self.allocator.lookup(key)
             if block is None:
@@ -200,7 +220,7 @@ class Scheduler:
         if full <= seq.n_hashed:
             return
         parent = hash(seq.keys[seq.n_hashed - 1]) if seq.n_hashed else hash(("policy", seq.root))
-        new = block_keys(seq.tokens[seq.n_hashed * bs : full * bs], bs, parent)
+        new = block_keys(seq.key_tokens(seq.n_hashed * bs, full * bs), bs, parent)
         seq.keys = seq.keys[: seq.n_hashed] + new
         for i in range(seq.n_hashed, full):
             self.allocator.register(seq.blocks[i], seq.keys[i])
@@ -280,6 +300,8 @@ class Scheduler:
                 if p % bs == 0 or p == start:
                     self.allocator.check_writable(block)
                 out.slots.append(block * bs + p % bs)
+            if seq.images is not None:
+                _image_rows(seq.images, start, start + n, len(out.tokens), out)
             out.tokens.extend(seq.tokens[start : start + n])
             out.positions.extend(range(start, start + n))
             out.last_rows.append(len(out.tokens) - 1)
@@ -295,3 +317,15 @@ class Scheduler:
             seq.n_cached += n
             self.register_full_blocks(seq)
         return [(i, seq) for i, (seq, _) in enumerate(chosen) if seq.n_cached == len(seq.tokens)]
+
+
+def _image_rows(images: Any, start: int, stop: int, row0: int, out: StepInputs) -> None:
+    """Add the image slots among positions [start, stop) of a sequence (its step rows start at
+    ``row0``) to ``out``: a chunk boundary may cut an image, so each span is clipped."""
+    first = 0  # the span's first row in ``images.embeds``
+    for s, n in images.spans:
+        lo, hi = max(s, start), min(s + n, stop)
+        if lo < hi:
+            out.image_rows.extend(range(row0 + lo - start, row0 + hi - start))
+            out.image_parts.append((images.embeds, first + lo - s, first + hi - s))
+        first += n

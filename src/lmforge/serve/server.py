@@ -22,8 +22,14 @@ and ends samples on ``stop`` strings, outside the engine; streamed and non-strea
 the same released pieces and a stream never shows text past a stop string. The token that
 ended a sample (EOS / stop id) and the matched stop string are not part of the text.
 
-Exercised by ``pytest tests/test_serve_server.py`` (the official ``openai`` client against a
-server on a free 127.0.0.1 port).
+Images (a VLM, ``lmforge serve --checkpoint VLM_RUN_DIR``): chat content parts ``{"type":
+"image_url", "image_url": {"url": "data:image/...;base64,..."}}`` become ``<image>``
+placeholders; the images are decoded, checked and preprocessed here in a worker thread
+(:mod:`lmforge.vision.serving`; only ``data:`` URLs, nothing is fetched) and the engine side
+embeds them. A bad image, a non-data URL or an image for a text model is a 400.
+
+Exercised by ``pytest tests/test_serve_server.py tests/test_serve_images_server.py`` (the
+official ``openai`` client or httpx against a server on a free 127.0.0.1 port).
 """
 
 from __future__ import annotations
@@ -237,8 +243,10 @@ def _sampling(
     return params, stops
 
 
-def _chat_text(m: Any) -> dict:
-    """A message with string content: a list of text parts is joined (as vLLM: with newlines)."""
+def _chat_text(m: Any, images: list[str] | None) -> dict:
+    """A message with string content: a list of text parts is joined (as vLLM: with newlines).
+    An ``image_url`` part (a VLM; ``images`` is None for a text model: 400) becomes the
+    ``<image>`` placeholder, its URL appended to ``images``."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise BadRequest("each message needs a string 'role'", "messages")
     role = m["role"]
@@ -252,11 +260,14 @@ def _chat_text(m: Any) -> dict:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind == "image_url":
+                texts.append(_image_part(part, images))
+                continue
+            if kind != "text":
                 raise BadRequest(
-                    f"message content parts must be {{'type': 'text', ...}}, got {kind!r} "
-                    "(this server serves text only)",
+                    f"message content parts must be {{'type': 'text', ...}} or "
+                    f"{{'type': 'image_url', ...}}, got {kind!r}",
                     "messages",
                 )
             if not isinstance(part.get("text"), str):
@@ -268,6 +279,41 @@ def _chat_text(m: Any) -> dict:
                          "messages")  # fmt: skip
     # 'developer' is OpenAI's newer name for the system role; chat templates know 'system'
     return {**m, "role": "system" if role == "developer" else role, "content": content}
+
+
+def _image_part(part: dict, images: list[str] | None) -> str:
+    """The placeholder text of an ``image_url`` part; its URL goes to ``images``."""
+    if images is None:
+        raise BadRequest("this model has no vision tower (it serves text only): image_url "
+                         "content needs a VLM (lmforge serve --checkpoint VLM_RUN_DIR)",
+                         "messages")  # fmt: skip
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise BadRequest("an image_url content part needs {'url': 'data:image/...'}", "messages")
+    images.append(url)
+    return "<image>"
+
+
+def _read_images(urls: list[str], vision: dict[str, int]) -> tuple[Any, list[str]]:
+    """``(pixels (M, 3, S, S) float32 numpy, digests)`` of data URLs (worker thread: decoding
+    and resizing are CPU work); a bad one is a 400 naming it."""
+    import numpy as np
+
+    from lmforge.vision.serving import decode_data_url, decode_image, image_pixels
+
+    pixels, digests = [], []
+    for i, url in enumerate(urls):
+        name = f"image {i + 1}"
+        try:
+            image = decode_image(decode_data_url(url), name)
+            px, digest = image_pixels(image, vision["image_size"])
+        except LmforgeError as e:
+            msg = str(e) if str(e).startswith(name) else f"{name}: {e}"
+            raise BadRequest(msg, "messages") from None
+        pixels.append(px.numpy())
+        digests.append(digest)
+    return np.stack(pixels), digests
 
 
 def build_app(state: ServerState) -> Any:
@@ -381,11 +427,12 @@ def build_app(state: ServerState) -> Any:
         stream: bool,
         include_usage: bool,
         echo: str | None,
+        images: tuple | None = None,
     ) -> Any:
         queue: asyncio.Queue[Delta] = asyncio.Queue()
         t0 = time.monotonic()
         try:
-            rid = state.loop.submit(prompt, params, queue)
+            rid = state.loop.submit(prompt, params, queue, images)
         except QueueFull as e:
             return _error(429, str(e))
         except LmforgeError as e:
@@ -537,14 +584,17 @@ def build_app(state: ServerState) -> Any:
             return _error(500, f"engine failed: {state.loop.error}")
         try:
             body = await _body(request, _CHAT_FIELDS if chat else _COMPLETION_FIELDS)
-            echo = None
+            echo, pixels, digests = None, None, []
             if chat:
                 messages = body.get("messages")
                 if not isinstance(messages, list) or not messages:
                     raise BadRequest("'messages' must be a non-empty list", "messages")
-                messages = [_chat_text(m) for m in messages]
+                urls: list[str] | None = None if state.loop.vision is None else []
+                messages = [_chat_text(m, urls) for m in messages]
                 text = render_chat(state.chat_template, messages, **special)
                 prompt = await _encode(tok, text)
+                if urls:  # decoded off the event loop
+                    pixels, digests = await asyncio.to_thread(_read_images, urls, state.loop.vision)
             else:
                 raw = body.get("prompt")
                 if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
@@ -571,6 +621,9 @@ def build_app(state: ServerState) -> Any:
                     echo = raw if isinstance(raw, str) else tok.decode(prompt)
             if not prompt:
                 raise BadRequest("the prompt is empty", "messages" if chat else "prompt")
+            images = None
+            if state.loop.vision is not None:  # a VLM: one image per placeholder, expanded
+                prompt, images = _expand(prompt, pixels, digests, state.loop.vision, chat)
             if any(t < 0 or t >= vocab for t in prompt):
                 raise BadRequest(f"token ids must be in [0, {vocab})", "prompt")
             params, stops = _sampling(body, len(prompt), ctx, vocab, state.max_default_tokens, chat)
@@ -578,7 +631,8 @@ def build_app(state: ServerState) -> Any:
             include_usage = _stream_options(body, stream)
         except BadRequest as e:
             return _error(e.status, e.message, e.param)
-        return await _run(request, prompt, params, stops, chat, stream, include_usage, echo)
+        return await _run(request, prompt, params, stops, chat, stream, include_usage, echo,
+                          images)  # fmt: skip
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -668,6 +722,21 @@ async def _get_watching(queue: asyncio.Queue, request: Request) -> Delta:
         if await request.is_disconnected():
             get.cancel()
             raise BadRequest("client disconnected", status=499)
+
+
+def _expand(
+    prompt: list[int], pixels: Any, digests: list[str], vision: dict[str, int], chat: bool
+) -> tuple[list[int], tuple | None]:
+    """A VLM prompt with its ``<image>`` placeholders expanded to the image slots, and what
+    :meth:`EngineProcess.submit` takes for its images (None without images)."""
+    from lmforge.vision.serving import expand_placeholders
+
+    try:
+        ids, spans = expand_placeholders(prompt, vision["image_id"], vision["n_image_tokens"],
+                                         len(digests))  # fmt: skip
+    except LmforgeError as e:
+        raise BadRequest(str(e), "messages" if chat else "prompt") from None
+    return ids, ((pixels, spans, digests) if digests else None)
 
 
 async def _encode(tok: Any, text: str) -> list[int]:

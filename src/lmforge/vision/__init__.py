@@ -1,6 +1,7 @@
 """Multimodal lmforge: procedural image–text data, a ViT and text encoder trained contrastively
 (CLIP / SigLIP), a LLaVA-style VLM on an lmforge ``TransformerLM``, and a VQ-VAE for discrete
-image tokens. This is the public API; the command is ``lmforge vision --help``.
+image tokens; serving a VLM (image decoding, embeddings, the checkpoint loader). This is the
+public API; the command is ``lmforge vision --help``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,19 @@ if TYPE_CHECKING:
     from lmforge.vision.hf import HFVisionTower, load_hf_vision_tower
     from lmforge.vision.losses import clip_loss, retrieval_recall, siglip_loss
     from lmforge.vision.scenes import QA, ProceduralScenes, Scene, SceneSample
-    from lmforge.vision.vlm import (
-        Projector,
-        VisionLanguageModel,
-        VLMObjective,
-        encode_image_for_prompt,
-        splice_image_embeds,
+    from lmforge.vision.serving import (
+        ImagePrompt,
+        LoadedVLM,
+        VisionTower,
+        VLMTokenizer,
+        decode_data_url,
+        decode_image,
+        expand_placeholders,
+        image_pixels,
+        load_vlm,
+        prepare_image_prompt,
     )
+    from lmforge.vision.vlm import Projector, VisionLanguageModel, VLMObjective, splice_image_embeds
     from lmforge.vision.vlm_train import VLMRunConfig, run_vlm
     from lmforge.vision.vq_train import VQRunConfig, run_vq
     from lmforge.vision.vqvae import VQVAE, CodebookUpdate, EMACodebook, VQConfig
@@ -42,6 +49,8 @@ __all__ = [
     "DualEncoder",
     "EMACodebook",
     "HFVisionTower",
+    "ImagePrompt",
+    "LoadedVLM",
     "ProceduralScenes",
     "Projector",
     "Scene",
@@ -50,19 +59,26 @@ __all__ = [
     "TextEncoder",
     "VLMObjective",
     "VLMRunConfig",
+    "VLMTokenizer",
     "VQConfig",
     "VQRunConfig",
     "ViT",
     "ViTConfig",
     "VisionLanguageModel",
+    "VisionTower",
     "WordTokenizer",
     "clip_loss",
+    "decode_data_url",
+    "decode_image",
     "encode_batch",
-    "encode_image_for_prompt",
+    "expand_placeholders",
+    "image_pixels",
     "iter_image_folder",
     "iter_tar_shards",
     "load_hf_vision_tower",
     "load_image",
+    "load_vlm",
+    "prepare_image_prompt",
     "preprocess",
     "pretrain",
     "retrieval_recall",
@@ -73,6 +89,16 @@ __all__ = [
 ]
 
 _EXPORTS = {
+    "ImagePrompt": "serving",
+    "LoadedVLM": "serving",
+    "VLMTokenizer": "serving",
+    "VisionTower": "serving",
+    "decode_data_url": "serving",
+    "decode_image": "serving",
+    "expand_placeholders": "serving",
+    "image_pixels": "serving",
+    "load_vlm": "serving",
+    "prepare_image_prompt": "serving",
     "ContrastiveRunConfig": "contrastive",
     "VLMRunConfig": "vlm_train",
     "VQRunConfig": "vq_train",
@@ -99,7 +125,6 @@ _EXPORTS = {
     "WordTokenizer": "data",
     "clip_loss": "losses",
     "encode_batch": "data",
-    "encode_image_for_prompt": "vlm",
     "iter_image_folder": "data",
     "iter_tar_shards": "data",
     "load_hf_vision_tower": "hf",

@@ -66,7 +66,9 @@ def load_image(
                 return img.convert("RGB")
     except LmforgeError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as e:
+    except UnidentifiedImageError:  # PIL's message names only its file object
+        raise LmforgeError(f"{label}: not a readable image (no known image format)") from None
+    except (Image.DecompressionBombError, OSError, ValueError) as e:
         raise LmforgeError(f"{label}: not a readable image ({type(e).__name__}: {e})") from None
 
 

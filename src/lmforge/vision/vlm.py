@@ -12,7 +12,6 @@ Exercised by ``pytest tests/test_vision_vlm.py``.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Any
 
@@ -88,34 +87,6 @@ class VisionLanguageModel(nn.Module):
         embeds = self.lm.token_embeddings(tokens)  # (B, T, D)
         embeds = splice_image_embeds(embeds, tokens, self.image_embeds(images), self.image_id)
         return lm_forward_with_embeds(self.lm, tokens, embeds)
-
-
-@torch.no_grad()
-def encode_image_for_prompt(
-    model: VisionLanguageModel, image: Any, prompt_ids: list[int]
-) -> tuple[torch.Tensor, list[int], str]:
-    """What a serving engine needs for one image prompt.
-
-    ``image``: a PIL image, an (H, W, 3) uint8 array or the bytes of an image file (decoded
-    with :func:`~lmforge.vision.data.load_image`, one error line for a bad one). ``prompt_ids``
-    hold one ``<image>`` id where the image goes. Returns ``(image_embeds (N, D) on the model's
-    device, the prompt ids with that id repeated N times, the SHA-256 of the preprocessed
-    pixels)``; the hash plus the ids key a prefix cache (identical pixels → identical embeds).
-    """
-    from lmforge.utils.errors import LmforgeError
-    from lmforge.vision.data import load_image
-
-    if isinstance(image, bytes | bytearray):
-        image = load_image(bytes(image), "image")
-    if prompt_ids.count(model.image_id) != 1:
-        raise LmforgeError("the prompt must hold exactly one <image> placeholder")
-    pixels = preprocess(image, model.vision.config.image_size)  # (3, S, S)
-    digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest()
-    device = next(model.parameters()).device
-    embeds = model.image_embeds(pixels[None].to(device))[0]  # (N, D)
-    at = prompt_ids.index(model.image_id)
-    ids = prompt_ids[:at] + [model.image_id] * model.n_image_tokens + prompt_ids[at + 1 :]
-    return embeds, ids, digest
 
 
 def choose_question(sample: SceneSample, key: str) -> QA:

@@ -57,7 +57,7 @@ class VLMConfig:
     threads: int = 0
     "CPU threads for torch (0 = torch's default)"
     out: str = "runs/vision/vlm-tiny"
-    "run folder: config.toml, results.json, a Trainer folder per phase (text, stage1, stage2)"
+    "run folder: config.toml, vision.toml, vocab.json, results.json, a Trainer folder per phase"
 
     def __post_init__(self) -> None:
         check_phase("vlm", batch_size=self.batch_size, lr=self.lr, stage2_lr=self.stage2_lr,
@@ -121,6 +121,9 @@ def run_vlm(
     lm_cfg = dataclasses.replace(cfg.lm, vocab_size=tok.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.replace(cfg, lm=lm_cfg), out / "config.toml")
+    # what serving needs beside the weights (lmforge.vision.serving.load_vlm reads them)
+    save_config(enc_cfg.vision, out / "vision.toml")
+    tok.save(out / "vocab.json")
     size = enc_cfg.vision.image_size
     train = ProceduralScenes(seed=v.seed, split="train", image_size=size, max_objects=v.max_objects)
     val = ProceduralScenes(seed=v.seed, split="val", image_size=size, max_objects=v.max_objects)
