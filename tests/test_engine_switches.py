@@ -29,6 +29,8 @@ V = 101
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 BASE = dict(vocab_size=V, context_length=64, d_model=64, n_layers=2, n_heads=4)
 
+MLA = dict(attention_type="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=12)  # fmt: skip
 SWITCHES: dict[str, dict] = {
     "plain": {},
     "mup": dict(mup=True, mup_base_width=16, mup_base_head_dim=8),
@@ -42,6 +44,10 @@ SWITCHES: dict[str, dict] = {
         rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_context=16, rope_theta=500.0
     ),
     "moe": dict(moe=MoEConfig(n_experts=4, top_k=2, expert_d_ff=32, n_shared_experts=1)),
+    # multi-head latent attention: the engine's latent paged cache (prefill explicit form,
+    # decode absorbed through StepOps.attend_latent); with CLA one cache layer for two blocks
+    "mla": dict(MLA, q_lora_rank=24),
+    "mla_cla": dict(MLA, kv_share_every=2, tie_embeddings=True),
     "all": dict(
         mup=True,
         mup_base_width=32,
@@ -96,7 +102,9 @@ ENGINES = {
 
 ROWS = [(name, kw, "default") for name, kw in {**SWITCHES, **SHIPPED}.items()]
 ROWS += [
-    (name, SWITCHES[name], e) for name in ("mup", "all") for e in ("chunked", "no_prefix_cache")
+    (name, SWITCHES[name], e)
+    for name in ("mup", "all", "mla", "mla_cla")
+    for e in ("chunked", "no_prefix_cache")
 ]
 
 
@@ -143,7 +151,7 @@ def test_engine_equals_reference(switch: str, kw: dict, engine: str) -> None:
     assert eng.allocator.num_used == 0
 
 
-@pytest.mark.parametrize("switch", ["mup", "all"])
+@pytest.mark.parametrize("switch", ["mup", "all", "mla", "mla_cla"])
 def test_prefix_cache_hit_serves_the_same_tokens(switch: str) -> None:
     """A second request that shares the first's prompt prefix takes its cached blocks (a hit),
     and still gives the reference's tokens and log-probs."""
@@ -164,7 +172,7 @@ def test_rows_cover_every_switch() -> None:
     """The table names every ModelConfig switch the serving path must honour."""
     on = {k for kw in SWITCHES.values() for k in kw}
     assert {"mup", "qk_norm", "logit_soft_cap", "tie_embeddings", "n_kv_heads", "head_dim",
-            "rope_scaling", "moe"} <= on  # fmt: skip
+            "rope_scaling", "moe", "attention_type", "kv_share_every"} <= on  # fmt: skip
     assert len(SHIPPED) >= 5 and any(
         dataclasses.asdict(kw["moe"]) for kw in SHIPPED.values() if "moe" in kw
     )

@@ -71,3 +71,88 @@ def test_unsupported_options_are_one_line() -> None:
         mla_config_from_hf({**hf, "qk_rope_head_dim": 7})
     with pytest.raises(LmforgeError, match=r"missing tensor 'q_proj\.weight'"):
         mla_state_from_hf({}, mla_config_from_hf(hf))
+
+
+# ---- whole models: lmforge hf export / import as DeepseekV3ForCausalLM ----------------------
+
+
+def _mla_model(**kw):
+    from lmforge.model import ModelConfig, TransformerLM
+
+    base = dict(
+        vocab_size=101, context_length=64, d_model=64, n_layers=2, n_heads=4, d_ff=96,
+        attention_type="mla", kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, norm_eps=1e-6,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(**{**base, **kw})).eval()
+    with torch.no_grad():  # non-trivial norm gains, so a mis-mapped gain would show
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"q_lora_rank": 40, "tie_embeddings": True}, {"mtp_depth": 2, "rope_theta": 500.0}]
+)
+def test_whole_model_export_import_logits_equal_transformers(tmp_path, kw) -> None:
+    """export -> DeepseekV3ForCausalLM: logits equal (fp32, 1e-5); import back: the same
+    model (every tensor, the MTP modules' included, bit-equal); the MTP weights are under
+    DeepSeek-V3's names."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lmforge.hf import export_model, import_model
+
+    ours = _mla_model(**kw)
+    out = export_model(ours, tmp_path / "hf")
+    theirs = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
+    idx = torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), theirs(idx).logits, atol=1e-5, rtol=1e-5)
+    back, _ = import_model(out)
+    assert back.config == ours.config
+    mine = ours.state_dict()
+    for k, v in back.state_dict().items():
+        torch.testing.assert_close(v, mine[k], atol=0, rtol=0)
+    names = load_file(str(out / "model.safetensors"))
+    for k in range(kw.get("mtp_depth", 0)):
+        for part in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn.kv_b_proj"):
+            assert f"model.layers.{2 + k}.{part}.weight" in names
+
+
+def test_import_rotate_half_deepseek(tmp_path) -> None:
+    """A DeepseekV3ForCausalLM saved by transformers with rope_interleave=False imports to the
+    same logits."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from lmforge.hf import import_model
+
+    cfg = _hf_config(40, False)
+    cfg.first_k_dense_replace = cfg.num_hidden_layers = 2
+    cfg.vocab_size = 64
+    torch.manual_seed(0)
+    theirs = DeepseekV3ForCausalLM(cfg).eval()
+    theirs.save_pretrained(tmp_path)
+    ours, _ = import_model(tmp_path)
+    idx = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), theirs(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_whole_model_refusals_are_one_line() -> None:
+    from lmforge.hf import hf_config_to_model_config, model_config_to_hf_config
+    from lmforge.model import ModelConfig
+    from lmforge.model.moe_config import MoEConfig
+
+    hf = _hf_config(None, True).to_dict()
+    with pytest.raises(LmforgeError, match="MoE layers"):
+        hf_config_to_model_config({**hf, "first_k_dense_replace": 0})
+    mla = dict(d_model=64, n_heads=4, attention_type="mla", kv_lora_rank=24,
+               qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)  # fmt: skip
+    with pytest.raises(LmforgeError, match="kv_share_every"):
+        model_config_to_hf_config(ModelConfig(**mla, kv_share_every=2))
+    with pytest.raises(LmforgeError, match="moe"):
+        model_config_to_hf_config(ModelConfig(**mla, moe=MoEConfig(n_experts=4, top_k=2)))

@@ -1,4 +1,5 @@
-"""Hugging Face interoperability: export lmforge models as Llama/Qwen3 folders, import them back.
+"""Hugging Face interoperability: export lmforge models as Llama/Qwen3 (DeepSeek-V3 for MLA)
+folders, import them back.
 
 This is the public API of ``lmforge.hf``. transformers is not needed at run time (only the tests
 use it, to check that logits agree); ``tokenizers`` is needed to wrap non-GPT-2 tokenizers.

@@ -14,12 +14,14 @@ EXAMPLES = """examples:
 runs/models/SmolLM2-135M-Instruct.Q4_1.gguf is what `lmforge download smollm2-135m-instruct` fetches.
 
 A run folder exports its latest checkpoint; a folder under its checkpoints/ exports that one.
-export writes config.json (LlamaForCausalLM; Qwen3ForCausalLM when model.qk_norm), model.safetensors
-and tokenizer.json; transformers.AutoModelForCausalLM.from_pretrained(OUT) gives the same logits.
-import reads Llama- and Qwen3-family folders (no downloads: point it at a local folder) and writes
-an lmforge checkpoint folder (model.safetensors, config.toml, meta.json, tokenizer/). Not
-representable (one error line says which): RoPE scaling other than Llama 3.1's "llama3", biases,
-sliding windows. --gguf FILE reads a llama.cpp GGUF file (Llama/Qwen3; F32/F16/BF16/Q8_0/Q4_0/Q4_1
+export writes config.json (LlamaForCausalLM; Qwen3ForCausalLM when model.qk_norm;
+DeepseekV3ForCausalLM when model.attention_type=mla, MTP modules under DeepSeek-V3's names),
+model.safetensors and tokenizer.json; transformers.AutoModelForCausalLM.from_pretrained(OUT) gives
+the same logits. import reads Llama-, Qwen3- and dense DeepSeek-V3-style folders (no downloads:
+point it at a local folder) and writes an lmforge checkpoint folder (model.safetensors,
+config.toml, meta.json, tokenizer/). Not representable (one error line says which): RoPE scaling
+other than Llama 3.1's "llama3" (DeepSeek-V3's YaRN included), biases, sliding windows, DeepSeek
+MoE layers. --gguf FILE reads a llama.cpp GGUF file (Llama/Qwen3; F32/F16/BF16/Q8_0/Q4_0/Q4_1
 tensors, dequantized to fp32) with its tokenizer and chat template.
 """
 
@@ -29,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "hf",
         help="export to / import from Hugging Face Llama-style folders",
-        description="Convert between lmforge checkpoints and Hugging Face Llama/Qwen3 folders.",
+        description="Convert between lmforge checkpoints and Hugging Face Llama/Qwen3/DeepSeek-V3"
+        " folders.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -37,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = hsub.add_parser(
         "export",
         help="lmforge checkpoint → Hugging Face folder",
-        description="Write an lmforge checkpoint as a Hugging Face Llama/Qwen3 folder.",
+        description="Write an lmforge checkpoint as a Hugging Face Llama/Qwen3/DeepSeek-V3 folder.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -47,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     i = hsub.add_parser(
         "import",
         help="Hugging Face folder → lmforge checkpoint",
-        description="Read a local Hugging Face Llama/Qwen3 folder into an lmforge checkpoint.",
+        description="Read a local Hugging Face Llama/Qwen3/DeepSeek-V3 folder into an lmforge"
+        " checkpoint.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

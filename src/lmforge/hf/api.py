@@ -97,7 +97,12 @@ def import_model(
     cfg = hf_config_to_model_config(hf_cfg, str(d / "config.json"), context_length)
     cfg = dataclasses.replace(cfg, attention=attention)  # type: ignore[arg-type]
     hf_state = load_hf_state(d)
-    state = hf_to_lmforge_state(hf_state, cfg, source=str(d))
+    if cfg.mtp_depth:  # MTP modules named in config.json but not saved: import without them
+        from lmforge.hf.deepseek import mtp_depth_present
+
+        cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth_present(hf_state, cfg))
+    interleave = bool(hf_cfg.get("rope_interleave", True))  # DeepSeek-V3's RoPE layout flag
+    state = hf_to_lmforge_state(hf_state, cfg, source=str(d), rope_interleave=interleave)
     tokenizer = load_hf_tokenizer(d) if _has_tokenizer_files(d) else None
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise LmforgeError(

@@ -1,4 +1,7 @@
-"""Weights and config between lmforge and Hugging Face Llama / Qwen3 folders.
+"""Weights and config between lmforge and Hugging Face Llama / Qwen3 (/ DeepSeek-V3) folders.
+
+MLA models (``ModelConfig.attention_type = "mla"``) are DeepSeek-V3 folders, mapped by
+:mod:`lmforge.hf.deepseek`; the functions here dispatch to it.
 
 An lmforge :class:`~lmforge.model.TransformerLM` is architecturally a Llama (pre-norm RMSNorm,
 RoPE, SwiGLU, GQA, no biases); with ``qk_norm=True`` it is a Qwen3 (per-head RMSNorm on queries
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmforge.hf import _moe
+from lmforge.hf._rope import rope_permutation
 from lmforge.model.config import ModelConfig
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write_text
@@ -51,15 +55,8 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",  # MoE models: lmforge.hf._moe
+    "deepseek_v3": "DeepseekV3ForCausalLM",  # MLA models: lmforge.hf.deepseek
 }
-
-
-def rope_permutation(head_dim: int) -> torch.Tensor:
-    """Row order that maps lmforge's interleaved RoPE layout to HF's half-split one.
-
-    ``hf_rows = lmforge_rows[perm]`` within each head: ``perm = [0, 2, …, E-2, 1, 3, …, E-1]``.
-    """
-    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
 
 
 def _permute_heads(
@@ -123,7 +120,12 @@ def _rope_order(lm_name: str, cfg: ModelConfig) -> tuple[int, bool] | None:
 def lmforge_to_hf_state(
     state: dict[str, torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
-    """An lmforge state dict renamed and RoPE-permuted into HF Llama/Qwen3 names."""
+    """An lmforge state dict renamed and RoPE-permuted into HF Llama/Qwen3 names (DeepSeek-V3
+    names for an MLA model, :mod:`lmforge.hf.deepseek`)."""
+    if cfg.attention_type == "mla":
+        from lmforge.hf.deepseek import deepseek_state_to_hf
+
+        return deepseek_state_to_hf(state, cfg)
     perm = rope_permutation(cfg.head_dim)
     out = {}
     for lm_name, hf_name in _name_pairs(cfg):
@@ -140,13 +142,22 @@ def lmforge_to_hf_state(
 
 
 def hf_to_lmforge_state(
-    hf_state: dict[str, torch.Tensor], cfg: ModelConfig, source: str = "checkpoint"
+    hf_state: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    source: str = "checkpoint",
+    *,
+    rope_interleave: bool = True,
 ) -> dict[str, torch.Tensor]:
     """HF Llama/Qwen3 tensors renamed and un-permuted into an lmforge state dict (fp32).
 
     Tensors HF keeps for itself (``rotary_emb.inv_freq``) are ignored; any other leftover (a bias,
-    an extra norm) raises one line naming it, since lmforge has no place for it.
+    an extra norm) raises one line naming it, since lmforge has no place for it. An MLA ``cfg``
+    reads DeepSeek-V3 names (``rope_interleave`` is its config.json flag).
     """
+    if cfg.attention_type == "mla":
+        from lmforge.hf.deepseek import deepseek_state_from_hf
+
+        return deepseek_state_from_hf(hf_state, cfg, source, rope_interleave=rope_interleave)
     inv = torch.argsort(rope_permutation(cfg.head_dim))
     state: dict[str, torch.Tensor] = {}
     used = set()
@@ -175,7 +186,12 @@ def hf_to_lmforge_state(
 
 
 def model_config_to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
-    """The ``config.json`` of the HF model equivalent to ``cfg`` (Llama, or Qwen3 with qk_norm)."""
+    """The ``config.json`` of the HF model equivalent to ``cfg`` (Llama, or Qwen3 with qk_norm,
+    or DeepSeek-V3 with MLA)."""
+    if cfg.attention_type == "mla":
+        from lmforge.hf.deepseek import deepseek_config_to_hf
+
+        return deepseek_config_to_hf(cfg, eos_token_id)
     if cfg.logit_soft_cap is not None:
         raise LmforgeError(
             "cannot export: model.logit_soft_cap is set, and Llama/Qwen3 have no logit soft-cap"
@@ -269,6 +285,10 @@ def hf_config_to_model_config(
             f"{where}: model_type '{model_type}' is not supported "
             f"(supported: {', '.join(_ARCHITECTURES)})"
         )
+    if model_type == "deepseek_v3":
+        from lmforge.hf.deepseek import deepseek_config_from_hf
+
+        return deepseek_config_from_hf(hf, where, context_length)
     try:
         d_model = int(hf["hidden_size"])
         n_heads = int(hf["num_attention_heads"])

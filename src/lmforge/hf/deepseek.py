@@ -25,8 +25,18 @@ of ``q_b_proj``/``q_proj`` (per head) and of ``kv_a_proj_with_mqa`` (its last R 
 permuted (:func:`lmforge.hf.convert.rope_permutation`). Refused with one line: YaRN or any
 other RoPE scaling (its ``mscale²`` softmax factor is not modelled), ``attention_bias``.
 
-Not yet wired into ``lmforge hf import/export`` (see the wiring plan in
-:mod:`lmforge.model.mla`). Exercised by ``pytest tests/test_mla_hf.py``.
+Whole models (``lmforge hf import/export`` dispatch here for ``model_type = deepseek_v3`` and
+``ModelConfig(attention_type="mla")``): embeddings, norms, the dense SwiGLU MLPs and the LM head
+are named as for Llama (:mod:`lmforge.hf.convert`); MTP module k (``mtp.layers.k.``) is
+DeepSeek-V3's ``model.layers.{L + k}.`` with ``enorm``, ``hnorm``, ``eh_proj``, the block's own
+names and ``shared_head.norm`` (checkpoints also carry copies of the embedding and head there,
+``embed_tokens`` and ``shared_head.head``: written on export, checked to be present and skipped on
+import). transformers' ``DeepseekV3ForCausalLM`` does not run MTP modules (it ignores those keys),
+so their round trip is tested by name. Not representable, refused in one line: MoE layers
+(``first_k_dense_replace < num_hidden_layers``; group-limited routing and the score-correction
+bias have no lmforge equivalent yet), cross-layer sharing, a logit soft-cap.
+
+Exercised by ``pytest tests/test_mla_hf.py``.
 """
 
 from __future__ import annotations
@@ -36,11 +46,21 @@ from typing import Any
 
 import torch
 
-from lmforge.hf.convert import rope_permutation
+from lmforge.hf._rope import rope_permutation
+from lmforge.model.config import ModelConfig
 from lmforge.model.mla import MLAConfig
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["mla_config_from_hf", "mla_state_from_hf", "mla_state_to_hf"]
+__all__ = [
+    "deepseek_config_from_hf",
+    "deepseek_config_to_hf",
+    "deepseek_state_from_hf",
+    "deepseek_state_to_hf",
+    "mla_config_from_hf",
+    "mla_state_from_hf",
+    "mla_state_to_hf",
+    "mtp_depth_present",
+]
 
 _NAMES = {  # HF suffix -> lmforge suffix
     "q_proj.weight": "q_proj.weight",
@@ -157,3 +177,207 @@ def mla_state_to_hf(
             t = _permute_rope(t, cfg, lm_name, perm)
         out[prefix + hf_name] = t.contiguous()
     return out
+
+
+# ---- whole DeepSeek-V3-style models --------------------------------------------------------
+
+
+def deepseek_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` of the ``DeepseekV3ForCausalLM`` equal to an MLA ``cfg`` (dense MLPs:
+    ``first_k_dense_replace = num_hidden_layers``)."""
+    for what, bad in (
+        ("model.moe (DeepSeek MoE layers are not mapped yet)", cfg.moe.enabled),
+        (
+            "model.kv_share_every > 1 (DeepSeek-V3 has no cross-layer sharing)",
+            cfg.kv_share_every > 1,
+        ),
+        ("model.logit_soft_cap", cfg.logit_soft_cap is not None),
+        ("model.layers other than A", set(cfg.layers) != {"A"}),
+    ):
+        if bad:
+            raise LmforgeError(f"cannot export as DeepSeek-V3: {what} is set")
+    out: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "moe_intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_heads,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "q_lora_rank": cfg.q_lora_rank or None,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "first_k_dense_replace": cfg.n_layers,
+        "n_routed_experts": 1,
+        "n_shared_experts": 0,
+        "num_experts_per_tok": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_nextn_predict_layers": cfg.mtp_depth,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.context_length,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "rope_interleave": True,  # lmforge's own layout: the weights map unpermuted
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+    if eos_token_id is not None:
+        out["eos_token_id"] = eos_token_id
+        out["bos_token_id"] = eos_token_id
+    return out
+
+
+def deepseek_config_from_hf(
+    hf: Mapping[str, Any], where: str = "config.json", context_length: int | None = None
+) -> ModelConfig:
+    """The lmforge :class:`ModelConfig` of a DeepSeek-V3 ``config.json`` dict (one line for
+    anything lmforge cannot represent)."""
+    mla = mla_config_from_hf(hf, where=where)
+    n_layers = int(hf.get("num_hidden_layers", 0))
+    if int(hf.get("first_k_dense_replace", 0) or 0) < n_layers:
+        raise LmforgeError(
+            f"{where}: DeepSeek MoE layers (first_k_dense_replace <"
+            " num_hidden_layers) are not supported yet; dense DeepSeek-V3-style models only"
+        )
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise LmforgeError(f"{where}: hidden_act '{act}' is not supported (SwiGLU needs silu)")
+    d, h = mla.d_model, mla.n_heads
+    try:
+        return ModelConfig(
+            vocab_size=int(hf["vocab_size"]),
+            context_length=int(context_length or hf.get("max_position_embeddings", 2048)),
+            d_model=d,
+            n_layers=n_layers,
+            n_heads=h,
+            head_dim=None if d % h == 0 and (d // h) % 2 == 0 else mla.v_head_dim,
+            d_ff=int(hf["intermediate_size"]),
+            rope_theta=mla.rope_theta,
+            norm_eps=mla.norm_eps,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention="sdpa",
+            attention_type="mla",
+            kv_lora_rank=mla.kv_lora_rank,
+            q_lora_rank=mla.q_lora_rank,
+            qk_nope_head_dim=mla.qk_nope_head_dim,
+            qk_rope_head_dim=mla.qk_rope_head_dim,
+            v_head_dim=mla.v_head_dim,
+            mtp_depth=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0),
+        )
+    except KeyError as e:
+        raise LmforgeError(f"{where}: missing key {e.args[0]!r}") from None
+    except ValueError as e:
+        raise LmforgeError(f"{where}: {e}") from None
+
+
+_BLOCK = {  # lmforge block suffix -> HF decoder-layer suffix (besides self_attn)
+    "ffn.w1.weight": "mlp.gate_proj.weight",
+    "ffn.w3.weight": "mlp.up_proj.weight",
+    "ffn.w2.weight": "mlp.down_proj.weight",
+    "ln1.weight": "input_layernorm.weight",
+    "ln2.weight": "post_attention_layernorm.weight",
+}
+_MTP = {  # lmforge MTP-module suffix -> HF suffix of model.layers.{L + k}
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "proj.weight": "eh_proj.weight",
+    "norm_out.weight": "shared_head.norm.weight",
+}
+_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # the shared emb/head, again
+
+
+def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(lmforge, HF) names of every tensor but the attention's (mapped by the MLA functions)."""
+    pairs = [("token_embeddings.weight", "model.embed_tokens.weight")]
+    for i in range(cfg.n_layers):
+        pairs += [(f"layers.{i}.{a}", f"model.layers.{i}.{b}") for a, b in _BLOCK.items()]
+    for k in range(cfg.mtp_depth):
+        lm, hf = f"mtp.layers.{k}.", f"model.layers.{cfg.n_layers + k}."
+        pairs += [(lm + a, hf + b) for a, b in _MTP.items()]
+        pairs += [(f"{lm}block.{a}", hf + b) for a, b in _BLOCK.items()]
+    pairs.append(("ln_final.weight", "model.norm.weight"))
+    if not cfg.tie_embeddings:
+        pairs.append(("lm_head.weight", "lm_head.weight"))
+    return pairs
+
+
+def _attention_prefixes(cfg: ModelConfig) -> list[tuple[str, str]]:
+    out = [(f"layers.{i}.attn.", f"model.layers.{i}.self_attn.") for i in range(cfg.n_layers)]
+    for k in range(cfg.mtp_depth):
+        out.append((f"mtp.layers.{k}.block.attn.", f"model.layers.{cfg.n_layers + k}.self_attn."))
+    return out
+
+
+def deepseek_state_to_hf(
+    state: Mapping[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """An MLA TransformerLM's state dict in DeepSeek-V3 names (``rope_interleave=True``)."""
+    out: dict[str, torch.Tensor] = {}
+    for lm_name, hf_name in _pairs(cfg):
+        if lm_name not in state:
+            raise LmforgeError(f"model state has no '{lm_name}' (not an lmforge MLA model?)")
+        out[hf_name] = state[lm_name].detach().to("cpu").contiguous()
+    for lm, hf in _attention_prefixes(cfg):
+        sub = {k[len(lm) :]: v.detach().to("cpu") for k, v in state.items() if k.startswith(lm)}
+        out.update(mla_state_to_hf(sub, cfg.mla, prefix=hf))
+    head = state["lm_head.weight"] if "lm_head.weight" in state else None
+    for k in range(cfg.mtp_depth):
+        hf = f"model.layers.{cfg.n_layers + k}."
+        out[hf + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        w = out["model.embed_tokens.weight"] if head is None else head.detach().to("cpu")
+        out[hf + "shared_head.head.weight"] = w.clone().contiguous()
+    return out
+
+
+def deepseek_state_from_hf(
+    hf_state: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    source: str = "checkpoint",
+    *,
+    rope_interleave: bool = True,
+) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3 tensors as an lmforge MLA state dict (fp32); a missing tensor or one lmforge
+    has no place for is one line naming it."""
+    state: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for lm_name, hf_name in _pairs(cfg):
+        if hf_name not in hf_state:
+            raise LmforgeError(f"{source}: tensor '{hf_name}' is missing")
+        state[lm_name] = hf_state[hf_name].to(torch.float32).contiguous()
+        used.add(hf_name)
+    for lm, hf in _attention_prefixes(cfg):
+        try:
+            sub = mla_state_from_hf(hf_state, cfg.mla, rope_interleave=rope_interleave, prefix=hf)
+        except LmforgeError as e:
+            raise LmforgeError(f"{source}: {e}") from None
+        state.update({lm + k: v for k, v in sub.items()})
+        used.update(hf + n for n in _NAMES if hf + n in hf_state)
+    for k in range(cfg.mtp_depth):
+        used.update(f"model.layers.{cfg.n_layers + k}.{n}" for n in _MTP_COPIES)
+    if cfg.tie_embeddings:
+        used.add("lm_head.weight")
+        state["lm_head.weight"] = state["token_embeddings.weight"]
+    left = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if left:
+        more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+        raise LmforgeError(f"{source}: unsupported tensor present ('{left[0]}'{more})")
+    return state
+
+
+def mtp_depth_present(hf_state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> int:
+    """How many of the ``cfg.mtp_depth`` MTP modules the tensors hold (leading ones):
+    transformers saves DeepSeek-V3 models without them even when config.json counts one."""
+    k = 0
+    while k < cfg.mtp_depth and f"model.layers.{cfg.n_layers + k}.eh_proj.weight" in hf_state:
+        k += 1
+    return k

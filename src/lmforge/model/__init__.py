@@ -34,8 +34,10 @@ if TYPE_CHECKING:
         Mamba2Mixer,
         RecurrentState,
     )
+    from lmforge.model.mla import MLAConfig, MultiHeadLatentAttention, PagedLatentCache
     from lmforge.model.moe import MoEFFN
     from lmforge.model.moe_config import MoEConfig
+    from lmforge.model.mtp import MTPDraft, MultiTokenPrediction, mtp_draft, mtp_loss
     from lmforge.model.presets import load_preset
     from lmforge.model.sparse_attention import SparseAttention, add_indexer, set_dsa_stage
     from lmforge.model.transformer import CausalSelfAttention, TransformerBlock, TransformerLM
@@ -52,8 +54,10 @@ _EXPORTS = {
         "layers": "Embedding Linear RMSNorm RotaryEmbedding SwiGLU scaled_dot_product_attention "
         "silu softmax",
         "linear_attention": "GatedDeltaNet LinearAttention Mamba2Mixer RecurrentState",
+        "mla": "MLAConfig MultiHeadLatentAttention PagedLatentCache",
         "moe": "MoEFFN",
         "moe_config": "MoEConfig",
+        "mtp": "MTPDraft MultiTokenPrediction mtp_draft mtp_loss",
         "presets": "load_preset",
         "sparse_attention": "SparseAttention add_indexer set_dsa_stage",
         "transformer": "CausalSelfAttention TransformerBlock TransformerLM",

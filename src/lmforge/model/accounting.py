@@ -45,6 +45,7 @@ FLOP_COMPONENTS: tuple[str, ...] = (
     "output_proj",
     "ffn",
     "lm_head",
+    "mtp",
 )
 """Keys of :func:`flops_breakdown`, in forward order."""
 
@@ -68,16 +69,77 @@ def _dims(cfg: ModelConfig) -> tuple[int, int, int, int, int, int]:
     return cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.vocab_size, cfg.n_layers
 
 
+def _mla_producers(cfg: ModelConfig) -> int:
+    """MLA layers that compute latents (all of them without CLA): ceil(L / kv_share_every)."""
+    return -(-cfg.n_layers // cfg.kv_share_every)
+
+
+def _attention_parameters(cfg: ModelConfig, n_layers: int, producers: int) -> tuple[int, int]:
+    """(matmul weights, norm gains) of ``n_layers`` attention layers, ``producers`` of which
+    compute K/V. MLA per layer: the q path ``D·H(N+R)`` (or ``D·Q + Q·H(N+R)``), ``D(C+R)``
+    (producers), ``C·H(N+Ev)``, ``H·Ev·D``; gains: ``C`` (producers), ``Q``. GQA:
+    ``D·H·E + 2·D·K·E + H·E·D``; gains: 2E under QK-norm."""
+    d, e, h, k, _, _ = _dims(cfg)
+    if cfg.attention_type != "mla":
+        return n_layers * (d * h * e + 2 * d * k * e + h * e * d), n_layers * 2 * e * cfg.qk_norm
+    m = cfg.mla
+    c, r, q = m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank
+    q_path = d * q + q * h * m.qk_head_dim if q else d * h * m.qk_head_dim
+    per_layer = q_path + c * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d
+    return n_layers * per_layer + producers * d * (c + r), n_layers * q + producers * c
+
+
+def _mtp_parameters(cfg: ModelConfig) -> int:
+    """MTP modules: per depth two input norms, the 2D -> D projection, one full-attention
+    block (its FFN MoE or dense as layer L + k's) and the output norm."""
+    if not cfg.mtp_depth:
+        return 0
+    d, total = cfg.d_model, 0
+    mc = cfg.moe
+    for j in range(cfg.mtp_depth):
+        matmul, gains = _attention_parameters(cfg, 1, 1)
+        if mc.is_moe_layer(cfg.n_layers + j):
+            ffn = mc.n_experts * d + 3 * d * cfg.expert_dim * (mc.n_shared_experts + mc.n_experts)
+        else:
+            ffn = 3 * d * cfg.ffn_dim
+        total += 3 * d + 2 * d * d + matmul + gains + ffn + 2 * d
+    return total
+
+
+def _softmax_attention_parameters(cfg: ModelConfig) -> tuple[int, int]:
+    """(matmul weights, norm gains) of the A/W/S blocks' attention (GQA or MLA; with CLA only
+    ceil(L / k) MLA layers compute latents)."""
+    n_attn = _attention_layers(cfg)
+    producers = _mla_producers(cfg) if cfg.attention_type == "mla" else n_attn
+    return _attention_parameters(cfg, n_attn, producers)
+
+
+def _other_mixer_parameters(cfg: ModelConfig, matmul_only: bool) -> int:
+    """The S blocks' indexers and the linear mixers (G, M, L) of a hybrid pattern."""
+    total = 0
+    for kind in cfg.layer_types:
+        if kind == "S":
+            total += _indexer_parameters(cfg)
+        elif kind not in "AW":
+            total += mixer_parameters(cfg, kind, matmul_only=matmul_only)
+    return total
+
+
 def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
-    """Exact parameter count per component (all layers summed); ``lm_head`` is 0 when tied."""
-    d, e, _, _, v, n = _dims(cfg)
+    """Exact parameter count per component (all layers summed); ``lm_head`` is 0 when tied.
+    ``attention`` holds every block's token mixer (softmax attention, GQA or MLA, with S layers'
+    indexers, and the linear mixers of a hybrid pattern); ``qk_norm`` the attention's norm
+    gains (QK-norm's, or MLA's latent norms)."""
+    d, _, _, _, v, n = _dims(cfg)
+    attention, gains = _softmax_attention_parameters(cfg)
     return {
         "embedding": v * d,
-        "attention": sum(mixer_parameters(cfg, kind) for kind in cfg.layer_types),
-        "qk_norm": _attention_layers(cfg) * 2 * e if cfg.qk_norm else 0,
+        "attention": attention + _other_mixer_parameters(cfg, matmul_only=False),
+        "qk_norm": gains,
         "ffn": int(_ffn_parameters(cfg, active=False)),
         "norms": n * 2 * d + d,
         "lm_head": 0 if cfg.tie_embeddings else v * d,
+        "mtp": _mtp_parameters(cfg),
     }
 
 
@@ -108,6 +170,26 @@ def _ffn_parameters(cfg: ModelConfig, active: bool) -> float:
     return dense + n_moe * per_moe
 
 
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Bytes of KV cache one token takes across all layers (the engine's paged cache): 2·K·E
+    per layer (GQA) or C + R per KV-producing layer (MLA, ceil(L / kv_share_every) of them),
+    through :func:`lmforge.model.cla.kv_bytes_per_token`. Linear-attention layers (constant
+    state) count nothing."""
+    from lmforge.model.cla import kv_bytes_per_token
+
+    n_attn = sum(kind in "AW" for kind in cfg.layer_types)
+    if cfg.attention_type == "mla":
+        return kv_bytes_per_token(
+            "mla", n_layers=n_attn, kv_lora_rank=cfg.kv_lora_rank,
+            qk_rope_head_dim=cfg.qk_rope_head_dim, kv_share_every=cfg.kv_share_every,
+            dtype_bytes=dtype_bytes,
+        )  # fmt: skip
+    return kv_bytes_per_token(
+        "gqa", n_layers=n_attn, n_heads=cfg.n_heads, head_dim=int(cfg.head_dim),
+        n_kv_heads=cfg.kv_heads, dtype_bytes=dtype_bytes,
+    )  # fmt: skip
+
+
 def active_parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     """Parameters one token's forward uses: the total minus the routed experts it skips
     (:func:`parameter_count` for a dense model)."""
@@ -118,7 +200,8 @@ def active_parameter_count(cfg: ModelConfig, exclude_embeddings: bool = False) -
 def matmul_parameters(cfg: ModelConfig) -> int:
     """N_matmul: weights used in matmuls (projections, FFN and the LM head, tied or not)."""
     parts = parameter_breakdown(cfg)
-    mixers = sum(mixer_parameters(cfg, kind, matmul_only=True) for kind in cfg.layer_types)
+    attention, _ = _softmax_attention_parameters(cfg)
+    mixers = attention + _other_mixer_parameters(cfg, matmul_only=True)
     return mixers + parts["ffn"] + cfg.vocab_size * cfg.d_model
 
 
@@ -136,6 +219,7 @@ def flops_breakdown(
     attention terms (the work a causal kernel can skip).
     """
     d, v = cfg.d_model, cfg.vocab_size
+    attn_len = seq_len / 2 if causal else seq_len
     mixers = [mixer_flops(cfg, kind, seq_len, causal) for kind in cfg.layer_types]
     fwd = {
         "embedding": 0.0,  # a row lookup, no arithmetic
@@ -143,9 +227,21 @@ def flops_breakdown(
         # MoE: the active weights (top-k routed + shared experts + router) per token.
         "ffn": 2.0 * _ffn_parameters(cfg, active=True),
         "lm_head": 2.0 * d * v,
+        # MTP (training): per depth the 2D -> D projection, one block, the shared LM head.
+        "mtp": _mtp_flops(cfg, attn_len),
     }
     factor = 3.0 if backward else 1.0
     return {name: factor * value for name, value in fwd.items()}
+
+
+def _mtp_flops(cfg: ModelConfig, attn_len: float) -> float:
+    """Forward FLOPs per token of the MTP modules (dense FFN counted in full, MoE active)."""
+    if not cfg.mtp_depth:
+        return 0.0
+    one = dataclasses.replace(cfg, n_layers=1, mtp_depth=0, kv_share_every=1)
+    per = flops_breakdown(one, int(attn_len), causal=False)
+    block = sum(per[key] for key in ("qkv", "attn_scores", "attn_values", "output_proj", "ffn"))
+    return cfg.mtp_depth * (block + 2.0 * 2 * cfg.d_model * cfg.d_model + per["lm_head"])
 
 
 def flops_per_token(
@@ -188,6 +284,12 @@ def _ssm_dims(cfg: ModelConfig) -> tuple[int, int, int]:
     return inner, inner // cfg.ssm_head_dim, inner + 2 * cfg.ssm_state
 
 
+def _indexer_parameters(cfg: ModelConfig) -> int:
+    """An S block's lightning indexer: J query heads, one key, J weights (D -> J·E_I, E_I, J)."""
+    j, ei = cfg.dsa_index_heads, cfg.dsa_index_dim
+    return cfg.d_model * (j * ei + ei + j)
+
+
 def mixer_parameters(cfg: ModelConfig, kind: str, matmul_only: bool = False) -> int:
     """Parameters of one block's token mixer of type ``kind`` (a letter of
     :data:`lmforge.model.config.LAYER_TYPES`), QK-norm gains excluded (``parameter_breakdown``
@@ -195,11 +297,11 @@ def mixer_parameters(cfg: ModelConfig, kind: str, matmul_only: bool = False) -> 
     d, e, h, k = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads
     w = cfg.conv_size
     if kind in "AWS":
-        proj = d * h * e + 2 * d * k * e + h * e * d
-        if kind == "S":  # the lightning indexer: J query heads, one key, J weights
-            j, ei = cfg.dsa_index_heads, cfg.dsa_index_dim
-            proj += d * j * ei + d * ei + d * j
-        return proj
+        if cfg.attention_type == "mla":  # one MLA layer (every one a producer here)
+            proj = _attention_parameters(cfg, 1, 1)[0]
+        else:
+            proj = d * h * e + 2 * d * k * e + h * e * d
+        return proj + (_indexer_parameters(cfg) if kind == "S" else 0)
     if kind == "G":  # q, k, v, z (D -> H·E), β and decay (D -> H), o (H·E -> D)
         lh, le = _linear_dims(cfg)
         proj = 5 * d * lh * le + 2 * d * lh
@@ -245,11 +347,19 @@ def mixer_flops(
     if kind in "AWS":
         keys = {"A": seq_len, "W": cfg.window, "S": cfg.dsa_topk}[kind]
         seen = seq_len / 2 if causal and kind == "A" else _keys_seen(keys, seq_len, causal)
+        qk_dim, v_dim, qkv = e, e, 2.0 * d * (h * e + 2 * k * e)
+        if cfg.attention_type == "mla":  # explicit form: every latent up-projected once (kv_b)
+            qk_dim, v_dim = cfg.mla.qk_head_dim, cfg.mla.v_head_dim
+            producers = _mla_producers(cfg) / cfg.n_layers  # CLA: a share of layers compress
+            m = cfg.mla
+            q, c, r = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+            q_path = d * q + q * h * qk_dim if q else d * h * qk_dim
+            qkv = 2.0 * (q_path + c * h * (m.qk_nope_head_dim + v_dim) + producers * d * (c + r))
         out = {
-            "qkv": 2.0 * d * (h * e + 2 * k * e),
-            "attn_scores": 2.0 * h * e * seen,  # one query row against its keys
-            "attn_values": 2.0 * h * e * seen,
-            "output_proj": 2.0 * h * e * d,
+            "qkv": qkv,
+            "attn_scores": 2.0 * h * qk_dim * seen,  # one query row against its keys
+            "attn_values": 2.0 * h * v_dim * seen,
+            "output_proj": 2.0 * h * v_dim * d,
         }
         if kind == "S":
             j, ei = cfg.dsa_index_heads, cfg.dsa_index_dim

@@ -12,7 +12,10 @@ and any of them with CLA. Values per token and producing layer: MHA/GQA ``2·K·
 of a GQA cache with groups of 4: at most a quarter from H = 36 heads on, which is why the ratio
 to GQA-4 is quoted for DeepSeek-sized head counts and CLA closes the rest for small ones.
 
-Exercised by ``pytest tests/test_mla_cla.py``.
+In the model: ``ModelConfig.kv_share_every`` (MLA models; ``lmforge.model.transformer`` builds
+consumer layers without a latent projection, ``KVCache.for_model`` and the engine's
+``new_kv_cache`` allocate the producing layers only).
+Exercised by ``pytest tests/test_mla_cla.py tests/test_mla_model.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ import dataclasses
 import math
 from typing import Literal
 
+from lmforge.model.mla_config import MLAConfig
 from lmforge.model.moe_config import MoEConfig
+from lmforge.utils.errors import LmforgeError
 
 
 def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
@@ -100,6 +102,28 @@ class ModelConfig:
     "muP: the width whose hyperparameters transfer (multipliers are 1 there)"
     mup_base_head_dim: int = 64
     "muP: the head width at which the attention scale is the standard 1/sqrt(E)"
+    attention_type: Literal["gqa", "mla"] = "gqa"
+    "what A layers compute: gqa (grouped-query attention, n_kv_heads) or mla (DeepSeek-V2/V3"
+    " multi-head latent attention: one cached latent of kv_lora_rank + qk_rope_head_dim values"
+    " per token; lmforge.model.mla). The backend is the attention field (flash resolves to sdpa)"
+    kv_lora_rank: int = 512
+    "mla: latent width C (the cached compression of K and V)"
+    q_lora_rank: int = 0
+    "mla: low-rank query width (0 = a full-rank query projection)"
+    qk_nope_head_dim: int = 128
+    "mla: per-head query/key dims without position"
+    qk_rope_head_dim: int = 64
+    "mla: decoupled RoPE dims (one rope key shared by the heads, cached beside the latent)"
+    v_head_dim: int = 128
+    "mla: per-head value width"
+    kv_share_every: int = 1
+    "cross-layer KV sharing (CLA, mla only): layers i·k produce the latent, the k − 1 after"
+    " each reuse it (1 = off; lmforge.model.cla)"
+    mtp_depth: int = 0
+    "multi-token prediction modules (DeepSeek-V3; 0 = none): depth k predicts token t+k+1,"
+    " trained with weight mtp_weight (lmforge.model.mtp)"
+    mtp_weight: float = 0.3
+    "multi-token prediction: λ, the MTP loss's weight beside the main loss"
     layers: str = "A"
     "token mixer of each block, one letter per block, the pattern repeated to n_layers: A full"
     " attention, W sliding-window attention (model.window), G Gated DeltaNet, M Mamba-2 (SSD),"
@@ -178,6 +202,54 @@ class ModelConfig:
         if self.swiglu not in ("reference", "triton", "auto"):
             raise ValueError(f"swiglu must be reference, triton or auto, got {self.swiglu!r}")
         self._check_layers()
+        self._check_mla()
+
+    def _check_mla(self) -> None:
+        if self.attention_type not in ("gqa", "mla"):
+            raise ValueError(f"attention_type must be gqa or mla, got {self.attention_type!r}")
+        if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
+            raise ValueError(f"mtp_depth must be an integer >= 0, got {self.mtp_depth!r}")
+        if not self.mtp_weight >= 0:
+            raise ValueError(f"mtp_weight must be >= 0, got {self.mtp_weight!r}")
+        k = self.kv_share_every
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"kv_share_every must be an integer >= 1, got {k!r}")
+        if self.attention_type != "mla":
+            if k > 1:
+                raise ValueError("kv_share_every > 1 (cross-layer KV sharing) needs"
+                                 " attention_type = mla")  # fmt: skip
+            return
+        for name, on in (
+            ("rope_scaling", self.rope_scaling != "none"),
+            ("qk_norm", self.qk_norm),
+            ("mup", self.mup),
+            ("layers with W (sliding window)", "W" in self.layers),
+        ):
+            if on:
+                raise ValueError(f"attention_type = mla does not support {name}")
+        if k > 1 and set(self.layers) != {"A"}:
+            raise ValueError("kv_share_every > 1 needs full-attention layers only (layers = A)")
+        try:
+            self.mla.validate()
+        except LmforgeError as e:
+            raise ValueError(str(e)) from None
+
+    @property
+    def mla(self) -> MLAConfig:
+        """The :class:`~lmforge.model.mla.MLAConfig` of every MLA layer (one builder)."""
+        return MLAConfig(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            q_lora_rank=self.q_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            max_seq_len=self.context_length,
+            backend="reference" if self.attention == "reference" else "sdpa",
+        )
 
     def _check_layers(self) -> None:
         if not isinstance(self.layers, str) or not self.layers:

@@ -95,6 +95,33 @@ class StepOps:
         compute exactly what the module does."""
         return None
 
+    def attend_latent(
+        self,
+        layer: int,
+        q_abs: torch.Tensor,
+        latent: torch.Tensor | None,
+        ctx: Context,
+        *,
+        kv_lora_rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """MLA decode: write ``latent`` (S, C + R), the step's new cache rows (None for a
+        cross-layer-sharing consumer, which writes nothing), at ``ctx.slots`` of layer
+        ``layer``'s pages of ``ctx.latent_cache``, then attend in latent space: q_abs
+        (S, H, C + R) (one query per sequence, absorbed form) -> (S, H, C). As :meth:`attend`,
+        the write is the op's so a compiled step can make both one mutating custom op. The
+        default: ``index_copy_``, then :func:`lmforge.kernels.mla_decode.mla_decode` (the
+        Triton kernel where it runs, its torch reference elsewhere)."""
+        from lmforge.kernels.mla_decode import mla_decode
+
+        assert ctx.latent_cache is not None
+        pages = ctx.latent_cache[layer]  # (NB, BS, C+R)
+        if latent is not None:
+            pages.view(-1, pages.shape[-1]).index_copy_(0, ctx.slots, latent.to(pages.dtype))
+        return mla_decode(
+            q_abs, pages, ctx.block_tables, ctx.ctx_lens, kv_lora_rank=kv_lora_rank, scale=scale
+        )
+
 
 @dataclasses.dataclass
 class Context:
@@ -131,3 +158,6 @@ class Context:
     "block tables as host lists (None in decode steps)"
     plan: Any = None
     "the step's prefill tile list for a varlen kernel, built once per step (ops-specific)"
+    latent_cache: torch.Tensor | None = None
+    "(L_kv, NB, BS, C + R) MLA latents (:class:`~lmforge.model.mla.PagedLatentCache`; L_kv the"
+    " KV-producing layers under CLA); k_cache/v_cache are then empty"

@@ -11,6 +11,9 @@ an H200; benchmarks/RESULTS.md):
   which measured faster end to end than the standalone Triton kernel.
 - rope: ``packed`` on CUDA (q and k from one GEMM, rotated in one launch: 59.9 vs 61.1 ms/step
   against the reference), ``reference`` elsewhere.
+- MLA layers (``attention_type = "mla"``) read the attention backend as ``reference`` (own
+  math) or ``sdpa`` (torch's, for every other choice: lmforge's flash kernel needs equal q·k and
+  v widths, and MLA's N + R differs from Ev); the rope/swiglu/norm choices do not reach them.
 - swiglu: ``triton`` on CUDA (w1/w3 as one GEMM through the Triton gate: 56.4 vs 56.8 ms/step),
   ``reference`` elsewhere.
 

@@ -43,10 +43,13 @@ class KVCache:
         head_dim: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        value_dim: int | None = None,
     ) -> None:
         shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # value_dim 0: keys only (MLA caches one latent per token, lmforge.model.mla)
+        v_shape = (*shape[:-1], head_dim if value_dim is None else value_dim)
+        self.v = torch.zeros(v_shape, device=device, dtype=dtype)
         self.valid = torch.zeros(batch_size, max_seq_len, device=device, dtype=torch.bool)
         self.next_position = torch.zeros(batch_size, device=device, dtype=torch.long)
         self.length = 0
@@ -64,14 +67,22 @@ class KVCache:
         """An empty cache shaped for ``model`` (a TransformerLM), on its device and dtype."""
         cfg = model.config
         param = next(model.parameters())
+        layers, heads, head_dim, value_dim = cfg.n_layers, cfg.kv_heads, cfg.head_dim, None
+        if getattr(cfg, "attention_type", "gqa") == "mla":
+            # MLA: one (C + R)-wide latent per token and KV-producing layer, no values.
+            from lmforge.model.cla import kv_cache_layers
+
+            layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
+            heads, head_dim, value_dim = 1, cfg.mla.latent_dim, 0
         return cls(
-            n_layers=cfg.n_layers,
+            n_layers=layers,
             batch_size=batch_size,
-            n_kv_heads=cfg.kv_heads,
+            n_kv_heads=heads,
             max_seq_len=cfg.context_length if max_seq_len is None else max_seq_len,
-            head_dim=cfg.head_dim,
+            head_dim=head_dim,
             device=param.device,
             dtype=param.dtype if dtype is None else dtype,
+            value_dim=value_dim,
         )
 
     @property

@@ -37,131 +37,36 @@ dim, H heads, C kv_lora_rank, R rope dim, N nope dim, Ev v head dim, Q q_lora_ra
 BS block size, L layers.
 Exercised by ``pytest tests/test_mla.py``.
 
-Wiring plan (next session; nothing here is reachable from ``TransformerLM`` yet)
-------------------------------------------------------------------------------
-``docs/mla_mtp_wiring.md`` lists the changes: ``ModelConfig`` fields (``attention_type="mla"``,
-``kv_lora_rank``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
-``kv_share_every``, ``mtp_depth``, ``mtp_weight``); ``TransformerBlock`` choosing this module and
-its ``kv_cache``/``context`` branches (:meth:`decode_absorbed`, :meth:`prefill_paged`,
-:meth:`decode_paged`); ``Context.latent_cache`` and ``StepOps.attend_latent``; the engine
-allocating :class:`PagedLatentCache` for the KV-producing layers only (CLA); the MTP loss in
-the LM objective and the MTP drafter in speculative mode; DeepSeek-V3 import/export in ``hf/``.
+In the model
+------------
+``ModelConfig(attention_type="mla")`` builds this module for every full-attention block
+(:class:`lmforge.model.TransformerBlock`); :meth:`MultiHeadLatentAttention.forward` takes the
+block's keywords: no cache (training: explicit form), a contiguous
+:class:`~lmforge.model.KVCache` (``lmforge.generate``:
+:meth:`~MultiHeadLatentAttention.attend_cached`, absorbed form) or an engine step's :class:`~lmforge.model.context.Context`
+(:meth:`~MultiHeadLatentAttention.attend_paged`: decode rows through ``ctx.ops.attend_latent``,
+prefill chunks through :meth:`~MultiHeadLatentAttention.prefill_paged`). With cross-layer
+sharing (``kv_share_every`` > 1, :mod:`lmforge.model.cla`) a consumer layer has no
+``kv_a_proj``/``kv_a_norm``: it reads the producing layer's latents.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmforge.model.layers import Linear, RMSNorm, RotaryEmbedding, softmax
+from lmforge.model.mla_config import MLAConfig
 from lmforge.utils.errors import LmforgeError
 
+if TYPE_CHECKING:
+    from lmforge.model.context import Context
+    from lmforge.model.kv_cache import KVCache
+
 __all__ = ["MLAConfig", "MultiHeadLatentAttention", "PagedLatentCache"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MLAConfig:
-    """Shape of one multi-head latent attention layer (DeepSeek-V2/V3 names)."""
-
-    d_model: int
-    "residual stream width D"
-    n_heads: int
-    "query heads H (MLA has no kv-heads: every head reads the one latent)"
-    kv_lora_rank: int = 512
-    "latent width C: the cached, RMS-normalised compression of K and V"
-    q_lora_rank: int = 0
-    "low-rank query width Q (0 = full-rank query projection D -> H·(N+R))"
-    qk_nope_head_dim: int = 128
-    "per-head query/key dims without position N (the part absorbed into the latent)"
-    qk_rope_head_dim: int = 64
-    "decoupled RoPE dims R (one rope key shared by all heads, cached beside the latent)"
-    v_head_dim: int = 128
-    "per-head value width Ev"
-    rope_theta: float = 10000.0
-    "RoPE base θ"
-    norm_eps: float = 1e-6
-    "epsilon of the latent RMSNorms (DeepSeek uses 1e-6)"
-    max_seq_len: int = 4096
-    "longest position the RoPE tables cover"
-    backend: str = "sdpa"
-    "explicit-form attention core: reference (own math, full score matrix) or sdpa (torch's)"
-
-    @property
-    def qk_head_dim(self) -> int:
-        """N + R: the width a query and a key are compared over."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_dim(self) -> int:
-        """C + R: values cached per token and layer."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        """1 / sqrt(N + R), in both forms."""
-        return 1.0 / math.sqrt(self.qk_head_dim)
-
-    @property
-    def num_parameters(self) -> int:
-        """Parameters of one layer: q path, kv_a (D -> C+R), its norm, kv_b, output."""
-        d, h, c, r = self.d_model, self.n_heads, self.kv_lora_rank, self.qk_rope_head_dim
-        qk, q = self.qk_head_dim, self.q_lora_rank
-        q_path = d * q + q + q * h * qk if q else d * h * qk
-        return (
-            q_path
-            + d * (c + r)
-            + c
-            + c * h * (self.qk_nope_head_dim + self.v_head_dim)
-            + (h * self.v_head_dim * d)
-        )
-
-    def validate(self) -> MLAConfig:
-        """Raise one :class:`LmforgeError` line for a shape that cannot work; return self."""
-        ints = (
-            "d_model",
-            "n_heads",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "max_seq_len",
-        )
-        for name in ints:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise LmforgeError(f"MLA: {name} must be a positive integer, got {value!r}")
-        if self.qk_rope_head_dim % 2:
-            raise LmforgeError(
-                f"MLA: qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}"
-            )
-        # A rank above D cannot compress: W_DKV x has rank <= D whatever C is.
-        if self.kv_lora_rank > self.d_model:
-            raise LmforgeError(
-                f"MLA: kv_lora_rank ({self.kv_lora_rank}) must not exceed d_model"
-                f" ({self.d_model}); the latent is a compression of x"
-            )
-        up = self.n_heads * (self.qk_nope_head_dim + self.v_head_dim)
-        if self.kv_lora_rank >= up:
-            raise LmforgeError(
-                f"MLA: kv_lora_rank ({self.kv_lora_rank}) must be below"
-                f" n_heads·(qk_nope_head_dim + v_head_dim) = {up}, else caching the latent"
-                " saves nothing over caching K and V"
-            )
-        q = self.q_lora_rank
-        if not isinstance(q, int) or isinstance(q, bool) or q < 0 or q > self.d_model:
-            raise LmforgeError(
-                f"MLA: q_lora_rank must be 0 (full-rank query) or 1..d_model ({self.d_model}),"
-                f" got {q!r}"
-            )
-        if not self.rope_theta > 0 or not self.norm_eps > 0:
-            raise LmforgeError("MLA: rope_theta and norm_eps must be positive")
-        if self.backend not in ("reference", "sdpa"):
-            raise LmforgeError(f"MLA: backend must be reference or sdpa, got {self.backend!r}")
-        return self
 
 
 class PagedLatentCache:
@@ -214,11 +119,21 @@ class MultiHeadLatentAttention(nn.Module):
     ``[nope (N); rope (R)]``.
     """
 
-    def __init__(self, config: MLAConfig, layer_idx: int = 0) -> None:
+    def __init__(
+        self,
+        config: MLAConfig,
+        layer_idx: int = 0,
+        *,
+        produces_kv: bool = True,
+        cache_index: int | None = None,
+    ) -> None:
         super().__init__()
         config.validate()
         self.config = config
         self.layer_idx = layer_idx
+        # CLA: a consumer reads the latents of cache layer ``cache_index`` and writes none.
+        self.produces_kv = produces_kv
+        self.cache_index = layer_idx if cache_index is None else cache_index
         d, h = config.d_model, config.n_heads
         c, r = config.kv_lora_rank, config.qk_rope_head_dim
         self.n_heads = h
@@ -228,8 +143,9 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_b_proj = Linear(config.q_lora_rank, h * config.qk_head_dim)
         else:
             self.q_proj = Linear(d, h * config.qk_head_dim)
-        self.kv_a_proj = Linear(d, c + r)
-        self.kv_a_norm = RMSNorm(c, config.norm_eps)
+        if produces_kv:
+            self.kv_a_proj = Linear(d, c + r)
+            self.kv_a_norm = RMSNorm(c, config.norm_eps)
         self.kv_b_proj = Linear(c, h * (config.qk_nope_head_dim + config.v_head_dim))
         self.output_proj = Linear(h * config.v_head_dim, d)
         self.rope = RotaryEmbedding(config.rope_theta, r, config.max_seq_len)
@@ -282,13 +198,22 @@ class MultiHeadLatentAttention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor | None = None,
         past_latent: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+        context: Context | None = None,
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D), the explicit form: latents up-projected to per-head K and V.
 
         ``positions`` (T,) or (B, T) default to 0..T-1 (or P..P+T-1 after a ``past_latent``).
         ``past_latent`` (B, P, C + R): cache entries of P earlier tokens (a prefill chunk after a
         cached prefix); query i then sees keys 0..P+i (causal, aligned to the bottom right).
+        With a ``kv_cache`` (:meth:`attend_cached`) or an engine ``context``
+        (:meth:`attend_paged`, x (1, N, D)) the cache is read and written instead.
         """
+        if context is not None:
+            return self.attend_paged(x, context)
+        if kv_cache is not None:
+            return self.attend_cached(x, positions, kv_cache)
         if positions is None and past_latent is not None:
             p = past_latent.shape[1]
             positions = torch.arange(p, p + x.shape[1], device=x.device)  # (T,)
@@ -360,13 +285,83 @@ class MultiHeadLatentAttention(nn.Module):
         new = self.compress_kv(x, positions)  # (B, T, C+R)
         latent = new if past_latent is None else torch.cat([past_latent.to(new.dtype), new], 1)
         q_abs = self.absorbed_query(x, positions)  # (B, T, H, C+R)
-        t, s = x.shape[1], latent.shape[1]
-        scores = torch.einsum("bthl,bsl->bhts", q_abs, latent) * self.config.softmax_scale
-        scores = scores.masked_fill(~_bottom_right_mask(t, s, x.device), float("-inf"))
-        probs = softmax(scores.float(), dim=-1).to(latent.dtype)  # (B, H, T, S)
-        c = latent[..., : self.config.kv_lora_rank]  # (B, S, C): the values are the latents
-        o_lat = torch.einsum("bhts,bsc->bthc", probs, c)  # (B, T, H, C)
-        return self.absorbed_output(o_lat), new
+        mask = _bottom_right_mask(x.shape[1], latent.shape[1], x.device)  # (T, S)
+        return self.absorbed_output(self._absorbed_attention(q_abs, latent, mask)), new
+
+    def _absorbed_attention(
+        self, q_abs: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Latent-space attention: q_abs (B, T, H, C + R) over ``latent`` (B, S, C + R) where
+        ``mask`` ((T, S) or (B, 1, T, S) bool) allows -> o_lat (B, T, H, C)."""
+        scores = torch.einsum("bthl,bsl->bhts", q_abs, latent.to(q_abs.dtype))  # (B, H, T, S)
+        scores = (scores * self.config.softmax_scale).masked_fill(~mask, float("-inf"))
+        probs = softmax(scores.float(), dim=-1).to(q_abs.dtype)  # (B, H, T, S)
+        c = latent[..., : self.config.kv_lora_rank].to(q_abs.dtype)  # (B, S, C): values = latents
+        return torch.einsum("bhts,bsc->bthc", probs, c)  # (B, T, H, C)
+
+    def attend_cached(
+        self, x: torch.Tensor, positions: torch.Tensor | None, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """x (B, T, D) with a contiguous :class:`~lmforge.model.KVCache` (the reference
+        generation loop) -> (B, T, D), absorbed form.
+
+        The cache holds one "kv-head" of C + R values per token (``KVCache.for_model`` sizes it
+        so for MLA; its values are empty): a producing layer writes x's latents at the slots
+        ``kv_cache.begin`` reserved, a CLA consumer reads its producer's. The mask is the
+        cache's (left padding, finished rows)."""
+        b, t, _ = x.shape
+        if positions is None:
+            positions = torch.arange(kv_cache.length - t, kv_cache.length, device=x.device)
+        idx = self.cache_index
+        if self.produces_kv:
+            new = self.compress_kv(x, positions)  # (B, T, C+R)
+            empty = new.new_zeros(b, 1, t, 0)  # (B, 1, T, 0): MLA caches no values
+            latent, _ = kv_cache.update(idx, new[:, None], empty)  # (B, 1, S', C+R)
+        else:
+            latent = kv_cache.k[idx, :, :, : kv_cache.length]  # (B, 1, S', C+R)
+        q_abs = self.absorbed_query(x, positions)  # (B, T, H, C+R)
+        o_lat = self._absorbed_attention(q_abs, latent[:, 0], kv_cache.mask)  # (B, T, H, C)
+        return self.absorbed_output(o_lat)
+
+    def attend_paged(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """An engine step's flat tokens x (1, N, D) over the paged latent cache
+        ``ctx.latent_cache`` (L_kv, NB, BS, C + R) -> (1, N, D).
+
+        Decode steps: absorbed form, the latent write and the attention through
+        ``ctx.ops.attend_latent`` (the paged kernel). Steps with prefill chunks: each
+        sequence's rows through :meth:`prefill_paged` (explicit form over its gathered pages,
+        so chunked prefill and prefix-cache hits read what the decode kernel reads); decode
+        rows inside such a step take the same path."""
+        if ctx.latent_cache is None:
+            raise LmforgeError("an MLA model needs an engine step with a latent cache")
+        pages = ctx.latent_cache[self.cache_index]  # (NB, BS, C+R)
+        h = x[0]  # (N, D)
+        if ctx.decode:
+            xb, pos = h[:, None], ctx.positions[:, None]  # (S, 1, D), (S, 1)
+            new = self.compress_kv(xb, pos)[:, 0] if self.produces_kv else None  # (S, C+R)
+            q_abs = self.absorbed_query(xb, pos)[:, 0]  # (S, H, C+R)
+            o_lat = ctx.ops.attend_latent(
+                self.cache_index,
+                q_abs,
+                new,
+                ctx,
+                kv_lora_rank=self.config.kv_lora_rank,
+                scale=self.config.softmax_scale,
+            )  # (S, H, C)
+            return self.absorbed_output(o_lat[:, None])[:, 0][None]  # (1, S, D)
+        if ctx.q_lens is None or ctx.ctx_lens_list is None:
+            raise LmforgeError("an MLA prefill step needs the context's host-side lengths")
+        if self.produces_kv:  # every row's latent first: a sequence reads its own chunk back
+            write_latent(pages, ctx.slots, self.compress_kv(h[None], ctx.positions)[0])
+        outs, start = [], 0
+        for i, (q_len, ctx_len) in enumerate(zip(ctx.q_lens, ctx.ctx_lens_list, strict=True)):
+            rows = slice(start, start + q_len)
+            x_i, pos_i, slots_i = h[rows], ctx.positions[rows], ctx.slots[rows]
+            table = ctx.block_tables[i]
+            out = self.prefill_paged(x_i, pos_i, pages, slots_i, table, ctx_len, write=False)
+            outs.append(out)  # (q_len, D)
+            start += q_len
+        return torch.cat(outs)[None]  # (1, N, D)
 
     def prefill_paged(
         self,
@@ -376,15 +371,19 @@ class MultiHeadLatentAttention(nn.Module):
         slots: torch.Tensor,
         block_table: torch.Tensor,
         ctx_len: int,
+        *,
+        write: bool = True,
     ) -> torch.Tensor:
         """A prefill chunk of one sequence over a paged latent cache: x (T, D) -> (T, D).
 
-        Writes the chunk's cache entries at ``slots`` (T,), then gathers the sequence's
+        Writes the chunk's cache entries at ``slots`` (T,) (unless ``write`` is False: already
+        written, or a CLA consumer's), then gathers the sequence's
         ``ctx_len`` cached rows (the chunk's included, last) through ``block_table`` (M,) and
         attends in the explicit form (bottom-right causal): chunked prefill and a cached
         prefix (prefix caching) read the same pages the decode kernel does.
         """
-        write_latent(latent_pages, slots, self.compress_kv(x[None], positions)[0])
+        if write:
+            write_latent(latent_pages, slots, self.compress_kv(x[None], positions)[0])
         bs = latent_pages.shape[1]
         n_blocks = -(-ctx_len // bs)
         rows = latent_pages[block_table[:n_blocks].long()].flatten(0, 1)[:ctx_len]  # (S, C+R)

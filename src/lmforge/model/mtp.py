@@ -27,7 +27,9 @@ cache is to be tested against; beyond D drafts the last module is applied again 
 output (as vLLM runs DeepSeek-V3's single MTP module for k > 1).
 
 Shape legend: B batch, T/n sequence, D model dim, V vocab; k depth.
-Exercised by ``pytest tests/test_mtp.py``.
+In the model: ``ModelConfig.mtp_depth`` > 0 builds them as ``TransformerLM.mtp``; the LM loss
+(``lmforge.train.loss``) adds :func:`mtp_loss`; the engine drafts with :class:`MTPDraft`.
+Exercised by ``pytest tests/test_mtp.py tests/test_mtp_train.py tests/test_mtp_serve.py``.
 """
 
 from __future__ import annotations
@@ -181,7 +183,7 @@ class MTPDraft:
     Like :class:`lmforge.serve.speculative.NgramDraft`, ``propose`` returns up to k token ids
     whose draft distribution is one-hot (so exact rejection sampling accepts draft x with
     probability p(x)); unlike it, it needs the target's hidden states of the sequence, which
-    the engine's verify forward produces (see the wiring plan in :mod:`lmforge.model.mla`).
+    the engine's forwards produce (``lmforge.serve.speculative``, ``--speculative mtp``).
     """
 
     def __init__(

@@ -34,6 +34,14 @@ not apply (a CPU tensor, explicit positions, a KV cache, hooks on the projection
 - swiglu: ``reference`` (:class:`lmforge.model.SwiGLU`) or ``triton`` (one GEMM against
   ``cat([w1, w3])`` through ``lmforge.kernels.swiglu_packed``).
 
+Attention kind (``ModelConfig.attention_type``): ``gqa`` (:class:`CausalSelfAttention`) or
+``mla`` (:class:`~lmforge.model.mla.MultiHeadLatentAttention`, DeepSeek-V2/V3: explicit form in
+training, absorbed form over the KV cache and the engine's paged latent cache). With
+``kv_share_every`` k > 1 (CLA, MLA only) layer i reuses the latents of layer i − i mod k.
+``mtp_depth`` > 0 builds DeepSeek-V3's multi-token-prediction modules as ``self.mtp``
+(:mod:`lmforge.model.mtp`); the forward never runs them (the main logits are unchanged), the
+training objective and the speculative proposer do.
+
 Layer pattern (``ModelConfig.layers``, e.g. ``"GGGA"`` repeated to ``n_layers``): each block's
 token mixer is full attention (A), sliding-window attention (W, ``model.window``; an explicit
 (T, T) mask through SDPA, the flash kernel having no window), Gated DeltaNet (G), Mamba-2 (M) or
@@ -47,6 +55,7 @@ the Triton backends).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -81,7 +90,9 @@ from lmforge.model.layers import (
     silu,
 )
 from lmforge.model.linear_attention import GatedDeltaNet, LinearAttention, Mamba2Mixer
+from lmforge.model.mla import MultiHeadLatentAttention
 from lmforge.model.moe import MoEFFN
+from lmforge.model.mtp import MultiTokenPrediction
 from lmforge.utils.errors import LmforgeError
 
 
@@ -357,6 +368,12 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     Linear mixers run their chunked kernels (Triton on CUDA, the chunked torch path on CPU)."""
     # blocks past n_layers (multi-token-prediction modules) are full attention: no recurrent state
     kind = config.layer_types[layer_idx] if layer_idx < len(config.layer_types) else "A"
+    if kind == "A" and config.attention_type == "mla":
+        # CLA: layer i reads the latents of layer i − i mod k (cache index i // k).
+        k = config.kv_share_every
+        return MultiHeadLatentAttention(
+            config.mla, layer_idx, produces_kv=layer_idx % k == 0, cache_index=layer_idx // k
+        )
     if kind in "AW":
         return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
     if kind == "S":  # DeepSeek sparse attention (a CausalSelfAttention with a top-k indexer)
@@ -378,9 +395,14 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(ln1(x))``, then ``+ ffn(ln2(x))``.
 
-    ``attn`` is the block's token mixer (:func:`token_mixer`): attention, full or windowed, or a
-    linear-attention mixer with a constant-size state, which takes no positions (order comes from
-    its recurrence) and runs each batch row as one sequence.
+    ``attn`` is the block's token mixer (:func:`token_mixer`): attention (GQA or MLA), full or
+    windowed, or a linear-attention mixer with a constant-size state, which takes no positions
+    (order comes from its recurrence) and runs each batch row as one sequence.
+
+    Cross-layer KV sharing (``kv_share_every`` > 1, MLA): without a cache the block returns
+    ``(x, latent)``, the latents (B, T, C + R) it produced or was given as ``shared``, so
+    :class:`TransformerLM` hands them to the next k − 1 blocks; with a cache the consumers read
+    the producer's cache rows instead.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
@@ -388,7 +410,8 @@ class TransformerBlock(nn.Module):
         self.layer_idx = layer_idx
         self.ln1 = _Norm(config.d_model, config.norm_eps, config.norm)
         self.attn = token_mixer(config, layer_idx)
-        self.recurrent = not isinstance(self.attn, CausalSelfAttention)
+        self.recurrent = not isinstance(self.attn, (CausalSelfAttention, MultiHeadLatentAttention))
+        self.shares_kv = config.kv_share_every > 1 and not self.recurrent
         self.ln2 = _Norm(config.d_model, config.norm_eps, config.norm)
         moe = config.moe.is_moe_layer(layer_idx)
         self.ffn: nn.Module = MoEFFN(config, layer_idx) if moe else _FFN(config, layer_idx)
@@ -400,17 +423,39 @@ class TransformerBlock(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         context: Context | None = None,
-    ) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D)."""
+        shared: torch.Tensor | None = None,
+    ) -> Any:
+        """(B, T, D) -> (B, T, D); a CLA block without a cache -> ((B, T, D), latents)."""
         if self.recurrent:  # the caller (TransformerLM) refused a KV cache or an engine step
             x = x + self.attn(self.ln1(x))[0]
             return x + self.ffn(self.ln2(x))
+        if self.shares_kv and kv_cache is None and context is None:
+            h = self.ln1(x)
+            if self.attn.produces_kv:
+                shared = self.attn.compress_kv(h, token_positions)  # (B, T, C+R)
+            x = x + self.attn.attend_explicit(h, token_positions, shared)
+            return x + self.ffn(self.ln2(x)), shared
         if context is None:
             x = x + self.attn(self.ln1(x), token_positions, kv_cache=kv_cache)
             return x + self.ffn(self.ln2(x))
         x = x + self.attn(self.ln1(x), context=context)
         y = self.ln2(x)
         return x + (self.ffn(y, context) if isinstance(self.ffn, _FFN) else self.ffn(y))
+
+
+def _mtp_modules(config: ModelConfig) -> MultiTokenPrediction:
+    """DeepSeek-V3's MTP modules; module k's block is a full-attention block of the model's own
+    kind (index n_layers + k, as DeepSeek-V3's checkpoints number them) that produces its own
+    keys/latents (no CLA: it runs alone)."""
+    block_cfg = dataclasses.replace(
+        config, layers="A", kv_share_every=1, n_layers=config.n_layers + config.mtp_depth
+    )
+    return MultiTokenPrediction(
+        config.d_model,
+        config.mtp_depth,
+        lambda k: TransformerBlock(block_cfg, config.n_layers + k),
+        config.norm_eps,
+    )
 
 
 def _tied_state_dict_hook(
@@ -473,6 +518,7 @@ class TransformerLM(nn.Module):
             self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
             self.ln_final = _Norm(config.d_model, config.norm_eps, config.norm)
             self.lm_head = Linear(config.d_model, config.vocab_size)
+            self.mtp = _mtp_modules(config) if config.mtp_depth else None
         if target.type != "meta":
             self.to_empty(device=target)
         self.tie_weights()
@@ -529,7 +575,7 @@ class TransformerLM(nn.Module):
                 x = layer(x, context=context)  # (1, N, D)
             if context.last_rows is not None:  # only each sequence's last token is sampled
                 x = x[:, context.last_rows]  # (1, S, D)
-            return self._final(x)
+            return self.final_hidden(x)
         if kv_cache is not None:
             positions, _ = kv_cache.begin(t, valid_mask)  # (B, T)
             if token_positions is None:
@@ -542,15 +588,19 @@ class TransformerLM(nn.Module):
                     f"sequence length {t} exceeds context_length {self.config.context_length}"
                 )
         x = self.residual_stream(x)  # (B, T, D)
+        shared = None  # CLA: the latents the current group of k blocks attends with
         for layer in self.layers:
-            if kv_cache is None:
+            if kv_cache is None and self.config.kv_share_every > 1:
+                x, shared = layer(x, token_positions, shared=shared)  # (B, T, D), (B, T, C+R)
+            elif kv_cache is None:
                 x = layer(x, token_positions)  # (B, T, D)
             else:
                 x = layer(x, token_positions, kv_cache=kv_cache)  # (B, T, D)
-        return self._final(x)
+        return self.final_hidden(x)
 
-    def _final(self, x: torch.Tensor) -> torch.Tensor:
-        """The last residual stream (…, D) -> the LM head's input (…, D)."""
+    def final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The last residual stream (…, D) -> the LM head's input (…, D): ``ln_final`` (and
+        muP's output multiplier); what :meth:`forward_hidden` returns and MTP modules read."""
         h = self.ln_final(x)  # (…, D)
         if self.config.mup:  # muP's logit multiplier, here so the fused loss sees it too
             h = h * mup.output_multiplier(self.config)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from lmforge.model.context import PagedKVCache
+from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.blocks import BlockAllocator
 from lmforge.serve.detok import StopMatcher, make_detokenizer, release
 from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
@@ -46,7 +47,7 @@ from lmforge.serve.scheduler import Scheduler, Seq, check_fits
 from lmforge.utils.errors import LmforgeError
 
 if TYPE_CHECKING:
-    from lmforge.serve.speculative import DraftModel, NgramDraft, Speculative
+    from lmforge.serve.speculative import DraftModel, MTPDraft, NgramDraft, Speculative
     from lmforge.vision.serving import ImagePrompt
 
 __all__ = ["CompletionOutput", "Engine", "RequestOutput", "SamplingParams", "kv_blocks_for_memory"]
@@ -153,7 +154,7 @@ class Engine:
         compile: bool | None = None,
         tokenizer: Any = None,
         memory_probe: Callable[[], int] | None = None,
-        speculative: Speculative | NgramDraft | DraftModel | None = None,
+        speculative: Speculative | NgramDraft | DraftModel | MTPDraft | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -169,8 +170,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.speculative: Speculative | None = None
         if speculative is not None:  # batch 1: the latency case the technique is for
-            self.speculative = _speculative(speculative, cfg.vocab_size)
+            self.speculative = _speculative(speculative, self.model)
             max_num_seqs = self.max_num_seqs = 1
+            if self.speculative.tap is not None:  # MTP drafts read every prompt row's hidden
+                enable_prefix_cache = False
         self.runner = ModelRunner(
             self.model, device=self.device, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, kv_dtype=kv_dtype,
@@ -226,7 +229,7 @@ class Engine:
         return self.scheduler.running
 
     @property
-    def cache(self) -> PagedKVCache:
+    def cache(self) -> PagedKVCache | PagedLatentCache:
         return self.runner.cache
 
     @property
@@ -569,17 +572,20 @@ class QueueFull(LmforgeError):
     """The engine's waiting queue is at ``max_queue`` (the server answers 429)."""
 
 
-def _speculative(spec: Any, vocab_size: int) -> Speculative:
+def _speculative(spec: Any, model: nn.Module) -> Speculative:
     """``Engine(speculative=)`` as a :class:`~lmforge.serve.speculative.Speculative` (a bare
-    proposer gets the default k)."""
-    from lmforge.serve.speculative import DraftModel, NgramDraft, Speculative
+    proposer gets the default k), attached to the engine's model."""
+    from lmforge.serve.speculative import DraftModel, MTPDraft, NgramDraft, Speculative
 
-    if isinstance(spec, NgramDraft | DraftModel):
+    if isinstance(spec, NgramDraft | DraftModel | MTPDraft):
         spec = Speculative(spec)
     if not isinstance(spec, Speculative):
         raise LmforgeError(
-            f"speculative must be an NgramDraft, a DraftModel or a Speculative, got {spec!r}"
+            "speculative must be an NgramDraft, a DraftModel, an MTPDraft or a Speculative,"
+            f" got {spec!r}"
         )
+    vocab_size = model.config.vocab_size
     if isinstance(spec.draft, DraftModel) and spec.draft.model.config.vocab_size != vocab_size:
         raise LmforgeError("the draft model's vocabulary differs from the target's")
+    spec.attach(model)
     return spec

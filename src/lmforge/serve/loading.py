@@ -80,8 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--speculative",
         default=None,
         metavar="MODE",
-        help="speculative decoding, one sequence at a time: ngram (prompt lookup) or draft:N "
-        "(the model's own first N blocks draft); exact rejection sampling keeps the outputs",
+        help="speculative decoding, one sequence at a time: ngram (prompt lookup), draft:N "
+        "(the model's own first N blocks draft) or mtp (the model's own multi-token-prediction "
+        "modules draft); exact rejection sampling keeps the outputs",
     )
     p.add_argument("--speculative-k", type=int, default=4, help="drafted tokens per step (4)")
 

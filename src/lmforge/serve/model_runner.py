@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.model.cla import kv_cache_layers
 from lmforge.model.context import PagedKVCache
+from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.scheduler import StepInputs
 from lmforge.serve.step import StepBatch, forward_step, stage
 from lmforge.utils.errors import LmforgeError
@@ -43,8 +45,34 @@ __all__ = [
     "StepBatch",
     "forward_step",
     "kv_blocks_for_memory",
+    "kv_bytes_per_block",
+    "new_kv_cache",
     "stage",
 ]
+
+
+def new_kv_cache(
+    model: nn.Module, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
+) -> PagedKVCache | PagedLatentCache:
+    """The paged cache ``model``'s attention needs: keys and values of every layer (GQA), or
+    one (C + R)-wide latent per token of every KV-producing layer (MLA; ceil(L / k) layers with
+    cross-layer sharing every k, :mod:`lmforge.model.cla`)."""
+    cfg = model.config
+    if cfg.attention_type == "mla":
+        layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
+        return PagedLatentCache(layers, num_blocks, block_size, cfg.mla.latent_dim, device, dtype)
+    return PagedKVCache(
+        cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, device, dtype
+    )
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block of :func:`new_kv_cache`'s cache takes across all its layers."""
+    cfg = model.config
+    if cfg.attention_type == "mla":
+        layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
+        return PagedLatentCache.bytes_per_block(layers, block_size, cfg.mla.latent_dim, dtype)
+    return PagedKVCache.bytes_per_block(model, block_size, dtype)
 
 
 class ModelRunner:
@@ -129,18 +157,19 @@ class ModelRunner:
 
         MoE experts outside bf16 on CUDA run the readable per-expert loop, which reads the
         expert counts on the host (``torch._grouped_mm`` is bf16 only): no CUDA graph can
-        capture that and the compiled step would break its graph at every MoE layer."""
+        capture that and the compiled step would break its graph at every MoE layer. MLA
+        models run eagerly too: the compiled step packs GQA q/k/v weights and has no latent
+        cache op yet (its decode attention is still the Triton latent kernel,
+        ``StepOps.attend_latent``)."""
+        if self.config.attention_type == "mla":
+            return "MLA's latent cache has no compiled decode step yet"
         moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))
         if moe and self.device.type == "cuda" and dtype != torch.bfloat16:
             return f"MoE experts in {str(dtype).removeprefix('torch.')} read counts on the host"
         return None
 
-    def _new_cache(self, n: int) -> PagedKVCache:
-        cfg = self.config
-        return PagedKVCache(
-            cfg.n_layers, n, self.block_size, cfg.kv_heads, cfg.head_dim, self.device,
-            self.kv_dtype,
-        )  # fmt: skip
+    def _new_cache(self, n: int) -> PagedKVCache | PagedLatentCache:
+        return new_kv_cache(self.model, n, self.block_size, self.device, self.kv_dtype)
 
     def _build(
         self, n: int, use_graphs: bool, want_compile: bool, probe: Callable[[], int] | None = None
@@ -170,7 +199,7 @@ class ModelRunner:
 
     def _default_num_blocks(self, dtype: torch.dtype) -> int:
         """CPU without a memory probe: 16 full contexts, at most 1 GiB (at least one context)."""
-        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, dtype)
+        per_block = kv_bytes_per_block(self.model, self.block_size, dtype)
         blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
         return max(
             blocks_per_seq, min(blocks_per_seq * min(self.max_num_seqs, 16), (1 << 30) // per_block)
@@ -197,7 +226,7 @@ class ModelRunner:
         admit a full-length request). ``probe`` is injectable (``Engine(memory_probe=)``) so the
         arithmetic and the admission control after it are testable without a GPU.
         """
-        per_block = PagedKVCache.bytes_per_block(self.model, self.block_size, self.kv_dtype)
+        per_block = kv_bytes_per_block(self.model, self.block_size, self.kv_dtype)
         blocks_per_seq = math.ceil(self.config.context_length / self.block_size)
         n_seqs = math.ceil(self.max_num_batched_tokens / max(self.config.context_length - 1, 1))
         n_probe = math.ceil(self.max_num_batched_tokens / self.block_size) + n_seqs + 2

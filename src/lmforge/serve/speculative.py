@@ -5,7 +5,10 @@ them in one forward.
 lmforge model (:class:`DraftModel`) — e.g. :func:`truncated_draft`, the target's own first
 layers + final norm + LM head (a "self-speculative" draft that needs no other weights) — or
 prompt lookup (:class:`NgramDraft`: the tokens that followed the last occurrence of the
-sequence's trailing n-gram, a deterministic draft whose q is one-hot).
+sequence's trailing n-gram, a deterministic draft whose q is one-hot) — or the target's own
+multi-token-prediction modules (:class:`~lmforge.model.mtp.MTPDraft`, ``--speculative mtp``:
+greedy drafts, q one-hot, from the target's final hidden states of the sequence, which
+:class:`_HiddenTap` keeps by position as the engine's forwards compute them).
 
 Exact rejection sampling (Leviathan et al. 2023; Chen et al. 2023), :func:`verify`: for draft
 token x_i drawn from q_i, accept with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
@@ -37,13 +40,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.serve.model_runner import PagedKVCache, forward_step, stage
+from lmforge.model.mtp import MTPDraft
+from lmforge.serve.model_runner import forward_step, new_kv_cache, stage
 from lmforge.serve.sampling import SamplingParams, truncated_probs
 from lmforge.serve.scheduler import StepInputs
 from lmforge.utils.errors import LmforgeError
 
 __all__ = [
     "DraftModel",
+    "MTPDraft",
     "NgramDraft",
     "SpecStats",
     "Speculative",
@@ -104,13 +109,10 @@ class _Paged:
 
     def __init__(self, model: nn.Module, max_len: int, block_size: int = 16) -> None:
         param = next(model.parameters())
-        cfg = model.config
         self.model = model
         self.bs = block_size
         nb = math.ceil(max_len / block_size) + 1
-        self.cache = PagedKVCache(
-            cfg.n_layers, nb, block_size, cfg.kv_heads, cfg.head_dim, param.device, param.dtype
-        )
+        self.cache = new_kv_cache(model, nb, block_size, param.device, param.dtype)
         self.table = list(range(nb))
         self.device = param.device
         self.n_cached = 0
@@ -125,6 +127,45 @@ class _Paged:
         step = StepInputs(list(tokens), list(range(start, end)), slots, rows, [n], [end], [table])
         self.n_cached = end
         return forward_step(self.model, self.cache, stage(step, self.device))  # (n or 1, V)
+
+
+class _HiddenTap:
+    """The target's final hidden states (``final_hidden``, (P, D)) of every token its engine
+    steps feed, stored by position: a forward hook on the last block reads the step's context.
+
+    Speculative mode serves one sequence at a time, so position p holds the current sequence's
+    token p once a forward computed it (rejected drafts' rows are overwritten when the position
+    is fed again, like their KV pages). Prefix caching is off with it (a hit would skip the
+    forward that fills those rows)."""
+
+    def __init__(self, model: nn.Module, rows: int) -> None:
+        self.model, self.rows = model, rows
+        self.hidden: torch.Tensor | None = None  # (P, D)
+        self.handle = model.layers[-1].register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: nn.Module, args: Any, kwargs: dict, out: Any) -> None:
+        ctx = kwargs.get("context")
+        # Not inside a traced or captured decode step (only eager steps feed the tap: in this
+        # mode prefill and verify steps are eager; a plain decode step that runs compiled
+        # leaves its row stale, which costs acceptance, never exactness).
+        if ctx is None or torch.compiler.is_compiling():
+            return
+        if ctx.positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        h = self.model.final_hidden(out)[0]  # (1, N, D) -> (N, D)
+        if self.hidden is None:
+            self.hidden = h.new_zeros(self.rows, h.shape[-1])  # (P, D)
+        self.hidden[ctx.positions] = h.to(self.hidden.dtype)
+
+
+def mtp_draft_for(model: nn.Module) -> MTPDraft:
+    """The target's own MTP modules as a proposer (one line when it has none)."""
+    if getattr(model, "mtp", None) is None:
+        raise LmforgeError(
+            "speculative mtp needs a model with multi-token-prediction modules"
+            " (model.mtp_depth > 0)"
+        )
+    return MTPDraft(model.mtp, model.token_embeddings, model.logits_from_hidden)
 
 
 @dataclasses.dataclass
@@ -192,16 +233,23 @@ class Speculative:
     serves one sequence at a time (batch 1) and, at each decode step with drafts, verifies up
     to ``k`` of them in one target forward. ``stats`` counts drafted and accepted tokens."""
 
-    def __init__(self, draft: DraftModel | NgramDraft, k: int = 4) -> None:
-        if not isinstance(draft, DraftModel | NgramDraft):
+    def __init__(self, draft: DraftModel | NgramDraft | MTPDraft, k: int = 4) -> None:
+        if not isinstance(draft, DraftModel | NgramDraft | MTPDraft):
             raise LmforgeError(
-                f"a speculative draft is an NgramDraft or a DraftModel, got {draft!r}"
+                f"a speculative draft is an NgramDraft, a DraftModel or an MTPDraft, got {draft!r}"
             )
         if not isinstance(k, int) or k < 1:
             raise LmforgeError(f"speculative k must be >= 1, got {k!r}")
         self.draft, self.k = draft, k
         self.stats = SpecStats()
         self._state: tuple[object, _Paged] | None = None  # (sequence, the draft model's cache)
+        self.tap: _HiddenTap | None = None  # MTPDraft: the target's hidden states
+
+    def attach(self, target: nn.Module) -> None:
+        """Called by the engine with its model: an MTP proposer starts tapping its hidden
+        states."""
+        if isinstance(self.draft, MTPDraft) and self.tap is None:
+            self.tap = _HiddenTap(target, target.config.context_length + self.k + 1)
 
     def accepted_in(self, seq: object, old_len: int, n_acc: int, k: int) -> None:
         """After a verify: the draft model's cache keeps only KV of accepted tokens."""
@@ -227,6 +275,13 @@ def propose(
 ) -> tuple[list[int], torch.Tensor | None]:
     """Up to k drafts after ``seq.tokens`` and their draft distributions q (k, V)."""
     tokens = seq.tokens
+    if isinstance(spec.draft, MTPDraft):
+        n = len(tokens) - 1  # the target computed tokens[:n]; tokens[n] is its last sample
+        if spec.tap is None or spec.tap.hidden is None or n < 1:
+            return [], None
+        drafts = spec.draft.propose(spec.tap.hidden[:n], tokens, k)
+        q = nn.functional.one_hot(torch.tensor(drafts, device=gen.device), vocab_size).float()
+        return drafts, q  # greedy drafts: q one-hot (k, V)
     if isinstance(spec.draft, NgramDraft):
         drafts = spec.draft.propose(tokens, k)
         if not drafts:
@@ -253,7 +308,8 @@ def propose(
 
 def speculative_from_flag(model: nn.Module, flag: str | None, k: int = 4) -> Speculative | None:
     """The engine's speculative mode from a command-line value: ``ngram`` (prompt lookup),
-    ``draft:N`` (the target's own first N blocks, :func:`truncated_draft`) or None/"" (off).
+    ``draft:N`` (the target's own first N blocks, :func:`truncated_draft`), ``mtp`` (the
+    target's own MTP modules, :func:`mtp_draft_for`) or None/"" (off).
     A bad value or N outside [1, layers) is one :class:`LmforgeError` line."""
     from lmforge.utils.errors import LmforgeError
 
@@ -263,9 +319,12 @@ def speculative_from_flag(model: nn.Module, flag: str | None, k: int = 4) -> Spe
         raise LmforgeError(f"--speculative-k must be at least 1, got {k}")
     if flag == "ngram":
         return Speculative(NgramDraft(), k)
+    if flag == "mtp":
+        return Speculative(mtp_draft_for(model), k)
     n_layers = len(model.layers)
     if flag.startswith("draft:") and flag[6:].isdigit() and 1 <= int(flag[6:]) < n_layers:
         return Speculative(DraftModel(truncated_draft(model, int(flag[6:]))), k)
     raise LmforgeError(
-        f"--speculative must be 'ngram' or 'draft:N' with 1 <= N < {n_layers}, got {flag!r}"
+        f"--speculative must be 'ngram' or 'draft:N' with 1 <= N < {n_layers}, or 'mtp'"
+        f" (a model with MTP modules), got {flag!r}"
     )

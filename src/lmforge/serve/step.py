@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lmforge.model.context import Context, PagedKVCache
+from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.attention import PagedOps, prefill_kernel_on, prefill_plan
 from lmforge.serve.scheduler import StepInputs
 
@@ -58,21 +59,31 @@ class StepBatch:
 
 
 def forward_step(
-    model: nn.Module, cache: PagedKVCache, batch: StepBatch, *, use_triton: bool | None = None
+    model: nn.Module,
+    cache: PagedKVCache | PagedLatentCache,
+    batch: StepBatch,
+    *,
+    use_triton: bool | None = None,
 ) -> torch.Tensor:
     """Run ``model``'s own forward on one step's tokens with the paged-attention kernels of
     :mod:`lmforge.serve.attention`, writing their KV; logits of each sequence's last token:
-    (S, V) float32."""
+    (S, V) float32. An MLA model's cache is a :class:`PagedLatentCache` (the context's
+    ``latent_cache``; its attention reads no K/V pages and no prefill plan)."""
     plan = None
-    if not batch.decode_only:  # the prefill kernel's tiles: built once per step, not per layer
-        dev, e = batch.tokens.device, cache.k.shape[-1]
-        if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
-            plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
+    latent = cache.latent if isinstance(cache, PagedLatentCache) else None
+    if latent is not None:
+        k_cache = v_cache = latent.new_empty(0)
+    else:
+        k_cache, v_cache = cache.k, cache.v
+        if not batch.decode_only:  # the prefill kernel's tiles: built once per step
+            dev, e = batch.tokens.device, cache.k.shape[-1]
+            if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
+                plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
     ctx = Context(
-        batch.positions, batch.slots, batch.block_tables, batch.ctx_lens, cache.k, cache.v,
+        batch.positions, batch.slots, batch.block_tables, batch.ctx_lens, k_cache, v_cache,
         PagedOps(use_triton), last_rows=batch.last_rows, decode=batch.decode_only,
         q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
-        plan=plan,
+        plan=plan, latent_cache=latent,
     )  # fmt: skip
     embeds = None
     if batch.image_rows is not None:  # a VLM's image slots: the one forward's input_embeds

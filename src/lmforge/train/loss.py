@@ -85,9 +85,47 @@ def cross_entropy(
     return _CrossEntropy.apply(z, safe_t, w, float(z_loss))
 
 
+def _mtp_of(model: nn.Module) -> nn.Module | None:
+    """The model's multi-token-prediction modules when they train (``model.mtp``, training
+    mode: validation loss stays the main head's), else None."""
+    mtp = getattr(model, "mtp", None)
+    return mtp if mtp is not None and model.training else None
+
+
+def _with_mtp(
+    model: nn.Module,
+    mtp: nn.Module,
+    loss: torch.Tensor,
+    h: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``loss + mtp_weight · mean_k CE_k`` (DeepSeek-V3's MTP objective, :func:`mtp_loss`) from
+    the main model's hidden states h (B, T, D); ``ce(h_k (N, D), targets (N,))`` is the main
+    loss's own head + cross-entropy (fused or not)."""
+    from lmforge.model.mtp import mtp_loss
+
+    weight = model.config.mtp_weight
+    extra, _ = mtp_loss(
+        mtp, h, x, y, model.token_embeddings, model.logits_from_hidden, weight, ce=ce
+    )
+    return loss + extra
+
+
 def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, z_loss: float) -> torch.Tensor:
-    """Mean cross-entropy of ``model(x)`` against ``y``; compiled as one graph by the trainer."""
-    return cross_entropy(model(x), y, z_loss=z_loss)  # logits (B, T, V) never leave the graph
+    """Mean cross-entropy of ``model(x)`` against ``y``; compiled as one graph by the trainer.
+    A model with MTP modules (``model.mtp``) adds their loss in training mode."""
+    mtp = _mtp_of(model)
+    if mtp is None:
+        return cross_entropy(model(x), y, z_loss=z_loss)  # logits (B, T, V) never leave the graph
+    h = model.forward_hidden(x)  # (B, T, D): once, for the main head and the MTP modules
+    loss = cross_entropy(model.logits_from_hidden(h), y, z_loss=z_loss)
+
+    def ce(hk: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(model.logits_from_hidden(hk), t)
+
+    return _with_mtp(model, mtp, loss, h, x, y, ce)
 
 
 def fused_model_loss(
@@ -100,10 +138,11 @@ def fused_model_loss(
 ) -> torch.Tensor:
     """Mean fused linear + cross-entropy of ``model``'s hidden states against ``y``; compiled as
     one graph by the trainer. ``fused``: ``lmforge.kernels.fused_linear_cross_entropy``;
-    ``chunk_rows`` 0 = its default chunk."""
+    ``chunk_rows`` 0 = its default chunk. A model with MTP modules (``model.mtp``) adds their
+    loss in training mode, each depth through the same fused kernel (no (N, V) logits)."""
     h = model.forward_hidden(x)  # (B, T, D)
     D = h.shape[-1]
-    return fused(
+    loss = fused(
         h.reshape(-1, D),  # (B·T, D)
         model.lm_head.weight,  # (V, D)
         y.reshape(-1),  # (B·T,)
@@ -112,3 +151,12 @@ def fused_model_loss(
         chunk_rows=chunk_rows or None,
         check_targets=False,  # the sampler checked every id against the vocabulary
     )
+    mtp = _mtp_of(model)
+    if mtp is None:
+        return loss
+
+    def ce(hk: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return fused(hk, model.lm_head.weight, t, ignore_index=-100, chunk_rows=chunk_rows or None,
+                     check_targets=False)  # fmt: skip
+
+    return _with_mtp(model, mtp, loss, h, x, y, ce)

@@ -1,0 +1,116 @@
+"""The target's own MTP modules as the engine's speculative proposer (``--speculative mtp``):
+greedy output token-identical to plain decoding, sampled log-probs follow the engine's
+contract, the drafts are ``mtp_draft``'s over the target's full-forward hidden states, and a
+trained MTP module's drafts are accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model.mtp import mtp_draft
+from lmforge.serve import Engine, SamplingParams
+from lmforge.serve.speculative import Speculative, mtp_draft_for, propose, speculative_from_flag
+from lmforge.utils.errors import LmforgeError
+
+V = 61
+MLA = dict(attention_type="mla", kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+           v_head_dim=8)  # fmt: skip
+
+
+def _model(seed: int = 0, **kw) -> TransformerLM:
+    torch.manual_seed(seed)
+    base = dict(vocab_size=V, context_length=128, d_model=32, n_layers=2, n_heads=4, mtp_depth=2)
+    return TransformerLM(ModelConfig(**{**base, **kw})).eval()
+
+
+@pytest.mark.parametrize("kw", [{}, MLA, {**MLA, "kv_share_every": 2, "mtp_depth": 1}])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_mtp_speculation_is_token_identical(kw: dict, k: int) -> None:
+    target = _model(**kw)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (1, 9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = Engine(target).generate(prompts, params)
+    spec = speculative_from_flag(target, "mtp", k)
+    eng = Engine(target, speculative=spec)
+    got = eng.generate(prompts, params)
+    for a, b in zip(got, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(
+            torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs),
+            atol=1e-5, rtol=0,
+        )  # fmt: skip
+    assert spec.stats.drafted > 0 and eng.stats["spec_steps"] > 0
+    assert eng.allocator.num_used == 0
+
+
+def test_drafts_are_mtp_draft_over_the_full_forward() -> None:
+    """After a prefill through the engine the tapped hidden states are the full forward's, and
+    the proposal is mtp_draft's on them."""
+    target = _model()
+    spec = Speculative(mtp_draft_for(target), 3)
+    eng = Engine(target, speculative=spec)
+    prompt = torch.randint(0, V, (11,), generator=torch.Generator().manual_seed(2)).tolist()
+    (out,) = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    seq = [*prompt, out.outputs[0].token_ids[0]]
+    with torch.no_grad():
+        h = target.forward_hidden(torch.tensor([prompt]))  # (1, n, D)
+    torch.testing.assert_close(spec.tap.hidden[: len(prompt)], h[0], atol=1e-5, rtol=1e-5)
+
+    class _Seq:
+        tokens = seq
+
+    drafts, q = propose(spec, _Seq(), 3, SamplingParams(), torch.Generator(), 16, V)
+    want = mtp_draft(target.mtp, h, torch.tensor([seq]), 3, target.token_embeddings,
+                     target.logits_from_hidden)  # fmt: skip
+    assert drafts == want[0].tolist() and torch.equal(q.argmax(-1), want[0])
+
+
+def test_sampled_logprobs_follow_the_contract() -> None:
+    target = _model(**MLA)
+    prompt = [1, 2, 3, 4, 5]
+    params = SamplingParams(temperature=0.8, top_k=10, seed=0, max_tokens=12)
+    eng = Engine(target, speculative=speculative_from_flag(target, "mtp", 3))
+    out = eng.generate([prompt], params)[0].outputs[0]
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1]
+    want = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(out.token_ids)[:, None])
+    torch.testing.assert_close(torch.tensor(out.logprobs), want[:, 0], atol=2e-5, rtol=0)
+
+
+def test_mtp_flag_needs_mtp_modules() -> None:
+    with pytest.raises(LmforgeError, match="mtp_depth > 0"):
+        speculative_from_flag(_model(mtp_depth=0), "mtp")
+
+
+@pytest.mark.slow
+def test_sampled_mtp_speculation_follows_the_target_distribution() -> None:
+    """χ² through the engine: (t1, t2) after a prompt, t2 from a verify step with an MTP draft
+    (k = 1 of room), 3000 seeded requests at temperature 1 over a 5-token vocabulary, against
+    the target's exact joint p(t1) p(t2 | t1)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    v, n, prompt = 5, 3000, [1, 2, 3]
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=v, context_length=32, d_model=32, n_layers=1, n_heads=4,
+                      mtp_depth=1)  # fmt: skip
+    target = TransformerLM(cfg).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt]))[0, -1], -1)  # (V,)
+        joint = torch.stack(
+            [p1[a] * torch.softmax(target(torch.tensor([[*prompt, a]]))[0, -1], -1)
+             for a in range(v)]
+        )  # (V, V)  # fmt: skip
+    spec = speculative_from_flag(target, "mtp", 2)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True)
+              for i in range(n)]  # fmt: skip
+    outs = Engine(target, speculative=spec).generate([prompt] * n, params)
+    counts = torch.zeros(v * v, dtype=torch.float64)
+    for o in outs:
+        a, b = o.outputs[0].token_ids[:2]
+        counts[a * v + b] += 1
+    assert spec.stats.drafted >= n and 0 < spec.stats.accepted < spec.stats.drafted
+    expected = joint.flatten().double() * n
+    assert scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
