@@ -98,3 +98,28 @@ def test_the_trainer_trains_the_mtp_modules(tmp_path: Path) -> None:
     spec = speculative_from_flag(model, "mtp", 2)
     got = Engine(model, speculative=spec).generate([prompt], params)[0].outputs[0].token_ids
     assert got == plain and spec.stats.acceptance > 0.5, spec.stats
+
+
+def test_the_reference_loss_path_trains_the_mtp_modules_too(tmp_path: Path) -> None:
+    """The CPU default (``train.loss=reference``, not compiled) once called ``model(x)`` and
+    left the MTP modules without a gradient: their weights must move there as well."""
+    import numpy as np
+
+    from lmforge.config import load_run_config
+    from lmforge.train import Trainer
+    from lmforge.train.data import write_shard
+
+    toks = np.tile(np.arange(50), 40)
+    tr = write_shard(tmp_path / "train.bin", toks, V, num_bytes=6000)
+    overrides = [f"model.{k}={v}" for k, v in CFG.items()] + [
+        f'data.train=["{tr}"]', f"train.out_dir={tmp_path / 'run'}", "train.device=cpu",
+        "train.precision=fp32", "train.batch_size=2", "train.loss=reference",
+        "train.compile=false", "train.context_length=16", "train.max_steps=2",
+        "train.eval_every=0", "train.save_every=0", "train.progress=false", "train.plot=false",
+    ]  # fmt: skip
+    trainer = Trainer(load_run_config(None, overrides))
+    assert trainer.fused is None
+    before = {k: v.clone() for k, v in trainer.model.mtp.state_dict().items()}
+    trainer.run()
+    after = trainer.model.mtp.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)

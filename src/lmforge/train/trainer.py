@@ -183,6 +183,12 @@ class Trainer:
         self.fused = fused_linear_cross_entropy if self.fast.loss == "fused" else None
         self.strategy = self._build_strategy(model)
         self.is_main = self.strategy.is_main
+        if getattr(model, "mtp", None) is not None and self.fused is None:
+            if self.strategy.world_size > 1:  # the wrapped model's plain forward has no MTP terms
+                raise LmforgeError(
+                    "model.mtp_depth > 0 on several processes needs train.loss=fused "
+                    "(the reference loss path calls the wrapped model's forward, without MTP)"
+                )
         # Master weights: the optimizer updates the fp32 masters in place of the model's bf16
         # weights, reads the gradients from those, and writes them back.
         to_master = {id(p): m for p, m in self.masters.values()}
@@ -339,8 +345,8 @@ class Trainer:
                 loss = self._fused_loss(
                     self.model, self.fused, x, y, self.tcfg.z_loss, self.tcfg.loss_chunk_rows
                 )
-            elif self._model_loss is not None and self.strategy.world_size == 1:
-                loss = self._model_loss(model, x, y, self.tcfg.z_loss)
+            elif self.strategy.world_size == 1:  # one graph when compiled; MTP terms if any
+                loss = (self._model_loss or model_loss)(model, x, y, self.tcfg.z_loss)
             else:
                 logits = model(x)  # (B, T, V)
                 loss = self._ce(logits, y, z_loss=self.tcfg.z_loss)
