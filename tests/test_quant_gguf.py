@@ -165,3 +165,30 @@ def test_smollm2_q4_1_served_at_file_size() -> None:
     assert 0.95 * SMOL.stat().st_size < weights < 1.02 * SMOL.stat().st_size
     fp32 = sum(p.numel() * 4 for p in ref.parameters())
     assert weights < 0.2 * fp32
+
+
+def test_served_quantized_matches_dequantized_on_the_engine(tmp_path: Path) -> None:
+    """``load_gguf_quantized`` keeps import_gguf's (model, tokenizer, template) contract, and the
+    serving engine decodes the quantized model greedily to the same tokens as the float import."""
+    from lmforge.quant import load_gguf_quantized
+    from lmforge.serve import Engine, SamplingParams
+
+    path = _write(tmp_path / "m.gguf", down="Q4_K")
+    model, tok, template = load_gguf_quantized(path)
+    assert tok is None and template is None  # the synthetic file has neither
+    ref = model.__class__(model.config).eval()  # the float model: every matrix dequantized
+    state = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            state[name.replace("token_embeddings.table", "token_embeddings") + ".weight"] = (
+                m.dequantize()
+            )
+    quant_buffers = (".qweight", ".scales", ".offsets", "._probe")
+    state.update({k: v for k, v in model.state_dict().items() if not k.endswith(quant_buffers)})
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing)  # tied to the table
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    got = Engine(model, device="cpu").generate(prompts, greedy)
+    want = Engine(ref, device="cpu").generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -6,7 +6,7 @@ smoothquant on calibration tokens) swaps its bias-free linears for the modules o
 :mod:`lmforge.quant.formats` (:class:`Int8Linear`, :class:`Int4Linear`, :class:`Fp8Linear`);
 the model's code is unchanged. :func:`save_quantized` / :func:`load_quantized` write and read a
 quantized checkpoint folder (layout in :mod:`lmforge.quant.checkpoint`);
-:func:`import_gguf_quantized` maps a GGUF file's Q8_0/Q4_0/Q4_1 tensors onto these formats
+:func:`import_gguf_quantized` / :func:`load_gguf_quantized` map a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors onto these formats
 without a float copy. CLI: ``lmforge quantize`` (``--help`` for examples).
 """
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from lmforge.quant.calibrate import CalibOptions, quantize_calibrated
     from lmforge.quant.checkpoint import is_quantized_checkpoint, load_quantized, save_quantized
     from lmforge.quant.formats import Fp8Linear, Int4Linear, Int8Linear, QuantLinear
-    from lmforge.quant.gguf import import_gguf_quantized
+    from lmforge.quant.gguf import import_gguf_quantized, load_gguf_quantized
 
 __all__ = [
     "CalibOptions",
@@ -35,6 +35,7 @@ __all__ = [
     "find_linears",
     "import_gguf_quantized",
     "is_quantized_checkpoint",
+    "load_gguf_quantized",
     "load_quantized",
     "quantize_calibrated",
     "quantize_model",
@@ -52,6 +53,7 @@ _EXPORTS = {
     "calibration_tokens": "calib",
     "find_linears": "apply",
     "import_gguf_quantized": "gguf",
+    "load_gguf_quantized": "gguf",
     "is_quantized_checkpoint": "checkpoint",
     "load_quantized": "checkpoint",
     "quantize_calibrated": "calibrate",

@@ -45,7 +45,7 @@ from lmforge.quant.formats import (
 )
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["gguf_linear", "import_gguf_quantized"]
+__all__ = ["gguf_linear", "import_gguf_quantized", "load_gguf_quantized"]
 
 _QUANT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 weights
 _K_QUANT = {"Q4_K": 144, "Q6_K": 210}  # bytes per super-block of 256 weights
@@ -143,6 +143,16 @@ def import_gguf_quantized(
 ) -> tuple[nn.Module, Any]:
     """``(TransformerLM with quantized linears, tokenizer or None)`` from a GGUF file; the chat
     template is in the tokenizer folder's ``tokenizer_config.json``."""
+    model, tokenizer, _ = load_gguf_quantized(path, context_length=context_length, device=device)
+    return model, tokenizer
+
+
+def load_gguf_quantized(
+    path: str | os.PathLike, *, context_length: int | None = None, device: str = "cpu"
+) -> tuple[nn.Module, Any, str | None]:
+    """``(model, tokenizer or None, chat template or None)``: :func:`lmforge.hf.gguf.import_gguf`'s
+    contract with the matrices kept quantized (what ``lmforge serve --gguf`` needs to hold about
+    the file's bytes)."""
     from lmforge.hf.gguf import dequantize, read_gguf, write_tokenizer_folder
     from lmforge.hf.tokenizer import load_hf_tokenizer
     from lmforge.model import RotaryEmbedding, TransformerLM
@@ -195,4 +205,4 @@ def import_gguf_quantized(
         folder = Path(tempfile.mkdtemp(prefix="lmforge-gguf-tok-"))
         write_tokenizer_folder(meta, folder)
         tokenizer = load_hf_tokenizer(folder)
-    return model, tokenizer
+    return model, tokenizer, meta.chat_template
