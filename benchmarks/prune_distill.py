@@ -15,7 +15,14 @@ Bits per byte on a held-out Gutenberg book (not among the training books): befor
 pruning, after KD recovery, after training from scratch. Data: windows of ``--seq-len`` + 1 tokens
 from the training books (each book from 5% in, past the Gutenberg header).
 
-    python benchmarks/prune_distill.py --device cpu --out bench_out/prune_distill   # ~40 min, 2 cores
+    python benchmarks/prune_distill.py --device cpu --out bench_out/prune_distill
+    # a larger budget on a GPU (books and GGUF carried beside the checkout):
+    python benchmarks/prune_distill.py --device cuda --gguf .carry/smol.gguf --gutenberg \
+        .carry/gutenberg --steps 400 --batch 16 --seq-len 256 --eval-tokens 65536 --out OUT
+
+The CPU default (16 steps × 4 × 64 = 4,096 tokens per recovery run, 4,096 eval tokens) is what
+fits in ~40 minutes on two CPU cores shared with other jobs; it shows the direction, not a
+converged recovery.
 
 The user-facing path is the same two commands (see ``lmforge prune --help``):
 
@@ -85,13 +92,13 @@ class ScratchObjective(DistillObjective):
         return nll, (batch.labels != IGNORE).sum().float()
 
 
-def training_windows(tok, n: int, seq_len: int) -> list[list[int]]:
+def training_windows(tok, n: int, seq_len: int, books: Path) -> list[list[int]]:
     """``n`` windows of ``seq_len`` + 1 tokens, taken in turn from each training book."""
     per_book = -(-n // len(TRAIN_BOOKS))
     need_chars = per_book * (seq_len + 1) * 6  # ~4 bytes per token, with headroom
     out: list[list[int]] = []
     for name in TRAIN_BOOKS:
-        text = (GUTENBERG / name).read_text(encoding="utf-8")
+        text = (books / name).read_text(encoding="utf-8")
         start = len(text) // 20
         ids = tok.encode(text[start : start + need_chars])
         windows = [ids[i : i + seq_len + 1] for i in range(0, len(ids) - seq_len, seq_len + 1)]
@@ -131,17 +138,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--gguf", default=str(SHARED / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    p.add_argument("--gutenberg", default=str(GUTENBERG), help="folder with the books")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", default=None, help="fp32 on CPU, bf16 on CUDA by default")
     p.add_argument("--target-params", type=float, default=100e6)
     p.add_argument("--modes", nargs="+", default=["width", "depth"])
-    p.add_argument("--calib-samples", type=int, default=64, help="importance windows")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per recovery run")
+    p.add_argument("--calib-samples", type=int, default=32, help="importance windows")
+    p.add_argument("--steps", type=int, default=16, help="optimizer steps per recovery run")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--kd-lr", type=float, default=3e-4)
     p.add_argument("--scratch-lr", type=float, default=2e-3)
-    p.add_argument("--eval-tokens", type=int, default=8192)
+    p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--eval-batch", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/prune_distill")
@@ -154,10 +162,11 @@ def main() -> None:
     t0 = time.time()
     teacher, tok, _ = import_gguf(args.gguf, context_length=512)
     teacher = teacher.to(args.device).eval().requires_grad_(False)
-    eval_text = (GUTENBERG / EVAL_BOOK).read_text(encoding="utf-8")
+    books = Path(args.gutenberg)
+    eval_text = (books / EVAL_BOOK).read_text(encoding="utf-8")
     eval_text = eval_text[len(eval_text) // 20 :]  # past the Gutenberg header
     n_seq = args.steps * args.batch
-    windows = training_windows(tok, n_seq + args.calib_samples, args.seq_len)
+    windows = training_windows(tok, n_seq + args.calib_samples, args.seq_len, books)
     # importance on windows the recovery runs do not train on (Minitron's calibration set)
     calib = torch.tensor(windows[n_seq:], dtype=torch.long)[:, : args.seq_len]  # (N, T)
     corpus = [Example(w, [True] * len(w)) for w in windows[:n_seq]]
