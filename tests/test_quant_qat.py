@@ -1,6 +1,7 @@
 """Quantization-aware training: the fake-quantized forward equals the quantized module's weights,
-gradients pass straight through, the Trainer trains a wrapped model, and after conversion a QAT
-model beats round-to-nearest of the same float model on its training text."""
+gradients pass straight through, and the Trainer trains a wrapped model: after conversion its
+quantized loss is below round-to-nearest's of the model QAT started from, and the converted
+model computes what QAT trained."""
 
 from __future__ import annotations
 
@@ -56,9 +57,8 @@ def _model() -> TransformerLM:
 
 def _data() -> list[Example]:
     g = torch.Generator().manual_seed(1)
-    base = torch.randint(0, 64, (8,), generator=g)
-    seqs = [torch.roll(base.repeat(4), int(s)) for s in torch.randint(0, 8, (16,), generator=g)]
-    return [Example(s.tolist(), [True] * len(s)) for s in seqs]
+    return [Example(torch.randint(0, 64, (32,), generator=g).tolist(), [True] * 32)
+            for _ in range(16)]  # fmt: skip
 
 
 def _train(model: TransformerLM, steps: int, lr: float, out: Path) -> None:
@@ -77,8 +77,8 @@ def _loss(model: TransformerLM) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()))
 
 
-def test_qat_in_the_trainer_beats_round_to_nearest(tmp_path: Path) -> None:
-    spec = QuantSpec("int4", 32, symmetric=True)
+def test_qat_in_the_trainer_lowers_the_quantized_loss(tmp_path: Path) -> None:
+    spec = QuantSpec("int4", None, symmetric=True)
     model = _model()
     _train(model, 30, 1e-2, tmp_path / "float")
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -95,7 +95,7 @@ def test_qat_in_the_trainer_beats_round_to_nearest(tmp_path: Path) -> None:
     with torch.no_grad():  # the converted model computes what QAT trained
         torch.testing.assert_close(qat(torch.tensor([_data()[0].tokens])), fake,
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
-    assert _loss(qat) < _loss(rtn)
+    assert _loss(qat) < 0.8 * _loss(rtn)
 
 
 def _with(state: dict[str, torch.Tensor]) -> TransformerLM:
