@@ -1,5 +1,6 @@
 """GGUF served quantized: Q8_0 / Q4_0 / Q4_1 blocks kept as Int8Linear / Int4Linear (no float
-copy), logits equal to the dequantizing import, K-quants refused in one line; on the shipped
+copy), logits equal to the dequantizing import; Q4_K / Q6_K as Int4Linear g32 / Int8Linear g16
+equal to the gguf package's own dequantization, Q5_K refused in one line; on the shipped
 SmolLM2 Q4_1 file (skipped when absent) logits match and the weights take about the file's bytes."""
 
 from __future__ import annotations
@@ -19,8 +20,23 @@ gguf = pytest.importorskip("gguf")
 
 SMOL = Path(__file__).resolve().parents[1].parent / "shared/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 D, L, H, K, F, V = 64, 2, 4, 2, 256, 96
+K_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per super-block of 256 weights
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}  # fmt: skip
+
+
+def _k_raw(rng: np.random.Generator, shape: tuple[int, int], kind: str) -> np.ndarray:
+    """Random valid K-quant blocks for an (N, K) matrix: random codes and sub-block scales,
+    finite positive fp16 super-block scales (d, and dmin where the type has one)."""
+    n, k = shape
+    size = K_BYTES[kind]
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    d = rng.uniform(1e-3, 2e-2, (n, k // 256, 2)).astype(np.float16).view(np.uint8)  # (.., 4)
+    if kind == "Q6_K":  # fp16 d is the block's last two bytes
+        raw[..., size - 2 :] = d[..., :2]
+    else:  # fp16 d, fp16 dmin lead the block
+        raw[..., :4] = d
+    return raw.reshape(n, k // 256 * size)
 
 
 def _write(path: Path, arch: str = "llama", tied: bool = True, down: str = "Q4_1") -> Path:
@@ -54,10 +70,10 @@ def _write(path: Path, arch: str = "llama", tied: bool = True, down: str = "Q4_1
     for i in range(L):
         for name, shape in shapes.items():
             kind = down if name == "ffn_down" else TYPES[name]
-            if kind == "Q6_K":  # raw blocks: 210 bytes per 256 weights
-                raw = rng.integers(0, 255, (shape[0], shape[1] // 256 * 210), dtype=np.uint8)
+            if kind in K_BYTES:  # raw blocks (the gguf package only dequantizes K-quants)
+                raw = _k_raw(rng, shape, kind)
                 w.add_tensor(
-                    f"blk.{i}.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType.Q6_K
+                    f"blk.{i}.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType[kind]
                 )
                 continue
             add(f"blk.{i}.{name}.weight", shape, kind)
@@ -95,9 +111,41 @@ def test_quantized_import_matches_dequantized(tmp_path: Path, arch: str, tied: b
         assert model.to(torch.bfloat16)(ids).dtype == torch.bfloat16
 
 
-def test_k_quants_are_one_line(tmp_path: Path) -> None:
-    path = _write(tmp_path / "k.gguf", down="Q6_K")
-    with pytest.raises(LmforgeError, match="Q6_K cannot be served quantized"):
+@pytest.mark.parametrize("kind,cls,group", [("Q4_K", Int4Linear, 32), ("Q6_K", Int8Linear, 16)])
+def test_k_quant_matrix_matches_gguf_dequantize(kind: str, cls: type, group: int) -> None:
+    from lmforge.quant.gguf import gguf_linear
+
+    shape = (24, 512)
+    raw = _k_raw(np.random.default_rng(1), shape, kind)
+    m = gguf_linear(raw, kind, shape)
+    assert isinstance(m, cls) and m.group_size == group
+    # no float copy: codes and fp16 group parameters only (Q6_K's 6-bit codes take int8's 8 bits)
+    assert {b.dtype for b in m.buffers()} <= {torch.uint8, torch.int8, torch.float16}
+    assert sum(b.numel() * b.element_size() for b in m.buffers()) <= 1.4 * raw.nbytes
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(shape)
+    want = torch.from_numpy(np.ascontiguousarray(want)).float()
+    # the only rounding is each sub-block scale (and Q4_K min) stored in fp16: 2^-11 relative
+    tol = 2e-3 * want.abs().amax().item()
+    torch.testing.assert_close(m.dequantize(), want, rtol=2e-3, atol=tol)
+    x = torch.randn(3, shape[1], dtype=torch.float64)
+    torch.testing.assert_close(m(x.float()).double(), x @ m.dequantize().double().t(),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_model_imports_quantized(tmp_path: Path, kind: str) -> None:
+    model, _ = import_gguf_quantized(_write(tmp_path / "k.gguf", down=kind))
+    down = model.layers[1].ffn.w2
+    assert isinstance(down, Int4Linear if kind == "Q4_K" else Int8Linear)
+    ids = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids)
+    assert out.shape == (2, 10, V) and torch.isfinite(out).all()
+
+
+def test_unsupported_k_quant_is_one_line(tmp_path: Path) -> None:
+    path = _write(tmp_path / "k.gguf", down="Q5_K")
+    with pytest.raises(LmforgeError, match="Q5_K cannot be served quantized"):
         import_gguf_quantized(path)
 
 
@@ -117,3 +165,30 @@ def test_smollm2_q4_1_served_at_file_size() -> None:
     assert 0.95 * SMOL.stat().st_size < weights < 1.02 * SMOL.stat().st_size
     fp32 = sum(p.numel() * 4 for p in ref.parameters())
     assert weights < 0.2 * fp32
+
+
+def test_served_quantized_matches_dequantized_on_the_engine(tmp_path: Path) -> None:
+    """``load_gguf_quantized`` keeps import_gguf's (model, tokenizer, template) contract, and the
+    serving engine decodes the quantized model greedily to the same tokens as the float import."""
+    from lmforge.quant import load_gguf_quantized
+    from lmforge.serve import Engine, SamplingParams
+
+    path = _write(tmp_path / "m.gguf", down="Q4_K")
+    model, tok, template = load_gguf_quantized(path)
+    assert tok is None and template is None  # the synthetic file has neither
+    ref = model.__class__(model.config).eval()  # the float model: every matrix dequantized
+    state = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (Int4Linear, Int8Linear)):
+            state[name.replace("token_embeddings.table", "token_embeddings") + ".weight"] = (
+                m.dequantize()
+            )
+    quant_buffers = (".qweight", ".scales", ".offsets", "._probe")
+    state.update({k: v for k, v in model.state_dict().items() if not k.endswith(quant_buffers)})
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not unexpected and all(k == "lm_head.weight" for k in missing)  # tied to the table
+    prompts = [[5, 9, 14, 3], [7, 7, 2]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    got = Engine(model, device="cpu").generate(prompts, greedy)
+    want = Engine(ref, device="cpu").generate(prompts, greedy)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

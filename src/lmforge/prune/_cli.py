@@ -106,4 +106,10 @@ def _run(args: argparse.Namespace) -> int:
         f"parameters → {out}",
         file=sys.stderr,
     )
+    teacher = args.checkpoint or args.gguf or args.hf
+    print(
+        f"recover by distillation: lmforge distill --teacher {teacher} --student {out} "
+        "--data CORPUS.jsonl --out OUT_DIR",
+        file=sys.stderr,
+    )
     return 0

@@ -6,8 +6,9 @@ smoothquant on calibration tokens) swaps its bias-free linears for the modules o
 :mod:`lmforge.quant.formats` (:class:`Int8Linear`, :class:`Int4Linear`, :class:`Fp8Linear`);
 the model's code is unchanged. :func:`save_quantized` / :func:`load_quantized` write and read a
 quantized checkpoint folder (layout in :mod:`lmforge.quant.checkpoint`);
-:func:`import_gguf_quantized` maps a GGUF file's Q8_0/Q4_0/Q4_1 tensors onto these formats
-without a float copy. CLI: ``lmforge quantize`` (``--help`` for examples).
+:func:`import_gguf_quantized` / :func:`load_gguf_quantized` map a GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors onto these formats
+without a float copy. :func:`prepare_qat` / :func:`convert_qat`: quantization-aware training
+(fake-quantized linears, straight-through gradients) in any Trainer objective. CLI: ``lmforge quantize`` (``--help`` for examples).
 """
 
 from __future__ import annotations
@@ -22,20 +23,25 @@ if TYPE_CHECKING:
     from lmforge.quant.calibrate import CalibOptions, quantize_calibrated
     from lmforge.quant.checkpoint import is_quantized_checkpoint, load_quantized, save_quantized
     from lmforge.quant.formats import Fp8Linear, Int4Linear, Int8Linear, QuantLinear
-    from lmforge.quant.gguf import import_gguf_quantized
+    from lmforge.quant.gguf import import_gguf_quantized, load_gguf_quantized
+    from lmforge.quant.qat import FakeQuantLinear, convert_qat, prepare_qat
 
 __all__ = [
     "CalibOptions",
+    "FakeQuantLinear",
     "Fp8Linear",
     "Int4Linear",
     "Int8Linear",
     "QuantLinear",
     "QuantSpec",
     "calibration_tokens",
+    "convert_qat",
     "find_linears",
     "import_gguf_quantized",
     "is_quantized_checkpoint",
+    "load_gguf_quantized",
     "load_quantized",
+    "prepare_qat",
     "quantize_calibrated",
     "quantize_model",
     "replace_linears",
@@ -44,6 +50,9 @@ __all__ = [
 
 _EXPORTS = {
     "CalibOptions": "calibrate",
+    "FakeQuantLinear": "qat",
+    "convert_qat": "qat",
+    "prepare_qat": "qat",
     "Fp8Linear": "formats",
     "Int4Linear": "formats",
     "Int8Linear": "formats",
@@ -52,6 +61,7 @@ _EXPORTS = {
     "calibration_tokens": "calib",
     "find_linears": "apply",
     "import_gguf_quantized": "gguf",
+    "load_gguf_quantized": "gguf",
     "is_quantized_checkpoint": "checkpoint",
     "load_quantized": "checkpoint",
     "quantize_calibrated": "calibrate",
