@@ -192,3 +192,25 @@ def test_served_quantized_matches_dequantized_on_the_engine(tmp_path: Path) -> N
     got = Engine(model, device="cpu").generate(prompts, greedy)
     want = Engine(ref, device="cpu").generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.skipif(not SMOL.is_file(), reason="shared SmolLM2 GGUF not present")
+def test_serving_loader_keeps_the_gguf_quantized_on_request() -> None:
+    """``--gguf-weights quantized`` (auto on CUDA): the loader every inference command uses holds
+    about the file's bytes, and the engine decodes the same greedy tokens as from the float copy."""
+    from lmforge.serve import Engine, SamplingParams
+    from lmforge.serve.loading import load_model
+
+    def nbytes(m: torch.nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+    kw = dict(gguf=str(SMOL), device="cpu", context_length=256)
+    quant = load_model(**kw, gguf_weights="quantized").model
+    flt = load_model(**kw, gguf_weights="auto").model  # the CPU default: dequantized
+    assert nbytes(quant) < 1.2 * SMOL.stat().st_size < nbytes(flt) / 4
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356]
+    got = Engine(quant).generate([prompt], params)[0].outputs[0].token_ids
+    assert got == Engine(flt).generate([prompt], params)[0].outputs[0].token_ids
+    with pytest.raises(LmforgeError, match="--gguf-weights must be one of"):
+        load_model(**kw, gguf_weights="int3")

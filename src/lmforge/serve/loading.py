@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GGUF_WEIGHTS = ("auto", "quantized", "float")
 _IMPORT_CONTEXT = 4096  # imports default to this much context (RoPE tables are kept per layer)
 
 
@@ -60,6 +61,14 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="context to serve for --hf/--gguf imports (default: the model's, at most 4096)",
+    )
+    p.add_argument(
+        "--gguf-weights",
+        choices=GGUF_WEIGHTS,
+        default="auto",
+        help="--gguf matrices kept in their quantized format (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K: about "
+        "the file's bytes in memory, fused dequant kernels on CUDA) or dequantized to float "
+        "(faster on the CPU, ~5x the memory); auto: quantized on CUDA, float on the CPU",
     )
 
 
@@ -101,8 +110,8 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """:func:`load_for_serving`'s keywords from the flags :func:`add_model_source_args` added."""
-    keys = ("checkpoint", "hf", "gguf", "device", "dtype", "context_length")
-    return {k: getattr(args, k) for k in keys}
+    keys = ("checkpoint", "hf", "gguf", "device", "dtype", "context_length", "gguf_weights")
+    return {k: getattr(args, k) for k in keys if hasattr(args, k)}
 
 
 def load_from_args(args: argparse.Namespace) -> tuple[Any, Any, str | None, str]:
@@ -166,6 +175,7 @@ def load_model(
     device: str | None = None,
     dtype: str = "auto",
     context_length: int | None = None,
+    gguf_weights: str = "auto",
 ) -> ServingModel:
     """The model of exactly one source, with its tokenizer, chat template and name.
 
@@ -174,7 +184,10 @@ def load_model(
     (imported). A ``lmforge vision vlm`` run folder gives its language model and its vision
     tower (:func:`lmforge.vision.serving.load_vlm`). The model comes back in eval mode on
     ``device`` (None or ``auto``: CUDA when available) in ``dtype`` (``auto``: bfloat16 on
-    CUDA, float32 on the CPU).
+    CUDA, float32 on the CPU). A GGUF file's matrices stay quantized
+    (:func:`lmforge.quant.load_gguf_quantized`) with ``gguf_weights="quantized"`` or, with
+    ``auto``, on CUDA; ``float`` (``auto`` on the CPU, where the dequantizing matmuls are ~4x
+    slower than float ones) dequantizes them (:func:`lmforge.hf.gguf.import_gguf`).
     """
     import torch
 
@@ -184,6 +197,10 @@ def load_model(
         raise LmforgeError("give exactly one of --checkpoint, --hf, --gguf")
     if dtype not in DTYPES:
         raise LmforgeError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if gguf_weights not in GGUF_WEIGHTS:
+        raise LmforgeError(
+            f"--gguf-weights must be one of {', '.join(GGUF_WEIGHTS)}, got {gguf_weights!r}"
+        )
     dev = _device(device)
     if context_length is not None and context_length < 2:
         raise LmforgeError(f"--context-length must be at least 2, got {context_length}")
@@ -206,6 +223,11 @@ def load_model(
         if importlib.util.find_spec("gguf") is None:
             raise LmforgeError("--gguf needs the gguf package: pip install 'lmforge[serve]'")
 
+        quantized = gguf_weights == "quantized" or (
+            gguf_weights == "auto" and dev.startswith("cuda")
+        )
+        if quantized:  # the file's formats in memory, no float copy
+            from lmforge.quant import load_gguf_quantized as import_gguf
         model, tokenizer, template = import_gguf(
             gguf, context_length=context_length or _IMPORT_CONTEXT
         )
