@@ -47,7 +47,7 @@ SHAPES = [  # (H, K, E, BS, lens)
 # mantissa bits (half an ulp: 2^-4 of |x| ≤ amax), and its subnormals' step is 2^-9 of scale
 ROUNDTRIP_BOUND = {torch.int8: 0.5 / 127 + 1e-6, torch.float8_e4m3fn: 2**-4 + 1e-6}
 # max |attention(quantized cache) − attention(fp cache)| on randn inputs (float64 math);
-# measured: int8 ~0.004-0.006, fp8 ~0.03-0.05
+# measured on the test input: int8 0.014, fp8 0.081
 ATTN_BOUND = {torch.int8: 0.02, torch.float8_e4m3fn: 0.12}
 
 

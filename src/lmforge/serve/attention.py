@@ -145,6 +145,14 @@ def _dequant(pages: torch.Tensor) -> torch.Tensor:
     return dequantize_kv(pages) if kv_quantized(pages) else pages
 
 
+def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]`` (blocks along dim 0); fp8 pages are gathered as bytes (not every
+    device's index kernels take float8)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return _gather(cache.view(torch.uint8), index).view(cache.dtype)
+    return cache.index_select(0, index) if index.dim() == 1 else cache[index]
+
+
 def paged_attention_float64(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -157,7 +165,7 @@ def paged_attention_float64(
     e = q.shape[-1]
     h, t = q.shape[1], q.shape[0]
     blocks = torch.tensor(list(block_table)[: math.ceil(ctx_len / bs)], dtype=torch.long)
-    k, v = _dequant(k_cache[blocks]), _dequant(v_cache[blocks])  # (n/BS, BS, K, E)
+    k, v = _dequant(_gather(k_cache, blocks)), _dequant(_gather(v_cache, blocks))
     k = k.reshape(-1, kv_heads, e)[:ctx_len].double()  # (n, K, E)
     v = v.reshape(-1, kv_heads, e)[:ctx_len].double()
     k = k.repeat_interleave(h // kv_heads, dim=1)  # (n, H, E)
@@ -184,8 +192,8 @@ def paged_decode_reference(
     """
     s, h, e = q.shape
     _bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    k = _dequant(k_cache[block_tables]).reshape(s, -1, kv_heads, e)  # (S, M·BS, K, E)
-    v = _dequant(v_cache[block_tables]).reshape(s, -1, kv_heads, e)
+    k = _dequant(_gather(k_cache, block_tables)).reshape(s, -1, kv_heads, e)  # (S, M·BS, K, E)
+    v = _dequant(_gather(v_cache, block_tables)).reshape(s, -1, kv_heads, e)
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < ctx_lens[:, None]  # (S, M·BS)
     # GQA inside SDPA: repeating the kv-heads first copied the gathered cache G times (on the
     # CPU that copy cost more than the attention itself: 2.5-4x slower at batch 64)
@@ -232,8 +240,8 @@ def paged_prefill_reference(
             blocks = block_table_tensor[i, :nb]
         else:
             blocks = torch.tensor(list(table[:nb]), dtype=torch.long, device=q.device)
-        k = _dequant(k_cache.index_select(0, blocks)).reshape(-1, kv_heads, e)[:ctx]
-        v = _dequant(v_cache.index_select(0, blocks)).reshape(-1, kv_heads, e)[:ctx]
+        k = _dequant(_gather(k_cache, blocks)).reshape(-1, kv_heads, e)[:ctx]  # (n, K, E)
+        v = _dequant(_gather(v_cache, blocks)).reshape(-1, kv_heads, e)[:ctx]
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # (K, n, E)
         qs = q[start : start + t].transpose(0, 1).to(k.dtype)  # (H, T, E); k, v (K, n, E)
         if t == ctx:
