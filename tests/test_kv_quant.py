@@ -163,6 +163,20 @@ if not _CHILD:
         with pytest.raises(LmforgeError, match="unknown kv cache dtype"):
             Engine(_model(), num_blocks=8, kv_cache_dtype="e5m2")
 
+    def test_kv_cache_dtype_flag() -> None:
+        """``--kv-cache-dtype`` reaches the engine's keywords; an unknown name is one line
+        before any model loads."""
+        import argparse
+
+        from lmforge.serve.loading import add_engine_args, engine_flags
+
+        p = argparse.ArgumentParser()
+        add_engine_args(p)
+        assert engine_flags(p.parse_args([]))["kv_cache_dtype"] == "auto"
+        assert engine_flags(p.parse_args(["--kv-cache-dtype", "int8"]))["kv_cache_dtype"] == "int8"
+        with pytest.raises(LmforgeError, match="unknown kv cache dtype 'bf8'"):
+            engine_flags(p.parse_args(["--kv-cache-dtype", "bf8"]))
+
     def test_budget_counts_the_smaller_rows() -> None:
         """Per block: bf16 2E bytes per row, fp8/int8 E + 4: the engine sized from memory holds
         more than 1.8x the blocks at E 64 (the scale costs 4/E of the halving)."""

@@ -99,6 +99,9 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     """:class:`~lmforge.serve.Engine` keywords of :func:`add_engine_args`' flags (None: the
     engine's measured-best default, CUDA graphs and the compiled step on CUDA); ``speculative``
     is the flag's value (:func:`~lmforge.serve.speculative.speculative_from_flag` makes it)."""
+    from lmforge.serve.attention import kv_cache_dtype
+
+    kv_cache_dtype(args.kv_cache_dtype)  # an unknown name: one line, before the model loads
     return dict(
         compile=False if args.no_compile else None,
         cuda_graphs=False if args.no_cuda_graphs else None,
