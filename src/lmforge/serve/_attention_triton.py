@@ -118,14 +118,16 @@ def _paged_decode_kernel(
         blk_ok = blk < b_hi
         t_ok = blk_ok & (blk * BS + t_off < ctx)
         block = tl.load(bt_ptr + s * stride_bts + blk, mask=blk_ok, other=0).to(tl.int64)
-        offs = block[:, None] * stride_kb + t_off[:, None] * stride_kt + kh * stride_kh + e[None, :]
+        base = block * stride_kb + t_off * stride_kt + kh * stride_kh  # (TILE,) row starts
+        if QUANT:  # rows of E + 4 bytes: 4-byte aligned (E % 4 == 0), which Triton cannot see
+            base = tl.multiple_of(base, 4)
+        offs = base[:, None] + e[None, :]
         kv_mask = t_ok[:, None] & e_ok[None, :]
         k = _load_values(k_ptr + offs, kv_mask, QUANT, MMA)  # (TILE, EP)
         scores = tl.dot(q, tl.trans(k), input_precision=PREC)  # (GP, TILE) fp32
         if QUANT:
-            row = block * stride_kb + t_off * stride_kt + kh * stride_kh + E  # (TILE,) scales
-            sk = tl.load((k_ptr + row).to(tl.pointer_type(tl.float32)), mask=t_ok, other=0.0)
-            sv = tl.load((v_ptr + row).to(tl.pointer_type(tl.float32)), mask=t_ok, other=0.0)
+            sk = tl.load((k_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=t_ok, other=0.0)
+            sv = tl.load((v_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=t_ok, other=0.0)
             scores = scores * sk[None, :]
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         # Slot 0 of every tile is inside the context (j < b_hi <= cdiv(ctx, BS)), so m_new is

@@ -66,14 +66,16 @@ def _kv_tile(
     else:
         n_ok = n >= 0
         block = tl.load(bt_row + n // BS).to(tl.int64)
-    offs = block[:, None] * stride_kb + (n % BS)[:, None] * stride_kt + kh_off + e[None, :]
+    base = block * stride_kb + (n % BS) * stride_kt + kh_off  # (BN,) row starts
+    if QUANT:  # rows of E + 4 bytes: 4-byte aligned (E % 4 == 0), which Triton cannot see
+        base = tl.multiple_of(base, 4)
+    offs = base[:, None] + e[None, :]
     mask = n_ok[:, None] & e_ok[None, :]
     k = _load_values(k_ptr + offs, mask, QUANT, MMA)
     v = _load_values(v_ptr + offs, mask, QUANT, MMA)
     if QUANT:
-        row = block * stride_kb + (n % BS) * stride_kt + kh_off + E  # (BN,) the rows' scales
-        sk = tl.load((k_ptr + row).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
-        sv = tl.load((v_ptr + row).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+        sk = tl.load((k_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+        sv = tl.load((v_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
     else:
         sk = tl.full([BLOCK_N], 1.0, tl.float32)
         sv = sk
