@@ -230,6 +230,30 @@ if not _CHILD:
         assert 0 < max(errs) <= {"int8": 0.05, "fp8": 0.15}[fmt], max(errs)
         assert same >= {"int8": 5, "fp8": 4}[fmt]
 
+    @pytest.mark.parametrize("fmt", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+    def test_compiled_decode_on_a_quantized_cache(fmt) -> None:
+        """The compiled decode step (the cache through the ``decode_attention`` custom op, the
+        quantizing write inside it) equals the eager engine on the same quantized cache, and
+        writes the engine's pages in place."""
+        from lmforge.serve import Engine, SamplingParams
+
+        model = _model()
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 17, 40, 5)]
+        params = SamplingParams(temperature=0, max_tokens=10)
+        outs = {}
+        for compiled in (False, True):
+            engine = Engine(model, block_size=8, num_blocks=64, kv_cache_dtype=fmt,
+                            compile=compiled)  # fmt: skip
+            ptr = engine.runner.cache.k.data_ptr()
+            outs[compiled] = [o.outputs[0] for o in engine.generate(prompts, params)]
+            if compiled:
+                assert engine.runner.decoder is not None and engine.runner.decoder.failed is None
+            assert engine.runner.cache.k.data_ptr() == ptr
+        for a, b in zip(outs[False], outs[True], strict=True):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+
     def test_startup_line_names_the_kv_dtype() -> None:
         from lmforge.serve import Engine
         from lmforge.serve.engine_process import engine_summary
