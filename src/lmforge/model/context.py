@@ -30,6 +30,9 @@ from torch import nn
 
 __all__ = ["Context", "PagedKVCache", "StepOps"]
 
+_QUANTIZED = (torch.float8_e4m3fn, torch.int8)  # cache dtypes stored as values + a row scale
+_SCALE_BYTES = 4  # the float32 scale at the end of each quantized row
+
 
 class PagedKVCache:
     """Keys and values of every layer in fixed-size blocks.
@@ -38,6 +41,11 @@ class PagedKVCache:
     (BS, K, E) tile holding BS consecutive tokens of whichever sequence's block table lists b
     (keys after RoPE). Slot ``b·BS + i`` is offset i of block b. Which blocks a sequence owns
     is the allocator's business (``lmforge.serve.blocks``); this object only holds the memory.
+
+    Quantized (``dtype`` ``torch.float8_e4m3fn`` or ``torch.int8``): the last dim is E + 4, each
+    (slot, kv-head) row holding its E values and then its float32 scale (x ≈ value · scale; one
+    scale per token and head, so appending to a block never rescales what it holds; see
+    :mod:`lmforge.serve.attention`). ``head_dim`` is E either way.
     """
 
     def __init__(
@@ -50,18 +58,23 @@ class PagedKVCache:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        row = head_dim + (_SCALE_BYTES if dtype in _QUANTIZED else 0)
+        if dtype in _QUANTIZED and head_dim % 4:  # the float32 scale must sit 4-byte aligned
+            raise ValueError(f"a quantized KV cache needs head_dim % 4 == 0, got {head_dim}")
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, row)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.head_dim = head_dim
 
     @staticmethod
     def bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers (K and V)."""
+        """Bytes one block takes across all layers (K and V; a quantized row's scale included)."""
         cfg = model.config
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.n_layers * block_size * cfg.kv_heads * int(cfg.head_dim) * elem
+        row = int(cfg.head_dim) * elem + (_SCALE_BYTES if dtype in _QUANTIZED else 0)
+        return 2 * cfg.n_layers * block_size * cfg.kv_heads * row
 
 
 class StepOps:

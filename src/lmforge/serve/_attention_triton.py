@@ -14,6 +14,12 @@ and a second kernel combines them: M = max_p m_p, out = Σ_p acc_p e^(m_p−M) /
 (a partition past the context wrote m = −inf, l = 0 and drops out). The partition count depends
 on shapes only (S, K and the table width), never on the context lengths, so a CUDA graph
 captured for one bucket stays valid for every step replayed in it.
+
+Quantized caches (QUANT 1: fp8 e4m3, 2: int8; rows of E values + a float32 scale, see
+:mod:`lmforge.serve.attention`): the values load as bytes and convert exactly to the MMA dtype
+(e4m3 and |int8| ≤ 127 fit bf16's 8-bit mantissa); the TILE scales of K multiply the scores
+(``s_j = q·k̂_j · sk_j``) and those of V the softmax weights before the second product
+(``Σ_j p_j sv_j v̂_j``), so dequantization costs 2·TILE multiplies per tile, not 2·TILE·E.
 """
 
 from __future__ import annotations
@@ -25,6 +31,29 @@ import triton.language as tl
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
 
 TARGET_PROGRAMS = 512  # enough (seq, kv-head, partition) programs to fill an H100/H200's SMs
+
+
+@triton.jit
+def _load_values(ptrs, mask, QUANT: tl.constexpr, MMA: tl.constexpr):
+    """A K/V tile in the MMA dtype: plain, or quantized bytes (fp8 e4m3 reinterpreted from
+    uint8, or int8) converted exactly."""
+    x = tl.load(ptrs, mask=mask, other=0)
+    if QUANT == 1:
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif QUANT == 2:
+        x = x.to(tl.float32)
+    return x.to(MMA)
+
+
+def quant_code(cache: torch.Tensor) -> int:
+    """The kernels' QUANT constant for a cache: 0 plain, 1 fp8 e4m3, 2 int8."""
+    return {torch.float8_e4m3fn: 1, torch.int8: 2}.get(cache.dtype, 0)
+
+
+def kernel_view(cache: torch.Tensor) -> torch.Tensor:
+    """The tensor a kernel reads: fp8 caches as uint8 (bitcast in the kernel, so the CPU
+    interpreter and every GPU read the same bytes), others as they are."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 @triton.jit
@@ -58,6 +87,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     PREC: tl.constexpr,
     MMA: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     s = tl.program_id(0)
     kh = tl.program_id(1)
@@ -88,18 +118,28 @@ def _paged_decode_kernel(
         blk_ok = blk < b_hi
         t_ok = blk_ok & (blk * BS + t_off < ctx)
         block = tl.load(bt_ptr + s * stride_bts + blk, mask=blk_ok, other=0).to(tl.int64)
-        offs = block[:, None] * stride_kb + t_off[:, None] * stride_kt + kh * stride_kh + e[None, :]
+        base = block * stride_kb + t_off * stride_kt + kh * stride_kh  # (TILE,) row starts
+        if QUANT:  # rows of E + 4 bytes: 4-byte aligned (E % 4 == 0), which Triton cannot see
+            base = tl.multiple_of(base, 4)
+        offs = base[:, None] + e[None, :]
         kv_mask = t_ok[:, None] & e_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(MMA)  # (TILE, EP)
+        k = _load_values(k_ptr + offs, kv_mask, QUANT, MMA)  # (TILE, EP)
         scores = tl.dot(q, tl.trans(k), input_precision=PREC)  # (GP, TILE) fp32
+        if QUANT:
+            sk = tl.load((k_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=t_ok, other=0.0)
+            sv = tl.load((v_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=t_ok, other=0.0)
+            scores = scores * sk[None, :]
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         # Slot 0 of every tile is inside the context (j < b_hi <= cdiv(ctx, BS)), so m_new is
         # finite and exp() never sees -inf - -inf.
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # (GP,)
         p = tl.exp(scores - m_new[:, None])  # (GP, TILE)
         alpha = tl.exp(m - m_new)  # (GP,)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(MMA)  # (TILE, EP)
-        acc = acc * alpha[:, None] + tl.dot(p.to(MMA), v, input_precision=PREC)
+        v = _load_values(v_ptr + offs, kv_mask, QUANT, MMA)  # (TILE, EP)
+        if QUANT:
+            acc = acc * alpha[:, None] + tl.dot((p * sv[None, :]).to(MMA), v, input_precision=PREC)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(MMA), v, input_precision=PREC)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         m = m_new
     row_mask = g_ok[:, None] & e_ok[None, :]
@@ -177,6 +217,8 @@ def paged_decode_triton(
         ensure_interpreter_compat()
     s, h, e = q.shape
     _, bs, kv_heads, _ = k_cache.shape
+    quant = quant_code(k_cache)
+    assert quant == quant_code(v_cache) and (not quant or k_cache.shape[-1] == e + 4)
     group = h // kv_heads
     width = block_tables.shape[1]
     nt = max(1, 64 // bs)  # 64-slot tiles
@@ -190,7 +232,9 @@ def paged_decode_triton(
     split = n_parts > 1
     # tl.dot operands in the cache dtype (tensor cores); fp32 where the cache is fp32, and in
     # Triton 3.6's CPU interpreter for bf16, whose tl.dot multiplies bf16 bit patterns.
-    mma = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(k_cache.dtype, tl.float32)
+    # (quantized caches: q's dtype, to which their values convert exactly)
+    mma_src = q.dtype if quant else k_cache.dtype
+    mma = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(mma_src, tl.float32)
     if interpreting() and mma == tl.bfloat16:
         mma = tl.float32
     if split:
@@ -202,8 +246,8 @@ def paged_decode_triton(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     _paged_decode_kernel[(s, kv_heads, n_parts)](
         q,
-        k_cache,
-        v_cache,
+        kernel_view(k_cache),
+        kernel_view(v_cache),
         block_tables,
         ctx_lens,
         out,
@@ -230,6 +274,7 @@ def paged_decode_triton(
         SPLIT=split,
         PREC="ieee" if mma == tl.float32 else "tf32",
         MMA=mma,
+        QUANT=quant,
     )
     if split:
         _combine_kernel[(s, h)](

@@ -26,6 +26,9 @@ Short chunks (decode rows mixed into a prefill step, speculative verification) w
 128-row tile, so the plan puts sequences with T ≤ 16 in a second launch with 16-row tiles: two
 launches per layer, disjoint output rows. GQA: head h reads kv-head ``h // (H/K)``.
 
+Quantized caches (QUANT 1 fp8 e4m3, 2 int8): as in the decode kernel, values convert exactly to
+the MMA dtype, K's per-token scales multiply the scores and V's the weights ``p`` before P·V.
+
 Shape legend: N tokens in the step, S sequences, H heads, K kv-heads, E head dim, NB blocks,
 BS block size, M table width.
 Exercised by ``pytest tests/test_serve_prefill.py`` (under TRITON_INTERPRET=1 on the CPU).
@@ -42,6 +45,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
+from lmforge.serve._attention_triton import _load_values, kernel_view, quant_code
 
 LOG2E = 1.4426950408889634
 SHORT_ROWS = 16  # chunks this short (decode rows) get 16-row tiles, in their own launch
@@ -51,8 +55,10 @@ SHORT_ROWS = 16  # chunks this short (decode rows) get 16-row tiles, in their ow
 def _kv_tile(
     k_ptr, v_ptr, bt_row, kh_off, start_n, ctx, stride_kb, stride_kt, e, e_ok,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MMA: tl.constexpr,
+    QUANT: tl.constexpr, E: tl.constexpr,
 ):  # fmt: skip
-    """K and V of slots ``start_n .. start_n + BLOCK_N`` of one sequence: (BLOCK_N, EP) each."""
+    """K and V of slots ``start_n .. start_n + BLOCK_N`` of one sequence: (BLOCK_N, EP) each,
+    and their (BLOCK_N,) scales (ones for a plain cache)."""
     n = start_n + tl.arange(0, BLOCK_N)  # (BN,) token index in the sequence
     if MASKED:
         n_ok = n < ctx
@@ -60,11 +66,20 @@ def _kv_tile(
     else:
         n_ok = n >= 0
         block = tl.load(bt_row + n // BS).to(tl.int64)
-    offs = block[:, None] * stride_kb + (n % BS)[:, None] * stride_kt + kh_off + e[None, :]
+    base = block * stride_kb + (n % BS) * stride_kt + kh_off  # (BN,) row starts
+    if QUANT:  # rows of E + 4 bytes: 4-byte aligned (E % 4 == 0), which Triton cannot see
+        base = tl.multiple_of(base, 4)
+    offs = base[:, None] + e[None, :]
     mask = n_ok[:, None] & e_ok[None, :]
-    k = tl.load(k_ptr + offs, mask=mask, other=0.0).to(MMA)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(MMA)
-    return k, v, n
+    k = _load_values(k_ptr + offs, mask, QUANT, MMA)
+    v = _load_values(v_ptr + offs, mask, QUANT, MMA)
+    if QUANT:
+        sk = tl.load((k_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+        sv = tl.load((v_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=n_ok, other=0.0)
+    else:
+        sk = tl.full([BLOCK_N], 1.0, tl.float32)
+        sv = sk
+    return k, v, n, sk, sv
 
 
 @triton.jit
@@ -72,14 +87,16 @@ def _prefill_inner(
     acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, lo, hi, ctx, pos, stride_kb, stride_kt, e,
     e_ok, qk_scale,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MMA: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, QUANT: tl.constexpr, E: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, n = _kv_tile(
+        k, v, n, sk, sv = _kv_tile(
             k_ptr, v_ptr, bt_row, kh_off, start_n, ctx, stride_kb, stride_kt, e, e_ok,
-            BS, BLOCK_N, MASKED, MMA,
+            BS, BLOCK_N, MASKED, MMA, QUANT, E,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # (BM, BN) fp32, unscaled
+        if QUANT:
+            qk = qk * sk[None, :]
         if MASKED:  # causal (bottom-right) and the end of the context
             keep = (n[None, :] <= pos[:, None]) & (n[None, :] < ctx)
             qk = tl.where(keep, qk, float("-inf"))
@@ -87,7 +104,11 @@ def _prefill_inner(
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BM, BN)
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(MMA), v, input_precision=PREC)  # (BM, EP)
+        if QUANT:
+            pv = tl.dot((p * sv[None, :]).to(MMA), v, input_precision=PREC)
+        else:
+            pv = tl.dot(p.to(MMA), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + pv  # (BM, EP)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -105,6 +126,7 @@ def _paged_prefill_kernel(
     stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_bts, stride_on, stride_oh,
     G: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr,
+    QUANT: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     tile = tl.program_id(1)
@@ -134,11 +156,11 @@ def _paged_prefill_kernel(
     lo = (first + 1) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _prefill_inner(
         acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, 0, lo, ctx, pos, stride_kb, stride_kt,
-        e, e_ok, qk_scale, BS, BLOCK_N, False, MMA, PREC,
+        e, e_ok, qk_scale, BS, BLOCK_N, False, MMA, PREC, QUANT, E,
     )  # fmt: skip
     acc, m_i, l_i = _prefill_inner(
         acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, lo, last, ctx, pos, stride_kb, stride_kt,
-        e, e_ok, qk_scale, BS, BLOCK_N, True, MMA, PREC,
+        e, e_ok, qk_scale, BS, BLOCK_N, True, MMA, PREC, QUANT, E,
     )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
@@ -251,12 +273,15 @@ def paged_prefill_triton(
         ensure_interpreter_compat()
     _n, h, e = q.shape
     _, bs, kv_heads, _ = k_cache.shape
+    quant = quant_code(k_cache)
+    assert quant == quant_code(v_cache) and (not quant or k_cache.shape[-1] == e + 4)
     assert h % kv_heads == 0 and e <= 256, (h, kv_heads, e)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q = q.contiguous()
     out = torch.empty_like(q)
     ep = max(16, triton.next_power_of_2(e))
-    mma = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(k_cache.dtype, tl.float32)
+    mma_src = q.dtype if quant else k_cache.dtype  # quantized values convert exactly to q's
+    mma = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(mma_src, tl.float32)
     if interpreting() and mma == tl.bfloat16:  # Triton 3.6's interpreter: bf16 tl.dot is wrong
         mma = tl.float32
     prec = "ieee" if mma == tl.float32 else "tf32"
@@ -270,15 +295,19 @@ def paged_prefill_triton(
             continue
         assert n_tiles < 65536, f"{n_tiles} query tiles: more than CUDA's grid y limit"
         args = (
-            q, k_cache, v_cache, block_tables, ctx_lens, cu, t_seq, t_m, out, qk_scale,
+            q, kernel_view(k_cache), kernel_view(v_cache), block_tables, ctx_lens, cu, t_seq,
+            t_m, out, qk_scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
         )  # fmt: skip
-        meta = dict(G=h // kv_heads, E=e, EP=ep, BS=bs, BLOCK_M=block_m, MMA=mma, PREC=prec)
+        meta = dict(
+            G=h // kv_heads, E=e, EP=ep, BS=bs, BLOCK_M=block_m, MMA=mma, PREC=prec, QUANT=quant
+        )
         if interpreting():
             _paged_prefill_kernel[(h, n_tiles)](*args, **meta, BLOCK_N=block_n)
             continue
-        bn, warps, stages = launch_config(block_m, e, k_cache.element_size())
+        elem = q.element_size() if quant else k_cache.element_size()  # tiles in the MMA dtype
+        bn, warps, stages = launch_config(block_m, e, elem)
         bn, warps, stages = block_n or bn, num_warps or warps, num_stages or stages
         # The shared-memory need grows with stages x key tile; step down rather than fail on a
         # dtype/E the defaults were not sized for (fp32 caches in tests, E 256).

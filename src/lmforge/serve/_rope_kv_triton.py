@@ -124,6 +124,8 @@ def rope_write_kv(
         ensure_interpreter_compat()
     split, s, n_cols = partials.shape
     _, _, kv_heads, e = k_cache.shape
+    # plain rows only: a quantized cache (fp8/int8 + scale) is written by attention.write_kv
+    assert k_cache.dtype not in (torch.float8_e4m3fn, torch.int8), k_cache.dtype
     assert n_cols == (n_heads + 2 * kv_heads) * e and e % 2 == 0, (partials.shape, k_cache.shape)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1)  # slot = block·BS + offset

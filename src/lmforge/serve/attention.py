@@ -18,6 +18,17 @@ per layer over the query tiles of all the step's sequences, keys read from the p
 reference runs one SDPA per sequence, without a dense mask (causal, or causal aligned to the
 bottom right after a cached prefix).
 
+Quantized caches (``kv_cache_dtype`` fp8 / int8): a row of a quantized cache is the head's E
+values (float8 e4m3 or symmetric int8) followed by its float32 scale in the row's last 4 bytes,
+so the cache tensor is (NB, BS, K, E + 4) of ``torch.float8_e4m3fn`` / ``torch.int8`` and
+``x ≈ value · scale``. The scale is per token and kv-head (amax of the row / 448 or / 127): a
+block's amax would change as tokens are appended to it (rescaling the values already written),
+a per-token scale never does, and keeping it beside its values (instead of a separate scale
+tensor) lets every op, custom-op schema and CUDA graph keep passing the same two cache tensors.
+Writes quantize (:func:`quantize_kv`); the kernels load values and scales and dequantize in
+registers (K's scale multiplies the scores, V's the softmax weights); the torch references
+dequantize explicitly (:func:`dequantize_kv`).
+
 Shape legend: N tokens in the step, S sequences, H heads, K kv-heads, E head dim, T queries.
 Exercised by ``pytest tests/test_serve_attention.py tests/test_serve_prefill.py`` (kernels under
 TRITON_INTERPRET=1).
@@ -39,7 +50,12 @@ if TYPE_CHECKING:
     from lmforge.serve._prefill_triton import PrefillPlan
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "PagedOps",
+    "dequantize_kv",
+    "kv_cache_dtype",
+    "kv_head_dim",
+    "kv_quantized",
     "paged_attention_float64",
     "paged_decode",
     "paged_decode_reference",
@@ -47,8 +63,62 @@ __all__ = [
     "paged_prefill_reference",
     "prefill_kernel_on",
     "prefill_plan",
+    "quantize_kv",
     "write_kv",
 ]
+
+# --kv-cache-dtype names: the quantized caches' storage dtypes (None: the model's dtype)
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
+_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}  # largest finite value of each format
+SCALE_BYTES = 4  # the float32 scale at the end of each quantized row
+_MIN_SCALE = 1e-30  # an all-zero row gets this scale (its values are 0 whatever the scale)
+
+
+def kv_cache_dtype(name: str) -> torch.dtype | None:
+    """The storage dtype of ``--kv-cache-dtype name`` (None: the model's); one line if unknown."""
+    if name not in KV_CACHE_DTYPES:
+        from lmforge.utils.errors import LmforgeError
+
+        raise LmforgeError(
+            f"unknown kv cache dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[name]
+
+
+def kv_quantized(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` holds quantized rows (values + a float32 scale, see the module doc)."""
+    return cache.dtype in _QMAX
+
+
+def kv_head_dim(cache: torch.Tensor) -> int:
+    """The head dim E of a cache (..., E) or a quantized cache (..., E + 4)."""
+    return cache.shape[-1] - (SCALE_BYTES if kv_quantized(cache) else 0)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows (..., E) -> quantized rows (..., E + 4) of ``dtype`` (fp8 e4m3 or int8): the values
+    ``x / scale`` (int8 rounded to nearest) and the row's float32 ``scale = amax / qmax``."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1, keepdim=True) / _QMAX[dtype]).clamp_min(_MIN_SCALE)  # (..., 1)
+    y = xf / scale
+    if dtype == torch.int8:
+        vals = y.round().clamp(-127, 127).to(torch.int8)
+    else:  # e4m3 has no inf: clamp first so rounding never produces NaN
+        vals = y.clamp(-448.0, 448.0).to(dtype)
+    raw = torch.cat([vals.view(torch.uint8), scale.view(torch.uint8)], dim=-1)  # (..., E + 4)
+    return raw.view(dtype)
+
+
+def dequantize_kv(cache: torch.Tensor) -> torch.Tensor:
+    """Quantized rows (..., E + 4) -> float32 (..., E): value · scale (the readable reference
+    of the kernels' in-register dequantization)."""
+    e = kv_head_dim(cache)
+    scale = cache[..., e:].contiguous().view(torch.float32)  # (..., 1)
+    return cache[..., :e].float() * scale
 
 
 def write_kv(
@@ -58,10 +128,29 @@ def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """Store new keys/values (N, K, E) at flat ``slots`` (N,) of (NB, BS, K, E) caches."""
-    kv_heads, e = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, e).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, e).index_copy_(0, slots, v.to(v_cache.dtype))
+    """Store new keys/values (N, K, E) at flat ``slots`` (N,) of (NB, BS, K, E) caches, or
+    quantized (:func:`quantize_kv`) into (NB, BS, K, E + 4) quantized caches."""
+    kv_heads, row = k_cache.shape[-2:]
+    if kv_quantized(k_cache):  # index_copy_ on bytes: float8 has no CPU index_copy_
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            q8 = quantize_kv(x, cache.dtype).view(torch.uint8)  # (N, K, E + 4)
+            cache.view(torch.uint8).view(-1, kv_heads, row).index_copy_(0, slots, q8)
+        return
+    k_cache.view(-1, kv_heads, row).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, row).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def _dequant(pages: torch.Tensor) -> torch.Tensor:
+    """Gathered pages as they are, or dequantized to float32 if quantized."""
+    return dequantize_kv(pages) if kv_quantized(pages) else pages
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``cache[index]`` (blocks along dim 0); fp8 pages are gathered as bytes (not every
+    device's index kernels take float8)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return _gather(cache.view(torch.uint8), index).view(cache.dtype)
+    return cache.index_select(0, index) if index.dim() == 1 else cache[index]
 
 
 def paged_attention_float64(
@@ -72,11 +161,13 @@ def paged_attention_float64(
     ctx_len: int,
 ) -> torch.Tensor:
     """The plain-math reference for one sequence, in float64: q (T, H, E) -> (T, H, E)."""
-    bs, kv_heads, e = k_cache.shape[1:]
+    bs, kv_heads = k_cache.shape[1:3]
+    e = q.shape[-1]
     h, t = q.shape[1], q.shape[0]
     blocks = torch.tensor(list(block_table)[: math.ceil(ctx_len / bs)], dtype=torch.long)
-    k = k_cache[blocks].reshape(-1, kv_heads, e)[:ctx_len].double()  # (n, K, E)
-    v = v_cache[blocks].reshape(-1, kv_heads, e)[:ctx_len].double()
+    k, v = _dequant(_gather(k_cache, blocks)), _dequant(_gather(v_cache, blocks))
+    k = k.reshape(-1, kv_heads, e)[:ctx_len].double()  # (n, K, E)
+    v = v.reshape(-1, kv_heads, e)[:ctx_len].double()
     k = k.repeat_interleave(h // kv_heads, dim=1)  # (n, H, E)
     v = v.repeat_interleave(h // kv_heads, dim=1)
     scores = torch.einsum("the,nhe->htn", q.double(), k) / math.sqrt(e)  # (H, T, n)
@@ -101,8 +192,8 @@ def paged_decode_reference(
     """
     s, h, e = q.shape
     _bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    k = k_cache[block_tables].reshape(s, -1, kv_heads, e)  # (S, M·BS, K, E)
-    v = v_cache[block_tables].reshape(s, -1, kv_heads, e)
+    k = _dequant(_gather(k_cache, block_tables)).reshape(s, -1, kv_heads, e)  # (S, M·BS, K, E)
+    v = _dequant(_gather(v_cache, block_tables)).reshape(s, -1, kv_heads, e)
     valid = torch.arange(k.shape[1], device=q.device)[None, :] < ctx_lens[:, None]  # (S, M·BS)
     # GQA inside SDPA: repeating the kv-heads first copied the gathered cache G times (on the
     # CPU that copy cost more than the attention itself: 2.5-4x slower at batch 64)
@@ -149,8 +240,9 @@ def paged_prefill_reference(
             blocks = block_table_tensor[i, :nb]
         else:
             blocks = torch.tensor(list(table[:nb]), dtype=torch.long, device=q.device)
-        k = k_cache.index_select(0, blocks).reshape(-1, kv_heads, e)[:ctx].transpose(0, 1)
-        v = v_cache.index_select(0, blocks).reshape(-1, kv_heads, e)[:ctx].transpose(0, 1)
+        k = _dequant(_gather(k_cache, blocks)).reshape(-1, kv_heads, e)[:ctx]  # (n, K, E)
+        v = _dequant(_gather(v_cache, blocks)).reshape(-1, kv_heads, e)[:ctx]
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # (K, n, E)
         qs = q[start : start + t].transpose(0, 1).to(k.dtype)  # (H, T, E); k, v (K, n, E)
         if t == ctx:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=h != kv_heads)

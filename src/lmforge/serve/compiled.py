@@ -33,6 +33,11 @@ RoPE to q and k and writes k/v into the pages (:mod:`lmforge.serve._rope_kv_trit
 separate RoPE kernel, no ``index_copy``), then the paged decode attention, in the same
 mutating op as the unfused path.
 
+Quantized KV caches (fp8/int8 rows with their scale, :mod:`lmforge.serve.attention`) pass
+through the same two cache tensors and op schemas (their last dim is E + 4, their dtype says the
+format): ``decode_attention`` quantizes in its ``write_kv`` and the decode kernel dequantizes in
+registers; the fused RoPE + write op is not taken for them (it stores plain rows only).
+
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
 engine decodes eagerly from then on; a failure on the decode GEMV's path first drops the GEMV
 (one line) and reruns the step on cuBLAS.
@@ -306,6 +311,8 @@ class DecodeOps(StepOps):
             return None
         layer = attn.layer_idx
         g_qkv, _, _, _, fuse = self.plan[0][layer]
+        # a quantized cache (fp8/int8, or any dtype not the model's) takes the unfused op: its
+        # write_kv quantizes in torch; the fused kernel stores plain rows only
         if not fuse or ctx.k_cache.dtype != h.dtype:
             return None
         qn = (attn.q_norm.weight, attn.k_norm.weight) if attn.config.qk_norm else (None, None)

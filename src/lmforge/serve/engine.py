@@ -39,6 +39,7 @@ from torch import nn
 
 from lmforge.model.context import PagedKVCache
 from lmforge.model.mla import PagedLatentCache
+from lmforge.serve.attention import kv_cache_dtype as kv_cache_dtype_of
 from lmforge.serve.blocks import BlockAllocator
 from lmforge.serve.detok import StopMatcher, make_detokenizer, release
 from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
@@ -132,6 +133,10 @@ class Engine:
     (:class:`~lmforge.serve.speculative.Speculative`, or a bare ``NgramDraft`` /
     ``DraftModel``) turns on speculative decoding: one sequence at a time (``max_num_seqs`` 1,
     n = 1 per request), greedy output token-identical to plain decoding.
+    ``kv_cache_dtype`` ``"fp8"`` / ``"int8"`` stores the KV pages quantized (e4m3 / symmetric
+    int8 values with a float32 scale per token and kv-head, :mod:`lmforge.serve.attention`):
+    about half the bytes of bf16 per block, so about twice the blocks; ``"auto"`` (default)
+    stores them in ``kv_dtype`` (None: the model's dtype).
     """
 
     def __init__(
@@ -147,6 +152,7 @@ class Engine:
         enable_prefix_cache: bool = True,
         eos_token_id: int | None = None,
         kv_dtype: torch.dtype | None = None,
+        kv_cache_dtype: str = "auto",
         use_triton: bool | None = None,
         seed: int = 0,
         max_queue: int | None = None,
@@ -157,6 +163,16 @@ class Engine:
         speculative: Speculative | NgramDraft | DraftModel | MTPDraft | None = None,
     ) -> None:
         param = next(model.parameters())
+        if kv_dtype is None:  # fp8 / int8: quantized pages (lmforge.serve.attention)
+            kv_dtype = kv_cache_dtype_of(kv_cache_dtype)
+        if kv_dtype in (torch.float8_e4m3fn, torch.int8) and (
+            model.config.attention_type == "mla" or int(model.config.head_dim) % 4
+        ):
+            raise LmforgeError(
+                f"--kv-cache-dtype {kv_cache_dtype}: quantized KV pages need GQA/MHA attention "
+                f"with a head dim divisible by 4 (this model: {model.config.attention_type}, "
+                f"head dim {model.config.head_dim})"
+            )
         self.device = torch.device(device) if device is not None else param.device
         self.model = model.to(self.device).eval()
         cfg = model.config

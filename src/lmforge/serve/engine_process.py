@@ -551,4 +551,6 @@ def engine_summary(engine: Any) -> str:
     """One line saying what the engine chose: device, CUDA graphs, compiled step, KV cache
     (the engine's own ``startup_line``) and the KV dtype."""
     dtype = str(engine.runner.kv_dtype).removeprefix("torch.")
+    if dtype in ("float8_e4m3fn", "int8"):  # quantized pages
+        dtype = ("fp8 e4m3" if dtype != "int8" else dtype) + " + a float32 scale per token/head"
     return f"{engine.startup_line}, KV dtype {dtype}"

@@ -74,7 +74,8 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's decode switches every inference command takes: ``--no-compile``,
-    ``--no-cuda-graphs``, ``--speculative``, ``--speculative-k`` (read by :func:`engine_flags`)."""
+    ``--no-cuda-graphs``, ``--speculative``, ``--speculative-k``, ``--kv-cache-dtype`` (read by
+    :func:`engine_flags`)."""
     p.add_argument(
         "--no-compile",
         action="store_true",
@@ -94,17 +95,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "modules draft); exact rejection sampling keeps the outputs",
     )
     p.add_argument("--speculative-k", type=int, default=4, help="drafted tokens per step (4)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        metavar="DTYPE",
+        help="KV cache storage: auto (the model's dtype), fp8 (e4m3) or int8, both with a "
+        "float32 scale per token and kv-head (about half the bytes of bf16: twice the blocks)",
+    )
 
 
 def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     """:class:`~lmforge.serve.Engine` keywords of :func:`add_engine_args`' flags (None: the
     engine's measured-best default, CUDA graphs and the compiled step on CUDA); ``speculative``
     is the flag's value (:func:`~lmforge.serve.speculative.speculative_from_flag` makes it)."""
+    from lmforge.serve.attention import kv_cache_dtype
+
+    kv_cache_dtype(args.kv_cache_dtype)  # an unknown name: one line, before the model loads
     return dict(
         compile=False if args.no_compile else None,
         cuda_graphs=False if args.no_cuda_graphs else None,
         speculative=args.speculative,
         speculative_k=args.speculative_k,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -119,7 +119,9 @@ class ModelRunner:
         # the measured-best path is the default: CUDA graphs and the compiled step on CUDA
         self.use_graphs = (cuda_graphs is not False) and self._graphs_supported()
         want_compile = compile if compile is not None else device.type == "cuda"
-        self.host_reads = self._host_reads(dtype)
+        weights = next(model.parameters()).dtype  # the experts' dtype, whatever the KV's
+        quantized_kv = dtype in (torch.float8_e4m3fn, torch.int8)
+        self.host_reads = self._host_reads(weights if quantized_kv else dtype)
         if self.host_reads:  # a step that reads the device on the host can be neither
             self.use_graphs = want_compile = False
         if num_blocks is None and probe is not None:
