@@ -76,7 +76,7 @@ def forward_step(
     else:
         k_cache, v_cache = cache.k, cache.v
         if not batch.decode_only:  # the prefill kernel's tiles: built once per step
-            dev, e = batch.tokens.device, cache.k.shape[-1]
+            dev, e = batch.tokens.device, cache.head_dim
             if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
                 plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
     ctx = Context(
