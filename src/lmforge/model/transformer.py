@@ -443,6 +443,11 @@ class TransformerBlock(nn.Module):
         if self.recurrent:  # a linear mixer: its state lives in the cache or the step's slots
             h = self.ln1(x)
             if context is not None:
+                if context.states is None:
+                    raise LmforgeError(
+                        "linear layers (G, M, L) need the engine's recurrent-state slots "
+                        "(Context.states); this step has none"
+                    )
                 y = mix_paged(self.attn, self.layer_idx, h, context.states, context.q_lens)
             elif kv_cache is not None:
                 state = kv_cache.states.get(self.layer_idx)

@@ -21,7 +21,14 @@ finished requests are dropped (their KV belongs to the old weights). Admission c
 OOM: a request that could never fit is refused by :meth:`Engine.add_request`; one that does not
 fit now waits. Speculative decoding is a mode of the engine (``Engine(speculative=...)``).
 
-Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py``.
+Hybrid layer patterns (``model.layers``): linear layers (G, M, L) keep one recurrent-state
+slot per running sequence (:class:`~lmforge.model.linear_attention.StatePool`, ``max_num_seqs``
+slots; prefix cache off, preemption recomputes from a zeroed slot); W layers read the window
+of their pages; hybrids decode eagerly (no CUDA graphs or compiled step); S layers are refused
+in one line.
+
+Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py
+tests/test_serve_hybrid.py``.
 """
 
 from __future__ import annotations
