@@ -176,7 +176,7 @@ def test_engine_equals_reference(switch: str, kw: dict, engine: str) -> None:
         assert sorted(eng.scheduler.free_state_slots) == list(range(eng.runner.states.num_slots))
 
 
-@pytest.mark.parametrize("switch", ["mup", "all", "mla", "mla_cla"])
+@pytest.mark.parametrize("switch", ["mup", "all", "mla", "mla_cla", "window"])
 def test_prefix_cache_hit_serves_the_same_tokens(switch: str) -> None:
     """A second request that shares the first's prompt prefix takes its cached blocks (a hit),
     and still gives the reference's tokens and log-probs."""
@@ -191,6 +191,21 @@ def test_prefix_cache_hit_serves_the_same_tokens(switch: str) -> None:
     assert eng.allocator.hits - hits == 3  # the 12 shared tokens: three full blocks of 4
     assert out.outputs[0].token_ids == generate(model, [second], 8, temperature=0)[0]
     _check_logprobs(model, second, out.outputs[0])
+
+
+@pytest.mark.parametrize("switch", ["gdn", "mixed"])
+def test_repeated_prompt_with_linear_layers_is_recomputed(switch: str) -> None:
+    """Linear layers turn the prefix cache off (a cached block holds K/V, not the recurrent
+    state after it): a repeated prompt takes no block from the cache and is still exact."""
+    model = _model(SWITCHES[switch])
+    (prompt,) = _prompts((17,))
+    eng = Engine(model, block_size=4, num_blocks=96)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    eng.generate([prompt], params)
+    (out,) = eng.generate([prompt], params)
+    assert eng.allocator.hits == 0
+    assert out.outputs[0].token_ids == generate(model, [prompt], 8, temperature=0)[0]
+    _check_logprobs(model, prompt, out.outputs[0])
 
 
 def test_rows_cover_every_switch() -> None:

@@ -90,6 +90,18 @@ def test_state_slots_bound_admission_and_come_back() -> None:
     assert sorted(eng.scheduler.free_state_slots) == [0, 1]
 
 
+def test_n_samples_each_take_a_slot() -> None:
+    """n = 3 samples of one request (no prefix cache to share the prompt through): each is
+    prefilled in its own slot, and greedy samples all equal the reference."""
+    model = _model("GMWA")
+    prompt = _prompt(10)
+    eng = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)
+    (out,) = eng.generate([prompt], params)
+    want = greedy_generate_reference(model, prompt, 6)
+    assert [o.token_ids for o in out.outputs] == [want] * 3
+
+
 def test_startup_line_states_memory() -> None:
     """KV bytes per token and state bytes per sequence (constant in its length)."""
     model = _model("GGGA")
