@@ -56,6 +56,7 @@ SWITCHES: dict[str, dict] = {
     "linear": dict(layers="LLAA", n_layers=4),
     "window": dict(layers="WWWA", n_layers=4, window=5),
     "mixed": dict(layers="GMWA", n_layers=4, window=5, n_kv_heads=2),
+    "mla_hybrid": dict(MLA, layers="GMLA", n_layers=4),
     "all": dict(
         mup=True,
         mup_base_width=32,
@@ -109,7 +110,7 @@ ENGINES = {
     # 10 blocks for prompts + outputs needing 20: sequences are preempted and recomputed
     "preempt": dict(block_size=4, num_blocks=10),
 }
-HYBRIDS = ("gdn", "mamba2", "linear", "window", "mixed")
+HYBRIDS = ("gdn", "mamba2", "linear", "window", "mixed", "mla_hybrid")
 
 ROWS = [(name, kw, "default") for name, kw in {**SWITCHES, **SHIPPED}.items()]
 ROWS += [
