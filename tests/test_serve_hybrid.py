@@ -108,7 +108,9 @@ def test_startup_line_states_memory() -> None:
     eng = Engine(model, block_size=4, num_blocks=64, max_num_seqs=3)
     per_seq = sum(b.attn.state_bytes(torch.float32) for b in model.layers if b.recurrent)
     assert eng.runner.states.bytes_per_slot() == per_seq
-    kv_per_token = 2 * 4 * 4 * 16 * 4  # K and V, 4 layers, 4 kv-heads, head dim 16, fp32
+    # pages for the one A layer only: K and V, 4 kv-heads, head dim 16, fp32
+    assert eng.cache.k.shape[0] == 1
+    kv_per_token = 2 * 1 * 4 * 16 * 4
     assert f"KV {kv_per_token} B per token" in eng.startup_line
     assert f"recurrent state {per_seq} B per sequence (3 slots" in eng.startup_line
 

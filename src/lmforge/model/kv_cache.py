@@ -5,6 +5,7 @@ Shape legend: L layers, B batch, K kv-heads, S cache slots, T new tokens, E head
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -171,6 +172,14 @@ class KVCache:
             end, device=near.device
         )  # (T, S') a padding query attends to itself
         return self.mask & (near | own[None])[:, None]  # (B, 1, T, S')
+
+
+def paged_kv_layers(layer_types: Sequence[str], upto: int | None = None) -> int:
+    """How many blocks among the first ``upto`` (all when None) keep keys/values in the
+    engine's paged cache: every layer but the linear ones (G, M, L), which keep a recurrent
+    state instead. A K/V layer's page index is this count over the blocks before it."""
+    kinds = layer_types if upto is None else layer_types[:upto]
+    return sum(1 for c in kinds if c not in "GML")
 
 
 def paged_window_attention(

@@ -77,7 +77,7 @@ from lmforge.model import mup
 from lmforge.model.config import ModelConfig
 from lmforge.model.context import Context
 from lmforge.model.fastpath import resolve_backends
-from lmforge.model.kv_cache import KVCache, paged_window_attention
+from lmforge.model.kv_cache import KVCache, paged_kv_layers, paged_window_attention
 from lmforge.model.layers import (
     Embedding,
     Linear,
@@ -195,6 +195,8 @@ class CausalSelfAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.window = window  # sliding window: each query sees itself and window − 1 earlier keys
+        # the engine's paged cache holds K/V layers only: this layer's page index there
+        self.cache_index = layer_idx
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         # a plain int: a derived head_dim is an int subclass (config._DerivedHeadDim), which
@@ -277,9 +279,9 @@ class CausalSelfAttention(nn.Module):
         if context is not None:  # the step's flat tokens: (1, H|K, N, E) -> (N, H|K, E)
             q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
             if self.window is not None:  # the pages' keys within the window (torch path)
-                out = paged_window_attention(q, k, v, self.layer_idx, context, self.window)
+                out = paged_window_attention(q, k, v, self.cache_index, context, self.window)
             else:
-                out = context.ops.attend(self.layer_idx, q, k, v, context)  # (N, H, E)
+                out = context.ops.attend(self.cache_index, q, k, v, context)  # (N, H, E)
             return _linear(self.output_proj, out.reshape(b, t, h * e), context)  # (1, N, D)
         if kv_cache is None:
             out = self._causal(q, k, v)  # (B, H, T, E)
@@ -389,7 +391,12 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
             config.mla, layer_idx, produces_kv=layer_idx % k == 0, cache_index=layer_idx // k
         )
     if kind in "AW":
-        return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
+        attn = CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
+        # linear layers have no pages: skip them (the identity for a full-attention model)
+        attn.cache_index = layer_idx - (
+            min(layer_idx, len(config.layer_types)) - paged_kv_layers(config.layer_types, layer_idx)
+        )
+        return attn
     if kind == "S":  # DeepSeek sparse attention (a CausalSelfAttention with a top-k indexer)
         from lmforge.model.sparse_attention import SparseAttention
 

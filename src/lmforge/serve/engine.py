@@ -588,7 +588,7 @@ def _top_logprobs(
 
 def _hybrid_memory(runner: ModelRunner, cfg: Any) -> str:
     """The startup line's memory part for a hybrid layer pattern: KV bytes per token (the paged
-    cache, which holds pages for every layer) and recurrent-state bytes per sequence (constant
+    cache holds pages for the K/V layers only) and recurrent-state bytes per sequence (constant
     in its length), and which serving choices the pattern forces."""
     from lmforge.serve.model_runner import kv_bytes_per_block
 

@@ -34,6 +34,7 @@ from torch import nn
 
 from lmforge.model.cla import kv_cache_layers
 from lmforge.model.context import PagedKVCache
+from lmforge.model.kv_cache import paged_kv_layers
 from lmforge.model.linear_attention import StatePool
 from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.scheduler import StepInputs
@@ -62,9 +63,11 @@ def new_kv_cache(
     if cfg.attention_type == "mla":
         layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
         return PagedLatentCache(layers, num_blocks, block_size, cfg.mla.latent_dim, device, dtype)
+    # pages for K/V layers only: a hybrid's linear layers keep recurrent states (StatePool)
     return PagedKVCache(
-        cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, device, dtype
-    )
+        paged_kv_layers(cfg.layer_types), num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+        device, dtype,
+    )  # fmt: skip
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -73,7 +76,8 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     if cfg.attention_type == "mla":
         layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
         return PagedLatentCache.bytes_per_block(layers, block_size, cfg.mla.latent_dim, dtype)
-    return PagedKVCache.bytes_per_block(model, block_size, dtype)
+    per_layer = PagedKVCache.bytes_per_block(model, block_size, dtype) // cfg.n_layers
+    return per_layer * paged_kv_layers(cfg.layer_types)
 
 
 class ModelRunner:
