@@ -156,12 +156,13 @@ def test_checkpoint_round_trip_keeps_the_pattern(tmp_path) -> None:
         torch.testing.assert_close(loaded(idx), model.eval()(idx))
 
 
-def test_kv_cache_and_engine_refuse_hybrids_in_one_line() -> None:
-    model = TransformerLM(_cfg(layers="GA", n_layers=2))
-    cache = KVCache(2, 1, 2, 8, 16, dtype=torch.float32)
-    with pytest.raises(LmforgeError, match="hybrid layers is not supported yet"):
+def test_kv_cache_and_engine_refuse_sparse_layers_in_one_line() -> None:
+    # A, W, G, M and L decode with a cache and serve (tests/test_serve_hybrid.py); S does not yet.
+    model = TransformerLM(_cfg(layers="SA", n_layers=2))
+    cache = KVCache.for_model(model, 1, 8)
+    with pytest.raises(LmforgeError, match="sparse-attention layers"):
         model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
-    with pytest.raises(LmforgeError, match="serving hybrid layers is not supported yet"):
+    with pytest.raises(LmforgeError, match="serving DSA sparse-attention layers"):
         model(torch.zeros(1, 3, dtype=torch.long), context=object())  # type: ignore[arg-type]
 
 

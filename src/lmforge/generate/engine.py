@@ -51,7 +51,9 @@ def generate(
     None or 0 and ``top_p`` None or 1 are off); ``seed`` is an int, a
     ``torch.Generator`` or None (torch's global RNG). ``vocab_limit`` restricts sampling to ids
     below it (a model's vocabulary is often padded past its tokenizer's, e.g. 50304 vs 50257).
-    The prompt plus new tokens must fit in the model's context (no sliding window).
+    The prompt plus new tokens must fit in the model's context. Hybrid layer patterns run as
+    in training: W layers mask keys beyond the window, linear layers (G, M, L) carry their
+    recurrent state in the cache, advanced over real tokens only (padding never enters it).
     Exercised by ``pytest tests/test_generate.py``.
     """
     if max_new_tokens < 0:

@@ -174,3 +174,6 @@ class Context:
     latent_cache: torch.Tensor | None = None
     "(L_kv, NB, BS, C + R) MLA latents (:class:`~lmforge.model.mla.PagedLatentCache`; L_kv the"
     " KV-producing layers under CLA); k_cache/v_cache are then empty"
+    states: Any = None
+    "the step's recurrent-state slots (:class:`~lmforge.model.linear_attention.StepStates`) for"
+    " linear layers (G, M, L); None for a model without them"

@@ -5,7 +5,13 @@ Shape legend: L layers, B batch, K kv-heads, S cache slots, T new tokens, E head
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
+import torch.nn.functional as F
+
+from lmforge.model.linear_attention import RecurrentState
 
 
 class KVCache:
@@ -30,6 +36,12 @@ class KVCache:
     or before its own slot and valid; a padding query attends to itself only (its output is
     garbage that nothing reads, but it is never NaN).
 
+    Hybrid layer patterns: a sliding-window layer (W) attends with :meth:`window_mask` (the
+    mask above, limited to keys whose RoPE position is within ``window`` of the query's, from
+    ``positions`` (B, S)); a linear layer (G, M, L) keeps its :class:`RecurrentState` in
+    ``states[layer]`` instead of slots (its K/V slots stay unused), advanced over the valid
+    tokens only (``new_valid``, the current forward's validity).
+
     Simplification: one contiguous buffer sized up front (no paging, no eviction). Exercised by
     ``pytest tests/test_model.py -k kv_cache`` and ``pytest tests/test_generate.py``.
     """
@@ -52,6 +64,11 @@ class KVCache:
         self.v = torch.zeros(v_shape, device=device, dtype=dtype)
         self.valid = torch.zeros(batch_size, max_seq_len, device=device, dtype=torch.bool)
         self.next_position = torch.zeros(batch_size, device=device, dtype=torch.long)
+        self.positions = torch.zeros(batch_size, max_seq_len, device=device, dtype=torch.long)
+        self.states: dict[int, RecurrentState] = {}
+        "linear layers' recurrent states (B sequences each), created by their first forward"
+        self.new_valid: torch.Tensor | None = None
+        "(B, T) bool validity of the current forward's tokens (set by :meth:`begin`)"
         self.length = 0
         self._start = 0
         self._mask: torch.Tensor | None = None
@@ -116,6 +133,8 @@ class KVCache:
         positions = (self.next_position[:, None] + counts - 1).clamp_min(0)  # (B, T)
         self.next_position = self.next_position + counts[:, -1]
         self.valid[:, start:end] = valid
+        self.positions[:, start:end] = positions
+        self.new_valid = valid
 
         q_slot = torch.arange(start, end, device=device)[:, None]  # (T, 1)
         k_slot = torch.arange(end, device=device)[None, :]  # (1, S')
@@ -141,3 +160,61 @@ class KVCache:
         if self._mask is None:
             raise RuntimeError("KVCache.begin must be called before the layers run")
         return self._mask
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """:attr:`mask` (B, 1, T, S') limited to keys within ``window`` positions of the query
+        (sliding-window attention: itself and the window − 1 tokens before it)."""
+        start, end = self._start, self.length
+        q_pos = self.positions[:, start:end]  # (B, T)
+        k_pos = self.positions[:, :end]  # (B, S')
+        near = (q_pos[:, :, None] - k_pos[:, None, :]) < window  # (B, T, S')
+        own = torch.arange(start, end, device=near.device)[:, None] == torch.arange(
+            end, device=near.device
+        )  # (T, S') a padding query attends to itself
+        return self.mask & (near | own[None])[:, None]  # (B, 1, T, S')
+
+
+def paged_kv_layers(layer_types: Sequence[str], upto: int | None = None) -> int:
+    """How many blocks among the first ``upto`` (all when None) keep keys/values in the
+    engine's paged cache: every layer but the linear ones (G, M, L), which keep a recurrent
+    state instead. A K/V layer's page index is this count over the blocks before it."""
+    kinds = layer_types if upto is None else layer_types[:upto]
+    return sum(1 for c in kinds if c not in "GML")
+
+
+def paged_window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: Any, window: int
+) -> torch.Tensor:
+    """Sliding-window attention over an engine step's paged cache (the torch reference path).
+
+    Writes k, v (N, K, E) at ``ctx.slots`` of layer ``layer``'s pages, then each sequence's
+    queries q (N, H, E) (RoPE and scales applied) attend to the keys whose position p satisfies
+    0 ≤ q_pos − p < ``window`` -> (N, H, E). Sequences are taken one at a time from the
+    context's host lists (an eager step); the pages a sequence has are all kept (no block is
+    freed when it leaves the window)."""
+    k_pages, v_pages = ctx.k_cache[layer], ctx.v_cache[layer]  # (NB, BS, K, E)
+    kv, e = k_pages.shape[-2], k_pages.shape[-1]
+    k_pages.view(-1, kv, e).index_copy_(0, ctx.slots, k.to(k_pages.dtype))
+    v_pages.view(-1, kv, e).index_copy_(0, ctx.slots, v.to(v_pages.dtype))
+    ctx_lens = ctx.ctx_lens_list if ctx.ctx_lens_list is not None else ctx.ctx_lens.tolist()
+    q_lens = ctx.q_lens if ctx.q_lens is not None else [1] * len(ctx_lens)
+    tables = ctx.tables_list if ctx.tables_list is not None else ctx.block_tables.tolist()
+    out = torch.empty_like(q)
+    row = 0
+    for n, total, table in zip(q_lens, ctx_lens, tables, strict=True):
+        blocks = torch.as_tensor(table, device=q.device)
+        keys = k_pages[blocks].reshape(-1, kv, e)[:total]  # (C, K, E)
+        vals = v_pages[blocks].reshape(-1, kv, e)[:total]  # (C, K, E)
+        q_pos = torch.arange(total - n, total, device=q.device)[:, None]  # (n, 1)
+        d = q_pos - torch.arange(total, device=q.device)[None, :]  # (n, C) query − key position
+        mask = (d >= 0) & (d < window)
+        o = F.scaled_dot_product_attention(
+            q[row : row + n].transpose(0, 1)[None].to(keys.dtype),  # (1, H, n, E)
+            keys.transpose(0, 1)[None],  # (1, K, C, E)
+            vals.transpose(0, 1)[None],
+            attn_mask=mask,
+            enable_gqa=q.shape[1] != kv,
+        )  # (1, H, n, E)
+        out[row : row + n] = o[0].transpose(0, 1).to(q.dtype)  # (n, H, E)
+        row += n
+    return out

@@ -419,3 +419,113 @@ class LinearAttention(_StateMixer):
 
     def _state_dims(self) -> tuple[int, int]:
         return self.head_dim, self.head_dim
+
+
+# ------------------------------------------------------------------- serving: states per slot
+class StatePool:
+    """The engine's recurrent states: a fixed number of slots per linear layer, sized at start.
+
+    Layout: for every linear layer l (its block index), ``conv[l]`` (NS, C, W − 1) in the
+    activation dtype (absent for a layer without a convolution) and ``ssm[l]`` (NS, H, K, V)
+    float32, NS = ``num_slots``. A sequence holds one slot from admission to finish, abort or
+    preemption (the scheduler's :class:`~lmforge.serve.scheduler.Scheduler` hands them out);
+    a slot is zeroed when its sequence (re)starts at token 0. Size per sequence is constant in
+    its length (:meth:`bytes_per_slot`).
+    """
+
+    def __init__(
+        self, mixers: dict[int, nn.Module], num_slots: int, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.num_slots = num_slots
+        self.conv: dict[int, Tensor] = {}
+        self.ssm: dict[int, Tensor] = {}
+        for layer, mixer in mixers.items():
+            st = mixer.init_state(num_slots, dtype, device)
+            if st.conv is not None:
+                self.conv[layer] = st.conv
+            self.ssm[layer] = st.ssm
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one sequence's states across all linear layers."""
+        total = sum(t[0].numel() * t.element_size() for t in self.conv.values())
+        return total + sum(t[0].numel() * t.element_size() for t in self.ssm.values())
+
+    def reset(self, slots: Tensor) -> None:
+        """Zero the states of ``slots`` (long (n,)): their sequences start from token 0."""
+        for t in (*self.conv.values(), *self.ssm.values()):
+            t.index_fill_(0, slots, 0)
+
+    def read(self, layer: int, slots: Tensor) -> RecurrentState:
+        """Layer ``layer``'s states of ``slots`` (S,) as one batch of S sequences (copies)."""
+        conv = self.conv.get(layer)
+        return RecurrentState(None if conv is None else conv[slots], self.ssm[layer][slots])
+
+    def write(self, layer: int, slots: Tensor, state: RecurrentState) -> None:
+        """Store ``state`` (S sequences) back into ``slots``."""
+        if state.conv is not None:
+            self.conv[layer].index_copy_(0, slots, state.conv.to(self.conv[layer].dtype))
+        self.ssm[layer].index_copy_(0, slots, state.ssm.float())
+
+
+@dataclasses.dataclass
+class StepStates:
+    """An engine step's view of the :class:`StatePool`: the slot of each of its S sequences.
+
+    Read by :func:`mix_paged` through ``Context.states``."""
+
+    pool: StatePool
+    slots: Tensor
+    "(S,) long state slot of each sequence of the step, in step order"
+
+
+def mix_paged(
+    mixer: nn.Module, layer: int, x: Tensor, states: StepStates, q_lens: list[int] | None
+) -> Tensor:
+    """A linear mixer over one engine step's flat tokens x (1, N, D) -> (1, N, D).
+
+    Decode steps (one token per sequence, ``q_lens`` None or all 1) run the mixer's ``step``;
+    other steps (prefill chunks, mixed with decodes) run its chunked ``forward`` over the packed
+    sequences (``cu_seqlens`` from ``q_lens``), each starting from its slot's state. The final
+    states go back to the slots, so the next chunk or token continues from them."""
+    start = states.pool.read(layer, states.slots)
+    if q_lens is None or all(n == 1 for n in q_lens):
+        y, new = mixer.step(x[0], start)  # (S, D)
+        y = y[None]  # (1, S, D) = (1, N, D)
+    else:
+        cu = torch.tensor([0, *q_lens], device=x.device).cumsum(0).to(torch.int32)  # (S + 1,)
+        y, new = mixer(x, cu, start)  # (1, N, D)
+    states.pool.write(layer, states.slots, new)
+    return y
+
+
+def mix_cached(
+    mixer: nn.Module, state: RecurrentState, x: Tensor, valid: Tensor
+) -> tuple[Tensor, RecurrentState]:
+    """A linear mixer in the reference decoding loop (``lmforge.generate``'s contiguous cache).
+
+    x (B, T, D) with ``valid`` (B, T) bool (False: left padding or a finished row's filler):
+    only valid tokens enter the recurrence, in order, continuing each row's ``state``; padding
+    outputs are zero (nothing reads them). Returns (y (B, T, D), the new state)."""
+    B, T, D = x.shape
+    if T == 1:  # one token per row: step all rows, keep the old state where it was padding
+        y, new = mixer.step(x[:, 0], state)  # (B, D)
+        keep = valid[:, 0]
+        ssm = torch.where(keep[:, None, None, None], new.ssm, state.ssm)
+        conv = None
+        if new.conv is not None:
+            conv = torch.where(keep[:, None, None], new.conv.to(state.conv.dtype), state.conv)
+        return (y * keep[:, None].to(y.dtype))[:, None], RecurrentState(conv, ssm)
+    counts = valid.sum(1)  # (B,)
+    rows = (counts > 0).nonzero().flatten()  # rows with at least one real token
+    cu = torch.cat([counts.new_zeros(1), counts[rows].cumsum(0)]).to(torch.int32)  # (R + 1,)
+    packed = x[valid][None]  # (1, N_tok, D) row-major: each row's real tokens in order
+    conv = None if state.conv is None else state.conv[rows]
+    y_p, new = mixer(packed, cu, RecurrentState(conv, state.ssm[rows]))  # (1, N_tok, D)
+    y = x.new_zeros(B, T, D)
+    y[valid] = y_p[0].to(y.dtype)
+    ssm = state.ssm.clone()
+    ssm[rows] = new.ssm.float()
+    if state.conv is not None:
+        conv = state.conv.clone()
+        conv[rows] = new.conv.to(conv.dtype)
+    return y, RecurrentState(conv, ssm)

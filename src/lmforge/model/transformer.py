@@ -46,8 +46,10 @@ Layer pattern (``ModelConfig.layers``, e.g. ``"GGGA"`` repeated to ``n_layers``)
 token mixer is full attention (A), sliding-window attention (W, ``model.window``; an explicit
 (T, T) mask through SDPA, the flash kernel having no window), Gated DeltaNet (G), Mamba-2 (M) or
 linear attention (L) from :mod:`lmforge.model.linear_attention` (chunked Triton kernels on CUDA,
-the chunked torch path on CPU). Training and evaluation run every pattern; decoding with a KV
-cache and the engine run full attention only and refuse other patterns in one line.
+the chunked torch path on CPU). Training, evaluation, the reference decoding loop (a
+:class:`~lmforge.model.KVCache`: window masks, per-layer recurrent states) and the engine (a
+window mask over the pages, per-sequence state slots ``Context.states``) run A, W, G, M and L;
+S layers decode with no cache yet and are refused there in one line.
 
 Exercised by ``pytest tests/test_model.py tests/test_hybrid.py`` (and ``pytest -m gpu`` on them for
 the Triton backends).
@@ -75,7 +77,7 @@ from lmforge.model import mup
 from lmforge.model.config import ModelConfig
 from lmforge.model.context import Context
 from lmforge.model.fastpath import resolve_backends
-from lmforge.model.kv_cache import KVCache
+from lmforge.model.kv_cache import KVCache, paged_kv_layers, paged_window_attention
 from lmforge.model.layers import (
     Embedding,
     Linear,
@@ -89,7 +91,13 @@ from lmforge.model.layers import (
     scaled_dot_product_attention,
     silu,
 )
-from lmforge.model.linear_attention import GatedDeltaNet, LinearAttention, Mamba2Mixer
+from lmforge.model.linear_attention import (
+    GatedDeltaNet,
+    LinearAttention,
+    Mamba2Mixer,
+    mix_cached,
+    mix_paged,
+)
 from lmforge.model.mla import MultiHeadLatentAttention
 from lmforge.model.moe import MoEFFN
 from lmforge.model.mtp import MultiTokenPrediction
@@ -187,6 +195,8 @@ class CausalSelfAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.window = window  # sliding window: each query sees itself and window − 1 earlier keys
+        # the engine's paged cache holds K/V layers only: this layer's page index there
+        self.cache_index = layer_idx
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         # a plain int: a derived head_dim is an int subclass (config._DerivedHeadDim), which
@@ -231,7 +241,9 @@ class CausalSelfAttention(nn.Module):
         b, t, _ = x.shape
         h, k_heads, e = self.n_heads, self.n_kv_heads, self.head_dim
         if context is not None:
-            o = context.ops.fused_attention(self, x.view(t, -1), context)  # (N, H, E) or None
+            o = None  # a fused kernel has no window: W layers take the masked path below
+            if self.window is None:
+                o = context.ops.fused_attention(self, x.view(t, -1), context)  # (N, H, E)
             if o is not None:
                 return _linear(self.output_proj, o.reshape(b, t, h * e), context)  # (1, N, D)
             token_positions = context.positions
@@ -266,13 +278,17 @@ class CausalSelfAttention(nn.Module):
             q = q * mup.q_scale(self.config)
         if context is not None:  # the step's flat tokens: (1, H|K, N, E) -> (N, H|K, E)
             q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
-            out = context.ops.attend(self.layer_idx, q, k, v, context)  # (N, H, E)
+            if self.window is not None:  # the pages' keys within the window (torch path)
+                out = paged_window_attention(q, k, v, self.cache_index, context, self.window)
+            else:
+                out = context.ops.attend(self.cache_index, q, k, v, context)  # (N, H, E)
             return _linear(self.output_proj, out.reshape(b, t, h * e), context)  # (1, N, D)
         if kv_cache is None:
             out = self._causal(q, k, v)  # (B, H, T, E)
         else:
             k_all, v_all = kv_cache.update(self.layer_idx, k, v)  # (B, K, S, E)
-            out = self._masked(q, k_all, v_all, kv_cache.mask)  # (B, H, T, E)
+            mask = kv_cache.mask if self.window is None else kv_cache.window_mask(self.window)
+            out = self._masked(q, k_all, v_all, mask)  # (B, H, T, E)
         out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
         return self.output_proj(out)  # (B, T, D)
 
@@ -375,7 +391,12 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
             config.mla, layer_idx, produces_kv=layer_idx % k == 0, cache_index=layer_idx // k
         )
     if kind in "AW":
-        return CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
+        attn = CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
+        # linear layers have no pages: skip them (the identity for a full-attention model)
+        attn.cache_index = layer_idx - (
+            min(layer_idx, len(config.layer_types)) - paged_kv_layers(config.layer_types, layer_idx)
+        )
+        return attn
     if kind == "S":  # DeepSeek sparse attention (a CausalSelfAttention with a top-k indexer)
         from lmforge.model.sparse_attention import SparseAttention
 
@@ -426,8 +447,26 @@ class TransformerBlock(nn.Module):
         shared: torch.Tensor | None = None,
     ) -> Any:
         """(B, T, D) -> (B, T, D); a CLA block without a cache -> ((B, T, D), latents)."""
-        if self.recurrent:  # the caller (TransformerLM) refused a KV cache or an engine step
-            x = x + self.attn(self.ln1(x))[0]
+        if self.recurrent:  # a linear mixer: its state lives in the cache or the step's slots
+            h = self.ln1(x)
+            if context is not None:
+                if context.states is None:
+                    raise LmforgeError(
+                        "linear layers (G, M, L) need the engine's recurrent-state slots "
+                        "(Context.states); this step has none"
+                    )
+                y = mix_paged(self.attn, self.layer_idx, h, context.states, context.q_lens)
+            elif kv_cache is not None:
+                state = kv_cache.states.get(self.layer_idx)
+                if state is None:
+                    state = self.attn.init_state(x.shape[0], h.dtype, x.device)
+                assert kv_cache.new_valid is not None
+                y, kv_cache.states[self.layer_idx] = mix_cached(
+                    self.attn, state, h, kv_cache.new_valid
+                )
+            else:
+                y = self.attn(h)[0]
+            x = x + y
             return x + self.ffn(self.ln2(x))
         if self.shares_kv and kv_cache is None and context is None:
             h = self.ln1(x)
@@ -562,11 +601,11 @@ class TransformerLM(nn.Module):
         (a VLM's spliced image tokens, :mod:`lmforge.vision`); idx still gives B, T.
         """
         _, t = idx.shape
-        if (context is not None or kv_cache is not None) and not self.config.full_attention_only:
+        if (context is not None or kv_cache is not None) and "S" in self.config.layer_types:
             what = "serving" if context is not None else "decoding with a KV cache"
             raise LmforgeError(
-                f"{what} hybrid layers is not supported yet (model.layers = "
-                f"{self.config.layers!r}; only full attention, A, runs there)"
+                f"{what} DSA sparse-attention layers (S) is not supported yet (model.layers = "
+                f"{self.config.layers!r}; A, W, G, M and L run there)"
             )
         x = self.token_embeddings(idx) if input_embeds is None else input_embeds  # (B, T, D)
         if context is not None:

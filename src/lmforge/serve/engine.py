@@ -21,7 +21,14 @@ finished requests are dropped (their KV belongs to the old weights). Admission c
 OOM: a request that could never fit is refused by :meth:`Engine.add_request`; one that does not
 fit now waits. Speculative decoding is a mode of the engine (``Engine(speculative=...)``).
 
-Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py``.
+Hybrid layer patterns (``model.layers``): linear layers (G, M, L) keep one recurrent-state
+slot per running sequence (:class:`~lmforge.model.linear_attention.StatePool`, ``max_num_seqs``
+slots; prefix cache off, preemption recomputes from a zeroed slot); W layers read the window
+of their pages; hybrids decode eagerly (no CUDA graphs or compiled step); S layers are refused
+in one line.
+
+Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py
+tests/test_serve_hybrid.py``.
 """
 
 from __future__ import annotations
@@ -185,6 +192,14 @@ class Engine:
         self.max_queue = max_queue
         self.tokenizer = tokenizer
         self.speculative: Speculative | None = None
+        recurrent = any(kind in "GML" for kind in cfg.layer_types)
+        if recurrent:  # a cached block holds K/V, not the recurrent state after it: recompute
+            enable_prefix_cache = False
+            if speculative is not None:
+                raise LmforgeError(
+                    f"speculative decoding cannot roll back the recurrent state of layers "
+                    f"{cfg.layers!r} (G/M/L): serve without --speculative"
+                )
         if speculative is not None:  # batch 1: the latency case the technique is for
             self.speculative = _speculative(speculative, self.model)
             max_num_seqs = self.max_num_seqs = 1
@@ -200,6 +215,7 @@ class Engine:
             self.runner.num_blocks, block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_cache=enable_prefix_cache,
+            num_state_slots=0 if self.runner.states is None else self.runner.states.num_slots,
         )  # fmt: skip
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -208,6 +224,8 @@ class Engine:
         self.generator.manual_seed(seed)
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
         self.startup_line = self.runner.describe()
+        if not cfg.full_attention_only:
+            self.startup_line += ", " + _hybrid_memory(self.runner, cfg)
         if self.speculative is not None:
             name = type(self.speculative.draft).__name__
             self.startup_line += f", speculative decoding ({name}, k={self.speculative.k}, batch 1)"
@@ -582,6 +600,25 @@ def _top_logprobs(
             if p.logprobs:
                 tops[j] = dict(zip(ti_l[j][: p.logprobs], tv_l[j][: p.logprobs], strict=True))
     return tops
+
+
+def _hybrid_memory(runner: ModelRunner, cfg: Any) -> str:
+    """The startup line's memory part for a hybrid layer pattern: KV bytes per token (the paged
+    cache holds pages for the K/V layers only) and recurrent-state bytes per sequence (constant
+    in its length), and which serving choices the pattern forces."""
+    from lmforge.serve.model_runner import kv_bytes_per_block
+
+    kv = kv_bytes_per_block(runner.model, runner.block_size, runner.kv_dtype) // runner.block_size
+    parts = [f"layers {cfg.layers!r}: KV {kv} B per token"]
+    if runner.states is not None:
+        per = runner.states.bytes_per_slot()
+        parts.append(
+            f"recurrent state {per} B per sequence ({runner.states.num_slots} slots, "
+            "prefix cache off: states are recomputed)"
+        )
+    if "W" in cfg.layer_types:
+        parts.append(f"window {cfg.window} (masked torch path; out-of-window blocks kept)")
+    return ", ".join(parts)
 
 
 class QueueFull(LmforgeError):

@@ -34,6 +34,8 @@ from torch import nn
 
 from lmforge.model.cla import kv_cache_layers
 from lmforge.model.context import PagedKVCache
+from lmforge.model.kv_cache import paged_kv_layers
+from lmforge.model.linear_attention import StatePool
 from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.scheduler import StepInputs
 from lmforge.serve.step import StepBatch, forward_step, stage
@@ -61,9 +63,11 @@ def new_kv_cache(
     if cfg.attention_type == "mla":
         layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
         return PagedLatentCache(layers, num_blocks, block_size, cfg.mla.latent_dim, device, dtype)
+    # pages for K/V layers only: a hybrid's linear layers keep recurrent states (StatePool)
     return PagedKVCache(
-        cfg.n_layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim, device, dtype
-    )
+        paged_kv_layers(cfg.layer_types), num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
+        device, dtype,
+    )  # fmt: skip
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -72,7 +76,8 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
     if cfg.attention_type == "mla":
         layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
         return PagedLatentCache.bytes_per_block(layers, block_size, cfg.mla.latent_dim, dtype)
-    return PagedKVCache.bytes_per_block(model, block_size, dtype)
+    per_layer = PagedKVCache.bytes_per_block(model, block_size, dtype) // cfg.n_layers
+    return per_layer * paged_kv_layers(cfg.layer_types)
 
 
 class ModelRunner:
@@ -121,7 +126,9 @@ class ModelRunner:
         want_compile = compile if compile is not None else device.type == "cuda"
         weights = next(model.parameters()).dtype  # the experts' dtype, whatever the KV's
         quantized_kv = dtype in (torch.float8_e4m3fn, torch.int8)
-        self.host_reads = self._host_reads(weights if quantized_kv else dtype)
+        compute = weights if quantized_kv else dtype  # what the linear layers' states hold
+        self.states = new_state_pool(model, max_num_seqs, device, compute)
+        self.host_reads = self._host_reads(compute)
         if self.host_reads:  # a step that reads the device on the host can be neither
             self.use_graphs = want_compile = False
         if num_blocks is None and probe is not None:
@@ -165,6 +172,8 @@ class ModelRunner:
         ``StepOps.attend_latent``)."""
         if self.config.attention_type == "mla":
             return "MLA's latent cache has no compiled decode step yet"
+        if not self.config.full_attention_only:
+            return f"hybrid layers {self.config.layers!r} decode through the torch paths"
         moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))
         if moe and self.device.type == "cuda" and dtype != torch.bfloat16:
             return f"MoE experts in {str(dtype).removeprefix('torch.')} read counts on the host"
@@ -283,6 +292,8 @@ class ModelRunner:
             table = list(range(block, block + math.ceil(n / bs)))
             block += len(table)
             step.tables.append(table)
+            if self.states is not None:  # hybrids: the probe's sequences take slots 0, 1, …
+                step.state_slots.append(len(step.state_slots) % self.states.num_slots)
             step.tokens += [0] * n
             step.positions += range(n)
             step.slots += [table[p // bs] * bs + p % bs for p in range(n)]
@@ -292,7 +303,7 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+        forward_step(self.model, self.cache, batch, use_triton=self.use_triton, states=self.states)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
         del batch
@@ -336,7 +347,9 @@ class ModelRunner:
         """Logits (S, V) of a decode-only batch: compiled if enabled, else eager (no graphs)."""
         if self.decoder is not None:
             return self.decoder(batch)
-        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+        return forward_step(
+            self.model, self.cache, batch, use_triton=self.use_triton, states=self.states
+        )
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Logits (S, V) float32 of the rows ``batch.last_rows``: graph replay, else the
@@ -347,7 +360,18 @@ class ModelRunner:
                 if logits is not None:
                     return logits
             return self.decode_step(batch)
-        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+        return forward_step(
+            self.model, self.cache, batch, use_triton=self.use_triton, states=self.states
+        )
+
+
+def new_state_pool(
+    model: nn.Module, num_slots: int, device: torch.device, dtype: torch.dtype
+) -> StatePool | None:
+    """The recurrent states of ``model``'s linear layers (G, M, L): ``num_slots`` sequences
+    (one slot per running sequence, so ``max_num_seqs``), or None for a model without them."""
+    mixers = {i: b.attn for i, b in enumerate(model.layers) if getattr(b, "recurrent", False)}
+    return StatePool(mixers, num_slots, device, dtype) if mixers else None
 
 
 def kv_blocks_for_memory(

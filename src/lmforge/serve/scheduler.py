@@ -23,6 +23,13 @@ the :class:`~lmforge.serve.model_runner.ModelRunner` turns its decision into ten
    keys as their image's pixel digest instead of the placeholder id: two prompts with the same
    tokens but different images share no block from the first image slot on.
 
+3. **Recurrent-state slots** (hybrid models with G/M/L layers, ``num_state_slots`` > 0): a
+   sequence takes a state slot at admission (none free: it waits, FCFS) and gives it back on
+   finish, abort or preemption; a step starting a sequence at token 0 (fresh, or re-admitted
+   after preemption by recompute) marks its slot to be zeroed (:attr:`StepInputs.state_fresh`).
+   The engine turns the prefix cache off for such models: a cached block holds K/V, not the
+   recurrent state after it.
+
 Sample i > 0 of an n-sample request waits until sample 0 has prefilled the prompt, then shares
 its prompt blocks through the prefix cache instead of recomputing them.
 """
@@ -85,6 +92,8 @@ class Seq:
     images: Any = None
     "the prompt's images (``spans``, ``digests``, ``embeds`` (rows, D)), e.g. a VLM's"
     " :class:`~lmforge.vision.serving.ImagePrompt`; None for text"
+    state_slot: int | None = None
+    "the recurrent-state slot held while running (hybrid models), else None"
 
     def key_tokens(self, start: int, stop: int) -> list[Any]:
         """``tokens[start:stop]`` as prefix-cache keys hold them: an image slot is its image's
@@ -121,6 +130,10 @@ class StepInputs:
     "rows of the step whose input is an image embedding, not the token's"
     image_parts: list[tuple[Any, int, int]] = dataclasses.field(default_factory=list)
     "(embeds, lo, hi): those rows' embeddings, ``embeds[lo:hi]`` in row order"
+    state_slots: list[int] = dataclasses.field(default_factory=list)
+    "each sequence's recurrent-state slot (hybrid models; empty otherwise)"
+    state_fresh: list[int] = dataclasses.field(default_factory=list)
+    "the slots whose sequence starts at token 0 this step (zeroed before the forward)"
 
 
 class Scheduler:
@@ -134,8 +147,11 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_prefix_cache: bool = True,
+        num_state_slots: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots))[::-1]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, block_size)
         self.allocator = BlockAllocator(num_blocks, enable_prefix_cache=enable_prefix_cache)
@@ -181,6 +197,9 @@ class Scheduler:
         """Free ``seq``'s blocks; its tokens are kept (a preempted sequence recomputes)."""
         if seq.blocks:
             self.allocator.free_all(seq.blocks)
+        if seq.state_slot is not None:  # a recomputed sequence restarts from a zeroed slot
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
         seq.blocks = []
         seq.n_cached = 0
         seq.n_hashed = 0
@@ -277,12 +296,16 @@ class Scheduler:
             seq = self.waiting[0]
             if not self._prompt_ready(seq):
                 break  # next step it shares sample 0's prompt blocks instead of recomputing
+            if self.num_state_slots and not self.free_state_slots:
+                break  # every recurrent-state slot is held: wait for one (FCFS)
             self._take_prefix(seq)
             n = min(len(seq.tokens) - seq.n_cached, budget)
             if not self.ensure_blocks(seq, seq.n_cached + n):
                 self.release(seq)  # give the prefix back: it waits whole (FCFS, no skipping)
                 break
             self.waiting.popleft()
+            if self.num_state_slots:
+                seq.state_slot = self.free_state_slots.pop()
             self.running.append(seq)
             n_running += 1
             chosen.append((seq, n))
@@ -308,6 +331,10 @@ class Scheduler:
             out.q_lens.append(n)
             out.ctx_lens.append(start + n)
             out.tables.append(seq.blocks)
+            if seq.state_slot is not None:
+                out.state_slots.append(seq.state_slot)
+                if start == 0:
+                    out.state_fresh.append(seq.state_slot)
         return out
 
     def advance(self, chosen: list[tuple[Seq, int]]) -> list[tuple[int, Seq]]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lmforge.model.context import Context, PagedKVCache
+from lmforge.model.linear_attention import StatePool, StepStates
 from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.attention import PagedOps, prefill_kernel_on, prefill_plan
 from lmforge.serve.scheduler import StepInputs
@@ -51,6 +52,10 @@ class StepBatch:
     "(I,) long rows whose input is an image embedding (a VLM prompt's slots), or None"
     image_embeds: torch.Tensor | None = None
     "(I, D) those rows' embeddings"
+    state_slots: torch.Tensor | None = None
+    "(S,) long recurrent-state slot of each sequence (hybrid models with G/M/L layers), or None"
+    state_fresh: torch.Tensor | None = None
+    "(F,) long slots to zero before the forward (sequences starting at token 0), or None"
 
     @property
     def decode_only(self) -> bool:
@@ -64,11 +69,14 @@ def forward_step(
     batch: StepBatch,
     *,
     use_triton: bool | None = None,
+    states: StatePool | None = None,
 ) -> torch.Tensor:
     """Run ``model``'s own forward on one step's tokens with the paged-attention kernels of
     :mod:`lmforge.serve.attention`, writing their KV; logits of each sequence's last token:
     (S, V) float32. An MLA model's cache is a :class:`PagedLatentCache` (the context's
-    ``latent_cache``; its attention reads no K/V pages and no prefill plan)."""
+    ``latent_cache``; its attention reads no K/V pages and no prefill plan). A hybrid model's
+    linear layers read and write ``states`` (the runner's :class:`StatePool`) at the batch's
+    ``state_slots``; the slots of sequences starting at token 0 are zeroed first."""
     plan = None
     latent = cache.latent if isinstance(cache, PagedLatentCache) else None
     if latent is not None:
@@ -85,6 +93,12 @@ def forward_step(
         q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
         plan=plan, latent_cache=latent,
     )  # fmt: skip
+    if states is not None:
+        if batch.state_slots is None:
+            raise ValueError("a model with recurrent layers needs the step's state slots")
+        if batch.state_fresh is not None:
+            states.reset(batch.state_fresh)
+        ctx.states = StepStates(states, batch.state_slots)
     embeds = None
     if batch.image_rows is not None:  # a VLM's image slots: the one forward's input_embeds
         embeds = model.token_embeddings(batch.tokens[None])  # (1, N, D)
@@ -124,6 +138,10 @@ def stage(
         ctx_lens_list=inputs.ctx_lens,
         tables_list=[list(t) for t in tables],
     )
+    if inputs.state_slots:  # a hybrid model's recurrent-state slots (few ints: not staged above)
+        batch.state_slots = torch.tensor(inputs.state_slots, device=device)
+        if inputs.state_fresh:
+            batch.state_fresh = torch.tensor(inputs.state_fresh, device=device)
     if inputs.image_rows:  # a VLM prompt's image slots in this step (rare: not staged above)
         batch.image_rows = torch.tensor(inputs.image_rows, device=device)
         parts = [e[lo:hi] for e, lo, hi in inputs.image_parts]

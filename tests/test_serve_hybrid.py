@@ -1,0 +1,149 @@
+"""Serving hybrid layer patterns: what tests/test_engine_switches.py's table does not cover.
+
+The prefix-cache choice (off for linear layers: a repeated prompt is recomputed, never served
+from blocks whose recurrent state is unknown; on for W), the reference loop's left-padded
+batches through recurrent layers, the one-line refusals (S layers, speculative decoding of a
+recurrent model), the startup line's memory figures, and the GPU path (eager decode).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.generate import generate, greedy_generate_reference
+from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model.linear_attention import StatePool
+from lmforge.serve import Engine, SamplingParams
+from lmforge.utils.errors import LmforgeError
+
+V = 101
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _model(layers: str, **kw) -> TransformerLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, context_length=64, d_model=64, n_layers=len(layers),
+                      n_heads=4, layers=layers, window=5, **kw)  # fmt: skip
+    return TransformerLM(cfg).eval()
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "MMMA", "LLAA", "GMWA"])
+def test_repeated_prompt_is_recomputed_not_cached(layers: str) -> None:
+    """Linear layers turn the prefix cache off: the second identical request takes no cached
+    block and still gives the reference's tokens (a hit would skip its recurrent state)."""
+    model = _model(layers)
+    prompt = _prompt(17)
+    eng = Engine(model, block_size=4, num_blocks=64)
+    assert not eng.allocator.enable_prefix_cache and "prefix cache off" in eng.startup_line
+    want = greedy_generate_reference(model, prompt, 8)
+    first = eng.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    second = eng.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert first == second == want and eng.allocator.hits == 0
+
+
+def test_window_model_keeps_the_prefix_cache() -> None:
+    """A W-only pattern keeps K/V only: a repeated prompt hits the cache and is still exact."""
+    model = _model("WWWA")
+    prompt = _prompt(17)
+    eng = Engine(model, block_size=4, num_blocks=64)
+    want = greedy_generate_reference(model, prompt, 8)
+    assert eng.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    assert eng.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    assert eng.allocator.hits == 4  # the first 16 tokens: four full blocks
+
+
+@pytest.mark.parametrize("layers", ["GGGA", "MMMA", "LLAA", "WWWA", "GMWA"])
+def test_reference_loop_left_padding(layers: str) -> None:
+    """lmforge.generate's batch (left-padded, rows of different lengths, rows stopping early)
+    equals each prompt alone and the no-cache full recompute: padding never enters a state."""
+    model = _model(layers)
+    prompts = [_prompt(n, seed) for seed, n in enumerate((3, 13, 9))]
+    batch = generate(model, prompts, 7, temperature=0)
+    for p, got in zip(prompts, batch, strict=True):
+        assert got == greedy_generate_reference(model, p, 7)
+    stop = batch[1][2]  # row 1 stops at its third token; the others go on beside its filler
+    stopped = generate(model, prompts, 7, temperature=0, stop_tokens=[stop])
+    for got, full in zip(stopped, batch, strict=True):
+        assert got == full[: full.index(stop)] if stop in full else got == full
+
+
+def test_state_slots_bound_admission_and_come_back() -> None:
+    """Two state slots (max_num_seqs 2): five requests run two at a time, every slot is
+    returned, an abort frees its slot, and the outputs match the reference."""
+    model = _model("GMWA")
+    prompts = [_prompt(n, seed) for seed, n in enumerate((5, 11, 3, 7, 9))]
+    eng = Engine(model, block_size=4, num_blocks=64, max_num_seqs=2)
+    assert isinstance(eng.runner.states, StatePool) and eng.runner.states.num_slots == 2
+    outs = eng.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == greedy_generate_reference(model, p, 8)
+    assert sorted(eng.scheduler.free_state_slots) == [0, 1]
+    rid = eng.add_request(prompts[0], GREEDY)
+    eng.step()
+    assert len(eng.scheduler.free_state_slots) == 1
+    eng.abort(rid)
+    assert sorted(eng.scheduler.free_state_slots) == [0, 1]
+
+
+def test_n_samples_each_take_a_slot() -> None:
+    """n = 3 samples of one request (no prefix cache to share the prompt through): each is
+    prefilled in its own slot, and greedy samples all equal the reference."""
+    model = _model("GMWA")
+    prompt = _prompt(10)
+    eng = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)
+    (out,) = eng.generate([prompt], params)
+    want = greedy_generate_reference(model, prompt, 6)
+    assert [o.token_ids for o in out.outputs] == [want] * 3
+
+
+def test_startup_line_states_memory() -> None:
+    """KV bytes per token and state bytes per sequence (constant in its length)."""
+    model = _model("GGGA")
+    eng = Engine(model, block_size=4, num_blocks=64, max_num_seqs=3)
+    per_seq = sum(b.attn.state_bytes(torch.float32) for b in model.layers if b.recurrent)
+    assert eng.runner.states.bytes_per_slot() == per_seq
+    # pages for the one A layer only: K and V, 4 kv-heads, head dim 16, fp32
+    assert eng.cache.k.shape[0] == 1
+    kv_per_token = 2 * 1 * 4 * 16 * 4
+    assert f"KV {kv_per_token} B per token" in eng.startup_line
+    assert f"recurrent state {per_seq} B per sequence (3 slots" in eng.startup_line
+
+
+def test_sparse_layers_and_speculative_refused_in_one_line() -> None:
+    model = _model("SA")
+    with pytest.raises(LmforgeError, match="sparse-attention layers"):
+        Engine(model, block_size=4, num_blocks=64).generate([_prompt(5)], GREEDY)
+    with pytest.raises(LmforgeError, match="sparse-attention layers"):
+        generate(model, [_prompt(5)], 3, temperature=0)
+    from lmforge.serve.speculative import NgramDraft
+
+    with pytest.raises(LmforgeError, match="recurrent state"):
+        Engine(_model("GA"), block_size=4, num_blocks=64, speculative=NgramDraft())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layers", ["GGGA", "MMMA", "LLAA", "WWWA", "GMWA"])
+def test_hybrid_engine_on_cuda(layers: str) -> None:
+    """On CUDA hybrids decode eagerly (no CUDA graphs, no compiled step; the startup line says
+    why): greedy tokens equal the reference loop's, log-probs within 1e-3 of the model's own
+    forward (the chunked Triton kernels and TF32 dot products round differently)."""
+    model = _model(layers).cuda()
+    prompts = [_prompt(n, seed) for seed, n in enumerate((3, 13, 21, 6))]
+    eng = Engine(model, block_size=16, num_blocks=64, max_num_seqs=8)
+    assert eng.graphs is None and eng.decoder is None
+    assert "eager because hybrid layers" in eng.startup_line
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == generate(model, [p], 10, temperature=0)[0]
+        seq = p + o.outputs[0].token_ids
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([seq], device="cuda"))[0].float(), -1)
+        rows = torch.arange(len(p) - 1, len(seq) - 1)
+        got = torch.tensor(o.outputs[0].logprobs)
+        torch.testing.assert_close(got, lp[rows, o.outputs[0].token_ids].cpu(), atol=1e-3, rtol=0)
