@@ -312,6 +312,9 @@ class Engine:
     def _check_images(self, images: ImagePrompt, n_prompt: int) -> ImagePrompt:
         """``images`` with its embeddings on the engine's device and dtype, once; spans that
         overlap or leave the prompt, or rows that do not match them, raise one line."""
+        if getattr(self.config, "mrope_sections", ()):  # steps carry 1D positions only
+            raise LmforgeError("serving images with an MRoPE model (model.mrope_sections) is not"
+                               " supported yet; its text-only prompts run (text MRoPE = 1D RoPE)")  # fmt: skip
         end = 0
         for s, n in images.spans:
             if s < end or n < 1 or s + n > n_prompt:
