@@ -153,26 +153,85 @@ def test_vlm_passes_grid_positions_and_trains() -> None:
     assert losses[-1] < 0.5 * losses[0]
 
 
-def test_engine_runs_text_and_refuses_images_for_mrope() -> None:
+def _spliced(vlm: VisionLanguageModel, x: torch.Tensor, prompt) -> torch.Tensor:
+    """The LM's input embeddings (1, T, D) of ``x`` with the prompt's image spans' rows (a
+    generated token equal to the image id stays a token)."""
+    embeds = vlm.lm.token_embeddings(x).clone()  # (1, T, D)
+    first = 0
+    for s, n in prompt.spans:
+        embeds[0, s : s + n] = prompt.embeds[first : first + n]
+        first += n
+    return embeds
+
+
+@torch.no_grad()
+def _reference(vlm: VisionLanguageModel, prompt, n_tokens: int) -> list[int]:
+    """Greedy tokens by full recompute: splice the image rows, MRoPE grid positions, no cache."""
+    ids, out = list(prompt.token_ids), []
+    for _ in range(n_tokens):
+        x = torch.tensor([ids])
+        embeds = _spliced(vlm, x, prompt)
+        pos = mrope_positions(ids, prompt.spans, (3, 3))[:, None]  # (3, 1, T)
+        ids.append(int(vlm.lm(x, pos, input_embeds=embeds)[0, -1].argmax()))
+        out.append(ids[-1])
+    return out
+
+
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        dict(block_size=8, num_blocks=32),  # one prefill step
+        dict(block_size=4, num_blocks=32, max_num_batched_tokens=4),  # 4-token chunks cut images
+        dict(block_size=4, num_blocks=12, max_num_batched_tokens=8),  # + preemption by recompute
+    ],
+)
+def test_engine_greedy_with_images_equals_mrope_reference(engine_kw: dict) -> None:
     from lmforge.serve import Engine, SamplingParams
     from lmforge.vision.serving import VisionTower, prepare_image_prompt
 
-    vlm = _vlm(mrope=True).eval()
-    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompt = [TOK.bos_id, 10, 11, 12]
-    engine = Engine(vlm.lm, block_size=4, num_blocks=16)
-    got = engine.generate([prompt], greedy)[0].outputs[0].token_ids
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(6):  # full recompute, text-only 3-vector positions (p, p, p)
-            x = torch.tensor([ids])
-            pos = mrope_positions(ids, [], (3, 3))[:, None]  # (3, 1, T)
-            ids.append(int(vlm.lm(x, pos)[0, -1].argmax()))
-    assert got == ids[len(prompt) :]
-    image = ProceduralScenes(seed=5, image_size=24)[0].image
-    p = prepare_image_prompt(
-        VisionTower.from_vlm(vlm), [TOK.bos_id, TOK.image_id, 10], [image.__array__()]
+    vlm = _vlm(mrope=True, seed=4).eval()
+    scenes = ProceduralScenes(seed=5, image_size=24)
+    a, b, c = (scenes[i].image.__array__() for i in range(3))
+    tower = VisionTower.from_vlm(vlm)
+    i = TOK.image_id
+    prompts = [
+        prepare_image_prompt(tower, [TOK.bos_id, 10, i, 11, 12], [a]),
+        prepare_image_prompt(tower, [TOK.bos_id, 10, i, i, 11], [b, c]),  # two images
+        [TOK.bos_id, 13, 14, 15],  # text only, in the same steps
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [_reference(vlm, p, 8) for p in prompts[:2]]
+    engine = Engine(vlm.lm, **engine_kw)
+    ids = [engine.add_request(p.token_ids, greedy, image_embeds=p) for p in prompts[:2]]
+    ids.append(engine.add_request(prompts[2], greedy))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    got = [done[r].outputs[0].token_ids for r in ids]
+    assert got[:2] == want
+    # the text-only request: MRoPE on text is 1D RoPE, the plain engine's answer
+    assert (
+        got[2]
+        == Engine(vlm.lm, block_size=8).generate([prompts[2]], greedy)[0].outputs[0].token_ids
     )
-    with pytest.raises(LmforgeError, match="MRoPE model") as err:
-        engine.add_request(p.token_ids, greedy, image_embeds=p)
-    assert "\n" not in str(err.value)
+    # the grid positions matter: 1D positions on the same spliced prompt decode otherwise
+    x = torch.tensor([prompts[1].token_ids])
+    with torch.no_grad():
+        embeds = _spliced(vlm, x, prompts[1])
+        pos = mrope_positions(prompts[1].token_ids, prompts[1].spans, (3, 3))[:, None]
+        assert not torch.allclose(
+            vlm.lm(x, pos, input_embeds=embeds), vlm.lm(x, input_embeds=embeds)
+        )
+
+
+def test_engine_step_positions_shift_text_after_images() -> None:
+    from lmforge.vision.mrope import engine_step_positions
+
+    # sequence 1: decode at index 14 after a 3x3 image at 2 (slots 2..10): 14 - 9 + 3 = 8
+    # sequence 2: text only; sequence 3: a prefill chunk [0, 4) cutting a 2x2 image at 1
+    flat, grid = engine_step_positions([([(2, 9)], 14, 1), (None, 5, 2), ([(1, 4)], 0, 4)])
+    assert flat == [8, 5, 6, 0, 1, 1, 1]
+    assert grid == [[8, 5, 6, 0, 1, 1, 1], [8, 5, 6, 0, 1, 1, 2], [8, 5, 6, 0, 1, 2, 1]]
+    assert engine_step_positions([([(2, 9)], 14, 1)]) == ([8], None)  # no image row: scalars
+    with pytest.raises(ValueError, match="square"):
+        engine_step_positions([([(0, 6)], 0, 6)])

@@ -17,11 +17,12 @@ Shape legend: B batch, T tokens. Exercised by ``pytest tests/test_mrope.py``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["image_spans", "mrope_positions", "mrope_positions_batch"]
+__all__ = ["engine_step_positions", "image_spans", "mrope_positions", "mrope_positions_batch"]
 
 
 def mrope_positions(
@@ -93,3 +94,36 @@ def mrope_positions_batch(
     n = grid_hw[0] * grid_hw[1]
     rows = [mrope_positions(row, image_spans(row, image_id, n), grid_hw) for row in tokens.cpu()]
     return torch.stack(rows, dim=1).to(tokens.device)  # (3, B, T)
+
+
+def engine_step_positions(
+    rows: Sequence[tuple[Sequence[tuple[int, int]] | None, int, int]],
+) -> tuple[list[int], list[list[int]] | None]:
+    """An engine step's MRoPE positions: per sequence, in row order, (its image spans or None,
+    first position in the step, tokens in the step); spans are square grids (lmforge's towers
+    give one square patch grid per image).
+
+    Returns the scalar positions (N,) and, when the step holds image rows, the 3-vectors
+    (3, N). Text rows are (p, p, p), so a scalar suffices wherever no image row is in the step
+    (decode included: p is the 1D index shifted by the images before it, Qwen2-VL's rule).
+    """
+    flat: list[list[int]] = [[], [], []]
+    has_image = False
+    for spans, start, n in rows:
+        if not spans:  # a text-only sequence: its 1D positions
+            for comp in flat:
+                comp.extend(range(start, start + n))
+            continue
+        grids = []
+        for _, size in spans:
+            g = math.isqrt(size)
+            if g * g != size:
+                raise ValueError(f"an image of {size} slots is not a square patch grid")
+            grids.append((g, g))
+        # a prefill chunk may end inside an image: place the whole prompt's images, then slice
+        length = max(start + n, *(lo + size for lo, size in spans))
+        pos = mrope_positions(range(length), spans, grids)[:, start : start + n]  # (3, n)
+        has_image |= any(lo < start + n and lo + size > start for lo, size in spans)
+        for c in range(3):
+            flat[c].extend(pos[c].tolist())
+    return flat[0], (flat if has_image else None)
