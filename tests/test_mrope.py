@@ -235,3 +235,42 @@ def test_engine_step_positions_shift_text_after_images() -> None:
     assert engine_step_positions([([(2, 9)], 14, 1)]) == ([8], None)  # no image row: scalars
     with pytest.raises(ValueError, match="square"):
         engine_step_positions([([(0, 6)], 0, 6)])
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_speculative_decoding_with_mrope_images_is_exact(draft: str) -> None:
+    """Drafts only propose (a draft model's own steps use 1D positions: fewer acceptances at
+    worst); the verify step is the target's MRoPE step, so greedy output is the reference's."""
+    from lmforge.serve import Engine, SamplingParams
+    from lmforge.serve.speculative import DraftModel, NgramDraft, truncated_draft
+    from lmforge.vision.serving import VisionTower, prepare_image_prompt
+
+    vlm = _vlm(mrope=True, seed=4).eval()
+    image = ProceduralScenes(seed=5, image_size=24)[0].image.__array__()
+    ids = [TOK.bos_id, 10, TOK.image_id, 11, 10, 11]
+    p = prepare_image_prompt(VisionTower.from_vlm(vlm), ids, [image])
+    proposer = NgramDraft() if draft == "ngram" else DraftModel(truncated_draft(vlm.lm, 1))
+    engine = Engine(vlm.lm, block_size=4, num_blocks=32, speculative=proposer)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    rid = engine.add_request(p.token_ids, greedy, image_embeds=p)
+    out = None
+    while engine.has_unfinished():
+        out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+    assert out.outputs[0].token_ids == _reference(vlm, p, 12)
+    assert engine.speculative.stats.drafted > 0
+
+
+def test_mtp_drafts_with_mrope_images_are_refused_in_one_line() -> None:
+    from lmforge.serve import Engine, SamplingParams
+    from lmforge.serve.speculative import mtp_draft_for
+    from lmforge.vision.serving import VisionTower, prepare_image_prompt
+
+    torch.manual_seed(0)
+    lm = TransformerLM(_lm_cfg(mrope_sections=(2, 2, 2), mtp_depth=1))
+    vlm = VisionLanguageModel(ViT(VIT), lm, TOK.image_id).eval()
+    image = ProceduralScenes(seed=5, image_size=24)[0].image.__array__()
+    p = prepare_image_prompt(VisionTower.from_vlm(vlm), [TOK.bos_id, TOK.image_id, 10], [image])
+    engine = Engine(lm, block_size=4, num_blocks=32, speculative=mtp_draft_for(lm))
+    with pytest.raises(LmforgeError, match="MTP drafts") as err:
+        engine.add_request(p.token_ids, SamplingParams(max_tokens=2), image_embeds=p)
+    assert "\n" not in str(err.value)

@@ -312,9 +312,9 @@ class Engine:
     def _check_images(self, images: ImagePrompt, n_prompt: int) -> ImagePrompt:
         """``images`` with its embeddings on the engine's device and dtype, once; spans that
         overlap or leave the prompt, or rows that do not match them, raise one line."""
-        if self.config.mrope_sections and self.speculative is not None:  # drafts: 1D positions
+        if self.config.mrope_sections and getattr(self.speculative, "tap", None) is not None:
             raise LmforgeError("images with an MRoPE model (model.mrope_sections) do not run"
-                               " with speculative decoding yet; serve without --speculative")  # fmt: skip
+                               " with MTP drafts yet; serve without --speculative mtp")  # fmt: skip
         end = 0
         for s, n in images.spans:
             if s < end or n < 1 or s + n > n_prompt:
