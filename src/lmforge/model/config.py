@@ -151,6 +151,11 @@ class ModelConfig:
     "S layers: heads of the lightning indexer"
     dsa_index_dim: int = 64
     "S layers: per-head width of the lightning indexer's queries and its one key (even, RoPE)"
+    mrope_sections: tuple[int, ...] = ()
+    "multimodal RoPE (Qwen2-VL's MRoPE): rotary frequencies split into (temporal, height, width)"
+    " sections summing to head_dim / 2, each rotated by its own component of a token's 3-vector"
+    " position (lmforge.vision.mrope_positions); empty = plain 1D RoPE. Text tokens (p, p, p)"
+    " rotate exactly as with 1D RoPE"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -203,6 +208,23 @@ class ModelConfig:
             raise ValueError(f"swiglu must be reference, triton or auto, got {self.swiglu!r}")
         self._check_layers()
         self._check_mla()
+        self._check_mrope()
+
+    def _check_mrope(self) -> None:
+        sections = self.mrope_sections
+        if not sections:
+            return
+        if (
+            len(sections) != 3
+            or any(s < 0 for s in sections)
+            or sum(sections) != self.head_dim // 2
+        ):
+            raise ValueError(
+                f"mrope_sections {list(sections)} must be 3 non-negative sizes (temporal, height,"
+                f" width) summing to head_dim / 2 = {self.head_dim // 2}"
+            )
+        if self.attention_type != "gqa" or "S" in self.layers:
+            raise ValueError("mrope_sections needs attention_type = gqa and no S (sparse) layers")
 
     def _check_mla(self) -> None:
         if self.attention_type not in ("gqa", "mla"):

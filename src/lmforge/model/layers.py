@@ -274,6 +274,11 @@ class RotaryEmbedding(nn.Module):
     cos/sin tables for positions ``0 .. max_seq_len-1`` are precomputed in fp32 and held as
     non-persistent buffers: they never appear in a state dict, and :meth:`reset_parameters`
     rebuilds them (needed after materialising a model created on the meta device).
+
+    ``mrope_sections`` (t, h, w), summing to E/2, turns on Qwen2-VL's multimodal RoPE for
+    :meth:`rotate_3d`: frequencies ``0 .. t-1`` turn with a token's temporal position, the next
+    ``h`` with its row, the last ``w`` with its column. Each section keeps its frequencies of the
+    1D table, so a token at (p, p, p) is rotated exactly as :meth:`forward` rotates it at p.
     """
 
     cos: torch.Tensor
@@ -286,10 +291,16 @@ class RotaryEmbedding(nn.Module):
         max_seq_len: int,
         device: torch.device | str | None = None,
         llama3_scaling: tuple[float, float, float, int] | None = None,
+        mrope_sections: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         if d_k % 2:
             raise ValueError(f"RoPE needs an even head dim, got {d_k}")
+        if mrope_sections and (len(mrope_sections) != 3 or sum(mrope_sections) != d_k // 2):
+            raise ValueError(
+                f"mrope_sections {list(mrope_sections)} must be 3 sizes summing to {d_k // 2}"
+            )
+        self.mrope_sections = tuple(mrope_sections)
         self.theta = theta
         self.d_k = d_k
         self.max_seq_len = max_seq_len
@@ -333,6 +344,33 @@ class RotaryEmbedding(nn.Module):
         """
         cos = self.cos[token_positions].float()  # (..., T, E/2)
         sin = self.sin[token_positions].float()  # (..., T, E/2)
+        return self._rotate(x, cos, sin)
+
+    def rotate_3d(self, x: torch.Tensor, token_positions: torch.Tensor) -> torch.Tensor:
+        """MRoPE: rotate ``x`` (..., T, E) at 3-vector positions ``token_positions`` (3, ...)
+        whose last dims broadcast to (..., T): component 0 temporal, 1 row, 2 column.
+
+        The reference: look up each component's full cos/sin rows, then take section c's
+        frequencies from component c. fp32 as :meth:`forward`.
+        """
+        if not self.mrope_sections:
+            raise ValueError("rotate_3d needs mrope_sections (this RoPE is 1D)")
+        if token_positions.shape[0] != 3:
+            raise ValueError(
+                f"MRoPE positions must be (3, ...), got {tuple(token_positions.shape)}"
+            )
+        cos_parts, sin_parts, start = [], [], 0
+        for c, size in enumerate(self.mrope_sections):
+            idx = token_positions[c]  # (..., T): this component's position
+            cos_parts.append(self.cos[idx, start : start + size])  # (..., T, size)
+            sin_parts.append(self.sin[idx, start : start + size])  # (..., T, size)
+            start += size
+        cos = torch.cat(cos_parts, dim=-1).float()  # (..., T, E/2)
+        sin = torch.cat(sin_parts, dim=-1).float()  # (..., T, E/2)
+        return self._rotate(x, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` (..., T, E) rotated pairwise by angles with cos/sin (..., T, E/2), in fp32."""
         pairs = x.float().unflatten(-1, (-1, 2))  # (..., T, E/2, 2): (x[2i], x[2i+1])
         # out[2i] = x[2i]·cos − x[2i+1]·sin, out[2i+1] = x[2i+1]·cos + x[2i]·sin, written as one
         # element-wise expression over the pairs and their swap (same fp32 products and sums as
@@ -342,7 +380,8 @@ class RotaryEmbedding(nn.Module):
         return out.flatten(-2).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
+        mrope = f", mrope_sections={self.mrope_sections}" if self.mrope_sections else ""
+        return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}{mrope}"
 
 
 def scaled_dot_product_attention(

@@ -219,7 +219,11 @@ class CausalSelfAttention(nn.Module):
                 config.rope_original_context,
             )
         self.rope = RotaryEmbedding(
-            config.rope_theta, e, config.context_length, llama3_scaling=scaling
+            config.rope_theta,
+            e,
+            config.context_length,
+            llama3_scaling=scaling,
+            mrope_sections=config.mrope_sections,
         )
         self.rope_backend = config.rope
         self.backend = config.attention
@@ -233,7 +237,8 @@ class CausalSelfAttention(nn.Module):
         kv_cache: KVCache | None = None,
         context: Context | None = None,
     ) -> torch.Tensor:
-        """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1.
+        """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1; with
+        MRoPE (``config.mrope_sections``) also (3, B, T), a 3-vector position per token.
 
         With a paged ``context`` (an engine step, B = 1, T = the step's N flat tokens) the
         positions are the context's and the keys/values go to its pages; everything up to the
@@ -270,10 +275,15 @@ class CausalSelfAttention(nn.Module):
         if not fused_rope:
             if token_positions is None:
                 token_positions = torch.arange(t, device=x.device)  # (T,)
-            if token_positions.dim() == 2:
-                token_positions = token_positions[:, None, :]  # (B, 1, T) broadcasts over heads
-            q = self.rope(q, token_positions)
-            k = self.rope(k, token_positions)
+            if token_positions.dim() == 3:  # MRoPE (3, B, T): each section its own component
+                pos3 = token_positions[:, :, None, :]  # (3, B, 1, T) broadcasts over heads
+                q = self.rope.rotate_3d(q, pos3)
+                k = self.rope.rotate_3d(k, pos3)
+            else:
+                if token_positions.dim() == 2:
+                    token_positions = token_positions[:, None, :]  # (B, 1, T): over heads
+                q = self.rope(q, token_positions)
+                k = self.rope(k, token_positions)
         if self.config.mup:  # muP's 1/E attention: q carries sqrt(E_base/E) on top of 1/sqrt(E)
             q = q * mup.q_scale(self.config)
         if context is not None:  # the step's flat tokens: (1, H|K, N, E) -> (N, H|K, E)
@@ -368,6 +378,19 @@ class CausalSelfAttention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+def _mrope_component_first(token_positions: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """3-vector positions (3, B, T) or (B, T, 3) as (3, B, T); only for an MRoPE model."""
+    if not config.mrope_sections:
+        raise ValueError("3-vector token_positions need MRoPE (model.mrope_sections)")
+    if token_positions.shape[0] == 3:
+        return token_positions
+    if token_positions.shape[-1] == 3:
+        return token_positions.permute(2, 0, 1)  # (B, T, 3) -> (3, B, T)
+    raise ValueError(
+        f"MRoPE token_positions must be (3, B, T) or (B, T, 3), got {tuple(token_positions.shape)}"
+    )
 
 
 def sliding_window_mask(t: int, window: int, device: torch.device | None = None) -> torch.Tensor:
@@ -593,7 +616,9 @@ class TransformerLM(nn.Module):
         """Token ids (B, T) -> hidden states after ``ln_final`` (B, T, D).
 
         ``token_positions`` (T,) or (B, T) default to 0..T-1, or with a ``kv_cache`` to each row's
-        next positions. ``valid_mask`` (B, T) bool marks real tokens (False = padding) and is only
+        next positions; with MRoPE (``config.mrope_sections``) they may be 3-vectors, (3, B, T)
+        (Qwen2-VL's layout, also when B = T = 3) or (B, T, 3), e.g. from
+        :func:`lmforge.vision.mrope_positions`. ``valid_mask`` (B, T) bool marks real tokens (False = padding) and is only
         used with a ``kv_cache`` (see :class:`~lmforge.model.KVCache`). With a paged ``context``
         (:class:`~lmforge.model.context.Context`, one engine step) idx is (1, N), the step's
         tokens flattened, and the result (1, S, D) holds only the rows ``context.last_rows``
@@ -601,6 +626,8 @@ class TransformerLM(nn.Module):
         (a VLM's spliced image tokens, :mod:`lmforge.vision`); idx still gives B, T.
         """
         _, t = idx.shape
+        if token_positions is not None and token_positions.dim() == 3:
+            token_positions = _mrope_component_first(token_positions, self.config)  # (3, B, T)
         if (context is not None or kv_cache is not None) and "S" in self.config.layer_types:
             what = "serving" if context is not None else "decoding with a KV cache"
             raise LmforgeError(

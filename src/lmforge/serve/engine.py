@@ -346,6 +346,9 @@ class Engine:
     def _check_images(self, images: ImagePrompt, n_prompt: int) -> ImagePrompt:
         """``images`` with its embeddings on the engine's device and dtype, once; spans that
         overlap or leave the prompt, or rows that do not match them, raise one line."""
+        if self.config.mrope_sections and getattr(self.speculative, "tap", None) is not None:
+            raise LmforgeError("images with an MRoPE model (model.mrope_sections) do not run"
+                               " with MTP drafts yet; serve without --speculative mtp")  # fmt: skip
         end = 0
         for s, n in images.spans:
             if s < end or n < 1 or s + n > n_prompt:
@@ -407,7 +410,18 @@ class Engine:
     # ---------------------------------------------------------------- the step
     def _batch(self, chosen: list[tuple[Seq, int]]) -> StepBatch:
         """The step's inputs on the device (scheduler's host lists, staged by the runner)."""
-        return self.runner.prepare(self.scheduler.inputs(chosen))
+        inputs = self.scheduler.inputs(chosen)
+        mrope = None
+        if self.config.mrope_sections and any(seq.images is not None for seq, _ in chosen):
+            # MRoPE prompts with images: grid positions, the text after an image shifted
+            from lmforge.vision.mrope import engine_step_positions
+
+            rows = [(s.images and s.images.spans, s.n_cached, n) for s, n in chosen]
+            inputs.positions, mrope = engine_step_positions(rows)
+        batch = self.runner.prepare(inputs)
+        if mrope is not None:
+            batch.mrope_positions = torch.tensor(mrope, device=batch.positions.device)  # (3, N)
+        return batch
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """Logits (S, V) of each sequence's last token in the step."""

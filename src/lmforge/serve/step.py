@@ -56,6 +56,8 @@ class StepBatch:
     "(S,) long recurrent-state slot of each sequence (hybrid models with G/M/L layers), or None"
     state_fresh: torch.Tensor | None = None
     "(F,) long slots to zero before the forward (sequences starting at token 0), or None"
+    mrope_positions: torch.Tensor | None = None
+    "(3, N) long 3-vector positions of an MRoPE model's step with image rows, or None"
 
     @property
     def decode_only(self) -> bool:
@@ -87,8 +89,11 @@ def forward_step(
             dev, e = batch.tokens.device, cache.head_dim
             if use_triton if use_triton is not None else prefill_kernel_on(dev, e):
                 plan = prefill_plan(batch.q_lens, batch.ctx_lens_list, dev, head_dim=e)
+    positions = batch.positions  # (N,), or an MRoPE image step's (3, 1, N):
+    if batch.mrope_positions is not None:
+        positions = batch.mrope_positions[:, None]  # (3, 1, N) as TransformerLM reads them
     ctx = Context(
-        batch.positions, batch.slots, batch.block_tables, batch.ctx_lens, k_cache, v_cache,
+        positions, batch.slots, batch.block_tables, batch.ctx_lens, k_cache, v_cache,
         PagedOps(use_triton), last_rows=batch.last_rows, decode=batch.decode_only,
         q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
         plan=plan, latent_cache=latent,

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from lmforge.vision.encoders import DualEncoder, TextConfig, TextEncoder, ViT, ViTConfig
     from lmforge.vision.hf import HFVisionTower, load_hf_vision_tower
     from lmforge.vision.losses import clip_loss, retrieval_recall, siglip_loss
+    from lmforge.vision.mrope import image_spans, mrope_positions
     from lmforge.vision.scenes import QA, ProceduralScenes, Scene, SceneSample
     from lmforge.vision.serving import (
         ImagePrompt,
@@ -73,11 +74,13 @@ __all__ = [
     "encode_batch",
     "expand_placeholders",
     "image_pixels",
+    "image_spans",
     "iter_image_folder",
     "iter_tar_shards",
     "load_hf_vision_tower",
     "load_image",
     "load_vlm",
+    "mrope_positions",
     "prepare_image_prompt",
     "preprocess",
     "pretrain",
@@ -133,6 +136,8 @@ _EXPORTS = {
     "retrieval_recall": "losses",
     "siglip_loss": "losses",
     "splice_image_embeds": "vlm",
+    "image_spans": "mrope",
+    "mrope_positions": "mrope",
 }
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

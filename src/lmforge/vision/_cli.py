@@ -24,13 +24,17 @@ VLM_EXAMPLES = """examples:
   lmforge vision vlm --config configs/vision/vlm-tiny.toml --encoder runs/vision/clip-tiny
   lmforge vision vlm --config configs/vision/vlm-tiny.toml --encoder runs/vision/clip-tiny \\
       --vlm.stage2_steps=0                                                 # stage 1 only
+  lmforge vision vlm --config configs/vision/vlm-tiny.toml --encoder runs/vision/clip-tiny \\
+      --lm.mrope_sections=[4,6,6] --vlm.out=runs/vision/vlm-mrope        # MRoPE (Qwen2-VL)
 
 Trains, on procedural scenes: a text-only LM given the caption (upper bound) and given only the
 question (lower bound), then the VLM's projector (stage 1: captioning, ViT and LM frozen) and
 projector + LM (stage 2: question answering). Prints held-out answer accuracy per question
 kind (count, color, position, digit) for each and writes results.json to --vlm.out. Each phase
 is an objective of lmforge's Trainer in its own folder (text/, stage1/, stage2/: metrics.jsonl,
-loss_curve.png, checkpoints); a rerun resumes where it stopped.
+loss_curve.png, checkpoints); a rerun resumes where it stopped. --lm.mrope_sections=[t,h,w]
+(summing to the LM's head_dim / 2) gives image tokens Qwen2-VL's 2D grid positions (MRoPE);
+the run folder then serves with them (lmforge serve --checkpoint).
 """
 
 VQ_EXAMPLES = """examples:

@@ -23,6 +23,7 @@ from torch import nn
 from lmforge.model.layers import Linear
 from lmforge.vision.data import WordTokenizer, preprocess
 from lmforge.vision.encoders import ViT
+from lmforge.vision.mrope import mrope_positions_batch
 from lmforge.vision.scenes import QA, ProceduralScenes, SceneSample
 
 
@@ -42,11 +43,15 @@ def splice_image_embeds(
 
 
 def lm_forward_with_embeds(
-    lm: nn.Module, tokens: torch.Tensor, input_embeds: torch.Tensor
+    lm: nn.Module,
+    tokens: torch.Tensor,
+    input_embeds: torch.Tensor,
+    token_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``lm(tokens)`` with ``input_embeds`` (B, T, D) in place of the token-embedding lookup:
-    the LM's own forward runs every layer (``TransformerLM.forward(..., input_embeds=)``)."""
-    return lm(tokens, input_embeds=input_embeds)
+    the LM's own forward runs every layer (``TransformerLM.forward(..., input_embeds=)``);
+    ``token_positions`` as there (an MRoPE LM's (3, B, T))."""
+    return lm(tokens, token_positions, input_embeds=input_embeds)
 
 
 class Projector(nn.Module):
@@ -75,18 +80,29 @@ class VisionLanguageModel(nn.Module):
         """Placeholders one image fills (N = the ViT's patch count)."""
         return self.vision.config.n_patches
 
+    @property
+    def grid_hw(self) -> tuple[int, int]:
+        """The patch grid (rows, cols) of one image: its N tokens in row-major order."""
+        g = self.vision.config.image_size // self.vision.config.patch_size
+        return g, g
+
     def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, S, S) normalised pixels -> (B, N, D) image tokens."""
         return self.projector(self.vision(images)[1])
 
     def forward(self, tokens: torch.Tensor, images: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, V) of ``tokens`` (B, T) with N ``<image>`` slots per image in
-        ``images`` (M, 3, S, S); without images the plain LM."""
+        ``images`` (M, 3, S, S); without images the plain LM. An MRoPE LM
+        (``lm.config.mrope_sections``) gets Qwen2-VL's 3-vector positions: each image on its
+        patch grid, the text after it continuing from the grid's largest position + 1."""
         if images is None:
             return self.lm(tokens)
         embeds = self.lm.token_embeddings(tokens)  # (B, T, D)
         embeds = splice_image_embeds(embeds, tokens, self.image_embeds(images), self.image_id)
-        return lm_forward_with_embeds(self.lm, tokens, embeds)
+        positions = None
+        if self.lm.config.mrope_sections:
+            positions = mrope_positions_batch(tokens, self.image_id, self.grid_hw)  # (3, B, T)
+        return lm_forward_with_embeds(self.lm, tokens, embeds, positions)
 
 
 def choose_question(sample: SceneSample, key: str) -> QA:
