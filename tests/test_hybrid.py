@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lmforge.model import KVCache, ModelConfig, TransformerLM
-from lmforge.model.transformer import CausalSelfAttention, sliding_window_mask
+from lmforge.model.attention import CausalSelfAttention, sliding_window_mask
 from lmforge.utils.config import from_dict
 from lmforge.utils.errors import LmforgeError
 

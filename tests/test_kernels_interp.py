@@ -208,7 +208,7 @@ else:
         torch.testing.assert_close(dx.double(), rdx, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(dw.double(), rdw, atol=1e-4, rtol=1e-5)
         from lmforge.model import ModelConfig
-        from lmforge.model.transformer import _Norm
+        from lmforge.model.attention import _Norm
 
         norm = _Norm(40, 1e-5, "triton")
         with torch.autocast("cpu", dtype=torch.bfloat16):

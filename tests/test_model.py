@@ -282,7 +282,7 @@ def test_residual_stream_in_the_autocast_dtype():
 
 def test_flash_backend_calls_the_kernel_with_the_agreed_layout(monkeypatch):
     """The flash path hands (B, H, T, E) queries and (B, K, T, E) keys/values to the kernel."""
-    import lmforge.model.transformer as transformer
+    import lmforge.model.attention as transformer  # where CausalSelfAttention calls the kernel
 
     kernels = importlib.import_module("lmforge.kernels")
     seen = []

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model.attention import CausalSelfAttention
 from lmforge.model.sparse_attention import (
     SparseAttention,
     add_indexer,
@@ -33,7 +34,6 @@ from lmforge.model.sparse_attention import (
     topk_attention,
     topk_mask,
 )
-from lmforge.model.transformer import CausalSelfAttention
 from lmforge.utils.config import from_dict
 from lmforge.utils.errors import LmforgeError
 

@@ -37,18 +37,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor, nn
 
 from lmforge.model import mup
+from lmforge.model.attention import CausalSelfAttention
 from lmforge.model.config import ModelConfig
 from lmforge.model.context import Context
 from lmforge.model.kv_cache import KVCache
 from lmforge.model.layers import Linear, RotaryEmbedding
-from lmforge.model.transformer import CausalSelfAttention, TransformerLM
 from lmforge.utils.errors import LmforgeError
+
+if TYPE_CHECKING:
+    from lmforge.model.transformer import TransformerLM
 
 Stage = Literal["dense", "sparse"]
 
@@ -276,7 +279,8 @@ def add_indexer(
     param = next(model.parameters())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        sparse = TransformerLM(new_cfg, device=param.device, dtype=param.dtype)
+        # the model's own class: this module sits below lmforge.model.transformer
+        sparse = type(model)(new_cfg, device=param.device, dtype=param.dtype)
     missing, unexpected = sparse.load_state_dict(model.state_dict(), strict=False)
     if unexpected or any(".indexer." not in name for name in missing):
         raise LmforgeError(f"add_indexer: weights do not match ({unexpected or missing})")

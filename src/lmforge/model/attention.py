@@ -1,0 +1,299 @@
+"""Softmax self-attention: :class:`CausalSelfAttention` (grouped-query heads, QK-norm, RoPE or
+MRoPE, sliding windows), the block's attention for the A and W letters of ``model.layers``
+and the base of DSA's sparse attention (:mod:`lmforge.model.sparse_attention`).
+
+Its own module so that the mixers built on it and :func:`lmforge.model.transformer.token_mixer`,
+which builds them, import it without importing each other. Shape legend as in
+:mod:`lmforge.model.layers`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmforge.kernels import (
+    flash_attention,
+    flash_supported,
+    rms_norm,
+    rms_norm_supported,
+    rope,
+    rope_packed,
+)
+from lmforge.model import mup
+from lmforge.model.config import ModelConfig
+from lmforge.model.context import Context
+from lmforge.model.kv_cache import KVCache, paged_window_attention
+from lmforge.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    _cat_weights,
+    _fusable,
+    project,
+    scaled_dot_product_attention,
+)
+
+__all__ = ["CausalSelfAttention", "sliding_window_mask"]
+
+
+def _kernel_runs_on(x: torch.Tensor) -> bool:
+    """Whether a Triton kernel takes input x: a CUDA tensor (or the CPU interpreter under
+    ``TRITON_INTERPRET=1``) whose matmul-output dtype (autocast's for an fp32 x under autocast)
+    is fp16/bf16/fp32."""
+    from lmforge.kernels._common import interpreting
+
+    dtype = x.dtype
+    if torch.is_autocast_enabled(x.device.type) and dtype == torch.float32:
+        dtype = torch.get_autocast_dtype(x.device.type)
+    fits = dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return fits and (x.is_cuda or interpreting())
+
+
+def _linear(m: nn.Module, x: torch.Tensor, context: Context | None) -> torch.Tensor:
+    """``m(x)``, on the step's own matmul kernel (the decode GEMV) where the context has one
+    and m is a plain Linear (no hooks: skipping its ``__call__`` changes nothing)."""
+    if context is not None and _fusable(m):
+        y = context.ops.matmul(x, m.weight)
+        if y is not None:
+            return y
+    return m(x)
+
+
+def _packed_matmul(x: torch.Tensor, w: torch.Tensor, context: Context) -> torch.Tensor:
+    """x @ wᵀ for a packed weight (several projections' rows in one tensor)."""
+    y = context.ops.matmul(x, w)
+    return project(x, w) if y is None else y
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+class _Norm(RMSNorm):
+    """RMSNorm with a selectable backend: the reference math or lmforge's fused Triton kernel."""
+
+    def __init__(self, d_model: int, eps: float, backend: str = "reference") -> None:
+        super().__init__(d_model, eps)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D)."""
+        if self.backend == "triton" and rms_norm_supported(x, self.weight):
+            # Under autocast the norm's consumers are matmuls that would cast its output to the
+            # autocast dtype anyway: the kernel writes that dtype directly (one bf16 write
+            # instead of an fp32 write, a read and a bf16 write). Values are identical.
+            out_dtype = None
+            if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+                out_dtype = torch.get_autocast_dtype(x.device.type)
+            return rms_norm(x, self.weight, self.eps, out_dtype)
+        return super().forward(x)
+
+
+class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention with grouped-query heads, optional QK-norm and RoPE.
+
+    ``q_proj`` maps D -> H·E, ``k_proj``/``v_proj`` map D -> K·E (K = ``n_kv_heads`` ≤ H, query
+    head h reads kv-head h // (H/K)), ``output_proj`` maps H·E -> D. QK-norm (when enabled) is an
+    RMSNorm over each head vector with one E-sized gain shared by all heads, applied before RoPE.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, window: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.window = window  # sliding window: each query sees itself and window − 1 earlier keys
+        # the engine's paged cache holds K/V layers only: this layer's page index there
+        self.cache_index = layer_idx
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
+        # a plain int: a derived head_dim is an int subclass (config._DerivedHeadDim), which
+        # torch 2.11's Dynamo cannot pass to view() and broke the compiled model at every layer
+        self.head_dim = int(config.head_dim)
+        d, e = config.d_model, self.head_dim
+        self.q_proj = Linear(d, self.n_heads * e)
+        self.k_proj = Linear(d, self.n_kv_heads * e)
+        self.v_proj = Linear(d, self.n_kv_heads * e)
+        self.output_proj = Linear(self.n_heads * e, d)
+        if config.qk_norm:
+            self.q_norm = _Norm(e, config.norm_eps, config.norm)
+            self.k_norm = _Norm(e, config.norm_eps, config.norm)
+        scaling = None
+        if config.rope_scaling == "llama3":
+            scaling = (
+                config.rope_scaling_factor,
+                config.rope_low_freq_factor,
+                config.rope_high_freq_factor,
+                config.rope_original_context,
+            )
+        self.rope = RotaryEmbedding(
+            config.rope_theta,
+            e,
+            config.context_length,
+            llama3_scaling=scaling,
+            mrope_sections=config.mrope_sections,
+        )
+        self.rope_backend = config.rope
+        self.backend = config.attention
+        self._sdpa_gqa = _torch_version() >= (2, 5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        token_positions: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+        context: Context | None = None,
+    ) -> torch.Tensor:
+        """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1; with
+        MRoPE (``config.mrope_sections``) also (3, B, T), a 3-vector position per token.
+
+        With a paged ``context`` (an engine step, B = 1, T = the step's N flat tokens) the
+        positions are the context's and the keys/values go to its pages; everything up to the
+        attention core (projections, QK-norm, RoPE, muP's q scale) is the same code."""
+        b, t, _ = x.shape
+        h, k_heads, e = self.n_heads, self.n_kv_heads, self.head_dim
+        if context is not None:
+            o = None  # a fused kernel has no window: W layers take the masked path below
+            if self.window is None:
+                o = context.ops.fused_attention(self, x.view(t, -1), context)  # (N, H, E)
+            if o is not None:
+                return _linear(self.output_proj, o.reshape(b, t, h * e), context)  # (1, N, D)
+            token_positions = context.positions
+        fused_rope = self._use_fused_rope(x, token_positions, kv_cache)
+        if fused_rope and self._use_packed_rope():
+            # q and k as one GEMM; one launch rotates them out of its (B, T, (H+K)·E) output.
+            w = _cat_weights([self.q_proj.weight, self.k_proj.weight])  # ((H+K)·E, D)
+            cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
+            q, k = rope_packed(project(x, w), cos, sin, h, k_heads)
+            v = self.v_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
+        else:
+            q, k, v = self._qkv(x, context)  # (B, T, H·E|K·E|K·E)
+            q = q.view(b, t, h, e)  # (B, T, H, E)
+            k = k.view(b, t, k_heads, e)  # (B, T, K, E)
+            v = v.view(b, t, k_heads, e)  # (B, T, K, E)
+            if self.config.qk_norm:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            if fused_rope:  # positions 0..T-1, rotated in the (B, T, H|K, E) layout: no copy
+                cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
+                q = rope(q, cos, sin, seq_dim=-3)
+                k = rope(k, cos, sin, seq_dim=-3)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, E)
+        if not fused_rope:
+            if token_positions is None:
+                token_positions = torch.arange(t, device=x.device)  # (T,)
+            if token_positions.dim() == 3:  # MRoPE (3, B, T): each section its own component
+                pos3 = token_positions[:, :, None, :]  # (3, B, 1, T) broadcasts over heads
+                q = self.rope.rotate_3d(q, pos3)
+                k = self.rope.rotate_3d(k, pos3)
+            else:
+                if token_positions.dim() == 2:
+                    token_positions = token_positions[:, None, :]  # (B, 1, T): over heads
+                q = self.rope(q, token_positions)
+                k = self.rope(k, token_positions)
+        if self.config.mup:  # muP's 1/E attention: q carries sqrt(E_base/E) on top of 1/sqrt(E)
+            q = q * mup.q_scale(self.config)
+        if context is not None:  # the step's flat tokens: (1, H|K, N, E) -> (N, H|K, E)
+            q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+            if self.window is not None:  # the pages' keys within the window (torch path)
+                out = paged_window_attention(q, k, v, self.cache_index, context, self.window)
+            else:
+                out = context.ops.attend(self.cache_index, q, k, v, context)  # (N, H, E)
+            return _linear(self.output_proj, out.reshape(b, t, h * e), context)  # (1, N, D)
+        if kv_cache is None:
+            out = self._causal(q, k, v)  # (B, H, T, E)
+        else:
+            k_all, v_all = kv_cache.update(self.layer_idx, k, v)  # (B, K, S, E)
+            mask = kv_cache.mask if self.window is None else kv_cache.window_mask(self.window)
+            out = self._masked(q, k_all, v_all, mask)  # (B, H, T, E)
+        out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
+        return self.output_proj(out)  # (B, T, D)
+
+    def _qkv(
+        self, x: torch.Tensor, context: Context | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v projections of x (…, D): (…, H·E), (…, K·E), (…, K·E); in an engine step
+        one matmul against its packed q/k/v weights where it has them."""
+        if context is not None:
+            w = context.ops.packed(self.layer_idx)[0]
+            if w is not None and _fusable(self.q_proj, self.k_proj, self.v_proj):
+                qkv = _packed_matmul(x, w, context)  # (…, (H+2K)·E)
+                e, k_dim = self.head_dim, self.n_kv_heads * self.head_dim
+                q, k, v = qkv.split([self.n_heads * e, k_dim, k_dim], dim=-1)
+                return q, k, v
+            q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
+            return (
+                _linear(q_proj, x, context),
+                _linear(k_proj, x, context),
+                _linear(v_proj, x, context),
+            )
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def _use_fused_rope(
+        self, x: torch.Tensor, token_positions: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> bool:
+        # The kernels rotate positions 0..T-1 only, in the projections' (B, T, H, E) layout.
+        return (
+            self.rope_backend in ("triton", "packed")
+            and token_positions is None
+            and kv_cache is None  # (a paged context sets token_positions)
+            and _kernel_runs_on(x)
+        )
+
+    def _use_packed_rope(self) -> bool:
+        # q and k from one GEMM unless QK-norm sits between projection and rotation or the two
+        # modules cannot be merged (hooks, dtypes).
+        return (
+            self.rope_backend == "packed"
+            and not self.config.qk_norm
+            and _fusable(self.q_proj, self.k_proj)
+        )
+
+    def _repeat_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """(B, K, S, E) -> (B, H, S, E): each kv-head serves H/K consecutive query heads."""
+        groups = self.n_heads // self.n_kv_heads
+        return kv if groups == 1 else kv.repeat_interleave(groups, dim=1)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t = q.shape[-2]
+        if self.window is not None and self.window < t:
+            # The flash kernel has no window: an explicit (T, T) mask, through SDPA.
+            return self._masked(q, k, v, sliding_window_mask(t, self.window, q.device))
+        if self.backend == "flash" and flash_supported(q, k, v):
+            return flash_attention(q, k, v, is_causal=True)
+        if self.backend != "reference":
+            return self._sdpa(q, k, v, None)
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()  # (T, T)
+        return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
+
+    def _masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        if self.backend == "reference":
+            return scaled_dot_product_attention(q, self._repeat_kv(k), self._repeat_kv(v), mask)
+        return self._sdpa(q, k, v, mask)
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        gqa = self.n_kv_heads != self.n_heads
+        kwargs: dict[str, Any] = {}
+        if gqa and self._sdpa_gqa:
+            kwargs["enable_gqa"] = True
+        elif gqa:
+            k, v = self._repeat_kv(k), self._repeat_kv(v)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+def sliding_window_mask(t: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """(T, T) bool, True where query i may attend key j: j ≤ i and i − j < ``window``."""
+    i = torch.arange(t, device=device)
+    d = i[:, None] - i[None, :]  # (T, T) query minus key position
+    return (d >= 0) & (d < window)
