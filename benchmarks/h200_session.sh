@@ -34,6 +34,11 @@
 #   recipe-b   device call B (carry .carry/recipe-b, .carry/recipe-eval.tar.gz; put the files of
 #              call A's $OUT/recipe-b in .carry/recipe-b): GRPO on GSM8K, eval of the SFT and RL
 #              models, the report card without the anchor; everything small in $OUT/recipe-card
+#   layers     issue 35: GPU tests of the linear-attention kernels and hybrid serving,
+#              benchmarks/linear_attention.py (vs FLA, SDPA) and serve_hybrid.py (carry .whl)
+#   mla        issue 36: benchmarks/mla.py (latent paged kernel) and mla_engine.py, GPU tests
+#   quant      issue 37: benchmarks/quant.py --part speed and kv_quant.py, GPU tests
+#   vision     issue 38: benchmarks/vision.py and vlm_serve.py
 #   recipe-gpu  calls A and B as one device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
 #              every GPU stage and the card without the anchor; $OUT/recipe-card as recipe-b's
 #   recipe-anchor  (on the CPU machine, any time after recipe-prep: start it in the background
@@ -67,7 +72,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
-EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card)
+EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
+             layers mla quant vision)
 FAILED=()
 
 usage() {
@@ -205,6 +211,45 @@ part_smol() {
     # .carry/specdata, laid out like ../shared
     step speculative 240 "$PY" benchmarks/speculative.py --device cuda --gguf .carry/smol.gguf \
         --shared .carry/specdata
+}
+
+# The evidence of issues 35-38, one device call each (each step with its own limit; carry .whl
+# for FLA's wheel in part layers, and runs/hq_data (train.bin, val.bin) for the quality curves).
+part_layers() {   # issue 35: kernels vs FLA and SDPA, hybrid serving, GPU tests, quality curves
+    local o="${OUT:-runs/h200}"
+    step layers-gpu-tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_kernels_ssd.py tests/test_kernels_gated_delta.py tests/test_hybrid.py \
+        tests/test_serve_hybrid.py
+    have layers benchmarks/linear_attention.py &&
+        step linear-attention 330 "$PY" benchmarks/linear_attention.py --budget 270 --out "$o/linattn"
+    have layers benchmarks/serve_hybrid.py &&
+        step serve-hybrid 150 "$PY" benchmarks/serve_hybrid.py --out "$o/serve_hybrid"
+}
+
+part_mla() {      # issue 36: the MLA kernel, engine decode GQA vs MLA vs MLA+CLA, GPU tests
+    local o="${OUT:-runs/h200}"
+    step mla-gpu-tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_kernels_mla_decode.py tests/test_engine_switches.py
+    have mla benchmarks/mla.py && step mla-kernel 150 "$PY" benchmarks/mla.py --out "$o/mla"
+    have mla benchmarks/mla_engine.py &&
+        step mla-engine 200 "$PY" benchmarks/mla_engine.py --out "$o/mla_engine"
+}
+
+part_quant() {    # issue 37: weight formats' decode speed, the quantized KV cache, GPU tests
+    local o="${OUT:-runs/h200}"
+    step quant-gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kv_quant.py \
+        tests/test_quant_gguf.py
+    have quant benchmarks/quant.py &&
+        step quant-speed 300 "$PY" benchmarks/quant.py --part speed --out "$o/quant_speed"
+    have quant benchmarks/kv_quant.py &&
+        step kv-quant 180 "$PY" benchmarks/kv_quant.py --out "$o/kv_quant"
+}
+
+part_vision() {   # issue 38: VLM step throughput, CLIP vs SigLIP at 64 and 1024, serving TTFT
+    local o="${OUT:-runs/h200}"
+    have vision benchmarks/vision.py && step vision 360 "$PY" benchmarks/vision.py --out "$o/vision"
+    have vision benchmarks/vlm_serve.py &&
+        step vlm-serve 200 "$PY" benchmarks/vlm_serve.py --out "$o/vlm_serve"
 }
 
 # The GPU tier of the recipe in two device calls (configs/recipes/h200.toml's header). Each recipe
