@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
+from lmforge.kernels._split_decode_triton import combine_kernel, num_partitions
 
-TARGET_PROGRAMS = 512  # enough (seq, head-block, partition) programs to fill an H200's SMs
 MAX_HEAD_BLOCK = 32  # heads per program (64 spills registers on sm_90); more re-read per 32
 
 
@@ -127,41 +127,6 @@ def _mla_decode_kernel(
         )
 
 
-@triton.jit
-def _combine_kernel(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    n_parts,
-    stride_os,
-    stride_oh,
-    H: tl.constexpr,
-    C: tl.constexpr,
-    CP: tl.constexpr,
-    PP: tl.constexpr,
-):
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.arange(0, PP)
-    ci = tl.arange(0, CP)
-    p_ok = p < n_parts
-    base = (s * H + h) * n_parts
-    m = tl.load(m_ptr + base + p, mask=p_ok, other=float("-inf"))  # (PP,)
-    l_p = tl.load(l_ptr + base + p, mask=p_ok, other=0.0)
-    acc = tl.load(
-        acc_ptr + (base + p)[:, None] * CP + ci[None, :],
-        mask=p_ok[:, None] & (ci < C)[None, :],  # the workspace's padding columns are unwritten
-        other=0.0,
-    )  # (PP, CP)
-    m_max = tl.max(m, axis=0)  # finite: partition 0 always holds slot 0
-    w = tl.where(p_ok, tl.exp(m - m_max), 0.0)  # (PP,) empty partitions: e^-inf = 0
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_p * w, axis=0)  # (CP,)
-    tl.store(
-        out_ptr + s * stride_os + h * stride_oh + ci, out.to(out_ptr.dtype.element_ty), mask=ci < C
-    )
-
-
 def launch_config(
     h: int, c: int, bs: int, tile: int = 32, elem_bytes: int = 2
 ) -> tuple[int, int, int]:
@@ -177,15 +142,6 @@ def launch_config(
         nt = triton.cdiv(16, bs)
     cp = max(16, triton.next_power_of_2(c))
     return hb, nt, 8 if hb * cp >= 8192 else 4
-
-
-def num_partitions(s: int, head_blocks: int, width: int, nt: int) -> tuple[int, int]:
-    """(partitions, blocks per partition) for S sequences, head blocks and tables ``width``
-    blocks wide: split until about TARGET_PROGRAMS programs run, never below one tile each."""
-    tiles = triton.cdiv(max(width, 1), nt)
-    parts = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, s * head_blocks)))
-    part_blocks = triton.cdiv(tiles, parts) * nt
-    return triton.cdiv(max(width, 1), part_blocks), part_blocks
 
 
 def mla_decode_triton(
@@ -265,7 +221,7 @@ def mla_decode_triton(
         num_warps=num_warps,
     )
     if split:
-        _combine_kernel[(s, h)](
+        combine_kernel[(s, h)](
             m_ws,
             l_ws,
             acc_ws,
@@ -274,8 +230,8 @@ def mla_decode_triton(
             out.stride(0),
             out.stride(1),
             H=h,
-            C=c,
-            CP=cp,
+            E=c,
+            EP=cp,
             PP=triton.next_power_of_2(n_parts),
         )
     return out

@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 
 from lmforge.kernels._common import ensure_interpreter_compat, interpreting
-
-TARGET_PROGRAMS = 512  # enough (seq, kv-head, partition) programs to fill an H100/H200's SMs
+from lmforge.kernels._split_decode_triton import combine_kernel, num_partitions
 
 
 @triton.jit
@@ -158,48 +157,6 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit
-def _combine_kernel(
-    m_ptr,
-    l_ptr,
-    acc_ptr,
-    out_ptr,
-    n_parts,
-    stride_os,
-    stride_oh,
-    H: tl.constexpr,
-    E: tl.constexpr,
-    EP: tl.constexpr,
-    PP: tl.constexpr,
-):
-    s = tl.program_id(0)
-    h = tl.program_id(1)
-    p = tl.arange(0, PP)
-    e = tl.arange(0, EP)
-    p_ok = p < n_parts
-    base = (s * H + h) * n_parts
-    m = tl.load(m_ptr + base + p, mask=p_ok, other=float("-inf"))  # (PP,)
-    l_p = tl.load(l_ptr + base + p, mask=p_ok, other=0.0)
-    acc = tl.load(
-        acc_ptr + (base + p)[:, None] * EP + e[None, :], mask=p_ok[:, None], other=0.0
-    )  # (PP, EP)
-    m_max = tl.max(m, axis=0)  # finite: partition 0 always holds slot 0
-    w = tl.where(p_ok, tl.exp(m - m_max), 0.0)  # (PP,) empty partitions: e^-inf = 0
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_p * w, axis=0)  # (EP,)
-    tl.store(
-        out_ptr + s * stride_os + h * stride_oh + e, out.to(out_ptr.dtype.element_ty), mask=e < E
-    )
-
-
-def num_partitions(s: int, kv_heads: int, width: int, nt: int) -> tuple[int, int]:
-    """(partitions, blocks per partition) for S sequences, K kv-heads and tables ``width``
-    blocks wide: split until about TARGET_PROGRAMS programs run, never below one tile each."""
-    tiles = triton.cdiv(max(width, 1), nt)
-    parts = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, s * kv_heads)))
-    part_blocks = triton.cdiv(tiles, parts) * nt
-    return triton.cdiv(max(width, 1), part_blocks), part_blocks
-
-
 def paged_decode_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -277,7 +234,7 @@ def paged_decode_triton(
         QUANT=quant,
     )
     if split:
-        _combine_kernel[(s, h)](
+        combine_kernel[(s, h)](
             m_ws,
             l_ws,
             acc_ws,
