@@ -46,6 +46,10 @@ class PagedKVCache:
     (slot, kv-head) row holding its E values and then its float32 scale (x ≈ value · scale; one
     scale per token and head, so appending to a block never rescales what it holds; see
     :mod:`lmforge.serve.attention`). ``head_dim`` is E either way.
+
+    DSA (S layers): ``index_k`` (L_S, NB, BS, E_I) holds each S layer's indexer keys in the
+    same blocks and slots as its K/V (so a cached prefix block carries both); empty (0, …)
+    for a model without S layers.
     """
 
     def __init__(
@@ -57,6 +61,8 @@ class PagedKVCache:
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype,
+        index_layers: int = 0,
+        index_dim: int = 0,
     ) -> None:
         row = head_dim + (_SCALE_BYTES if dtype in _QUANTIZED else 0)
         if dtype in _QUANTIZED and head_dim % 4:  # the float32 scale must sit 4-byte aligned
@@ -64,6 +70,8 @@ class PagedKVCache:
         shape = (n_layers, num_blocks, block_size, n_kv_heads, row)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        index_shape = (index_layers, num_blocks, block_size, index_dim)
+        self.index_k = torch.zeros(index_shape, device=device, dtype=dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.head_dim = head_dim
@@ -177,3 +185,6 @@ class Context:
     states: Any = None
     "the step's recurrent-state slots (:class:`~lmforge.model.linear_attention.StepStates`) for"
     " linear layers (G, M, L); None for a model without them"
+    index_cache: torch.Tensor | None = None
+    "(L_S, NB, BS, E_I) indexer keys of the DSA (S) layers, in the K/V's blocks and slots;"
+    " None for a model without S layers"

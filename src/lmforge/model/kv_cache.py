@@ -40,7 +40,10 @@ class KVCache:
     mask above, limited to keys whose RoPE position is within ``window`` of the query's, from
     ``positions`` (B, S)); a linear layer (G, M, L) keeps its :class:`RecurrentState` in
     ``states[layer]`` instead of slots (its K/V slots stay unused), advanced over the valid
-    tokens only (``new_valid``, the current forward's validity).
+    tokens only (``new_valid``, the current forward's validity). A DSA layer (S) fills its
+    K/V slots as an A layer does and also keeps its indexer keys in ``index_k[layer]``
+    (B, S, E_I), one RoPE'd key per slot (:meth:`update_index`); each new token's indexer
+    scores them all and it attends to its top-k (:mod:`lmforge.model.sparse_attention`).
 
     Simplification: one contiguous buffer sized up front (no paging, no eviction). Exercised by
     ``pytest tests/test_model.py -k kv_cache`` and ``pytest tests/test_generate.py``.
@@ -67,6 +70,8 @@ class KVCache:
         self.positions = torch.zeros(batch_size, max_seq_len, device=device, dtype=torch.long)
         self.states: dict[int, RecurrentState] = {}
         "linear layers' recurrent states (B sequences each), created by their first forward"
+        self.index_k: dict[int, torch.Tensor] = {}
+        "DSA (S) layers' indexer keys (B, S, E_I), created by their first forward"
         self.new_valid: torch.Tensor | None = None
         "(B, T) bool validity of the current forward's tokens (set by :meth:`begin`)"
         self.length = 0
@@ -153,6 +158,16 @@ class KVCache:
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def update_index(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Store S layer ``layer``'s new indexer keys (B, T, E_I) in the forward's slots (the
+        buffer created at the layer's first call); return all filled (B, S', E_I)."""
+        buf = self.index_k.get(layer)
+        if buf is None:
+            buf = k.new_zeros(self.batch_size, self.max_seq_len, k.shape[-1])  # (B, S, E_I)
+            self.index_k[layer] = buf
+        buf[:, self._start : self.length] = k
+        return buf[:, : self.length]
 
     @property
     def mask(self) -> torch.Tensor:

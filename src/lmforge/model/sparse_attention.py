@@ -40,13 +40,14 @@ import math
 from typing import TYPE_CHECKING, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.model import mup
-from lmforge.model.attention import CausalSelfAttention
+from lmforge.model.attention import CausalSelfAttention, _linear
 from lmforge.model.config import ModelConfig
 from lmforge.model.context import Context
-from lmforge.model.kv_cache import KVCache
+from lmforge.model.kv_cache import KVCache, paged_kv_layers
 from lmforge.model.layers import Linear, RotaryEmbedding
 from lmforge.utils.errors import LmforgeError
 
@@ -71,16 +72,34 @@ def causal_mask(t: int, device: torch.device | None = None) -> Tensor:
     return torch.ones(t, t, dtype=torch.bool, device=device).tril()
 
 
+def _order(masked: Tensor, kk: int) -> Tensor:
+    """The first ``kk`` keys of each row of ``masked`` (…, S) by descending score, ties to the
+    earlier key (a stable sort): the full forward, the KV-cache decode and the engine score
+    rows of different lengths, and exact ties (ReLU zeros every head's term of I_{t,s}) must
+    break the same way in all three."""
+    return masked.sort(dim=-1, descending=True, stable=True).indices[..., :kk]
+
+
 def select_topk(scores: Tensor, topk: int) -> tuple[Tensor, Tensor]:
     """The top-k past keys of each query: scores (B, T, T) → (idx (B, T, k'), valid (B, T, k')),
     k' = min(topk, T). Query t has only t + 1 past keys: while t + 1 < k' its extra picks are
-    future keys and marked invalid. Ties go to torch.topk's order."""
+    future keys and marked invalid. Ties go to the earlier key."""
     t = scores.shape[-1]
     kk = min(topk, t)
     masked = scores.float().masked_fill(~causal_mask(t, scores.device), float("-inf"))
-    idx = masked.topk(kk, dim=-1).indices  # (B, T, k')
+    idx = _order(masked, kk)  # (B, T, k')
     valid = idx <= torch.arange(t, device=scores.device)[:, None]  # (B, T, k')
     return idx, valid
+
+
+def select_mask(scores: Tensor, allowed: Tensor, topk: int) -> Tensor:
+    """The decode form of :func:`select_topk`: scores (…, T, S) of T queries over S cached keys,
+    ``allowed`` (…, T, S) bool the keys each query may see (its past, real tokens) → (…, T, S)
+    bool, True at the top-k allowed keys of each query (all of them while it has ≤ k); ties to
+    the earlier key, as in training."""
+    masked = scores.float().masked_fill(~allowed, float("-inf"))  # (…, T, S)
+    idx = _order(masked, min(topk, scores.shape[-1]))  # (…, T, k')
+    return torch.zeros_like(allowed).scatter(-1, idx, True) & allowed
 
 
 def topk_mask(idx: Tensor, valid: Tensor, t: int) -> Tensor:
@@ -143,8 +162,10 @@ class LightningIndexer(nn.Module):
         self.w_proj = Linear(d, self.n_heads)
         self.rope = RotaryEmbedding(config.rope_theta, self.head_dim, config.context_length)
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x (B, T, D), positions (T,) or (B, T) → I (B, T, T)."""
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, D), positions (T,) or (B, T) → q (B, T, J, E_I) (RoPE and 1/√E_I applied),
+        the keys k^I (B, T, E_I) (RoPE applied: what a cache keeps) and w (B, T, J) (1/√J
+        applied)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, J, T, E_I)
         k = self.k_proj(x)[:, None]  # (B, 1, T, E_I)
@@ -152,7 +173,11 @@ class LightningIndexer(nn.Module):
         q = self.rope(q, pos).transpose(1, 2) / math.sqrt(self.head_dim)  # (B, T, J, E_I)
         k = self.rope(k, pos)[:, 0]  # (B, T, E_I)
         w = self.w_proj(x) / math.sqrt(self.n_heads)  # (B, T, J)
-        return indexer_scores(q, k, w)
+        return q, k, w
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x (B, T, D), positions (T,) or (B, T) → I (B, T, T)."""
+        return indexer_scores(*self.project(x, positions))
 
 
 class SparseAttention(CausalSelfAttention):
@@ -168,6 +193,10 @@ class SparseAttention(CausalSelfAttention):
         super().__init__(config, layer_idx)
         self.topk = config.dsa_topk
         self.indexer = LightningIndexer(config)
+        # the engine's pages: K/V among the K/V layers (linear ones have none), indexer keys
+        # among the S layers
+        self.cache_index = paged_kv_layers(config.layer_types, layer_idx)
+        self.index_index = config.layer_types[:layer_idx].count("S")
         self.dense_warmup = False
         self._aux: Tensor | None = None
 
@@ -183,13 +212,17 @@ class SparseAttention(CausalSelfAttention):
         kv_cache: KVCache | None = None,
         context: Context | None = None,
     ) -> Tensor:
-        """(B, T, D) -> (B, T, D); ``token_positions`` (T,) or (B, T), default 0..T-1."""
-        if kv_cache is not None or context is not None:
-            raise LmforgeError("sparse attention (S layers) does not decode with a cache yet")
+        """(B, T, D) -> (B, T, D); ``token_positions`` (T,) or (B, T), default 0..T-1 (with a
+        ``kv_cache``, the cache's positions). With a ``kv_cache`` the layer stores its K/V and
+        indexer keys there and each new token selects over every cached key; with a paged
+        ``context`` (an engine step, B = 1, T = the step's N flat tokens) the same selection
+        runs over the engine's pages (:func:`paged_sparse_attention`)."""
         b, t, _ = x.shape
         h, kv, e = self.n_heads, self.n_kv_heads, self.head_dim
+        if context is not None:
+            token_positions = context.positions
         pos = torch.arange(t, device=x.device) if token_positions is None else token_positions
-        q, k, v = self._qkv(x, None)
+        q, k, v = self._qkv(x, context)
         q = q.view(b, t, h, e)  # (B, T, H, E)
         k = k.view(b, t, kv, e)  # (B, T, K, E)
         v = v.view(b, t, kv, e).transpose(1, 2)  # (B, K, T, E)
@@ -200,6 +233,23 @@ class SparseAttention(CausalSelfAttention):
         k = self.rope(k.transpose(1, 2), rope_pos)  # (B, K, T, E)
         if self.config.mup:
             q = q * mup.q_scale(self.config)
+        if context is not None or kv_cache is not None:
+            iq, ik, iw = self.indexer.project(x.detach(), pos)  # (B, T, J, E_I), …, (B, T, J)
+            if context is not None:
+                out = paged_sparse_attention(
+                    self, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                    iq[0], ik[0], iw[0], context,
+                )  # (N, H, E)  # fmt: skip
+                out = out.reshape(b, t, h * e)  # (1, N, H·E)
+                return _linear(self.output_proj, out, context)  # (1, N, D)
+            k_all, v_all = kv_cache.update(self.layer_idx, k, v)  # (B, K, S', E)
+            ik_all = kv_cache.update_index(self.layer_idx, ik)  # (B, S', E_I)
+            allowed = kv_cache.mask[:, 0]  # (B, T, S'): past, real keys (a pad query: itself)
+            if not self.dense_warmup:
+                allowed = select_mask(indexer_scores(iq, ik_all, iw), allowed, self.topk)
+            out = self._masked(q, k_all, v_all, allowed[:, None])  # (B, H, T, E)
+            out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
+            return self.output_proj(out)  # (B, T, D)
         # The indexer sees a detached input: its loss must not move the main model.
         scores = self.indexer(x.detach(), pos)  # (B, T, T)
         if self.dense_warmup or self.topk >= t:
@@ -220,6 +270,62 @@ class SparseAttention(CausalSelfAttention):
             self._aux = indexer_kl(target, scores, mask)
         out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
         return self.output_proj(out)  # (B, T, D)
+
+
+def paged_sparse_attention(
+    attn: SparseAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    iq: Tensor,
+    ik: Tensor,
+    iw: Tensor,
+    ctx: Context,
+) -> Tensor:
+    """DSA over an engine step's paged cache (the readable torch path).
+
+    Writes k, v (N, K, E) and the indexer keys ik (N, E_I) at ``ctx.slots`` of the layer's K/V
+    pages (``attn.cache_index``) and indexer-key pages (``ctx.index_cache[attn.index_index]``:
+    the same blocks and slots, so a block holds both for its tokens). Then, one sequence at a
+    time (the context's host lists: an eager step), its n queries score all C cached indexer
+    keys (iq (N, J, E_I), iw (N, J), :func:`indexer_scores`), each keeps its top-k over the keys
+    at or before its position (:func:`select_mask`; every key in the dense warm-up) and
+    attends to those only: q (N, H, E) (RoPE and scales applied) -> (N, H, E). A prefill chunk's
+    queries see the earlier chunks' keys through the pages, as a decode step does."""
+    if ctx.index_cache is None:
+        raise LmforgeError("sparse-attention (S) layers need the engine's indexer-key pages")
+    k_pages, v_pages = ctx.k_cache[attn.cache_index], ctx.v_cache[attn.cache_index]
+    i_pages = ctx.index_cache[attn.index_index]  # (NB, BS, E_I)
+    kv, e, ei = k_pages.shape[-2], k_pages.shape[-1], i_pages.shape[-1]
+    k_pages.view(-1, kv, e).index_copy_(0, ctx.slots, k.to(k_pages.dtype))
+    v_pages.view(-1, kv, e).index_copy_(0, ctx.slots, v.to(v_pages.dtype))
+    i_pages.view(-1, ei).index_copy_(0, ctx.slots, ik.to(i_pages.dtype))
+    ctx_lens = ctx.ctx_lens_list if ctx.ctx_lens_list is not None else ctx.ctx_lens.tolist()
+    q_lens = ctx.q_lens if ctx.q_lens is not None else [1] * len(ctx_lens)
+    tables = ctx.tables_list if ctx.tables_list is not None else ctx.block_tables.tolist()
+    out = torch.empty_like(q)
+    row = 0
+    for n, total, table in zip(q_lens, ctx_lens, tables, strict=True):
+        blocks = torch.as_tensor(table, device=q.device)
+        keys = k_pages[blocks].reshape(-1, kv, e)[:total]  # (C, K, E)
+        vals = v_pages[blocks].reshape(-1, kv, e)[:total]  # (C, K, E)
+        ikeys = i_pages[blocks].reshape(-1, ei)[:total]  # (C, E_I)
+        q_pos = torch.arange(total - n, total, device=q.device)[:, None]  # (n, 1)
+        allowed = torch.arange(total, device=q.device)[None, :] <= q_pos  # (n, C)
+        if not attn.dense_warmup:
+            rows = slice(row, row + n)
+            scores = indexer_scores(iq[None, rows], ikeys[None].to(iq.dtype), iw[None, rows])
+            allowed = select_mask(scores[0], allowed, attn.topk)  # (n, C)
+        o = F.scaled_dot_product_attention(
+            q[row : row + n].transpose(0, 1)[None].to(keys.dtype),  # (1, H, n, E)
+            keys.transpose(0, 1)[None],  # (1, K, C, E)
+            vals.transpose(0, 1)[None],
+            attn_mask=allowed,
+            enable_gqa=q.shape[1] != kv,
+        )  # (1, H, n, E)
+        out[row : row + n] = o[0].transpose(0, 1).to(q.dtype)  # (n, H, E)
+        row += n
+    return out
 
 
 # --------------------------------------------------------------------------------- warm start
@@ -311,6 +417,8 @@ __all__ = [
     "indexer_kl",
     "indexer_loss",
     "indexer_scores",
+    "paged_sparse_attention",
+    "select_mask",
     "select_topk",
     "set_dsa_stage",
     "sparse_layers",

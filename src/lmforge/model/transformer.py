@@ -48,8 +48,9 @@ token mixer is full attention (A), sliding-window attention (W, ``model.window``
 linear attention (L) from :mod:`lmforge.model.linear_attention` (chunked Triton kernels on CUDA,
 the chunked torch path on CPU). Training, evaluation, the reference decoding loop (a
 :class:`~lmforge.model.KVCache`: window masks, per-layer recurrent states) and the engine (a
-window mask over the pages, per-sequence state slots ``Context.states``) run A, W, G, M and L;
-S layers decode with no cache yet and are refused there in one line.
+window mask over the pages, per-sequence state slots ``Context.states``) run every letter; S
+layers keep their indexer keys beside their K/V there (the cache's ``index_k``, the engine's
+``Context.index_cache`` pages) and select their top-k keys as in training.
 
 Exercised by ``pytest tests/test_model.py tests/test_hybrid.py`` (and ``pytest -m gpu`` on them for
 the Triton backends).
@@ -366,12 +367,6 @@ class TransformerLM(nn.Module):
         _, t = idx.shape
         if token_positions is not None and token_positions.dim() == 3:
             token_positions = _mrope_component_first(token_positions, self.config)  # (3, B, T)
-        if (context is not None or kv_cache is not None) and "S" in self.config.layer_types:
-            what = "serving" if context is not None else "decoding with a KV cache"
-            raise LmforgeError(
-                f"{what} DSA sparse-attention layers (S) is not supported yet (model.layers = "
-                f"{self.config.layers!r}; A, W, G, M and L run there)"
-            )
         x = self.token_embeddings(idx) if input_embeds is None else input_embeds  # (B, T, D)
         if context is not None:
             x = self.residual_stream(x)  # (1, N, D)

@@ -24,8 +24,9 @@ fit now waits. Speculative decoding is a mode of the engine (``Engine(speculativ
 Hybrid layer patterns (``model.layers``): linear layers (G, M, L) keep one recurrent-state
 slot per running sequence (:class:`~lmforge.model.linear_attention.StatePool`, ``max_num_seqs``
 slots; prefix cache off, preemption recomputes from a zeroed slot); W layers read the window
-of their pages; hybrids decode eagerly (no CUDA graphs or compiled step); S layers are refused
-in one line.
+of their pages; S layers page their indexer keys beside their K/V (same blocks: a prefix hit
+serves both) and select their top-k keys per sequence; hybrids decode eagerly (no CUDA graphs
+or compiled step).
 
 Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py
 tests/test_serve_hybrid.py``.
@@ -632,6 +633,9 @@ def _hybrid_memory(runner: ModelRunner, cfg: Any) -> str:
         )
     if "W" in cfg.layer_types:
         parts.append(f"window {cfg.window} (masked torch path; out-of-window blocks kept)")
+    if "S" in cfg.layer_types:
+        index = cfg.layer_types.count("S") * cfg.dsa_index_dim * runner.kv_dtype.itemsize
+        parts.append(f"DSA top-{cfg.dsa_topk} (indexer keys {index} B of the KV per token)")
     return ", ".join(parts)
 
 

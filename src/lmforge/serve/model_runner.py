@@ -64,20 +64,28 @@ def new_kv_cache(
         layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
         return PagedLatentCache(layers, num_blocks, block_size, cfg.mla.latent_dim, device, dtype)
     # pages for K/V layers only: a hybrid's linear layers keep recurrent states (StatePool)
+    n_sparse = cfg.layer_types.count("S")  # DSA layers also page their indexer keys
+    if n_sparse and dtype in (torch.float8_e4m3fn, torch.int8):
+        raise LmforgeError(
+            f"sparse-attention (S) layers {cfg.layers!r} read their pages in the torch path, "
+            "which has no quantized KV cache: serve with --kv-cache-dtype auto"
+        )
     return PagedKVCache(
         paged_kv_layers(cfg.layer_types), num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
-        device, dtype,
+        device, dtype, index_layers=n_sparse, index_dim=cfg.dsa_index_dim if n_sparse else 0,
     )  # fmt: skip
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block of :func:`new_kv_cache`'s cache takes across all its layers."""
+    """Bytes one block of :func:`new_kv_cache`'s cache takes across all its layers (an S
+    layer's indexer keys, E_I per token, included)."""
     cfg = model.config
     if cfg.attention_type == "mla":
         layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
         return PagedLatentCache.bytes_per_block(layers, block_size, cfg.mla.latent_dim, dtype)
     per_layer = PagedKVCache.bytes_per_block(model, block_size, dtype) // cfg.n_layers
-    return per_layer * paged_kv_layers(cfg.layer_types)
+    index = cfg.layer_types.count("S") * block_size * cfg.dsa_index_dim  # DSA indexer keys
+    return per_layer * paged_kv_layers(cfg.layer_types) + index * dtype.itemsize
 
 
 class ModelRunner:
@@ -169,9 +177,13 @@ class ModelRunner:
         capture that and the compiled step would break its graph at every MoE layer. MLA
         models run eagerly too: the compiled step packs GQA q/k/v weights and has no latent
         cache op yet (its decode attention is still the Triton latent kernel,
-        ``StepOps.attend_latent``)."""
+        ``StepOps.attend_latent``). So do DSA models: an S layer's top-k selection and gather
+        (:func:`lmforge.model.sparse_attention.paged_sparse_attention`) loop over the step's
+        sequences on the host lists."""
         if self.config.attention_type == "mla":
             return "MLA's latent cache has no compiled decode step yet"
+        if "S" in self.config.layer_types:
+            return "sparse-attention (S) layers select their top-k keys per sequence in torch"
         if not self.config.full_attention_only:
             return f"hybrid layers {self.config.layers!r} decode through the torch paths"
         moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))

@@ -98,6 +98,8 @@ def forward_step(
         q_lens=batch.q_lens, ctx_lens_list=batch.ctx_lens_list, tables_list=batch.tables_list,
         plan=plan, latent_cache=latent,
     )  # fmt: skip
+    if latent is None and cache.index_k.numel():  # DSA (S layers): their indexer-key pages
+        ctx.index_cache = cache.index_k
     if states is not None:
         if batch.state_slots is None:
             raise ValueError("a model with recurrent layers needs the step's state slots")
