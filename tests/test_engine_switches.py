@@ -1,7 +1,8 @@
 """Every model switch served right: the engine against the reference loop, table-driven.
 
 For each row (one model switch, a combination that ships in ``configs/*.toml`` at tiny sizes,
-and engine settings: chunked prefill, a prefix-cache hit), on the CPU in fp32:
+and engine settings: chunked prefill, a prefix-cache hit, preemption), on the CPU in fp32
+(every letter of ``model.layers``, DSA's S included):
 
 - greedy tokens from :class:`lmforge.serve.Engine` equal ``lmforge.generate``'s (the readable
   reference loop over a contiguous KV cache);
@@ -32,6 +33,7 @@ BASE = dict(vocab_size=V, context_length=64, d_model=64, n_layers=2, n_heads=4)
 
 MLA = dict(attention_type="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
            v_head_dim=12)  # fmt: skip
+DSA_MIXED = dict(layers="GSWA", n_layers=4, window=5, n_kv_heads=2, dsa_topk=3, dsa_index_heads=3)
 SWITCHES: dict[str, dict] = {
     "plain": {},
     "mup": dict(mup=True, mup_base_width=16, mup_base_head_dim=8),
@@ -57,6 +59,10 @@ SWITCHES: dict[str, dict] = {
     "window": dict(layers="WWWA", n_layers=4, window=5),
     "mixed": dict(layers="GMWA", n_layers=4, window=5, n_kv_heads=2),
     "mla_hybrid": dict(MLA, layers="GMLA", n_layers=4),
+    # DeepSeek sparse attention: indexer keys paged beside K/V, top-4 of up to 31 keys per
+    # token (selection drops keys), alone and among G/W layers
+    "dsa": dict(layers="SASA", n_layers=4, dsa_topk=4, dsa_index_heads=2, dsa_index_dim=8),
+    "dsa_mixed": dict(DSA_MIXED, dsa_index_dim=8, qk_norm=True),
     "all": dict(
         mup=True,
         mup_base_width=32,
@@ -110,7 +116,7 @@ ENGINES = {
     # 10 blocks for prompts + outputs needing 20: sequences are preempted and recomputed
     "preempt": dict(block_size=4, num_blocks=10),
 }
-HYBRIDS = ("gdn", "mamba2", "linear", "window", "mixed", "mla_hybrid")
+HYBRIDS = ("gdn", "mamba2", "linear", "window", "mixed", "mla_hybrid", "dsa", "dsa_mixed")
 
 ROWS = [(name, kw, "default") for name, kw in {**SWITCHES, **SHIPPED}.items()]
 ROWS += [
@@ -177,7 +183,7 @@ def test_engine_equals_reference(switch: str, kw: dict, engine: str) -> None:
         assert sorted(eng.scheduler.free_state_slots) == list(range(eng.runner.states.num_slots))
 
 
-@pytest.mark.parametrize("switch", ["mup", "all", "mla", "mla_cla", "window"])
+@pytest.mark.parametrize("switch", ["mup", "all", "mla", "mla_cla", "window", "dsa"])
 def test_prefix_cache_hit_serves_the_same_tokens(switch: str) -> None:
     """A second request that shares the first's prompt prefix takes its cached blocks (a hit),
     and still gives the reference's tokens and log-probs."""
@@ -214,9 +220,9 @@ def test_rows_cover_every_switch() -> None:
     on = {k for kw in SWITCHES.values() for k in kw}
     assert {"mup", "qk_norm", "logit_soft_cap", "tie_embeddings", "n_kv_heads", "head_dim",
             "rope_scaling", "moe", "attention_type", "kv_share_every", "layers",
-            "window"} <= on  # fmt: skip
+            "window", "dsa_topk"} <= on  # fmt: skip
     kinds = {c for kw in SWITCHES.values() for c in kw.get("layers", "A")}
-    assert kinds == set("AWGML")  # S (DSA) is refused with a cache: tests/test_serve_hybrid.py
+    assert kinds == set("AWGMLS")
     assert len(SHIPPED) >= 5 and any(
         dataclasses.asdict(kw["moe"]) for kw in SHIPPED.values() if "moe" in kw
     )

@@ -2,8 +2,9 @@
 
 The prefix-cache choice (off for linear layers: a repeated prompt is recomputed, never served
 from blocks whose recurrent state is unknown; on for W), the reference loop's left-padded
-batches through recurrent layers, the one-line refusals (S layers, speculative decoding of a
-recurrent model), the startup line's memory figures, and the GPU path (eager decode).
+batches through recurrent layers, S layers decoding (tests/test_dsa_decode.py has the rest),
+the one-line refusal of speculative decoding with a recurrent model, the startup line's memory
+figures, and the GPU path (eager decode).
 """
 
 from __future__ import annotations
@@ -115,29 +116,34 @@ def test_startup_line_states_memory() -> None:
     assert f"recurrent state {per_seq} B per sequence (3 slots" in eng.startup_line
 
 
-def test_sparse_layers_and_speculative_refused_in_one_line() -> None:
-    model = _model("SA")
-    with pytest.raises(LmforgeError, match="sparse-attention layers"):
-        Engine(model, block_size=4, num_blocks=64).generate([_prompt(5)], GREEDY)
-    with pytest.raises(LmforgeError, match="sparse-attention layers"):
-        generate(model, [_prompt(5)], 3, temperature=0)
+def test_sparse_layers_decode_and_speculative_recurrent_refused_in_one_line() -> None:
+    """S layers serve (top-4 of prompts longer than 4) and decode in the reference loop, with
+    or without speculative decoding; a recurrent model's speculative decoding stays refused."""
     from lmforge.serve.speculative import NgramDraft
 
+    model = _model("SA", dsa_topk=4, dsa_index_dim=8)
+    prompt = _prompt(13)
+    want = greedy_generate_reference(model, prompt, 8)
+    assert generate(model, [prompt], 8, temperature=0)[0] == want
+    for spec in (None, NgramDraft()):
+        eng = Engine(model, block_size=4, num_blocks=64, speculative=spec)
+        assert eng.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
     with pytest.raises(LmforgeError, match="recurrent state"):
         Engine(_model("GA"), block_size=4, num_blocks=64, speculative=NgramDraft())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layers", ["GGGA", "MMMA", "LLAA", "WWWA", "GMWA"])
+@pytest.mark.parametrize("layers", ["GGGA", "MMMA", "LLAA", "WWWA", "GMWA", "SASA", "GSWA"])
 def test_hybrid_engine_on_cuda(layers: str) -> None:
     """On CUDA hybrids decode eagerly (no CUDA graphs, no compiled step; the startup line says
     why): greedy tokens equal the reference loop's, log-probs within 1e-3 of the model's own
     forward (the chunked Triton kernels and TF32 dot products round differently)."""
-    model = _model(layers).cuda()
+    model = _model(layers, dsa_topk=4, dsa_index_dim=8).cuda()  # S: top-4 of up to 31 keys
     prompts = [_prompt(n, seed) for seed, n in enumerate((3, 13, 21, 6))]
     eng = Engine(model, block_size=16, num_blocks=64, max_num_seqs=8)
     assert eng.graphs is None and eng.decoder is None
-    assert "eager because hybrid layers" in eng.startup_line
+    why = "sparse-attention (S) layers" if "S" in layers else "hybrid layers"
+    assert f"eager because {why}" in eng.startup_line
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for p, o in zip(prompts, outs, strict=True):
         assert o.outputs[0].token_ids == generate(model, [p], 10, temperature=0)[0]

@@ -174,7 +174,7 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
     """Bytes of KV cache one token takes across all layers (the engine's paged cache): 2·K·E
     per layer (GQA) or C + R per KV-producing layer (MLA, ceil(L / kv_share_every) of them),
     through :func:`lmforge.model.cla.kv_bytes_per_token`. Linear-attention layers (constant
-    state) count nothing."""
+    state) count nothing; a DSA layer (S) counts its K/V and its E_I-wide indexer key."""
     from lmforge.model.cla import kv_bytes_per_token
 
     n_attn = sum(kind in "AW" for kind in cfg.layer_types)
@@ -184,8 +184,9 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
             qk_rope_head_dim=cfg.qk_rope_head_dim, kv_share_every=cfg.kv_share_every,
             dtype_bytes=dtype_bytes,
         )  # fmt: skip
-    return kv_bytes_per_token(
-        "gqa", n_layers=n_attn, n_heads=cfg.n_heads, head_dim=int(cfg.head_dim),
+    n_sparse = cfg.layer_types.count("S")
+    return n_sparse * cfg.dsa_index_dim * dtype_bytes + kv_bytes_per_token(
+        "gqa", n_layers=n_attn + n_sparse, n_heads=cfg.n_heads, head_dim=int(cfg.head_dim),
         n_kv_heads=cfg.kv_heads, dtype_bytes=dtype_bytes,
     )  # fmt: skip
 

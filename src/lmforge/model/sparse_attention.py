@@ -25,12 +25,22 @@ the indexers and attends densely (stage 1, the indexer learns the dense attentio
 
 Paths: ``model.attention = "reference"`` gathers the k selected keys and values per query
 (:func:`topk_attention`, memory O(T·k), the readable reference); the other backends run SDPA with
-the equivalent (T, T) top-k mask (:func:`topk_mask`). Simplifications: no KV/indexer cache yet,
-so S layers train and evaluate but do not decode (the model refuses a KV cache or an engine step
-for any non-A pattern); the selection is per token, not per block of keys.
+the equivalent (T, T) top-k mask (:func:`topk_mask`). Ties in I go to the earlier key (a
+stable sort, :func:`select_topk` / :func:`select_mask`), so every path picks the same keys.
+
+Decoding: an S layer caches its K/V as an A layer does plus its indexer keys k^I (one RoPE'd
+E_I-wide key per token): in the reference loop's :class:`~lmforge.model.KVCache`
+(``index_k``) and in the engine's pages (``Context.index_cache``, the K/V's blocks and slots,
+so a prefix-cache hit serves both). Each new token (decode, a prefill chunk, a speculative
+verify) scores all cached keys, keeps its top-k over s ≤ t and attends to those only, which is
+the training forward's selection: the logits match it (tests/test_dsa_decode.py).
+Simplifications: the selection is per token, not per block of keys; the engine's path is the
+readable torch one (:func:`paged_sparse_attention`: one sequence at a time, the selected keys
+masked in SDPA), so S models decode eagerly (no compiled step or CUDA graphs) and without a
+quantized KV cache.
 
 Shape legend: B batch, T queries, S keys, H heads, K kv heads, E head dim, J indexer heads, k the
-top-k. Exercise: ``pytest tests/test_sparse_attention.py``.
+top-k. Exercise: ``pytest tests/test_sparse_attention.py tests/test_dsa_decode.py``.
 """
 
 from __future__ import annotations
@@ -99,7 +109,8 @@ def select_mask(scores: Tensor, allowed: Tensor, topk: int) -> Tensor:
     the earlier key, as in training."""
     masked = scores.float().masked_fill(~allowed, float("-inf"))  # (…, T, S)
     idx = _order(masked, min(topk, scores.shape[-1]))  # (…, T, k')
-    return torch.zeros_like(allowed).scatter(-1, idx, True) & allowed
+    picked = torch.zeros(masked.shape, dtype=torch.bool, device=masked.device)  # (…, T, S)
+    return picked.scatter(-1, idx, True) & allowed
 
 
 def topk_mask(idx: Tensor, valid: Tensor, t: int) -> Tensor:
