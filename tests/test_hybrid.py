@@ -156,14 +156,17 @@ def test_checkpoint_round_trip_keeps_the_pattern(tmp_path) -> None:
         torch.testing.assert_close(loaded(idx), model.eval()(idx))
 
 
-def test_kv_cache_and_engine_refuse_sparse_layers_in_one_line() -> None:
-    # A, W, G, M and L decode with a cache and serve (tests/test_serve_hybrid.py); S does not yet.
-    model = TransformerLM(_cfg(layers="SA", n_layers=2))
-    cache = KVCache.for_model(model, 1, 8)
-    with pytest.raises(LmforgeError, match="sparse-attention layers"):
-        model(torch.zeros(1, 3, dtype=torch.long), kv_cache=cache)
-    with pytest.raises(LmforgeError, match="serving DSA sparse-attention layers"):
-        model(torch.zeros(1, 3, dtype=torch.long), context=object())  # type: ignore[arg-type]
+def test_kv_cache_decodes_sparse_layers() -> None:
+    # Every letter decodes with a cache; S (top-2 of 9 keys) here in brief, in full in
+    # tests/test_dsa_decode.py (and served: tests/test_engine_switches.py).
+    torch.manual_seed(0)
+    model = TransformerLM(_cfg(layers="SA", n_layers=2, dsa_topk=2, dsa_index_dim=8)).eval()
+    idx = torch.randint(0, 61, (1, 9))
+    cache = KVCache.for_model(model, 1, 9)
+    with torch.no_grad():
+        steps = [model(idx[:, :4], kv_cache=cache)]
+        steps += [model(idx[:, i : i + 1], kv_cache=cache) for i in range(4, 9)]
+        torch.testing.assert_close(torch.cat(steps, 1), model(idx), atol=1e-5, rtol=0)
 
 
 @pytest.mark.gpu
