@@ -14,7 +14,8 @@ generated tokens/s and ms per decode step (prefill included). Full attention (``
 peer) runs with CUDA graphs around the compiled decode step, and once more eagerly
 (``A eager``: the same path hybrids take, so the gap splits into eager-vs-graphs and the
 mixers themselves); hybrids decode eagerly (linear mixers' ``step``, W through the masked
-torch path over the pages).
+torch path over the pages, S (DeepSeek sparse attention, top ``--topk`` keys of the lightning
+indexer) through the per-sequence torch selection over its K/V and indexer-key pages).
 
     PYTHONPATH=src python benchmarks/serve_hybrid.py
     PYTHONPATH=src python benchmarks/serve_hybrid.py --batch 64 --prompt 2048 --out runs/serve_hybrid
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--window", type=int, default=512, help="W layers' window")
+    p.add_argument("--topk", type=int, default=256, help="S layers' keys per query (DSA)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--new", type=int, default=64)
@@ -58,13 +60,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 PATTERNS = {"A": "A", "A eager": "A", "GGGA": "GGGA", "MMMA": "MMMA", "LLLA": "LLLA",
-            "WWWA": "WWWA"}  # fmt: skip
+            "WWWA": "WWWA", "SSSA": "SSSA"}  # fmt: skip
 
 
 def _kw(a: argparse.Namespace, layers: str, context: int) -> dict:
     return dict(vocab_size=32000, context_length=context, d_model=a.d_model, n_layers=a.layers,
                 n_heads=a.heads, n_kv_heads=a.kv_heads, layers=layers, window=a.window,
-                ssm_head_dim=64)  # fmt: skip
+                ssm_head_dim=64, dsa_topk=a.topk)  # fmt: skip
 
 
 def _check(kw: dict, device: str) -> bool:
@@ -75,7 +77,8 @@ def _check(kw: dict, device: str) -> bool:
     from lmforge.serve import Engine, SamplingParams
 
     torch.manual_seed(0)
-    small = {**kw, "n_layers": 4, "context_length": 128, "vocab_size": 512, "window": 16}
+    small = {**kw, "n_layers": 4, "context_length": 128, "vocab_size": 512, "window": 16,
+             "dsa_topk": 16}  # fmt: skip
     model = TransformerLM(ModelConfig(**small), device=device).eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 37, 70)]
@@ -108,7 +111,7 @@ def _time(eng, prompts, params, device: str, repeats: int) -> float:
 def main() -> int:
     a = _parser().parse_args()
     if a.quick:
-        a.d_model, a.layers, a.heads, a.kv_heads, a.window = 128, 4, 4, 2, 16
+        a.d_model, a.layers, a.heads, a.kv_heads, a.window, a.topk = 128, 4, 4, 2, 16, 8
         a.batch, a.prompt, a.new, a.repeats = 4, 32, 8, 1
     from lmforge.model import ModelConfig, TransformerLM
     from lmforge.serve import Engine, SamplingParams
@@ -155,7 +158,7 @@ def main() -> int:
     for r in rows:
         print(f"  {r['kind']}: {r['path']}")
     print(f"\nd_model {a.d_model}, {a.layers} layers, {a.heads} heads ({a.kv_heads} kv); window "
-          f"{a.window}; batch {a.batch} x prompt {a.prompt} + {a.new} new; "
+          f"{a.window}; DSA top-{a.topk}; batch {a.batch} x prompt {a.prompt} + {a.new} new; "
           f"{str(dtype).removeprefix('torch.')}, {a.device}")  # fmt: skip
     print(f"{'kind':<9} {'KV B/token':>11} {'state B/seq':>12} {'KV blocks':>10} {'tok/s':>10} "
           f"{'ms/step':>9}")  # fmt: skip
