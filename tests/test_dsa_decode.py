@@ -136,6 +136,16 @@ def test_engine_chunked_prefill_sees_earlier_chunks(budget: int) -> None:
     assert eng.cache.index_k.shape == (2, eng.cache.num_blocks, 4, 8)
 
 
+def test_engine_serves_the_dense_warm_up_stage() -> None:
+    """A model in DSA's dense stage (set_dsa_stage "dense") attends to every past key in the
+    engine too."""
+    model = _model()
+    set_dsa_stage(model, "dense")
+    prompts = [_ids(n, seed) for seed, n in enumerate((13, 6))]
+    eng = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=5)
+    _check(model, prompts, eng.generate(prompts, GREEDY))
+
+
 def test_engine_prefix_cache_hit_serves_both_keys() -> None:
     """A cached block holds its tokens' K/V and indexer keys: a second request sharing 12
     prompt tokens takes three blocks from the cache and still gives the reference's output."""

@@ -16,7 +16,9 @@ fraction of the free device memory measured *after* the weights, the compiled de
 the CUDA-graph capture, minus the measured peak of the largest eager step
 (:meth:`ModelRunner._size_after_capture` says how: capture against a probe cache, measure,
 size, recapture); on the CPU without a probe, 16 contexts capped at 1 GiB. The cache holds one
-block more than the allocator hands out: CUDA-graph padding rows write there.
+block more than the allocator hands out: CUDA-graph padding rows write there. A block's bytes
+are those of every K/V layer (linear layers G/M/L have none) plus, for DSA layers (S), their
+E_I-wide indexer keys (:func:`kv_bytes_per_block`).
 
 Shape legend: N tokens in the step, S sequences, V vocab, M block-table width.
 Exercised by ``pytest tests/test_serve_engine.py tests/test_serve_kvbudget.py
