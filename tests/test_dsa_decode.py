@@ -191,3 +191,35 @@ def test_kv_bytes_count_the_indexer_keys() -> None:
 def test_quantized_kv_cache_refused_in_one_line() -> None:
     with pytest.raises(LmforgeError, match=r"sparse-attention \(S\) layers .*--kv-cache-dtype"):
         Engine(_model(), block_size=4, num_blocks=32, kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_batched_decode_step_equals_the_per_sequence_path(dense: bool) -> None:
+    """A decode step's batched gather over padded block tables (the engine's decode path)
+    equals the per-sequence loop that prefill chunks take, on random pages."""
+    from lmforge.model.context import Context, StepOps
+    from lmforge.model.sparse_attention import SparseAttention, paged_sparse_attention
+
+    attn = _model().layers[0].attn
+    assert isinstance(attn, SparseAttention)
+    attn.dense_warmup = dense
+    g = torch.Generator().manual_seed(3)
+    nb, bs, kv, e, ei, h, j = 12, 4, 2, 16, 8, 4, 2
+    k_cache, v_cache = torch.randn(2, 2, nb, bs, kv, e, generator=g)  # (L, NB, BS, K, E) each
+    index_cache = torch.randn(2, nb, bs, ei, generator=g)  # (L_S, NB, BS, E_I)
+    lens, tables = [7, 13, 2], [[3, 1], [0, 5, 7, 2], [9]]
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)])
+    q, k, v = (torch.randn(3, x, e, generator=g) for x in (h, kv, kv))
+    iq, ik, iw = torch.randn(3, j, ei, generator=g), torch.randn(3, ei), torch.randn(3, j)
+    outs = []
+    for decode in (True, False):
+        ctx = Context(
+            torch.tensor(lens) - 1, slots, padded, torch.tensor(lens, dtype=torch.int32),
+            k_cache.clone(), v_cache.clone(), StepOps(), decode=decode,
+            q_lens=None if decode else [1, 1, 1], ctx_lens_list=None if decode else lens,
+            tables_list=None if decode else tables, index_cache=index_cache.clone(),
+        )  # fmt: skip
+        outs.append(paged_sparse_attention(attn, q, k, v, iq, ik, iw, ctx))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
