@@ -179,13 +179,14 @@ class ModelRunner:
         capture that and the compiled step would break its graph at every MoE layer. MLA
         models run eagerly too: the compiled step packs GQA q/k/v weights and has no latent
         cache op yet (its decode attention is still the Triton latent kernel,
-        ``StepOps.attend_latent``). So do DSA models: an S layer's top-k selection and gather
-        (:func:`lmforge.model.sparse_attention.paged_sparse_attention`) loop over the step's
-        sequences on the host lists."""
+        ``StepOps.attend_latent``). So do DSA models: the compiled step's context carries no
+        indexer-key pages (``Context.index_cache``) yet, and prefill steps of S layers loop over
+        their sequences on the host lists
+        (:func:`lmforge.model.sparse_attention.paged_sparse_attention`)."""
         if self.config.attention_type == "mla":
             return "MLA's latent cache has no compiled decode step yet"
         if "S" in self.config.layer_types:
-            return "sparse-attention (S) layers select their top-k keys per sequence in torch"
+            return "sparse-attention (S) layers' indexer-key pages are not in the compiled step"
         if not self.config.full_attention_only:
             return f"hybrid layers {self.config.layers!r} decode through the torch paths"
         moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))
