@@ -323,21 +323,32 @@ def _moe_from_hf(hf: Mapping[str, Any], n_layers: int, where: str) -> MoEConfig:
     try:
         return MoEConfig(
             n_experts=n,
-            top_k=int(hf["num_experts_per_tok"]),
-            n_shared_experts=int(hf.get("n_shared_experts") or 0),
-            expert_d_ff=int(hf["moe_intermediate_size"]),
+            top_k=_number(hf, "num_experts_per_tok", where),
+            n_shared_experts=_number(hf, "n_shared_experts", where, 0),
+            expert_d_ff=_number(hf, "moe_intermediate_size", where),
             first_dense_layers=first,
             score="sigmoid",
             norm_top_k=bool(hf.get("norm_topk_prob", True)),
-            routed_scale=float(hf.get("routed_scaling_factor") or 1.0),
-            n_groups=int(hf.get("n_group") or 1),
-            top_groups=int(hf.get("topk_group") or 1),
-            aux_loss_coef=float(hf.get("aux_loss_alpha") or 0.0),
+            routed_scale=float(_number(hf, "routed_scaling_factor", where, 1.0, float)),
+            n_groups=_number(hf, "n_group", where, 1),
+            top_groups=_number(hf, "topk_group", where, 1),
+            aux_loss_coef=float(_number(hf, "aux_loss_alpha", where, 0.0, float)),
         )
-    except KeyError as e:
-        raise LmforgeError(f"{where}: missing key {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
+    except ValueError as e:
         raise LmforgeError(f"{where}: {e}") from None
+
+
+def _number(
+    hf: Mapping[str, Any], key: str, where: str, default: Any = None, kind: type = int
+) -> Any:
+    """``hf[key]`` as ``kind`` (``default`` when absent or null; none: required), else one line."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise LmforgeError(f"{where}: {key} = {value!r} is missing or not a number") from None
 
 
 def deepseek_config_from_hf(
