@@ -206,8 +206,9 @@ def mla_state_to_hf(
 
 
 def deepseek_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
-    """The ``config.json`` of the ``DeepseekV3ForCausalLM`` equal to an MLA ``cfg`` (a dense
-    model: ``first_k_dense_replace = num_hidden_layers``)."""
+    """The ``config.json`` of the ``DeepseekV3ForCausalLM`` equal to an MLA ``cfg``: its MoE
+    keys from ``cfg.moe`` (:func:`_moe_to_hf`; a dense model writes ``first_k_dense_replace =
+    num_hidden_layers``); what DeepSeek-V3 cannot represent is one line."""
     for what, bad in (
         (
             "model.kv_share_every > 1 (DeepSeek-V3 has no cross-layer sharing)",
