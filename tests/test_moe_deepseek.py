@@ -107,11 +107,13 @@ def test_grouped_matches_reference_forward_backward(shared: int, routing: str) -
         torch.testing.assert_close(pf.grad, pr.grad, rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("routing", ["token_choice", "expert_choice"])
 @pytest.mark.parametrize("backend", ["reference", "grouped"])
-def test_routed_scale_scales_the_routed_experts_only(backend: str) -> None:
+def test_routed_scale_scales_the_routed_experts_only(backend: str, routing: str) -> None:
     x = torch.randn(2, 5, 32, dtype=torch.float64)
-    one = _layer(_cfg(routed_scale=1.0), backend)
-    scaled = _layer(_cfg(routed_scale=2.5), backend)
+    groups = {"n_groups": 1, "top_groups": 1} if routing == "expert_choice" else {}
+    one = _layer(_cfg(routed_scale=1.0, routing=routing, **groups), backend)
+    scaled = _layer(_cfg(routed_scale=2.5, routing=routing, **groups), backend)
     assert one.shared is not None
     with torch.no_grad():
         shared = one.shared(x)
@@ -146,6 +148,7 @@ def test_kv_cache_generation_matches_full_recompute() -> None:
     [
         ("--model.moe.first_dense_layers=-1", "first_dense_layers"),
         ("--model.moe.routed_scale=0", "routed_scale"),
+        ("--model.moe.routed_scale=inf", "routed_scale"),
         ("--model.moe.n_groups=0", "n_groups"),
         ("--model.moe.n_groups=3", "n_groups"),  # 8 experts do not split into 3 groups
         ("--model.moe.n_groups=8", "n_groups"),  # groups of 1: nothing to rank by top-2

@@ -132,6 +132,7 @@ def route(
     if mc.routing == "expert_choice":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
         w, tok = scores.t().topk(cap, dim=-1)  # (N, C) each
+        w = w * mc.routed_scale if mc.routed_scale != 1.0 else w
         expert = torch.div(torch.arange(n * cap, device=dev), cap, rounding_mode="floor")
         load = torch.full((n,), float(cap), device=dev)
         kept = torch.ones(n * cap, dtype=torch.bool, device=dev)

@@ -7,6 +7,7 @@ is a dense model; the layer itself lives in :mod:`lmforge.model.moe`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Literal
 
@@ -80,7 +81,7 @@ class MoEConfig:
             raise ValueError(f"moe.every must be >= 1, got {self.every}")
         if self.first_dense_layers < 0:
             raise ValueError(f"moe.first_dense_layers must be >= 0, got {self.first_dense_layers}")
-        if not self.routed_scale > 0:
+        if not (self.routed_scale > 0 and math.isfinite(self.routed_scale)):
             raise ValueError(f"moe.routed_scale must be positive, got {self.routed_scale}")
         self._check_groups()
         if self.capacity_factor <= 0:
