@@ -30,6 +30,8 @@ from lmforge.serve import Engine, SamplingParams
 V = 101
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 BASE = dict(vocab_size=V, context_length=64, d_model=64, n_layers=2, n_heads=4)
+DEEPSEEK_MOE = MoEConfig(n_experts=8, top_k=2, expert_d_ff=32, n_shared_experts=1, score="sigmoid",
+                         n_groups=4, top_groups=2, routed_scale=2.5, first_dense_layers=1)  # fmt: skip
 
 MLA = dict(attention_type="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
            v_head_dim=12)  # fmt: skip
@@ -47,6 +49,7 @@ SWITCHES: dict[str, dict] = {
         rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_context=16, rope_theta=500.0
     ),
     "moe": dict(moe=MoEConfig(n_experts=4, top_k=2, expert_d_ff=32, n_shared_experts=1)),
+    "moe_deepseek": dict(MLA, moe=DEEPSEEK_MOE),  # DeepSeek-V3: MLA, groups, scale, dense first
     # multi-head latent attention: the engine's latent paged cache (prefill explicit form,
     # decode absorbed through StepOps.attend_latent); with CLA one cache layer for two blocks
     "mla": dict(MLA, q_lora_rank=24),

@@ -148,11 +148,11 @@ def test_whole_model_refusals_are_one_line() -> None:
     from lmforge.model.moe_config import MoEConfig
 
     hf = _hf_config(None, True).to_dict()
-    with pytest.raises(LmforgeError, match="MoE layers"):
-        hf_config_to_model_config({**hf, "first_k_dense_replace": 0})
+    with pytest.raises(LmforgeError, match="n_groups"):  # MoE maps; 4 experts in 3 groups do not
+        hf_config_to_model_config({**hf, "first_k_dense_replace": 0, "n_group": 3})
     mla = dict(d_model=64, n_heads=4, attention_type="mla", kv_lora_rank=24,
                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)  # fmt: skip
     with pytest.raises(LmforgeError, match="kv_share_every"):
         model_config_to_hf_config(ModelConfig(**mla, kv_share_every=2))
-    with pytest.raises(LmforgeError, match="moe"):
+    with pytest.raises(LmforgeError, match=r"moe\.score = 'softmax'"):
         model_config_to_hf_config(ModelConfig(**mla, moe=MoEConfig(n_experts=4, top_k=2)))

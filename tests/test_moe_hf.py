@@ -45,7 +45,9 @@ def _model(**moe) -> TransformerLM:
 IDS = torch.randint(0, 101, (2, 20), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("moe", [{}, {"every": 2}, {"norm_top_k": False, "top_k": 1}])
+@pytest.mark.parametrize(
+    "moe", [{}, {"every": 2}, {"norm_top_k": False, "top_k": 1}, {"first_dense_layers": 1}]
+)
 def test_export_matches_transformers_and_imports_back(tmp_path: Path, moe: dict) -> None:
     model = _model(**moe)
     out = export_model(model, tmp_path / "hf")
@@ -96,12 +98,24 @@ def test_random_hf_qwen3_moe_imports_with_equal_logits(tmp_path: Path) -> None:
         ({"n_shared_experts": 1}, "n_shared_experts"),
         ({"score": "sigmoid"}, "score"),
         ({"routing": "expert_choice"}, "routing"),
+        ({"n_groups": 2}, "n_groups"),
+        ({"routed_scale": 2.0}, "routed_scale"),
     ],
 )
 def test_export_refuses_what_qwen3_moe_lacks(tmp_path: Path, moe: dict, what: str) -> None:
     with pytest.raises(LmforgeError, match=what):
         export_model(_model(**moe), tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_mlp_only_layers_other_than_a_prefix_are_refused() -> None:
+    from lmforge.hf._moe import moe_from_hf
+
+    hf = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+          "moe_intermediate_size": 8}  # fmt: skip
+    assert moe_from_hf({**hf, "mlp_only_layers": [0, 1]}, "c").first_dense_layers == 2
+    with pytest.raises(LmforgeError, match="mlp_only_layers"):
+        moe_from_hf({**hf, "mlp_only_layers": [1]}, "c")
 
 
 def test_export_refuses_a_nonzero_selection_bias(tmp_path: Path) -> None:

@@ -32,11 +32,32 @@ DeepSeek-V3's ``model.layers.{L + k}.`` with ``enorm``, ``hnorm``, ``eh_proj``, 
 names and ``shared_head.norm`` (checkpoints also carry copies of the embedding and head there,
 ``embed_tokens`` and ``shared_head.head``: written on export, checked to be present and skipped on
 import). transformers' ``DeepseekV3ForCausalLM`` does not run MTP modules (it ignores those keys),
-so their round trip is tested by name. Not representable, refused in one line: MoE layers
-(``first_k_dense_replace < num_hidden_layers``; group-limited routing and the score-correction
-bias have no lmforge equivalent yet), cross-layer sharing, a logit soft-cap.
+so their round trip is tested by name.
 
-Exercised by ``pytest tests/test_mla_hf.py``.
+MoE (``first_k_dense_replace < num_hidden_layers``; lmforge ``model.moe`` with ``score =
+"sigmoid"``): ``DeepseekV3MoE`` of layer i (and of every MTP module: its index L + k is past the
+dense layers) is :class:`lmforge.model.moe.MoEFFN`:
+
+=======================================  ===========================================
+HF (``model.layers.i.mlp.``)             lmforge (``layers.i.ffn.``)
+=======================================  ===========================================
+gate.weight                              router.weight
+gate.e_score_correction_bias             expert_bias (selects experts, never weighs)
+experts.e.{gate,up,down}_proj.weight     w1[e], w3[e], w2[e] (fused gate_up_proj too)
+shared_experts.{gate,up,down}_proj       shared.{w1,w3,w2} (width n_shared · F)
+=======================================  ===========================================
+
+config.json ↔ ``model.moe``: n_routed_experts ↔ n_experts, num_experts_per_tok ↔ top_k,
+moe_intermediate_size ↔ expert_d_ff, n_shared_experts, first_k_dense_replace ↔
+first_dense_layers, n_group ↔ n_groups, topk_group ↔ top_groups, routed_scaling_factor ↔
+routed_scale, norm_topk_prob ↔ norm_top_k, aux_loss_alpha ↔ aux_loss_coef (a training option;
+DeepSeek's is sequence-wise, lmforge's batch-wise). ``bias_update_rate`` (DeepSeek's γ, training
+only) is not stored: set it to keep aux-loss-free balancing while fine-tuning. Refused in one
+line: a scoring_func other than sigmoid, a topk_method other than noaux_tc, moe_layer_freq ≠ 1;
+on export softmax scores, non-token-choice routings, ``moe.every > 1``, fewer than 2 experts per
+group, MoE only in the MTP modules. Also refused: cross-layer sharing, a logit soft-cap.
+
+Exercised by ``pytest tests/test_mla_hf.py tests/test_deepseek_moe_hf.py``.
 """
 
 from __future__ import annotations
@@ -46,9 +67,11 @@ from typing import Any
 
 import torch
 
+from lmforge.hf._moe import stacked_from_hf, stacked_to_hf
 from lmforge.hf._rope import rope_permutation
 from lmforge.model.config import ModelConfig
 from lmforge.model.mla import MLAConfig
+from lmforge.model.moe_config import MoEConfig
 from lmforge.utils.errors import LmforgeError
 
 __all__ = [
@@ -183,10 +206,10 @@ def mla_state_to_hf(
 
 
 def deepseek_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
-    """The ``config.json`` of the ``DeepseekV3ForCausalLM`` equal to an MLA ``cfg`` (dense MLPs:
-    ``first_k_dense_replace = num_hidden_layers``)."""
+    """The ``config.json`` of the ``DeepseekV3ForCausalLM`` equal to an MLA ``cfg``: its MoE
+    keys from ``cfg.moe`` (:func:`_moe_to_hf`; a dense model writes ``first_k_dense_replace =
+    num_hidden_layers``); what DeepSeek-V3 cannot represent is one line."""
     for what, bad in (
-        ("model.moe (DeepSeek MoE layers are not mapped yet)", cfg.moe.enabled),
         (
             "model.kv_share_every > 1 (DeepSeek-V3 has no cross-layer sharing)",
             cfg.kv_share_every > 1,
@@ -211,12 +234,7 @@ def deepseek_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -> 
         "qk_nope_head_dim": cfg.qk_nope_head_dim,
         "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "v_head_dim": cfg.v_head_dim,
-        "first_k_dense_replace": cfg.n_layers,
-        "n_routed_experts": 1,
-        "n_shared_experts": 0,
-        "num_experts_per_tok": 1,
-        "n_group": 1,
-        "topk_group": 1,
+        **_moe_to_hf(cfg),
         "num_nextn_predict_layers": cfg.mtp_depth,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.context_length,
@@ -237,6 +255,103 @@ def deepseek_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -> 
     return out
 
 
+def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The MoE keys of ``config.json`` (a dense model's when no block of ``cfg`` is MoE)."""
+    mc = cfg.moe
+    if not any(mc.is_moe_layer(i) for i in range(cfg.n_layers + cfg.mtp_depth)):
+        return {
+            "first_k_dense_replace": cfg.n_layers,
+            "n_routed_experts": 1,
+            "n_shared_experts": 0,
+            "num_experts_per_tok": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+        }
+    for what, bad in (
+        (
+            f"model.moe.score = '{mc.score}' (DeepSeek-V3's router is sigmoid)",
+            mc.score != "sigmoid",
+        ),
+        (f"model.moe.routing = '{mc.routing}' (DeepSeek-V3: top-k)", mc.routing != "token_choice"),
+        ("model.moe.every > 1 (DeepSeek-V3: every layer past the dense ones is MoE)", mc.every > 1),
+        (
+            "fewer than 2 experts per group (DeepSeek-V3 scores a group by its top-2 experts)",
+            mc.n_experts // mc.n_groups < 2,
+        ),
+        (
+            "model.moe.first_dense_layers >= model.n_layers with MoE MTP modules (DeepSeek-V3"
+            " reads that as a dense model)",
+            mc.first_dense_layers >= cfg.n_layers,
+        ),
+    ):
+        if bad:
+            raise LmforgeError(f"cannot export as DeepSeek-V3: {what}")
+    return {
+        "first_k_dense_replace": mc.first_dense_layers,
+        "moe_intermediate_size": cfg.expert_dim,
+        "n_routed_experts": mc.n_experts,
+        "n_shared_experts": mc.n_shared_experts,
+        "num_experts_per_tok": mc.top_k,
+        "n_group": mc.n_groups,
+        "topk_group": mc.top_groups,
+        "routed_scaling_factor": mc.routed_scale,
+        "norm_topk_prob": mc.norm_top_k,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "moe_layer_freq": 1,
+        "aux_loss_alpha": mc.aux_loss_coef,
+    }
+
+
+def _moe_from_hf(hf: Mapping[str, Any], n_layers: int, where: str) -> MoEConfig:
+    """``model.moe`` of a DeepSeek-V3 ``config.json``: dense (the default) when no trunk layer
+    is MoE."""
+    first = int(hf.get("first_k_dense_replace") or 0)
+    n = int(hf.get("n_routed_experts") or 0)
+    if first >= n_layers or n == 0:
+        return MoEConfig()
+    for key, want in (
+        ("scoring_func", "sigmoid"),
+        ("topk_method", "noaux_tc"),
+        ("moe_layer_freq", 1),
+    ):
+        if key in hf and hf[key] != want:
+            raise LmforgeError(
+                f"{where}: {key} = {hf[key]!r} is not supported (lmforge and transformers'"
+                f" DeepseekV3 route with {key} = {want!r})"
+            )
+    try:
+        return MoEConfig(
+            n_experts=n,
+            top_k=_number(hf, "num_experts_per_tok", where),
+            n_shared_experts=_number(hf, "n_shared_experts", where, 0),
+            expert_d_ff=_number(hf, "moe_intermediate_size", where),
+            first_dense_layers=first,
+            score="sigmoid",
+            norm_top_k=bool(hf.get("norm_topk_prob", True)),
+            routed_scale=float(_number(hf, "routed_scaling_factor", where, 1.0, float)),
+            n_groups=_number(hf, "n_group", where, 1),
+            top_groups=_number(hf, "topk_group", where, 1),
+            aux_loss_coef=float(_number(hf, "aux_loss_alpha", where, 0.0, float)),
+        )
+    except ValueError as e:
+        raise LmforgeError(f"{where}: {e}") from None
+
+
+def _number(
+    hf: Mapping[str, Any], key: str, where: str, default: Any = None, kind: type = int
+) -> Any:
+    """``hf[key]`` as ``kind`` (``default`` when absent or null; none: required), else one line."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise LmforgeError(f"{where}: {key} = {value!r} is missing or not a number") from None
+
+
 def deepseek_config_from_hf(
     hf: Mapping[str, Any], where: str = "config.json", context_length: int | None = None
 ) -> ModelConfig:
@@ -244,11 +359,7 @@ def deepseek_config_from_hf(
     anything lmforge cannot represent)."""
     mla = mla_config_from_hf(hf, where=where)
     n_layers = int(hf.get("num_hidden_layers", 0))
-    if int(hf.get("first_k_dense_replace", 0) or 0) < n_layers:
-        raise LmforgeError(
-            f"{where}: DeepSeek MoE layers (first_k_dense_replace <"
-            " num_hidden_layers) are not supported yet; dense DeepSeek-V3-style models only"
-        )
+    moe = _moe_from_hf(hf, n_layers, where)
     act = hf.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise LmforgeError(f"{where}: hidden_act '{act}' is not supported (SwiGLU needs silu)")
@@ -273,6 +384,7 @@ def deepseek_config_from_hf(
             qk_rope_head_dim=mla.qk_rope_head_dim,
             v_head_dim=mla.v_head_dim,
             mtp_depth=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0),
+            moe=moe,
         )
     except KeyError as e:
         raise LmforgeError(f"{where}: missing key {e.args[0]!r}") from None
@@ -280,12 +392,10 @@ def deepseek_config_from_hf(
         raise LmforgeError(f"{where}: {e}") from None
 
 
-_BLOCK = {  # lmforge block suffix -> HF decoder-layer suffix (besides self_attn)
-    "ffn.w1.weight": "mlp.gate_proj.weight",
-    "ffn.w3.weight": "mlp.up_proj.weight",
-    "ffn.w2.weight": "mlp.down_proj.weight",
-    "ln1.weight": "input_layernorm.weight",
-    "ln2.weight": "post_attention_layernorm.weight",
+_DENSE = {  # lmforge FFN suffix -> HF suffix (a dense SwiGLU, a block's or the shared experts')
+    "w1.weight": "gate_proj.weight",
+    "w3.weight": "up_proj.weight",
+    "w2.weight": "down_proj.weight",
 }
 _MTP = {  # lmforge MTP-module suffix -> HF suffix of model.layers.{L + k}
     "enorm.weight": "enorm.weight",
@@ -296,19 +406,59 @@ _MTP = {  # lmforge MTP-module suffix -> HF suffix of model.layers.{L + k}
 _MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # the shared emb/head, again
 
 
-def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
-    """(lmforge, HF) names of every tensor but the attention's (mapped by the MLA functions)."""
-    pairs = [("token_embeddings.weight", "model.embed_tokens.weight")]
-    for i in range(cfg.n_layers):
-        pairs += [(f"layers.{i}.{a}", f"model.layers.{i}.{b}") for a, b in _BLOCK.items()]
+def _blocks(cfg: ModelConfig) -> list[tuple[int, str, str]]:
+    """(layer index, lmforge prefix, HF prefix) of every block, the MTP modules' included."""
+    out = [(i, f"layers.{i}.", f"model.layers.{i}.") for i in range(cfg.n_layers)]
     for k in range(cfg.mtp_depth):
-        lm, hf = f"mtp.layers.{k}.", f"model.layers.{cfg.n_layers + k}."
-        pairs += [(lm + a, hf + b) for a, b in _MTP.items()]
-        pairs += [(f"{lm}block.{a}", hf + b) for a, b in _BLOCK.items()]
+        i = cfg.n_layers + k
+        out.append((i, f"mtp.layers.{k}.block.", f"model.layers.{i}."))
+    return out
+
+
+def _block_pairs(cfg: ModelConfig, i: int, lm: str, hf: str) -> list[tuple[str, str]]:
+    """(lmforge, HF) names of block ``i``'s norms and FFN (an MoE layer's stacked experts
+    aside: :func:`_expert_prefixes`)."""
+    pairs = [(lm + "ln1.weight", hf + "input_layernorm.weight")]
+    pairs.append((lm + "ln2.weight", hf + "post_attention_layernorm.weight"))
+    if not cfg.moe.is_moe_layer(i):
+        return pairs + [(f"{lm}ffn.{a}", f"{hf}mlp.{b}") for a, b in _DENSE.items()]
+    pairs.append((lm + "ffn.router.weight", hf + "mlp.gate.weight"))
+    pairs.append((lm + "ffn.expert_bias", hf + "mlp.gate.e_score_correction_bias"))
+    if cfg.moe.n_shared_experts:
+        pairs += [(f"{lm}ffn.shared.{a}", f"{hf}mlp.shared_experts.{b}") for a, b in _DENSE.items()]
+    return pairs
+
+
+def _expert_prefixes(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(lmforge ``…ffn.``, HF ``…mlp.experts.``) of every MoE block."""
+    return [
+        (lm + "ffn.", hf + "mlp.experts.") for i, lm, hf in _blocks(cfg) if cfg.moe.is_moe_layer(i)
+    ]
+
+
+def _pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(lmforge, HF) names of every tensor but the attention's (mapped by the MLA functions)
+    and the stacked experts' (:mod:`lmforge.hf._moe`)."""
+    pairs = [("token_embeddings.weight", "model.embed_tokens.weight")]
+    for i, lm, hf in _blocks(cfg):
+        if i >= cfg.n_layers:  # an MTP module: its own norms and projection, then its block
+            mtp = f"mtp.layers.{i - cfg.n_layers}."
+            pairs += [(mtp + a, hf + b) for a, b in _MTP.items()]
+        pairs += _block_pairs(cfg, i, lm, hf)
     pairs.append(("ln_final.weight", "model.norm.weight"))
     if not cfg.tie_embeddings:
         pairs.append(("lm_head.weight", "lm_head.weight"))
     return pairs
+
+
+def _empty_shared(cfg: ModelConfig, hf: str) -> dict[str, torch.Tensor]:
+    """The zero-width shared experts transformers builds (and saves) for n_shared_experts = 0."""
+    d = cfg.d_model
+    return {
+        hf + "mlp.shared_experts.gate_proj.weight": torch.zeros(0, d),
+        hf + "mlp.shared_experts.up_proj.weight": torch.zeros(0, d),
+        hf + "mlp.shared_experts.down_proj.weight": torch.zeros(d, 0),
+    }
 
 
 def _attention_prefixes(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -322,11 +472,16 @@ def deepseek_state_to_hf(
     state: Mapping[str, torch.Tensor], cfg: ModelConfig
 ) -> dict[str, torch.Tensor]:
     """An MLA TransformerLM's state dict in DeepSeek-V3 names (``rope_interleave=True``)."""
+    deepseek_config_to_hf(cfg)  # refuses what DeepSeek-V3 cannot represent, before any copy
     out: dict[str, torch.Tensor] = {}
     for lm_name, hf_name in _pairs(cfg):
         if lm_name not in state:
             raise LmforgeError(f"model state has no '{lm_name}' (not an lmforge MLA model?)")
         out[hf_name] = state[lm_name].detach().to("cpu").contiguous()
+    for lm, hf in _expert_prefixes(cfg):
+        out.update(stacked_to_hf(state, lm, hf))
+        if not cfg.moe.n_shared_experts:
+            out.update(_empty_shared(cfg, hf.removesuffix("mlp.experts.")))
     for lm, hf in _attention_prefixes(cfg):
         sub = {k[len(lm) :]: v.detach().to("cpu") for k, v in state.items() if k.startswith(lm)}
         out.update(mla_state_to_hf(sub, cfg.mla, prefix=hf))
@@ -355,6 +510,11 @@ def deepseek_state_from_hf(
             raise LmforgeError(f"{source}: tensor '{hf_name}' is missing")
         state[lm_name] = hf_state[hf_name].to(torch.float32).contiguous()
         used.add(hf_name)
+    for lm, hf in _expert_prefixes(cfg):
+        stacked_from_hf(hf_state, cfg.moe.n_experts, lm, hf, state, used, source)
+        if not cfg.moe.n_shared_experts:  # transformers' zero-width shared experts
+            empty = _empty_shared(cfg, hf.removesuffix("mlp.experts."))
+            used.update(k for k in empty if k in hf_state and hf_state[k].numel() == 0)
     for lm, hf in _attention_prefixes(cfg):
         try:
             sub = mla_state_from_hf(hf_state, cfg.mla, rope_interleave=rope_interleave, prefix=hf)

@@ -1,14 +1,18 @@
 """Mixture-of-experts feed-forward: router, three routing modes, balancing, expert compute.
 
-One MoE layer replaces a block's SwiGLU (``model.moe.*``, every ``moe.every``-th layer). Each
+One MoE layer replaces a block's SwiGLU (``model.moe.*``: every ``moe.every``-th layer after
+the first ``moe.first_dense_layers``, DeepSeek-V3's first_k_dense_replace). Each
 token's hidden state x (D) is scored against N experts by a linear router (fp32 logits from
 a GEMM in the compute dtype: :func:`router_logits`): ``s = softmax(x Wr)`` or ``sigmoid(x Wr)``. Routing turns the (M, N) scores of the
 M = B·T tokens of a batch into *assignments* (token, expert, gate weight):
 
 - ``token_choice`` (dropless): each token takes its top-k experts of ``s + b`` (b: the
-  auxiliary-loss-free selection bias, zero unless ``bias_update_rate > 0``); the gate weights
-  are the unbiased scores of those experts, divided by their sum when ``norm_top_k``. A token's
-  output depends on that token alone: causal.
+  auxiliary-loss-free selection bias, zero unless ``bias_update_rate > 0`` or imported as
+  DeepSeek-V3's ``e_score_correction_bias``); the gate weights are the unbiased scores of those
+  experts, divided by their sum when ``norm_top_k``, times ``routed_scale``. With
+  ``n_groups > 1`` (DeepSeek-V3's group-limited routing) a token first keeps its ``top_groups``
+  best expert groups (a group's score: the sum of its two best ``s + b``) and picks its top-k
+  among their experts only. A token's output depends on that token alone: causal.
 - ``token_choice_capacity``: the same choices, but an expert takes at most
   C = ⌈capacity_factor · M · k / N⌉ of them; the rest are dropped (gate weight 0, the residual
   carries the token). Priority is GShard/V-MoE's batch-prioritised order: all first choices
@@ -116,8 +120,9 @@ def route(
     """(M, N) router logits -> (assignments, (M, N) fp32 scores) for ``cfg.moe.routing``.
 
     Scores: softmax or per-expert sigmoid, in fp32 (or wider). Token choice takes each token's
-    top-k experts of ``scores + bias``; the gate weights are the unbiased scores of those
-    experts (renormalised to sum 1 with ``norm_top_k``).
+    top-k experts of ``scores + bias`` (among its best groups' experts with ``n_groups > 1``:
+    :func:`group_limited`); the gate weights are the unbiased scores of those experts
+    (renormalised to sum 1 with ``norm_top_k``), times ``routed_scale``.
     """
     mc = cfg.moe
     m, n = logits.shape
@@ -127,15 +132,20 @@ def route(
     if mc.routing == "expert_choice":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
         w, tok = scores.t().topk(cap, dim=-1)  # (N, C) each
+        w = w * mc.routed_scale if mc.routed_scale != 1.0 else w
         expert = torch.div(torch.arange(n * cap, device=dev), cap, rounding_mode="floor")
         load = torch.full((n,), float(cap), device=dev)
         kept = torch.ones(n * cap, dtype=torch.bool, device=dev)
         return Routing(tok.reshape(-1), expert, w.reshape(-1), 0, load, kept), scores
     select = scores if bias is None else scores + bias  # (M, N): the bias only selects
+    if mc.n_groups > 1:
+        select = group_limited(select, mc.n_groups, mc.top_groups)  # (M, N)
     idx = select.topk(mc.top_k, dim=-1).indices  # (M, k)
     raw = w = scores.gather(-1, idx)  # (M, k)
     if mc.norm_top_k:
         w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+    if mc.routed_scale != 1.0:
+        w = w * mc.routed_scale
     load = expert_counts(idx.reshape(-1), n).float()  # (N,)
     if mc.routing == "token_choice_capacity":
         cap = expert_capacity(m, mc.top_k, n, mc.capacity_factor)
@@ -146,6 +156,19 @@ def route(
     token = torch.div(torch.arange(m * mc.top_k, device=dev), mc.top_k, rounding_mode="floor")
     routing = Routing(token, idx.reshape(-1), w.reshape(-1), mc.top_k, load, keep.reshape(-1))
     return routing, scores
+
+
+def group_limited(select: torch.Tensor, n_groups: int, top_groups: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing: (M, N) selection scores with every expert outside
+    each token's ``top_groups`` best groups set to -inf. The N experts form ``n_groups``
+    contiguous groups of N / n_groups; a group's score is the sum of its two highest selection
+    scores (bias included), so one outlier expert cannot carry a group alone."""
+    m, n = select.shape
+    grouped = select.view(m, n_groups, n // n_groups)  # (M, G, N/G)
+    group_score = grouped.topk(2, dim=-1).values.sum(-1)  # (M, G)
+    best = group_score.topk(top_groups, dim=-1).indices  # (M, g)
+    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)  # (M, G)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(m, n)  # (M, N)
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

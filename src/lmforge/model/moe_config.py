@@ -7,6 +7,7 @@ is a dense model; the layer itself lives in :mod:`lmforge.model.moe`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Literal
 
@@ -22,16 +23,29 @@ class MoEConfig:
     top_k: int = 2
     "experts chosen per token (token_choice*); expert_choice: the average experts per token"
     n_shared_experts: int = 0
-    "always-on experts added to every token's output (DeepSeek-MoE), each of width expert_d_ff"
+    "always-on experts added to every token's output (DeepSeek-MoE): one SwiGLU of width"
+    " n_shared_experts · expert_d_ff (DeepSeek-V3's shared_experts)"
     expert_d_ff: int | None = None
     "hidden size of one expert (None = model.d_ff; smaller = fine-grained experts)"
     every: int = 1
     "MoE on every k-th layer: layer i (0-based) is MoE when (i + 1) % every == 0 (Qwen3-MoE's"
     " decoder_sparse_step); the others stay dense"
+    first_dense_layers: int = 0
+    "the first k layers (0-based i < k) keep the dense FFN whatever ``every`` says"
+    " (DeepSeek-V3's first_k_dense_replace = 3; MTP blocks count after the trunk's layers)"
     score: Literal["softmax", "sigmoid"] = "softmax"
     "router score: softmax over experts (Switch, Qwen3-MoE) or per-expert sigmoid (DeepSeek-V3)"
     norm_top_k: bool = True
     "divide the chosen experts' scores by their sum (Qwen3-MoE's norm_topk_prob)"
+    routed_scale: float = 1.0
+    "multiply the routed experts' gate weights (after norm_top_k) by this; shared experts are"
+    " not scaled (DeepSeek-V3's routed_scaling_factor = 2.5)"
+    n_groups: int = 1
+    "group-limited routing (token choice): the N experts form n_groups equal groups, each"
+    " token scores a group by the sum of its top-2 biased scores and picks its top_k experts"
+    " from its top_groups groups only (DeepSeek-V3's n_group = 8; 1 = off)"
+    top_groups: int = 1
+    "groups a token may pick experts from when n_groups > 1 (DeepSeek-V3's topk_group = 4)"
     routing: Routing = "token_choice"
     "token_choice (top-k, dropless, causal), token_choice_capacity (top-k with a per-expert"
     " capacity over the batch, overflow dropped: NOT causal), expert_choice (each expert takes"
@@ -65,6 +79,11 @@ class MoEConfig:
             raise ValueError(f"moe.expert_d_ff must be positive, got {self.expert_d_ff}")
         if self.every < 1:
             raise ValueError(f"moe.every must be >= 1, got {self.every}")
+        if self.first_dense_layers < 0:
+            raise ValueError(f"moe.first_dense_layers must be >= 0, got {self.first_dense_layers}")
+        if not (self.routed_scale > 0 and math.isfinite(self.routed_scale)):
+            raise ValueError(f"moe.routed_scale must be positive, got {self.routed_scale}")
+        self._check_groups()
         if self.capacity_factor <= 0:
             raise ValueError(f"moe.capacity_factor must be positive, got {self.capacity_factor}")
         for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
@@ -78,6 +97,27 @@ class MoEConfig:
                     f"moe.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
                 )
 
+    def _check_groups(self) -> None:
+        g, tg, n = self.n_groups, self.top_groups, self.n_experts
+        if g < 1:
+            raise ValueError(f"moe.n_groups must be >= 1, got {g}")
+        if not 1 <= tg <= g:
+            raise ValueError(f"moe.top_groups must be in 1..n_groups ({g}), got {tg}")
+        if g == 1 or not n:
+            return
+        if n % g or n // g < 2:
+            raise ValueError(
+                f"moe.n_groups ({g}) must split moe.n_experts ({n}) into equal groups of at"
+                " least 2 experts (a group is scored by its top-2 experts)"
+            )
+        if self.top_k > tg * (n // g):
+            raise ValueError(
+                f"moe.top_k ({self.top_k}) exceeds the experts of moe.top_groups ({tg}) groups"
+                f" of {n // g}"
+            )
+        if self.routing == "expert_choice":
+            raise ValueError("moe.n_groups > 1 needs a token-choice routing, not expert_choice")
+
     @property
     def enabled(self) -> bool:
         """Whether the model has MoE layers at all."""
@@ -90,4 +130,6 @@ class MoEConfig:
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether block ``layer_idx`` (0-based) gets the MoE feed-forward."""
-        return self.enabled and (layer_idx + 1) % self.every == 0
+        if not self.enabled or layer_idx < self.first_dense_layers:
+            return False
+        return (layer_idx + 1) % self.every == 0
