@@ -155,6 +155,7 @@ def test_kv_cache_generation_matches_full_recompute() -> None:
         ("--model.moe.top_groups=5", "top_groups"),
         ("--model.moe.top_groups=0", "top_groups"),
         ("--model.moe.routing=expert_choice", "n_groups"),
+        ("--model.moe.first_dense_layers=12", "first_dense_layers"),  # all dense, no MTP
     ],
 )
 def test_bad_values_are_one_line_naming_the_key(tmp_path, override: str, key: str) -> None:

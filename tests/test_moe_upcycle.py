@@ -30,6 +30,13 @@ IDS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
         (MoEConfig(n_experts=4, top_k=2, n_shared_experts=1), False),  # shared starts at 0
         (MoEConfig(n_experts=4, top_k=4, expert_d_ff=48), True),  # 4 slices, all chosen
         (MoEConfig(n_experts=4, top_k=2, every=2), False),
+        # DeepSeek-V3 routing: groups, sigmoid, routed_scale (w2 divided by it)
+        (
+            MoEConfig(
+                n_experts=8, top_k=2, score="sigmoid", n_groups=4, top_groups=2, routed_scale=2.5
+            ),
+            False,
+        ),
     ],
 )
 def test_upcycled_output_equals_dense_at_init(moe: MoEConfig, zero_router: bool) -> None:

@@ -306,8 +306,9 @@ def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def _moe_from_hf(hf: Mapping[str, Any], n_layers: int, where: str) -> MoEConfig:
     """``model.moe`` of a DeepSeek-V3 ``config.json``: dense (the default) when no trunk layer
-    is MoE."""
-    first = int(hf.get("first_k_dense_replace") or 0)
+    is MoE. A key config.json leaves out takes transformers' ``DeepseekV3Config`` default (what
+    transformers itself would run), not lmforge's."""
+    first = int(_number(hf, "first_k_dense_replace", where, 3))
     n = int(hf.get("n_routed_experts") or 0)
     if first >= n_layers or n == 0:
         return MoEConfig()
@@ -325,14 +326,14 @@ def _moe_from_hf(hf: Mapping[str, Any], n_layers: int, where: str) -> MoEConfig:
         return MoEConfig(
             n_experts=n,
             top_k=_number(hf, "num_experts_per_tok", where),
-            n_shared_experts=_number(hf, "n_shared_experts", where, 0),
+            n_shared_experts=_number(hf, "n_shared_experts", where, 1),
             expert_d_ff=_number(hf, "moe_intermediate_size", where),
             first_dense_layers=first,
             score="sigmoid",
             norm_top_k=bool(hf.get("norm_topk_prob", True)),
-            routed_scale=float(_number(hf, "routed_scaling_factor", where, 1.0, float)),
-            n_groups=_number(hf, "n_group", where, 1),
-            top_groups=_number(hf, "topk_group", where, 1),
+            routed_scale=float(_number(hf, "routed_scaling_factor", where, 2.5, float)),
+            n_groups=_number(hf, "n_group", where, 8),
+            top_groups=_number(hf, "topk_group", where, 4),
             aux_loss_coef=float(_number(hf, "aux_loss_alpha", where, 0.0, float)),
         )
     except ValueError as e:

@@ -231,6 +231,13 @@ class ModelConfig:
             raise ValueError(f"attention_type must be gqa or mla, got {self.attention_type!r}")
         if not isinstance(self.mtp_depth, int) or self.mtp_depth < 0:
             raise ValueError(f"mtp_depth must be an integer >= 0, got {self.mtp_depth!r}")
+        k = self.moe.first_dense_layers
+        if self.moe.enabled and k >= self.n_layers and not self.mtp_depth:
+            # MTP blocks come after the trunk and are MoE: only then may every trunk layer be dense
+            raise ValueError(
+                f"moe.first_dense_layers ({k}) >= n_layers ({self.n_layers}) leaves no MoE layer"
+                " (set moe.n_experts = 0 for a dense model)"
+            )
         if not self.mtp_weight >= 0:
             raise ValueError(f"mtp_weight must be >= 0, got {self.mtp_weight!r}")
         k = self.kv_share_every

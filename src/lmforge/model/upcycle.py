@@ -24,7 +24,8 @@ def upcycle(
 
     Every weight outside the MoE layers' FFNs is copied. In an MoE layer, with g = d_ff /
     expert_d_ff (the granularity), expert e gets slice e mod g of the dense SwiGLU (rows
-    ``[j·F, (j+1)·F)`` of w1 and w3, those columns of w2, times g); g = 1 makes every expert a
+    ``[j·F, (j+1)·F)`` of w1 and w3, those columns of w2, times g / ``routed_scale``, which undoes
+    the routed output's scaling); g = 1 makes every expert a
     copy. The router is fresh (σ as any Linear, from ``seed``; or zero with ``zero_router``),
     the selection bias zero, and shared experts get fresh w1/w3 and a zero w2 (they add nothing
     until trained). The output equals the dense model's at initialisation when the weights of
@@ -59,7 +60,7 @@ def upcycle(
                 rows = slice((e % g) * fe, (e % g + 1) * fe)
                 ffn.w1[e].copy_(w1[rows])
                 ffn.w3[e].copy_(w3[rows])
-                ffn.w2[e].copy_(w2[:, rows] * g)
+                ffn.w2[e].copy_(w2[:, rows] * (g / cfg.moe.routed_scale))
             if zero_router:
                 ffn.router.weight.zero_()
             if ffn.shared is not None:
