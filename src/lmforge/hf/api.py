@@ -102,7 +102,13 @@ def import_model(
 
         cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth_present(hf_state, cfg))
     interleave = bool(hf_cfg.get("rope_interleave", True))  # DeepSeek-V3's RoPE layout flag
-    state = hf_to_lmforge_state(hf_state, cfg, source=str(d), rope_interleave=interleave)
+    state = hf_to_lmforge_state(
+        hf_state,
+        cfg,
+        source=str(d),
+        rope_interleave=interleave,
+        model_type=hf_cfg.get("model_type"),
+    )
     tokenizer = load_hf_tokenizer(d) if _has_tokenizer_files(d) else None
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise LmforgeError(

@@ -37,7 +37,7 @@ from lmforge.model.layers import (
     scaled_dot_product_attention,
 )
 
-__all__ = ["CausalSelfAttention", "sliding_window_mask"]
+__all__ = ["CausalSelfAttention", "PartialRotaryEmbedding", "sliding_window_mask"]
 
 
 def _kernel_runs_on(x: torch.Tensor) -> bool:
@@ -130,13 +130,18 @@ class CausalSelfAttention(nn.Module):
                 config.rope_high_freq_factor,
                 config.rope_original_context,
             )
-        self.rope = RotaryEmbedding(
-            config.rope_theta,
-            e,
-            config.context_length,
-            llama3_scaling=scaling,
-            mrope_sections=config.mrope_sections,
-        )
+        if config.rotary_dim is not None and config.rotary_dim < e:
+            self.rope: RotaryEmbedding = PartialRotaryEmbedding(
+                config.rope_theta, e, config.context_length, config.rotary_dim, scaling
+            )
+        else:
+            self.rope = RotaryEmbedding(
+                config.rope_theta,
+                e,
+                config.context_length,
+                llama3_scaling=scaling,
+                mrope_sections=config.mrope_sections,
+            )
         self.rope_backend = config.rope
         self.backend = config.attention
         self._sdpa_gqa = _torch_version() >= (2, 5)
@@ -290,6 +295,42 @@ class CausalSelfAttention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """RoPE on the first ``rotary_dim`` dims R of each head only (``ModelConfig.rotary_dim``;
+    GPT-NeoX's, Bamba's and Qwen3-Next's "partial rotary").
+
+    Pairs i < R/2 turn at θ^(−2i/R) (llama3 scaling applies to those), the other pairs get
+    frequency 0 (cos 1, sin 0): the tables keep their (T, E/2) shape, so every RoPE path that
+    reads them (the reference, the Triton kernels, the engine's) passes those dims through
+    unchanged with no code of its own.
+    """
+
+    def __init__(
+        self,
+        theta: float,
+        d_k: int,
+        max_seq_len: int,
+        rotary_dim: int,
+        llama3_scaling: tuple[float, float, float, int] | None = None,
+    ) -> None:
+        if rotary_dim % 2 or not 2 <= rotary_dim <= d_k:
+            raise ValueError(f"rotary_dim must be even and in [2, {d_k}], got {rotary_dim}")
+        self.rotary_dim = rotary_dim  # read by reset_parameters, which __init__ calls
+        super().__init__(theta, d_k, max_seq_len, llama3_scaling=llama3_scaling)
+
+    def reset_parameters(self) -> None:
+        """(Re)compute the tables: R/2 rotating pairs, then identity pairs."""
+        device = self.cos.device
+        if device.type == "meta":
+            return
+        r2 = self.rotary_dim // 2
+        rot = RotaryEmbedding(self.theta, self.rotary_dim, self.max_seq_len, device,
+                              self.llama3_scaling)  # fmt: skip
+        with torch.no_grad():
+            self.cos[:, :r2], self.sin[:, :r2] = rot.cos, rot.sin  # (T, R/2)
+            self.cos[:, r2:], self.sin[:, r2:] = 1.0, 0.0  # (T, E/2 − R/2): no rotation
 
 
 def sliding_window_mask(t: int, window: int, device: torch.device | None = None) -> torch.Tensor:

@@ -286,6 +286,7 @@ class Mamba2Mixer(_StateMixer):
         conv_size: int = 4,
         chunk_size: int = 64,
         backend: str = "auto",
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         d_inner = expand * d_model
@@ -306,7 +307,7 @@ class Mamba2Mixer(_StateMixer):
         self.conv = ShortConv(self.conv_dim, conv_size, bias=True)
         self._decay_parameters(self.n_heads)
         self.D = nn.Parameter(torch.ones(self.n_heads))
-        self.norm = RMSNorm(d_inner, eps=1e-6)
+        self.norm = RMSNorm(d_inner, eps=norm_eps)  # the gated norm (ModelConfig.ssm_norm_eps)
         self.out_proj = Linear(d_inner, d_model)
 
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
