@@ -1,9 +1,10 @@
 """``export_model`` / ``import_model``: lmforge models to and from Hugging Face folders.
 
 An export folder holds ``config.json`` (LlamaForCausalLM, or Qwen3ForCausalLM when the model
-uses QK-norm), ``model.safetensors`` (fp32) and, with a tokenizer, ``tokenizer.json`` +
+uses QK-norm; DeepseekV3ForCausalLM for MLA, BambaForCausalLM for a Mamba-2/attention hybrid),
+``model.safetensors`` (fp32) and, with a tokenizer, ``tokenizer.json`` +
 ``tokenizer_config.json``; ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` then gives
-the same logits. An import reads a Llama- or Qwen3-family folder into a
+the same logits. An import reads a Llama-, Qwen3-, DeepSeek-V3- or Bamba-family folder into a
 :class:`~lmforge.model.TransformerLM` (fp32) and its tokenizer, ready for continued pretraining,
 fine-tuning or RL. Exercised by ``pytest tests/test_hf_convert.py`` and ``lmforge hf``.
 """
