@@ -224,9 +224,12 @@ def test_refusals_are_one_line() -> None:
         _one_line(hf_config_to_model_config, {**hf, **change}, match=match)
     base = dict(vocab_size=V, d_model=32, n_heads=4, n_layers=2, ssm_state=8, ssm_head_dim=16)
     for kw, match in (
-        (dict(layers="GA"), "'G' layers"),  # no M: the Llama path refuses it
-        (dict(layers="MG"), "'G' layers"),
+        (dict(layers="LA"), "'L' layers"),  # no M, G: the Llama path refuses it
+        (dict(layers="WA", attn_output_gate=True), "'W' layers"),  # Qwen3-Next's
+        (dict(layers="MG"), "'M' layers"),
         (dict(layers="MW"), "'W' layers"),
+        (dict(layers="GA", norm_eps=1e-6), "output gate"),
+        (dict(layers="GA", qk_norm=True, attn_output_gate=True), "norm_eps"),
         (dict(layers="MA", qk_norm=True, ssm_norm_eps=1e-5), "qk_norm"),
         (dict(layers="MA", mup=True, ssm_norm_eps=1e-5), "mup"),
         (dict(layers="MA"), "ssm_norm_eps"),
@@ -247,3 +250,142 @@ def test_unexpected_or_missing_tensor_is_one_line(tmp_path) -> None:
     del state["model.layers.0.mamba.A_log"]
     save_file(state, str(path))
     _one_line(import_model, tmp_path, match="A_log")
+
+
+# ------------------------------------------------------------------------------- Qwen3-Next
+def _qwen3_next(layer_types, **kw):
+    """A random tiny dense Qwen3-Next (every MLP in mlp_only_layers), its zero-centred gains
+    and GDN output-norm gains far from their inits."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    n = len(layer_types)
+    args = dict(
+        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=n,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        mlp_only_layers=list(range(n)), max_position_embeddings=64, layer_types=layer_types,
+    )  # fmt: skip
+    cfg = Qwen3NextConfig(**{**args, **kw})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):  # a plain gain
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif p.dim() == 1:  # zero-centred gains (1 + w), A_log, dt_bias
+                p.copy_(0.3 * torch.randn_like(p))
+            else:
+                p.mul_(3.0)
+    return model
+
+
+G, A = "linear_attention", "full_attention"
+QWEN_IMPORTS = {
+    "GGGA": ([G, G, G, A], {}),
+    "GAGA_full_rotary_tied": (
+        [G, A, G, A],
+        dict(
+            rope_parameters={"rope_theta": 500.0, "partial_rotary_factor": 1.0},
+            tie_word_embeddings=True,
+        ),
+    ),
+    "all_G": ([G, G], {}),
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN_IMPORTS))
+def test_qwen3_next_import_logits_equal_transformers(tmp_path, name) -> None:
+    from lmforge.hf import import_model
+
+    types, kw = QWEN_IMPORTS[name]
+    theirs = _qwen3_next(types, **kw)
+    theirs.save_pretrained(tmp_path)
+    ours, _ = import_model(tmp_path)
+    assert ours.config.layers == "".join("G" if t == G else "A" for t in types)
+    assert ours.config.qk_norm and ours.config.attn_output_gate
+    factor = theirs.config.rope_parameters["partial_rotary_factor"]
+    assert (ours.config.rotary_dim or 8) == int(8 * factor)
+    idx = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), _logits(theirs, idx), atol=1e-4, rtol=1e-4)
+
+
+QWEN_EXPORTS = {
+    "GGA_partial": dict(layers="GGA", n_layers=3, rotary_dim=2),
+    "GA_linear_dims_tied": dict(
+        layers="GA", linear_heads=2, linear_head_dim=12, tie_embeddings=True, conv_size=3
+    ),
+    "A_gated": dict(layers="A", n_layers=2),
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN_EXPORTS))
+def test_qwen3_next_export_logits_equal_transformers(tmp_path, name) -> None:
+    """export -> Qwen3NextForCausalLM: logits equal (fp32, 1e-4); import back: the same config
+    and every tensor equal (the zero-centred gains to fp32 rounding of w − 1 + 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from lmforge.hf import export_model, import_model
+
+    kw = dict(qk_norm=True, attn_output_gate=True, norm_eps=1e-6, **QWEN_EXPORTS[name])
+    ours = _lmforge(**kw)
+    out = export_model(ours, tmp_path / "hf")
+    theirs = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(theirs).__name__ == "Qwen3NextForCausalLM"
+    idx = _ids(19, seed=2)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), _logits(theirs, idx), atol=1e-4, rtol=1e-4)
+    back, _ = import_model(out)
+    mine = ours.state_dict()
+    assert back.state_dict().keys() == mine.keys()
+    for k, v in back.state_dict().items():
+        torch.testing.assert_close(v, mine[k], atol=1e-7, rtol=0)
+
+
+def test_qwen3_next_state_round_trip() -> None:
+    from lmforge.hf.qwen3_next import qwen3_next_state_from_hf, qwen3_next_state_to_hf
+
+    model = _lmforge(layers="GGA", n_layers=3, qk_norm=True, attn_output_gate=True,
+                     norm_eps=1e-6, rotary_dim=4)  # fmt: skip
+    state = model.state_dict()
+    hf = qwen3_next_state_to_hf(state, model.config)
+    assert hf["model.layers.2.self_attn.q_proj.weight"].shape == (2 * 4 * 8, 32)
+    assert hf["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (4 * 4 * 8, 32)
+    back = qwen3_next_state_from_hf(hf, model.config)
+    for k, v in back.items():
+        torch.testing.assert_close(v, state[k], atol=1e-7, rtol=0)
+
+
+def test_imported_qwen3_next_serves_as_generate(tmp_path) -> None:
+    """Gated attention (the output gate in the engine's paged step) and GDN state slots: an
+    imported Qwen3-Next decodes greedily on the engine exactly as lmforge.generate."""
+    from lmforge.generate import generate
+    from lmforge.hf import import_model
+    from lmforge.serve import Engine, SamplingParams
+
+    _qwen3_next([G, A, G, A]).save_pretrained(tmp_path)
+    model, _ = import_model(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (3, 13, 7)]
+    want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
+    for kw in ({}, {"max_num_batched_tokens": 4}):  # whole prompts, and chunked prefill
+        eng = Engine(model, block_size=4, num_blocks=64, **kw)
+        outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_qwen3_next_refusals_are_one_line() -> None:
+    from lmforge.hf import hf_config_to_model_config
+
+    hf = _qwen3_next([G, A]).config.to_dict()
+    for change, match in (
+        ({"linear_num_value_heads": 4}, "grouped"),
+        ({"linear_value_head_dim": 8}, "grouped"),
+        ({"mlp_only_layers": [0]}, "MoE"),
+        ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"layer_types": [G, "sliding_attention"]}, "layer_types"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+    ):
+        _one_line(hf_config_to_model_config, {**hf, **change}, match=match)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmforge.hf import _moe, bamba
+from lmforge.hf import _moe, bamba, qwen3_next
 from lmforge.hf._rope import rope_permutation
 from lmforge.model.config import ModelConfig
 from lmforge.utils.errors import LmforgeError
@@ -59,6 +59,7 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",  # MoE models: lmforge.hf._moe
     "deepseek_v3": "DeepseekV3ForCausalLM",  # MLA models: lmforge.hf.deepseek
     "bamba": "BambaForCausalLM",  # Mamba-2 (M) / attention (A) hybrids: lmforge.hf.bamba
+    "qwen3_next": "Qwen3NextForCausalLM",  # Gated DeltaNet (G) / attention: lmforge.hf.qwen3_next
 }
 
 
@@ -140,6 +141,8 @@ def lmforge_to_hf_state(
         from lmforge.hf.deepseek import deepseek_state_to_hf
 
         return deepseek_state_to_hf(state, cfg)
+    if qwen3_next.is_qwen3_next(cfg):
+        return qwen3_next.qwen3_next_state_to_hf(state, cfg)
     if bamba.is_bamba(cfg):
         return bamba.bamba_state_to_hf(state, cfg)
     _check_llama_layers(cfg)
@@ -173,6 +176,8 @@ def hf_to_lmforge_state(
     reads DeepSeek-V3 names (``rope_interleave`` is its config.json flag); a Bamba folder
     (``model_type`` "bamba", or a ``cfg`` with M layers) Bamba names.
     """
+    if model_type == "qwen3_next" or (model_type is None and qwen3_next.is_qwen3_next(cfg)):
+        return qwen3_next.qwen3_next_state_from_hf(hf_state, cfg, source)
     if model_type == "bamba" or bamba.is_bamba(cfg):
         return bamba.bamba_state_from_hf(hf_state, cfg, source)
     if cfg.attention_type == "mla":
@@ -213,6 +218,8 @@ def model_config_to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None)
         from lmforge.hf.deepseek import deepseek_config_to_hf
 
         return deepseek_config_to_hf(cfg, eos_token_id)
+    if qwen3_next.is_qwen3_next(cfg):
+        return qwen3_next.qwen3_next_config_to_hf(cfg, eos_token_id)
     if bamba.is_bamba(cfg):
         return bamba.bamba_config_to_hf(cfg, eos_token_id)
     _check_llama_layers(cfg)
@@ -315,6 +322,8 @@ def hf_config_to_model_config(
         return deepseek_config_from_hf(hf, where, context_length)
     if model_type == "bamba":
         return bamba.bamba_config_from_hf(hf, where, context_length)
+    if model_type == "qwen3_next":
+        return qwen3_next.qwen3_next_config_from_hf(hf, where, context_length)
     try:
         d_model = int(hf["hidden_size"])
         n_heads = int(hf["num_attention_heads"])

@@ -119,6 +119,8 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = Linear(d, self.n_kv_heads * e)
         self.v_proj = Linear(d, self.n_kv_heads * e)
         self.output_proj = Linear(self.n_heads * e, d)
+        if config.attn_output_gate:  # Qwen3-Next: output × σ(x W_gate) before output_proj
+            self.gate_proj = Linear(d, self.n_heads * e)
         if config.qk_norm:
             self.q_norm = _Norm(e, config.norm_eps, config.norm)
             self.k_norm = _Norm(e, config.norm_eps, config.norm)
@@ -167,7 +169,8 @@ class CausalSelfAttention(nn.Module):
             if self.window is None:
                 o = context.ops.fused_attention(self, x.view(t, -1), context)  # (N, H, E)
             if o is not None:
-                return _linear(self.output_proj, o.reshape(b, t, h * e), context)  # (1, N, D)
+                o = self._gated(o.reshape(b, t, h * e), x, context)  # (1, N, H·E)
+                return _linear(self.output_proj, o, context)  # (1, N, D)
             token_positions = context.positions
         fused_rope = self._use_fused_rope(x, token_positions, kv_cache)
         if fused_rope and self._use_packed_rope():
@@ -209,7 +212,8 @@ class CausalSelfAttention(nn.Module):
                 out = paged_window_attention(q, k, v, self.cache_index, context, self.window)
             else:
                 out = context.ops.attend(self.cache_index, q, k, v, context)  # (N, H, E)
-            return _linear(self.output_proj, out.reshape(b, t, h * e), context)  # (1, N, D)
+            out = self._gated(out.reshape(b, t, h * e), x, context)  # (1, N, H·E)
+            return _linear(self.output_proj, out, context)  # (1, N, D)
         if kv_cache is None:
             out = self._causal(q, k, v)  # (B, H, T, E)
         else:
@@ -217,7 +221,14 @@ class CausalSelfAttention(nn.Module):
             mask = kv_cache.mask if self.window is None else kv_cache.window_mask(self.window)
             out = self._masked(q, k_all, v_all, mask)  # (B, H, T, E)
         out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
-        return self.output_proj(out)  # (B, T, D)
+        return self.output_proj(self._gated(out, x, None))  # (B, T, D)
+
+    def _gated(self, out: torch.Tensor, x: torch.Tensor, context: Context | None) -> torch.Tensor:
+        """Qwen3-Next's output gate (``config.attn_output_gate``): out (B, T, H·E) ⊙ σ(x W_gate);
+        out unchanged without it."""
+        if not self.config.attn_output_gate:
+            return out
+        return out * torch.sigmoid(_linear(self.gate_proj, x, context)).to(out.dtype)
 
     def _qkv(
         self, x: torch.Tensor, context: Context | None

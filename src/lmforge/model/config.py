@@ -161,6 +161,9 @@ class ModelConfig:
     " rotate, at frequencies θ^(−2i/rotary_dim); the rest pass through (None = all head_dim)"
     ssm_norm_eps: float = 1e-6
     "M layers: epsilon of the gated RMSNorm before the out-projection (Bamba uses rms_norm_eps)"
+    attn_output_gate: bool = False
+    "A and W layers: Qwen3-Next's gated attention, the attention output times σ(x W_gate) per"
+    " channel before the output projection (one more H·E × D matrix per layer)"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -215,6 +218,7 @@ class ModelConfig:
         self._check_mla()
         self._check_mrope()
         self._check_rotary_dim()
+        self._check_output_gate()
 
     def _check_rotary_dim(self) -> None:
         r = self.rotary_dim
@@ -227,6 +231,10 @@ class ModelConfig:
             )
         if self.attention_type != "gqa" or self.mrope_sections:
             raise ValueError("rotary_dim (partial rotary) needs attention_type = gqa and no MRoPE")
+
+    def _check_output_gate(self) -> None:
+        if self.attn_output_gate and (self.attention_type != "gqa" or "S" in self.layers):
+            raise ValueError("attn_output_gate needs attention_type = gqa and no S (sparse) layers")
 
     def _check_mrope(self) -> None:
         sections = self.mrope_sections
