@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from lmforge.hf._rope import rope_permutation
+from lmforge.hf._rope import partial_rope_order
 from lmforge.model.config import ModelConfig
 from lmforge.utils.errors import LmforgeError
 
@@ -79,10 +79,7 @@ def _rotary_dim(cfg: ModelConfig) -> int:
 
 
 def _rope_order(cfg: ModelConfig) -> torch.Tensor:
-    """Row order, within a head, from lmforge's layout to Bamba's: the R rotated rows
-    half-split, then the pass-through rows."""
-    r, e = _rotary_dim(cfg), int(cfg.head_dim)
-    return torch.cat([rope_permutation(r), torch.arange(r, e)])
+    return partial_rope_order(int(cfg.head_dim), _rotary_dim(cfg))
 
 
 # ----------------------------------------------------------------------------------- config

@@ -1,9 +1,11 @@
-"""Weights and config between lmforge and Hugging Face Llama / Qwen3 (/ DeepSeek-V3) folders.
+"""Weights and config between lmforge and Hugging Face Llama / Qwen3 (/ DeepSeek-V3, Bamba,
+Qwen3-Next) folders.
 
 MLA models (``ModelConfig.attention_type = "mla"``) are DeepSeek-V3 folders, mapped by
 :mod:`lmforge.hf.deepseek`; Mamba-2/attention hybrids (``model.layers`` of M and A letters) and
-partial-rotary models are Bamba folders, mapped by :mod:`lmforge.hf.bamba`; the functions here
-dispatch to them.
+partial-rotary models are Bamba folders, mapped by :mod:`lmforge.hf.bamba`; Gated DeltaNet
+hybrids (G and A) and gated-attention models are Qwen3-Next folders, mapped by
+:mod:`lmforge.hf.qwen3_next`; the functions here dispatch to them.
 
 An lmforge :class:`~lmforge.model.TransformerLM` is architecturally a Llama (pre-norm RMSNorm,
 RoPE, SwiGLU, GQA, no biases); with ``qk_norm=True`` it is a Qwen3 (per-head RMSNorm on queries
@@ -69,8 +71,8 @@ def _check_llama_layers(cfg: ModelConfig) -> None:
         other = sorted(set(cfg.layer_types) - {"A"})[0]
         raise LmforgeError(
             f"cannot export: model.layers {cfg.layers!r} has {other!r} layers; Hugging Face"
-            " export maps full attention (A, Llama/Qwen3/DeepSeek-V3) and Mamba-2 hybrids (M + A,"
-            " Bamba) only"
+            " export maps full attention (A, Llama/Qwen3/DeepSeek-V3), Mamba-2 hybrids (M + A,"
+            " Bamba) and Gated DeltaNet hybrids (G + A, Qwen3-Next) only"
         )
 
 

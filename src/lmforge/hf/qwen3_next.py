@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from lmforge.hf.bamba import _rope_order
+from lmforge.hf._rope import partial_rope_order
 from lmforge.model.config import ModelConfig
 from lmforge.utils.errors import LmforgeError
 
@@ -298,7 +298,8 @@ def qwen3_next_state_to_hf(
     for lm_name, hf_name, centred in _plain_pairs(cfg):
         t = get(lm_name)
         out[hf_name] = t - 1.0 if centred else t
-    e, order = int(cfg.head_dim), _rope_order(cfg)
+    e = int(cfg.head_dim)
+    order = partial_rope_order(e, e if cfg.rotary_dim is None else cfg.rotary_dim)
     heads, hd = _gdn_dims(cfg)
     for i, kind in enumerate(cfg.layer_types):
         lm, hf = f"layers.{i}.attn.", f"model.layers.{i}."
@@ -336,7 +337,8 @@ def qwen3_next_state_from_hf(
     for lm_name, hf_name, centred in _plain_pairs(cfg):
         t = take(hf_name)
         state[lm_name] = (1.0 + t) if centred else t.contiguous()
-    e, inv = int(cfg.head_dim), torch.argsort(_rope_order(cfg))
+    e = int(cfg.head_dim)
+    inv = torch.argsort(partial_rope_order(e, e if cfg.rotary_dim is None else cfg.rotary_dim))
     heads, hd = _gdn_dims(cfg)
     for i, kind in enumerate(cfg.layer_types):
         lm, hf = f"layers.{i}.attn.", f"model.layers.{i}."

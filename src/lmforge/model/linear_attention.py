@@ -196,7 +196,7 @@ def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(Σx² + eps) over the last dim: the q/k normalisation of FLA's Gated DeltaNet and
     Qwen3-Next (``F.normalize``'s x / max(‖x‖, eps) differs from it by ~eps/‖x‖² relative,
     1e-4 on near-zero post-SiLU vectors, which an imported Qwen3-Next's logits showed)."""
-    return x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+    return x / torch.sqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class GatedDeltaNet(_StateMixer):
