@@ -389,3 +389,34 @@ def test_qwen3_next_refusals_are_one_line() -> None:
         ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
     ):
         _one_line(hf_config_to_model_config, {**hf, **change}, match=match)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "source",
+    ["bamba_MMAM", "qwen3_next_GAGA", "gated_partial_full_attention"],
+)
+def test_hybrid_imports_serve_on_cuda(tmp_path, source) -> None:
+    """On CUDA: imported hybrids (eager hybrid steps) and a full-attention model with the output
+    gate and partial rotary (the compiled step and CUDA graphs: the gate's GEMV, the rotary
+    tables) decode greedily as lmforge.generate does."""
+    from lmforge.generate import generate
+    from lmforge.hf import import_model
+    from lmforge.serve import Engine, SamplingParams
+
+    if source == "bamba_MMAM":
+        _bamba([2]).save_pretrained(tmp_path)
+        model, _ = import_model(tmp_path)
+    elif source == "qwen3_next_GAGA":
+        _qwen3_next([G, A, G, A]).save_pretrained(tmp_path)
+        model, _ = import_model(tmp_path)
+    else:
+        model = _lmforge(layers="A", n_layers=2, qk_norm=True, attn_output_gate=True,
+                         rotary_dim=4)  # fmt: skip
+    model = model.cuda()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (3, 13, 21, 6)]
+    eng = Engine(model, block_size=16, num_blocks=64, max_num_seqs=8)
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for p, o in zip(prompts, outs, strict=True):
+        assert o.outputs[0].token_ids == generate(model, [p], 10, temperature=0)[0]
