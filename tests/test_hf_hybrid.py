@@ -196,6 +196,10 @@ def test_partial_rotary_tables() -> None:
         ModelConfig(d_model=32, n_heads=4, rotary_dim=5)
     with pytest.raises(ValueError, match="rotary_dim"):
         ModelConfig(d_model=32, n_heads=4, rotary_dim=4, mrope_sections=(2, 1, 1))
+    with pytest.raises(ValueError, match="attn_output_gate"):
+        ModelConfig(d_model=32, n_heads=4, attn_output_gate=True, layers="SA")
+    with pytest.raises(ValueError, match="ssm_norm_eps"):
+        ModelConfig(d_model=32, n_heads=4, ssm_norm_eps=0.0)
 
 
 def _one_line(fn, *args, match: str) -> None:
