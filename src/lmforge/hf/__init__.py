@@ -1,5 +1,19 @@
-"""Hugging Face interoperability: export lmforge models as Llama/Qwen3 (DeepSeek-V3 for MLA)
-folders, import them back.
+"""Hugging Face interoperability: export lmforge models as Llama/Qwen3 (DeepSeek-V3 for MLA,
+Bamba and Qwen3-Next for hybrids) folders, import them back.
+
+=====================================  =================================  =====================
+lmforge model                          Hugging Face class                 mapping
+=====================================  =================================  =====================
+layers = A (GQA), no QK-norm           LlamaForCausalLM                   lmforge.hf.convert
+layers = A, qk_norm (MoE: moe.*)       Qwen3ForCausalLM (Qwen3Moe…)       lmforge.hf.convert
+attention_type = mla (+ mtp_depth)     DeepseekV3ForCausalLM              lmforge.hf.deepseek
+layers of M and A (or rotary_dim < E)  BambaForCausalLM                   lmforge.hf.bamba
+layers of G and A (attn_output_gate,   Qwen3NextForCausalLM (dense MLPs)  lmforge.hf.qwen3_next
+qk_norm, norm_eps 1e-6)
+=====================================  =================================  =====================
+
+L, W and S layers have no mapping yet and are refused in one line, as is any option of a
+mapped class that lmforge does not model (each module's docstring lists them).
 
 This is the public API of ``lmforge.hf``. transformers is not needed at run time (only the tests
 use it, to check that logits agree); ``tokenizers`` is needed to wrap non-GPT-2 tokenizers.

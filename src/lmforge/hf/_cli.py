@@ -7,6 +7,7 @@ import sys
 
 EXAMPLES = """examples:
   lmforge hf export --checkpoint runs/demo/train --out runs/hf/demo    # latest checkpoint of a run
+  lmforge hf import --model ~/models/Bamba-9B-v2 --out runs/ckpt/bamba  # Mamba-2 + attention
   lmforge hf import --model ~/models/Qwen3-1.7B --out runs/ckpt/qwen3-1.7b --context-length 4096
   lmforge hf import --model ~/models/SmolLM2-135M --out runs/ckpt/smollm2   # then: lmforge eval --checkpoint runs/ckpt/smollm2
   lmforge hf import --gguf runs/models/SmolLM2-135M-Instruct.Q4_1.gguf --out runs/ckpt/smollm2-instruct --context-length 2048
@@ -15,14 +16,20 @@ runs/models/SmolLM2-135M-Instruct.Q4_1.gguf is what `lmforge download smollm2-13
 
 A run folder exports its latest checkpoint; a folder under its checkpoints/ exports that one.
 export writes config.json (LlamaForCausalLM; Qwen3ForCausalLM when model.qk_norm;
-DeepseekV3ForCausalLM when model.attention_type=mla, MTP modules under DeepSeek-V3's names),
-model.safetensors and tokenizer.json; transformers.AutoModelForCausalLM.from_pretrained(OUT) gives
-the same logits. import reads Llama-, Qwen3- and dense DeepSeek-V3-style folders (no downloads:
-point it at a local folder) and writes an lmforge checkpoint folder (model.safetensors,
-config.toml, meta.json, tokenizer/). Not representable (one error line says which): RoPE scaling
-other than Llama 3.1's "llama3" (DeepSeek-V3's YaRN included), biases, sliding windows, DeepSeek
-MoE layers. --gguf FILE reads a llama.cpp GGUF file (Llama/Qwen3; F32/F16/BF16/Q8_0/Q4_0/Q4_1
-tensors, dequantized to fp32) with its tokenizer and chat template.
+DeepseekV3ForCausalLM when model.attention_type=mla, MTP modules under DeepSeek-V3's names;
+BambaForCausalLM when model.layers mixes Mamba-2 (M) and attention (A) layers, e.g. MMAM;
+Qwen3NextForCausalLM when it mixes Gated DeltaNet (G) and attention with model.attn_output_gate,
+model.qk_norm and model.norm_eps=1e-6), model.safetensors and tokenizer.json;
+transformers.AutoModelForCausalLM.from_pretrained(OUT) gives the same logits. import reads Llama-,
+Qwen3-, dense DeepSeek-V3-, Bamba- and dense Qwen3-Next-style folders (a Bamba's
+attn_layer_indices, a Qwen3-Next's layer_types become the letters of model.layers, their partial
+rotary model.rotary_dim; no downloads: point it at a local folder) and writes an lmforge checkpoint
+folder (model.safetensors, config.toml, meta.json, tokenizer/). Not representable (one error line
+says which): RoPE scaling other than Llama 3.1's "llama3" (DeepSeek-V3's YaRN included), biases,
+sliding windows, DeepSeek MoE layers, Bamba's mamba_n_groups > 1, Qwen3-Next's grouped value heads
+and MoE layers; on export, L/W/S layers (linear, sliding-window, sparse attention: no transformers
+class mapped yet). --gguf FILE reads a llama.cpp GGUF file (Llama/Qwen3;
+F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, dequantized to fp32) with its tokenizer and chat template.
 """
 
 
@@ -30,9 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``hf`` subcommand with ``export`` and ``import``."""
     p = sub.add_parser(
         "hf",
-        help="export to / import from Hugging Face Llama-style folders",
+        help="export to / import from Hugging Face Llama-style and hybrid (Bamba, Qwen3-Next) folders",
         description="Convert between lmforge checkpoints and Hugging Face Llama/Qwen3/DeepSeek-V3"
-        " folders.",
+        "/Bamba/Qwen3-Next folders.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -40,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = hsub.add_parser(
         "export",
         help="lmforge checkpoint → Hugging Face folder",
-        description="Write an lmforge checkpoint as a Hugging Face Llama/Qwen3/DeepSeek-V3 folder.",
+        description="Write an lmforge checkpoint as a Hugging Face Llama/Qwen3/DeepSeek-V3/Bamba/"
+        "Qwen3-Next folder.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -50,8 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     i = hsub.add_parser(
         "import",
         help="Hugging Face folder → lmforge checkpoint",
-        description="Read a local Hugging Face Llama/Qwen3/DeepSeek-V3 folder into an lmforge"
-        " checkpoint.",
+        description="Read a local Hugging Face Llama/Qwen3/DeepSeek-V3/Bamba/Qwen3-Next"
+        " folder into an lmforge checkpoint.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

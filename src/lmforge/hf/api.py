@@ -1,11 +1,14 @@
 """``export_model`` / ``import_model``: lmforge models to and from Hugging Face folders.
 
 An export folder holds ``config.json`` (LlamaForCausalLM, or Qwen3ForCausalLM when the model
-uses QK-norm), ``model.safetensors`` (fp32) and, with a tokenizer, ``tokenizer.json`` +
-``tokenizer_config.json``; ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` then gives
-the same logits. An import reads a Llama- or Qwen3-family folder into a
+uses QK-norm; DeepseekV3ForCausalLM for MLA, BambaForCausalLM for a Mamba-2/attention hybrid,
+Qwen3NextForCausalLM for a Gated DeltaNet/attention one), ``model.safetensors`` (fp32) and, with
+a tokenizer, ``tokenizer.json`` + ``tokenizer_config.json``;
+``transformers.AutoModelForCausalLM.from_pretrained(dir)`` then gives the same logits. An import
+reads a Llama-, Qwen3-, DeepSeek-V3-, Bamba- or Qwen3-Next-family folder into a
 :class:`~lmforge.model.TransformerLM` (fp32) and its tokenizer, ready for continued pretraining,
-fine-tuning or RL. Exercised by ``pytest tests/test_hf_convert.py`` and ``lmforge hf``.
+fine-tuning or RL. Exercised by ``pytest tests/test_hf_convert.py tests/test_hf_hybrid.py`` and
+``lmforge hf``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ HF_TOKENIZER_DIR = "hf_tokenizer"
 
 
 def export_model(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer: Any = None) -> Path:
-    """Write ``model`` (and ``tokenizer``) as a Hugging Face Llama/Qwen3 folder; returns it.
+    """Write ``model`` (and ``tokenizer``) as a Hugging Face folder (Llama/Qwen3, DeepSeek-V3,
+    Bamba or Qwen3-Next, by the model's options); returns it.
 
     Weights are fp32; q/k projections are permuted from lmforge's interleaved RoPE layout to HF's
     half-split one (see :mod:`lmforge.hf.convert`). A model with ``logit_soft_cap`` has no HF
@@ -78,7 +82,7 @@ def import_model(
     device: str = "cpu",
     attention: str = "sdpa",
 ) -> tuple[Any, Any]:
-    """Load an HF Llama/Qwen3 folder as ``(TransformerLM, tokenizer)``.
+    """Load an HF Llama/Qwen3/DeepSeek-V3/Bamba/Qwen3-Next folder as ``(TransformerLM, tokenizer)``.
 
     The tokenizer is an lmforge ``Tokenizer`` when the folder's is GPT-2-style byte-level BPE,
     otherwise an :class:`~lmforge.hf.HFTokenizer` wrapper, and ``None`` when the folder has no
@@ -102,7 +106,13 @@ def import_model(
 
         cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth_present(hf_state, cfg))
     interleave = bool(hf_cfg.get("rope_interleave", True))  # DeepSeek-V3's RoPE layout flag
-    state = hf_to_lmforge_state(hf_state, cfg, source=str(d), rope_interleave=interleave)
+    state = hf_to_lmforge_state(
+        hf_state,
+        cfg,
+        source=str(d),
+        rope_interleave=interleave,
+        model_type=hf_cfg.get("model_type"),
+    )
     tokenizer = load_hf_tokenizer(d) if _has_tokenizer_files(d) else None
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise LmforgeError(

@@ -1,7 +1,11 @@
-"""Weights and config between lmforge and Hugging Face Llama / Qwen3 (/ DeepSeek-V3) folders.
+"""Weights and config between lmforge and Hugging Face Llama / Qwen3 (/ DeepSeek-V3, Bamba,
+Qwen3-Next) folders.
 
 MLA models (``ModelConfig.attention_type = "mla"``) are DeepSeek-V3 folders, mapped by
-:mod:`lmforge.hf.deepseek`; the functions here dispatch to it.
+:mod:`lmforge.hf.deepseek`; Mamba-2/attention hybrids (``model.layers`` of M and A letters) and
+partial-rotary models are Bamba folders, mapped by :mod:`lmforge.hf.bamba`; Gated DeltaNet
+hybrids (G and A) and gated-attention models are Qwen3-Next folders, mapped by
+:mod:`lmforge.hf.qwen3_next`; the functions here dispatch to them.
 
 An lmforge :class:`~lmforge.model.TransformerLM` is architecturally a Llama (pre-norm RMSNorm,
 RoPE, SwiGLU, GQA, no biases); with ``qk_norm=True`` it is a Qwen3 (per-head RMSNorm on queries
@@ -33,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmforge.hf import _moe
+from lmforge.hf import _moe, bamba, qwen3_next
 from lmforge.hf._rope import rope_permutation
 from lmforge.model.config import ModelConfig
 from lmforge.utils.errors import LmforgeError
@@ -56,7 +60,20 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",  # MoE models: lmforge.hf._moe
     "deepseek_v3": "DeepseekV3ForCausalLM",  # MLA models: lmforge.hf.deepseek
+    "bamba": "BambaForCausalLM",  # Mamba-2 (M) / attention (A) hybrids: lmforge.hf.bamba
+    "qwen3_next": "Qwen3NextForCausalLM",  # Gated DeltaNet (G) / attention: lmforge.hf.qwen3_next
 }
+
+
+def _check_llama_layers(cfg: ModelConfig) -> None:
+    """Llama/Qwen3 hold full-attention layers only: other letters of model.layers are one line."""
+    if not cfg.full_attention_only:
+        other = sorted(set(cfg.layer_types) - {"A"})[0]
+        raise LmforgeError(
+            f"cannot export: model.layers {cfg.layers!r} has {other!r} layers; Hugging Face"
+            " export maps full attention (A, Llama/Qwen3/DeepSeek-V3), Mamba-2 hybrids (M + A,"
+            " Bamba) and Gated DeltaNet hybrids (G + A, Qwen3-Next) only"
+        )
 
 
 def _permute_heads(
@@ -126,6 +143,11 @@ def lmforge_to_hf_state(
         from lmforge.hf.deepseek import deepseek_state_to_hf
 
         return deepseek_state_to_hf(state, cfg)
+    if qwen3_next.is_qwen3_next(cfg):
+        return qwen3_next.qwen3_next_state_to_hf(state, cfg)
+    if bamba.is_bamba(cfg):
+        return bamba.bamba_state_to_hf(state, cfg)
+    _check_llama_layers(cfg)
     perm = rope_permutation(cfg.head_dim)
     out = {}
     for lm_name, hf_name in _name_pairs(cfg):
@@ -147,13 +169,19 @@ def hf_to_lmforge_state(
     source: str = "checkpoint",
     *,
     rope_interleave: bool = True,
+    model_type: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """HF Llama/Qwen3 tensors renamed and un-permuted into an lmforge state dict (fp32).
 
     Tensors HF keeps for itself (``rotary_emb.inv_freq``) are ignored; any other leftover (a bias,
     an extra norm) raises one line naming it, since lmforge has no place for it. An MLA ``cfg``
-    reads DeepSeek-V3 names (``rope_interleave`` is its config.json flag).
+    reads DeepSeek-V3 names (``rope_interleave`` is its config.json flag); a Bamba folder
+    (``model_type`` "bamba", or a ``cfg`` with M layers) Bamba names.
     """
+    if model_type == "qwen3_next" or (model_type is None and qwen3_next.is_qwen3_next(cfg)):
+        return qwen3_next.qwen3_next_state_from_hf(hf_state, cfg, source)
+    if model_type == "bamba" or bamba.is_bamba(cfg):
+        return bamba.bamba_state_from_hf(hf_state, cfg, source)
     if cfg.attention_type == "mla":
         from lmforge.hf.deepseek import deepseek_state_from_hf
 
@@ -187,11 +215,16 @@ def hf_to_lmforge_state(
 
 def model_config_to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
     """The ``config.json`` of the HF model equivalent to ``cfg`` (Llama, or Qwen3 with qk_norm,
-    or DeepSeek-V3 with MLA)."""
+    DeepSeek-V3 with MLA, Bamba with Mamba-2 layers or partial rotary)."""
     if cfg.attention_type == "mla":
         from lmforge.hf.deepseek import deepseek_config_to_hf
 
         return deepseek_config_to_hf(cfg, eos_token_id)
+    if qwen3_next.is_qwen3_next(cfg):
+        return qwen3_next.qwen3_next_config_to_hf(cfg, eos_token_id)
+    if bamba.is_bamba(cfg):
+        return bamba.bamba_config_to_hf(cfg, eos_token_id)
+    _check_llama_layers(cfg)
     if cfg.logit_soft_cap is not None:
         raise LmforgeError(
             "cannot export: model.logit_soft_cap is set, and Llama/Qwen3 have no logit soft-cap"
@@ -289,6 +322,10 @@ def hf_config_to_model_config(
         from lmforge.hf.deepseek import deepseek_config_from_hf
 
         return deepseek_config_from_hf(hf, where, context_length)
+    if model_type == "bamba":
+        return bamba.bamba_config_from_hf(hf, where, context_length)
+    if model_type == "qwen3_next":
+        return qwen3_next.qwen3_next_config_from_hf(hf, where, context_length)
     try:
         d_model = int(hf["hidden_size"])
         n_heads = int(hf["num_attention_heads"])

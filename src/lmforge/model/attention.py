@@ -37,7 +37,7 @@ from lmforge.model.layers import (
     scaled_dot_product_attention,
 )
 
-__all__ = ["CausalSelfAttention", "sliding_window_mask"]
+__all__ = ["CausalSelfAttention", "PartialRotaryEmbedding", "sliding_window_mask"]
 
 
 def _kernel_runs_on(x: torch.Tensor) -> bool:
@@ -119,6 +119,8 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = Linear(d, self.n_kv_heads * e)
         self.v_proj = Linear(d, self.n_kv_heads * e)
         self.output_proj = Linear(self.n_heads * e, d)
+        if config.attn_output_gate:  # Qwen3-Next: output × σ(x W_gate) before output_proj
+            self.gate_proj = Linear(d, self.n_heads * e)
         if config.qk_norm:
             self.q_norm = _Norm(e, config.norm_eps, config.norm)
             self.k_norm = _Norm(e, config.norm_eps, config.norm)
@@ -130,13 +132,18 @@ class CausalSelfAttention(nn.Module):
                 config.rope_high_freq_factor,
                 config.rope_original_context,
             )
-        self.rope = RotaryEmbedding(
-            config.rope_theta,
-            e,
-            config.context_length,
-            llama3_scaling=scaling,
-            mrope_sections=config.mrope_sections,
-        )
+        if config.rotary_dim is not None and config.rotary_dim < e:
+            self.rope: RotaryEmbedding = PartialRotaryEmbedding(
+                config.rope_theta, e, config.context_length, config.rotary_dim, scaling
+            )
+        else:
+            self.rope = RotaryEmbedding(
+                config.rope_theta,
+                e,
+                config.context_length,
+                llama3_scaling=scaling,
+                mrope_sections=config.mrope_sections,
+            )
         self.rope_backend = config.rope
         self.backend = config.attention
         self._sdpa_gqa = _torch_version() >= (2, 5)
@@ -162,7 +169,8 @@ class CausalSelfAttention(nn.Module):
             if self.window is None:
                 o = context.ops.fused_attention(self, x.view(t, -1), context)  # (N, H, E)
             if o is not None:
-                return _linear(self.output_proj, o.reshape(b, t, h * e), context)  # (1, N, D)
+                o = self._gated(o.reshape(b, t, h * e), x, context)  # (1, N, H·E)
+                return _linear(self.output_proj, o, context)  # (1, N, D)
             token_positions = context.positions
         fused_rope = self._use_fused_rope(x, token_positions, kv_cache)
         if fused_rope and self._use_packed_rope():
@@ -204,7 +212,8 @@ class CausalSelfAttention(nn.Module):
                 out = paged_window_attention(q, k, v, self.cache_index, context, self.window)
             else:
                 out = context.ops.attend(self.cache_index, q, k, v, context)  # (N, H, E)
-            return _linear(self.output_proj, out.reshape(b, t, h * e), context)  # (1, N, D)
+            out = self._gated(out.reshape(b, t, h * e), x, context)  # (1, N, H·E)
+            return _linear(self.output_proj, out, context)  # (1, N, D)
         if kv_cache is None:
             out = self._causal(q, k, v)  # (B, H, T, E)
         else:
@@ -212,7 +221,14 @@ class CausalSelfAttention(nn.Module):
             mask = kv_cache.mask if self.window is None else kv_cache.window_mask(self.window)
             out = self._masked(q, k_all, v_all, mask)  # (B, H, T, E)
         out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
-        return self.output_proj(out)  # (B, T, D)
+        return self.output_proj(self._gated(out, x, None))  # (B, T, D)
+
+    def _gated(self, out: torch.Tensor, x: torch.Tensor, context: Context | None) -> torch.Tensor:
+        """Qwen3-Next's output gate (``config.attn_output_gate``): out (B, T, H·E) ⊙ σ(x W_gate);
+        out unchanged without it."""
+        if not self.config.attn_output_gate:
+            return out
+        return out * torch.sigmoid(_linear(self.gate_proj, x, context)).to(out.dtype)
 
     def _qkv(
         self, x: torch.Tensor, context: Context | None
@@ -290,6 +306,42 @@ class CausalSelfAttention(nn.Module):
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """RoPE on the first ``rotary_dim`` dims R of each head only (``ModelConfig.rotary_dim``;
+    GPT-NeoX's, Bamba's and Qwen3-Next's "partial rotary").
+
+    Pairs i < R/2 turn at θ^(−2i/R) (llama3 scaling applies to those), the other pairs get
+    frequency 0 (cos 1, sin 0): the tables keep their (T, E/2) shape, so every RoPE path that
+    reads them (the reference, the Triton kernels, the engine's) passes those dims through
+    unchanged with no code of its own.
+    """
+
+    def __init__(
+        self,
+        theta: float,
+        d_k: int,
+        max_seq_len: int,
+        rotary_dim: int,
+        llama3_scaling: tuple[float, float, float, int] | None = None,
+    ) -> None:
+        if rotary_dim % 2 or not 2 <= rotary_dim <= d_k:
+            raise ValueError(f"rotary_dim must be even and in [2, {d_k}], got {rotary_dim}")
+        self.rotary_dim = rotary_dim  # read by reset_parameters, which __init__ calls
+        super().__init__(theta, d_k, max_seq_len, llama3_scaling=llama3_scaling)
+
+    def reset_parameters(self) -> None:
+        """(Re)compute the tables: R/2 rotating pairs, then identity pairs."""
+        device = self.cos.device
+        if device.type == "meta":
+            return
+        r2 = self.rotary_dim // 2
+        rot = RotaryEmbedding(self.theta, self.rotary_dim, self.max_seq_len, device,
+                              self.llama3_scaling)  # fmt: skip
+        with torch.no_grad():
+            self.cos[:, :r2], self.sin[:, :r2] = rot.cos, rot.sin  # (T, R/2)
+            self.cos[:, r2:], self.sin[:, r2:] = 1.0, 0.0  # (T, E/2 − R/2): no rotation
 
 
 def sliding_window_mask(t: int, window: int, device: torch.device | None = None) -> torch.Tensor:

@@ -156,6 +156,14 @@ class ModelConfig:
     " sections summing to head_dim / 2, each rotated by its own component of a token's 3-vector"
     " position (lmforge.vision.mrope_positions); empty = plain 1D RoPE. Text tokens (p, p, p)"
     " rotate exactly as with 1D RoPE"
+    rotary_dim: int | None = None
+    "partial rotary (GPT-NeoX, Bamba, Qwen3-Next): only the first rotary_dim dims of each head"
+    " rotate, at frequencies θ^(−2i/rotary_dim); the rest pass through (None = all head_dim)"
+    ssm_norm_eps: float = 1e-6
+    "M layers: epsilon of the gated RMSNorm before the out-projection (Bamba uses rms_norm_eps)"
+    attn_output_gate: bool = False
+    "A and W layers: Qwen3-Next's gated attention, the attention output times σ(x W_gate) per"
+    " channel before the output projection (one more H·E × D matrix per layer)"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_layers", "n_heads"):
@@ -209,6 +217,24 @@ class ModelConfig:
         self._check_layers()
         self._check_mla()
         self._check_mrope()
+        self._check_rotary_dim()
+        self._check_output_gate()
+
+    def _check_rotary_dim(self) -> None:
+        r = self.rotary_dim
+        if r is None:
+            return
+        if not isinstance(r, int) or isinstance(r, bool) or r < 2 or r % 2 or r > self.head_dim:
+            raise ValueError(
+                f"rotary_dim must be an even integer in [2, head_dim = {self.head_dim}] or unset,"
+                f" got {r!r}"
+            )
+        if self.attention_type != "gqa" or self.mrope_sections:
+            raise ValueError("rotary_dim (partial rotary) needs attention_type = gqa and no MRoPE")
+
+    def _check_output_gate(self) -> None:
+        if self.attn_output_gate and (self.attention_type != "gqa" or "S" in self.layers):
+            raise ValueError("attn_output_gate needs attention_type = gqa and no S (sparse) layers")
 
     def _check_mrope(self) -> None:
         sections = self.mrope_sections
@@ -305,6 +331,8 @@ class ModelConfig:
                 f"ssm_head_dim ({self.ssm_head_dim}) must divide ssm_expand·d_model"
                 f" ({self.ssm_expand * self.d_model})"
             )
+        if not self.ssm_norm_eps > 0:
+            raise ValueError(f"ssm_norm_eps must be positive, got {self.ssm_norm_eps}")
         if self.conv_size < 2:
             raise ValueError(f"conv_size must be at least 2, got {self.conv_size}")
         for name in ("dsa_topk", "dsa_index_heads", "dsa_index_dim"):

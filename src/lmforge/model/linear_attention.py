@@ -192,6 +192,13 @@ class _StateMixer(nn.Module):
 
 
 # ------------------------------------------------------------------------------ Gated DeltaNet
+def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(Σx² + eps) over the last dim: the q/k normalisation of FLA's Gated DeltaNet and
+    Qwen3-Next (``F.normalize``'s x / max(‖x‖, eps) differs from it by ~eps/‖x‖² relative,
+    1e-4 on near-zero post-SiLU vectors, which an imported Qwen3-Next's logits showed)."""
+    return x / torch.sqrt(x.float().pow(2).sum(-1, keepdim=True) + eps).to(x.dtype)
+
+
 class GatedDeltaNet(_StateMixer):
     """Gated DeltaNet token mixer (Yang et al. 2024; the layer of Qwen3-Next).
 
@@ -244,11 +251,12 @@ class GatedDeltaNet(_StateMixer):
         proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (B, T, 3HE)
         mixed, conv_state = self._convolve(proj, cu_seqlens, state)
         q, k, v = mixed.reshape(B, T, 3, H, E).unbind(2)  # (B, T, H, E) each
+        q, k = _l2norm(q), _l2norm(k)
         g, beta = self._gates(x)  # (B, T, H)
         o, ssm = gated_delta_rule(
             q, k, v, g, beta, initial_state=None if state is None else state.ssm,
             output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=self.chunk_size,
-            normalize_qk=True, backend=self.backend,
+            backend=self.backend,
         )  # fmt: skip
         return self._out(o, x), RecurrentState(conv_state, ssm.float())
 
@@ -258,7 +266,7 @@ class GatedDeltaNet(_StateMixer):
         proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (N, 3HE)
         mixed, conv_state = self.conv.step(proj, state.conv)
         q, k, v = mixed.reshape(-1, 3, H, E).unbind(1)  # (N, H, E) each
-        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+        q, k = _l2norm(q), _l2norm(k)
         g, beta = self._gates(x)  # (N, H)
         o, ssm = gated_delta_step(q, k, v, g, beta, state.ssm)
         return self._out(o, x), RecurrentState(conv_state, ssm)
@@ -286,6 +294,7 @@ class Mamba2Mixer(_StateMixer):
         conv_size: int = 4,
         chunk_size: int = 64,
         backend: str = "auto",
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         d_inner = expand * d_model
@@ -306,7 +315,7 @@ class Mamba2Mixer(_StateMixer):
         self.conv = ShortConv(self.conv_dim, conv_size, bias=True)
         self._decay_parameters(self.n_heads)
         self.D = nn.Parameter(torch.ones(self.n_heads))
-        self.norm = RMSNorm(d_inner, eps=1e-6)
+        self.norm = RMSNorm(d_inner, eps=norm_eps)  # the gated norm (ModelConfig.ssm_norm_eps)
         self.out_proj = Linear(d_inner, d_model)
 
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

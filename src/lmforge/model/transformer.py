@@ -170,7 +170,7 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
     if kind == "M":
         return Mamba2Mixer(
             config.d_model, d_state=config.ssm_state, head_dim=config.ssm_head_dim,
-            expand=config.ssm_expand, conv_size=config.conv_size,
+            expand=config.ssm_expand, conv_size=config.conv_size, norm_eps=config.ssm_norm_eps,
         )  # fmt: skip
     return LinearAttention(config.d_model, heads, head_dim, decay=config.linear_decay)
 
