@@ -22,6 +22,7 @@ VARIANTS = [
     {"n_kv_heads": 1, "qk_norm": True},
     {"qk_norm": True, "tie_embeddings": True, "d_ff": 100},
     {"n_layers": 3, "d_model": 96, "n_heads": 6, "n_kv_heads": 3},
+    {"attn_output_gate": True, "qk_norm": True, "n_kv_heads": 2, "rotary_dim": 8},  # Qwen3-Next
 ]
 
 

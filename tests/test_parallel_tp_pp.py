@@ -49,11 +49,14 @@ def _single_losses(micro: int = 1, **cfg) -> list[float]:
     return out
 
 
-def _strategy_worker(rank: int, world: int, overrides: dict, micro: int) -> dict:
+def _strategy_worker(
+    rank: int, world: int, overrides: dict, micro: int, cfg: dict | None = None
+) -> dict:
     from lmforge.parallel import ParallelConfig, build_strategy
     from lmforge.utils import Runtime
 
-    model = _model()
+    cfg = cfg or {}
+    model = _model(**cfg)
     pcfg = ParallelConfig(**overrides)
     strategy = build_strategy(model, pcfg, Runtime(rank=rank, world_size=world))
     opt = strategy.make_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
@@ -72,7 +75,7 @@ def _strategy_worker(rank: int, world: int, overrides: dict, micro: int) -> dict
     out = {"losses": losses, "keys": sorted(state)}
     if hasattr(strategy, "runner"):
         out["bubble"] = strategy.runner.last_bubble
-    ref = _model()
+    ref = _model(**cfg)
     out["shapes_ok"] = all(state[k].shape == v.shape for k, v in ref.state_dict().items())
     return out
 
@@ -80,10 +83,15 @@ def _strategy_worker(rank: int, world: int, overrides: dict, micro: int) -> dict
 def _quick_tp_pp_worker(rank: int, world: int) -> dict:
     """TP=2 and PP=2 (1F1B) losses with their references, and a bad layout's message."""
     out: dict = {}
-    for name, overrides, micro in (("tp2", {"tp": 2}, 1), ("pp2", {"pp": 2}, 4)):
+    gate = {"attn_output_gate": True}  # Qwen3-Next's gate: W_gate split by query heads
+    for name, overrides, micro, cfg in (
+        ("tp2", {"tp": 2}, 1, {}),
+        ("pp2", {"pp": 2}, 4, {}),
+        ("tp2_gate", {"tp": 2}, 1, gate),
+    ):
         out[name] = (
-            _strategy_worker(rank, world, overrides, micro)["losses"],
-            _single_losses(micro=micro),
+            _strategy_worker(rank, world, overrides, micro, cfg)["losses"],
+            _single_losses(micro=micro, **cfg),
         )
     out["bad_layout"] = (_bad_layout_worker(rank, world, {"dp": 2, "tp": 2}), None)
     return out

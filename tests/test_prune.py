@@ -4,6 +4,7 @@ structures that contribute nothing leaves the logits unchanged), parameter targe
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,9 @@ CFG = ModelConfig(
 )
 
 
-def _model() -> TransformerLM:
+def _model(**kw: object) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(CFG).eval()
+    return TransformerLM(dataclasses.replace(CFG, **kw)).eval()
 
 
 def _ids(n: int = 4, t: int = 16, seed: int = 0) -> torch.Tensor:
@@ -56,9 +57,10 @@ def test_ffn_and_layer_scores_match_direct_computation() -> None:
     assert torch.all(imp.heads > 0)
 
 
+@pytest.mark.parametrize("gate", [False, True])  # True: Qwen3-Next's attention output gate
 @torch.no_grad()
-def test_pruning_dead_ffn_channels_and_heads_is_exact() -> None:
-    model = _model()
+def test_pruning_dead_ffn_channels_and_heads_is_exact(gate: bool) -> None:
+    model = _model(attn_output_gate=gate)
     dead_f = torch.arange(0, 128, 4)  # a quarter of the FFN channels produce nothing
     for layer in model.layers:
         layer.ffn.w1.weight[dead_f] = 0.0

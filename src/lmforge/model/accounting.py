@@ -78,10 +78,12 @@ def _attention_parameters(cfg: ModelConfig, n_layers: int, producers: int) -> tu
     """(matmul weights, norm gains) of ``n_layers`` attention layers, ``producers`` of which
     compute K/V. MLA per layer: the q path ``D·H(N+R)`` (or ``D·Q + Q·H(N+R)``), ``D(C+R)``
     (producers), ``C·H(N+Ev)``, ``H·Ev·D``; gains: ``C`` (producers), ``Q``. GQA:
-    ``D·H·E + 2·D·K·E + H·E·D``; gains: 2E under QK-norm."""
+    ``D·H·E + 2·D·K·E + H·E·D`` (+ ``D·H·E``: the output gate's W_gate); gains: 2E under
+    QK-norm."""
     d, e, h, k, _, _ = _dims(cfg)
     if cfg.attention_type != "mla":
-        return n_layers * (d * h * e + 2 * d * k * e + h * e * d), n_layers * 2 * e * cfg.qk_norm
+        proj = d * h * e * (1 + cfg.attn_output_gate) + 2 * d * k * e + h * e * d
+        return n_layers * proj, n_layers * 2 * e * cfg.qk_norm
     m = cfg.mla
     c, r, q = m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank
     q_path = d * q + q * h * m.qk_head_dim if q else d * h * m.qk_head_dim
@@ -300,8 +302,8 @@ def mixer_parameters(cfg: ModelConfig, kind: str, matmul_only: bool = False) -> 
     if kind in "AWS":
         if cfg.attention_type == "mla":  # one MLA layer (every one a producer here)
             proj = _attention_parameters(cfg, 1, 1)[0]
-        else:
-            proj = d * h * e + 2 * d * k * e + h * e * d
+        else:  # q (and the output gate's W_gate), k, v, o
+            proj = d * h * e * (1 + cfg.attn_output_gate) + 2 * d * k * e + h * e * d
         return proj + (_indexer_parameters(cfg) if kind == "S" else 0)
     if kind == "G":  # q, k, v, z (D -> H·E), β and decay (D -> H), o (H·E -> D)
         lh, le = _linear_dims(cfg)
@@ -348,7 +350,9 @@ def mixer_flops(
     if kind in "AWS":
         keys = {"A": seq_len, "W": cfg.window, "S": cfg.dsa_topk}[kind]
         seen = seq_len / 2 if causal and kind == "A" else _keys_seen(keys, seq_len, causal)
-        qk_dim, v_dim, qkv = e, e, 2.0 * d * (h * e + 2 * k * e)
+        # q, k, v (and the output gate's x W_gate, counted here with the input projections)
+        qkv = 2.0 * d * (h * e * (1 + cfg.attn_output_gate) + 2 * k * e)
+        qk_dim, v_dim = e, e
         if cfg.attention_type == "mla":  # explicit form: every latent up-projected once (kv_b)
             qk_dim, v_dim = cfg.mla.qk_head_dim, cfg.mla.v_head_dim
             producers = _mla_producers(cfg) / cfg.n_layers  # CLA: a share of layers compress

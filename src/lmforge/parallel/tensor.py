@@ -102,7 +102,9 @@ def apply_tensor_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> 
                 f"tensor parallel: tp={n} must divide n_heads={attn.n_heads} and "
                 f"n_kv_heads={attn.n_kv_heads}"
             )
-        for name in _COLUMN:
+        # the output gate's W_gate (Qwen3-Next) is split by query heads, as q_proj
+        gate = ("attn.gate_proj",) if getattr(attn, "gate_proj", None) is not None else ()
+        for name in _COLUMN + gate:
             lin = block.get_submodule(name)
             _shard_weight(lin, 0, rank, n)
             lin.register_forward_pre_hook(lambda m, args, g=group: (copy_to_tp(args[0], g),))

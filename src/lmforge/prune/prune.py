@@ -91,6 +91,8 @@ def prune_width(
         state[p + "ln1.weight"] = old[p + "ln1.weight"][keep_d]
         state[p + "ln2.weight"] = old[p + "ln2.weight"][keep_d]
         state[p + "attn.q_proj.weight"] = old[p + "attn.q_proj.weight"][rows][:, keep_d]
+        if p + "attn.gate_proj.weight" in old:  # the output gate: one row block per query head
+            state[p + "attn.gate_proj.weight"] = old[p + "attn.gate_proj.weight"][rows][:, keep_d]
         state[p + "attn.k_proj.weight"] = old[p + "attn.k_proj.weight"][:, keep_d]
         state[p + "attn.v_proj.weight"] = old[p + "attn.v_proj.weight"][:, keep_d]
         state[p + "attn.output_proj.weight"] = old[p + "attn.output_proj.weight"][keep_d][:, rows]
