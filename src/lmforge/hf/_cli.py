@@ -16,17 +16,18 @@ runs/models/SmolLM2-135M-Instruct.Q4_1.gguf is what `lmforge download smollm2-13
 
 A run folder exports its latest checkpoint; a folder under its checkpoints/ exports that one.
 export writes config.json (LlamaForCausalLM; Qwen3ForCausalLM when model.qk_norm;
-DeepseekV3ForCausalLM when model.attention_type=mla, MTP modules under DeepSeek-V3's names;
+DeepseekV3ForCausalLM when model.attention_type=mla, with DeepSeek-V3 MoE layers (sigmoid
+routing, groups, routed_scale, first_dense_layers) and MTP modules under DeepSeek-V3's names;
 BambaForCausalLM when model.layers mixes Mamba-2 (M) and attention (A) layers, e.g. MMAM;
 Qwen3NextForCausalLM when it mixes Gated DeltaNet (G) and attention with model.attn_output_gate,
 model.qk_norm and model.norm_eps=1e-6), model.safetensors and tokenizer.json;
 transformers.AutoModelForCausalLM.from_pretrained(OUT) gives the same logits. import reads Llama-,
-Qwen3-, dense DeepSeek-V3-, Bamba- and dense Qwen3-Next-style folders (a Bamba's
+Qwen3-, DeepSeek-V3- (MLA, MoE, MTP), Bamba- and dense Qwen3-Next-style folders (a Bamba's
 attn_layer_indices, a Qwen3-Next's layer_types become the letters of model.layers, their partial
 rotary model.rotary_dim; no downloads: point it at a local folder) and writes an lmforge checkpoint
 folder (model.safetensors, config.toml, meta.json, tokenizer/). Not representable (one error line
 says which): RoPE scaling other than Llama 3.1's "llama3" (DeepSeek-V3's YaRN included), biases,
-sliding windows, DeepSeek MoE layers, Bamba's mamba_n_groups > 1, Qwen3-Next's grouped value heads
+sliding windows, Bamba's mamba_n_groups > 1, Qwen3-Next's grouped value heads
 and MoE layers; on export, L/W/S layers (linear, sliding-window, sparse attention: no transformers
 class mapped yet). --gguf FILE reads a llama.cpp GGUF file (Llama/Qwen3;
 F32/F16/BF16/Q8_0/Q4_0/Q4_1 tensors, dequantized to fp32) with its tokenizer and chat template.
