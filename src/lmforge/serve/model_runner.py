@@ -167,13 +167,11 @@ class ModelRunner:
         MoE experts outside bf16 on CUDA run the readable per-expert loop, which reads the
         expert counts on the host (``torch._grouped_mm`` is bf16 only): no CUDA graph can
         capture that and the compiled step would break its graph at every MoE layer. MLA
-        models run eagerly too: the compiled step packs GQA q/k/v weights and has no latent
-        cache op yet (its decode attention is still the Triton latent kernel,
-        ``StepOps.attend_latent``)."""
-        if self.config.attention_type == "mla":
-            return "MLA's latent cache has no compiled decode step yet"
-        if not self.config.full_attention_only:
-            return f"hybrid layers {self.config.layers!r} decode through the torch paths"
+        (latent cache, CLA) and hybrid layers (A, W, G, M, L) decode on the device only
+        (:mod:`lmforge.serve.compiled`: latent, window and slot-state custom ops); DSA (S)
+        layers are not served by the compiled step."""
+        if "S" in self.config.layer_types:
+            return f"DSA layers in {self.config.layers!r} decode through the torch paths"
         moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))
         if moe and self.device.type == "cuda" and dtype != torch.bfloat16:
             return f"MoE experts in {str(dtype).removeprefix('torch.')} read counts on the host"
@@ -201,7 +199,7 @@ class ModelRunner:
             return None
         from lmforge.serve.compiled import CompiledDecode
 
-        return CompiledDecode(self.model, self.cache, self.use_triton)
+        return CompiledDecode(self.model, self.cache, self.use_triton, states=self.states)
 
     def _make_graphs(self) -> Any:
         from lmforge.serve.cuda_graphs import DecodeGraphs
