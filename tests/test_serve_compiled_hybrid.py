@@ -83,6 +83,37 @@ def test_compiled_decode_equals_eager_and_generate(kind: str) -> None:
     assert eng.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("kind", ["mla_cla2", "GMWA", pytest.param("MMMA", marks=pytest.mark.slow)])
+def test_graph_replay_logic_on_cpu(kind: str) -> None:
+    """Everything around a CUDA-graph replay, on the CPU (``DecodeGraphs(emulate=True)``: the
+    eager step rerun on the static buffers): a batch of 3 padded to the bucket of 4 (padding
+    rows in the scratch block and the scratch state slot), slots copied into the static buffer,
+    a one-token prompt's slot zeroed before the replay; tokens equal ``lmforge.generate``."""
+    from lmforge.serve.cuda_graphs import DecodeGraphs
+
+    model = _model(kind)
+    prompts = _prompts()
+    want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
+    eng = Engine(model, compile=False, block_size=4, num_blocks=64, max_num_seqs=4)
+    graphs = DecodeGraphs(eng.runner, emulate=True)
+    assert graphs.sizes == [1, 2, 4]
+    seen = []
+    run = graphs.run
+
+    def counted(batch):
+        seen.append((len(batch.q_lens), batch.state_fresh is not None))
+        return run(batch)
+
+    graphs.run = counted
+    eng.runner.graphs = graphs
+    ids, _ = _run(eng, [prompts[0], *prompts[2:]])  # three sequences: bucket 4
+    one, _ = _run(eng, [prompts[1]])  # alone: its first step is decode-only, in a used slot
+    assert ids + one == [want[0], *want[2:], want[1]]
+    assert (3, False) in seen  # a padded replay
+    if model.config.attention_type != "mla":
+        assert (1, True) in seen  # the one-token prompt's slot zeroed before its replay
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_cuda_graphs_of_the_compiled_step_equal_eager(kind: str) -> None:
