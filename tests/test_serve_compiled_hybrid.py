@@ -5,8 +5,9 @@ chunked prefill (a token budget under the prompts) and a one-token prompt (its s
 zeroed in a decode-only step) included; the custom ops update the caches and slot states in
 place; on CUDA the same through CUDA graphs (``pytest -m gpu``).
 
-CPU inductor compiles take tens of seconds each: one MLA+CLA and one mixed hybrid run by
-default, the other patterns under ``-m slow``.
+CPU inductor compiles take tens of seconds each: one MLA+CLA and one mixed hybrid run through
+inductor by default (the other patterns under ``-m slow``); every other kind is traced whole
+(fullgraph) through aot_eager, which is fast.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ KINDS = {
     "GMWA": dict(layers="GMWA"),
 }
 FAST = ("mla_cla2", "GMWA")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch: dynamo's cache lives on ``decode_forward``'s code
+    object, so another model's graphs (and the recompile limit they count towards) would
+    otherwise carry over between tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _model(kind: str) -> TransformerLM:
@@ -81,6 +92,34 @@ def test_compiled_decode_equals_eager_and_generate(kind: str) -> None:
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == graphs  # no recompile after the warm-up
     assert eng.allocator.num_used == 0
+
+
+@pytest.mark.parametrize(
+    "kind", [k if k not in FAST else pytest.param(k, marks=pytest.mark.slow) for k in KINDS]
+)
+def test_every_kind_traces_whole(monkeypatch, kind: str) -> None:
+    """Every kind's decode step traces as one graph (fullgraph: a break raises, and the step
+    would fall back to eager) with no recompile past batch 2's dynamic graph and batch 1's;
+    aot_eager keeps it fast (the inductor tests above compile the same trace)."""
+    from torch._dynamo.utils import counters
+
+    from lmforge.serve import compiled
+
+    model = _model(kind)
+    prompts = _prompts()
+    want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
+    real = torch.compile
+    monkeypatch.setattr(
+        torch, "compile",
+        lambda fn, **kw: real(fn, dynamic=True, fullgraph=True, backend="aot_eager"),
+    )  # fmt: skip
+    counters.clear()
+    eng = Engine(model, compile=True, block_size=4, num_blocks=64, max_num_batched_tokens=8)
+    assert isinstance(eng.decoder, compiled.CompiledDecode)
+    assert counters["stats"]["unique_graphs"] == 2  # warm-up: batch 2 (dynamic), batch 1
+    ids, _ = _run(eng, prompts)
+    assert eng.decoder.failed is None and ids == want
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
 
 
 @pytest.mark.parametrize("kind", ["mla_cla2", "GMWA", pytest.param("MMMA", marks=pytest.mark.slow)])
