@@ -13,6 +13,22 @@ copy of the cache). Shapes are dynamic (one compile serves every batch bucket; b
 1 gets its own specialisation), and :class:`~lmforge.serve.cuda_graphs.DecodeGraphs` captures
 the compiled step per bucket like the eager one.
 
+MLA and hybrid models take the same step. An MLA layer's decode (the latent write of a
+producing layer, none for a CLA consumer, then the absorbed attention in latent space: the
+Triton latent kernel on CUDA) is one mutating custom op over the latent cache,
+``lmforge_serve::mla_decode_attention``; its projections, RMSNorm, RoPE and the absorption
+einsums are traced. A W layer's sliding-window decode is ``lmforge_serve::window_decode_attention``
+(the pages' last ceil((window − 1) / BS) + 1 blocks gathered on the device). A linear layer's
+(G, M, L) step reads its sequences' conv states by a traced gather from the state pool at the
+step's ``state_slots`` (a device tensor, staged like the block tables, so a CUDA graph replays
+it from a static buffer) and writes them back with ``lmforge_serve::write_rows``; the matrix
+state's read, recurrence (the fused Triton step kernel on CUDA) and write are one op,
+``lmforge_serve::slot_recurrence`` (:class:`CompiledSlotOps`); all mutate the pool in place.
+Slots of sequences starting at token 0 are zeroed before the step, outside it. MLA and linear
+layers have no q/k/v to pack and stay off the decode GEMV and its fused RoPE kernel (an MLA
+block's SwiGLU and the LM head still take them); a linear layer's FFN runs as its module.
+DSA (S) layers stay eager (:class:`~lmforge.serve.model_runner.ModelRunner` says why).
+
 Packed projections: at batch 1 the small K/V GEMVs cost a launch each, not bandwidth, so each
 layer's q/k/v weights (and a SwiGLU's w1/w3) are moved into one contiguous (H·E + 2·K·E, D)
 (resp. (2F, D)) tensor and the model's parameters become row views of it: one GEMM where
@@ -40,11 +56,13 @@ registers; the fused RoPE + write op is not taken for them (it stores plain rows
 
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
 engine decodes eagerly from then on; a failure on the decode GEMV's path first drops the GEMV
-(one line) and reruns the step on cuBLAS.
+(one line) and reruns the step on cuBLAS. (Compiling happens at warm-up, on the scratch block
+and the scratch state slot; a failure part-way through a real step's run would advance a
+hybrid's recurrent states twice, as no step is transactional.)
 
 Shape legend: N tokens (= S sequences in decode), D model dim, H heads, K kv-heads, E head dim,
 V vocab, L layers, NB blocks, BS block size, M table width.
-Exercised by ``pytest tests/test_serve_compiled.py``.
+Exercised by ``pytest tests/test_serve_compiled.py tests/test_serve_compiled_hybrid.py``.
 """
 
 from __future__ import annotations
@@ -68,7 +86,7 @@ from lmforge.model.mla import PagedLatentCache, write_latent
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.step import StepBatch, forward_step
 
-__all__ = ["CompiledDecode", "decode_forward", "gemv_plan", "pack_weights"]
+__all__ = ["CompiledDecode", "CompiledSlotOps", "decode_forward", "gemv_plan", "pack_weights"]
 
 GEMV_MAX_ROWS = 8  # the decode GEMV's batches (buckets 1, 2, 4, 8); larger ones are GEMMs
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # fp32 runs too (tests), but cuBLAS stays its path

@@ -9,7 +9,11 @@ with prefill eagerly. There is no forward here: :func:`forward_step` builds the 
 :class:`~lmforge.model.context.Context` (positions, slots, block tables, lengths, the kernels of
 :mod:`lmforge.serve.attention`) and calls ``TransformerLM.forward``, which runs every model switch
 (muP, QK-norm, soft-cap, tied head, GQA, RoPE scaling, MoE) the way training does; the step's
-tokens of all sequences are one flat (1, N) batch (no padding).
+tokens of all sequences are one flat (1, N) batch (no padding). GQA, MLA (latent cache, CLA)
+and hybrid patterns (A, W, G, M, L: the recurrent states in :attr:`ModelRunner.states`, one
+slot per running sequence plus a scratch slot for graph padding) all take the compiled step and
+CUDA graphs; :meth:`ModelRunner._host_reads` names what stays eager (fp32/fp16 MoE experts on
+CUDA, DSA layers).
 
 KV memory: ``num_blocks`` blocks, by default (CUDA, or any device given a ``memory_probe``) a
 fraction of the free device memory measured *after* the weights, the compiled decode step and
@@ -20,7 +24,7 @@ block more than the allocator hands out: CUDA-graph padding rows write there.
 
 Shape legend: N tokens in the step, S sequences, V vocab, M block-table width.
 Exercised by ``pytest tests/test_serve_engine.py tests/test_serve_kvbudget.py
-tests/test_serve_hostpath.py``.
+tests/test_serve_hostpath.py tests/test_serve_compiled_hybrid.py``.
 """
 
 from __future__ import annotations
