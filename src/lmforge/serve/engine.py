@@ -24,8 +24,8 @@ fit now waits. Speculative decoding is a mode of the engine (``Engine(speculativ
 Hybrid layer patterns (``model.layers``): linear layers (G, M, L) keep one recurrent-state
 slot per running sequence (:class:`~lmforge.model.linear_attention.StatePool`, ``max_num_seqs``
 slots; prefix cache off, preemption recomputes from a zeroed slot); W layers read the window
-of their pages; hybrids decode eagerly (no CUDA graphs or compiled step); S layers are refused
-in one line.
+of their pages; hybrids, like MLA models, decode through the compiled step and CUDA graphs
+(:mod:`lmforge.serve.compiled`); S layers are refused in one line.
 
 Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py
 tests/test_serve_hybrid.py``.
