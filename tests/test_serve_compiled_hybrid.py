@@ -125,9 +125,10 @@ def test_every_kind_traces_whole(monkeypatch, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["mla_cla2", "GMWA", pytest.param("MMMA", marks=pytest.mark.slow)])
 def test_graph_replay_logic_on_cpu(kind: str) -> None:
     """Everything around a CUDA-graph replay, on the CPU (``DecodeGraphs(emulate=True)``: the
-    eager step rerun on the static buffers): a batch of 3 padded to the bucket of 4 (padding
-    rows in the scratch block and the scratch state slot), slots copied into the static buffer,
-    a one-token prompt's slot zeroed before the replay; tokens equal ``lmforge.generate``."""
+        eager step rerun on the static buffers): a batch of 3 padded to the bucket of 4 (padding
+        rows in the scratch block and the scratch state slot), slots copied into the static buffer,
+        a one-token prompt's slot zeroed before the replay; an MLA model's repeated prompt served from
+    the prefix cache; tokens equal ``lmforge.generate``."""
     from lmforge.serve.cuda_graphs import DecodeGraphs
 
     model = _model(kind)
@@ -151,13 +152,17 @@ def test_graph_replay_logic_on_cpu(kind: str) -> None:
     assert (3, False) in seen  # a padded replay
     if model.config.attention_type != "mla":
         assert (1, True) in seen  # the one-token prompt's slot zeroed before its replay
+    else:  # MLA keeps the prefix cache: a repeated prompt's full blocks are hits
+        again, _ = _run(eng, [prompts[0]])
+        assert again == [want[0]] and eng.allocator.hits == 4  # 16 of its 17 tokens
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_cuda_graphs_of_the_compiled_step_equal_eager(kind: str) -> None:
     """On CUDA (graphs and compile on: the defaults) the tokens equal the eager engine's and
-    ``lmforge.generate``'s, fp32, with graph padding rows in the scratch block and slot."""
+    ``lmforge.generate``'s, fp32, with graph padding rows in the scratch block and slot
+    (log-probs within 1e-3: the Triton kernels' dot products may run in TF32)."""
     dev = torch.device("cuda")
     model = _model(kind).to(dev)
     prompts = _prompts()
@@ -173,4 +178,4 @@ def test_cuda_graphs_of_the_compiled_step_equal_eager(kind: str) -> None:
     assert eng.decoder.failed is None
     assert eager_ids == want and ids == want
     for a, b in zip(lp, eager_lp, strict=True):
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
