@@ -179,3 +179,38 @@ def test_cuda_graphs_of_the_compiled_step_equal_eager(kind: str) -> None:
     assert eager_ids == want and ids == want
     for a, b in zip(lp, eager_lp, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 5, 9, 64])
+def test_window_decode_equals_the_host_list_path(window: int) -> None:
+    """:func:`paged_window_decode` (device only: the last blocks a window can span, gathered by
+    table column) == :func:`paged_window_attention` (sequence by sequence from host lists), for
+    windows under, at and over the block size, ragged lengths and GQA; the pages written alike."""
+    from types import SimpleNamespace
+
+    from lmforge.model.attention import paged_window_decode
+    from lmforge.model.kv_cache import paged_window_attention
+
+    g = torch.Generator().manual_seed(0)
+    nb, bs, kv, h, e = 12, 4, 2, 4, 8
+    lens = [1, 4, 5, 11, 17]
+    tables = [torch.randperm(nb - 1, generator=g)[: -(-n // bs)].tolist() for n in lens]
+    width = max(map(len, tables))
+    pad = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)])
+    k_pages = torch.randn(1, nb, bs, kv, e, generator=g, dtype=torch.float64)
+    v_pages = torch.randn(1, nb, bs, kv, e, generator=g, dtype=torch.float64)
+    q = torch.randn(len(lens), h, e, generator=g, dtype=torch.float64)
+    k = torch.randn(len(lens), kv, e, generator=g, dtype=torch.float64)
+    v = torch.randn(len(lens), kv, e, generator=g, dtype=torch.float64)
+    ctx = SimpleNamespace(
+        k_cache=k_pages.clone(), v_cache=v_pages.clone(), slots=slots, ctx_lens_list=lens,
+        q_lens=[1] * len(lens), tables_list=tables, ctx_lens=torch.tensor(lens),
+    )  # fmt: skip
+    want = paged_window_attention(q, k, v, 0, ctx, window)
+    kp, vp = k_pages[0].clone(), v_pages[0].clone()
+    got = paged_window_decode(q, k, v, kp, vp, slots, pad, torch.tensor(lens, dtype=torch.int32),
+                              window)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(kp, ctx.k_cache[0])
+    torch.testing.assert_close(vp, ctx.v_cache[0])

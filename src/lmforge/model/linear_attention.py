@@ -7,7 +7,12 @@ size instead of a KV cache:
     the chunked kernels (:mod:`lmforge.kernels.gated_delta`, :mod:`lmforge.kernels.ssd`; Triton on
     CUDA, the chunked torch path on CPU — ``backend`` picks); packed sequences via ``cu_seqlens``
     (then B = 1), and ``state`` continues sequences from an earlier call (prefill into a cache).
-  * ``step(x_t, state) -> (y_t, new_state)`` — one decoding token per sequence, x_t (N, D).
+  * ``step(x_t, state) -> (y_t, new_state)`` — one decoding token per sequence, x_t (N, D);
+    it is ``step_with(x_t, conv, recur)`` over the state's own tensors. ``step_with`` takes the
+    conv state and reaches the matrix state through a :class:`Recurrence`, so the serving
+    engine's decode (:func:`mix_paged`) updates its :class:`StatePool` slots in place through
+    :class:`SlotOps` (torch index ops eagerly, mutating custom ops in the compiled step and its
+    CUDA graphs: no host read, the slots a device tensor).
   * ``init_state(batch, dtype, device)`` — the zero state; :meth:`RecurrentState.nbytes` and
     ``state_bytes(dtype)`` give its size (constant in context length).
 The state of a layer is a :class:`RecurrentState`: the short convolution's last W − 1 inputs
@@ -15,7 +20,7 @@ The state of a layer is a :class:`RecurrentState`: the short convolution's last 
 
 Simplifications: query, key and value heads are equal in number (no grouped value heads as in
 Qwen3-Next's 16:32); Mamba-2's gated norm spans the whole inner width (one group). Exercise:
-``pytest tests/test_linear_attention.py``.
+``pytest tests/test_linear_attention.py tests/test_serve_compiled_hybrid.py``.
 """
 
 from __future__ import annotations
