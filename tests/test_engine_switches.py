@@ -66,6 +66,14 @@ SWITCHES: dict[str, dict] = {
     # token (selection drops keys), alone and among G/W layers
     "dsa": dict(layers="SASA", n_layers=4, dsa_topk=4, dsa_index_heads=2, dsa_index_dim=8),
     "dsa_mixed": dict(DSA_MIXED, dsa_index_dim=8, qk_norm=True),
+    # Qwen3-Next's attention output gate and partial rotary (Bamba, GPT-NeoX), and the two HF
+    # hybrids they come with (GDN + gated attention; Mamba-2 with its own gated-norm eps)
+    "output_gate": dict(attn_output_gate=True, qk_norm=True, n_kv_heads=2),
+    "partial_rope": dict(rotary_dim=8),
+    "qwen3_next": dict(
+        layers="GGGA", n_layers=4, attn_output_gate=True, qk_norm=True, rotary_dim=4
+    ),
+    "bamba": dict(layers="MMAM", n_layers=4, rotary_dim=8, ssm_norm_eps=1e-5),
     "all": dict(
         mup=True,
         mup_base_width=32,
@@ -119,7 +127,8 @@ ENGINES = {
     # 10 blocks for prompts + outputs needing 20: sequences are preempted and recomputed
     "preempt": dict(block_size=4, num_blocks=10),
 }
-HYBRIDS = ("gdn", "mamba2", "linear", "window", "mixed", "mla_hybrid", "dsa", "dsa_mixed")
+HYBRIDS = ("gdn", "mamba2", "linear", "window", "mixed", "mla_hybrid", "dsa", "dsa_mixed",
+           "qwen3_next", "bamba")  # fmt: skip
 
 ROWS = [(name, kw, "default") for name, kw in {**SWITCHES, **SHIPPED}.items()]
 ROWS += [

@@ -25,7 +25,16 @@ def _prompts(lengths=(3, 17, 40, 5)) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, pytest.param(dict(qk_norm=True, head_dim=32), marks=pytest.mark.slow)]
+    "kw",
+    [
+        {},
+        pytest.param(dict(qk_norm=True, head_dim=32), marks=pytest.mark.slow),
+        # Qwen3-Next's output gate with partial rotary: the gate rides in the traced forward,
+        # partial RoPE takes the unfused rotary path
+        pytest.param(
+            dict(attn_output_gate=True, qk_norm=True, rotary_dim=4), marks=pytest.mark.slow
+        ),
+    ],
 )
 def test_compiled_decode_is_token_identical(kw: dict) -> None:
     model = _model(**kw)

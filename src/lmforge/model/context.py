@@ -143,6 +143,32 @@ class StepOps:
             q_abs, pages, ctx.block_tables, ctx.ctx_lens, kv_lora_rank=kv_lora_rank, scale=scale
         )
 
+    def attend_window(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: Context,
+        window: int,
+    ) -> torch.Tensor:
+        """Sliding-window attention (W layers): write k, v (N, K, E) at ``ctx.slots`` of layer
+        ``layer``'s pages, then each query attends to the keys of its last ``window`` positions
+        -> (N, H, E). The default: decode steps on the device only
+        (:func:`lmforge.model.attention.paged_window_decode`: no host read, so a compiled or
+        graph-captured step can run it), other steps sequence by sequence from the host lists
+        (:func:`lmforge.model.kv_cache.paged_window_attention`)."""
+        if ctx.decode:
+            from lmforge.model.attention import paged_window_decode
+
+            return paged_window_decode(
+                q, k, v, ctx.k_cache[layer], ctx.v_cache[layer], ctx.slots, ctx.block_tables,
+                ctx.ctx_lens, window,
+            )  # fmt: skip
+        from lmforge.model.kv_cache import paged_window_attention
+
+        return paged_window_attention(q, k, v, layer, ctx, window)
+
 
 @dataclasses.dataclass
 class Context:

@@ -7,7 +7,12 @@ size instead of a KV cache:
     the chunked kernels (:mod:`lmforge.kernels.gated_delta`, :mod:`lmforge.kernels.ssd`; Triton on
     CUDA, the chunked torch path on CPU — ``backend`` picks); packed sequences via ``cu_seqlens``
     (then B = 1), and ``state`` continues sequences from an earlier call (prefill into a cache).
-  * ``step(x_t, state) -> (y_t, new_state)`` — one decoding token per sequence, x_t (N, D).
+  * ``step(x_t, state) -> (y_t, new_state)`` — one decoding token per sequence, x_t (N, D);
+    it is ``step_with(x_t, conv, recur)`` over the state's own tensors. ``step_with`` takes the
+    conv state and reaches the matrix state through a :class:`Recurrence`, so the serving
+    engine's decode (:func:`mix_paged`) updates its :class:`StatePool` slots in place through
+    :class:`SlotOps` (torch index ops eagerly, mutating custom ops in the compiled step and its
+    CUDA graphs: no host read, the slots a device tensor).
   * ``init_state(batch, dtype, device)`` — the zero state; :meth:`RecurrentState.nbytes` and
     ``state_bytes(dtype)`` give its size (constant in context length).
 The state of a layer is a :class:`RecurrentState`: the short convolution's last W − 1 inputs
@@ -15,7 +20,7 @@ The state of a layer is a :class:`RecurrentState`: the short convolution's last 
 
 Simplifications: query, key and value heads are equal in number (no grouped value heads as in
 Qwen3-Next's 16:32); Mamba-2's gated norm spans the whole inner width (one group). Exercise:
-``pytest tests/test_linear_attention.py``.
+``pytest tests/test_linear_attention.py tests/test_serve_compiled_hybrid.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmforge.kernels.gated_delta import gated_delta_rule, gated_delta_step
-from lmforge.kernels.ssd import linear_attention, linear_attention_step, ssd, ssd_step
+from lmforge.kernels.ssd import linear_attention, linear_attention_step, ssd
 from lmforge.model.layers import Linear, RMSNorm
 
 
@@ -47,6 +52,46 @@ class RecurrentState:
         """Bytes held for all N sequences."""
         conv = 0 if self.conv is None else self.conv.numel() * self.conv.element_size()
         return conv + self.ssm.numel() * self.ssm.element_size()
+
+
+class Recurrence:
+    """The matrix-state update of one decode token, as the mixers' :meth:`step_with` call it:
+    ``recur(q, k, v, g, beta, scale) -> o``. q, k (N, H, K), v (N, H, V), g (N, H) log decay
+    or None, beta (N, H) (the delta rule: Gated DeltaNet) or None (plain / decayed linear
+    attention, Mamba-2's SSD) → o (N, H, V) in v's dtype; the state moves on as a side effect.
+
+    This base class carries one batch's own state tensor (``ssm`` (N, H, K, V), replaced by the
+    new state after each call: the reference loop). The engine's decode steps read and write
+    their slots of the :class:`StatePool` instead (:class:`SlotOps`). ``dtype``: the state's,
+    the precision the mixers compute the recurrence's inputs in."""
+
+    def __init__(self, ssm: Tensor) -> None:
+        self.ssm = ssm
+        self.dtype = ssm.dtype
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, scale: float
+    ) -> Tensor:
+        o, self.ssm = recurrence_step(q, k, v, g, beta, self.ssm, scale)
+        return o
+
+
+def recurrence_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    beta: Tensor | None,
+    state: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One token of the recurrence (see :class:`Recurrence`): the gated delta rule with
+    ``beta``, else (decayed) linear attention; their kernels' ``auto`` backend (Triton on
+    CUDA). Returns (o, the new state)."""
+    if beta is not None:
+        assert g is not None
+        return gated_delta_step(q, k, v, g, beta, state, scale=scale)
+    return linear_attention_step(q, k, v, g, state, scale=scale)
 
 
 # --------------------------------------------------------------------- short causal convolution
@@ -190,6 +235,21 @@ class _StateMixer(nn.Module):
         """Bytes of one sequence's state (independent of its length)."""
         return self.init_state(1, dtype, "meta").nbytes()
 
+    def step(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
+        """x (N, D), one token per sequence → (y (N, D), new state): :meth:`step_with` over
+        ``state``'s own tensors (the reference loop; the engine's decode steps call
+        :meth:`step_with` with its slot states, :func:`mix_paged`)."""
+        recur = Recurrence(state.ssm)
+        y, conv = self.step_with(x, state.conv, recur)
+        return y, RecurrentState(conv, recur.ssm)
+
+    def step_with(
+        self, x: Tensor, conv: Tensor | None, recur: Recurrence
+    ) -> tuple[Tensor, Tensor | None]:
+        """One decode token per sequence with the conv state given and the matrix state behind
+        ``recur``: (y (N, D), the new conv state)."""
+        raise NotImplementedError
+
 
 # ------------------------------------------------------------------------------ Gated DeltaNet
 def _l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
@@ -260,16 +320,18 @@ class GatedDeltaNet(_StateMixer):
         )  # fmt: skip
         return self._out(o, x), RecurrentState(conv_state, ssm.float())
 
-    def step(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
-        """x (N, D), one token per sequence → (y (N, D), new state)."""
+    def step_with(
+        self, x: Tensor, conv: Tensor | None, recur: Recurrence
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (N, D), one token per sequence, after conv state (N, C, W − 1); the recurrence
+        through ``recur`` (see :class:`Recurrence`) → (y (N, D), the new conv state)."""
         H, E = self.n_heads, self.head_dim
         proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (N, 3HE)
-        mixed, conv_state = self.conv.step(proj, state.conv)
+        mixed, conv_state = self.conv.step(proj, conv)
         q, k, v = mixed.reshape(-1, 3, H, E).unbind(1)  # (N, H, E) each
         q, k = _l2norm(q), _l2norm(k)
         g, beta = self._gates(x)  # (N, H)
-        o, ssm = gated_delta_step(q, k, v, g, beta, state.ssm)
-        return self._out(o, x), RecurrentState(conv_state, ssm)
+        return self._out(recur(q, k, v, g, beta, E**-0.5), x), conv_state
 
     def _state_dims(self) -> tuple[int, int]:
         return self.head_dim, self.head_dim
@@ -342,18 +404,28 @@ class Mamba2Mixer(_StateMixer):
         )  # fmt: skip
         return self._out(y, z), RecurrentState(conv_state, ssm.float())
 
-    def step(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
-        """x (N, D), one token per sequence → (y (N, D), new state)."""
+    def step_with(
+        self, x: Tensor, conv: Tensor | None, recur: Recurrence
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (N, D), one token per sequence, after conv state (N, C, W − 1); the recurrence
+        through ``recur`` → (y (N, D), the new conv state).
+
+        SSD's step as linear attention (what :func:`~lmforge.kernels.ssd.ssd_step` computes):
+        q = C, k = B (one group, every head), v = Δ·x, log decay Δ·A, scale 1, then + D ⊙ x;
+        in the state's dtype (float32), as there."""
         H, P, N = self.n_heads, self.head_dim, self.d_state
         z, xbc, dt = self._split(x)
-        xbc, conv_state = self.conv.step(xbc, state.conv)
+        xbc, conv_state = self.conv.step(xbc, conv)
         xs, Bm, Cm = xbc.split([self.d_inner, N, N], -1)
         dt, A = self._step_size(dt)  # (N, H), (H,)
-        y, ssm = ssd_step(
-            xs.unflatten(-1, (H, P)), dt, A, Bm[:, None], Cm[:, None],
-            state.ssm, D=self.D,
-        )  # fmt: skip
-        return self._out(y, z), RecurrentState(conv_state, ssm)
+        xs = xs.unflatten(-1, (H, P))  # (N, H, P)
+        acc = recur.dtype
+        q = Cm[:, None].expand(-1, H, -1)  # (N, H, N_s)
+        k = Bm[:, None].expand(-1, H, -1)  # (N, H, N_s)
+        v = xs.to(acc) * dt.to(acc)[..., None]  # (N, H, P)
+        y = recur(q, k, v, dt.to(acc) * A.to(acc), None, 1.0)  # (N, H, P)
+        y = y + self.D.to(acc)[:, None] * xs.to(acc)
+        return self._out(y.to(x.dtype), z), conv_state
 
     def reset_parameters(self) -> None:
         """Decay parameters as Mamba-2 initialises them; the skip D at ones."""
@@ -418,13 +490,16 @@ class LinearAttention(_StateMixer):
         )  # fmt: skip
         return self.o_proj(self.o_norm(o).flatten(-2)), RecurrentState(None, ssm.float())
 
-    def step(self, x: Tensor, state: RecurrentState) -> tuple[Tensor, RecurrentState]:
-        """x (N, D), one token per sequence → (y (N, D), new state)."""
+    def step_with(
+        self, x: Tensor, conv: Tensor | None, recur: Recurrence
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (N, D), one token per sequence (no conv state: ``conv`` is None); the recurrence
+        through ``recur`` → (y (N, D), None)."""
         q, k, v = self._qkv(x)  # (N, H, E)
         ld = self.log_decay(x.device)
-        g = None if ld is None else ld.expand(x.shape[0], -1)
-        o, ssm = linear_attention_step(q, k, v, g, state.ssm, scale=self.head_dim**-0.5)
-        return self.o_proj(self.o_norm(o).flatten(-2)), RecurrentState(None, ssm)
+        g = None if ld is None else ld.expand(x.shape[0], -1)  # (N, H)
+        o = recur(q, k, v, g, None, self.head_dim**-0.5)  # (N, H, E)
+        return self.o_proj(self.o_norm(o).flatten(-2)), None
 
     def _state_dims(self) -> tuple[int, int]:
         return self.head_dim, self.head_dim
@@ -434,22 +509,25 @@ class LinearAttention(_StateMixer):
 class StatePool:
     """The engine's recurrent states: a fixed number of slots per linear layer, sized at start.
 
-    Layout: for every linear layer l (its block index), ``conv[l]`` (NS, C, W − 1) in the
-    activation dtype (absent for a layer without a convolution) and ``ssm[l]`` (NS, H, K, V)
+    Layout: for every linear layer l (its block index), ``conv[l]`` (NS + 1, C, W − 1) in the
+    activation dtype (absent for a layer without a convolution) and ``ssm[l]`` (NS + 1, H, K, V)
     float32, NS = ``num_slots``. A sequence holds one slot from admission to finish, abort or
-    preemption (the scheduler's :class:`~lmforge.serve.scheduler.Scheduler` hands them out);
-    a slot is zeroed when its sequence (re)starts at token 0. Size per sequence is constant in
-    its length (:meth:`bytes_per_slot`).
+    preemption (the scheduler's :class:`~lmforge.serve.scheduler.Scheduler` hands out slots
+    0..NS − 1); a slot is zeroed when its sequence (re)starts at token 0. Row NS,
+    :attr:`scratch_slot`, is never handed out: the padding rows of a CUDA graph and the
+    compiled step's warm-up write there (as their KV goes to the cache's scratch block). Size
+    per sequence is constant in its length (:meth:`bytes_per_slot`).
     """
 
     def __init__(
         self, mixers: dict[int, nn.Module], num_slots: int, device: torch.device, dtype: torch.dtype
     ) -> None:
         self.num_slots = num_slots
+        self.scratch_slot = num_slots
         self.conv: dict[int, Tensor] = {}
         self.ssm: dict[int, Tensor] = {}
         for layer, mixer in mixers.items():
-            st = mixer.init_state(num_slots, dtype, device)
+            st = mixer.init_state(num_slots + 1, dtype, device)
             if st.conv is not None:
                 self.conv[layer] = st.conv
             self.ssm[layer] = st.ssm
@@ -476,6 +554,63 @@ class StatePool:
         self.ssm[layer].index_copy_(0, slots, state.ssm.float())
 
 
+class SlotOps:
+    """How a decode step's linear layers reach their slots of the :class:`StatePool`: the
+    recurrence over the matrix states (read, update, write back) and the conv states' write.
+    These are torch index ops (the eager step); the engine's compiled decode step
+    (:mod:`lmforge.serve.compiled`) makes each one opaque mutating custom op, so the pool is
+    updated in place (no functional copy of it) and a CUDA graph replays the slot indices from
+    its static buffer."""
+
+    def recur(
+        self,
+        pool: Tensor,
+        slots: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor | None,
+        beta: Tensor | None,
+        scale: float,
+    ) -> Tensor:
+        """:func:`slot_recurrence`."""
+        return slot_recurrence(pool, slots, q, k, v, g, beta, scale)
+
+    def write_rows(self, pool: Tensor, slots: Tensor, rows: Tensor) -> None:
+        """pool[slots] = rows (in the pool's dtype)."""
+        pool.index_copy_(0, slots, rows.to(pool.dtype))
+
+
+def slot_recurrence(
+    pool: Tensor,
+    slots: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    beta: Tensor | None,
+    scale: float,
+) -> Tensor:
+    """One token of :func:`recurrence_step` for S sequences whose matrix states are rows
+    ``slots`` (S,) of ``pool`` (NS + 1, H, K, V): read, update, written back -> o (S, H, V)."""
+    o, new = recurrence_step(q, k, v, g, beta, pool[slots], scale)
+    pool.index_copy_(0, slots, new.to(pool.dtype))
+    return o
+
+
+class _SlotRecurrence(Recurrence):
+    """:class:`Recurrence` over a step's slots of one layer's pool, through ``ops``."""
+
+    def __init__(self, ops: SlotOps, pool: Tensor, slots: Tensor) -> None:
+        self.ops, self.pool, self.slots = ops, pool, slots
+        self.dtype = pool.dtype
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, scale: float
+    ) -> Tensor:
+        return self.ops.recur(self.pool, self.slots, q, k, v, g, beta, scale)
+
+
 @dataclasses.dataclass
 class StepStates:
     """An engine step's view of the :class:`StatePool`: the slot of each of its S sequences.
@@ -485,6 +620,8 @@ class StepStates:
     pool: StatePool
     slots: Tensor
     "(S,) long state slot of each sequence of the step, in step order"
+    ops: SlotOps = dataclasses.field(default_factory=SlotOps)
+    "how decode steps read and write the slots (the compiled step's custom ops, or torch's)"
 
 
 def mix_paged(
@@ -492,18 +629,25 @@ def mix_paged(
 ) -> Tensor:
     """A linear mixer over one engine step's flat tokens x (1, N, D) -> (1, N, D).
 
-    Decode steps (one token per sequence, ``q_lens`` None or all 1) run the mixer's ``step``;
-    other steps (prefill chunks, mixed with decodes) run its chunked ``forward`` over the packed
-    sequences (``cu_seqlens`` from ``q_lens``), each starting from its slot's state. The final
-    states go back to the slots, so the next chunk or token continues from them."""
-    start = states.pool.read(layer, states.slots)
+    Decode steps (one token per sequence, ``q_lens`` None or all 1) run the mixer's
+    ``step_with`` on the slots' conv states, the recurrence reading and writing the slots'
+    matrix states through ``states.ops`` (no host read: the slots are a device tensor, so a
+    compiled or graph-captured step replays them); other steps (prefill chunks, mixed with
+    decodes) run its chunked ``forward`` over the packed sequences (``cu_seqlens`` from
+    ``q_lens``), each starting from its slot's state. The final states go back to the slots,
+    so the next chunk or token continues from them."""
+    pool, slots = states.pool, states.slots
     if q_lens is None or all(n == 1 for n in q_lens):
-        y, new = mixer.step(x[0], start)  # (S, D)
-        y = y[None]  # (1, S, D) = (1, N, D)
-    else:
-        cu = torch.tensor([0, *q_lens], device=x.device).cumsum(0).to(torch.int32)  # (S + 1,)
-        y, new = mixer(x, cu, start)  # (1, N, D)
-    states.pool.write(layer, states.slots, new)
+        conv_pool = pool.conv.get(layer)
+        conv = None if conv_pool is None else conv_pool[slots]  # (S, C, W − 1)
+        recur = _SlotRecurrence(states.ops, pool.ssm[layer], slots)
+        y, new_conv = mixer.step_with(x[0], conv, recur)  # (S, D)
+        if conv_pool is not None:
+            states.ops.write_rows(conv_pool, slots, new_conv)
+        return y[None]  # (1, S, D) = (1, N, D)
+    cu = torch.tensor([0, *q_lens], device=x.device).cumsum(0).to(torch.int32)  # (S + 1,)
+    y, new = mixer(x, cu, pool.read(layer, slots))  # (1, N, D)
+    pool.write(layer, slots, new)
     return y
 
 

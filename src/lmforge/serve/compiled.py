@@ -13,6 +13,22 @@ copy of the cache). Shapes are dynamic (one compile serves every batch bucket; b
 1 gets its own specialisation), and :class:`~lmforge.serve.cuda_graphs.DecodeGraphs` captures
 the compiled step per bucket like the eager one.
 
+MLA and hybrid models take the same step. An MLA layer's decode (the latent write of a
+producing layer, none for a CLA consumer, then the absorbed attention in latent space: the
+Triton latent kernel on CUDA) is one mutating custom op over the latent cache,
+``lmforge_serve::mla_decode_attention``; its projections, RMSNorm, RoPE and the absorption
+einsums are traced. A W layer's sliding-window decode is ``lmforge_serve::window_decode_attention``
+(the pages' last ceil((window − 1) / BS) + 1 blocks gathered on the device). A linear layer's
+(G, M, L) step reads its sequences' conv states by a traced gather from the state pool at the
+step's ``state_slots`` (a device tensor, staged like the block tables, so a CUDA graph replays
+it from a static buffer) and writes them back with ``lmforge_serve::write_rows``; the matrix
+state's read, recurrence (the fused Triton step kernel on CUDA) and write are one op,
+``lmforge_serve::slot_recurrence`` (:class:`CompiledSlotOps`); all mutate the pool in place.
+Slots of sequences starting at token 0 are zeroed before the step, outside it. MLA and linear
+layers have no q/k/v to pack and stay off the decode GEMV and its fused RoPE kernel (an MLA
+block's SwiGLU and the LM head still take them); a linear layer's FFN runs as its module.
+DSA (S) layers stay eager (:class:`~lmforge.serve.model_runner.ModelRunner` says why).
+
 Packed projections: at batch 1 the small K/V GEMVs cost a launch each, not bandwidth, so each
 layer's q/k/v weights (and a SwiGLU's w1/w3) are moved into one contiguous (H·E + 2·K·E, D)
 (resp. (2F, D)) tensor and the model's parameters become row views of it: one GEMM where
@@ -40,16 +56,19 @@ registers; the fused RoPE + write op is not taken for them (it stores plain rows
 
 Fallback: if compiling or running the compiled step fails, one line on stderr says so and the
 engine decodes eagerly from then on; a failure on the decode GEMV's path first drops the GEMV
-(one line) and reruns the step on cuBLAS.
+(one line) and reruns the step on cuBLAS. (Compiling happens at warm-up, on the scratch block
+and the scratch state slot; a failure part-way through a real step's run would advance a
+hybrid's recurrent states twice, as no step is transactional.)
 
 Shape legend: N tokens (= S sequences in decode), D model dim, H heads, K kv-heads, E head dim,
 V vocab, L layers, NB blocks, BS block size, M table width.
-Exercised by ``pytest tests/test_serve_compiled.py``.
+Exercised by ``pytest tests/test_serve_compiled.py tests/test_serve_compiled_hybrid.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import weakref
 from collections.abc import Iterator
@@ -59,12 +78,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.model import mup
+from lmforge.model.attention import CausalSelfAttention, paged_window_decode
 from lmforge.model.context import Context, PagedKVCache, StepOps
 from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable
+from lmforge.model.linear_attention import SlotOps, StatePool, StepStates, slot_recurrence
+from lmforge.model.mla import PagedLatentCache, write_latent
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.step import StepBatch, forward_step
 
-__all__ = ["CompiledDecode", "decode_forward", "gemv_plan", "pack_weights"]
+__all__ = ["CompiledDecode", "CompiledSlotOps", "decode_forward", "gemv_plan", "pack_weights"]
 
 GEMV_MAX_ROWS = 8  # the decode GEMV's batches (buckets 1, 2, 4, 8); larger ones are GEMMs
 GEMV_DTYPES = (torch.bfloat16, torch.float16)  # fp32 runs too (tests), but cuBLAS stays its path
@@ -94,6 +116,120 @@ def _decode_attention(
 @_decode_attention.register_fake
 def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_triton):
     return q.new_empty(q.shape)  # contiguous, as the real op returns (inductor checks strides)
+
+
+@torch.library.custom_op("lmforge_serve::mla_decode_attention", mutates_args=("cache",))
+def _mla_decode_attention(
+    q_abs: torch.Tensor,
+    latent: torch.Tensor | None,
+    cache: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    kv_lora_rank: int,
+    scale: float,
+    use_triton: int,
+) -> torch.Tensor:
+    """MLA decode: write ``latent`` (S, C + R) (None: a CLA consumer writes nothing) at
+    ``slots`` of layer ``layer`` of the (L_kv, NB, BS, C + R) latent cache, then absorbed
+    attention for q_abs (S, H, C + R) -> (S, H, C) (:func:`lmforge.kernels.mla_decode.mla_decode`:
+    the Triton kernel on CUDA). ``use_triton``: -1 auto, 0 no, 1 yes."""
+    from lmforge.kernels.mla_decode import mla_decode
+
+    pages = cache[layer]  # (NB, BS, C+R)
+    if latent is not None:
+        write_latent(pages, slots, latent)
+    flag = None if use_triton < 0 else bool(use_triton)
+    return mla_decode(q_abs, pages, block_tables, ctx_lens, kv_lora_rank=kv_lora_rank,
+                      scale=scale, use_triton=flag).contiguous()  # fmt: skip
+
+
+@_mla_decode_attention.register_fake
+def _(q_abs, latent, cache, layer, slots, block_tables, ctx_lens, kv_lora_rank, scale,
+      use_triton):  # fmt: skip
+    return q_abs.new_empty((*q_abs.shape[:2], kv_lora_rank))
+
+
+@torch.library.custom_op(
+    "lmforge_serve::window_decode_attention", mutates_args=("k_cache", "v_cache")
+)
+def _window_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """A W layer's decode: :func:`~lmforge.model.attention.paged_window_decode` on layer
+    ``layer``'s pages of the (L, NB, BS, K, E) caches -> (S, H, E)."""
+    return paged_window_decode(
+        q, k, v, k_cache[layer], v_cache[layer], slots, block_tables, ctx_lens, window
+    ).contiguous()
+
+
+@_window_decode_attention.register_fake
+def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, window):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("lmforge_serve::slot_recurrence", mutates_args=("pool",))
+def _slot_recurrence(
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """A linear layer's recurrence over its slot states (read, one token, written back in
+    place): :func:`~lmforge.model.linear_attention.slot_recurrence` -> o (S, H, V)."""
+    return slot_recurrence(pool, slots, q, k, v, g, beta, scale).contiguous()
+
+
+@_slot_recurrence.register_fake
+def _(pool, slots, q, k, v, g, beta, scale):
+    return v.new_empty(v.shape)  # o in v's dtype, as the kernels return it
+
+
+@torch.library.custom_op("lmforge_serve::write_rows", mutates_args=("pool",))
+def _write_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[slots] = rows, in place (a linear layer's conv states)."""
+    pool.index_copy_(0, slots, rows.to(pool.dtype))
+
+
+@_write_rows.register_fake
+def _(pool, slots, rows):
+    return None
+
+
+class CompiledSlotOps(SlotOps):
+    """:class:`~lmforge.model.linear_attention.SlotOps` as opaque mutating custom ops: the
+    state pool is updated in place inside the compiled step (a traced ``index_copy_`` on it
+    would be functionalised into a copy of the whole pool)."""
+
+    def recur(
+        self,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor | None,
+        beta: torch.Tensor | None,
+        scale: float,
+    ) -> torch.Tensor:
+        return torch.ops.lmforge_serve.slot_recurrence(pool, slots, q, k, v, g, beta, scale)
+
+    def write_rows(self, pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        torch.ops.lmforge_serve.write_rows(pool, slots, rows)
 
 
 @torch.library.custom_op("lmforge_serve::gemv", mutates_args=())
@@ -194,9 +330,15 @@ def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tens
     out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
     for layer in model.layers:
         attn, ffn = layer.attn, layer.ffn
-        # only plain Linears pack (a quantized or hooked module runs as itself, unpacked)
-        qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
-        qkv = _pack_rows(qkv_mods) if _fusable(*qkv_mods) else None
+        if getattr(layer, "recurrent", False):  # a linear mixer's block: its FFN runs unpacked
+            out.append((None, None))
+            continue
+        # only plain Linears pack (a quantized or hooked module runs as itself, unpacked); MLA
+        # projects through its own modules (no q/k/v to pack)
+        qkv = None
+        if isinstance(attn, CausalSelfAttention):
+            qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
+            qkv = _pack_rows(qkv_mods) if _fusable(*qkv_mods) else None
         swiglu = isinstance(ffn, SwiGLU) and _fusable(ffn.w1, ffn.w3)
         w13 = _pack_rows([ffn.w1, ffn.w3]) if swiglu else None
         out.append((qkv, w13))
@@ -238,6 +380,9 @@ def gemv_plan(
         ffn = layer.ffn
         w2 = lin(ffn.w2) if w13 is not None else 0
         attn = layer.attn
+        if not isinstance(attn, CausalSelfAttention):  # MLA and linear mixers: own modules
+            layers.append((0, 0, ok(w13), w2, False))
+            continue
         fuse = (
             ok(qkv_w) > 0
             and (not attn.config.qk_norm or _plain_qk_norm(attn))
@@ -294,6 +439,36 @@ class DecodeOps(StepOps):
             self.use_triton,
         )  # (S, H, E)  # fmt: skip
 
+    def attend_latent(
+        self,
+        layer: int,
+        q_abs: torch.Tensor,
+        latent: torch.Tensor | None,
+        ctx: Context,
+        *,
+        kv_lora_rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        assert ctx.latent_cache is not None
+        return torch.ops.lmforge_serve.mla_decode_attention(
+            q_abs, latent, ctx.latent_cache, layer, ctx.slots, ctx.block_tables, ctx.ctx_lens,
+            kv_lora_rank, scale, self.use_triton,
+        )  # (S, H, C)  # fmt: skip
+
+    def attend_window(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: Context,
+        window: int,
+    ) -> torch.Tensor:
+        return torch.ops.lmforge_serve.window_decode_attention(
+            q, k, v, ctx.k_cache, ctx.v_cache, layer, ctx.slots, ctx.block_tables, ctx.ctx_lens,
+            window,
+        )  # (S, H, E)  # fmt: skip
+
     def packed(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self._packed[layer] if self._packed is not None else (None, None)
 
@@ -335,7 +510,8 @@ def _plan_weights(
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
         layer = model.layers[i]
         out += [(w, g) for w, g in ((qkv_w, g_qkv), (w13, g_13)) if w is not None]
-        out.append((layer.attn.output_proj.weight, g_o))
+        if isinstance(layer.attn, CausalSelfAttention):
+            out.append((layer.attn.output_proj.weight, g_o))
         if w13 is not None:
             out.append((layer.ffn.w2.weight, g_2))
     return [*out, (model.lm_head.weight, plan[1])]
@@ -351,11 +527,20 @@ def decode_forward(
     block_tables: torch.Tensor,
     ctx_lens: torch.Tensor,
     ops: DecodeOps,
+    latent_cache: torch.Tensor | None = None,
+    states: StatePool | None = None,
+    state_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step (one token per sequence, so row i is sequence i's last token) through
-    the model's own forward with ``ops``' kernels: logits (S, V) float32. This is what
-    :class:`CompiledDecode` compiles."""
-    ctx = Context(positions, slots, block_tables, ctx_lens, k_cache, v_cache, ops, decode=True)
+    the model's own forward with ``ops``' kernels: logits (S, V) float32. An MLA model passes
+    its ``latent_cache`` (L_kv, NB, BS, C + R) (k_cache/v_cache then empty); a hybrid its
+    :class:`~lmforge.model.linear_attention.StatePool` and the step's ``state_slots`` (S,),
+    reached through :class:`CompiledSlotOps`. This is what :class:`CompiledDecode` compiles."""
+    ctx = Context(positions, slots, block_tables, ctx_lens, k_cache, v_cache, ops, decode=True,
+                  latent_cache=latent_cache)  # fmt: skip
+    if states is not None:
+        assert state_slots is not None
+        ctx.states = StepStates(states, state_slots, CompiledSlotOps())
     return model(tokens[None], context=ctx)[0].float()  # (1, S) -> (S, V)
 
 
@@ -385,28 +570,44 @@ def _trace_settings() -> Iterator[None]:
         yield
 
 
+def _cache_tensors(
+    cache: PagedKVCache | PagedLatentCache,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(k_cache, v_cache, latent_cache) of an engine cache: a latent cache's K/V are empty."""
+    if isinstance(cache, PagedLatentCache):
+        empty = cache.latent.new_empty(0)
+        return empty, empty, cache.latent
+    return cache.k, cache.v, None
+
+
 class CompiledDecode:
     """``batch -> logits`` for decode-only steps: compiled :func:`decode_forward`, or the eager
     :func:`~lmforge.serve.model_runner.forward_step` once compiling has failed.
 
-    ``gemv``: run batches <= GEMV_MAX_ROWS through the Triton decode GEMV (None: on CUDA for
-    bf16/fp16 weights; True forces it, fp32 included: tests, under TRITON_INTERPRET=1 on CPU)."""
+    ``cache``: the runner's paged K/V cache, or an MLA model's latent cache; ``states``: a
+    hybrid model's recurrent-state pool (its slots' reset for sequences starting at token 0
+    runs before the compiled step, outside it). ``gemv``: run batches <= GEMV_MAX_ROWS through
+    the Triton decode GEMV (None: on CUDA for bf16/fp16 weights; True forces it, fp32
+    included: tests, under TRITON_INTERPRET=1 on CPU)."""
 
     def __init__(
         self,
         model: nn.Module,
-        cache: PagedKVCache,
+        cache: PagedKVCache | PagedLatentCache,
         use_triton: bool | None,
         pack: bool = True,
         gemv: bool | None = None,
+        states: StatePool | None = None,
     ) -> None:
         self.model = model
+        self.states = states
         self.packed = pack_weights(model) if pack else None
         for pair in self.packed or []:
             for t in pair:
                 if t is not None:  # the GEMV's launch config is looked up by the weight shape
                     torch._dynamo.mark_static(t)
-        dtypes = _gemv_dtypes(cache.k.device) if gemv is None else (*GEMV_DTYPES, torch.float32)
+        dev = _cache_tensors(cache)[0].device
+        dtypes = _gemv_dtypes(dev) if gemv is None else (*GEMV_DTYPES, torch.float32)
         use = dtypes is not None and gemv is not False
         self.gemv: GemvPlan | None = gemv_plan(model, self.packed, dtypes) if use else None
         self.cache = cache
@@ -420,9 +621,9 @@ class CompiledDecode:
 
     def warmup(self, scratch_block: int, block_size: int) -> None:
         """Compile now (batch 2: the dynamic graph; batch 1: its specialisation) on a dummy
-        sequence whose KV goes to ``scratch_block`` (never handed out), so the first request
-        does not wait for the compiler."""
-        dev = self.cache.k.device
+        sequence whose KV goes to ``scratch_block`` (never handed out) and whose recurrent
+        state is the pool's scratch slot, so the first request does not wait for the compiler."""
+        dev = _cache_tensors(self.cache)[0].device
         with torch.inference_mode():
             for b in (2, 1):
                 batch = StepBatch(
@@ -436,9 +637,16 @@ class CompiledDecode:
                     ctx_lens_list=[1] * b,
                     tables_list=[[scratch_block]] * b,
                 )
+                if self.states is not None:
+                    scratch = self.states.scratch_slot
+                    batch.state_slots = torch.full((b,), scratch, dtype=torch.long, device=dev)
                 self(batch)
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
+        if self.states is not None and batch.state_fresh is not None:
+            self.states.reset(batch.state_fresh)  # a 1-token prompt's first step: zeroed slots
+            batch = dataclasses.replace(batch, state_fresh=None)  # (the fallback must not redo it)
+        k_cache, v_cache, latent = _cache_tensors(self.cache)
         while self.failed is None:
             tables = batch.block_tables
             if tables.shape[1] < 2:  # a width of 1 would be one more specialised compile
@@ -448,14 +656,17 @@ class CompiledDecode:
                 with _trace_settings():
                     return self._fn(
                         self.model,
-                        self.cache.k,
-                        self.cache.v,
+                        k_cache,
+                        v_cache,
                         batch.tokens,
                         batch.positions,
                         batch.slots,
                         tables,
                         batch.ctx_lens,
                         self._gemv_ops if small else self._ops,
+                        latent,
+                        self.states,
+                        batch.state_slots,
                     )
             except Exception as e:  # any compile/run failure: said once, then a fallback
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -471,4 +682,6 @@ class CompiledDecode:
                     f"({self.failed[:300]})",
                     file=sys.stderr,
                 )
-        return forward_step(self.model, self.cache, batch, use_triton=self.use_triton)
+        return forward_step(
+            self.model, self.cache, batch, use_triton=self.use_triton, states=self.states
+        )

@@ -10,6 +10,13 @@ real KV). Block tables are padded to the context's full width; the kernel reads 
 largest bucket) run eagerly. If capture fails, one line on stderr says so and the engine stays
 eager.
 
+Every model the engine serves on the device only is captured the same way: GQA, MLA (its
+latent cache is the one cache tensor the step writes) and hybrids. A hybrid's step also reads
+its sequences' recurrent-state slots from a static buffer (padding rows take the pool's
+scratch slot, zeroed before such a replay so it never accumulates); the slots of sequences
+starting at token 0 (a one-token prompt's first step is decode-only) are zeroed before the
+replay, outside the graph.
+
 Exercised by ``pytest -m gpu tests/test_serve_engine.py`` and ``benchmarks/serve.py``.
 """
 
@@ -26,7 +33,7 @@ from lmforge.serve.step import StepBatch
 if TYPE_CHECKING:
     from lmforge.serve.model_runner import ModelRunner
 
-__all__ = ["DecodeGraphs", "bucket_sizes"]
+__all__ = ["DecodeGraphs", "StepReplay", "bucket_sizes"]
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -36,11 +43,29 @@ def bucket_sizes(max_batch: int) -> list[int]:
     return sorted(set(out))
 
 
-class DecodeGraphs:
-    """Captured decode graphs for one engine (see the module docstring)."""
+class StepReplay:
+    """What stands in for a captured graph off CUDA (``DecodeGraphs(emulate=True)``: tests on
+    the CPU): ``replay()`` reruns the decode step on the same static input buffers and copies
+    its logits into the same output tensor, so the staging, padding and state-slot logic around
+    a replay is exercised as on CUDA."""
 
-    def __init__(self, runner: ModelRunner, max_batch: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, batch: StepBatch, out: torch.Tensor) -> None:
+        self.runner, self.batch, self.out = runner, batch, out
+
+    def replay(self) -> None:
+        """Run the step again on the static buffers; the logits go to the captured output."""
+        self.out.copy_(self.runner.decode_step(self.batch))
+
+
+class DecodeGraphs:
+    """Captured decode graphs for one engine (see the module docstring). ``emulate``: no CUDA
+    graph, a :class:`StepReplay` per bucket (the CPU tests of everything around a replay)."""
+
+    def __init__(
+        self, runner: ModelRunner, max_batch: int | None = None, emulate: bool = False
+    ) -> None:
         self.runner = runner
+        self.emulate = emulate
         cache = runner.cache
         dev = runner.device
         self.scratch = cache.num_blocks - 1  # the cache holds one block the allocator never gives
@@ -55,7 +80,15 @@ class DecodeGraphs:
         self.ctx = torch.ones(top, dtype=torch.int32, device=dev)
         # Every tensor a graph reads must outlive it: the rows too, not a per-capture arange.
         self.rows = torch.arange(top, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        states = runner.states  # a hybrid's recurrent-state pool, or None
+        self.state_scratch = None if states is None else states.scratch_slot
+        self.state_slots = None
+        self._scratch_slot = None
+        if states is not None:
+            self.state_slots = torch.full((top,), states.scratch_slot, dtype=torch.long,
+                                          device=dev)  # fmt: skip
+            self._scratch_slot = self.state_slots[:1].clone()
+        self.graphs: dict[int, torch.cuda.CUDAGraph | StepReplay] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         try:
             self._capture()
@@ -71,6 +104,7 @@ class DecodeGraphs:
         self.outputs.clear()
 
     def _batch(self, b: int) -> StepBatch:
+        slots = None if self.state_slots is None else self.state_slots[:b]
         return StepBatch(
             tokens=self.tokens[:b],
             positions=self.positions[:b],
@@ -81,10 +115,17 @@ class DecodeGraphs:
             q_lens=[1] * b,
             ctx_lens_list=[1] * b,
             tables_list=[[self.scratch]] * b,
+            state_slots=slots,
         )
 
     @torch.inference_mode()
     def _capture(self) -> None:
+        if self.emulate:
+            for b in reversed(self.sizes):
+                batch = self._batch(b)
+                self.graphs[b] = StepReplay(self.runner, batch, self.runner.decode_step(batch))
+                self.outputs[b] = self.graphs[b].out
+            return
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for b in reversed(self.sizes):  # largest first: later graphs reuse its pool memory
@@ -113,11 +154,19 @@ class DecodeGraphs:
         self.slots[:b].copy_(batch.slots)
         self.tables[:b, :w].copy_(batch.block_tables)
         self.ctx[:b].copy_(batch.ctx_lens)
-        if size > b:  # padding rows: the dummy sequence in the scratch block
+        states = self.runner.states
+        if states is not None:
+            self.state_slots[:b].copy_(batch.state_slots)
+            if batch.state_fresh is not None:  # sequences starting at token 0
+                states.reset(batch.state_fresh)
+        if size > b:  # padding rows: the dummy sequence in the scratch block (and state slot)
             self.tokens[b:size].zero_()
             self.positions[b:size].zero_()
             self.slots[b:size].fill_(self.scratch * self.runner.block_size)
             self.tables[b:size].fill_(self.scratch)
             self.ctx[b:size].fill_(1)
+            if states is not None:
+                self.state_slots[b:size].fill_(self.state_scratch)
+                states.reset(self._scratch_slot)
         self.graphs[size].replay()
         return self.outputs[size][:b]

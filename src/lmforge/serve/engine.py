@@ -25,8 +25,8 @@ Hybrid layer patterns (``model.layers``): linear layers (G, M, L) keep one recur
 slot per running sequence (:class:`~lmforge.model.linear_attention.StatePool`, ``max_num_seqs``
 slots; prefix cache off, preemption recomputes from a zeroed slot); W layers read the window
 of their pages; S layers page their indexer keys beside their K/V (same blocks: a prefix hit
-serves both) and select their top-k keys per sequence; hybrids decode eagerly (no CUDA graphs
-or compiled step).
+serves both) and select their top-k keys per sequence; hybrids, like MLA models, decode through
+the compiled step and CUDA graphs (:mod:`lmforge.serve.compiled`), DSA (S) models eagerly.
 
 Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py
 tests/test_serve_hybrid.py``.

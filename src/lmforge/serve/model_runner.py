@@ -9,7 +9,11 @@ with prefill eagerly. There is no forward here: :func:`forward_step` builds the 
 :class:`~lmforge.model.context.Context` (positions, slots, block tables, lengths, the kernels of
 :mod:`lmforge.serve.attention`) and calls ``TransformerLM.forward``, which runs every model switch
 (muP, QK-norm, soft-cap, tied head, GQA, RoPE scaling, MoE) the way training does; the step's
-tokens of all sequences are one flat (1, N) batch (no padding).
+tokens of all sequences are one flat (1, N) batch (no padding). GQA, MLA (latent cache, CLA)
+and hybrid patterns (A, W, G, M, L: the recurrent states in :attr:`ModelRunner.states`, one
+slot per running sequence plus a scratch slot for graph padding) all take the compiled step and
+CUDA graphs; :meth:`ModelRunner._host_reads` names what stays eager (fp32/fp16 MoE experts on
+CUDA, DSA layers).
 
 KV memory: ``num_blocks`` blocks, by default (CUDA, or any device given a ``memory_probe``) a
 fraction of the free device memory measured *after* the weights, the compiled decode step and
@@ -22,7 +26,7 @@ E_I-wide indexer keys (:func:`kv_bytes_per_block`).
 
 Shape legend: N tokens in the step, S sequences, V vocab, M block-table width.
 Exercised by ``pytest tests/test_serve_engine.py tests/test_serve_kvbudget.py
-tests/test_serve_hostpath.py``.
+tests/test_serve_hostpath.py tests/test_serve_compiled_hybrid.py``.
 """
 
 from __future__ import annotations
@@ -177,18 +181,13 @@ class ModelRunner:
         MoE experts outside bf16 on CUDA run the readable per-expert loop, which reads the
         expert counts on the host (``torch._grouped_mm`` is bf16 only): no CUDA graph can
         capture that and the compiled step would break its graph at every MoE layer. MLA
-        models run eagerly too: the compiled step packs GQA q/k/v weights and has no latent
-        cache op yet (its decode attention is still the Triton latent kernel,
-        ``StepOps.attend_latent``). So do DSA models: the compiled step's context carries no
-        indexer-key pages (``Context.index_cache``) yet, and prefill steps of S layers loop over
-        their sequences on the host lists
-        (:func:`lmforge.model.sparse_attention.paged_sparse_attention`)."""
-        if self.config.attention_type == "mla":
-            return "MLA's latent cache has no compiled decode step yet"
+        (latent cache, CLA) and hybrid layers (A, W, G, M, L) decode on the device only
+        (:mod:`lmforge.serve.compiled`: latent, window and slot-state custom ops). DSA models
+        run eagerly: the compiled step's context carries no indexer-key pages
+        (``Context.index_cache``) yet, and prefill steps of S layers loop over their sequences
+        on the host lists (:func:`lmforge.model.sparse_attention.paged_sparse_attention`)."""
         if "S" in self.config.layer_types:
             return "sparse-attention (S) layers' indexer-key pages are not in the compiled step"
-        if not self.config.full_attention_only:
-            return f"hybrid layers {self.config.layers!r} decode through the torch paths"
         moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))
         if moe and self.device.type == "cuda" and dtype != torch.bfloat16:
             return f"MoE experts in {str(dtype).removeprefix('torch.')} read counts on the host"
@@ -216,7 +215,7 @@ class ModelRunner:
             return None
         from lmforge.serve.compiled import CompiledDecode
 
-        return CompiledDecode(self.model, self.cache, self.use_triton)
+        return CompiledDecode(self.model, self.cache, self.use_triton, states=self.states)
 
     def _make_graphs(self) -> Any:
         from lmforge.serve.cuda_graphs import DecodeGraphs
