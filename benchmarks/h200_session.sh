@@ -34,8 +34,10 @@
 #   recipe-b   device call B (carry .carry/recipe-b, .carry/recipe-eval.tar.gz; put the files of
 #              call A's $OUT/recipe-b in .carry/recipe-b): GRPO on GSM8K, eval of the SFT and RL
 #              models, the report card without the anchor; everything small in $OUT/recipe-card
-#   layers     issue 35: GPU tests of the linear-attention kernels and hybrid serving,
-#              benchmarks/linear_attention.py (vs FLA, SDPA) and serve_hybrid.py (carry .whl)
+#   layers     issue 35, call 1: GPU tests of the linear-attention kernels, hybrid serving and
+#              HF hybrids; serve_hybrid.py A and GGGA, graphs vs eager
+#   layers-b   issue 35, call 2: benchmarks/linear_attention.py (vs FLA, SDPA; carry .whl) and
+#              serve_hybrid.py for MMMA, LLLA, WWWA, GMWA, SSSA
 #   mla        issue 36: benchmarks/mla.py (latent paged kernel) and mla_engine.py, GPU tests
 #   quant      issue 37: benchmarks/quant.py --part speed and kv_quant.py, GPU tests
 #   vision     issue 38: benchmarks/vision.py and vlm_serve.py
@@ -73,7 +75,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers mla quant vision)
+             layers layers-b mla quant vision)
 FAILED=()
 
 usage() {
@@ -215,24 +217,30 @@ part_smol() {
 
 # The evidence of issues 35-38, one device call each (each step with its own limit; carry .whl
 # for FLA's wheel in part layers, and runs/hq_data (train.bin, val.bin) for the quality curves).
-part_layers() {   # issue 35: kernels vs FLA and SDPA, hybrid serving, GPU tests, quality curves
+part_layers() {   # issue 35 (call 1 of 2): GPU tests, hybrid serving: A and GGGA, graphs vs eager
     local o="${OUT:-runs/h200}"
     step layers-gpu-tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_kernels_ssd.py tests/test_kernels_gated_delta.py tests/test_hybrid.py \
-        tests/test_serve_hybrid.py
-    have layers benchmarks/linear_attention.py &&
-        step linear-attention 330 "$PY" benchmarks/linear_attention.py --budget 270 --out "$o/linattn"
-    have layers benchmarks/serve_hybrid.py &&
-        step serve-hybrid 150 "$PY" benchmarks/serve_hybrid.py --out "$o/serve_hybrid"
+        tests/test_serve_hybrid.py tests/test_serve_compiled_hybrid.py tests/test_hf_hybrid.py
+    have layers benchmarks/serve_hybrid.py && step serve-hybrid-a 300 "$PY" \
+        benchmarks/serve_hybrid.py --patterns A,A-eager,GGGA,GGGA-eager --out "$o/serve_hybrid_a"
+}
+
+part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, L, W, mixed, S
+    local o="${OUT:-runs/h200}"
+    have layers-b benchmarks/linear_attention.py &&
+        step linear-attention 300 "$PY" benchmarks/linear_attention.py --budget 240 --out "$o/linattn"
+    have layers-b benchmarks/serve_hybrid.py && step serve-hybrid-b 260 "$PY" \
+        benchmarks/serve_hybrid.py --patterns MMMA,LLLA,WWWA,GMWA,SSSA --out "$o/serve_hybrid_b"
 }
 
 part_mla() {      # issue 36: the MLA kernel, engine decode GQA vs MLA vs MLA+CLA, GPU tests
     local o="${OUT:-runs/h200}"
-    step mla-gpu-tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-        tests/test_kernels_mla_decode.py tests/test_engine_switches.py
-    have mla benchmarks/mla.py && step mla-kernel 150 "$PY" benchmarks/mla.py --out "$o/mla"
+    step mla-gpu-tests 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_kernels_mla_decode.py tests/test_engine_switches.py tests/test_moe_deepseek.py
+    have mla benchmarks/mla.py && step mla-kernel 120 "$PY" benchmarks/mla.py --out "$o/mla"
     have mla benchmarks/mla_engine.py &&
-        step mla-engine 200 "$PY" benchmarks/mla_engine.py --out "$o/mla_engine"
+        step mla-engine 240 "$PY" benchmarks/mla_engine.py --out "$o/mla_engine"
 }
 
 part_quant() {    # issue 37: weight formats' decode speed, the quantized KV cache, GPU tests
