@@ -266,3 +266,22 @@ def test_master_weight_activations_match_saved_tensors(kw):
     assert estimate == pytest.approx(measured, rel=0.01)
     with_copies = accounting.activation_bytes(cfg, b, t, "bf16", include_loss=False)
     assert with_copies - estimate == 2 * accounting.matmul_parameters(cfg)
+
+
+def test_deepseek_shaped_model_counts_exactly() -> None:
+    """MLA + DeepSeek MoE (a dense first layer, groups) + an MTP module whose block is MoE:
+    parameters exact; the MTP FLOPs count that block's active experts, not a dense FFN."""
+    import tomllib
+    from pathlib import Path
+
+    from lmforge.model import MoEConfig
+
+    raw = tomllib.loads((Path(__file__).parents[1] / "configs/deepseek-tiny.toml").read_text())
+    kw = dict(raw["model"])
+    cfg = ModelConfig(**{**kw, "moe": MoEConfig(**kw["moe"])})
+    assert accounting.parameter_count(cfg) == TransformerLM(cfg, device="meta").num_parameters()
+    dense_mtp = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, first_dense_layers=0))
+    # every layer MoE now, the MTP block included: the MTP term must not change
+    t = 64
+    mtp = accounting.flops_breakdown(cfg, t)["mtp"]
+    assert mtp == accounting.flops_breakdown(dense_mtp, t)["mtp"] > 0

@@ -32,6 +32,7 @@ import dataclasses
 from typing import Literal
 
 from lmforge.model.config import ModelConfig
+from lmforge.model.moe_config import MoEConfig
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -241,10 +242,17 @@ def _mtp_flops(cfg: ModelConfig, attn_len: float) -> float:
     """Forward FLOPs per token of the MTP modules (dense FFN counted in full, MoE active)."""
     if not cfg.mtp_depth:
         return 0.0
-    one = dataclasses.replace(cfg, n_layers=1, mtp_depth=0, kv_share_every=1)
-    per = flops_breakdown(one, int(attn_len), causal=False)
-    block = sum(per[key] for key in ("qkv", "attn_scores", "attn_values", "output_proj", "ffn"))
-    return cfg.mtp_depth * (block + 2.0 * 2 * cfg.d_model * cfg.d_model + per["lm_head"])
+    total = 0.0
+    for j in range(cfg.mtp_depth):
+        # module j's block is layer L + j: MoE or dense as the trunk's layer of that index
+        # would be (after moe.first_dense_layers, at moe.every), counted as a one-layer model
+        moe = cfg.moe.is_moe_layer(cfg.n_layers + j)
+        mc = dataclasses.replace(cfg.moe, first_dense_layers=0, every=1) if moe else MoEConfig()
+        one = dataclasses.replace(cfg, n_layers=1, mtp_depth=0, kv_share_every=1, moe=mc)
+        per = flops_breakdown(one, int(attn_len), causal=False)
+        keys = ("qkv", "attn_scores", "attn_values", "output_proj", "ffn")
+        total += sum(per[k] for k in keys) + 2.0 * 2 * cfg.d_model * cfg.d_model + per["lm_head"]
+    return total
 
 
 def flops_per_token(
