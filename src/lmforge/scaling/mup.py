@@ -1,8 +1,9 @@
 """muP evidence: the coordinate check and a learning-rate transfer sweep across widths.
 
 Both train a family of widths (n_heads fixed, so the head width E grows with d_model and the 1/E
-attention scale matters) on one synthetic, learnable token stream with AdamW whose parameter
-groups carry :func:`lmforge.model.mup.lr_multipliers` — the same multipliers the trainer applies.
+attention scale matters) on one synthetic, learnable token stream in the one
+:class:`~lmforge.train.Trainer` (an objective over in-memory windows), whose AdamW parameter
+groups carry :func:`lmforge.model.mup.lr_multipliers`.
 
 - :func:`coord_check`: the mean |x| of the embedding output, every block's output and the logits
   over the first steps, per width, standard vs muP. Under muP the curves stay flat in width; under
@@ -10,7 +11,8 @@ groups carry :func:`lmforge.model.mup.lr_multipliers` — the same multipliers t
 - :func:`lr_sweep`: final training loss per (width, LR). Under muP the best LR of the smallest
   width stays best at 4–8× the width; under the standard parametrization it drifts down.
 
-Simplification: no warm-up or decay (constant LR), fp32, a synthetic stream instead of text.
+Simplification: no warm-up, decay, weight decay or clipping (constant LR), fp32, a synthetic
+stream instead of text.
 Exercised by ``pytest tests/test_scaling_mup.py`` and ``lmforge scaling coord-check``.
 """
 
@@ -57,21 +59,83 @@ def family_config(
     )
 
 
-def _optimizer(model: Any, lr: float, weight_decay: float) -> Any:
-    import torch
+class _WindowObjective:
+    """The in-memory (x, y) windows as a :class:`~lmforge.train.Objective`: one batch per step,
+    in order; the loss is its mean next-token cross-entropy (weight 1). With ``record`` (the
+    dict the sites' forward hooks fill) each forward adds the logits' mean |x| and appends a
+    copy to ``history``: one entry per step, since no evaluation runs."""
 
-    from lmforge.model.mup import lr_multipliers
+    name = "mup"
 
-    mults = lr_multipliers(model)
-    groups: dict[float, list] = {}
-    for p in model.parameters():
-        groups.setdefault(mults.get(id(p), 1.0), []).append(p)
-    return torch.optim.AdamW(
-        [{"params": ps, "lr": lr * m} for m, ps in groups.items()],
-        lr=lr,
-        betas=(0.9, 0.95),
-        weight_decay=weight_decay,
-    )
+    def __init__(self, batches: list, record: dict[str, float] | None = None) -> None:
+        self.batches = batches
+        self.record = record
+        self.history: list[dict[str, float]] = []
+        self.pos = 0
+
+    def next_batch(self) -> Any:
+        """The next (x, y) windows, each (B, T)."""
+        batch = self.batches[self.pos]
+        self.pos += 1
+        return batch
+
+    def batch_weight(self, batch: Any) -> float:
+        """Every batch weighs the same: its mean loss is the step's loss."""
+        return 1.0
+
+    def loss(self, model: Any, batch: Any) -> tuple[Any, Any]:
+        """(mean cross-entropy of the windows, 1)."""
+        import torch
+
+        x, y = batch
+        logits = model(x)  # (B, T, V)
+        if self.record is not None:
+            self.record["logits"] = float(logits.detach().abs().mean())
+            self.history.append(dict(self.record))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        return loss, torch.ones((), device=loss.device)
+
+    def state_dict(self) -> dict:
+        """The position in the windows."""
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.pos = int(state["pos"])
+
+
+def _train(
+    model: Any, cfg: Any, objective: _WindowObjective, lr: float, seed: int, device: str
+) -> list[float]:
+    """One step per batch of ``objective`` in the one :class:`~lmforge.train.Trainer` (whose
+    AdamW carries muP's per-parameter LR multipliers): constant ``lr``, no warm-up, decay,
+    weight decay or clipping, fp32, in a throw-away run folder. Returns each step's loss; a
+    non-finite one is kept (the Trainer skips that update and goes on to the last step)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from lmforge.config import RunConfig
+    from lmforge.train import TrainConfig, Trainer
+
+    steps = len(objective.batches)
+    losses: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="lmforge-mup-") as out:
+        tc = TrainConfig(out_dir=out, device=device, seed=seed, precision="fp32", lr=lr,
+                         min_lr=0.0, schedule="constant", warmup_steps=0, weight_decay=0.0,
+                         grad_clip=0.0, max_steps=steps, batch_size=len(objective.batches[0][0]),
+                         eval_every=0, save_every=0, save_every_minutes=0.0, log_every=steps,
+                         keep_last=1, resume=False, max_bad_steps=steps + 1, progress=False,
+                         plot=False)  # fmt: skip
+
+        def keep(trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+            losses.append(float(metrics["loss"]))
+
+        # A sweep is dozens of runs: their start lines ("no checkpoint in /tmp/...") are noise.
+        with contextlib.redirect_stderr(io.StringIO()):
+            Trainer(RunConfig(model=cfg, train=tc), model=model, objective=objective,
+                    callbacks=[keep]).run()  # fmt: skip
+    return losses
 
 
 def _batches(stream: Any, batch: int, context: int, steps: int, seed: int) -> list:
@@ -121,7 +185,6 @@ def coord_check(
             cfg = family_config(w, mup, base)
             torch.manual_seed(seed)
             model = TransformerLM(cfg, device=device)
-            opt = _optimizer(model, lr, 0.0)
             record: dict[str, float] = {}
             hooks = [model.token_embeddings.register_forward_hook(_recorder(record, "embedding"))]
             for li, layer in enumerate(model.layers):
@@ -129,18 +192,13 @@ def coord_check(
             data = _batches(
                 _stream(cfg.vocab_size, 20000, seed), batch, cfg.context_length, steps, seed
             )
-            for x, y in data:
-                x, y = x.to(device), y.to(device)
-                logits = model(x)  # (B, T, V)
-                record["logits"] = float(logits.detach().abs().mean())
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                for k, v in record.items():
-                    sites.setdefault(k, {}).setdefault(w, []).append(v)
+            objective = _WindowObjective([(x.to(device), y.to(device)) for x, y in data], record)
+            _train(model, cfg, objective, lr, seed, device)
             for h in hooks:
                 h.remove()
+            for seen in objective.history:  # the forward of step t, before its update
+                for k, v in seen.items():
+                    sites.setdefault(k, {}).setdefault(w, []).append(v)
         out[name] = sites
     return out
 
@@ -180,17 +238,9 @@ def lr_sweep(
         for lr in lrs:
             torch.manual_seed(seed)
             model = TransformerLM(dataclasses.replace(cfg, attention="sdpa"), device=device)
-            opt = _optimizer(model, lr, 0.0)
-            tail: list[float] = []
-            for i, (x, y) in enumerate(data):
-                logits = model(x)  # (B, T, V)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if i >= steps - max(steps // 10, 1):
-                    tail.append(loss.detach())
-            value = float(torch.stack(tail).mean())
+            losses = _train(model, cfg, _WindowObjective(data), lr, seed, device)
+            tail = torch.tensor(losses[steps - max(steps // 10, 1) :])  # float32, as the losses
+            value = float(tail.mean())
             out[w][lr] = value if math.isfinite(value) else math.inf
     return out
 
