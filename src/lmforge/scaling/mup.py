@@ -59,71 +59,50 @@ def family_config(
     )
 
 
-class _WindowObjective:
-    """The in-memory (x, y) windows as a :class:`~lmforge.train.Objective`: one batch per step,
-    in order; the loss is its mean next-token cross-entropy (weight 1). With ``record`` (the
-    dict the sites' forward hooks fill) each forward adds the logits' mean |x| and appends a
-    copy to ``history``: one entry per step, since no evaluation runs."""
+class _Windows:
+    """The given (x, y) batches in order: the sampler a :class:`~lmforge.train.LMObjective`
+    draws from (its position is the objective's state)."""
 
-    name = "mup"
+    def __init__(self, batches: list) -> None:
+        self.batches, self.pos = batches, 0
 
-    def __init__(self, batches: list, record: dict[str, float] | None = None) -> None:
-        self.batches = batches
-        self.record = record
-        self.history: list[dict[str, float]] = []
-        self.pos = 0
-
-    def next_batch(self) -> Any:
-        """The next (x, y) windows, each (B, T)."""
-        batch = self.batches[self.pos]
+    def next_batch(self, batch_size: int, device: str) -> Any:
         self.pos += 1
-        return batch
-
-    def batch_weight(self, batch: Any) -> float:
-        """Every batch weighs the same: its mean loss is the step's loss."""
-        return 1.0
-
-    def loss(self, model: Any, batch: Any) -> tuple[Any, Any]:
-        """(mean cross-entropy of the windows, 1)."""
-        import torch
-
-        x, y = batch
-        logits = model(x)  # (B, T, V)
-        if self.record is not None:
-            self.record["logits"] = float(logits.detach().abs().mean())
-            self.history.append(dict(self.record))
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        return loss, torch.ones((), device=loss.device)
+        return self.batches[self.pos - 1]
 
     def state_dict(self) -> dict:
-        """The position in the windows."""
         return {"pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
         self.pos = int(state["pos"])
 
 
-def _train(
-    model: Any, cfg: Any, objective: _WindowObjective, lr: float, seed: int, device: str
-) -> list[float]:
-    """One step per batch of ``objective`` in the one :class:`~lmforge.train.Trainer` (whose
-    AdamW carries muP's per-parameter LR multipliers): constant ``lr``, no warm-up, decay,
-    weight decay or clipping, fp32, in a throw-away run folder. Returns each step's loss; a
-    non-finite one is kept (the Trainer skips that update and goes on to the last step)."""
+def _cross_entropy(model: Any, x: Any, y: Any) -> Any:
+    import torch
+
+    logits = model(x)  # (B, T, V)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def _train(model: Any, cfg: Any, batches: list, lr: float, seed: int, device: str) -> list[float]:
+    """One step per (x, y) batch, in order, of the one :class:`~lmforge.train.Trainer` (whose
+    AdamW carries muP's per-parameter LR multipliers): mean next-token cross-entropy, constant
+    ``lr``, no warm-up, decay, weight decay or clipping, fp32, in a throw-away run folder.
+    Returns each step's loss; a non-finite one is kept (the Trainer skips that update and goes
+    on to the last step)."""
     import contextlib
     import io
     import tempfile
 
     from lmforge.config import RunConfig
-    from lmforge.train import TrainConfig, Trainer
+    from lmforge.train import LMObjective, TrainConfig, Trainer
 
-    steps = len(objective.batches)
+    steps = len(batches)
     losses: list[float] = []
     with tempfile.TemporaryDirectory(prefix="lmforge-mup-") as out:
         tc = TrainConfig(out_dir=out, device=device, seed=seed, precision="fp32", lr=lr,
                          min_lr=0.0, schedule="constant", warmup_steps=0, weight_decay=0.0,
-                         grad_clip=0.0, max_steps=steps, batch_size=len(objective.batches[0][0]),
+                         grad_clip=0.0, max_steps=steps, batch_size=len(batches[0][0]),
                          eval_every=0, save_every=0, save_every_minutes=0.0, log_every=steps,
                          keep_last=1, resume=False, max_bad_steps=steps + 1, progress=False,
                          plot=False)  # fmt: skip
@@ -131,6 +110,7 @@ def _train(
         def keep(trainer: Any, step: int, metrics: dict[str, Any]) -> None:
             losses.append(float(metrics["loss"]))
 
+        objective = LMObjective(_Windows(batches), len(batches[0][0]), device, _cross_entropy)
         # A sweep is dozens of runs: their start lines ("no checkpoint in /tmp/...") are noise.
         with contextlib.redirect_stderr(io.StringIO()):
             Trainer(RunConfig(model=cfg, train=tc), model=model, objective=objective,
@@ -151,10 +131,13 @@ def _batches(stream: Any, batch: int, context: int, steps: int, seed: int) -> li
     return out
 
 
-def _recorder(record: dict[str, float], key: str) -> Any:
-    # A forward hook storing the output's mean |x| under ``key``.
+def _recorder(record: dict[str, float], key: str, history: list | None = None) -> Any:
+    # A forward hook storing the output's mean |x| under ``key`` (then, with ``history``, a
+    # copy of the whole record: the model's own hook runs after its modules' hooks).
     def hook(module: Any, inputs: Any, output: Any) -> None:
         record[key] = float(output.detach().abs().mean())
+        if history is not None:
+            history.append(dict(record))
 
     return hook
 
@@ -186,17 +169,18 @@ def coord_check(
             torch.manual_seed(seed)
             model = TransformerLM(cfg, device=device)
             record: dict[str, float] = {}
+            history: list[dict[str, float]] = []  # the forward of step t, before its update
             hooks = [model.token_embeddings.register_forward_hook(_recorder(record, "embedding"))]
             for li, layer in enumerate(model.layers):
                 hooks.append(layer.register_forward_hook(_recorder(record, f"block_{li}")))
+            hooks.append(model.register_forward_hook(_recorder(record, "logits", history)))
             data = _batches(
                 _stream(cfg.vocab_size, 20000, seed), batch, cfg.context_length, steps, seed
             )
-            objective = _WindowObjective([(x.to(device), y.to(device)) for x, y in data], record)
-            _train(model, cfg, objective, lr, seed, device)
+            _train(model, cfg, [(x.to(device), y.to(device)) for x, y in data], lr, seed, device)
             for h in hooks:
                 h.remove()
-            for seen in objective.history:  # the forward of step t, before its update
+            for seen in history:
                 for k, v in seen.items():
                     sites.setdefault(k, {}).setdefault(w, []).append(v)
         out[name] = sites
@@ -238,7 +222,7 @@ def lr_sweep(
         for lr in lrs:
             torch.manual_seed(seed)
             model = TransformerLM(dataclasses.replace(cfg, attention="sdpa"), device=device)
-            losses = _train(model, cfg, _WindowObjective(data), lr, seed, device)
+            losses = _train(model, cfg, data, lr, seed, device)
             tail = torch.tensor(losses[steps - max(steps // 10, 1) :])  # float32, as the losses
             value = float(tail.mean())
             out[w][lr] = value if math.isfinite(value) else math.inf
