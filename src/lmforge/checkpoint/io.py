@@ -167,8 +167,9 @@ def load_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> 
         raise LmforgeError(f"optimizer state {path} does not fit this model: {e}") from None
 
 
-def _write_folder_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
-    """Build a folder with ``fill(tmp)``, fsync it, then rename it to ``final`` in one step."""
+def write_folder_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
+    """Build a folder with ``fill(tmp)``, fsync it, then rename it to ``final`` in one step (an
+    existing ``final`` is swapped out, then removed); a failure leaves ``final`` as it was."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     if tmp.exists():
@@ -240,7 +241,7 @@ def save_checkpoint(
         info = {"format": CHECKPOINT_FORMAT, "iteration": int(iteration), "created": time.time()}
         _write_json(tmp / "meta.json", {**info, **(meta or {})})
 
-    out = _write_folder_atomically(final, fill)
+    out = write_folder_atomically(final, fill)
     if extra_dir is not None:
         shutil.rmtree(extra_dir, ignore_errors=True)
     return out
