@@ -48,8 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "model",
         help="forward / backward / step times, top kernels, memory and roofline for a preset",
         description=(
-            "Time forward, forward+backward and a full training step of a model preset; print "
-            "a torch-profiler table, memory by category and the accounting roofline numbers."
+            "Time forward, forward+backward and a full training step of a model preset (the "
+            "Trainer that `lmforge train` builds, its own step, on random tokens); print a "
+            "torch-profiler table, memory by category and the accounting roofline numbers."
         ),
         epilog=MODEL_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
