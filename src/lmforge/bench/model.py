@@ -25,7 +25,7 @@ import dataclasses
 import io
 import math
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -248,15 +248,6 @@ def format_result(r: ModelBenchResult) -> str:
     return "\n".join(parts)
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Arguments of the model benchmark (shared by the CLI)."""
-    from lmforge.bench._args import add_model_args  # one declaration, shared with `lmforge bench`
-
-    p = parser or argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p)
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
     """Run :func:`bench_model` from parsed arguments and print the markdown report."""
     from lmforge.utils.errors import LmforgeError
@@ -276,12 +267,3 @@ def run(args: argparse.Namespace) -> int:
     if not math.isfinite(result.step_ms):
         return 1
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lmforge.bench.model`` entry."""
-    return run(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
