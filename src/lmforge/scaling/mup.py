@@ -236,13 +236,9 @@ def best_lrs(sweep: dict[int, dict[float, float]]) -> dict[int, float]:
 
 def plot_coord_check(result: dict, path: str | Path, lr: float) -> None:
     """Mean |x| against width, one line per step, for standard and muP (rows) and sites (columns)."""
-    import matplotlib
+    from lmforge.scaling.plot import _pyplot, _save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lmforge.utils.io import atomic_write
-
+    plt = _pyplot()
     sites = list(result["standard"])
     fig, axes = plt.subplots(2, len(sites), figsize=(3.2 * len(sites), 6), squeeze=False)
     for row, name in enumerate(("standard", "mup")):
@@ -269,23 +265,16 @@ def plot_coord_check(result: dict, path: str | Path, lr: float) -> None:
                 ax.set_xlabel("width d_model")
     axes[0][0].legend(fontsize=6)
     fig.suptitle(f"coordinate check, AdamW lr={lr:g} (flat in width = muP working)")
-    fig.tight_layout()
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    _save_png(fig, path, dpi=100)
 
 
 def plot_lr_sweep(sp: dict, mup: dict, path: str | Path) -> None:
     """Final loss against LR per width: standard (left) vs muP (right), best LR marked."""
     import math
 
-    import matplotlib
+    from lmforge.scaling.plot import _pyplot, _save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lmforge.utils.io import atomic_write
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, name, sweep in ((axes[0], "standard", sp), (axes[1], "muP", mup)):
         widths = sorted(sweep)
@@ -303,7 +292,4 @@ def plot_lr_sweep(sp: dict, mup: dict, path: str | Path) -> None:
         ax.set_title(f"{name}: loss vs LR (★ = best)")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("training loss (last 10% of steps)")
-    fig.tight_layout()
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    _save_png(fig, path, dpi=100)
