@@ -1,10 +1,11 @@
 """Post-training objectives in the one Trainer: learning, the weighted accumulation, and exact
-resume after ``kill -9`` (SFT, DPO, GRPO with its rollouts on the serving engine); Pipeline RL's
-resume (learner state, versions and prompt stream exact; rollouts not: see
-:class:`~lmforge.posttrain.pipeline.PipelineObjective`).
+resume after ``kill -9`` (SFT, DPO, GRPO and PPO with their rollouts on the serving engine,
+distillation); Pipeline RL's resume (learner state, versions and prompt stream exact; rollouts
+not: see :class:`~lmforge.posttrain.pipeline.PipelineObjective`).
 
 Also a script: ``python tests/test_posttrain_resume.py KIND OUT_DIR STEPS [KILL_AT]`` trains
-KIND (sft, dpo, grpo, pipeline) on a tiny model, SIGKILLing itself after step KILL_AT when given.
+KIND (sft, dpo, grpo, ppo, distill, pipeline) on a tiny model, SIGKILLing itself after step
+KILL_AT when given.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import pytest
 import torch
 
 from lmforge.config import RunConfig
-from lmforge.posttrain.config import DPOConfig, SFTConfig
+from lmforge.posttrain.config import DistillConfig, DPOConfig, SFTConfig
 from lmforge.posttrain.core import Example, collate, encode_text, prompt_response_example
-from lmforge.posttrain.dpo import DPOObjective
+from lmforge.posttrain.distill import DistillObjective
+from lmforge.posttrain.dpo import DPOObjective, hidden_size
+from lmforge.posttrain.models import clone_frozen
+from lmforge.posttrain.ppo import PolicyWithValue, PPOConfig, PPOObjective
 from lmforge.posttrain.rl import GRPOObjective, arithmetic_model
 from lmforge.posttrain.rollout import rollout_engine
 from lmforge.posttrain.sft import SFTObjective
@@ -71,12 +75,24 @@ def build(kind: str, out: Path, steps: int, callbacks: tuple = ()) -> Trainer:
         obj = DPOObjective(model, pairs[:20], pairs[20:], DPOConfig(beta=0.5), 4)
         return Trainer(_cfg(out, steps, grad_accum=1), model=model, objective=obj,
                        callbacks=callbacks)  # fmt: skip
-    assert kind == "grpo"
+    if kind == "distill":
+        teacher = clone_frozen(arithmetic_model(tok.vocab_size, seed=1, d_model=32, n_layers=1))
+        obj = DistillObjective(teacher, DistillConfig(max_len=32), 4, corpus=_examples(task, 40),
+                               seed=2)  # fmt: skip
+        return Trainer(_cfg(out, steps), model=model, objective=obj, callbacks=callbacks)
     engine = rollout_engine(model, [tok.eos_id], seed=0)
 
     def draw(n: int, rng: random.Random) -> list[dict[str, Any]]:
         return task.sample(n, rng)
 
+    if kind == "ppo":
+        pv = PolicyWithValue(model, hidden_size(model))
+        pcfg = PPOConfig(max_tokens=task.answer_tokens, samples_per_prompt=4, epochs=2)
+        obj = PPOObjective(pv, engine, tok, draw, task.reward, pcfg, prompts_per_step=4,
+                           eos_ids=[tok.eos_id], eval_items=task.eval_set(8), seed=3)  # fmt: skip
+        return Trainer(_cfg(out, steps, lr=1e-3, grad_accum=1), model=pv, objective=obj,
+                       callbacks=callbacks)  # fmt: skip
+    assert kind == "grpo"
     obj = GRPOObjective(engine, tok, draw, task.reward, "grpo", prompts_per_step=4,
                         group_size=4, epochs=2, micro_batch=6, max_tokens=task.answer_tokens,
                         eos_ids=[tok.eos_id], eval_items=task.eval_set(8), seed=3)  # fmt: skip
@@ -163,7 +179,10 @@ def test_grpo_at_lr_zero_every_importance_ratio_is_one(tmp_path: Path) -> None:
     assert (s.versions[mask] == 0).all()
 
 
-@pytest.mark.parametrize("kind,steps,kill_at", [("sft", 5, 3), ("dpo", 4, 2), ("grpo", 5, 3)])
+@pytest.mark.parametrize(
+    "kind,steps,kill_at",
+    [("sft", 5, 3), ("dpo", 4, 2), ("grpo", 5, 3), ("ppo", 5, 3), ("distill", 4, 2)],
+)
 def test_kill_9_resumes_bit_exactly(tmp_path: Path, kind: str, steps: int, kill_at: int) -> None:
     straight = build(kind, tmp_path / "straight", steps)
     straight.run()

@@ -15,7 +15,7 @@ from lmforge.config import RunConfig
 from lmforge.model import TransformerLM
 from lmforge.model.config import ModelConfig
 from lmforge.model.mup import lr_multipliers, output_multiplier, q_scale
-from lmforge.scaling.mup import coord_check
+from lmforge.scaling.mup import coord_check, lr_sweep
 from lmforge.train.config import DataConfig, TrainConfig
 from lmforge.train.data import write_shard
 from lmforge.train.trainer import Trainer
@@ -102,3 +102,31 @@ def test_coord_check_is_flat_under_mup_and_grows_under_standard() -> None:
     # Measured: standard 1.62×, muP 0.94× over 4× the width (benchmarks/RESULTS.md).
     assert sp > 1.5
     assert abs(math.log(mu)) < math.log(1.2)
+
+
+def test_lr_sweep_in_the_trainer_matches_a_plain_adamw_loop() -> None:
+    # The Trainer's run (its AdamW groups with muP's multipliers, constant LR, no clipping)
+    # against torch.optim.AdamW stepped by hand on the same windows: the same losses.
+    from lmforge.model.mup import lr_multipliers
+    from lmforge.scaling.mup import _batches, _stream, family_config
+
+    steps, lr = 6, 1e-2
+    got = lr_sweep([32], [lr], mup=True, steps=steps, base_width=16, batch=2, context=16)[32][lr]
+    cfg = dataclasses.replace(family_config(32, True, 16, context=16, vocab=256), attention="sdpa")
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    mults = lr_multipliers(model)
+    assert set(mults.values()) != {1.0}
+    groups: dict[float, list] = {}
+    for p in model.parameters():
+        groups.setdefault(mults.get(id(p), 1.0), []).append(p)
+    opt = torch.optim.AdamW([{"params": ps, "lr": lr * m} for m, ps in groups.items()], lr=lr,
+                            betas=(0.9, 0.95), weight_decay=0.0)  # fmt: skip
+    losses = []
+    for x, y in _batches(_stream(256, 200000, 0), 2, 16, steps, 0):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert got == pytest.approx(losses[-1], rel=1e-5)

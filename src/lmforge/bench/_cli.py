@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from lmforge.bench._args import add_model_args
-
 KERNELS_EXAMPLES = """examples:
   lmforge bench kernels                                  # check, then time every kernel (H100/H200)
   lmforge bench kernels --only attention --seqs 4096 --dims 128
@@ -48,14 +46,43 @@ def register(sub: argparse._SubParsersAction) -> None:
         "model",
         help="forward / backward / step times, top kernels, memory and roofline for a preset",
         description=(
-            "Time forward, forward+backward and a full training step of a model preset; print "
-            "a torch-profiler table, memory by category and the accounting roofline numbers."
+            "Time forward, forward+backward and a full training step of a model preset (the "
+            "Trainer that `lmforge train` builds, its own step, on random tokens); print a "
+            "torch-profiler table, memory by category and the accounting roofline numbers."
         ),
         epilog=MODEL_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_args(m)
+    _add_model_args(m)
     m.set_defaults(func=_model)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    # Declared here, not in bench.model, so that --help needs no torch.
+    p.add_argument("--preset", required=True, help="model preset name (configs/NAME.toml) or path")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default ≤ 1024)")
+    p.add_argument("--steps", type=int, default=10, help="timed calls per measurement")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--attention", choices=["reference", "sdpa", "flash", "auto"], default=None)
+    p.add_argument("--norm", choices=["reference", "triton", "auto"], default=None)
+    p.add_argument("--rope", choices=["reference", "triton", "auto"], default=None)
+    p.add_argument(
+        "--swiglu",
+        choices=["reference", "triton", "auto"],
+        default=None,
+        help="model.swiglu (triton: w1/w3 as one GEMM into lmforge's packed gate)",
+    )
+    p.add_argument(
+        "--residual",
+        choices=["param", "autocast"],
+        default=None,
+        help="model.residual_dtype (autocast: the residual stream in bf16 under autocast)",
+    )
+    p.add_argument("--loss", choices=["reference", "fused"], default="reference")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="device peak for MFU")
+    p.add_argument("--no-profile", action="store_true")
 
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:

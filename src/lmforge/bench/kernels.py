@@ -131,6 +131,19 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
+def _judge(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor],
+           peer: Sequence[torch.Tensor], floor: float,
+           min_scale: float = 1.0) -> tuple[list[str], bool]:  # fmt: skip
+    """Each output's max error against the float64 reference next to the peer's (one cell
+    each), and whether every one is within 2× the peer's or ``floor`` × the reference's
+    magnitude (at least ``min_scale``)."""
+    errs = [_max_err(a, w) for a, w in zip(got, want)]
+    peer_errs = [_max_err(a, w) for a, w in zip(peer, want)]
+    scale = [max(min_scale, w.abs().max().item()) for w in want]
+    ok = all(a <= max(2 * p, floor * s) for a, p, s in zip(errs, peer_errs, scale))
+    return [f"{a:.2e} ({p:.1e})" for a, p in zip(errs, peer_errs)], ok
+
+
 # (dtype, E, causal, (B, H, K, T)): GQA, ragged lengths, every dtype, head dims 64/128/256.
 ATTN_CHECKS = (
     (torch.bfloat16, 64, True, (2, 8, 2, 1000)),
@@ -193,18 +206,11 @@ def check_attention(cases=ATTN_CHECKS, device: str = "cuda") -> tuple[list[list[
         vr = peer_in[2].repeat_interleave(group, 1)
         peer = F.scaled_dot_product_attention(peer_in[0], kr, vr, is_causal=causal)
         peer_all = [peer, *torch.autograd.grad(peer, peer_in, do)]
-        want = [ref, *ref_g]
-        errs = [_max_err(a, w) for a, w in zip(got, want)]
-        peer_errs = [_max_err(a, w) for a, w in zip(peer_all, want)]
         floor = {torch.float32: 5e-3, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}[dtype]
-        scale = [max(1.0, w.abs().max().item()) for w in want]
-        ok = all(a <= max(2 * p, floor * s) for a, p, s in zip(errs, peer_errs, scale))
+        cells, ok = _judge(got, [ref, *ref_g], peer_all, floor)
         ok_all &= ok
-        rows.append(
-            [str(dtype).split(".")[1], e, causal, f"{b}×{h}/{kv}×{t}"]
-            + [f"{a:.2e} ({p:.1e})" for a, p in zip(errs, peer_errs)]
-            + ["ok" if ok else "FAIL"]
-        )
+        rows.append([str(dtype).split(".")[1], e, causal, f"{b}×{h}/{kv}×{t}", *cells,
+                     "ok" if ok else "FAIL"])  # fmt: skip
     return rows, ok_all
 
 
@@ -226,17 +232,10 @@ def check_rms_norm(cases=RMS_CHECKS, device: str = "cuda") -> tuple[list[list[ob
         p_in = [x.clone().requires_grad_(), w.clone().requires_grad_()]
         py = F.rms_norm(p_in[0], (d,), p_in[1], 1e-5)
         peer = [py, *torch.autograd.grad(py, p_in, dy)]
-        errs = [_max_err(a, b) for a, b in zip(got, want)]
-        peer_errs = [_max_err(a, b) for a, b in zip(peer, want)]
-        scale = [max(1.0, t.abs().max().item()) for t in want]
         floor = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-        ok = all(a <= max(2 * p, floor * s) for a, p, s in zip(errs, peer_errs, scale))
+        cells, ok = _judge(got, want, peer, floor)
         ok_all &= ok
-        rows.append(
-            [str(dtype).split(".")[1], f"{n}×{d}"]
-            + [f"{a:.2e} ({p:.1e})" for a, p in zip(errs, peer_errs)]
-            + ["ok" if ok else "FAIL"]
-        )
+        rows.append([str(dtype).split(".")[1], f"{n}×{d}", *cells, "ok" if ok else "FAIL"])
     return rows, ok_all
 
 
@@ -259,16 +258,9 @@ def check_cross_entropy(cases=CE_CHECKS, device: str = "cuda") -> tuple[list[lis
         p_in = [h.clone().requires_grad_(), w.clone().requires_grad_()]
         p_loss = linear_cross_entropy_reference(*p_in, t, z_loss=z)  # bf16 matmul, fp32 CE
         peer = [p_loss, *torch.autograd.grad(p_loss, p_in)]
-        errs = [_max_err(a, b) for a, b in zip(got, want)]
-        peer_errs = [_max_err(a, b) for a, b in zip(peer, want)]
-        scale = [max(1e-3, b.abs().max().item()) for b in want]
-        ok = all(a <= max(2 * p, 2e-2 * s) for a, p, s in zip(errs, peer_errs, scale))
+        cells, ok = _judge(got, want, peer, 2e-2, min_scale=1e-3)
         ok_all &= ok
-        rows.append(
-            [f"{n}×{d}→{v}", z]
-            + [f"{a:.2e} ({p:.1e})" for a, p in zip(errs, peer_errs)]
-            + ["ok" if ok else "FAIL"]
-        )
+        rows.append([f"{n}×{d}→{v}", z, *cells, "ok" if ok else "FAIL"])
     return rows, ok_all
 
 
@@ -441,12 +433,8 @@ def check_elementwise(device: str = "cuda", small: bool = False) -> tuple[list[l
             out = fn(*ins)
             results.append([out, *torch.autograd.grad(out, ins, grad.to(out.dtype))])
         want, got, peer = results
-        errs = [_max_err(x, w) for x, w in zip(got, want)]
-        peer_errs = [_max_err(x, w) for x, w in zip(peer, want)]
-        scale = [max(1.0, w.abs().max().item()) for w in want]
-        ok = all(x <= max(2 * p, 1.6e-2 * sc) for x, p, sc in zip(errs, peer_errs, scale))
+        cells, ok = _judge(got, want, peer, 1.6e-2)
         ok_all &= ok
-        cells = [f"{x:.2e} ({p:.1e})" for x, p in zip(errs, peer_errs)]
         rows.append([name, *cells, *(["-"] * (3 - len(cells))), "ok" if ok else "FAIL"])
     return rows, ok_all
 

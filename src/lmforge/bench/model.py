@@ -1,18 +1,20 @@
 """``lmforge bench model``: step times, top kernels, memory by category and roofline for a preset.
 
-Measures, for one preset on one device (random tokens, AdamW):
-  * forward (no grad), forward + backward, and a full training step (forward, backward,
-    optimizer step, zero_grad) — warmup calls, then medians (CUDA events on GPU);
+Measures, for one preset on one device, the :class:`~lmforge.train.Trainer` that ``lmforge
+train`` builds (``[train]`` defaults; fp32 on a CPU) on a shard of random tokens:
+  * forward (no grad) and forward + backward of the Trainer's loss (autocast, reference or fused
+    loss), and a full training step: the Trainer's own (batch draw, forward, backward, clipping,
+    skip rule, its AdamW path, sync-free where ``lmforge train`` is), launched one step ahead of
+    the read as its loop does — warmup calls, then medians (CUDA events on GPU);
   * a torch-profiler table of the top kernels by device time over two training steps, with NVTX
-    ranges ``forward`` / ``backward`` / ``optimizer`` for Nsight Systems;
-  * peak memory by category: parameters, gradients, optimizer state, and activations (the peak
-    during forward + backward above what was allocated before), next to
-    ``lmforge.model.accounting.memory_estimate``;
+    ranges ``forward`` / ``forward_backward`` / ``train_step`` for Nsight Systems;
+  * peak memory by category: parameters, gradients, optimizer state (with fp32 master weights,
+    which the accounting counts there), and activations (the peak during forward + backward
+    above what was allocated before), next to ``lmforge.model.accounting.memory_estimate``;
   * the roofline numbers: FLOPs per token from ``accounting.flops_per_token``, achieved TFLOP/s
     and MFU against the device peak (989 TFLOP/s dense bf16 for H100/H200; ``--peak-tflops``).
-Simplification: the training step is written here (not the Trainer), without gradient clipping
-or accumulation, so it isolates the model's own cost. Runs on CPU too (fp32, wall-clock timing)
-for smoke tests: ``lmforge bench model --preset tiny --device cpu --steps 2``.
+Simplification: one micro-batch per step (no accumulation). Runs on CPU too (fp32, wall-clock
+timing) for smoke tests: ``lmforge bench model --preset tiny --device cpu --steps 2``.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import math
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from lmforge.bench.timing import environment_line, markdown_table, time_ms
 
@@ -59,6 +63,29 @@ class ModelBenchResult:
     profile_table: str
 
 
+def _trainer(cfg, batch_size: int, seq_len: int, device: str, loss: str, work: Path):
+    """The Trainer ``lmforge train`` would build for ``cfg`` (``[train]`` defaults, fp32 on a
+    CPU), reading a shard of random tokens written under ``work``."""
+    import numpy as np
+
+    from lmforge.config import RunConfig
+    from lmforge.train import DataConfig, TrainConfig, Trainer
+    from lmforge.train.data import write_shard
+
+    tokens = np.random.default_rng(0).integers(
+        0, cfg.vocab_size, max(64 * batch_size * seq_len, 1 << 16)
+    )
+    shard = write_shard(work / "random.bin", tokens, cfg.vocab_size)
+    tc = TrainConfig(out_dir=str(work / "run"), device=device, batch_size=batch_size,
+                     context_length=seq_len, loss=loss,
+                     precision="bf16" if device.startswith("cuda") else "fp32",
+                     eval_every=0, save_every=0, save_every_minutes=0.0, progress=False,
+                     plot=False)  # fmt: skip
+    run = RunConfig(model=cfg, train=tc, data=DataConfig(train=(str(shard),)))
+    with contextlib.redirect_stderr(io.StringIO()):  # "no checkpoint in /tmp/...": noise here
+        return Trainer(run)
+
+
 def bench_model(
     preset: str,
     batch_size: int = 8,
@@ -76,7 +103,7 @@ def bench_model(
     swiglu: str | None = None,
 ) -> ModelBenchResult:
     """Time and profile one preset; see the module docstring for what is measured."""
-    from lmforge.model import TransformerLM, accounting, load_preset
+    from lmforge.model import accounting, load_preset
 
     cfg = load_preset(preset)
     pairs = (
@@ -90,52 +117,42 @@ def bench_model(
     cfg = dataclasses.replace(cfg, **changes)
     t = seq_len or min(cfg.context_length, 1024)
     cuda = device.startswith("cuda")
-    torch.manual_seed(0)
-    model = TransformerLM(cfg, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-    x = torch.randint(0, cfg.vocab_size, (batch_size, t), device=device)
-    y = torch.randint(0, cfg.vocab_size, (batch_size, t), device=device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-    fused = None
-    if loss == "fused":
-        from lmforge.kernels import fused_linear_cross_entropy as fused
+    with tempfile.TemporaryDirectory(prefix="lmforge-bench-") as work:
+        trainer = _trainer(cfg, batch_size, t, device, loss, Path(work))
+        x, y = trainer.objective.next_batch()  # (B, T) each
 
-    def loss_fn() -> torch.Tensor:
-        with autocast:
-            if fused is not None:
-                h = model.forward_hidden(x)  # (B, T, D)
-                return fused(h.reshape(-1, h.shape[-1]), model.lm_head.weight, y.reshape(-1))
-            logits = model(x)  # (B, T, V)
-            return F.cross_entropy(logits.float().reshape(-1, cfg.vocab_size), y.reshape(-1))
+        def forward() -> None:
+            with torch.no_grad(), _nvtx("forward", cuda):
+                trainer.loss_fn(trainer.strategy.model, x, y)
 
-    def forward() -> None:
-        with torch.no_grad(), _nvtx("forward", cuda):
-            loss_fn()
+        def forward_backward() -> None:
+            with _nvtx("forward_backward", cuda):
+                trainer.strategy.forward_backward([(x, y)], trainer.loss_fn)
+            trainer.optimizer.zero_grad(set_to_none=True)
 
-    def forward_backward() -> None:
-        with _nvtx("forward", cuda):
-            value = loss_fn()
-        with _nvtx("backward", cuda):
-            value.backward()
-        model.zero_grad(set_to_none=True)
+        pending: list = []
 
-    def step() -> None:
-        with _nvtx("forward", cuda):
-            value = loss_fn()
-        with _nvtx("backward", cuda):
-            value.backward()
-        with _nvtx("optimizer", cuda):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        def step() -> None:
+            # As the Trainer's loop runs: launch this step, then read the one before.
+            with _nvtx("train_step", cuda):
+                launched = trainer.launch_step()
+                if pending:
+                    trainer.finish_step(pending.pop())
+                pending.append(launched)
 
-    dev = "cuda" if cuda else "cpu"
-    fwd_ms = time_ms(forward, warmup=warmup, iters=steps, device=dev)
-    fb_ms = time_ms(forward_backward, warmup=warmup, iters=steps, device=dev)
-    step_ms = time_ms(step, warmup=warmup, iters=steps, device=dev)
+        dev = "cuda" if cuda else "cpu"
+        fwd_ms = time_ms(forward, warmup=warmup, iters=steps, device=dev)
+        fb_ms = time_ms(forward_backward, warmup=warmup, iters=steps, device=dev)
+        step_ms = time_ms(step, warmup=warmup, iters=steps, device=dev)
+        table = _profile_table(step, cuda) if profile else ""
+        if pending:
+            trainer.finish_step(pending.pop())
+        memory = _memory_by_category(trainer, x, y, cuda)
 
-    memory = _memory_by_category(model, opt, loss_fn, cuda)
     precision = "bf16" if cuda else "fp32"
-    est = accounting.memory_estimate(cfg, batch_size, t, precision)
+    est = accounting.memory_estimate(
+        cfg, batch_size, t, precision, master_weights=trainer.fast.master_weights
+    )
     estimate = {
         "parameters": est.parameters,
         "gradients": est.gradients,
@@ -145,7 +162,6 @@ def bench_model(
     tokens = batch_size * t
     fpt = accounting.flops_per_token(cfg, t, backward=True)
     tflops = tokens * fpt / (step_ms * 1e-3) / 1e12
-    table = _profile_table(step, cuda) if profile else ""
     return ModelBenchResult(
         preset=preset,
         device=device,
@@ -164,17 +180,20 @@ def bench_model(
     )
 
 
-def _memory_by_category(model, opt, loss_fn: Callable[[], torch.Tensor], cuda: bool):
-    model.zero_grad(set_to_none=True)
+def _memory_by_category(trainer, x: torch.Tensor, y: torch.Tensor, cuda: bool) -> dict[str, int]:
+    model, opt = trainer.model, trainer.optimizer
+    opt.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-    loss_fn().backward()
+    trainer.strategy.forward_backward([(x, y)], trainer.loss_fn)
+    masters = [m for _, m in trainer.masters.values()]  # fp32 masters: optimizer-side weights
     memory = {
         "parameters": _tensor_bytes(model.parameters()),
         "gradients": _tensor_bytes(p.grad for p in model.parameters()),
-        "optimizer": _tensor_bytes(v for s in opt.state.values() for v in s.values()),
+        "optimizer": _tensor_bytes(v for s in opt.state.values() for v in s.values())
+        + _tensor_bytes(masters),
     }
     if cuda:
         torch.cuda.synchronize()
@@ -183,7 +202,7 @@ def _memory_by_category(model, opt, loss_fn: Callable[[], torch.Tensor], cuda: b
         # activations (saved tensors, the logits, temporaries).
         memory["activations"] = max(0, peak - before - memory["gradients"])
         memory["peak_total"] = peak
-    model.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)
     return memory
 
 
@@ -229,15 +248,6 @@ def format_result(r: ModelBenchResult) -> str:
     return "\n".join(parts)
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Arguments of the model benchmark (shared by the CLI)."""
-    from lmforge.bench._args import add_model_args  # one declaration, shared with `lmforge bench`
-
-    p = parser or argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p)
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
     """Run :func:`bench_model` from parsed arguments and print the markdown report."""
     from lmforge.utils.errors import LmforgeError
@@ -257,12 +267,3 @@ def run(args: argparse.Namespace) -> int:
     if not math.isfinite(result.step_ms):
         return 1
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lmforge.bench.model`` entry."""
-    return run(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

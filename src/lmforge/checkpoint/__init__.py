@@ -27,6 +27,7 @@ __all__ = [
     "save_model_state",
     "save_optimizer_state",
     "split_tied",
+    "write_folder_atomically",
 ]
 
 _EXPORTS = {name: "io" for name in __all__}

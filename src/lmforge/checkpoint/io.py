@@ -106,16 +106,22 @@ def save_model_state(path: str | Path, state: dict[str, torch.Tensor]) -> None:
     )
 
 
-def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a state dict written by :func:`save_model_state` (tied aliases restored)."""
+def _read_safetensors(
+    path: str | Path, what: str
+) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    # (metadata, tensors) of a safetensors file; an unreadable one is one line naming ``what``.
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            state = {k: f.get_tensor(k) for k in f.keys()}
+            return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError) as e:
-        raise LmforgeError(f"cannot read model weights {path}: {e}") from None
+        raise LmforgeError(f"cannot read {what} {path}: {e}") from None
+
+
+def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a state dict written by :func:`save_model_state` (tied aliases restored)."""
+    meta, state = _read_safetensors(path, "model weights")
     for alias, source in json.loads(meta.get("tied", "{}")).items():
         state[alias] = state[source]
     return state
@@ -143,14 +149,7 @@ def save_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer | di
 
 def load_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> None:
     """Load a file written by :func:`save_optimizer_state` into ``optimizer``."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            flat = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise LmforgeError(f"cannot read optimizer state {path}: {e}") from None
+    meta, flat = _read_safetensors(path, "optimizer state")
     state: dict[int, dict[str, Any]] = {}
     for key, t in flat.items():
         _, pid, name = key.split(".", 2)
@@ -168,8 +167,9 @@ def load_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> 
         raise LmforgeError(f"optimizer state {path} does not fit this model: {e}") from None
 
 
-def _write_folder_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
-    """Build a folder with ``fill(tmp)``, fsync it, then rename it to ``final`` in one step."""
+def write_folder_atomically(final: Path, fill: Callable[[Path], None]) -> Path:
+    """Build a folder with ``fill(tmp)``, fsync it, then rename it to ``final`` in one step (an
+    existing ``final`` is swapped out, then removed); a failure leaves ``final`` as it was."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     if tmp.exists():
@@ -241,7 +241,7 @@ def save_checkpoint(
         info = {"format": CHECKPOINT_FORMAT, "iteration": int(iteration), "created": time.time()}
         _write_json(tmp / "meta.json", {**info, **(meta or {})})
 
-    out = _write_folder_atomically(final, fill)
+    out = write_folder_atomically(final, fill)
     if extra_dir is not None:
         shutil.rmtree(extra_dir, ignore_errors=True)
     return out

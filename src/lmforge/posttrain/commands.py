@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,18 @@ def _need_file(path: str, key: str) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _measured_once(f: Path, resumed: bool, write: bool, measure: Callable[[], Any]) -> Any:
+    # A measurement of the starting policy: taken by the first attempt (written to ``f`` when
+    # ``write``: rank 0), read back from ``f`` by a resumed one.
+    if resumed and f.is_file():
+        return json.loads(f.read_text(encoding="utf-8"))
+    value = measure()
+    if write:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        _write_json(f, value)
+    return value
 
 
 def _with_model_config(cfg: RunConfig, model: torch.nn.Module) -> RunConfig:
@@ -174,13 +187,9 @@ def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
 
     trainer = Trainer(_with_model_config(cfg, model) if not dc.reward_model else cfg, runtime,
                       model=trained, objective=objective)  # fmt: skip
-    # Before: the starting policy (a resumed run reads it back from its first eval record).
-    before = objective.evaluate(trainer.model) if trainer.iteration == 0 else None
-    if before is not None and trainer.is_main:
-        (out / "before.json").parent.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "before.json", before)
-    elif (out / "before.json").is_file():
-        before = json.loads((out / "before.json").read_text(encoding="utf-8"))
+    resumed = trainer.iteration > 0
+    before = _measured_once(out / "before.json", resumed, trainer.is_main,
+                            lambda: None if resumed else objective.evaluate(trainer.model))  # fmt: skip
     trainer.model.train()
     result = trainer.run()
     if not trainer.is_main:
@@ -378,15 +387,11 @@ def _eval_records(out: Path) -> list[dict[str, Any]]:
 
 
 def _first_eval(out: Path, trainer: Trainer, objective: Any) -> float:
-    # The starting policy's accuracy: measured once, kept beside the run for resumed attempts.
-    f = out / "accuracy_before.json"
-    if trainer.iteration > 0 and f.is_file():
-        return float(json.loads(f.read_text(encoding="utf-8"))["eval_accuracy"])
-    a0 = float(objective.evaluate(trainer.model).get("eval_accuracy", float("nan")))
+    # The starting policy's accuracy, kept beside the run for resumed attempts.
+    got = _measured_once(out / "accuracy_before.json", trainer.iteration > 0, trainer.is_main,
+                         lambda: objective.evaluate(trainer.model))  # fmt: skip
     objective.should_stop = False  # a starting policy already at the target still trains
-    if trainer.is_main:
-        _write_json(f, {"eval_accuracy": a0})
-    return a0
+    return float(got.get("eval_accuracy", float("nan")))
 
 
 def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
@@ -413,12 +418,8 @@ def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
                                     eos_ids=eos)  # fmt: skip
 
     t_start = time.perf_counter()
-    f = out / "accuracy_before.json"
-    if f.is_file() and (out / "checkpoints").is_dir():  # resumed: its first attempt measured it
-        a0 = float(json.loads(f.read_text(encoding="utf-8"))["eval_accuracy"])
-    else:
-        a0 = evaluate()
-        _write_json(f, {"eval_accuracy": a0})
+    a0 = _measured_once(out / "accuracy_before.json", (out / "checkpoints").is_dir(), True,
+                        lambda: {"eval_accuracy": evaluate()})["eval_accuracy"]  # fmt: skip
     ref = clone_frozen(model) if rc.kl_coef > 0 else None
     hist = run_pipeline(model, pcfg, progress=tc.progress, reward_fn=reward_fn, prompts=prompts,
                         tokenizer=tok, eos_ids=eos, eval_fn=evaluate, ref_model=ref,

@@ -89,8 +89,14 @@ def sequence_scores(model: nn.Module, batch: Batch, average: bool = False) -> to
     return total / batch.mask.sum(-1).clamp_min(1) if average else total
 
 
-def _avg(cfg: DPOConfig) -> bool:
-    return cfg.loss in ("ipo", "simpo")  # IPO and SimPO use length-averaged log-probs
+def _pair_scores(
+    model: nn.Module, chunk: Sequence[Any], cfg: DPOConfig, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The chosen and the rejected responses' scores (B,) each, from one forward of 2B rows;
+    # IPO and SimPO use length-averaged log-probs.
+    device = next(model.parameters()).device
+    s = sequence_scores(model, pair_batch(chunk, pad_id).to(device), cfg.loss in ("ipo", "simpo"))
+    return s[: len(chunk)], s[len(chunk) :]
 
 
 @torch.no_grad()
@@ -101,12 +107,10 @@ def reference_scores(
     """The reference policy's scores (N, 2): computed once, before training, and cached."""
     from tqdm import tqdm
 
-    device = next(model.parameters()).device
     out = []
     for i in tqdm(range(0, len(pairs), batch_size), desc="reference", disable=not progress):
-        chunk = pairs[i : i + batch_size]
-        s = sequence_scores(model, pair_batch(chunk, pad_id).to(device), _avg(cfg))
-        out.append(torch.stack([s[: len(chunk)], s[len(chunk) :]], -1).cpu())
+        pc, pr = _pair_scores(model, pairs[i : i + batch_size], cfg, pad_id)
+        out.append(torch.stack([pc, pr], -1).cpu())
     return torch.cat(out)
 
 
@@ -114,14 +118,12 @@ def pair_losses(
     model: nn.Module, chunk: Sequence[Any], ref: torch.Tensor, cfg: DPOConfig, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and implicit rewards (chosen, rejected) of a chunk of pairs."""
-    device = next(model.parameters()).device
-    s = sequence_scores(model, pair_batch(chunk, pad_id).to(device), _avg(cfg))
-    pc, pr = s[: len(chunk)], s[len(chunk) :]
+    pc, pr = _pair_scores(model, chunk, cfg, pad_id)
     if cfg.loss == "simpo":
         return simpo_loss(pc, pr, cfg.beta, cfg.simpo_gamma)
     if cfg.loss not in ("dpo", "ipo", "cdpo"):
         raise LmforgeError(f"unknown preference loss {cfg.loss!r} (dpo, ipo, cdpo, simpo)")
-    ref = ref.to(device)
+    ref = ref.to(pc.device)
     return dpo_loss(pc, pr, ref[:, 0], ref[:, 1], cfg.beta, cfg.loss, cfg.label_smoothing)  # type: ignore[arg-type]
 
 
@@ -132,17 +134,14 @@ def preference_accuracy(
 ) -> dict[str, float]:  # fmt: skip
     """Held-out accuracy of the implicit reward (ties count ½), its mean margin, and the
     accuracy of the policy's own log-probs (log π(chosen) > log π(rejected), no reference)."""
-    device = next(model.parameters()).device
     acc, margin, lp_acc = 0.0, 0.0, 0.0
     for i in range(0, len(pairs), batch_size):
-        chunk = pairs[i : i + batch_size]
-        s = sequence_scores(model, pair_batch(chunk, pad_id).to(device), _avg(cfg))
-        pc, pr = s[: len(chunk)], s[len(chunk) :]
+        pc, pr = _pair_scores(model, pairs[i : i + batch_size], cfg, pad_id)
         lp_acc += float((pc > pr).float().sum() + 0.5 * (pc == pr).float().sum())
         if cfg.loss == "simpo":
             rc, rr = cfg.beta * pc, cfg.beta * pr
         else:
-            r = ref[i : i + batch_size].to(device)
+            r = ref[i : i + batch_size].to(pc.device)
             rc, rr = cfg.beta * (pc - r[:, 0]), cfg.beta * (pr - r[:, 1])
         acc += float((rc > rr).float().sum() + 0.5 * (rc == rr).float().sum())
         margin += float((rc - rr).sum())

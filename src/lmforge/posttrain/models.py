@@ -15,8 +15,6 @@ temporary folder renamed at the end.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -62,39 +60,32 @@ def load_model(spec: str | os.PathLike, device: str = "cpu") -> tuple[nn.Module,
 
 def save_model(model: nn.Module, tokenizer: Any, out_dir: str | os.PathLike) -> Path:
     """Write ``model`` (and its tokenizer and chat template when present) to ``out_dir`` atomically."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        if is_lmforge_model(model):
-            from lmforge.checkpoint.io import save_model_state
-            from lmforge.hf.api import HF_TOKENIZER_DIR
-            from lmforge.hf.tokenizer import HFTokenizer
-            from lmforge.posttrain.chat import template_of
-            from lmforge.utils.config import config_to_toml
-            from lmforge.utils.io import atomic_write_text
+    from lmforge.checkpoint.io import write_folder_atomically
 
-            save_model_state(tmp / "model.safetensors", model.state_dict())
-            atomic_write_text(tmp / "config.toml", "[model]\n" + config_to_toml(model.config))
-            if isinstance(tokenizer, HFTokenizer):
-                # lmforge's Tokenizer.load cannot read tokenizer.json: load_pretrained looks here
-                tokenizer.save(tmp / HF_TOKENIZER_DIR)
-            elif tokenizer is not None and hasattr(tokenizer, "save"):
-                tokenizer.save(tmp / "tokenizer")
-            template = template_of(tokenizer)
-            if template:
-                atomic_write_text(tmp / "chat_template.jinja", template)
-        else:
+    def fill(tmp: Path) -> None:
+        if not is_lmforge_model(model):
             model.save_pretrained(str(tmp))
             if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(str(tmp))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+            return
+        from lmforge.checkpoint.io import save_model_state
+        from lmforge.hf.api import HF_TOKENIZER_DIR
+        from lmforge.hf.tokenizer import HFTokenizer
+        from lmforge.posttrain.chat import template_of
+        from lmforge.utils.config import config_to_toml
+
+        save_model_state(tmp / "model.safetensors", model.state_dict())
+        (tmp / "config.toml").write_text("[model]\n" + config_to_toml(model.config), "utf-8")
+        if isinstance(tokenizer, HFTokenizer):
+            # lmforge's Tokenizer.load cannot read tokenizer.json: load_pretrained looks here
+            tokenizer.save(tmp / HF_TOKENIZER_DIR)
+        elif tokenizer is not None and hasattr(tokenizer, "save"):
+            tokenizer.save(tmp / "tokenizer")
+        template = template_of(tokenizer)
+        if template:
+            (tmp / "chat_template.jinja").write_text(template, "utf-8")
+
+    return write_folder_atomically(Path(out_dir), fill)
 
 
 def eos_ids(tokenizer: Any) -> list[int]:

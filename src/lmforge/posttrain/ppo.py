@@ -27,11 +27,11 @@ from lmforge.posttrain.core import (
     encode_text,
     masked_mean,
     masked_whiten,
-    set_random_state,
     token_logprobs,
 )
 from lmforge.posttrain.losses import gae, kl_penalized_rewards, policy_token_loss, value_loss
 from lmforge.posttrain.models import clone_frozen
+from lmforge.posttrain.rl import _RolloutObjective, build_samples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ class PolicyWithValue(nn.Module):
         return logits, self.value_head(h.float()).squeeze(-1)
 
 
-class PPOObjective:
+class PPOObjective(_RolloutObjective):
     """PPO (policy + value head) as a :class:`~lmforge.train.Objective`; the Trainer's model is
     the :class:`PolicyWithValue`.
 
@@ -98,7 +98,7 @@ class PPOObjective:
         self.draw, self.reward_fn, self.cfg = draw, reward_fn, cfg
         self.prompts_per_step = prompts_per_step
         self.eos = list(eos_ids)
-        self.eval_items = list(eval_items)
+        self.eval_items, self.eval_max_tokens = list(eval_items), cfg.max_tokens
         self.ref = clone_frozen(policy.lm)
         self.rng = random.Random(seed)
         self.target, self.should_stop = target, False
@@ -110,7 +110,6 @@ class PPOObjective:
     @torch.no_grad()
     def _rollout(self, version: int) -> None:
         from lmforge.posttrain.core import decode_ids
-        from lmforge.posttrain.rl import build_samples
         from lmforge.posttrain.rollout import sample
 
         cfg = self.cfg
@@ -183,31 +182,16 @@ class PPOObjective:
         """Reward, KL to the start, value loss and clip fraction."""
         return dict(self._stats)
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Greedy held-out accuracy on the engine."""
-        from lmforge.posttrain.rl import evaluate_accuracy
-
-        if not self.eval_items:
-            return {}
-        acc = evaluate_accuracy(self.engine, self.tokenizer, self.eval_items, self.reward_fn,
-                                self.cfg.max_tokens, eos_ids=self.eos)  # fmt: skip
-        self.should_stop = bool(self.target) and acc >= self.target
-        return {"eval_accuracy": acc}
-
     def state_dict(self) -> dict:
         """Prompt/seed RNG, the rollout batch and the passes left over it."""
-        out: dict[str, Any] = {"rng": self.rng.getstate(), "passes_left": self.passes_left,
-                               "samples_seen": self.samples_seen, "stats": dict(self._stats)}  # fmt: skip
+        out = self._loop_state()
         if self.batch is not None:
             out["batch"] = {k: v.cpu() for k, v in self.batch.items()}
         return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        set_random_state(self.rng, state["rng"])
-        self.passes_left, self.samples_seen = int(state["passes_left"]), int(state["samples_seen"])
-        self._stats = dict(state["stats"])
+        self._load_loop_state(state)
         device = next(self.policy.parameters()).device
         if "batch" in state:
             self.batch = {k: v.to(device) for k, v in state["batch"].items()}

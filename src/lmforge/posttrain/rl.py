@@ -227,7 +227,32 @@ def _samples_from(d: dict[str, torch.Tensor]) -> Samples:
                    d["weights"])  # fmt: skip
 
 
-class GRPOObjective:
+class _RolloutObjective:
+    """What the rollout objectives (:class:`GRPOObjective`, PPO's) share: the greedy held-out
+    evaluation on the engine, which ends the run once it reaches ``target``, and the resume
+    state of the rollout loop (prompt/seed RNG, passes left over the batch, samples, stats)."""
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """Greedy held-out accuracy (mean answer reward) on the engine."""
+        if not self.eval_items:
+            return {}
+        acc = evaluate_accuracy(self.engine, self.tokenizer, self.eval_items, self.reward_fn,
+                                self.eval_max_tokens, eos_ids=self.eos)  # fmt: skip
+        self.should_stop = bool(self.target) and acc >= self.target
+        return {"eval_accuracy": acc}
+
+    def _loop_state(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate(), "passes_left": self.passes_left,
+                "samples_seen": self.samples_seen, "stats": dict(self._stats)}  # fmt: skip
+
+    def _load_loop_state(self, state: dict) -> None:
+        set_random_state(self.rng, state["rng"])
+        self.passes_left, self.samples_seen = int(state["passes_left"]), int(state["samples_seen"])
+        self._stats = dict(state["stats"])
+
+
+class GRPOObjective(_RolloutObjective):
     """The GRPO family (REINFORCE, RLOO, GRPO, Dr. GRPO, DAPO, GSPO, MaxRL) as a
     :class:`~lmforge.train.Objective`.
 
@@ -398,33 +423,18 @@ class GRPOObjective:
         self._clip = []
         return out
 
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """Greedy held-out accuracy (mean answer reward) on the engine."""
-        if not self.eval_items:
-            return {}
-        acc = evaluate_accuracy(self.engine, self.tokenizer, self.eval_items, self.reward_fn,
-                                self.eval_max_tokens, eos_ids=self.eos)  # fmt: skip
-        self.should_stop = bool(self.target) and acc >= self.target
-        return {"eval_accuracy": acc}
-
     # -- resume
 
     def state_dict(self) -> dict:
         """Prompt/seed RNG, the rollout batch, the passes left over it, samples seen."""
-        out: dict[str, Any] = {"rng": self.rng.getstate(), "passes_left": self.passes_left,
-                               "samples_seen": self.samples_seen,
-                               "stats": dict(self._stats)}  # fmt: skip
+        out = self._loop_state()
         if self.samples is not None:
             out["samples"] = _samples_state(self.samples)
         return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        set_random_state(self.rng, state["rng"])
-        self.passes_left = int(state["passes_left"])
-        self.samples_seen = int(state["samples_seen"])
-        self._stats = dict(state["stats"])
+        self._load_loop_state(state)
         self.samples = _samples_from(state["samples"]) if "samples" in state else None
 
 

@@ -213,22 +213,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     lt.set_defaults(func=_lr_transfer)
 
 
-def _floats(text: str, what: str) -> list[float]:
+def _numbers(text: str, what: str, kind: type = float) -> list:
     from lmforge.utils.errors import LmforgeError
 
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        return [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise LmforgeError(f"{what} must be comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str, what: str) -> list[int]:
-    from lmforge.utils.errors import LmforgeError
-
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise LmforgeError(f"{what} must be comma-separated integers, got {text!r}") from None
+        noun = "integers" if kind is int else "numbers"
+        raise LmforgeError(f"{what} must be comma-separated {noun}, got {text!r}") from None
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -240,8 +232,8 @@ def _plan(args: argparse.Namespace) -> int:
     base = load_run_config(args.config, args.overrides)
     points = plan_grid(
         base,
-        _floats(args.budgets, "--budgets"),
-        _ints(args.depths, "--depths"),
+        _numbers(args.budgets, "--budgets"),
+        _numbers(args.depths, "--depths", int),
         aspect=args.aspect,
         head_dim=args.head_dim,
         flops_rule=args.flops,
@@ -302,7 +294,7 @@ def _fit(args: argparse.Namespace) -> int:
     from lmforge.utils.io import atomic_write_text
 
     table = load_runs(args.runs).drop_worst(args.drop_worst)
-    budgets = _floats(args.predict, "--predict")
+    budgets = _numbers(args.predict, "--predict")
     try:
         fit, rep = fit_and_report(
             table.parameters,
@@ -375,7 +367,7 @@ def _predict(args: argparse.Namespace) -> int:
         raise LmforgeError(f"fit file not found: {p}") from None
     except (json.JSONDecodeError, KeyError, TypeError):
         raise LmforgeError(f"{p}: not a fit JSON from `lmforge scaling fit --json`") from None
-    budgets = _floats(args.budgets, "--budgets")
+    budgets = _numbers(args.budgets, "--budgets")
     if method == "parametric":
         from lmforge.scaling.fit import ParametricLaw
 
@@ -411,7 +403,7 @@ def _branch(args: argparse.Namespace) -> int:
 
     base = load_run_config(args.config, args.overrides)
     recs = run_branches(
-        base, _ints(args.at, "--at"), args.out, args.decay_fraction, args.compare_cosine
+        base, _numbers(args.at, "--at", int), args.out, args.decay_fraction, args.compare_cosine
     )
     print(f"{'steps':>7} {'tokens':>11} {'from':>6} {'wsd loss':>9} {'cosine':>9} {'wsd/cos-1':>9}")
     for r in recs:
@@ -425,7 +417,7 @@ def _branch(args: argparse.Namespace) -> int:
 def _coord(args: argparse.Namespace) -> int:
     from lmforge.scaling.mup import coord_check, plot_coord_check
 
-    widths = _ints(args.widths, "--widths")
+    widths = _numbers(args.widths, "--widths", int)
     res = coord_check(widths, steps=args.steps, lr=args.lr, device=args.device)
     for name in res:
         for site, by_w in res[name].items():
@@ -442,7 +434,7 @@ def _lr_transfer(args: argparse.Namespace) -> int:
     from lmforge.scaling.mup import best_lrs, lr_sweep, plot_lr_sweep
     from lmforge.utils.io import atomic_write_text
 
-    widths, lrs = _ints(args.widths, "--widths"), _floats(args.lrs, "--lrs")
+    widths, lrs = _numbers(args.widths, "--widths", int), _numbers(args.lrs, "--lrs")
     sp = lr_sweep(widths, lrs, False, steps=args.steps, device=args.device)
     mu = lr_sweep(widths, lrs, True, steps=args.steps, device=args.device)
     print(f"best LR per width  standard: {best_lrs(sp)}  muP: {best_lrs(mu)}")

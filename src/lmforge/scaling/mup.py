@@ -1,8 +1,9 @@
 """muP evidence: the coordinate check and a learning-rate transfer sweep across widths.
 
 Both train a family of widths (n_heads fixed, so the head width E grows with d_model and the 1/E
-attention scale matters) on one synthetic, learnable token stream with AdamW whose parameter
-groups carry :func:`lmforge.model.mup.lr_multipliers` — the same multipliers the trainer applies.
+attention scale matters) on one synthetic, learnable token stream in the one
+:class:`~lmforge.train.Trainer` (an objective over in-memory windows), whose AdamW parameter
+groups carry :func:`lmforge.model.mup.lr_multipliers`.
 
 - :func:`coord_check`: the mean |x| of the embedding output, every block's output and the logits
   over the first steps, per width, standard vs muP. Under muP the curves stay flat in width; under
@@ -10,7 +11,8 @@ groups carry :func:`lmforge.model.mup.lr_multipliers` — the same multipliers t
 - :func:`lr_sweep`: final training loss per (width, LR). Under muP the best LR of the smallest
   width stays best at 4–8× the width; under the standard parametrization it drifts down.
 
-Simplification: no warm-up or decay (constant LR), fp32, a synthetic stream instead of text.
+Simplification: no warm-up, decay, weight decay or clipping (constant LR), fp32, a synthetic
+stream instead of text.
 Exercised by ``pytest tests/test_scaling_mup.py`` and ``lmforge scaling coord-check``.
 """
 
@@ -57,21 +59,63 @@ def family_config(
     )
 
 
-def _optimizer(model: Any, lr: float, weight_decay: float) -> Any:
+class _Windows:
+    """The given (x, y) batches in order: the sampler a :class:`~lmforge.train.LMObjective`
+    draws from (its position is the objective's state)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches, self.pos = batches, 0
+
+    def next_batch(self, batch_size: int, device: str) -> Any:
+        self.pos += 1
+        return self.batches[self.pos - 1]
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = int(state["pos"])
+
+
+def _cross_entropy(model: Any, x: Any, y: Any) -> Any:
     import torch
 
-    from lmforge.model.mup import lr_multipliers
+    logits = model(x)  # (B, T, V)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
-    mults = lr_multipliers(model)
-    groups: dict[float, list] = {}
-    for p in model.parameters():
-        groups.setdefault(mults.get(id(p), 1.0), []).append(p)
-    return torch.optim.AdamW(
-        [{"params": ps, "lr": lr * m} for m, ps in groups.items()],
-        lr=lr,
-        betas=(0.9, 0.95),
-        weight_decay=weight_decay,
-    )
+
+def _train(model: Any, cfg: Any, batches: list, lr: float, seed: int, device: str) -> list[float]:
+    """One step per (x, y) batch, in order, of the one :class:`~lmforge.train.Trainer` (whose
+    AdamW carries muP's per-parameter LR multipliers): mean next-token cross-entropy, constant
+    ``lr``, no warm-up, decay, weight decay or clipping, fp32, in a throw-away run folder.
+    Returns each step's loss; a non-finite one is kept (the Trainer skips that update and goes
+    on to the last step)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from lmforge.config import RunConfig
+    from lmforge.train import LMObjective, TrainConfig, Trainer
+
+    steps = len(batches)
+    losses: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="lmforge-mup-") as out:
+        tc = TrainConfig(out_dir=out, device=device, seed=seed, precision="fp32", lr=lr,
+                         min_lr=0.0, schedule="constant", warmup_steps=0, weight_decay=0.0,
+                         grad_clip=0.0, max_steps=steps, batch_size=len(batches[0][0]),
+                         eval_every=0, save_every=0, save_every_minutes=0.0, log_every=steps,
+                         keep_last=1, resume=False, max_bad_steps=steps + 1, progress=False,
+                         plot=False)  # fmt: skip
+
+        def keep(trainer: Any, step: int, metrics: dict[str, Any]) -> None:
+            losses.append(float(metrics["loss"]))
+
+        objective = LMObjective(_Windows(batches), len(batches[0][0]), device, _cross_entropy)
+        # A sweep is dozens of runs: their start lines ("no checkpoint in /tmp/...") are noise.
+        with contextlib.redirect_stderr(io.StringIO()):
+            Trainer(RunConfig(model=cfg, train=tc), model=model, objective=objective,
+                    callbacks=[keep]).run()  # fmt: skip
+    return losses
 
 
 def _batches(stream: Any, batch: int, context: int, steps: int, seed: int) -> list:
@@ -87,10 +131,13 @@ def _batches(stream: Any, batch: int, context: int, steps: int, seed: int) -> li
     return out
 
 
-def _recorder(record: dict[str, float], key: str) -> Any:
-    # A forward hook storing the output's mean |x| under ``key``.
+def _recorder(record: dict[str, float], key: str, history: list | None = None) -> Any:
+    # A forward hook storing the output's mean |x| under ``key`` (then, with ``history``, a
+    # copy of the whole record: the model's own hook runs after its modules' hooks).
     def hook(module: Any, inputs: Any, output: Any) -> None:
         record[key] = float(output.detach().abs().mean())
+        if history is not None:
+            history.append(dict(record))
 
     return hook
 
@@ -121,26 +168,21 @@ def coord_check(
             cfg = family_config(w, mup, base)
             torch.manual_seed(seed)
             model = TransformerLM(cfg, device=device)
-            opt = _optimizer(model, lr, 0.0)
             record: dict[str, float] = {}
+            history: list[dict[str, float]] = []  # the forward of step t, before its update
             hooks = [model.token_embeddings.register_forward_hook(_recorder(record, "embedding"))]
             for li, layer in enumerate(model.layers):
                 hooks.append(layer.register_forward_hook(_recorder(record, f"block_{li}")))
+            hooks.append(model.register_forward_hook(_recorder(record, "logits", history)))
             data = _batches(
                 _stream(cfg.vocab_size, 20000, seed), batch, cfg.context_length, steps, seed
             )
-            for x, y in data:
-                x, y = x.to(device), y.to(device)
-                logits = model(x)  # (B, T, V)
-                record["logits"] = float(logits.detach().abs().mean())
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                for k, v in record.items():
-                    sites.setdefault(k, {}).setdefault(w, []).append(v)
+            _train(model, cfg, [(x.to(device), y.to(device)) for x, y in data], lr, seed, device)
             for h in hooks:
                 h.remove()
+            for seen in history:
+                for k, v in seen.items():
+                    sites.setdefault(k, {}).setdefault(w, []).append(v)
         out[name] = sites
     return out
 
@@ -180,17 +222,9 @@ def lr_sweep(
         for lr in lrs:
             torch.manual_seed(seed)
             model = TransformerLM(dataclasses.replace(cfg, attention="sdpa"), device=device)
-            opt = _optimizer(model, lr, 0.0)
-            tail: list[float] = []
-            for i, (x, y) in enumerate(data):
-                logits = model(x)  # (B, T, V)
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if i >= steps - max(steps // 10, 1):
-                    tail.append(loss.detach())
-            value = float(torch.stack(tail).mean())
+            losses = _train(model, cfg, data, lr, seed, device)
+            tail = torch.tensor(losses[steps - max(steps // 10, 1) :])  # float32, as the losses
+            value = float(tail.mean())
             out[w][lr] = value if math.isfinite(value) else math.inf
     return out
 
@@ -202,13 +236,9 @@ def best_lrs(sweep: dict[int, dict[float, float]]) -> dict[int, float]:
 
 def plot_coord_check(result: dict, path: str | Path, lr: float) -> None:
     """Mean |x| against width, one line per step, for standard and muP (rows) and sites (columns)."""
-    import matplotlib
+    from lmforge.scaling.plot import _pyplot, _save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lmforge.utils.io import atomic_write
-
+    plt = _pyplot()
     sites = list(result["standard"])
     fig, axes = plt.subplots(2, len(sites), figsize=(3.2 * len(sites), 6), squeeze=False)
     for row, name in enumerate(("standard", "mup")):
@@ -235,23 +265,16 @@ def plot_coord_check(result: dict, path: str | Path, lr: float) -> None:
                 ax.set_xlabel("width d_model")
     axes[0][0].legend(fontsize=6)
     fig.suptitle(f"coordinate check, AdamW lr={lr:g} (flat in width = muP working)")
-    fig.tight_layout()
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    _save_png(fig, path, dpi=100)
 
 
 def plot_lr_sweep(sp: dict, mup: dict, path: str | Path) -> None:
     """Final loss against LR per width: standard (left) vs muP (right), best LR marked."""
     import math
 
-    import matplotlib
+    from lmforge.scaling.plot import _pyplot, _save_png
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lmforge.utils.io import atomic_write
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, name, sweep in ((axes[0], "standard", sp), (axes[1], "muP", mup)):
         widths = sorted(sweep)
@@ -269,7 +292,4 @@ def plot_lr_sweep(sp: dict, mup: dict, path: str | Path) -> None:
         ax.set_title(f"{name}: loss vs LR (★ = best)")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("training loss (last 10% of steps)")
-    fig.tight_layout()
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    _save_png(fig, path, dpi=100)

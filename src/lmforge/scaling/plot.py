@@ -8,11 +8,32 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from lmforge.scaling.fit import IsoflopFit, ParametricFit, ParametricLaw
 from lmforge.scaling.runs import RunTable
+
+
+def _pyplot() -> Any:
+    # matplotlib's pyplot on the Agg backend, imported on first use
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save_png(fig: Any, path: str | Path, dpi: int = 110) -> None:
+    # tight layout, the PNG written atomically, the figure closed
+    from lmforge.utils.io import atomic_write
+
+    fig.tight_layout()
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    _pyplot().close(fig)
 
 
 def plot_fit(
@@ -24,13 +45,7 @@ def plot_fit(
     """Three panels: loss vs N per budget (fitted curves and minima), N_opt vs C (the runs'
     optima, the fitted law, its 95% bootstrap band, the predicted budgets), L(N, D) contours
     with the runs and the compute-optimal frontier (contours only for a parametric fit)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lmforge.utils.io import atomic_write
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     ax1, ax2, ax3 = axes
     ubud = np.unique(table.budget)
@@ -119,7 +134,4 @@ def plot_fit(
     ax3.set_yscale("log")
     ax3.set_xlabel("parameters N")
     ax3.set_ylabel("tokens D")
-    fig.tight_layout()
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
+    _save_png(fig, path)
