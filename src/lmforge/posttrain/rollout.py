@@ -56,15 +56,6 @@ def rollout_kv_blocks(
 # The one engine
 
 
-def _kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    # keys and values of every layer for one block of tokens
-    cfg = model.config
-    kv_heads = getattr(cfg, "n_kv_heads", None) or cfg.n_heads
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.d_model // cfg.n_heads)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.n_layers * kv_heads * head_dim * block_size * itemsize
-
-
 def rollout_engine(model: nn.Module, eos_ids: Iterable[int] = (), seed: int = 0) -> Any:
     """A :class:`lmforge.serve.Engine` sampling from ``model`` itself (no copy: the trainer
     updates the weights in place and bumps the engine's ``policy_version`` with
@@ -84,7 +75,10 @@ def rollout_engine(model: nn.Module, eos_ids: Iterable[int] = (), seed: int = 0)
     num_blocks = None
     cuda = param.device.type == "cuda"
     if cuda:
-        per_block = _kv_bytes_per_block(model, 16, param.dtype)
+        from lmforge.serve.model_runner import kv_bytes_per_block
+
+        # the engine's own count: MLA latents, CLA, K/V of attention layers only, S indexer keys
+        per_block = kv_bytes_per_block(model, 16, param.dtype)
         free = int(torch.cuda.mem_get_info(param.device)[0])
         num_blocks = rollout_kv_blocks(model.config.context_length, per_block, free)
     return Engine(model, device=param.device, block_size=16, num_blocks=num_blocks,
