@@ -15,8 +15,8 @@ defaults: CUDA graphs around the compiled decode step (linear layers' slot-state
 conv-state write and W's window decode as custom ops inside it, :mod:`lmforge.serve.compiled`);
 full attention (``A``) is the peer. ``A eager`` and ``GGGA eager`` run the same models without
 graphs or compile, so the table splits the gap into graphs+compile and the mixers themselves.
-S (DeepSeek sparse attention, top ``--topk`` keys of the lightning indexer) stays eager
-(its selection is not in the compiled step yet). The startup line of each engine (printed above the table) says which path ran.
+S (DeepSeek sparse attention) selects the top ``--topk`` keys of the lightning indexer inside
+the compiled step too. The startup line of each engine (printed above the table) says which path ran.
 ``--patterns`` picks a subset (each compiled engine costs a compile and a capture).
 
     PYTHONPATH=src python benchmarks/serve_hybrid.py
@@ -91,7 +91,7 @@ def _check(kw: dict, device: str) -> bool:
     eng = Engine(model, num_blocks=6, max_num_batched_tokens=32, max_num_seqs=4)
     line = eng.startup_line
     graphs = "CUDA graphs on" in line and "compiled decode step on" in line
-    fast = device != "cuda" or "S" in kw["layers"] or graphs  # S layers decode eagerly
+    fast = device != "cuda" or graphs
     if not fast:
         print(f"  not the fast path: {line}")
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -184,7 +184,6 @@ def test_kv_bytes_count_the_indexer_keys() -> None:
     assert pages + eng.cache.index_k[:, 0].numel() * 4 == 4 * (kv + index)
     assert f"KV {kv + index} B per token" in eng.startup_line
     assert f"DSA top-4 (indexer keys {index} B of the KV per token)" in eng.startup_line
-    assert "eager because sparse-attention (S) layers" in eng.startup_line
     assert accounting.kv_cache_bytes_per_token(model.config, 4) == kv + index
 
 

@@ -31,6 +31,9 @@ KINDS = {
     "MMMA": dict(layers="MMMA"),
     "LLAA": dict(layers="LLAA"),
     "GMWA": dict(layers="GMWA"),
+    # DeepSeek sparse attention: top-4 of up to 40 keys, alone and among G/W layers
+    "SASA": dict(layers="SASA", dsa_topk=4, dsa_index_heads=2, dsa_index_dim=8),
+    "GSWA": dict(layers="GSWA", dsa_topk=3, dsa_index_dim=8, qk_norm=True),
 }
 FAST = ("mla_cla2", "GMWA")
 
@@ -214,3 +217,28 @@ def test_window_decode_equals_the_host_list_path(window: int) -> None:
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     torch.testing.assert_close(kp, ctx.k_cache[0])
     torch.testing.assert_close(vp, ctx.v_cache[0])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_cache_writes_are_inside_mutating_custom_ops(monkeypatch, kind: str) -> None:
+    """No page or state write of the decode step is left to torch's own in-place ops
+    (``index_copy_``, ``copy_``): functionalization would copy the whole cache buffer back
+    into the engine's tensor every step (inductor did, for S layers, before their decode
+    became ``lmforge_serve::sparse_decode_attention``)."""
+    codes: list[str] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        codes.append(gm.code)
+        return gm.forward
+
+    real = torch.compile
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, **kw: real(fn, dynamic=True, fullgraph=True, backend=record)
+    )
+    eng = Engine(_model(kind), compile=True, block_size=4, num_blocks=64)
+    _run(eng, _prompts())
+    assert codes and eng.decoder.failed is None
+    for code in codes:
+        assert "index_copy_" not in code and ".copy_(" not in code, kind
+        if "S" in KINDS[kind].get("layers", ""):
+            assert "sparse_decode_attention" in code

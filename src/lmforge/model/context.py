@@ -143,6 +143,27 @@ class StepOps:
             q_abs, pages, ctx.block_tables, ctx.ctx_lens, kv_lora_rank=kv_lora_rank, scale=scale
         )
 
+    def attend_sparse(
+        self,
+        attn: nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        iq: torch.Tensor,
+        ik: torch.Tensor,
+        iw: torch.Tensor,
+        ctx: Context,
+    ) -> torch.Tensor:
+        """DeepSeek sparse attention (S layers): write k, v (N, K, E) and the indexer keys ik
+        (N, E_I) at ``ctx.slots`` of ``attn``'s K/V and indexer-key pages, then each query
+        attends to its top-k keys by indexer score -> (N, H, E). The default:
+        :func:`lmforge.model.sparse_attention.paged_sparse_attention` (decode steps on the
+        device only, others sequence by sequence); a compiled step makes a decode one mutating
+        custom op (its writes in place, not a functional copy of the pages)."""
+        from lmforge.model.sparse_attention import paged_sparse_attention
+
+        return paged_sparse_attention(attn, q, k, v, iq, ik, iw, ctx)
+
     def attend_window(
         self,
         layer: int,

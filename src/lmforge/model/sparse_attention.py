@@ -35,9 +35,10 @@ so a prefix-cache hit serves both). Each new token (decode, a prefill chunk, a s
 verify) scores all cached keys, keeps its top-k over s ≤ t and attends to those only, which is
 the training forward's selection: the logits match it (tests/test_dsa_decode.py).
 Simplifications: the selection is per token, not per block of keys; the engine's path is the
-readable torch one (:func:`paged_sparse_attention`: one sequence at a time, a decode step's
-sequences batched, the selected keys masked in SDPA), so S models decode eagerly (no compiled
-step or CUDA graphs) and without a quantized KV cache.
+readable torch one (:func:`paged_sparse_attention`: a prefill step one sequence at a time, a
+decode step's sequences batched on the device only, :func:`paged_sparse_decode`, the selected
+keys masked in SDPA, which the engine's compiled step wraps as one in-place custom op and CUDA
+graphs capture); no quantized KV cache with S layers.
 
 Shape legend: B batch, T queries, S keys, H heads, K kv heads, E head dim, J indexer heads, k the
 top-k. Exercise: ``pytest tests/test_sparse_attention.py tests/test_dsa_decode.py``.
@@ -246,8 +247,8 @@ class SparseAttention(CausalSelfAttention):
             q = q * mup.q_scale(self.config)
         if context is not None or kv_cache is not None:
             iq, ik, iw = self.indexer.project(x.detach(), pos)  # (B, T, J, E_I), …, (B, T, J)
-            if context is not None:
-                out = paged_sparse_attention(
+            if context is not None:  # the step's ops: a compiled step's is one custom op
+                out = context.ops.attend_sparse(
                     self, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
                     iq[0], ik[0], iw[0], context,
                 )  # (N, H, E)  # fmt: skip
@@ -309,12 +310,14 @@ def paged_sparse_attention(
         raise LmforgeError("sparse-attention (S) layers need the engine's indexer-key pages")
     k_pages, v_pages = ctx.k_cache[attn.cache_index], ctx.v_cache[attn.cache_index]
     i_pages = ctx.index_cache[attn.index_index]  # (NB, BS, E_I)
-    kv, e, ei = k_pages.shape[-2], k_pages.shape[-1], i_pages.shape[-1]
-    k_pages.view(-1, kv, e).index_copy_(0, ctx.slots, k.to(k_pages.dtype))
-    v_pages.view(-1, kv, e).index_copy_(0, ctx.slots, v.to(v_pages.dtype))
-    i_pages.view(-1, ei).index_copy_(0, ctx.slots, ik.to(i_pages.dtype))
     if ctx.decode:
-        return _paged_sparse_decode(attn, q, iq, iw, k_pages, v_pages, i_pages, ctx)
+        return paged_sparse_decode(
+            q, k, v, iq, ik, iw, k_pages, v_pages, i_pages, ctx.slots, ctx.block_tables,
+            ctx.ctx_lens, 0 if attn.dense_warmup else attn.topk,
+            attn.n_heads != attn.n_kv_heads,
+        )  # fmt: skip
+    _write_pages(k, v, ik, k_pages, v_pages, i_pages, ctx.slots)
+    kv, e, ei = k_pages.shape[-2], k_pages.shape[-1], i_pages.shape[-1]
     ctx_lens = ctx.ctx_lens_list if ctx.ctx_lens_list is not None else ctx.ctx_lens.tolist()
     q_lens = ctx.q_lens if ctx.q_lens is not None else [1] * len(ctx_lens)
     tables = ctx.tables_list if ctx.tables_list is not None else ctx.block_tables.tolist()
@@ -336,43 +339,68 @@ def paged_sparse_attention(
             keys.transpose(0, 1)[None],  # (1, K, C, E)
             vals.transpose(0, 1)[None],
             attn_mask=allowed,
-            enable_gqa=q.shape[1] != kv,
+            enable_gqa=attn.n_heads != attn.n_kv_heads,  # Python ints: static under compile
         )  # (1, H, n, E)
         out[row : row + n] = o[0].transpose(0, 1).to(q.dtype)  # (n, H, E)
         row += n
     return out
 
 
-def _paged_sparse_decode(
-    attn: SparseAttention,
+def _write_pages(
+    k: Tensor,
+    v: Tensor,
+    ik: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    i_pages: Tensor,
+    slots: Tensor,
+) -> None:
+    """k, v (N, K, E) and the indexer keys ik (N, E_I) into one layer's pages at ``slots``."""
+    kv, e, ei = k_pages.shape[-2], k_pages.shape[-1], i_pages.shape[-1]
+    k_pages.view(-1, kv, e).index_copy_(0, slots, k.to(k_pages.dtype))
+    v_pages.view(-1, kv, e).index_copy_(0, slots, v.to(v_pages.dtype))
+    i_pages.view(-1, ei).index_copy_(0, slots, ik.to(i_pages.dtype))
+
+
+def paged_sparse_decode(
     q: Tensor,
+    k: Tensor,
+    v: Tensor,
     iq: Tensor,
+    ik: Tensor,
     iw: Tensor,
     k_pages: Tensor,
     v_pages: Tensor,
     i_pages: Tensor,
-    ctx: Context,
+    slots: Tensor,
+    block_tables: Tensor,
+    ctx_lens: Tensor,
+    topk: int,
+    gqa: bool,
 ) -> Tensor:
-    """:func:`paged_sparse_attention` for a decode step (one query per sequence), all sequences
-    at once: each one's M blocks gathered (S, M·BS, …) with the slots at or past its context
-    length masked, as ``paged_decode_reference`` does; no host list, no per-sequence launch.
-    q (S, H, E), iq (S, J, E_I), iw (S, J) -> (S, H, E)."""
+    """A decode step of one S layer (one query per sequence), all sequences at once and on the
+    device only (no host list: a compiled or graph-captured step can run it): write k, v and
+    ik at ``slots`` of the layer's pages, gather each sequence's M blocks (S, M·BS, …) with the
+    slots at or past its context length masked, as ``paged_decode_reference`` does, keep the
+    ``topk`` best keys by indexer score (``topk`` 0: all of them, the dense warm-up) and
+    attend. q (S, H, E), k, v (S, K, E), iq (S, J, E_I), ik (S, E_I), iw (S, J) -> (S, H, E)."""
+    _write_pages(k, v, ik, k_pages, v_pages, i_pages, slots)
     n_seq, kv, e = q.shape[0], k_pages.shape[-2], k_pages.shape[-1]
-    tables = ctx.block_tables.long()  # (S, M)
+    tables = block_tables.long()  # (S, M)
     keys = k_pages[tables].reshape(n_seq, -1, kv, e).transpose(1, 2)  # (S, K, M·BS, E)
     vals = v_pages[tables].reshape(n_seq, -1, kv, e).transpose(1, 2)  # (S, K, M·BS, E)
-    slots = torch.arange(keys.shape[2], device=q.device)  # (M·BS,)
-    allowed = (slots[None, :] < ctx.ctx_lens[:, None])[:, None]  # (S, 1, M·BS)
-    if not attn.dense_warmup:
+    cols = torch.arange(keys.shape[2], device=q.device)  # (M·BS,)
+    allowed = (cols[None, :] < ctx_lens[:, None])[:, None]  # (S, 1, M·BS)
+    if topk:
         ikeys = i_pages[tables].reshape(n_seq, -1, i_pages.shape[-1])  # (S, M·BS, E_I)
         scores = indexer_scores(iq[:, None], ikeys.to(iq.dtype), iw[:, None])  # (S, 1, M·BS)
-        allowed = select_mask(scores, allowed, attn.topk)  # (S, 1, M·BS)
+        allowed = select_mask(scores, allowed, topk)  # (S, 1, M·BS)
     out = F.scaled_dot_product_attention(
         q[:, :, None].to(keys.dtype),  # (S, H, 1, E)
         keys,
         vals,
         attn_mask=allowed[:, None],  # (S, 1, 1, M·BS)
-        enable_gqa=q.shape[1] != kv,
+        enable_gqa=gqa,
     )  # (S, H, 1, E)
     return out[:, :, 0].to(q.dtype)
 

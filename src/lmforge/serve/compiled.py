@@ -83,6 +83,7 @@ from lmforge.model.context import Context, PagedKVCache, StepOps
 from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable
 from lmforge.model.linear_attention import SlotOps, StatePool, StepStates, slot_recurrence
 from lmforge.model.mla import PagedLatentCache, write_latent
+from lmforge.model.sparse_attention import paged_sparse_attention, paged_sparse_decode
 from lmforge.serve.attention import paged_decode, write_kv
 from lmforge.serve.step import StepBatch, forward_step
 
@@ -175,6 +176,42 @@ def _window_decode_attention(
 
 @_window_decode_attention.register_fake
 def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, window):
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op(
+    "lmforge_serve::sparse_decode_attention", mutates_args=("k_cache", "v_cache", "index_cache")
+)
+def _sparse_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    iq: torch.Tensor,
+    ik: torch.Tensor,
+    iw: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_cache: torch.Tensor,
+    layer: int,
+    index_layer: int,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    topk: int,
+    gqa: bool,
+) -> torch.Tensor:
+    """An S layer's decode: :func:`~lmforge.model.sparse_attention.paged_sparse_decode` on
+    layer ``layer``'s K/V pages of the (L, NB, BS, K, E) caches and layer ``index_layer``'s
+    indexer-key pages of the (L_S, NB, BS, E_I) cache, written in place -> (S, H, E)."""
+    return paged_sparse_decode(
+        q, k, v, iq, ik, iw, k_cache[layer], v_cache[layer], index_cache[index_layer], slots,
+        block_tables, ctx_lens, topk, gqa,
+    ).contiguous()  # fmt: skip
+
+
+@_sparse_decode_attention.register_fake
+def _(q, k, v, iq, ik, iw, k_cache, v_cache, index_cache, layer, index_layer, slots,
+      block_tables, ctx_lens, topk, gqa):  # fmt: skip
     return q.new_empty(q.shape)
 
 
@@ -469,6 +506,26 @@ class DecodeOps(StepOps):
             window,
         )  # (S, H, E)  # fmt: skip
 
+    def attend_sparse(
+        self,
+        attn: nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        iq: torch.Tensor,
+        ik: torch.Tensor,
+        iw: torch.Tensor,
+        ctx: Context,
+    ) -> torch.Tensor:
+        if not ctx.decode:  # (the compiled step only decodes)
+            return paged_sparse_attention(attn, q, k, v, iq, ik, iw, ctx)
+        assert ctx.index_cache is not None
+        return torch.ops.lmforge_serve.sparse_decode_attention(
+            q, k, v, iq, ik, iw, ctx.k_cache, ctx.v_cache, ctx.index_cache, attn.cache_index,
+            attn.index_index, ctx.slots, ctx.block_tables, ctx.ctx_lens,
+            0 if attn.dense_warmup else attn.topk, attn.n_heads != attn.n_kv_heads,
+        )  # (S, H, E)  # fmt: skip
+
     def packed(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self._packed[layer] if self._packed is not None else (None, None)
 
@@ -530,14 +587,18 @@ def decode_forward(
     latent_cache: torch.Tensor | None = None,
     states: StatePool | None = None,
     state_slots: torch.Tensor | None = None,
+    index_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step (one token per sequence, so row i is sequence i's last token) through
     the model's own forward with ``ops``' kernels: logits (S, V) float32. An MLA model passes
     its ``latent_cache`` (L_kv, NB, BS, C + R) (k_cache/v_cache then empty); a hybrid its
     :class:`~lmforge.model.linear_attention.StatePool` and the step's ``state_slots`` (S,),
-    reached through :class:`CompiledSlotOps`. This is what :class:`CompiledDecode` compiles."""
+    reached through :class:`CompiledSlotOps`; a DSA model its indexer-key pages
+    ``index_cache`` (L_S, NB, BS, E_I), which the S layers' batched decode selection reads
+    (:func:`lmforge.model.sparse_attention.paged_sparse_attention`, tensors only). This is what
+    :class:`CompiledDecode` compiles."""
     ctx = Context(positions, slots, block_tables, ctx_lens, k_cache, v_cache, ops, decode=True,
-                  latent_cache=latent_cache)  # fmt: skip
+                  latent_cache=latent_cache, index_cache=index_cache)  # fmt: skip
     if states is not None:
         assert state_slots is not None
         ctx.states = StepStates(states, state_slots, CompiledSlotOps())
@@ -667,6 +728,7 @@ class CompiledDecode:
                         latent,
                         self.states,
                         batch.state_slots,
+                        getattr(self.cache, "index_k", None),
                     )
             except Exception as e:  # any compile/run failure: said once, then a fallback
                 why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -26,7 +26,7 @@ slot per running sequence (:class:`~lmforge.model.linear_attention.StatePool`, `
 slots; prefix cache off, preemption recomputes from a zeroed slot); W layers read the window
 of their pages; S layers page their indexer keys beside their K/V (same blocks: a prefix hit
 serves both) and select their top-k keys per sequence; hybrids, like MLA models, decode through
-the compiled step and CUDA graphs (:mod:`lmforge.serve.compiled`), DSA (S) models eagerly.
+the compiled step and CUDA graphs (:mod:`lmforge.serve.compiled`), DSA (S) layers included.
 
 Exercised by ``pytest tests/test_serve_engine.py tests/test_engine_switches.py
 tests/test_serve_hybrid.py``.

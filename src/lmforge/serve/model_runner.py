@@ -181,13 +181,10 @@ class ModelRunner:
         MoE experts outside bf16 on CUDA run the readable per-expert loop, which reads the
         expert counts on the host (``torch._grouped_mm`` is bf16 only): no CUDA graph can
         capture that and the compiled step would break its graph at every MoE layer. MLA
-        (latent cache, CLA) and hybrid layers (A, W, G, M, L) decode on the device only
-        (:mod:`lmforge.serve.compiled`: latent, window and slot-state custom ops). DSA models
-        run eagerly: the compiled step's context carries no indexer-key pages
-        (``Context.index_cache``) yet, and prefill steps of S layers loop over their sequences
-        on the host lists (:func:`lmforge.model.sparse_attention.paged_sparse_attention`)."""
-        if "S" in self.config.layer_types:
-            return "sparse-attention (S) layers' indexer-key pages are not in the compiled step"
+        (latent cache, CLA), hybrid layers (A, W, G, M, L) and DSA layers (S) decode on the
+        device only (:mod:`lmforge.serve.compiled`: latent, window and slot-state custom ops; an
+        S layer's batched top-k selection over its indexer-key pages is plain tensor code).
+        Prefill steps (eager) of S layers loop over their sequences on the host lists."""
         moe = any(self.config.moe.is_moe_layer(i) for i in range(self.config.n_layers))
         if moe and self.device.type == "cuda" and dtype != torch.bfloat16:
             return f"MoE experts in {str(dtype).removeprefix('torch.')} read counts on the host"
