@@ -9,7 +9,7 @@ from lmforge.model import ModelConfig, TransformerLM
 from lmforge.utils.config import load_config
 from lmforge.vision._train import phase_train_config, run_phase
 from lmforge.vision.data import WordTokenizer
-from lmforge.vision.scenes import ProceduralScenes, vocabulary
+from lmforge.vision.scenes import ProceduralScenes, Scene, SceneObject, vocabulary
 from lmforge.vision.vq_train import (
     ImageTokenLMObjective,
     TokenLayout,
@@ -19,7 +19,9 @@ from lmforge.vision.vq_train import (
     evaluate_vq,
     generate_codes,
     interleave,
+    parse_caption,
     run_vq,
+    score_captions,
 )
 from lmforge.vision.vqvae import VQVAE, CodebookUpdate, EMACodebook, VQConfig
 
@@ -174,8 +176,61 @@ def test_run_vq_writes_pngs_and_results(tmp_path) -> None:
         ],
     )
     res = run_vq(cfg, log=lambda r: None)
-    assert {"recon_mse", "perplexity", "caption_exact", "gen_caption_exact"} <= set(res)
+    for prefix in ("caption_", "baseline_", "gen_caption_"):
+        for attr in ("count", "position", "kind", "name", "color", "size", "exact"):
+            assert 0.0 <= res[prefix + attr] <= 1.0
+    assert {"recon_mse", "perplexity", "codes_used", "gen_reencode_same_codes"} <= set(res)
+    assert res["codebook_size"] == 8 and 1 <= res["codes_used"] <= 8
     for name in ("recon.png", "samples.png", "results.json", "config.toml", "vq/metrics.jsonl",
                  "lm/metrics.jsonl", "vq/loss_curve.png"):  # fmt: skip
         assert (tmp_path / name).stat().st_size > 0
     assert (tmp_path / "recon.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_captions_parse_back_to_their_scene_graphs() -> None:
+    val = ProceduralScenes(0, "val", image_size=16, max_objects=3)
+    scenes = [val[i].scene for i in range(40)]
+    for sc in scenes:
+        count, objects = parse_caption(sc.caption())
+        assert count == len(sc.objects)
+        assert objects == {
+            (o.row, o.col): {"kind": o.kind, "name": o.name, "color": o.color, "size": o.size}
+            for o in sc.objects
+        }
+    assert set(score_captions([s.caption() for s in scenes], scenes).values()) == {1.0}
+
+
+def test_score_captions_counts_each_attribute_per_object() -> None:
+    scene = Scene(
+        (
+            SceneObject("circle", "red", "small", 0, 0),
+            SceneObject("digit", "blue", "large", 1, 2, glyph="7"),
+        )
+    )
+    # right count; circle right but large; digit at its cell with the wrong glyph; an extra
+    # object at an empty cell (costs nothing per object, the count still counts it as said)
+    said = (
+        "two objects : a large red circle at the top left and a large blue digit 1 at the "
+        "middle right and a small green square at the bottom left ."
+    )
+    assert score_captions([said], [scene]) == {
+        "count": 1.0,
+        "position": 1.0,
+        "kind": 1.0,
+        "name": 0.5,
+        "color": 1.0,
+        "size": 0.5,
+        "exact": 0.0,
+    }
+    # wrong count, the digit misplaced, garbage after it: only the circle's cell is found
+    said = "three objects : a small red square at the top left and a blue digit 7 at the top"
+    got = score_captions([said, "letter letter . :"], [scene, scene])
+    assert got == {
+        "count": 0.0,
+        "position": 0.25,
+        "kind": 0.0,
+        "name": 0.0,
+        "color": 0.25,
+        "size": 0.25,
+        "exact": 0.0,
+    }

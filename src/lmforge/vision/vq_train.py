@@ -7,8 +7,10 @@
    stable mixed-modality stream) is trained on interleaved sequences
    (:class:`ImageTokenLMObjective`), half ``caption <boi> image <eoi>`` (generation) and half
    ``<boi> image <eoi> caption`` (captioning), every token predicted. It then captions held-out
-   images (greedy; exact-match rate), generates images for held-out captions (``samples.png``),
-   and captions its own samples (how often the caption it reads back is the one it was given).
+   images (greedy), generates images for held-out captions (``samples.png``), decodes them to
+   pixels, re-encodes them with the VQ-VAE and captions them again. Captions are scored per
+   attribute against the scene graph (:func:`score_captions`), beside a prior baseline: the
+   caption of another random scene, scored the same way.
 
 Token layout of the LM's vocabulary: the word ids, then ``<boi>``, ``<eoi>``, then the K codes.
 Decoding here re-runs the full forward per token (the slow reference; sequences are ~80 tokens).
@@ -34,7 +36,16 @@ from lmforge.utils.config import save_config
 from lmforge.utils.io import atomic_write_bytes, atomic_write_text
 from lmforge.vision._train import check_phase
 from lmforge.vision.data import WordTokenizer, denormalize, preprocess
-from lmforge.vision.scenes import ProceduralScenes, vocabulary
+from lmforge.vision.scenes import (
+    COLORS,
+    COLS,
+    NUMBER_WORDS,
+    ROWS,
+    SIZES,
+    ProceduralScenes,
+    Scene,
+    vocabulary,
+)
 from lmforge.vision.vqvae import VQVAE, CodebookUpdate, VQConfig
 
 
@@ -305,6 +316,71 @@ def generate_codes(
     return (out - layout.first_code).view(n, grid, grid)
 
 
+_KINDS = ("circle", "square", "triangle", "digit", "letter")
+ATTRIBUTES = ("count", "position", "kind", "name", "color", "size", "exact")
+
+
+def parse_caption(text: str) -> tuple[int | None, dict[tuple[int, int], dict[str, str]]]:
+    """A caption (as :meth:`Scene.caption` writes it, or a model's attempt) -> (object count
+    or None, {(row, col): {"kind", "name", "color", "size"}}). Lenient: a clause without a
+    position is dropped, a missing attribute is "" and the first clause at a cell wins."""
+    words = text.split()
+    count = NUMBER_WORDS.index(words[0]) if words and words[0] in NUMBER_WORDS else None
+    body = text.split(":", 1)[1] if ":" in text else text
+    objects: dict[tuple[int, int], dict[str, str]] = {}
+    for clause in body.replace(" .", " ").split(" and "):
+        w = clause.split()
+        if "at" not in w:
+            continue
+        head, tail = w[: w.index("at")], w[w.index("at") + 1 :]
+        if tail[:1] == ["the"]:
+            tail = tail[1:]
+        if len(tail) < 2 or tail[0] not in ROWS or tail[1] not in COLS:
+            continue
+        cell = (ROWS.index(tail[0]), COLS.index(tail[1]))
+        kind = next((x for x in head if x in _KINDS), "")
+        glyph = (
+            head[head.index(kind) + 1] if kind in ("digit", "letter") and head[-1] != kind else ""
+        )
+        objects.setdefault(
+            cell,
+            {
+                "kind": kind,
+                "name": f"{kind} {glyph}" if glyph else kind,
+                "color": next((x for x in head if x in COLORS), ""),
+                "size": next((x for x in head if x in SIZES), ""),
+            },
+        )
+    return count, objects
+
+
+def score_captions(said: list[str], scenes: list[Scene]) -> dict[str, float]:
+    """Per-attribute accuracy of captions against their scene graphs.
+
+    count and exact: per caption (the count word; the whole caption equals
+    :meth:`Scene.caption`). position, kind, name (kind with its digit/letter), color, size: per
+    object of the scene graph, micro-averaged — an object is right on an attribute when the
+    caption puts an object at its cell with that attribute (position: any object at its cell).
+    """
+    hits = dict.fromkeys(ATTRIBUTES, 0.0)
+    n_objects = 0
+    for text, scene in zip(said, scenes, strict=True):
+        count, objects = parse_caption(text)
+        hits["count"] += count == len(scene.objects)
+        hits["exact"] += text == scene.caption()
+        for o in scene.objects:
+            n_objects += 1
+            got = objects.get((o.row, o.col))
+            if got is None:
+                continue
+            hits["position"] += 1
+            truth = {"kind": o.kind, "name": o.name, "color": o.color, "size": o.size}
+            for key, value in truth.items():
+                hits[key] += got[key] == value
+    per_caption = {"count", "exact"}
+    return {k: v / max(1, len(said) if k in per_caption else n_objects) for k, v in hits.items()}
+
+
 def png_grid(images: np.ndarray, cols: int, scale: int = 2) -> bytes:
     """(N, H, W, 3) uint8 -> PNG bytes of a grid with ``cols`` columns, upscaled ``scale``×."""
     from PIL import Image
@@ -395,24 +471,32 @@ def run_vq(cfg: VQRunConfig, log: Callable[[dict], None] = print) -> dict[str, f
     n_cap = min(r.eval_images, 128)
     real = torch.stack([preprocess(val[i].image, r.image_size) for i in range(n_cap)]).to(device)
     said = caption_codes(lm, tok, layout, vq.encode(real))
-    results["caption_exact"] = float(np.mean([s == val[i].caption for i, s in enumerate(said)]))
+    truth = [val[i].scene for i in range(n_cap)]
+    results |= {f"caption_{k}": v for k, v in score_captions(said, truth).items()}
+    # prior baseline: each scene scored with the caption of another (independent) val scene
+    others = [val[5000 + i].caption for i in range(n_cap)]
+    results |= {f"baseline_{k}": v for k, v in score_captions(others, truth).items()}
     gen = torch.Generator().manual_seed(r.seed)
-    captions = [val[1000 + i].caption for i in range(r.samples)]
+    prompts = [val[1000 + i] for i in range(r.samples)]
     codes = torch.cat(
-        [generate_codes(lm, tok, layout, c, 1, r.image_size // 8, gen) for c in captions]
+        [generate_codes(lm, tok, layout, p.caption, 1, r.image_size // 8, gen) for p in prompts]
     )
-    read_back = caption_codes(lm, tok, layout, codes)
-    results["gen_caption_exact"] = float(
-        np.mean([a == b for a, b in zip(read_back, captions, strict=True)])
-    )
-    results["gen_count_match"] = float(
-        np.mean([a.split()[:1] == b.split()[:1] for a, b in zip(read_back, captions, strict=True)])
-    )
-    atomic_write_bytes(out / "samples.png", png_grid(denormalize(vq.decode(codes)), 8))
+    # through pixels: what the LM reads back is what the decoded image shows, not its own tokens
+    pixels = vq.decode(codes.to(device))  # (N, 3, S, S)
+    reencoded = vq.encode(pixels)  # (N, h, w)
+    results["gen_reencode_same_codes"] = (reencoded.cpu() == codes).float().mean().item()
+    read_back = caption_codes(lm, tok, layout, reencoded)
+    scored = score_captions(read_back, [p.scene for p in prompts])
+    results |= {f"gen_caption_{k}": v for k, v in scored.items()}
+    results["codebook_size"] = float(cfg.vq.codebook_size)
+    atomic_write_bytes(out / "samples.png", png_grid(denormalize(pixels), 8))
     atomic_write_text(
         out / "samples.json",
         json.dumps(
-            [{"prompt": c, "read_back": b} for c, b in zip(captions, read_back, strict=True)],
+            [
+                {"prompt": p.caption, "read_back": b}
+                for p, b in zip(prompts, read_back, strict=True)
+            ],
             indent=1,
         )
         + "\n",
