@@ -22,11 +22,13 @@ own evaluation). KV-cache bytes per token in bf16 come from
 (``<out>/attention_quality.png``); the table is printed last: final validation loss, Δ% vs MHA,
 parameters, KV bytes per token. ``<out>/attention_quality.json`` holds everything.
 
-``--data DIR`` holds ``train.bin`` and ``val.bin`` (``lmforge tokenizer encode`` shards). On the
-H200 the defaults (d_model 512, 8 layers, 8 heads, T 1024, batch 16, 1000 steps = 16.4M tokens
-per variant, bf16) take about 6 minutes for the four variants; ``--minutes`` caps each run
-(``train.max_minutes``) so the call fits one device call even on a slower GPU (a capped run
-has fewer tokens, and the table says so).
+``--data DIR`` holds ``train.bin`` and ``val.bin`` (``lmforge tokenizer encode`` shards). The
+defaults are sized for one H200 (d_model 512, 8 layers, 8 heads, T 1024, batch 16, 800 steps =
+13.1M tokens per variant, bf16; estimated at about 1 minute per variant, not yet measured there);
+``--minutes`` (6) is split into a cap per run (``train.max_minutes``) so the call fits one
+8-minute device call even on a slower GPU: a capped run has fewer tokens, and the table's token
+column says so. Simplification: the MLA shape is derived from E as above (``--kv-lora-rank``,
+``--rope-dim`` override it); no low-rank queries.
 
     PYTHONPATH=src python benchmarks/attention_quality.py --data .carry/mq/shards --out runs/aq
     PYTHONPATH=src python benchmarks/attention_quality.py --data runs/data/shards --device cpu \
@@ -65,11 +67,11 @@ def _parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024, help="context length T")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps per run")
     p.add_argument("--lr", type=float, default=2e-3, help="peak LR (cosine to lr/10)")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=10)
-    p.add_argument("--minutes", type=float, default=7.0,
+    p.add_argument("--minutes", type=float, default=6.0,
                    help="wall-clock budget of the whole call, split over its runs")  # fmt: skip
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--quick", action="store_true",
@@ -241,8 +243,9 @@ def environment(device: str) -> str:
 
     import torch
 
-    dev = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor()
-    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device} ({dev or 'cpu'}),"
+    cpu = f"{platform.machine()}, {os.cpu_count()} cores"
+    dev = torch.cuda.get_device_name() if device.startswith("cuda") else cpu
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device} ({dev}),"
             f" torch {torch.__version__}, python {platform.python_version()}")  # fmt: skip
 
 

@@ -26,8 +26,10 @@ excluded; CUDA events on CUDA, ``perf_counter`` on the CPU; median over prompts;
 runs every engine back to back in a rotated order, after one warm-up request per engine) and
 the speedup over plain decode. The table is printed last; ``<out>/mtp.json`` holds everything.
 
-On the H200 the defaults (d_model 512, 8 layers, T 1024, batch 16, 1000 steps, 8 prompts of 128
-tokens, 256 new tokens, k in 1 and 4) take about 6 minutes.
+The defaults are sized for one H200 (d_model 512, 8 layers, T 1024, batch 16, 800 steps, 8 prompts
+of 128 tokens, 256 new tokens, k in 1 and 4; each training run capped at 0.3 · ``--minutes``):
+estimated at 5-6 minutes, not yet measured there. Simplification: prompts are validation-text
+windows (continuation of book text), not chat requests.
 
     PYTHONPATH=src python benchmarks/mtp.py --data .carry/mq/shards --out runs/mtp
     PYTHONPATH=src python benchmarks/mtp.py --data runs/data/shards --device cpu --d-model 128 \
