@@ -302,6 +302,10 @@ def table(results: list[dict[str, Any]]) -> str:
         rows.append(f"| {r['variant']} | {last[r['variant']]:.4f} |"
                     f" {100 * (last[r['variant']] / ref - 1):+.2f}% | {r['params']:,} | {dp} |"
                     f" {r['kv_bytes_per_token']:,} | {r['model']['d_ff']} | {tok} |")  # fmt: skip
+    if "mla" in last and "mha" in last:
+        gap = 100 * (last["mla"] / ref - 1)
+        rows.append(f"\nMLA vs MHA final validation loss: {gap:+.2f}% (issue 36's target: within"
+                    f" 1%: {'met' if abs(gap) <= 1 else 'NOT met'})")  # fmt: skip
     return "\n".join(rows)
 
 
