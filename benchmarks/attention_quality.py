@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device)
     png = args.out / "attention_quality.png"
     figure({r["variant"]: r["curve"] for r in results}, png,
-           f"MHA / GQA / MLA / MLA+CLA at equal parameters and tokens (d={args.d_model},"
+           f"MHA / GQA / MLA / MLA+CLA at equal parameters and tokens\n(d={args.d_model},"
            f" L={args.layers}, T={args.seq})")  # fmt: skip
     report = {"env": env, "args": {k: str(v) for k, v in vars(args).items()}, "results": results}
     atomic_write_text(args.out / "attention_quality.json", json.dumps(report, indent=1))

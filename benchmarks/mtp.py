@@ -27,7 +27,8 @@ per engine: acceptance (accepted / proposed draft tokens, the engine's ``SpecSta
 per target forward, decode ms per generated token (the first step, prefill + first token,
 excluded; CUDA events on CUDA, ``perf_counter`` on the CPU; median over prompts; every prompt
 runs every engine back to back in a rotated order, after one warm-up request per engine) and
-the speedup over plain decode. The table is printed last; ``<out>/mtp.json`` holds everything.
+the speedup over plain decode; also the engine's own wall time per decode-phase step
+(``Engine.stats``), which says what a speculative step costs against a plain one. The table is printed last; ``<out>/mtp.json`` holds everything.
 
 The defaults are sized for one H200 (d_model 512, 8 layers, T 1024, batch 16, 800 steps, 8 prompts
 of 128 tokens, 256 new tokens, k in 1 and 4; each training run capped at 0.3 · ``--minutes``):
@@ -243,7 +244,8 @@ def serve_part(args: Any, data: tuple) -> tuple[list[dict[str, Any]], bool]:
     names = list(engines)
     got: dict[str, list[list[int]]] = {name: [] for name in names}
     ms: dict[str, list[float]] = {name: [] for name in names}
-    steps0 = {name: engines[name].stats["steps"] for name in names}
+    keys = ("steps", "decode_steps", "spec_steps", "decode_s", "spec_s")
+    stats0 = {name: {k: engines[name].stats[k] for k in keys} for name in names}
     for i, prompt in enumerate(prompts[:-1]):
         for j in range(len(names)):  # rotated order: every engine sees the same load
             name = names[(i + j) % len(names)]
@@ -259,7 +261,10 @@ def serve_part(args: Any, data: tuple) -> tuple[list[dict[str, Any]], bool]:
         if not args.device.startswith("cuda"):  # float32 here: the timed run is the check
             ok &= same == len(prompts) - 1
         st = eng.speculative.stats if eng.speculative is not None else None
-        forwards = eng.stats["steps"] - steps0[name]  # engine steps: one target forward each
+        d = {k: eng.stats[k] - stats0[name][k] for k in keys}
+        forwards = d["steps"]  # engine steps: one target forward each
+        # wall ms of one decode-phase step (plain decode or draft + verify), prefill left out
+        step_ms = 1e3 * (d["decode_s"] + d["spec_s"]) / max(1, d["decode_steps"] + d["spec_steps"])
         generated = sum(len(t) for t in got[name])
         med = statistics.median(ms[name])
         rows.append({
@@ -267,7 +272,7 @@ def serve_part(args: Any, data: tuple) -> tuple[list[dict[str, Any]], bool]:
             "acceptance": st.acceptance if st else None,
             "drafted": st.drafted if st else 0, "accepted": st.accepted if st else 0,
             "tokens_per_forward": generated / forwards if forwards else None,
-            "ms_per_token": med, "ms_all": ms[name], "speedup": plain_ms / med,
+            "ms_per_step": step_ms, "ms_per_token": med, "ms_all": ms[name], "speedup": plain_ms / med,
             "startup": eng.startup_line,
         })  # fmt: skip
     if any(r["identical"] != f"{len(prompts) - 1}/{len(prompts) - 1}" for r in rows):
@@ -283,9 +288,12 @@ def serve_part(args: Any, data: tuple) -> tuple[list[dict[str, Any]], bool]:
 
 def serve_table(rows: list[dict[str, Any]], args: Any) -> str:
     out = [f"batch 1, greedy, {args.prompts} prompts of {args.prompt_len} tokens, {args.new} new"
-           " tokens each; decode ms/token = median over prompts (prefill step excluded)", "",
+           " tokens each; decode ms/token = median over prompts (prefill step excluded);"
+           " ms / decode step = the engine's own wall time per decode-phase step (plain: one"
+           " decode forward; speculative: drafting + one verify forward)", "",
            "| engine | identical to plain | acceptance | tokens / target forward |"
-           " decode ms/token | speedup |", "|---|---|---|---|---|---|"]  # fmt: skip
+           " ms / decode step | decode ms/token | speedup |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         acc = (
             "-"
@@ -294,7 +302,7 @@ def serve_table(rows: list[dict[str, Any]], args: Any) -> str:
         )
         tpf = "-" if r["tokens_per_forward"] is None else f"{r['tokens_per_forward']:.2f}"
         out.append(f"| {r['engine']} | {r['identical']} | {acc} | {tpf} |"
-                   f" {r['ms_per_token']:.3f} | {r['speedup']:.2f}x |")  # fmt: skip
+                   f" {r['ms_per_step']:.3f} | {r['ms_per_token']:.3f} | {r['speedup']:.2f}x |")  # fmt: skip
     return "\n".join(out)
 
 
@@ -309,13 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     data = aq.resolve(args)
     torch.manual_seed(0)
     report: dict[str, Any] = {"env": aq.environment(args.device)}
+    old = args.out / "mtp.json"
+    if args.serve_only and old.is_file():  # keep part (a)'s results of the earlier call
+        report.update({k: v for k, v in json.loads(old.read_text()).items() if k != "serving"})
     text = []
     ok = True
     if not args.serve_only:
         results, check = train_part(args, data)
         png = args.out / "mtp_training.png"
         aq.figure({f"mtp_depth={r['variant'][-1]} (main head)": r["curve"] for r in results},
-                  png, f"MTP: main-head validation loss at equal main-model FLOPs (d={args.d_model},"
+                  png, f"MTP: main-head validation loss at equal main-model FLOPs\n(d={args.d_model},"
                   f" L={args.layers}, T={args.seq})")  # fmt: skip
         report.update(training=results, main_head_check=check)
         ok &= check["log_holds"] == "main head"
