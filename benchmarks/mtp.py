@@ -20,7 +20,7 @@ decode step on CUDA) — plain, and with ``speculative=Speculative(mtp_draft_for
 (``--speculative mtp --speculative-k K``) for each k in ``--ks``. Each engine gets its own copy
 of the model (the MTP proposer hooks the model's last block). Correctness first: every
 speculative output must equal the plain one token for token (exit status 1 otherwise); on CUDA
-this check runs first on float32 copies (two prompts), since in bf16 the speculative verify
+this check runs first on float32 copies (two prompts, the largest k), since in bf16 the speculative verify
 forward (eager, k + 1 rows) and the plain graph-replayed decode step may round a near-tie apart
 (the bf16 rows' "identical" column is then reported, not required). Then,
 per engine: acceptance (accepted / proposed draft tokens, the engine's ``SpecStats``), tokens
@@ -28,11 +28,14 @@ per target forward, decode ms per generated token (the first step, prefill + fir
 excluded; CUDA events on CUDA, ``perf_counter`` on the CPU; median over prompts; every prompt
 runs every engine back to back in a rotated order, after one warm-up request per engine) and
 the speedup over plain decode; also the time per decode-phase engine step, which says what a
-speculative step (drafting + verify forward) costs against a plain one. The table is printed last; ``<out>/mtp.json`` holds everything.
+speculative step (drafting + verify forward) costs against a plain one. The table is printed
+last; ``<out>/mtp.json`` holds everything.
 
 The defaults are sized for one H200 (d_model 512, 8 layers, T 1024, batch 16, 800 steps, 8 prompts
 of 128 tokens, 256 new tokens, k in 1 and 4; each training run capped at 0.3 · ``--minutes``):
-estimated at 5-6 minutes, not yet measured there. Simplification: prompts are validation-text
+estimated at 5-7 minutes, not yet measured there (five engine start-ups with compile and graph
+capture are the unknown); if one device call is not enough, rerun with ``--serve-only`` on the
+same warm machine (part (b) reads ``<out>/mtp1``). Simplification: prompts are validation-text
 windows (continuation of book text), not chat requests.
 
     PYTHONPATH=src python benchmarks/mtp.py --data .carry/mq/shards --out runs/mtp
@@ -212,7 +215,7 @@ def _fp32_check(args: Any, ckpt: Path, prompts: list[list[int]]) -> bool:
     """On CUDA, where the timed engines run in bf16 (whose verify forward, eager over k + 1
     rows, and graph-replayed decode step may round a near-tie differently), the exactness check
     runs first in float32: plain and every speculative engine, greedy, token for token."""
-    engines = _engines(args, ckpt, args.ks, dtype="float32")
+    engines = _engines(args, ckpt, [max(args.ks)], dtype="float32")  # the longest drafts
     clock = _Clock(args.device)
     ok = True
     for prompt in prompts:
