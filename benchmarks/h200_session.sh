@@ -39,6 +39,10 @@
 #   layers-b   issue 35, call 2: benchmarks/linear_attention.py (vs FLA, SDPA; carry .whl) and
 #              serve_hybrid.py for MMMA, LLLA, WWWA, GMWA, SSSA
 #   mla        issue 36: benchmarks/mla.py (latent paged kernel) and mla_engine.py, GPU tests
+#   mla-quality  issue 36: benchmarks/attention_quality.py (MHA/GQA/MLA/MLA+CLA validation curves;
+#              carry .carry/mq, the Gutenberg shards made as benchmarks/mtp.py's docstring says)
+#   mtp        issue 36: benchmarks/mtp.py (MTP training vs none; MTP self-speculative decoding;
+#              carry .carry/mq)
 #   quant      issue 37: benchmarks/quant.py --part speed and kv_quant.py, GPU tests
 #   vision     issue 38: benchmarks/vision.py and vlm_serve.py
 #   recipe-gpu  calls A and B as one device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
@@ -75,7 +79,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b mla quant vision)
+             layers layers-b mla mla-quality mtp quant vision)
 FAILED=()
 
 usage() {
@@ -241,6 +245,22 @@ part_mla() {      # issue 36: the MLA kernel, engine decode GQA vs MLA vs MLA+CL
     have mla benchmarks/mla.py && step mla-kernel 120 "$PY" benchmarks/mla.py --out "$o/mla"
     have mla benchmarks/mla_engine.py &&
         step mla-engine 240 "$PY" benchmarks/mla_engine.py --out "$o/mla_engine"
+}
+
+part_mla-quality() {  # issue 36: MHA/GQA/MLA/MLA+CLA curves at equal parameters and tokens
+    local o="${OUT:-runs/h200}"       # (carry .carry/mq: Gutenberg shards, vocab 8192)
+    need mla-quality .carry/mq/shards/train.bin || return 0
+    # run folders (checkpoints) stay in /tmp; the figure and the numbers come back
+    step attention-quality 540 "$PY" benchmarks/attention_quality.py --data .carry/mq/shards \
+        --out /tmp/aq
+    mkdir -p "$o" && cp /tmp/aq/attention_quality.png /tmp/aq/attention_quality.json "$o/" 2>/dev/null
+}
+
+part_mtp() {      # issue 36: 1 MTP module vs none (main-head loss), MTP self-speculative decode
+    local o="${OUT:-runs/h200}"       # (carry .carry/mq)
+    need mtp .carry/mq/shards/train.bin || return 0
+    step mtp 540 "$PY" benchmarks/mtp.py --data .carry/mq/shards --out /tmp/mtp
+    mkdir -p "$o" && cp /tmp/mtp/mtp_training.png /tmp/mtp/mtp.json "$o/" 2>/dev/null
 }
 
 part_quant() {    # issue 37: weight formats' decode speed, the quantized KV cache, GPU tests
