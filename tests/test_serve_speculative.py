@@ -135,3 +135,38 @@ def test_engine_speculative_mode_is_token_identical_and_refuses_n() -> None:
         Engine(target, speculative=NgramDraft()).add_request([1, 2], SamplingParams(n=2))
     with pytest.raises(LmforgeError, match="speculative"):
         Engine(target, speculative="ngram")  # type: ignore[arg-type]
+
+
+def test_verify_runs_as_decode_rows_and_is_exact() -> None:
+    """The verify forward of the last token + k drafts runs as k + 1 one-token decode rows over
+    the sequence's block table (the path the compiled step and CUDA graphs take), and greedy
+    output still equals plain decoding, log-probs included."""
+    target = _model(0)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    plain = _one(Engine(target), prompt, params)
+    eng = Engine(target, speculative=Speculative(DraftModel(target), 4))
+    seen: list[list[int]] = []
+    run = eng.runner.run
+    eng.runner.run = lambda batch: (seen.append(list(batch.q_lens)), run(batch))[1]
+    got = _one(eng, prompt, params)
+    assert got.token_ids == plain.token_ids
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(plain.logprobs),
+                               atol=1e-5, rtol=0)  # fmt: skip
+    verify = [q for q in seen if len(q) == 5]  # k + 1 rows of one sequence
+    assert verify and all(q == [1] * 5 for q in verify)
+    assert all(len(q) == 1 for q in seen if q not in verify)  # the prompt's prefill: one row
+
+
+@pytest.mark.slow
+def test_verify_through_the_compiled_step_is_exact() -> None:
+    """With the compiled decode step on (the CUDA default; inductor on the CPU here), verify
+    rows run compiled and greedy output equals plain eager decoding."""
+    target = _model(0)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = _one(Engine(target, compile=False), prompt, params)
+    eng = Engine(target, compile=True, speculative=Speculative(NgramDraft(), 3))
+    got = _one(eng, prompt, params)
+    assert eng.decoder is not None and eng.decoder.failed is None
+    assert got.token_ids == plain.token_ids and eng.speculative.stats.drafted > 0

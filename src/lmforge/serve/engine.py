@@ -53,6 +53,7 @@ from lmforge.serve.detok import StopMatcher, make_detokenizer, release
 from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
 from lmforge.serve.sampling import SamplingParams, apply_penalties, logprobs_of, sample_tokens
 from lmforge.serve.scheduler import Scheduler, Seq, check_fits
+from lmforge.serve.step import as_decode_rows
 from lmforge.utils.errors import LmforgeError
 
 if TYPE_CHECKING:
@@ -556,7 +557,12 @@ class Engine:
         seq.tokens.extend(drafts)  # the verify forward's inputs; taken back below
         batch = self._batch([(seq, k + 1)])
         del seq.tokens[old_len:]
-        batch.last_rows = torch.arange(k + 1, device=self.device)  # logits of every row
+        # k + 1 decode rows take the compiled step and graphs; an MTP proposer's tap reads the
+        # verify rows' hidden states from an eager forward, so its verify stays one
+        if self.runner.states is None and batch.image_rows is None and spec.tap is None:
+            batch = as_decode_rows(batch)
+        else:
+            batch.last_rows = torch.arange(k + 1, device=self.device)  # logits of every row
         logits = self._forward(batch)  # (k+1, V)
         n_acc, nxt = verify(verify_probs(logits, p)[None], q[None],
                             torch.tensor([drafts], device=self.device), gen)  # fmt: skip

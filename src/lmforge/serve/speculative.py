@@ -20,7 +20,10 @@ output is token-identical to plain greedy decoding.
 
 Simplification: the engine serves one sequence at a time in this mode (the batch-1 latency
 case the technique is for; n > 1 is refused); the target's verify forward is the engine's own
-step over its paged cache (rejected positions' KV is simply overwritten later), the draft
+step over its paged cache (rejected positions' KV is simply overwritten later): k + 1 one-token
+decode rows over the sequence's block table, so it runs compiled and in CUDA graphs like a
+plain decode step (:func:`~lmforge.serve.step.as_decode_rows`) — except with the MTP proposer,
+whose hidden-state tap needs an eager verify forward — the draft
 model keeps a private paged cache (:class:`_Paged`). Reported logprobs follow the engine's
 contract (target ``log_softmax(logits / T)`` of each emitted token). Exercised by ``pytest
 tests/test_serve_speculative.py tests/test_serve_spec_drafts.py``; measured by

@@ -65,6 +65,27 @@ class StepBatch:
         return all(t == 1 for t in self.q_lens)
 
 
+def as_decode_rows(batch: StepBatch) -> StepBatch:
+    """One sequence's n-token step (a speculative verify: its last token and the drafts) as n
+    one-token decode rows over the same block table, row i's context ending at its own token:
+    the decode kernels write every row's keys/values before any row attends (separate
+    launches), so row i sees rows 0..i as the n-token step would, and the step can take the
+    compiled decode step and CUDA graphs. Attention-only models (a linear layer's state is
+    sequential). Logits come back for every row."""
+    n = batch.q_lens[0]
+    end = batch.ctx_lens_list[0]
+    ctx = [end - n + 1 + i for i in range(n)]
+    return dataclasses.replace(
+        batch,
+        block_tables=batch.block_tables.expand(n, -1).contiguous(),  # (n, M)
+        ctx_lens=torch.tensor(ctx, dtype=torch.int32, device=batch.ctx_lens.device),
+        last_rows=torch.arange(n, device=batch.last_rows.device),
+        q_lens=[1] * n,
+        ctx_lens_list=ctx,
+        tables_list=batch.tables_list * n,
+    )
+
+
 def forward_step(
     model: nn.Module,
     cache: PagedKVCache | PagedLatentCache,
