@@ -114,3 +114,25 @@ def test_sampled_mtp_speculation_follows_the_target_distribution() -> None:
     assert spec.stats.drafted >= n and 0 < spec.stats.accepted < spec.stats.drafted
     expected = joint.flatten().double() * n
     assert scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{}, MLA])
+def test_mtp_tap_is_fed_inside_the_compiled_step(kw: dict) -> None:
+    """With the compiled decode step (the CUDA default; inductor on the CPU here) plain decode
+    steps and verify rows run compiled, and the hidden-state tap is still written there: the
+    same drafts are accepted as in the eager engine, and the tokens equal plain decoding."""
+    target = _model(**kw, vocab_size=3)  # a small vocabulary: some random drafts are accepted
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 3, (n,), generator=g).tolist() for n in (1, 9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = [o.outputs[0].token_ids for o in Engine(target).generate(prompts, params)]
+    stats = []
+    for compile in (False, True):
+        spec = speculative_from_flag(target, "mtp", 2)
+        eng = Engine(target, speculative=spec, compile=compile)
+        got = [o.outputs[0].token_ids for o in eng.generate(prompts, params)]
+        assert got == plain
+        stats.append((spec.stats.drafted, spec.stats.accepted))
+    assert eng.decoder is not None and eng.decoder.failed is None
+    assert stats[0] == stats[1] and stats[0][1] > 0

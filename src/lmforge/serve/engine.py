@@ -557,9 +557,8 @@ class Engine:
         seq.tokens.extend(drafts)  # the verify forward's inputs; taken back below
         batch = self._batch([(seq, k + 1)])
         del seq.tokens[old_len:]
-        # k + 1 decode rows take the compiled step and graphs; an MTP proposer's tap reads the
-        # verify rows' hidden states from an eager forward, so its verify stays one
-        if self.runner.states is None and batch.image_rows is None and spec.tap is None:
+        # k + 1 decode rows: the compiled step and graphs (an MTP proposer's tap is fed there too)
+        if self.runner.states is None and batch.image_rows is None:
             batch = as_decode_rows(batch)
         else:
             batch.last_rows = torch.arange(k + 1, device=self.device)  # logits of every row

@@ -22,8 +22,7 @@ Simplification: the engine serves one sequence at a time in this mode (the batch
 case the technique is for; n > 1 is refused); the target's verify forward is the engine's own
 step over its paged cache (rejected positions' KV is simply overwritten later): k + 1 one-token
 decode rows over the sequence's block table, so it runs compiled and in CUDA graphs like a
-plain decode step (:func:`~lmforge.serve.step.as_decode_rows`) — except with the MTP proposer,
-whose hidden-state tap needs an eager verify forward — the draft
+plain decode step (:func:`~lmforge.serve.step.as_decode_rows`); the draft
 model keeps a private paged cache (:class:`_Paged`). Reported logprobs follow the engine's
 contract (target ``log_softmax(logits / T)`` of each emitted token). Exercised by ``pytest
 tests/test_serve_speculative.py tests/test_serve_spec_drafts.py``; measured by
@@ -139,26 +138,30 @@ class _HiddenTap:
     Speculative mode serves one sequence at a time, so position p holds the current sequence's
     token p once a forward computed it (rejected drafts' rows are overwritten when the position
     is fed again, like their KV pages). Prefix caching is off with it (a hit would skip the
-    forward that fills those rows)."""
+    forward that fills those rows). The hook writes through ``lmforge_serve::write_rows`` (an
+    in-place custom op), so it runs inside the compiled decode step and is recorded by a CUDA
+    graph like the KV writes: every step feeds the tap. Graph padding rows (their slots in the
+    cache's scratch block, the last one) write to one extra row, never read."""
 
     def __init__(self, model: nn.Module, rows: int) -> None:
         self.model, self.rows = model, rows
-        self.hidden: torch.Tensor | None = None  # (P, D)
+        p = next(model.parameters())
+        # (P + 1, D): allocated now, before the engine compiles or captures its decode step
+        self.hidden = torch.zeros(rows + 1, model.config.d_model, dtype=p.dtype, device=p.device)
         self.handle = model.layers[-1].register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: nn.Module, args: Any, kwargs: dict, out: Any) -> None:
+        import lmforge.serve.compiled  # noqa: F401  (registers lmforge_serve::write_rows)
+
         ctx = kwargs.get("context")
-        # Not inside a traced or captured decode step (only eager steps feed the tap: in this
-        # mode prefill and verify steps are eager; a plain decode step that runs compiled
-        # leaves its row stale, which costs acceptance, never exactness).
-        if ctx is None or torch.compiler.is_compiling():
-            return
-        if ctx.positions.is_cuda and torch.cuda.is_current_stream_capturing():
+        if ctx is None:
             return
         h = self.model.final_hidden(out)[0]  # (1, N, D) -> (N, D)
-        if self.hidden is None:
-            self.hidden = h.new_zeros(self.rows, h.shape[-1])  # (P, D)
-        self.hidden[ctx.positions] = h.to(self.hidden.dtype)
+        pages = ctx.latent_cache if ctx.latent_cache is not None else ctx.k_cache
+        nb, bs = pages.shape[1], pages.shape[2]  # (L, NB, BS, ...): block NB - 1 is scratch
+        real = ctx.slots < (nb - 1) * bs
+        rows = torch.where(real, ctx.positions, self.rows)  # (N,)
+        torch.ops.lmforge_serve.write_rows(self.hidden, rows, h)
 
 
 def mtp_draft_for(model: nn.Module) -> MTPDraft:
@@ -280,7 +283,7 @@ def propose(
     tokens = seq.tokens
     if isinstance(spec.draft, MTPDraft):
         n = len(tokens) - 1  # the target computed tokens[:n]; tokens[n] is its last sample
-        if spec.tap is None or spec.tap.hidden is None or n < 1:
+        if spec.tap is None or n < 1:
             return [], None
         drafts = spec.draft.propose(spec.tap.hidden[:n], tokens, k)
         q = nn.functional.one_hot(torch.tensor(drafts, device=gen.device), vocab_size).float()
