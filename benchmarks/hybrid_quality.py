@@ -174,21 +174,12 @@ def _train_config(args: argparse.Namespace, out: Path, steps: int, lr: float, wa
     )  # fmt: skip
 
 
-def _indexer_curve(out: Path, offset: int = 0) -> list[tuple[int, float]]:
-    from lmforge.train.metrics import read_metrics
-
-    recs = read_metrics(out / "metrics.jsonl")
-    points = {offset + int(r["step"]): float(r["train_indexer_loss"])
-              for r in recs if "train_indexer_loss" in r}  # fmt: skip
-    return sorted(points.items())
-
-
-def _curve(out: Path, offset: int = 0) -> list[tuple[int, float]]:
+def _curve(out: Path, offset: int = 0, key: str = "val_loss") -> list[tuple[int, float]]:
     from lmforge.train.metrics import read_metrics
 
     recs = read_metrics(out / "metrics.jsonl")
     # one point per step: the last step's periodic and final evaluations are the same
-    points = {offset + int(r["step"]): float(r["val_loss"]) for r in recs if "val_loss" in r}
+    points = {offset + int(r["step"]): float(r[key]) for r in recs if key in r}
     return sorted(points.items())
 
 
@@ -254,7 +245,40 @@ class _LMWithIndexer:
         out = {"val_loss": total / max(n, 1)}
         if steps:
             out |= {"train_lm_loss": ce / steps, "train_indexer_loss": kl / steps}
+        if layers:
+            out["val_topk_mass"] = self._topk_mass(model, layers)
         return out
+
+    def _topk_mass(self, model: torch.nn.Module, layers: list) -> float:
+        """The indexer's recall: the share of the dense attention's probability (mean over heads)
+        that lands on the top-k keys it picks, averaged over queries (those before k keep all
+        their keys), S layers and 2 validation batches. Read from the indexer-loss target that
+        a training forward computes, with the causal mask in place of the top-k one."""
+        from unittest import mock
+
+        from lmforge.model import sparse_attention as sa
+        from lmforge.train.data import _to_device, eval_batches
+
+        original, masses = sa.attention_target, []
+
+        def target(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            dense = original(q, k, sa.causal_mask(q.shape[2], q.device))  # (B, T, T)
+            masses.append(float((dense * mask).sum(-1).mean()))
+            return original(q, k, mask)
+
+        stage = [m.dense_warmup for m in layers]
+        for m in layers:
+            m.dense_warmup = False
+        model.train()  # the target exists in training forwards only (no dropout in the model)
+        try:
+            with torch.enable_grad(), mock.patch.object(sa, "attention_target", target):
+                for x, _ in eval_batches(self.val, self.args.batch, self.args.seq, 2):
+                    model(_to_device(x, self.device))
+        finally:
+            model.eval()
+            for m, dense in zip(layers, stage):
+                m.dense_warmup, m._aux = dense, None
+        return sum(masses) / max(len(masses), 1)
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}
@@ -304,7 +328,8 @@ def _continue(
     from lmforge.train import Trainer
 
     train, val, vocab = data
-    offset, curve, index_curve, start = args.steps, [], [], time.monotonic()
+    offset, curve, start = args.steps, [], time.monotonic()
+    extra: dict[str, list] = {"train_indexer_loss": [], "val_topk_mass": []}
     for i, (steps, lr, stage) in enumerate(stages):
         if stage is not None:
             set_dsa_stage(model, stage)
@@ -314,7 +339,8 @@ def _continue(
         trainer = Trainer(run, model=model, objective=objective)
         trainer.run()
         curve += _curve(out, offset)
-        index_curve += _indexer_curve(out, offset)
+        for key, points in extra.items():
+            points += _curve(out, offset, key)
         offset += trainer.iteration
     cfg = model.config
     saved = attention_flop_fraction(cfg, args.seq) if "S" in cfg.layers else 1.0
@@ -328,7 +354,7 @@ def _continue(
         "model_attention_flop_fraction": whole,
         "flops_per_token": accounting.flops_per_token(cfg, args.seq),
         "seconds": time.monotonic() - start, "peer": peer, "seed": args.seed,
-        "stages": [list(st) for st in stages], "indexer_loss_curve": index_curve,
+        "stages": [list(st) for st in stages], **{f"{k}_curve": v for k, v in extra.items()},
         "topk": cfg.dsa_topk if "S" in cfg.layers else None,
     })  # fmt: skip
 
