@@ -441,6 +441,9 @@ def _base(args: argparse.Namespace, data: tuple) -> Any:
             base = json.loads(saved["config"])
             cfg = dataclasses.replace(cfg, **{k: base.pop(k) for k in backends})
             want = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in backends}
+            # the indexer's shape (dsa_*) is add_indexer's business, not the dense base's
+            base = {k: v for k, v in base.items() if not k.startswith("dsa_")}
+            want = {k: v for k, v in want.items() if not k.startswith("dsa_")}
             if json.dumps(base) != json.dumps(want):
                 raise ValueError("its model differs from this call's --seq/--d-model/... and data")
             model = TransformerLM(cfg).to(args.device)
