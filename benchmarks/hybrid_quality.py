@@ -16,6 +16,11 @@ with top-k = T/8 attention for ``--sparse-steps`` (stage 2); (b) the dense model
 the same steps and tokens, as the baseline. Stages run in the Trainer with an objective that adds
 the indexer loss (the pretraining path cannot start from a given model yet). The attention
 FLOPs the S layers save come from :func:`lmforge.model.sparse_attention.attention_flop_fraction`.
+The warm start's knobs: ``--base FILE`` keeps the dense base (trained once, then read by every
+later call), ``--topk``, ``--dsa-layers`` (which blocks become S, e.g. ``ASSS``), ``--index-lr``
+(stage 1), ``--sparse-lr`` (stage 2 and the dense continuation), ``--index-loss-scale``,
+``--seed`` (data order of the continuations and the indexer's init) and ``--label`` (names the
+DSA result, so that several sit in one ``--out`` next to their dense continuation).
 
 Each variant writes ``<out>/<variant>.json`` (its curve, parameters, tokens); every call then
 draws all curves found in ``--out`` into ``<out>/hybrid_quality.png`` and prints the table last;
@@ -23,7 +28,8 @@ draws all curves found in ``--out`` into ``<out>/hybrid_quality.png`` and prints
 ``--data DIR`` holds ``train.bin`` and ``val.bin`` (lmforge token shards with their sidecars).
 
     PYTHONPATH=src python benchmarks/hybrid_quality.py --data shards/ --family hybrids --out runs/hq
-    PYTHONPATH=src python benchmarks/hybrid_quality.py --data shards/ --family dsa --out runs/hq
+    PYTHONPATH=src python benchmarks/hybrid_quality.py --data shards/ --family dsa --out runs/hq --base runs/hq/base.pt
+    PYTHONPATH=src python benchmarks/hybrid_quality.py --data shards/ --family dsa --out runs/hq --base runs/hq/base.pt --variants dsa --dsa-layers ASSSSSSS --sparse-lr 1e-4 --label lr
     PYTHONPATH=src python benchmarks/hybrid_quality.py --merge runs/hq_a runs/hq_b --out runs/hq
     PYTHONPATH=src python benchmarks/hybrid_quality.py --quick --out /tmp/hq   # CPU smoke run
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import math
 import shutil
@@ -48,7 +55,8 @@ import torch.nn.functional as F
 
 FAMILIES = {
     "hybrids": {"full": "A", "gdn": "GGGA", "mamba": "MMMA", "swa": "WWWA", "linear": "G"},
-    "dsa": {"full": "A"},
+    # the dense base, the DSA warm start from it, the base continued dense (the DSA's peer)
+    "dsa": {"full": "A", "dsa": "S", "dense-cont": "A"},
 }
 
 
@@ -73,6 +81,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--index-heads", type=int, default=4, help="dsa: lightning-indexer heads")
     p.add_argument("--index-dim", type=int, default=32, help="dsa: lightning-indexer head width")
+    p.add_argument("--topk", type=int, default=0, help="dsa: keys per query (default T/8)")
+    p.add_argument("--sparse-lr", type=float, default=0.0,
+                   help="dsa: peak lr of stage 2 and of the dense continuation (default lr/10, "
+                        "the base run's final lr)")  # fmt: skip
+    p.add_argument("--index-lr", type=float, default=0.0, help="dsa: stage-1 lr (default lr)")
+    p.add_argument("--index-loss-scale", type=float, default=1.0,
+                   help="dsa: weight of the indexer loss; AdamW's step hardly depends on it, but "
+                        "the gradient-norm clip (shared with the LM's gradient) does")  # fmt: skip
+    p.add_argument("--dsa-layers", default="",
+                   help="dsa: the pattern after add_indexer, e.g. ASSS (default every A -> S)")  # fmt: skip
+    p.add_argument("--base", type=Path,
+                   help="dsa: the dense base model's file: loaded when it exists (no base "
+                        "training), else written after training it")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0,
+                   help="dsa: seed of the continuations' data order and the indexer init")  # fmt: skip
+    p.add_argument("--label", default="",
+                   help="dsa: suffix of the DSA result's name, to keep several in one --out")  # fmt: skip
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=10)
     p.add_argument("--minutes", type=float, default=7.5, help="training budget of the whole call")
@@ -149,12 +174,12 @@ def _train_config(args: argparse.Namespace, out: Path, steps: int, lr: float, wa
     )  # fmt: skip
 
 
-def _curve(out: Path, offset: int = 0) -> list[tuple[int, float]]:
+def _curve(out: Path, offset: int = 0, key: str = "val_loss") -> list[tuple[int, float]]:
     from lmforge.train.metrics import read_metrics
 
     recs = read_metrics(out / "metrics.jsonl")
     # one point per step: the last step's periodic and final evaluations are the same
-    points = {offset + int(r["step"]): float(r["val_loss"]) for r in recs if "val_loss" in r}
+    points = {offset + int(r["step"]): float(r[key]) for r in recs if key in r}
     return sorted(points.items())
 
 
@@ -168,9 +193,11 @@ class _LMWithIndexer:
     def __init__(self, train: str, val: str, vocab: int, args: argparse.Namespace, dev: str):
         from lmforge.train.data import MixtureSampler, open_source
 
-        self.sampler = MixtureSampler([open_source(train, vocab)], args.seq, (), 1, vocab)
+        seed = 1 + 1000 * args.seed
+        self.sampler = MixtureSampler([open_source(train, vocab)], args.seq, (), seed, vocab)
         self.val = open_source(val, vocab)
         self.args, self.device = args, dev
+        self._sums = [0.0, 0.0, 0]  # LM loss, indexer loss, steps since the last evaluation
 
     def _ce(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cuda", torch.bfloat16, enabled=self.device.startswith("cuda")):
@@ -185,8 +212,11 @@ class _LMWithIndexer:
 
         loss = self._ce(model, *batch)
         aux = indexer_loss(model)
+        self._sums[0] += float(loss.detach())
+        self._sums[1] += 0.0 if aux is None else float(aux.detach())
+        self._sums[2] += 1
         if aux is not None:
-            loss = loss + aux
+            loss = loss + self.args.index_loss_scale * aux
         return loss, torch.ones((), device=loss.device)
 
     def batch_weight(self, batch: Any) -> float:
@@ -208,7 +238,47 @@ class _LMWithIndexer:
             n += 1
         for m, dense in zip(layers, stage):
             m.dense_warmup = dense
-        return {"val_loss": total / max(n, 1)}
+        # the training losses since the last evaluation: the LM's and the S layers' indexer
+        # loss (stage 1: KL to the dense attention over all past keys; stage 2: over the top-k)
+        ce, kl, steps = self._sums
+        self._sums = [0.0, 0.0, 0]
+        out = {"val_loss": total / max(n, 1)}
+        if steps:
+            out |= {"train_lm_loss": ce / steps, "train_indexer_loss": kl / steps}
+        if layers:
+            out["val_topk_mass"] = self._topk_mass(model, layers)
+        return out
+
+    def _topk_mass(self, model: torch.nn.Module, layers: list) -> float:
+        """The indexer's recall: the share of the dense attention's probability (mean over heads)
+        that lands on the top-k keys it picks, averaged over queries (those before k keep all
+        their keys), S layers and 2 validation batches. Read from the indexer-loss target that
+        a training forward computes, with the causal mask in place of the top-k one."""
+        from unittest import mock
+
+        from lmforge.model import sparse_attention as sa
+        from lmforge.train.data import _to_device, eval_batches
+
+        original, masses = sa.attention_target, []
+
+        def target(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            dense = original(q, k, sa.causal_mask(q.shape[2], q.device))  # (B, T, T)
+            masses.append(float((dense * mask).sum(-1).mean()))
+            return original(q, k, mask)
+
+        stage = [m.dense_warmup for m in layers]
+        for m in layers:
+            m.dense_warmup = False
+        model.train()  # the target exists in training forwards only (no dropout in the model)
+        try:
+            with torch.enable_grad(), mock.patch.object(sa, "attention_target", target):
+                for x, _ in eval_batches(self.val, self.args.batch, self.args.seq, 2):
+                    model(_to_device(x, self.device))
+        finally:
+            model.eval()
+            for m, dense in zip(layers, stage):
+                m.dense_warmup, m._aux = dense, None
+        return sum(masses) / max(len(masses), 1)
 
     def state_dict(self) -> dict:
         return {"sampler": self.sampler.state_dict()}
@@ -248,7 +318,9 @@ def _pretrain(args: argparse.Namespace, name: str, layers: str, data: tuple) -> 
     return trainer.model
 
 
-def _continue(args: argparse.Namespace, name: str, model: Any, stages: list, data: tuple) -> None:
+def _continue(
+    args: argparse.Namespace, name: str, model: Any, stages: list, data: tuple, peer: str = ""
+) -> None:
     """Train a given model through (steps, lr, dsa stage or None) stages; one curve."""
     from lmforge.config import RunConfig
     from lmforge.model import accounting
@@ -257,6 +329,7 @@ def _continue(args: argparse.Namespace, name: str, model: Any, stages: list, dat
 
     train, val, vocab = data
     offset, curve, start = args.steps, [], time.monotonic()
+    extra: dict[str, list] = {"train_indexer_loss": [], "val_topk_mass": []}
     for i, (steps, lr, stage) in enumerate(stages):
         if stage is not None:
             set_dsa_stage(model, stage)
@@ -266,15 +339,23 @@ def _continue(args: argparse.Namespace, name: str, model: Any, stages: list, dat
         trainer = Trainer(run, model=model, objective=objective)
         trainer.run()
         curve += _curve(out, offset)
+        for key, points in extra.items():
+            points += _curve(out, offset, key)
         offset += trainer.iteration
     cfg = model.config
     saved = attention_flop_fraction(cfg, args.seq) if "S" in cfg.layers else 1.0
+    # over the whole model: the A layers it keeps attend densely (every block the same shape)
+    kinds = "".join(cfg.layer_types)
+    whole = (kinds.count("S") * saved + kinds.count("A")) / max(1, len(kinds))
     _save(args, name, {
         "variant": name, "layers": "".join(cfg.layer_types), "params":
         accounting.parameter_count(cfg), "tokens": (offset - args.steps) * args.batch * args.seq,
         "steps": offset - args.steps, "curve": curve, "attention_flop_fraction": saved,
+        "model_attention_flop_fraction": whole,
         "flops_per_token": accounting.flops_per_token(cfg, args.seq),
-        "seconds": time.monotonic() - start,
+        "seconds": time.monotonic() - start, "peer": peer, "seed": args.seed,
+        "stages": [list(st) for st in stages], **{f"{k}_curve": v for k, v in extra.items()},
+        "topk": cfg.dsa_topk if "S" in cfg.layers else None,
     })  # fmt: skip
 
 
@@ -307,9 +388,9 @@ def _table(results: list[dict[str, Any]]) -> str:
     for r in results:
         last = final.get(r["variant"], math.nan)
         # the DSA warm start against the dense model continued for the same tokens
-        peer = "dense-cont" if r["variant"] == "dsa" else "full"
+        peer = r.get("peer") or "full"
         rel = f"{100 * (last / final[peer] - 1):+.2f}% vs {peer}" if peer in final else "-"
-        frac = r.get("attention_flop_fraction")
+        frac = r.get("model_attention_flop_fraction", r.get("attention_flop_fraction"))
         rows.append(
             f"| {r['variant']} | {r['layers'][:8]} | {r['params']:,} | "
             f"{r['tokens'] / 1e6:.2f}M | {last:.4f} | {rel} | "
@@ -340,21 +421,71 @@ def main(argv: list[str] | None = None) -> int:
         for name in chosen:
             _pretrain(args, name, names[name], data)
     else:
-        from lmforge.model.sparse_attention import add_indexer
-
-        dense = _pretrain(args, "full", "A", data)
-        sparse = add_indexer(
-            dense, max(1, args.seq // 8), index_heads=args.index_heads, index_dim=args.index_dim
-        )
-        low = args.lr / 10  # both continue at the base run's final learning rate
-        _continue(args, "dsa", sparse, [
-            (args.warmup_steps, args.lr, "dense"), (args.sparse_steps, low, "sparse"),
-        ], data)  # fmt: skip
-        _continue(args, "dense-cont", dense, [
-            (args.warmup_steps + args.sparse_steps, low, None)
-        ], data)  # fmt: skip
+        _dsa(args, chosen, data)
     _report([json.loads(p.read_text()) for p in sorted(args.out.glob("*.json"))], args.out)
     return 0
+
+
+def _base(args: argparse.Namespace, data: tuple) -> Any:
+    """The dense base: read from ``--base`` when that file exists, else trained (and written
+    there when ``--base`` is given)."""
+    from lmforge.model import TransformerLM
+    from lmforge.utils.errors import LmforgeError
+
+    if args.base is not None and args.base.exists():
+        cfg = _model_config(args, data[2], "A")
+        try:
+            saved = torch.load(args.base, map_location="cpu", weights_only=True)
+            # the Trainer resolved the "auto" backends: take those, compare the rest
+            backends = ("attention", "norm", "rope", "swiglu", "residual_dtype")
+            base = json.loads(saved["config"])
+            cfg = dataclasses.replace(cfg, **{k: base.pop(k) for k in backends})
+            want = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in backends}
+            # the indexer's shape (dsa_*) is add_indexer's business, not the dense base's
+            base = {k: v for k, v in base.items() if not k.startswith("dsa_")}
+            want = {k: v for k, v in want.items() if not k.startswith("dsa_")}
+            if json.dumps(base) != json.dumps(want):
+                raise ValueError("its model differs from this call's --seq/--d-model/... and data")
+            model = TransformerLM(cfg).to(args.device)
+            model.load_state_dict(saved["state"])
+            result = json.loads(saved["result"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as err:
+            raise LmforgeError(f"--base {args.base}: not this call's dense base ({err})") from None
+        args.steps = result["steps"]  # the continuations' curves start where the base ended
+        _save(args, "full", result)
+        return model
+    model = _pretrain(args, "full", "A", data)
+    if args.base is not None:
+        from lmforge.utils.io import atomic_write_bytes
+
+        buf = io.BytesIO()
+        result = json.loads((args.out / "full.json").read_text())
+        cfg = json.dumps(dataclasses.asdict(model.config))
+        torch.save({"config": cfg, "state": model.state_dict(), "result": json.dumps(result)}, buf)
+        atomic_write_bytes(args.base, buf.getvalue())
+    return model
+
+
+def _dsa(args: argparse.Namespace, chosen: list[str], data: tuple) -> None:
+    """The dense base, then the DSA warm start from it and/or the dense continuation."""
+    from lmforge.model.sparse_attention import add_indexer
+
+    dense = _base(args, data)
+    low = args.sparse_lr or args.lr / 10  # by default the base run's final learning rate
+    tail = f"-s{args.seed}" if args.seed else ""
+    if "dsa" in chosen:
+        sparse = add_indexer(
+            dense, args.topk or max(1, args.seq // 8), index_heads=args.index_heads,
+            index_dim=args.index_dim, layers=args.dsa_layers or None, seed=args.seed,
+        )  # fmt: skip
+        _continue(args, "-".join(["dsa", args.label] if args.label else ["dsa"]) + tail, sparse, [
+            (args.warmup_steps, args.index_lr or args.lr, "dense"),
+            (args.sparse_steps, low, "sparse"),
+        ], data, peer=f"dense-cont{tail}")  # fmt: skip
+    if "dense-cont" in chosen:
+        _continue(args, f"dense-cont{tail}", dense, [
+            (args.warmup_steps + args.sparse_steps, low, None)
+        ], data)  # fmt: skip
 
 
 def _report(results: list[dict[str, Any]], out: Path) -> None:
