@@ -37,7 +37,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lmforge.quant import QuantSpec, quantize_calibrated  # noqa: E402
+from lmforge.quant import CalibOptions, QuantSpec, quantize_calibrated  # noqa: E402
 from lmforge.quant.calib import calibration_tokens  # noqa: E402
 from lmforge.quant.formats import Int4Linear, QuantLinear  # noqa: E402
 
@@ -49,20 +49,28 @@ HBM_BYTES_PER_S = 4.27e12
 
 
 @torch.no_grad()
-def bits_per_byte(model, ids: torch.Tensor, n_bytes: int, seq_len: int, batch: int) -> float:
-    """Σ NLL (nats) over ids[1:] / ln 2 / bytes: windows of seq_len+1 tokens overlapping by one,
-    so every token after the first is predicted exactly once."""
+def window_nll(model, ids: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+    """(n,) float64 Σ NLL (nats) per window: windows of seq_len+1 tokens overlapping by one, so
+    every token after the first is predicted exactly once. bits/byte = sum / ln 2 / bytes."""
     dev = next(model.buffers()).device
     n = (ids.numel() - 1) // seq_len
     windows = torch.stack([ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
-    total = 0.0
+    out = []
     for chunk in windows.split(batch):
         chunk = chunk.to(dev)
         logits = model(chunk[:, :-1]).float()  # (B, T, V)
-        total += F.cross_entropy(
-            logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
-        ).item()
-    return total / math.log(2) / n_bytes
+        nll = F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none")  # (B, T)
+        out.append(nll.double().sum(1).cpu())
+    return torch.cat(out)
+
+
+def paired_diff(nll: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Relative bits-per-byte difference of ``nll`` against ``ref`` (per-window nats, same
+    windows) in %, and its standard error: windows are the units (the byte count cancels)."""
+    d = nll - ref  # (n,)
+    total = ref.sum().item()
+    se = math.sqrt(d.numel()) * d.std().item() / total if d.numel() > 1 else float("nan")
+    return 100 * d.sum().item() / total, 100 * se
 
 
 def quality(args: argparse.Namespace) -> list[dict]:
@@ -86,12 +94,14 @@ def quality(args: argparse.Namespace) -> list[dict]:
         ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None)),
         (f"int4 rtn g{g}", "rtn", QuantSpec("int4", g)),
         (f"int4 awq g{g}", "awq", QuantSpec("int4", g)),
-        (f"int4 gptq g{g}", "gptq", QuantSpec("int4", g)),
+        (f"int4 gptq g{g} act-order", "gptq", QuantSpec("int4", g)),
+        (f"int4 gptq g{g} static", "gptq-static", QuantSpec("int4", g)),
         ("fp8 weight-only", "rtn", QuantSpec("fp8", fp8_activations="none")),
         ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8")),
         ("fp8 W8A8 rtn", "rtn", QuantSpec("fp8")),
     ]
-    ref_bpb = None
+    ref_nll = None
+    nlls: dict[str, torch.Tensor] = {}
     for name, method, spec in configs:
         if args.only and not any(o in name for o in args.only):
             continue
@@ -100,12 +110,19 @@ def quality(args: argparse.Namespace) -> list[dict]:
         model = model.to(dev).eval()
         t0 = time.time()
         if method is not None:
-            model = quantize_calibrated(model, spec, method, calib if method != "rtn" else None)
+            options = CalibOptions(gptq_damp=args.gptq_damp, gptq_act_order=method != "gptq-static")
+            method = method.removesuffix("-static")
+            model = quantize_calibrated(
+                model, spec, method, calib if method != "rtn" else None, options
+            )
         qtime = time.time() - t0
         if name == "bf16":
             model = model.to(torch.bfloat16)
-        bpb = bits_per_byte(model, ids, n_bytes, args.seq_len, args.batch)
-        ref_bpb = bpb if name == "fp32" else ref_bpb
+        t0 = time.time()
+        nll = window_nll(model, ids, args.seq_len, args.batch)
+        bpb = nll.sum().item() / math.log(2) / n_bytes
+        if name == "bf16" or (ref_nll is None and name == "fp32"):
+            ref_nll = nll  # bf16 is the reference; fp32 only until bf16 has run
         wbytes = sum(
             sum(b.numel() * b.element_size() for b in m.buffers())
             if isinstance(m, QuantLinear)
@@ -113,11 +130,28 @@ def quality(args: argparse.Namespace) -> list[dict]:
             for m in model.modules()
             if isinstance(m, QuantLinear) or type(m).__name__ == "Linear"
         )
-        row = {"config": name, "bpb": bpb, "linear_MB": wbytes / 1e6, "quantize_s": qtime}
-        if ref_bpb is not None:
-            row["vs_fp32_%"] = 100 * (bpb / ref_bpb - 1)
+        row = {
+            "config": name,
+            "bpb": bpb,
+            "linear_MB": wbytes / 1e6,
+            "quantize_s": qtime,
+            "eval_s": time.time() - t0,
+            "windows": nll.numel(),
+        }
+        if ref_nll is not None and name != "fp32":
+            pct, se = paired_diff(nll, ref_nll)
+            row["vs_bf16_%"] = pct
+            row["±2se_%"] = 2 * se
         rows.append(row)
         print(json.dumps(row), flush=True)
+        nlls[name] = nll
+        if args.out:  # per-window NLLs, so other differences can be formed afterwards
+            d = Path(args.out) / "nll"
+            d.mkdir(parents=True, exist_ok=True)
+            torch.save(nll, d / (name.replace(" ", "_").replace("/", "-") + ".pt"))
+    if "fp32" in nlls and "bf16" in nlls:  # fp32 ran before its reference existed
+        pct, se = paired_diff(nlls["fp32"], nlls["bf16"])
+        rows[0].update({"vs_bf16_%": pct, "±2se_%": 2 * se})
     return rows
 
 
@@ -385,6 +419,7 @@ def main() -> None:
     p.add_argument("--calib-samples", type=int, default=64)
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--group", type=int, default=64)
+    p.add_argument("--gptq-damp", type=float, default=0.01)
     p.add_argument(
         "--only", nargs="*", default=None, help="quality rows whose name contains one of these"
     )
@@ -411,7 +446,12 @@ def main() -> None:
     )
     if "quality" in out:
         print("\nSmolLM2-135M-Instruct, WikiText-2 test bits per byte (calibration: Gutenberg)")
-        print(_table(out["quality"], ["config", "bpb", "vs_fp32_%", "linear_MB", "quantize_s"]))
+        print(
+            _table(
+                out["quality"],
+                ["config", "bpb", "vs_bf16_%", "±2se_%", "linear_MB", "quantize_s", "eval_s"],
+            )
+        )
     if "speed" in out:
         print(
             f"\nTinyLlama-1.1B shape, random weights, static-cache decode + CUDA graph; floor = bytes / {HBM_BYTES_PER_S / 1e12} TB/s"
