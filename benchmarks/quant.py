@@ -4,9 +4,12 @@ Part ``quality`` (CPU or GPU): the shipped SmolLM2-135M-Instruct GGUF (dequantiz
 float baseline, itself carrying the file's Q4_1 rounding) is quantized by the library's own
 ``quantize_calibrated`` — the function ``lmforge quantize`` calls — with each method, and scored
 in bits per byte on WikiText-2 test (calibration on a Gutenberg book, so the two texts differ).
-Rows: fp32, bf16, int8 (per channel), int4 RTN / AWQ / GPTQ (group 64: SmolLM2's width 576 is
-not a multiple of 128), fp8 weight-only, fp8 W8A8 (dynamic per-token scales; ``torch._scaled_mm``
-on Hopper, emulated with the same rounding elsewhere).
+Rows (most wanted first, so a run stopped early answers the main questions): bf16 (the
+reference: each row prints its bits-per-byte difference and twice its standard error, windows
+as the paired units; AWQ and GPTQ also against RTN), int4 RTN / AWQ / GPTQ (group 64: SmolLM2's width 576 is
+not a multiple of 128; GPTQ with act-order, the default, and with static in-order groups),
+int8 (per channel), fp8 weight-only, fp8 W8A8 (dynamic per-token scales; ``torch._scaled_mm``
+on Hopper, emulated with the same rounding elsewhere), fp32.
 
 Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16), a gpt-fast-style static-cache
 decode step (one token per sequence, the model's own modules, CUDA-graph replayed) at batch 1
@@ -29,6 +32,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -43,6 +47,8 @@ from lmforge.quant.formats import Int4Linear, QuantLinear  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 HBM_BYTES_PER_S = 4.27e12
+QUALITY_COLUMNS = ("config", "bpb", "vs_bf16_%", "±2se_%", "vs_rtn_%", "rtn±2se_%", "linear_MB")
+QUALITY_COLUMNS += ("quantize_s", "eval_s")
 
 
 # ------------------------------------------------------------------------------ part (a): quality
@@ -88,20 +94,20 @@ def quality(args: argparse.Namespace) -> list[dict]:
     state = {k: v.clone() for k, v in base.state_dict().items()}
     rows = []
     g = args.group
+    # most wanted first, so a run stopped early still answers the main questions
     configs = [
-        ("fp32", None, None),
         ("bf16", None, None),
-        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None)),
         (f"int4 rtn g{g}", "rtn", QuantSpec("int4", g)),
         (f"int4 awq g{g}", "awq", QuantSpec("int4", g)),
         (f"int4 gptq g{g} act-order", "gptq", QuantSpec("int4", g)),
-        (f"int4 gptq g{g} static", "gptq-static", QuantSpec("int4", g)),
+        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None)),
         ("fp8 weight-only", "rtn", QuantSpec("fp8", fp8_activations="none")),
-        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8")),
         ("fp8 W8A8 rtn", "rtn", QuantSpec("fp8")),
+        (f"int4 gptq g{g} static", "gptq-static", QuantSpec("int4", g)),
+        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8")),
+        ("fp32", None, None),
     ]
-    ref_nll = None
-    nlls: dict[str, torch.Tensor] = {}
+    ref_nll = rtn_nll = None
     for name, method, spec in configs:
         if args.only and not any(o in name for o in args.only):
             continue
@@ -121,8 +127,10 @@ def quality(args: argparse.Namespace) -> list[dict]:
         t0 = time.time()
         nll = window_nll(model, ids, args.seq_len, args.batch)
         bpb = nll.sum().item() / math.log(2) / n_bytes
-        if name == "bf16" or (ref_nll is None and name == "fp32"):
-            ref_nll = nll  # bf16 is the reference; fp32 only until bf16 has run
+        if name == "bf16":
+            ref_nll = nll  # the reference of every other row
+        if name == f"int4 rtn g{g}":
+            rtn_nll = nll  # AWQ's and GPTQ's own baseline
         wbytes = sum(
             sum(b.numel() * b.element_size() for b in m.buffers())
             if isinstance(m, QuantLinear)
@@ -138,20 +146,20 @@ def quality(args: argparse.Namespace) -> list[dict]:
             "eval_s": time.time() - t0,
             "windows": nll.numel(),
         }
-        if ref_nll is not None and name != "fp32":
+        if ref_nll is not None:
             pct, se = paired_diff(nll, ref_nll)
             row["vs_bf16_%"] = pct
             row["±2se_%"] = 2 * se
+        if rtn_nll is not None and name.startswith("int4 ") and nll is not rtn_nll:
+            pct, se = paired_diff(nll, rtn_nll)
+            row["vs_rtn_%"] = pct
+            row["rtn±2se_%"] = 2 * se
         rows.append(row)
         print(json.dumps(row), flush=True)
-        nlls[name] = nll
         if args.out:  # per-window NLLs, so other differences can be formed afterwards
             d = Path(args.out) / "nll"
             d.mkdir(parents=True, exist_ok=True)
             torch.save(nll, d / (name.replace(" ", "_").replace("/", "-") + ".pt"))
-    if "fp32" in nlls and "bf16" in nlls:  # fp32 ran before its reference existed
-        pct, se = paired_diff(nlls["fp32"], nlls["bf16"])
-        rows[0].update({"vs_bf16_%": pct, "±2se_%": 2 * se})
     return rows
 
 
@@ -393,7 +401,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _table(rows: list[dict], cols: list[str]) -> str:
+def _table(rows: list[dict], cols: Sequence[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
@@ -446,12 +454,7 @@ def main() -> None:
     )
     if "quality" in out:
         print("\nSmolLM2-135M-Instruct, WikiText-2 test bits per byte (calibration: Gutenberg)")
-        print(
-            _table(
-                out["quality"],
-                ["config", "bpb", "vs_bf16_%", "±2se_%", "linear_MB", "quantize_s", "eval_s"],
-            )
-        )
+        print(_table(out["quality"], QUALITY_COLUMNS))
     if "speed" in out:
         print(
             f"\nTinyLlama-1.1B shape, random weights, static-cache decode + CUDA graph; floor = bytes / {HBM_BYTES_PER_S / 1e12} TB/s"
