@@ -20,7 +20,7 @@ dequantize-then-matmul torch reference of Int4Linear (the table says which ran).
 each format's kernel path against a float64 product with its dequantized weights, and the
 decode step's logits against the eager reference model.
 
-    python benchmarks/quant.py --part quality --device cpu          # ~20 min on 2 CPU cores
+    python benchmarks/quant.py --part quality --device cpu --out runs/quant  # 13-17 min a row (busy CPU)
     python benchmarks/quant.py --part speed --out bench_out/quant    # H200, < 5 min
 """
 
@@ -421,7 +421,12 @@ def main() -> None:
     p.add_argument("--gguf", default=str(SHARED / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     p.add_argument("--eval-text", default=str(SHARED / "data/text/wikitext2/test.txt"))
     p.add_argument("--calib", default=str(SHARED / "data/text/gutenberg/Austen_Emma.txt"))
-    p.add_argument("--eval-tokens", type=int, default=16384)
+    p.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=32768,
+        help="WikiText-2 tokens scored (windows of --seq-len)",
+    )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--calib-samples", type=int, default=64)
