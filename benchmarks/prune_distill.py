@@ -21,7 +21,7 @@ from the training books (each book from 5% in, past the Gutenberg header).
         .carry/gutenberg --steps 400 --batch 16 --seq-len 256 --eval-tokens 65536 --out OUT
 
 The CPU default (32 steps × 4 × 64 = 8,192 tokens per recovery run, 16,384 eval tokens) took
-~28 minutes per variant on two CPU cores shared with other jobs (~19 s per step, ~7 minutes per
+~40 minutes per variant on two CPU cores shared with other jobs (~19 s per step, ~7 minutes per
 evaluation); it shows the direction, not a converged recovery.
 
 The user-facing path is the same two commands (see ``lmforge prune --help``):
