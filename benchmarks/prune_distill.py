@@ -20,9 +20,9 @@ from the training books (each book from 5% in, past the Gutenberg header).
     python benchmarks/prune_distill.py --device cuda --gguf .carry/smol.gguf --gutenberg \
         .carry/gutenberg --steps 400 --batch 16 --seq-len 256 --eval-tokens 65536 --out OUT
 
-The CPU default (16 steps × 4 × 64 = 4,096 tokens per recovery run, 4,096 eval tokens) is what
-fits in ~40 minutes on two CPU cores shared with other jobs; it shows the direction, not a
-converged recovery.
+The CPU default (32 steps × 4 × 64 = 8,192 tokens per recovery run, 16,384 eval tokens) took
+~40 minutes per variant on two CPU cores shared with other jobs (~19 s per step, ~7 minutes per
+evaluation); it shows the direction, not a converged recovery.
 
 The user-facing path is the same two commands (see ``lmforge prune --help``):
 
@@ -144,12 +144,12 @@ def main() -> None:
     p.add_argument("--target-params", type=float, default=100e6)
     p.add_argument("--modes", nargs="+", default=["width", "depth"])
     p.add_argument("--calib-samples", type=int, default=32, help="importance windows")
-    p.add_argument("--steps", type=int, default=16, help="optimizer steps per recovery run")
+    p.add_argument("--steps", type=int, default=32, help="optimizer steps per recovery run")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--kd-lr", type=float, default=3e-4)
     p.add_argument("--scratch-lr", type=float, default=2e-3)
-    p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument("--eval-tokens", type=int, default=16384)
     p.add_argument("--eval-batch", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_out/prune_distill")

@@ -4,9 +4,12 @@ Part ``quality`` (CPU or GPU): the shipped SmolLM2-135M-Instruct GGUF (dequantiz
 float baseline, itself carrying the file's Q4_1 rounding) is quantized by the library's own
 ``quantize_calibrated`` — the function ``lmforge quantize`` calls — with each method, and scored
 in bits per byte on WikiText-2 test (calibration on a Gutenberg book, so the two texts differ).
-Rows: fp32, bf16, int8 (per channel), int4 RTN / AWQ / GPTQ (group 64: SmolLM2's width 576 is
-not a multiple of 128), fp8 weight-only, fp8 W8A8 (dynamic per-token scales; ``torch._scaled_mm``
-on Hopper, emulated with the same rounding elsewhere).
+Rows (most wanted first, so a run stopped early answers the main questions): bf16 (the
+reference: each row prints its bits-per-byte difference and twice its standard error, windows
+as the paired units; AWQ and GPTQ also against RTN), int4 RTN / AWQ / GPTQ (group 64: SmolLM2's width 576 is
+not a multiple of 128; GPTQ with act-order, the default, and with static in-order groups),
+int8 (per channel), fp8 weight-only, fp8 W8A8 (dynamic per-token scales; ``torch._scaled_mm``
+on Hopper, emulated with the same rounding elsewhere), fp32.
 
 Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16), a gpt-fast-style static-cache
 decode step (one token per sequence, the model's own modules, CUDA-graph replayed) at batch 1
@@ -17,7 +20,7 @@ dequantize-then-matmul torch reference of Int4Linear (the table says which ran).
 each format's kernel path against a float64 product with its dequantized weights, and the
 decode step's logits against the eager reference model.
 
-    python benchmarks/quant.py --part quality --device cpu          # ~20 min on 2 CPU cores
+    python benchmarks/quant.py --part quality --device cpu --out runs/quant  # 13-17 min a row (busy CPU)
     python benchmarks/quant.py --part speed --out bench_out/quant    # H200, < 5 min
 """
 
@@ -29,6 +32,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -37,32 +41,42 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lmforge.quant import QuantSpec, quantize_calibrated  # noqa: E402
+from lmforge.quant import CalibOptions, QuantSpec, quantize_calibrated  # noqa: E402
 from lmforge.quant.calib import calibration_tokens  # noqa: E402
 from lmforge.quant.formats import Int4Linear, QuantLinear  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 HBM_BYTES_PER_S = 4.27e12
+QUALITY_COLUMNS = ("config", "bpb", "vs_bf16_%", "±2se_%", "vs_rtn_%", "rtn±2se_%", "linear_MB")
+QUALITY_COLUMNS += ("quantize_s", "eval_s")
 
 
 # ------------------------------------------------------------------------------ part (a): quality
 
 
 @torch.no_grad()
-def bits_per_byte(model, ids: torch.Tensor, n_bytes: int, seq_len: int, batch: int) -> float:
-    """Σ NLL (nats) over ids[1:] / ln 2 / bytes: windows of seq_len+1 tokens overlapping by one,
-    so every token after the first is predicted exactly once."""
+def window_nll(model, ids: torch.Tensor, seq_len: int, batch: int) -> torch.Tensor:
+    """(n,) float64 Σ NLL (nats) per window: windows of seq_len+1 tokens overlapping by one, so
+    every token after the first is predicted exactly once. bits/byte = sum / ln 2 / bytes."""
     dev = next(model.buffers()).device
     n = (ids.numel() - 1) // seq_len
     windows = torch.stack([ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)])
-    total = 0.0
+    out = []
     for chunk in windows.split(batch):
         chunk = chunk.to(dev)
         logits = model(chunk[:, :-1]).float()  # (B, T, V)
-        total += F.cross_entropy(
-            logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
-        ).item()
-    return total / math.log(2) / n_bytes
+        nll = F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none")  # (B, T)
+        out.append(nll.double().sum(1).cpu())
+    return torch.cat(out)
+
+
+def paired_diff(nll: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Relative bits-per-byte difference of ``nll`` against ``ref`` (per-window nats, same
+    windows) in %, and its standard error: windows are the units (the byte count cancels)."""
+    d = nll - ref  # (n,)
+    total = ref.sum().item()
+    se = math.sqrt(d.numel()) * d.std().item() / total if d.numel() > 1 else float("nan")
+    return 100 * d.sum().item() / total, 100 * se
 
 
 def quality(args: argparse.Namespace) -> list[dict]:
@@ -80,18 +94,20 @@ def quality(args: argparse.Namespace) -> list[dict]:
     state = {k: v.clone() for k, v in base.state_dict().items()}
     rows = []
     g = args.group
+    # most wanted first, so a run stopped early still answers the main questions
     configs = [
-        ("fp32", None, None),
         ("bf16", None, None),
-        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None)),
         (f"int4 rtn g{g}", "rtn", QuantSpec("int4", g)),
         (f"int4 awq g{g}", "awq", QuantSpec("int4", g)),
-        (f"int4 gptq g{g}", "gptq", QuantSpec("int4", g)),
+        (f"int4 gptq g{g} act-order", "gptq", QuantSpec("int4", g)),
+        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None)),
         ("fp8 weight-only", "rtn", QuantSpec("fp8", fp8_activations="none")),
-        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8")),
         ("fp8 W8A8 rtn", "rtn", QuantSpec("fp8")),
+        (f"int4 gptq g{g} static", "gptq-static", QuantSpec("int4", g)),
+        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8")),
+        ("fp32", None, None),
     ]
-    ref_bpb = None
+    ref_nll = rtn_nll = None
     for name, method, spec in configs:
         if args.only and not any(o in name for o in args.only):
             continue
@@ -100,12 +116,21 @@ def quality(args: argparse.Namespace) -> list[dict]:
         model = model.to(dev).eval()
         t0 = time.time()
         if method is not None:
-            model = quantize_calibrated(model, spec, method, calib if method != "rtn" else None)
+            options = CalibOptions(gptq_damp=args.gptq_damp, gptq_act_order=method != "gptq-static")
+            method = method.removesuffix("-static")
+            model = quantize_calibrated(
+                model, spec, method, calib if method != "rtn" else None, options
+            )
         qtime = time.time() - t0
         if name == "bf16":
             model = model.to(torch.bfloat16)
-        bpb = bits_per_byte(model, ids, n_bytes, args.seq_len, args.batch)
-        ref_bpb = bpb if name == "fp32" else ref_bpb
+        t0 = time.time()
+        nll = window_nll(model, ids, args.seq_len, args.batch)
+        bpb = nll.sum().item() / math.log(2) / n_bytes
+        if name == "bf16":
+            ref_nll = nll  # the reference of every other row
+        if name == f"int4 rtn g{g}":
+            rtn_nll = nll  # AWQ's and GPTQ's own baseline
         wbytes = sum(
             sum(b.numel() * b.element_size() for b in m.buffers())
             if isinstance(m, QuantLinear)
@@ -113,11 +138,28 @@ def quality(args: argparse.Namespace) -> list[dict]:
             for m in model.modules()
             if isinstance(m, QuantLinear) or type(m).__name__ == "Linear"
         )
-        row = {"config": name, "bpb": bpb, "linear_MB": wbytes / 1e6, "quantize_s": qtime}
-        if ref_bpb is not None:
-            row["vs_fp32_%"] = 100 * (bpb / ref_bpb - 1)
+        row = {
+            "config": name,
+            "bpb": bpb,
+            "linear_MB": wbytes / 1e6,
+            "quantize_s": qtime,
+            "eval_s": time.time() - t0,
+            "windows": nll.numel(),
+        }
+        if ref_nll is not None:
+            pct, se = paired_diff(nll, ref_nll)
+            row["vs_bf16_%"] = pct
+            row["±2se_%"] = 2 * se
+        if rtn_nll is not None and name.startswith("int4 ") and nll is not rtn_nll:
+            pct, se = paired_diff(nll, rtn_nll)
+            row["vs_rtn_%"] = pct
+            row["rtn±2se_%"] = 2 * se
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.out:  # per-window NLLs, so other differences can be formed afterwards
+            d = Path(args.out) / "nll"
+            d.mkdir(parents=True, exist_ok=True)
+            torch.save(nll, d / (name.replace(" ", "_").replace("/", "-") + ".pt"))
     return rows
 
 
@@ -359,7 +401,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _table(rows: list[dict], cols: list[str]) -> str:
+def _table(rows: list[dict], cols: Sequence[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
@@ -379,12 +421,18 @@ def main() -> None:
     p.add_argument("--gguf", default=str(SHARED / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     p.add_argument("--eval-text", default=str(SHARED / "data/text/wikitext2/test.txt"))
     p.add_argument("--calib", default=str(SHARED / "data/text/gutenberg/Austen_Emma.txt"))
-    p.add_argument("--eval-tokens", type=int, default=16384)
+    p.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=32768,
+        help="WikiText-2 tokens scored (windows of --seq-len)",
+    )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--calib-samples", type=int, default=64)
     p.add_argument("--calib-seq-len", type=int, default=256)
     p.add_argument("--group", type=int, default=64)
+    p.add_argument("--gptq-damp", type=float, default=0.01)
     p.add_argument(
         "--only", nargs="*", default=None, help="quality rows whose name contains one of these"
     )
@@ -411,7 +459,7 @@ def main() -> None:
     )
     if "quality" in out:
         print("\nSmolLM2-135M-Instruct, WikiText-2 test bits per byte (calibration: Gutenberg)")
-        print(_table(out["quality"], ["config", "bpb", "vs_fp32_%", "linear_MB", "quantize_s"]))
+        print(_table(out["quality"], QUALITY_COLUMNS))
     if "speed" in out:
         print(
             f"\nTinyLlama-1.1B shape, random weights, static-cache decode + CUDA graph; floor = bytes / {HBM_BYTES_PER_S / 1e12} TB/s"
