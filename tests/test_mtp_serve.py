@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmforge.model import ModelConfig, TransformerLM
-from lmforge.model.mtp import mtp_draft
+from lmforge.model.mtp import MTPDraft, mtp_draft
 from lmforge.serve import Engine, SamplingParams
 from lmforge.serve.speculative import Speculative, mtp_draft_for, propose, speculative_from_flag
 from lmforge.utils.errors import LmforgeError
@@ -136,3 +136,49 @@ def test_mtp_tap_is_fed_inside_the_compiled_step(kw: dict) -> None:
         stats.append((spec.stats.drafted, spec.stats.accepted))
     assert eng.decoder is not None and eng.decoder.failed is None
     assert stats[0] == stats[1] and stats[0][1] > 0
+
+
+@pytest.mark.parametrize("kw", [{}, MLA, {"mtp_depth": 1}])
+def test_cached_draft_steps_equal_the_reference_draft_for_draft(kw: dict) -> None:
+    """The engine's MTP proposer keeps one KV cache per draft step across the proposals of a
+    sequence: every proposal (greedy and sampled runs, so rounds accept different counts)
+    equals mtp_draft's full recompute over the same hidden states, and it runs far fewer rows."""
+    target = _model(**kw)
+    seen: list[tuple[int, int]] = []
+
+    class Checked(MTPDraft):
+        def propose(self, hidden, tokens, k, key=None):  # type: ignore[override]
+            got = super().propose(hidden, tokens, k, key)
+            if key is not None:
+                ids = torch.tensor([list(tokens)])
+                want = mtp_draft(target.mtp, hidden[None], ids, k, target.token_embeddings,
+                                 target.logits_from_hidden)  # fmt: skip
+                assert got == want[0].tolist()
+                seen.append((len(tokens), k))
+            return got
+
+    base = mtp_draft_for(target)
+    drafter = Checked(base.mtp, base.embed, base.head, base.cache_spec)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (2, 17, 40)]
+    for params in (SamplingParams(temperature=0, max_tokens=20),
+                   SamplingParams(temperature=1.0, seed=1, max_tokens=20)):  # fmt: skip
+        spec = Speculative(drafter, 3)
+        Engine(target, speculative=spec).generate(prompts, params)
+    assert len(seen) > 20
+    full = sum(k * (n - 1) for n, k in seen)  # rows the recompute runs
+    assert drafter.rows_computed < full / 3
+
+
+def test_draft_caches_follow_a_new_sequence() -> None:
+    """A proposal for another sequence (another key) starts the step caches afresh."""
+    target = _model()
+    drafter = mtp_draft_for(target)
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(0, V, (12,), generator=g).tolist()
+    b = torch.randint(0, V, (9,), generator=g).tolist()
+    with torch.no_grad():
+        ha, hb = (target.forward_hidden(torch.tensor([t[:-1]]))[0] for t in (a, b))
+    first = drafter.propose(ha, a, 3, key="a")
+    assert drafter.propose(hb, b, 3, key="b") == drafter.propose(hb, b, 3)
+    assert drafter.propose(ha, a, 3, key="a2") == first

@@ -171,7 +171,13 @@ def mtp_draft_for(model: nn.Module) -> MTPDraft:
             "speculative mtp needs a model with multi-token-prediction modules"
             " (model.mtp_depth > 0)"
         )
-    return MTPDraft(model.mtp, model.token_embeddings, model.logits_from_hidden)
+    cfg = model.config
+    slots = cfg.context_length + 64  # the draft steps' caches (a longer sequence: no cache)
+    if getattr(cfg, "attention_type", "gqa") == "mla":
+        layout = (1, cfg.mla.latent_dim, 0, slots)  # one latent per token, no values
+    else:
+        layout = (cfg.kv_heads, cfg.head_dim, None, slots)
+    return MTPDraft(model.mtp, model.token_embeddings, model.logits_from_hidden, layout)
 
 
 @dataclasses.dataclass
@@ -285,7 +291,7 @@ def propose(
         n = len(tokens) - 1  # the target computed tokens[:n]; tokens[n] is its last sample
         if spec.tap is None or n < 1:
             return [], None
-        drafts = spec.draft.propose(spec.tap.hidden[:n], tokens, k)
+        drafts = spec.draft.propose(spec.tap.hidden[:n], tokens, k, key=seq)
         q = nn.functional.one_hot(torch.tensor(drafts, device=gen.device), vocab_size).float()
         return drafts, q  # greedy drafts: q one-hot (k, V)
     if isinstance(spec.draft, NgramDraft):
