@@ -191,8 +191,7 @@ def test_window_decode_equals_the_host_list_path(window: int) -> None:
     windows under, at and over the block size, ragged lengths and GQA; the pages written alike."""
     from types import SimpleNamespace
 
-    from lmforge.model.attention import paged_window_decode
-    from lmforge.model.kv_cache import paged_window_attention
+    from lmforge.model.kv_cache import paged_window_attention, paged_window_decode
 
     g = torch.Generator().manual_seed(0)
     nb, bs, kv, h, e = 12, 4, 2, 4, 8

@@ -40,7 +40,6 @@ from lmforge.model.layers import (
 __all__ = [
     "CausalSelfAttention",
     "PartialRotaryEmbedding",
-    "paged_window_decode",
     "sliding_window_mask",
 ]
 
@@ -347,48 +346,6 @@ class PartialRotaryEmbedding(RotaryEmbedding):
         with torch.no_grad():
             self.cos[:, :r2], self.sin[:, :r2] = rot.cos, rot.sin  # (T, R/2)
             self.cos[:, r2:], self.sin[:, r2:] = 1.0, 0.0  # (T, E/2 − R/2): no rotation
-
-
-def paged_window_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    slots: torch.Tensor,
-    block_tables: torch.Tensor,
-    ctx_lens: torch.Tensor,
-    window: int,
-) -> torch.Tensor:
-    """Sliding-window decode over paged keys/values, on the device only (no host read: the
-    compiled and graph-captured decode steps run it): one query per sequence.
-
-    Writes k, v (S, K, E) at ``slots`` (S,) of one layer's (NB, BS, K, E) pages, then query i
-    (position ``ctx_lens[i] − 1``, RoPE and scales applied) attends to the keys at positions p
-    with 0 ≤ q_pos − p < ``window``: only the ceil((window − 1) / BS) + 1 table columns that
-    can hold them are gathered, whatever the table width -> (S, H, E). Same math as
-    :func:`lmforge.model.kv_cache.paged_window_attention` (the prefill path)."""
-    kv, e = k_pages.shape[-2], k_pages.shape[-1]
-    bs = k_pages.shape[1]
-    k_pages.view(-1, kv, e).index_copy_(0, slots, k.to(k_pages.dtype))
-    v_pages.view(-1, kv, e).index_copy_(0, slots, v.to(v_pages.dtype))
-    n = -(-(window - 1) // bs) + 1  # blocks a window can span
-    last = ctx_lens.long() - 1  # (S,) the query's position
-    cols = (last // bs)[:, None] - torch.arange(n - 1, -1, -1, device=q.device)  # (S, n)
-    blocks = block_tables.long().gather(1, cols.clamp(min=0))  # (S, n), oldest first
-    keys = k_pages[blocks].flatten(1, 2)  # (S, n·BS, K, E)
-    vals = v_pages[blocks].flatten(1, 2)  # (S, n·BS, K, E)
-    pos = (cols[:, :, None] * bs + torch.arange(bs, device=q.device)).flatten(1)  # (S, n·BS)
-    d = last[:, None] - pos  # query − key position
-    mask = (d >= 0) & (d < window) & (pos >= 0)  # (S, n·BS); pos < 0: a column before 0
-    o = F.scaled_dot_product_attention(
-        q[:, :, None].to(keys.dtype),  # (S, H, 1, E)
-        keys.transpose(1, 2),  # (S, K, n·BS, E)
-        vals.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        enable_gqa=q.shape[1] != kv,
-    )  # (S, H, 1, E)
-    return o[:, :, 0].to(q.dtype)  # (S, H, E)
 
 
 def sliding_window_mask(t: int, window: int, device: torch.device | None = None) -> torch.Tensor:

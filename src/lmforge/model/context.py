@@ -160,9 +160,7 @@ class StepOps:
         :func:`lmforge.model.sparse_attention.paged_sparse_attention` (decode steps on the
         device only, others sequence by sequence); a compiled step makes a decode one mutating
         custom op (its writes in place, not a functional copy of the pages)."""
-        from lmforge.model.sparse_attention import paged_sparse_attention
-
-        return paged_sparse_attention(attn, q, k, v, iq, ik, iw, ctx)
+        return attn.paged(q, k, v, iq, ik, iw, ctx)  # type: ignore[operator]
 
     def attend_window(
         self,
@@ -176,11 +174,11 @@ class StepOps:
         """Sliding-window attention (W layers): write k, v (N, K, E) at ``ctx.slots`` of layer
         ``layer``'s pages, then each query attends to the keys of its last ``window`` positions
         -> (N, H, E). The default: decode steps on the device only
-        (:func:`lmforge.model.attention.paged_window_decode`: no host read, so a compiled or
+        (:func:`lmforge.model.kv_cache.paged_window_decode`: no host read, so a compiled or
         graph-captured step can run it), other steps sequence by sequence from the host lists
         (:func:`lmforge.model.kv_cache.paged_window_attention`)."""
         if ctx.decode:
-            from lmforge.model.attention import paged_window_decode
+            from lmforge.model.kv_cache import paged_window_decode
 
             return paged_window_decode(
                 q, k, v, ctx.k_cache[layer], ctx.v_cache[layer], ctx.slots, ctx.block_tables,

@@ -212,6 +212,14 @@ class SparseAttention(CausalSelfAttention):
         self.dense_warmup = False
         self._aux: Tensor | None = None
 
+    def paged(
+        self, q: Tensor, k: Tensor, v: Tensor, iq: Tensor, ik: Tensor, iw: Tensor, ctx: Context
+    ) -> Tensor:
+        """The default of :meth:`lmforge.model.context.StepOps.attend_sparse` for this layer:
+        :func:`paged_sparse_attention` (reached through the module, so ``context`` imports no
+        attention module)."""
+        return paged_sparse_attention(self, q, k, v, iq, ik, iw, ctx)
+
     def aux_loss(self) -> Tensor | None:
         """The indexer loss L^I of the last training forward (None in eval or without grad)."""
         return self._aux

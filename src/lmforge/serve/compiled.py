@@ -78,8 +78,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.model import mup
-from lmforge.model.attention import CausalSelfAttention, paged_window_decode
+from lmforge.model.attention import CausalSelfAttention
 from lmforge.model.context import Context, PagedKVCache, StepOps
+from lmforge.model.kv_cache import paged_window_decode
 from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable
 from lmforge.model.linear_attention import SlotOps, StatePool, StepStates, slot_recurrence
 from lmforge.model.mla import PagedLatentCache, write_latent
@@ -167,7 +168,7 @@ def _window_decode_attention(
     ctx_lens: torch.Tensor,
     window: int,
 ) -> torch.Tensor:
-    """A W layer's decode: :func:`~lmforge.model.attention.paged_window_decode` on layer
+    """A W layer's decode: :func:`~lmforge.model.kv_cache.paged_window_decode` on layer
     ``layer``'s pages of the (L, NB, BS, K, E) caches -> (S, H, E)."""
     return paged_window_decode(
         q, k, v, k_cache[layer], v_cache[layer], slots, block_tables, ctx_lens, window
