@@ -358,7 +358,7 @@ part_recipe-b() {
 # $OUT/recipe-card (or, if a stage ran out of time, the pack for RL in $OUT/recipe-b)
 part_recipe-gpu() {
     recipe_unpack recipe-gpu .carry/recipe-a || return 0
-    rstep recipe-gpu recipe-all 470 recipe run "$RECIPE" "--eval.anchors=[]"
+    rstep recipe-gpu recipe-all 530 recipe run "$RECIPE" "--eval.anchors=[]"
     rstep recipe-gpu recipe-pack-card 60 recipe pack "$RECIPE" --next report \
         --out "${OUT:-runs}/recipe-card" ||
         rstep recipe-gpu recipe-pack-b 60 recipe pack "$RECIPE" --next rl --out "${OUT:-runs}/recipe-b"

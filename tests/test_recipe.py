@@ -339,3 +339,23 @@ def test_second_run_on_the_same_folder_is_one_line(tmp_path: Path) -> None:
                 pass
     with recipe_lock(tmp_path):  # released: a later run goes ahead
         pass
+
+
+def test_rl_curve_takes_the_key_with_the_most_points() -> None:
+    """The trainer's RL log has "step" on every event and "iteration" on the final one only:
+    the card's RL curve plots the reward at every step and each evaluation (an H200 card once
+    showed a single point)."""
+    from lmforge.recipe.report import plot_series
+
+    rows = [{"event": "train", "step": i, "reward": 0.1 * i} for i in (1, 2, 3, 4)]
+    rows += [{"event": "eval", "step": 2, "eval_accuracy": 0.2},
+             {"event": "final", "step": 4, "iteration": 4, "eval_accuracy": 0.3}]  # fmt: skip
+    x, series = plot_series(rows, "iteration", ("reward", "eval_accuracy"))
+    assert x == "step"
+    assert series["reward"][0] == [1.0, 2.0, 3.0, 4.0]
+    assert series["eval_accuracy"] == ([2.0, 4.0], [0.2, 0.3])
+    old = [{"iteration": 1, "reward": 0.5}, {"iteration": 2, "reward": 0.6}]
+    assert plot_series(old, "step", ("reward",)) == (
+        "iteration",
+        {"reward": ([1.0, 2.0], [0.5, 0.6])},
+    )

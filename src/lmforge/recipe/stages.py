@@ -603,6 +603,8 @@ def evaluate_row(ctx: Context, name: str, path: str) -> dict[str, Any]:
     side = _read_json(sidecar)
     if side.get("where"):
         row["ran_on"] = side["where"]
+    if side.get("seconds") is not None:
+        row["seconds"] = side["seconds"]  # the row's own eval time, where it ran
     return row
 
 
