@@ -158,7 +158,7 @@ def test_cached_draft_steps_equal_the_reference_draft_for_draft(kw: dict) -> Non
             return got
 
     base = mtp_draft_for(target)
-    drafter = Checked(base.mtp, base.embed, base.head, base.cache_spec)
+    drafter = Checked(base.mtp, base.embed, base.head, base.new_cache)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (2, 17, 40)]
     for params in (SamplingParams(temperature=0, max_tokens=20),

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.model.kv_cache import paged_window_attention, paged_window_decode
+
 __all__ = ["Context", "PagedKVCache", "StepOps"]
 
 _QUANTIZED = (torch.float8_e4m3fn, torch.int8)  # cache dtypes stored as values + a row scale
@@ -178,14 +180,10 @@ class StepOps:
         graph-captured step can run it), other steps sequence by sequence from the host lists
         (:func:`lmforge.model.kv_cache.paged_window_attention`)."""
         if ctx.decode:
-            from lmforge.model.kv_cache import paged_window_decode
-
             return paged_window_decode(
                 q, k, v, ctx.k_cache[layer], ctx.v_cache[layer], ctx.slots, ctx.block_tables,
                 ctx.ctx_lens, window,
             )  # fmt: skip
-        from lmforge.model.kv_cache import paged_window_attention
-
         return paged_window_attention(q, k, v, layer, ctx, window)
 
 

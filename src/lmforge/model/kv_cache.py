@@ -85,8 +85,10 @@ class KVCache:
         batch_size: int,
         max_seq_len: int | None = None,
         dtype: torch.dtype | None = None,
+        n_layers: int | None = None,
     ) -> KVCache:
-        """An empty cache shaped for ``model`` (a TransformerLM), on its device and dtype."""
+        """An empty cache shaped for ``model`` (a TransformerLM), on its device and dtype;
+        ``n_layers`` overrides the number of cache layers (one for an MTP draft step's block)."""
         cfg = model.config
         param = next(model.parameters())
         layers, heads, head_dim, value_dim = cfg.n_layers, cfg.kv_heads, cfg.head_dim, None
@@ -96,6 +98,7 @@ class KVCache:
 
             layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
             heads, head_dim, value_dim = 1, cfg.mla.latent_dim, 0
+        layers = layers if n_layers is None else n_layers
         return cls(
             n_layers=layers,
             batch_size=batch_size,

@@ -48,7 +48,7 @@ from lmforge.model.kv_cache import KVCache
 from lmforge.model.layers import Linear, RMSNorm
 from lmforge.utils.errors import LmforgeError
 
-__all__ = ["MTPDraft", "MTPModule", "MultiTokenPrediction", "mtp_draft", "mtp_loss"]
+__all__ = ["MTPDraft", "MTPModule", "MultiTokenPrediction", "mtp_draft", "mtp_loss", "step_cache"]
 
 Block = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -182,6 +182,12 @@ def mtp_draft(
     return torch.stack(drafts, dim=1)  # (B, k)
 
 
+def step_cache(model: nn.Module, slots: int) -> KVCache:
+    """One MTP draft step's cache for ``model`` (a TransformerLM): its KV layout (GQA or MLA
+    latents), one layer, ``slots`` positions."""
+    return _StepCache.for_model(model, 1, slots, n_layers=1)
+
+
 class _StepCache(KVCache):
     """A contiguous cache for one draft step's block, whatever its layer index (the MTP block
     is numbered after the main layers), that can be cut back to the step's final positions."""
@@ -205,10 +211,10 @@ class MTPDraft:
     probability p(x)); unlike it, it needs the target's hidden states of the sequence, which
     the engine's forwards produce (``lmforge.serve.speculative``, ``--speculative mtp``).
 
-    With ``cache_spec`` (the KV layout of one block: kv-heads, head dim, value dim, slots;
-    :func:`lmforge.serve.speculative.mtp_draft_for` passes the model's) and a ``key`` per call
-    naming the sequence, each draft step keeps its KV cache and outputs across proposals of
-    that sequence (module docstring); without either, every call is :func:`mtp_draft`.
+    With ``new_cache`` (makes one draft step's cache: :func:`step_cache`, which
+    :func:`lmforge.serve.speculative.mtp_draft_for` passes) and a ``key`` per call naming the
+    sequence, each draft step keeps its KV cache and outputs across proposals of that sequence
+    (module docstring); without either, every call is :func:`mtp_draft`.
     """
 
     def __init__(
@@ -216,10 +222,10 @@ class MTPDraft:
         mtp: MultiTokenPrediction,
         embed: Callable[[torch.Tensor], torch.Tensor],
         head: Callable[[torch.Tensor], torch.Tensor],
-        cache_spec: tuple[int, int, int | None, int] | None = None,
+        new_cache: Callable[[], KVCache] | None = None,
     ) -> None:
         self.mtp, self.embed, self.head = mtp, embed, head
-        self.cache_spec = cache_spec
+        self.new_cache = new_cache
         self._key: object = None
         self._steps: list[tuple[_StepCache, torch.Tensor]] = []  # per step: cache, (S, D) outputs
         self._final: list[int] = []  # per step: leading positions computed from committed tokens
@@ -233,7 +239,7 @@ class MTPDraft:
         ``tokens[:n]``; ``key`` (any object naming the sequence) turns on the step caches."""
         if k < 1:
             return []
-        if key is None or self.cache_spec is None:
+        if key is None or self.new_cache is None:
             n = hidden.shape[0]
             self.rows_computed += k * n
             ids = torch.tensor([list(tokens)], dtype=torch.long, device=hidden.device)
@@ -250,14 +256,12 @@ class MTPDraft:
                              f" {len(seq)}")  # fmt: skip
         if key is not self._key:
             self._key, self._final = key, [0] * len(self._final)
-        heads, head_dim, value_dim, slots = self.cache_spec  # type: ignore[misc]
-        if n + k > slots:  # longer than the caches were made for: the reference
-            return self.propose(hidden, seq, k)
         while len(self._steps) < k:  # the step caches, made on first use
-            cache = _StepCache(1, 1, heads, slots, head_dim, hidden.device, hidden.dtype,
-                               value_dim)  # fmt: skip
-            self._steps.append((cache, hidden.new_zeros(slots, hidden.shape[1])))
+            cache = self.new_cache()  # type: ignore[misc]
+            self._steps.append((cache, hidden.new_zeros(cache.max_seq_len, hidden.shape[1])))
             self._final.append(0)
+        if n + k > self._steps[0][0].max_seq_len:  # longer than the caches: the reference
+            return self.propose(hidden, seq, k)
         prev, drafts = hidden, []  # prev: step j - 1's outputs at positions [0, n)
         for j in range(1, k + 1):
             module = self.mtp.layers[min(j, self.mtp.depth) - 1]

@@ -132,13 +132,12 @@ def write_report(
         secs = "per row (below)" if st.name == "eval" else f"{float(m.get('seconds', 0)):.0f} s"
         lines.append(f"| {st.name} | {secs} | {ran_on} | {shown} |")
     # eval: the recipe models' rows' own times (anchors are scored once, anywhere)
-    rows = markers.get("eval", {}).get("metrics", {})
+    ev = markers.get("eval", {}).get("metrics", {})
     total -= float(markers.get("eval", {}).get("seconds", 0.0))
-    total += sum(float(r.get("seconds", 0.0)) for n, r in rows.items()
+    total += sum(float(r.get("seconds", 0.0)) for n, r in ev.items()
                  if isinstance(r, dict) and n in cfg.eval.models)  # fmt: skip
     lines += ["", f"Total stage time: {total / 60:.1f} min (eval: the recipe models' rows).", ""]
 
-    ev = markers.get("eval", {}).get("metrics", {})
     if ev:
         cols = sorted({k for row in ev.values() for k in row if k not in ("model", "ran_on")})
         lines += ["## Evaluation (`lmforge eval`, same settings for every row)", "",

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.model.mtp import MTPDraft
+from lmforge.model.mtp import MTPDraft, step_cache
 from lmforge.serve.model_runner import forward_step, new_kv_cache, stage
 from lmforge.serve.sampling import SamplingParams, truncated_probs
 from lmforge.serve.scheduler import StepInputs
@@ -144,6 +145,8 @@ class _HiddenTap:
     cache's scratch block, the last one) write to one extra row, never read."""
 
     def __init__(self, model: nn.Module, rows: int) -> None:
+        import lmforge.serve.compiled  # noqa: F401  (registers lmforge_serve::write_rows)
+
         self.model, self.rows = model, rows
         p = next(model.parameters())
         # (P + 1, D): allocated now, before the engine compiles or captures its decode step
@@ -151,8 +154,6 @@ class _HiddenTap:
         self.handle = model.layers[-1].register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: nn.Module, args: Any, kwargs: dict, out: Any) -> None:
-        import lmforge.serve.compiled  # noqa: F401  (registers lmforge_serve::write_rows)
-
         ctx = kwargs.get("context")
         if ctx is None:
             return
@@ -171,13 +172,9 @@ def mtp_draft_for(model: nn.Module) -> MTPDraft:
             "speculative mtp needs a model with multi-token-prediction modules"
             " (model.mtp_depth > 0)"
         )
-    cfg = model.config
-    slots = cfg.context_length + 64  # the draft steps' caches (a longer sequence: no cache)
-    if getattr(cfg, "attention_type", "gqa") == "mla":
-        layout = (1, cfg.mla.latent_dim, 0, slots)  # one latent per token, no values
-    else:
-        layout = (cfg.kv_heads, cfg.head_dim, None, slots)
-    return MTPDraft(model.mtp, model.token_embeddings, model.logits_from_hidden, layout)
+    slots = model.config.context_length + 64  # the draft steps' caches (longer: no cache)
+    return MTPDraft(model.mtp, model.token_embeddings, model.logits_from_hidden,
+                    functools.partial(step_cache, model, slots))  # fmt: skip
 
 
 @dataclasses.dataclass
