@@ -242,20 +242,26 @@ def test_rows_cover_every_switch() -> None:
 
 @pytest.mark.parametrize("switch", ["all"])
 def test_compiled_decode_step_traces_the_model_forward(monkeypatch, switch: str) -> None:
-    """The compiled decode step is the model's own forward: traced whole (fullgraph, no graph
-    break) for every switch at once, with the reference loop's greedy tokens and log-probs.
+    """The compiled decode and prefill steps are the model's own forward: traced whole
+    (fullgraph, no graph break) for every switch at once, with the reference loop's greedy tokens and log-probs.
     aot_eager keeps the CPU test fast; inductor is the same trace (tests/test_serve_compiled.py)."""
     from lmforge.serve import compiled
 
     monkeypatch.setattr(compiled.CompiledDecode, "warmup", lambda self, *a: None)
+    monkeypatch.setattr(compiled.CompiledDecode, "warmup_mixed", lambda self, *a: None)
     model = _model(SWITCHES[switch])
     prompts = _prompts()
     want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
     eng = Engine(model, block_size=4, num_blocks=96, compile=True)
     eng.decoder._fn = torch.compile(compiled.decode_forward, dynamic=True, fullgraph=True,
                                     backend="aot_eager")  # fmt: skip
+    # and the prefill (mixed) step: the same forward, traced whole
+    eng.decoder._mixed_fn = torch.compile(compiled.mixed_forward, dynamic=True, fullgraph=True,
+                                          backend="aot_eager")  # fmt: skip
+    assert eng.decoder.mixed_on
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert eng.decoder.failed is None and eng.stats["decode_steps"] > 0
+    assert eng.decoder.mixed_failed is None and eng.stats["mixed_steps"] > 0
     assert [o.outputs[0].token_ids for o in outs] == want
     for prompt, o in zip(prompts, outs, strict=True):
         _check_logprobs(model, prompt, o.outputs[0])

@@ -161,7 +161,7 @@ def test_help_has_examples_and_the_sources(capsys) -> None:
     out = capsys.readouterr().out
     assert "examples:" in out and "--max-new-tokens" in out and "--top-p" in out
     assert "--gguf" in out and "--hf" in out and "hf_tokenizer/" in out
-    assert "--no-compile" in out and "--no-cuda-graphs" in out
+    assert "--no-compile" in out and "--no-cuda-graphs" in out and "--no-compile-prefill" in out
 
 
 def test_decoding_runs_on_the_engine(tmp_path: Path, capsys, monkeypatch) -> None:

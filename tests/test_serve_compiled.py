@@ -87,6 +87,73 @@ def test_compiled_decode_writes_the_pages_in_place() -> None:
     assert c1.k[:, 1, 0].abs().sum() > 0 and c1.k[:, 2, 2].abs().sum() > 0
 
 
+def test_compiled_prefill_step_equals_eager_with_one_graph() -> None:
+    """Prefill (mixed) steps through the compiled ``mixed_forward``: chunked prefills with
+    decode rows mixed in, a lone sequence (padded with a scratch row), a prefix-cache hit;
+    greedy tokens equal lmforge.generate, log-probs those of the eager engine within 1e-5, and
+    no graph beyond the warm-up's one."""
+    from torch._dynamo.utils import counters
+
+    model = _model()
+    prompts = _prompts((3, 17, 40, 5, 1, 9))
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
+    kw = dict(block_size=8, num_blocks=64, max_num_batched_tokens=16)
+    eager = Engine(model, compile=False, **kw).generate(prompts, params)
+    eng = Engine(model, compile=True, **kw)  # compiles both steps (warm-up)
+    assert "compiled prefill step on" in eng.startup_line
+    graphs = counters["stats"]["unique_graphs"]
+    kinds = {"lone": 0, "mixed": 0}
+    real = eng.decoder.mixed
+
+    def counted(batch):
+        kinds["lone" if len(batch.q_lens) == 1 else "mixed"] += 1
+        return real(batch)
+
+    eng.decoder.mixed = counted
+    got = eng.generate(prompts, params)
+    lone = eng.generate([prompts[2]], params)  # alone, and its 40-token prefix cached
+    assert eng.decoder.mixed_failed is None and kinds["lone"] > 0 and kinds["mixed"] > 0
+    assert eng.allocator.hits > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert lone[0].outputs[0].token_ids == want[2]
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.outputs[0].logprobs), torch.tensor(b.outputs[0].logprobs),
+            atol=1e-5, rtol=0,
+        )  # fmt: skip
+    assert counters["stats"]["unique_graphs"] == graphs  # sizes 1..40 tokens, 1..4 sequences
+
+
+def test_compiled_prefill_failure_falls_back_to_eager_with_one_line(capsys) -> None:
+    model = _model()
+    eng = Engine(model, block_size=8, num_blocks=32, compile=True)
+
+    def boom(*a, **k):
+        raise RuntimeError("inductor exploded\nsecond line")
+
+    eng.decoder._mixed_fn = boom
+    p = _prompts((6, 11))
+    out = eng.generate(p, SamplingParams(temperature=0, max_tokens=5))
+    assert [o.outputs[0].token_ids for o in out] == [generate(model, [x], 5, temperature=0)[0]
+                                                     for x in p]  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prefilling eagerly" in err[0] and "inductor exploded" in err[0]
+    assert "compiled prefill step off" in eng.runner.describe()
+
+
+def test_compiled_prefill_is_off_where_layers_read_host_lists(monkeypatch) -> None:
+    """Windowed, linear, sparse and MLA layers prefill sequence by sequence from host lists:
+    their mixed steps stay eager (the decode step is still compiled)."""
+    from lmforge.serve import compiled
+
+    monkeypatch.setattr(compiled.CompiledDecode, "warmup", lambda self, *a: None)
+    model = _model(layers="AW", window=8)
+    eng = Engine(model, block_size=8, num_blocks=32, compile=True)
+    assert eng.decoder is not None and not eng.decoder.mixed_on
+    assert "compiled prefill step off" in eng.startup_line
+
+
 @pytest.mark.gpu
 def test_compiled_decode_in_cuda_graphs_is_token_identical() -> None:
     """On the GPU: compiled step + CUDA graphs + the Triton kernel, fp32, vs lmforge.generate."""

@@ -19,7 +19,8 @@ SERVE_EXAMPLES = """examples:
 Endpoints: /v1/completions, /v1/chat/completions (stream: true for server-sent events),
 /v1/models, /health (503 while draining), /metrics (Prometheus). Binds 127.0.0.1 unless --host
 says otherwise. The engine runs in its own process; on CUDA it uses CUDA graphs and the compiled
-decode step (--no-cuda-graphs, --no-compile turn them off; startup prints what it chose).
+decode and prefill steps (--no-cuda-graphs, --no-compile, --no-compile-prefill turn them off;
+startup prints what it chose).
 SIGTERM or Ctrl-C drains: in-flight requests finish, new ones get 503; a second signal exits.
 A VLM takes images as chat content parts {"type": "image_url", "image_url": {"url":
 "data:image/png;base64,..."}} (data: URLs only: nothing is fetched; a bad image is a 400).
@@ -154,7 +155,10 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.model_name or info["name"]
     state = ServerState(proc, info["tokenizer"], name, info["template"], args.api_key,
                         max_request_bytes=limit)  # fmt: skip
-    print(info["summary"] + " (--no-cuda-graphs / --no-compile turn them off)", file=sys.stderr)
+    print(
+        info["summary"] + " (--no-cuda-graphs / --no-compile / --no-compile-prefill turn them off)",
+        file=sys.stderr,
+    )
     budget = info.get("kv_budget")
     if budget:
         print(

@@ -211,7 +211,7 @@ def paged_prefill_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: Sequence[Sequence[int]],
+    block_tables: Sequence[Sequence[int]] | None,
     q_lens: Sequence[int],
     ctx_lens: Sequence[int],
     *,
@@ -220,7 +220,8 @@ def paged_prefill_reference(
     """Chunks of queries (prefill, or decode mixed in): q (N, H, E) -> (N, H, E).
 
     Sequence i owns the next ``q_lens[i]`` rows of q; its keys are its first ``ctx_lens[i]``
-    cached tokens (this chunk's included, already written). One SDPA call per sequence without
+    cached tokens (this chunk's included, already written; ``block_tables`` may be None when
+    ``block_table_tensor`` is given). One SDPA call per sequence without
     a dense mask: a chunk that is the whole context (no cached prefix) is plain causal
     attention (``is_causal``, GQA in the kernel: FlashAttention on the GPU); a chunk after a
     cached prefix is causal aligned to the bottom right (``causal_lower_right``: query j sees
@@ -234,6 +235,9 @@ def paged_prefill_reference(
     bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     start = 0
+    if block_tables is None:
+        assert block_table_tensor is not None, "block tables as lists or as a tensor"
+        block_tables = [()] * len(q_lens)  # the ids are sliced from the tensor
     for i, (table, t, ctx) in enumerate(zip(block_tables, q_lens, ctx_lens, strict=True)):
         nb = math.ceil(ctx / bs)
         if block_table_tensor is not None:
@@ -261,7 +265,7 @@ def paged_prefill(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: Sequence[Sequence[int]],
+    block_tables: Sequence[Sequence[int]] | None,
     q_lens: Sequence[int],
     ctx_lens: Sequence[int],
     *,
@@ -288,6 +292,7 @@ def paged_prefill(
     from lmforge.serve._prefill_triton import paged_prefill_triton
 
     if block_table_tensor is None:
+        assert block_tables is not None, "block tables as lists or as a tensor"
         width = max(len(t) for t in block_tables)
         rows = [list(t) + [0] * (width - len(t)) for t in block_tables]
         block_table_tensor = torch.tensor(rows, dtype=torch.int32, device=q.device)

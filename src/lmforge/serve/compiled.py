@@ -85,7 +85,13 @@ from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable
 from lmforge.model.linear_attention import SlotOps, StatePool, StepStates, slot_recurrence
 from lmforge.model.mla import PagedLatentCache, write_latent
 from lmforge.model.sparse_attention import paged_sparse_attention, paged_sparse_decode
-from lmforge.serve.attention import paged_decode, write_kv
+from lmforge.serve.attention import (
+    paged_decode,
+    paged_prefill,
+    prefill_kernel_on,
+    prefill_plan,
+    write_kv,
+)
 from lmforge.serve.step import StepBatch, forward_step
 
 __all__ = ["CompiledDecode", "CompiledSlotOps", "decode_forward", "gemv_plan", "pack_weights"]
@@ -118,6 +124,48 @@ def _decode_attention(
 @_decode_attention.register_fake
 def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_triton):
     return q.new_empty(q.shape)  # contiguous, as the real op returns (inductor checks strides)
+
+
+@torch.library.custom_op("lmforge_serve::prefill_attention", mutates_args=("k_cache", "v_cache"))
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layer: int,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    plan_ints: torch.Tensor,
+    meta: torch.Tensor,
+    use_triton: int,
+) -> torch.Tensor:
+    """A prefill (mixed) step's attention: write layer ``layer``'s new K/V (N, K, E) at
+    ``slots``, then varlen paged prefill for q (N, H, E) -> (N, H, E). The step's host facts
+    travel as tensors, so one compiled graph serves every mix of chunk lengths: ``meta`` is a
+    CPU int64 tensor ``[n_long, n_short, block_m, q_lens (S), ctx_lens (S)]`` and
+    ``plan_ints`` the prefill kernel's tile list on the device (:class:`PrefillPlan`'s
+    ``ints``; empty: the torch path). ``use_triton``: -1 auto, 0 no, 1 yes."""
+    from lmforge.serve._prefill_triton import PrefillPlan
+
+    kc, vc = k_cache[layer], v_cache[layer]
+    write_kv(kc, vc, slots, k, v)
+    s = block_tables.shape[0]
+    m = meta.tolist()  # a CPU tensor: no device read
+    q_lens, ctx = m[3 : 3 + s], m[3 + s :]
+    plan = PrefillPlan(plan_ints, s, m[0], m[1], m[2]) if plan_ints.numel() else None
+    flag = None if use_triton < 0 else bool(use_triton)
+    return paged_prefill(
+        q, kc, vc, None, q_lens, ctx, block_table_tensor=block_tables, ctx_lens_tensor=ctx_lens,
+        plan=plan, use_triton=flag if plan is not None else False,
+    ).contiguous()  # fmt: skip
+
+
+@_prefill_attention.register_fake
+def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, plan_ints, meta,
+      use_triton):  # fmt: skip
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op("lmforge_serve::mla_decode_attention", mutates_args=("cache",))
@@ -557,6 +605,32 @@ class DecodeOps(StepOps):
         )  # (S, H, E)  # fmt: skip
 
 
+class MixedOps(DecodeOps):
+    """The kernels of a compiled prefill (mixed) step: :class:`DecodeOps`' packed q/k/v and
+    w1/w3 weights (cuBLAS GEMMs: no decode GEMV, no fused RoPE kernel), and the paged KV write +
+    varlen prefill attention as one mutating custom op, ``lmforge_serve::prefill_attention``,
+    whose host facts (chunk and context lengths, the kernel's tiles) come in as tensors on the
+    context (``ctx.plan`` = (plan_ints, meta)). Full-attention GQA/MHA layers only
+    (:meth:`CompiledDecode.mixed_ok`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        use_triton: int,
+        packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+    ) -> None:
+        super().__init__(model, use_triton, packed, None)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context
+    ) -> torch.Tensor:
+        plan_ints, meta = ctx.plan
+        return torch.ops.lmforge_serve.prefill_attention(
+            q, k, v, ctx.k_cache, ctx.v_cache, layer, ctx.slots, ctx.block_tables, ctx.ctx_lens,
+            plan_ints, meta, self.use_triton,
+        )  # (N, H, E)  # fmt: skip
+
+
 def _plan_weights(
     model: nn.Module,
     packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
@@ -606,6 +680,30 @@ def decode_forward(
     return model(tokens[None], context=ctx)[0].float()  # (1, S) -> (S, V)
 
 
+def mixed_forward(
+    model: nn.Module,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    last_rows: torch.Tensor,
+    plan_ints: torch.Tensor,
+    meta: torch.Tensor,
+    ops: MixedOps,
+) -> torch.Tensor:
+    """One prefill (mixed) step, N tokens of S sequences flattened, through the model's own
+    forward with ``ops``' kernels: logits (S, V) float32 of the rows ``last_rows``. Every
+    host fact of the step is a tensor (``plan_ints`` on the device, ``meta`` on the CPU: see
+    ``lmforge_serve::prefill_attention``), so one dynamic graph serves every step. This is
+    what :meth:`CompiledDecode.mixed` compiles."""
+    ctx = Context(positions, slots, block_tables, ctx_lens, k_cache, v_cache, ops,
+                  last_rows=last_rows, plan=(plan_ints, meta))  # fmt: skip
+    return model(tokens[None], context=ctx)[0].float()  # (1, S) -> (S, V)
+
+
 # inductor unrolls a sum of fewer terms than this into its consumer's kernel (its default, 8,
 # would leave a split of 8 as one more kernel): above the GEMV's MAX_SPLIT
 SUM_UNROLL = 9
@@ -650,7 +748,8 @@ class CompiledDecode:
     hybrid model's recurrent-state pool (its slots' reset for sequences starting at token 0
     runs before the compiled step, outside it). ``gemv``: run batches <= GEMV_MAX_ROWS through
     the Triton decode GEMV (None: on CUDA for bf16/fp16 weights; True forces it, fp32
-    included: tests, under TRITON_INTERPRET=1 on CPU)."""
+    included: tests, under TRITON_INTERPRET=1 on CPU). ``mixed``: prefill (mixed) steps of
+    full-attention models through the compiled :func:`mixed_forward` too (:meth:`mixed`)."""
 
     def __init__(
         self,
@@ -660,6 +759,7 @@ class CompiledDecode:
         pack: bool = True,
         gemv: bool | None = None,
         states: StatePool | None = None,
+        mixed: bool = True,
     ) -> None:
         self.model = model
         self.states = states
@@ -680,6 +780,18 @@ class CompiledDecode:
         self.failed: str | None = None
         unroll = {"unroll_reductions_threshold": SUM_UNROLL}
         self._fn = torch.compile(decode_forward, dynamic=True, options=unroll)
+        # prefill (mixed) steps: full-attention GQA/MHA models without recurrent states
+        cfg = model.config
+        self.mixed_on = (
+            mixed
+            and isinstance(cache, PagedKVCache)
+            and states is None
+            and set(cfg.layer_types) == {"A"}
+            and getattr(cfg, "kv_share_every", 1) == 1
+        )
+        self.mixed_failed: str | None = None
+        self._mixed_ops = MixedOps(model, flag, self.packed)
+        self._mixed_fn = torch.compile(mixed_forward, dynamic=True)
 
     def warmup(self, scratch_block: int, block_size: int) -> None:
         """Compile now (batch 2: the dynamic graph; batch 1: its specialisation) on a dummy
@@ -745,6 +857,90 @@ class CompiledDecode:
                     f"({self.failed[:300]})",
                     file=sys.stderr,
                 )
+        return forward_step(
+            self.model, self.cache, batch, use_triton=self.use_triton, states=self.states
+        )
+
+    def mixed_ok(self, batch: StepBatch) -> bool:
+        """Whether a prefill (mixed) step takes :meth:`mixed`: a full-attention GQA/MHA model
+        (no MLA, CLA, windowed, sparse or linear layers), a compiled step that has not failed,
+        and a batch without image rows."""
+        return (
+            self.mixed_on
+            and self.mixed_failed is None
+            and batch.image_rows is None
+            and batch.mrope_positions is None
+        )
+
+    def warmup_mixed(self, scratch_block: int, block_size: int) -> None:
+        """Compile the prefill step now (the dynamic graph every mixed step takes) on two dummy
+        sequences in ``scratch_block``, so the first prompt does not wait for the compiler."""
+        if not self.mixed_on:
+            return
+        dev = self.cache.k.device
+        sb = scratch_block * block_size
+        other = sb + min(2, block_size - 1)
+        with torch.inference_mode():  # as the engine's steps build their tensors (dynamo guards it)
+            batch = StepBatch(
+                tokens=torch.zeros(3, dtype=torch.long, device=dev),
+                positions=torch.tensor([0, 1, 0], device=dev),
+                slots=torch.tensor([sb, sb + min(1, block_size - 1), other], device=dev),
+                block_tables=torch.full((2, 2), scratch_block, dtype=torch.int32, device=dev),
+                ctx_lens=torch.tensor([2, 1], dtype=torch.int32, device=dev),
+                last_rows=torch.tensor([1, 2], device=dev),
+                q_lens=[2, 1],
+                ctx_lens_list=[2, 1],
+                tables_list=[[scratch_block]] * 2,
+            )
+            self.mixed(batch)
+
+    def mixed(self, batch: StepBatch) -> torch.Tensor:
+        """Logits (S, V) of a prefill (mixed) step through the compiled :func:`mixed_forward`, or
+        the eager :func:`~lmforge.serve.step.forward_step` once compiling it has failed.
+
+        A step of one sequence gets a one-token sequence in the scratch block beside it (its
+        logits dropped), so batch 1 is not a graph of its own; tables narrower than 2 blocks
+        are padded as in decode. Dynamo specialises sizes 0 and 1: with these, every mixed
+        step after the warm-up reuses its one graph."""
+        cache = self.cache
+        assert isinstance(cache, PagedKVCache)
+        s = len(batch.q_lens)
+        tokens, positions, slots = batch.tokens, batch.positions, batch.slots
+        tables, ctx_lens, last_rows = batch.block_tables, batch.ctx_lens, batch.last_rows
+        q_lens, ctx_list = list(batch.q_lens), list(batch.ctx_lens_list)
+        if s == 1:
+            scratch, n = cache.num_blocks - 1, tokens.shape[0]
+            tokens, positions = F.pad(tokens, (0, 1)), F.pad(positions, (0, 1))
+            slots = torch.cat([slots, slots.new_full((1,), scratch * cache.block_size)])
+            tables = torch.cat([tables, tables.new_full((1, tables.shape[1]), scratch)])
+            ctx_lens = torch.cat([ctx_lens, ctx_lens.new_ones(1)])
+            last_rows = torch.cat([last_rows, last_rows.new_full((1,), n)])
+            q_lens.append(1)
+            ctx_list.append(1)
+        if tables.shape[1] < 2:
+            tables = F.pad(tables, (0, 1))  # block 0, past ctx_lens: never read
+        dev, e = tokens.device, cache.head_dim
+        if self.use_triton if self.use_triton is not None else prefill_kernel_on(dev, e):
+            plan = prefill_plan(q_lens, ctx_list, dev, head_dim=e)
+            plan_ints, head = plan.ints, [plan.n_long, plan.n_short, plan.block_m]
+        else:  # the torch path (CPU): no tiles
+            plan_ints, head = torch.empty(0, dtype=torch.int32, device=dev), [0, 0, 0]
+        meta = torch.tensor(head + q_lens + ctx_list, dtype=torch.long)  # host facts, on the CPU
+        try:
+            with _trace_settings():
+                logits = self._mixed_fn(
+                    self.model, cache.k, cache.v, tokens, positions, slots, tables, ctx_lens,
+                    last_rows, plan_ints, meta, self._mixed_ops,
+                )  # fmt: skip
+            return logits[:s]
+        except Exception as e:  # said once; the step is rerun eagerly (the same K/V rewritten)
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.mixed_failed = why
+            print(
+                f"lmforge serve: torch.compile of the prefill step failed, prefilling eagerly "
+                f"({why[:300]})",
+                file=sys.stderr,
+            )
         return forward_step(
             self.model, self.cache, batch, use_triton=self.use_triton, states=self.states
         )

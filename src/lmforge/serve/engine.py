@@ -132,8 +132,10 @@ class Engine:
     by unseeded requests. Defaults are the measured-best path: ``cuda_graphs`` (decode steps
     replayed from CUDA graphs, :mod:`lmforge.serve.cuda_graphs`) and ``compile`` (decode steps
     through ``torch.compile``, :mod:`lmforge.serve.compiled`, captured in the graphs) are on
-    for CUDA and off on the CPU when None; False turns either off. If compiling fails, one line
-    on stderr and eager decode. :attr:`startup_line` says in one line what was chosen (the
+    for CUDA and off on the CPU when None; False turns either off. With ``compile``, prefill
+    (mixed) steps of full-attention models go through ``torch.compile`` too (one dynamic graph
+    for every mix of chunk lengths; ``compile_prefill=False`` keeps them eager). If compiling
+    fails, one line on stderr and that step runs eagerly. :attr:`startup_line` says in one line what was chosen (the
     CLI prints it).
     ``tokenizer`` (anything with ``decode(ids)``; ``id_to_bytes`` makes it byte-exact and
     cheaper) turns on text: every sample's :attr:`CompletionOutput.text` is detokenized
@@ -167,6 +169,7 @@ class Engine:
         max_queue: int | None = None,
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
+        compile_prefill: bool | None = None,
         tokenizer: Any = None,
         memory_probe: Callable[[], int] | None = None,
         speculative: Speculative | NgramDraft | DraftModel | MTPDraft | None = None,
@@ -211,7 +214,8 @@ class Engine:
             self.model, device=self.device, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, kv_dtype=kv_dtype,
             use_triton=use_triton, num_blocks=num_blocks, kv_memory_fraction=kv_memory_fraction,
-            cuda_graphs=cuda_graphs, compile=compile, memory_probe=memory_probe,
+            cuda_graphs=cuda_graphs, compile=compile, compile_prefill=compile_prefill,
+            memory_probe=memory_probe,
         )  # fmt: skip
         self.scheduler = Scheduler(
             self.runner.num_blocks, block_size, max_num_seqs=max_num_seqs,

@@ -74,12 +74,18 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's decode switches every inference command takes: ``--no-compile``,
-    ``--no-cuda-graphs``, ``--speculative``, ``--speculative-k``, ``--kv-cache-dtype`` (read by
+    ``--no-compile-prefill``, ``--no-cuda-graphs``, ``--speculative``, ``--speculative-k``, ``--kv-cache-dtype`` (read by
     :func:`engine_flags`)."""
     p.add_argument(
         "--no-compile",
         action="store_true",
         help="decode eagerly (default on CUDA: the decode step through torch.compile)",
+    )
+    p.add_argument(
+        "--no-compile-prefill",
+        action="store_true",
+        help="prefill (mixed) steps eagerly, decode still compiled (default on CUDA: full-"
+        "attention models prefill through torch.compile too)",
     )
     p.add_argument(
         "--no-cuda-graphs",
@@ -113,6 +119,7 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
     kv_cache_dtype(args.kv_cache_dtype)  # an unknown name: one line, before the model loads
     return dict(
         compile=False if args.no_compile else None,
+        compile_prefill=False if args.no_compile_prefill else None,
         cuda_graphs=False if args.no_cuda_graphs else None,
         speculative=args.speculative,
         speculative_k=args.speculative_k,

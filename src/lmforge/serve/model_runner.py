@@ -115,9 +115,11 @@ class ModelRunner:
         kv_memory_fraction: float = 0.8,
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
+        compile_prefill: bool | None = None,
         memory_probe: Callable[[], int] | None = None,
     ) -> None:
         self.model = model
+        self.compile_prefill = compile_prefill is not False  # with the compiled decode step
         self.config = model.config
         self.device = device
         self.block_size = block_size
@@ -164,6 +166,8 @@ class ModelRunner:
             f"CUDA graphs {'on' if graphs else 'off'}"
             + (" (capture failed)" if self.use_graphs and not graphs else ""),
             f"compiled decode step {'on' if dec is not None and dec.failed is None else 'off'}",
+            "compiled prefill step "
+            + ("on" if dec is not None and dec.mixed_on and dec.mixed_failed is None else "off"),
         ]
         if dec is not None:
             parts.append(f"decode GEMV {'on' if dec.gemv is not None else 'off'}")
@@ -202,8 +206,10 @@ class ModelRunner:
         self.decoder = self._make_decoder(want_compile)
         free = probe() if probe is not None else None
         self.graphs = self._make_graphs() if use_graphs else None
-        if self.graphs is None and self.decoder is not None:
-            self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+        if self.decoder is not None:
+            if self.graphs is None:
+                self.decoder.warmup(self.cache.num_blocks - 1, self.block_size)
+            self.decoder.warmup_mixed(self.cache.num_blocks - 1, self.block_size)
         return free
 
     def _make_decoder(self, want: bool) -> Any:
@@ -212,7 +218,9 @@ class ModelRunner:
             return None
         from lmforge.serve.compiled import CompiledDecode
 
-        return CompiledDecode(self.model, self.cache, self.use_triton, states=self.states)
+        return CompiledDecode(
+            self.model, self.cache, self.use_triton, states=self.states, mixed=self.compile_prefill
+        )
 
     def _make_graphs(self) -> Any:
         from lmforge.serve.cuda_graphs import DecodeGraphs
@@ -364,13 +372,17 @@ class ModelRunner:
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """Logits (S, V) float32 of the rows ``batch.last_rows``: graph replay, else the
-        compiled step for decode-only steps; the model's eager forward otherwise."""
+        compiled step for decode-only steps; the compiled prefill step for other steps of
+        full-attention models (:meth:`CompiledDecode.mixed`); the model's eager forward
+        otherwise."""
         if batch.decode_only and batch.image_rows is None:
             if self.graphs is not None:
                 logits = self.graphs.run(batch)
                 if logits is not None:
                     return logits
             return self.decode_step(batch)
+        if self.decoder is not None and self.decoder.mixed_ok(batch):
+            return self.decoder.mixed(batch)
         return forward_step(
             self.model, self.cache, batch, use_triton=self.use_triton, states=self.states
         )
