@@ -29,6 +29,17 @@ layers have no q/k/v to pack and stay off the decode GEMV and its fused RoPE ker
 block's SwiGLU and the LM head still take them); a linear layer's FFN runs as its module.
 DSA (S) layers stay eager (:class:`~lmforge.serve.model_runner.ModelRunner` says why).
 
+Prefill (mixed) steps: the same forward, compiled once more (:func:`mixed_forward`, its own
+dynamic graph; :meth:`CompiledDecode.mixed`), so a step that admits a prompt among running
+decodes is not ~1,200 eager launches (on the H200, ~27 ms for TinyLlama's shape against a ~2.4
+ms decode step at batch 64: every arrival stalled every stream). The paged KV write + varlen
+prefill attention is one mutating custom op, ``lmforge_serve::prefill_attention``; the step's
+chunk and context lengths and the prefill kernel's tile list reach it as tensors (a CPU int64
+``meta``, the tiles on the device), so no host list is a graph constant and one graph serves
+every mix of chunk lengths (a lone sequence is padded with a one-token scratch sequence: size 1
+would be a graph of its own). Full-attention GQA/MHA models only: W, S, G/M/L and MLA layers read
+the step's host lists in prefill, so their mixed steps stay eager; so do steps with image rows.
+
 Packed projections: at batch 1 the small K/V GEMVs cost a launch each, not bandwidth, so each
 layer's q/k/v weights (and a SwiGLU's w1/w3) are moved into one contiguous (H·E + 2·K·E, D)
 (resp. (2F, D)) tensor and the model's parameters become row views of it: one GEMM where

@@ -5,7 +5,8 @@ lists of a step are staged to the device (:meth:`ModelRunner.prepare`: two tenso
 buffers and asynchronous copies on CUDA) and run through the model's own forward
 (:meth:`ModelRunner.run`): decode-only steps by CUDA-graph replay where captured, else the
 compiled decode step (:mod:`lmforge.serve.compiled`), else eagerly (:func:`forward_step`); steps
-with prefill eagerly. There is no forward here: :func:`forward_step` builds the model's per-step
+with prefill through the compiled prefill step for full-attention models (one dynamic graph,
+:meth:`~lmforge.serve.compiled.CompiledDecode.mixed`), eagerly for the others. There is no forward here: :func:`forward_step` builds the model's per-step
 :class:`~lmforge.model.context.Context` (positions, slots, block tables, lengths, the kernels of
 :mod:`lmforge.serve.attention`) and calls ``TransformerLM.forward``, which runs every model switch
 (muP, QK-norm, soft-cap, tied head, GQA, RoPE scaling, MoE) the way training does; the step's
