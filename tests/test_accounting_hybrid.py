@@ -23,6 +23,8 @@ VARIANTS = [
     {"layers": "MMMA", "ssm_expand": 1, "ssm_state": 8, "conv_size": 3},
     {"layers": "LW", "linear_decay": False, "n_kv_heads": 1},
     {"layers": "SAAS", "qk_norm": True, "dsa_index_heads": 3, "dsa_index_dim": 12},
+    # grouped value heads (Qwen3-Next): 2 q/k heads of 16, 4 value heads of 8
+    {"layers": "GGA", "n_layers": 3, "linear_v_heads": 4, "linear_v_head_dim": 8},
 ]
 
 
@@ -71,6 +73,16 @@ def test_hybrid_flops_equal_a_hand_count() -> None:
     assert causal["attn_scores"] == pytest.approx(2 * 32 * keys)
     assert causal["indexer"] == pytest.approx(2 * 32 * 26 + (2 * 2 * 8 + 2 * 2) * 12)
     assert causal["state"] == got["state"] and causal["qkv"] == got["qkv"]
+
+
+def test_grouped_value_head_flops_equal_a_hand_count() -> None:
+    """G with 2 q/k heads × K 16 and 4 value heads × V 8 (D 32, conv width 4): q, k 32→32,
+    v, z 32→32, β and a 32→4, conv over 2·32 + 32 channels; one 16×8 state per value head."""
+    cfg = dataclasses.replace(TINY, layers="G", n_layers=1, linear_v_heads=4, linear_v_head_dim=8)
+    got = accounting.mixer_flops(cfg, "G", 24)
+    assert got["qkv"] == 2 * 32 * (2 * 32 + 2 * 32 + 2 * 4) + 2 * 96 * 4
+    assert got["state"] == 6 * 4 * 16 * 8
+    assert got["output_proj"] == 2 * 32 * 32
 
 
 def test_linear_layers_cost_the_same_at_any_length_and_attention_grows() -> None:

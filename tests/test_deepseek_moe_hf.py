@@ -177,6 +177,7 @@ def test_hf_config_refusals_are_one_line() -> None:
         ({"every": 2, "first_dense_layers": 0}, "every"),
         ({"n_groups": 1, "top_groups": 1, "n_experts": 1, "top_k": 1}, "2 experts per group"),
         ({"first_dense_layers": 3}, "MTP"),
+        ({"shared_gate": True}, "shared_gate"),  # Qwen3-Next's gate: DeepSeek-V3 has none
     ],
 )
 def test_export_refusals_are_one_line(tmp_path: Path, moe: dict, what: str) -> None:

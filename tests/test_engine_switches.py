@@ -35,6 +35,9 @@ DEEPSEEK_MOE = MoEConfig(n_experts=8, top_k=2, expert_d_ff=32, n_shared_experts=
 
 MLA = dict(attention_type="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
            v_head_dim=12)  # fmt: skip
+GROUPED = dict(linear_heads=2, linear_v_heads=4, linear_v_head_dim=8)  # 2 q/k : 4 value heads
+QWEN3_NEXT_MOE = MoEConfig(n_experts=4, top_k=2, expert_d_ff=32, n_shared_experts=1,
+                           shared_gate=True, first_dense_layers=1)  # fmt: skip
 DSA_MIXED = dict(layers="GSWA", n_layers=4, window=5, n_kv_heads=2, dsa_topk=3, dsa_index_heads=3)
 SWITCHES: dict[str, dict] = {
     "plain": {},
@@ -74,6 +77,19 @@ SWITCHES: dict[str, dict] = {
         layers="GGGA", n_layers=4, attn_output_gate=True, qk_norm=True, rotary_dim=4
     ),
     "bamba": dict(layers="MMAM", n_layers=4, rotary_dim=8, ssm_norm_eps=1e-5),
+    # grouped value heads (Qwen3-Next's 16:32 at 2:4, value width ≠ key width): state slots of
+    # (4, 16, 8); and the real Qwen3-Next's MoE (softmax top-k, one shared expert scaled by
+    # σ(x W_g), the first layer dense) on top
+    "gdn_grouped": dict(GROUPED, layers="GGGA", n_layers=4),
+    "qwen3_next_moe": dict(
+        GROUPED,
+        layers="GGGA",
+        n_layers=4,
+        attn_output_gate=True,
+        qk_norm=True,
+        rotary_dim=4,
+        moe=QWEN3_NEXT_MOE,
+    ),
     "all": dict(
         mup=True,
         mup_base_width=32,
@@ -128,7 +144,7 @@ ENGINES = {
     "preempt": dict(block_size=4, num_blocks=10),
 }
 HYBRIDS = ("gdn", "mamba2", "linear", "window", "mixed", "mla_hybrid", "dsa", "dsa_mixed",
-           "qwen3_next", "bamba")  # fmt: skip
+           "qwen3_next", "bamba", "gdn_grouped", "qwen3_next_moe")  # fmt: skip
 
 ROWS = [(name, kw, "default") for name, kw in {**SWITCHES, **SHIPPED}.items()]
 ROWS += [

@@ -1,10 +1,13 @@
-"""Bamba (transformers' Mamba-2 + attention hybrid) to and from lmforge's M/A layer patterns.
+"""Bamba (transformers' Mamba-2 + attention hybrid) and Qwen3-Next (Gated DeltaNet + gated
+attention) to and from lmforge's M/A and G/A layer patterns.
 
 A random tiny ``BambaForCausalLM`` imports to the same logits (fp32, 1e-4) for several
 ``attn_layer_indices`` (all Mamba-2 included) and partial-rotary factors; a random lmforge
 hybrid exports to the same logits in transformers and imports back bit-equal; the imported
 model serves (engine greedy decode = ``lmforge.generate``); what Bamba or lmforge cannot hold
-is one line.
+is one line. Qwen3-Next likewise, with its grouped value heads (q/k heads < value heads, value
+width ≠ key width) and its MoE layers (softmax top-k, a shared expert scaled by σ(x W_g),
+``decoder_sparse_step`` / ``mlp_only_layers``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 from conftest import optional_import
-from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model import ModelConfig, MoEConfig, TransformerLM
 from lmforge.utils.errors import LmforgeError
 
 optional_import("transformers")
@@ -239,6 +242,27 @@ def test_refusals_are_one_line() -> None:
         (dict(layers="MA"), "ssm_norm_eps"),
     ):
         _one_line(model_config_to_hf_config, ModelConfig(**base, **kw), match=match)
+    gated = dict(base, layers="GA", qk_norm=True, attn_output_gate=True, norm_eps=1e-6)
+    moe = dict(n_experts=4, top_k=2, n_shared_experts=1, shared_gate=True)
+    for change, match in (  # Qwen3-Next's MoE layers: softmax top-k, one gated shared expert
+        (dict(shared_gate=False), "gated shared expert"),
+        (dict(n_shared_experts=0, shared_gate=False), "gated shared expert"),
+        (dict(score="sigmoid"), "softmax"),
+        (dict(routing="expert_choice"), "top-k"),
+        (dict(routed_scale=2.5), "routed_scale"),
+    ):
+        cfg = ModelConfig(**gated, moe=MoEConfig(**{**moe, **change}))
+        _one_line(model_config_to_hf_config, cfg, match=match)
+
+
+def test_qwen3_next_export_refuses_a_selection_bias(tmp_path) -> None:
+    from lmforge.hf import export_model
+
+    moe = MoEConfig(n_experts=4, top_k=2, expert_d_ff=16, n_shared_experts=1, shared_gate=True)
+    model = _lmforge(layers="GA", qk_norm=True, attn_output_gate=True, norm_eps=1e-6, moe=moe)
+    with torch.no_grad():
+        model.layers[1].ffn.expert_bias[0] = 0.5
+    _one_line(export_model, model, tmp_path / "hf", match="layer 1 has a non-zero expert")
 
 
 def test_unexpected_or_missing_tensor_is_one_line(tmp_path) -> None:
@@ -285,6 +309,9 @@ def _qwen3_next(layer_types, **kw):
 
 
 G, A = "linear_attention", "full_attention"
+GROUPED = dict(linear_num_value_heads=4, linear_value_head_dim=8)  # 2 q/k heads of 16
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           shared_expert_intermediate_size=32)  # fmt: skip
 QWEN_IMPORTS = {
     "GGGA": ([G, G, G, A], {}),
     "GAGA_full_rotary_tied": (
@@ -295,6 +322,13 @@ QWEN_IMPORTS = {
         ),
     ),
     "all_G": ([G, G], {}),
+    "GGA_grouped_v_heads": ([G, G, A], GROUPED),
+    # the real model's shape at tiny size: grouped value heads, MoE past a dense first layer
+    "GGGA_grouped_moe": ([G, G, G, A], dict(GROUPED, **MOE, mlp_only_layers=[0])),
+    "GAGA_moe_every_2": (
+        [G, A, G, A],
+        dict(MOE, mlp_only_layers=[], decoder_sparse_step=2, norm_topk_prob=False),
+    ),
 }
 
 
@@ -310,6 +344,13 @@ def test_qwen3_next_import_logits_equal_transformers(tmp_path, name) -> None:
     assert ours.config.qk_norm and ours.config.attn_output_gate
     factor = theirs.config.rope_parameters["partial_rotary_factor"]
     assert (ours.config.rotary_dim or 8) == int(8 * factor)
+    c = theirs.config
+    assert ours.config.linear_dims == (c.linear_num_key_heads, c.linear_key_head_dim,
+                                       c.linear_num_value_heads, c.linear_value_head_dim)  # fmt: skip
+    sparse = [
+        type(layer.mlp).__name__ == "Qwen3NextSparseMoeBlock" for layer in theirs.model.layers
+    ]
+    assert [ours.config.moe.is_moe_layer(i) for i in range(len(types))] == sparse
     idx = _ids()
     with torch.no_grad():
         torch.testing.assert_close(ours(idx), _logits(theirs, idx), atol=1e-4, rtol=1e-4)
@@ -321,6 +362,40 @@ QWEN_EXPORTS = {
         layers="GA", linear_heads=2, linear_head_dim=12, tie_embeddings=True, conv_size=3
     ),
     "A_gated": dict(layers="A", n_layers=2),
+    "GGA_grouped_v_heads": dict(
+        layers="GGA",
+        n_layers=3,
+        linear_heads=2,
+        linear_head_dim=12,
+        linear_v_heads=4,
+        linear_v_head_dim=6,
+    ),
+    "GGGA_grouped_moe": dict(
+        layers="GGGA",
+        linear_heads=2,
+        linear_v_heads=4,
+        linear_v_head_dim=8,
+        moe=MoEConfig(
+            n_experts=4,
+            top_k=2,
+            expert_d_ff=16,
+            n_shared_experts=1,
+            shared_gate=True,
+            first_dense_layers=1,
+        ),
+    ),
+    "GAGA_moe_every_2": dict(
+        layers="GA",
+        moe=MoEConfig(
+            n_experts=4,
+            top_k=3,
+            expert_d_ff=8,
+            n_shared_experts=2,
+            shared_gate=True,
+            every=2,
+            norm_top_k=False,
+        ),
+    ),
 }
 
 
@@ -345,31 +420,58 @@ def test_qwen3_next_export_logits_equal_transformers(tmp_path, name) -> None:
     assert back.state_dict().keys() == mine.keys()
     for k, v in back.state_dict().items():
         torch.testing.assert_close(v, mine[k], atol=1e-7, rtol=0)
+    dims = ("linear_dims", "moe", "layer_types")
+    assert [getattr(back.config, n) for n in dims] == [getattr(ours.config, n) for n in dims]
 
 
-def test_qwen3_next_state_round_trip() -> None:
+@pytest.mark.parametrize("grouped_moe", [False, True])
+def test_qwen3_next_state_round_trip(grouped_moe: bool) -> None:
     from lmforge.hf.qwen3_next import qwen3_next_state_from_hf, qwen3_next_state_to_hf
 
+    kw = {}
+    if grouped_moe:  # 2 q/k heads of 8 → 4 value heads of 6; MoE on layers 1 and 2
+        kw = dict(linear_heads=2, linear_v_heads=4, linear_v_head_dim=6,
+                  moe=MoEConfig(n_experts=3, top_k=2, expert_d_ff=8, n_shared_experts=1,
+                                shared_gate=True, first_dense_layers=1))  # fmt: skip
     model = _lmforge(layers="GGA", n_layers=3, qk_norm=True, attn_output_gate=True,
-                     norm_eps=1e-6, rotary_dim=4)  # fmt: skip
+                     norm_eps=1e-6, rotary_dim=4, **kw)  # fmt: skip
     state = model.state_dict()
     hf = qwen3_next_state_to_hf(state, model.config)
     assert hf["model.layers.2.self_attn.q_proj.weight"].shape == (2 * 4 * 8, 32)
-    assert hf["model.layers.0.linear_attn.in_proj_qkvz.weight"].shape == (4 * 4 * 8, 32)
+    qkvz = hf["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    ba = hf["model.layers.0.linear_attn.in_proj_ba.weight"]
+    conv = hf["model.layers.0.linear_attn.conv1d.weight"]
+    if grouped_moe:  # per q/k head [q 8 | k 8 | v 2·6 | z 2·6], [β 2 | a 2]
+        assert qkvz.shape == (2 * (8 + 8 + 12 + 12), 32) and ba.shape == (2 * 4, 32)
+        assert conv.shape == (2 * 2 * 8 + 4 * 6, 1, 4)
+        v = state["layers.0.attn.v_proj.weight"]  # (4·6, D): value heads 2, 3 under q/k head 1
+        torch.testing.assert_close(qkvz[40 + 16 : 40 + 28], v[12:24], atol=0, rtol=0)
+        b = state["layers.0.attn.b_proj.weight"]
+        torch.testing.assert_close(ba[4:6], b[2:4], atol=0, rtol=0)
+        assert hf["model.layers.1.mlp.shared_expert_gate.weight"].shape == (1, 32)
+        assert hf["model.layers.1.mlp.experts.2.down_proj.weight"].shape == (32, 8)
+        assert "model.layers.0.mlp.gate_proj.weight" in hf  # the dense first layer
+    else:
+        assert qkvz.shape == (4 * 4 * 8, 32) and ba.shape == (2 * 4, 32)
     back = qwen3_next_state_from_hf(hf, model.config)
+    assert back.keys() == state.keys()
     for k, v in back.items():
         torch.testing.assert_close(v, state[k], atol=1e-7, rtol=0)
 
 
-def test_imported_qwen3_next_serves_as_generate(tmp_path) -> None:
-    """Gated attention (the output gate in the engine's paged step) and GDN state slots: an
-    imported Qwen3-Next decodes greedily on the engine exactly as lmforge.generate."""
+@pytest.mark.parametrize("grouped_moe", [False, True])
+def test_imported_qwen3_next_serves_as_generate(tmp_path, grouped_moe: bool) -> None:
+    """Gated attention (the output gate in the engine's paged step), GDN state slots (of the
+    value heads, with grouped value heads) and the gated shared expert: an imported Qwen3-Next
+    decodes greedily on the engine exactly as lmforge.generate."""
     from lmforge.generate import generate
     from lmforge.hf import import_model
     from lmforge.serve import Engine, SamplingParams
 
-    _qwen3_next([G, A, G, A]).save_pretrained(tmp_path)
+    kw = dict(GROUPED, **MOE, mlp_only_layers=[0]) if grouped_moe else {}
+    _qwen3_next([G, A, G, A], **kw).save_pretrained(tmp_path)
     model, _ = import_model(tmp_path)
+    assert model.config.moe.enabled == grouped_moe
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (3, 13, 7)]
     want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
@@ -384,9 +486,10 @@ def test_qwen3_next_refusals_are_one_line() -> None:
 
     hf = _qwen3_next([G, A]).config.to_dict()
     for change, match in (
-        ({"linear_num_value_heads": 4}, "grouped"),
-        ({"linear_value_head_dim": 8}, "grouped"),
-        ({"mlp_only_layers": [0]}, "MoE"),
+        ({"linear_num_value_heads": 3}, r"linear_num_value_heads \(3\) is not a multiple"),
+        ({"mlp_only_layers": [1]}, r"mlp_only_layers \[1\]"),  # layer 0 MoE, 1 dense
+        ({**MOE, "mlp_only_layers": [], "shared_expert_intermediate_size": 24}, "multiple of"),
+        ({**MOE, "mlp_only_layers": None, "num_experts_per_tok": 5}, "top_k"),
         ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
         ({"attention_bias": True}, "attention_bias"),
         ({"layer_types": [G, "sliding_attention"]}, "layer_types"),
@@ -398,7 +501,7 @@ def test_qwen3_next_refusals_are_one_line() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "source",
-    ["bamba_MMAM", "qwen3_next_GAGA", "gated_partial_full_attention"],
+    ["bamba_MMAM", "qwen3_next_GAGA", "qwen3_next_grouped_moe", "gated_partial_full_attention"],
 )
 def test_hybrid_imports_serve_on_cuda(tmp_path, source) -> None:
     """On CUDA: imported hybrids (eager hybrid steps) and a full-attention model with the output
@@ -413,6 +516,9 @@ def test_hybrid_imports_serve_on_cuda(tmp_path, source) -> None:
         model, _ = import_model(tmp_path)
     elif source == "qwen3_next_GAGA":
         _qwen3_next([G, A, G, A]).save_pretrained(tmp_path)
+        model, _ = import_model(tmp_path)
+    elif source == "qwen3_next_grouped_moe":  # grouped value heads, gated shared expert
+        _qwen3_next([G, G, G, A], **GROUPED, **MOE, mlp_only_layers=[0]).save_pretrained(tmp_path)
         model, _ = import_model(tmp_path)
     else:
         model = _lmforge(layers="A", n_layers=2, qk_norm=True, attn_output_gate=True,

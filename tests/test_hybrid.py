@@ -38,6 +38,12 @@ def _cfg(**kw) -> ModelConfig:
         ({"layers": "GGMA", "ssm_head_dim": 24}, "must divide ssm_expand·d_model"),
         ({"linear_head_dim": -1}, "linear_head_dim must be positive"),
         ({"conv_size": 1}, "conv_size must be at least 2"),
+        # grouped value heads (Qwen3-Next's 16 q/k : 32 value heads)
+        ({"linear_heads": 2, "linear_v_heads": 3}, r"linear_v_heads \(3\) must be a multiple"),
+        ({"linear_v_heads": 0}, "linear_v_heads must be positive"),
+        ({"linear_v_head_dim": -8}, "linear_v_head_dim must be positive"),
+        ({"layers": "GLA", "linear_v_heads": 8}, "for G layers only"),
+        ({"layers": "GLA", "linear_v_head_dim": 8}, "for G layers only"),
     ],
 )
 def test_bad_pattern_is_one_line_at_config_load(change: dict, message: str) -> None:
@@ -111,9 +117,14 @@ def _reference_forward(model: TransformerLM, idx: torch.Tensor) -> torch.Tensor:
     return model.logits_from_hidden(model.ln_final(x))
 
 
-def test_hybrid_forward_equals_reference_composed_from_modules() -> None:
+@pytest.mark.parametrize(
+    "kw",
+    [{}, dict(layers="GMWGA", linear_v_heads=4, linear_v_head_dim=8)],  # grouped value heads
+    ids=["plain", "grouped_v_heads"],
+)
+def test_hybrid_forward_equals_reference_composed_from_modules(kw: dict) -> None:
     torch.manual_seed(0)
-    model = TransformerLM(_cfg(n_layers=6), dtype=torch.float64)
+    model = TransformerLM(_cfg(n_layers=6, **kw), dtype=torch.float64)
     idx = torch.randint(0, 61, (2, 21), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         # float32-level tolerance: the mixers keep their gates and recurrent states in float32.
@@ -145,11 +156,12 @@ def test_checkpoint_round_trip_keeps_the_pattern(tmp_path) -> None:
     from lmforge.config import RunConfig
 
     torch.manual_seed(0)
-    cfg = _cfg(layers="GMWA", n_layers=4, window=7, linear_decay=False)
+    cfg = _cfg(layers="GMWA", n_layers=4, window=7, linear_decay=False, linear_v_heads=4)
     model = TransformerLM(cfg)
     save_checkpoint(tmp_path / "ck", model, None, 3, config=RunConfig(model=cfg))
     loaded, _ = load_for_inference(tmp_path / "ck")
     assert loaded.config.layers == "GMWA" and loaded.config.window == 7
+    assert loaded.config.linear_dims == (2, 16, 4, 16)
     assert loaded.config.linear_decay is False and loaded.config.ssm_state == 16
     idx = torch.randint(0, 61, (1, 12))
     with torch.no_grad():
@@ -170,11 +182,16 @@ def test_kv_cache_decodes_sparse_layers() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_hybrid_on_triton_kernels_matches_torch_path_and_trains() -> None:
+@pytest.mark.parametrize(
+    "kw",
+    [dict(layers="GMLWA"), dict(layers="GMWGA", linear_v_heads=4, linear_v_head_dim=8)],
+    ids=["plain", "grouped_v_heads"],
+)
+def test_gpu_hybrid_on_triton_kernels_matches_torch_path_and_trains(kw: dict) -> None:
     # The linear mixers' auto backend is the Triton kernels on CUDA; the torch chunked path is
     # their CPU path. float32 weights and inputs: the kernels' 3×TF32 dots are fp32-accurate.
     torch.manual_seed(0)
-    model = TransformerLM(_cfg(layers="GMLWA", attention="sdpa"), device="cuda")
+    model = TransformerLM(_cfg(attention="sdpa", **kw), device="cuda")
     idx = torch.randint(0, 61, (2, 100), device="cuda")
     with torch.no_grad():
         fast = model(idx)

@@ -1,6 +1,8 @@
 """Linear-attention mixers: the chunked forward equals the token-by-token decoding loop, a prefill
 continued by steps (or by a second forward) equals one forward, packed sequences equal separate
-ones, gradients reach every parameter, and the state has a constant, stated size.
+ones, gradients reach every parameter, and the state has a constant, stated size. Gated DeltaNet
+with grouped value heads (and a value width ≠ the key width) passes the same checks and equals
+the plain layer whose q/k heads are copied to every value head of their group.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ def _make(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gdn":
         return GatedDeltaNet(D, n_heads=2, head_dim=16, chunk_size=16)
+    if kind == "gdn_grouped":  # Qwen3-Next's layout: 2 q/k heads of 16 → 4 value heads of 8
+        return GatedDeltaNet(D, n_heads=2, head_dim=16, chunk_size=16, v_heads=4, v_head_dim=8)
     if kind == "mamba2":
         return Mamba2Mixer(D, d_state=16, head_dim=16, chunk_size=16)
     return LinearAttention(D, n_heads=2, head_dim=16, decay=kind == "retnet", chunk_size=16)
 
 
-KINDS = ["gdn", "mamba2", "retnet", "linear"]
+KINDS = ["gdn", "gdn_grouped", "mamba2", "retnet", "linear"]
 
 
 def _x(B: int, T: int, seed: int = 1) -> torch.Tensor:
@@ -116,6 +120,42 @@ def test_state_sizes_are_constant_and_stated() -> None:
     with torch.no_grad():
         _, after = gdn(torch.randn(3, 40, 256), state=state)
     assert after.ssm.shape == state.ssm.shape and after.conv.shape == state.conv.shape
+
+
+def test_grouped_value_heads_equal_copied_qk_heads() -> None:
+    """A G layer with 2 q/k heads serving 4 value heads is the plain 4-head layer whose q/k
+    projections (and their conv channels) repeat each head for its 2 value heads: q/k head j
+    serves value heads 2j, 2j + 1 (transformers' repeat_interleave)."""
+    torch.manual_seed(0)
+    grouped = GatedDeltaNet(D, n_heads=2, head_dim=8, chunk_size=16, v_heads=4)
+    plain = GatedDeltaNet(D, n_heads=4, head_dim=8, chunk_size=16)
+    src = grouped.state_dict()
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name in ("q_proj.weight", "k_proj.weight"):
+                p.copy_(src[name].view(2, 8, D).repeat_interleave(2, 0).reshape(32, D))
+            elif name == "conv.weight":  # channels q | k | v: q, k per head, repeated as above
+                w = src[name]  # (2·16 + 32, W)
+                q, k, v = w[:16], w[16:32], w[32:]
+                rep = [t.view(2, 8, -1).repeat_interleave(2, 0).reshape(32, -1) for t in (q, k)]
+                p.copy_(torch.cat([*rep, v]))
+            else:
+                p.copy_(src[name])
+    x = _x(2, 23)
+    with torch.no_grad():
+        y, state = grouped(x)
+        want, want_state = plain(x)
+    _close(y, want)
+    _close(state.ssm, want_state.ssm)
+    assert state.ssm.shape == (2, 4, 8, 8) and state.conv.shape == (2, 2 * 16 + 32, 3)
+
+
+def test_grouped_value_head_state_size_and_errors() -> None:
+    gdn = GatedDeltaNet(256, n_heads=2, head_dim=64, v_heads=4, v_head_dim=32)
+    # conv over q, k (2·2·64) and v (4·32), 3 past inputs in bf16 + 4 value heads of 64×32 fp32
+    assert gdn.state_bytes(torch.bfloat16) == (2 * 128 + 128) * 3 * 2 + 4 * 64 * 32 * 4
+    with pytest.raises(ValueError, match="not a multiple"):
+        GatedDeltaNet(D, n_heads=2, head_dim=8, v_heads=3)
 
 
 def test_short_conv_matches_torch_conv1d() -> None:

@@ -20,6 +20,8 @@ VARIANTS = [
     dict(n_experts=8, top_k=3, expert_d_ff=32, n_shared_experts=2),
     dict(n_experts=6, top_k=1, every=2, expert_d_ff=48),
     dict(n_experts=4, top_k=2, routing="token_choice_capacity", capacity_factor=0.5),
+    # Qwen3-Next's gated shared expert: the gate is one D → 1 projection per MoE layer
+    dict(n_experts=8, top_k=3, expert_d_ff=16, n_shared_experts=2, shared_gate=True),
 ]
 
 

@@ -61,6 +61,28 @@ def test_grouped_matches_reference_forward_backward(routing: str, shared: int, s
         torch.testing.assert_close(pf.grad, pr.grad, rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("backend", ["reference", "grouped"])
+def test_shared_gate_scales_the_shared_experts_per_token(backend: str) -> None:
+    """moe.shared_gate (Qwen3-Next's shared_expert_gate): the output is the routed experts' plus
+    σ(x W_g) · shared(x), W_g (1, D), per token; W_g gets a gradient."""
+    gated = _layer(_cfg(n_shared_experts=2, shared_gate=True))
+    plain = _layer(_cfg(n_shared_experts=2))
+    state = gated.state_dict()
+    plain.load_state_dict({k: v for k, v in state.items() if not k.startswith("shared_gate.")})
+    assert tuple(gated.shared_gate.weight.shape) == (1, 32)
+    gated.backend = plain.backend = backend
+    x = torch.randn(3, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        shared = plain.shared(x)
+        gate = torch.sigmoid(x @ gated.shared_gate.weight.t())  # (3, 7, 1)
+        want = plain(x) - shared + gate * shared
+    y = gated(x)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+    y.square().sum().backward()
+    assert gated.shared_gate.weight.grad is not None
+    assert gated.shared_gate.weight.grad.abs().sum() > 0
+
+
 def test_reference_equals_per_token_float64_sum() -> None:
     # The reference against the definition, token by token: Σ_k w_k · SwiGLU_e_k(x).
     cfg = _cfg(n_experts=5, top_k=3)
@@ -278,6 +300,8 @@ def test_invalid_moe_config_names_the_key() -> None:
         MoEConfig(n_experts=4, routing="random")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"moe\.every"):
         MoEConfig(n_experts=4, every=0)
+    with pytest.raises(ValueError, match=r"moe\.shared_gate needs shared experts"):
+        MoEConfig(n_experts=4, shared_gate=True)
 
 
 def _grouped_vs_float64(device: str, dtype: torch.dtype, routing: str, tokens: int) -> None:

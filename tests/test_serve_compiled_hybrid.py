@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmforge.generate import generate
-from lmforge.model import ModelConfig, TransformerLM
+from lmforge.model import ModelConfig, MoEConfig, TransformerLM
 from lmforge.serve import Engine, SamplingParams
 
 V = 97
@@ -34,6 +34,25 @@ KINDS = {
     # DeepSeek sparse attention: top-4 of up to 40 keys, alone and among G/W layers
     "SASA": dict(layers="SASA", dsa_topk=4, dsa_index_heads=2, dsa_index_dim=8),
     "GSWA": dict(layers="GSWA", dsa_topk=3, dsa_index_dim=8, qk_norm=True),
+    # Qwen3-Next's shape: grouped value heads (2 q/k heads : 4 value heads of 8, state slots
+    # (4, 16, 8)), gated attention, MoE with a gated shared expert past a dense first layer
+    "qwen3_next_moe": dict(
+        layers="GGGA",
+        linear_heads=2,
+        linear_v_heads=4,
+        linear_v_head_dim=8,
+        qk_norm=True,
+        attn_output_gate=True,
+        rotary_dim=4,
+        moe=MoEConfig(
+            n_experts=4,
+            top_k=2,
+            expert_d_ff=32,
+            n_shared_experts=1,
+            shared_gate=True,
+            first_dense_layers=1,
+        ),
+    ),
 }
 FAST = ("mla_cla2", "GMWA")
 

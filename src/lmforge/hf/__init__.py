@@ -8,8 +8,9 @@ layers = A (GQA), no QK-norm           LlamaForCausalLM                   lmforg
 layers = A, qk_norm (MoE: moe.*)       Qwen3ForCausalLM (Qwen3Moe…)       lmforge.hf.convert
 attention_type = mla (+ mtp_depth)     DeepseekV3ForCausalLM              lmforge.hf.deepseek
 layers of M and A (or rotary_dim < E)  BambaForCausalLM                   lmforge.hf.bamba
-layers of G and A (attn_output_gate,   Qwen3NextForCausalLM (dense MLPs)  lmforge.hf.qwen3_next
-qk_norm, norm_eps 1e-6)
+layers of G and A (attn_output_gate,   Qwen3NextForCausalLM (grouped      lmforge.hf.qwen3_next
+qk_norm, norm_eps 1e-6; MoE: moe.*     value heads, MoE with a gated
+with shared_gate)                      shared expert)
 =====================================  =================================  =====================
 
 L, W and S layers have no mapping yet and are refused in one line, as is any option of a

@@ -55,7 +55,7 @@ DeepSeek's is sequence-wise, lmforge's batch-wise). ``bias_update_rate`` (DeepSe
 only) is not stored: set it to keep aux-loss-free balancing while fine-tuning. Refused in one
 line: a scoring_func other than sigmoid, a topk_method other than noaux_tc, moe_layer_freq ≠ 1;
 on export softmax scores, non-token-choice routings, ``moe.every > 1``, fewer than 2 experts per
-group, MoE only in the MTP modules. Also refused: cross-layer sharing, a logit soft-cap.
+group, MoE only in the MTP modules, a gated shared expert (``moe.shared_gate``). Also refused: cross-layer sharing, a logit soft-cap.
 
 Exercised by ``pytest tests/test_mla_hf.py tests/test_deepseek_moe_hf.py``.
 """
@@ -274,6 +274,7 @@ def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             mc.score != "sigmoid",
         ),
         (f"model.moe.routing = '{mc.routing}' (DeepSeek-V3: top-k)", mc.routing != "token_choice"),
+        ("model.moe.shared_gate (DeepSeek-V3's shared experts are not gated)", mc.shared_gate),
         ("model.moe.every > 1 (DeepSeek-V3: every layer past the dense ones is MoE)", mc.every > 1),
         (
             "fewer than 2 experts per group (DeepSeek-V3 scores a group by its top-2 experts)",

@@ -1,9 +1,11 @@
 """Weights and config between lmforge Gated DeltaNet/attention hybrids and Hugging Face
-Qwen3-Next folders (transformers' ``Qwen3NextForCausalLM``, dense MLP layers).
+Qwen3-Next folders (transformers' ``Qwen3NextForCausalLM``: grouped value heads, dense or MoE
+MLP layers).
 
 A Qwen3-Next block is ``layer_types[i]``: "linear_attention" (Gated DeltaNet, lmforge's G) or
 "full_attention" (lmforge's A with ``qk_norm``, ``attn_output_gate`` and partial rotary
-``rotary_dim``), then a SwiGLU MLP. The mapping, per layer i:
+``rotary_dim``), then a SwiGLU MLP or a sparse MoE block. The mapping, per layer i (G: H_k
+q/k heads of width K, H value heads of width V, r = H / H_k value heads per q/k head):
 
 ==================================  ==========================================================
 lmforge                             Qwen3-Next (``model.layers.i.``)
@@ -15,24 +17,45 @@ A: ``attn.q_proj`` + ``gate_proj``  ``self_attn.q_proj``: per head [query E | ga
 A: ``attn.k_proj/v_proj``           ``self_attn.k_proj/v_proj`` (q/k rows RoPE-permuted)
 A: ``attn.q_norm/k_norm``           ``self_attn.q_norm/k_norm`` (1 + w, permuted alike)
 A: ``attn.output_proj``             ``self_attn.o_proj``
-G: ``attn.{q,k,v,z}_proj``          ``linear_attn.in_proj_qkvz``: per head [q | k | v | z]
-G: ``attn.{b,a}_proj``              ``linear_attn.in_proj_ba``: per head [β | a]
-G: ``attn.conv.weight`` (C, W)      ``linear_attn.conv1d.weight`` (C, 1, W), no bias
-G: ``attn.A_log/dt_bias``           ``linear_attn.A_log/dt_bias``
-G: ``attn.o_norm`` / ``o_proj``     ``linear_attn.norm`` (plain gain) / ``out_proj``
+G: ``attn.{q,k,v,z}_proj``          ``linear_attn.in_proj_qkvz``: per q/k head j
+                                    [q K | k K | v r·V | z r·V] (value heads j·r … j·r + r − 1)
+G: ``attn.{b,a}_proj``              ``linear_attn.in_proj_ba``: per q/k head [β r | a r]
+G: ``attn.conv.weight`` (C, W)      ``linear_attn.conv1d.weight`` (C, 1, W), no bias; C =
+                                    2·H_k·K + H·V over q | k | v
+G: ``attn.A_log/dt_bias``           ``linear_attn.A_log/dt_bias`` (per value head)
+G: ``attn.o_norm`` / ``o_proj``     ``linear_attn.norm`` (plain gain, width V) / ``out_proj``
+MoE: ``ffn.router``                 ``mlp.gate`` (softmax, top-k, ``norm_topk_prob``)
+MoE: ``ffn.w1/w3/w2`` [e]           ``mlp.experts.e.gate_proj/up_proj/down_proj`` (fused
+                                    ``gate_up_proj`` / ``down_proj`` read too)
+MoE: ``ffn.shared.w1/w3/w2``        ``mlp.shared_expert.gate_proj/up_proj/down_proj``
+MoE: ``ffn.shared_gate``            ``mlp.shared_expert_gate`` (σ(x W_g) times the shared one)
 ==================================  ==========================================================
+
+config.json ↔ lmforge: ``linear_num_key_heads`` / ``linear_key_head_dim`` ↔ ``linear_heads`` /
+``linear_head_dim``, ``linear_num_value_heads`` / ``linear_value_head_dim`` ↔
+``linear_v_heads`` / ``linear_v_head_dim``; MoE layers (``num_experts`` > 0, layer i not in
+``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` = 0) ↔ ``model.moe`` with
+``num_experts`` ↔ ``n_experts``, ``num_experts_per_tok`` ↔ ``top_k``,
+``moe_intermediate_size`` ↔ ``expert_d_ff``, ``shared_expert_intermediate_size`` ↔
+``n_shared_experts`` · ``expert_d_ff`` with ``shared_gate``, ``norm_topk_prob`` ↔
+``norm_top_k``, ``decoder_sparse_step`` ↔ ``every``, ``mlp_only_layers = [0, …, k − 1]`` ↔
+``first_dense_layers = k``, ``router_aux_loss_coef`` ↔ ``aux_loss_coef``.
 
 Partial rotary: Qwen3-Next rotates the first ``partial_rotary_factor``·E dims (0.25 unless set)
 in HF's rotate-half layout; the q/k rows are reordered as in :mod:`lmforge.hf.bamba`. The
-GDN's q/k L2 norm is x/max(‖x‖, 1e-6) in lmforge and x/sqrt(‖x‖² + 1e-6) in transformers: equal
-to ~1e-6 relative for any vector not near zero.
+GDN's q/k L2 norm is x/sqrt(‖x‖² + 1e-6) in both. Checkpoints' multi-token-prediction tensors
+(``mtp.*``) are skipped on import, as transformers skips them.
 
-Not representable (one error line names it): grouped value heads (``linear_num_value_heads`` ≠
-``linear_num_key_heads``) or ``linear_value_head_dim`` ≠ ``linear_key_head_dim``, MoE layers
-(a layer outside ``mlp_only_layers``), biases, RoPE scaling, ``rms_norm_eps`` ≠ 1e-6 (lmforge's
-GDN output norm has that eps); on export, layer letters other than G and A, no QK-norm or no
-output gate, MLA, muP, MoE, a logit soft-cap, MTP. Exercised by
-``pytest tests/test_hf_hybrid.py``, ``lmforge hf export`` and ``lmforge hf import``.
+Not representable (one error line names it): ``linear_num_value_heads`` not a multiple of
+``linear_num_key_heads``, an ``mlp_only_layers`` other than the first k layers of the
+``decoder_sparse_step`` pattern, a ``shared_expert_intermediate_size`` that is not a positive
+multiple of ``moe_intermediate_size``, biases, RoPE scaling, ``rms_norm_eps`` ≠ 1e-6
+(lmforge's GDN output norm has that eps); on export, layer letters other than G and A, no
+QK-norm or no output gate, MLA, muP, a logit soft-cap, MTP, and MoE layers unlike Qwen3-Next's
+(sigmoid scores, a routing other than dropless top-k, group-limited routing, a routed scale,
+a non-zero expert selection bias, or no gated shared expert: ``moe.n_shared_experts`` ≥ 1 and
+``moe.shared_gate``). Exercised by ``pytest tests/test_hf_hybrid.py``, ``lmforge hf export``
+and ``lmforge hf import``.
 """
 
 from __future__ import annotations
@@ -41,8 +64,10 @@ from typing import Any
 
 import torch
 
+from lmforge.hf._moe import stacked_from_hf, stacked_to_hf
 from lmforge.hf._rope import partial_rope_order
 from lmforge.model.config import ModelConfig
+from lmforge.model.moe_config import MoEConfig
 from lmforge.utils.errors import LmforgeError
 
 __all__ = [
@@ -63,11 +88,6 @@ def is_qwen3_next(cfg: ModelConfig) -> bool:
     return "G" in cfg.layer_types or cfg.attn_output_gate
 
 
-def _gdn_dims(cfg: ModelConfig) -> tuple[int, int]:
-    """(heads, head dim) of the G layers."""
-    return cfg.linear_heads or cfg.n_heads, cfg.linear_head_dim or int(cfg.head_dim)
-
-
 # ----------------------------------------------------------------------------------- config
 def qwen3_next_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -> dict[str, Any]:
     """The ``config.json`` of the Qwen3-Next model equal to ``cfg``; one line for what it lacks."""
@@ -81,7 +101,6 @@ def qwen3_next_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -
         ("model.attention_type = mla", cfg.attention_type == "mla"),
         ("model.mup", cfg.mup),
         ("model.logit_soft_cap", cfg.logit_soft_cap is not None),
-        ("model.moe", cfg.moe.enabled),
         ("model.mtp_depth", cfg.mtp_depth > 0),
         ("model.rope_scaling", cfg.rope_scaling != "none"),
         ("model.mrope_sections", bool(cfg.mrope_sections)),
@@ -103,7 +122,7 @@ def qwen3_next_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -
     factor = r / e
     if int(e * factor) != r:
         raise LmforgeError(f"cannot export as Qwen3-Next: rotary_dim {r} is not int({e}·{factor})")
-    heads, head_dim = _gdn_dims(cfg)
+    k_heads, k_dim, v_heads, v_dim = cfg.linear_dims
     out: dict[str, Any] = {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
@@ -126,11 +145,11 @@ def qwen3_next_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -
             "linear_attention" if t == "G" else "full_attention" for t in cfg.layer_types
         ],
         "linear_conv_kernel_dim": cfg.conv_size,
-        "linear_key_head_dim": head_dim,
-        "linear_value_head_dim": head_dim,
-        "linear_num_key_heads": heads,
-        "linear_num_value_heads": heads,
-        "mlp_only_layers": list(range(cfg.n_layers)),  # every MLP dense
+        "linear_key_head_dim": k_dim,
+        "linear_value_head_dim": v_dim,
+        "linear_num_key_heads": k_heads,
+        "linear_num_value_heads": v_heads,
+        **_moe_to_hf(cfg),
         "attention_bias": False,
         "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": "float32",
@@ -139,6 +158,83 @@ def qwen3_next_config_to_hf(cfg: ModelConfig, eos_token_id: int | None = None) -
     if eos_token_id is not None:
         out.update(eos_token_id=eos_token_id, bos_token_id=eos_token_id)
     return out
+
+
+def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The MoE keys of ``config.json`` (every MLP dense in ``mlp_only_layers`` for a dense
+    model); one line for an MoE option Qwen3-Next's sparse block has no place for."""
+    mc = cfg.moe
+    if not mc.enabled:
+        return {"mlp_only_layers": list(range(cfg.n_layers))}  # every MLP dense
+    for what, bad in (
+        (f"model.moe.score = '{mc.score}' (Qwen3-Next's router is softmax)", mc.score != "softmax"),
+        (f"model.moe.routing = '{mc.routing}' (Qwen3-Next: top-k)", mc.routing != "token_choice"),
+        ("model.moe.n_groups > 1 (Qwen3-Next has no group-limited routing)", mc.n_groups > 1),
+        ("model.moe.routed_scale != 1 (Qwen3-Next does not scale)", mc.routed_scale != 1.0),
+        (
+            "model.moe without a gated shared expert (Qwen3-Next's MoE layers always have one:"
+            " model.moe.n_shared_experts >= 1 and model.moe.shared_gate)",
+            not (mc.n_shared_experts and mc.shared_gate),
+        ),
+    ):
+        if bad:
+            raise LmforgeError(f"cannot export as Qwen3-Next: {what}")
+    return {
+        "num_experts": mc.n_experts,
+        "num_experts_per_tok": mc.top_k,
+        "moe_intermediate_size": cfg.expert_dim,
+        "shared_expert_intermediate_size": mc.n_shared_experts * cfg.expert_dim,
+        "norm_topk_prob": mc.norm_top_k,
+        "decoder_sparse_step": mc.every,
+        "mlp_only_layers": list(range(min(mc.first_dense_layers, cfg.n_layers))),
+        "router_aux_loss_coef": mc.aux_loss_coef,
+        "output_router_logits": False,
+    }
+
+
+def _moe_from_hf(h: dict[str, Any], n_layers: int, where: str) -> MoEConfig:
+    """``model.moe`` of a Qwen3-Next ``config.json`` (dense when no layer is MoE); a key it
+    leaves out takes transformers' ``Qwen3NextConfig`` default."""
+    n = int(h.get("num_experts", 512))
+    step = int(h.get("decoder_sparse_step", 1))
+    only = list(h.get("mlp_only_layers") or [])
+    sparse = [i for i in range(n_layers) if i not in only and n > 0 and (i + 1) % step == 0]
+    if not sparse:
+        return MoEConfig()
+    # lmforge: MoE where i >= first_dense_layers and (i + 1) % every == 0; the smallest such k
+    first = next(
+        (k for k in range(sparse[0] + 1)
+         if sparse == [i for i in range(k, n_layers) if (i + 1) % step == 0]),
+        None,
+    )  # fmt: skip
+    if first is None:
+        raise LmforgeError(
+            f"{where}: mlp_only_layers {only} is not supported (lmforge keeps only the first k"
+            " layers dense, model.moe.first_dense_layers, beside decoder_sparse_step)"
+        )
+    f = int(h.get("moe_intermediate_size", 512))
+    shared = int(h.get("shared_expert_intermediate_size", 512))
+    if f <= 0 or shared <= 0 or shared % f:
+        raise LmforgeError(
+            f"{where}: shared_expert_intermediate_size {shared} is not a positive multiple of"
+            f" moe_intermediate_size {f} (lmforge's shared experts are n_shared_experts ×"
+            " expert_d_ff wide)"
+        )
+    try:
+        return MoEConfig(
+            n_experts=n,
+            top_k=int(h.get("num_experts_per_tok", 10)),
+            n_shared_experts=shared // f,
+            shared_gate=True,
+            expert_d_ff=f,
+            every=step,
+            first_dense_layers=first,
+            score="softmax",
+            norm_top_k=bool(h.get("norm_topk_prob", True)),
+            aux_loss_coef=float(h.get("router_aux_loss_coef", 0.001)),
+        )
+    except ValueError as e:
+        raise LmforgeError(f"{where}: {e}") from None
 
 
 def _pattern(h: dict[str, Any], n_layers: int, where: str) -> str:
@@ -198,22 +294,12 @@ def qwen3_next_config_from_hf(
         int(h.get("linear_num_value_heads", 32)),
     )
     k_dim, v_dim = int(h.get("linear_key_head_dim", 128)), int(h.get("linear_value_head_dim", 128))
-    if k_heads != v_heads or k_dim != v_dim:
+    if k_heads <= 0 or v_heads % k_heads:
         raise LmforgeError(
-            f"{where}: grouped Gated DeltaNet heads ({k_heads} key heads × {k_dim}, {v_heads} value"
-            f" heads × {v_dim}) are not supported: lmforge's G layers have equal q/k/v heads"
+            f"{where}: linear_num_value_heads ({v_heads}) is not a multiple of"
+            f" linear_num_key_heads ({k_heads})"
         )
-    sparse = [
-        i for i in range(n_layers)
-        if i not in (h.get("mlp_only_layers") or [])
-        and int(h.get("num_experts", 512)) > 0
-        and (i + 1) % int(h.get("decoder_sparse_step", 1)) == 0
-    ]  # fmt: skip
-    if sparse:
-        raise LmforgeError(
-            f"{where}: layer {sparse[0]} is a Qwen3-Next MoE layer (with a gated shared expert),"
-            " which lmforge does not map; only dense layers (mlp_only_layers) are supported"
-        )
+    moe = _moe_from_hf(h, n_layers, where)
     eps = float(h.get("rms_norm_eps", 1e-6))
     pattern = _pattern(h, n_layers, where)
     if eps != _GDN_NORM_EPS:
@@ -241,8 +327,11 @@ def qwen3_next_config_from_hf(
             layers=pattern,
             linear_heads=None if k_heads == n_heads else k_heads,
             linear_head_dim=None if k_dim == head_dim else k_dim,
+            linear_v_heads=None if v_heads == k_heads else v_heads,
+            linear_v_head_dim=None if v_dim == k_dim else v_dim,
             conv_size=int(h.get("linear_conv_kernel_dim", 4)),
             attention="sdpa",
+            moe=moe,
         )
     except ValueError as e:
         raise LmforgeError(f"{where}: {e}") from None
@@ -253,13 +342,22 @@ _FFN = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 
 
 def _plain_pairs(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
-    """(lmforge name, Qwen3-Next name, zero-centred gain) of the tensors renamed one to one."""
+    """(lmforge name, Qwen3-Next name, zero-centred gain) of the tensors renamed one to one
+    (an MoE layer's stacked experts aside)."""
     pairs = [("token_embeddings.weight", "model.embed_tokens.weight", False)]
     for i, kind in enumerate(cfg.layer_types):
         lm, hf = f"layers.{i}.", f"model.layers.{i}."
         pairs += [(lm + "ln1.weight", hf + "input_layernorm.weight", True),
                   (lm + "ln2.weight", hf + "post_attention_layernorm.weight", True)]  # fmt: skip
-        pairs += [(f"{lm}ffn.{a}.weight", f"{hf}mlp.{b}.weight", False) for a, b in _FFN]
+        if not cfg.moe.is_moe_layer(i):
+            pairs += [(f"{lm}ffn.{a}.weight", f"{hf}mlp.{b}.weight", False) for a, b in _FFN]
+        else:  # the router, the shared expert and its gate (the experts: _expert_prefixes)
+            pairs += [
+                (lm + "ffn.router.weight", hf + "mlp.gate.weight", False),
+                (lm + "ffn.shared_gate.weight", hf + "mlp.shared_expert_gate.weight", False),
+            ]
+            pairs += [(f"{lm}ffn.shared.{a}.weight", f"{hf}mlp.shared_expert.{b}.weight", False)
+                      for a, b in _FFN]  # fmt: skip
         if kind == "G":
             g = hf + "linear_attn."
             pairs += [(lm + "attn.A_log", g + "A_log", False),
@@ -274,6 +372,13 @@ def _plain_pairs(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
     if not cfg.tie_embeddings:
         pairs.append(("lm_head.weight", "lm_head.weight", False))
     return pairs
+
+
+def _expert_prefixes(cfg: ModelConfig) -> list[tuple[int, str, str]]:
+    """(layer, lmforge ``layers.i.ffn.``, HF ``model.layers.i.mlp.experts.``) of every MoE
+    layer."""
+    return [(i, f"layers.{i}.ffn.", f"model.layers.{i}.mlp.experts.")
+            for i in range(cfg.n_layers) if cfg.moe.is_moe_layer(i)]  # fmt: skip
 
 
 def _rows(t: torch.Tensor, head_dim: int, order: torch.Tensor) -> torch.Tensor:
@@ -298,9 +403,18 @@ def qwen3_next_state_to_hf(
     for lm_name, hf_name, centred in _plain_pairs(cfg):
         t = get(lm_name)
         out[hf_name] = t - 1.0 if centred else t
+    for i, lm, hf in _expert_prefixes(cfg):
+        bias = state.get(lm + "expert_bias")
+        if bias is not None and bool(bias.abs().sum() > 0):
+            raise LmforgeError(
+                f"cannot export as Qwen3-Next: layer {i} has a non-zero expert selection bias"
+                " (aux-loss-free balancing), which Qwen3-Next's router has no place for"
+            )
+        out.update(stacked_to_hf({k: get(lm + k) for k in ("w1", "w2", "w3")}, "", hf))
     e = int(cfg.head_dim)
     order = partial_rope_order(e, e if cfg.rotary_dim is None else cfg.rotary_dim)
-    heads, hd = _gdn_dims(cfg)
+    k_heads, _, v_heads, _ = cfg.linear_dims
+    r = v_heads // k_heads  # value heads per q/k head
     for i, kind in enumerate(cfg.layer_types):
         lm, hf = f"layers.{i}.attn.", f"model.layers.{i}."
         if kind == "A":
@@ -310,13 +424,13 @@ def qwen3_next_state_to_hf(
             out[hf + "self_attn.k_proj.weight"] = _rows(get(lm + "k_proj.weight"), e, order)
             for n in ("q_norm", "k_norm"):
                 out[f"{hf}self_attn.{n}.weight"] = _rows(get(f"{lm}{n}.weight"), e, order) - 1.0
-        else:
-            parts = [get(f"{lm}{p}_proj.weight").reshape(heads, hd, -1) for p in "qkvz"]
+        else:  # per q/k head j: [q K | k K | v r·V | z r·V], [β r | a r]
+            parts = [get(f"{lm}{p}_proj.weight").reshape(k_heads, -1, cfg.d_model) for p in "qkvz"]
             out[hf + "linear_attn.in_proj_qkvz.weight"] = torch.cat(parts, 1).flatten(0, 1)
-            ba = [get(f"{lm}{p}_proj.weight")[:, None] for p in "ba"]  # (H, 1, D) each
+            ba = [get(f"{lm}{p}_proj.weight").reshape(k_heads, r, -1) for p in "ba"]  # (H_k, r, D)
             out[hf + "linear_attn.in_proj_ba.weight"] = torch.cat(ba, 1).flatten(0, 1)  # (2H, D)
-            conv = get(lm + "conv.weight")  # (3·H·E, W)
-            out[hf + "linear_attn.conv1d.weight"] = conv[:, None, :]  # (3·H·E, 1, W)
+            conv = get(lm + "conv.weight")  # (2·H_k·K + H·V, W)
+            out[hf + "linear_attn.conv1d.weight"] = conv[:, None, :]  # (C, 1, W)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -324,7 +438,8 @@ def qwen3_next_state_from_hf(
     hf_state: dict[str, torch.Tensor], cfg: ModelConfig, source: str = "checkpoint"
 ) -> dict[str, torch.Tensor]:
     """Qwen3-Next tensors renamed and re-laid-out into an lmforge state dict (fp32); a tensor
-    lmforge has no place for (an MoE expert, a bias) raises one line naming it."""
+    lmforge has no place for (a bias) raises one line naming it. The multi-token-prediction
+    module's tensors (``mtp.*``) are skipped, as transformers skips them."""
     used: set[str] = set()
 
     def take(name: str) -> torch.Tensor:
@@ -337,9 +452,13 @@ def qwen3_next_state_from_hf(
     for lm_name, hf_name, centred in _plain_pairs(cfg):
         t = take(hf_name)
         state[lm_name] = (1.0 + t) if centred else t.contiguous()
+    for _, lm, hf in _expert_prefixes(cfg):
+        stacked_from_hf(hf_state, cfg.moe.n_experts, lm, hf, state, used, source)
+        state[lm + "expert_bias"] = torch.zeros(cfg.moe.n_experts)
     e = int(cfg.head_dim)
     inv = torch.argsort(partial_rope_order(e, e if cfg.rotary_dim is None else cfg.rotary_dim))
-    heads, hd = _gdn_dims(cfg)
+    k_heads, k_dim, v_heads, v_dim = cfg.linear_dims
+    r = v_heads // k_heads  # value heads per q/k head
     for i, kind in enumerate(cfg.layer_types):
         lm, hf = f"layers.{i}.attn.", f"model.layers.{i}."
         if kind == "A":
@@ -351,23 +470,33 @@ def qwen3_next_state_from_hf(
             for n in ("q_norm", "k_norm"):
                 state[f"{lm}{n}.weight"] = _rows(1.0 + take(f"{hf}self_attn.{n}.weight"), e, inv)
         else:
-            qkvz = take(hf + "linear_attn.in_proj_qkvz.weight").reshape(heads, 4, hd, -1)
-            for j, p in enumerate("qkvz"):
-                state[f"{lm}{p}_proj.weight"] = qkvz[:, j].flatten(0, 1).contiguous()  # (H·E, D)
-            ba = take(hf + "linear_attn.in_proj_ba.weight").reshape(heads, 2, -1)  # (H, 2, D)
-            state[lm + "b_proj.weight"] = ba[:, 0].contiguous()
-            state[lm + "a_proj.weight"] = ba[:, 1].contiguous()
+            widths = [k_dim, k_dim, r * v_dim, r * v_dim]
+            qkvz = take(hf + "linear_attn.in_proj_qkvz.weight")
+            if qkvz.shape[0] != k_heads * sum(widths):
+                raise LmforgeError(
+                    f"{source}: {hf}linear_attn.in_proj_qkvz.weight has {qkvz.shape[0]} rows,"
+                    f" expected {k_heads * sum(widths)} ({k_heads} q/k heads × {sum(widths)})"
+                )
+            qkvz = qkvz.reshape(k_heads, sum(widths), -1).split(widths, 1)
+            for p, t in zip("qkvz", qkvz, strict=True):
+                state[f"{lm}{p}_proj.weight"] = t.flatten(0, 1).contiguous()
+            ba = take(hf + "linear_attn.in_proj_ba.weight").reshape(k_heads, 2 * r, -1)
+            state[lm + "b_proj.weight"] = ba[:, :r].flatten(0, 1).contiguous()  # (H, D)
+            state[lm + "a_proj.weight"] = ba[:, r:].flatten(0, 1).contiguous()
             conv = take(hf + "linear_attn.conv1d.weight")
             if conv.dim() != 3 or conv.shape[1] != 1:
                 raise LmforgeError(
                     f"{source}: {hf}linear_attn.conv1d.weight has shape {tuple(conv.shape)},"
                     " expected (channels, 1, width)"
                 )
-            state[lm + "conv.weight"] = conv[:, 0].contiguous()  # (3·H·E, W)
+            state[lm + "conv.weight"] = conv[:, 0].contiguous()  # (2·H_k·K + H·V, W)
     if cfg.tie_embeddings:
         used.add("lm_head.weight")
         state["lm_head.weight"] = state["token_embeddings.weight"]
-    left = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    left = sorted(
+        k for k in hf_state
+        if k not in used and not k.endswith("rotary_emb.inv_freq") and not k.startswith("mtp.")
+    )  # fmt: skip
     if left:
         more = f" and {len(left) - 1} more" if len(left) > 1 else ""
         raise LmforgeError(

@@ -102,7 +102,7 @@ def _mtp_parameters(cfg: ModelConfig) -> int:
     for j in range(cfg.mtp_depth):
         matmul, gains = _attention_parameters(cfg, 1, 1)
         if mc.is_moe_layer(cfg.n_layers + j):
-            ffn = mc.n_experts * d + 3 * d * cfg.expert_dim * (mc.n_shared_experts + mc.n_experts)
+            ffn = _moe_layer_parameters(cfg, mc.n_experts)
         else:
             ffn = 3 * d * cfg.ffn_dim
         total += 3 * d + 2 * d * d + matmul + gains + ffn + 2 * d
@@ -163,14 +163,21 @@ def _experts_per_token(cfg: ModelConfig) -> float:
 
 def _ffn_parameters(cfg: ModelConfig, active: bool) -> float:
     """FFN weights of all layers: dense SwiGLUs, and per MoE layer the router (N·D), the shared
-    experts and the routed experts (all N, or the ones a token uses when ``active``). Exact for
-    a dense model (no MoE layer: an integer-valued float)."""
+    experts (and their gate) and the routed experts (all N, or the ones a token uses when
+    ``active``). Exact for a dense model (no MoE layer: an integer-valued float)."""
     mc, d = cfg.moe, cfg.d_model
     n_moe = sum(mc.is_moe_layer(i) for i in range(cfg.n_layers))
     dense = (cfg.n_layers - n_moe) * 3 * d * cfg.ffn_dim
     routed = _experts_per_token(cfg) if active else mc.n_experts
-    per_moe = mc.n_experts * d + 3 * d * cfg.expert_dim * (mc.n_shared_experts + routed)
-    return dense + n_moe * per_moe
+    return dense + n_moe * _moe_layer_parameters(cfg, routed)
+
+
+def _moe_layer_parameters(cfg: ModelConfig, routed: float) -> float:
+    """One MoE layer with ``routed`` experts counted: the router (N·D), the shared experts and
+    their gate (D, ``moe.shared_gate``), the routed experts (3·D·F each)."""
+    mc, d = cfg.moe, cfg.d_model
+    gate = d if mc.shared_gate else 0
+    return mc.n_experts * d + gate + 3 * d * cfg.expert_dim * (mc.n_shared_experts + routed)
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -285,8 +292,8 @@ def _attention_layers(cfg: ModelConfig) -> int:
 
 
 def _linear_dims(cfg: ModelConfig) -> tuple[int, int]:
-    """(heads, head width) of the G and L mixers."""
-    return cfg.linear_heads or cfg.n_heads, cfg.linear_head_dim or cfg.head_dim
+    """(heads, head width) of the L mixers (of a G mixer's q and k)."""
+    return cfg.linear_dims[:2]
 
 
 def _ssm_dims(cfg: ModelConfig) -> tuple[int, int, int]:
@@ -313,11 +320,12 @@ def mixer_parameters(cfg: ModelConfig, kind: str, matmul_only: bool = False) -> 
         else:  # q (and the output gate's W_gate), k, v, o
             proj = d * h * e * (1 + cfg.attn_output_gate) + 2 * d * k * e + h * e * d
         return proj + (_indexer_parameters(cfg) if kind == "S" else 0)
-    if kind == "G":  # q, k, v, z (D -> H·E), β and decay (D -> H), o (H·E -> D)
-        lh, le = _linear_dims(cfg)
-        proj = 5 * d * lh * le + 2 * d * lh
-        # the conv over q|k|v, A_log and dt_bias per head, the per-head output norm
-        return proj if matmul_only else proj + 3 * lh * le * w + 2 * lh + le
+    if kind == "G":  # q, k (D -> H_k·K), v, z (D -> H·V), β and decay (D -> H), o (H·V -> D)
+        kh, kd, vh, vd = cfg.linear_dims
+        key, value = kh * kd, vh * vd
+        proj = 2 * d * key + 3 * d * value + 2 * d * vh
+        # the conv over q|k|v, A_log and dt_bias per value head, the per-head output norm
+        return proj if matmul_only else proj + (2 * key + value) * w + 2 * vh + vd
     if kind == "L":  # q, k, v (D -> H·E), o (H·E -> D)
         lh, le = _linear_dims(cfg)
         proj = 4 * d * lh * le
@@ -350,9 +358,10 @@ def mixer_flops(
     key). The linear mixers are counted in their recurrent form, the model's arithmetic per
     token (the chunked kernels do more in exchange for matmuls, as attention's causal kernels
     do less than the dense count): the "state" term is, per head with a K×V state, 4·K·V for
-    L and M (write k vᵀ, read Sᵀ q) and 6·K·V for G (the delta rule also reads Sᵀ k);
-    the short convolutions (2·channels·width) join "qkv". Gates, norms and decays are
-    elementwise and not counted, as elsewhere in this module.
+    L and M (write k vᵀ, read Sᵀ q) and 6·K·V for G (the delta rule also reads Sᵀ k; one
+    state per value head with grouped value heads, ``linear_v_heads``); the short convolutions
+    (2·channels·width) join "qkv". Gates, norms and decays are elementwise and not counted, as
+    elsewhere in this module.
     """
     d, e, h, k = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads
     if kind in "AWS":
@@ -380,12 +389,14 @@ def mixer_flops(
             out["indexer"] = 2.0 * d * (j * ei + ei + j) + 2.0 * j * ei * every + 2.0 * j * every
         return out
     w = cfg.conv_size
-    if kind in "GL":
+    if kind == "G":  # the state per value head: K × V (q and k repeated to the value heads)
+        kh, kd, vh, vd = cfg.linear_dims
+        key, value = kh * kd, vh * vd
+        qkv = 2.0 * d * (2 * key + 2 * value + 2 * vh) + 2.0 * (2 * key + value) * w
+        return {"qkv": qkv, "state": 6.0 * vh * kd * vd, "output_proj": 2.0 * value * d}
+    if kind == "L":
         lh, le = _linear_dims(cfg)
         inner = lh * le
-        if kind == "G":
-            qkv = 2.0 * d * (4 * inner + 2 * lh) + 2.0 * 3 * inner * w
-            return {"qkv": qkv, "state": 6.0 * lh * le * le, "output_proj": 2.0 * inner * d}
         return {"qkv": 6.0 * d * inner, "state": 4.0 * lh * le * le, "output_proj": 2.0 * inner * d}
     if kind == "M":
         inner, mh, conv = _ssm_dims(cfg)

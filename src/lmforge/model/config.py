@@ -135,6 +135,13 @@ class ModelConfig:
     "G and L layers: heads (None = n_heads)"
     linear_head_dim: int | None = None
     "G and L layers: per-head width of q, k and v (None = head_dim); state (heads, E, E) per sequence"
+    linear_v_heads: int | None = None
+    "G layers: value heads (None = linear_heads), a multiple of the q/k heads: each q/k head serves"
+    " linear_v_heads / linear_heads consecutive value heads (Qwen3-Next: 16 q/k, 32 value heads);"
+    " β, the decay and the state are per value head"
+    linear_v_head_dim: int | None = None
+    "G layers: per-head width of v, z and the output norm (None = linear_head_dim); state"
+    " (linear_v_heads, linear_head_dim, linear_v_head_dim) per sequence"
     linear_decay: bool = True
     "L layers: RetNet's fixed per-head decays 1 − 2^(−5−h) (false: the undecayed sum)"
     ssm_state: int = 64
@@ -319,10 +326,20 @@ class ModelConfig:
             )
         if self.window <= 0:
             raise ValueError(f"window must be positive, got {self.window}")
-        for name in ("linear_heads", "linear_head_dim"):
+        for name in ("linear_heads", "linear_head_dim", "linear_v_heads", "linear_v_head_dim"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive or unset, got {value}")
+        kh, kd, vh, vd = self.linear_dims
+        if vh % kh:
+            raise ValueError(
+                f"linear_v_heads ({vh}) must be a multiple of the q/k heads linear_heads ({kh})"
+            )
+        if (vh, vd) != (kh, kd) and "L" in self.layers:
+            raise ValueError(
+                "linear_v_heads / linear_v_head_dim (grouped value heads) are for G layers only;"
+                " L layers have equal q, k and v heads"
+            )
         for name in ("ssm_state", "ssm_head_dim", "ssm_expand"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -346,6 +363,14 @@ class ModelConfig:
         """The token mixer letter of every block: ``layers`` repeated to ``n_layers``."""
         reps = -(-self.n_layers // len(self.layers))
         return tuple((self.layers * reps)[: self.n_layers])
+
+    @property
+    def linear_dims(self) -> tuple[int, int, int, int]:
+        """(q/k heads, q/k head width, value heads, value head width) of the G layers; L layers
+        use the first two for q, k and v."""
+        kh = self.linear_heads or self.n_heads
+        kd = self.linear_head_dim or int(self.head_dim)
+        return kh, kd, self.linear_v_heads or kh, self.linear_v_head_dim or kd
 
     @property
     def full_attention_only(self) -> bool:

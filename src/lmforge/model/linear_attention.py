@@ -18,8 +18,10 @@ size instead of a KV cache:
 The state of a layer is a :class:`RecurrentState`: the short convolution's last W − 1 inputs
 (N, C, W − 1) in the activation dtype and the SSM / fast-weight state (N, H, K, V) in float32.
 
-Simplifications: query, key and value heads are equal in number (no grouped value heads as in
-Qwen3-Next's 16:32); Mamba-2's gated norm spans the whole inner width (one group). Exercise:
+Gated DeltaNet takes grouped value heads (Qwen3-Next's 16 q/k heads to 32 value heads, value
+width ≠ key width allowed): q and k are repeated to the value heads before the kernels and the
+decode step, so the state is (N, value heads, K, V). Simplifications: L layers have equal q/k/v
+heads; Mamba-2's gated norm spans the whole inner width (one group). Exercise:
 ``pytest tests/test_linear_attention.py tests/test_serve_compiled_hybrid.py``.
 """
 
@@ -265,6 +267,14 @@ class GatedDeltaNet(_StateMixer):
     q, k, v = SiLU(ShortConv(x W_q | x W_k | x W_v)) per head, q and k L2-normalised;
     β = σ(x W_β); g = −e^{A_log} · softplus(x W_a + dt_bias) (the log decay, ≤ 0);
     o = GatedDelta(q, k, v, g, β); y = (RMSNorm_head(o) ⊙ SiLU(x W_z)) W_o.
+
+    Grouped value heads (Qwen3-Next's 16 q/k heads of width 128 to 32 value heads of 128):
+    ``k_heads`` q/k heads of width ``head_dim`` (K), ``n_heads`` value heads of width
+    ``v_head_dim`` (V), ``n_heads`` a multiple r of ``k_heads``. q/k head j serves value heads
+    j·r … j·r + r − 1: q and k are repeated r times per head (``repeat_interleave``) after their
+    L2 norm, so the kernels and the recurrent step see n_heads equal heads with K ≠ V allowed;
+    β, the decay and the state (n_heads, K, V) are per value head, z and the output norm of
+    width V. ``v_heads = v_head_dim = None``: the plain layer (r = 1, V = K).
     """
 
     def __init__(
@@ -275,21 +285,28 @@ class GatedDeltaNet(_StateMixer):
         conv_size: int = 4,
         chunk_size: int = 64,
         backend: str = "auto",
+        v_heads: int | None = None,
+        v_head_dim: int | None = None,
     ) -> None:
         super().__init__()
-        self.d_model, self.n_heads, self.head_dim = d_model, n_heads, head_dim
+        v_heads, v_head_dim = v_heads or n_heads, v_head_dim or head_dim
+        if v_heads % n_heads:
+            raise ValueError(f"Gated DeltaNet: {v_heads} value heads is not a multiple of the"
+                             f" {n_heads} q/k heads")  # fmt: skip
+        self.d_model, self.k_heads, self.head_dim = d_model, n_heads, head_dim
+        self.n_heads, self.v_head_dim = v_heads, v_head_dim  # the state's heads: value heads
         self.chunk_size, self.backend = chunk_size, backend
-        inner = n_heads * head_dim
-        self.q_proj = Linear(d_model, inner)
-        self.k_proj = Linear(d_model, inner)
-        self.v_proj = Linear(d_model, inner)
-        self.z_proj = Linear(d_model, inner)
-        self.b_proj = Linear(d_model, n_heads)
-        self.a_proj = Linear(d_model, n_heads)
-        self.conv = ShortConv(3 * inner, conv_size)
-        self._decay_parameters(n_heads)
-        self.o_norm = RMSNorm(head_dim, eps=1e-6)
-        self.o_proj = Linear(inner, d_model)
+        key, value = n_heads * head_dim, v_heads * v_head_dim
+        self.q_proj = Linear(d_model, key)
+        self.k_proj = Linear(d_model, key)
+        self.v_proj = Linear(d_model, value)
+        self.z_proj = Linear(d_model, value)
+        self.b_proj = Linear(d_model, v_heads)
+        self.a_proj = Linear(d_model, v_heads)
+        self.conv = ShortConv(2 * key + value, conv_size)
+        self._decay_parameters(v_heads)
+        self.o_norm = RMSNorm(v_head_dim, eps=1e-6)
+        self.o_proj = Linear(value, d_model)
 
     def _gates(self, x: Tensor) -> tuple[Tensor, Tensor]:
         beta = torch.sigmoid(self.b_proj(x).float())  # (..., H)
@@ -297,8 +314,23 @@ class GatedDeltaNet(_StateMixer):
         g = A * dt
         return g, beta
 
+    def _qkv(self, x: Tensor) -> Tensor:
+        """x (..., D) → the conv's input q | k | v (..., 2·H_k·K + H·V)."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+
+    def _heads(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The conv's output (..., 2·H_k·K + H·V) → q, k (..., H, K) L2-normalised, each q/k
+        head repeated for its group of value heads, and v (..., H, V)."""
+        Hk, K, H = self.k_heads, self.head_dim, self.n_heads
+        qk, v = mixed.split([2 * Hk * K, H * self.v_head_dim], -1)
+        q, k = qk.unflatten(-1, (2, Hk, K)).unbind(-3)  # (..., H_k, K) each
+        q, k = _l2norm(q), _l2norm(k)
+        if H != Hk:  # grouped value heads: q/k head j serves value heads j·r … j·r + r − 1
+            q, k = q.repeat_interleave(H // Hk, -2), k.repeat_interleave(H // Hk, -2)
+        return q, k, v.unflatten(-1, (H, self.v_head_dim))
+
     def _out(self, o: Tensor, x: Tensor) -> Tensor:
-        z = self.z_proj(x).unflatten(-1, (self.n_heads, self.head_dim))  # (..., H, E)
+        z = self.z_proj(x).unflatten(-1, (self.n_heads, self.v_head_dim))  # (..., H, V)
         o = self.o_norm(o) * F.silu(z.to(o.dtype))
         return self.o_proj(o.flatten(-2))  # (..., D)
 
@@ -306,12 +338,8 @@ class GatedDeltaNet(_StateMixer):
         self, x: Tensor, cu_seqlens: Tensor | None = None, state: RecurrentState | None = None
     ) -> tuple[Tensor, RecurrentState]:
         """x (B, T, D) → (y (B, T, D), the state after the last token of every sequence)."""
-        B, T, _ = x.shape
-        H, E = self.n_heads, self.head_dim
-        proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (B, T, 3HE)
-        mixed, conv_state = self._convolve(proj, cu_seqlens, state)
-        q, k, v = mixed.reshape(B, T, 3, H, E).unbind(2)  # (B, T, H, E) each
-        q, k = _l2norm(q), _l2norm(k)
+        mixed, conv_state = self._convolve(self._qkv(x), cu_seqlens, state)
+        q, k, v = self._heads(mixed)  # (B, T, H, K), (B, T, H, K), (B, T, H, V)
         g, beta = self._gates(x)  # (B, T, H)
         o, ssm = gated_delta_rule(
             q, k, v, g, beta, initial_state=None if state is None else state.ssm,
@@ -325,16 +353,13 @@ class GatedDeltaNet(_StateMixer):
     ) -> tuple[Tensor, Tensor | None]:
         """x (N, D), one token per sequence, after conv state (N, C, W − 1); the recurrence
         through ``recur`` (see :class:`Recurrence`) → (y (N, D), the new conv state)."""
-        H, E = self.n_heads, self.head_dim
-        proj = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # (N, 3HE)
-        mixed, conv_state = self.conv.step(proj, conv)
-        q, k, v = mixed.reshape(-1, 3, H, E).unbind(1)  # (N, H, E) each
-        q, k = _l2norm(q), _l2norm(k)
+        mixed, conv_state = self.conv.step(self._qkv(x), conv)
+        q, k, v = self._heads(mixed)  # (N, H, K), (N, H, K), (N, H, V)
         g, beta = self._gates(x)  # (N, H)
-        return self._out(recur(q, k, v, g, beta, E**-0.5), x), conv_state
+        return self._out(recur(q, k, v, g, beta, self.head_dim**-0.5), x), conv_state
 
     def _state_dims(self) -> tuple[int, int]:
-        return self.head_dim, self.head_dim
+        return self.head_dim, self.v_head_dim
 
 
 # ------------------------------------------------------------------------------------- Mamba-2

@@ -601,7 +601,8 @@ class MoEFFN(nn.Module):
 
     Parameters: ``router.weight`` (N, D); ``w1``, ``w3`` (N, F, D) and ``w2`` (N, D, F), one
     stacked tensor per projection (the layout of Linear weights, one per expert); ``shared`` a
-    SwiGLU of width ``n_shared_experts · F`` (equal to that many experts summed). Buffers:
+    SwiGLU of width ``n_shared_experts · F`` (equal to that many experts summed), its output
+    scaled per token by σ(x W_g) with ``shared_gate`` ((1, D), ``moe.shared_gate``). Buffers:
     ``expert_bias`` (N,) fp32, the auxiliary-loss-free selection bias (in checkpoints);
     ``load_acc`` (N,), the choices counted since the last :func:`update_expert_bias` (not saved).
 
@@ -626,6 +627,7 @@ class MoEFFN(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, d, f))
         self.w3 = nn.Parameter(torch.empty(n, f, d))
         self.shared = SwiGLU(d, mc.n_shared_experts * f) if mc.n_shared_experts else None
+        self.shared_gate = Linear(d, 1) if mc.shared_gate else None  # Qwen3-Next's
         self.register_buffer("expert_bias", torch.zeros(n))
         self.register_buffer("load_acc", torch.zeros(n), persistent=False)
         self.backend = "reference" if mc.backend == "reference" else "grouped"
@@ -662,7 +664,10 @@ class MoEFFN(nn.Module):
             compute = _compute_reference if self.backend == "reference" else _compute_grouped
         out = compute(self, xf, r)  # (M, D) fp32 (the grouped path: already the output dtype)
         if self.shared is not None:
-            out = out + self.shared(xf).to(out.dtype)
+            shared = self.shared(xf)  # (M, D)
+            if self.shared_gate is not None:  # σ(x W_g) per token (M, 1)
+                shared = torch.sigmoid(self.shared_gate(xf)) * shared
+            out = out + shared.to(out.dtype)
         if self.record_routing:
             self.last_routing = r
         if self.training:

@@ -25,6 +25,9 @@ class MoEConfig:
     n_shared_experts: int = 0
     "always-on experts added to every token's output (DeepSeek-MoE): one SwiGLU of width"
     " n_shared_experts · expert_d_ff (DeepSeek-V3's shared_experts)"
+    shared_gate: bool = False
+    "scale the shared experts' output per token by σ(x W_g), W_g a learned D → 1 projection"
+    " (Qwen3-Next's shared_expert_gate); needs n_shared_experts > 0"
     expert_d_ff: int | None = None
     "hidden size of one expert (None = model.d_ff; smaller = fine-grained experts)"
     every: int = 1
@@ -71,6 +74,8 @@ class MoEConfig:
             raise ValueError(f"moe.n_experts must be >= 0, got {self.n_experts}")
         if self.n_shared_experts < 0:
             raise ValueError(f"moe.n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.shared_gate and not self.n_shared_experts:
+            raise ValueError("moe.shared_gate needs shared experts (moe.n_shared_experts > 0)")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(
                 f"moe.top_k must be in 1..n_experts ({self.n_experts}), got {self.top_k}"

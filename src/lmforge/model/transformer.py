@@ -163,10 +163,10 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
         from lmforge.model.sparse_attention import SparseAttention
 
         return SparseAttention(config, layer_idx)
-    heads = config.linear_heads or config.n_heads
-    head_dim = config.linear_head_dim or int(config.head_dim)
+    heads, head_dim, v_heads, v_head_dim = config.linear_dims
     if kind == "G":
-        return GatedDeltaNet(config.d_model, heads, head_dim, conv_size=config.conv_size)
+        return GatedDeltaNet(config.d_model, heads, head_dim, conv_size=config.conv_size,
+                             v_heads=v_heads, v_head_dim=v_head_dim)  # fmt: skip
     if kind == "M":
         return Mamba2Mixer(
             config.d_model, d_state=config.ssm_state, head_dim=config.ssm_head_dim,
