@@ -552,7 +552,7 @@ class DecodeOps(StepOps):
         eps = attn.q_norm.eps if attn.config.qk_norm else 0.0
         return torch.ops.lmforge_serve.rope_decode_attention(
             torch.ops.lmforge_serve.gemv(h, self._packed[layer][0], g_qkv), attn.rope.cos,
-            attn.rope.sin, ctx.positions, ctx.k_cache, ctx.v_cache, layer, ctx.slots,
+            attn.rope.sin, ctx.positions, ctx.k_cache, ctx.v_cache, attn.cache_index, ctx.slots,
             ctx.block_tables, ctx.ctx_lens, attn.n_heads, self.use_triton, *qn, eps,
         )  # (S, H, E)  # fmt: skip
 
