@@ -1,4 +1,4 @@
-"""Issue 36: quality of MHA, GQA, MLA and MLA + CLA at equal tokens and parameters.
+"""Issue 36: quality of MHA, GQA, MLA and MLA + CLA (or GQA + CLA) at equal tokens and parameters.
 
 Each variant trains through the user's command, ``python -m lmforge train --config FILE
 --data.train=… --data.val=… --train.max_steps=N --train.out_dir=…`` (a subprocess; FILE is the
@@ -12,6 +12,8 @@ depth and heads:
            decoupled RoPE R = E/2, no-position q/k dims N = E, value dims E, full-rank queries
   mla_cla  ``mla`` + ``kv_share_every = 2``        cross-layer attention: every second layer
            reuses the latent of the layer before it
+  gqa4_cla ``gqa4`` + ``kv_share_every = 2``       cross-layer attention on GQA-4: every second
+           layer reuses the keys/values of the layer before it (opt-in: ``--variants``)
 
 (E = d_model / H.) Each variant's ``d_ff`` is set so that its parameter count
 (:func:`lmforge.model.accounting.parameter_count`, exact) matches MHA's to within one step of
@@ -51,7 +53,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # runs without install
 
-VARIANTS = ("mha", "gqa4", "mla", "mla_cla")
+VARIANTS = ("mha", "gqa4", "mla", "mla_cla")  # the default set
+OPTIONAL = ("gqa4_cla",)  # by name in --variants
 
 
 def _parser(doc: str) -> argparse.ArgumentParser:
@@ -81,7 +84,8 @@ def _parser(doc: str) -> argparse.ArgumentParser:
 
 def add_quality_args(p: argparse.ArgumentParser) -> None:
     """This script's own options (MLA shape, variant subset)."""
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset (also: {', '.join(OPTIONAL)})")  # fmt: skip
     p.add_argument("--kv-lora-rank", type=int, default=0, help="MLA latent C (0: 4·E)")
     p.add_argument("--rope-dim", type=int, default=0, help="MLA decoupled RoPE dims R (0: E/2)")
 
@@ -144,13 +148,15 @@ def variant_models(args: argparse.Namespace, vocab: int) -> dict[str, dict[str, 
            "qk_rope_head_dim": args.rope_dim or max(2, e // 2), "qk_nope_head_dim": e,
            "v_head_dim": e, "q_lora_rank": 0}  # fmt: skip
     extra = {"mha": {}, "gqa4": {"n_kv_heads": args.heads // 4}, "mla": mla,
-             "mla_cla": {**mla, "kv_share_every": 2}}  # fmt: skip
+             "mla_cla": {**mla, "kv_share_every": 2},
+             "gqa4_cla": {"n_kv_heads": args.heads // 4, "kv_share_every": 2}}  # fmt: skip
     base = base_model(args, vocab)
     target = accounting.parameter_count(ModelConfig(**base))
     out = {}
     for name in args.variants.split(","):
         if name not in extra:
-            raise LmforgeError(f"--variants: unknown {name!r} (one of {', '.join(VARIANTS)})")
+            known = ", ".join(VARIANTS + OPTIONAL)
+            raise LmforgeError(f"--variants: unknown {name!r} (one of {known})")
         keys = {**base, **extra[name]}
         cfg = ModelConfig(**keys)
         per_ffn = 3 * cfg.d_model * cfg.n_layers  # parameters per unit of d_ff (SwiGLU: 3 mats)

@@ -57,6 +57,10 @@ SWITCHES: dict[str, dict] = {
     # decode absorbed through StepOps.attend_latent); with CLA one cache layer for two blocks
     "mla": dict(MLA, q_lora_rank=24),
     "mla_cla": dict(MLA, kv_share_every=2, tie_embeddings=True),
+    # cross-layer KV sharing for standard attention (L not a multiple of k): consumers read
+    # their producer's pages, the cache holds ceil(L / k) layers
+    "gqa_cla": dict(n_kv_heads=2, kv_share_every=2, n_layers=5, qk_norm=True),
+    "mha_cla": dict(kv_share_every=3, n_layers=4),
     # hybrid layer patterns (model.layers): recurrent-state slots for G/M/L, a window mask over
     # the pages for W (window 5: shorter than most prompts, so keys leave it)
     "gdn": dict(layers="GGGA", n_layers=4),
@@ -149,7 +153,7 @@ HYBRIDS = ("gdn", "mamba2", "linear", "window", "mixed", "mla_hybrid", "dsa", "d
 ROWS = [(name, kw, "default") for name, kw in {**SWITCHES, **SHIPPED}.items()]
 ROWS += [
     (name, SWITCHES[name], e)
-    for name in ("mup", "all", "mla", "mla_cla")
+    for name in ("mup", "all", "mla", "mla_cla", "gqa_cla", "mha_cla")
     for e in ("chunked", "no_prefix_cache")
 ]
 ROWS += [(name, SWITCHES[name], e) for name in HYBRIDS for e in ("chunked", "preempt")]
@@ -198,6 +202,11 @@ def test_engine_equals_reference(switch: str, kw: dict, engine: str) -> None:
     n = 10
     want = [generate(model, [p], n, temperature=0)[0] for p in prompts]
     eng = Engine(model, **ENGINES[engine])
+    cfg = model.config
+    if cfg.kv_share_every > 1 and cfg.attention_type == "gqa":  # K/V of the producers only
+        layers = -(-cfg.n_layers // cfg.kv_share_every)
+        shape = (layers, ENGINES[engine]["num_blocks"] + 1, 4, cfg.kv_heads, int(cfg.head_dim))
+        assert eng.cache.k.shape == eng.cache.v.shape == shape
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = eng.generate(prompts, params)
     got = [o.outputs[0].token_ids for o in outs]
@@ -211,7 +220,9 @@ def test_engine_equals_reference(switch: str, kw: dict, engine: str) -> None:
         assert sorted(eng.scheduler.free_state_slots) == list(range(eng.runner.states.num_slots))
 
 
-@pytest.mark.parametrize("switch", ["mup", "all", "mla", "mla_cla", "window", "dsa"])
+@pytest.mark.parametrize(
+    "switch", ["mup", "all", "mla", "mla_cla", "gqa_cla", "mha_cla", "window", "dsa"]
+)
 def test_prefix_cache_hit_serves_the_same_tokens(switch: str) -> None:
     """A second request that shares the first's prompt prefix takes its cached blocks (a hit),
     and still gives the reference's tokens and log-probs."""

@@ -260,9 +260,13 @@ def test_config_errors_are_one_line(override: str, match: str) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_cla_needs_mla() -> None:
-    with pytest.raises(ValueError, match="needs attention_type = mla"):
-        ModelConfig(d_model=64, n_heads=4, kv_share_every=2)
+def test_cla_needs_full_attention_layers() -> None:
+    """CLA is for MLA and GQA alike (tests/test_gqa_cla.py), full-attention layers only."""
+    ModelConfig(d_model=64, n_heads=4, kv_share_every=2)  # GQA + CLA: accepted
+    for kw in ({"layers": "GA"}, {**MLA, "layers": "AS"}):
+        with pytest.raises(ValueError, match="needs full-attention layers only") as err:
+            ModelConfig(**{"d_model": 64, "n_heads": 4, "n_layers": 4, **kw, "kv_share_every": 2})
+        assert "\n" not in str(err.value)
 
 
 def test_the_trainer_trains_an_mla_cla_model(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The compiled decode step for MLA (latent cache, CLA) and hybrid layer patterns (G, M, L, W
+"""The compiled decode step for MLA (latent cache, CLA), GQA + CLA and hybrid layer patterns (G, M, L, W
 beside A): greedy tokens equal the eager engine's and ``lmforge.generate``'s, log-probs within
 1e-5 (fp32), the step compiles without a graph break and without a recompile after warm-up,
 chunked prefill (a token budget under the prompts) and a one-token prompt (its state slot
@@ -27,6 +27,8 @@ MLA = dict(
 KINDS = {
     "mla": dict(MLA, n_layers=2),
     "mla_cla2": dict(MLA, n_layers=4, kv_share_every=2, q_lora_rank=24),
+    # GQA + CLA: consumers pass no K/V to the decode-attention op (read the producer's pages)
+    "gqa_cla2": dict(n_layers=3, n_kv_heads=2, kv_share_every=2, qk_norm=True),
     "GGGA": dict(layers="GGGA"),
     "MMMA": dict(layers="MMMA"),
     "LLAA": dict(layers="LLAA"),

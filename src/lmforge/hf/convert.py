@@ -76,6 +76,16 @@ def _check_llama_layers(cfg: ModelConfig) -> None:
         )
 
 
+def _check_no_cla(cfg: ModelConfig) -> None:
+    """Cross-layer KV sharing has no Hugging Face architecture: one line."""
+    if cfg.kv_share_every > 1:
+        raise LmforgeError(
+            f"cannot export: model.kv_share_every = {cfg.kv_share_every} (cross-layer KV sharing)"
+            " has no Hugging Face equivalent (each Llama/Qwen3/DeepSeek-V3/Bamba/Qwen3-Next"
+            " layer computes its own keys and values)"
+        )
+
+
 def _permute_heads(
     w: torch.Tensor, n_heads: int, head_dim: int, order: torch.Tensor
 ) -> torch.Tensor:
@@ -139,6 +149,7 @@ def lmforge_to_hf_state(
 ) -> dict[str, torch.Tensor]:
     """An lmforge state dict renamed and RoPE-permuted into HF Llama/Qwen3 names (DeepSeek-V3
     names for an MLA model, :mod:`lmforge.hf.deepseek`)."""
+    _check_no_cla(cfg)
     if cfg.attention_type == "mla":
         from lmforge.hf.deepseek import deepseek_state_to_hf
 
@@ -219,7 +230,8 @@ def model_config_to_hf_config(cfg: ModelConfig, eos_token_id: int | None = None)
     if cfg.attention_type == "mla":
         from lmforge.hf.deepseek import deepseek_config_to_hf
 
-        return deepseek_config_to_hf(cfg, eos_token_id)
+        return deepseek_config_to_hf(cfg, eos_token_id)  # (refuses CLA in its own words)
+    _check_no_cla(cfg)
     if qwen3_next.is_qwen3_next(cfg):
         return qwen3_next.qwen3_next_config_to_hf(cfg, eos_token_id)
     if bamba.is_bamba(cfg):

@@ -70,8 +70,9 @@ def _dims(cfg: ModelConfig) -> tuple[int, int, int, int, int, int]:
     return cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.vocab_size, cfg.n_layers
 
 
-def _mla_producers(cfg: ModelConfig) -> int:
-    """MLA layers that compute latents (all of them without CLA): ceil(L / kv_share_every)."""
+def _kv_producers(cfg: ModelConfig) -> int:
+    """Layers that compute K/V or latents (all of them without CLA): ceil(L / kv_share_every)
+    (CLA needs full-attention layers only)."""
     return -(-cfg.n_layers // cfg.kv_share_every)
 
 
@@ -79,12 +80,13 @@ def _attention_parameters(cfg: ModelConfig, n_layers: int, producers: int) -> tu
     """(matmul weights, norm gains) of ``n_layers`` attention layers, ``producers`` of which
     compute K/V. MLA per layer: the q path ``D·H(N+R)`` (or ``D·Q + Q·H(N+R)``), ``D(C+R)``
     (producers), ``C·H(N+Ev)``, ``H·Ev·D``; gains: ``C`` (producers), ``Q``. GQA:
-    ``D·H·E + 2·D·K·E + H·E·D`` (+ ``D·H·E``: the output gate's W_gate); gains: 2E under
-    QK-norm."""
+    ``D·H·E + H·E·D`` (+ ``D·H·E``: the output gate's W_gate), ``2·D·K·E`` (producers); gains
+    under QK-norm: E (q), E (k, producers)."""
     d, e, h, k, _, _ = _dims(cfg)
     if cfg.attention_type != "mla":
-        proj = d * h * e * (1 + cfg.attn_output_gate) + 2 * d * k * e + h * e * d
-        return n_layers * proj, n_layers * 2 * e * cfg.qk_norm
+        proj = d * h * e * (1 + cfg.attn_output_gate) + h * e * d
+        gains = (n_layers + producers) * e * cfg.qk_norm
+        return n_layers * proj + producers * 2 * d * k * e, gains
     m = cfg.mla
     c, r, q = m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank
     q_path = d * q + q * h * m.qk_head_dim if q else d * h * m.qk_head_dim
@@ -111,9 +113,9 @@ def _mtp_parameters(cfg: ModelConfig) -> int:
 
 def _softmax_attention_parameters(cfg: ModelConfig) -> tuple[int, int]:
     """(matmul weights, norm gains) of the A/W/S blocks' attention (GQA or MLA; with CLA only
-    ceil(L / k) MLA layers compute latents)."""
+    ceil(L / k) layers compute K/V or latents)."""
     n_attn = _attention_layers(cfg)
-    producers = _mla_producers(cfg) if cfg.attention_type == "mla" else n_attn
+    producers = _kv_producers(cfg) if cfg.kv_share_every > 1 else n_attn
     return _attention_parameters(cfg, n_attn, producers)
 
 
@@ -182,8 +184,8 @@ def _moe_layer_parameters(cfg: ModelConfig, routed: float) -> float:
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
     """Bytes of KV cache one token takes across all layers (the engine's paged cache): 2·K·E
-    per layer (GQA) or C + R per KV-producing layer (MLA, ceil(L / kv_share_every) of them),
-    through :func:`lmforge.model.cla.kv_bytes_per_token`. Linear-attention layers (constant
+    (GQA) or C + R (MLA) per KV-producing layer (all of them, or ceil(L / kv_share_every) with
+    CLA), through :func:`lmforge.model.cla.kv_bytes_per_token`. Linear-attention layers (constant
     state) count nothing; a DSA layer (S) counts its K/V and its E_I-wide indexer key."""
     from lmforge.model.cla import kv_bytes_per_token
 
@@ -197,7 +199,7 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
     n_sparse = cfg.layer_types.count("S")
     return n_sparse * cfg.dsa_index_dim * dtype_bytes + kv_bytes_per_token(
         "gqa", n_layers=n_attn + n_sparse, n_heads=cfg.n_heads, head_dim=int(cfg.head_dim),
-        n_kv_heads=cfg.kv_heads, dtype_bytes=dtype_bytes,
+        n_kv_heads=cfg.kv_heads, kv_share_every=cfg.kv_share_every, dtype_bytes=dtype_bytes,
     )  # fmt: skip
 
 
@@ -367,12 +369,13 @@ def mixer_flops(
     if kind in "AWS":
         keys = {"A": seq_len, "W": cfg.window, "S": cfg.dsa_topk}[kind]
         seen = seq_len / 2 if causal and kind == "A" else _keys_seen(keys, seq_len, causal)
+        # CLA: a share of the layers computes K/V (latents), the others reuse them
+        producers = _kv_producers(cfg) / cfg.n_layers
         # q, k, v (and the output gate's x W_gate, counted here with the input projections)
-        qkv = 2.0 * d * (h * e * (1 + cfg.attn_output_gate) + 2 * k * e)
+        qkv = 2.0 * d * (h * e * (1 + cfg.attn_output_gate) + producers * 2 * k * e)
         qk_dim, v_dim = e, e
         if cfg.attention_type == "mla":  # explicit form: every latent up-projected once (kv_b)
             qk_dim, v_dim = cfg.mla.qk_head_dim, cfg.mla.v_head_dim
-            producers = _mla_producers(cfg) / cfg.n_layers  # CLA: a share of layers compress
             m = cfg.mla
             q, c, r = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
             q_path = d * q + q * h * qk_dim if q else d * h * qk_dim

@@ -36,6 +36,7 @@ from lmforge.model.layers import (
     project,
     scaled_dot_product_attention,
 )
+from lmforge.utils.errors import LmforgeError
 
 __all__ = [
     "CausalSelfAttention",
@@ -104,15 +105,33 @@ class CausalSelfAttention(nn.Module):
     ``q_proj`` maps D -> H·E, ``k_proj``/``v_proj`` map D -> K·E (K = ``n_kv_heads`` ≤ H, query
     head h reads kv-head h // (H/K)), ``output_proj`` maps H·E -> D. QK-norm (when enabled) is an
     RMSNorm over each head vector with one E-sized gain shared by all heads, applied before RoPE.
+
+    Cross-layer KV sharing (``kv_share_every`` k > 1, :mod:`lmforge.model.cla`): a consumer
+    (``produces_kv`` False) has no ``k_proj``/``v_proj``/``k_norm``; it attends with the keys
+    (after QK-norm and RoPE) and values of its producer, layer ``layer_idx − layer_idx mod k``:
+    in training those the producer returned (``shared``, through :class:`TransformerBlock`),
+    with a cache the producer's cache layer ``kv_index`` / pages ``cache_index``, which it
+    reads and never writes.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int = 0, window: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int = 0,
+        window: int | None = None,
+        *,
+        produces_kv: bool = True,
+        kv_index: int | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         self.window = window  # sliding window: each query sees itself and window − 1 earlier keys
+        self.produces_kv = produces_kv
+        # the contiguous KVCache's layer (the producer's under CLA, else layer_idx)
+        self.kv_index = layer_idx if kv_index is None else kv_index
         # the engine's paged cache holds K/V layers only: this layer's page index there
-        self.cache_index = layer_idx
+        self.cache_index = self.kv_index
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         # a plain int: a derived head_dim is an int subclass (config._DerivedHeadDim), which
@@ -120,14 +139,16 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = int(config.head_dim)
         d, e = config.d_model, self.head_dim
         self.q_proj = Linear(d, self.n_heads * e)
-        self.k_proj = Linear(d, self.n_kv_heads * e)
-        self.v_proj = Linear(d, self.n_kv_heads * e)
+        if produces_kv:  # a CLA consumer reads its producer's K/V
+            self.k_proj = Linear(d, self.n_kv_heads * e)
+            self.v_proj = Linear(d, self.n_kv_heads * e)
         self.output_proj = Linear(self.n_heads * e, d)
         if config.attn_output_gate:  # Qwen3-Next: output × σ(x W_gate) before output_proj
             self.gate_proj = Linear(d, self.n_heads * e)
         if config.qk_norm:
             self.q_norm = _Norm(e, config.norm_eps, config.norm)
-            self.k_norm = _Norm(e, config.norm_eps, config.norm)
+            if produces_kv:
+                self.k_norm = _Norm(e, config.norm_eps, config.norm)
         scaling = None
         if config.rope_scaling == "llama3":
             scaling = (
@@ -159,24 +180,86 @@ class CausalSelfAttention(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         context: Context | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """(B, T, D) -> (B, T, D). ``token_positions`` is (T,) or (B, T); default 0..T-1; with
         MRoPE (``config.mrope_sections``) also (3, B, T), a 3-vector position per token.
 
         With a paged ``context`` (an engine step, B = 1, T = the step's N flat tokens) the
         positions are the context's and the keys/values go to its pages; everything up to the
-        attention core (projections, QK-norm, RoPE, muP's q scale) is the same code."""
+        attention core (projections, QK-norm, RoPE, muP's q scale) is the same code. A CLA
+        consumer without a context takes its producer's K/V as ``shared`` (see
+        :meth:`attend_shared`)."""
+        return self.attend_shared(x, token_positions, shared, kv_cache=kv_cache,
+                                  context=context)[0]  # fmt: skip
+
+    def attend_shared(
+        self,
+        x: torch.Tensor,
+        token_positions: torch.Tensor | None,
+        shared: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        kv_cache: KVCache | None = None,
+        context: Context | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """:meth:`forward`, also returning the keys and values (B, K, S, E) each (keys after
+        QK-norm and RoPE) the layer attended with: its own (a producer; with a cache, every
+        filled slot) or ``shared`` (a CLA consumer, which computes queries only). What
+        :class:`~lmforge.model.transformer.TransformerBlock` hands from a producer to the next
+        k − 1 layers; None in an engine step (a consumer reads its producer's pages there)."""
         b, t, _ = x.shape
-        h, k_heads, e = self.n_heads, self.n_kv_heads, self.head_dim
+        h, e = self.n_heads, self.head_dim
         if context is not None:
             o = None  # a fused kernel has no window: W layers take the masked path below
             if self.window is None:
                 o = context.ops.fused_attention(self, x.view(t, -1), context)  # (N, H, E)
             if o is not None:
                 o = self._gated(o.reshape(b, t, h * e), x, context)  # (1, N, H·E)
-                return _linear(self.output_proj, o, context)  # (1, N, D)
+                return _linear(self.output_proj, o, context), None  # (1, N, D)
             token_positions = context.positions
+        q, k, v = self._project(x, token_positions, kv_cache, context)  # (B, H|K, T, E)
+        if context is not None:  # the step's flat tokens: (1, H|K, N, E) -> (N, H|K, E)
+            q = q[0].transpose(0, 1)
+            if k is not None and v is not None:
+                k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)
+            if self.window is not None:  # the pages' keys within the window (torch path)
+                out = context.ops.attend_window(self.cache_index, q, k, v, context, self.window)
+            else:  # a CLA consumer (k, v None) reads its producer's pages, writes none
+                out = context.ops.attend(self.cache_index, q, k, v, context)  # (N, H, E)
+            out = self._gated(out.reshape(b, t, h * e), x, context)  # (1, N, H·E)
+            return _linear(self.output_proj, out, context), None  # (1, N, D)
+        if k is None or v is None:  # a CLA consumer: its producer's keys/values
+            if shared is None:
+                src = self.layer_idx - self.layer_idx % self.config.kv_share_every
+                raise LmforgeError(
+                    f"layer {self.layer_idx} attends with layer {src}'s keys/values (model."
+                    "kv_share_every > 1): pass them as shared, or run TransformerLM.forward"
+                )
+            k, v = shared
+        elif kv_cache is not None:
+            k, v = kv_cache.update(self.kv_index, k, v)  # (B, K, S', E)
+        if kv_cache is None:
+            out = self._causal(q, k, v)  # (B, H, T, E)
+        else:
+            mask = kv_cache.mask if self.window is None else kv_cache.window_mask(self.window)
+            out = self._masked(q, k, v, mask)  # (B, H, T, E)
+        out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
+        return self.output_proj(self._gated(out, x, None)), (k, v)  # (B, T, D)
+
+    def _project(
+        self,
+        x: torch.Tensor,
+        token_positions: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        context: Context | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x (B, T, D) -> q (B, H, T, E) and k, v (B, K, T, E) (None for a CLA consumer):
+        projections, QK-norm, RoPE (or MRoPE) and muP's q scale."""
+        b, t, _ = x.shape
+        h, k_heads, e = self.n_heads, self.n_kv_heads, self.head_dim
         fused_rope = self._use_fused_rope(x, token_positions, kv_cache)
+        k: torch.Tensor | None
+        v: torch.Tensor | None
         if fused_rope and self._use_packed_rope():
             # q and k as one GEMM; one launch rotates them out of its (B, T, (H+K)·E) output.
             w = _cat_weights([self.q_proj.weight, self.k_proj.weight])  # ((H+K)·E, D)
@@ -184,48 +267,36 @@ class CausalSelfAttention(nn.Module):
             q, k = rope_packed(project(x, w), cos, sin, h, k_heads)
             v = self.v_proj(x).view(b, t, k_heads, e)  # (B, T, K, E)
         else:
-            q, k, v = self._qkv(x, context)  # (B, T, H·E|K·E|K·E)
+            q, k, v = self._qkv(x, context)  # (B, T, H·E|K·E|K·E); k, v None for a consumer
             q = q.view(b, t, h, e)  # (B, T, H, E)
-            k = k.view(b, t, k_heads, e)  # (B, T, K, E)
-            v = v.view(b, t, k_heads, e)  # (B, T, K, E)
+            if k is not None and v is not None:
+                k = k.view(b, t, k_heads, e)  # (B, T, K, E)
+                v = v.view(b, t, k_heads, e)  # (B, T, K, E)
             if self.config.qk_norm:
                 q = self.q_norm(q)
-                k = self.k_norm(k)
+                k = None if k is None else self.k_norm(k)
             if fused_rope:  # positions 0..T-1, rotated in the (B, T, H|K, E) layout: no copy
                 cos, sin = self.rope.cos[:t], self.rope.sin[:t]  # (T, E/2)
                 q = rope(q, cos, sin, seq_dim=-3)
-                k = rope(k, cos, sin, seq_dim=-3)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, E)
+                k = None if k is None else rope(k, cos, sin, seq_dim=-3)
+        q = q.transpose(1, 2)  # (B, H, T, E)
+        if k is not None and v is not None:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, K, T, E)
         if not fused_rope:
             if token_positions is None:
                 token_positions = torch.arange(t, device=x.device)  # (T,)
             if token_positions.dim() == 3:  # MRoPE (3, B, T): each section its own component
                 pos3 = token_positions[:, :, None, :]  # (3, B, 1, T) broadcasts over heads
                 q = self.rope.rotate_3d(q, pos3)
-                k = self.rope.rotate_3d(k, pos3)
+                k = None if k is None else self.rope.rotate_3d(k, pos3)
             else:
                 if token_positions.dim() == 2:
                     token_positions = token_positions[:, None, :]  # (B, 1, T): over heads
                 q = self.rope(q, token_positions)
-                k = self.rope(k, token_positions)
+                k = None if k is None else self.rope(k, token_positions)
         if self.config.mup:  # muP's 1/E attention: q carries sqrt(E_base/E) on top of 1/sqrt(E)
             q = q * mup.q_scale(self.config)
-        if context is not None:  # the step's flat tokens: (1, H|K, N, E) -> (N, H|K, E)
-            q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
-            if self.window is not None:  # the pages' keys within the window (torch path)
-                out = context.ops.attend_window(self.cache_index, q, k, v, context, self.window)
-            else:
-                out = context.ops.attend(self.cache_index, q, k, v, context)  # (N, H, E)
-            out = self._gated(out.reshape(b, t, h * e), x, context)  # (1, N, H·E)
-            return _linear(self.output_proj, out, context)  # (1, N, D)
-        if kv_cache is None:
-            out = self._causal(q, k, v)  # (B, H, T, E)
-        else:
-            k_all, v_all = kv_cache.update(self.layer_idx, k, v)  # (B, K, S, E)
-            mask = kv_cache.mask if self.window is None else kv_cache.window_mask(self.window)
-            out = self._masked(q, k_all, v_all, mask)  # (B, H, T, E)
-        out = out.transpose(1, 2).reshape(b, t, h * e)  # (B, T, H·E)
-        return self.output_proj(self._gated(out, x, None))  # (B, T, D)
+        return q, k, v
 
     def _gated(self, out: torch.Tensor, x: torch.Tensor, context: Context | None) -> torch.Tensor:
         """Qwen3-Next's output gate (``config.attn_output_gate``): out (B, T, H·E) ⊙ σ(x W_gate);
@@ -236,9 +307,12 @@ class CausalSelfAttention(nn.Module):
 
     def _qkv(
         self, x: torch.Tensor, context: Context | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v projections of x (…, D): (…, H·E), (…, K·E), (…, K·E); in an engine step
-        one matmul against its packed q/k/v weights where it has them."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """q, k, v projections of x (…, D): (…, H·E), (…, K·E), (…, K·E) (k, v None for a CLA
+        consumer); in an engine step one matmul against its packed q/k/v weights where it has
+        them."""
+        if not self.produces_kv:
+            return _linear(self.q_proj, x, context), None, None
         if context is not None:
             w = context.ops.packed(self.layer_idx)[0]
             if w is not None and _fusable(self.q_proj, self.k_proj, self.v_proj):
@@ -270,6 +344,7 @@ class CausalSelfAttention(nn.Module):
         # modules cannot be merged (hooks, dtypes).
         return (
             self.rope_backend == "packed"
+            and self.produces_kv
             and not self.config.qk_norm
             and _fusable(self.q_proj, self.k_proj)
         )

@@ -12,10 +12,19 @@ and any of them with CLA. Values per token and producing layer: MHA/GQA ``2·K·
 of a GQA cache with groups of 4: at most a quarter from H = 36 heads on, which is why the ratio
 to GQA-4 is quoted for DeepSeek-sized head counts and CLA closes the rest for small ones.
 
-In the model: ``ModelConfig.kv_share_every`` (MLA models; ``lmforge.model.transformer`` builds
-consumer layers without a latent projection, ``KVCache.for_model`` and the engine's
-``new_kv_cache`` allocate the producing layers only).
-Exercised by ``pytest tests/test_mla_cla.py tests/test_mla_model.py``.
+In the model: ``ModelConfig.kv_share_every`` (full-attention layers only, ``layers = A``), for
+both attention kinds. GQA/MHA (:class:`lmforge.model.attention.CausalSelfAttention`): a consumer
+has no ``k_proj``/``v_proj`` (nor QK-norm's ``k_norm``) and computes only its queries; it
+attends with its producer's keys (after QK-norm and RoPE, as in the CLA paper) and values. MLA
+(:class:`lmforge.model.mla.MultiHeadLatentAttention`): a consumer has no latent projection and
+reads its producer's latents. In training :class:`lmforge.model.TransformerBlock` hands the
+producer's K/V (latents) to the next k − 1 blocks; ``KVCache.for_model`` (``lmforge.generate``)
+and the engine's ``new_kv_cache`` allocate the producing layers only, a consumer reading cache
+layer i // k (its producer's pages, written earlier in the same step, in the eager, compiled and
+CUDA-graph decode steps alike) and writing none. Not supported, one line each: hybrid layer
+patterns, Hugging Face export (no HF architecture shares K/V across layers), tensor and
+pipeline parallelism, pruning and the block-by-block calibrated quantization.
+Exercised by ``pytest tests/test_mla_cla.py tests/test_mla_model.py tests/test_gqa_cla.py``.
 """
 
 from __future__ import annotations

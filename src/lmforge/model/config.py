@@ -117,8 +117,8 @@ class ModelConfig:
     v_head_dim: int = 128
     "mla: per-head value width"
     kv_share_every: int = 1
-    "cross-layer KV sharing (CLA, mla only): layers i·k produce the latent, the k − 1 after"
-    " each reuse it (1 = off; lmforge.model.cla)"
+    "cross-layer KV sharing (CLA, full-attention layers only): layers i·k produce the K/V (GQA,"
+    " MHA) or the latent (MLA), the k − 1 after each reuse it (1 = off; lmforge.model.cla)"
     mtp_depth: int = 0
     "multi-token prediction modules (DeepSeek-V3; 0 = none): depth k predicts token t+k+1,"
     " trained with weight mtp_weight (lmforge.model.mtp)"
@@ -276,10 +276,12 @@ class ModelConfig:
         k = self.kv_share_every
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"kv_share_every must be an integer >= 1, got {k!r}")
+        if k > 1 and set(self.layers) != {"A"}:
+            raise ValueError(
+                f"kv_share_every > 1 (cross-layer KV sharing) needs full-attention layers only"
+                f" (layers = A), got layers = {self.layers!r}"
+            )
         if self.attention_type != "mla":
-            if k > 1:
-                raise ValueError("kv_share_every > 1 (cross-layer KV sharing) needs"
-                                 " attention_type = mla")  # fmt: skip
             return
         for name, on in (
             ("rope_scaling", self.rope_scaling != "none"),
@@ -289,8 +291,6 @@ class ModelConfig:
         ):
             if on:
                 raise ValueError(f"attention_type = mla does not support {name}")
-        if k > 1 and set(self.layers) != {"A"}:
-            raise ValueError("kv_share_every > 1 needs full-attention layers only (layers = A)")
         try:
             self.mla.validate()
         except LmforgeError as e:

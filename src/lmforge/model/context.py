@@ -39,7 +39,9 @@ _SCALE_BYTES = 4  # the float32 scale at the end of each quantized row
 class PagedKVCache:
     """Keys and values of every layer in fixed-size blocks.
 
-    Layout: ``k``, ``v`` are (L, NB, BS, K, E) tensors; block b of layer l is ``k[l, b]``, a
+    Layout: ``k``, ``v`` are (L, NB, BS, K, E) tensors (L: the layers that keep K/V: no linear
+    layer, and with cross-layer sharing every k only the ceil(L / k) producing ones, each
+    consumer reading its producer's pages); block b of layer l is ``k[l, b]``, a
     (BS, K, E) tile holding BS consecutive tokens of whichever sequence's block table lists b
     (keys after RoPE). Slot ``b·BS + i`` is offset i of block b. Which blocks a sequence owns
     is the allocator's business (``lmforge.serve.blocks``); this object only holds the memory.
@@ -95,10 +97,17 @@ class StepOps:
     """
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        ctx: Context,
     ) -> torch.Tensor:
         """Write k, v (N, K, E) at ``ctx.slots`` of layer ``layer``'s pages, then attend:
-        q (N, H, E) (RoPE and every scale applied) -> (N, H, E)."""
+        q (N, H, E) (RoPE and every scale applied) -> (N, H, E). k, v None: a cross-layer
+        sharing consumer (:mod:`lmforge.model.cla`), which reads the pages its producer wrote
+        earlier in the same step and writes nothing."""
         raise NotImplementedError
 
     def packed(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -205,7 +214,7 @@ class Context:
     ctx_lens: torch.Tensor
     "(S,) int32 tokens cached per sequence after this step"
     k_cache: torch.Tensor
-    "(L, NB, BS, K, E) keys"
+    "(L, NB, BS, K, E) keys (L: the K/V-keeping layers, CLA producers only)"
     v_cache: torch.Tensor
     "(L, NB, BS, K, E) values"
     ops: StepOps

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lmforge.model.cla import kv_cache_layers
 from lmforge.model.linear_attention import RecurrentState
 
 
@@ -19,7 +20,8 @@ class KVCache:
 
     Layout:
 
-    - ``k``, ``v``: (L, B, K, S, E) tensors, S = ``max_seq_len`` slots. Slot ``s`` of row ``b``
+    - ``k``, ``v``: (L, B, K, S, E) tensors, S = ``max_seq_len`` slots (with cross-layer KV
+      sharing every k, L = ceil(n_layers / k): the producing layers', :mod:`lmforge.model.cla`). Slot ``s`` of row ``b``
       holds the key/value of the ``s``-th token that was fed to the model for that row (after
       RoPE for keys). Slots ``[0, length)`` are filled; every row advances together.
     - ``valid``: (B, S) bool, True where the slot holds a real token. Padding slots (left padding
@@ -91,12 +93,11 @@ class KVCache:
         ``n_layers`` overrides the number of cache layers (one for an MTP draft step's block)."""
         cfg = model.config
         param = next(model.parameters())
-        layers, heads, head_dim, value_dim = cfg.n_layers, cfg.kv_heads, cfg.head_dim, None
+        # CLA (kv_share_every k): the ceil(L / k) KV-producing layers only
+        layers = kv_cache_layers(cfg.n_layers, getattr(cfg, "kv_share_every", 1))
+        heads, head_dim, value_dim = cfg.kv_heads, int(cfg.head_dim), None
         if getattr(cfg, "attention_type", "gqa") == "mla":
             # MLA: one (C + R)-wide latent per token and KV-producing layer, no values.
-            from lmforge.model.cla import kv_cache_layers
-
-            layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
             heads, head_dim, value_dim = 1, cfg.mla.latent_dim, 0
         layers = layers if n_layers is None else n_layers
         return cls(

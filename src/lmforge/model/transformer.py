@@ -37,7 +37,9 @@ not apply (a CPU tensor, explicit positions, a KV cache, hooks on the projection
 Attention kind (``ModelConfig.attention_type``): ``gqa`` (:class:`CausalSelfAttention`) or
 ``mla`` (:class:`~lmforge.model.mla.MultiHeadLatentAttention`, DeepSeek-V2/V3: explicit form in
 training, absorbed form over the KV cache and the engine's paged latent cache). With
-``kv_share_every`` k > 1 (CLA, MLA only) layer i reuses the latents of layer i − i mod k.
+``kv_share_every`` k > 1 (CLA, Brandon et al. 2024; full-attention layers only) layer i reuses
+the keys and values (GQA/MHA: after QK-norm and RoPE; MLA: the latents) of layer i − i mod k,
+which alone computes and caches them (:mod:`lmforge.model.cla`).
 ``mtp_depth`` > 0 builds DeepSeek-V3's multi-token-prediction modules as ``self.mtp``
 (:mod:`lmforge.model.mtp`); the forward never runs them (the main logits are unchanged), the
 training objective and the speculative proposer do.
@@ -153,9 +155,15 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
             config.mla, layer_idx, produces_kv=layer_idx % k == 0, cache_index=layer_idx // k
         )
     if kind in "AW":
-        attn = CausalSelfAttention(config, layer_idx, config.window if kind == "W" else None)
+        # CLA (full attention only): layer i attends with the K/V of layer i − i mod k, cached
+        # at index i // k (the identity for k = 1)
+        k = config.kv_share_every
+        attn = CausalSelfAttention(
+            config, layer_idx, config.window if kind == "W" else None,
+            produces_kv=layer_idx % k == 0, kv_index=layer_idx // k,
+        )  # fmt: skip
         # linear layers have no pages: skip them (the identity for a full-attention model)
-        attn.cache_index = layer_idx - (
+        attn.cache_index = layer_idx // k - (
             min(layer_idx, len(config.layer_types)) - paged_kv_layers(config.layer_types, layer_idx)
         )
         return attn
@@ -182,10 +190,13 @@ class TransformerBlock(nn.Module):
     windowed, or a linear-attention mixer with a constant-size state, which takes no positions
     (order comes from its recurrence) and runs each batch row as one sequence.
 
-    Cross-layer KV sharing (``kv_share_every`` > 1, MLA): without a cache the block returns
-    ``(x, latent)``, the latents (B, T, C + R) it produced or was given as ``shared``, so
-    :class:`TransformerLM` hands them to the next k − 1 blocks; with a cache the consumers read
-    the producer's cache rows instead.
+    Cross-layer KV sharing (``kv_share_every`` > 1): outside an engine step the block returns
+    ``(x, shared)``, what its attention produced or was given as ``shared``, so
+    :class:`TransformerLM` hands it to the next k − 1 blocks: MLA's latents (B, T, C + R)
+    (without a cache; with one the consumers read the producer's cache rows), GQA's keys and
+    values ((B, K, S, E) each, keys after QK-norm and RoPE; with a cache every filled slot, so
+    a stand-in cache that stores nothing, as packed SFT's, works too). In an engine step the
+    consumers read the producer's pages.
     """
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
@@ -206,9 +217,9 @@ class TransformerBlock(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         context: Context | None = None,
-        shared: torch.Tensor | None = None,
+        shared: Any = None,
     ) -> Any:
-        """(B, T, D) -> (B, T, D); a CLA block without a cache -> ((B, T, D), latents)."""
+        """(B, T, D) -> (B, T, D); a CLA block outside an engine step -> ((B, T, D), shared)."""
         if self.recurrent:  # a linear mixer: its state lives in the cache or the step's slots
             h = self.ln1(x)
             if context is not None:
@@ -230,6 +241,11 @@ class TransformerBlock(nn.Module):
                 y = self.attn(h)[0]
             x = x + y
             return x + self.ffn(self.ln2(x))
+        if self.shares_kv and context is None and isinstance(self.attn, CausalSelfAttention):
+            y, shared = self.attn.attend_shared(self.ln1(x), token_positions, shared,
+                                                kv_cache=kv_cache)  # fmt: skip
+            x = x + y
+            return x + self.ffn(self.ln2(x)), shared  # shared: (K, V) (B, K, S, E) each
         if self.shares_kv and kv_cache is None and context is None:
             h = self.ln1(x)
             if self.attn.produces_kv:
@@ -387,9 +403,12 @@ class TransformerLM(nn.Module):
                     f"sequence length {t} exceeds context_length {self.config.context_length}"
                 )
         x = self.residual_stream(x)  # (B, T, D)
-        shared = None  # CLA: the latents the current group of k blocks attends with
+        shared: Any = None  # CLA: the K/V (latents) the current group of k blocks attends with
+        gqa_cla = self.config.kv_share_every > 1 and self.config.attention_type != "mla"
         for layer in self.layers:
-            if kv_cache is None and self.config.kv_share_every > 1:
+            if gqa_cla:  # (B, T, D), ((B, K, S, E), (B, K, S, E))
+                x, shared = layer(x, token_positions, kv_cache=kv_cache, shared=shared)
+            elif kv_cache is None and self.config.kv_share_every > 1:
                 x, shared = layer(x, token_positions, shared=shared)  # (B, T, D), (B, T, C+R)
             elif kv_cache is None:
                 x = layer(x, token_positions)  # (B, T, D)

@@ -351,6 +351,11 @@ def build_strategy(model: nn.Module, pcfg: ParallelConfig, runtime: Any) -> Stra
         raise LmforgeError("parallel.tp>1 together with parallel.pp>1 is not supported")
     if layout.pp > 1 and getattr(cfg, "tie_embeddings", False):
         raise LmforgeError("parallel.pp>1 needs model.tie_embeddings=false")
+    if (layout.tp > 1 or layout.pp > 1) and getattr(cfg, "kv_share_every", 1) > 1:
+        raise LmforgeError(
+            "parallel.tp>1 or parallel.pp>1 does not support cross-layer KV sharing"
+            " (model.kv_share_every > 1): use data parallelism (DDP, ZeRO-1, FSDP)"
+        )
     if pcfg.domain_size and (layout.tp > 1 or layout.pp > 1 or pcfg.fsdp):
         raise LmforgeError("parallel.domain_size (hierarchical all-reduce) needs plain DP/ZeRO-1")
     if pcfg.domain_size and runtime.world_size % pcfg.domain_size:

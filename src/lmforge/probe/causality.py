@@ -135,7 +135,9 @@ class _Capture:
             layer.record_routing = True
 
     def _hook(self, i: int) -> Any:
-        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            if isinstance(out, tuple):  # a cross-layer KV sharing block: (x, its K/V)
+                out = out[0]
             self.blocks[i] = out.detach().float()
 
         return hook

@@ -40,6 +40,11 @@ def _check_dense(model: nn.Module) -> None:
 
     if not all(isinstance(layer.ffn, SwiGLU) for layer in model.layers):
         raise LmforgeError("pruning supports dense SwiGLU blocks only (not mixture-of-experts)")
+    if getattr(model.config, "kv_share_every", 1) > 1:
+        raise LmforgeError(
+            "pruning does not support cross-layer KV sharing (model.kv_share_every > 1):"
+            " consumer layers have no K/V projections of their own"
+        )
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:

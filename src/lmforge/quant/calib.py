@@ -74,6 +74,12 @@ class BlockRunner:
     """
 
     def __init__(self, model: nn.Module, tokens: torch.Tensor, batch_size: int = 8) -> None:
+        if getattr(getattr(model, "config", None), "kv_share_every", 1) > 1:
+            raise LmforgeError(
+                "calibrated quantization runs one block at a time, and a cross-layer KV sharing"
+                " consumer (model.kv_share_every > 1) needs its producer's keys/values: use"
+                " --method rtn"
+            )
         self.model = model
         self.device = next(model.parameters()).device
         self.states: list[torch.Tensor] = []

@@ -135,6 +135,8 @@ def _recorder(record: dict[str, float], key: str, history: list | None = None) -
     # A forward hook storing the output's mean |x| under ``key`` (then, with ``history``, a
     # copy of the whole record: the model's own hook runs after its modules' hooks).
     def hook(module: Any, inputs: Any, output: Any) -> None:
+        if isinstance(output, tuple):  # a cross-layer KV sharing block: (x, its K/V)
+            output = output[0]
         record[key] = float(output.detach().abs().mean())
         if history is not None:
             history.append(dict(record))

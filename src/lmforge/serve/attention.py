@@ -388,11 +388,18 @@ class PagedOps(StepOps):
         self.use_triton = use_triton
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        ctx: Context,
     ) -> torch.Tensor:
-        """q (N, H, E), k/v (N, K, E) -> (N, H, E); see :meth:`StepOps.attend`."""
+        """q (N, H, E), k/v (N, K, E) (None: a CLA consumer, which only reads the pages)
+        -> (N, H, E); see :meth:`StepOps.attend`."""
         kc, vc = ctx.k_cache[layer], ctx.v_cache[layer]
-        write_kv(kc, vc, ctx.slots, k, v)
+        if k is not None and v is not None:
+            write_kv(kc, vc, ctx.slots, k, v)
         if ctx.decode:
             return paged_decode(
                 q, kc, vc, ctx.block_tables, ctx.ctx_lens, use_triton=self.use_triton

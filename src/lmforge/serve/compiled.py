@@ -13,6 +13,11 @@ copy of the cache). Shapes are dynamic (one compile serves every batch bucket; b
 1 gets its own specialisation), and :class:`~lmforge.serve.cuda_graphs.DecodeGraphs` captures
 the compiled step per bucket like the eager one.
 
+Cross-layer KV sharing (``kv_share_every`` k > 1) takes the same step: a GQA consumer layer
+passes no K/V to ``decode_attention`` (it reads its producer's pages, cache layer i // k,
+written earlier in the same step) and stays off the fused RoPE + KV-write op (its q projection
+still takes the decode GEMV); the cache tensors hold the producing layers only.
+
 MLA and hybrid models take the same step. An MLA layer's decode (the latent write of a
 producing layer, none for a CLA consumer, then the absorbed attention in latent space: the
 Triton latent kernel on CUDA) is one mutating custom op over the latent cache,
@@ -114,8 +119,8 @@ GEMV_DTYPES = (torch.bfloat16, torch.float16)  # fp32 runs too (tests), but cuBL
 @torch.library.custom_op("lmforge_serve::decode_attention", mutates_args=("k_cache", "v_cache"))
 def _decode_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     layer: int,
@@ -124,10 +129,12 @@ def _decode_attention(
     ctx_lens: torch.Tensor,
     use_triton: int,
 ) -> torch.Tensor:
-    """Write layer ``layer``'s new K/V (S, K, E) at ``slots`` of the (L, NB, BS, K, E) caches,
-    then decode attention for q (S, H, E) -> (S, H, E). ``use_triton``: -1 auto, 0 no, 1 yes."""
+    """Write layer ``layer``'s new K/V (S, K, E) at ``slots`` of the (L, NB, BS, K, E) caches
+    (None: a CLA consumer, which reads its producer's pages and writes nothing), then decode
+    attention for q (S, H, E) -> (S, H, E). ``use_triton``: -1 auto, 0 no, 1 yes."""
     kc, vc = k_cache[layer], v_cache[layer]
-    write_kv(kc, vc, slots, k, v)
+    if k is not None and v is not None:
+        write_kv(kc, vc, slots, k, v)
     flag = None if use_triton < 0 else bool(use_triton)
     return paged_decode(q, kc, vc, block_tables, ctx_lens, use_triton=flag).contiguous()
 
@@ -431,9 +438,9 @@ def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tens
             out.append((None, None))
             continue
         # only plain Linears pack (a quantized or hooked module runs as itself, unpacked); MLA
-        # projects through its own modules (no q/k/v to pack)
+        # projects through its own modules (no q/k/v to pack), a CLA consumer has q only
         qkv = None
-        if isinstance(attn, CausalSelfAttention):
+        if isinstance(attn, CausalSelfAttention) and attn.produces_kv:
             qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
             qkv = _pack_rows(qkv_mods) if _fusable(*qkv_mods) else None
         swiglu = isinstance(ffn, SwiGLU) and _fusable(ffn.w1, ffn.w3)
@@ -479,6 +486,9 @@ def gemv_plan(
         attn = layer.attn
         if not isinstance(attn, CausalSelfAttention):  # MLA and linear mixers: own modules
             layers.append((0, 0, ok(w13), w2, False))
+            continue
+        if not attn.produces_kv:  # a CLA consumer: q alone (no K/V to write: never fused)
+            layers.append((lin(attn.q_proj), lin(attn.output_proj), ok(w13), w2, False))
             continue
         fuse = (
             ok(qkv_w) > 0
@@ -529,7 +539,12 @@ class DecodeOps(StepOps):
                     self._splits[(w.shape[0], w.shape[1], w.dtype)] = split
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        ctx: Context,
     ) -> torch.Tensor:
         return torch.ops.lmforge_serve.decode_attention(
             q, k, v, ctx.k_cache, ctx.v_cache, layer, ctx.slots, ctx.block_tables, ctx.ctx_lens,
@@ -611,7 +626,7 @@ class DecodeOps(StepOps):
         eps = attn.q_norm.eps if attn.config.qk_norm else 0.0
         return torch.ops.lmforge_serve.rope_decode_attention(
             torch.ops.lmforge_serve.gemv(h, self._packed[layer][0], g_qkv), attn.rope.cos,
-            attn.rope.sin, ctx.positions, ctx.k_cache, ctx.v_cache, layer, ctx.slots,
+            attn.rope.sin, ctx.positions, ctx.k_cache, ctx.v_cache, attn.cache_index, ctx.slots,
             ctx.block_tables, ctx.ctx_lens, attn.n_heads, self.use_triton, *qn, eps,
         )  # (S, H, E)  # fmt: skip
 
@@ -653,6 +668,8 @@ def _plan_weights(
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
         layer = model.layers[i]
         out += [(w, g) for w, g in ((qkv_w, g_qkv), (w13, g_13)) if w is not None]
+        if isinstance(layer.attn, CausalSelfAttention) and not layer.attn.produces_kv:
+            out.append((layer.attn.q_proj.weight, g_qkv))  # a CLA consumer's q projection
         if isinstance(layer.attn, CausalSelfAttention):
             out.append((layer.attn.output_proj.weight, g_o))
         if w13 is not None:

@@ -63,9 +63,9 @@ __all__ = [
 def new_kv_cache(
     model: nn.Module, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype
 ) -> PagedKVCache | PagedLatentCache:
-    """The paged cache ``model``'s attention needs: keys and values of every layer (GQA), or
-    one (C + R)-wide latent per token of every KV-producing layer (MLA; ceil(L / k) layers with
-    cross-layer sharing every k, :mod:`lmforge.model.cla`)."""
+    """The paged cache ``model``'s attention needs: keys and values of every K/V layer (GQA),
+    or one (C + R)-wide latent per token of every such layer (MLA); with cross-layer sharing
+    every k only the ceil(L / k) producing layers (:mod:`lmforge.model.cla`)."""
     cfg = model.config
     if cfg.attention_type == "mla":
         layers = kv_cache_layers(cfg.n_layers, cfg.kv_share_every)
@@ -78,9 +78,15 @@ def new_kv_cache(
             "which has no quantized KV cache: serve with --kv-cache-dtype auto"
         )
     return PagedKVCache(
-        paged_kv_layers(cfg.layer_types), num_blocks, block_size, cfg.kv_heads, cfg.head_dim,
-        device, dtype, index_layers=n_sparse, index_dim=cfg.dsa_index_dim if n_sparse else 0,
+        _kv_layers(cfg), num_blocks, block_size, cfg.kv_heads, cfg.head_dim, device, dtype,
+        index_layers=n_sparse, index_dim=cfg.dsa_index_dim if n_sparse else 0,
     )  # fmt: skip
+
+
+def _kv_layers(cfg: Any) -> int:
+    """Page layers of a GQA model's K/V: its attention layers (no linear ones), and with
+    cross-layer sharing every k (full attention only) the ceil(L / k) producing ones."""
+    return kv_cache_layers(paged_kv_layers(cfg.layer_types), cfg.kv_share_every)
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -92,7 +98,7 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
         return PagedLatentCache.bytes_per_block(layers, block_size, cfg.mla.latent_dim, dtype)
     per_layer = PagedKVCache.bytes_per_block(model, block_size, dtype) // cfg.n_layers
     index = cfg.layer_types.count("S") * block_size * cfg.dsa_index_dim  # DSA indexer keys
-    return per_layer * paged_kv_layers(cfg.layer_types) + index * dtype.itemsize
+    return per_layer * _kv_layers(cfg) + index * dtype.itemsize
 
 
 class ModelRunner:
