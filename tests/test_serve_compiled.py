@@ -87,14 +87,15 @@ def test_compiled_decode_writes_the_pages_in_place() -> None:
     assert c1.k[:, 1, 0].abs().sum() > 0 and c1.k[:, 2, 2].abs().sum() > 0
 
 
-def test_compiled_prefill_step_equals_eager_with_one_graph() -> None:
+@pytest.mark.parametrize("kw", [{}, pytest.param(dict(kv_share_every=2), id="gqa_cla")])
+def test_compiled_prefill_step_equals_eager_with_one_graph(kw: dict) -> None:
     """Prefill (mixed) steps through the compiled ``mixed_forward``: chunked prefills with
     decode rows mixed in, a lone sequence (padded with a scratch row), a prefix-cache hit;
     greedy tokens equal lmforge.generate, log-probs those of the eager engine within 1e-5, and
     no graph beyond the warm-up's one."""
     from torch._dynamo.utils import counters
 
-    model = _model()
+    model = _model(**kw)
     prompts = _prompts((3, 17, 40, 5, 1, 9))
     params = SamplingParams(temperature=0, max_tokens=8)
     want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]

@@ -147,8 +147,8 @@ def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, use_trito
 @torch.library.custom_op("lmforge_serve::prefill_attention", mutates_args=("k_cache", "v_cache"))
 def _prefill_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     layer: int,
@@ -164,11 +164,13 @@ def _prefill_attention(
     travel as tensors, so one compiled graph serves every mix of chunk lengths: ``meta`` is a
     CPU int64 tensor ``[n_long, n_short, block_m, q_lens (S), ctx_lens (S)]`` and
     ``plan_ints`` the prefill kernel's tile list on the device (:class:`PrefillPlan`'s
-    ``ints``; empty: the torch path). ``use_triton``: -1 auto, 0 no, 1 yes."""
+    ``ints``; empty: the torch path). ``k``/``v`` None: a CLA consumer (reads the pages its
+    producer wrote earlier in the step). ``use_triton``: -1 auto, 0 no, 1 yes."""
     from lmforge.serve._prefill_triton import PrefillPlan
 
     kc, vc = k_cache[layer], v_cache[layer]
-    write_kv(kc, vc, slots, k, v)
+    if k is not None and v is not None:  # (a CLA consumer reads its producer's pages only)
+        write_kv(kc, vc, slots, k, v)
     s = block_tables.shape[0]
     m = meta.tolist()  # a CPU tensor: no device read
     q_lens, ctx = m[3 : 3 + s], m[3 + s :]
@@ -636,8 +638,8 @@ class MixedOps(DecodeOps):
     w1/w3 weights (cuBLAS GEMMs: no decode GEMV, no fused RoPE kernel), and the paged KV write +
     varlen prefill attention as one mutating custom op, ``lmforge_serve::prefill_attention``,
     whose host facts (chunk and context lengths, the kernel's tiles) come in as tensors on the
-    context (``ctx.plan`` = (plan_ints, meta)). Full-attention GQA/MHA layers only
-    (:meth:`CompiledDecode.mixed_ok`)."""
+    context (``ctx.plan`` = (plan_ints, meta)). Full-attention GQA/MHA layers only, CLA
+    consumers included (:meth:`CompiledDecode.mixed_ok`)."""
 
     def __init__(
         self,
@@ -648,7 +650,12 @@ class MixedOps(DecodeOps):
         super().__init__(model, use_triton, packed, None)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        ctx: Context,
     ) -> torch.Tensor:
         plan_ints, meta = ctx.plan
         return torch.ops.lmforge_serve.prefill_attention(
@@ -815,7 +822,6 @@ class CompiledDecode:
             and isinstance(cache, PagedKVCache)
             and states is None
             and set(cfg.layer_types) == {"A"}
-            and getattr(cfg, "kv_share_every", 1) == 1
         )
         self.mixed_failed: str | None = None
         self._mixed_ops = MixedOps(model, flag, self.packed)
