@@ -140,10 +140,12 @@ def test_every_kind_traces_whole(monkeypatch, kind: str) -> None:
     counters.clear()
     eng = Engine(model, compile=True, block_size=4, num_blocks=64, max_num_batched_tokens=8)
     assert isinstance(eng.decoder, compiled.CompiledDecode)
-    assert counters["stats"]["unique_graphs"] == 2  # warm-up: batch 2 (dynamic), batch 1
+    # warm-up: batch 2 (dynamic), batch 1; full-attention kinds also the prefill step's graph
+    graphs = 2 + eng.decoder.mixed_on
+    assert counters["stats"]["unique_graphs"] == graphs
     ids, _ = _run(eng, prompts)
-    assert eng.decoder.failed is None and ids == want
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert eng.decoder.failed is None and eng.decoder.mixed_failed is None and ids == want
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
 
 
 @pytest.mark.parametrize("kind", ["mla_cla2", "GMWA", pytest.param("MMMA", marks=pytest.mark.slow)])
