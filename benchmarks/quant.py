@@ -9,7 +9,7 @@ reference — each row prints its bits-per-byte difference and twice its standar
 the paired units — and int4 RTN whenever an int4 row runs, AWQ's and GPTQ's own baseline): bf16;
 int4 RTN / AWQ / GPTQ (group 64: SmolLM2's width 576 is not a multiple of 128; GPTQ with the
 library's defaults — act order with static groups, diag(H)-weighted clip search of the group
-ranges — then the same with min/max ranges, and in input order); int8 (per channel); fp8
+ranges — later the same in input order and with min/max ranges); int8 (per channel); fp8
 weight-only by RTN with absmax/448 scales, RTN with MSE-searched scales, GPTQ; fp8 W8A8 (dynamic
 per-token activation scales; ``torch._scaled_mm`` on Hopper, emulated with the same rounding
 elsewhere) by RTN, SmoothQuant (MSE-searched scales), GPTQ, SmoothQuant then GPTQ; fp32.
@@ -102,25 +102,25 @@ def quality(args: argparse.Namespace) -> list[dict]:
     # most wanted first, so a run stopped early still answers the main questions
     mse = args.fp8_scale_grid
     gptq = CalibOptions(gptq_damp=args.gptq_damp)  # the library's defaults (act order, clip)
-    configs = [
+    configs = [  # most wanted first, so a run stopped early still answers the main questions
         ("bf16", None, None, None),
         (f"int4 rtn g{g}", "rtn", QuantSpec("int4", g), None),
         (f"int4 awq g{g}", "awq", QuantSpec("int4", g), None),
         (f"int4 gptq g{g} act-order", "gptq", QuantSpec("int4", g), gptq),
-        (f"int4 gptq g{g} act-order min/max", "gptq", QuantSpec("int4", g),
-         dataclasses.replace(gptq, gptq_clip_grid=0)),
-        (f"int4 gptq g{g} input-order", "gptq", QuantSpec("int4", g),
-         dataclasses.replace(gptq, gptq_act_order=False)),
-        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None), None),
         ("fp8 weight-only rtn absmax", "rtn", QuantSpec("fp8", fp8_activations="none"), None),
         ("fp8 weight-only rtn mse", "rtn",
          QuantSpec("fp8", fp8_activations="none", fp8_scale_search=mse), None),
         ("fp8 weight-only gptq", "gptq", QuantSpec("fp8", fp8_activations="none"), gptq),
         ("fp8 W8A8 rtn absmax", "rtn", QuantSpec("fp8"), None),
-        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8", fp8_scale_search=mse), None),
-        ("fp8 W8A8 gptq", "gptq", QuantSpec("fp8"), dataclasses.replace(gptq, gptq_smooth=False)),
         ("fp8 W8A8 smoothquant+gptq", "gptq", QuantSpec("fp8"),
          dataclasses.replace(gptq, gptq_smooth=True)),
+        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8", fp8_scale_search=mse), None),
+        ("fp8 W8A8 gptq", "gptq", QuantSpec("fp8"), dataclasses.replace(gptq, gptq_smooth=False)),
+        (f"int4 gptq g{g} input-order", "gptq", QuantSpec("int4", g),
+         dataclasses.replace(gptq, gptq_act_order=False)),
+        (f"int4 gptq g{g} min/max act-order", "gptq", QuantSpec("int4", g),
+         dataclasses.replace(gptq, gptq_clip_grid=0)),
+        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None), None),
         ("fp32", None, None, None),
     ]  # fmt: skip
     if args.list:
