@@ -115,6 +115,8 @@ def quality(args: argparse.Namespace) -> list[dict]:
         ("fp8 W8A8 smoothquant+gptq", "gptq", QuantSpec("fp8"),
          dataclasses.replace(gptq, gptq_smooth=True)),
         ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8", fp8_scale_search=mse), None),
+        ("fp8 W8A8 smoothquant alpha-search", "smoothquant",
+         QuantSpec("fp8", fp8_scale_search=mse), CalibOptions(smooth_alpha_grid=10)),
         ("fp8 W8A8 gptq", "gptq", QuantSpec("fp8"), dataclasses.replace(gptq, gptq_smooth=False)),
         (f"int4 gptq g{g} input-order", "gptq", QuantSpec("int4", g),
          dataclasses.replace(gptq, gptq_act_order=False)),

@@ -173,6 +173,33 @@ def test_smoothquant_balances_activation_and_weight_ranges() -> None:
 
 
 @torch.no_grad()
+def test_smoothquant_alpha_search_is_no_worse_on_its_rows() -> None:
+    from lmforge.quant.formats import fp8_quantize_rows
+    from lmforge.quant.smoothquant import smooth_search
+
+    g = torch.Generator().manual_seed(13)
+    boost = torch.ones(64)
+    boost[:3] = 40.0  # outlier input channels
+    x = torch.randn(1024, 64, generator=g) * boost
+    ws = [torch.randn(32, 64, generator=g) * 0.05, torch.randn(16, 64, generator=g) * 0.05]
+    stats = ActStats(max_rows=4096, calls=1)
+    stats.add(x)
+    spec = QuantSpec("fp8")
+
+    def err(s: torch.Tensor) -> float:
+        xq, sx = fp8_quantize_rows(x / s)
+        xd = xq.float() * sx
+        return sum(
+            (xd @ quantize_linear(w * s, spec).dequantize().t() - x @ w.t()).pow(2).sum().item()
+            for w in ws
+        )
+
+    s = smooth_search(ws, stats, spec, grid=10)
+    assert s.equal(smooth_search(ws, stats, spec, grid=10))  # deterministic
+    assert err(s) <= err(torch.ones(64)) and err(s) <= err(smooth_scales(ws, stats, 0.5))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_calibrated_model_is_closer_than_rtn(method: str) -> None:
     gen = torch.Generator().manual_seed(5)
@@ -241,9 +268,14 @@ def test_gptq_fp8_whole_model_beats_rtn() -> None:
     calib = torch.randint(0, 96, (16, 32), generator=gen)
     test = torch.randint(0, 96, (4, 32), generator=gen)
     ref = _tiny()(test)
-    for spec in (QuantSpec("fp8", fp8_activations="none"), QuantSpec("fp8")):
+    for spec, smooth in (
+        (QuantSpec("fp8", fp8_activations="none"), False),
+        (QuantSpec("fp8"), False),
+        (QuantSpec("fp8"), True),
+    ):
         rtn = quantize_calibrated(_tiny(), spec, "rtn", None)(test)
-        model = quantize_calibrated(_tiny(), spec, "gptq", calib)
+        model = quantize_calibrated(_tiny(), spec, "gptq", calib, CalibOptions(gptq_smooth=smooth))
+        assert (model.layers[0].attn.output_proj.input_scale is not None) == smooth
         assert model.layers[1].ffn.w2.activations == spec.fp8_activations
         assert (model(test) - ref).norm() < (rtn - ref).norm()
 
@@ -269,6 +301,10 @@ def test_method_errors_are_one_line() -> None:
         quantize_calibrated(_tiny(), QuantSpec("int4", 32), "gptq", None)
     with pytest.raises(LmforgeError, match="smoothquant prepares W8A8"):
         quantize_calibrated(_tiny(), QuantSpec("int4", 32), "smoothquant", None)
+    with pytest.raises(LmforgeError, match="--smooth migrates activation outliers for W8A8"):
+        quantize_calibrated(
+            _tiny(), QuantSpec("int4", 32), "gptq", None, CalibOptions(gptq_smooth=True)
+        )
 
 
 class _Chars:

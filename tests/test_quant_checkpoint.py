@@ -91,19 +91,20 @@ def test_cli_quantize_and_load(ckpt: Path, tmp_path: Path, method: str) -> None:
     assert (got - ref).norm() < 0.4 * ref.norm()  # int4 on a random tiny model is coarse
 
 
-@pytest.mark.parametrize("weight_only", [True, False])
-def test_cli_gptq_fp8(ckpt: Path, tmp_path: Path, weight_only: bool) -> None:
+@pytest.mark.parametrize("weight_only,smooth", [(True, False), (False, False), (False, True)])
+def test_cli_gptq_fp8(ckpt: Path, tmp_path: Path, weight_only: bool, smooth: bool) -> None:
     out = tmp_path / "q-fp8"
     argv = ["quantize", "--checkpoint", str(ckpt), "--method", "gptq", "--format", "fp8"]
     argv += ["--bits", "8", "--out", str(out), "--device", "cpu", "--calib"]
     argv += [str(tmp_path / "calib.txt"), "--calib-samples", "8", "--calib-seq-len", "64"]
-    assert main(argv + (["--fp8-weight-only"] if weight_only else [])) == 0
+    argv += ["--fp8-weight-only"] if weight_only else []
+    assert main(argv + (["--smooth"] if smooth else [])) == 0
     model, tok = load_quantized(out)
     q = model.layers[0].attn.q_proj
     assert type(q).__name__ == "Fp8Linear"
     assert q.activations == ("none" if weight_only else "dynamic")
-    # W8A8 is smoothed first: the output projection keeps its unfoldable scale
-    assert (model.layers[0].attn.output_proj.input_scale is None) == weight_only
+    # smoothed first: the output projection keeps its unfoldable scale
+    assert (model.layers[0].attn.output_proj.input_scale is not None) == smooth
     ids = torch.tensor([tok.encode("The quick brown fox")])
     with torch.no_grad():
         ref, got = _model()(ids), model(ids)

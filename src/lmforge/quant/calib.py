@@ -7,7 +7,9 @@ the model one Transformer block at a time: the inputs of ``model.layers[0]`` are
 the current hidden states with forward hooks on its linears collecting their inputs, the method
 quantizes the block, and the block is run again — now quantized — to give the next block its
 inputs (GPTQ's sequential order: later layers correct for the earlier layers' error). Only one
-block's activations are held at a time.
+block's activations are held at a time. :meth:`BlockRunner.call_order` finds a block's
+true-sequential stages (linears in call order, those reading one input tensor together) and
+``inputs_of(..., stop_early=True)`` ends each forward once the asked-for linears have run.
 
 Shape legend: N samples, T tokens per sample, D model dim, K a linear's input width.
 """
