@@ -12,7 +12,8 @@ library's defaults — act order with static groups, diag(H)-weighted clip searc
 ranges — later the same in input order and with min/max ranges); int8 (per channel); fp8
 weight-only by RTN with absmax/448 scales, RTN with MSE-searched scales, GPTQ; fp8 W8A8 (dynamic
 per-token activation scales; ``torch._scaled_mm`` on Hopper, emulated with the same rounding
-elsewhere) by RTN, SmoothQuant (MSE-searched scales), GPTQ, SmoothQuant then GPTQ; fp32.
+elsewhere) by RTN, SmoothQuant at α = 0.5 and with α searched per group (MSE-searched scales),
+SmoothQuant (α = 0.5) then GPTQ, GPTQ; fp32.
 
 Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16), a gpt-fast-style static-cache
 decode step (one token per sequence, the model's own modules, CUDA-graph replayed) at batch 1
@@ -113,8 +114,9 @@ def quality(args: argparse.Namespace) -> list[dict]:
         ("fp8 weight-only gptq", "gptq", QuantSpec("fp8", fp8_activations="none"), gptq),
         ("fp8 W8A8 rtn absmax", "rtn", QuantSpec("fp8"), None),
         ("fp8 W8A8 smoothquant+gptq", "gptq", QuantSpec("fp8"),
-         dataclasses.replace(gptq, gptq_smooth=True)),
-        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8", fp8_scale_search=mse), None),
+         dataclasses.replace(gptq, gptq_smooth=True, smooth_alpha_grid=0)),
+        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8", fp8_scale_search=mse),
+         CalibOptions(smooth_alpha_grid=0)),
         ("fp8 W8A8 smoothquant alpha-search", "smoothquant",
          QuantSpec("fp8", fp8_scale_search=mse), CalibOptions(smooth_alpha_grid=10)),
         ("fp8 W8A8 gptq", "gptq", QuantSpec("fp8"), dataclasses.replace(gptq, gptq_smooth=False)),

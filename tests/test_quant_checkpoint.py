@@ -126,6 +126,8 @@ def test_cli_gptq_fp8(ckpt: Path, tmp_path: Path, weight_only: bool, smooth: boo
         (["--gptq-damp", "0"], "--gptq-damp must be > 0, got 0.0"),
         (["--format", "fp8", "--bits", "8", "--fp8-scale", "max"], "--fp8-scale must be mse or"),
         (["--smooth"], "--smooth applies to --method gptq with --format fp8 (W8A8)"),
+        (["--smooth-alpha", "1.5"], "--smooth-alpha must be a number in [0, 1] or search"),
+        (["--smooth-alpha", "auto"], "--smooth-alpha must be a number in [0, 1] or search"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_writes_nothing(

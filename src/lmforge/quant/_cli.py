@@ -23,14 +23,14 @@ EXAMPLES = """examples:
 Methods: rtn (round to nearest, no calibration), awq (activation-aware per-channel scales),
 gptq (Hessian-based error correction, act order, diag(H)-weighted clip search of the group
 ranges; int4, int8 or fp8 — for fp8 W8A8 optionally after SmoothQuant's migration, --smooth),
-smoothquant (activation-outlier migration for fp8 W8A8, then round to nearest). Formats: --format
-int with --bits 4 (group-wise, asymmetric unless --symmetric) or 8 (symmetric; --group 0 = one
-scale per output channel); --format fp8 (e4m3, per-channel scales, searched for the smallest
-weight MSE unless --fp8-scale absmax; W8A8 with dynamic per-token activation scales unless
---fp8-weight-only). The LM head and the
-embeddings stay unquantized (--skip PATTERN... to change). The output folder (model.safetensors
-with codes and scales, quantization.json, config.toml, tokenizer) loads with
-lmforge.quant.load_quantized(DIR); its layout is in lmforge.quant.checkpoint's docstring.
+smoothquant (activation-outlier migration for fp8 W8A8, α searched per group, then round to
+nearest). Formats: --format int with --bits 4 (group-wise, asymmetric unless --symmetric) or 8
+(symmetric; --group 0 = one scale per output channel); --format fp8 (e4m3, per-channel scales,
+searched for the smallest weight MSE unless --fp8-scale absmax; W8A8 with dynamic per-token
+activation scales unless --fp8-weight-only). The LM head and the embeddings stay unquantized
+(--skip PATTERN... to change). The output folder (model.safetensors with codes and scales,
+quantization.json, config.toml, tokenizer) loads with lmforge.quant.load_quantized(DIR); its
+layout is in lmforge.quant.checkpoint's docstring.
 """
 
 
@@ -80,6 +80,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--gptq-damp", type=float, default=0.01, help="gptq: damping / mean diag(H) (0.01)"
+    )
+    p.add_argument(
+        "--smooth-alpha",
+        default="search",
+        help="smoothquant migration strength: a number in [0, 1], or search (default: per group, "
+        "the α of 0, 0.1, …, 1 or none with the smallest W8A8 error on calibration rows)",
     )
     p.add_argument(
         "--smooth",
@@ -141,6 +147,16 @@ def _options(args: argparse.Namespace, spec: QuantSpec) -> CalibOptions:
     w8a8 = spec.format == "fp8" and spec.fp8_activations == "dynamic"
     if args.smooth and not (args.method == "gptq" and w8a8):
         raise LmforgeError("--smooth applies to --method gptq with --format fp8 (W8A8)")
+    alpha, alpha_grid = 0.5, 10
+    if args.smooth_alpha != "search":
+        try:
+            alpha, alpha_grid = float(args.smooth_alpha), 0
+        except ValueError:
+            alpha = -1.0
+        if not 0.0 <= alpha <= 1.0:
+            raise LmforgeError(
+                f"--smooth-alpha must be a number in [0, 1] or search, got {args.smooth_alpha!r}"
+            )
     grid, weighted = clips[args.gptq_clip]
     act_order, static_groups = orders[args.gptq_order]
     return CalibOptions(
@@ -151,6 +167,8 @@ def _options(args: argparse.Namespace, spec: QuantSpec) -> CalibOptions:
         gptq_clip_grid=grid,
         gptq_clip_weighted=weighted,
         gptq_smooth=args.smooth,
+        smooth_alpha=alpha,
+        smooth_alpha_grid=alpha_grid,
     )
 
 

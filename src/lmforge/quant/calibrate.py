@@ -43,7 +43,8 @@ METHODS = ("rtn", "awq", "gptq", "smoothquant")
 @dataclasses.dataclass(frozen=True)
 class CalibOptions:
     """Knobs of the calibrated methods (defaults: the papers', plus GPTQ's diag(H)-weighted clip
-    search, measured best on SmolLM2-135M in ``benchmarks/RESULTS.md``)."""
+    search and SmoothQuant's per-group α search, measured best on SmolLM2-135M in
+    ``benchmarks/RESULTS.md``)."""
 
     batch_size: int = 8
     "calibration samples per forward"
@@ -65,8 +66,8 @@ class CalibOptions:
     "AWQ: α steps in [0, 1]"
     smooth_alpha: float = 0.5
     "SmoothQuant: migration strength α"
-    smooth_alpha_grid: int = 0
-    "SmoothQuant: > 0 searches α per group over this grid (and no migration) for W8A8 error"
+    smooth_alpha_grid: int = 10
+    "SmoothQuant: > 0 searches α per group on this grid (and no migration) for the W8A8 error"
     gptq_smooth: bool = False
     "GPTQ fp8 W8A8: SmoothQuant's migration first (measured worse than GPTQ alone on SmolLM2)"
 
