@@ -4,12 +4,16 @@ Part ``quality`` (CPU or GPU): the shipped SmolLM2-135M-Instruct GGUF (dequantiz
 float baseline, itself carrying the file's Q4_1 rounding) is quantized by the library's own
 ``quantize_calibrated`` — the function ``lmforge quantize`` calls — with each method, and scored
 in bits per byte on WikiText-2 test (calibration on a Gutenberg book, so the two texts differ).
-Rows (most wanted first, so a run stopped early answers the main questions): bf16 (the
-reference: each row prints its bits-per-byte difference and twice its standard error, windows
-as the paired units; AWQ and GPTQ also against RTN), int4 RTN / AWQ / GPTQ (group 64: SmolLM2's width 576 is
-not a multiple of 128; GPTQ with act-order, the default, and with static in-order groups),
-int8 (per channel), fp8 weight-only, fp8 W8A8 (dynamic per-token scales; ``torch._scaled_mm``
-on Hopper, emulated with the same rounding elsewhere), fp32.
+Rows (``--list`` prints them, ``--only`` picks some: bf16 always runs, as every row's paired
+reference — each row prints its bits-per-byte difference and twice its standard error, windows as
+the paired units — and int4 RTN whenever an int4 row runs, AWQ's and GPTQ's own baseline): bf16;
+int4 RTN / AWQ / GPTQ (group 64: SmolLM2's width 576 is not a multiple of 128; GPTQ with the
+library's defaults — act order with static groups, diag(H)-weighted clip search of the group
+ranges — later the same in input order and with min/max ranges); int8 (per channel); fp8
+weight-only by RTN with absmax/448 scales, RTN with MSE-searched scales, GPTQ; fp8 W8A8 (dynamic
+per-token activation scales; ``torch._scaled_mm`` on Hopper, emulated with the same rounding
+elsewhere) by RTN, SmoothQuant at α = 0.5 and with α searched per group (MSE-searched scales),
+SmoothQuant (α = 0.5) then GPTQ, GPTQ; fp32.
 
 Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16), a gpt-fast-style static-cache
 decode step (one token per sequence, the model's own modules, CUDA-graph replayed) at batch 1
@@ -20,13 +24,15 @@ dequantize-then-matmul torch reference of Int4Linear (the table says which ran).
 each format's kernel path against a float64 product with its dequantized weights, and the
 decode step's logits against the eager reference model.
 
-    python benchmarks/quant.py --part quality --device cpu --out runs/quant  # 13-17 min a row (busy CPU)
+    python benchmarks/quant.py --part quality --device cpu --out runs/quant  # 1-8 min a row (1 core)
+    python benchmarks/quant.py --part quality --only "fp8 weight-only" --eval-tokens 16384
     python benchmarks/quant.py --part speed --out bench_out/quant    # H200, < 5 min
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -95,31 +101,51 @@ def quality(args: argparse.Namespace) -> list[dict]:
     rows = []
     g = args.group
     # most wanted first, so a run stopped early still answers the main questions
-    configs = [
-        ("bf16", None, None),
-        (f"int4 rtn g{g}", "rtn", QuantSpec("int4", g)),
-        (f"int4 awq g{g}", "awq", QuantSpec("int4", g)),
-        (f"int4 gptq g{g} act-order", "gptq", QuantSpec("int4", g)),
-        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None)),
-        ("fp8 weight-only", "rtn", QuantSpec("fp8", fp8_activations="none")),
-        ("fp8 W8A8 rtn", "rtn", QuantSpec("fp8")),
-        (f"int4 gptq g{g} static", "gptq-static", QuantSpec("int4", g)),
-        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8")),
-        ("fp32", None, None),
-    ]
+    mse = args.fp8_scale_grid
+    gptq = CalibOptions(gptq_damp=args.gptq_damp)  # the library's defaults (act order, clip)
+    configs = [  # most wanted first, so a run stopped early still answers the main questions
+        ("bf16", None, None, None),
+        (f"int4 rtn g{g}", "rtn", QuantSpec("int4", g), None),
+        (f"int4 awq g{g}", "awq", QuantSpec("int4", g), None),
+        (f"int4 gptq g{g} act-order", "gptq", QuantSpec("int4", g), gptq),
+        ("fp8 weight-only rtn absmax", "rtn", QuantSpec("fp8", fp8_activations="none"), None),
+        ("fp8 weight-only rtn mse", "rtn",
+         QuantSpec("fp8", fp8_activations="none", fp8_scale_search=mse), None),
+        ("fp8 weight-only gptq", "gptq", QuantSpec("fp8", fp8_activations="none"), gptq),
+        ("fp8 W8A8 rtn absmax", "rtn", QuantSpec("fp8"), None),
+        ("fp8 W8A8 smoothquant+gptq", "gptq", QuantSpec("fp8"),
+         dataclasses.replace(gptq, gptq_smooth=True, smooth_alpha_grid=0)),
+        ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8", fp8_scale_search=mse),
+         CalibOptions(smooth_alpha_grid=0)),
+        ("fp8 W8A8 smoothquant alpha-search", "smoothquant",
+         QuantSpec("fp8", fp8_scale_search=mse), CalibOptions(smooth_alpha_grid=10)),
+        ("fp8 W8A8 gptq", "gptq", QuantSpec("fp8"), dataclasses.replace(gptq, gptq_smooth=False)),
+        (f"int4 gptq g{g} input-order", "gptq", QuantSpec("int4", g),
+         dataclasses.replace(gptq, gptq_act_order=False)),
+        (f"int4 gptq g{g} min/max act-order", "gptq", QuantSpec("int4", g),
+         dataclasses.replace(gptq, gptq_clip_grid=0)),
+        ("int8 rtn (per channel)", "rtn", QuantSpec("int8", None), None),
+        ("fp32", None, None, None),
+    ]  # fmt: skip
+    if args.list:
+        print("\n".join(c[0] for c in configs))
+        return []
+    wanted = {c[0] for c in configs if not args.only or any(o in c[0] for o in args.only)}
+    if args.only:  # the references of the paired differences always run
+        wanted.add("bf16")
+        if any(w.startswith("int4 ") for w in wanted):
+            wanted.add(f"int4 rtn g{g}")
     ref_nll = rtn_nll = None
-    for name, method, spec in configs:
-        if args.only and not any(o in name for o in args.only):
+    for name, method, spec, options in configs:
+        if name not in wanted:
             continue
         model = TransformerLM(base.config)  # a fresh float model for every row
         model.load_state_dict(state)
         model = model.to(dev).eval()
         t0 = time.time()
         if method is not None:
-            options = CalibOptions(gptq_damp=args.gptq_damp, gptq_act_order=method != "gptq-static")
-            method = method.removesuffix("-static")
             model = quantize_calibrated(
-                model, spec, method, calib if method != "rtn" else None, options
+                model, spec, method, calib if method != "rtn" else None, options or CalibOptions()
             )
         qtime = time.time() - t0
         if name == "bf16":
@@ -434,7 +460,15 @@ def main() -> None:
     p.add_argument("--group", type=int, default=64)
     p.add_argument("--gptq-damp", type=float, default=0.01)
     p.add_argument(
-        "--only", nargs="*", default=None, help="quality rows whose name contains one of these"
+        "--only",
+        nargs="*",
+        default=None,
+        help="quality rows whose name contains one of these (bf16, the reference, always runs; "
+        "int4 rtn too when an int4 row does); --list prints the names",
+    )
+    p.add_argument("--list", action="store_true", help="print the quality rows' names and exit")
+    p.add_argument(
+        "--fp8-scale-grid", type=int, default=50, help="steps of the fp8 rows' mse scale search"
     )
     p.add_argument("--max-len", type=int, default=512, help="speed: KV-cache slots")
     p.add_argument("--steps", type=int, default=100)

@@ -14,7 +14,7 @@ from lmforge.quant import QuantSpec
 from lmforge.quant.apply import quantize_linear
 from lmforge.quant.awq import ActStats, ScaleGroup, apply_scales, awq_scales
 from lmforge.quant.calib import calibration_tokens
-from lmforge.quant.calibrate import quantize_calibrated
+from lmforge.quant.calibrate import CalibOptions, quantize_calibrated
 from lmforge.quant.gptq import gptq_quantize, gptq_reference
 from lmforge.quant.smoothquant import smooth_scales
 from lmforge.utils import LmforgeError
@@ -28,19 +28,32 @@ def _correlated_inputs(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "bits,group,symmetric,act_order",
-    [(4, 16, False, False), (4, 16, False, True), (4, 32, True, False), (8, 64, True, True)],
+    "bits,group,symmetric,act_order,extra",
+    [
+        (4, 16, False, False, {}),
+        (4, 16, False, True, {}),
+        (4, 32, True, False, {}),
+        (8, 64, True, True, {}),
+        (4, 16, False, True, {"static_groups": False}),  # whole groups in act order
+        (4, 16, False, True, {"clip_grid": 20, "clip_weighted": True}),
+        (4, 16, False, True, {"static_groups": False, "clip_grid": 20, "clip_weighted": True}),
+        (4, 16, True, False, {"clip_grid": 20}),
+        (8, 64, True, True, {"fp8": "none"}),
+        (8, 64, True, True, {"fp8": "dynamic", "clip_grid": 20, "clip_weighted": True}),
+        (8, 64, True, False, {"fp8": "none", "fp8_per_channel": False}),
+    ],
 )
 def test_gptq_equals_the_literal_obs_algorithm(
-    bits: int, group: int, symmetric: bool, act_order: bool
+    bits: int, group: int, symmetric: bool, act_order: bool, extra: dict
 ) -> None:
     x = _correlated_inputs(256, 64, 0).double()
     w = torch.randn(12, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     h = 2 * x.t() @ x / x.shape[0]
-    kw = dict(bits=bits, group_size=group, symmetric=symmetric, act_order=act_order)
+    kw = dict(bits=bits, group_size=group, symmetric=symmetric, act_order=act_order, **extra)
     fast = gptq_quantize(w, h, block_size=16, dtype=torch.float64, **kw)  # 4 lazy blocks
     slow = gptq_reference(w, h, **kw)
-    assert torch.equal(fast.qweight, slow.qweight)
+    assert type(fast) is type(slow)
+    assert torch.equal(fast.qweight.view(torch.uint8), slow.qweight.view(torch.uint8))
     torch.testing.assert_close(fast.dequantize(), slow.dequantize(), rtol=0, atol=0)
 
 
@@ -56,6 +69,47 @@ def test_gptq_layer_error_is_below_rtn(bits: int) -> None:
     err_rtn = (x_test @ (rtn - w).t()).norm()
     err_gptq = (x_test @ (gptq - w).t()).norm()
     assert err_gptq < 0.8 * err_rtn
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"clip_grid": 50},
+        {"clip_grid": 50, "clip_weighted": True},
+        {"clip_grid": 50, "clip_weighted": True, "static_groups": False},
+    ],
+)
+def test_gptq_with_clip_search_is_below_rtn_and_deterministic(extra: dict) -> None:
+    x = _correlated_inputs(1024, 128, 2)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) ** 3 * 0.05
+    h = 2 * x.t() @ x / x.shape[0]
+    spec = QuantSpec("int4", 32)
+    rtn = quantize_linear(w, spec).dequantize()
+    a = gptq_quantize(w, h, group_size=32, **extra)
+    b = gptq_quantize(w, h, group_size=32, **extra)
+    assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+    x_test = _correlated_inputs(512, 128, 2)[:256]
+
+    def err(wq: torch.Tensor) -> float:
+        return (x_test @ (wq - w).t()).norm().item()
+
+    assert err(a.dequantize()) < 0.8 * err(rtn)
+
+
+@pytest.mark.parametrize("activations", ["none", "dynamic"])
+def test_gptq_fp8_layer_error_is_below_rtn(activations: str) -> None:
+    from lmforge.quant.formats import Fp8Linear
+
+    x = _correlated_inputs(1024, 128, 7)
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(8)) * 0.05
+    h = 2 * x.t() @ x / x.shape[0]
+    rtn = Fp8Linear.from_float(w, activations=activations)
+    q = gptq_quantize(w, h, fp8=activations, clip_grid=32, clip_weighted=True)
+    assert isinstance(q, Fp8Linear) and q.activations == activations
+    assert q.qweight.dtype == torch.float8_e4m3fn and q.scales.shape == (64,)
+    x_test = _correlated_inputs(512, 128, 7)[:256]
+    want = x_test @ w.t()
+    assert (q.reference(x_test) - want).norm() < 0.85 * (rtn.reference(x_test) - want).norm()
 
 
 def test_awq_beats_rtn_with_outlier_channels() -> None:
@@ -119,6 +173,33 @@ def test_smoothquant_balances_activation_and_weight_ranges() -> None:
 
 
 @torch.no_grad()
+def test_smoothquant_alpha_search_is_no_worse_on_its_rows() -> None:
+    from lmforge.quant.formats import fp8_quantize_rows
+    from lmforge.quant.smoothquant import smooth_search
+
+    g = torch.Generator().manual_seed(13)
+    boost = torch.ones(64)
+    boost[:3] = 40.0  # outlier input channels
+    x = torch.randn(1024, 64, generator=g) * boost
+    ws = [torch.randn(32, 64, generator=g) * 0.05, torch.randn(16, 64, generator=g) * 0.05]
+    stats = ActStats(max_rows=4096, calls=1)
+    stats.add(x)
+    spec = QuantSpec("fp8")
+
+    def err(s: torch.Tensor) -> float:
+        xq, sx = fp8_quantize_rows(x / s)
+        xd = xq.float() * sx
+        return sum(
+            (xd @ quantize_linear(w * s, spec).dequantize().t() - x @ w.t()).pow(2).sum().item()
+            for w in ws
+        )
+
+    s = smooth_search(ws, stats, spec, grid=10)
+    assert s.equal(smooth_search(ws, stats, spec, grid=10))  # deterministic
+    assert err(s) <= err(torch.ones(64)) and err(s) <= err(smooth_scales(ws, stats, 0.5))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_calibrated_model_is_closer_than_rtn(method: str) -> None:
     gen = torch.Generator().manual_seed(5)
@@ -129,6 +210,74 @@ def test_calibrated_model_is_closer_than_rtn(method: str) -> None:
     rtn = quantize_calibrated(_tiny(), spec, "rtn", None)(test)
     cal = quantize_calibrated(_tiny(), spec, method, calib)(test)
     assert (cal - ref).norm() < (rtn - ref).norm()
+
+
+@torch.no_grad()
+def test_true_sequential_stages_and_shared_hessians() -> None:
+    from lmforge.quant.calib import BlockRunner
+    from lmforge.quant.calibrate import _hessians
+
+    model = _tiny()
+    calib = torch.randint(0, 96, (6, 16), generator=torch.Generator().manual_seed(9))
+    runner = BlockRunner(model, calib, batch_size=4)  # two batches
+    block = model.layers[0]
+    names = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj"]
+    names += ["ffn.w1", "ffn.w2", "ffn.w3"]
+    assert runner.call_order(block, names) == [
+        ["attn.q_proj", "attn.k_proj", "attn.v_proj"],
+        ["attn.output_proj"],
+        ["ffn.w1", "ffn.w3"],
+        ["ffn.w2"],
+    ]
+    xs: dict[str, list[torch.Tensor]] = {}
+    runner.inputs_of(block, names, lambda n, x: xs.setdefault(n, []).append(x.clone()))
+    for stop_early in (False, True):
+        hess = _hessians(runner, block, names, stop_early=stop_early)
+        for n in names:
+            x = torch.cat(xs[n])
+            torch.testing.assert_close(hess[n], 2 * x.t() @ x / x.shape[0])
+    # stopping early still sees the asked-for linear in every batch
+    h1 = _hessians(runner, block, ["attn.q_proj"], stop_early=True)
+    torch.testing.assert_close(h1["attn.q_proj"], hess["attn.q_proj"])
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "options",
+    [
+        CalibOptions(gptq_true_sequential=True),
+        CalibOptions(gptq_clip_grid=20, gptq_clip_weighted=True, gptq_static_groups=False),
+    ],
+)
+def test_gptq_options_whole_model(options: CalibOptions) -> None:
+    gen = torch.Generator().manual_seed(5)
+    calib = torch.randint(0, 96, (16, 32), generator=gen)
+    test = torch.randint(0, 96, (4, 32), generator=gen)
+    ref = _tiny()(test)
+    spec = QuantSpec("int4", 32)
+    rtn = quantize_calibrated(_tiny(), spec, "rtn", None)(test)
+    a = quantize_calibrated(_tiny(), spec, "gptq", calib, options)(test)
+    b = quantize_calibrated(_tiny(), spec, "gptq", calib, options)(test)
+    assert torch.equal(a, b)
+    assert (a - ref).norm() < (rtn - ref).norm()
+
+
+@torch.no_grad()
+def test_gptq_fp8_whole_model_beats_rtn() -> None:
+    gen = torch.Generator().manual_seed(6)
+    calib = torch.randint(0, 96, (16, 32), generator=gen)
+    test = torch.randint(0, 96, (4, 32), generator=gen)
+    ref = _tiny()(test)
+    for spec, smooth in (
+        (QuantSpec("fp8", fp8_activations="none"), False),
+        (QuantSpec("fp8"), False),
+        (QuantSpec("fp8"), True),
+    ):
+        rtn = quantize_calibrated(_tiny(), spec, "rtn", None)(test)
+        model = quantize_calibrated(_tiny(), spec, "gptq", calib, CalibOptions(gptq_smooth=smooth))
+        assert (model.layers[0].attn.output_proj.input_scale is not None) == smooth
+        assert model.layers[1].ffn.w2.activations == spec.fp8_activations
+        assert (model(test) - ref).norm() < (rtn - ref).norm()
 
 
 @torch.no_grad()
@@ -152,6 +301,10 @@ def test_method_errors_are_one_line() -> None:
         quantize_calibrated(_tiny(), QuantSpec("int4", 32), "gptq", None)
     with pytest.raises(LmforgeError, match="smoothquant prepares W8A8"):
         quantize_calibrated(_tiny(), QuantSpec("int4", 32), "smoothquant", None)
+    with pytest.raises(LmforgeError, match="--smooth migrates activation outliers for W8A8"):
+        quantize_calibrated(
+            _tiny(), QuantSpec("int4", 32), "gptq", None, CalibOptions(gptq_smooth=True)
+        )
 
 
 class _Chars:

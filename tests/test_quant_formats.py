@@ -182,3 +182,49 @@ def test_gpu_fast_paths_match_their_references(rows: int) -> None:
             want = m.reference(x.float()).float()  # fp32 reference of the same rounding
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 1e-2, (type(m).__name__, rel)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_int4_clip_search_never_increases_the_error(symmetric: bool, weighted: bool) -> None:
+    from lmforge.quant.formats import _int4_err, int4_params_search
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(48, 128, generator=g) ** 3  # heavy tails: clipping pays off
+    c = torch.rand(128, generator=g) * 4 + 0.1 if weighted else None
+    s0, m0 = int4_params(w, 32, symmetric)
+    s1, m1 = int4_params_search(w, 32, symmetric, grid=50, col_weight=c)
+    assert s1.dtype == torch.float16 and s1.shape == (48, 4)
+    assert (m1 is None) == symmetric
+    wg = w.reshape(48, 4, 32)
+    cg = (torch.ones(128) if c is None else c).reshape(1, 4, 32)
+    e0 = _int4_err(wg, s0, m0, cg, 2.4)  # (N, K/G)
+    e1 = _int4_err(wg, s1, m1, cg, 2.4)
+    assert (e1 <= e0).all()
+    assert e1.sum() < 0.97 * e0.sum()
+    # the codes under the searched parameters dequantize to the searched error
+    m = Int4Linear.from_codes(int4_codes(w, s1, m1, 32), s1, m1, 32)
+    e = ((m.dequantize() - w).abs().pow(2.4).reshape(48, 4, 32) * cg).sum(-1)
+    torch.testing.assert_close(e, e1)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fp8_scale_search_never_increases_the_error(per_channel: bool, weighted: bool) -> None:
+    from lmforge.quant.formats import fp8_scales
+
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(40, 96, generator=g) * (torch.rand(40, 1, generator=g) + 0.1)
+    c = torch.rand(96, generator=g) + 0.05 if weighted else torch.ones(96)
+
+    def err(s: torch.Tensor) -> torch.Tensor:
+        m = Fp8Linear.from_float(w, per_channel, "none", scales=s)
+        e = ((m.dequantize() - w).pow(2) * c).sum(-1)
+        return e if per_channel else e.sum()
+
+    s0 = fp8_scales(w, per_channel)
+    torch.testing.assert_close(s0, Fp8Linear.from_float(w, per_channel).scales)  # absmax / 448
+    s1 = fp8_scales(w, per_channel, grid=32, col_weight=c if weighted else None)
+    assert s1.shape == s0.shape and (s1 >= s0).all()  # never clips: scales only grow
+    assert (err(s1) <= err(s0)).all() and err(s1).sum() < 0.99 * err(s0).sum()
+    assert fp8_scales(w, per_channel, grid=32).equal(fp8_scales(w, per_channel, grid=32))

@@ -16,7 +16,7 @@ import fnmatch
 import torch
 from torch import nn
 
-from lmforge.quant.formats import Fp8Linear, Int4Linear, Int8Linear, QuantLinear
+from lmforge.quant.formats import Fp8Linear, Int4Linear, Int8Linear, QuantLinear, fp8_scales
 from lmforge.utils.errors import LmforgeError
 
 __all__ = [
@@ -44,6 +44,8 @@ class QuantSpec:
     "fp8: one scale per output channel (else one per tensor)"
     fp8_activations: str = "dynamic"
     "fp8: dynamic = W8A8 with per-token activation scales, none = weight-only"
+    fp8_scale_search: int = 0
+    "fp8 round to nearest: steps of a per-channel scale search on the weight MSE (0: absmax/448)"
     skip: tuple[str, ...] = ("lm_head",)
     "module names (fnmatch patterns; a pattern also covers the module's children) left unquantized"
 
@@ -54,6 +56,8 @@ class QuantSpec:
             raise LmforgeError(f"group size must be positive, got {self.group_size}")
         if self.format == "int4" and self.group_size is not None and self.group_size % 2:
             raise LmforgeError(f"int4 group size must be even, got {self.group_size}")
+        if self.fp8_scale_search < 0:
+            raise LmforgeError(f"fp8 scale search steps must be >= 0, got {self.fp8_scale_search}")
         if self.fp8_activations not in ("dynamic", "none"):
             raise LmforgeError(
                 f"fp8 activations must be dynamic or none, got {self.fp8_activations!r}"
@@ -105,7 +109,10 @@ def quantize_linear(weight: torch.Tensor, spec: QuantSpec) -> QuantLinear:
         return Int8Linear.from_float(weight, spec.group_for(d_in))
     if spec.format == "int4":
         return Int4Linear.from_float(weight, spec.group_for(d_in), spec.symmetric)
-    return Fp8Linear.from_float(weight, spec.fp8_per_channel, spec.fp8_activations)
+    scales = None
+    if spec.fp8_scale_search:
+        scales = fp8_scales(weight, spec.fp8_per_channel, spec.fp8_scale_search)
+    return Fp8Linear.from_float(weight, spec.fp8_per_channel, spec.fp8_activations, scales)
 
 
 def replace_linears(model: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:

@@ -3,10 +3,15 @@ smoothquant.
 
 :func:`quantize_calibrated` walks ``model.layers`` with a :class:`~lmforge.quant.calib.
 BlockRunner`: for each block it collects what the method needs from its linears' inputs on the
-calibration tokens (GPTQ: the Hessian ``2 X Xᵀ / n``; AWQ and SmoothQuant: per-channel |x|
-statistics and a row sample), swaps the block's linears for quantized modules, and runs the
-quantized block to produce the next block's inputs. Linears outside the blocks (an unskipped LM
-head) are rounded to nearest. The model is changed in place.
+calibration tokens (GPTQ: the Hessian ``2 X Xᵀ / n``, formed once per input tensor that several
+linears share; AWQ and SmoothQuant: per-channel |x| statistics and a row sample), swaps the
+block's linears for quantized modules, and runs the quantized block to produce the next block's
+inputs. GPTQ options: ``gptq_true_sequential`` collects the Hessians stage by stage inside a
+block (q/k/v, then the output projection, w1/w3, w2), each stage after the earlier ones are
+quantized; ``gptq_smooth`` (fp8 W8A8 only) applies SmoothQuant's migration first and runs GPTQ
+on the smoothed weights, with the Hessian of the smoothed inputs (llm-compressor's W8A8 recipe;
+off by default: on SmolLM2 it measured worse than GPTQ alone). Linears outside the blocks (an unskipped LM head) are rounded to nearest. The
+model is changed in place.
 Exercised by ``pytest tests/test_quant_calib.py`` and ``lmforge quantize``.
 """
 
@@ -27,7 +32,7 @@ from lmforge.quant.apply import (
 from lmforge.quant.awq import ActStats, apply_scales, awq_scales, scale_groups
 from lmforge.quant.calib import BlockRunner
 from lmforge.quant.gptq import gptq_quantize
-from lmforge.quant.smoothquant import smooth_scales
+from lmforge.quant.smoothquant import smooth_scales, smooth_search
 from lmforge.utils.errors import LmforgeError
 
 __all__ = ["METHODS", "CalibOptions", "quantize_calibrated"]
@@ -37,7 +42,9 @@ METHODS = ("rtn", "awq", "gptq", "smoothquant")
 
 @dataclasses.dataclass(frozen=True)
 class CalibOptions:
-    """Knobs of the calibrated methods (defaults are the papers')."""
+    """Knobs of the calibrated methods (defaults: the papers', plus GPTQ's diag(H)-weighted clip
+    search and SmoothQuant's per-group α search, measured best on SmolLM2-135M in
+    ``benchmarks/RESULTS.md``)."""
 
     batch_size: int = 8
     "calibration samples per forward"
@@ -45,22 +52,36 @@ class CalibOptions:
     "GPTQ: damping added to diag(H), as a fraction of its mean"
     gptq_act_order: bool = True
     "GPTQ: quantize columns by decreasing diag(H)"
+    gptq_static_groups: bool = True
+    "GPTQ act order: group parameters from the unupdated weights (else whole groups in order)"
     gptq_block_size: int = 128
     "GPTQ: columns per lazy batch update"
+    gptq_true_sequential: bool = False
+    "GPTQ: Hessians of a block's later linears from its earlier linears already quantized"
+    gptq_clip_grid: int = 100
+    "GPTQ: steps of the group range search (int4) or channel scale search (fp8); 0 = min/max"
+    gptq_clip_weighted: bool = True
+    "GPTQ: weight that search's error by diag(H) (else plain weight error, GPTQ's mse option)"
     awq_grid: int = 20
     "AWQ: α steps in [0, 1]"
     smooth_alpha: float = 0.5
     "SmoothQuant: migration strength α"
+    smooth_alpha_grid: int = 10
+    "SmoothQuant: > 0 searches α per group on this grid (and no migration) for the W8A8 error"
+    gptq_smooth: bool = False
+    "GPTQ fp8 W8A8: SmoothQuant's migration first (measured worse than GPTQ alone on SmolLM2)"
 
 
-def check_method(method: str, spec: QuantSpec) -> None:
-    """One line unless ``method`` exists and applies to ``spec``'s format."""
+def check_method(method: str, spec: QuantSpec, options: CalibOptions | None = None) -> None:
+    """One line unless ``method`` (with ``options``) exists and applies to ``spec``'s format."""
+    options = options or CalibOptions()
     if method not in METHODS:
         raise LmforgeError(f"unknown quantization method {method!r} ({', '.join(METHODS)})")
-    if method == "gptq" and spec.format == "fp8":
-        raise LmforgeError("gptq quantizes to int4/int8 grids, not fp8 (use --format int)")
-    if method == "smoothquant" and not (spec.format == "fp8" and spec.fp8_activations == "dynamic"):
+    w8a8 = spec.format == "fp8" and spec.fp8_activations == "dynamic"
+    if method == "smoothquant" and not w8a8:
         raise LmforgeError("smoothquant prepares W8A8: use it with --format fp8 --bits 8")
+    if method == "gptq" and options.gptq_smooth and not w8a8:
+        raise LmforgeError("--smooth migrates activation outliers for W8A8: needs --format fp8")
 
 
 def _block_linears(model: nn.Module, i: int, skip: tuple[str, ...]) -> list[str]:
@@ -68,24 +89,88 @@ def _block_linears(model: nn.Module, i: int, skip: tuple[str, ...]) -> list[str]
     return [n[len(prefix) :] for n in find_linears(model, skip) if n.startswith(prefix)]
 
 
-def _hessians(runner: BlockRunner, block: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+def _hessians(
+    runner: BlockRunner, block: nn.Module, names: list[str], stop_early: bool = False
+) -> dict[str, torch.Tensor]:
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = dict.fromkeys(names, 0)
+    last: list[tuple[torch.Tensor, torch.Tensor]] = []  # (x, Xᵀ X) of the latest input
 
     def visit(name: str, x: torch.Tensor) -> None:
-        xf = x.float()
-        xtx = xf.t() @ xf  # (K, K)
+        # q/k/v (and w1/w3) read one tensor: its product is formed once (x stays referenced,
+        # so an equal pointer is the same live tensor, not a later one in its memory)
+        prev = last[0][0] if last else None
+        if prev is not None and (prev.data_ptr(), prev.shape, prev.stride()) == (
+            x.data_ptr(),
+            x.shape,
+            x.stride(),
+        ):
+            xtx = last[0][1]
+        else:
+            xf = x.float()
+            xtx = xf.t() @ xf  # (K, K)
+            last[:] = [(x, xtx)]
         sums[name] = xtx if name not in sums else sums[name] + xtx
         counts[name] += x.shape[0]
 
-    runner.inputs_of(block, names, visit)
-    return {n: 2.0 * sums[n] / max(counts[n], 1) for n in names}
+    runner.inputs_of(block, names, visit, stop_early)
+    return {n: 2.0 * sums[n] / counts[n] for n in sums}  # a linear never called has none
+
+
+def _gptq_linear(
+    w: torch.Tensor, hessian: torch.Tensor | None, spec: QuantSpec, options: CalibOptions
+) -> nn.Module:
+    if hessian is None:  # never called on the calibration text: nothing to correct against
+        return quantize_linear(w, spec)
+    return gptq_quantize(
+        w,
+        hessian,
+        bits=spec.bits,
+        group_size=spec.group_for(w.shape[1]),
+        symmetric=spec.symmetric,
+        damp=options.gptq_damp,
+        act_order=options.gptq_act_order,
+        static_groups=options.gptq_static_groups,
+        block_size=options.gptq_block_size,
+        clip_grid=options.gptq_clip_grid,
+        clip_weighted=options.gptq_clip_weighted,
+        fp8=spec.fp8_activations if spec.format == "fp8" else None,
+        fp8_per_channel=spec.fp8_per_channel,
+    )
 
 
 def _stats(runner: BlockRunner, block: nn.Module, names: list[str]) -> dict[str, ActStats]:
     stats = {n: ActStats(calls=len(runner.states)) for n in names}
     runner.inputs_of(block, names, lambda n, x: stats[n].add(x))
     return stats
+
+
+def _migrate(
+    runner: BlockRunner,
+    block: nn.Module,
+    names: list[str],
+    method: str,
+    spec: QuantSpec,
+    options: CalibOptions,
+) -> dict[str, torch.Tensor]:
+    """AWQ's or SmoothQuant's per-input-channel scales, applied to the block's float weights;
+    returns the scales that could not be folded (name -> s) for the modules' input_scale."""
+    groups = scale_groups(block, names)
+    stats = _stats(runner, block, [g.linears[0] for g in groups])
+    input_scale: dict[str, torch.Tensor] = {}
+    for g in groups:
+        ws = [block.get_submodule(n).weight for n in g.linears]
+        st = stats[g.linears[0]]
+        if method == "awq":
+            s = awq_scales(ws, st, spec, options.awq_grid)
+        elif options.smooth_alpha_grid:
+            s = smooth_search(ws, st, spec, options.smooth_alpha_grid)
+        else:
+            s = smooth_scales(ws, st, options.smooth_alpha)
+        kept = apply_scales(block, g, s)
+        if kept is not None:
+            input_scale.update(dict.fromkeys(g.linears, kept))
+    return input_scale
 
 
 @torch.no_grad()
@@ -99,7 +184,7 @@ def quantize_calibrated(
 ) -> nn.Module:
     """Quantize ``model``'s linears in place with ``method`` on calibration ``tokens`` (N, T)
     (None is allowed for rtn); returns ``model``."""
-    check_method(method, spec)
+    check_method(method, spec, options)
     check_spec(model, spec)
     if method == "rtn":
         return replace_linears(
@@ -119,34 +204,30 @@ def quantize_calibrated(
         block = model.layers[i]
         names = _block_linears(model, i, spec.skip)
         new: dict[str, nn.Module] = {}
-        if method == "gptq":
-            hess = _hessians(runner, block, names)
-            for n in names:
+        input_scale: dict[str, torch.Tensor] = {}
+        if method != "gptq" or options.gptq_smooth:
+            input_scale = _migrate(runner, block, names, method, spec, options)
+        if method == "gptq":  # unfolded scales: the float block stays exact until quantized
+            for n, sc in input_scale.items():
                 w = block.get_submodule(n).weight
-                new[n] = gptq_quantize(
-                    w,
-                    hess[n],
-                    bits=spec.bits,
-                    group_size=spec.group_for(w.shape[1]),
-                    symmetric=spec.symmetric,
-                    damp=options.gptq_damp,
-                    act_order=options.gptq_act_order,
-                    block_size=options.gptq_block_size,
-                )
+                w.div_(sc.to(w.device, w.dtype)[None, :])
+        if method == "gptq":
+            # true-sequential: each stage's Hessians see the block's earlier stages quantized
+            stages = runner.call_order(block, names) if options.gptq_true_sequential else [names]
+            for stage in stages:
+                hess = _hessians(runner, block, stage, stop_early=len(stages) > 1)
+                for n in stage:
+                    w, h = block.get_submodule(n).weight, hess.get(n)
+                    if n in input_scale:  # the module computes (x / s)(W diag s)ᵀ
+                        sc = input_scale[n].to(w.device)
+                        w = w * sc.to(w.dtype)[None, :]
+                        if h is not None:
+                            h = h / sc.to(h)[:, None] / sc.to(h)[None, :]
+                    new[n] = _gptq_linear(w, h, spec, options)
+                    if n in input_scale:
+                        new[n].set_input_scale(input_scale[n])
+                replace_linears(block, {n: new[n] for n in stage})
         else:
-            groups = scale_groups(block, names)
-            stats = _stats(runner, block, [g.linears[0] for g in groups])
-            input_scale: dict[str, torch.Tensor] = {}
-            for g in groups:
-                ws = [block.get_submodule(n).weight for n in g.linears]
-                st = stats[g.linears[0]]
-                if method == "awq":
-                    s = awq_scales(ws, st, spec, options.awq_grid)
-                else:
-                    s = smooth_scales(ws, st, options.smooth_alpha)
-                kept = apply_scales(block, g, s)
-                if kept is not None:
-                    input_scale.update(dict.fromkeys(g.linears, kept))
             for n in names:
                 new[n] = quantize_linear(block.get_submodule(n).weight, spec)
                 if n in input_scale:

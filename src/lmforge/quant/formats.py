@@ -19,7 +19,8 @@ W8A8 on Hopper) and the reference otherwise.
   channel or (1,) per tensor; ``W = qweight · scales``. ``activations="dynamic"`` is W8A8: each
   row of x gets its own scale (absmax / 448) and is cast to e4m3 too, the product runs as
   ``torch._scaled_mm`` on sm_89+ GPUs (emulated, with the same rounding, elsewhere);
-  ``activations="none"`` is weight-only (dequantize, then a matmul in x's dtype).
+  ``activations="none"`` is weight-only (dequantize, then a matmul in x's dtype). The scale is
+  absmax / 448 unless given (:func:`fp8_scales` searches one minimising the weight error).
 
 Every format may carry ``input_scale`` fp32 (d_in,): the forward computes ``(x / input_scale)
 Wᵀ`` — the per-input-channel scale of AWQ or SmoothQuant when it could not be folded into the
@@ -45,8 +46,10 @@ __all__ = [
     "Int8Linear",
     "QuantEmbedding",
     "QuantLinear",
+    "fp8_scales",
     "int4_codes",
     "int4_params",
+    "int4_params_search",
     "pack_int4",
     "unpack_int4",
 ]
@@ -215,6 +218,59 @@ def int4_params(
     return s, lo.half()
 
 
+def int4_params_search(
+    weight: torch.Tensor,
+    group_size: int,
+    symmetric: bool,
+    grid: int = 100,
+    max_shrink: float = 0.8,
+    norm: float = 2.4,
+    col_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip-searched parameters per (row, group), fp16 (N, K/G) like :func:`int4_params`.
+
+    GPTQ's ``mse`` option (also AutoGPTQ/GPTQModel's): the min/max range is shrunk by factors
+    p = 1, 1 − 1/grid, …, 1 − max_shrink (``[p·min, p·max]``, or ``p·absmax`` symmetric) and each
+    (row, group) keeps the p with the smallest ``Σ_k c_k |w_k − Q(w_k)|^norm`` (c = ``col_weight``
+    (K,), e.g. diag H, or 1). p = 1 is min/max, so the error never exceeds :func:`int4_params`'s.
+    """
+    n, k = weight.shape
+    ng = k // group_size
+    w = weight.detach().float().reshape(n, ng, group_size)  # (N, K/G, G)
+    c = torch.ones(k, device=w.device) if col_weight is None else col_weight.float().to(w.device)
+    c = c.reshape(1, ng, group_size)  # (1, K/G, G)
+    best_s, best_m = int4_params(weight, group_size, symmetric)
+    best_err = _int4_err(w, best_s, best_m, c, norm)  # (N, K/G)
+    lo, hi = w.amin(-1), w.amax(-1)  # (N, K/G)
+    amax = w.abs().amax(-1)
+    for i in range(1, int(max_shrink * grid) + 1):
+        p = 1.0 - i / grid
+        if symmetric:
+            s, m = (p * amax / 7.0).clamp_min(1e-8).half(), None
+        else:
+            s, m = ((p * (hi - lo)) / 15.0).clamp_min(1e-8).half(), (p * lo).half()
+        err = _int4_err(w, s, m, c, norm)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_s = torch.where(better, s, best_s)
+        if m is not None:
+            best_m = torch.where(better, m, best_m)  # type: ignore[arg-type]
+    return best_s, best_m
+
+
+def _int4_err(
+    w: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None, c: torch.Tensor, norm: float
+) -> torch.Tensor:
+    """(N, K/G) weighted error Σ c |w − Q(w)|^norm of w (N, K/G, G) under (s, m) (N, K/G)."""
+    sf = s.float()[..., None]
+    if m is None:
+        dq = ((torch.round(w / sf) + 8).clamp(0, 15) - 8) * sf
+    else:
+        mf = m.float()[..., None]
+        dq = torch.round((w - mf) / sf).clamp(0, 15) * sf + mf
+    return ((w - dq).abs().pow(norm) * c).sum(-1)
+
+
 def int4_codes(
     weight: torch.Tensor,
     scales: torch.Tensor,
@@ -333,6 +389,43 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
 
 
+def fp8_scales(
+    weight: torch.Tensor,
+    per_channel: bool = True,
+    grid: int = 0,
+    col_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 scales (N,) per channel or (1,) per tensor of ``weight`` (N, K) for e4m3 codes.
+
+    ``grid = 0``: absmax / 448. Otherwise a search: the candidates are s = absmax / (448 c) for
+    c = 1, 1 − 1/(2·grid), …, down to just above 1/2 (e4m3 is the same grid at twice the scale,
+    so c in (1/2, 1] covers every alignment of the values against the grid without clipping),
+    and each row (or the tensor) keeps the s with the smallest ``Σ_k c_k (w_k − Q(w_k))²``
+    (c = ``col_weight`` (K,), e.g. the mean squared input of column k, or 1). c = 1 is absmax,
+    so the error never exceeds it.
+    """
+    w = weight.detach().float()
+    amax = w.abs().amax(-1) if per_channel else w.abs().amax().reshape(1)  # (N,) | (1,)
+    s0 = (amax / FP8_MAX).clamp_min(1e-12)
+    if not grid:
+        return s0
+    c = torch.ones(w.shape[1], device=w.device) if col_weight is None else col_weight.float()
+    c = c.to(w.device)
+
+    def err(s: torch.Tensor) -> torch.Tensor:
+        q = (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        e = ((q * s[:, None] - w).pow(2) * c).sum(-1)  # (N,)
+        return e if per_channel else e.sum().reshape(1)
+
+    best_s, best = s0, err(s0)
+    for i in range(1, grid):
+        s = s0 / (1.0 - i / (2 * grid))
+        e = err(s)
+        better = e < best
+        best, best_s = torch.where(better, e, best), torch.where(better, s, best_s)
+    return best_s
+
+
 class Fp8Linear(QuantLinear):
     """float8 e4m3 weights with per-channel or per-tensor fp32 scales; W8A8 or weight-only."""
 
@@ -353,14 +446,18 @@ class Fp8Linear(QuantLinear):
 
     @classmethod
     def from_float(
-        cls, weight: torch.Tensor, per_channel: bool = True, activations: str = "dynamic"
+        cls,
+        weight: torch.Tensor,
+        per_channel: bool = True,
+        activations: str = "dynamic",
+        scales: torch.Tensor | None = None,
     ) -> Fp8Linear:
-        """scale = absmax / 448 per row (or over the tensor), codes = W / scale cast to e4m3."""
+        """Codes = W / scale cast to e4m3; scale = absmax / 448 per row (or over the tensor)
+        unless ``scales`` (N,) | (1,) are given (e.g. :func:`fp8_scales`' search)."""
         d_out, d_in = weight.shape
         m = cls(d_in, d_out, per_channel, activations)
         w = weight.detach().float()
-        amax = w.abs().amax(-1) if per_channel else w.abs().amax().reshape(1)  # (N,) | (1,)
-        s = (amax / FP8_MAX).clamp_min(1e-12)
+        s = fp8_scales(w, per_channel) if scales is None else scales.float().to(w.device)
         m.qweight = (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         m.scales = s
         return m
