@@ -157,15 +157,19 @@ def test_compiled_prefill_is_off_where_layers_read_host_lists(monkeypatch) -> No
 
 @pytest.mark.gpu
 def test_compiled_decode_in_cuda_graphs_is_token_identical() -> None:
-    """On the GPU: compiled step + CUDA graphs + the Triton kernel, fp32, vs lmforge.generate."""
+    """On the GPU: compiled step + CUDA graphs + the Triton kernels (decode, and the varlen
+    prefill inside the compiled prefill step, chunked so decode rows mix in), fp32, vs
+    lmforge.generate."""
     model = _model().cuda()
     prompts = _prompts((3, 17, 40, 5, 60))
     want = [generate(model, [p], 12, temperature=0)[0] for p in prompts]
     eng = Engine(
-        model, block_size=16, num_blocks=64, compile=True, cuda_graphs=True, max_num_seqs=8
-    )
+        model, block_size=16, num_blocks=64, compile=True, cuda_graphs=True, max_num_seqs=8,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
     got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
     assert eng.decoder.failed is None and eng.graphs is not None and eng.graphs.graphs
+    assert eng.decoder.mixed_on and eng.decoder.mixed_failed is None
     assert [o.outputs[0].token_ids for o in got] == want
 
 
