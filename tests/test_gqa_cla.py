@@ -218,7 +218,10 @@ if not _CHILD:
         outs = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in outs] == want
 
-    @pytest.mark.parametrize("name", ["gqa_cla2", "gqa_cla2_all"])
+    # (the every-switch kind is also traced whole, fast, by tests/test_engine_switches.py)
+    @pytest.mark.parametrize(
+        "name", ["gqa_cla2", pytest.param("gqa_cla2_all", marks=pytest.mark.slow)]
+    )
     def test_compiled_decode_step_and_graph_replay_equal_generate(monkeypatch, name: str) -> None:
         """The compiled decode step traces whole (fullgraph: consumers pass no K/V to the
         decode-attention op and read the producer's pages) and the CUDA-graph replay logic

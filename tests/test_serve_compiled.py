@@ -87,7 +87,10 @@ def test_compiled_decode_writes_the_pages_in_place() -> None:
     assert c1.k[:, 1, 0].abs().sum() > 0 and c1.k[:, 2, 2].abs().sum() > 0
 
 
-@pytest.mark.parametrize("kw", [{}, pytest.param(dict(kv_share_every=2), id="gqa_cla")])
+# (CLA's prefill step is also traced whole, fast, by tests/test_serve_compiled_hybrid.py)
+@pytest.mark.parametrize(
+    "kw", [{}, pytest.param(dict(kv_share_every=2), id="gqa_cla", marks=pytest.mark.slow)]
+)
 def test_compiled_prefill_step_equals_eager_with_one_graph(kw: dict) -> None:
     """Prefill (mixed) steps through the compiled ``mixed_forward``: chunked prefills with
     decode rows mixed in, a lone sequence (padded with a scratch row), a prefix-cache hit;
