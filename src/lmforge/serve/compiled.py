@@ -639,15 +639,7 @@ class MixedOps(DecodeOps):
     varlen prefill attention as one mutating custom op, ``lmforge_serve::prefill_attention``,
     whose host facts (chunk and context lengths, the kernel's tiles) come in as tensors on the
     context (``ctx.plan`` = (plan_ints, meta)). Full-attention GQA/MHA layers only, CLA
-    consumers included (:meth:`CompiledDecode.mixed_ok`)."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        use_triton: int,
-        packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
-    ) -> None:
-        super().__init__(model, use_triton, packed, None)
+    consumers included (:meth:`CompiledDecode.mixed_ok`); built without a GEMV plan."""
 
     def attend(
         self,
@@ -739,6 +731,11 @@ def mixed_forward(
     return model(tokens[None], context=ctx)[0].float()  # (1, S) -> (S, V)
 
 
+def _first_line(e: BaseException) -> str:
+    """``Type: first line of the message``: what the one-line fallback notices print."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 # inductor unrolls a sum of fewer terms than this into its consumer's kernel (its default, 8,
 # would leave a split of 8 as one more kernel): above the GEMV's MAX_SPLIT
 SUM_UNROLL = 9
@@ -824,7 +821,7 @@ class CompiledDecode:
             and set(cfg.layer_types) == {"A"}
         )
         self.mixed_failed: str | None = None
-        self._mixed_ops = MixedOps(model, flag, self.packed)
+        self._mixed_ops = MixedOps(model, flag, self.packed, None)
         self._mixed_fn = torch.compile(mixed_forward, dynamic=True)
 
     def warmup(self, scratch_block: int, block_size: int) -> None:
@@ -878,7 +875,7 @@ class CompiledDecode:
                         getattr(self.cache, "index_k", None),
                     )
             except Exception as e:  # any compile/run failure: said once, then a fallback
-                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                why = _first_line(e)
                 if small:  # first the decode GEMV goes (the step is rerun on cuBLAS: the
                     # pages it may have written get the same values again)
                     self.gemv = self._gemv_ops = None
@@ -897,8 +894,8 @@ class CompiledDecode:
 
     def mixed_ok(self, batch: StepBatch) -> bool:
         """Whether a prefill (mixed) step takes :meth:`mixed`: a full-attention GQA/MHA model
-        (no MLA, CLA, windowed, sparse or linear layers), a compiled step that has not failed,
-        and a batch without image rows."""
+        (CLA included; no MLA, windowed, sparse or linear layers), a compiled prefill step that
+        has not failed, and a batch without image rows."""
         return (
             self.mixed_on
             and self.mixed_failed is None
@@ -968,8 +965,7 @@ class CompiledDecode:
                 )  # fmt: skip
             return logits[:s]
         except Exception as e:  # said once; the step is rerun eagerly (the same K/V rewritten)
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            self.mixed_failed = why
+            why = self.mixed_failed = _first_line(e)
             print(
                 f"lmforge serve: torch.compile of the prefill step failed, prefilling eagerly "
                 f"({why[:300]})",
