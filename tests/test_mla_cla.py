@@ -75,3 +75,19 @@ def test_bad_input_is_one_line(kwargs: dict, needle: str) -> None:
     attention = kwargs.pop("attention")
     with pytest.raises(LmforgeError, match=needle):
         kv_bytes_per_token(attention, **kwargs)
+
+
+def test_packed_sft_rows_equal_one_by_one() -> None:
+    """MLA + CLA under packed SFT's block-diagonal stand-in cache: consumers read the producer's
+    latents of the same forward; per-token log-probs and gradients equal the examples' one by
+    one."""
+    import torch
+
+    from lmforge.model import ModelConfig, TransformerLM
+    from test_posttrain_sft import _check_packing, _examples
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=40, context_length=32, d_model=32, n_layers=3, n_heads=4,
+                      attention_type="mla", kv_lora_rank=16, q_lora_rank=0, qk_rope_head_dim=4,
+                      qk_nope_head_dim=8, v_head_dim=8, kv_share_every=2)  # fmt: skip
+    _check_packing(TransformerLM(cfg), _examples(40, (5, 9, 4, 7, 3)))

@@ -163,6 +163,11 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def keys(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s filled keys (B, K, S', E), written by this forward's producer (a CLA
+        consumer reads them)."""
+        return self.k[layer, :, :, : self.length]
+
     def update_index(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """Store S layer ``layer``'s new indexer keys (B, T, E_I) in the forward's slots (the
         buffer created at the layer's first call); return all filled (B, S', E_I)."""

@@ -318,7 +318,7 @@ class MultiHeadLatentAttention(nn.Module):
             empty = new.new_zeros(b, 1, t, 0)  # (B, 1, T, 0): MLA caches no values
             latent, _ = kv_cache.update(idx, new[:, None], empty)  # (B, 1, S', C+R)
         else:
-            latent = kv_cache.k[idx, :, :, : kv_cache.length]  # (B, 1, S', C+R)
+            latent = kv_cache.keys(idx)  # (B, 1, S', C+R)
         q_abs = self.absorbed_query(x, positions)  # (B, T, H, C+R)
         o_lat = self._absorbed_attention(q_abs, latent[:, 0], kv_cache.mask)  # (B, T, H, C)
         return self.absorbed_output(o_lat)

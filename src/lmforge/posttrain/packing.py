@@ -36,6 +36,7 @@ class _BlockDiagonalMask:
     def __init__(self, positions: torch.Tensor, mask: torch.Tensor) -> None:
         self._positions = positions  # (B, T)
         self._mask = mask[:, None]  # (B, 1, T, T)
+        self._keys: dict[int, torch.Tensor] = {}  # layer -> this forward's keys (CLA consumers)
 
     def begin(self, num_new: int, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         if num_new != self._positions.shape[1]:
@@ -43,7 +44,12 @@ class _BlockDiagonalMask:
         return self._positions, self._mask
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self._keys[layer] = k  # held for this forward only: an MLA+CLA consumer reads them
         return k, v  # (B, K, T, E): nothing cached, the layer attends over its own keys
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """The keys (B, K, T, E) layer ``layer``'s producer passed to :meth:`update`."""
+        return self._keys[layer]
 
     @property
     def mask(self) -> torch.Tensor:
