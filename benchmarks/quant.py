@@ -15,14 +15,16 @@ per-token activation scales; ``torch._scaled_mm`` on Hopper, emulated with the s
 elsewhere) by RTN, SmoothQuant at α = 0.5 and with α searched per group (MSE-searched scales),
 SmoothQuant (α = 0.5) then GPTQ, GPTQ; fp32.
 
-Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16), a gpt-fast-style static-cache
-decode step (one token per sequence, the model's own modules, CUDA-graph replayed) at batch 1
-(ms/token) and batch 64 (tokens/s) for bf16 / int8 / int4 (g128) / fp8 W8A8 linears; the floor
-is the bytes the step reads (weights + scales) / 4.27 TB/s. Peer in the same run: torchao's int4
-weight-only (``Int4WeightOnlyConfig``, group 128) when torchao imports, else the
-dequantize-then-matmul torch reference of Int4Linear (the table says which ran). Correctness first:
-each format's kernel path against a float64 product with its dequantized weights, and the
-decode step's logits against the eager reference model.
+Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16) for bf16 / int4 (g128) / int8 /
+fp8 W8A8 linears, each served by ``Engine(model)`` with its defaults (compiled decode step, CUDA
+graphs: the path ``lmforge serve --checkpoint Q`` runs): the median decode step at batch 1
+(ms/token) and at batch 64 (tokens/s), 128-token prompts; the floor is the linear weights' bytes
+(codes and scales) / 4.27 TB/s. Peers in the same run: torchao's int4 weight-only
+(``Int4WeightOnlyConfig``, group 128) when torchao imports, and always Int4Linear's
+dequantize-then-matmul torch reference compiled in the same engine step; the independent bf16
+static-cache Llama under ``torch.compile(mode="reduce-overhead")`` (gpt-fast style, from
+``benchmarks/serve.py``). Correctness first: each format's kernel path against a float64
+product with its dequantized weights, and each model's logits against bf16's.
 
     python benchmarks/quant.py --part quality --device cpu --out runs/quant  # 1-8 min a row (1 core)
     python benchmarks/quant.py --part quality --only "fp8 weight-only" --eval-tokens 16384
@@ -35,7 +37,6 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -201,72 +202,6 @@ def tinyllama_config():
     )  # fmt: skip
 
 
-class StaticDecoder:
-    """gpt-fast-style decode: static (L, B, K, S, E) caches, one token per row per step, the
-    model's own modules (so quantized linears run as they would anywhere), CUDA-graph replay."""
-
-    def __init__(self, model, batch: int, max_len: int) -> None:
-        cfg = model.config
-        self.model, self.b, self.max_len = model, batch, max_len
-        dev = next(model.buffers()).device
-        shape = (cfg.n_layers, batch, cfg.kv_heads, max_len, int(cfg.head_dim))
-        self.k = torch.zeros(shape, device=dev, dtype=torch.bfloat16)
-        self.v = torch.zeros(shape, device=dev, dtype=torch.bfloat16)
-        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graph = None
-
-    @torch.no_grad()
-    def step(self) -> torch.Tensor:
-        m, cfg = self.model, self.model.config
-        b = self.b
-        h, kh, e = cfg.n_heads, cfg.kv_heads, int(cfg.head_dim)
-        x = m.token_embeddings(self.tok).to(torch.bfloat16)  # (B, 1, D)
-        slots = torch.arange(self.max_len, device=x.device)
-        mask = (slots <= self.pos)[None, None, None, :]  # (1, 1, 1, S)
-        for i, layer in enumerate(m.layers):
-            attn = layer.attn
-            y = layer.ln1(x)
-            q = attn.q_proj(y).view(b, 1, h, e).transpose(1, 2)  # (B, H, 1, E)
-            k = attn.k_proj(y).view(b, 1, kh, e).transpose(1, 2)  # (B, K, 1, E)
-            v = attn.v_proj(y).view(b, 1, kh, e).transpose(1, 2)  # (B, K, 1, E)
-            q, k = attn.rope(q, self.pos), attn.rope(k, self.pos)
-            self.k[i].index_copy_(2, self.pos, k)
-            self.v[i].index_copy_(2, self.pos, v)
-            o = F.scaled_dot_product_attention(
-                q, self.k[i], self.v[i], attn_mask=mask, enable_gqa=True
-            )  # (B, H, 1, E)
-            x = x + attn.output_proj(o.transpose(1, 2).reshape(b, 1, h * e))
-            x = x + layer.ffn(layer.ln2(x))
-        return m.lm_head(m.ln_final(x))  # (B, 1, V)
-
-    def capture(self) -> None:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                self.step()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self.step()
-
-    def time_ms(self, steps: int, reps: int) -> float:
-        """Median ms per step over ``reps`` runs of ``steps`` replays (CUDA events)."""
-        times = []
-        for _ in range(reps):
-            self.pos.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                self.graph.replay()
-                self.pos.add_(1)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / steps)
-        return statistics.median(times)
-
-
 def _bytes_read(model) -> int:
     """Bytes a decode step reads from the linears (codes, scales, offsets; bf16 weights)."""
     total = 0
@@ -341,7 +276,23 @@ def _to_nn_linear(model) -> None:
             setattr(model.get_submodule(parent) if parent else model, attr, lin)
 
 
+def _serve_bench():
+    """benchmarks/serve.py as a module: its engine-decode timer and its independent compiled
+    static-cache Llama (the gpt-fast-style peer)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_lmforge_serve_bench", Path(__file__).with_name("serve.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def speed(args: argparse.Namespace) -> list[dict]:
+    """Each format through ``Engine(model)`` with its defaults (compiled decode step, CUDA
+    graphs: what ``lmforge serve --checkpoint Q`` runs): ms per decode step at batch 1 and
+    tokens/s at batch 64; peers in the same run."""
     assert torch.cuda.is_available(), "the speed part needs CUDA"
     dev = "cuda"
     print("correctness (kernel path vs float64, rel. max error):")
@@ -357,73 +308,62 @@ def speed(args: argparse.Namespace) -> list[dict]:
             f"  {spec.format} g{spec.group_size} sym={spec.symmetric}: {err:.2e} {'ok' if ok else 'FAIL'}"
         )
         assert ok
-    kinds = ["bf16", "int8", "int4", "fp8"]
+    bench = _serve_bench()
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, 32000, (64, args.prompt), generator=gen).tolist()
+    kinds = ["bf16", "int4", "int8", "fp8"]
     try:
         import torchao  # noqa: F401
 
-        peer = "torchao-int4"
+        kinds.append("torchao-int4")
     except Exception as e:
-        print(f"torchao not usable ({type(e).__name__}: {e}); peer = int4 torch dequant reference")
-        peer = "int4-torch-ref"
-    kinds.append(peer)
-    rows = []
+        print(f"torchao not usable ({type(e).__name__}: {e}); int4 peer = Int4Linear's torch "
+              "dequantize-then-matmul reference, compiled in the same engine step")  # fmt: skip
+    kinds.append("int4-torch-ref")
+    rows: list[dict] = []
     ref_logits = None
+    probe = torch.tensor([prompts[0][:16]], device=dev)
     for kind in kinds:
         try:
             model = _model(kind, dev)
         except Exception as e:
             print(f"{kind}: could not build ({type(e).__name__}: {e})")
-            if kind == "torchao-int4":  # torchao imports but does not run here: the other peer
-                print("peer = int4 torch dequant reference")
-                kinds.append("int4-torch-ref")
             continue
         wbytes = _bytes_read(model)
-        if kind == "torchao-int4" and rows:  # its tensor subclass reports logical bf16 sizes:
-            wbytes = next(r["weight_MB"] for r in rows if r["format"] == "int4") * 1e6  # ~same
+        if kind == "torchao-int4":  # its tensor subclass reports logical bf16 sizes
+            wbytes = next((r["weight_MB"] for r in rows if r["format"] == "int4"), 0) * 1e6
         row = {
             "format": kind,
             "weight_MB": wbytes / 1e6,
             "floor_ms": wbytes / HBM_BYTES_PER_S * 1e3,
         }
+        eager = model(probe)[0, -1].float()  # the quantized model's own forward vs bf16's
+        if kind == "bf16":
+            ref_logits = eager
+        elif ref_logits is not None:
+            row["logits_vs_bf16_rel"] = ((eager - ref_logits).norm() / ref_logits.norm()).item()
         try:
-            for batch in (1, 64):
-                dec = StaticDecoder(model, batch, args.max_len)
-                dec.tok.copy_(
-                    torch.randint(0, 32000, (batch, 1), generator=torch.Generator().manual_seed(1))
-                )
-                if batch == 1:  # correctness of the step: logits vs the model's own eager forward
-                    logits = dec.step()[0, 0].float()
-                    eager = model(dec.tok[:1])[0, -1].float()
-                    rel = ((logits - eager).norm() / eager.norm()).item()
-                    row["step_vs_forward_rel"] = rel
-                    assert rel < 0.05, f"{kind}: decode step disagrees with the forward ({rel:.3f})"
-                    if kind == "bf16":
-                        ref_logits = eager
-                    elif ref_logits is not None:
-                        row["logits_vs_bf16_rel"] = (
-                            (eager - ref_logits).norm() / ref_logits.norm()
-                        ).item()
-                    dec.pos.zero_()
-                dec.capture()
-                ms = dec.time_ms(args.steps, args.reps)
-                if batch == 1:
-                    row["b1_ms_per_token"] = ms
-                else:
-                    row["b64_tokens_per_s"] = batch / ms * 1e3
-                del dec
+            (b1, b64), summary = bench._engine_decode(model, [prompts[:1], prompts], args.new)
         except Exception as e:
-            if kind != "torchao-int4":
-                raise
-            # the peer built but does not decode here (graph capture, dtype): the other peer
-            print(
-                f"{kind}: decode failed ({type(e).__name__}: {e}); peer = int4 torch dequant reference"
-            )
-            kinds.append("int4-torch-ref")
+            print(f"{kind}: the engine failed ({type(e).__name__}: {str(e).splitlines()[0]})")
             continue
+        row["b1_ms_per_token"] = b1
+        row["b64_tokens_per_s"] = 64 / b64 * 1e3
+        bf = next((r for r in rows if r["format"] == "bf16"), None)
+        if bf is not None:
+            row["b1_vs_bf16"] = b1 / bf["b1_ms_per_token"]
+        row["engine"] = summary
         rows.append(row)
         print(json.dumps(row), flush=True)
         del model
         torch.cuda.empty_cache()
+    ms, how = bench._peer_decode(bench.TINYLLAMA, prompts[0], args.new, compile=True)
+    row = {"format": "bf16 peer: " + how, "b1_ms_per_token": ms}
+    bf = next((r for r in rows if r["format"] == "bf16"), None)
+    if bf is not None:
+        row["b1_vs_bf16"] = ms / bf["b1_ms_per_token"]
+    rows.append(row)
+    print(json.dumps(row), flush=True)
     return rows
 
 
@@ -470,9 +410,8 @@ def main() -> None:
     p.add_argument(
         "--fp8-scale-grid", type=int, default=50, help="steps of the fp8 rows' mse scale search"
     )
-    p.add_argument("--max-len", type=int, default=512, help="speed: KV-cache slots")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--prompt", type=int, default=128, help="speed: prompt tokens per request")
+    p.add_argument("--new", type=int, default=64, help="speed: tokens decoded per request")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_grad_enabled(False)
@@ -496,7 +435,8 @@ def main() -> None:
         print(_table(out["quality"], QUALITY_COLUMNS))
     if "speed" in out:
         print(
-            f"\nTinyLlama-1.1B shape, random weights, static-cache decode + CUDA graph; floor = bytes / {HBM_BYTES_PER_S / 1e12} TB/s"
+            f"\nTinyLlama-1.1B shape, random weights, Engine(model) defaults (median decode step at "
+            f"full batch); floor = linear-weight bytes / {HBM_BYTES_PER_S / 1e12} TB/s"
         )
         print(
             _table(
@@ -507,6 +447,7 @@ def main() -> None:
                     "floor_ms",
                     "b1_ms_per_token",
                     "b64_tokens_per_s",
+                    "b1_vs_bf16",
                     "logits_vs_bf16_rel",
                 ],
             )
