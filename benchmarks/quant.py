@@ -311,15 +311,16 @@ def speed(args: argparse.Namespace) -> list[dict]:
     bench = _serve_bench()
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, 32000, (64, args.prompt), generator=gen).tolist()
-    kinds = ["bf16", "int4", "int8", "fp8"]
-    try:
-        import torchao  # noqa: F401
+    kinds = [k for k in ("bf16", "int4", "int8", "fp8") if k in args.formats]
+    if "peers" in args.formats:
+        try:
+            import torchao  # noqa: F401
 
-        kinds.append("torchao-int4")
-    except Exception as e:
-        print(f"torchao not usable ({type(e).__name__}: {e}); int4 peer = Int4Linear's torch "
-              "dequantize-then-matmul reference, compiled in the same engine step")  # fmt: skip
-    kinds.append("int4-torch-ref")
+            kinds.append("torchao-int4")
+        except Exception as e:
+            print(f"torchao not usable ({type(e).__name__}: {e}); int4 peer = Int4Linear's torch "
+                  "dequantize-then-matmul reference, compiled in the same engine step")  # fmt: skip
+        kinds.append("int4-torch-ref")
     rows: list[dict] = []
     ref_logits = None
     probe = torch.tensor([prompts[0][:16]], device=dev)
@@ -357,6 +358,8 @@ def speed(args: argparse.Namespace) -> list[dict]:
         print(json.dumps(row), flush=True)
         del model
         torch.cuda.empty_cache()
+    if "peers" not in args.formats:
+        return rows
     ms, how = bench._peer_decode(bench.TINYLLAMA, prompts[0], args.new, compile=True)
     row = {"format": "bf16 peer: " + how, "b1_ms_per_token": ms}
     bf = next((r for r in rows if r["format"] == "bf16"), None)
@@ -412,6 +415,12 @@ def main() -> None:
     )
     p.add_argument("--prompt", type=int, default=128, help="speed: prompt tokens per request")
     p.add_argument("--new", type=int, default=64, help="speed: tokens decoded per request")
+    p.add_argument(
+        "--formats",
+        type=lambda v: v.split(","),
+        default=["bf16", "int4", "int8", "fp8", "peers"],
+        help="speed: comma-separated rows to run (default bf16,int4,int8,fp8,peers)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_grad_enabled(False)
