@@ -207,7 +207,13 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = _start_server(folder, port, args.device, tmp / "server.log")
+    # the server's own log beside the results (where a slow start-up or a failure shows)
+    log = Path(args.out) / "server.log" if args.out else tmp / "server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"starting lmforge serve on 127.0.0.1:{port} (log {log})", flush=True)
+    t0 = time.perf_counter()
+    proc = _start_server(folder, port, args.device, log)
+    print(f"server answered /health after {time.perf_counter() - t0:.0f} s", flush=True)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=300) as http:
             err = check_logprobs(http, folder, images[-1], args.device)
