@@ -210,3 +210,21 @@ def test_packed_weights_are_views_and_updates_write_through() -> None:
     p = _prompts((7,))
     got = eng.generate(p, SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].token_ids
     assert got == generate(new, p, 6, temperature=0)[0]
+
+
+@pytest.mark.parametrize("fmt", ["int4", pytest.param("int8", marks=pytest.mark.slow)])
+def test_compiled_steps_serve_a_quantized_model(fmt: str) -> None:
+    """Quantized linears (custom ops) inside the compiled decode and prefill steps: greedy
+    tokens equal lmforge.generate on the same quantized model, and neither step fell back."""
+    from lmforge.quant import QuantSpec, quantize_model
+
+    model = quantize_model(_model(), QuantSpec(fmt, 32 if fmt == "int4" else None)).eval()
+    assert type(model.layers[0].attn.q_proj).__name__ != "Linear"
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
+    eng = Engine(model, block_size=8, num_blocks=64, compile=True, compile_prefill=True)
+    got = eng.generate(prompts, params)
+    assert eng.decoder is not None and eng.decoder.failed is None
+    assert eng.decoder.mixed_failed is None
+    assert [o.outputs[0].token_ids for o in got] == want
