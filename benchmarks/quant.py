@@ -28,7 +28,8 @@ product with its dequantized weights, and each model's logits against bf16's.
 
     python benchmarks/quant.py --part quality --device cpu --out runs/quant  # 1-8 min a row (1 core)
     python benchmarks/quant.py --part quality --only "fp8 weight-only" --eval-tokens 16384
-    python benchmarks/quant.py --part speed --out bench_out/quant    # H200, < 5 min
+    python benchmarks/quant.py --part speed --out bench_out/quant    # CUDA: one engine warm-up a row
+    python benchmarks/quant.py --part speed --formats bf16,int4      # the target row alone
 """
 
 from __future__ import annotations
