@@ -38,10 +38,8 @@ def _load_values(ptrs, mask, QUANT: tl.constexpr, MMA: tl.constexpr):
     uint8, or int8) converted exactly."""
     x = tl.load(ptrs, mask=mask, other=0)
     if QUANT == 1:
-        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    elif QUANT == 2:
-        x = x.to(tl.float32)
-    return x.to(MMA)
+        x = x.to(tl.float8e4nv, bitcast=True)
+    return x.to(MMA)  # exact: e4m3 and int8 values are bf16/f16/fp32 values
 
 
 def quant_code(cache: torch.Tensor) -> int:
