@@ -23,6 +23,7 @@ Shape legend: R sampled calibration rows, K input width, N output width.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,7 +31,14 @@ from torch import nn
 from lmforge.quant.apply import QuantSpec, quantize_linear
 from lmforge.quant.formats import QuantLinear
 
-__all__ = ["ActStats", "ScaleGroup", "apply_scales", "awq_scales", "scale_groups"]
+__all__ = [
+    "ActStats",
+    "ScaleGroup",
+    "apply_scales",
+    "awq_scales",
+    "least_error_scale",
+    "scale_groups",
+]
 
 
 @dataclasses.dataclass
@@ -126,19 +134,35 @@ def awq_scales(
 ) -> torch.Tensor:
     """The per-input-channel scale s (K,) of one group: α in {0, 1/grid, …, 1} minimising the
     group's output error after quantizing W·diag s (round to nearest in ``spec``'s format)."""
-    x = stats.sample()  # (R, K)
     a = stats.mean_abs.cpu().clamp_min(1e-8)  # (K,)
+    cands = []
+    for i in range(grid + 1):
+        s = a.pow(i / grid)
+        cands.append(s / (s.max() * s.min()).sqrt())
+    return least_error_scale(weights, stats.sample(), cands, spec)
+
+
+def least_error_scale(
+    weights: list[torch.Tensor],
+    x: torch.Tensor,
+    candidates: list[torch.Tensor],
+    spec: QuantSpec,
+    round_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The candidate s (K,) whose migrated group ``(x / s) Q(W diag s)ᵀ`` is closest (squared
+    error summed over the group's linears) to ``x Wᵀ`` on rows x (R, K); ``round_rows`` rounds
+    the scaled activations as the module will (W8A8), or None (weight-only)."""
     ws = [w.detach().float().cpu() for w in weights]
     want = [x @ w.t() for w in ws]  # (R, N) each
-    best, best_s = float("inf"), torch.ones_like(a)
-    for i in range(grid + 1):
-        alpha = i / grid
-        s = a.pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()
-        xs = x / s  # (R, K)
+    best, best_s = float("inf"), candidates[0]
+    for s in candidates:
+        sc = s.cpu()
+        xs = x / sc  # (R, K)
+        if round_rows is not None:
+            xs = round_rows(xs)
         err = 0.0
         for w, y in zip(ws, want, strict=True):
-            wq = quantize_linear(w * s, spec).dequantize()  # (N, K)
+            wq = quantize_linear(w * sc, spec).dequantize()  # (N, K)
             err += (xs @ wq.t() - y).pow(2).sum().item()
         if err < best:
             best, best_s = err, s

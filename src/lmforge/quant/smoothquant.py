@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from lmforge.quant.apply import QuantSpec, quantize_linear
-from lmforge.quant.awq import ActStats
+from lmforge.quant.apply import QuantSpec
+from lmforge.quant.awq import ActStats, least_error_scale
 from lmforge.quant.formats import fp8_quantize_rows
 
 __all__ = ["smooth_scales", "smooth_search"]
@@ -43,20 +43,12 @@ def smooth_search(
     """The migration scale s (K,) of one group with α in {0, 1/grid, …, 1} (or s = 1) chosen
     for the smallest W8A8 output error on the sampled rows (weights rounded with absmax scales
     during the search, for speed)."""
-    x = stats.sample()  # (R, K)
-    ws = [w.detach().float().cpu() for w in weights]
-    want = [x @ w.t() for w in ws]  # (R, N) each
     fast = QuantSpec("fp8", fp8_per_channel=spec.fp8_per_channel)
-    cands = [torch.ones(x.shape[1])] + [smooth_scales(ws, stats, i / grid) for i in range(grid + 1)]
-    best, best_s = float("inf"), cands[0]
-    for s in cands:
-        sc = s.cpu()
-        xq, sx = fp8_quantize_rows(x / sc)
-        xd = xq.float() * sx  # (R, K)
-        err = 0.0
-        for w, y in zip(ws, want, strict=True):
-            wq = quantize_linear(w * sc, fast).dequantize()  # (N, K)
-            err += (xd @ wq.t() - y).pow(2).sum().item()
-        if err < best:
-            best, best_s = err, s
-    return best_s
+    cands = [torch.ones(stats.mean_abs.shape[0])]
+    cands += [smooth_scales(weights, stats, i / grid) for i in range(grid + 1)]
+
+    def round_rows(x: torch.Tensor) -> torch.Tensor:
+        xq, sx = fp8_quantize_rows(x)
+        return xq.float() * sx  # (R, K): per-row e4m3, as the module rounds its inputs
+
+    return least_error_scale(weights, stats.sample(), cands, fast, round_rows)
