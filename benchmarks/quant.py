@@ -13,7 +13,7 @@ ranges — later the same in input order and with min/max ranges); int8 (per cha
 weight-only by RTN with absmax/448 scales, RTN with MSE-searched scales, GPTQ; fp8 W8A8 (dynamic
 per-token activation scales; ``torch._scaled_mm`` on Hopper, emulated with the same rounding
 elsewhere) by RTN, SmoothQuant at α = 0.5 and with α searched per group (MSE-searched scales),
-SmoothQuant (α = 0.5) then GPTQ, GPTQ; fp32.
+GPTQ; fp32.
 
 Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16) for bf16 / int4 (g128) / int8 /
 fp8 W8A8 linears, each served by ``Engine(model)`` with its defaults (compiled decode step, CUDA
@@ -115,13 +115,11 @@ def quality(args: argparse.Namespace) -> list[dict]:
          QuantSpec("fp8", fp8_activations="none", fp8_scale_search=mse), None),
         ("fp8 weight-only gptq", "gptq", QuantSpec("fp8", fp8_activations="none"), gptq),
         ("fp8 W8A8 rtn absmax", "rtn", QuantSpec("fp8"), None),
-        ("fp8 W8A8 smoothquant+gptq", "gptq", QuantSpec("fp8"),
-         dataclasses.replace(gptq, gptq_smooth=True, smooth_alpha_grid=0)),
         ("fp8 W8A8 smoothquant", "smoothquant", QuantSpec("fp8", fp8_scale_search=mse),
          CalibOptions(smooth_alpha_grid=0)),
         ("fp8 W8A8 smoothquant alpha-search", "smoothquant",
          QuantSpec("fp8", fp8_scale_search=mse), CalibOptions(smooth_alpha_grid=10)),
-        ("fp8 W8A8 gptq", "gptq", QuantSpec("fp8"), dataclasses.replace(gptq, gptq_smooth=False)),
+        ("fp8 W8A8 gptq", "gptq", QuantSpec("fp8"), gptq),
         (f"int4 gptq g{g} input-order", "gptq", QuantSpec("int4", g),
          dataclasses.replace(gptq, gptq_act_order=False)),
         (f"int4 gptq g{g} min/max act-order", "gptq", QuantSpec("int4", g),

@@ -34,9 +34,7 @@ def _correlated_inputs(n: int, k: int, seed: int) -> torch.Tensor:
         (4, 16, False, True, {}),
         (4, 32, True, False, {}),
         (8, 64, True, True, {}),
-        (4, 16, False, True, {"static_groups": False}),  # whole groups in act order
         (4, 16, False, True, {"clip_grid": 20, "clip_weighted": True}),
-        (4, 16, False, True, {"static_groups": False, "clip_grid": 20, "clip_weighted": True}),
         (4, 16, True, False, {"clip_grid": 20}),
         (8, 64, True, True, {"fp8": "none"}),
         (8, 64, True, True, {"fp8": "dynamic", "clip_grid": 20, "clip_weighted": True}),
@@ -76,7 +74,6 @@ def test_gptq_layer_error_is_below_rtn(bits: int) -> None:
     [
         {"clip_grid": 50},
         {"clip_grid": 50, "clip_weighted": True},
-        {"clip_grid": 50, "clip_weighted": True, "static_groups": False},
     ],
 )
 def test_gptq_with_clip_search_is_below_rtn_and_deterministic(extra: dict) -> None:
@@ -200,7 +197,9 @@ def test_smoothquant_alpha_search_is_no_worse_on_its_rows() -> None:
 
 
 @torch.no_grad()
-def test_true_sequential_stages_and_shared_hessians() -> None:
+def test_shared_input_hessians_equal_their_definition() -> None:
+    """q/k/v (and w1/w3) read one tensor, whose product is formed once: every Hessian still
+    equals 2 XᵀX / n of that linear's own inputs over every batch."""
     from lmforge.quant.calib import BlockRunner
     from lmforge.quant.calibrate import _hessians
 
@@ -210,22 +209,12 @@ def test_true_sequential_stages_and_shared_hessians() -> None:
     block = model.layers[0]
     names = ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj"]
     names += ["ffn.w1", "ffn.w2", "ffn.w3"]
-    assert runner.call_order(block, names) == [
-        ["attn.q_proj", "attn.k_proj", "attn.v_proj"],
-        ["attn.output_proj"],
-        ["ffn.w1", "ffn.w3"],
-        ["ffn.w2"],
-    ]
     xs: dict[str, list[torch.Tensor]] = {}
     runner.inputs_of(block, names, lambda n, x: xs.setdefault(n, []).append(x.clone()))
-    for stop_early in (False, True):
-        hess = _hessians(runner, block, names, stop_early=stop_early)
-        for n in names:
-            x = torch.cat(xs[n])
-            torch.testing.assert_close(hess[n], 2 * x.t() @ x / x.shape[0])
-    # stopping early still sees the asked-for linear in every batch
-    h1 = _hessians(runner, block, ["attn.q_proj"], stop_early=True)
-    torch.testing.assert_close(h1["attn.q_proj"], hess["attn.q_proj"])
+    hess = _hessians(runner, block, names)
+    for n in names:
+        x = torch.cat(xs[n])
+        torch.testing.assert_close(hess[n], 2 * x.t() @ x / x.shape[0])
 
 
 @torch.no_grad()
@@ -234,10 +223,9 @@ def test_true_sequential_stages_and_shared_hessians() -> None:
     [
         ("awq", CalibOptions()),
         ("gptq", CalibOptions()),
-        ("gptq", CalibOptions(gptq_true_sequential=True)),
         (
             "gptq",
-            CalibOptions(gptq_clip_grid=20, gptq_clip_weighted=True, gptq_static_groups=False),
+            CalibOptions(gptq_clip_grid=20, gptq_clip_weighted=False, gptq_act_order=False),
         ),
     ],
 )
@@ -262,14 +250,9 @@ def test_gptq_fp8_whole_model_beats_rtn() -> None:
     calib = torch.randint(0, 96, (16, 32), generator=gen)
     test = torch.randint(0, 96, (4, 32), generator=gen)
     ref = _tiny()(test)
-    for spec, smooth in (
-        (QuantSpec("fp8", fp8_activations="none"), False),
-        (QuantSpec("fp8"), False),
-        (QuantSpec("fp8"), True),
-    ):
+    for spec in (QuantSpec("fp8", fp8_activations="none"), QuantSpec("fp8")):
         rtn = quantize_calibrated(_tiny(), spec, "rtn", None)(test)
-        model = quantize_calibrated(_tiny(), spec, "gptq", calib, CalibOptions(gptq_smooth=smooth))
-        assert (model.layers[0].attn.output_proj.input_scale is not None) == smooth
+        model = quantize_calibrated(_tiny(), spec, "gptq", calib)
         assert model.layers[1].ffn.w2.activations == spec.fp8_activations
         assert (model(test) - ref).norm() < (rtn - ref).norm()
 
@@ -295,10 +278,6 @@ def test_method_errors_are_one_line() -> None:
         quantize_calibrated(_tiny(), QuantSpec("int4", 32), "gptq", None)
     with pytest.raises(LmforgeError, match="smoothquant prepares W8A8"):
         quantize_calibrated(_tiny(), QuantSpec("int4", 32), "smoothquant", None)
-    with pytest.raises(LmforgeError, match="--smooth migrates activation outliers for W8A8"):
-        quantize_calibrated(
-            _tiny(), QuantSpec("int4", 32), "gptq", None, CalibOptions(gptq_smooth=True)
-        )
 
 
 class _Chars:

@@ -22,7 +22,7 @@ EXAMPLES = """examples:
 
 Methods: rtn (round to nearest, no calibration), awq (activation-aware per-channel scales),
 gptq (Hessian-based error correction, act order, diag(H)-weighted clip search of the group
-ranges; int4, int8 or fp8 — for fp8 W8A8 optionally after SmoothQuant's migration, --smooth),
+ranges; int4, int8 or fp8),
 smoothquant (activation-outlier migration for fp8 W8A8, α searched per group, then round to
 nearest). Formats: --format int with --bits 4 (group-wise, asymmetric unless --symmetric) or 8
 (symmetric; --group 0 = one scale per output channel); --format fp8 (e4m3, per-channel scales,
@@ -70,13 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gptq-order",
         default="act",
-        help="gptq column order: act (decreasing diag(H), static groups; default), act-groups "
-        "(whole groups by diag(H), parameters from the updated weights) or input",
-    )
-    p.add_argument(
-        "--gptq-true-sequential",
-        action="store_true",
-        help="gptq: Hessians of a block's later linears from its earlier ones already quantized",
+        help="gptq column order: act (decreasing diag(H), static groups; default) or input",
     )
     p.add_argument(
         "--gptq-damp", type=float, default=0.01, help="gptq: damping / mean diag(H) (0.01)"
@@ -86,12 +80,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="search",
         help="smoothquant migration strength: a number in [0, 1], or search (default: per group, "
         "the α of 0, 0.1, …, 1 or none with the smallest W8A8 error on calibration rows)",
-    )
-    p.add_argument(
-        "--smooth",
-        action="store_true",
-        help="gptq with fp8 W8A8: SmoothQuant's migration before GPTQ (off by default: it "
-        "measured worse than GPTQ alone on SmolLM2-135M)",
     )
     p.add_argument("--calib", metavar="FILE", help="calibration text (awq, gptq, smoothquant)")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration samples (128)")
@@ -130,23 +118,17 @@ def _spec(args: argparse.Namespace) -> QuantSpec:
     )
 
 
-def _options(args: argparse.Namespace, spec: QuantSpec) -> CalibOptions:
+def _options(args: argparse.Namespace) -> CalibOptions:
     from lmforge.quant.calibrate import CalibOptions
     from lmforge.utils.errors import LmforgeError
 
     clips = {"hessian": (100, True), "mse": (100, False), "none": (0, False)}
     if args.gptq_clip not in clips:
         raise LmforgeError(f"--gptq-clip must be hessian, mse or none, got {args.gptq_clip!r}")
-    orders = {"act": (True, True), "act-groups": (True, False), "input": (False, True)}
-    if args.gptq_order not in orders:
-        raise LmforgeError(
-            f"--gptq-order must be act, act-groups or input, got {args.gptq_order!r}"
-        )
+    if args.gptq_order not in ("act", "input"):
+        raise LmforgeError(f"--gptq-order must be act or input, got {args.gptq_order!r}")
     if not args.gptq_damp > 0:
         raise LmforgeError(f"--gptq-damp must be > 0, got {args.gptq_damp}")
-    w8a8 = spec.format == "fp8" and spec.fp8_activations == "dynamic"
-    if args.smooth and not (args.method == "gptq" and w8a8):
-        raise LmforgeError("--smooth applies to --method gptq with --format fp8 (W8A8)")
     alpha, alpha_grid = 0.5, 10
     if args.smooth_alpha != "search":
         try:
@@ -158,15 +140,11 @@ def _options(args: argparse.Namespace, spec: QuantSpec) -> CalibOptions:
                 f"--smooth-alpha must be a number in [0, 1] or search, got {args.smooth_alpha!r}"
             )
     grid, weighted = clips[args.gptq_clip]
-    act_order, static_groups = orders[args.gptq_order]
     return CalibOptions(
         gptq_damp=args.gptq_damp,
-        gptq_act_order=act_order,
-        gptq_static_groups=static_groups,
-        gptq_true_sequential=args.gptq_true_sequential,
+        gptq_act_order=args.gptq_order == "act",
         gptq_clip_grid=grid,
         gptq_clip_weighted=weighted,
-        gptq_smooth=args.smooth,
         smooth_alpha=alpha,
         smooth_alpha_grid=alpha_grid,
     )
@@ -184,8 +162,8 @@ def _run(args: argparse.Namespace) -> int:
     from lmforge.utils.errors import LmforgeError
 
     spec = _spec(args)
-    options = _options(args, spec)
-    check_method(args.method, spec, options)
+    options = _options(args)
+    check_method(args.method, spec)
     if args.method != "rtn":
         if args.calib is None:
             raise LmforgeError(f"--method {args.method} needs --calib FILE (calibration text)")

@@ -7,9 +7,7 @@ the model one Transformer block at a time: the inputs of ``model.layers[0]`` are
 the current hidden states with forward hooks on its linears collecting their inputs, the method
 quantizes the block, and the block is run again — now quantized — to give the next block its
 inputs (GPTQ's sequential order: later layers correct for the earlier layers' error). Only one
-block's activations are held at a time. :meth:`BlockRunner.call_order` finds a block's
-true-sequential stages (linears in call order, those reading one input tensor together) and
-``inputs_of(..., stop_early=True)`` ends each forward once the asked-for linears have run.
+block's activations are held at a time.
 
 Shape legend: N samples, T tokens per sample, D model dim, K a linear's input width.
 """
@@ -64,8 +62,7 @@ def calibration_tokens(
 
 
 class _Captured(Exception):
-    """Raised by the capture hook to stop the forward after layers[0]'s inputs are known (and by
-    :meth:`BlockRunner.inputs_of` once every linear asked for has seen its input)."""
+    """Raised by the capture hook to stop the forward after layers[0]'s inputs are known."""
 
 
 class BlockRunner:
@@ -109,67 +106,24 @@ class BlockRunner:
                 yield block(x, *args, **kwargs)
 
     def inputs_of(
-        self,
-        block: nn.Module,
-        names: list[str],
-        visit: Callable[[str, torch.Tensor], None],
-        stop_early: bool = False,
+        self, block: nn.Module, names: list[str], visit: Callable[[str, torch.Tensor], None]
     ) -> None:
         """Run ``block`` on the states, calling ``visit(name, x (rows, K))`` with the input of
-        each submodule in ``names`` (every batch, every call). ``stop_early``: each batch's
-        forward ends once every one of ``names`` has run (for linears called once per forward)."""
+        each submodule in ``names`` (every batch, every call)."""
         handles = []
-        seen: set[str] = set()
         for name in names:
 
             def hook(_m: nn.Module, args: tuple[Any, ...], _out: Any, name: str = name) -> None:
                 x = args[0].detach()
                 visit(name, x.reshape(-1, x.shape[-1]))  # (B·T, K)
-                seen.add(name)
-                if stop_early and len(seen) == len(names):
-                    raise _Captured
 
             handles.append(block.get_submodule(name).register_forward_hook(hook))
         try:
-            with torch.no_grad():
-                for x, (args, kwargs) in zip(self.states, self.extra, strict=True):
-                    seen.clear()
-                    with contextlib.suppress(_Captured):
-                        block(x, *args, **kwargs)
+            for _ in self._run(block):
+                pass
         finally:
             for h in handles:
                 h.remove()
-
-    def call_order(self, block: nn.Module, names: list[str]) -> list[list[str]]:
-        """``names`` in the order the block calls them on the first batch, linears that read the
-        same input tensor (q/k/v after one norm, w1/w3) grouped together: GPTQ's true-sequential
-        stages. Names never called come last, one stage."""
-        order: list[tuple[str, torch.Tensor]] = []
-        handles = []
-        for name in names:
-
-            def hook(_m: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-                if all(n != name for n, _ in order):
-                    order.append((name, args[0]))
-
-            handles.append(block.get_submodule(name).register_forward_pre_hook(hook))
-        try:
-            with torch.no_grad():
-                args, kwargs = self.extra[0]
-                block(self.states[0], *args, **kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-        stages: list[list[str]] = []
-        last: torch.Tensor | None = None
-        for name, x in order:
-            if last is not None and x is last:
-                stages[-1].append(name)
-            else:
-                stages.append([name])
-            last = x
-        missing = [n for n in names if all(n != m for m, _ in order)]
-        return stages + ([missing] if missing else [])
 
     def advance(self, block: nn.Module) -> None:
         """Replace the states by ``block``'s outputs (the next block's inputs)."""

@@ -6,12 +6,8 @@ BlockRunner`: for each block it collects what the method needs from its linears'
 calibration tokens (GPTQ: the Hessian ``2 X Xᵀ / n``, formed once per input tensor that several
 linears share; AWQ and SmoothQuant: per-channel |x| statistics and a row sample), swaps the
 block's linears for quantized modules, and runs the quantized block to produce the next block's
-inputs. GPTQ options: ``gptq_true_sequential`` collects the Hessians stage by stage inside a
-block (q/k/v, then the output projection, w1/w3, w2), each stage after the earlier ones are
-quantized; ``gptq_smooth`` (fp8 W8A8 only) applies SmoothQuant's migration first and runs GPTQ
-on the smoothed weights, with the Hessian of the smoothed inputs (llm-compressor's W8A8 recipe;
-off by default: on SmolLM2 it measured worse than GPTQ alone). Linears outside the blocks (an unskipped LM head) are rounded to nearest. The
-model is changed in place.
+inputs. Linears outside the blocks (an unskipped LM head) are rounded to nearest. The model is
+changed in place.
 Exercised by ``pytest tests/test_quant_calib.py`` and ``lmforge quantize``.
 """
 
@@ -52,12 +48,8 @@ class CalibOptions:
     "GPTQ: damping added to diag(H), as a fraction of its mean"
     gptq_act_order: bool = True
     "GPTQ: quantize columns by decreasing diag(H)"
-    gptq_static_groups: bool = True
-    "GPTQ act order: group parameters from the unupdated weights (else whole groups in order)"
     gptq_block_size: int = 128
     "GPTQ: columns per lazy batch update"
-    gptq_true_sequential: bool = False
-    "GPTQ: Hessians of a block's later linears from its earlier linears already quantized"
     gptq_clip_grid: int = 100
     "GPTQ: steps of the group range search (int4) or channel scale search (fp8); 0 = min/max"
     gptq_clip_weighted: bool = True
@@ -68,20 +60,15 @@ class CalibOptions:
     "SmoothQuant: migration strength α"
     smooth_alpha_grid: int = 10
     "SmoothQuant: > 0 searches α per group on this grid (and no migration) for the W8A8 error"
-    gptq_smooth: bool = False
-    "GPTQ fp8 W8A8: SmoothQuant's migration first (measured worse than GPTQ alone on SmolLM2)"
 
 
-def check_method(method: str, spec: QuantSpec, options: CalibOptions | None = None) -> None:
-    """One line unless ``method`` (with ``options``) exists and applies to ``spec``'s format."""
-    options = options or CalibOptions()
+def check_method(method: str, spec: QuantSpec) -> None:
+    """One line unless ``method`` exists and applies to ``spec``'s format."""
     if method not in METHODS:
         raise LmforgeError(f"unknown quantization method {method!r} ({', '.join(METHODS)})")
     w8a8 = spec.format == "fp8" and spec.fp8_activations == "dynamic"
     if method == "smoothquant" and not w8a8:
         raise LmforgeError("smoothquant prepares W8A8: use it with --format fp8 --bits 8")
-    if method == "gptq" and options.gptq_smooth and not w8a8:
-        raise LmforgeError("--smooth migrates activation outliers for W8A8: needs --format fp8")
 
 
 def _block_linears(model: nn.Module, i: int, skip: tuple[str, ...]) -> list[str]:
@@ -89,9 +76,7 @@ def _block_linears(model: nn.Module, i: int, skip: tuple[str, ...]) -> list[str]
     return [n[len(prefix) :] for n in find_linears(model, skip) if n.startswith(prefix)]
 
 
-def _hessians(
-    runner: BlockRunner, block: nn.Module, names: list[str], stop_early: bool = False
-) -> dict[str, torch.Tensor]:
+def _hessians(runner: BlockRunner, block: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = dict.fromkeys(names, 0)
     last: list[tuple[torch.Tensor, torch.Tensor]] = []  # (x, Xᵀ X) of the latest input
@@ -113,7 +98,7 @@ def _hessians(
         sums[name] = xtx if name not in sums else sums[name] + xtx
         counts[name] += x.shape[0]
 
-    runner.inputs_of(block, names, visit, stop_early)
+    runner.inputs_of(block, names, visit)
     return {n: 2.0 * sums[n] / counts[n] for n in sums}  # a linear never called has none
 
 
@@ -130,7 +115,6 @@ def _gptq_linear(
         symmetric=spec.symmetric,
         damp=options.gptq_damp,
         act_order=options.gptq_act_order,
-        static_groups=options.gptq_static_groups,
         block_size=options.gptq_block_size,
         clip_grid=options.gptq_clip_grid,
         clip_weighted=options.gptq_clip_weighted,
@@ -184,7 +168,7 @@ def quantize_calibrated(
 ) -> nn.Module:
     """Quantize ``model``'s linears in place with ``method`` on calibration ``tokens`` (N, T)
     (None is allowed for rtn); returns ``model``."""
-    check_method(method, spec, options)
+    check_method(method, spec)
     check_spec(model, spec)
     if method == "rtn":
         return replace_linears(
@@ -204,30 +188,12 @@ def quantize_calibrated(
         block = model.layers[i]
         names = _block_linears(model, i, spec.skip)
         new: dict[str, nn.Module] = {}
-        input_scale: dict[str, torch.Tensor] = {}
-        if method != "gptq" or options.gptq_smooth:
-            input_scale = _migrate(runner, block, names, method, spec, options)
-        if method == "gptq":  # unfolded scales: the float block stays exact until quantized
-            for n, sc in input_scale.items():
-                w = block.get_submodule(n).weight
-                w.div_(sc.to(w.device, w.dtype)[None, :])
         if method == "gptq":
-            # true-sequential: each stage's Hessians see the block's earlier stages quantized
-            stages = runner.call_order(block, names) if options.gptq_true_sequential else [names]
-            for stage in stages:
-                hess = _hessians(runner, block, stage, stop_early=len(stages) > 1)
-                for n in stage:
-                    w, h = block.get_submodule(n).weight, hess.get(n)
-                    if n in input_scale:  # the module computes (x / s)(W diag s)ᵀ
-                        sc = input_scale[n].to(w.device)
-                        w = w * sc.to(w.dtype)[None, :]
-                        if h is not None:
-                            h = h / sc.to(h)[:, None] / sc.to(h)[None, :]
-                    new[n] = _gptq_linear(w, h, spec, options)
-                    if n in input_scale:
-                        new[n].set_input_scale(input_scale[n])
-                replace_linears(block, {n: new[n] for n in stage})
+            hess = _hessians(runner, block, names)
+            for n in names:
+                new[n] = _gptq_linear(block.get_submodule(n).weight, hess.get(n), spec, options)
         else:
+            input_scale = _migrate(runner, block, names, method, spec, options)
             for n in names:
                 new[n] = quantize_linear(block.get_submodule(n).weight, spec)
                 if n in input_scale:

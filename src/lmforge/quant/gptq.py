@@ -14,11 +14,8 @@ product per block (lazy batch updates), and H gets ``damp · mean(diag H)`` adde
 diagonal. ``act_order`` processes columns by decreasing ``diag H`` (the most active inputs
 first, while many columns remain to absorb their error); with groups it uses static groups
 (each group's scale and offset from the weights before any update), since a group's columns
-are no longer contiguous in processing order — or, with ``static_groups=False``, orders whole
-groups by their summed ``diag H`` (columns by ``diag H`` inside each), so a group stays
-contiguous and its parameters come from its updated weights when it starts (the stored format
-has no per-column group index, so AutoGPTQ's g_idx form is not available). Without act order a
-group's parameters are chosen when its first column is reached, from the already-updated weights.
+are no longer contiguous in processing order. Without act order a group's parameters are chosen
+when its first column is reached, from the already-updated weights.
 
 The group parameters are min/max by default in the paper; ``clip_grid`` > 0 searches shrunken
 ranges instead (GPTQ's ``mse`` option, :func:`~lmforge.quant.formats.int4_params_search`), and
@@ -157,19 +154,11 @@ def _prepare(
     return w, h
 
 
-def _order(hessian: torch.Tensor, act_order: bool, group_size: int | None) -> torch.Tensor:
-    """Processing order (K,): original, by decreasing diag H, or (``group_size`` given) whole
-    groups by decreasing Σ diag H, each group's columns by decreasing diag H inside it."""
+def _order(hessian: torch.Tensor, act_order: bool) -> torch.Tensor:
     k = hessian.shape[0]
-    d = torch.diag(hessian)
     if not act_order:
         return torch.arange(k, device=hessian.device)
-    if group_size is None or group_size == k:
-        return torch.argsort(d, descending=True, stable=True)
-    dg = d.reshape(k // group_size, group_size)  # (K/G, G)
-    groups = torch.argsort(dg.sum(1), descending=True, stable=True)  # (K/G,)
-    inside = torch.argsort(dg, dim=1, descending=True, stable=True)  # (K/G, G)
-    return (groups[:, None] * group_size + inside[groups]).reshape(k)
+    return torch.argsort(torch.diag(hessian), descending=True, stable=True)
 
 
 def _quantizer(
@@ -202,7 +191,6 @@ def _setup(
     symmetric: bool,
     damp: float,
     act_order: bool,
-    static_groups: bool,
     clip_grid: int,
     clip_weighted: bool,
     fp8: str | None,
@@ -214,8 +202,8 @@ def _setup(
     w, h = _prepare(weight, hessian, damp, dtype)
     if fp8 is not None:
         group_size = k  # one scale per channel (or tensor), known from the start
-    static = group_size == k or (act_order and static_groups)
-    perm = _order(h, act_order, None if static else group_size)
+    static = group_size == k or act_order  # act order: static groups, known from the start
+    perm = _order(h, act_order)
     cw = torch.diag(h) if clip_weighted else None
     quant = _quantizer(w, bits, group_size, symmetric, static, clip_grid, cw, fp8, fp8_per_channel)
     return w, h, perm, quant, group_size, static
@@ -231,7 +219,6 @@ def gptq_quantize(
     symmetric: bool = False,
     damp: float = 0.01,
     act_order: bool = True,
-    static_groups: bool = True,
     block_size: int = 128,
     dtype: torch.dtype = torch.float32,
     clip_grid: int = 0,
@@ -241,18 +228,15 @@ def gptq_quantize(
 ) -> QuantLinear:
     """The GPTQ-quantized module for ``weight`` (N, K) given ``hessian`` (K, K) = 2 X Xᵀ / n.
 
-    ``act_order`` with ``static_groups``: columns by decreasing diag H, every group's parameters
-    from the weights before any update; without ``static_groups``: whole groups by decreasing
-    Σ diag H and columns by diag H inside each, a group's parameters from its updated weights
-    when it starts. ``clip_grid`` > 0: the group parameters (fp8: the scales) come from a range
+    ``act_order``: columns by decreasing diag H, every group's parameters from the weights before
+    any update (static groups). ``clip_grid`` > 0: the group parameters (fp8: the scales) come from a range
     search (:func:`~lmforge.quant.formats.int4_params_search`, :func:`~lmforge.quant.formats.
     fp8_scales`), its error weighted by diag H if ``clip_weighted``. ``fp8`` = "none" or
     "dynamic": e4m3 codes (:class:`Fp8Linear` with those activations) instead of an int grid.
     """
     k = weight.shape[1]
     w, h, perm, quant, group_size, static = _setup(
-        weight, hessian, bits, group_size, symmetric, damp, act_order, static_groups,
-        clip_grid, clip_weighted, fp8, fp8_per_channel, dtype,
+        weight, hessian, bits, group_size, symmetric, damp, act_order, clip_grid, clip_weighted, fp8, fp8_per_channel, dtype,
     )  # fmt: skip
     if not static:  # each group inside one block, so its parameters see every update
         block_size = group_size * -(-block_size // group_size)
@@ -271,8 +255,7 @@ def gptq_quantize(
             col = i1 + j
             g = int(group_of[col])
             if not static and col % group_size == 0:
-                # the group's columns (contiguous in processing order), already updated by
-                # everything before them
+                # the group's columns, already updated by everything before them
                 c = None if cw is None else cw[col : col + group_size]
                 quant.params(g, w1[:, j : j + group_size], c)
             q, dq = quant.quantize(w1[:, j], g)
@@ -295,7 +278,6 @@ def gptq_reference(
     symmetric: bool = False,
     damp: float = 0.01,
     act_order: bool = True,
-    static_groups: bool = True,
     clip_grid: int = 0,
     clip_weighted: bool = False,
     fp8: str | None = None,
@@ -305,18 +287,15 @@ def gptq_reference(
     column with the full OBS rule, eliminate the column from the explicit inverse Hessian."""
     k = weight.shape[1]
     w, h, perm, quant, group_size, static = _setup(
-        weight, hessian, bits, group_size, symmetric, damp, act_order, static_groups,
-        clip_grid, clip_weighted, fp8, fp8_per_channel, torch.float64,
+        weight, hessian, bits, group_size, symmetric, damp, act_order, clip_grid, clip_weighted, fp8, fp8_per_channel, torch.float64,
     )  # fmt: skip
     cw = torch.diag(h) if clip_weighted else None
     hinv = torch.linalg.inv(h)  # (K, K), original column order
     codes = torch.zeros_like(w)
     remaining = torch.ones(k, dtype=torch.bool)
-    started: set[int] = set()
     for idx in perm.tolist():
         g = idx // group_size
-        if not static and g not in started:  # the group's first column: none of it done yet
-            started.add(g)
+        if not static and idx % group_size == 0:  # input order: the group's first column
             cols = slice(g * group_size, (g + 1) * group_size)
             quant.params(g, w[:, cols], None if cw is None else cw[cols])
         q, dq = quant.quantize(w[:, idx], g)
