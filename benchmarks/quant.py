@@ -310,7 +310,8 @@ def speed(args: argparse.Namespace) -> list[dict]:
     bench = _serve_bench()
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, 32000, (64, args.prompt), generator=gen).tolist()
-    kinds = [k for k in ("bf16", "int4", "int8", "fp8") if k in args.formats]
+    # the target's rows first (bf16, int4 and their peers), then int8 and fp8
+    kinds = [k for k in ("bf16", "int4") if k in args.formats]
     if "peers" in args.formats:
         try:
             import torchao  # noqa: F401
@@ -319,11 +320,21 @@ def speed(args: argparse.Namespace) -> list[dict]:
         except Exception as e:
             print(f"torchao not usable ({type(e).__name__}: {e}); int4 peer = Int4Linear's torch "
                   "dequantize-then-matmul reference, compiled in the same engine step")  # fmt: skip
-        kinds.append("int4-torch-ref")
+        kinds += ["int4-torch-ref", "bf16-peer"]
+    kinds += [k for k in ("int8", "fp8") if k in args.formats]
     rows: list[dict] = []
     ref_logits = None
     probe = torch.tensor([prompts[0][:16]], device=dev)
     for kind in kinds:
+        if kind == "bf16-peer":
+            ms, how = bench._peer_decode(bench.TINYLLAMA, prompts[0], args.new, compile=True)
+            row = {"format": "bf16 peer: " + how, "b1_ms_per_token": ms}
+            bf = next((r for r in rows if r["format"] == "bf16"), None)
+            if bf is not None:
+                row["b1_vs_bf16"] = ms / bf["b1_ms_per_token"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
         try:
             model = _model(kind, dev)
         except Exception as e:
@@ -357,15 +368,6 @@ def speed(args: argparse.Namespace) -> list[dict]:
         print(json.dumps(row), flush=True)
         del model
         torch.cuda.empty_cache()
-    if "peers" not in args.formats:
-        return rows
-    ms, how = bench._peer_decode(bench.TINYLLAMA, prompts[0], args.new, compile=True)
-    row = {"format": "bf16 peer: " + how, "b1_ms_per_token": ms}
-    bf = next((r for r in rows if r["format"] == "bf16"), None)
-    if bf is not None:
-        row["b1_vs_bf16"] = ms / bf["b1_ms_per_token"]
-    rows.append(row)
-    print(json.dumps(row), flush=True)
     return rows
 
 

@@ -228,3 +228,27 @@ def test_compiled_steps_serve_a_quantized_model(fmt: str) -> None:
     assert eng.decoder is not None and eng.decoder.failed is None
     assert eng.decoder.mixed_failed is None
     assert [o.outputs[0].token_ids for o in got] == want
+
+
+def test_decode_gemv_plan_skips_quantized_linears(monkeypatch) -> None:
+    """With the decode GEMV on (CUDA's default; forced here on the CPU interpreter's tables), a
+    quantized model's compiled step keeps its quantized linears off the GEMV and serves
+    lmforge.generate's tokens. The plan used to read ``.weight`` of every projection, which an
+    Int4Linear has not: the engine failed on the H200 for every quantized format."""
+    from lmforge.quant import QuantSpec, quantize_model
+    from lmforge.serve import compiled
+
+    model = quantize_model(_model(), QuantSpec("int4", 32)).eval()
+    prompts = _prompts((3, 9))
+    want = [generate(model, [p], 4, temperature=0)[0] for p in prompts]
+    monkeypatch.setattr(compiled.CompiledDecode, "warmup", lambda self, *a: None)
+    eng = Engine(model, block_size=4, num_blocks=16, compile=True)
+    dec = compiled.CompiledDecode(eng.runner.model, eng.runner.cache, None, gemv=True)
+    assert dec.gemv is not None
+    assert all(g[:4] == (0, 0, 0, 0) for g in dec.gemv[0])  # every projection quantized
+    dec._fn = torch.compile(compiled.decode_forward, dynamic=True, fullgraph=True,
+                            backend="aot_eager")  # fmt: skip
+    eng.runner.decoder = dec
+    got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert dec.failed is None
+    assert [o.outputs[0].token_ids for o in got] == want

@@ -661,19 +661,23 @@ def _plan_weights(
     packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
     plan: GemvPlan,
 ) -> list[tuple[torch.Tensor, int]]:
-    """(weight, split) of every projection in the plan (q/k/v, o, w1/w3, w2 per layer, head)."""
-    out = []
+    """(weight, split) of every projection the plan puts on the decode GEMV (q/k/v, o, w1/w3,
+    w2 per layer, head); a projection off the GEMV (split 0: a quantized or hooked module, which
+    may have no ``weight``) is left out."""
+    out: list[tuple[torch.Tensor, int]] = []
     for i, (g_qkv, g_o, g_13, g_2, _) in enumerate(plan[0]):
         qkv_w, w13 = packed[i] if packed is not None else (None, None)
         layer = model.layers[i]
-        out += [(w, g) for w, g in ((qkv_w, g_qkv), (w13, g_13)) if w is not None]
-        if isinstance(layer.attn, CausalSelfAttention) and not layer.attn.produces_kv:
+        out += [(w, g) for w, g in ((qkv_w, g_qkv), (w13, g_13)) if w is not None and g]
+        if isinstance(layer.attn, CausalSelfAttention) and not layer.attn.produces_kv and g_qkv:
             out.append((layer.attn.q_proj.weight, g_qkv))  # a CLA consumer's q projection
-        if isinstance(layer.attn, CausalSelfAttention):
+        if isinstance(layer.attn, CausalSelfAttention) and g_o:
             out.append((layer.attn.output_proj.weight, g_o))
-        if w13 is not None:
+        if w13 is not None and g_2:
             out.append((layer.ffn.w2.weight, g_2))
-    return [*out, (model.lm_head.weight, plan[1])]
+    if plan[1]:
+        out.append((model.lm_head.weight, plan[1]))
+    return out
 
 
 def decode_forward(
