@@ -335,6 +335,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
             continue
+        print(f"{kind}: building the model and its engine", flush=True)
         try:
             model = _model(kind, dev)
         except Exception as e:

@@ -1067,9 +1067,12 @@ def _engine_decode(
     from lmforge.serve.engine_process import engine_summary
 
     torch._dynamo.reset()
+    t_build = time.perf_counter()
     eng = Engine(model)
     summary = engine_summary(eng)
     eng.generate(batches[0][:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    # the compile warm-ups and CUDA-graph captures (where a slow start shows)
+    _line(f"  Engine(model) built and warmed up in {time.perf_counter() - t_build:.0f} s")
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     out = []
     for prompts in batches:

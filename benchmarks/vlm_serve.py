@@ -59,6 +59,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--patch", type=int, default=16)
     p.add_argument("--out", help="folder for results.json")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=180,
+        help="seconds one request may take; past it the server's stacks (SIGUSR1) are printed",
+    )
     p.add_argument("--quick", action="store_true", help="CPU smoke test: a tiny VLM, 3 requests")
     args = p.parse_args()
     args.device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
@@ -125,7 +131,9 @@ def _start_server(folder: Path, port: int, device: str, log: Path) -> subprocess
     src = str(_HERE.parent / "src")
     rest = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": f"{src}:{rest}" if rest else src}
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    # its own process group: SIGUSR1 to the group reaches the API and the engine process
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 420:
         if proc.poll() is not None:
@@ -147,8 +155,10 @@ def check_logprobs(http, folder: Path, image: np.ndarray, device: str) -> float:
     from lmforge.vision.data import preprocess
     from lmforge.vision.serving import load_vlm, prepare_image_prompt
 
+    t0 = time.perf_counter()
     r = http.post("/chat/completions", json=_image_body(_png(image), logprobs=True, top_logprobs=5))
     r.raise_for_status()
+    print(f"first image request answered in {time.perf_counter() - t0:.1f} s", flush=True)
     top = r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
     loaded = load_vlm(folder, device=device, dtype=torch.float32)
     text = render_template(loaded.template, [{"role": "user", "content": "<image>\n" + QUESTION}])
@@ -215,7 +225,8 @@ def main() -> None:
     proc = _start_server(folder, port, args.device, log)
     print(f"server answered /health after {time.perf_counter() - t0:.0f} s", flush=True)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=300) as http:
+        timeout = args.request_timeout
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=timeout) as http:
             err = check_logprobs(http, folder, images[-1], args.device)
             n = args.iters + 3
             fresh = [_image_body(_png(im)) for im in images[:n]]
@@ -231,6 +242,13 @@ def main() -> None:
                 ("one image, a new image each request", _ttft(http, fresh, args.iters)),
                 ("one image, the same image again", _ttft(http, same, args.iters)),
             ]
+    except httpx.TimeoutException:
+        # where the server waits: every thread's stack of both processes, into its log
+        os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(3)
+        print(f"a request took over {timeout:.0f} s; the server's log with its stacks:\n"
+              f"{log.read_text()[-12000:]}", flush=True)  # fmt: skip
+        raise SystemExit(f"vlm_serve: a request took over {timeout:.0f} s (stacks above)") from None
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

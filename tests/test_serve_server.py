@@ -646,3 +646,26 @@ def test_streamed_choice_bytes_equal_json_dumps(chat: bool, text: str, finish: s
     else:
         ref = {"index": 3, "text": text, "logprobs": None, "finish_reason": finish}
     assert _choice_json(3, text, finish, chat) == json.dumps(ref).encode()
+
+
+def test_sigusr1_writes_every_threads_stack() -> None:
+    """`lmforge serve` and its engine process register SIGUSR1 (faulthandler): a hung server
+    shows where each thread waits without being stopped."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    code = (
+        "import os, signal, threading, time\n"
+        "from lmforge.serve.engine_process import dump_stacks_on_sigusr1\n"
+        "dump_stacks_on_sigusr1()\n"
+        "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.2)\n"
+        "print('still running')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "still running"
+    assert "Current thread" in r.stderr and r.stderr.count("Thread 0x") >= 1

@@ -22,6 +22,8 @@ says otherwise. The engine runs in its own process; on CUDA it uses CUDA graphs 
 decode and prefill steps (--no-cuda-graphs, --no-compile, --no-compile-prefill turn them off;
 startup prints what it chose).
 SIGTERM or Ctrl-C drains: in-flight requests finish, new ones get 503; a second signal exits.
+SIGUSR1 writes every thread's stack, of this process and of the engine process, to stderr (a
+request that never answers: kill -USR1 -- -PGID reaches both).
 A VLM takes images as chat content parts {"type": "image_url", "image_url": {"url":
 "data:image/png;base64,..."}} (data: URLs only: nothing is fetched; a bad image is a 400).
 """
@@ -126,7 +128,7 @@ def _bind(host: str, port: int) -> object:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from lmforge.serve.engine_process import EngineProcess, EngineSpec
+    from lmforge.serve.engine_process import EngineProcess, EngineSpec, dump_stacks_on_sigusr1
     from lmforge.serve.loading import load_kwargs
     from lmforge.serve.server import DEFAULT_MAX_REQUEST_BYTES, ServerState, run_server
     from lmforge.utils.errors import LmforgeError
@@ -135,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
     if limit < 1:
         raise LmforgeError(f"--max-request-bytes must be at least 1, got {limit}")
     sock = _bind(args.host, args.port)
+    dump_stacks_on_sigusr1()
     # The engine runs in its own process (lmforge.serve.engine_process): it loads the model,
     # builds the engine and hands back the tokenizer; this process serves HTTP.
     proc = EngineProcess(

@@ -341,12 +341,22 @@ def unpack_step(packed: tuple) -> list[tuple[str, Delta]]:
 
 
 # ---------------------------------------------------------------------- the child
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 writes every Python thread's stack to stderr (``faulthandler``, so it works
+    while the interpreter is stuck in C code too): how a hung server shows where it waits."""
+    import faulthandler
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def _engine_main(spec: EngineSpec, conn: Any) -> None:
     """The engine process: build the engine, then :func:`_serve_engine` until told to stop."""
     # The parent owns shutdown (it drains first); a Ctrl-C reaching the whole process group
     # must not kill a step half-way.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dump_stacks_on_sigusr1()
     try:
         engine, info = _build(spec)
     except LmforgeError as e:
