@@ -44,7 +44,7 @@
 #   mtp        issue 36: benchmarks/mtp.py (MTP training vs none; MTP self-speculative decoding;
 #              carry .carry/mq)
 #   quant      issue 37: benchmarks/quant.py --part speed and kv_quant.py, GPU tests
-#   vision     issue 38: benchmarks/vision.py and vlm_serve.py
+#   vision     issue 38: benchmarks/vlm_serve.py (carry .whl), then benchmarks/vision.py
 #   recipe-gpu  calls A and B as one device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
 #              every GPU stage and the card without the anchor; $OUT/recipe-card as recipe-b's
 #   recipe-anchor  (on the CPU machine, any time after recipe-prep: start it in the background
@@ -274,11 +274,12 @@ part_quant() {    # issue 37: weight formats' decode speed, the quantized KV cac
         tests/test_quant_gguf.py
 }
 
-part_vision() {   # issue 38: VLM step throughput, CLIP vs SigLIP at 64 and 1024, serving TTFT
-    local o="${OUT:-runs/h200}"
-    have vision benchmarks/vision.py && step vision 360 "$PY" benchmarks/vision.py --out "$o/vision"
+part_vision() {   # issue 38: serving TTFT with one image first (still unmeasured), then the
+    local o="${OUT:-runs/h200}"   # VLM step and CLIP vs SigLIP at 64 and 1024 (H200 rows exist)
+    # a request past 120 s: the server's stacks (SIGUSR1) are printed, then the step ends
     have vision benchmarks/vlm_serve.py &&
-        step vlm-serve 300 "$PY" benchmarks/vlm_serve.py --out "$o/vlm_serve"
+        step vlm-serve 400 "$PY" benchmarks/vlm_serve.py --request-timeout 120 --out "$o/vlm_serve"
+    have vision benchmarks/vision.py && step vision 360 "$PY" benchmarks/vision.py --out "$o/vision"
 }
 
 # The GPU tier of the recipe in two device calls (configs/recipes/h200.toml's header). Each recipe
