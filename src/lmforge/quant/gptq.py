@@ -229,14 +229,15 @@ def gptq_quantize(
     """The GPTQ-quantized module for ``weight`` (N, K) given ``hessian`` (K, K) = 2 X Xᵀ / n.
 
     ``act_order``: columns by decreasing diag H, every group's parameters from the weights before
-    any update (static groups). ``clip_grid`` > 0: the group parameters (fp8: the scales) come from a range
-    search (:func:`~lmforge.quant.formats.int4_params_search`, :func:`~lmforge.quant.formats.
-    fp8_scales`), its error weighted by diag H if ``clip_weighted``. ``fp8`` = "none" or
+    any update (static groups). ``clip_grid`` > 0: the group parameters (fp8: the scales) come
+    from a range search (:func:`~lmforge.quant.formats.int4_params_search`,
+    :func:`~lmforge.quant.formats.fp8_scales`), its error weighted by diag H if ``clip_weighted``. ``fp8`` = "none" or
     "dynamic": e4m3 codes (:class:`Fp8Linear` with those activations) instead of an int grid.
     """
     k = weight.shape[1]
     w, h, perm, quant, group_size, static = _setup(
-        weight, hessian, bits, group_size, symmetric, damp, act_order, clip_grid, clip_weighted, fp8, fp8_per_channel, dtype,
+        weight, hessian, bits, group_size, symmetric, damp, act_order,
+        clip_grid, clip_weighted, fp8, fp8_per_channel, dtype,
     )  # fmt: skip
     if not static:  # each group inside one block, so its parameters see every update
         block_size = group_size * -(-block_size // group_size)
@@ -287,7 +288,8 @@ def gptq_reference(
     column with the full OBS rule, eliminate the column from the explicit inverse Hessian."""
     k = weight.shape[1]
     w, h, perm, quant, group_size, static = _setup(
-        weight, hessian, bits, group_size, symmetric, damp, act_order, clip_grid, clip_weighted, fp8, fp8_per_channel, torch.float64,
+        weight, hessian, bits, group_size, symmetric, damp, act_order,
+        clip_grid, clip_weighted, fp8, fp8_per_channel, torch.float64,
     )  # fmt: skip
     cw = torch.diag(h) if clip_weighted else None
     hinv = torch.linalg.inv(h)  # (K, K), original column order

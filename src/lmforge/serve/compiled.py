@@ -536,9 +536,8 @@ class DecodeOps(StepOps):
         # matmul (lmforge.model.layers._fusable)
         self._splits: dict[tuple[int, int, torch.dtype], int] = {}
         if plan is not None:
-            for w, split in _plan_weights(model, packed, plan):
-                if split:
-                    self._splits[(w.shape[0], w.shape[1], w.dtype)] = split
+            for w, split in _plan_weights(model, packed, plan):  # splits > 0 only
+                self._splits[(w.shape[0], w.shape[1], w.dtype)] = split
 
     def attend(
         self,
