@@ -28,16 +28,16 @@ import json
 import os
 import shutil
 import time
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from lmforge.utils.config import config_to_toml, from_dict, read_toml
 from lmforge.utils.errors import LmforgeError
 
 if TYPE_CHECKING:
@@ -55,13 +55,6 @@ def _fsync_path(path: Path) -> None:
         pass  # some filesystems refuse fsync on directories
     finally:
         os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 _TIED_PAIRS = (("lm_head.weight", "token_embeddings.weight"),)
@@ -110,8 +103,6 @@ def _read_safetensors(
     path: str | Path, what: str
 ) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     # (metadata, tensors) of a safetensors file; an unreadable one is one line naming ``what``.
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             return f.metadata() or {}, {k: f.get_tensor(k) for k in f.keys()}
@@ -127,23 +118,18 @@ def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _optimizer_tensors(opt_state: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def save_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer | dict) -> None:
+    """Write ``optimizer.state_dict()`` (or such a dict) flattened into one safetensors file."""
+    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, Any] = {}
-    for pid, st in opt_state["state"].items():
+    for pid, st in state["state"].items():
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 tensors[f"state.{pid}.{k}"] = v.detach().to("cpu").contiguous()
             else:
                 scalars[f"{pid}.{k}"] = v
-    meta = {"param_groups": json.dumps(opt_state["param_groups"]), "scalars": json.dumps(scalars)}
-    return tensors, meta
-
-
-def save_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer | dict) -> None:
-    """Write ``optimizer.state_dict()`` (or such a dict) flattened into one safetensors file."""
-    state = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
-    tensors, meta = _optimizer_tensors(state)
+    meta = {"param_groups": json.dumps(state["param_groups"]), "scalars": json.dumps(scalars)}
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -216,8 +202,6 @@ def save_checkpoint(
     ``tokenizer/``. The files of ``extra_dir`` (per-rank optimizer shards staged by other
     ranks) are moved in, and ``extra_dir`` removed, before the rename. Exercised by ``pytest tests/test_checkpoint.py``.
     """
-    from lmforge.utils.config import config_to_toml
-
     state = model.state_dict() if isinstance(model, nn.Module) else model
     final = Path(path)
 
@@ -225,9 +209,8 @@ def save_checkpoint(
         save_model_state(tmp / "model.safetensors", state)
         if optimizer is not None:
             save_optimizer_state(tmp / "optimizer.safetensors", optimizer)
-        _write_json(
-            tmp / "trainer_state.json", {"iteration": int(iteration), **(trainer_state or {})}
-        )
+        state_json = json.dumps({"iteration": int(iteration), **(trainer_state or {})})
+        (tmp / "trainer_state.json").write_text(state_json, encoding="utf-8")
         if config is not None:
             (tmp / "config.toml").write_text(config_to_toml(config), encoding="utf-8")
         if extra_dir is not None:
@@ -239,7 +222,7 @@ def save_checkpoint(
                 raise LmforgeError(f"data.tokenizer folder not found: {src}")
             shutil.copytree(src, tmp / "tokenizer")
         info = {"format": CHECKPOINT_FORMAT, "iteration": int(iteration), "created": time.time()}
-        _write_json(tmp / "meta.json", {**info, **(meta or {})})
+        (tmp / "meta.json").write_text(json.dumps({**info, **(meta or {})}), encoding="utf-8")
 
     out = write_folder_atomically(final, fill)
     if extra_dir is not None:
@@ -353,17 +336,13 @@ def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[Transform
     Exercised by ``pytest tests/test_checkpoint.py`` and ``lmforge generate --checkpoint DIR``.
     """
     from lmforge.model import ModelConfig, TransformerLM
-    from lmforge.utils.config import from_dict
     from lmforge.utils.runtime import resolve_device
 
     ckpt = resolve_checkpoint(path)
     cfg_file = ckpt / "config.toml"
     if not cfg_file.is_file():
         raise LmforgeError(f"checkpoint {ckpt} has no config.toml")
-    try:
-        data = tomllib.loads(cfg_file.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise LmforgeError(f"{cfg_file} is not valid TOML: {e}") from None
+    data = read_toml(cfg_file, "checkpoint config")
     if "model" not in data:
         raise LmforgeError(f"{cfg_file} has no [model] table")
     cfg = from_dict(ModelConfig, data["model"], prefix="model")

@@ -211,17 +211,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_dispatch("distill"))
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for key, value in flat.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
-
 _REQUIRED = {"sft": ("sft.model", "sft.data"), "dpo": ("dpo.model", "dpo.data"),
              "distill": ("distill.teacher", "distill.student", "distill.data")}  # fmt: skip
 
@@ -240,7 +229,13 @@ def resolve_config(
     from lmforge.utils.config import load_config
     from lmforge.utils.errors import LmforgeError
 
-    top = _nest(flags or {})
+    top: dict[str, Any] = {}
+    for key, value in (flags or {}).items():  # {"train.lr": 1e-5} -> {"train": {"lr": 1e-5}}
+        node = top
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
     cfg = load_config(RunConfig, config, overrides, base=COMMAND_DEFAULTS[command], top=top)
     if examples_per_step is not None:
         if examples_per_step < 1:

@@ -74,11 +74,6 @@ def template_of(tokenizer: Any) -> str | None:
     return t if isinstance(t, str) and t else None
 
 
-def has_own_template(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` carries a chat template (transformers' or an attached string)."""
-    return template_of(tokenizer) is not None
-
-
 def _special_token(tokenizer: Any, attr: str) -> str:
     """The text of ``tokenizer``'s BOS/EOS token ("" when it has none), for template globals:
     an ``HFTokenizer``'s ``tokenizer_config.json`` names them (GGUF imports write both), else
@@ -109,11 +104,11 @@ def render_chat(
     tokenizer: Any, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
 ) -> str:
     """The conversation as text: the tokenizer's own template when present, else ChatML."""
-    if hasattr(tokenizer, "apply_chat_template") and template_of(tokenizer):
+    template = template_of(tokenizer)
+    if hasattr(tokenizer, "apply_chat_template") and template:
         return tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )
-    template = template_of(tokenizer)
     if template is not None:
         special = {k: _special_token(tokenizer, k) for k in ("bos", "eos")}
         return render_template(
@@ -128,7 +123,7 @@ def render_chat(
 
 def _pieces(tokenizer: Any, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
     """(text, trainable) pieces whose concatenation is the rendered conversation."""
-    if not has_own_template(tokenizer):
+    if template_of(tokenizer) is None:
         pieces: list[tuple[str, bool]] = []
         for m in messages:
             pieces.append((chatml_header(m["role"]), False))

@@ -6,7 +6,9 @@ checkpoints and exact resume: rerunning a command resumes from ``train.out_dir``
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
 import time
 from collections.abc import Callable
@@ -14,20 +16,56 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors.torch import save_file
 
-from lmforge.train.metrics import plot_curves
+from lmforge.model import ModelConfig
+from lmforge.posttrain import rl
+from lmforge.posttrain.chat import prompt_text
+from lmforge.posttrain.core import Example, encode_text
+from lmforge.posttrain.distill import DistillObjective, check_vocabularies
+from lmforge.posttrain.dpo import (
+    DPOObjective,
+    RewardModel,
+    RewardModelObjective,
+    hidden_size,
+    steps_per_epoch,
+    tokenize_pairs,
+)
+from lmforge.posttrain.models import clone_frozen, eos_ids, load_model, save_model
+from lmforge.posttrain.pipeline import ListPrompts, PipelineConfig, check_inputs, run_pipeline
+from lmforge.posttrain.ppo import PolicyWithValue, PPOConfig, PPOObjective
+from lmforge.posttrain.rollout import rollout_engine
+from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
+from lmforge.posttrain.sft import SFTObjective, examples_from_records
+from lmforge.posttrain.tasks import (
+    ArithmeticTask,
+    gsm8k_reward,
+    gsm8k_user_message,
+    math_reward,
+    read_jsonl,
+)
+from lmforge.train import Trainer
+from lmforge.train.metrics import plot_curves, read_metrics
 from lmforge.utils.errors import LmforgeError
 from lmforge.utils.io import atomic_write_text, ensure_writable_dir
+from lmforge.utils.runtime import Runtime
 
 if TYPE_CHECKING:
     from lmforge.config import RunConfig
-    from lmforge.train import Trainer
 
 
-def _setup(cfg: RunConfig, threads: int | None, default_threads: int | None = None) -> Any:
-    """Threads, the runtime (device, rank) and a data check, before any model is read."""
-    from lmforge.utils.runtime import Runtime
-
+def _setup(
+    cfg: RunConfig, threads: int | None, data: str = "", default_threads: int | None = None
+) -> tuple[Any, Path]:
+    """A check of the file at the dotted key ``data`` (``"sft.data"``), threads and the runtime
+    (device, rank), before any model is read; (runtime, output folder)."""
+    if data:
+        branch, name = data.split(".")
+        p = Path(getattr(getattr(cfg, branch), name))
+        if p.is_dir() and not (p / "config.toml").is_file() and not (p / "config.json").is_file():
+            raise LmforgeError(f"{data} {p} is a directory, expected a file")
+        if not p.exists():
+            raise LmforgeError(f"{data} not found: {p}")
     n = threads or default_threads
     if n:
         torch.set_num_threads(n)
@@ -37,15 +75,7 @@ def _setup(cfg: RunConfig, threads: int | None, default_threads: int | None = No
     runtime = Runtime.from_env(device=dev, seed=cfg.train.seed)
     if runtime.is_main:  # a read-only or occupied output folder is one line before loading
         ensure_writable_dir(cfg.train.out_dir, "train.out_dir (--out)")
-    return runtime
-
-
-def _need_file(path: str, key: str) -> None:
-    p = Path(path)
-    if p.is_dir() and not (p / "config.toml").is_file() and not (p / "config.json").is_file():
-        raise LmforgeError(f"{key} {p} is a directory, expected a file")
-    if not p.exists():
-        raise LmforgeError(f"{key} not found: {p}")
+    return runtime, Path(cfg.train.out_dir)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -65,11 +95,8 @@ def _measured_once(f: Path, resumed: bool, write: bool, measure: Callable[[], An
 
 
 def _with_model_config(cfg: RunConfig, model: torch.nn.Module) -> RunConfig:
-    # The checkpoints' config.toml names the model actually trained (an imported one included).
-    import dataclasses
-
-    from lmforge.model import ModelConfig
-
+    # The checkpoints' config.toml names the model actually trained (an imported one included;
+    # not a wrapper such as the reward model or PPO's policy with value head).
     mc = getattr(model, "config", None)
     return dataclasses.replace(cfg, model=mc) if isinstance(mc, ModelConfig) else cfg
 
@@ -77,21 +104,15 @@ def _with_model_config(cfg: RunConfig, model: torch.nn.Module) -> RunConfig:
 def _run_trainer(
     cfg: RunConfig, runtime: Any, model: torch.nn.Module, objective: Any
 ) -> tuple[Trainer, dict[str, Any]]:
-    from lmforge.train import Trainer
-
     trainer = Trainer(_with_model_config(cfg, model), runtime, model=model, objective=objective)
     return trainer, trainer.run()
 
 
 def _records(out_dir: Path, event: str = "train") -> list[dict[str, Any]]:
-    from lmforge.train.metrics import read_metrics
-
     return [r for r in read_metrics(out_dir / "metrics.jsonl") if r.get("event") == event]
 
 
 def _load_with_tokenizer(path: str, device: str) -> tuple[Any, Any]:
-    from lmforge.posttrain.models import load_model
-
     model, tok = load_model(path, device)
     if tok is None:
         raise LmforgeError(f"{path} has no tokenizer to encode the data with")
@@ -114,14 +135,8 @@ def _summary(out: Path, summary: dict[str, Any], first_last: bool = False) -> in
 
 def run_sft(cfg: RunConfig, threads: int | None = None) -> int:
     """``lmforge sft``: the SFT objective on ``cfg.sft``'s model and data."""
-    from lmforge.posttrain.models import eos_ids, save_model
-    from lmforge.posttrain.sft import SFTObjective, examples_from_records
-    from lmforge.posttrain.tasks import read_jsonl
-
     sc, tc = cfg.sft, cfg.train
-    _need_file(sc.data, "sft.data")
-    runtime = _setup(cfg, threads)
-    out = Path(tc.out_dir)
+    runtime, out = _setup(cfg, threads, "sft.data")
     model, tok = _load_with_tokenizer(sc.model, runtime.device)
     eos = eos_ids(tok)
     exs = examples_from_records(read_jsonl(sc.data, "sft.data"), tok, chat=sc.chat,
@@ -134,12 +149,12 @@ def run_sft(cfg: RunConfig, threads: int | None = None) -> int:
     return _summary(out, {"examples": len(exs), "steps": result.get("iteration")}, True)
 
 
-def _preference_pairs(cfg: RunConfig, tok: Any) -> tuple[list, list]:
-    from lmforge.posttrain.dpo import tokenize_pairs
-    from lmforge.posttrain.models import eos_ids
-    from lmforge.posttrain.tasks import read_jsonl
-
-    dc = cfg.dpo
+def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
+    """``lmforge dpo``: DPO/IPO/cDPO/SimPO, or a reward model, on ``cfg.dpo``'s pairs;
+    ``train.max_steps`` is ``dpo.epochs`` passes over the training pairs."""
+    dc, tc = cfg.dpo, cfg.train
+    runtime, out = _setup(cfg, threads, "dpo.data")
+    model, tok = _load_with_tokenizer(dc.model, runtime.device)
     recs = read_jsonl(dc.data, "dpo.data")
     if dc.limit:
         recs = recs[: dc.limit]
@@ -148,32 +163,9 @@ def _preference_pairs(cfg: RunConfig, tok: Any) -> tuple[list, list]:
     eos = eos_ids(tok)
     pairs = tokenize_pairs(recs, tok, dc.max_len, eos[0] if eos else None, dc.data)
     n_eval = max(1, int(len(pairs) * dc.eval_fraction)) if dc.eval_fraction > 0 else 0
-    return (pairs[:-n_eval], pairs[-n_eval:]) if n_eval else (pairs, [])
-
-
-def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
-    """``lmforge dpo``: DPO/IPO/cDPO/SimPO, or a reward model, on ``cfg.dpo``'s pairs;
-    ``train.max_steps`` is ``dpo.epochs`` passes over the training pairs."""
-    import dataclasses
-
-    from lmforge.posttrain.dpo import (
-        DPOObjective,
-        RewardModel,
-        RewardModelObjective,
-        hidden_size,
-        steps_per_epoch,
-    )
-    from lmforge.posttrain.models import save_model
-
-    dc, tc = cfg.dpo, cfg.train
-    _need_file(dc.data, "dpo.data")
-    runtime = _setup(cfg, threads)
-    out = Path(tc.out_dir)
-    model, tok = _load_with_tokenizer(dc.model, runtime.device)
-    train, held = _preference_pairs(cfg, tok)
+    train, held = (pairs[:-n_eval], pairs[-n_eval:]) if n_eval else (pairs, [])
     steps = dc.epochs * steps_per_epoch(len(train), tc.batch_size)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(tc, max_steps=steps))
-    progress = tc.progress
     if dc.reward_model:
         torch.manual_seed(tc.seed)  # the head's initial weights
         rm = RewardModel(model, hidden_size(model)).to(runtime.device)
@@ -181,12 +173,9 @@ def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
         trained: torch.nn.Module = rm
     else:
         objective = DPOObjective(model, train, held, dc, tc.batch_size, seed=tc.seed,
-                                 progress=progress)  # fmt: skip
+                                 progress=tc.progress)  # fmt: skip
         trained = model
-    from lmforge.train import Trainer
-
-    trainer = Trainer(_with_model_config(cfg, model) if not dc.reward_model else cfg, runtime,
-                      model=trained, objective=objective)  # fmt: skip
+    trainer = Trainer(_with_model_config(cfg, trained), runtime, model=trained, objective=objective)
     resumed = trainer.iteration > 0
     before = _measured_once(out / "before.json", resumed, trainer.is_main,
                             lambda: None if resumed else objective.evaluate(trainer.model))  # fmt: skip
@@ -195,8 +184,6 @@ def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
     if not trainer.is_main:
         return 0
     if dc.reward_model:
-        from safetensors.torch import save_file
-
         save_file({k: v.contiguous() for k, v in rm.head.state_dict().items()},
                   str(out / "reward_head.safetensors"))  # fmt: skip
     save_model(model, tok, out / "model")
@@ -209,16 +196,8 @@ def run_dpo(cfg: RunConfig, threads: int | None = None) -> int:
 
 def run_distill(cfg: RunConfig, threads: int | None = None) -> int:
     """``lmforge distill``: the distillation objective, on a corpus or on-policy."""
-    from lmforge.posttrain.core import Example, encode_text
-    from lmforge.posttrain.distill import DistillObjective, check_vocabularies
-    from lmforge.posttrain.models import clone_frozen, eos_ids, load_model, save_model
-    from lmforge.posttrain.sft import examples_from_records
-    from lmforge.posttrain.tasks import read_jsonl
-
     kc, tc = cfg.distill, cfg.train
-    _need_file(kc.data, "distill.data")
-    runtime = _setup(cfg, threads)
-    out = Path(tc.out_dir)
+    runtime, out = _setup(cfg, threads, "distill.data")
     teacher, _ = load_model(kc.teacher, runtime.device)
     student, tok = _load_with_tokenizer(kc.student, runtime.device)
     check_vocabularies(teacher, student)
@@ -230,10 +209,8 @@ def run_distill(cfg: RunConfig, threads: int | None = None) -> int:
         objective = DistillObjective(teacher, kc, tc.batch_size, prompts=[p for p in prompts if p],
                                      eos_ids=eos_ids(tok), seed=tc.seed)  # fmt: skip
     else:
-        corpus = []
-        for r in (r for r in recs if "text" in r):
-            ids = encode_text(tok, r["text"])[: kc.max_len + 1]
-            corpus.append(Example(ids, [True] * len(ids)))
+        texts = [encode_text(tok, r["text"])[: kc.max_len + 1] for r in recs if "text" in r]
+        corpus = [Example(ids, [True] * len(ids)) for ids in texts]
         corpus += examples_from_records([r for r in recs if "text" not in r], tok)
         objective = DistillObjective(teacher, kc, tc.batch_size, corpus=corpus, seed=tc.seed)
     trainer, _ = _run_trainer(cfg, runtime, student, objective)
@@ -253,12 +230,6 @@ def arithmetic_start(cfg: RunConfig, runtime: Any) -> tuple[Any, Any, Any]:
     """(task, tokenizer, model): ``rl.model`` when given, else a tiny model warm-started here
     by the SFT objective on the task's carry-dropping mixture (a Trainer run of its own in
     ``OUT/warm_start``: resumable, and skipped when finished)."""
-
-    from lmforge.posttrain import rl
-    from lmforge.posttrain.models import load_model
-    from lmforge.posttrain.scratchpad import ScratchpadAdditionTask
-    from lmforge.posttrain.tasks import ArithmeticTask
-
     rc, tc = cfg.rl, cfg.train
     cls = ScratchpadAdditionTask if rc.task == "scratchpad" else ArithmeticTask
     task = cls(digits=rc.digits)
@@ -284,18 +255,9 @@ def run_rl(cfg: RunConfig, threads: int | None = None) -> int:
     """``lmforge rl``: the GRPO family, PPO (:class:`~lmforge.posttrain.ppo.PPOObjective`) or
     Pipeline RL (:func:`~lmforge.posttrain.pipeline.run_pipeline`) as Trainer objectives, rollouts
     on the serving engine; ``train.max_steps`` = ``rl.iterations`` × ``rl.epochs``."""
-    import dataclasses
-
-    from lmforge.posttrain import rl
-    from lmforge.posttrain.models import clone_frozen, eos_ids
-    from lmforge.posttrain.rollout import rollout_engine
-
     rc, tc = cfg.rl, cfg.train
     toy = rc.task in _TOY_TASKS
-    if rc.data:
-        _need_file(rc.data, "rl.data")
-    runtime = _setup(cfg, threads, default_threads=1 if toy else None)
-    out = Path(tc.out_dir)
+    runtime, out = _setup(cfg, threads, "rl.data" if rc.data else "", 1 if toy else None)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(tc.seed)
     if toy:
@@ -303,9 +265,7 @@ def run_rl(cfg: RunConfig, threads: int | None = None) -> int:
         reward_fn = task.reward
         answer_tokens = rc.max_tokens or task.answer_tokens
         eval_items = task.eval_set(rc.eval_size)
-
-        def draw(n: int, rng: random.Random) -> list[dict[str, Any]]:
-            return task.sample(n, rng)
+        draw = task.sample
     else:
         task, tok, model, reward_fn, items, eval_items = _math_task(cfg, runtime.device)
         answer_tokens = rc.max_tokens or 256
@@ -328,9 +288,6 @@ def run_rl(cfg: RunConfig, threads: int | None = None) -> int:
     engine = rollout_engine(model, eos, seed=tc.seed)
     trained: torch.nn.Module = model
     if rc.algo == "ppo":
-        from lmforge.posttrain.dpo import hidden_size
-        from lmforge.posttrain.ppo import PolicyWithValue, PPOConfig, PPOObjective
-
         trained = PolicyWithValue(model, hidden_size(model)).to(runtime.device)
         pcfg = PPOConfig(max_tokens=max_tokens, kl_coef=rc.kl_coef, temperature=rc.temperature,
                          epochs=rc.epochs, samples_per_prompt=rc.group_size)  # fmt: skip
@@ -347,12 +304,13 @@ def run_rl(cfg: RunConfig, threads: int | None = None) -> int:
             overlong_cache=overlong_cache, eos_ids=eos, eval_items=eval_items, ref_model=ref,
             seed=tc.seed + 1, target=rc.target,
         )  # fmt: skip
-    from lmforge.train import Trainer
-
     t_start = time.perf_counter()
-    run_cfg = _with_model_config(cfg, model) if rc.algo != "ppo" else cfg
-    trainer = Trainer(run_cfg, runtime, model=trained, objective=objective)
-    a0 = _first_eval(out, trainer, objective)
+    trainer = Trainer(_with_model_config(cfg, trained), runtime, model=trained, objective=objective)
+    # The starting policy's accuracy, kept beside the run for resumed attempts.
+    got = _measured_once(out / "accuracy_before.json", trainer.iteration > 0, trainer.is_main,
+                         lambda: objective.evaluate(trainer.model))  # fmt: skip
+    objective.should_stop = False  # a starting policy already at the target still trains
+    a0 = float(got.get("eval_accuracy", float("nan")))
     result = trainer.run()
     if not trainer.is_main:
         return 0
@@ -364,10 +322,8 @@ def _rl_outputs(cfg: RunConfig, out: Path, model: torch.nn.Module, tok: Any, a0:
                 samples: int, result: dict[str, Any], wall: float,
                 extra: dict[str, Any] | None = None) -> int:  # fmt: skip
     """curve.png, model/, summary.json of an RL run (printed too)."""
-    from lmforge.posttrain.models import save_model
-
     rc = cfg.rl
-    evals = [(r["step"], r["eval_accuracy"]) for r in _eval_records(out)]
+    evals = [(r["step"], r["eval_accuracy"]) for r in _records(out, "eval") if "eval_accuracy" in r]
     final = evals[-1][1] if evals else a0
     per = rc.prompts_per_step * rc.group_size / rc.epochs  # samples per optimizer step
     curve = [(0.0, a0)] + [(step * per, acc) for step, acc in evals]
@@ -382,31 +338,13 @@ def _rl_outputs(cfg: RunConfig, out: Path, model: torch.nn.Module, tok: Any, a0:
     return _summary(out, summary)
 
 
-def _eval_records(out: Path) -> list[dict[str, Any]]:
-    return [r for r in _records(out, "eval") if "eval_accuracy" in r]
-
-
-def _first_eval(out: Path, trainer: Trainer, objective: Any) -> float:
-    # The starting policy's accuracy, kept beside the run for resumed attempts.
-    got = _measured_once(out / "accuracy_before.json", trainer.iteration > 0, trainer.is_main,
-                         lambda: objective.evaluate(trainer.model))  # fmt: skip
-    objective.should_stop = False  # a starting policy already at the target still trains
-    return float(got.get("eval_accuracy", float("nan")))
-
-
 def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
               items: list[dict[str, Any]] | None, eval_items: Any, max_tokens: int,
               overlong_cache: int, eos: list[int]) -> int:  # fmt: skip
     """``lmforge rl --pipeline``: an engine process and :class:`PipelineObjective` in the
     Trainer (:func:`~lmforge.posttrain.pipeline.run_pipeline`)."""
-    from lmforge.posttrain import rl
-    from lmforge.posttrain.models import clone_frozen
-    from lmforge.posttrain.pipeline import ListPrompts, PipelineConfig, check_inputs, run_pipeline
-    from lmforge.posttrain.rollout import rollout_engine
-
     rc, tc = cfg.rl, cfg.train
     out = Path(tc.out_dir)
-    toy = rc.task in _TOY_TASKS
     pcfg = PipelineConfig.from_run(cfg, task=task, max_tokens=max_tokens,
                                    overlong_cache=overlong_cache)  # fmt: skip
     prompts = check_inputs(model, pcfg, None if items is None else ListPrompts(items, tc.seed),
@@ -427,7 +365,7 @@ def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
     trains = _records(out)  # every attempt's (a resumed run's history holds only its own)
     result = {"iteration": trains[-1]["step"] if trains else 0, "stopped": None}
     extra = {"staleness_histogram": hist[-1].get("staleness_histogram")} if hist else {}
-    return _rl_outputs(cfg, out, model, None if toy else tok, a0,
+    return _rl_outputs(cfg, out, model, None if items is None else tok, a0,  # toy: no tokenizer
                        trains[-1].get("samples", 0) if trains else 0, result,
                        time.perf_counter() - t_start, extra)  # fmt: skip
 
@@ -435,9 +373,6 @@ def _pipeline(cfg: RunConfig, task: Any, tok: Any, model: Any, reward_fn: Any,
 def math_items(task: str, tok: Any, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """GSM8K (``task="gsm8k"``) or MATH records as ``lmforge rl`` samples them: each with the
     chat-templated ``prompt`` of its problem (a record without problem or answer: one line)."""
-    from lmforge.posttrain.chat import prompt_text
-    from lmforge.posttrain.tasks import gsm8k_user_message
-
     key = "question" if task == "gsm8k" else "problem"
     items = []
     for rec in records:
@@ -452,10 +387,6 @@ def math_items(task: str, tok: Any, records: list[dict[str, Any]]) -> list[dict[
 
 
 def _math_task(cfg: RunConfig, device: str) -> tuple[Any, ...]:
-    import os
-
-    from lmforge.posttrain.tasks import gsm8k_reward, math_reward, read_jsonl
-
     rc = cfg.rl
     if not rc.model:
         raise LmforgeError(f"rl.task {rc.task} needs rl.model (--model: an SFT'd policy)")
@@ -466,16 +397,11 @@ def _math_task(cfg: RunConfig, device: str) -> tuple[Any, ...]:
     root = (
         Path(shared) if shared else Path(__file__).resolve().parents[4] / "shared" / "data"
     ) / "eval"
-    if rc.task == "gsm8k":
-        train_p = Path(rc.data) if rc.data else root / "gsm8k" / "train.jsonl"
-        test_p = root / "gsm8k" / "test.jsonl"
-        reward = gsm8k_reward
-    else:
-        train_p = Path(rc.data) if rc.data else root / "math" / "math" / "train.jsonl"
-        test_p = root / "math" / "math" / "test.jsonl"
-        reward = math_reward
-    if rc.eval_data:
-        test_p = Path(rc.eval_data)
+    gsm8k = rc.task == "gsm8k"
+    folder = root / "gsm8k" if gsm8k else root / "math" / "math"
+    reward = gsm8k_reward if gsm8k else math_reward
+    train_p = Path(rc.data) if rc.data else folder / "train.jsonl"
+    test_p = Path(rc.eval_data) if rc.eval_data else folder / "test.jsonl"
     train = read_jsonl(train_p, "rl.data")
     test = (
         read_jsonl(test_p, "rl.eval_data")

@@ -32,20 +32,18 @@ from lmforge.posttrain.rollout import rollout_engine, sample
 from lmforge.utils.errors import LmforgeError
 
 
-def vocab_size(model: nn.Module) -> int:
-    """Output vocabulary of a model (from its config, else from a one-token forward)."""
-    cfg = getattr(model, "config", None)
-    v = getattr(cfg, "vocab_size", None)
-    if isinstance(v, int):
-        return v
-    with torch.no_grad():
-        dev = next(model.parameters()).device
-        return model_logits(model, torch.zeros(1, 1, dtype=torch.long, device=dev)).shape[-1]
-
-
 def check_vocabularies(teacher: nn.Module, student: nn.Module) -> None:
-    """One-line error unless teacher and student share the vocabulary size."""
-    vt, vs = vocab_size(teacher), vocab_size(student)
+    """One-line error unless teacher and student share the vocabulary size (each model's
+    config's, else the width of a one-token forward's logits)."""
+    sizes = []
+    for model in (teacher, student):
+        v = getattr(getattr(model, "config", None), "vocab_size", None)
+        if not isinstance(v, int):
+            with torch.no_grad():
+                dev = next(model.parameters()).device
+                v = model_logits(model, torch.zeros(1, 1, dtype=torch.long, device=dev)).shape[-1]
+        sizes.append(v)
+    vt, vs = sizes
     if vt != vs:
         raise LmforgeError(f"teacher vocabulary ({vt}) differs from the student's ({vs}): "
                            "distillation needs the same tokenizer")  # fmt: skip

@@ -4,12 +4,10 @@ Data: JSONL (or .jsonl.gz) records ``{"prompt", "chosen", "rejected"}``, or HH-R
 ``{"chosen", "rejected"}`` full dialogues (``\\n\\nHuman: … \\n\\nAssistant: …``), split at their
 last common ``\\n\\nAssistant:`` into a shared prompt and the two final replies.
 
-The reference policy's sequence log-probs are computed once before training and cached (they
-never change), so the reference model is not kept in memory during training (or, with
-``dpo.reference = "online"``, by a frozen copy per batch). :class:`DPOObjective` and
-:class:`RewardModelObjective` run in the one Trainer loop. Metrics: loss,
-reward accuracy (implicit reward of chosen > rejected), reward margin, on training batches and
-on a held-out split. Exercised by ``pytest tests/test_posttrain_dpo.py``.
+:class:`DPOObjective` (the reference policy's log-probs cached once, or a frozen copy per batch)
+and :class:`RewardModelObjective` run in the one Trainer loop. Metrics: loss, reward accuracy
+(implicit reward of chosen > rejected), reward margin, on training batches and on a held-out
+split. Exercised by ``pytest tests/test_posttrain_dpo.py``.
 
 Shape legend: B pairs, T tokens.
 """
@@ -82,20 +80,16 @@ def pair_batch(pairs: Sequence[tuple[list[int], list[int], list[int]]], pad_id: 
     return collate(exs, pad_id)
 
 
-def sequence_scores(model: nn.Module, batch: Batch, average: bool = False) -> torch.Tensor:
-    """Summed (or per-token averaged) response log-probs per row (2B,)."""
-    logp, _ = sequence_logprobs(model, batch.input_ids, batch.labels)
-    total = (logp * batch.mask).sum(-1)
-    return total / batch.mask.sum(-1).clamp_min(1) if average else total
-
-
 def _pair_scores(
     model: nn.Module, chunk: Sequence[Any], cfg: DPOConfig, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The chosen and the rejected responses' scores (B,) each, from one forward of 2B rows;
-    # IPO and SimPO use length-averaged log-probs.
-    device = next(model.parameters()).device
-    s = sequence_scores(model, pair_batch(chunk, pad_id).to(device), cfg.loss in ("ipo", "simpo"))
+    # The chosen and the rejected responses' scores (B,) each: summed response log-probs from
+    # one forward of 2B rows (IPO and SimPO: averaged over the response tokens).
+    batch = pair_batch(chunk, pad_id).to(next(model.parameters()).device)
+    logp, _ = sequence_logprobs(model, batch.input_ids, batch.labels)
+    s = (logp * batch.mask).sum(-1)  # (2B,)
+    if cfg.loss in ("ipo", "simpo"):
+        s = s / batch.mask.sum(-1).clamp_min(1)
     return s[: len(chunk)], s[len(chunk) :]
 
 
@@ -127,6 +121,11 @@ def pair_losses(
     return dpo_loss(pc, pr, ref[:, 0], ref[:, 1], cfg.beta, cfg.loss, cfg.label_smoothing)  # type: ignore[arg-type]
 
 
+def _ordered(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    # 1 per pair scored in the right order, ½ for a tie
+    return (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+
+
 @torch.no_grad()
 def preference_accuracy(
     model: nn.Module, pairs: Sequence[Any], ref: torch.Tensor, cfg: DPOConfig, pad_id: int,
@@ -137,31 +136,42 @@ def preference_accuracy(
     acc, margin, lp_acc = 0.0, 0.0, 0.0
     for i in range(0, len(pairs), batch_size):
         pc, pr = _pair_scores(model, pairs[i : i + batch_size], cfg, pad_id)
-        lp_acc += float((pc > pr).float().sum() + 0.5 * (pc == pr).float().sum())
+        lp_acc += float(_ordered(pc, pr).sum())
         if cfg.loss == "simpo":
             rc, rr = cfg.beta * pc, cfg.beta * pr
         else:
             r = ref[i : i + batch_size].to(pc.device)
             rc, rr = cfg.beta * (pc - r[:, 0]), cfg.beta * (pr - r[:, 1])
-        acc += float((rc > rr).float().sum() + 0.5 * (rc == rr).float().sum())
+        acc += float(_ordered(rc, rr).sum())
         margin += float((rc - rr).sum())
     n = len(pairs)
     return {"accuracy": acc / n, "margin": margin / n, "logp_accuracy": lp_acc / n}
 
 
-class _PairStream:
-    """Pairs in a shuffled order per epoch, ``batch_size`` at a time (the last batch of an epoch
-    may be smaller); its position and RNG are part of the objective's state."""
+class _PairObjective:
+    """What the preference objectives share: training pairs in a shuffled order per epoch,
+    ``batch_size`` at a time (the last batch of an epoch may be smaller), whose order, position
+    and RNG are the resume state; held-out pairs."""
 
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
-        self.n, self.batch_size = n, batch_size
+    def __init__(
+        self,
+        train_pairs: Sequence[Any],
+        eval_pairs: Sequence[Any],
+        batch_size: int,
+        seed: int,
+        pad_id: int,
+    ) -> None:
+        if not train_pairs:
+            raise LmforgeError("no training pairs")
+        self.train_pairs, self.eval_pairs = list(train_pairs), list(eval_pairs)
+        self.batch_size, self.pad_id = batch_size, pad_id
         self.rng = random.Random(seed)
         self.order: list[int] = []
         self.pos = 0
 
-    def next(self) -> list[int]:
+    def _next_indices(self) -> list[int]:
         if self.pos >= len(self.order):
-            self.order = list(range(self.n))
+            self.order = list(range(len(self.train_pairs)))
             self.rng.shuffle(self.order)
             self.pos = 0
         idx = self.order[self.pos : self.pos + self.batch_size]
@@ -169,11 +179,13 @@ class _PairStream:
         return idx
 
     def state_dict(self) -> dict:
-        return {"rng": self.rng.getstate(), "order": list(self.order), "pos": self.pos}
+        """Pair order, position and RNG."""
+        return {"stream": {"rng": self.rng.getstate(), "order": list(self.order), "pos": self.pos}}
 
     def load_state_dict(self, state: dict) -> None:
-        set_random_state(self.rng, state["rng"])
-        self.order, self.pos = list(state["order"]), int(state["pos"])
+        """Restore what :meth:`state_dict` returned."""
+        set_random_state(self.rng, state["stream"]["rng"])
+        self.order, self.pos = list(state["stream"]["order"]), int(state["stream"]["pos"])
 
 
 def steps_per_epoch(n_pairs: int, batch_size: int) -> int:
@@ -181,7 +193,7 @@ def steps_per_epoch(n_pairs: int, batch_size: int) -> int:
     return -(-n_pairs // batch_size)
 
 
-class DPOObjective:
+class DPOObjective(_PairObjective):
     """DPO, IPO, cDPO or SimPO as a :class:`~lmforge.train.Objective`.
 
     A micro-batch is ``batch_size`` pairs (chosen and rejected scored in one forward of 2B rows);
@@ -205,12 +217,8 @@ class DPOObjective:
         pad_id: int = 0,
         progress: bool = False,
     ) -> None:
-        if not train_pairs:
-            raise LmforgeError("no training pairs")
-        self.cfg, self.pad_id, self.progress = cfg, pad_id, progress
-        self.train_pairs, self.eval_pairs = list(train_pairs), list(eval_pairs)
-        self.batch_size = batch_size
-        self.stream = _PairStream(len(self.train_pairs), batch_size, seed)
+        super().__init__(train_pairs, eval_pairs, batch_size, seed, pad_id)
+        self.cfg, self.progress = cfg, progress
         self.start = model  # the reference: scored before the first step, or kept frozen
         self.ref_model: nn.Module | None = None
         if cfg.reference == "online" and cfg.loss != "simpo":
@@ -246,7 +254,7 @@ class DPOObjective:
     def next_batch(self) -> tuple[list[Any], torch.Tensor]:
         """The next pairs and their reference scores (B, 2)."""
         self._refs()
-        idx = self.stream.next()
+        idx = self._next_indices()
         pairs = [self.train_pairs[j] for j in idx]
         cached = self.ref_train[idx] if self.ref_train is not None else None
         return pairs, self._ref_of(pairs, cached)
@@ -285,14 +293,14 @@ class DPOObjective:
 
     def state_dict(self) -> dict:
         """Pair order, position, RNG and the cached reference scores."""
-        out: dict[str, Any] = {"stream": self.stream.state_dict()}
+        out = super().state_dict()
         if self.ref_train is not None:
             out["ref_train"], out["ref_eval"] = self.ref_train, self.ref_eval
         return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self.stream.load_state_dict(state["stream"])
+        super().load_state_dict(state)
         if "ref_train" in state:
             self.ref_train, self.ref_eval = state["ref_train"], state["ref_eval"]
 
@@ -346,10 +354,10 @@ def reward_pair_loss(
     device = next(rm.parameters()).device
     s = rm(pair_batch(chunk, pad_id).to(device))
     sc, sr = s[: len(chunk)], s[len(chunk) :]
-    return bradley_terry_loss(sc, sr), (sc > sr).float() + 0.5 * (sc == sr).float()
+    return bradley_terry_loss(sc, sr), _ordered(sc, sr)
 
 
-class RewardModelObjective:
+class RewardModelObjective(_PairObjective):
     """A Bradley–Terry reward model as a :class:`~lmforge.train.Objective`: the Trainer's model
     is the :class:`RewardModel` (LM + scalar head); loss −log σ(s_chosen − s_rejected) summed
     over the pairs, weight B; ``evaluate`` gives the held-out pair accuracy."""
@@ -360,16 +368,12 @@ class RewardModelObjective:
         self, train_pairs: Sequence[Any], eval_pairs: Sequence[Any], batch_size: int,
         seed: int = 0, pad_id: int = 0,
     ) -> None:  # fmt: skip
-        if not train_pairs:
-            raise LmforgeError("no training pairs")
-        self.train_pairs, self.eval_pairs = list(train_pairs), list(eval_pairs)
-        self.batch_size, self.pad_id = batch_size, pad_id
-        self.stream = _PairStream(len(self.train_pairs), batch_size, seed)
+        super().__init__(train_pairs, eval_pairs, batch_size, seed, pad_id)
         self._hits: list[float] = []
 
     def next_batch(self) -> list[Any]:
         """The next pairs."""
-        return [self.train_pairs[j] for j in self.stream.next()]
+        return [self.train_pairs[j] for j in self._next_indices()]
 
     def batch_weight(self, batch: list[Any]) -> float:
         """Pairs in the micro-batch."""
@@ -393,11 +397,3 @@ class RewardModelObjective:
         hits = [reward_pair_loss(model, self.eval_pairs[i : i + self.batch_size], self.pad_id)[1]  # type: ignore[arg-type]
                 for i in range(0, len(self.eval_pairs), self.batch_size)]  # fmt: skip
         return {"eval_accuracy": float(torch.cat(hits).mean())} if hits else {}
-
-    def state_dict(self) -> dict:
-        """Pair order, position and RNG."""
-        return {"stream": self.stream.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.stream.load_state_dict(state["stream"])

@@ -32,10 +32,7 @@ the engine gives the same prompts, in the same order, as its twin drawn by a syn
 the same seed (:func:`item_stream`). The trainer decodes and scores with the task's reward.
 
 Resume after ``kill -9`` (the Trainer's checkpoints, ``train.save_every``): the engine
-process exits when its trainer dies; a rerun restores the learner and the objective's counters
-and prompt stream before it starts a new engine from the checkpoint's weights, so batch k holds
-the same prompts and version numbering as uninterrupted; the rollouts themselves are sampled
-again (see :class:`PipelineObjective` for exactly what is and is not bit-exact).
+process exits when its trainer dies; what a rerun restores: :class:`PipelineObjective`.
 
 Simplification: one engine; a batch is started whole (the engine batches its rows
 continuously). Weights are the model's parameters: buffers (an MoE
@@ -64,7 +61,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.posttrain.rl import GRPOObjective, build_samples, score_groups
+from lmforge.posttrain.core import (
+    encode_text,
+    is_lmforge_model,
+    sequence_logprobs,
+    set_random_state,
+)
+from lmforge.posttrain.rl import GRPOObjective, add_eval_accuracy, build_samples, score_groups
 from lmforge.utils.errors import LmforgeError
 
 
@@ -149,8 +152,6 @@ class TaskPrompts:
 
     def draw(self, n: int) -> tuple[list[dict[str, Any]], list[list[int]]]:
         """``n`` items and their prompts' token ids."""
-        from lmforge.posttrain.core import encode_text
-
         items = self(n)
         return items, [encode_text(self.tokenizer, it["prompt"]) for it in items]
 
@@ -185,8 +186,6 @@ class ListPrompts:
 
     def with_token_ids(self, tokenizer: Any) -> ListPrompts:
         """A copy (same stream position) holding every prompt's token ids."""
-        from lmforge.posttrain.core import encode_text
-
         out = copy.copy(self)
         out.rng = copy.deepcopy(self.rng)
         out.token_ids = [encode_text(tokenizer, it["prompt"]) for it in self.items]
@@ -210,12 +209,6 @@ def item_stream(prompts: Any) -> Callable[[int], list[dict[str, Any]]]:
 # The engine process
 
 
-def _task(cfg: PipelineConfig) -> Any:
-    from lmforge.posttrain.tasks import ArithmeticTask
-
-    return cfg.task if cfg.task is not None else ArithmeticTask(digits=cfg.digits)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -227,10 +220,6 @@ def _init(rank: int, port: int, backend: str) -> None:
 
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)  # fmt: skip
-
-
-def _bucket_device(cfg: PipelineConfig, model_device: torch.device) -> torch.device:
-    return torch.device("cpu") if cfg.backend == "gloo" else model_device
 
 
 def rebuild_model(
@@ -276,28 +265,22 @@ def _serve_stats(engine: Any) -> dict[str, float]:
             if k in stats}  # fmt: skip
 
 
-def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int, link: _Link,
-                 device: str, prompts: Any, eos_ids: list[int],
-                 shared: list[torch.Tensor] | None, parent: int) -> None:  # fmt: skip
-    """The engine process: decode forever, swapping weights in between decode steps.
+def _engine_main(link: _Link, *args: Any) -> None:
+    """The engine process (:func:`_engine_loop` on ``link`` and ``args``): decode forever,
+    swapping weights in between decode steps.
 
-    It starts batch k only once the trainer has taken batch k − 1 − ``queue_size`` (credit
-    ``consumed``), so lag stays bounded when generation is faster than training. Each payload
-    carries the engine's time breakdown for that batch: decoding (``gen_s``, weight receives
-    included), receiving weights (``recv_s``) and idling for credit or queue room (``idle_s``);
-    with the serve engine also its decode-only and prefill-carrying step seconds. A failure is
-    sent to the trainer as one line instead of a batch. It exits on its own when the trainer
-    process (``parent``) is gone (a ``kill -9``), so a resumed run starts a fresh engine.
-
-    A resumed run starts it at the trainer's batch count (``consumed``) and version
-    (``published``): its first batch is the prompt stream's next, sampled by the checkpoint's
-    weights, fingerprinted for the weight check.
+    It runs on credit (``consumed``, see the module docstring). Each payload carries the
+    engine's time breakdown for that batch: decoding (``gen_s``, weight receives included),
+    receiving weights (``recv_s``) and idling for credit or queue room (``idle_s``); with the
+    serve engine also its decode-only and prefill-carrying step seconds. A failure is sent to
+    the trainer as one line instead of a batch. It exits on its own when the trainer
+    process (``parent``) is gone (a ``kill -9``), so a resumed run starts a fresh engine (at the
+    trainer's batch count and version: :class:`PipelineObjective`).
     """
     import torch.distributed as dist
 
     try:
-        _engine_loop(cfg, model_cfg, state_file, port, link, device, prompts, eos_ids, shared,
-                     parent)  # fmt: skip
+        _engine_loop(link, *args)
     except Exception as e:  # the trainer raises it as one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
@@ -308,7 +291,7 @@ def _engine_main(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
             dist.destroy_process_group()
 
 
-def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int, link: _Link,
+def _engine_loop(link: _Link, cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int,
                  device: str, prompts: Any, eos_ids: list[int],
                  shared: list[torch.Tensor] | None, parent: int) -> None:  # fmt: skip
     import torch.distributed as dist
@@ -336,11 +319,9 @@ def _engine_loop(cfg: PipelineConfig, model_cfg: Any, state_file: str, port: int
     engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1 + 1_000_003 * start)
     engine.update_weights({}, published.value)  # the checkpoint's weights carry its version
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-    buckets = (
-        []
-        if shared is not None
-        else layout.empty_buckets(_bucket_device(cfg, torch.device(device)))
-    )
+    # gloo stages the weights through CPU buckets
+    bucket_device = torch.device("cpu" if cfg.backend == "gloo" else device)
+    buckets = [] if shared is not None else layout.empty_buckets(bucket_device)
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                             n=cfg.group_size, stop_token_ids=tuple(eos_ids))  # fmt: skip
     # Warm up (first-call allocations, kernel compilation) before joining the group: the
@@ -458,8 +439,6 @@ def check_inputs(model: nn.Module, cfg: PipelineConfig, prompts: Any = None,
     again by :func:`run_pipeline`. Returns ``prompts``: a :class:`ListPrompts` with its token ids
     (encoded here with ``tokenizer`` when it has none), checked to fit the model's context and
     to hold ``prompts_per_step`` problems; any other source as given."""
-    from lmforge.posttrain.core import is_lmforge_model
-
     if cfg.transport not in ("broadcast", "shared"):
         raise LmforgeError(f"unknown weight transport {cfg.transport!r} (broadcast, shared)")
     if not is_lmforge_model(model):
@@ -541,7 +520,9 @@ def run_pipeline(
         raise LmforgeError("kl_coef > 0 needs a reference model")
     torch.set_num_threads(cfg.threads)
     if prompts is None:  # a toy task: everything comes from it
-        task = _task(cfg)
+        from lmforge.posttrain.tasks import ArithmeticTask
+
+        task = cfg.task if cfg.task is not None else ArithmeticTask(digits=cfg.digits)
         tokenizer = tokenizer or task.tokenizer()
         prompts = TaskPrompts(task, cfg.seed + 1)
         reward_fn = reward_fn or task.reward
@@ -603,7 +584,7 @@ def run_pipeline(
     save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
     proc = ctx.Process(
         target=_engine_main,
-        args=(cfg, model.config, state_file, port, link, cfg.engine_device or str(device),
+        args=(link, cfg, model.config, state_file, port, cfg.engine_device or str(device),
               item_stream(objective.prompts or prompts), eos, shared, os.getpid()),
         daemon=True,
     )  # fmt: skip
@@ -646,14 +627,7 @@ def run_pipeline(
         if proc.is_alive():
             proc.terminate()
         shutil.rmtree(handoff, ignore_errors=True)
-    from lmforge.train.metrics import read_metrics
-
-    path = os.path.join(run_config.train.out_dir, "metrics.jsonl")
-    evals = {r["step"]: r for r in read_metrics(path) if r.get("event") == "eval"}
-    for rec in history:
-        ev = evals.get(rec.get("step"))
-        if ev is not None:
-            rec["eval_accuracy"] = ev["eval_accuracy"]
+    add_eval_accuracy(history, run_config.train.out_dir, "step")
     if history:
         history[-1]["staleness_histogram"] = {
             str(k): v for k, v in sorted(objective.hist_total.items())
@@ -734,8 +708,8 @@ class PipelineObjective(GRPOObjective):
         self.proc: Any = None
         self.eval_fn = eval_fn
         device = next(model.parameters()).device
-        self.buckets = (layout.empty_buckets(_bucket_device(cfg, device))
-                        if shared is None else [])  # fmt: skip
+        bucket_device = torch.device("cpu") if cfg.backend == "gloo" else device
+        self.buckets = layout.empty_buckets(bucket_device) if shared is None else []
         self.version = 0
         self.batches = 0
         self.first = 1  # this attempt's first batch (its sync check always runs)
@@ -764,16 +738,17 @@ class PipelineObjective(GRPOObjective):
                             self.proc)  # fmt: skip
             self.version += 1
             link.published.value = self.version  # after the pack: a whole version
-        self.fingerprints[self.version] = (weight_fingerprint(self.model)
-                                           if _checks_ahead(self.cfg, self.batches) else None)  # fmt: skip
+        # the engine fingerprints batch k (k = 1 or a multiple of eval_every) at a version in
+        # [k - 1 - queue_size - 1, k - 1]: keep the trainer's fingerprints of those versions
+        ahead = range(self.batches + 1, self.batches + self.cfg.queue_size + 3)
+        checked = any(k % self.cfg.eval_every == 0 for k in ahead)
+        self.fingerprints[self.version] = weight_fingerprint(self.model) if checked else None
         for old in [v for v in self.fingerprints if v < self.version - self.cfg.queue_size - 2]:
             del self.fingerprints[old]  # the engine starts no batch that far behind
         return time.perf_counter() - t
 
     def before_step(self, trainer: Any, step: int) -> None:
         """At a new rollout batch: publish, take, score, filter; then this step's pass."""
-        from lmforge.posttrain.core import sequence_logprobs
-
         link = self.link
         assert link is not None, "run_pipeline attaches the engine's link"
         if self.passes_left == 0:
@@ -805,7 +780,7 @@ class PipelineObjective(GRPOObjective):
             if self.batches == self.first or self.batches % self.cfg.eval_every == 0:
                 device = next(self.model.parameters()).device
                 stats["sync_check"], stats["sync_check_tokens"] = _sync_check(
-                    self.model, s, self.version, self.cfg, device, sequence_logprobs
+                    self.model, s, self.version, self.cfg, device
                 )
             lags = [self.version - v for c in comps for v in c.policy_versions]
             self.hist_total.update(collections.Counter(lags))
@@ -855,8 +830,6 @@ class PipelineObjective(GRPOObjective):
         super().load_state_dict(state)
         self.batches = int(state["batches"])
         self.hist_total = collections.Counter({int(k): int(v) for k, v in state["hist"].items()})
-        from lmforge.posttrain.core import set_random_state
-
         if self.prompts is None or state["prompt_rng"] is None:
             raise LmforgeError("this Pipeline RL prompt source keeps no RNG to resume from; "
                                "use a new train.out_dir")  # fmt: skip
@@ -883,12 +856,6 @@ def _publish_shared(model: nn.Module, layout: Any, shared: list[torch.Tensor], v
         torch.cuda.synchronize(shared[0].device)  # the engine reads them from another process
 
 
-def _checks_ahead(cfg: PipelineConfig, it: int) -> bool:
-    # the engine fingerprints batch k (k = 1 or a multiple of eval_every) at a version in
-    # [k - 1 - queue_size - 1, k - 1]: keep the trainer's fingerprints of those versions
-    return any(k % cfg.eval_every == 0 for k in range(it + 1, it + cfg.queue_size + 3))
-
-
 def _engine_reported(out_q: Any) -> str | None:
     """The error the engine sent, if any (the queue is drained looking for it)."""
     try:
@@ -901,8 +868,9 @@ def _engine_reported(out_q: Any) -> str | None:
 
 
 @torch.no_grad()
-def _sync_check(model: nn.Module, s: Any, version: int, cfg: PipelineConfig, device: torch.device,
-                sequence_logprobs: Callable[..., Any]) -> tuple[float, int]:  # fmt: skip
+def _sync_check(
+    model: nn.Module, s: Any, version: int, cfg: PipelineConfig, device: torch.device
+) -> tuple[float, int]:
     """(max |π_θ/μ − 1|, tokens checked) over the rows sampled wholly by ``version``."""
     # Rows sampled wholly by the current version: a row with a mid-sequence swap keeps KV
     # entries of the older weights, so its later tokens need not have ratio 1.

@@ -22,13 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lmforge.posttrain.core import (
-    IGNORE,
-    encode_text,
-    masked_mean,
-    masked_whiten,
-    token_logprobs,
-)
+from lmforge.posttrain.core import IGNORE, decode_ids, masked_mean, masked_whiten, token_logprobs
 from lmforge.posttrain.losses import gae, kl_penalized_rewards, policy_token_loss, value_loss
 from lmforge.posttrain.models import clone_frozen
 from lmforge.posttrain.rl import _RolloutObjective, build_samples
@@ -109,21 +103,9 @@ class PPOObjective(_RolloutObjective):
 
     @torch.no_grad()
     def _rollout(self, version: int) -> None:
-        from lmforge.posttrain.core import decode_ids
-        from lmforge.posttrain.rollout import sample
-
         cfg = self.cfg
-        items = self.draw(self.prompts_per_step, self.rng)
-        prompts = [encode_text(self.tokenizer, x["prompt"]) for x in items]
-        outs = sample(
-            self.engine,
-            prompts,
-            self.rng,
-            version,
-            n=cfg.samples_per_prompt,
-            temperature=cfg.temperature,
-            max_tokens=cfg.max_tokens,
-            eos_ids=self.eos,
+        items, prompts, outs, _ = self._sample(
+            version, cfg.samples_per_prompt, cfg.temperature, cfg.max_tokens
         )
         stop = set(self.eos)
         flat_p: list[Sequence[int]] = []

@@ -1,12 +1,8 @@
 """RL with verifiable rewards: rollouts in groups, advantages, and the GRPO family's objective.
 
-One rollout batch: sample ``group_size`` completions per prompt on the serving engine
-(:func:`~lmforge.posttrain.rollout.rollout_engine`, recording each token's log-prob and policy
-version), score them, compute group advantages (:func:`score_groups`), then ``epochs`` optimizer
-steps of the one Trainer over that batch (off-policy after the first: the recorded log-probs
-are the importance-sampling denominators). The loss is the per-token policy loss of
-:mod:`lmforge.posttrain.losses` with the chosen reweighting, aggregated as chosen, plus an
-optional k3 KL to a frozen reference model (:class:`GRPOObjective`).
+One rollout batch (groups of completions sampled on the serving engine, scored with group
+advantages by :func:`score_groups`) per ``epochs`` optimizer steps of the one Trainer, under the
+per-token policy losses of :mod:`lmforge.posttrain.losses`: :class:`GRPOObjective`.
 
 The arithmetic command (``lmforge rl --task arithmetic``) first warm-starts a tiny model on the
 task's format (the SFT objective, a short run that leaves it well below the target accuracy),
@@ -27,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.config import RunConfig
+from lmforge.posttrain.config import SFTConfig
 from lmforge.posttrain.core import (
     IGNORE,
     Batch,
@@ -47,8 +45,12 @@ from lmforge.posttrain.losses import (
     overlong_penalty,
     policy_token_loss,
 )
+from lmforge.posttrain.rollout import rollout_engine, sample
+from lmforge.posttrain.sft import SFTObjective
 from lmforge.posttrain.tasks import Reward
 from lmforge.serve import SamplingParams
+from lmforge.train.config import TrainConfig
+from lmforge.train.metrics import read_metrics
 from lmforge.utils.errors import LmforgeError
 
 
@@ -78,16 +80,7 @@ class Samples:
     def select(self, idx: torch.Tensor | Sequence[int]) -> Samples:
         """The rows ``idx``."""
         idx = torch.as_tensor(idx, dtype=torch.long)
-        return Samples(
-            Batch(self.batch.input_ids[idx], self.batch.labels[idx]),
-            self.old_logp[idx],
-            self.versions[idx],
-            self.advantages[idx],
-            self.rewards[idx],
-            self.lengths[idx],
-            self.truncated[idx],
-            self.weights[idx],
-        )
+        return _samples_from({k: v[idx] for k, v in _samples_state(self).items()})
 
 
 def build_samples(
@@ -216,15 +209,14 @@ def arithmetic_model(
 
 
 def _samples_state(s: Samples) -> dict[str, torch.Tensor]:
-    return {"input_ids": s.batch.input_ids, "labels": s.batch.labels, "old_logp": s.old_logp,
-            "versions": s.versions, "advantages": s.advantages, "rewards": s.rewards,
-            "lengths": s.lengths, "truncated": s.truncated, "weights": s.weights}  # fmt: skip
+    # Samples as flat named tensors (checkpoints, benchmarks): the batch's two, then the rest
+    rest = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)[1:]}
+    return {"input_ids": s.batch.input_ids, "labels": s.batch.labels, **rest}
 
 
 def _samples_from(d: dict[str, torch.Tensor]) -> Samples:
-    return Samples(Batch(d["input_ids"], d["labels"]), d["old_logp"], d["versions"],
-                   d["advantages"], d["rewards"], d["lengths"], d["truncated"],
-                   d["weights"])  # fmt: skip
+    rest = (d[f.name] for f in dataclasses.fields(Samples)[1:])
+    return Samples(Batch(d["input_ids"], d["labels"]), *rest)
 
 
 class _RolloutObjective:
@@ -241,6 +233,18 @@ class _RolloutObjective:
                                 self.eval_max_tokens, eos_ids=self.eos)  # fmt: skip
         self.should_stop = bool(self.target) and acc >= self.target
         return {"eval_accuracy": acc}
+
+    def _sample(
+        self, version: int, n: int, temperature: float, max_tokens: int
+    ) -> tuple[list[dict[str, Any]], list[list[int]], list[Any], float]:
+        # The next prompts (the objective's RNG) and n completions of each under policy
+        # ``version``: (items, prompt ids, engine outputs, seconds spent sampling)
+        items = self.draw(self.prompts_per_step, self.rng)
+        prompts = [encode_text(self.tokenizer, it["prompt"]) for it in items]
+        t = time.perf_counter()
+        outs = sample(self.engine, prompts, self.rng, version, n=n, temperature=temperature,
+                      max_tokens=max_tokens, eos_ids=self.eos)  # fmt: skip
+        return items, prompts, outs, time.perf_counter() - t
 
     def _loop_state(self) -> dict[str, Any]:
         return {"rng": self.rng.getstate(), "passes_left": self.passes_left,
@@ -320,14 +324,9 @@ class GRPOObjective(_RolloutObjective):
     # -- rollouts
 
     def _rollout(self, version: int) -> tuple[Samples, dict[str, float]]:
-        from lmforge.posttrain.rollout import sample
-
-        items = self.draw(self.prompts_per_step, self.rng)
-        prompts = [encode_text(self.tokenizer, it["prompt"]) for it in items]
-        t = time.perf_counter()
-        outs = sample(self.engine, prompts, self.rng, version, n=self.group_size,
-                      temperature=self.temperature, max_tokens=self.max_tokens, eos_ids=self.eos)  # fmt: skip
-        gen_s = time.perf_counter() - t
+        items, prompts, outs, gen_s = self._sample(
+            version, self.group_size, self.temperature, self.max_tokens
+        )
         r, adv, stats = score_groups(items, outs, self.tokenizer, self.reward_fn, self.algo,
                                      self.max_tokens, self.overlong_cache, self.eos,
                                      self.std)  # fmt: skip
@@ -336,20 +335,17 @@ class GRPOObjective(_RolloutObjective):
                 else torch.ones(len(items), dtype=torch.bool))  # fmt: skip
         stats["groups_kept"] = float(keep.float().mean())
         self.samples_seen += len(items) * self.group_size
-        flat_p, flat_c, flat_a, flat_r = [], [], [], []
-        for g, out in enumerate(outs):
-            if keep[g]:
-                for j, c in enumerate(out.outputs):
-                    flat_p.append(prompts[g])
-                    flat_c.append(c)
-                    flat_a.append(float(adv[g, j]))
-                    flat_r.append(float(r[g, j]))
-        if not flat_c:  # every group had equal rewards: no gradient to take
-            return Samples(Batch(torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long)),
-                           torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0),
-                           torch.zeros(0), torch.zeros(0, dtype=torch.long),
-                           torch.zeros(0, dtype=torch.bool), torch.zeros(0)), stats  # fmt: skip
-        return build_samples(flat_p, flat_c, torch.tensor(flat_a), torch.tensor(flat_r)), stats
+        rows = [
+            (prompts[g], c, float(adv[g, j]), float(r[g, j]))
+            for g, out in enumerate(outs)
+            if keep[g]
+            for j, c in enumerate(out.outputs)
+        ]
+        if not rows:  # every group had equal rewards: no gradient to take (an empty batch)
+            one = build_samples(prompts[:1], outs[0].outputs[:1], adv[0, :1], r[0, :1])
+            return one.select([]), stats
+        p, c, a, rw = zip(*rows)
+        return build_samples(p, c, torch.tensor(a), torch.tensor(rw)), stats
 
     def before_step(self, trainer: Any, step: int) -> None:
         """A new rollout batch every ``epochs`` steps; this step's micro-batches."""
@@ -446,10 +442,7 @@ def warm_start(
     AdamW steps (lr 3e-3, constant, no clipping) of ``batch`` items whose answers follow the
     task's warm-up mixture (``task.warmup_answer``: carries dropped part of the time). A run
     folder of its own (``out_dir``): resumable, and a rerun of a finished one does nothing."""
-    from lmforge.config import RunConfig
-    from lmforge.posttrain.config import SFTConfig
-    from lmforge.posttrain.sft import SFTObjective
-    from lmforge.train import TrainConfig, Trainer
+    from lmforge.train import Trainer
 
     tok = task.tokenizer()
     items = task.sample(batch * steps, random.Random(seed))
@@ -495,9 +488,7 @@ def train_grpo(
     records of its metrics.jsonl, with ``time_s`` that leaves out ``on_step(record, model)``
     and the evaluations, and ``eval_accuracy`` where one ran). For benchmarks and tests that
     compare modes; ``lmforge rl`` builds the same from the config tree."""
-    from lmforge.config import RunConfig
-    from lmforge.posttrain.rollout import rollout_engine
-    from lmforge.train import TrainConfig, Trainer
+    from lmforge.train import Trainer
 
     eos = [tokenizer.eos_id] if getattr(tokenizer, "eos_id", None) is not None else []
     obj = GRPOObjective(rollout_engine(model, eos, seed=seed), tokenizer, draw, reward_fn,
@@ -527,11 +518,17 @@ def train_grpo(
     trainer = Trainer(RunConfig(train=tc), model=model, objective=obj, callbacks=[record])
     t0[0] = time.perf_counter()
     trainer.run()
-    from lmforge.train.metrics import read_metrics
+    return add_eval_accuracy(history, out_dir, "iteration")
 
+
+def add_eval_accuracy(
+    history: list[dict[str, Any]], out_dir: str, key: str
+) -> list[dict[str, Any]]:
+    """``history`` (records of steps ``rec[key]``) with ``eval_accuracy`` where an evaluation
+    ran at that step: the ``eval`` records of ``out_dir``'s metrics.jsonl."""
     evals = {r["step"]: r["eval_accuracy"] for r in read_metrics(f"{out_dir}/metrics.jsonl")
              if r.get("event") == "eval" and "eval_accuracy" in r}  # fmt: skip
     for rec in history:
-        if rec["iteration"] in evals:
-            rec["eval_accuracy"] = evals[rec["iteration"]]
+        if rec.get(key) in evals:
+            rec["eval_accuracy"] = evals[rec[key]]
     return history

@@ -9,10 +9,8 @@ every importance ratio is 1 (up to paged-KV vs full-forward rounding; tested in
 ``tests/test_posttrain_resume.py``). Each token records the engine's ``policy_version``; the
 trainer bumps it after every optimizer step with ``update_weights({}, version)`` (the module is
 shared, so only the version moves), and Pipeline RL's engine process copies new weights in
-between two engine steps, keeping the running sequences' KV cache.
-
-Sampling is seeded per request (``SamplingParams.seed``, drawn from the objective's RNG), so a
-resumed run samples exactly what the uninterrupted one did.
+between two engine steps, keeping the running sequences' KV cache. Sampling is seeded per
+request (:func:`sample`).
 """
 
 from __future__ import annotations
@@ -90,8 +88,9 @@ def sample(engine: Any, prompts: Sequence[Sequence[int]], rng: random.Random, ve
            n: int = 1, temperature: float = 1.0, max_tokens: int,
            eos_ids: Sequence[int] = ()) -> list[Any]:  # fmt: skip
     """``n`` completions per prompt under policy ``version`` (the shared module's weights), each
-    request seeded from ``rng`` in order, so a resumed run samples what the uninterrupted one
-    did: the RL and on-policy distillation objectives' rollouts."""
+    request seeded (``SamplingParams.seed``) from ``rng`` in order, so a resumed run samples
+    exactly what the uninterrupted one did: the RL and on-policy distillation objectives'
+    rollouts."""
     from lmforge.serve import SamplingParams
 
     engine.update_weights({}, version)  # the module is shared: only the version moves

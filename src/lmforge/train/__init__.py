@@ -5,6 +5,8 @@ loading and checkpoints.
 This is the public API; everything else in ``lmforge.train`` is internal.
 """
 
+# ruff: noqa: F401 (the imports for type checkers below are the names __all__ exports)
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -29,69 +31,24 @@ if TYPE_CHECKING:
     from lmforge.train.trainer import Trainer, train
     from lmforge.train.wrap import apply_activation_checkpointing, bf16_weight_copies
 
-__all__ = [
-    "AdamW",
-    "DataConfig",
-    "FastPath",
-    "FastPathRuntime",
-    "LMObjective",
-    "MixtureSampler",
-    "Objective",
-    "TokenShard",
-    "TrainConfig",
-    "Trainer",
-    "TrainingPlan",
-    "apply_activation_checkpointing",
-    "bf16_weight_copies",
-    "build_optimizer",
-    "clip_grad_norm",
-    "constant_schedule",
-    "cosine_schedule",
-    "cross_entropy",
-    "eval_batches",
-    "get_batch",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "load_for_inference",
-    "lr_at",
-    "open_shard",
-    "resolve_fast_path",
-    "save_checkpoint",
-    "train",
-    "training_plan",
-    "wsd_schedule",
-]
-
+# name → defining module (relative, or in full), imported on first access
 _EXPORTS = {
-    "AdamW": "optim",
-    "DataConfig": "config",
-    "FastPath": "fastpath",
-    "FastPathRuntime": "fastpath",
-    "LMObjective": "objective",
-    "MixtureSampler": "data",
-    "Objective": "objective",
-    "TokenShard": "data",
-    "TrainConfig": "config",
-    "Trainer": "trainer",
-    "TrainingPlan": "plan",
-    "apply_activation_checkpointing": "wrap",
-    "bf16_weight_copies": "wrap",
-    "build_optimizer": "optim",
-    "clip_grad_norm": "optim",
-    "constant_schedule": "schedule",
-    "cosine_schedule": "schedule",
-    "cross_entropy": "loss",
-    "eval_batches": "data",
-    "get_batch": "data",
-    "latest_checkpoint": "lmforge.checkpoint.io",
-    "load_checkpoint": "lmforge.checkpoint.io",
-    "load_for_inference": "lmforge.checkpoint.io",
-    "lr_at": "schedule",
-    "open_shard": "data",
-    "resolve_fast_path": "fastpath",
-    "save_checkpoint": "lmforge.checkpoint.io",
-    "train": "trainer",
-    "training_plan": "plan",
-    "wsd_schedule": "schedule",
+    name: module
+    for module, names in {
+        "config": "DataConfig TrainConfig",
+        "data": "MixtureSampler TokenShard eval_batches get_batch open_shard",
+        "fastpath": "FastPath FastPathRuntime resolve_fast_path",
+        "loss": "cross_entropy",
+        "objective": "LMObjective Objective",
+        "optim": "AdamW build_optimizer clip_grad_norm",
+        "plan": "TrainingPlan training_plan",
+        "schedule": "constant_schedule cosine_schedule lr_at wsd_schedule",
+        "trainer": "Trainer train",
+        "wrap": "apply_activation_checkpointing bf16_weight_copies",
+        "lmforge.checkpoint.io": "latest_checkpoint load_checkpoint load_for_inference "
+        "save_checkpoint",
+    }.items()
+    for name in names.split()
 }
+__all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -37,8 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="TOML run config (see configs/); keys not given take their defaults",
     )
-    p.set_defaults(accepts_overrides=True)
-    p.set_defaults(func=_run)
+    p.set_defaults(accepts_overrides=True, func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -47,13 +46,12 @@ def _run(args: argparse.Namespace) -> int:
 
     from lmforge.config import load_run_config
     from lmforge.train.trainer import train
+    from lmforge.utils.io import ensure_writable_dir
     from lmforge.utils.runtime import Runtime
 
     cfg = load_run_config(args.config, args.overrides)
     runtime = Runtime.from_env(device=cfg.train.device, seed=cfg.train.seed)
     if runtime.is_main:  # a read-only or occupied out_dir is one line before any work
-        from lmforge.utils.io import ensure_writable_dir
-
         ensure_writable_dir(cfg.train.out_dir, "train.out_dir")
     result = train(cfg, runtime)
     if runtime.is_main:

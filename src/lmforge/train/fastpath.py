@@ -99,17 +99,14 @@ class FastPath:
 
     def summary(self) -> str:
         """One line for the log."""
-        on = [
-            name
-            for name, flag in (
-                ("master weights", self.master_weights),
-                ("sync-free step", self.sync_free),
-                ("clip in update", self.clip_in_update),
-                ("CUDA graph", self.cuda_graph),
-                ("compile", self.compile),
-            )
-            if flag
-        ]
+        flags = {
+            "master weights": self.master_weights,
+            "sync-free step": self.sync_free,
+            "clip in update": self.clip_in_update,
+            "CUDA graph": self.cuda_graph,
+            "compile": self.compile,
+        }
+        on = [name for name, flag in flags.items() if flag]
         return (
             f"attention {self.attention}, norm {self.norm}, rope {self.rope}, swiglu "
             f"{self.swiglu}, loss {self.loss}, adamw {self.adamw}"

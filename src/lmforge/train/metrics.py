@@ -162,14 +162,10 @@ def start_run_log(
     path = out_dir / "metrics.jsonl"
     earlier = [r for r in read_metrics(path, all_attempts=True) if r.get("event") == "attempt"]
     loggers = MetricsLogger(out_dir, tc.tensorboard, tc.wandb, config_to_dict(run_config))
-    attempt: dict[str, Any] = {"event": "attempt", "step": iteration, "attempt": len(earlier) + 1}
-    if resumed_from is not None:
-        attempt["resumed_from"] = str(resumed_from)
-    loggers.log(attempt)
-    rec: dict[str, Any] = {"event": "plan", "step": iteration, **vars(plan)}
-    rec["fast_path"] = fast_summary
-    if resumed_from is not None:
-        rec["resumed_from"] = str(resumed_from)
-    loggers.log(rec)
+    resumed = {} if resumed_from is None else {"resumed_from": str(resumed_from)}
+    loggers.log({"event": "attempt", "step": iteration, "attempt": len(earlier) + 1, **resumed})
+    loggers.log(
+        {"event": "plan", "step": iteration, **vars(plan), "fast_path": fast_summary, **resumed}
+    )
     print(start_line + (f"; resumed from {resumed_from}" if resumed_from else ""), file=sys.stderr)
     return loggers

@@ -114,12 +114,22 @@ class AdamW(torch.optim.Optimizer):
                 else:
                     copy.grad.zero_()
 
-    def _write_copies(self, params: list[torch.Tensor]) -> None:
-        # The copies of these (just updated) masters, rounded from them.
+    def _with_grads(self, group: dict) -> list[torch.Tensor]:
+        # The group's parameters that have a gradient (a sparse one is refused).
+        params = [p for p in group["params"] if self._grad(p) is not None]
+        if any(self._grad(p).is_sparse for p in params):
+            raise RuntimeError("AdamW does not support sparse gradients")
+        return params
+
+    def _step_buckets(self, params: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+        # Count the step of every parameter, then bucket them by (device, dtype, step count);
+        # the step count lives on the CPU, so reading it costs no device sync.
+        buckets: dict[tuple, list[torch.Tensor]] = {}
         for p in params:
-            copy = self.copies.get(p)
-            if copy is not None:
-                copy.copy_(p)
+            state = self._state_for(p)
+            state["step"] += 1
+            buckets.setdefault((p.device, p.dtype, state["step"].item()), []).append(p)
+        return buckets
 
     def _state_for(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -144,19 +154,19 @@ class AdamW(torch.optim.Optimizer):
             self.step_if(torch.ones((), dtype=torch.bool, device=device))
             return loss
         for group in self.param_groups:
-            params = [p for p in group["params"] if self._grad(p) is not None]
+            params = self._with_grads(group)
             if not params:
                 continue
-            for p in params:
-                if self._grad(p).is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
             if self.compiled:
                 self._step_compiled(group, params)
             elif self.foreach:
                 self._step_foreach(group, params)
             else:
                 self._step_reference(group, params)
-            self._write_copies(params)
+            for p in params:  # the copies of the just updated masters, rounded from them
+                copy = self.copies.get(p)
+                if copy is not None:
+                    copy.copy_(p)
         return loss
 
     @torch.no_grad()
@@ -183,13 +193,11 @@ class AdamW(torch.optim.Optimizer):
         if refresh:
             self.load_hyperparameters()
         for gi, group in enumerate(self.param_groups):
-            params = [p for p in group["params"] if self._grad(p) is not None]
+            params = self._with_grads(group)
             if not params:
                 continue
             by_device: dict[tuple[torch.device, bool], list[torch.Tensor]] = {}
             for p in params:
-                if self._grad(p).is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
                 state = self._state_for(p)
                 if state["step"].device != p.device or state["step"].dtype != torch.float64:
                     state["step"] = state["step"].to(p.device, torch.float64)
@@ -235,8 +243,7 @@ class AdamW(torch.optim.Optimizer):
         """Copy each group's (lr, λ, β1, β2, ε) into its persistent float64 device tensor, one per
         device holding its parameters (written in place, so a captured CUDA graph sees them)."""
         for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-            hp = [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]]
+            hp = [group["lr"], group["weight_decay"], *group["betas"], group["eps"]]
             for device in {p.device for p in group["params"]}:
                 hp_cpu = torch.tensor(hp, dtype=torch.float64)
                 if device.type == "cuda":  # pinned, so the copy does not wait for the stream
@@ -251,8 +258,7 @@ class AdamW(torch.optim.Optimizer):
         # foreach=False: the one readable reference (kernels.adamw_reference_), per tensor.
         from lmforge.kernels import adamw_reference_
 
-        beta1, beta2 = group["betas"]
-        hp = [group["lr"], group["weight_decay"], beta1, beta2, group["eps"]]
+        hp = [group["lr"], group["weight_decay"], *group["betas"], group["eps"]]
         states = [self._state_for(p) for p in params]
         adamw_reference_(
             params,
@@ -266,17 +272,10 @@ class AdamW(torch.optim.Optimizer):
         )
 
     def _step_foreach(self, group: dict, params: list[torch.Tensor]) -> None:
-        # Same math in a few multi-tensor kernels per (device, dtype, step) bucket; the step count
-        # lives on the CPU, so reading it costs no device sync.
+        # Same math in a few multi-tensor kernels per (device, dtype, step) bucket.
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        buckets: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            state = self._state_for(p)
-            state["step"] += 1
-            key = (p.device, p.dtype, state["step"].item())
-            buckets.setdefault(key, []).append(p)
-        for (_, _, t), ps in buckets.items():
+        for (_, _, t), ps in self._step_buckets(params).items():
             grads = [self._grad(p).to(p.dtype) for p in ps]
             ms = [self.state[p]["exp_avg"] for p in ps]
             vs = [self.state[p]["exp_avg_sq"] for p in ps]
@@ -296,12 +295,7 @@ class AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         if self._compiled_update is None:
             self._compiled_update = torch.compile(_adamw_update)
-        buckets: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            state = self._state_for(p)
-            state["step"] += 1
-            buckets.setdefault((p.device, p.dtype, state["step"].item()), []).append(p)
-        for (device, dtype, t), ps in buckets.items():
+        for (device, dtype, t), ps in self._step_buckets(params).items():
             hp = [1 - lr * wd, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**t), eps]
             hp.append(-lr / (1 - beta1**t))
             # Rounded once from float64 to the bucket's dtype (float64 parameters keep float64).

@@ -137,22 +137,17 @@ class RLConfig:
         check([
             (self.algo in ALGORITHM_NAMES,
              f"rl.algo {self.algo!r} is unknown (known: {', '.join(ALGORITHM_NAMES)})"),
-            (self.iterations >= 1, f"rl.iterations must be at least 1, got {self.iterations}"),
-            (self.prompts_per_step >= 1,
-             f"rl.prompts_per_step must be at least 1, got {self.prompts_per_step}"),
+            *[(getattr(self, k) >= 1, f"rl.{k} must be at least 1, got {getattr(self, k)}")
+              for k in ("iterations", "prompts_per_step", "epochs", "eval_size")],
+            *[(getattr(self, k) >= 0, f"rl.{k} must be 0 or more, got {getattr(self, k)}")
+              for k in ("kl_coef", "warmup_steps", "max_lag", "queue_size")],
             (self.group_size >= (1 if self.algo in _NO_GROUP else 2),
              f"rl.group_size must be at least 2 for {self.algo} (its baseline compares the "
              f"samples of a group), got {self.group_size}"),
-            (self.epochs >= 1, f"rl.epochs must be at least 1, got {self.epochs}"),
-            (self.kl_coef >= 0, f"rl.kl_coef must be 0 or more, got {self.kl_coef}"),
             (self.max_tokens >= 0, f"rl.max_tokens must be 0 (default) or more, got {self.max_tokens}"),
             (self.temperature > 0, f"rl.temperature must be positive, got {self.temperature}"),
             (1 <= self.digits <= 9, f"rl.digits must lie in [1, 9], got {self.digits}"),
-            (self.warmup_steps >= 0, f"rl.warmup_steps must be 0 or more, got {self.warmup_steps}"),
-            (self.eval_size >= 1, f"rl.eval_size must be at least 1, got {self.eval_size}"),
             (0 <= self.target <= 1, f"rl.target must lie in [0, 1], got {self.target}"),
-            (self.max_lag >= 0, f"rl.max_lag must be 0 or more, got {self.max_lag}"),
-            (self.queue_size >= 0, f"rl.queue_size must be 0 or more, got {self.queue_size}"),
             (self.engine_threads >= 0,
              f"rl.engine_threads must be 0 (torch's) or more, got {self.engine_threads}"),
             (not (self.pipeline and self.algo == "ppo"),

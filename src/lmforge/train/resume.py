@@ -42,7 +42,7 @@ from lmforge.checkpoint.io import (
 )
 from lmforge.train.metrics import disk_full_is_one_line, read_metrics
 from lmforge.train.state import config_changes, rng_state
-from lmforge.utils.config import config_to_dict
+from lmforge.utils.config import config_to_dict, from_dict
 from lmforge.utils.errors import LmforgeError
 
 if TYPE_CHECKING:
@@ -133,8 +133,6 @@ def _check_config(run_config: Any, out_dir: Path, ckpt: Path, allow_change: bool
         old = tomllib.loads(f.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError):
         raise LmforgeError(f"checkpoint {ckpt}: config.toml is not valid TOML") from None
-    from lmforge.utils.config import from_dict
-
     try:  # the run's own config class: train imports nothing above it (no lmforge.config)
         old_dict = config_to_dict(from_dict(type(run_config), old))  # defaults filled in, as now
     except LmforgeError:

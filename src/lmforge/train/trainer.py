@@ -32,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from lmforge.model.mup import lr_multipliers
 from lmforge.train import resume
@@ -63,10 +66,10 @@ from lmforge.train.fastpath import (
 )
 from lmforge.train.hooks import model_callbacks
 from lmforge.train.loss import cross_entropy, fused_model_loss, model_loss
-from lmforge.train.metrics import read_metrics, start_run_log
+from lmforge.train.metrics import plot_loss_curve, read_metrics, start_run_log
 from lmforge.train.objective import LMObjective, Objective
 from lmforge.train.objective import forward_backward as objective_forward_backward
-from lmforge.train.optim import build_optimizer
+from lmforge.train.optim import AdamW, build_optimizer
 from lmforge.train.plan import TrainingPlan, objective_plan, training_plan
 from lmforge.train.schedule import lr_at
 from lmforge.train.state import OutDirLock, set_rng_state
@@ -118,13 +121,29 @@ class Trainer:
         # Pretraining builds its model from [model] and reads [data]; an objective given here
         # (post-training) brings its own model and data.
         self.pretraining = objective is None
-        self._validate()
         sources: list[Any] = []
         self.val_shards: list[TokenShard] = []
         if self.pretraining:
+            mc = self.mcfg
+            if not self.dcfg.train:
+                raise LmforgeError(
+                    "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
+                )
+            if self.T > mc.context_length:
+                raise LmforgeError(
+                    f"train.context_length {self.T} exceeds model.context_length {mc.context_length}"
+                )
             # Data first: a missing shard or a vocabulary mismatch fails before a big model.
-            sources = [open_source(src, self.mcfg.vocab_size) for src in self.dcfg.train]
-            self.val_shards = self._open_val()
+            sources = [open_source(src, mc.vocab_size) for src in self.dcfg.train]
+            self.val_shards = [s for src in self.dcfg.val for s in open_source(src, mc.vocab_size)]
+            # A shard shorter than one window gives no validation batch: refuse it by name rather
+            # than train with no validation and say nothing.
+            short = [s for s in self.val_shards if len(s) < self.T + 1]
+            if short:
+                raise LmforgeError(
+                    f"validation shard {short[0].path} holds {len(short[0])} tokens, fewer than one "
+                    f"window of {self.T + 1}; give a longer one or drop it from data.val"
+                )
         self.val_bytes_per_token = bytes_per_token(self.val_shards) if self.val_shards else None
 
         kind = strategy_kind(self.pcfg, runtime.world_size, _group_joined())
@@ -181,7 +200,14 @@ class Trainer:
         from lmforge.kernels import fused_linear_cross_entropy
 
         self.fused = fused_linear_cross_entropy if self.fast.loss == "fused" else None
-        self.strategy = self._build_strategy(model)
+        if runtime.world_size > 1 or _group_joined():
+            from lmforge.parallel import build_strategy
+
+            self.strategy: Strategy = build_strategy(model, self.pcfg, runtime)
+        else:
+            from lmforge.parallel import Strategy
+
+            self.strategy = Strategy(model)
         self.is_main = self.strategy.is_main
         if getattr(model, "mtp", None) is not None and self.fused is None:
             if self.strategy.world_size > 1:  # the wrapped model's plain forward has no MTP terms
@@ -205,8 +231,6 @@ class Trainer:
                 lr_scales=[mup_scales.get(id(p), 1.0) for p in ps if p.requires_grad],
             )
         )
-        from lmforge.train.optim import AdamW
-
         sync_free = self.fast.sync_free and isinstance(self.optimizer, AdamW)
         # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
         # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
@@ -220,10 +244,7 @@ class Trainer:
         self.sampler_sources = sources
         self.sampler: MixtureSampler | None = None
         if self.pretraining:
-            seed = tc.seed + 1_000_003 * self.dp_rank  # each replica draws its own windows
-            self.sampler = MixtureSampler(
-                sources, self.T, self.dcfg.weights, seed, self.mcfg.vocab_size
-            )
+            self.sampler = self._new_sampler()
             self.objective: Any = LMObjective(
                 self.sampler,
                 tc.batch_size,
@@ -277,15 +298,19 @@ class Trainer:
         else:
             # A replica the checkpoint did not have (more data-parallel ranks than before):
             # a fresh stream, seeded by rank and step, so replicas still differ.
-            seed = self.tcfg.seed + 1_000_003 * self.dp_rank + it
-            self.sampler = MixtureSampler(self.sampler_sources, self.T, self.dcfg.weights, seed,
-                                          self.mcfg.vocab_size)  # fmt: skip
-            self.objective.sampler = self.sampler
+            self.sampler = self.objective.sampler = self._new_sampler(it)
         set_rng_state(state["rng"])
         self.stepper.restore(
             state.get("loss_ema"), int(state.get("good_steps", 0)), int(state.get("bad_steps", 0))
         )
         self.iteration = it
+
+    def _new_sampler(self, step: int = 0) -> MixtureSampler:
+        # each data-parallel replica draws its own windows (its stream seeded by its rank)
+        seed = self.tcfg.seed + 1_000_003 * self.dp_rank + step
+        return MixtureSampler(
+            self.sampler_sources, self.T, self.dcfg.weights, seed, self.mcfg.vocab_size
+        )
 
     # -- the step's state, as the loop and tests see it
 
@@ -299,39 +324,7 @@ class Trainer:
         self.stepper.sync_free = on
         self.stepper.clip_in_update = on and self._replicated_grads
 
-    # -- setup helpers
-
-    def _validate(self) -> None:
-        mc = self.mcfg
-        if self.pretraining and not self.dcfg.train:
-            raise LmforgeError(
-                "data.train is empty: give token shards, e.g. --data.train='[\"shards/train.bin\"]'"
-            )
-        if self.pretraining and self.T > mc.context_length:
-            raise LmforgeError(
-                f"train.context_length {self.T} exceeds model.context_length {mc.context_length}"
-            )
-
-    def _open_val(self) -> list[TokenShard]:
-        shards = [s for src in self.dcfg.val for s in open_source(src, self.mcfg.vocab_size)]
-        # A shard shorter than one window gives no validation batch: refuse it by name rather
-        # than train with no validation and say nothing.
-        short = [s for s in shards if len(s) < self.T + 1]
-        if short:
-            raise LmforgeError(
-                f"validation shard {short[0].path} holds {len(short[0])} tokens, fewer than one "
-                f"window of {self.T + 1}; give a longer one or drop it from data.val"
-            )
-        return shards
-
-    def _build_strategy(self, model: nn.Module) -> Strategy:
-        from lmforge.parallel import Strategy
-
-        if self.runtime.world_size > 1 or _group_joined():
-            from lmforge.parallel import build_strategy
-
-            return build_strategy(model, self.pcfg, self.runtime)
-        return Strategy(model)
+    # -- the loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.tcfg.precision == "fp32":
@@ -355,19 +348,6 @@ class Trainer:
             if aux is not None:
                 loss = loss + aux.float()
         return loss
-
-    def _start_line(self) -> str:
-        plan = self.plan
-        if not self.pretraining:
-            return (
-                f"lmforge train: objective {self.objective.name}, {plan.n_params / 1e6:.2f}M "
-                f"params, {plan.max_steps} steps, device {self.device}; adamw {self.fast.adamw}"
-            )
-        return (
-            f"lmforge train: {plan.n_params / 1e6:.2f}M params, {plan.tokens_per_step} "
-            f"tokens/step, {plan.max_steps} steps = {plan.total_tokens / 1e6:.2f}M tokens, "
-            f"{plan.flops_per_step:.3g} FLOPs/step, device {self.device}; {self.fast.summary()}"
-        )
 
     # -- checkpoints and evaluation
 
@@ -398,26 +378,22 @@ class Trainer:
         """Validation loss, perplexity and bits per byte over fixed sequential windows (an
         objective's own ``evaluate(model)`` when it has one)."""
         own = getattr(self.objective, "evaluate", None)
-        if own is not None:
-            model = self.strategy.model
-            model.eval()
-            try:
-                return dict(own(model))
-            finally:
-                model.train()
-        if not self.val_shards:
+        if own is None and not self.val_shards:
             return {}
         model = self.strategy.model
         model.eval()
         total, count = 0.0, 0
-        for x_np, y_np in eval_batches(
-            self.val_shards, self.tcfg.batch_size, self.T, self.tcfg.eval_batches
-        ):
-            x, y = _to_device(x_np, self.device), _to_device(y_np, self.device)
-            loss = self.loss_fn(model, x, y)
-            total += float(loss) * y.numel()
-            count += y.numel()
-        model.train()
+        try:
+            if own is not None:
+                return dict(own(model))
+            tc = self.tcfg
+            for x_np, y_np in eval_batches(self.val_shards, tc.batch_size, self.T, tc.eval_batches):
+                x, y = _to_device(x_np, self.device), _to_device(y_np, self.device)
+                loss = self.loss_fn(model, x, y)
+                total += float(loss) * y.numel()
+                count += y.numel()
+        finally:
+            model.train()
         if count == 0:
             return {}
         val = total / count
@@ -487,9 +463,6 @@ class Trainer:
     def _stop_on_signals(self) -> Any:
         """SIGINT / SIGTERM end the run after the step in flight, with a checkpoint (a second
         one stops at once, as Ctrl-C does). Only in the main thread, where Python delivers them."""
-        import signal
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -508,11 +481,20 @@ class Trainer:
                 signal.signal(s, h)
 
     def _run(self) -> dict[str, Any]:
-        from tqdm import tqdm
-
         tc, plan = self.tcfg, self.plan
         loggers = None
         if self.is_main:
+            if self.pretraining:
+                start_line = (
+                    f"lmforge train: {plan.n_params / 1e6:.2f}M params, {plan.tokens_per_step} "
+                    f"tokens/step, {plan.max_steps} steps = {plan.total_tokens / 1e6:.2f}M tokens, "
+                    f"{plan.flops_per_step:.3g} FLOPs/step, device {self.device}; {self.fast.summary()}"
+                )
+            else:
+                start_line = (
+                    f"lmforge train: objective {self.objective.name}, {plan.n_params / 1e6:.2f}M "
+                    f"params, {plan.max_steps} steps, device {self.device}; adamw {self.fast.adamw}"
+                )
             loggers = start_run_log(
                 self.out_dir,
                 self.run_config,
@@ -520,7 +502,7 @@ class Trainer:
                 iteration=self.iteration,
                 resumed_from=self.resumed_from,
                 fast_summary=self.fast.summary(),
-                start_line=self._start_line(),
+                start_line=start_line,
             )
         bar = tqdm(
             total=tc.max_steps,
@@ -669,8 +651,6 @@ class Trainer:
             if loggers:
                 loggers.log({"event": "final", "step": self.iteration, **result})
                 if tc.plot:
-                    from lmforge.train.metrics import plot_loss_curve
-
                     plot_loss_curve(read_metrics(loggers.path), self.out_dir / "loss_curve.png")
             return result
         finally:
