@@ -86,6 +86,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import types
 import weakref
 from collections.abc import Iterator
 
@@ -775,6 +776,23 @@ def _cache_tensors(
     return cache.k, cache.v, None
 
 
+def engine_copy(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` with a code object of its own, for one engine to compile.
+
+    Dynamo keeps its compiled graphs on the code object and stops compiling one after
+    ``recompile_limit`` (8) graphs, running it eagerly from then on, silently. Each engine adds
+    2–3 graphs of :func:`decode_forward` (batch 1, batches ≥ 2, with and without the GEMV), so
+    the third engine built in one process (a benchmark's rows, an evaluation's models, tests)
+    used to decode eagerly, 60× slower. A copy per engine keeps each engine's graphs apart, and
+    frees them with the engine."""
+    copy = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__qualname__, copy.__doc__, copy.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 class CompiledDecode:
     """``batch -> logits`` for decode-only steps: compiled :func:`decode_forward`, or the eager
     :func:`~lmforge.serve.model_runner.forward_step` once compiling has failed.
@@ -814,7 +832,7 @@ class CompiledDecode:
         self._gemv_ops = DecodeOps(model, flag, self.packed, self.gemv) if self.gemv else None
         self.failed: str | None = None
         unroll = {"unroll_reductions_threshold": SUM_UNROLL}
-        self._fn = torch.compile(decode_forward, dynamic=True, options=unroll)
+        self._fn = torch.compile(engine_copy(decode_forward), dynamic=True, options=unroll)
         # prefill (mixed) steps: full-attention GQA/MHA models without recurrent states
         cfg = model.config
         self.mixed_on = (
@@ -825,7 +843,7 @@ class CompiledDecode:
         )
         self.mixed_failed: str | None = None
         self._mixed_ops = MixedOps(model, flag, self.packed, None)
-        self._mixed_fn = torch.compile(mixed_forward, dynamic=True)
+        self._mixed_fn = torch.compile(engine_copy(mixed_forward), dynamic=True)
 
     def warmup(self, scratch_block: int, block_size: int) -> None:
         """Compile now (batch 2: the dynamic graph; batch 1: its specialisation) on a dummy

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import sys
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +51,7 @@ class StepReplay:
     a replay is exercised as on CUDA."""
 
     def __init__(self, runner: ModelRunner, batch: StepBatch, out: torch.Tensor) -> None:
-        self.runner, self.batch, self.out = runner, batch, out
+        self.runner, self.batch, self.out = runner, batch, out  # DecodeGraphs' proxy
 
     def replay(self) -> None:
         """Run the step again on the static buffers; the logits go to the captured output."""
@@ -64,7 +65,10 @@ class DecodeGraphs:
     def __init__(
         self, runner: ModelRunner, max_batch: int | None = None, emulate: bool = False
     ) -> None:
-        self.runner = runner
+        # the runner owns the graphs: a proxy, so a dropped engine frees its KV cache and graph
+        # pool at once, not at the next cyclic garbage collection (which device memory never
+        # triggers: the next engine of a process ran out of memory)
+        self.runner = weakref.proxy(runner)
         self.emulate = emulate
         cache = runner.cache
         dev = runner.device
