@@ -14,6 +14,8 @@ depth and heads:
            reuses the latent of the layer before it
   gqa4_cla ``gqa4`` + ``kv_share_every = 2``       cross-layer attention on GQA-4: every second
            layer reuses the keys/values of the layer before it (opt-in: ``--variants``)
+  mla_quarter  ``mla`` with C + R = H·E/8          a latent a quarter of GQA-4's cache (issue 36's
+           KV target; R = E/4, C the rest): what the target costs at a few heads (opt-in)
 
 (E = d_model / H.) Each variant's ``d_ff`` is set so that its parameter count
 (:func:`lmforge.model.accounting.parameter_count`, exact) matches MHA's to within one step of
@@ -54,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))  # runs without install
 
 VARIANTS = ("mha", "gqa4", "mla", "mla_cla")  # the default set
-OPTIONAL = ("gqa4_cla",)  # by name in --variants
+OPTIONAL = ("gqa4_cla", "mla_quarter")  # by name in --variants
 
 
 def _parser(doc: str) -> argparse.ArgumentParser:
@@ -150,6 +152,10 @@ def variant_models(args: argparse.Namespace, vocab: int) -> dict[str, dict[str, 
     extra = {"mha": {}, "gqa4": {"n_kv_heads": args.heads // 4}, "mla": mla,
              "mla_cla": {**mla, "kv_share_every": 2},
              "gqa4_cla": {"n_kv_heads": args.heads // 4, "kv_share_every": 2}}  # fmt: skip
+    # a quarter of GQA-4's 2 · (H/4) · E cached values per layer: C + R = H·E/8
+    rope = max(2, e // 4 // 2 * 2)
+    extra["mla_quarter"] = {**mla, "qk_rope_head_dim": rope,
+                            "kv_lora_rank": args.heads * e // 8 - rope}  # fmt: skip
     base = base_model(args, vocab)
     target = accounting.parameter_count(ModelConfig(**base))
     out = {}

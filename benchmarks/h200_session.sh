@@ -43,7 +43,8 @@
 #              carry .carry/mq, the Gutenberg shards made as benchmarks/mtp.py's docstring says)
 #   mtp        issue 36: benchmarks/mtp.py (MTP training vs none; MTP self-speculative decoding;
 #              carry .carry/mq)
-#   quant      issue 37: benchmarks/quant.py --part speed and kv_quant.py, GPU tests
+#   quant      issue 37: benchmarks/quant.py --part speed (two steps: bf16 + int4, then int8,
+#              fp8 and the peers; longer than one device call) and kv_quant.py, GPU tests
 #   vision     issue 38: benchmarks/vlm_serve.py (carry .whl), then benchmarks/vision.py
 #   recipe-gpu  calls A and B as one device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
 #              every GPU stage and the card without the anchor; $OUT/recipe-card as recipe-b's
@@ -240,19 +241,22 @@ part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, 
 
 part_mla() {      # issue 36: the MLA kernel, engine decode GQA vs MLA vs MLA+CLA, GPU tests
     local o="${OUT:-runs/h200}"
+    # the engine rows first (the one part not yet measured: the H100 run of 2026-12-05 ran out
+    # of memory there), then the kernel table, then the GPU tests (43 passed on that H100)
+    have mla benchmarks/mla_engine.py &&
+        step mla-engine 300 "$PY" benchmarks/mla_engine.py --out "$o/mla_engine"
+    have mla benchmarks/mla.py && step mla-kernel 120 "$PY" benchmarks/mla.py --out "$o/mla"
     step mla-gpu-tests 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_kernels_mla_decode.py tests/test_engine_switches.py tests/test_moe_deepseek.py
-    have mla benchmarks/mla.py && step mla-kernel 120 "$PY" benchmarks/mla.py --out "$o/mla"
-    have mla benchmarks/mla_engine.py &&
-        step mla-engine 240 "$PY" benchmarks/mla_engine.py --out "$o/mla_engine"
 }
 
 part_mla-quality() {  # issue 36: MHA/GQA/MLA/MLA+CLA curves at equal parameters and tokens
     local o="${OUT:-runs/h200}"       # (carry .carry/mq: Gutenberg shards, vocab 8192)
     need mla-quality .carry/mq/shards/train.bin || return 0
     # run folders (checkpoints) stay in /tmp; the figure and the numbers come back
+    # mla_quarter: MLA with a latent a quarter of GQA-4's cache (the KV target) at this width
     step attention-quality 540 "$PY" benchmarks/attention_quality.py --data .carry/mq/shards \
-        --out /tmp/aq
+        --variants mha,gqa4,mla,mla_cla,mla_quarter --out /tmp/aq
     mkdir -p "$o" && cp /tmp/aq/attention_quality.png /tmp/aq/attention_quality.json "$o/" 2>/dev/null
 }
 
@@ -265,9 +269,15 @@ part_mtp() {      # issue 36: 1 MTP module vs none (main-head loss), MTP self-sp
 
 part_quant() {    # issue 37: weight formats' decode speed, the quantized KV cache, GPU tests
     local o="${OUT:-runs/h200}"
-    # the speed rows first (five engines' compile warm-ups and a compiled peer; not timed yet)
-    have quant benchmarks/quant.py &&
-        step quant-speed 420 "$PY" benchmarks/quant.py --part speed --out "$o/quant_speed"
+    # the speed rows first: each engine's compile warm-up of the 22-layer model took 2-3 minutes
+    # on an H100 (four graphs), so the target's rows (bf16, int4) are one step and the others
+    # (int8, fp8, the int4 torch reference, the compiled bf16 peer) a second
+    if have quant benchmarks/quant.py; then
+        step quant-speed 540 "$PY" benchmarks/quant.py --part speed --formats bf16,int4 \
+            --out "$o/quant_speed"
+        step quant-speed-more 560 "$PY" benchmarks/quant.py --part speed \
+            --formats int8,fp8,peers --out "$o/quant_speed_more"
+    fi
     have quant benchmarks/kv_quant.py &&
         step kv-quant 120 "$PY" benchmarks/kv_quant.py --out "$o/kv_quant"
     step quant-gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kv_quant.py \

@@ -174,16 +174,31 @@ def check_logprobs(http, folder: Path, image: np.ndarray, device: str) -> float:
     return err
 
 
-def _ttft(http, bodies: list[dict], iters: int) -> list[float]:
-    """Client-timed latency (ms) of each max_tokens=1 request after 3 warm-up ones."""
+def _ttft(http, name: str, bodies: list[dict], iters: int) -> tuple[str, list[float]]:
+    """Client-timed latency (ms) of each max_tokens=1 request after 3 warm-up ones. Says which
+    case starts and every request over a second (where a slow or hung request is)."""
+    print(f"case: {name}", flush=True)
     out = []
     for i, body in enumerate(bodies[: iters + 3]):
         t0 = time.perf_counter()
         r = http.post("/chat/completions", json=body)
         r.raise_for_status()
+        ms = (time.perf_counter() - t0) * 1e3
+        if ms > 1e3:
+            print(f"  request {i + 1} took {ms / 1e3:.1f} s", flush=True)
         if i >= 3:
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
+            out.append(ms)
+    return name, out
+
+
+def _process_states(pgid: int) -> str:
+    """``ps`` lines (state, kernel wait channel, CPU time) of the server's process group: a
+    process that printed no stack for SIGUSR1 may be in the kernel (state D) or gone."""
+    r = subprocess.run(["ps", "-eo", "pid,pgid,stat,wchan:24,time,args"], capture_output=True,
+                       text=True)  # fmt: skip
+    lines = r.stdout.splitlines()
+    mine = [ln for ln in lines[1:] if ln.split()[1] == str(pgid)]
+    return "\n".join(lines[:1] + mine) or r.stderr
 
 
 def image_stages(folder: Path, png: bytes, device: str, iters: int) -> tuple[float, float]:
@@ -238,16 +253,18 @@ def main() -> None:
                         [vocab[i % len(vocab)], *["red"] * (n_slots - 1), QUESTION])}],
                      "max_tokens": 1, "temperature": 0} for i in range(n)]  # fmt: skip
             rows = [
-                ("text only, same prompt length (peer)", _ttft(http, text, args.iters)),
-                ("one image, a new image each request", _ttft(http, fresh, args.iters)),
-                ("one image, the same image again", _ttft(http, same, args.iters)),
+                _ttft(http, "text only, same prompt length (peer)", text, args.iters),
+                _ttft(http, "one image, a new image each request", fresh, args.iters),
+                _ttft(http, "one image, the same image again", same, args.iters),
             ]
     except httpx.TimeoutException:
-        # where the server waits: every thread's stack of both processes, into its log
+        # where the server waits: every thread's stack of both processes, into its log (the
+        # group's other members, e.g. inductor's compile workers, end on SIGUSR1: we stop anyway)
+        states = _process_states(proc.pid)
         os.killpg(proc.pid, signal.SIGUSR1)
         time.sleep(3)
-        print(f"a request took over {timeout:.0f} s; the server's log with its stacks:\n"
-              f"{log.read_text()[-12000:]}", flush=True)  # fmt: skip
+        print(f"a request took over {timeout:.0f} s; the server's processes:\n{states}\n"
+              f"its log with their stacks:\n{log.read_text()[-12000:]}", flush=True)  # fmt: skip
         raise SystemExit(f"vlm_serve: a request took over {timeout:.0f} s (stacks above)") from None
     finally:
         proc.send_signal(signal.SIGTERM)
