@@ -43,8 +43,8 @@
 #              carry .carry/mq, the Gutenberg shards made as benchmarks/mtp.py's docstring says)
 #   mtp        issue 36: benchmarks/mtp.py (MTP training vs none; MTP self-speculative decoding;
 #              carry .carry/mq)
-#   quant      issue 37: benchmarks/quant.py --part speed (two steps: bf16 + int4, then int8,
-#              fp8 and the peers; longer than one device call) and kv_quant.py, GPU tests
+#   quant      issue 37, call 1: benchmarks/quant.py --part speed, bf16 and int4 (the target)
+#   quant-more issue 37, call 2: the same for int8, fp8 and the peers; kv_quant.py
 #   vision     issue 38: benchmarks/vlm_serve.py (carry .whl), then benchmarks/vision.py
 #   recipe-gpu  calls A and B as one device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
 #              every GPU stage and the card without the anchor; $OUT/recipe-card as recipe-b's
@@ -80,7 +80,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b mla mla-quality mtp quant vision)
+             layers layers-b mla mla-quality mtp quant quant-more vision)
 FAILED=()
 
 usage() {
@@ -267,21 +267,20 @@ part_mtp() {      # issue 36: 1 MTP module vs none (main-head loss), MTP self-sp
     mkdir -p "$o" && cp /tmp/mtp/mtp_training.png /tmp/mtp/mtp.json "$o/" 2>/dev/null
 }
 
-part_quant() {    # issue 37: weight formats' decode speed, the quantized KV cache, GPU tests
+part_quant() {    # issue 37, call 1: the target's rows (bf16 and int4 engines' decode speed)
     local o="${OUT:-runs/h200}"
-    # the speed rows first: each engine's compile warm-up of the 22-layer model took 2-3 minutes
-    # on an H100 (four graphs), so the target's rows (bf16, int4) are one step and the others
-    # (int8, fp8, the int4 torch reference, the compiled bf16 peer) a second
-    if have quant benchmarks/quant.py; then
-        step quant-speed 540 "$PY" benchmarks/quant.py --part speed --formats bf16,int4 \
-            --out "$o/quant_speed"
-        step quant-speed-more 560 "$PY" benchmarks/quant.py --part speed \
-            --formats int8,fp8,peers --out "$o/quant_speed_more"
-    fi
+    # each engine's compile warm-up of the 22-layer model takes minutes (four graphs: batch 1,
+    # batches >= 2 with and without the GEMV, prefill), so the formats span two device calls
+    have quant benchmarks/quant.py && step quant-speed 540 "$PY" benchmarks/quant.py \
+        --part speed --formats bf16,int4 --out "$o/quant_speed"
+}
+
+part_quant-more() {  # issue 37, call 2: int8, fp8 and the peers; the quantized KV cache; tests
+    local o="${OUT:-runs/h200}"
+    have quant benchmarks/quant.py && step quant-speed-more 400 "$PY" benchmarks/quant.py \
+        --part speed --formats int8,fp8,peers --out "$o/quant_speed_more"
     have quant benchmarks/kv_quant.py &&
         step kv-quant 120 "$PY" benchmarks/kv_quant.py --out "$o/kv_quant"
-    step quant-gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kv_quant.py \
-        tests/test_quant_gguf.py
 }
 
 part_vision() {   # issue 38: serving TTFT with one image first (still unmeasured), then the
