@@ -103,3 +103,55 @@ else:
 
         compiled = torch.compile(f, fullgraph=True, backend="eager")
         torch.testing.assert_close(compiled(x), f(x))
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_decode_gemv_partials_add_up_to_the_module(dtype: torch.dtype) -> None:
+        # the engine's decode path: partial sums out of the op, added and cast in torch; the
+        # fake implementation's split matches the kernel's (fullgraph through the op)
+        from lmforge.quant.ops import decode_gemv
+
+        w = _w(72, 256)
+        x = _x(3, 256, dtype)
+        for mod in (Int4Linear.from_float(w, 64), Int4Linear.from_float(w, 32, True),
+                    Int8Linear.from_float(w, 64)):  # fmt: skip
+            with torch.no_grad():
+                got = decode_gemv(mod, x)
+                assert got is not None and got.dtype == dtype and got.shape == (3, 72)
+                _check(got, gemv_reference(x, mod.dequantize()), dtype)
+                compiled = torch.compile(lambda t, m=mod: decode_gemv(m, t), fullgraph=True,
+                                         backend="aot_eager")  # fmt: skip
+                torch.testing.assert_close(compiled(x), got)
+        assert decode_gemv(Int4Linear.from_float(w, 64), _x(9, 256, dtype)) is None  # > 8 rows
+
+    def test_compiled_decode_step_takes_the_partials_op() -> None:
+        # a quantized model's GEMV decode step (forced on: the CPU has no GEMV by default) runs
+        # its int4 linears through the partials op, and serves lmforge.generate's tokens
+        from lmforge.generate import generate
+        from lmforge.model import ModelConfig, TransformerLM
+        from lmforge.quant import QuantSpec, quantize_model
+        from lmforge.serve import Engine, SamplingParams, compiled
+
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=128, context_length=64, d_model=64, n_layers=2, n_heads=4,
+                          n_kv_heads=2, d_ff=128)  # fmt: skip
+        model = quantize_model(TransformerLM(cfg).eval(), QuantSpec("int4", 32))
+        prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+        want = [generate(model, [p], 4, temperature=0)[0] for p in prompts]
+        eng = Engine(model, block_size=4, num_blocks=16, compile=True)
+        dec = compiled.CompiledDecode(eng.runner.model, eng.runner.cache, None, gemv=True,
+                                      mixed=False)  # fmt: skip
+        assert dec.gemv is not None
+        ops: list[str] = []
+
+        def backend(gm, example_inputs):
+            ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        dec._fn = torch.compile(compiled.decode_forward, dynamic=True, fullgraph=True,
+                                backend=backend)  # fmt: skip
+        eng.runner.decoder = dec
+        got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert dec.failed is None
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert any("int4_gemv_partials" in o for o in ops)
+        assert not any("int4_matmul" in o for o in ops)

@@ -31,6 +31,7 @@ from lmforge.model.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
+    _bare,
     _cat_weights,
     _fusable,
     project,
@@ -60,9 +61,13 @@ def _kernel_runs_on(x: torch.Tensor) -> bool:
 
 def _linear(m: nn.Module, x: torch.Tensor, context: Context | None) -> torch.Tensor:
     """``m(x)``, on the step's own matmul kernel (the decode GEMV) where the context has one
-    and m is a plain Linear (no hooks: skipping its ``__call__`` changes nothing)."""
-    if context is not None and _fusable(m):
-        y = context.ops.matmul(x, m.weight)
+    and m has no hooks (skipping its ``__call__`` changes nothing): a plain Linear's weight, or
+    another linear (a quantized one) handed to the step whole."""
+    if context is not None:
+        if _fusable(m):
+            y = context.ops.matmul(x, m.weight)
+        else:
+            y = context.ops.module_matmul(m, x) if _bare(m) else None
         if y is not None:
             return y
     return m(x)

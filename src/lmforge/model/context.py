@@ -119,6 +119,12 @@ class StepOps:
         """``x @ wᵀ`` on a kernel of the step's own (the decode GEMV), or None: torch's."""
         return None
 
+    def module_matmul(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``m(x)`` for a linear that is not a plain :class:`~lmforge.model.layers.Linear` (a
+        quantized one, applied from outside the model) on a kernel of the step's own, or None:
+        call the module. Only asked for modules without hooks."""
+        return None
+
     def fused_attention(
         self, attn: nn.Module, h: torch.Tensor, ctx: Context
     ) -> torch.Tensor | None:

@@ -72,6 +72,24 @@ def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.t()  # (..., d_out)
 
 
+def _bare(m: nn.Module) -> bool:
+    """Whether calling ``m`` runs nothing but its class's ``forward``: no per-instance
+    ``forward``, no hooks of its own and none of torch's global module hooks."""
+    hooks = _torch_module
+    if (
+        hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    ):
+        return False
+    if "forward" in m.__dict__:
+        return False
+    return not (
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    )
+
+
 def _fusable(*linears: nn.Module) -> bool:
     """Whether one matmul against the concatenated weights of ``linears`` computes exactly what
     calling each module on the same input does.
@@ -84,22 +102,12 @@ def _fusable(*linears: nn.Module) -> bool:
     ``torch.compile`` evaluates them while tracing (no graph break), so, as for any module hook
     under compile, hooks must be registered before compiling (tensor parallelism is applied first).
     """
-    hooks = _torch_module
-    if (
-        hooks._global_forward_hooks
-        or hooks._global_forward_pre_hooks
-        or hooks._global_backward_hooks
-        or hooks._global_backward_pre_hooks
-    ):
-        return False
     if any(type(m) is not Linear for m in linears):  # e.g. a quantized linear: call it
+        return False
+    if not all(_bare(m) for m in linears):
         return False
     first = linears[0].weight
     for m in linears:
-        if "forward" in m.__dict__:
-            return False
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            return False
         w = m.weight
         if w.dtype != first.dtype or w.device != first.device:
             return False

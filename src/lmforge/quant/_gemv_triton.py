@@ -128,21 +128,33 @@ def int8_block_k(group_size: int) -> int:
     return bk
 
 
-def int4_gemv(
+def int4_split(n: int, k: int, group_size: int, device: torch.device) -> int:
+    """The split-K of :func:`int4_gemv_partials` for an (N, K) weight: its partials' first dim."""
+    return _split(n, k // group_size, device)
+
+
+def int8_split(n: int, k: int, group_size: int, device: torch.device) -> int:
+    """The split-K of :func:`int8_gemv_partials` for an (N, K) weight."""
+    return _split(n, k // int8_block_k(group_size), device)
+
+
+def int4_gemv_partials(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
-    """x (M ≤ 8, K) -> (M, N) fp32 for int4 weights (layout of :class:`~lmforge.quant.Int4Linear`)."""
+    """x (M ≤ 8, K) -> split-K partial sums (SPLIT, M, N) fp32 for int4 weights (layout of
+    :class:`~lmforge.quant.Int4Linear`); their sum over dim 0 is x Wᵀ. A compiled decode step
+    adds them in its consumer's kernel (no kernel of their own)."""
     m, k = x.shape
     n = qweight.shape[0]
     assert m <= MAX_ROWS and k % group_size == 0 and (group_size // 2) >= 16
     if interpreting():
         ensure_interpreter_compat()
     x = x.contiguous()
-    split = _split(n, k // group_size, x.device)
+    split = int4_split(n, k, group_size, x.device)
     out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
     o = scales if offsets is None else offsets
     grid = (triton.cdiv(n, _BLOCK_N), split)
@@ -153,13 +165,25 @@ def int4_gemv(
         G=group_size, SYMMETRIC=offsets is None, SPLIT=split,
         BLOCK_N=_BLOCK_N, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
     )  # fmt: skip
-    return out.sum(0)  # (M, N)
+    return out
 
 
-def int8_gemv(
+def int4_gemv(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    group_size: int,
+) -> torch.Tensor:
+    """x (M ≤ 8, K) -> (M, N) fp32 for int4 weights: :func:`int4_gemv_partials` summed."""
+    return int4_gemv_partials(x, qweight, scales, offsets, group_size).sum(0)
+
+
+def int8_gemv_partials(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """x (M ≤ 8, K) -> (M, N) fp32 for int8 weights (layout of :class:`~lmforge.quant.Int8Linear`)."""
+    """x (M ≤ 8, K) -> split-K partial sums (SPLIT, M, N) fp32 for int8 weights (layout of
+    :class:`~lmforge.quant.Int8Linear`); their sum over dim 0 is x Wᵀ."""
     m, k = x.shape
     n = qweight.shape[0]
     assert m <= MAX_ROWS and k % group_size == 0
@@ -167,7 +191,7 @@ def int8_gemv(
         ensure_interpreter_compat()
     x = x.contiguous()
     bk = int8_block_k(group_size)
-    split = _split(n, k // bk, x.device)
+    split = int8_split(n, k, group_size, x.device)
     out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
     grid = (triton.cdiv(n, _BLOCK_N), split)
     _int8_gemv_kernel[grid](
@@ -177,7 +201,14 @@ def int8_gemv(
         G=group_size, BLOCK_K=bk, SPLIT=split,
         BLOCK_N=_BLOCK_N, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
     )  # fmt: skip
-    return out.sum(0)  # (M, N)
+    return out
+
+
+def int8_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x (M ≤ 8, K) -> (M, N) fp32 for int8 weights: :func:`int8_gemv_partials` summed."""
+    return int8_gemv_partials(x, qweight, scales, group_size).sum(0)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,12 @@ dequant-fused GEMV (:mod:`lmforge.quant._gemv_triton`) for M ≤ 8 rows and the 
 (:mod:`lmforge.quant._gemm_triton`) above; both return a fresh contiguous (M, N) tensor in x's
 dtype. The ops are registered when this module is first imported (no Triton import until the
 first call). Inference only: the ops have no autograd.
+
+In a compiled decode step of ≤ 8 rows the engine calls :func:`decode_gemv` instead: the GEMV's
+split-K partial sums come out of their own op (``*_gemv_partials``) and their sum and cast are
+torch ops, which inductor folds into the consumer's kernel, as it does for the bf16 decode GEMV.
+Through the module's op they would be two more kernels per linear (three instead of one; 308 more
+launches per step of a 22-layer model).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from torch import Tensor
 
 from lmforge.kernels._common import interpreting, triton_available
 
-__all__ = ["int4_matmul", "int8_matmul", "quant_matmul_supported"]
+__all__ = ["decode_gemv", "int4_matmul", "int8_matmul", "quant_matmul_supported"]
 
 _NS = "lmforge_quant"
 _GEMV_ROWS = 8
@@ -55,15 +61,53 @@ def _int8_fake(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
+def _int4_partials(
+    x: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor | None, group_size: int
+) -> Tensor:
+    from lmforge.quant._gemv_triton import int4_gemv_partials
+
+    return int4_gemv_partials(x, qweight, scales, offsets, group_size)
+
+
+def _int4_partials_fake(
+    x: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor | None, group_size: int
+) -> Tensor:
+    from lmforge.quant._gemv_triton import int4_split
+
+    n, k = qweight.shape[0], x.shape[1]
+    split = int4_split(n, k, group_size, x.device)
+    return x.new_empty((split, x.shape[0], n), dtype=torch.float32)
+
+
+def _int8_partials(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+    from lmforge.quant._gemv_triton import int8_gemv_partials
+
+    return int8_gemv_partials(x, qweight, scales, x.shape[1] // scales.shape[1])
+
+
+def _int8_partials_fake(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+    from lmforge.quant._gemv_triton import int8_split
+
+    n, k = qweight.shape[0], x.shape[1]
+    split = int8_split(n, k, k // scales.shape[1], x.device)
+    return x.new_empty((split, x.shape[0], n), dtype=torch.float32)
+
+
+_OPS = {
+    "int4_matmul": (_int4_impl, _int4_fake),
+    "int8_matmul": (_int8_impl, _int8_fake),
+    "int4_gemv_partials": (_int4_partials, _int4_partials_fake),
+    "int8_gemv_partials": (_int8_partials, _int8_partials_fake),
+}
+
+
 def _define() -> None:
     """Register the ops once per process (a reload reuses them)."""
     ns = getattr(torch.ops, _NS)
-    if not hasattr(ns, "int4_matmul"):
-        op = torch.library.custom_op(f"{_NS}::int4_matmul", _int4_impl, mutates_args=())
-        op.register_fake(_int4_fake)
-    if not hasattr(ns, "int8_matmul"):
-        op = torch.library.custom_op(f"{_NS}::int8_matmul", _int8_impl, mutates_args=())
-        op.register_fake(_int8_fake)
+    for name, (impl, fake) in _OPS.items():
+        if not hasattr(ns, name):
+            op = torch.library.custom_op(f"{_NS}::{name}", impl, mutates_args=())
+            op.register_fake(fake)
 
 
 _define()
@@ -101,3 +145,26 @@ def quant_matmul_supported(x: Tensor, module: torch.nn.Module) -> bool:
         half = g // 2
         return half >= 16 and (half & (half - 1)) == 0
     return g % 16 == 0
+
+
+def decode_gemv(module: torch.nn.Module, x: Tensor) -> Tensor | None:
+    """``module(x)`` for an Int4Linear/Int8Linear through the GEMV's partial sums, summed and cast
+    in torch (inside a compiled step: in the consumer's kernel); None where the Triton GEMV does
+    not take it (more than 8 rows, or :func:`quant_matmul_supported` says no)."""
+    from lmforge.quant.formats import Int4Linear, Int8Linear
+
+    if not isinstance(module, (Int4Linear, Int8Linear)) or x.numel() // x.shape[-1] > _GEMV_ROWS:
+        return None
+    if not quant_matmul_supported(x, module):
+        return None
+    xs = module._scaled_input(x)
+    x2 = xs.reshape(-1, xs.shape[-1])  # (M, K)
+    if isinstance(module, Int4Linear):
+        parts = torch.ops.lmforge_quant.int4_gemv_partials(
+            x2, module.qweight, module.scales, module.offsets, module.group_size
+        )
+    else:
+        parts = torch.ops.lmforge_quant.int8_gemv_partials(x2, module.qweight, module.scales)
+    return (
+        parts.sum(0).to(x.dtype).reshape(*x.shape[:-1], module.d_out)
+    )  # (SPLIT, M, N) -> (..., N)

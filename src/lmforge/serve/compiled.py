@@ -613,6 +613,16 @@ class DecodeOps(StepOps):
         y = gemv(x.reshape(-1, x.shape[-1]), w, split)  # (S, D_out)
         return y.view(*x.shape[:-1], w.shape[0])
 
+    def module_matmul(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """An int4/int8 linear in a GEMV step (≤ 8 rows): its dequant-fused GEMV's split-K
+        partials, added and cast in the consumer's kernel (:func:`lmforge.quant.ops.decode_gemv`)
+        instead of two more kernels in its module's op."""
+        if self.plan is None or not hasattr(m, "qweight"):
+            return None
+        from lmforge.quant.ops import decode_gemv
+
+        return decode_gemv(m, x)
+
     def fused_attention(
         self, attn: nn.Module, h: torch.Tensor, ctx: Context
     ) -> torch.Tensor | None:
