@@ -669,3 +669,28 @@ def test_sigusr1_writes_every_threads_stack() -> None:
                        env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip() == "still running"
     assert "Current thread" in r.stderr and r.stderr.count("Thread 0x") >= 1
+
+
+def test_a_slow_engine_step_prints_where_it_is(capsys) -> None:
+    """An engine step past its limit prints, once, the engine thread's stack from Python's
+    frames (a hung or compiling step in a server log says where), then how long it took."""
+    import time
+
+    from lmforge.serve.engine_process import StepWatch
+
+    def _slow_marker_step() -> None:
+        time.sleep(0.8)
+
+    watch = StepWatch(limit=0.2, poll=0.05)
+    try:
+        watch.start_step()
+        _slow_marker_step()
+        watch.end_step()
+        watch.start_step()  # a fast step: nothing
+        watch.end_step()
+        time.sleep(0.2)
+    finally:
+        watch.close()
+    err = capsys.readouterr().err
+    assert err.count("an engine step has run for") == 1
+    assert "_slow_marker_step" in err and "that engine step ended after" in err

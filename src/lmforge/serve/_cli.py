@@ -23,7 +23,8 @@ decode and prefill steps (--no-cuda-graphs, --no-compile, --no-compile-prefill t
 startup prints what it chose).
 SIGTERM or Ctrl-C drains: in-flight requests finish, new ones get 503; a second signal exits.
 SIGUSR1 writes every thread's stack, of this process and of the engine process, to stderr (a
-request that never answers: kill -USR1 -- -PGID reaches both).
+request that never answers: kill -USR1 -- -PGID reaches both). An engine step that runs past
+60 s (a first compile of a new shape, or a hung kernel) prints its stack by itself.
 A VLM takes images as chat content parts {"type": "image_url", "image_url": {"url":
 "data:image/png;base64,..."}} (data: URLs only: nothing is fetched; a bad image is a 400).
 """

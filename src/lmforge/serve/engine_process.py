@@ -41,8 +41,10 @@ import gc
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 import uuid
 from array import array
 from collections import deque
@@ -382,10 +384,70 @@ def _image_prompt(vision: Any, prompt: list[int], images: tuple) -> Any:
     return ImagePrompt(prompt, vision.embed_rows(list(pixels)), list(spans), list(digests))
 
 
-def _serve_engine(engine: Any, conn: Any, vision: Any = None) -> None:
+SLOW_STEP_S = 60.0
+"seconds an engine step may run before :class:`StepWatch` prints where it is"
+
+
+class StepWatch:
+    """A daemon thread that prints, once per step, the stack of an engine step running past
+    ``limit`` seconds (to stderr, from Python's own frames: safe while Dynamo compiles, where a
+    ``faulthandler`` dump can crash): a first compile of a new shape takes minutes on a 22-layer
+    model, a hung kernel never ends, and the log says which. ``start_step``/``end_step`` bracket
+    each step; the thread reads only those two fields."""
+
+    def __init__(self, limit: float = SLOW_STEP_S, poll: float = 5.0) -> None:
+        self.limit, self.poll = limit, poll
+        self._started: float | None = None
+        self._warned: float | None = None
+        self._thread_id = threading.get_ident()  # the engine loop's thread
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="lmforge-step-watch", daemon=True).start()
+
+    def close(self) -> None:
+        """End the thread (at its next poll)."""
+        self._closed.set()
+
+    def start_step(self) -> None:
+        self._started = time.monotonic()
+
+    def end_step(self) -> None:
+        if self._warned is not None and self._warned == self._started:
+            took = time.monotonic() - self._started
+            print(f"lmforge serve: that engine step ended after {took:.0f} s", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        self._started = None
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.poll):
+            started = self._started
+            if started is None or started == self._warned:
+                continue
+            running = time.monotonic() - started
+            if running < self.limit:
+                continue
+            self._warned = started
+            frame = sys._current_frames().get(self._thread_id)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
+            print(f"lmforge serve: an engine step has run for {running:.0f} s (a first compile "
+                  f"of a new shape can take minutes); where it is:\n{stack}", file=sys.stderr,
+                  end="", flush=True)  # fmt: skip
+
+
+def _serve_engine(
+    engine: Any, conn: Any, vision: Any = None, slow_step_s: float = SLOW_STEP_S
+) -> None:
     """The engine side's loop (a process's, or :class:`EngineLoop`'s thread): drain the
     parent's ops, step, send the step's deltas and counters; until ``stop`` or the pipe closes.
-    ``vision``: a VLM's tower, which turns submitted images into embeddings here."""
+    ``vision``: a VLM's tower, which turns submitted images into embeddings here; a step past
+    ``slow_step_s`` seconds prints its stack (:class:`StepWatch`)."""
+    watch = StepWatch(slow_step_s)
+    try:
+        _serve_loop(engine, conn, vision, watch)
+    finally:
+        watch.close()
+
+
+def _serve_loop(engine: Any, conn: Any, vision: Any, watch: StepWatch) -> None:
     from lmforge.serve.engine import QueueFull
 
     adds = 0
@@ -427,7 +489,11 @@ def _serve_engine(engine: Any, conn: Any, vision: Any = None) -> None:
         if engine.has_unfinished() and failed is None:
             try:
                 t0 = time.perf_counter()
-                outs = engine.step()
+                watch.start_step()
+                try:
+                    outs = engine.step()
+                finally:
+                    watch.end_step()
                 step_seconds += time.perf_counter() - t0
                 step_count += 1
             except Exception as e:  # a bug, not a user error: fail every request loudly
