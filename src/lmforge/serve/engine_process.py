@@ -469,8 +469,13 @@ def _serve_loop(engine: Any, conn: Any, vision: Any, watch: StepWatch) -> None:
                             continue
                         try:
                             # (a text request's call is unchanged: EngineSpec builders' fakes)
-                            kw = {} if images is None else {
-                                "image_embeds": _image_prompt(vision, prompt, images)}  # fmt: skip
+                            kw = {}
+                            if images is not None:  # the tower's forward: watched as a step
+                                watch.start_step()
+                                try:
+                                    kw["image_embeds"] = _image_prompt(vision, prompt, images)
+                                finally:
+                                    watch.end_step()
                             engine.add_request(prompt, params, request_id=rid, **kw)
                         except LmforgeError as e:
                             status = 429 if isinstance(e, QueueFull) else 400
