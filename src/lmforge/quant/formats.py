@@ -192,6 +192,20 @@ class Int8Linear(QuantLinear):
             return y.reshape(*x.shape[:-1], self.d_out)
         return self.reference(x)
 
+    def decode_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(x)`` for a decode step of ≤ 8 rows: the GEMV's split-K partials out of their
+        own op, added and cast in torch (a compiled step folds both into the consumer's kernel);
+        None where the Triton GEMV does not take x."""
+        from lmforge.quant.ops import _GEMV_ROWS, quant_matmul_supported
+
+        if x.numel() // x.shape[-1] > _GEMV_ROWS or not quant_matmul_supported(x, self):
+            return None
+        x = self._scaled_input(x)
+        parts = torch.ops.lmforge_quant.int8_gemv_partials(_rows(x), self.qweight, self.scales)
+        return (
+            parts.sum(0).to(x.dtype).reshape(*x.shape[:-1], self.d_out)
+        )  # (SPLIT, M, N) -> (…, N)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
@@ -373,6 +387,22 @@ class Int4Linear(QuantLinear):
             )
             return y.reshape(*x.shape[:-1], self.d_out)
         return self.reference(x)
+
+    def decode_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(x)`` for a decode step of ≤ 8 rows: the GEMV's split-K partials out of their
+        own op, added and cast in torch (a compiled step folds both into the consumer's kernel);
+        None where the Triton GEMV does not take x."""
+        from lmforge.quant.ops import _GEMV_ROWS, quant_matmul_supported
+
+        if x.numel() // x.shape[-1] > _GEMV_ROWS or not quant_matmul_supported(x, self):
+            return None
+        x = self._scaled_input(x)
+        parts = torch.ops.lmforge_quant.int4_gemv_partials(
+            _rows(x), self.qweight, self.scales, self.offsets, self.group_size
+        )
+        return (
+            parts.sum(0).to(x.dtype).reshape(*x.shape[:-1], self.d_out)
+        )  # (SPLIT, M, N) -> (…, N)
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"

@@ -8,11 +8,11 @@ dequant-fused GEMV (:mod:`lmforge.quant._gemv_triton`) for M ≤ 8 rows and the 
 dtype. The ops are registered when this module is first imported (no Triton import until the
 first call). Inference only: the ops have no autograd.
 
-In a compiled decode step of ≤ 8 rows the engine calls :func:`decode_gemv` instead: the GEMV's
-split-K partial sums come out of their own op (``*_gemv_partials``) and their sum and cast are
-torch ops, which inductor folds into the consumer's kernel, as it does for the bf16 decode GEMV.
-Through the module's op they would be two more kernels per linear (three instead of one; 308 more
-launches per step of a 22-layer model).
+In a compiled decode step of ≤ 8 rows the engine calls the module's ``decode_gemv`` instead:
+the GEMV's split-K partial sums come out of their own op (``*_gemv_partials``) and their sum and
+cast are torch ops, which inductor folds into the consumer's kernel, as it does for the bf16
+decode GEMV. Through the module's op they would be two more kernels per linear (three instead of
+one; 308 more launches per step of a 22-layer model).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lmforge.kernels._common import interpreting, triton_available
 
-__all__ = ["decode_gemv", "int4_matmul", "int8_matmul", "quant_matmul_supported"]
+__all__ = ["int4_matmul", "int8_matmul", "quant_matmul_supported"]
 
 _NS = "lmforge_quant"
 _GEMV_ROWS = 8
@@ -145,26 +145,3 @@ def quant_matmul_supported(x: Tensor, module: torch.nn.Module) -> bool:
         half = g // 2
         return half >= 16 and (half & (half - 1)) == 0
     return g % 16 == 0
-
-
-def decode_gemv(module: torch.nn.Module, x: Tensor) -> Tensor | None:
-    """``module(x)`` for an Int4Linear/Int8Linear through the GEMV's partial sums, summed and cast
-    in torch (inside a compiled step: in the consumer's kernel); None where the Triton GEMV does
-    not take it (more than 8 rows, or :func:`quant_matmul_supported` says no)."""
-    from lmforge.quant.formats import Int4Linear, Int8Linear
-
-    if not isinstance(module, (Int4Linear, Int8Linear)) or x.numel() // x.shape[-1] > _GEMV_ROWS:
-        return None
-    if not quant_matmul_supported(x, module):
-        return None
-    xs = module._scaled_input(x)
-    x2 = xs.reshape(-1, xs.shape[-1])  # (M, K)
-    if isinstance(module, Int4Linear):
-        parts = torch.ops.lmforge_quant.int4_gemv_partials(
-            x2, module.qweight, module.scales, module.offsets, module.group_size
-        )
-    else:
-        parts = torch.ops.lmforge_quant.int8_gemv_partials(x2, module.qweight, module.scales)
-    return (
-        parts.sum(0).to(x.dtype).reshape(*x.shape[:-1], module.d_out)
-    )  # (SPLIT, M, N) -> (..., N)

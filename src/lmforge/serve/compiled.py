@@ -615,13 +615,10 @@ class DecodeOps(StepOps):
 
     def module_matmul(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """An int4/int8 linear in a GEMV step (≤ 8 rows): its dequant-fused GEMV's split-K
-        partials, added and cast in the consumer's kernel (:func:`lmforge.quant.ops.decode_gemv`)
+        partials, added and cast in the consumer's kernel (the module's ``decode_gemv``)
         instead of two more kernels in its module's op."""
-        if self.plan is None or not hasattr(m, "qweight"):
-            return None
-        from lmforge.quant.ops import decode_gemv
-
-        return decode_gemv(m, x)
+        fn = getattr(m, "decode_gemv", None)
+        return None if self.plan is None or fn is None else fn(x)
 
     def fused_attention(
         self, attn: nn.Module, h: torch.Tensor, ctx: Context
