@@ -683,11 +683,10 @@ def test_a_slow_engine_step_prints_where_it_is(capsys) -> None:
 
     watch = StepWatch(limit=0.2, poll=0.05)
     try:
-        watch.start_step()
-        _slow_marker_step()
-        watch.end_step()
-        watch.start_step()  # a fast step: nothing
-        watch.end_step()
+        with watch.step():
+            _slow_marker_step()
+        with watch.step():  # a fast step: nothing
+            pass
         time.sleep(0.2)
     finally:
         watch.close()

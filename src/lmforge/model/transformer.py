@@ -119,12 +119,13 @@ class _FFN(SwiGLU):
         """(..., D) -> (..., D)."""
         if context is not None:  # an engine step: its packed w1/w3 and matmul kernel, if any
             w13 = context.ops.packed(self.layer_idx)[1]
-            if w13 is not None and _fusable(self.w1, self.w3):
+            fusable = _fusable(self.w1, self.w3)
+            if w13 is not None and fusable:
                 gate, up = _packed_matmul(x, w13, context).chunk(2, dim=-1)  # (…, F) each
                 return _linear(self.w2, silu(gate) * up, context)  # (…, F) -> (…, D)
-            if not _fusable(self.w1, self.w3):  # e.g. quantized: each on the step's kernel
+            if not fusable:  # e.g. quantized: each on the step's kernel (SwiGLU.forward's math)
                 gate, up = _linear(self.w1, x, context), _linear(self.w3, x, context)
-                return _linear(self.w2, silu(gate) * up, context)  # SwiGLU.forward's math
+                return _linear(self.w2, silu(gate) * up, context)
         if not (self.backend == "triton" and _kernel_runs_on(x) and _fusable(self.w1, self.w3)):
             return super().forward(x)
         w13 = _cat_weights([self.w1.weight, self.w3.weight])  # (2F, D)

@@ -265,6 +265,11 @@ def _serve_stats(engine: Any) -> dict[str, float]:
             if k in stats}  # fmt: skip
 
 
+def _bucket_device(cfg: PipelineConfig, device: torch.device | str) -> torch.device:
+    # where the weight broadcast's buckets live: gloo stages them through the CPU
+    return torch.device("cpu") if cfg.backend == "gloo" else torch.device(device)
+
+
 def _engine_main(link: _Link, *args: Any) -> None:
     """The engine process (:func:`_engine_loop` on ``link`` and ``args``): decode forever,
     swapping weights in between decode steps.
@@ -319,9 +324,7 @@ def _engine_loop(link: _Link, cfg: PipelineConfig, model_cfg: Any, state_file: s
     engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1 + 1_000_003 * start)
     engine.update_weights({}, published.value)  # the checkpoint's weights carry its version
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
-    # gloo stages the weights through CPU buckets
-    bucket_device = torch.device("cpu" if cfg.backend == "gloo" else device)
-    buckets = [] if shared is not None else layout.empty_buckets(bucket_device)
+    buckets = [] if shared is not None else layout.empty_buckets(_bucket_device(cfg, device))
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                             n=cfg.group_size, stop_token_ids=tuple(eos_ids))  # fmt: skip
     # Warm up (first-call allocations, kernel compilation) before joining the group: the
@@ -708,8 +711,7 @@ class PipelineObjective(GRPOObjective):
         self.proc: Any = None
         self.eval_fn = eval_fn
         device = next(model.parameters()).device
-        bucket_device = torch.device("cpu") if cfg.backend == "gloo" else device
-        self.buckets = layout.empty_buckets(bucket_device) if shared is None else []
+        self.buckets = layout.empty_buckets(_bucket_device(cfg, device)) if shared is None else []
         self.version = 0
         self.batches = 0
         self.first = 1  # this attempt's first batch (its sync check always runs)

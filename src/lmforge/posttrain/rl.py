@@ -1,8 +1,12 @@
 """RL with verifiable rewards: rollouts in groups, advantages, and the GRPO family's objective.
 
-One rollout batch (groups of completions sampled on the serving engine, scored with group
-advantages by :func:`score_groups`) per ``epochs`` optimizer steps of the one Trainer, under the
-per-token policy losses of :mod:`lmforge.posttrain.losses`: :class:`GRPOObjective`.
+One rollout batch: sample ``group_size`` completions per prompt on the serving engine
+(:func:`~lmforge.posttrain.rollout.rollout_engine`, recording each token's log-prob and policy
+version), score them, compute group advantages (:func:`score_groups`), then ``epochs`` optimizer
+steps of the one Trainer over that batch (off-policy after the first: the recorded log-probs
+are the importance-sampling denominators). The loss is the per-token policy loss of
+:mod:`lmforge.posttrain.losses` with the chosen reweighting, aggregated as chosen, plus an
+optional k3 KL to a frozen reference model (:class:`GRPOObjective`).
 
 The arithmetic command (``lmforge rl --task arithmetic``) first warm-starts a tiny model on the
 task's format (the SFT objective, a short run that leaves it well below the target accuracy),

@@ -168,17 +168,6 @@ def int4_gemv_partials(
     return out
 
 
-def int4_gemv(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    offsets: torch.Tensor | None,
-    group_size: int,
-) -> torch.Tensor:
-    """x (M ≤ 8, K) -> (M, N) fp32 for int4 weights: :func:`int4_gemv_partials` summed."""
-    return int4_gemv_partials(x, qweight, scales, offsets, group_size).sum(0)
-
-
 def int8_gemv_partials(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
 ) -> torch.Tensor:
@@ -202,13 +191,6 @@ def int8_gemv_partials(
         BLOCK_N=_BLOCK_N, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
     )  # fmt: skip
     return out
-
-
-def int8_gemv(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """x (M ≤ 8, K) -> (M, N) fp32 for int8 weights: :func:`int8_gemv_partials` summed."""
-    return int8_gemv_partials(x, qweight, scales, group_size).sum(0)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ Exercised by ``pytest tests/test_quant_formats.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,6 +81,24 @@ class QuantLinear(nn.Module):
         if self.input_scale is None:
             return x
         return (x.float() / self.input_scale).to(x.dtype)
+
+    # x (M ≤ 8, K) -> (SPLIT, M, N) fp32 split-K partial sums on the dequant-fused decode GEMV
+    # (int4, int8), or None: a format without one
+    _gemv_partials: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def decode_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(x)`` for a decode step of ≤ 8 rows: the GEMV's split-K partials out of their
+        own op, added and cast in torch (a compiled step folds both into the consumer's kernel);
+        None where the format has no GEMV or the Triton GEMV does not take x."""
+        from lmforge.quant.ops import _GEMV_ROWS, quant_matmul_supported
+
+        if self._gemv_partials is None or x.numel() // x.shape[-1] > _GEMV_ROWS:
+            return None
+        if not quant_matmul_supported(x, self):
+            return None
+        x = self._scaled_input(x)
+        parts = self._gemv_partials(_rows(x))  # (SPLIT, M, N)
+        return parts.sum(0).to(x.dtype).reshape(*x.shape[:-1], self.d_out)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_in) -> (..., d_out): dequantize, then ``x Wᵀ`` in x's dtype (the slow truth)."""
@@ -192,19 +211,8 @@ class Int8Linear(QuantLinear):
             return y.reshape(*x.shape[:-1], self.d_out)
         return self.reference(x)
 
-    def decode_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``self(x)`` for a decode step of ≤ 8 rows: the GEMV's split-K partials out of their
-        own op, added and cast in torch (a compiled step folds both into the consumer's kernel);
-        None where the Triton GEMV does not take x."""
-        from lmforge.quant.ops import _GEMV_ROWS, quant_matmul_supported
-
-        if x.numel() // x.shape[-1] > _GEMV_ROWS or not quant_matmul_supported(x, self):
-            return None
-        x = self._scaled_input(x)
-        parts = torch.ops.lmforge_quant.int8_gemv_partials(_rows(x), self.qweight, self.scales)
-        return (
-            parts.sum(0).to(x.dtype).reshape(*x.shape[:-1], self.d_out)
-        )  # (SPLIT, M, N) -> (…, N)
+    def _gemv_partials(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.lmforge_quant.int8_gemv_partials(x, self.qweight, self.scales)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.group_size}"
@@ -388,21 +396,10 @@ class Int4Linear(QuantLinear):
             return y.reshape(*x.shape[:-1], self.d_out)
         return self.reference(x)
 
-    def decode_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``self(x)`` for a decode step of ≤ 8 rows: the GEMV's split-K partials out of their
-        own op, added and cast in torch (a compiled step folds both into the consumer's kernel);
-        None where the Triton GEMV does not take x."""
-        from lmforge.quant.ops import _GEMV_ROWS, quant_matmul_supported
-
-        if x.numel() // x.shape[-1] > _GEMV_ROWS or not quant_matmul_supported(x, self):
-            return None
-        x = self._scaled_input(x)
-        parts = torch.ops.lmforge_quant.int4_gemv_partials(
-            _rows(x), self.qweight, self.scales, self.offsets, self.group_size
+    def _gemv_partials(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.lmforge_quant.int4_gemv_partials(
+            x, self.qweight, self.scales, self.offsets, self.group_size
         )
-        return (
-            parts.sum(0).to(x.dtype).reshape(*x.shape[:-1], self.d_out)
-        )  # (SPLIT, M, N) -> (…, N)
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"

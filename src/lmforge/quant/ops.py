@@ -32,9 +32,9 @@ def _int4_impl(
     x: Tensor, qweight: Tensor, scales: Tensor, offsets: Tensor | None, group_size: int
 ) -> Tensor:
     if x.shape[0] <= _GEMV_ROWS:
-        from lmforge.quant._gemv_triton import int4_gemv
+        from lmforge.quant._gemv_triton import int4_gemv_partials
 
-        return int4_gemv(x, qweight, scales, offsets, group_size).to(x.dtype)
+        return int4_gemv_partials(x, qweight, scales, offsets, group_size).sum(0).to(x.dtype)
     from lmforge.quant._gemm_triton import int4_gemm
 
     return int4_gemm(x, qweight, scales, offsets, group_size)
@@ -49,9 +49,9 @@ def _int4_fake(
 def _int8_impl(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
     group_size = x.shape[1] // scales.shape[1]
     if x.shape[0] <= _GEMV_ROWS:
-        from lmforge.quant._gemv_triton import int8_gemv
+        from lmforge.quant._gemv_triton import int8_gemv_partials
 
-        return int8_gemv(x, qweight, scales, group_size).to(x.dtype)
+        return int8_gemv_partials(x, qweight, scales, group_size).sum(0).to(x.dtype)
     from lmforge.quant._gemm_triton import int8_gemm
 
     return int8_gemm(x, qweight, scales, group_size)

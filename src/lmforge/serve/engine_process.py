@@ -36,6 +36,7 @@ Exercised by ``pytest tests/test_serve_server_process.py tests/test_serve_server
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import multiprocessing as mp
@@ -48,7 +49,7 @@ import traceback
 import uuid
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lmforge.serve.output import Delta, DeltaTracker, SampleDelta, engine_counts
@@ -392,8 +393,8 @@ class StepWatch:
     """A daemon thread that prints, once per step, the stack of an engine step running past
     ``limit`` seconds (to stderr, from Python's own frames: safe while Dynamo compiles, where a
     ``faulthandler`` dump can crash): a first compile of a new shape takes minutes on a 22-layer
-    model, a hung kernel never ends, and the log says which. ``start_step``/``end_step`` bracket
-    each step; the thread reads only those two fields."""
+    model, a hung kernel never ends, and the log says which. ``with watch.step():`` brackets a
+    step; the thread reads only its start time."""
 
     def __init__(self, limit: float = SLOW_STEP_S, poll: float = 5.0) -> None:
         self.limit, self.poll = limit, poll
@@ -407,15 +408,18 @@ class StepWatch:
         """End the thread (at its next poll)."""
         self._closed.set()
 
-    def start_step(self) -> None:
-        self._started = time.monotonic()
-
-    def end_step(self) -> None:
-        if self._warned is not None and self._warned == self._started:
-            took = time.monotonic() - self._started
-            print(f"lmforge serve: that engine step ended after {took:.0f} s", file=sys.stderr,
-                  flush=True)  # fmt: skip
-        self._started = None
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Watch the body as one step; say when a step that was reported ends."""
+        started = self._started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._started = None
+            if self._warned == started:
+                took = time.monotonic() - started
+                print(f"lmforge serve: that engine step ended after {took:.0f} s",
+                      file=sys.stderr, flush=True)  # fmt: skip
 
     def _watch(self) -> None:
         while not self._closed.wait(self.poll):
@@ -433,14 +437,12 @@ class StepWatch:
                   end="", flush=True)  # fmt: skip
 
 
-def _serve_engine(
-    engine: Any, conn: Any, vision: Any = None, slow_step_s: float = SLOW_STEP_S
-) -> None:
+def _serve_engine(engine: Any, conn: Any, vision: Any = None) -> None:
     """The engine side's loop (a process's, or :class:`EngineLoop`'s thread): drain the
     parent's ops, step, send the step's deltas and counters; until ``stop`` or the pipe closes.
-    ``vision``: a VLM's tower, which turns submitted images into embeddings here; a step past
-    ``slow_step_s`` seconds prints its stack (:class:`StepWatch`)."""
-    watch = StepWatch(slow_step_s)
+    ``vision``: a VLM's tower, which turns submitted images into embeddings here; a step (or a
+    tower forward) past :data:`SLOW_STEP_S` prints its stack (:class:`StepWatch`)."""
+    watch = StepWatch()
     try:
         _serve_loop(engine, conn, vision, watch)
     finally:
@@ -471,11 +473,8 @@ def _serve_loop(engine: Any, conn: Any, vision: Any, watch: StepWatch) -> None:
                             # (a text request's call is unchanged: EngineSpec builders' fakes)
                             kw = {}
                             if images is not None:  # the tower's forward: watched as a step
-                                watch.start_step()
-                                try:
+                                with watch.step():
                                     kw["image_embeds"] = _image_prompt(vision, prompt, images)
-                                finally:
-                                    watch.end_step()
                             engine.add_request(prompt, params, request_id=rid, **kw)
                         except LmforgeError as e:
                             status = 429 if isinstance(e, QueueFull) else 400
@@ -494,11 +493,8 @@ def _serve_loop(engine: Any, conn: Any, vision: Any, watch: StepWatch) -> None:
         if engine.has_unfinished() and failed is None:
             try:
                 t0 = time.perf_counter()
-                watch.start_step()
-                try:
+                with watch.step():
                     outs = engine.step()
-                finally:
-                    watch.end_step()
                 step_seconds += time.perf_counter() - t0
                 step_count += 1
             except Exception as e:  # a bug, not a user error: fail every request loudly
