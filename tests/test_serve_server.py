@@ -431,6 +431,48 @@ def test_engine_loop_hands_off_once_per_step_for_all_requests() -> None:
     assert engine.allocator.num_used == 0
 
 
+def test_a_message_bigger_than_the_socket_buffer_survives_a_non_blocking_loop() -> None:
+    """uvloop's add_reader (libuv) makes the pipe's socket non-blocking, and a message bigger
+    than the socket's buffer (an image's pixels, a long prompt) then stopped half-way: the
+    engine waited forever for the rest (vlm_serve's hung image request on the GPU host). Under
+    a loop that does the same, the big request reaches the engine whole (an image for a text
+    model: its one-line 400) and the next request is served."""
+    import os
+
+    import numpy as np
+
+    tok = _tokenizer()
+    engine = Engine(_model(), block_size=8, num_blocks=200, tokenizer=tok)
+
+    async def main() -> tuple[object, list[object]]:
+        aloop = asyncio.get_running_loop()
+        real = aloop.add_reader
+
+        def add_reader(fd: int, callback: object, *args: object) -> None:
+            real(fd, callback, *args)
+            os.set_blocking(fd, False)  # what libuv's uv_poll_init does to the fd
+
+        aloop.add_reader = add_reader  # type: ignore[method-assign]
+        loop = EngineLoop(engine)
+        loop.start()
+        pixels = np.random.default_rng(0).random((6, 3, 224, 224), dtype=np.float32)  # 3.6 MB
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        q_image, q_text = asyncio.Queue(), asyncio.Queue()
+        loop.submit(tok.encode("look"), params, q_image, images=(pixels, [], []))
+        loop.submit(tok.encode("then this"), params, q_text)
+        refused = await asyncio.wait_for(q_image.get(), 30)
+        text = [await asyncio.wait_for(q_text.get(), 30)]
+        while not text[-1].finished:
+            text.append(await asyncio.wait_for(q_text.get(), 30))
+        loop.stop()
+        return refused, text
+
+    refused, text = asyncio.run(main())
+    assert refused.finished and refused.status == 400 and "vision tower" in refused.error
+    assert sum(len(s.token_ids) for d in text for s in d.samples) == 3
+    assert text[-1].error is None
+
+
 def test_one_template_renderer_for_server_and_posttrain() -> None:
     # the server and post-training render through lmforge.serve.templates.render_template:
     # a broken template is one ChatTemplateError line, which the server answers as a 400

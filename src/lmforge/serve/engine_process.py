@@ -146,7 +146,15 @@ class EngineProcess:
         """Attach to the running event loop (the server's startup)."""
         assert self._conn is not None, "launch() first"
         self._aloop = asyncio.get_running_loop()
-        self._aloop.add_reader(self._conn.fileno(), self._on_readable)
+        fd = self._conn.fileno()
+        self._aloop.add_reader(fd, self._on_readable)
+        # uvloop's add_reader (libuv's uv_poll_init; uvicorn takes uvloop when it is installed)
+        # makes the socket non-blocking. The sender thread's send of a message bigger than the
+        # socket's buffer (an image's pixels, a long prompt) then stopped half-way on EAGAIN and
+        # the child waited forever for the rest; a big step message read here could fail
+        # half-way too. Both directions here move whole messages with blocking I/O (the reader
+        # only once the pipe is readable): blocking again.
+        os.set_blocking(fd, True)
         self._sender = threading.Thread(target=self._send_loop, name="lmforge-send", daemon=True)
         self._sender.start()
 
@@ -231,6 +239,10 @@ class EngineProcess:
     def _ship(self, ops: list[tuple]) -> None:
         try:
             self._conn.send(ops)
+        except BlockingIOError:  # part of a message is in the pipe: the child cannot go on
+            why = "the pipe to the engine process became non-blocking mid-message"
+            if self._aloop is not None:
+                self._aloop.call_soon_threadsafe(self._fail_all, why)
         except (BrokenPipeError, OSError, EOFError):
             pass  # the child is gone: the reader reports it
 
@@ -286,7 +298,11 @@ class EngineProcess:
         if self._stopping:
             return
         code = getattr(self._proc, "exitcode", None)
-        self.error = f"the engine process exited (exit code {code})"
+        self._fail_all(f"the engine process exited (exit code {code})")
+
+    def _fail_all(self, why: str) -> None:
+        """Every open request ends with a 500 saying ``why``; new ones are refused."""
+        self.error = why
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             queue.put_nowait(Delta([], True, self.error, 500))
