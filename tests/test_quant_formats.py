@@ -157,6 +157,58 @@ def test_quantize_model_swaps_linears_in_place(spec: QuantSpec) -> None:
     assert rel < {"int4": 0.15, "int8": 0.01, "fp8": 0.06}[spec.format]
 
 
+def _stack_cases() -> list[list]:
+    g = torch.Generator().manual_seed(3)
+
+    def w(n: int) -> torch.Tensor:
+        return torch.randn(n, 64, generator=g) * 0.1
+
+    return [
+        [Int4Linear.from_float(w(n), 32) for n in (48, 16, 16)],
+        [Int4Linear.from_float(w(n), 16, symmetric=True) for n in (40, 40)],
+        [Int8Linear.from_float(w(n), 32) for n in (24, 8, 8)],
+        [Fp8Linear.from_float(w(n), per_channel=True, activations="none") for n in (32, 32)],
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_stacked_rows_compute_the_concatenated_outputs_on_shared_buffers(case: int) -> None:
+    # the engine's one GEMV for q/k/v or w1/w3: outputs equal the modules' own, concatenated;
+    # each module's buffers become row views of the stack (the weights are held once)
+    mods = _stack_cases()[case]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    mods[0].set_input_scale(torch.rand(64) + 0.5)
+    for m in mods[1:]:
+        m.set_input_scale(mods[0].input_scale.clone())
+    want = torch.cat([m.reference(x) for m in mods], dim=-1)
+    before = [m.dequantize() for m in mods]
+    stacked = type(mods[0]).stack_rows(mods)
+    assert stacked is not None and type(stacked) is type(mods[0])
+    assert stacked.d_out == sum(m.d_out for m in mods) and stacked.d_in == 64
+    torch.testing.assert_close(stacked.reference(x), want)
+    for m, b in zip(mods, before, strict=True):
+        torch.testing.assert_close(m.dequantize(), b)  # unchanged values, now views
+        assert (
+            m.qweight.untyped_storage().data_ptr() == stacked.qweight.untyped_storage().data_ptr()
+        )
+        assert m.scales.untyped_storage().data_ptr() == stacked.scales.untyped_storage().data_ptr()
+
+
+def test_modules_that_do_not_stack_give_none() -> None:
+    w = torch.randn(32, 64) * 0.1
+    a = Int4Linear.from_float(w, 32)
+    assert Int4Linear.stack_rows([a, Int4Linear.from_float(w, 16)]) is None  # group
+    assert Int4Linear.stack_rows([a, Int4Linear.from_float(w, 32, symmetric=True)]) is None
+    assert Int4Linear.stack_rows([a, Int8Linear.from_float(w, 32)]) is None  # format
+    assert Int4Linear.stack_rows([a, Int4Linear.from_float(torch.randn(32, 128), 32)]) is None
+    b = Int4Linear.from_float(w, 32)
+    b.set_input_scale(torch.rand(64) + 0.5)
+    assert Int4Linear.stack_rows([a, b]) is None  # one scaled input, one not
+    per_tensor = [Fp8Linear.from_float(w, per_channel=False) for _ in range(2)]
+    assert Fp8Linear.stack_rows(per_tensor) is None  # a scale per module, not per row
+    assert a.qweight.untyped_storage().data_ptr() != b.qweight.untyped_storage().data_ptr()
+
+
 def test_group_not_dividing_the_width_is_one_line() -> None:
     model = _tiny()
     with pytest.raises(LmforgeError, match="group size 48 does not divide the width 64"):

@@ -104,6 +104,27 @@ else:
         compiled = torch.compile(f, fullgraph=True, backend="eager")
         torch.testing.assert_close(compiled(x), f(x))
 
+    @pytest.mark.parametrize("fmt", ["int4", "int4-sym", "int8"])
+    def test_every_gemv_launch_config_computes_the_product(fmt: str) -> None:
+        # the sweep's launches (groups or chunks an iteration, split, rows a program) all give
+        # x Wᵀ: uneven splits of the chunks, a chunk of every group, 32- and 128-row tiles
+        from lmforge.quant._gemv_triton import QuantGemvConfig
+
+        w, x = _w(72, 512), _x(3, 512, torch.float32)
+        if fmt == "int8":
+            mod = Int8Linear.from_float(w, 64)
+        else:
+            mod = Int4Linear.from_float(w, 64, symmetric=fmt == "int4-sym")
+        want = gemv_reference(x, mod.dequantize())
+        for cfg in (QuantGemvConfig(1), QuantGemvConfig(3, sub=2), QuantGemvConfig(2, sub=4,
+                    block_n=32), QuantGemvConfig(1, sub=8, block_n=128)):  # fmt: skip
+            if fmt == "int8":
+                parts = int8_gemv_partials(x, mod.qweight, mod.scales, 64, config=cfg)
+            else:
+                parts = int4_gemv_partials(x, mod.qweight, mod.scales, mod.offsets, 64, config=cfg)
+            assert parts.shape == (cfg.split, 3, 72)
+            _check(parts.sum(0), want, torch.float32)
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     def test_decode_gemv_partials_add_up_to_the_module(dtype: torch.dtype) -> None:
         # the engine's decode path: partial sums out of the op, added and cast in torch; the
@@ -142,10 +163,10 @@ else:
         dec = compiled.CompiledDecode(eng.runner.model, eng.runner.cache, None, gemv=True,
                                       mixed=False)  # fmt: skip
         assert dec.gemv is not None
-        ops: list[str] = []
+        graphs: list[list[str]] = []  # the ops of each graph compiled
 
         def backend(gm, example_inputs):
-            ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
             return gm.forward
 
         dec._fn = torch.compile(compiled.decode_forward, dynamic=True, fullgraph=True,
@@ -154,5 +175,11 @@ else:
         got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         assert dec.failed is None
         assert [o.outputs[0].token_ids for o in got] == want
-        assert any("int4_gemv_partials" in o for o in ops)
-        assert not any("int4_matmul" in o for o in ops)
+        assert graphs
+        for ops in graphs:
+            assert not any("int4_matmul" in o for o in ops)
+            # q/k/v and w1/w3 stacked: four GEMVs a layer (q/k/v, o, w1/w3, w2), as a bf16
+            # model has, and q/k/v's partials go straight into the fused RoPE + KV write +
+            # attention op
+            assert sum("int4_gemv_partials" in o for o in ops) == 4 * cfg.n_layers
+            assert sum("rope_decode_attention" in o for o in ops) == cfg.n_layers

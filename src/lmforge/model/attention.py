@@ -320,12 +320,16 @@ class CausalSelfAttention(nn.Module):
             return _linear(self.q_proj, x, context), None, None
         if context is not None:
             w = context.ops.packed(self.layer_idx)[0]
-            if w is not None and _fusable(self.q_proj, self.k_proj, self.v_proj):
+            q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
+            qkv = None
+            if isinstance(w, torch.Tensor) and _fusable(q_proj, k_proj, v_proj):
                 qkv = _packed_matmul(x, w, context)  # (…, (H+2K)·E)
+            elif w is not None and _bare(q_proj) and _bare(k_proj) and _bare(v_proj):
+                qkv = _linear(w, x, context)  # quantized q/k/v stacked into one module
+            if qkv is not None:
                 e, k_dim = self.head_dim, self.n_kv_heads * self.head_dim
                 q, k, v = qkv.split([self.n_heads * e, k_dim, k_dim], dim=-1)
                 return q, k, v
-            q_proj, k_proj, v_proj = self.q_proj, self.k_proj, self.v_proj
             return (
                 _linear(q_proj, x, context),
                 _linear(k_proj, x, context),

@@ -110,9 +110,13 @@ class StepOps:
         earlier in the same step and writes nothing."""
         raise NotImplementedError
 
-    def packed(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def packed(
+        self, layer: int
+    ) -> tuple[torch.Tensor | nn.Module | None, torch.Tensor | nn.Module | None]:
         """Layer ``layer``'s q/k/v weights as one (H·E + 2·K·E, D) tensor and its SwiGLU's w1/w3
-        as one (2F, D) tensor (views the parameters share), or None: separate projections."""
+        as one (2F, D) tensor (views the parameters share) — or, for quantized linears, one
+        module computing the concatenated outputs (buffers the modules share) — or None:
+        separate projections."""
         return None, None
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:

@@ -85,6 +85,7 @@ from lmforge.model.layers import (
     Embedding,
     Linear,
     SwiGLU,
+    _bare,
     _cat_weights,
     _fusable,
     _trunc_normal_,
@@ -120,9 +121,12 @@ class _FFN(SwiGLU):
         if context is not None:  # an engine step: its packed w1/w3 and matmul kernel, if any
             w13 = context.ops.packed(self.layer_idx)[1]
             fusable = _fusable(self.w1, self.w3)
-            if w13 is not None and fusable:
+            if isinstance(w13, torch.Tensor) and fusable:
                 gate, up = _packed_matmul(x, w13, context).chunk(2, dim=-1)  # (…, F) each
                 return _linear(self.w2, silu(gate) * up, context)  # (…, F) -> (…, D)
+            if w13 is not None and _bare(self.w1) and _bare(self.w3):  # quantized, stacked
+                gate, up = _linear(w13, x, context).chunk(2, dim=-1)  # (…, F) each
+                return _linear(self.w2, silu(gate) * up, context)
             if not fusable:  # e.g. quantized: each on the step's kernel (SwiGLU.forward's math)
                 gate, up = _linear(self.w1, x, context), _linear(self.w3, x, context)
                 return _linear(self.w2, silu(gate) * up, context)

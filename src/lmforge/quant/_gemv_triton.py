@@ -12,15 +12,19 @@ so the inner product runs on the raw codes (exact in bf16/fp16: |q| ≤ 127) as 
 masked loads), and the group scale and offset are applied once per group in fp32. For int4 one
 group's bytes hold columns [0, G/2) in their low nibbles and [G/2, G) in their high nibbles
 (:mod:`lmforge.quant.formats`), so the two nibble planes meet the two halves of x's group
-without an interleave. Program (n, s) owns ``BLOCK_N`` rows and the K chunks s, s + SPLIT, …;
-split-K partial sums (SPLIT, M, N) fp32 are added by the caller (enough programs for the SMs at
-batch 1). The reference is :func:`gemv_reference` (float64). Exercised by
+without an interleave. Program (n, s) owns ``BLOCK_N`` rows and the K chunks s, s + SPLIT, …
+(a chunk: ``SUB`` consecutive groups, int4, or BLOCK_K-wide slices, int8, whose loads are issued
+together); split-K partial sums (SPLIT, M, N) fp32 are added by the caller (enough programs for
+the SMs at batch 1). Launches per weight shape: :data:`TABLE`, else one group an iteration and
+about two waves of programs (:func:`quant_gemv_config`). The reference is :func:`gemv_reference` (float64). Exercised by
 ``pytest tests/test_quant_kernels.py`` (TRITON_INTERPRET=1 on CPU) and ``benchmarks/quant.py``.
 
 Shape legend: M rows of x (decode sequences), N output features, K input features, G group.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -38,11 +42,12 @@ def _int4_gemv_kernel(
     x_ptr, q_ptr, s_ptr, o_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_qn, stride_sn, stride_os, stride_om,
-    G: tl.constexpr, SYMMETRIC: tl.constexpr, SPLIT: tl.constexpr,
+    G: tl.constexpr, SYMMETRIC: tl.constexpr, SUB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    split = tl.num_programs(1)
     HALF: tl.constexpr = G // 2
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_c = tl.minimum(rn, N - 1)  # rows past N re-read row N-1 and are not stored
@@ -50,28 +55,32 @@ def _int4_gemv_kernel(
     rh = tl.arange(0, HALF)
     m_ok = rm < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    n_groups = K // G
-    for g in range(pid_s, n_groups, SPLIT):
-        b = tl.load(q_ptr + rn_c[:, None] * stride_qn + g * HALF + rh[None, :])  # (BN, G/2)
-        x_lo = tl.load(x_ptr + rm[None, :] * stride_xm + g * G + rh[:, None], mask=m_ok[None, :])
-        x_hi = tl.load(
-            x_ptr + rm[None, :] * stride_xm + g * G + HALF + rh[:, None], mask=m_ok[None, :]
-        )  # (G/2, BM) each
-        lo = (b & 0x0F).to(x_lo.dtype)
-        hi = (b >> 4).to(x_lo.dtype)
-        if IEEE:
-            part = tl.dot(lo, x_lo, input_precision="ieee")
-            part = tl.dot(hi, x_hi, part, input_precision="ieee")  # (BN, BM)
-        else:
-            part = tl.dot(lo, x_lo)
-            part = tl.dot(hi, x_hi, part)  # (BN, BM)
-        s = tl.load(s_ptr + rn_c * stride_sn + g).to(tl.float32)  # (BN,)
-        if SYMMETRIC:
-            off = -8.0 * s
-        else:
-            off = tl.load(o_ptr + rn_c * stride_sn + g).to(tl.float32)
-        xsum = tl.sum(x_lo.to(tl.float32), axis=0) + tl.sum(x_hi.to(tl.float32), axis=0)  # (BM,)
-        acc += part * s[:, None] + off[:, None] * xsum[None, :]
+    n_chunks = K // (G * SUB)  # a chunk: SUB consecutive groups, their loads issued together
+    for c in range(pid_s, n_chunks, split):
+        for j in tl.static_range(SUB):
+            g = c * SUB + j
+            b = tl.load(q_ptr + rn_c[:, None] * stride_qn + g * HALF + rh[None, :])  # (BN, G/2)
+            x_lo = tl.load(
+                x_ptr + rm[None, :] * stride_xm + g * G + rh[:, None], mask=m_ok[None, :]
+            )
+            x_hi = tl.load(
+                x_ptr + rm[None, :] * stride_xm + g * G + HALF + rh[:, None], mask=m_ok[None, :]
+            )  # (G/2, BM) each
+            lo = (b & 0x0F).to(x_lo.dtype)
+            hi = (b >> 4).to(x_lo.dtype)
+            if IEEE:
+                part = tl.dot(lo, x_lo, input_precision="ieee")
+                part = tl.dot(hi, x_hi, part, input_precision="ieee")  # (BN, BM)
+            else:
+                part = tl.dot(lo, x_lo)
+                part = tl.dot(hi, x_hi, part)  # (BN, BM)
+            s = tl.load(s_ptr + rn_c * stride_sn + g).to(tl.float32)  # (BN,)
+            if SYMMETRIC:
+                off = -8.0 * s
+            else:
+                off = tl.load(o_ptr + rn_c * stride_sn + g).to(tl.float32)
+            xsum = tl.sum(x_lo.to(tl.float32), axis=0) + tl.sum(x_hi.to(tl.float32), axis=0)
+            acc += part * s[:, None] + off[:, None] * xsum[None, :]
     out = out_ptr + pid_s * stride_os + rm[None, :] * stride_om + rn[:, None]
     tl.store(out, acc, mask=(rn[:, None] < N) & m_ok[None, :])
 
@@ -81,30 +90,54 @@ def _int8_gemv_kernel(
     x_ptr, q_ptr, s_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_qn, stride_sn, stride_os, stride_om,
-    G: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    G: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    split = tl.num_programs(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rn_c = tl.minimum(rn, N - 1)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for c in range(pid_s, K // BLOCK_K, SPLIT):
-        k0 = c * BLOCK_K
-        q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK) int8
-        xt = tl.load(x_ptr + rm[None, :] * stride_xm + k0 + rk[:, None], mask=m_ok[None, :])
-        w = q.to(xt.dtype)  # |q| <= 127: exact in bf16 / fp16
-        if IEEE:
-            part = tl.dot(w, xt, input_precision="ieee")  # (BN, BM)
-        else:
-            part = tl.dot(w, xt)  # (BN, BM)
-        s = tl.load(s_ptr + rn_c * stride_sn + k0 // G).to(tl.float32)  # (BN,): chunk in 1 group
-        acc += part * s[:, None]
+    for c in range(pid_s, K // (BLOCK_K * SUB), split):  # SUB K chunks an iteration
+        for j in tl.static_range(SUB):
+            k0 = (c * SUB + j) * BLOCK_K
+            q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK) int8
+            xt = tl.load(x_ptr + rm[None, :] * stride_xm + k0 + rk[:, None], mask=m_ok[None, :])
+            w = q.to(xt.dtype)  # |q| <= 127: exact in bf16 / fp16
+            if IEEE:
+                part = tl.dot(w, xt, input_precision="ieee")  # (BN, BM)
+            else:
+                part = tl.dot(w, xt)  # (BN, BM)
+            s = tl.load(s_ptr + rn_c * stride_sn + k0 // G).to(tl.float32)  # (BN,): one group
+            acc += part * s[:, None]
     out = out_ptr + pid_s * stride_os + rm[None, :] * stride_om + rn[:, None]
     tl.store(out, acc, mask=(rn[:, None] < N) & m_ok[None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantGemvConfig:
+    """One launch of the int4/int8 decode GEMV."""
+
+    split: int
+    "programs along K (the partials' first dim), 1..8"
+    sub: int = 1
+    "groups (int4) or K chunks (int8) a program loads per loop iteration, issued together"
+    block_n: int = _BLOCK_N
+    "rows of W per program"
+    warps: int = 4
+    "num_warps"
+    stages: int = 3
+    "num_stages"
+
+
+# (format, N, K, group) -> config; shapes not listed take :func:`_default_config` (one group or
+# chunk an iteration, ~two waves of programs). Empty until ``benchmarks/quant.py --part gemv``
+# has swept them on the GPU host.
+TABLE: dict[tuple[str, int, int, int], QuantGemvConfig] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -128,14 +161,30 @@ def int8_block_k(group_size: int) -> int:
     return bk
 
 
+def _default_config(n: int, chunks: int, device: torch.device) -> QuantGemvConfig:
+    return QuantGemvConfig(_split(n, chunks, device))
+
+
+def quant_gemv_config(
+    fmt: str, n: int, k: int, group_size: int, device: torch.device
+) -> QuantGemvConfig:
+    """The launch for an (N, K) int4 (``fmt`` "int4") or int8 weight of group ``group_size``:
+    :data:`TABLE`'s, else the default."""
+    cfg = TABLE.get((fmt, n, k, group_size))
+    if cfg is not None:
+        return cfg
+    chunks = k // group_size if fmt == "int4" else k // int8_block_k(group_size)
+    return _default_config(n, chunks, device)
+
+
 def int4_split(n: int, k: int, group_size: int, device: torch.device) -> int:
     """The split-K of :func:`int4_gemv_partials` for an (N, K) weight: its partials' first dim."""
-    return _split(n, k // group_size, device)
+    return quant_gemv_config("int4", n, k, group_size, device).split
 
 
 def int8_split(n: int, k: int, group_size: int, device: torch.device) -> int:
     """The split-K of :func:`int8_gemv_partials` for an (N, K) weight."""
-    return _split(n, k // int8_block_k(group_size), device)
+    return quant_gemv_config("int8", n, k, group_size, device).split
 
 
 def int4_gemv_partials(
@@ -144,32 +193,40 @@ def int4_gemv_partials(
     scales: torch.Tensor,
     offsets: torch.Tensor | None,
     group_size: int,
+    config: QuantGemvConfig | None = None,
 ) -> torch.Tensor:
     """x (M ≤ 8, K) -> split-K partial sums (SPLIT, M, N) fp32 for int4 weights (layout of
     :class:`~lmforge.quant.Int4Linear`); their sum over dim 0 is x Wᵀ. A compiled decode step
-    adds them in its consumer's kernel (no kernel of their own)."""
+    adds them in its consumer's kernel (no kernel of their own). ``config``: the launch
+    (default :func:`quant_gemv_config`'s; the benchmark's sweep passes others)."""
     m, k = x.shape
     n = qweight.shape[0]
     assert m <= MAX_ROWS and k % group_size == 0 and (group_size // 2) >= 16
     if interpreting():
         ensure_interpreter_compat()
     x = x.contiguous()
-    split = int4_split(n, k, group_size, x.device)
-    out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
+    cfg = config or quant_gemv_config("int4", n, k, group_size, x.device)
+    assert (k // group_size) % cfg.sub == 0, (k, group_size, cfg)
+    out = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
     o = scales if offsets is None else offsets
-    grid = (triton.cdiv(n, _BLOCK_N), split)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split)
     _int4_gemv_kernel[grid](
         x, qweight, scales, o, out,
         m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
-        G=group_size, SYMMETRIC=offsets is None, SPLIT=split,
-        BLOCK_N=_BLOCK_N, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
+        G=group_size, SYMMETRIC=offsets is None, SUB=cfg.sub,
+        BLOCK_N=cfg.block_n, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 
 
 def int8_gemv_partials(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    config: QuantGemvConfig | None = None,
 ) -> torch.Tensor:
     """x (M ≤ 8, K) -> split-K partial sums (SPLIT, M, N) fp32 for int8 weights (layout of
     :class:`~lmforge.quant.Int8Linear`); their sum over dim 0 is x Wᵀ."""
@@ -180,15 +237,17 @@ def int8_gemv_partials(
         ensure_interpreter_compat()
     x = x.contiguous()
     bk = int8_block_k(group_size)
-    split = int8_split(n, k, group_size, x.device)
-    out = torch.empty(split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
-    grid = (triton.cdiv(n, _BLOCK_N), split)
+    cfg = config or quant_gemv_config("int8", n, k, group_size, x.device)
+    assert (k // bk) % cfg.sub == 0, (k, bk, cfg)
+    out = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split)
     _int8_gemv_kernel[grid](
         x, qweight, scales, out,
         m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
-        G=group_size, BLOCK_K=bk, SPLIT=split,
-        BLOCK_N=_BLOCK_N, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
+        G=group_size, BLOCK_K=bk, SUB=cfg.sub,
+        BLOCK_N=cfg.block_n, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 

@@ -86,19 +86,75 @@ class QuantLinear(nn.Module):
     # (int4, int8), or None: a format without one
     _gemv_partials: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def decode_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``self(x)`` for a decode step of ≤ 8 rows: the GEMV's split-K partials out of their
-        own op, added and cast in torch (a compiled step folds both into the consumer's kernel);
-        None where the format has no GEMV or the Triton GEMV does not take x."""
+    def decode_partials(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x (M ≤ 8, K) -> the dequant-fused decode GEMV's split-K partial sums (SPLIT, M, N)
+        fp32 (their sum over dim 0 is ``self(x)``); None where the format has no GEMV or the
+        Triton GEMV does not take x."""
         from lmforge.quant.ops import _GEMV_ROWS, quant_matmul_supported
 
         if self._gemv_partials is None or x.numel() // x.shape[-1] > _GEMV_ROWS:
             return None
         if not quant_matmul_supported(x, self):
             return None
-        x = self._scaled_input(x)
-        parts = self._gemv_partials(_rows(x))  # (SPLIT, M, N)
+        return self._gemv_partials(_rows(self._scaled_input(x)))  # (SPLIT, M, N)
+
+    def decode_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(x)`` for a decode step of ≤ 8 rows: the GEMV's split-K partials out of their
+        own op, added and cast in torch (a compiled step folds both into the consumer's kernel);
+        None where the format has no GEMV or the Triton GEMV does not take x."""
+        parts = self.decode_partials(x)
+        if parts is None:
+            return None
         return parts.sum(0).to(x.dtype).reshape(*x.shape[:-1], self.d_out)
+
+    # the attributes two modules must share to stack their output rows into one module (None:
+    # a format whose rows do not stack, e.g. fp8's per-tensor scale)
+    def _stack_key(self) -> tuple | None:
+        return None
+
+    def _empty_like(self, d_out: int) -> QuantLinear:
+        raise NotImplementedError
+
+    @staticmethod
+    def stack_rows(mods: list[QuantLinear]) -> QuantLinear | None:
+        """One module whose output is ``cat([m(x) for m in mods], -1)`` — e.g. q/k/v or w1/w3
+        as one GEMV in a decode step, as the engine packs plain weights — or None where the
+        modules differ in class, input width, group, symmetry, input scale, dtype or device.
+
+        Their buffers with one row per output feature (codes, scales, offsets) are concatenated
+        and each module's become row views of the stacked ones, so the weights are held once
+        (as :func:`lmforge.serve.compiled.pack_weights` does for plain Linears)."""
+        first = mods[0]
+        key = first._stack_key()
+        if key is None or any(type(m) is not type(first) or m._stack_key() != key for m in mods):
+            return None
+        s0 = first.input_scale
+        if any(
+            (m.input_scale is None) != (s0 is None)
+            or (s0 is not None and not torch.equal(m.input_scale, s0))
+            for m in mods
+        ):
+            return None
+        names = [n for n, b in first._buffers.items() if b is not None and n != "input_scale"]
+        for n in names:
+            b0 = first._buffers[n]
+            for m in mods:
+                b = m._buffers.get(n)
+                if b is None or b.dtype != b0.dtype or b.device != b0.device:
+                    return None
+                if b.dim() == 0 or b.shape[0] != m.d_out or b.shape[1:] != b0.shape[1:]:
+                    return None
+        out = first._empty_like(sum(m.d_out for m in mods))
+        with torch.no_grad():
+            for n in names:
+                rows = torch.cat([m._buffers[n] for m in mods])  # (ΣN, ·)
+                out._buffers[n] = rows
+                start = 0
+                for m in mods:
+                    m._buffers[n] = rows[start : start + m.d_out]
+                    start += m.d_out
+        out.input_scale = s0
+        return out
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_in) -> (..., d_out): dequantize, then ``x Wᵀ`` in x's dtype (the slow truth)."""
@@ -182,6 +238,12 @@ class Int8Linear(QuantLinear):
         self.group_size = g
         self.register_buffer("qweight", torch.zeros(d_out, d_in, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(d_out, d_in // g, dtype=torch.float16))
+
+    def _stack_key(self) -> tuple | None:
+        return (self.d_in, self.group_size)
+
+    def _empty_like(self, d_out: int) -> Int8Linear:
+        return Int8Linear(self.d_in, d_out, self.group_size)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, group_size: int | None = None) -> Int8Linear:
@@ -346,6 +408,12 @@ class Int4Linear(QuantLinear):
         offsets = None if symmetric else torch.zeros(d_out, ng, dtype=torch.float16)
         self.register_buffer("offsets", offsets)
 
+    def _stack_key(self) -> tuple | None:
+        return (self.d_in, self.group_size, self.symmetric)
+
+    def _empty_like(self, d_out: int) -> Int4Linear:
+        return Int4Linear(self.d_in, d_out, self.group_size, self.symmetric)
+
     @classmethod
     def from_codes(
         cls,
@@ -470,6 +538,12 @@ class Fp8Linear(QuantLinear):
         w = torch.zeros(d_out, d_in, dtype=torch.float8_e4m3fn)
         self.register_buffer("qweight", w)
         self.register_buffer("scales", torch.ones(d_out if per_channel else 1))
+
+    def _stack_key(self) -> tuple | None:  # a per-tensor scale is one number per module
+        return (self.d_in, self.activations) if self.per_channel else None
+
+    def _empty_like(self, d_out: int) -> Fp8Linear:
+        return Fp8Linear(self.d_in, d_out, self.per_channel, self.activations)
 
     @classmethod
     def from_float(

@@ -98,7 +98,7 @@ from lmforge.model import mup
 from lmforge.model.attention import CausalSelfAttention
 from lmforge.model.context import Context, PagedKVCache, StepOps
 from lmforge.model.kv_cache import paged_window_decode
-from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _fusable
+from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _bare, _fusable
 from lmforge.model.linear_attention import SlotOps, StatePool, StepStates, slot_recurrence
 from lmforge.model.mla import PagedLatentCache, write_latent
 from lmforge.model.sparse_attention import paged_sparse_attention, paged_sparse_decode
@@ -409,6 +409,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Te
 
 # first Linear of a packed group -> the packed tensor (another engine on the model reuses it)
 _PACKED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+# first quantized linear of a stacked group -> the stacked module (reused likewise)
+_STACKED: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+# a layer's packed q/k/v or w1/w3: one weight tensor (plain Linears) or one stacked quantized
+# linear (the quantized formats' ``stack_rows``), None where the modules do not pack
+Packed = torch.Tensor | nn.Module | None
 
 
 def _pack_rows(linears: list[nn.Module]) -> torch.Tensor:
@@ -432,22 +438,48 @@ def _pack_rows(linears: list[nn.Module]) -> torch.Tensor:
     return packed
 
 
-def pack_weights(model: nn.Module) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Per layer (packed q/k/v, packed w1/w3), None where the layer has no such modules."""
-    out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+def _stack_quantized(mods: list[nn.Module]) -> nn.Module | None:
+    """The quantized linears ``mods`` stacked into one module (the formats' ``stack_rows``: its
+    buffers hold the rows once, each module's are views of them), or None: not all one
+    quantized format with the same settings, or one has hooks (calling the stack would skip
+    them). A previous engine's stack is reused while the modules still view it."""
+    stack = getattr(type(mods[0]), "stack_rows", None)
+    if stack is None or not all(_bare(m) for m in mods):
+        return None
+    prev = _STACKED.get(mods[0])
+    if prev is not None and all(
+        m.qweight.untyped_storage().data_ptr() == prev.qweight.untyped_storage().data_ptr()
+        for m in mods
+    ):
+        return prev
+    out = stack(mods)
+    if out is not None:
+        _STACKED[mods[0]] = out
+    return out
+
+
+def _pack(mods: list[nn.Module]) -> Packed:
+    if _fusable(*mods):
+        return _pack_rows(mods)
+    return _stack_quantized(mods)
+
+
+def pack_weights(model: nn.Module) -> list[tuple[Packed, Packed]]:
+    """Per layer (packed q/k/v, packed w1/w3): a weight tensor for plain Linears, a stacked
+    module for quantized ones, None where the layer has no such modules or they do not pack."""
+    out: list[tuple[Packed, Packed]] = []
     for layer in model.layers:
         attn, ffn = layer.attn, layer.ffn
         if getattr(layer, "recurrent", False):  # a linear mixer's block: its FFN runs unpacked
             out.append((None, None))
             continue
-        # only plain Linears pack (a quantized or hooked module runs as itself, unpacked); MLA
-        # projects through its own modules (no q/k/v to pack), a CLA consumer has q only
+        # plain Linears pack into one weight, quantized ones of one format into one module (a
+        # hooked module runs as itself, unpacked); MLA projects through its own modules (no
+        # q/k/v to pack), a CLA consumer has q only
         qkv = None
         if isinstance(attn, CausalSelfAttention) and attn.produces_kv:
-            qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
-            qkv = _pack_rows(qkv_mods) if _fusable(*qkv_mods) else None
-        swiglu = isinstance(ffn, SwiGLU) and _fusable(ffn.w1, ffn.w3)
-        w13 = _pack_rows([ffn.w1, ffn.w3]) if swiglu else None
+            qkv = _pack([attn.q_proj, attn.k_proj, attn.v_proj])
+        w13 = _pack([ffn.w1, ffn.w3]) if isinstance(ffn, SwiGLU) else None
         out.append((qkv, w13))
     return out
 
@@ -460,7 +492,7 @@ GemvPlan = tuple[tuple[tuple[int, int, int, int, bool], ...], int]
 
 def gemv_plan(
     model: nn.Module,
-    packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+    packed: list[tuple[Packed, Packed]] | None,
     dtypes: tuple[torch.dtype, ...] = GEMV_DTYPES,
 ) -> GemvPlan:
     """Which projections of ``model`` the decode GEMV may compute (their split, else 0): a
@@ -472,8 +504,8 @@ def gemv_plan(
     ``lmforge_serve::rope_decode_attention``."""
     from lmforge.serve._gemv_triton import gemv_config
 
-    def ok(w: torch.Tensor | None) -> int:
-        if w is None or w.dim() != 2 or w.dtype not in dtypes:
+    def ok(w: Packed) -> int:
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.dtype not in dtypes:
             return 0
         cfg = gemv_config(w.shape[0], w.shape[1], w.device)
         return cfg.split if cfg is not None else 0
@@ -494,7 +526,7 @@ def gemv_plan(
             layers.append((lin(attn.q_proj), lin(attn.output_proj), ok(w13), w2, False))
             continue
         fuse = (
-            ok(qkv_w) > 0
+            (ok(qkv_w) > 0 or _has_gemv(qkv_w))
             and (not attn.config.qk_norm or _plain_qk_norm(attn))
             and (not attn.config.mup or mup.q_scale(attn.config) == 1.0)  # no q scale inside
             and type(attn.rope) is RotaryEmbedding
@@ -502,6 +534,12 @@ def gemv_plan(
         )
         layers.append((ok(qkv_w), lin(attn.output_proj), ok(w13), w2, fuse))
     return tuple(layers), lin(model.lm_head)
+
+
+def _has_gemv(p: Packed) -> bool:
+    """Whether a stacked quantized q/k/v has a dequant-fused decode GEMV whose partial sums can
+    go to ``rope_decode_attention`` (int4/int8)."""
+    return isinstance(p, nn.Module) and getattr(p, "_gemv_partials", None) is not None
 
 
 def _plain_qk_norm(attn: nn.Module) -> bool:
@@ -526,7 +564,7 @@ class DecodeOps(StepOps):
         self,
         model: nn.Module,
         use_triton: int,
-        packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+        packed: list[tuple[Packed, Packed]] | None,
         plan: GemvPlan | None,
     ) -> None:
         self.use_triton = use_triton
@@ -603,7 +641,7 @@ class DecodeOps(StepOps):
             0 if attn.dense_warmup else attn.topk, attn.n_heads != attn.n_kv_heads,
         )  # (S, H, E)  # fmt: skip
 
-    def packed(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def packed(self, layer: int) -> tuple[Packed, Packed]:
         return self._packed[layer] if self._packed is not None else (None, None)
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -631,10 +669,17 @@ class DecodeOps(StepOps):
         # write_kv quantizes in torch; the fused kernel stores plain rows only
         if not fuse or ctx.k_cache.dtype != h.dtype:
             return None
+        qkv = self._packed[layer][0]
+        if isinstance(qkv, torch.Tensor):
+            parts = torch.ops.lmforge_serve.gemv(h, qkv, g_qkv)  # (SPLIT, S, (H+2K)·E)
+        else:  # a stacked quantized q/k/v: its dequant-fused GEMV's partials
+            parts = qkv.decode_partials(h)
+            if parts is None:
+                return None
         qn = (attn.q_norm.weight, attn.k_norm.weight) if attn.config.qk_norm else (None, None)
         eps = attn.q_norm.eps if attn.config.qk_norm else 0.0
         return torch.ops.lmforge_serve.rope_decode_attention(
-            torch.ops.lmforge_serve.gemv(h, self._packed[layer][0], g_qkv), attn.rope.cos,
+            parts, attn.rope.cos,
             attn.rope.sin, ctx.positions, ctx.k_cache, ctx.v_cache, attn.cache_index, ctx.slots,
             ctx.block_tables, ctx.ctx_lens, attn.n_heads, self.use_triton, *qn, eps,
         )  # (S, H, E)  # fmt: skip
@@ -665,7 +710,7 @@ class MixedOps(DecodeOps):
 
 def _plan_weights(
     model: nn.Module,
-    packed: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None,
+    packed: list[tuple[Packed, Packed]] | None,
     plan: GemvPlan,
 ) -> list[tuple[torch.Tensor, int]]:
     """(weight, split) of every projection the plan puts on the decode GEMV (q/k/v, o, w1/w3,
@@ -826,7 +871,7 @@ class CompiledDecode:
         self.packed = pack_weights(model) if pack else None
         for pair in self.packed or []:
             for t in pair:
-                if t is not None:  # the GEMV's launch config is looked up by the weight shape
+                if isinstance(t, torch.Tensor):  # the GEMV's launch config: by weight shape
                     torch._dynamo.mark_static(t)
         dev = _cache_tensors(cache)[0].device
         dtypes = _gemv_dtypes(dev) if gemv is None else (*GEMV_DTYPES, torch.float32)
