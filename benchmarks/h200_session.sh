@@ -43,8 +43,11 @@
 #              carry .carry/mq, the Gutenberg shards made as benchmarks/mtp.py's docstring says)
 #   mtp        issue 36: benchmarks/mtp.py (MTP training vs none; MTP self-speculative decoding;
 #              carry .carry/mq)
-#   quant      issue 37, call 1: benchmarks/quant.py --part speed, bf16 and int4 (the target)
-#   quant-more issue 37, call 2: the same for int8, fp8 and the peers; kv_quant.py
+#   quant      issue 37: benchmarks/quant.py --part speed --profile: bf16, int4, int8, fp8 and the
+#              peers in one run (engines built side by side, timed one at a time)
+#   quant-more issue 37: benchmarks/quant.py --part gemv (the int4/int8 GEMV launches swept on
+#              TinyLlama's shapes: the winners go into lmforge/quant/_gemv_triton.py's TABLE
+#              before the next `quant`), then benchmarks/kv_quant.py (the quantized KV cache)
 #   vision     issue 38: benchmarks/vlm_serve.py (carry .whl), then benchmarks/vision.py
 #   recipe-gpu  calls A and B as one device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
 #              every GPU stage and the card without the anchor; $OUT/recipe-card as recipe-b's
@@ -267,22 +270,20 @@ part_mtp() {      # issue 36: 1 MTP module vs none (main-head loss), MTP self-sp
     mkdir -p "$o" && cp /tmp/mtp/mtp_training.png /tmp/mtp/mtp.json "$o/" 2>/dev/null
 }
 
-part_quant() {    # issue 37, call 1: the target's rows (bf16 and int4 engines' decode speed)
+part_quant() {    # issue 37: every format's engine decode speed and the peers in one run
     local o="${OUT:-runs/h200}"
-    # each engine's compile warm-up of the 22-layer model takes minutes (four graphs: batch 1,
-    # batches >= 2 with and without the GEMV, prefill), so the formats span two device calls
-    have quant benchmarks/quant.py && step quant-speed 540 "$PY" benchmarks/quant.py \
-        --part speed --formats bf16,int4 --out "$o/quant_speed"
+    # each engine's compile warm-up of the 22-layer model takes 2-3 minutes: quant.py builds the
+    # formats' engines side by side (one process each), then times them one at a time
+    have quant benchmarks/quant.py && step quant-speed 570 "$PY" benchmarks/quant.py \
+        --part speed --profile --out "$o/quant_speed"
 }
-
-part_quant-more() {  # issue 37, call 2: int8, fp8 and the peers; the quantized KV cache; tests
+part_quant-more() {  # issue 37: the int4/int8 GEMV launch sweep; the quantized KV cache
     local o="${OUT:-runs/h200}"
-    have quant benchmarks/quant.py && step quant-speed-more 400 "$PY" benchmarks/quant.py \
-        --part speed --formats int8,fp8,peers --out "$o/quant_speed_more"
+    have quant benchmarks/quant.py && step quant-gemv 300 "$PY" benchmarks/quant.py \
+        --part gemv --out "$o/quant_gemv"
     have quant benchmarks/kv_quant.py &&
         step kv-quant 120 "$PY" benchmarks/kv_quant.py --out "$o/kv_quant"
 }
-
 part_vision() {   # issue 38: serving TTFT with one image first (still unmeasured), then the
     local o="${OUT:-runs/h200}"   # VLM step and CLIP vs SigLIP at 64 and 1024 (H200 rows exist)
     # a request past 120 s: the server's stacks (SIGUSR1) are printed, then the step ends

@@ -15,11 +15,20 @@ per-token activation scales; ``torch._scaled_mm`` on Hopper, emulated with the s
 elsewhere) by RTN, SmoothQuant at α = 0.5 and with α searched per group (MSE-searched scales),
 GPTQ; fp32.
 
+Part ``gemv`` (CUDA): the int4 (g128) and int8 (per channel) decode GEMVs alone on TinyLlama's
+four layer shapes at batch 1, inside a CUDA graph, against the bf16 GEMV on the same shape: the
+default launch and a sweep (groups or K chunks a loop iteration, split-K, rows a program, warps,
+stages), each launch checked against float64 first; the winners go into
+``lmforge.quant._gemv_triton.TABLE``.
+
 Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16) for bf16 / int4 (g128) / int8 /
 fp8 W8A8 linears, each served by ``Engine(model)`` with its defaults (compiled decode step, CUDA
 graphs: the path ``lmforge serve --checkpoint Q`` runs): the median decode step at batch 1
 (ms/token) and at batch 64 (tokens/s), 128-token prompts; the floor is the linear weights' bytes
-(codes and scales) / 4.27 TB/s. Peers in the same run: torchao's int4 weight-only
+(codes and scales) / the card's copy bandwidth, measured first. Each format's engine builds in a
+process of its own, side by side (a 22-layer engine compiles for 2-3 minutes); the engines are
+then timed one at a time with nothing else running (``--profile``: the kernels of 20 batch-1
+steps per format, with the GPU's busy time and the gaps between kernels). Peers in the same run: torchao's int4 weight-only
 (``Int4WeightOnlyConfig``, group 128) when torchao imports, and always Int4Linear's
 dequantize-then-matmul torch reference compiled in the same engine step; the independent bf16
 static-cache Llama under ``torch.compile(mode="reduce-overhead")`` (gpt-fast style, from
@@ -30,6 +39,8 @@ product with its dequantized weights, and each model's logits against bf16's.
     python benchmarks/quant.py --part quality --only "fp8 weight-only" --eval-tokens 16384
     python benchmarks/quant.py --part speed --out bench_out/quant    # CUDA: one engine warm-up a row
     python benchmarks/quant.py --part speed --formats bf16,int4      # the target row alone
+    python benchmarks/quant.py --part speed --device cpu --layers 1 --batch-large 4 --new 8  # smoke
+    python benchmarks/quant.py --part gemv     # CUDA: the int4/int8 GEMV launches swept, ~2 min
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import argparse
 import dataclasses
 import json
 import math
+import queue
 import sys
 import time
 from collections.abc import Sequence
@@ -233,12 +245,13 @@ def _check_format(spec: QuantSpec, dev: str) -> float:
     return worst
 
 
-def _model(kind: str, dev: str):
+def _model(kind: str, dev: str, layers: int = 22):
     from lmforge.model import TransformerLM
     from lmforge.quant import quantize_model
 
     torch.manual_seed(0)
-    model = TransformerLM(tinyllama_config(), device=dev)
+    cfg = dataclasses.replace(tinyllama_config(), n_layers=layers)
+    model = TransformerLM(cfg, device=dev)
     spec = {
         "int8": QuantSpec("int8", None),
         "int4": QuantSpec("int4", 128),
@@ -288,12 +301,77 @@ def _serve_bench():
     return mod
 
 
+def _copy_bandwidth(dev: str) -> float:
+    """Device copy bandwidth, bytes/s (read + write of 1 GiB, median of 10 CUDA-event timings):
+    the floor's denominator, measured on the card the rows run on."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    times = []
+    for i in range(13):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * (1 << 30) / sorted(times)[len(times) // 2]
+
+
+def _speed_worker(kind: str, cfg: dict, ready, go, results) -> None:
+    """One format in its own process: build the model and ``Engine(model)`` (compile and
+    CUDA-graph warm-ups, side by side with the other formats' builds), say ready, wait for
+    ``go`` (the parent times one engine at a time, nothing else running), then time batch 1
+    and batch ``cfg['batch']``, and profile batch-1 steps with ``cfg['profile']``."""
+    try:
+        torch.set_grad_enabled(False)
+        bench = _serve_bench()
+        dev = cfg["device"]
+        bench.DEVICE = dev
+        model = _model(kind, dev, cfg["layers"])
+        wbytes = _bytes_read(model)
+        probe = torch.tensor([cfg["prompts"][0][:16]], device=dev)
+        # the quantized model's own forward, as a list (a tensor would travel as shared
+        # memory that dies with this process)
+        logits = model(probe)[0, -1].float().cpu().tolist()
+        t0 = time.perf_counter()
+        eng, summary = bench._engine_build(model, cfg["prompts"][0], **cfg["engine_kw"])
+        ready.put((kind, time.perf_counter() - t0, None))
+    except Exception as e:  # reported by the parent as the row's failure
+        ready.put((kind, 0.0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        return
+    go.wait()
+    try:
+        prompts = cfg["prompts"]
+        b1, bn = bench._engine_time(eng, [prompts[:1], prompts[: cfg["batch"]]], cfg["new"])
+        if cfg["profile"] and dev == "cuda":  # (the profiler pass reads CUDA kernels)
+            from lmforge.serve import SamplingParams
+
+            eng.add_request(
+                prompts[0], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+            )
+            while eng.has_unfinished() and not eng.step():  # through the prefill
+                pass
+            bench.profile_steps(eng, f"{kind}, batch 1 decode steps", n_steps=20, top=12)
+            while eng.has_unfinished():
+                eng.step()
+        results.put((kind, {"b1": b1, "bn": bn, "summary": summary, "wbytes": wbytes,
+                            "logits": logits}, None))  # fmt: skip
+    except Exception as e:
+        results.put((kind, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+
+
 def speed(args: argparse.Namespace) -> list[dict]:
-    """Each format through ``Engine(model)`` with its defaults (compiled decode step, CUDA
-    graphs: what ``lmforge serve --checkpoint Q`` runs): ms per decode step at batch 1 and
-    tokens/s at batch 64; peers in the same run."""
-    assert torch.cuda.is_available(), "the speed part needs CUDA"
-    dev = "cuda"
+    """Each format through ``Engine(model)`` (compiled decode step, CUDA graphs: what ``lmforge
+    serve --checkpoint Q`` runs): ms per decode step at batch 1 and tokens/s at batch 64; peers
+    in the same run. Each format builds in its own process, side by side (one engine's compile
+    takes 2-3 minutes on the GPU host; one after another they outlast a device call); then
+    the engines are timed one at a time with nothing else running."""
+    import multiprocessing as mp
+
+    dev = args.device
+    assert dev == "cuda" or args.layers < 22, "the speed part needs CUDA (or --layers < 22)"
     print("correctness (kernel path vs float64, rel. max error):")
     for spec in (
         QuantSpec("int8", None),
@@ -307,10 +385,12 @@ def speed(args: argparse.Namespace) -> list[dict]:
             f"  {spec.format} g{spec.group_size} sym={spec.symmetric}: {err:.2e} {'ok' if ok else 'FAIL'}"
         )
         assert ok
-    bench = _serve_bench()
+    bw = _copy_bandwidth(dev) if dev == "cuda" else HBM_BYTES_PER_S
+    args.bandwidth = bw
+    print(f"copy bandwidth (1 GiB, read + write): {bw / 1e12:.2f} TB/s" if dev == "cuda" else
+          f"CPU smoke run: floors at the H200's {bw / 1e12} TB/s")  # fmt: skip
     gen = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 32000, (64, args.prompt), generator=gen).tolist()
-    # the target's rows first (bf16, int4 and their peers), then int8 and fp8
+    prompts = torch.randint(0, 32000, (args.batch_large, args.prompt), generator=gen).tolist()
     kinds = [k for k in ("bf16", "int4") if k in args.formats]
     if "peers" in args.formats:
         try:
@@ -320,55 +400,181 @@ def speed(args: argparse.Namespace) -> list[dict]:
         except Exception as e:
             print(f"torchao not usable ({type(e).__name__}: {e}); int4 peer = Int4Linear's torch "
                   "dequantize-then-matmul reference, compiled in the same engine step")  # fmt: skip
-        kinds += ["int4-torch-ref", "bf16-peer"]
+        kinds.append("int4-torch-ref")
     kinds += [k for k in ("int8", "fp8") if k in args.formats]
+    # the KV cache sized for the runs (every engine holds its cache at once): 64 sequences of
+    # prompt + new tokens, twice over; decode speed does not depend on the cache's size
+    per_seq = -(-(args.prompt + args.new + 16) // 16)
+    cfg = {"device": dev, "layers": args.layers, "prompts": prompts, "new": args.new,
+           "batch": args.batch_large, "profile": args.profile,
+           "engine_kw": {"num_blocks": 2 * args.batch_large * per_seq + 64}}  # fmt: skip
+    ctx = mp.get_context("spawn")
+    ready, results = ctx.Queue(), ctx.Queue()
+    gos = {k: ctx.Event() for k in kinds}
+    procs = {k: ctx.Process(target=_speed_worker, args=(k, cfg, ready, gos[k], results))
+             for k in kinds}  # fmt: skip
+    t0 = time.perf_counter()
+    for pr in procs.values():
+        pr.start()
+    built: dict[str, str | None] = {}
+    while len(built) < len(kinds):
+        try:
+            kind, secs, err = ready.get(timeout=10)
+        except queue.Empty:
+            dead = [k for k, pr in procs.items() if k not in built and not pr.is_alive()]
+            for k in dead:
+                built[k] = f"the build process exited ({procs[k].exitcode})"
+                print(f"{k}: {built[k]}", flush=True)
+            continue
+        built[kind] = err
+        print(f"{kind}: " + (f"built in {secs:.0f} s" if err is None else f"could not build ({err})"),
+              flush=True)  # fmt: skip
+    print(f"every engine built after {time.perf_counter() - t0:.0f} s (side by side)", flush=True)
     rows: list[dict] = []
     ref_logits = None
-    probe = torch.tensor([prompts[0][:16]], device=dev)
     for kind in kinds:
-        if kind == "bf16-peer":
-            ms, how = bench._peer_decode(bench.TINYLLAMA, prompts[0], args.new, compile=True)
-            row = {"format": "bf16 peer: " + how, "b1_ms_per_token": ms}
-            bf = next((r for r in rows if r["format"] == "bf16"), None)
-            if bf is not None:
-                row["b1_vs_bf16"] = ms / bf["b1_ms_per_token"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        if built[kind] is not None:
             continue
-        print(f"{kind}: building the model and its engine", flush=True)
-        try:
-            model = _model(kind, dev)
-        except Exception as e:
-            print(f"{kind}: could not build ({type(e).__name__}: {e})")
+        gos[kind].set()
+        while True:
+            try:
+                got, res, err = results.get(timeout=10)
+                assert got == kind, (got, kind)
+                break
+            except queue.Empty:
+                if not procs[kind].is_alive():
+                    res, err = None, f"the process exited ({procs[kind].exitcode})"
+                    break
+        procs[kind].join(timeout=60)
+        if err is not None:
+            print(f"{kind}: the engine failed ({err})")
             continue
-        wbytes = _bytes_read(model)
+        wbytes = res["wbytes"]
         if kind == "torchao-int4":  # its tensor subclass reports logical bf16 sizes
             wbytes = next((r["weight_MB"] for r in rows if r["format"] == "int4"), 0) * 1e6
-        row = {
-            "format": kind,
-            "weight_MB": wbytes / 1e6,
-            "floor_ms": wbytes / HBM_BYTES_PER_S * 1e3,
-        }
-        eager = model(probe)[0, -1].float()  # the quantized model's own forward vs bf16's
+        row = {"format": kind, "weight_MB": wbytes / 1e6, "floor_ms": wbytes / bw * 1e3,
+               "b1_ms_per_token": res["b1"], "b64_tokens_per_s": args.batch_large / res["bn"] * 1e3}  # fmt: skip
+        row["b1_vs_floor"] = row["b1_ms_per_token"] / row["floor_ms"]
         if kind == "bf16":
-            ref_logits = eager
+            ref_logits = torch.tensor(res["logits"])
         elif ref_logits is not None:
-            row["logits_vs_bf16_rel"] = ((eager - ref_logits).norm() / ref_logits.norm()).item()
-        try:
-            (b1, b64), summary = bench._engine_decode(model, [prompts[:1], prompts], args.new)
-        except Exception as e:
-            print(f"{kind}: the engine failed ({type(e).__name__}: {str(e).splitlines()[0]})")
-            continue
-        row["b1_ms_per_token"] = b1
-        row["b64_tokens_per_s"] = 64 / b64 * 1e3
+            row["logits_vs_bf16_rel"] = (
+                (torch.tensor(res["logits"]) - ref_logits).norm() / ref_logits.norm()
+            ).item()
         bf = next((r for r in rows if r["format"] == "bf16"), None)
         if bf is not None:
-            row["b1_vs_bf16"] = b1 / bf["b1_ms_per_token"]
-        row["engine"] = summary
+            row["b1_vs_bf16"] = res["b1"] / bf["b1_ms_per_token"]
+            row["b64_vs_bf16"] = row["b64_tokens_per_s"] / bf["b64_tokens_per_s"]
+        row["engine"] = res["summary"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del model
-        torch.cuda.empty_cache()
+    for pr in procs.values():
+        pr.join(timeout=30)
+    if "peers" in args.formats:  # last, alone: its own compile and timing
+        bench = _serve_bench()
+        bench.DEVICE = dev
+        shape = {**bench.TINYLLAMA, "n_layers": args.layers}
+        ms, how = bench._peer_decode(shape, prompts[0], args.new, compile=dev == "cuda")
+        row = {"format": "bf16 peer: " + how, "b1_ms_per_token": ms}
+        bf = next((r for r in rows if r["format"] == "bf16"), None)
+        if bf is not None:
+            row["b1_vs_bf16"] = ms / bf["b1_ms_per_token"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _graph_us(fn, reps: int = 40) -> float:
+    """µs per call of ``fn`` captured ``reps`` times in one CUDA graph (as the engine's step
+    runs it: no launch overhead from the host), median of 7 replays after a warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(7):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def gemv_sweep(args: argparse.Namespace) -> list[dict]:
+    """The int4 (g128) and int8 (per channel) decode GEMVs on TinyLlama's four layer shapes at
+    batch 1, the default launch and a sweep of launches (groups or K chunks an iteration, split,
+    rows a program, warps, stages), each checked against float64 first, against the bf16 GEMV
+    the engine runs on the same shape; timed inside a CUDA graph (the engine's setting)."""
+    from lmforge.quant import Int8Linear
+    from lmforge.quant._gemv_triton import (
+        QuantGemvConfig,
+        int4_gemv_partials,
+        int8_block_k,
+        int8_gemv_partials,
+        quant_gemv_config,
+    )
+    from lmforge.serve._gemv_triton import gemv_partials
+
+    dev = "cuda"
+    args.bandwidth = bw = _copy_bandwidth(dev)
+    print(f"copy bandwidth (1 GiB, read + write): {bw / 1e12:.2f} TB/s", flush=True)
+    shapes = {"q|k|v": (2560, 2048), "o": (2048, 2048), "w1|w3": (11264, 2048), "w2": (2048, 5632)}
+    rows: list[dict] = []
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=dev, generator=gen) * 0.02
+        x = torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16)
+        wb = w.to(torch.bfloat16)
+        bf16_us = _graph_us(lambda x=x, wb=wb: gemv_partials(x, wb))
+        for fmt in ("int4", "int8"):
+            if fmt == "int4":
+                mod, g = Int4Linear.from_float(w, 128), 128
+                chunks = k // g
+
+                def run(cfg, mod=mod, x=x):
+                    return int4_gemv_partials(x, mod.qweight, mod.scales, mod.offsets, 128, cfg)
+            else:
+                mod, g = Int8Linear.from_float(w, None), k
+                chunks = k // int8_block_k(k)
+
+                def run(cfg, mod=mod, g=g, x=x):
+                    return int8_gemv_partials(x, mod.qweight, mod.scales, g, cfg)
+
+            want = x.double() @ mod.dequantize().double().t()
+            default = quant_gemv_config(fmt, n, k, g, torch.device(dev))
+            cands = [default] + [
+                QuantGemvConfig(split, sub, bn, warps, stages)
+                for sub in (1, 2, 4, 8) if chunks % sub == 0
+                for split in (1, 2, 4, 8) if split <= chunks // sub
+                for bn in (64, 128) for warps in (4, 8) for stages in (2, 4)
+            ]  # fmt: skip
+            timed = []
+            for cfg in cands:
+                try:
+                    got = run(cfg).sum(0).double()
+                    err = ((got - want).abs().max() / want.abs().max()).item()
+                    if not err < 1e-2:
+                        print(f"  {name} {fmt} {cfg}: error {err:.2e}, dropped", flush=True)
+                        continue
+                    timed.append((_graph_us(lambda cfg=cfg: run(cfg)), cfg))
+                except Exception as e:  # a launch the card cannot run (shared memory)
+                    print(f"  {name} {fmt} {cfg}: {type(e).__name__}", flush=True)
+            default_us = timed[0][0] if timed and timed[0][1] == default else float("nan")
+            best_us, best = min(timed, key=lambda t: t[0])
+            nbytes = mod.weight_bytes()
+            row = {"shape": f"{name} {n}x{k}", "format": fmt, "MB": nbytes / 1e6,
+                   "floor_us": nbytes / bw * 1e6, "default_us": default_us,
+                   "best_us": best_us, "best_TBps": nbytes / best_us / 1e6,
+                   "bf16_us": bf16_us, "bf16_TBps": wb.numel() * 2 / bf16_us / 1e6,
+                   "best": f"split {best.split} sub {best.sub} rows {best.block_n} "
+                           f"warps {best.warps} stages {best.stages}"}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -387,7 +593,7 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--part", choices=["quality", "speed", "all"], default="all")
+    p.add_argument("--part", choices=["quality", "speed", "gemv", "all"], default="all")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--gguf", default=str(SHARED / "models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     p.add_argument("--eval-text", default=str(SHARED / "data/text/wikitext2/test.txt"))
@@ -423,6 +629,18 @@ def main() -> None:
         default=["bf16", "int4", "int8", "fp8", "peers"],
         help="speed: comma-separated rows to run (default bf16,int4,int8,fp8,peers)",
     )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=22,
+        help="speed: layers of the TinyLlama shape (fewer: a quick CPU smoke run)",
+    )
+    p.add_argument("--batch-large", type=int, default=64, help="speed: the large batch")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="speed: torch.profiler over 20 batch-1 decode steps per format",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_grad_enabled(False)
@@ -433,6 +651,8 @@ def main() -> None:
         print(f"quality part skipped: {args.gguf} not found (--gguf FILE)")
     if args.part in ("speed", "all"):
         out["speed"] = speed(args)
+    if args.part == "gemv":
+        out["gemv"] = gemv_sweep(args)
     if args.out:
         d = Path(args.out)
         d.mkdir(parents=True, exist_ok=True)
@@ -444,10 +664,16 @@ def main() -> None:
     if "quality" in out:
         print("\nSmolLM2-135M-Instruct, WikiText-2 test bits per byte (calibration: Gutenberg)")
         print(_table(out["quality"], QUALITY_COLUMNS))
+    if "gemv" in out:
+        print(f"\nDecode GEMV at batch 1, TinyLlama shapes, in a CUDA graph; floor = bytes / "
+              f"{args.bandwidth / 1e12:.2f} TB/s (copy bandwidth measured)")  # fmt: skip
+        cols = ["shape", "format", "MB", "floor_us", "default_us", "best_us", "best_TBps"]
+        print(_table(out["gemv"], [*cols, "bf16_us", "bf16_TBps", "best"]))
     if "speed" in out:
         print(
-            f"\nTinyLlama-1.1B shape, random weights, Engine(model) defaults (median decode step at "
-            f"full batch); floor = linear-weight bytes / {HBM_BYTES_PER_S / 1e12} TB/s"
+            f"\nTinyLlama-1.1B shape ({args.layers} layers), random weights, Engine(model) "
+            f"(median decode step at full batch; KV cache sized for the runs); floor = "
+            f"linear-weight bytes / {args.bandwidth / 1e12:.2f} TB/s (copy bandwidth measured)"
         )
         print(
             _table(
@@ -457,8 +683,10 @@ def main() -> None:
                     "weight_MB",
                     "floor_ms",
                     "b1_ms_per_token",
-                    "b64_tokens_per_s",
+                    "b1_vs_floor",
                     "b1_vs_bf16",
+                    "b64_tokens_per_s",
+                    "b64_vs_bf16",
                     "logits_vs_bf16_rel",
                 ],
             )

@@ -1064,15 +1064,32 @@ def _engine_decode(
     line saying what the engine chose."""
     import gc
 
+    eng, summary = _engine_build(model, batches[0][0])
+    out = _engine_time(eng, batches, new)
+    del eng
+    gc.collect()  # the engine's CUDA graphs refer back to it: free its KV cache now
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return out, summary
+
+
+def _engine_build(model: TransformerLM, prompt: list[int], **kw: object) -> tuple[Engine, str]:
+    """``Engine(model, **kw)`` (defaults without ``kw``), warmed up by one short request (the
+    compile warm-ups and CUDA-graph captures, where a slow start shows); and its summary line."""
     from lmforge.serve.engine_process import engine_summary
 
     torch._dynamo.reset()
     t_build = time.perf_counter()
-    eng = Engine(model)
+    eng = Engine(model, **kw)
     summary = engine_summary(eng)
-    eng.generate(batches[0][:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    # the compile warm-ups and CUDA-graph captures (where a slow start shows)
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     _line(f"  Engine(model) built and warmed up in {time.perf_counter() - t_build:.0f} s")
+    return eng, summary
+
+
+def _engine_time(eng: Engine, batches: list[list[list[int]]], new: int) -> list[float]:
+    """Per batch of prompts, the median ms of a decode step at the full batch (see
+    :func:`_engine_decode`), best of two runs of ``new`` tokens."""
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     out = []
     for prompts in batches:
@@ -1093,11 +1110,7 @@ def _engine_decode(
         if full < len(prompts):
             _line(f"note: Engine(model) ran at most {full} of {len(prompts)} requests at once")
         out.append(min(meds))
-    del eng
-    gc.collect()  # the engine's CUDA graphs refer back to it: free its KV cache now
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-    return out, summary
+    return out
 
 
 def _serve_command(ckpt: str, port: int) -> list[str]:
