@@ -183,3 +183,36 @@ else:
             # attention op
             assert sum("int4_gemv_partials" in o for o in ops) == 4 * cfg.n_layers
             assert sum("rope_decode_attention" in o for o in ops) == cfg.n_layers
+
+    def test_compiled_prefill_step_runs_the_stacked_projections() -> None:
+        # prefill through the compiled mixed step: the stacked int4 q/k/v and w1/w3 take the
+        # dequant-fused GEMM, and the engine still serves lmforge.generate's tokens
+        from lmforge.generate import generate
+        from lmforge.model import ModelConfig, TransformerLM
+        from lmforge.quant import QuantSpec, quantize_model
+        from lmforge.serve import Engine, SamplingParams, compiled
+
+        torch.manual_seed(1)
+        cfg = ModelConfig(vocab_size=128, context_length=64, d_model=64, n_layers=2, n_heads=4,
+                          n_kv_heads=2, d_ff=128)  # fmt: skip
+        model = quantize_model(TransformerLM(cfg).eval(), QuantSpec("int4", 32, symmetric=True))
+        prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]]
+        want = [generate(model, [p], 3, temperature=0)[0] for p in prompts]
+        eng = Engine(model, block_size=4, num_blocks=16, compile=True)
+        dec = compiled.CompiledDecode(eng.runner.model, eng.runner.cache, None, gemv=True)
+        assert dec.mixed_on and all(isinstance(q, torch.nn.Module) for q, _ in dec.packed)
+        graphs: list[list[str]] = []
+
+        def backend(gm, example_inputs):
+            graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+            return gm.forward
+
+        dec._mixed_fn = torch.compile(compiled.mixed_forward, dynamic=True, fullgraph=True,
+                                      backend=backend)  # fmt: skip
+        eng.runner.decoder = dec
+        got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert dec.mixed_failed is None and dec.failed is None
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert graphs
+        for ops in graphs:  # q/k/v, o, w1/w3, w2: four GEMMs a layer
+            assert sum("int4_matmul" in o for o in ops) == 4 * cfg.n_layers
