@@ -43,8 +43,9 @@
 #              carry .carry/mq, the Gutenberg shards made as benchmarks/mtp.py's docstring says)
 #   mtp        issue 36: benchmarks/mtp.py (MTP training vs none; MTP self-speculative decoding;
 #              carry .carry/mq)
-#   quant      issue 37: benchmarks/quant.py --part speed --profile: bf16, int4, int8, fp8 and the
-#              peers in one run (engines built side by side, timed one at a time)
+#   quant      issue 37: benchmarks/quant.py --part speed --tune --profile: the GEMV launch sweep,
+#              then bf16, int4, int8, fp8 and the peers in one run (engines built side by side,
+#              timed one at a time)
 #   quant-more issue 37: benchmarks/quant.py --part gemv (the int4/int8 GEMV launches swept on
 #              TinyLlama's shapes: the winners go into lmforge/quant/_gemv_triton.py's TABLE
 #              before the next `quant`), then benchmarks/kv_quant.py (the quantized KV cache)
@@ -274,8 +275,10 @@ part_quant() {    # issue 37: every format's engine decode speed and the peers i
     local o="${OUT:-runs/h200}"
     # each engine's compile warm-up of the 22-layer model takes 2-3 minutes: quant.py builds the
     # formats' engines side by side (one process each), then times them one at a time
-    have quant benchmarks/quant.py && step quant-speed 570 "$PY" benchmarks/quant.py \
-        --part speed --profile --out "$o/quant_speed"
+    # (--tune: the int4/int8 GEMV launches are swept first, ~1.5 min, and the engines built
+    # with the winners; the sweep's TABLE lines go into lmforge/quant/_gemv_triton.py after)
+    have quant benchmarks/quant.py && step quant-speed 580 "$PY" benchmarks/quant.py \
+        --part speed --tune --profile --out "$o/quant_speed"
 }
 part_quant-more() {  # issue 37: the int4/int8 GEMV launch sweep; the quantized KV cache
     local o="${OUT:-runs/h200}"

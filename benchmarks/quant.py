@@ -41,6 +41,7 @@ product with its dequantized weights, and each model's logits against bf16's.
     python benchmarks/quant.py --part speed --formats bf16,int4      # the target row alone
     python benchmarks/quant.py --part speed --device cpu --layers 1 --batch-large 4 --new 8  # smoke
     python benchmarks/quant.py --part gemv     # CUDA: the int4/int8 GEMV launches swept, ~2 min
+    python benchmarks/quant.py --part speed --tune --profile   # the sweep, then engines built with it
 """
 
 from __future__ import annotations
@@ -326,6 +327,10 @@ def _speed_worker(kind: str, cfg: dict, ready, go, results) -> None:
     and batch ``cfg['batch']``, and profile batch-1 steps with ``cfg['profile']``."""
     try:
         torch.set_grad_enabled(False)
+        from lmforge.quant import _gemv_triton
+
+        for key, c in cfg["gemv_table"]:  # --tune: the sweep's launches, before any compile
+            _gemv_triton.TABLE[tuple(key)] = _gemv_triton.QuantGemvConfig(**c)
         bench = _serve_bench()
         dev = cfg["device"]
         bench.DEVICE = dev
@@ -385,6 +390,10 @@ def speed(args: argparse.Namespace) -> list[dict]:
             f"  {spec.format} g{spec.group_size} sym={spec.symmetric}: {err:.2e} {'ok' if ok else 'FAIL'}"
         )
         assert ok
+    table: list = []
+    if args.tune:  # the GEMV launches swept first; the engines below are built with them
+        args.gemv_rows = gemv_sweep(args)
+        table = [(r["key"], r["config"]) for r in args.gemv_rows if r["tuned"]]
     bw = _copy_bandwidth(dev) if dev == "cuda" else HBM_BYTES_PER_S
     args.bandwidth = bw
     print(f"copy bandwidth (1 GiB, read + write): {bw / 1e12:.2f} TB/s" if dev == "cuda" else
@@ -406,7 +415,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
     # prompt + new tokens, twice over; decode speed does not depend on the cache's size
     per_seq = -(-(args.prompt + args.new + 16) // 16)
     cfg = {"device": dev, "layers": args.layers, "prompts": prompts, "new": args.new,
-           "batch": args.batch_large, "profile": args.profile,
+           "batch": args.batch_large, "profile": args.profile, "gemv_table": table,
            "engine_kw": {"num_blocks": 2 * args.batch_large * per_seq + 64}}  # fmt: skip
     ctx = mp.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
@@ -551,7 +560,7 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                 QuantGemvConfig(split, sub, bn, warps, stages)
                 for sub in (1, 2, 4, 8) if chunks % sub == 0
                 for split in (1, 2, 4, 8) if split <= chunks // sub
-                for bn in (64, 128) for warps in (4, 8) for stages in (2, 4)
+                for bn in (64,) for warps in (4, 8) for stages in (2, 4)
             ]  # fmt: skip
             timed = []
             for cfg in cands:
@@ -573,8 +582,22 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                    "bf16_us": bf16_us, "bf16_TBps": wb.numel() * 2 / bf16_us / 1e6,
                    "best": f"split {best.split} sub {best.sub} rows {best.block_n} "
                            f"warps {best.warps} stages {best.stages}"}  # fmt: skip
+            # a winner goes into the table only where it beats the default launch by > 2%
+            row["tuned"] = best != default and best_us < 0.98 * default_us
+            if not row["tuned"]:
+                best = default
+            row["key"] = [fmt, n, k, g]
+            row["config"] = dataclasses.asdict(best)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    print("TABLE entries (lmforge/quant/_gemv_triton.py):")
+    for r in (r for r in rows if r["tuned"]):
+        fmt, n, k, g = r["key"]
+        c = r["config"]
+        print(
+            f'    ("{fmt}", {n}, {k}, {g}): QuantGemvConfig({c["split"]}, sub={c["sub"]}, '
+            f"block_n={c['block_n']}, warps={c['warps']}, stages={c['stages']}),"
+        )
     return rows
 
 
@@ -641,6 +664,9 @@ def main() -> None:
         action="store_true",
         help="speed: torch.profiler over 20 batch-1 decode steps per format",
     )
+    p.add_argument("--tune", action="store_true",
+                   help="speed: run the GEMV sweep (--part gemv) first and build the int4/int8 "
+                        "engines with its winning launches")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_grad_enabled(False)
@@ -651,6 +677,8 @@ def main() -> None:
         print(f"quality part skipped: {args.gguf} not found (--gguf FILE)")
     if args.part in ("speed", "all"):
         out["speed"] = speed(args)
+        if getattr(args, "gemv_rows", None):
+            out["gemv"] = args.gemv_rows
     if args.part == "gemv":
         out["gemv"] = gemv_sweep(args)
     if args.out:
