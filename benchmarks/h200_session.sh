@@ -49,7 +49,8 @@
 #   quant-more issue 37: benchmarks/quant.py --part gemv (the int4/int8 GEMV launches swept on
 #              TinyLlama's shapes: the winners go into lmforge/quant/_gemv_triton.py's TABLE
 #              before the next `quant`), then benchmarks/kv_quant.py (the quantized KV cache)
-#   vision     issue 38: benchmarks/vlm_serve.py (carry .whl), then benchmarks/vision.py
+#   vision     issue 38: benchmarks/vlm_serve.py, TTFT with one image (carry .whl)
+#   vision-train  issue 38: benchmarks/vision.py (VLM training step, CLIP vs SigLIP)
 #   recipe-gpu  calls A and B as one device call (carry .carry/recipe-a, .carry/recipe-eval.tar.gz):
 #              every GPU stage and the card without the anchor; $OUT/recipe-card as recipe-b's
 #   recipe-anchor  (on the CPU machine, any time after recipe-prep: start it in the background
@@ -84,7 +85,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b mla mla-quality mtp quant quant-more vision)
+             layers layers-b mla mla-quality mtp quant quant-more vision vision-train)
 FAILED=()
 
 usage() {
@@ -287,11 +288,14 @@ part_quant-more() {  # issue 37: the int4/int8 GEMV launch sweep; the quantized 
     have quant benchmarks/kv_quant.py &&
         step kv-quant 120 "$PY" benchmarks/kv_quant.py --out "$o/kv_quant"
 }
-part_vision() {   # issue 38: serving TTFT with one image first (still unmeasured), then the
-    local o="${OUT:-runs/h200}"   # VLM step and CLIP vs SigLIP at 64 and 1024 (H200 rows exist)
-    # a request past 120 s: the server's stacks (SIGUSR1) are printed, then the step ends
+part_vision() {   # issue 38: serving TTFT with one image through `lmforge serve` (carry .whl:
+    local o="${OUT:-runs/h200}"   # fastapi/uvicorn); a request past 120 s prints the server's
+    # process states and stacks, and the step ends
     have vision benchmarks/vlm_serve.py &&
         step vlm-serve 400 "$PY" benchmarks/vlm_serve.py --request-timeout 120 --out "$o/vlm_serve"
+}
+part_vision-train() {   # issue 38: the VLM training step and CLIP vs SigLIP at 64 and 1024
+    local o="${OUT:-runs/h200}"
     have vision benchmarks/vision.py && step vision 360 "$PY" benchmarks/vision.py --out "$o/vision"
 }
 
