@@ -17,9 +17,10 @@ GPTQ; fp32.
 
 Part ``gemv`` (CUDA): the int4 (g128) and int8 (per channel) decode GEMVs alone on TinyLlama's
 four layer shapes at batch 1, inside a CUDA graph, against the bf16 GEMV on the same shape: the
-default launch and a sweep (groups or K chunks a loop iteration, split-K, rows a program, warps,
-stages), each launch checked against float64 first; the winners go into
-``lmforge.quant._gemv_triton.TABLE``.
+default launch and a sweep (groups or K chunks a loop iteration, split-K, warps, the next chunk's
+scales prefetched or not), each launch checked against float64 first; a launch more than 2%
+faster than the default goes into ``lmforge.quant._gemv_triton.TABLE`` (``--part speed --tune``
+builds the engines with them in the same run).
 
 Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16) for bf16 / int4 (g128) / int8 /
 fp8 W8A8 linears, each served by ``Engine(model)`` with its defaults (compiled decode step, CUDA
@@ -517,7 +518,7 @@ def _graph_us(fn, reps: int = 40) -> float:
 def gemv_sweep(args: argparse.Namespace) -> list[dict]:
     """The int4 (g128) and int8 (per channel) decode GEMVs on TinyLlama's four layer shapes at
     batch 1, the default launch and a sweep of launches (groups or K chunks an iteration, split,
-    rows a program, warps, stages), each checked against float64 first, against the bf16 GEMV
+    warps, the next chunk's scales prefetched or not), each checked against float64 first, against the bf16 GEMV
     the engine runs on the same shape; timed inside a CUDA graph (the engine's setting)."""
     from lmforge.quant import Int8Linear
     from lmforge.quant._gemv_triton import (
@@ -557,10 +558,10 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
             want = x.double() @ mod.dequantize().double().t()
             default = quant_gemv_config(fmt, n, k, g, torch.device(dev))
             cands = [default] + [
-                QuantGemvConfig(split, sub, bn, warps, stages)
+                QuantGemvConfig(split, sub, 64, warps, 3, prefetch)
                 for sub in (1, 2, 4, 8) if chunks % sub == 0
                 for split in (1, 2, 4, 8) if split <= chunks // sub
-                for bn in (64,) for warps in (4, 8) for stages in (2, 4)
+                for warps in (4, 8) for prefetch in (False, True)
             ]  # fmt: skip
             timed = []
             for cfg in cands:
@@ -581,7 +582,7 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                    "best_us": best_us, "best_TBps": nbytes / best_us / 1e6,
                    "bf16_us": bf16_us, "bf16_TBps": wb.numel() * 2 / bf16_us / 1e6,
                    "best": f"split {best.split} sub {best.sub} rows {best.block_n} "
-                           f"warps {best.warps} stages {best.stages}"}  # fmt: skip
+                           f"warps {best.warps} prefetch {best.prefetch}"}  # fmt: skip
             # a winner goes into the table only where it beats the default launch by > 2%
             row["tuned"] = best != default and best_us < 0.98 * default_us
             if not row["tuned"]:
@@ -596,7 +597,8 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
         c = r["config"]
         print(
             f'    ("{fmt}", {n}, {k}, {g}): QuantGemvConfig({c["split"]}, sub={c["sub"]}, '
-            f"block_n={c['block_n']}, warps={c['warps']}, stages={c['stages']}),"
+            f"block_n={c['block_n']}, warps={c['warps']}, stages={c['stages']}, "
+            f"prefetch={c['prefetch']}),"
         )
     return rows
 

@@ -106,8 +106,9 @@ else:
 
     @pytest.mark.parametrize("fmt", ["int4", "int4-sym", "int8"])
     def test_every_gemv_launch_config_computes_the_product(fmt: str) -> None:
-        # the sweep's launches (groups or chunks an iteration, split, rows a program) all give
-        # x Wᵀ: uneven splits of the chunks, a chunk of every group, 32- and 128-row tiles
+        # the sweep's launches (groups or chunks an iteration, split, rows a program, the next
+        # chunk's scales prefetched) all give x Wᵀ: uneven splits of the chunks, a chunk of
+        # every group, 32- and 128-row tiles
         from lmforge.quant._gemv_triton import QuantGemvConfig
 
         w, x = _w(72, 512), _x(3, 512, torch.float32)
@@ -117,7 +118,9 @@ else:
             mod = Int4Linear.from_float(w, 64, symmetric=fmt == "int4-sym")
         want = gemv_reference(x, mod.dequantize())
         for cfg in (QuantGemvConfig(1), QuantGemvConfig(3, sub=2), QuantGemvConfig(2, sub=4,
-                    block_n=32), QuantGemvConfig(1, sub=8, block_n=128)):  # fmt: skip
+                    block_n=32), QuantGemvConfig(1, sub=8, block_n=128),
+                    QuantGemvConfig(3, prefetch=True), QuantGemvConfig(3, sub=2, prefetch=True),
+                    QuantGemvConfig(1, sub=4, prefetch=True)):  # fmt: skip
             if fmt == "int8":
                 parts = int8_gemv_partials(x, mod.qweight, mod.scales, 64, config=cfg)
             else:
