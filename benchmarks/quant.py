@@ -517,9 +517,10 @@ def _graph_us(fn, reps: int = 40) -> float:
 
 def gemv_sweep(args: argparse.Namespace) -> list[dict]:
     """The int4 (g128) and int8 (per channel) decode GEMVs on TinyLlama's four layer shapes at
-    batch 1, the default launch and a sweep of launches (groups or K chunks an iteration, split,
-    warps, the next chunk's scales prefetched or not), each checked against float64 first, against the bf16 GEMV
-    the engine runs on the same shape; timed inside a CUDA graph (the engine's setting)."""
+    batch 1: the default launch and a sweep (groups or K chunks an iteration, split, warps, the
+    next chunk's scales prefetched or not), each checked against float64 first, against the
+    bf16 GEMV the engine runs on the same shape; timed inside a CUDA graph (the engine's
+    setting)."""
     from lmforge.quant import Int8Linear
     from lmforge.quant._gemv_triton import (
         QuantGemvConfig,
