@@ -106,9 +106,8 @@ else:
 
     @pytest.mark.parametrize("fmt", ["int4", "int4-sym", "int8"])
     def test_every_gemv_launch_config_computes_the_product(fmt: str) -> None:
-        # the sweep's launches (groups or chunks an iteration, split, rows a program, the next
-        # chunk's scales prefetched) all give x Wᵀ: uneven splits of the chunks, a chunk of
-        # every group, 32- and 128-row tiles
+        # the sweep's launches (groups or chunks an iteration, split, rows a program) all give
+        # x Wᵀ: uneven splits of the chunks, a chunk of every group, 32- and 128-row tiles
         from lmforge.quant._gemv_triton import QuantGemvConfig
 
         w, x = _w(72, 512), _x(3, 512, torch.float32)
@@ -118,9 +117,7 @@ else:
             mod = Int4Linear.from_float(w, 64, symmetric=fmt == "int4-sym")
         want = gemv_reference(x, mod.dequantize())
         for cfg in (QuantGemvConfig(1), QuantGemvConfig(3, sub=2), QuantGemvConfig(2, sub=4,
-                    block_n=32), QuantGemvConfig(1, sub=8, block_n=128),
-                    QuantGemvConfig(3, prefetch=True), QuantGemvConfig(3, sub=2, prefetch=True),
-                    QuantGemvConfig(1, sub=4, prefetch=True)):  # fmt: skip
+                    block_n=32), QuantGemvConfig(1, sub=8, block_n=128)):  # fmt: skip
             if fmt == "int8":
                 parts = int8_gemv_partials(x, mod.qweight, mod.scales, 64, config=cfg)
             else:
@@ -148,74 +145,69 @@ else:
                 torch.testing.assert_close(compiled(x), got)
         assert decode_gemv(Int4Linear.from_float(w, 64), _x(9, 256, dtype)) is None  # > 8 rows
 
-    def test_compiled_decode_step_takes_the_partials_op() -> None:
-        # a quantized model's GEMV decode step (forced on: the CPU has no GEMV by default) runs
-        # its int4 linears through the partials op, and serves lmforge.generate's tokens
+    def _serve_recording_graphs(spec, seed: int, prompts: list[list[int]], new: int,
+                                step: str) -> tuple[object, list[list[str]], int]:  # fmt: skip
+        """A tiny quantized model served with one compiled step recorded (``"decode"``:
+        decode_forward with the GEMV forced on, which the CPU lacks by default; ``"prefill"``:
+        mixed_forward): its tokens must equal lmforge.generate's. Returns the step's
+        CompiledDecode, the call_function targets of each graph compiled and the layer count."""
         from lmforge.generate import generate
         from lmforge.model import ModelConfig, TransformerLM
-        from lmforge.quant import QuantSpec, quantize_model
+        from lmforge.quant import quantize_model
         from lmforge.serve import Engine, SamplingParams, compiled
 
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         cfg = ModelConfig(vocab_size=128, context_length=64, d_model=64, n_layers=2, n_heads=4,
                           n_kv_heads=2, d_ff=128)  # fmt: skip
-        model = quantize_model(TransformerLM(cfg).eval(), QuantSpec("int4", 32))
-        prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-        want = [generate(model, [p], 4, temperature=0)[0] for p in prompts]
+        model = quantize_model(TransformerLM(cfg).eval(), spec)
+        want = [generate(model, [p], new, temperature=0)[0] for p in prompts]
         eng = Engine(model, block_size=4, num_blocks=16, compile=True)
         dec = compiled.CompiledDecode(eng.runner.model, eng.runner.cache, None, gemv=True,
-                                      mixed=False)  # fmt: skip
-        assert dec.gemv is not None
-        graphs: list[list[str]] = []  # the ops of each graph compiled
-
-        def backend(gm, example_inputs):
-            graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
-            return gm.forward
-
-        dec._fn = torch.compile(compiled.decode_forward, dynamic=True, fullgraph=True,
-                                backend=backend)  # fmt: skip
-        eng.runner.decoder = dec
-        got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        assert dec.failed is None
-        assert [o.outputs[0].token_ids for o in got] == want
-        assert graphs
-        for ops in graphs:
-            assert not any("int4_matmul" in o for o in ops)
-            # q/k/v and w1/w3 stacked: four GEMVs a layer (q/k/v, o, w1/w3, w2), as a bf16
-            # model has, and q/k/v's partials go straight into the fused RoPE + KV write +
-            # attention op
-            assert sum("int4_gemv_partials" in o for o in ops) == 4 * cfg.n_layers
-            assert sum("rope_decode_attention" in o for o in ops) == cfg.n_layers
-
-    def test_compiled_prefill_step_runs_the_stacked_projections() -> None:
-        # prefill through the compiled mixed step: the stacked int4 q/k/v and w1/w3 take the
-        # dequant-fused GEMM, and the engine still serves lmforge.generate's tokens
-        from lmforge.generate import generate
-        from lmforge.model import ModelConfig, TransformerLM
-        from lmforge.quant import QuantSpec, quantize_model
-        from lmforge.serve import Engine, SamplingParams, compiled
-
-        torch.manual_seed(1)
-        cfg = ModelConfig(vocab_size=128, context_length=64, d_model=64, n_layers=2, n_heads=4,
-                          n_kv_heads=2, d_ff=128)  # fmt: skip
-        model = quantize_model(TransformerLM(cfg).eval(), QuantSpec("int4", 32, symmetric=True))
-        prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]]
-        want = [generate(model, [p], 3, temperature=0)[0] for p in prompts]
-        eng = Engine(model, block_size=4, num_blocks=16, compile=True)
-        dec = compiled.CompiledDecode(eng.runner.model, eng.runner.cache, None, gemv=True)
-        assert dec.mixed_on and all(isinstance(q, torch.nn.Module) for q, _ in dec.packed)
+                                      mixed=step == "prefill")  # fmt: skip
         graphs: list[list[str]] = []
 
         def backend(gm, example_inputs):
             graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
             return gm.forward
 
-        dec._mixed_fn = torch.compile(compiled.mixed_forward, dynamic=True, fullgraph=True,
-                                      backend=backend)  # fmt: skip
+        fn = compiled.decode_forward if step == "decode" else compiled.mixed_forward
+        fn = torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
+        if step == "decode":
+            dec._fn = fn
+        else:
+            dec._mixed_fn = fn
         eng.runner.decoder = dec
-        got = eng.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-        assert dec.mixed_failed is None and dec.failed is None
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        got = eng.generate(prompts, params)
+        assert dec.failed is None and dec.mixed_failed is None
         assert [o.outputs[0].token_ids for o in got] == want
         assert graphs
+        return dec, graphs, cfg.n_layers
+
+    def test_compiled_decode_step_takes_the_partials_op() -> None:
+        # a quantized model's GEMV decode step runs its int4 linears through the partials op
+        from lmforge.quant import QuantSpec
+
+        dec, graphs, layers = _serve_recording_graphs(
+            QuantSpec("int4", 32), 0, [[3, 1, 4, 1, 5], [9, 2, 6]], 4, "decode"
+        )
+        assert dec.gemv is not None
+        for ops in graphs:
+            assert not any("int4_matmul" in o for o in ops)
+            # q/k/v and w1/w3 stacked: four GEMVs a layer (q/k/v, o, w1/w3, w2), as a bf16
+            # model has, and q/k/v's partials go straight into the fused RoPE + KV write +
+            # attention op
+            assert sum("int4_gemv_partials" in o for o in ops) == 4 * layers
+            assert sum("rope_decode_attention" in o for o in ops) == layers
+
+    def test_compiled_prefill_step_runs_the_stacked_projections() -> None:
+        # prefill through the compiled mixed step: the stacked int4 q/k/v and w1/w3 take the
+        # dequant-fused GEMM
+        from lmforge.quant import QuantSpec
+
+        spec = QuantSpec("int4", 32, symmetric=True)
+        prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8]]
+        dec, graphs, layers = _serve_recording_graphs(spec, 1, prompts, 3, "prefill")
+        assert dec.mixed_on and all(isinstance(q, torch.nn.Module) for q, _ in dec.packed)
         for ops in graphs:  # q/k/v, o, w1/w3, w2: four GEMMs a layer
-            assert sum("int4_matmul" in o for o in ops) == 4 * cfg.n_layers
+            assert sum("int4_matmul" in o for o in ops) == 4 * layers

@@ -16,8 +16,9 @@ without an interleave. Program (n, s) owns ``BLOCK_N`` rows and the K chunks s, 
 (a chunk: ``SUB`` consecutive groups, int4, or BLOCK_K-wide slices, int8, whose loads are issued
 together); split-K partial sums (SPLIT, M, N) fp32 are added by the caller (enough programs for
 the SMs at batch 1). Launches per weight shape: :data:`TABLE`, else one group an iteration and
-about two waves of programs (:func:`quant_gemv_config`). The reference is :func:`gemv_reference` (float64). Exercised by
-``pytest tests/test_quant_kernels.py`` (TRITON_INTERPRET=1 on CPU) and ``benchmarks/quant.py``.
+about two waves of programs (:func:`quant_gemv_config`). The reference is
+:func:`gemv_reference` (float64). Exercised by ``pytest tests/test_quant_kernels.py``
+(TRITON_INTERPRET=1 on CPU) and ``benchmarks/quant.py``.
 
 Shape legend: M rows of x (decode sequences), N output features, K input features, G group.
 """
@@ -38,27 +39,11 @@ _BLOCK_N = 64
 
 
 @triton.jit
-def _chunk_params(s_ptr, o_ptr, rn_c, stride_sn, c, ok, SUB: tl.constexpr, SYMMETRIC: tl.constexpr):
-    """Scales and offsets of chunk ``c``'s groups, fp32 (zeros where not ``ok``): (BN,) each
-    for one group a chunk, else (BN, SUB)."""
-    if SUB == 1:
-        at = rn_c * stride_sn + c
-    else:
-        at = rn_c[:, None] * stride_sn + c * SUB + tl.arange(0, SUB)[None, :]
-    s = tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    if SYMMETRIC:
-        o = -8.0 * s
-    else:
-        o = tl.load(o_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    return s, o
-
-
-@triton.jit
 def _int4_gemv_kernel(
     x_ptr, q_ptr, s_ptr, o_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_qn, stride_sn, stride_os, stride_om,
-    G: tl.constexpr, SYMMETRIC: tl.constexpr, SUB: tl.constexpr, PREFETCH: tl.constexpr,
+    G: tl.constexpr, SYMMETRIC: tl.constexpr, SUB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -69,21 +54,10 @@ def _int4_gemv_kernel(
     rn_c = tl.minimum(rn, N - 1)  # rows past N re-read row N-1 and are not stored
     rm = tl.arange(0, BLOCK_M)
     rh = tl.arange(0, HALF)
-    rj = tl.arange(0, SUB)
     m_ok = rm < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     n_chunks = K // (G * SUB)  # a chunk: SUB consecutive groups, their loads issued together
-    # PREFETCH: the next chunk's scales/offsets are loaded while this chunk computes (plain
-    # loads that feed no tl.dot are not pipelined by Triton: without it, each iteration waits
-    # one memory round trip for them)
-    if PREFETCH:
-        s_nx, o_nx = _chunk_params(s_ptr, o_ptr, rn_c, stride_sn, pid_s, pid_s < n_chunks, SUB,
-                                   SYMMETRIC)  # fmt: skip
     for c in range(pid_s, n_chunks, split):
-        if PREFETCH:
-            s_c, o_c = s_nx, o_nx
-            s_nx, o_nx = _chunk_params(s_ptr, o_ptr, rn_c, stride_sn, c + split,
-                                       c + split < n_chunks, SUB, SYMMETRIC)  # fmt: skip
         for j in tl.static_range(SUB):
             g = c * SUB + j
             b = tl.load(q_ptr + rn_c[:, None] * stride_qn + g * HALF + rh[None, :])  # (BN, G/2)
@@ -101,17 +75,11 @@ def _int4_gemv_kernel(
             else:
                 part = tl.dot(lo, x_lo)
                 part = tl.dot(hi, x_hi, part)  # (BN, BM)
-            if not PREFETCH:  # group g's scales and offsets, loaded now
-                s = tl.load(s_ptr + rn_c * stride_sn + g).to(tl.float32)  # (BN,)
-                if SYMMETRIC:
-                    off = -8.0 * s
-                else:
-                    off = tl.load(o_ptr + rn_c * stride_sn + g).to(tl.float32)
-            elif SUB == 1:
-                s, off = s_c, o_c
-            else:  # group g's column of the prefetched tiles
-                s = tl.sum(tl.where(rj[None, :] == j, s_c, 0.0), axis=1)  # (BN,)
-                off = tl.sum(tl.where(rj[None, :] == j, o_c, 0.0), axis=1)
+            s = tl.load(s_ptr + rn_c * stride_sn + g).to(tl.float32)  # (BN,)
+            if SYMMETRIC:
+                off = -8.0 * s
+            else:
+                off = tl.load(o_ptr + rn_c * stride_sn + g).to(tl.float32)
             xsum = tl.sum(x_lo.to(tl.float32), axis=0) + tl.sum(x_hi.to(tl.float32), axis=0)
             acc += part * s[:, None] + off[:, None] * xsum[None, :]
     out = out_ptr + pid_s * stride_os + rm[None, :] * stride_om + rn[:, None]
@@ -119,22 +87,11 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
-def _chunk_scales(s_ptr, rn_c, stride_sn, c, ok, SUB: tl.constexpr, BLOCK_K: tl.constexpr,
-                  G: tl.constexpr):  # fmt: skip
-    """The int8 scales of chunk ``c``'s K slices, fp32: (BN,) for one slice, else (BN, SUB)."""
-    if SUB == 1:
-        at = rn_c * stride_sn + (c * BLOCK_K) // G
-    else:
-        at = rn_c[:, None] * stride_sn + ((c * SUB + tl.arange(0, SUB)[None, :]) * BLOCK_K) // G
-    return tl.load(s_ptr + at, mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _int8_gemv_kernel(
     x_ptr, q_ptr, s_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_qn, stride_sn, stride_os, stride_om,
-    G: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, PREFETCH: tl.constexpr,
+    G: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -144,19 +101,9 @@ def _int8_gemv_kernel(
     rn_c = tl.minimum(rn, N - 1)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    rj = tl.arange(0, SUB)
     m_ok = rm < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    n_chunks = K // (BLOCK_K * SUB)  # SUB K slices an iteration
-    # the scale of each slice (one group holds a slice): (BN,) or (BN, SUB); PREFETCH as in
-    # int4's
-    if PREFETCH:
-        s_nx = _chunk_scales(s_ptr, rn_c, stride_sn, pid_s, pid_s < n_chunks, SUB, BLOCK_K, G)
-    for c in range(pid_s, n_chunks, split):
-        if PREFETCH:
-            s_c = s_nx
-            s_nx = _chunk_scales(s_ptr, rn_c, stride_sn, c + split, c + split < n_chunks, SUB,
-                                 BLOCK_K, G)  # fmt: skip
+    for c in range(pid_s, K // (BLOCK_K * SUB), split):  # SUB K chunks an iteration
         for j in tl.static_range(SUB):
             k0 = (c * SUB + j) * BLOCK_K
             q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK) int8
@@ -166,12 +113,7 @@ def _int8_gemv_kernel(
                 part = tl.dot(w, xt, input_precision="ieee")  # (BN, BM)
             else:
                 part = tl.dot(w, xt)  # (BN, BM)
-            if not PREFETCH:  # one group holds the slice
-                s = tl.load(s_ptr + rn_c * stride_sn + k0 // G).to(tl.float32)  # (BN,)
-            elif SUB == 1:
-                s = s_c
-            else:
-                s = tl.sum(tl.where(rj[None, :] == j, s_c, 0.0), axis=1)  # (BN,)
+            s = tl.load(s_ptr + rn_c * stride_sn + k0 // G).to(tl.float32)  # (BN,): one group
             acc += part * s[:, None]
     out = out_ptr + pid_s * stride_os + rm[None, :] * stride_om + rn[:, None]
     tl.store(out, acc, mask=(rn[:, None] < N) & m_ok[None, :])
@@ -191,8 +133,6 @@ class QuantGemvConfig:
     "num_warps"
     stages: int = 3
     "num_stages"
-    prefetch: bool = False
-    "load the next chunk's scales (and offsets) while this chunk computes"
 
 
 # (format, N, K, group) -> config; shapes not listed take :func:`_default_config` (one group or
@@ -275,7 +215,7 @@ def int4_gemv_partials(
         x, qweight, scales, o, out,
         m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
-        G=group_size, SYMMETRIC=offsets is None, SUB=cfg.sub, PREFETCH=cfg.prefetch,
+        G=group_size, SYMMETRIC=offsets is None, SUB=cfg.sub,
         BLOCK_N=cfg.block_n, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
@@ -306,7 +246,7 @@ def int8_gemv_partials(
         x, qweight, scales, out,
         m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), out.stride(1),
-        G=group_size, BLOCK_K=bk, SUB=cfg.sub, PREFETCH=cfg.prefetch,
+        G=group_size, BLOCK_K=bk, SUB=cfg.sub,
         BLOCK_N=cfg.block_n, BLOCK_M=_ROWS_PAD, IEEE=x.dtype == torch.float32,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
