@@ -324,7 +324,7 @@ class CausalSelfAttention(nn.Module):
             qkv = None
             if isinstance(w, torch.Tensor) and _fusable(q_proj, k_proj, v_proj):
                 qkv = _packed_matmul(x, w, context)  # (…, (H+2K)·E)
-            elif w is not None and _bare(q_proj) and _bare(k_proj) and _bare(v_proj):
+            elif isinstance(w, nn.Module) and _bare(q_proj) and _bare(k_proj) and _bare(v_proj):
                 qkv = _linear(w, x, context)  # quantized q/k/v stacked into one module
             if qkv is not None:
                 e, k_dim = self.head_dim, self.n_kv_heads * self.head_dim

@@ -124,7 +124,7 @@ class _FFN(SwiGLU):
             if isinstance(w13, torch.Tensor) and fusable:
                 gate, up = _packed_matmul(x, w13, context).chunk(2, dim=-1)  # (…, F) each
                 return _linear(self.w2, silu(gate) * up, context)  # (…, F) -> (…, D)
-            if w13 is not None and _bare(self.w1) and _bare(self.w3):  # quantized, stacked
+            if isinstance(w13, nn.Module) and _bare(self.w1) and _bare(self.w3):  # quantized
                 gate, up = _linear(w13, x, context).chunk(2, dim=-1)  # (…, F) each
                 return _linear(self.w2, silu(gate) * up, context)
             if not fusable:  # e.g. quantized: each on the step's kernel (SwiGLU.forward's math)
