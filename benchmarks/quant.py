@@ -17,8 +17,8 @@ GPTQ; fp32.
 
 Part ``gemv`` (CUDA): the int4 (g128) and int8 (per channel) decode GEMVs alone on TinyLlama's
 four layer shapes at batch 1, inside a CUDA graph, against the bf16 GEMV on the same shape: the
-default launch and a sweep (groups or K chunks a loop iteration, split-K, warps, the next chunk's
-scales prefetched or not), each launch checked against float64 first; a launch more than 2%
+default launch and a sweep (groups or K chunks a loop iteration, split-K, warps), each launch
+checked against float64 first, timed on weight copies larger than L2; a launch more than 2%
 faster than the default goes into ``lmforge.quant._gemv_triton.TABLE`` (``--part speed --tune``
 builds the engines with them in the same run).
 
@@ -303,22 +303,12 @@ def _serve_bench():
     return mod
 
 
-def _copy_bandwidth(dev: str) -> float:
-    """Device copy bandwidth, bytes/s (read + write of 1 GiB, median of 10 CUDA-event timings):
-    the floor's denominator, measured on the card the rows run on."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    times = []
-    for i in range(13):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(e0.elapsed_time(e1) / 1e3)
-    del a, b
-    return 2 * (1 << 30) / sorted(times)[len(times) // 2]
+def _bandwidth(dev: str) -> float:
+    """The floor's denominator, bytes/s: the card's copy bandwidth measured now
+    (:func:`lmforge.bench.timing.copy_bandwidth_gbs`), the H200's on the CPU (smoke runs)."""
+    from lmforge.bench.timing import copy_bandwidth_gbs
+
+    return copy_bandwidth_gbs() * 1e9 if dev == "cuda" else HBM_BYTES_PER_S
 
 
 def _speed_worker(kind: str, cfg: dict, ready, go, results) -> None:
@@ -395,7 +385,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
     if args.tune:  # the GEMV launches swept first; the engines below are built with them
         args.gemv_rows = gemv_sweep(args)
         table = [(r["key"], r["config"]) for r in args.gemv_rows if r["tuned"]]
-    bw = _copy_bandwidth(dev) if dev == "cuda" else HBM_BYTES_PER_S
+    bw = args.bandwidth if args.tune else _bandwidth(dev)  # (--tune: the sweep measured it)
     args.bandwidth = bw
     print(f"copy bandwidth (1 GiB, read + write): {bw / 1e12:.2f} TB/s" if dev == "cuda" else
           f"CPU smoke run: floors at the H200's {bw / 1e12} TB/s")  # fmt: skip
@@ -494,33 +484,19 @@ def speed(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _graph_us(fn, reps: int = 40) -> float:
-    """µs per call of ``fn`` captured ``reps`` times in one CUDA graph (as the engine's step
-    runs it: no launch overhead from the host), median of 7 replays after a warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(7):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+# TinyLlama-1.1B's layer weights (N, K): packed q/k/v, o, packed w1/w3, w2
+GEMV_SHAPES = {"q|k|v": (2560, 2048), "o": (2048, 2048), "w1|w3": (11264, 2048), "w2": (2048, 5632)}
 
 
 def gemv_sweep(args: argparse.Namespace) -> list[dict]:
     """The int4 (g128) and int8 (per channel) decode GEMVs on TinyLlama's four layer shapes at
-    batch 1: the default launch and a sweep (groups or K chunks an iteration, split, warps, the
-    next chunk's scales prefetched or not), each checked against float64 first, against the
-    bf16 GEMV the engine runs on the same shape; timed inside a CUDA graph (the engine's
-    setting)."""
+    batch 1: the default launch and a sweep (groups or K chunks an iteration, split, warps),
+    each checked against float64 first, against the bf16 GEMV the engine runs on the same
+    shape. Timed as ``benchmarks/serve.py``'s GEMV sweep is: 20 calls in one CUDA graph (the
+    engine's setting), on enough weight copies that no call finds its weight in L2, replays
+    of all launches interleaved."""
+    import math
+
     from lmforge.quant import Int8Linear
     from lmforge.quant._gemv_triton import (
         QuantGemvConfig,
@@ -531,76 +507,80 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
     )
     from lmforge.serve._gemv_triton import gemv_partials
 
-    dev = "cuda"
-    args.bandwidth = bw = _copy_bandwidth(dev)
+    dev = args.device
+    bench = _serve_bench()
+    bench.DEVICE = dev
+    args.bandwidth = bw = _bandwidth(dev)
     print(f"copy bandwidth (1 GiB, read + write): {bw / 1e12:.2f} TB/s", flush=True)
-    shapes = {"q|k|v": (2560, 2048), "o": (2048, 2048), "w1|w3": (11264, 2048), "w2": (2048, 5632)}
     rows: list[dict] = []
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device=dev, generator=gen) * 0.02
-        x = torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16)
-        wb = w.to(torch.bfloat16)
-        bf16_us = _graph_us(lambda x=x, wb=wb: gemv_partials(x, wb))
+    for name, (n, k) in GEMV_SHAPES.items():
+        # bf16 as the engine runs it; fp32 in a CPU smoke run (Triton's interpreter multiplies
+        # bf16 bit patterns in tl.dot)
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+        x = torch.randn(1, k, device=dev, generator=torch.Generator(device=dev).manual_seed(k))
+        x = x.to(dtype)
+        wbs = bench._weight_copies(n, k, dtype)
+        bf16_us = bench._graph_us([lambda i, x=x, w=wbs: gemv_partials(x, w[i % len(w)])])[0]
         for fmt in ("int4", "int8"):
             if fmt == "int4":
-                mod, g = Int4Linear.from_float(w, 128), 128
-                chunks = k // g
-
-                def run(cfg, mod=mod, x=x):
-                    return int4_gemv_partials(x, mod.qweight, mod.scales, mod.offsets, 128, cfg)
+                g, chunks = 128, k // 128
+                mods = [Int4Linear.from_float(w.float(), g) for w in wbs[:1]]
             else:
-                mod, g = Int8Linear.from_float(w, None), k
-                chunks = k // int8_block_k(k)
+                g, chunks = k, k // int8_block_k(k)
+                mods = [Int8Linear.from_float(w.float(), None) for w in wbs[:1]]
+            nbytes = mods[0].weight_bytes()
+            # copies of the quantized buffers: consecutive calls stream from HBM, not L2
+            bufs = [[b.clone() for b in mods[0].buffers() if b is not None]
+                    for _ in range(max(1, math.ceil(256e6 / nbytes)))]  # fmt: skip
 
-                def run(cfg, mod=mod, g=g, x=x):
-                    return int8_gemv_partials(x, mod.qweight, mod.scales, g, cfg)
+            def run(cfg, i=0, fmt=fmt, g=g, bufs=bufs, x=x):
+                b = bufs[i % len(bufs)]
+                if fmt == "int4":  # qweight, scales, offsets
+                    return int4_gemv_partials(x, b[0], b[1], b[2], g, cfg)
+                return int8_gemv_partials(x, b[0], b[1], g, cfg)
 
-            want = x.double() @ mod.dequantize().double().t()
+            want = x.double() @ mods[0].dequantize().double().t()
             default = quant_gemv_config(fmt, n, k, g, torch.device(dev))
             cands = [default] + [
-                QuantGemvConfig(split, sub, 64, warps, 3, prefetch)
+                QuantGemvConfig(split, sub, 64, warps)
                 for sub in (1, 2, 4, 8) if chunks % sub == 0
                 for split in (1, 2, 4, 8) if split <= chunks // sub
-                for warps in (4, 8) for prefetch in (False, True)
+                for warps in (4, 8)
             ]  # fmt: skip
-            timed = []
+            ok = []
             for cfg in cands:
                 try:
                     got = run(cfg).sum(0).double()
-                    err = ((got - want).abs().max() / want.abs().max()).item()
-                    if not err < 1e-2:
-                        print(f"  {name} {fmt} {cfg}: error {err:.2e}, dropped", flush=True)
-                        continue
-                    timed.append((_graph_us(lambda cfg=cfg: run(cfg)), cfg))
                 except Exception as e:  # a launch the card cannot run (shared memory)
                     print(f"  {name} {fmt} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                err = ((got - want).abs().max() / want.abs().max()).item()
+                if err < 1e-2:
+                    ok.append(cfg)
+                else:
+                    print(f"  {name} {fmt} {cfg}: error {err:.2e}, dropped", flush=True)
+            times = bench._graph_us([lambda i, cfg=cfg: run(cfg, i) for cfg in ok])
+            timed = list(zip(times, ok, strict=True))
             default_us = timed[0][0] if timed and timed[0][1] == default else float("nan")
             best_us, best = min(timed, key=lambda t: t[0])
-            nbytes = mod.weight_bytes()
+            # a launch goes into the table only where it beats the default by more than 2%
+            tuned = best != default and best_us < 0.98 * default_us
+            best = best if tuned else default
             row = {"shape": f"{name} {n}x{k}", "format": fmt, "MB": nbytes / 1e6,
                    "floor_us": nbytes / bw * 1e6, "default_us": default_us,
                    "best_us": best_us, "best_TBps": nbytes / best_us / 1e6,
-                   "bf16_us": bf16_us, "bf16_TBps": wb.numel() * 2 / bf16_us / 1e6,
-                   "best": f"split {best.split} sub {best.sub} rows {best.block_n} "
-                           f"warps {best.warps} prefetch {best.prefetch}"}  # fmt: skip
-            # a winner goes into the table only where it beats the default launch by > 2%
-            row["tuned"] = best != default and best_us < 0.98 * default_us
-            if not row["tuned"]:
-                best = default
-            row["key"] = [fmt, n, k, g]
-            row["config"] = dataclasses.asdict(best)
+                   "bf16_us": bf16_us, "bf16_TBps": n * k * 2 / bf16_us / 1e6,
+                   "best": f"split {best.split} sub {best.sub} warps {best.warps}",
+                   "tuned": tuned, "key": [fmt, n, k, g],
+                   "config": dataclasses.asdict(best)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("TABLE entries (lmforge/quant/_gemv_triton.py):")
     for r in (r for r in rows if r["tuned"]):
         fmt, n, k, g = r["key"]
         c = r["config"]
-        print(
-            f'    ("{fmt}", {n}, {k}, {g}): QuantGemvConfig({c["split"]}, sub={c["sub"]}, '
-            f"block_n={c['block_n']}, warps={c['warps']}, stages={c['stages']}, "
-            f"prefetch={c['prefetch']}),"
-        )
+        print(f'    ("{fmt}", {n}, {k}, {g}): QuantGemvConfig({c["split"]}, sub={c["sub"]}, '
+              f'warps={c["warps"]}),')  # fmt: skip
     return rows
 
 
