@@ -107,8 +107,12 @@ else:
     @pytest.mark.parametrize("fmt", ["int4", "int4-sym", "int8"])
     def test_every_gemv_launch_config_computes_the_product(fmt: str) -> None:
         # the sweep's launches (groups or chunks an iteration, split, rows a program) all give
-        # x Wᵀ: uneven splits of the chunks, a chunk of every group, 32- and 128-row tiles
-        from lmforge.quant._gemv_triton import QuantGemvConfig
+        # x Wᵀ: uneven splits of the chunks, a chunk of every group, 32- and 128-row tiles, and
+        # every launch of the tuned TABLE (which quant_gemv_config hands its shape)
+        from lmforge.quant._gemv_triton import TABLE, QuantGemvConfig, quant_gemv_config
+
+        for (f, n, k, g), c in TABLE.items():
+            assert quant_gemv_config(f, n, k, g, torch.device("cpu")) is c
 
         w, x = _w(72, 512), _x(3, 512, torch.float32)
         if fmt == "int8":
@@ -117,7 +121,7 @@ else:
             mod = Int4Linear.from_float(w, 64, symmetric=fmt == "int4-sym")
         want = gemv_reference(x, mod.dequantize())
         for cfg in (QuantGemvConfig(1), QuantGemvConfig(3, sub=2), QuantGemvConfig(2, sub=4,
-                    block_n=32), QuantGemvConfig(1, sub=8, block_n=128)):  # fmt: skip
+                    block_n=32), QuantGemvConfig(1, sub=8, block_n=128), *set(TABLE.values())):  # fmt: skip
             if fmt == "int8":
                 parts = int8_gemv_partials(x, mod.qweight, mod.scales, 64, config=cfg)
             else:

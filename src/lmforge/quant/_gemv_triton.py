@@ -136,9 +136,16 @@ class QuantGemvConfig:
 
 
 # (format, N, K, group) -> config; shapes not listed take :func:`_default_config` (one group or
-# chunk an iteration, ~two waves of programs). Empty until ``benchmarks/quant.py --part gemv``
-# has swept them on the GPU host.
-TABLE: dict[tuple[str, int, int, int], QuantGemvConfig] = {}
+# chunk an iteration, ~two waves of programs). Entries: launches of ``benchmarks/quant.py
+# --part speed --tune`` that beat the default by more than 2% (H100 80GB, 132 SMs, 2026-12-05):
+# TinyLlama's q|k|v, 6.58 -> 6.15 us (int4) and 5.93 -> 5.74 us (int8) a call; their partials go
+# into the fused RoPE + KV-write kernel, which adds any split. Not w1|w3's split 8 (14.73 ->
+# 14.11 us): its eight partials' sum no longer fused into the SiLU-mul kernel, one more kernel
+# a layer (26 us a step against the 14 us saved, in the same run's profile).
+TABLE: dict[tuple[str, int, int, int], QuantGemvConfig] = {
+    ("int4", 2560, 2048, 128): QuantGemvConfig(8, sub=1, warps=4),
+    ("int8", 2560, 2048, 2048): QuantGemvConfig(8, sub=1, warps=4),
+}
 
 
 def _sm_count(device: torch.device) -> int:
