@@ -246,10 +246,11 @@ part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, 
 
 part_mla() {      # issue 36: the MLA kernel, engine decode GQA vs MLA vs MLA+CLA, GPU tests
     local o="${OUT:-runs/h200}"
-    # the engine rows first (the one part not yet measured: the H100 run of 2026-12-05 ran out
-    # of memory there), then the kernel table, then the GPU tests (43 passed on that H100)
+    # the engine rows first: decode steps timed apart from prefill, 64 sequences at 16k context
+    # (the 2026-12-05 H100 run timed batch 32 x 1k with prefill inside the step: not the
+    # issue's row), with each kind's decode kernels profiled
     have mla benchmarks/mla_engine.py &&
-        step mla-engine 300 "$PY" benchmarks/mla_engine.py --out "$o/mla_engine"
+        step mla-engine 420 "$PY" benchmarks/mla_engine.py --profile --out "$o/mla_engine"
     have mla benchmarks/mla.py && step mla-kernel 120 "$PY" benchmarks/mla.py --out "$o/mla"
     step mla-gpu-tests 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_kernels_mla_decode.py tests/test_engine_switches.py tests/test_moe_deepseek.py

@@ -8,16 +8,19 @@ through the engine (chunked prefill, prefix caching on) and its greedy tokens mu
 
 Then, per kind (random weights, bf16, the engine's own memory sizing at
 ``--kv-fraction``): the KV bytes per token (``lmforge.model.cla.kv_bytes_per_token``), the
-blocks the engine allocated, and ``--batch`` sequences of ``--prompt`` tokens decoding
-``--new`` tokens each: median over ``--repeats`` runs (after one warmup run) of the wall time
-of ``Engine.generate`` between CUDA events, as generated tokens/s and ms per decode step
-(prefill included, the same for every kind). Every kind runs the engine's defaults: CUDA
-graphs around the compiled decode step (for MLA the latent write and the Triton latent decode
-kernel, ``lmforge.kernels.mla_decode``, are one custom op inside it); each engine's startup
-line, printed above the table, says which path ran, and the correctness check requires it.
+blocks the engine allocated, and ``--batch`` sequences of ``--prompt`` fresh tokens (the issue's
+shape by default: 64 sequences decoding at 16k context) added at once: the prefill phase (until
+every sequence has its first token) timed as a whole, then every full-batch decode step on its
+own (CUDA events, host work between steps included): the median decode step in ms and
+``batch / step`` tokens/s. Every kind runs the engine's defaults: CUDA graphs around the
+compiled decode step (for MLA the latent write and the Triton latent decode kernel,
+``lmforge.kernels.mla_decode``, are one custom op inside it); each engine's startup line,
+printed above the table, says which path ran, and the correctness check requires it.
+``--profile`` prints the kernels of 10 decode steps per kind.
 
     PYTHONPATH=src python benchmarks/mla_engine.py
-    PYTHONPATH=src python benchmarks/mla_engine.py --batch 64 --prompt 2048 --new 128 --out runs/mla_engine
+    PYTHONPATH=src python benchmarks/mla_engine.py --profile --out runs/mla_engine
+    PYTHONPATH=src python benchmarks/mla_engine.py --batch 32 --prompt 1024 --new 64
     PYTHONPATH=src python benchmarks/mla_engine.py --device cpu --quick
 """
 
@@ -48,10 +51,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=4, help="GQA kv-heads (head dim d/H)")
     p.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent C")
     p.add_argument("--rope-dim", type=int, default=64, help="MLA decoupled RoPE dims R")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=1024)
-    p.add_argument("--new", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=16384, help="prompt tokens (the decode context)")
+    p.add_argument("--new", type=int, default=32, help="tokens decoded per sequence")
+    p.add_argument("--repeats", type=int, default=1, help="prefill + decode rounds per kind")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: the kernels of 10 full-batch decode steps per kind (torch.profiler)",
+    )
     p.add_argument("--kv-fraction", type=float, default=0.8)
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
     p.add_argument("--out", type=Path, default=None, help="write results.json here")
@@ -103,23 +111,78 @@ def _check(kw: dict, device: str) -> bool:
     return [o.outputs[0].token_ids for o in outs] == want and fast
 
 
-def _time(eng, prompts, params, device: str, repeats: int) -> float:
-    """Median seconds of eng.generate (one warmup run first)."""
-    eng.generate(prompts, params)
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            eng.generate(prompts, params)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            eng.generate(prompts, params)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class _Clock:
+    """Wall time between marks: CUDA events on the GPU (what the device ran, host gaps
+    included), perf_counter elsewhere."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        if self.cuda:
+            b.synchronize()
+            return a.elapsed_time(b)
+        return 1e3 * (b - a)
+
+
+def _time(eng, prompts, params, device: str, repeats: int) -> dict[str, float]:
+    """One warm-up ``generate`` on two prompts; then, ``repeats`` times, every prompt added at
+    once and stepped: the prefill phase (until every request has its first token) timed as a
+    whole, then each decode step (all ``len(prompts)`` sequences decoding) on its own. Fresh
+    prompts each repeat (no prefix-cache hits). Returns the prefill seconds (median over
+    repeats) and the median decode step in ms over every decode step of every repeat."""
+    from lmforge.serve import SamplingParams
+
+    eng.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    clock, prefill_ms, steps_ms = _Clock(device), [], []
+    for r in range(repeats):
+        g = torch.Generator().manual_seed(100 + r)
+        batch = [torch.randint(0, 32000, (len(p),), generator=g).tolist() for p in prompts]
+        for i, p in enumerate(batch):
+            eng.add_request(p, params, request_id=f"r{r}-{i}")
+        got: dict[str, int] = {}
+        t0 = clock.mark()
+        while len(got) < len(batch) or min(got.values()) < 1:
+            for o in eng.step():
+                got[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
+        prefill_ms.append(clock.ms(t0, clock.mark()))
+        while eng.has_unfinished():
+            t0 = clock.mark()
+            outs = eng.step()
+            t1 = clock.mark()
+            if len(outs) == len(batch) and not any(o.finished for o in outs):
+                steps_ms.append(clock.ms(t0, t1))  # a full-batch decode step
+    return {"prefill_s": statistics.median(prefill_ms) / 1e3,
+            "step_ms": statistics.median(steps_ms), "steps": len(steps_ms)}  # fmt: skip
+
+
+def _profile(eng, prompts, params) -> None:
+    """torch.profiler over 10 full-batch decode steps (benchmarks/serve.py's table)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_serve_bench", Path(__file__).with_name("serve.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(99)
+    for i, p in enumerate(prompts):
+        eng.add_request(torch.randint(0, 32000, (len(p),), generator=g).tolist(), params,
+                        request_id=f"profile-{i}")  # fmt: skip
+    got: dict[str, int] = {}
+    while len(got) < len(prompts) or min(got.values()) < 1:
+        for o in eng.step():
+            got[o.request_id] = len(o.outputs[0].token_ids)
+    bench.profile_steps(eng, "decode steps", n_steps=10, top=12)
+    while eng.has_unfinished():
+        eng.step()
 
 
 def main() -> int:
@@ -146,15 +209,19 @@ def main() -> int:
         cfg = ModelConfig(**kw)
         model = TransformerLM(cfg, device=a.device, dtype=dtype).eval()
         eng = Engine(model, max_num_seqs=a.batch, kv_memory_fraction=a.kv_fraction)
-        secs = _time(eng, prompts, params, a.device, a.repeats)
+        t = _time(eng, prompts, params, a.device, a.repeats)
         rows.append({
             "kind": name,
             "kv_bytes_per_token": _kv_bytes(cfg),
             "kv_blocks": eng.runner.num_blocks,
-            "tokens_per_s": a.batch * a.new / secs,
-            "ms_per_step": 1e3 * secs / a.new,
+            "ms_per_step": t["step_ms"],
+            "tokens_per_s": a.batch / t["step_ms"] * 1e3,
+            "decode_steps_timed": t["steps"],
+            "prefill_s": t["prefill_s"],
             "path": eng.startup_line,
         })  # fmt: skip
+        if a.profile and a.device == "cuda":
+            _profile(eng, prompts, params)
         del eng, model
         if a.device == "cuda":
             torch.cuda.empty_cache()
@@ -166,10 +233,14 @@ def main() -> int:
         print(f"  {r['kind']}: {r['path']}")
     print(f"\nd_model {a.d_model}, {a.layers} layers, {a.heads} heads; batch {a.batch} x prompt "
           f"{a.prompt} + {a.new} new; {str(dtype).removeprefix('torch.')}, {a.device}")  # fmt: skip
-    print(f"{'kind':<12} {'KV B/token':>11} {'KV blocks':>10} {'tok/s':>10} {'ms/step':>9}")
+    print("decode step = median of every full-batch decode step (prefill excluded, timed apart)")
+    print(f"{'kind':<12} {'KV B/token':>11} {'KV blocks':>10} {'decode tok/s':>13} "
+          f"{'ms/step':>9} {'vs GQA':>7} {'prefill s':>10}")  # fmt: skip
+    base = rows[0]["ms_per_step"]
     for r in rows:
         print(f"{r['kind']:<12} {r['kv_bytes_per_token']:>11} {r['kv_blocks']:>10} "
-              f"{r['tokens_per_s']:>10.1f} {r['ms_per_step']:>9.2f}")  # fmt: skip
+              f"{r['tokens_per_s']:>13.1f} {r['ms_per_step']:>9.3f} "
+              f"{r['ms_per_step'] / base:>6.2f}x {r['prefill_s']:>10.2f}")  # fmt: skip
     return 0 if ok else 1
 
 
