@@ -546,6 +546,11 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                 for sub in (1, 2, 4, 8) if chunks % sub == 0
                 for split in (1, 2, 4, 8) if split <= chunks // sub
                 for warps in (4, 8)
+            ] + [  # batch 1 on the CUDA-core kernel: tiles of 64 registers a thread (sm_90 PTX)
+                QuantGemvConfig(split, sub, bn, warps, rows_kernel=True)
+                for bn, warps in ((32, 4), (64, 8), (16, 2))
+                for sub in (1, 2) if chunks % sub == 0
+                for split in (1, 2, 4, 8) if split <= chunks // sub
             ]  # fmt: skip
             ok = []
             for cfg in cands:
@@ -570,7 +575,8 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                    "floor_us": nbytes / bw * 1e6, "default_us": default_us,
                    "best_us": best_us, "best_TBps": nbytes / best_us / 1e6,
                    "bf16_us": bf16_us, "bf16_TBps": n * k * 2 / bf16_us / 1e6,
-                   "best": f"split {best.split} sub {best.sub} warps {best.warps}",
+                   "best": f"{'rows' if best.rows_kernel else 'dot'} kernel, block_n "
+                           f"{best.block_n}, split {best.split} sub {best.sub} warps {best.warps}",
                    "tuned": tuned, "key": [fmt, n, k, g],
                    "config": dataclasses.asdict(best)}  # fmt: skip
             rows.append(row)
@@ -579,8 +585,9 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
     for r in (r for r in rows if r["tuned"]):
         fmt, n, k, g = r["key"]
         c = r["config"]
+        rows = ", rows_kernel=True" if c["rows_kernel"] else ""
         print(f'    ("{fmt}", {n}, {k}, {g}): QuantGemvConfig({c["split"]}, sub={c["sub"]}, '
-              f'warps={c["warps"]}),')  # fmt: skip
+              f'block_n={c["block_n"]}, warps={c["warps"]}{rows}),')  # fmt: skip
     return rows
 
 

@@ -130,6 +130,39 @@ else:
             _check(parts.sum(0), want, torch.float32)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize("fmt,group", [("int4", 32), ("int4", 128), ("int4-sym", 64),
+                                           ("int8", None), ("int8", 64)])  # fmt: skip
+    def test_row_kernel_launches_compute_the_product(fmt: str, group: int | None,
+                                                     dtype: torch.dtype) -> None:  # fmt: skip
+        # batch 1 on the CUDA-core kernel (codes unpacked in registers): every tile, chunk and
+        # uneven split gives x Wᵀ; the same config at 3 rows keeps the dot kernel, same split
+        from lmforge.quant._gemv_triton import QuantGemvConfig
+
+        w = _w(72, 512)
+        if fmt == "int8":
+            mod = Int8Linear.from_float(w, group)
+        else:
+            mod = Int4Linear.from_float(w, group, symmetric=fmt == "int4-sym")
+        g = group or 512
+        chunks = 512 // g if fmt != "int8" else 512 // min(128, g)
+        for rows in (1, 3):
+            x = _x(rows, 512, dtype)
+            want = gemv_reference(x, mod.dequantize())
+            for cfg in (QuantGemvConfig(1, rows_kernel=True, block_n=16),
+                        QuantGemvConfig(3, sub=1, block_n=32, rows_kernel=True),
+                        QuantGemvConfig(2, sub=2, block_n=64, warps=8, rows_kernel=True),
+                        QuantGemvConfig(1, sub=4, rows_kernel=True)):  # fmt: skip
+                if chunks % cfg.sub:
+                    continue
+                if fmt == "int8":
+                    parts = int8_gemv_partials(x, mod.qweight, mod.scales, g, config=cfg)
+                else:
+                    parts = int4_gemv_partials(x, mod.qweight, mod.scales, mod.offsets, g,
+                                               config=cfg)  # fmt: skip
+                assert parts.shape == (cfg.split, rows, 72)
+                _check(parts.sum(0), want, dtype)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     def test_decode_gemv_partials_add_up_to_the_module(dtype: torch.dtype) -> None:
         # the engine's decode path: partial sums out of the op, added and cast in torch; the
         # fake implementation's split matches the kernel's (fullgraph through the op)

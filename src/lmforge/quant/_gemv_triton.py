@@ -16,7 +16,15 @@ without an interleave. Program (n, s) owns ``BLOCK_N`` rows and the K chunks s, 
 (a chunk: ``SUB`` consecutive groups, int4, or BLOCK_K-wide slices, int8, whose loads are issued
 together); split-K partial sums (SPLIT, M, N) fp32 are added by the caller (enough programs for
 the SMs at batch 1). Launches per weight shape: :data:`TABLE`, else one group an iteration and
-about two waves of programs (:func:`quant_gemv_config`). The reference is
+about two waves of programs (:func:`quant_gemv_config`).
+
+A launch may send batch 1 (one row of x) to a CUDA-core kernel instead
+(``QuantGemvConfig.rows_kernel``; ``_int4_gemv_row_kernel``, ``_int8_gemv_row_kernel``): each
+code dequantized in registers (q·s + m) and multiplied into a (BLOCK_N, chunk) fp32 accumulator,
+one reduction along K at the end. The dot kernel's int4 path stages the unpacked codes through
+shared memory for the tensor cores (14 ``st.shared``, 30 ``ld.shared`` and 9 barriers a group in
+its sm_90 PTX, 96 registers); the row kernel's loop has no shared memory and no barrier (64
+registers at 32 rows × 4 warps). Which is faster per shape is the GPU sweep's to say. The reference is
 :func:`gemv_reference` (float64). Exercised by ``pytest tests/test_quant_kernels.py``
 (TRITON_INTERPRET=1 on CPU) and ``benchmarks/quant.py``.
 
@@ -119,6 +127,76 @@ def _int8_gemv_kernel(
     tl.store(out, acc, mask=(rn[:, None] < N) & m_ok[None, :])
 
 
+@triton.jit
+def _int4_gemv_row_kernel(
+    x_ptr, q_ptr, s_ptr, o_ptr, out_ptr,
+    N, K,
+    stride_qn, stride_sn, stride_os,
+    G: tl.constexpr, SYMMETRIC: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # one decode row (M = 1) on the CUDA cores: each code dequantized in registers (q·s + m)
+    # and multiplied into a (BLOCK_N, G/2) fp32 accumulator per nibble plane; one reduction
+    # along K at the end. No shared-memory staging of the codes (a tensor-core dot needs it)
+    # and no reduction across threads inside the loop.
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    split = tl.num_programs(1)
+    HALF: tl.constexpr = G // 2
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_c = tl.minimum(rn, N - 1)  # rows past N re-read row N-1 and are not stored
+    rh = tl.arange(0, HALF)
+    acc = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    for c in range(pid_s, K // (G * SUB), split):  # SUB consecutive groups an iteration
+        for j in tl.static_range(SUB):
+            g = c * SUB + j
+            b = tl.load(q_ptr + rn_c[:, None] * stride_qn + g * HALF + rh[None, :])  # (BN, G/2)
+            # x as (1, G/2) rows: loaded straight into the codes' layout (a 1-D load would be
+            # converted through shared memory every iteration)
+            x_lo = tl.load(x_ptr + g * G + rh[None, :]).to(tl.float32)
+            x_hi = tl.load(x_ptr + g * G + HALF + rh[None, :]).to(tl.float32)
+            s = tl.load(s_ptr + rn_c * stride_sn + g).to(tl.float32)[:, None]  # (BN, 1)
+            if SYMMETRIC:
+                off = -8.0 * s
+            else:
+                off = tl.load(o_ptr + rn_c * stride_sn + g).to(tl.float32)[:, None]
+            w_lo = (b & 0x0F).to(tl.float32) * s + off  # (BN, G/2) dequantized
+            w_hi = (b >> 4).to(tl.float32) * s + off
+            acc += w_lo * x_lo + w_hi * x_hi
+    tl.store(out_ptr + pid_s * stride_os + rn, tl.sum(acc, axis=1), mask=rn < N)
+
+
+@triton.jit
+def _int8_gemv_row_kernel(
+    x_ptr, q_ptr, s_ptr, out_ptr,
+    N, K,
+    stride_qn, stride_sn, stride_os,
+    G: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # one decode row (M = 1) on the CUDA cores, as _int4_gemv_row_kernel; per-channel scales
+    # (G = K) are applied once after the reduction
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    split = tl.num_programs(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_c = tl.minimum(rn, N - 1)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for c in range(pid_s, K // (BLOCK_K * SUB), split):  # SUB K chunks an iteration
+        for j in tl.static_range(SUB):
+            k0 = (c * SUB + j) * BLOCK_K
+            q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK) int8
+            x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]  # (1, BK)
+            if G == K:
+                acc += q.to(tl.float32) * x
+            else:
+                s = tl.load(s_ptr + rn_c * stride_sn + k0 // G).to(tl.float32)[:, None]
+                acc += q.to(tl.float32) * s * x
+    y = tl.sum(acc, axis=1)  # (BN,)
+    if G == K:
+        y = y * tl.load(s_ptr + rn_c * stride_sn).to(tl.float32)
+    tl.store(out_ptr + pid_s * stride_os + rn, y, mask=rn < N)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantGemvConfig:
     """One launch of the int4/int8 decode GEMV."""
@@ -133,6 +211,10 @@ class QuantGemvConfig:
     "num_warps"
     stages: int = 3
     "num_stages"
+    rows_kernel: bool = False
+    """a one-row x (batch-1 decode) takes the CUDA-core kernel (``_int*_gemv_row_kernel``: codes
+    dequantized in registers, no tensor-core dot) with this launch; more rows take the dot
+    kernel's default launch with the same split (the partials' shape depends on the split only)"""
 
 
 # (format, N, K, group) -> config; shapes not listed take :func:`_default_config` (one group or
@@ -217,7 +299,18 @@ def int4_gemv_partials(
     assert (k // group_size) % cfg.sub == 0, (k, group_size, cfg)
     out = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
     o = scales if offsets is None else offsets
+    if cfg.rows_kernel and m > 1:  # the dot kernel's default launch, the same split
+        cfg = QuantGemvConfig(cfg.split)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split)
+    if cfg.rows_kernel:
+        _int4_gemv_row_kernel[grid](
+            x, qweight, scales, o, out,
+            n, k,
+            qweight.stride(0), scales.stride(0), out.stride(0),
+            G=group_size, SYMMETRIC=offsets is None, SUB=cfg.sub, BLOCK_N=cfg.block_n,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+        return out
     _int4_gemv_kernel[grid](
         x, qweight, scales, o, out,
         m, n, k,
@@ -248,7 +341,18 @@ def int8_gemv_partials(
     cfg = config or quant_gemv_config("int8", n, k, group_size, x.device)
     assert (k // bk) % cfg.sub == 0, (k, bk, cfg)
     out = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
+    if cfg.rows_kernel and m > 1:  # the dot kernel's default launch, the same split
+        cfg = QuantGemvConfig(cfg.split)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split)
+    if cfg.rows_kernel:
+        _int8_gemv_row_kernel[grid](
+            x, qweight, scales, out,
+            n, k,
+            qweight.stride(0), scales.stride(0), out.stride(0),
+            G=group_size, BLOCK_K=bk, SUB=cfg.sub, BLOCK_N=cfg.block_n,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+        return out
     _int8_gemv_kernel[grid](
         x, qweight, scales, out,
         m, n, k,
