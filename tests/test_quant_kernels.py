@@ -22,6 +22,28 @@ if not _CHILD:
     def test_quant_kernels_in_interpreter_subprocess() -> None:
         run_pytest_in_interpreter(__file__, timeout=580)
 
+    @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
+    def test_int4_row_kernel_lowers_for_sm90_without_shared_memory_in_its_loop() -> None:
+        # the batch-1 CUDA-core GEMV as Hopper runs it, lowered on the CPU: 16-byte loads of
+        # the codes, no tensor-core op, one barrier (the final reduction), 64 registers
+        import re
+
+        from _sm90 import compile_sm90, ptxas_registers
+        from lmforge.quant._gemv_triton import _int4_gemv_row_kernel
+
+        def arg(name: str) -> tuple[str, bool]:
+            types = {"q_ptr": "*u8", "s_ptr": "*fp16", "o_ptr": "*fp16", "out_ptr": "*fp32",
+                     "x_ptr": "*bf16"}  # fmt: skip
+            return types.get(name, "i32"), name != "N"
+
+        consts = dict(G=128, SYMMETRIC=False, SUB=1, BLOCK_N=32)
+        ptx = compile_sm90(_int4_gemv_row_kernel, consts, arg, warps=4).asm["ptx"]
+        assert "wgmma" not in ptx and "mma.sync" not in ptx
+        assert re.search(r"ld\.global(\.nc)?\.v4", ptx)
+        assert len(re.findall(r"bar\.sync", ptx)) <= 2
+        regs, spills = ptxas_registers(ptx)
+        assert spills == 0 and regs <= 72, regs
+
 else:
     from lmforge.quant import Int4Linear, Int8Linear
     from lmforge.quant._gemm_triton import gemm_reference, int4_gemm, int8_gemm
