@@ -150,6 +150,36 @@ def test_prepare_expands_placeholders_and_matches_the_training_forward() -> None
     assert plain.token_ids == [TOK.bos_id, 10] and plain.embeds.shape == (0, 32)
 
 
+def test_an_image_seen_lately_takes_its_cached_rows_without_a_forward() -> None:
+    tower = VisionTower.from_vlm(_vlm().double())
+    tower.cache_images = 2
+    calls: list[int] = []
+    tower.vision.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    (pa, da), (pb, db), (pc, dc) = (image_pixels(_scene(i), 24) for i in range(3))
+    want = tower.embed_rows([pa, pb])  # no digests: every image through the forward
+    assert calls == [2]
+    first = tower.embed_rows([pa, pb], [da, db])
+    torch.testing.assert_close(first, want)
+    assert calls == [2, 2]
+    # both seen: no forward, the same rows; a new one with an old one: a forward of one image
+    torch.testing.assert_close(
+        tower.embed_rows([pb, pa], [db, da]), torch.cat([want[9:], want[:9]])
+    )
+    assert calls == [2, 2]
+    mixed = tower.embed_rows([pc, pa], [dc, da])
+    assert calls == [2, 2, 1]
+    torch.testing.assert_close(mixed[9:], want[:9])
+    torch.testing.assert_close(mixed[:9], tower.embed_rows([pc]))
+    # bounded at cache_images, least recently used out first: b went, a and c stay
+    tower.embed_rows([pa, pc], [da, dc])
+    assert calls == [2, 2, 1, 1]
+    tower.embed_rows([pb], [db])
+    assert calls == [2, 2, 1, 1, 1]
+    tower.clear_cache()
+    tower.embed_rows([pa], [da])
+    assert calls == [2, 2, 1, 1, 1, 1]
+
+
 def test_prepare_refuses_mismatched_and_bad_inputs() -> None:
     tower = VisionTower.from_vlm(_vlm())
     with pytest.raises(LmforgeError, match=r"1 <image> placeholder.* but 2 image"):

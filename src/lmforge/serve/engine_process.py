@@ -398,7 +398,8 @@ def _image_prompt(vision: Any, prompt: list[int], images: tuple) -> Any:
     if vision is None:
         raise LmforgeError("this model has no vision tower: it cannot take images")
     pixels, spans, digests = images
-    return ImagePrompt(prompt, vision.embed_rows(list(pixels)), list(spans), list(digests))
+    rows = vision.embed_rows(list(pixels), list(digests))  # an image seen lately: cached rows
+    return ImagePrompt(prompt, rows, list(spans), list(digests))
 
 
 SLOW_STEP_S = 60.0

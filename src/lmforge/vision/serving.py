@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import dataclasses
 import hashlib
 import re
@@ -147,11 +148,22 @@ def image_pixels(image: Any, image_size: int) -> tuple[torch.Tensor, str]:
 class VisionTower(nn.Module):
     """The image side of a VLM for serving: ViT → projector, (M, 3, S, S) → (M, N, D).
 
-    Holds the ``<image>`` id and N, the slots one image fills in a prompt."""
+    Holds the ``<image>`` id and N, the slots one image fills in a prompt, and the rows of the
+    last ``cache_images`` images by pixel digest (:meth:`embed_rows`): an image sent again skips
+    the forward, as its slots' KV is already in the engine's prefix cache. The tower's weights
+    are fixed while it serves; after changing them, :meth:`clear_cache`."""
 
-    def __init__(self, vision: ViT, projector: Projector, image_id: int) -> None:
+    def __init__(
+        self, vision: ViT, projector: Projector, image_id: int, cache_images: int = 32
+    ) -> None:
         super().__init__()
         self.vision, self.projector, self.image_id = vision, projector, image_id
+        self.cache_images = cache_images
+        self._rows: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+
+    def clear_cache(self) -> None:
+        """Forget every image's cached rows."""
+        self._rows.clear()
 
     @classmethod
     def from_vlm(cls, vlm: nn.Module) -> VisionTower:
@@ -174,8 +186,14 @@ class VisionTower(nn.Module):
         p = next(self.parameters())
         return self.projector(self.vision(pixels.to(p.device, p.dtype))[1])  # (M, N, D)
 
-    def embed_rows(self, pixels: Sequence[torch.Tensor | np.ndarray]) -> torch.Tensor:
-        """The slots' rows of M images' (3, S, S) pixels, one forward: (M·N, D) (M = 0 too)."""
+    def embed_rows(
+        self,
+        pixels: Sequence[torch.Tensor | np.ndarray],
+        digests: Sequence[str] | None = None,
+    ) -> torch.Tensor:
+        """The slots' rows of M images' (3, S, S) pixels: (M·N, D) (M = 0 too). With their
+        ``digests`` (:func:`image_pixels`), images seen lately take their cached rows and the
+        rest go through one forward; without, every image does."""
         s = self.image_size
         for i, px in enumerate(pixels):
             if tuple(px.shape) != (3, s, s):
@@ -185,8 +203,22 @@ class VisionTower(nn.Module):
         if not pixels:
             p = self.projector.fc2.weight
             return p.new_empty(0, p.shape[0])  # (0, D)
-        batch = torch.stack([torch.as_tensor(px) for px in pixels])  # (M, 3, S, S)
-        return self(batch).flatten(0, 1)  # (M·N, D)
+        if digests is None or self.cache_images <= 0:
+            batch = torch.stack([torch.as_tensor(px) for px in pixels])  # (M, 3, S, S)
+            return self(batch).flatten(0, 1)  # (M·N, D)
+        new = [i for i, d in enumerate(digests) if d not in self._rows]
+        fresh = {digests[i] for i in new}
+        if new:
+            batch = torch.stack([torch.as_tensor(pixels[i]) for i in new])  # (M', 3, S, S)
+            for i, rows in zip(new, self(batch), strict=True):  # rows (N, D)
+                self._rows[digests[i]] = rows
+        out = torch.cat([self._rows[d] for d in digests])  # (M·N, D)
+        for d in digests:  # most recently used last; the oldest beyond the bound go
+            if d not in fresh:
+                self._rows.move_to_end(d)
+        while len(self._rows) > self.cache_images:
+            self._rows.popitem(last=False)
+        return out
 
 
 @dataclasses.dataclass
@@ -261,7 +293,10 @@ def prepare_image_prompt(
         ]
     ids, spans = expand_placeholders(prompt_ids, tower.image_id, tower.n_image_tokens, len(pixels))
     return ImagePrompt(
-        ids, tower.embed_rows([px for px, _ in pixels]), spans, [d for _, d in pixels]
+        ids,
+        tower.embed_rows([px for px, _ in pixels], [d for _, d in pixels]),
+        spans,
+        [d for _, d in pixels],
     )
 
 
