@@ -21,8 +21,9 @@ decode step on CUDA) — plain, and with ``speculative=Speculative(mtp_draft_for
 of the model (the MTP proposer hooks the model's last block). Correctness first: every
 speculative output must equal the plain one token for token (exit status 1 otherwise); on CUDA
 this check runs first on float32 copies (two prompts, the largest k), since in bf16 the speculative verify
-forward (eager, k + 1 rows) and the plain graph-replayed decode step may round a near-tie apart
-(the bf16 rows' "identical" column is then reported, not required). Then,
+forward (k + 1 rows: another graph and GEMV shape than the plain step's one row) and the plain
+decode step may round a near-tie apart (the bf16 rows' "identical" column is then reported, not
+required). Then,
 per engine: acceptance (accepted / proposed draft tokens, the engine's ``SpecStats``), tokens
 per target forward, decode ms per generated token (the first step, prefill + first token,
 excluded; CUDA events on CUDA, ``perf_counter`` on the CPU; median over prompts; every prompt
@@ -32,10 +33,10 @@ speculative step (drafting + verify forward) costs against a plain one. The tabl
 last; ``<out>/mtp.json`` holds everything.
 
 The defaults are sized for one H200 (d_model 512, 8 layers, T 1024, batch 16, 800 steps, 8 prompts
-of 128 tokens, 256 new tokens, k in 1 and 4; each training run capped at 0.3 · ``--minutes``):
-estimated at 5-7 minutes, not yet measured there (five engine start-ups with compile and graph
-capture are the unknown); if one device call is not enough, rerun with ``--serve-only`` on the
-same warm machine (part (b) reads ``<out>/mtp1``). Simplification: prompts are validation-text
+of 128 tokens, 256 new tokens, k in 1 and 4; each training run capped at 0.3 · ``--minutes``).
+On an H100 the two training runs took 42 and 50 s and part (b) 166 s; the whole script ran past
+one 320-second step, so run part (b) with ``--serve-only`` on the same warm machine (it reads
+``<out>/mtp1``, which a fresh machine does not have). Simplification: prompts are validation-text
 windows (continuation of book text), not chat requests.
 
     PYTHONPATH=src python benchmarks/mtp.py --data .carry/mq/shards --out runs/mtp

@@ -27,8 +27,13 @@ one contiguous KV cache and one output buffer per draft step instead: step j's p
 i <= n - j read only committed tokens, so they are final and reused by the next proposal, and
 each proposal computes only the positions after them (the newly committed ones and the j - 1
 that read drafts), O(accepted + k) rows per step instead of O(n); tested draft-for-draft
-against the reference. Beyond D drafts the last module is applied again to its own output (as
-vLLM runs DeepSeek-V3's single MTP module for k > 1).
+against the reference. A proposal is one fixed-shape device program: every step reads its rows'
+positions, its tokens and n from device buffers (the drafts are fed to the next step on the
+device), so a proposal costs one host read (the k drafts), not one per draft, and in the steady
+state (at most 2k rows a step, padded to 2k) it is captured once in a CUDA graph and replayed:
+one launch instead of ~150 eager ones (each op of the block) per draft step. Beyond D drafts
+the last module is applied again to its own output (as vLLM runs DeepSeek-V3's single MTP
+module for k > 1).
 
 Shape legend: B batch, T/n sequence, D model dim, V vocab; k depth.
 In the model: ``ModelConfig.mtp_depth`` > 0 builds them as ``TransformerLM.mtp``; the LM loss
@@ -38,7 +43,9 @@ Exercised by ``pytest tests/test_mtp.py tests/test_mtp_train.py tests/test_mtp_s
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -184,23 +191,44 @@ def mtp_draft(
 
 def step_cache(model: nn.Module, slots: int) -> KVCache:
     """One MTP draft step's cache for ``model`` (a TransformerLM): its KV layout (GQA or MLA
-    latents), one layer, ``slots`` positions."""
+    latents), one layer, ``slots`` positions (the last one a scratch slot)."""
     return _StepCache.for_model(model, 1, slots, n_layers=1)
 
 
 class _StepCache(KVCache):
     """A contiguous cache for one draft step's block, whatever its layer index (the MTP block
-    is numbered after the main layers), that can be cut back to the step's final positions."""
+    is numbered after the main layers), addressed by device tensors: :meth:`place` sets the
+    positions of the next forward's rows, whose keys/values go to those slots (padding rows to
+    the last, scratch, slot), and each row attends every slot at or before its position. No
+    host value is read, so a fixed-shape forward can be captured in a CUDA graph."""
+
+    def place(self, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Rows at ``positions`` (T,) long, ``real`` (T,) bool (padding rows: position 0 for
+        the mask and RoPE, the scratch slot for their writes); returns the rows' slots (T,)."""
+        scratch = self.max_seq_len - 1
+        pos = torch.where(real, positions, 0)  # (T,)
+        self._slots = torch.where(real, positions, scratch)  # (T,)
+        keys = torch.arange(self.max_seq_len, device=positions.device)  # (S,)
+        allowed = (keys[None, :] <= pos[:, None]) & (keys[None, :] < scratch)  # (T, S)
+        self._mask = allowed[None, None]  # (1, 1, T, S)
+        return self._slots
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().update(0, k, v)
+        """Write the rows' keys/values (1, K, T, E) at their slots; every slot (1, K, S, E)."""
+        self.k[0].index_copy_(2, self._slots, k.to(self.k.dtype))
+        self.v[0].index_copy_(2, self._slots, v.to(self.v.dtype))
+        return self.k[0], self.v[0]
 
-    def truncate(self, n: int) -> None:
-        """Keep slots [0, n) (batch 1, every slot real)."""
-        self.length = n
-        self.next_position.fill_(n)
+
+class _Replay:
+    """What stands in for a captured proposal off CUDA (``MTPDraft.graphs`` on the CPU, for
+    tests): ``replay()`` reruns the program on the same static buffers, as
+    :class:`lmforge.serve.cuda_graphs.StepReplay` does for the engine's decode graphs."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.replay = run
 
 
 class MTPDraft:
@@ -214,7 +242,13 @@ class MTPDraft:
     With ``new_cache`` (makes one draft step's cache: :func:`step_cache`, which
     :func:`lmforge.serve.speculative.mtp_draft_for` passes) and a ``key`` per call naming the
     sequence, each draft step keeps its KV cache and outputs across proposals of that sequence
-    (module docstring); without either, every call is :func:`mtp_draft`.
+    (module docstring); without either, every call is :func:`mtp_draft`. ``graphs``: replay
+    steady-state proposals from a CUDA graph (None: the engine decides, from its own CUDA-graph
+    setting; off CUDA a replay is emulated: the program rerun on the same buffers, for tests).
+    ``replays`` counts the proposals served by a replay, ``host_reads`` the device values read
+    on the host (one per proposal). ``source``: the buffer whose leading rows ``hidden``
+    is on every call (the engine's tap, :class:`lmforge.serve.speculative.Speculative` sets
+    it); a captured proposal reads it (rows past n never), so without it there is no graph.
     """
 
     def __init__(
@@ -223,14 +257,25 @@ class MTPDraft:
         embed: Callable[[torch.Tensor], torch.Tensor],
         head: Callable[[torch.Tensor], torch.Tensor],
         new_cache: Callable[[], KVCache] | None = None,
+        *,
+        graphs: bool | None = None,
     ) -> None:
         self.mtp, self.embed, self.head = mtp, embed, head
         self.new_cache = new_cache
+        self.graphs = graphs
+        self.source: torch.Tensor | None = None
         self._key: object = None
         self._steps: list[tuple[_StepCache, torch.Tensor]] = []  # per step: cache, (S, D) outputs
         self._final: list[int] = []  # per step: leading positions computed from committed tokens
+        self._tok: torch.Tensor | None = None  # (S,) the tokens by position, then the drafts
+        self._tok_ok = 0  # leading entries of _tok that hold the sequence's committed tokens
+        self._ctl: torch.Tensor | None = None  # (1 + K,) n, then each step's first row position
+        self._drafts: torch.Tensor | None = None  # (K,) the program's drafts
+        self._captured: dict[int, tuple[torch.Tensor, Any]] = {}  # K -> (hidden buffer, graph)
         self.rows_computed = 0
         "draft-step rows run so far (the cost the cache saves: n per step without it)"
+        self.replays = 0
+        self.host_reads = 0
 
     def propose(
         self, hidden: torch.Tensor, tokens: Sequence[int], k: int, key: object = None
@@ -246,7 +291,7 @@ class MTPDraft:
             return mtp_draft(self.mtp, hidden[None], ids, k, self.embed, self.head)[0].tolist()
         return self._propose_cached(hidden, list(tokens), k, key)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _propose_cached(
         self, hidden: torch.Tensor, seq: list[int], k: int, key: object
     ) -> list[int]:
@@ -254,29 +299,116 @@ class MTPDraft:
         if len(seq) != n + 1:
             raise ValueError(f"MTPDraft: tokens must be one longer than hidden ({n}), got"
                              f" {len(seq)}")  # fmt: skip
+        kk = max(k, len(self._steps))  # every step made so far stays current
+        self._ensure(kk, hidden)
         if key is not self._key:
-            self._key, self._final = key, [0] * len(self._final)
-        while len(self._steps) < k:  # the step caches, made on first use
+            self._key, self._final, self._tok_ok = key, [0] * len(self._final), 0
+        slots = self._steps[0][0].max_seq_len
+        if n + kk > slots - 1:  # longer than the caches (the last slot is scratch): the reference
+            return self.propose(hidden, seq, k)
+        assert self._tok is not None and self._ctl is not None and self._drafts is not None
+        starts = [min(self._final[j], n) for j in range(kk)]
+        rows = max(max(n - s for s in starts), 1)
+        self.rows_computed += sum(n - s for s in starts)
+        lo = self._tok_ok  # the committed tokens the device has not seen yet (drafts after them)
+        self._tok[lo : n + 1].copy_(torch.tensor(seq[lo : n + 1], dtype=torch.long))
+        self._ctl.copy_(torch.tensor([n, *starts], dtype=torch.long))
+        buffer = self.source
+        if self.graphs and buffer is not None and rows <= 2 * kk and _prefix_of(hidden, buffer):
+            self._graph(kk, buffer).replay()  # steady state: 2k rows a step, one launch
+            self.replays += 1
+        else:  # the first proposal of a sequence (n rows), or catching up: eager, exact rows
+            self._program(hidden, kk, rows)
+        self.host_reads += 1
+        drafts = self._drafts[:k].tolist()  # the one read of a proposal
+        for j in range(kk):  # step j + 1's positions <= n - j - 1 read committed tokens only
+            self._final[j] = max(n - j, 0)
+        self._tok_ok = n + 1
+        return drafts
+
+    def _ensure(self, kk: int, hidden: torch.Tensor) -> None:
+        """The step caches, output buffers and control tensors for ``kk`` steps."""
+        if len(self._steps) >= kk and self._drafts is not None:
+            return
+        while len(self._steps) < kk:
             cache = self.new_cache()  # type: ignore[misc]
+            assert isinstance(cache, _StepCache)
             self._steps.append((cache, hidden.new_zeros(cache.max_seq_len, hidden.shape[1])))
             self._final.append(0)
-        if n + k > self._steps[0][0].max_seq_len:  # longer than the caches: the reference
-            return self.propose(hidden, seq, k)
-        prev, drafts = hidden, []  # prev: step j - 1's outputs at positions [0, n)
-        for j in range(1, k + 1):
+        dev, slots = hidden.device, self._steps[0][0].max_seq_len
+        if self._tok is None:
+            self._tok = torch.zeros(slots, dtype=torch.long, device=dev)
+        self._ctl = torch.zeros(1 + kk, dtype=torch.long, device=dev)
+        self._drafts = torch.zeros(kk, dtype=torch.long, device=dev)
+        self._captured.clear()  # they read the old control tensors
+
+    def _program(self, hidden: torch.Tensor, kk: int, rows: int) -> None:
+        """One proposal on the device, ``rows`` rows a step (padding past n): each step
+        j = 1..kk runs its rows from position ``_ctl[j]`` on over its cache and output buffer,
+        then drafts from position n - 1's output into ``_drafts`` and the token buffer (the
+        next step's input). Reads nothing on the host; rerunning it with the same control
+        values recomputes the same values (the warm-up before a capture relies on it)."""
+        assert self._tok is not None and self._ctl is not None and self._drafts is not None
+        n = self._ctl[:1]  # (1,)
+        last = n - 1  # (1,)
+        offsets = torch.arange(rows, device=n.device)  # (R,)
+        prev = hidden  # step j - 1's outputs by position (rows < n are valid)
+        for j in range(1, kk + 1):
             module = self.mtp.layers[min(j, self.mtp.depth) - 1]
             cache, out = self._steps[j - 1]
-            s = min(self._final[j - 1], n)
-            ids = torch.tensor([seq[s + j : n + j]], dtype=torch.long, device=hidden.device)
-            x = module.proj(torch.cat([module.enorm(self.embed(ids)),
-                                       module.hnorm(prev[None, s:n])], dim=-1))  # fmt: skip
-            cache.truncate(s)
-            positions, _ = cache.begin(n - s)  # (1, n - s)
-            out[s:n] = module.block(x, positions, kv_cache=cache)[0]  # (n - s, D)
-            self.rows_computed += n - s
-            self._final[j - 1] = max(n - j + 1, 0)
-            nxt = int(self.head(module.norm_out(out[n - 1])).argmax(-1))
-            drafts.append(nxt)
-            seq.append(nxt)
+            pos = self._ctl[j : j + 1] + offsets  # (R,)
+            real = pos < n
+            src = torch.where(real, pos, 0)  # (R,) padding rows read row 0
+            ids = self._tok.index_select(0, src + j)[None]  # (1, R): t_{i+j}
+            h = prev.index_select(0, src)[None]  # (1, R, D)
+            x = module.proj(torch.cat([module.enorm(self.embed(ids)), module.hnorm(h)], dim=-1))
+            slots = cache.place(pos, real)  # (R,)
+            out.index_copy_(0, slots, module.block(x, src[None], kv_cache=cache)[0])  # (R, D)
+            h_last = module.norm_out(out.index_select(0, last))  # (1, D)
+            nxt = self.head(h_last).argmax(-1)  # (1,)
+            self._drafts[j - 1 : j].copy_(nxt)
+            self._tok.index_copy_(0, n + j, nxt)  # t_{n+j}
             prev = out
-        return drafts
+
+    def _graph(self, kk: int, buffer: torch.Tensor) -> Any:
+        """The steady-state proposal of ``kk`` steps (2·kk rows each) over ``buffer``: captured
+        once (a CUDA graph; off CUDA, or if the capture fails, the program rerun eagerly)."""
+        got = self._captured.get(kk)
+        if got is not None and got[0] is buffer:
+            return got[1]
+        rows = 2 * kk
+
+        def run() -> None:
+            self._program(buffer, kk, rows)
+
+        graph: Any = _Replay(run)
+        if buffer.is_cuda:
+            try:
+                stream = torch.cuda.Stream(buffer.device)
+                stream.wait_stream(torch.cuda.current_stream(buffer.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # warm up (cuBLAS handles, Triton compiles)
+                        run()
+                torch.cuda.current_stream(buffer.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+            except Exception as e:  # any capture failure: eager proposals, said once
+                print(f"lmforge serve: CUDA graph capture of the MTP draft failed, drafting"
+                      f" eagerly ({str(e).splitlines()[0][:300]})", file=sys.stderr)  # fmt: skip
+                self.graphs = False
+                graph = _Replay(run)
+        self._captured[kk] = (buffer, graph)
+        return graph
+
+
+def _prefix_of(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``view`` is the leading rows of 2-D ``buffer`` (same storage, start, row stride)."""
+    return (
+        buffer.dim() == 2
+        and view.dim() == 2
+        and view.data_ptr() == buffer.data_ptr()
+        and view.stride() == buffer.stride()
+        and view.shape[0] <= buffer.shape[0]
+        and view.shape[1] == buffer.shape[1]
+    )

@@ -1,7 +1,8 @@
 """CUDA graphs for decode steps at bucketed batch sizes, with an eager fallback.
 
 A decode step (eager, or compiled: :mod:`lmforge.serve.compiled`) is many small kernels whose launch cost (CPU) exceeds their run time at
-small batches. Each bucket size B (1, 2, 4, 8, 16, 32, …, up to ``max_num_seqs``) gets one graph
+small batches. Each bucket size B (1, 2, 4, 8, 16, 32, …, up to ``max_num_seqs``, or the runner's
+``decode_rows`` when larger: a speculative verify's k + 1 rows at batch 1) gets one graph
 of :func:`~lmforge.serve.model_runner.forward_step` captured over static input tensors; a step with b ≤ B
 sequences copies its inputs into the first b rows and pads the rest with a dummy sequence whose
 one token is written to a scratch block outside the allocator's range (so padding never touches
@@ -74,7 +75,8 @@ class DecodeGraphs:
         dev = runner.device
         self.scratch = cache.num_blocks - 1  # the cache holds one block the allocator never gives
         self.width = math.ceil(runner.config.context_length / runner.block_size)
-        self.sizes = bucket_sizes(min(max_batch or runner.max_num_seqs, 512))
+        rows = getattr(runner, "decode_rows", runner.max_num_seqs)
+        self.sizes = bucket_sizes(min(max_batch or rows, 512))
         top = self.sizes[-1]
         bs = runner.block_size
         self.tokens = torch.zeros(top, dtype=torch.long, device=dev)

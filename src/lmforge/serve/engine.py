@@ -216,7 +216,14 @@ class Engine:
             use_triton=use_triton, num_blocks=num_blocks, kv_memory_fraction=kv_memory_fraction,
             cuda_graphs=cuda_graphs, compile=compile, compile_prefill=compile_prefill,
             memory_probe=memory_probe,
+            # a verify is k + 1 decode rows of the one sequence: graphs up to that many rows
+            max_decode_rows=None if self.speculative is None else self.speculative.k + 1,
         )  # fmt: skip
+        from lmforge.model.mtp import MTPDraft as _MTP
+
+        draft = getattr(self.speculative, "draft", None)
+        if isinstance(draft, _MTP) and draft.graphs is None:  # MTP proposals: graphs as ours
+            draft.graphs = self.runner.use_graphs
         self.scheduler = Scheduler(
             self.runner.num_blocks, block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -567,14 +574,18 @@ class Engine:
         else:
             batch.last_rows = torch.arange(k + 1, device=self.device)  # logits of every row
         logits = self._forward(batch)  # (k+1, V)
-        n_acc, nxt = verify(verify_probs(logits, p)[None], q[None],
-                            torch.tensor([drafts], device=self.device), gen)  # fmt: skip
-        n_acc_i = int(n_acc[0])
-        emitted = [*drafts[:n_acc_i], int(nxt[0])]
+        d = torch.tensor(drafts, device=self.device)  # (k,)
+        n_acc, nxt = verify(verify_probs(logits, p)[None], q[None], d[None], gen)  # (1,), (1,)
+        lp = logprobs_of(logits, [p] * (k + 1))  # (k+1, V)
+        lp_d = lp[:k].gather(1, d[:, None])[:, 0]  # (k,) each draft's logprob at its row
+        lp_n = lp.index_select(0, n_acc).gather(1, nxt[:, None])[:, 0]  # (1,) the last token's
+        # one device-to-host read (a sync) for all of it; ids < 2^53 are exact in float64
+        vals = torch.cat([n_acc.double(), nxt.double(), lp_d.double(), lp_n.double()]).tolist()
+        n_acc_i = int(vals[0])
+        emitted = [*drafts[:n_acc_i], int(vals[1])]
+        lp_l = [*vals[2 : 2 + n_acc_i], vals[-1]]
         spec.stats.drafted += k
         spec.stats.accepted += n_acc_i
-        lp = logprobs_of(logits, [p] * (k + 1))  # (k+1, V)
-        lp_l = lp.gather(1, torch.tensor(emitted, device=lp.device)[:, None])[:, 0].tolist()
         tops = _top_logprobs(lp, [p] * (k + 1))
         for j, tok in enumerate(emitted):
             seq.n_cached = len(seq.tokens)  # the KV of every token so far is in the pages

@@ -106,7 +106,10 @@ class ModelRunner:
 
     ``num_blocks``: blocks the scheduler may hand out (None: sized from memory, see the module
     docstring; the result is :attr:`num_blocks`). ``cuda_graphs`` / ``compile`` None: on for
-    CUDA, off on the CPU."""
+    CUDA, off on the CPU. ``max_decode_rows``: the most one-token rows a decode step may carry
+    when that exceeds ``max_num_seqs`` (a speculative verify: k + 1 rows of one sequence,
+    :func:`~lmforge.serve.step.as_decode_rows`); the CUDA graphs' buckets cover it, so the
+    verify replays a graph like a plain decode step instead of launching every kernel."""
 
     def __init__(
         self,
@@ -124,6 +127,7 @@ class ModelRunner:
         compile: bool | None = None,
         compile_prefill: bool | None = None,
         memory_probe: Callable[[], int] | None = None,
+        max_decode_rows: int | None = None,
     ) -> None:
         self.model = model
         self.compile_prefill = compile_prefill is not False  # with the compiled decode step
@@ -131,6 +135,8 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.decode_rows = max(max_num_seqs, max_decode_rows or 0)
+        "the largest decode step (rows) the CUDA graphs are captured for"
         self.max_num_batched_tokens = max_num_batched_tokens
         self.use_triton = use_triton
         dtype = kv_dtype or next(model.parameters()).dtype

@@ -22,8 +22,10 @@ Simplification: the engine serves one sequence at a time in this mode (the batch
 case the technique is for; n > 1 is refused); the target's verify forward is the engine's own
 step over its paged cache (rejected positions' KV is simply overwritten later): k + 1 one-token
 decode rows over the sequence's block table, so it runs compiled and in CUDA graphs like a
-plain decode step (:func:`~lmforge.serve.step.as_decode_rows`); the draft
-model keeps a private paged cache (:class:`_Paged`). Reported logprobs follow the engine's
+plain decode step (:func:`~lmforge.serve.step.as_decode_rows`; the engine captures graphs up
+to k + 1 rows for it, ``ModelRunner(max_decode_rows=)``); the draft model keeps a private paged
+cache (:class:`_Paged`); an MTP proposal is one captured program too (:class:`MTPDraft`: one
+replay and one host read per proposal in the steady state). Reported logprobs follow the engine's
 contract (target ``log_softmax(logits / T)`` of each emitted token). Exercised by ``pytest
 tests/test_serve_speculative.py tests/test_serve_spec_drafts.py``; measured by
 ``benchmarks/speculative.py``.
@@ -259,6 +261,7 @@ class Speculative:
         states."""
         if isinstance(self.draft, MTPDraft) and self.tap is None:
             self.tap = _HiddenTap(target, target.config.context_length + self.k + 1)
+            self.draft.source = self.tap.hidden  # what a captured proposal reads
 
     def accepted_in(self, seq: object, old_len: int, n_acc: int, k: int) -> None:
         """After a verify: the draft model's cache keeps only KV of accepted tokens."""
