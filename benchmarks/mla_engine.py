@@ -132,12 +132,14 @@ class _Clock:
         return 1e3 * (b - a)
 
 
-def _time(eng, prompts, params, device: str, repeats: int) -> dict[str, float]:
+def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False) -> dict:
     """One warm-up ``generate`` on two prompts; then, ``repeats`` times, every prompt added at
     once and stepped: the prefill phase (until every request has its first token) timed as a
     whole, then each decode step (all ``len(prompts)`` sequences decoding) on its own. Fresh
-    prompts each repeat (no prefix-cache hits). Returns the prefill seconds (median over
-    repeats) and the median decode step in ms over every decode step of every repeat."""
+    prompts each repeat (no prefix-cache hits). ``profile``: the last repeat's final 10 decode
+    steps go to torch.profiler (benchmarks/serve.py's kernel table) instead of the clock.
+    Returns the prefill seconds (median over repeats) and the median decode step in ms over
+    every timed decode step."""
     from lmforge.serve import SamplingParams
 
     eng.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -153,18 +155,24 @@ def _time(eng, prompts, params, device: str, repeats: int) -> dict[str, float]:
             for o in eng.step():
                 got[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
         prefill_ms.append(clock.ms(t0, clock.mark()))
+        done = min(got.values())  # tokens each sequence has
         while eng.has_unfinished():
+            if profile and r == repeats - 1 and params.max_tokens - done == 11:
+                _serve_bench().profile_steps(eng, "decode steps", n_steps=10, top=12)
+                done += 10
+                continue
             t0 = clock.mark()
             outs = eng.step()
             t1 = clock.mark()
+            done += 1
             if len(outs) == len(batch) and not any(o.finished for o in outs):
                 steps_ms.append(clock.ms(t0, t1))  # a full-batch decode step
     return {"prefill_s": statistics.median(prefill_ms) / 1e3,
             "step_ms": statistics.median(steps_ms), "steps": len(steps_ms)}  # fmt: skip
 
 
-def _profile(eng, prompts, params) -> None:
-    """torch.profiler over 10 full-batch decode steps (benchmarks/serve.py's table)."""
+def _serve_bench():
+    """benchmarks/serve.py as a module (its profiler table)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -172,17 +180,7 @@ def _profile(eng, prompts, params) -> None:
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    g = torch.Generator().manual_seed(99)
-    for i, p in enumerate(prompts):
-        eng.add_request(torch.randint(0, 32000, (len(p),), generator=g).tolist(), params,
-                        request_id=f"profile-{i}")  # fmt: skip
-    got: dict[str, int] = {}
-    while len(got) < len(prompts) or min(got.values()) < 1:
-        for o in eng.step():
-            got[o.request_id] = len(o.outputs[0].token_ids)
-    bench.profile_steps(eng, "decode steps", n_steps=10, top=12)
-    while eng.has_unfinished():
-        eng.step()
+    return bench
 
 
 def main() -> int:
@@ -209,7 +207,7 @@ def main() -> int:
         cfg = ModelConfig(**kw)
         model = TransformerLM(cfg, device=a.device, dtype=dtype).eval()
         eng = Engine(model, max_num_seqs=a.batch, kv_memory_fraction=a.kv_fraction)
-        t = _time(eng, prompts, params, a.device, a.repeats)
+        t = _time(eng, prompts, params, a.device, a.repeats, a.profile and a.device == "cuda")
         rows.append({
             "kind": name,
             "kv_bytes_per_token": _kv_bytes(cfg),
@@ -220,8 +218,6 @@ def main() -> int:
             "prefill_s": t["prefill_s"],
             "path": eng.startup_line,
         })  # fmt: skip
-        if a.profile and a.device == "cuda":
-            _profile(eng, prompts, params)
         del eng, model
         if a.device == "cuda":
             torch.cuda.empty_cache()
