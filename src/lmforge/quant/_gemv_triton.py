@@ -23,8 +23,9 @@ A launch may send batch 1 (one row of x) to a CUDA-core kernel instead
 code dequantized in registers (q·s + m) and multiplied into a (BLOCK_N, chunk) fp32 accumulator,
 one reduction along K at the end. The dot kernel's int4 path stages the unpacked codes through
 shared memory for the tensor cores (14 ``st.shared``, 30 ``ld.shared`` and 9 barriers a group in
-its sm_90 PTX, 96 registers); the row kernel's loop has no shared memory and no barrier (64
-registers at 32 rows × 4 warps). Which is faster per shape is the GPU sweep's to say. The reference is
+its sm_90 PTX, 96 registers); the row kernels' loops have no shared memory and no barrier (64
+registers at 32 rows × 4 warps; int8 in 64-wide K chunks). Which is faster per shape is the GPU
+sweep's to say. The reference is
 :func:`gemv_reference` (float64). Exercised by ``pytest tests/test_quant_kernels.py``
 (TRITON_INTERPRET=1 on CPU) and ``benchmarks/quant.py``.
 
@@ -185,7 +186,9 @@ def _int8_gemv_row_kernel(
         for j in tl.static_range(SUB):
             k0 = (c * SUB + j) * BLOCK_K
             q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK) int8
-            x = tl.load(x_ptr + k0 + rk).to(tl.float32)[None, :]  # (1, BK)
+            # x read in the codes' (BN, BK) shape and layout (every row the same, from L1): a
+            # (BK,) load would be converted through shared memory every iteration
+            x = tl.load(x_ptr + k0 + rk[None, :] + 0 * rn_c[:, None]).to(tl.float32)
             if G == K:
                 acc += q.to(tl.float32) * x
             else:
@@ -344,12 +347,12 @@ def int8_gemv_partials(
     if cfg.rows_kernel and m > 1:  # the dot kernel's default launch, the same split
         cfg = QuantGemvConfig(cfg.split)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split)
-    if cfg.rows_kernel:
+    if cfg.rows_kernel:  # 64-wide K chunks: a (BN, BK) fp32 accumulator in 64 registers
         _int8_gemv_row_kernel[grid](
             x, qweight, scales, out,
             n, k,
             qweight.stride(0), scales.stride(0), out.stride(0),
-            G=group_size, BLOCK_K=bk, SUB=cfg.sub, BLOCK_N=cfg.block_n,
+            G=group_size, BLOCK_K=min(64, bk), SUB=cfg.sub, BLOCK_N=cfg.block_n,
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
         return out
