@@ -549,7 +549,7 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
             ] + [  # batch 1 on the CUDA-core kernel: tiles of 64 registers a thread (sm_90 PTX)
                 QuantGemvConfig(split, sub, bn, warps, rows_kernel=True)
                 for bn, warps in ((32, 4), (64, 8), (16, 2))
-                for sub in (1, 2) if chunks % sub == 0
+                for sub in (1, 2, 4) if chunks % sub == 0
                 for split in (1, 2, 4, 8) if split <= chunks // sub
             ]  # fmt: skip
             ok = []
