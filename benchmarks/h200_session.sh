@@ -38,6 +38,11 @@
 #              HF hybrids; serve_hybrid.py A and GGGA, graphs vs eager
 #   layers-b   issue 35, call 2: benchmarks/linear_attention.py (vs FLA, SDPA; carry .whl) and
 #              serve_hybrid.py for MMMA, LLLA, WWWA, GMWA, SSSA
+#   hybrid-quality  issue 35: benchmarks/hybrid_quality.py --family hybrids (full attention, 3:1
+#              GDN / Mamba-2 / SWA hybrids, all-linear: validation curves at equal parameters and
+#              tokens; carry .carry/mq)
+#   dsa-quality  issue 35: benchmarks/hybrid_quality.py --family dsa (DSA warm start at top-k T/8
+#              against the dense continuation; carry .carry/mq)
 #   mla        issue 36: benchmarks/mla.py (latent paged kernel) and mla_engine.py, GPU tests
 #   mla-quality  issue 36: benchmarks/attention_quality.py (MHA/GQA/MLA/MLA+CLA validation curves;
 #              carry .carry/mq, the Gutenberg shards made as benchmarks/mtp.py's docstring says)
@@ -85,7 +90,8 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b mla mla-quality mtp quant quant-more vision vision-train)
+             layers layers-b hybrid-quality dsa-quality mla mla-quality mtp quant quant-more vision
+             vision-train)
 FAILED=()
 
 usage() {
@@ -242,6 +248,20 @@ part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, 
         step linear-attention 300 "$PY" benchmarks/linear_attention.py --budget 240 --out "$o/linattn"
     have layers-b benchmarks/serve_hybrid.py && step serve-hybrid-b 260 "$PY" \
         benchmarks/serve_hybrid.py --patterns MMMA,LLLA,WWWA,GMWA,SSSA --out "$o/serve_hybrid_b"
+}
+
+part_hybrid-quality() {  # issue 35: full vs 3:1 GDN, Mamba-2, SWA hybrids vs all-linear curves
+    local o="${OUT:-runs/h200}"       # (carry .carry/mq: Gutenberg shards, vocab 8192)
+    need hybrid-quality .carry/mq/shards/train.bin || return 0
+    step hybrid-quality 560 "$PY" benchmarks/hybrid_quality.py --data .carry/mq/shards \
+        --family hybrids --minutes 8 --out "$o/hybrid_quality"
+}
+
+part_dsa-quality() {  # issue 35: the DSA warm start (top-k = T/8) against the dense continuation
+    local o="${OUT:-runs/h200}"       # (carry .carry/mq)
+    need dsa-quality .carry/mq/shards/train.bin || return 0
+    step dsa-quality 560 "$PY" benchmarks/hybrid_quality.py --data .carry/mq/shards \
+        --family dsa --minutes 8 --out "$o/dsa_quality"
 }
 
 part_mla() {      # issue 36: the MLA kernel, engine decode GQA vs MLA vs MLA+CLA, GPU tests
