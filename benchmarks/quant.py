@@ -17,10 +17,12 @@ GPTQ; fp32.
 
 Part ``gemv`` (CUDA): the int4 (g128) and int8 (per channel) decode GEMVs alone on TinyLlama's
 four layer shapes at batch 1, inside a CUDA graph, against the bf16 GEMV on the same shape: the
-default launch and a sweep (groups or K chunks a loop iteration, split-K, warps), each launch
-checked against float64 first, timed on weight copies larger than L2; a launch more than 2%
-faster than the default goes into ``lmforge.quant._gemv_triton.TABLE`` (``--part speed --tune``
-builds the engines with them in the same run).
+default launch and a sweep (the tensor-core dot kernel and the CUDA-core row kernel; groups or
+K chunks a loop iteration, rows a program, split-K, warps), each launch checked against float64
+first, timed on weight copies larger than L2; a launch more than 2% faster than the default goes
+into ``lmforge.quant._gemv_triton.TABLE`` (``--part speed --tune`` builds the engines with them
+in the same run). fp8 (W8A8, per channel): the row kernel's launches against the module's own
+batch-1 path (the row rounded to e4m3, ``torch._scaled_mm``), which stays unless beaten by 2%.
 
 Part ``speed`` (CUDA): TinyLlama-1.1B-shaped random weights (bf16) for bf16 / int4 (g128) / int8 /
 fp8 W8A8 linears, each served by ``Engine(model)`` with its defaults (compiled decode step, CUDA
@@ -41,7 +43,7 @@ product with its dequantized weights, and each model's logits against bf16's.
     python benchmarks/quant.py --part speed --out bench_out/quant    # CUDA: one engine warm-up a row
     python benchmarks/quant.py --part speed --formats bf16,int4      # the target row alone
     python benchmarks/quant.py --part speed --device cpu --layers 1 --batch-large 4 --new 8  # smoke
-    python benchmarks/quant.py --part gemv     # CUDA: the int4/int8 GEMV launches swept, ~2 min
+    python benchmarks/quant.py --part gemv     # CUDA: the int4/int8/fp8 GEMV launches swept
     python benchmarks/quant.py --part speed --tune --profile   # the sweep, then engines built with it
 """
 
@@ -488,6 +490,60 @@ def speed(args: argparse.Namespace) -> list[dict]:
 GEMV_SHAPES = {"q|k|v": (2560, 2048), "o": (2048, 2048), "w1|w3": (11264, 2048), "w2": (2048, 5632)}
 
 
+def _fp8_sweep(bench, name: str, n: int, k: int, x: torch.Tensor, wbs: list, splits: tuple,
+               bw: float, bf16_us: float) -> dict:  # fmt: skip
+    """fp8 (W8A8, per channel) at batch 1: the engine's path without a TABLE entry (the
+    module's own forward: the row rounded to e4m3, ``torch._scaled_mm``) against the row
+    kernel's launches (the row's rounding included), each checked against float64 first."""
+    import math
+
+    from lmforge.quant import Fp8Linear
+    from lmforge.quant._gemv_triton import QuantGemvConfig, fp8_block_k, fp8_gemv_partials
+    from lmforge.quant.formats import fp8_quantize_rows
+
+    mod = Fp8Linear.from_float(wbs[0].float())
+    nbytes = mod.weight_bytes()
+    copies = []  # consecutive calls stream from HBM, not L2
+    for _ in range(max(1, math.ceil(256e6 / nbytes))):
+        m = Fp8Linear(k, n)
+        m.qweight, m.scales = mod.qweight.clone(), mod.scales.clone()
+        copies.append(m)
+
+    def gemv(cfg, i=0):
+        m = copies[i % len(copies)]
+        xq, sx = fp8_quantize_rows(x)  # (1, K), (1, 1)
+        return fp8_gemv_partials(xq, m.qweight, m.scales, sx.reshape(1), cfg)
+
+    want = mod.reference(x).double()  # (1, N)
+    chunks = k // fp8_block_k(k)
+    ok = []
+    for cfg in [
+        QuantGemvConfig(split, sub, bn, warps, rows_kernel=True)
+        for bn, warps in ((32, 4), (64, 8), (16, 2))
+        for sub in (1, 2, 4) if chunks % sub == 0
+        for split in splits if split <= chunks // sub
+    ]:  # fmt: skip
+        err = ((gemv(cfg).sum(0).double() - want).abs().max() / want.abs().max()).item()
+        if err < 1e-2:
+            ok.append(cfg)
+        else:
+            print(f"  {name} fp8 {cfg}: error {err:.2e}, dropped", flush=True)
+    times = bench._graph_us([lambda i: copies[i % len(copies)](x)]
+                            + [lambda i, cfg=cfg: gemv(cfg, i) for cfg in ok])  # fmt: skip
+    scaled_us = times[0]
+    best_us, best = min(zip(times[1:], ok, strict=True), key=lambda t: t[0])
+    tuned = best_us < 0.98 * scaled_us  # the GEMV replaces _scaled_mm only where faster
+    return {"shape": f"{name} {n}x{k}", "format": "fp8", "MB": nbytes / 1e6,
+            "floor_us": nbytes / bw * 1e6, "default_us": scaled_us,
+            "best_us": min(best_us, scaled_us), "best_TBps": nbytes / min(best_us, scaled_us) / 1e6,
+            "bf16_us": bf16_us, "bf16_TBps": n * k * 2 / bf16_us / 1e6,
+            "best": (f"rows kernel, block_n {best.block_n}, split {best.split} sub {best.sub} "
+                     f"warps {best.warps} ({best_us:.2f} us)" if tuned else
+                     f"torch._scaled_mm (rows kernel's best {best_us:.2f} us)"),
+            "tuned": tuned, "key": ["fp8", n, k, k],
+            "config": dataclasses.asdict(best)}  # fmt: skip
+
+
 def gemv_sweep(args: argparse.Namespace) -> list[dict]:
     """The int4 (g128) and int8 (per channel) decode GEMVs on TinyLlama's four layer shapes at
     batch 1: the default launch and a sweep (groups or K chunks an iteration, split, warps),
@@ -521,6 +577,11 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
         x = x.to(dtype)
         wbs = bench._weight_copies(n, k, dtype)
         bf16_us = bench._graph_us([lambda i, x=x, w=wbs: gemv_partials(x, w[i % len(w)])])[0]
+        # w1|w3's partials are summed inside the SiLU-mul kernel, which reads them twice
+        # (gate and up halves): at split 8 inductor makes that sum a kernel of its own
+        # (the 2026-12-05 H100 profile: 22 more kernels, 26 us a step). Timed alone, the
+        # GEMV cannot show that cost, so the sweep keeps this shape to splits <= 4
+        splits = (1, 2, 4) if name == "w1|w3" else (1, 2, 4, 8)
         for fmt in ("int4", "int8"):
             if fmt == "int4":
                 g, chunks = 128, k // 128
@@ -541,11 +602,6 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
 
             want = x.double() @ mods[0].dequantize().double().t()
             default = quant_gemv_config(fmt, n, k, g, torch.device(dev))
-            # w1|w3's partials are summed inside the SiLU-mul kernel, which reads them twice
-            # (gate and up halves): at split 8 inductor makes that sum a kernel of its own
-            # (the 2026-12-05 H100 profile: 22 more kernels, 26 us a step). Timed alone, the
-            # GEMV cannot show that cost, so the sweep keeps this shape to splits <= 4
-            splits = (1, 2, 4) if name == "w1|w3" else (1, 2, 4, 8)
             cands = [default] + [
                 QuantGemvConfig(split, sub, 64, warps)
                 for sub in (1, 2, 4, 8) if chunks % sub == 0
@@ -586,6 +642,9 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                    "config": dataclasses.asdict(best)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+        row = _fp8_sweep(bench, name, n, k, x, wbs, splits, bw, bf16_us)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     print("TABLE entries (lmforge/quant/_gemv_triton.py):")
     for r in (r for r in rows if r["tuned"]):
         fmt, n, k, g = r["key"]

@@ -188,6 +188,49 @@ else:
                 assert parts.shape == (cfg.split, rows, 72)
                 _check(parts.sum(0), want, dtype)
 
+    @pytest.mark.parametrize("per_channel", [True, False])
+    @pytest.mark.parametrize("activations", ["dynamic", "none"])
+    def test_fp8_row_kernel_computes_the_reference_product(per_channel: bool,
+                                                           activations: str) -> None:  # fmt: skip
+        # batch 1 of an e4m3 weight: weight-only (x as is) or W8A8 (x rounded to e4m3 per row,
+        # both scales after the fp32 sum), against float64 on the same codes; every launch
+        from lmforge.quant import Fp8Linear
+        from lmforge.quant._gemv_triton import QuantGemvConfig, fp8_gemv_partials
+        from lmforge.quant.formats import fp8_quantize_rows
+
+        mod = Fp8Linear.from_float(_w(72, 512), per_channel, activations)
+        x = _x(1, 512, torch.float32)
+        xq, sx = fp8_quantize_rows(x)  # (1, K), (1, 1)
+        if activations == "dynamic":
+            want = (xq.double() * sx.double()) @ mod.dequantize().double().t()
+            args = (xq, mod.qweight, mod.scales, sx.reshape(1))
+        else:
+            want = x.double() @ mod.dequantize().double().t()
+            args = (x, mod.qweight, mod.scales, None)
+        for cfg in (QuantGemvConfig(1, block_n=16, rows_kernel=True),
+                    QuantGemvConfig(3, sub=2, block_n=32, rows_kernel=True),
+                    QuantGemvConfig(2, sub=4, block_n=64, warps=8, rows_kernel=True)):  # fmt: skip
+            parts = fp8_gemv_partials(*args, config=cfg)
+            assert parts.shape == (cfg.split, 1, 72)
+            _check(parts.sum(0), want, torch.float32)
+
+    def test_fp8_decode_gemv_only_for_swept_shapes_at_batch_1(monkeypatch) -> None:
+        # an fp8 module takes the GEMV only where the sweep put its shape in the TABLE, and
+        # only for one row; its partials add up to the module's own product
+        from lmforge.quant import Fp8Linear
+        from lmforge.quant import _gemv_triton as gt
+
+        mod = Fp8Linear.from_float(_w(72, 512))
+        x = _x(1, 512, torch.float32)
+        assert mod.decode_partials(x) is None  # no TABLE entry: _scaled_mm stays
+        monkeypatch.setitem(
+            gt.TABLE, ("fp8", 72, 512, 512), gt.QuantGemvConfig(2, rows_kernel=True)
+        )
+        parts = mod.decode_partials(x)
+        assert parts is not None and parts.shape == (2, 1, 72)
+        _check(parts.sum(0), mod.reference(x).double(), torch.float32)
+        assert mod.decode_partials(_x(2, 512, torch.float32)) is None  # batch 2: _scaled_mm
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
     def test_decode_gemv_partials_add_up_to_the_module(dtype: torch.dtype) -> None:
         # the engine's decode path: partial sums out of the op, added and cast in torch; the
@@ -261,6 +304,23 @@ else:
             # model has, and q/k/v's partials go straight into the fused RoPE + KV write +
             # attention op
             assert sum("int4_gemv_partials" in o for o in ops) == 4 * layers
+            assert sum("rope_decode_attention" in o for o in ops) == layers
+
+    def test_compiled_decode_step_takes_the_fp8_gemv_for_swept_shapes(monkeypatch) -> None:
+        # fp8 (W8A8, per channel) with every shape of the model in the TABLE: the decode step
+        # runs the fp8 GEMV, four a layer, q/k/v's partials into the fused attention op
+        from lmforge.quant import QuantSpec
+        from lmforge.quant import _gemv_triton as gt
+
+        for n, k in ((128, 64), (64, 64), (256, 64), (64, 128)):  # q|k|v, o, w1|w3, w2
+            monkeypatch.setitem(gt.TABLE, ("fp8", n, k, k),
+                                gt.QuantGemvConfig(2, block_n=32, rows_kernel=True))  # fmt: skip
+        # one sequence: batch-1 steps (a batch of 2 keeps the module's own product)
+        _, graphs, layers = _serve_recording_graphs(QuantSpec("fp8"), 2, [[3, 1, 4, 1, 5]], 4,
+                                                    "decode")  # fmt: skip
+        assert graphs
+        for ops in graphs:
+            assert sum("fp8_gemv_partials" in o for o in ops) == 4 * layers
             assert sum("rope_decode_attention" in o for o in ops) == layers
 
     def test_compiled_prefill_step_runs_the_stacked_projections() -> None:

@@ -25,7 +25,9 @@ one reduction along K at the end. The dot kernel's int4 path stages the unpacked
 shared memory for the tensor cores (14 ``st.shared``, 30 ``ld.shared`` and 9 barriers a group in
 its sm_90 PTX, 96 registers); the row kernels' loops have no shared memory and no barrier (64
 registers at 32 rows × 4 warps; int8 in 64-wide K chunks). Which is faster per shape is the GPU
-sweep's to say. The reference is
+sweep's to say. fp8 e4m3 weights have the row kernel only (``_fp8_gemv_row_kernel``, batch 1,
+weight-only or W8A8 with the row's e4m3 codes and scale), used for the shapes whose ("fp8", N,
+K, K) TABLE entry says it beat ``torch._scaled_mm``. The reference is
 :func:`gemv_reference` (float64). Exercised by ``pytest tests/test_quant_kernels.py``
 (TRITON_INTERPRET=1 on CPU) and ``benchmarks/quant.py``.
 
@@ -200,6 +202,40 @@ def _int8_gemv_row_kernel(
     tl.store(out_ptr + pid_s * stride_os + rn, y, mask=rn < N)
 
 
+@triton.jit
+def _fp8_gemv_row_kernel(
+    x_ptr, q_ptr, s_ptr, xs_ptr, out_ptr,
+    N, K,
+    stride_qn, stride_os,
+    PER_CHANNEL: tl.constexpr, X_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # one decode row (M = 1) of an fp8 e4m3 weight on the CUDA cores, as the int8 row kernel:
+    # x is bf16/fp16 (weight-only) or e4m3 codes with the per-row scale at xs_ptr (W8A8, the
+    # product Σ x_q·w_q in fp32 then both scales, as torch._scaled_mm computes it)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    split = tl.num_programs(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn_c = tl.minimum(rn, N - 1)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for c in range(pid_s, K // (BLOCK_K * SUB), split):  # SUB K chunks an iteration
+        for j in tl.static_range(SUB):
+            k0 = (c * SUB + j) * BLOCK_K
+            q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK) e4m3
+            x = tl.load(x_ptr + k0 + rk[None, :] + 0 * rn_c[:, None]).to(tl.float32)
+            acc += q.to(tl.float32) * x
+    y = tl.sum(acc, axis=1)  # (BN,)
+    if PER_CHANNEL:
+        y = y * tl.load(s_ptr + rn_c)
+    else:
+        y = y * tl.load(s_ptr)
+    if X_SCALE:
+        y = y * tl.load(xs_ptr)
+    tl.store(out_ptr + pid_s * stride_os + rn, y, mask=rn < N)
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantGemvConfig:
     """One launch of the int4/int8 decode GEMV."""
@@ -246,6 +282,14 @@ def _split(n: int, chunks: int, device: torch.device) -> int:
     return max(1, min(8, chunks, want))
 
 
+def fp8_block_k(k: int) -> int:
+    """The K chunk of the fp8 row kernel: the largest power of two <= 64 dividing K (>= 16)."""
+    bk = 64
+    while bk > 16 and k % bk:
+        bk //= 2
+    return bk
+
+
 def int8_block_k(group_size: int) -> int:
     """The K chunk of the int8 kernels: the largest power of two ≤ 128 dividing the group."""
     bk = 128
@@ -266,7 +310,10 @@ def quant_gemv_config(
     cfg = TABLE.get((fmt, n, k, group_size))
     if cfg is not None:
         return cfg
-    chunks = k // group_size if fmt == "int4" else k // int8_block_k(group_size)
+    if fmt == "fp8":
+        chunks = k // fp8_block_k(k)
+    else:
+        chunks = k // group_size if fmt == "int4" else k // int8_block_k(group_size)
     return _default_config(n, chunks, device)
 
 
@@ -365,6 +412,43 @@ def int8_gemv_partials(
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
+
+
+def fp8_gemv_partials(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    x_scale: torch.Tensor | None = None,
+    config: QuantGemvConfig | None = None,
+) -> torch.Tensor:
+    """x (1, K) -> split-K partial sums (SPLIT, 1, N) fp32 of x Wᵀ for e4m3 ``qweight`` (N, K)
+    with fp32 ``scales`` (N,) or (1,); x bf16/fp16 (weight-only), or e4m3 codes with their row
+    scale ``x_scale`` (1,) (W8A8). Batch 1 only, on the row kernel: the launch is ``config``,
+    else :data:`TABLE`'s ("fp8", N, K, K) entry, else the default split."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    bk = fp8_block_k(k)
+    assert m == 1 and k % bk == 0 and (x_scale is None) == (x.dtype != torch.float8_e4m3fn)
+    if interpreting():
+        ensure_interpreter_compat()
+    x = x.contiguous()
+    cfg = config or quant_gemv_config("fp8", n, k, k, x.device)
+    assert (k // bk) % cfg.sub == 0, (k, bk, cfg)
+    out = torch.empty(cfg.split, 1, n, device=x.device, dtype=torch.float32)  # (SPLIT, 1, N)
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split)
+    _fp8_gemv_row_kernel[grid](
+        x, qweight, scales, scales if x_scale is None else x_scale, out,
+        n, k,
+        qweight.stride(0), out.stride(0),
+        PER_CHANNEL=scales.numel() > 1, X_SCALE=x_scale is not None, BLOCK_K=bk, SUB=cfg.sub,
+        BLOCK_N=cfg.block_n, num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return out
+
+
+def fp8_split(n: int, k: int, device: torch.device) -> int:
+    """The split-K of :func:`fp8_gemv_partials` for an (N, K) weight."""
+    return quant_gemv_config("fp8", n, k, k, device).split
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

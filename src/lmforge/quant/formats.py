@@ -597,6 +597,35 @@ class Fp8Linear(QuantLinear):
         )  # (M, N)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.d_out)
 
+    @property
+    def _gemv_partials(self) -> Callable[[torch.Tensor], torch.Tensor] | None:  # type: ignore[override]
+        """The batch-1 fp8 GEMV where the GPU sweep measured it faster than ``torch._scaled_mm``
+        for this shape (an ("fp8", N, K, K) entry of ``lmforge.quant._gemv_triton.TABLE``);
+        else None, and decode steps keep :meth:`forward`."""
+        from lmforge.quant._gemv_triton import TABLE
+
+        return self._fp8_partials if ("fp8", self.d_out, self.d_in, self.d_in) in TABLE else None
+
+    def _fp8_partials(self, x: torch.Tensor) -> torch.Tensor:
+        """x (1, K) -> (SPLIT, 1, N) fp32 partials of :meth:`reference`'s product: W8A8 rounds
+        the row to e4m3 first (its scale applied after the sum, as ``_scaled_mm`` does)."""
+        if self.activations == "dynamic":
+            xq, sx = fp8_quantize_rows(x)  # (1, K) e4m3, (1, 1)
+            return torch.ops.lmforge_quant.fp8_gemv_partials(
+                xq, self.qweight, self.scales, sx.reshape(1)
+            )
+        return torch.ops.lmforge_quant.fp8_gemv_partials(x, self.qweight, self.scales, None)
+
+    def decode_partials(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Batch 1 (one row of x) on the fp8 GEMV where :attr:`_gemv_partials` has it, else
+        None (larger batches and unswept shapes keep ``_scaled_mm``)."""
+        from lmforge.quant.ops import quant_matmul_supported
+
+        fn = self._gemv_partials
+        if fn is None or x.numel() != x.shape[-1] or not quant_matmul_supported(x, self):
+            return None
+        return fn(_rows(self._scaled_input(x)))  # (SPLIT, 1, N)
+
     def extra_repr(self) -> str:
         per = "per-channel" if self.per_channel else "per-tensor"
         return f"{super().extra_repr()}, {per}, activations={self.activations}"

@@ -93,11 +93,27 @@ def _int8_partials_fake(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty((split, x.shape[0], n), dtype=torch.float32)
 
 
+def _fp8_partials(x: Tensor, qweight: Tensor, scales: Tensor, x_scale: Tensor | None) -> Tensor:
+    from lmforge.quant._gemv_triton import fp8_gemv_partials
+
+    return fp8_gemv_partials(x, qweight, scales, x_scale)
+
+
+def _fp8_partials_fake(
+    x: Tensor, qweight: Tensor, scales: Tensor, x_scale: Tensor | None
+) -> Tensor:
+    from lmforge.quant._gemv_triton import fp8_split
+
+    n, k = qweight.shape
+    return x.new_empty((fp8_split(n, k, x.device), x.shape[0], n), dtype=torch.float32)
+
+
 _OPS = {
     "int4_matmul": (_int4_impl, _int4_fake),
     "int8_matmul": (_int8_impl, _int8_fake),
     "int4_gemv_partials": (_int4_partials, _int4_partials_fake),
     "int8_gemv_partials": (_int8_partials, _int8_partials_fake),
+    "fp8_gemv_partials": (_fp8_partials, _fp8_partials_fake),
 }
 
 
@@ -126,7 +142,7 @@ def int8_matmul(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
 
 
 def quant_matmul_supported(x: Tensor, module: torch.nn.Module) -> bool:
-    """Whether the Triton path takes ``module`` (an Int4Linear/Int8Linear) on input ``x``: CUDA
+    """Whether the Triton path takes ``module`` (an Int4/Int8/Fp8Linear) on input ``x``: CUDA
     (or the CPU interpreter), bf16/fp16 input (fp32 too under the interpreter, for tests), no
     autocast cast pending, a group the kernels tile (int4: G/2 a power of two ≥ 16; int8: G a
     multiple of 16) and no autograd."""
@@ -140,7 +156,9 @@ def quant_matmul_supported(x: Tensor, module: torch.nn.Module) -> bool:
         return False
     if x.shape[-1] != module.d_in or x.numel() == 0 or not triton_available():
         return False
-    g = module.group_size
+    g = getattr(module, "group_size", None)
+    if g is None:  # fp8: the row kernel's K chunks
+        return module.d_in % 16 == 0
     if hasattr(module, "symmetric"):  # int4
         half = g // 2
         return half >= 16 and (half & (half - 1)) == 0
