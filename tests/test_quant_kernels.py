@@ -23,24 +23,33 @@ if not _CHILD:
         run_pytest_in_interpreter(__file__, timeout=580)
 
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
-    @pytest.mark.parametrize("fmt", ["int4", "int8"])
+    @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
     def test_row_kernels_lower_for_sm90_without_shared_memory_in_their_loop(fmt: str) -> None:
         # the batch-1 CUDA-core GEMVs as Hopper runs them, lowered on the CPU: 16-byte loads of
         # the codes, no tensor-core op, one barrier (the final reduction), 64 registers
         import re
 
         from _sm90 import compile_sm90, ptxas_registers
-        from lmforge.quant._gemv_triton import _int4_gemv_row_kernel, _int8_gemv_row_kernel
+        from lmforge.quant._gemv_triton import (
+            _fp8_gemv_row_kernel,
+            _int4_gemv_row_kernel,
+            _int8_gemv_row_kernel,
+        )
 
         def arg(name: str) -> tuple[str, bool]:
-            types = {"q_ptr": "*u8" if fmt == "int4" else "*i8", "s_ptr": "*fp16",
-                     "o_ptr": "*fp16", "out_ptr": "*fp32", "x_ptr": "*bf16"}  # fmt: skip
+            fp8 = fmt == "fp8"  # W8A8: x as e4m3 codes, fp32 scales
+            types = {"q_ptr": {"int4": "*u8", "int8": "*i8", "fp8": "*fp8e4nv"}[fmt],
+                     "s_ptr": "*fp32" if fp8 else "*fp16", "xs_ptr": "*fp32", "o_ptr": "*fp16",
+                     "out_ptr": "*fp32", "x_ptr": "*fp8e4nv" if fp8 else "*bf16"}  # fmt: skip
             return types.get(name, "i32"), name != "N"
 
         if fmt == "int4":
             jit, consts = _int4_gemv_row_kernel, dict(G=128, SYMMETRIC=False, SUB=1, BLOCK_N=32)
-        else:  # per-channel scales of a 2048-wide input, the launch's 64-wide chunks
+        elif fmt == "int8":  # per-channel scales of a 2048-wide input, 64-wide chunks
             jit, consts = _int8_gemv_row_kernel, dict(G=2048, BLOCK_K=64, SUB=1, BLOCK_N=32)
+        else:
+            jit = _fp8_gemv_row_kernel
+            consts = dict(PER_CHANNEL=True, X_SCALE=True, BLOCK_K=64, SUB=1, BLOCK_N=32)
         ptx = compile_sm90(jit, consts, arg, warps=4).asm["ptx"]
         assert "wgmma" not in ptx and "mma.sync" not in ptx
         assert re.search(r"ld\.global(\.nc)?\.v4", ptx)
