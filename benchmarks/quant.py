@@ -490,6 +490,38 @@ def speed(args: argparse.Namespace) -> list[dict]:
 GEMV_SHAPES = {"q|k|v": (2560, 2048), "o": (2048, 2048), "w1|w3": (11264, 2048), "w2": (2048, 5632)}
 
 
+def _row_launches(chunks: int, splits: tuple) -> list:
+    """The row (CUDA-core) kernel's batch-1 launches the sweep tries: tiles of at most 64
+    registers a thread in their sm_90 PTX, 1-4 groups or chunks an iteration, the shape's
+    splits."""
+    from lmforge.quant._gemv_triton import QuantGemvConfig
+
+    return [
+        QuantGemvConfig(split, sub, bn, warps, rows_kernel=True)
+        for bn, warps in ((32, 4), (64, 8), (16, 2))
+        for sub in (1, 2, 4) if chunks % sub == 0
+        for split in splits if split <= chunks // sub
+    ]  # fmt: skip
+
+
+def _correct(label: str, cands: list, run, want: torch.Tensor) -> list:
+    """The launches of ``cands`` whose ``run(cfg)`` partials add up to ``want`` (float64) within
+    1e-2 relative; the others (or one the card cannot run) are printed and dropped."""
+    ok = []
+    for cfg in cands:
+        try:
+            got = run(cfg).sum(0).double()
+        except Exception as e:  # a launch the card cannot run (shared memory)
+            print(f"  {label} {cfg}: {type(e).__name__}", flush=True)
+            continue
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        if err < 1e-2:
+            ok.append(cfg)
+        else:
+            print(f"  {label} {cfg}: error {err:.2e}, dropped", flush=True)
+    return ok
+
+
 def _fp8_sweep(bench, name: str, n: int, k: int, x: torch.Tensor, wbs: list, splits: tuple,
                bw: float, bf16_us: float) -> dict:  # fmt: skip
     """fp8 (W8A8, per channel) at batch 1: the engine's path without a TABLE entry (the
@@ -498,7 +530,7 @@ def _fp8_sweep(bench, name: str, n: int, k: int, x: torch.Tensor, wbs: list, spl
     import math
 
     from lmforge.quant import Fp8Linear
-    from lmforge.quant._gemv_triton import QuantGemvConfig, fp8_block_k, fp8_gemv_partials
+    from lmforge.quant._gemv_triton import fp8_block_k, fp8_gemv_partials
     from lmforge.quant.formats import fp8_quantize_rows
 
     mod = Fp8Linear.from_float(wbs[0].float())
@@ -514,20 +546,8 @@ def _fp8_sweep(bench, name: str, n: int, k: int, x: torch.Tensor, wbs: list, spl
         xq, sx = fp8_quantize_rows(x)  # (1, K), (1, 1)
         return fp8_gemv_partials(xq, m.qweight, m.scales, sx.reshape(1), cfg)
 
-    want = mod.reference(x).double()  # (1, N)
-    chunks = k // fp8_block_k(k)
-    ok = []
-    for cfg in [
-        QuantGemvConfig(split, sub, bn, warps, rows_kernel=True)
-        for bn, warps in ((32, 4), (64, 8), (16, 2))
-        for sub in (1, 2, 4) if chunks % sub == 0
-        for split in splits if split <= chunks // sub
-    ]:  # fmt: skip
-        err = ((gemv(cfg).sum(0).double() - want).abs().max() / want.abs().max()).item()
-        if err < 1e-2:
-            ok.append(cfg)
-        else:
-            print(f"  {name} fp8 {cfg}: error {err:.2e}, dropped", flush=True)
+    ok = _correct(f"{name} fp8", _row_launches(k // fp8_block_k(k), splits), gemv,
+                  mod.reference(x).double())  # fmt: skip
     times = bench._graph_us([lambda i: copies[i % len(copies)](x)]
                             + [lambda i, cfg=cfg: gemv(cfg, i) for cfg in ok])  # fmt: skip
     scaled_us = times[0]
@@ -607,24 +627,8 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                 for sub in (1, 2, 4, 8) if chunks % sub == 0
                 for split in splits if split <= chunks // sub
                 for warps in (4, 8)
-            ] + [  # batch 1 on the CUDA-core kernel: tiles of 64 registers a thread (sm_90 PTX)
-                QuantGemvConfig(split, sub, bn, warps, rows_kernel=True)
-                for bn, warps in ((32, 4), (64, 8), (16, 2))
-                for sub in (1, 2, 4) if chunks % sub == 0
-                for split in splits if split <= chunks // sub
-            ]  # fmt: skip
-            ok = []
-            for cfg in cands:
-                try:
-                    got = run(cfg).sum(0).double()
-                except Exception as e:  # a launch the card cannot run (shared memory)
-                    print(f"  {name} {fmt} {cfg}: {type(e).__name__}", flush=True)
-                    continue
-                err = ((got - want).abs().max() / want.abs().max()).item()
-                if err < 1e-2:
-                    ok.append(cfg)
-                else:
-                    print(f"  {name} {fmt} {cfg}: error {err:.2e}, dropped", flush=True)
+            ] + _row_launches(chunks, splits)  # fmt: skip
+            ok = _correct(f"{name} {fmt}", cands, run, want)
             times = bench._graph_us([lambda i, cfg=cfg: run(cfg, i) for cfg in ok])
             timed = list(zip(times, ok, strict=True))
             default_us = timed[0][0] if timed and timed[0][1] == default else float("nan")
@@ -649,9 +653,9 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
     for r in (r for r in rows if r["tuned"]):
         fmt, n, k, g = r["key"]
         c = r["config"]
-        rows = ", rows_kernel=True" if c["rows_kernel"] else ""
+        kernel = ", rows_kernel=True" if c["rows_kernel"] else ""
         print(f'    ("{fmt}", {n}, {k}, {g}): QuantGemvConfig({c["split"]}, sub={c["sub"]}, '
-              f'block_n={c["block_n"]}, warps={c["warps"]}{rows}),')  # fmt: skip
+              f'block_n={c["block_n"]}, warps={c["warps"]}{kernel}),')  # fmt: skip
     return rows
 
 
