@@ -51,7 +51,7 @@
 #   quant      issue 37: benchmarks/quant.py --part speed --tune --profile: the GEMV launch sweep,
 #              then bf16, int4, int8, fp8 and the peers in one run (engines built side by side,
 #              timed one at a time)
-#   quant-more issue 37: benchmarks/quant.py --part gemv (the int4/int8 GEMV launches swept on
+#   quant-more issue 37: benchmarks/quant.py --part gemv (the int4/int8/fp8 GEMV launches swept on
 #              TinyLlama's shapes: the winners go into lmforge/quant/_gemv_triton.py's TABLE
 #              before the next `quant`), then benchmarks/kv_quant.py (the quantized KV cache)
 #   vision     issue 38: benchmarks/vlm_serve.py, TTFT with one image (carry .whl)
@@ -302,7 +302,7 @@ part_quant() {    # issue 37: every format's engine decode speed and the peers i
     have quant benchmarks/quant.py && step quant-speed 580 "$PY" benchmarks/quant.py \
         --part speed --tune --profile --out "$o/quant_speed"
 }
-part_quant-more() {  # issue 37: the int4/int8 GEMV launch sweep; the quantized KV cache
+part_quant-more() {  # issue 37: the int4/int8/fp8 GEMV launch sweep; the quantized KV cache
     local o="${OUT:-runs/h200}"
     have quant benchmarks/quant.py && step quant-gemv 300 "$PY" benchmarks/quant.py \
         --part gemv --out "$o/quant_gemv"

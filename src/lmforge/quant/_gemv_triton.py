@@ -19,15 +19,15 @@ the SMs at batch 1). Launches per weight shape: :data:`TABLE`, else one group an
 about two waves of programs (:func:`quant_gemv_config`).
 
 A launch may send batch 1 (one row of x) to a CUDA-core kernel instead
-(``QuantGemvConfig.rows_kernel``; ``_int4_gemv_row_kernel``, ``_int8_gemv_row_kernel``): each
+(``QuantGemvConfig.rows_kernel``; ``_int4_gemv_row_kernel``, ``_byte_gemv_row_kernel``): each
 code dequantized in registers (q·s + m) and multiplied into a (BLOCK_N, chunk) fp32 accumulator,
 one reduction along K at the end. The dot kernel's int4 path stages the unpacked codes through
 shared memory for the tensor cores (14 ``st.shared``, 30 ``ld.shared`` and 9 barriers a group in
-its sm_90 PTX, 96 registers); the row kernels' loops have no shared memory and no barrier (64
-registers at 32 rows × 4 warps; int8 in 64-wide K chunks). Which is faster per shape is the GPU
-sweep's to say. fp8 e4m3 weights have the row kernel only (``_fp8_gemv_row_kernel``, batch 1,
-weight-only or W8A8 with the row's e4m3 codes and scale), used for the shapes whose ("fp8", N,
-K, K) TABLE entry says it beat ``torch._scaled_mm``. The reference is
+its sm_90 PTX, 96 registers); the row kernels' loops have no shared memory and no barrier (32
+rows × 4 warps: int4 64 registers; one-byte codes, in 64-wide K chunks, 39-56). Which is faster per shape is the GPU
+sweep's to say. fp8 e4m3 weights have the row kernel only (the int8 one's: one byte a code;
+batch 1, weight-only or W8A8 with the row's e4m3 codes and scale), used for the shapes whose
+("fp8", N, K, K) TABLE entry says it beat ``torch._scaled_mm``. The reference is
 :func:`gemv_reference` (float64). Exercised by ``pytest tests/test_quant_kernels.py``
 (TRITON_INTERPRET=1 on CPU) and ``benchmarks/quant.py``.
 
@@ -169,14 +169,18 @@ def _int4_gemv_row_kernel(
 
 
 @triton.jit
-def _int8_gemv_row_kernel(
-    x_ptr, q_ptr, s_ptr, out_ptr,
+def _byte_gemv_row_kernel(
+    x_ptr, q_ptr, s_ptr, xs_ptr, out_ptr,
     N, K,
     stride_qn, stride_sn, stride_os,
-    G: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, GROUPED: tl.constexpr, PER_ROW: tl.constexpr, X_SCALE: tl.constexpr,
+    BLOCK_K: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # one decode row (M = 1) on the CUDA cores, as _int4_gemv_row_kernel; per-channel scales
-    # (G = K) are applied once after the reduction
+    # one decode row (M = 1) of one-byte codes (int8, or fp8 e4m3) on the CUDA cores, as
+    # _int4_gemv_row_kernel. Scales: one per (row, group of G inputs) applied in the loop
+    # (GROUPED), else one per row (PER_ROW) or one for the tensor, applied after the sum.
+    # X_SCALE: x holds e4m3 codes whose row scale is at xs_ptr (fp8 W8A8: Σ x_q·w_q in fp32,
+    # then both scales, as torch._scaled_mm computes it)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     split = tl.num_programs(1)
@@ -187,58 +191,54 @@ def _int8_gemv_row_kernel(
     for c in range(pid_s, K // (BLOCK_K * SUB), split):  # SUB K chunks an iteration
         for j in tl.static_range(SUB):
             k0 = (c * SUB + j) * BLOCK_K
-            q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK) int8
+            q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK)
             # x read in the codes' (BN, BK) shape and layout (every row the same, from L1): a
             # (BK,) load would be converted through shared memory every iteration
             x = tl.load(x_ptr + k0 + rk[None, :] + 0 * rn_c[:, None]).to(tl.float32)
-            if G == K:
-                acc += q.to(tl.float32) * x
-            else:
+            if GROUPED:
                 s = tl.load(s_ptr + rn_c * stride_sn + k0 // G).to(tl.float32)[:, None]
                 acc += q.to(tl.float32) * s * x
+            else:
+                acc += q.to(tl.float32) * x
     y = tl.sum(acc, axis=1)  # (BN,)
-    if G == K:
-        y = y * tl.load(s_ptr + rn_c * stride_sn).to(tl.float32)
-    tl.store(out_ptr + pid_s * stride_os + rn, y, mask=rn < N)
-
-
-@triton.jit
-def _fp8_gemv_row_kernel(
-    x_ptr, q_ptr, s_ptr, xs_ptr, out_ptr,
-    N, K,
-    stride_qn, stride_os,
-    PER_CHANNEL: tl.constexpr, X_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    # one decode row (M = 1) of an fp8 e4m3 weight on the CUDA cores, as the int8 row kernel:
-    # x is bf16/fp16 (weight-only) or e4m3 codes with the per-row scale at xs_ptr (W8A8, the
-    # product Σ x_q·w_q in fp32 then both scales, as torch._scaled_mm computes it)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    split = tl.num_programs(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rn_c = tl.minimum(rn, N - 1)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for c in range(pid_s, K // (BLOCK_K * SUB), split):  # SUB K chunks an iteration
-        for j in tl.static_range(SUB):
-            k0 = (c * SUB + j) * BLOCK_K
-            q = tl.load(q_ptr + rn_c[:, None] * stride_qn + k0 + rk[None, :])  # (BN, BK) e4m3
-            x = tl.load(x_ptr + k0 + rk[None, :] + 0 * rn_c[:, None]).to(tl.float32)
-            acc += q.to(tl.float32) * x
-    y = tl.sum(acc, axis=1)  # (BN,)
-    if PER_CHANNEL:
-        y = y * tl.load(s_ptr + rn_c)
-    else:
-        y = y * tl.load(s_ptr)
+    if not GROUPED:
+        if PER_ROW:
+            y = y * tl.load(s_ptr + rn_c * stride_sn).to(tl.float32)
+        else:
+            y = y * tl.load(s_ptr).to(tl.float32)
     if X_SCALE:
         y = y * tl.load(xs_ptr)
     tl.store(out_ptr + pid_s * stride_os + rn, y, mask=rn < N)
 
 
+def _byte_rows(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    group_size: int,
+    block_k: int,
+    cfg: QuantGemvConfig,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``_byte_gemv_row_kernel`` over one row of x into ``out`` (SPLIT, 1, N): int8 (scales
+    (N, K/G)) or fp8 (scales (N,) or (1,)) codes."""
+    n, k = qweight.shape
+    grouped = group_size < k
+    _byte_gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
+        x, qweight, scales, scales if x_scale is None else x_scale, out,
+        n, k,
+        qweight.stride(0), scales.stride(0), out.stride(0),
+        G=group_size if grouped else 1, GROUPED=grouped, PER_ROW=scales.shape[0] > 1,
+        X_SCALE=x_scale is not None, BLOCK_K=block_k, SUB=cfg.sub, BLOCK_N=cfg.block_n,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantGemvConfig:
-    """One launch of the int4/int8 decode GEMV."""
+    """One launch of the int4/int8/fp8 decode GEMV."""
 
     split: int
     "programs along K (the partials' first dim), 1..8"
@@ -251,22 +251,18 @@ class QuantGemvConfig:
     stages: int = 3
     "num_stages"
     rows_kernel: bool = False
-    """a one-row x (batch-1 decode) takes the CUDA-core kernel (``_int*_gemv_row_kernel``: codes
+    """a one-row x (batch-1 decode) takes the CUDA-core kernel (``_*_gemv_row_kernel``: codes
     dequantized in registers, no tensor-core dot) with this launch; more rows take the dot
     kernel's default launch with the same split (the partials' shape depends on the split only)"""
 
 
 # (format, N, K, group) -> config; shapes not listed take :func:`_default_config` (one group or
-# chunk an iteration, ~two waves of programs). Entries: launches of ``benchmarks/quant.py
-# --part speed --tune`` that beat the default by more than 2% (H100 80GB, 132 SMs, 2026-12-05):
-# TinyLlama's q|k|v, 6.58 -> 6.15 us (int4) and 5.93 -> 5.74 us (int8) a call; their partials go
-# into the fused RoPE + KV-write kernel, which adds any split. Not w1|w3's split 8 (14.73 ->
-# 14.11 us): its eight partials' sum no longer fused into the SiLU-mul kernel, one more kernel
-# a layer (26 us a step against the 14 us saved, in the same run's profile).
-TABLE: dict[tuple[str, int, int, int], QuantGemvConfig] = {
-    ("int4", 2560, 2048, 128): QuantGemvConfig(8, sub=1, warps=4),
-    ("int8", 2560, 2048, 2048): QuantGemvConfig(8, sub=1, warps=4),
-}
+# chunk an iteration, ~two waves of programs; fp8: torch._scaled_mm, see Fp8Linear). Entries:
+# launches of ``benchmarks/quant.py --part gemv`` that beat the default by more than 2% of
+# their own time and buy more than 2% of a decode step. The H100 sweep of 2026-12-05 (dot
+# kernel only) found neither: its best, TinyLlama's q|k|v at split 8, took 6.58 -> 6.15 us
+# (int4) and 5.93 -> 5.74 us (int8) a call, 0.7% and 0.3% of the step.
+TABLE: dict[tuple[str, int, int, int], QuantGemvConfig] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -394,15 +390,8 @@ def int8_gemv_partials(
     if cfg.rows_kernel and m > 1:  # the dot kernel's default launch, the same split
         cfg = QuantGemvConfig(cfg.split)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split)
-    if cfg.rows_kernel:  # 64-wide K chunks: a (BN, BK) fp32 accumulator in 64 registers
-        _int8_gemv_row_kernel[grid](
-            x, qweight, scales, out,
-            n, k,
-            qweight.stride(0), scales.stride(0), out.stride(0),
-            G=group_size, BLOCK_K=min(64, bk), SUB=cfg.sub, BLOCK_N=cfg.block_n,
-            num_warps=cfg.warps, num_stages=cfg.stages,
-        )  # fmt: skip
-        return out
+    if cfg.rows_kernel:  # 64-wide K chunks: a (BN, BK) fp32 accumulator in few registers
+        return _byte_rows(x, qweight, scales, None, group_size, min(64, bk), cfg, out)
     _int8_gemv_kernel[grid](
         x, qweight, scales, out,
         m, n, k,
@@ -435,15 +424,7 @@ def fp8_gemv_partials(
     cfg = config or quant_gemv_config("fp8", n, k, k, x.device)
     assert (k // bk) % cfg.sub == 0, (k, bk, cfg)
     out = torch.empty(cfg.split, 1, n, device=x.device, dtype=torch.float32)  # (SPLIT, 1, N)
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split)
-    _fp8_gemv_row_kernel[grid](
-        x, qweight, scales, scales if x_scale is None else x_scale, out,
-        n, k,
-        qweight.stride(0), out.stride(0),
-        PER_CHANNEL=scales.numel() > 1, X_SCALE=x_scale is not None, BLOCK_K=bk, SUB=cfg.sub,
-        BLOCK_N=cfg.block_n, num_warps=cfg.warps, num_stages=cfg.stages,
-    )  # fmt: skip
-    return out
+    return _byte_rows(x, qweight, scales, x_scale, k, bk, cfg, out)
 
 
 def fp8_split(n: int, k: int, device: torch.device) -> int:
