@@ -219,11 +219,8 @@ class Engine:
             # a verify is k + 1 decode rows of the one sequence: graphs up to that many rows
             max_decode_rows=None if self.speculative is None else self.speculative.k + 1,
         )  # fmt: skip
-        from lmforge.model.mtp import MTPDraft as _MTP
-
-        draft = getattr(self.speculative, "draft", None)
-        if isinstance(draft, _MTP) and draft.graphs is None:  # MTP proposals: graphs as ours
-            draft.graphs = self.runner.use_graphs
+        if self.speculative is not None:  # its proposer's CUDA graphs follow the engine's
+            self.speculative.graphs_default(self.runner.use_graphs)
         self.scheduler = Scheduler(
             self.runner.num_blocks, block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

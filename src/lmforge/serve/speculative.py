@@ -263,6 +263,12 @@ class Speculative:
             self.tap = _HiddenTap(target, target.config.context_length + self.k + 1)
             self.draft.source = self.tap.hidden  # what a captured proposal reads
 
+    def graphs_default(self, on: bool) -> None:
+        """Called by the engine with its CUDA-graph setting: an MTP proposer left to decide
+        (``MTPDraft(graphs=None)``) captures its proposals when the engine captures steps."""
+        if isinstance(self.draft, MTPDraft) and self.draft.graphs is None:
+            self.draft.graphs = on
+
     def accepted_in(self, seq: object, old_len: int, n_acc: int, k: int) -> None:
         """After a verify: the draft model's cache keeps only KV of accepted tokens."""
         if self._state is not None and self._state[0] is seq:
