@@ -32,8 +32,10 @@ graphs: the path ``lmforge serve --checkpoint Q`` runs): the median decode step 
 process of its own, side by side (a 22-layer engine compiles for 2-3 minutes); the engines are
 then timed one at a time with nothing else running (``--profile``: the kernels of 20 batch-1
 steps per format, with the GPU's busy time and the gaps between kernels). Peers in the same run: torchao's int4 weight-only
-(``Int4WeightOnlyConfig``, group 128) when torchao imports, and always Int4Linear's
-dequantize-then-matmul torch reference compiled in the same engine step; the independent bf16
+(``Int4WeightOnlyConfig``, group 128) when torchao imports; always its kernel, torch's own
+tinygemm (``aten._weight_int4pack_mm``) on the same codes in the same engine (int4-tinygemm; also
+a column of the GEMV sweep), and Int4Linear's dequantize-then-matmul torch reference compiled in
+the same engine step (int4-torch-ref); the independent bf16
 static-cache Llama under ``torch.compile(mode="reduce-overhead")`` (gpt-fast style, from
 ``benchmarks/serve.py``). Correctness first: each format's kernel path against a float64
 product with its dequantized weights, and each model's logits against bf16's.
@@ -261,6 +263,7 @@ def _model(kind: str, dev: str, layers: int = 22):
         "int4": QuantSpec("int4", 128),
         "fp8": QuantSpec("fp8"),
         "int4-torch-ref": QuantSpec("int4", 128),
+        "int4-tinygemm": QuantSpec("int4", 128),
     }.get(kind)
     if spec is not None:
         quantize_model(model, spec)
@@ -269,6 +272,10 @@ def _model(kind: str, dev: str, layers: int = 22):
         for mod in model.modules():
             if isinstance(mod, Int4Linear):
                 mod.forward = mod.reference  # the dequantize-then-matmul torch path
+    if kind == "int4-tinygemm":
+        for mod in model.modules():
+            if isinstance(mod, Int4Linear):
+                tinygemm_forward(mod)
     if kind == "torchao-int4":
         from torchao.quantization import Int4WeightOnlyConfig, quantize_
 
@@ -290,6 +297,43 @@ def _to_nn_linear(model) -> None:
             lin.weight = m.weight
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, lin)
+
+
+def tinygemm_pack(mod: Int4Linear, inner_k_tiles: int = 8):
+    """``mod``'s codes and parameters in the layout of torch's own int4 weight-only kernel:
+    ``(op, packed, scales_and_zeros)``, ``op(x_bf16 (M, K), packed, group, scales_and_zeros)``
+    -> (M, N). The kernel is tinygemm, ``aten._weight_int4pack_mm``, the one behind torchao's
+    ``Int4WeightOnlyConfig`` (its tensor-core tiled layout): the int4 peer here, where torchao
+    itself does not import. tinygemm dequantizes (q − 8)·s + z with bf16 s and z, so
+    z = m + 8·s (asymmetric; 0 symmetric), our fp16 parameters rounded to bf16. CUDA packs two
+    codes a byte (even column in the high nibble) before its tiling; the CPU op (smoke runs)
+    takes the codes unpacked."""
+    q = mod.codes().to(torch.int32)  # (N, K) 0..15
+    s = mod.scales.float()
+    z = torch.zeros_like(s) if mod.offsets is None else mod.offsets.float() + 8.0 * s
+    sz = torch.stack([s, z], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # (K/G, N, 2)
+    if q.is_cuda:
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # (N, K/2)
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
+        return torch.ops.aten._weight_int4pack_mm, packed, sz
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, inner_k_tiles)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu, packed, sz
+
+
+def tinygemm_forward(mod: Int4Linear) -> None:
+    """Give ``mod`` tinygemm (:func:`tinygemm_pack`) as its forward: an instance attribute, so
+    the engine runs the module as itself, off lmforge's GEMV (the int4-tinygemm peer row)."""
+    op, packed, sz = tinygemm_pack(mod)
+    mod.register_buffer("tinygemm_w", packed)
+    mod.register_buffer("tinygemm_sz", sz)
+    g, n = mod.group_size, mod.d_out
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x2 = mod._scaled_input(x).reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = op(x2, mod.tinygemm_w, g, mod.tinygemm_sz)  # (rows, N) bf16
+        return y.reshape(*x.shape[:-1], n).to(x.dtype)
+
+    mod.forward = forward
 
 
 def _serve_bench():
@@ -402,7 +446,7 @@ def speed(args: argparse.Namespace) -> list[dict]:
         except Exception as e:
             print(f"torchao not usable ({type(e).__name__}: {e}); int4 peer = Int4Linear's torch "
                   "dequantize-then-matmul reference, compiled in the same engine step")  # fmt: skip
-        kinds.append("int4-torch-ref")
+        kinds += ["int4-torch-ref", "int4-tinygemm"]
     kinds += [k for k in ("int8", "fp8") if k in args.formats]
     # the KV cache sized for the runs (every engine holds its cache at once): 64 sequences of
     # prompt + new tokens, twice over; decode speed does not depend on the cache's size
@@ -452,7 +496,8 @@ def speed(args: argparse.Namespace) -> list[dict]:
             print(f"{kind}: the engine failed ({err})")
             continue
         wbytes = res["wbytes"]
-        if kind == "torchao-int4":  # its tensor subclass reports logical bf16 sizes
+        if kind in ("torchao-int4", "int4-tinygemm"):  # torchao's tensor subclass reports
+            # bf16 sizes; tinygemm's buffers sit beside the codes it was converted from
             wbytes = next((r["weight_MB"] for r in rows if r["format"] == "int4"), 0) * 1e6
         row = {"format": kind, "weight_MB": wbytes / 1e6, "floor_ms": wbytes / bw * 1e3,
                "b1_ms_per_token": res["b1"], "b64_tokens_per_s": args.batch_large / res["bn"] * 1e3}  # fmt: skip
@@ -564,6 +609,28 @@ def _fp8_sweep(bench, name: str, n: int, k: int, x: torch.Tensor, wbs: list, spl
             "config": dataclasses.asdict(best)}  # fmt: skip
 
 
+def _tinygemm_us(bench, mod: Int4Linear, x: torch.Tensor, want: torch.Tensor, copies: int,
+                 nbytes: int) -> dict:  # fmt: skip
+    """The peer's columns of an int4 sweep row: tinygemm (:func:`tinygemm_pack`) on ``mod``'s
+    codes at batch 1, checked against float64 (1e-2 relative, as every launch), timed like the
+    launches on ``copies`` copies of its buffers."""
+    try:
+        op, packed, sz = tinygemm_pack(mod)
+        xb = x.to(torch.bfloat16)
+        got = op(xb, packed, mod.group_size, sz).double()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        if not err < 1e-2:
+            print(f"  tinygemm: error {err:.2e}, not timed", flush=True)
+            return {"tinygemm_us": float("nan")}
+        bufs = [(packed.clone(), sz.clone()) for _ in range(copies)]
+        g = mod.group_size
+        us = bench._graph_us([lambda i: op(xb, bufs[i % copies][0], g, bufs[i % copies][1])])[0]
+    except Exception as e:  # not on this card or torch build: the row says so
+        print(f"  tinygemm: {type(e).__name__}: {e}", flush=True)
+        return {"tinygemm_us": float("nan")}
+    return {"tinygemm_us": us, "tinygemm_TBps": nbytes / us / 1e6}
+
+
 def gemv_sweep(args: argparse.Namespace) -> list[dict]:
     """The int4 (g128) and int8 (per channel) decode GEMVs on TinyLlama's four layer shapes at
     batch 1: the default launch and a sweep (groups or K chunks an iteration, split, warps),
@@ -644,6 +711,8 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                            f"{best.block_n}, split {best.split} sub {best.sub} warps {best.warps}",
                    "tuned": tuned, "key": [fmt, n, k, g],
                    "config": dataclasses.asdict(best)}  # fmt: skip
+            if fmt == "int4":  # the peer: torch's tinygemm on the same codes
+                row.update(_tinygemm_us(bench, mods[0], x, want, len(bufs), nbytes))
             rows.append(row)
             print(json.dumps(row), flush=True)
         row = _fp8_sweep(bench, name, n, k, x, wbs, splits, bw, bf16_us)
@@ -754,7 +823,8 @@ def main() -> None:
         print(f"\nDecode GEMV at batch 1, TinyLlama shapes, in a CUDA graph; floor = bytes / "
               f"{args.bandwidth / 1e12:.2f} TB/s (copy bandwidth measured)")  # fmt: skip
         cols = ["shape", "format", "MB", "floor_us", "default_us", "best_us", "best_TBps"]
-        print(_table(out["gemv"], [*cols, "bf16_us", "bf16_TBps", "best"]))
+        cols += ["tinygemm_us", "tinygemm_TBps", "bf16_us", "bf16_TBps", "best"]
+        print(_table(out["gemv"], cols))
     if "speed" in out:
         print(
             f"\nTinyLlama-1.1B shape ({args.layers} layers), random weights, Engine(model) "
