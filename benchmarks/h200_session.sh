@@ -38,6 +38,10 @@
 #              HF hybrids; serve_hybrid.py A and GGGA, graphs vs eager
 #   layers-b   issue 35, call 2: benchmarks/linear_attention.py (vs FLA, SDPA; carry .whl) and
 #              serve_hybrid.py for MMMA, LLLA, WWWA, GMWA, SSSA
+#   layers-long  issue 35: serving at long context, benchmarks/serve_hybrid.py: full attention
+#              (A) vs 3:1 GDN (GGGA) vs 3:1 GDN with a sliding-window layer (GGGW: every paged
+#              layer windowed, so its blocks behind the window go back), 32k prompt + 512 new at
+#              batch 1 and 32; decode steps timed apart from prefill; memory per sequence
 #   hybrid-quality  issue 35: benchmarks/hybrid_quality.py --family hybrids (full attention, 3:1
 #              GDN / Mamba-2 / SWA hybrids, all-linear: validation curves at equal parameters and
 #              tokens; carry .carry/mq)
@@ -90,7 +94,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b hybrid-quality dsa-quality mla mla-quality mtp quant quant-more vision
+             layers layers-b layers-long hybrid-quality dsa-quality mla mla-quality mtp quant quant-more vision
              vision-train)
 FAILED=()
 
@@ -248,6 +252,13 @@ part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, 
         step linear-attention 300 "$PY" benchmarks/linear_attention.py --budget 240 --out "$o/linattn"
     have layers-b benchmarks/serve_hybrid.py && step serve-hybrid-b 260 "$PY" \
         benchmarks/serve_hybrid.py --patterns MMMA,LLLA,WWWA,GMWA,SSSA --out "$o/serve_hybrid_b"
+}
+
+part_layers-long() {  # issue 35: 32k context + 512 new, batch 1 and 32: A vs GGGA vs GGGW
+    local o="${OUT:-runs/h200}"
+    have layers-long benchmarks/serve_hybrid.py && step serve-hybrid-long 560 "$PY" \
+        benchmarks/serve_hybrid.py --patterns A,GGGA,GGGW --batch 1,32 --prompt 32768 \
+        --new 512 --repeats 1 --out "$o/serve_hybrid_long"
 }
 
 part_hybrid-quality() {  # issue 35: full vs 3:1 GDN, Mamba-2, SWA hybrids vs all-linear curves

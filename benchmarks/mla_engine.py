@@ -138,12 +138,12 @@ def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False
     whole, then each decode step (all ``len(prompts)`` sequences decoding) on its own. Fresh
     prompts each repeat (no prefix-cache hits). ``profile``: the last repeat's final 10 decode
     steps go to torch.profiler (benchmarks/serve.py's kernel table) instead of the clock.
-    Returns the prefill seconds (median over repeats) and the median decode step in ms over
-    every timed decode step."""
+    Returns the prefill seconds (median over repeats), the median decode step in ms over
+    every timed decode step, and the most KV blocks the engine held after any step."""
     from lmforge.serve import SamplingParams
 
     eng.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    clock, prefill_ms, steps_ms = _Clock(device), [], []
+    clock, prefill_ms, steps_ms, peak = _Clock(device), [], [], 0
     for r in range(repeats):
         g = torch.Generator().manual_seed(100 + r)
         batch = [torch.randint(0, 32000, (len(p),), generator=g).tolist() for p in prompts]
@@ -154,6 +154,7 @@ def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False
         while len(got) < len(batch) or min(got.values()) < 1:
             for o in eng.step():
                 got[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
+            peak = max(peak, eng.allocator.num_used)
         prefill_ms.append(clock.ms(t0, clock.mark()))
         done = min(got.values())  # tokens each sequence has
         while eng.has_unfinished():
@@ -165,10 +166,12 @@ def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False
             outs = eng.step()
             t1 = clock.mark()
             done += 1
+            peak = max(peak, eng.allocator.num_used)
             if len(outs) == len(batch) and not any(o.finished for o in outs):
                 steps_ms.append(clock.ms(t0, t1))  # a full-batch decode step
     return {"prefill_s": statistics.median(prefill_ms) / 1e3,
-            "step_ms": statistics.median(steps_ms), "steps": len(steps_ms)}  # fmt: skip
+            "step_ms": statistics.median(steps_ms), "steps": len(steps_ms),
+            "peak_blocks": peak}  # fmt: skip
 
 
 def _serve_bench():

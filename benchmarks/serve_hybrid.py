@@ -6,11 +6,16 @@ pattern, a 4-layer fp32 copy of the timed shape serves 3 prompts of different le
 the engine (chunked prefill, a cache small enough to preempt) and its greedy tokens must equal
 ``lmforge.generate`` (the reference loop: contiguous KV cache, window masks, recurrent states).
 
-Then, per pattern (random weights, bf16, the engine's own memory sizing at ``--kv-fraction``):
-the KV bytes per token and recurrent-state bytes per sequence the engine reports, and
-``--batch`` sequences of ``--prompt`` tokens decoding ``--new`` tokens each: median over
-``--repeats`` runs (after one warmup run) of ``Engine.generate`` between CUDA events, as
-generated tokens/s and ms per decode step (prefill included). Every pattern runs the engine's
+Then, per pattern (random weights, bf16, the engine's own memory sizing at ``--kv-fraction``),
+for each batch size of ``--batch`` (one engine serves them all): that many sequences of
+``--prompt`` fresh tokens decoding ``--new`` tokens each, added at once; the prefill phase
+timed as a whole, then every full-batch decode step on its own (``benchmarks/mla_engine.py``'s
+clock: CUDA events, host work between steps included): the median decode step (ms/token of
+each sequence) and batch / step tokens/s. Memory per sequence as the engine held it: the most
+KV blocks in use after any step × bytes per block / batch (W-only patterns give the blocks
+behind the window back, so theirs stays at the window's whatever the context), plus the
+recurrent-state bytes per sequence (constant in its length); the KV bytes per token the engine
+reports beside it. Every pattern runs the engine's
 defaults: CUDA graphs around the compiled decode step (linear layers' slot-state recurrence,
 conv-state write and W's window decode as custom ops inside it, :mod:`lmforge.serve.compiled`);
 full attention (``A``) is the peer. ``A eager`` and ``GGGA eager`` run the same models without
@@ -21,6 +26,8 @@ the compiled step too. The startup line of each engine (printed above the table)
 
     PYTHONPATH=src python benchmarks/serve_hybrid.py
     PYTHONPATH=src python benchmarks/serve_hybrid.py --batch 64 --prompt 2048 --out runs/serve_hybrid
+    PYTHONPATH=src python benchmarks/serve_hybrid.py --patterns A,GGGA,GGGW --batch 1,32 \
+        --prompt 32768 --new 512 --repeats 1        # long context (issue 35)
     PYTHONPATH=src python benchmarks/serve_hybrid.py --patterns A,GGGA,GGGA-eager
     PYTHONPATH=src python benchmarks/serve_hybrid.py --device cpu --quick
 """
@@ -29,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
@@ -39,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs wit
 import torch
 
 PATTERNS = {"A": "A", "A eager": "A", "GGGA": "GGGA", "GGGA eager": "GGGA", "MMMA": "MMMA",
-            "LLLA": "LLLA", "WWWA": "WWWA", "GMWA": "GMWA", "SSSA": "SSSA"}  # fmt: skip
+            "LLLA": "LLLA", "WWWA": "WWWA", "GMWA": "GMWA", "SSSA": "SSSA", "GGGW": "GGGW",
+            "W": "W"}  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,13 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--window", type=int, default=512, help="W layers' window")
     p.add_argument("--topk", type=int, default=256, help="S layers' keys per query (DSA)")
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", default="32", help="comma-separated batch sizes (one engine each)")
     p.add_argument("--prompt", type=int, default=1024)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-fraction", type=float, default=0.8)
-    p.add_argument("--patterns", default=",".join(k.replace(" ", "-") for k in PATTERNS),
-                   help="comma-separated rows to run (default: all)")  # fmt: skip
+    p.add_argument("--patterns", default="A,A-eager,GGGA,GGGA-eager,MMMA,LLLA,WWWA,GMWA,SSSA",
+                   help=f"comma-separated rows to run, of {','.join(k.replace(' ', '-') for k in PATTERNS)}")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
     p.add_argument("--out", type=Path, default=None, help="write results.json here")
     return p
@@ -99,34 +105,29 @@ def _check(kw: dict, device: str) -> bool:
     return same and fast and eng.stats["preemptions"] > 0
 
 
-def _time(eng, prompts, params, device: str, repeats: int) -> float:
-    """Median seconds of eng.generate (one warmup run first)."""
-    eng.generate(prompts, params)
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            eng.generate(prompts, params)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            eng.generate(prompts, params)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _clock():
+    """benchmarks/mla_engine.py as a module: its prefill-apart decode-step timer."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_mla_engine_bench", Path(__file__).with_name("mla_engine.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main() -> int:
     a = _parser().parse_args()
     if a.quick:
         a.d_model, a.layers, a.heads, a.kv_heads, a.window, a.topk = 128, 4, 4, 2, 16, 8
-        a.batch, a.prompt, a.new, a.repeats = 4, 32, 8, 1
+        a.batch, a.prompt, a.new, a.repeats = "1,4", 32, 8, 1
     from lmforge.model import ModelConfig, TransformerLM
     from lmforge.serve import Engine, SamplingParams
     from lmforge.serve.model_runner import kv_bytes_per_block
 
+    batches = [int(b) for b in str(a.batch).split(",")]
+    timer = _clock()
     context = a.prompt + a.new + 16
     ok = True
     chosen = {k: v for k, v in PATTERNS.items() if k.replace(" ", "-") in a.patterns.split(",")}
@@ -138,7 +139,8 @@ def main() -> int:
         ok &= good
     rows = []
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 32000, (a.prompt,), generator=g).tolist() for _ in range(a.batch)]
+    prompts = [torch.randint(0, 32000, (a.prompt,), generator=g).tolist()
+               for _ in range(max(batches))]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=a.new, ignore_eos=True)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     for name, layers in chosen.items():
@@ -146,19 +148,27 @@ def main() -> int:
         model = TransformerLM(ModelConfig(**_kw(a, layers, context)), device=a.device,
                               dtype=dtype).eval()  # fmt: skip
         eager = name.endswith("eager")
-        eng = Engine(model, max_num_seqs=a.batch, kv_memory_fraction=a.kv_fraction,
+        eng = Engine(model, max_num_seqs=max(batches), kv_memory_fraction=a.kv_fraction,
                      **({"cuda_graphs": False, "compile": False} if eager else {}))  # fmt: skip
-        secs = _time(eng, prompts, params, a.device, a.repeats)
         states = eng.runner.states
-        rows.append({
-            "kind": name,
-            "kv_bytes_per_token": kv_bytes_per_block(model, 16, dtype) // 16,
-            "state_bytes_per_seq": 0 if states is None else states.bytes_per_slot(),
-            "kv_blocks": eng.runner.num_blocks,
-            "tokens_per_s": a.batch * a.new / secs,
-            "ms_per_step": 1e3 * secs / a.new,
-            "path": eng.startup_line,
-        })  # fmt: skip
+        state = 0 if states is None else states.bytes_per_slot()
+        per_block = kv_bytes_per_block(model, eng.block_size, eng.runner.kv_dtype)
+        for b in batches:
+            t = timer._time(eng, prompts[:b], params, a.device, a.repeats)
+            kv_seq = t["peak_blocks"] * per_block / b
+            rows.append({
+                "kind": name, "batch": b,
+                "kv_bytes_per_token": per_block // eng.block_size,
+                "kv_bytes_per_seq": kv_seq,
+                "state_bytes_per_seq": state,
+                "bytes_per_seq": kv_seq + state,
+                "kv_blocks": eng.runner.num_blocks,
+                "tokens_per_s": b / t["step_ms"] * 1e3,
+                "ms_per_step": t["step_ms"],
+                "decode_steps_timed": t["steps"],
+                "prefill_s": t["prefill_s"],
+                "path": eng.startup_line,
+            })  # fmt: skip
         del eng, model
         if a.device == "cuda":
             torch.cuda.empty_cache()
@@ -167,15 +177,24 @@ def main() -> int:
         (a.out / "results.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
                                                         "rows": rows}, indent=2))  # fmt: skip
     for r in rows:
-        print(f"  {r['kind']}: {r['path']}")
+        if r["batch"] == batches[0]:
+            print(f"  {r['kind']}: {r['path']}")
     print(f"\nd_model {a.d_model}, {a.layers} layers, {a.heads} heads ({a.kv_heads} kv); window "
-          f"{a.window}; DSA top-{a.topk}; batch {a.batch} x prompt {a.prompt} + {a.new} new; "
+          f"{a.window}; DSA top-{a.topk}; prompt {a.prompt} + {a.new} new; "
           f"{str(dtype).removeprefix('torch.')}, {a.device}")  # fmt: skip
-    print(f"{'kind':<10} {'KV B/token':>11} {'state B/seq':>12} {'KV blocks':>10} {'tok/s':>10} "
-          f"{'ms/step':>9}")  # fmt: skip
+    print(
+        "decode step = median of every full-batch decode step (prefill excluded, timed apart); "
+        "MiB/seq = the most KV blocks held / batch + recurrent state"
+    )
+    print(f"{'kind':<10} {'batch':>5} {'KV B/token':>11} {'MiB/seq':>9} {'state MiB':>9} "
+          f"{'tok/s':>10} {'ms/step':>9} {'vs A':>6} {'prefill s':>9}")  # fmt: skip
+    base = {r["batch"]: r["ms_per_step"] for r in rows if r["kind"] == "A"}
     for r in rows:
-        print(f"{r['kind']:<10} {r['kv_bytes_per_token']:>11} {r['state_bytes_per_seq']:>12} "
-              f"{r['kv_blocks']:>10} {r['tokens_per_s']:>10.1f} {r['ms_per_step']:>9.2f}")  # fmt: skip
+        rel = r["ms_per_step"] / base[r["batch"]] if r["batch"] in base else float("nan")
+        print(f"{r['kind']:<10} {r['batch']:>5} {r['kv_bytes_per_token']:>11} "
+              f"{r['bytes_per_seq'] / 2**20:>9.2f} {r['state_bytes_per_seq'] / 2**20:>9.2f} "
+              f"{r['tokens_per_s']:>10.1f} {r['ms_per_step']:>9.3f} {rel:>5.2f}x "
+              f"{r['prefill_s']:>9.2f}")  # fmt: skip
     return 0 if ok else 1
 
 

@@ -58,6 +58,46 @@ def test_window_model_keeps_the_prefix_cache() -> None:
     assert eng.allocator.hits == 4  # the first 16 tokens: four full blocks
 
 
+@pytest.mark.parametrize("layers", ["WW", "GW", "MWMW"])
+def test_window_only_patterns_serve_sequences_longer_than_the_cache(layers: str) -> None:
+    """Every paged layer a W layer (window 5): blocks behind a sequence's window go back to the
+    pool, so 6 blocks of 4 tokens serve two 40-token sequences (10 blocks each without the
+    window), chunked prefill included, with the reference loop's greedy tokens; no more than
+    ceil((8 + 5 − 1) / 4) + 1 = 4 blocks a sequence are ever held."""
+    model = _model(layers)
+    prompts = [_prompt(29, 3), _prompt(23, 4)]
+    eng = Engine(model, block_size=4, num_blocks=8, max_num_batched_tokens=8)
+    assert eng.window == 5 and "blocks behind each sequence's window given back" in eng.startup_line
+    want = [greedy_generate_reference(model, p, 40 - len(p)) for p in prompts]
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=40 - len(p), ignore_eos=True))
+    outs, most = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id] = o.outputs[0].token_ids
+        most = max(most, eng.allocator.num_used)
+    assert [outs[k] for k in sorted(outs)] == want
+    assert most <= 2 * 4 and eng.stats["preemptions"] == 0
+    if "G" in layers or "M" in layers:
+        return
+    # W only (the prefix cache is on): a repeated prompt whose blocks are still cached (given
+    # back, not yet evicted) takes them, and holds only its window's
+    eng = Engine(model, block_size=4, num_blocks=16, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+    assert eng.generate([prompts[0]], params)[0].outputs[0].token_ids == want[0]
+    assert eng.generate([prompts[0]], params)[0].outputs[0].token_ids == want[0]
+    assert eng.allocator.hits == 7  # the prompt's 7 full blocks (28 of its 29 tokens)
+
+
+def test_window_with_full_attention_layers_keeps_every_block() -> None:
+    """WWWA: the A layer reads every page, so nothing is given back and a sequence longer
+    than the cache is refused in one line."""
+    eng = Engine(_model("WWWA"), block_size=4, num_blocks=8, max_num_batched_tokens=8)
+    assert eng.window is None and "every block kept" in eng.startup_line
+    with pytest.raises(LmforgeError, match="needs 10 KV blocks, the cache has 8"):
+        eng.add_request(_prompt(29), SamplingParams(max_tokens=11))
+
+
 @pytest.mark.parametrize("layers", ["GGGA", "MMMA", "LLAA", "WWWA", "GMWA"])
 def test_reference_loop_left_padding(layers: str) -> None:
     """lmforge.generate's batch (left-padded, rows of different lengths, rows stopping early)

@@ -1,6 +1,7 @@
 """The engine's scheduler alone, in plain Python (no torch is imported by this file or by
 ``lmforge.serve.scheduler``): admission, chunked prefill under the token budget, preemption by
-recompute, the prefix cache and its token comparison, n-sample prompt sharing."""
+recompute, the prefix cache and its token comparison, n-sample prompt sharing, blocks given
+back behind a sliding window."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import itertools
 import subprocess
 import sys
 
+import pytest
+
 from lmforge.serve.blocks import BlockAllocator, block_keys
-from lmforge.serve.scheduler import Scheduler, Seq
+from lmforge.serve.scheduler import Scheduler, Seq, check_fits
+from lmforge.utils.errors import LmforgeError
 
 _arrivals = itertools.count()
 
@@ -121,3 +125,53 @@ def test_later_samples_wait_for_the_prompt_then_share_it() -> None:
     _run(sched, chosen)
     chosen = sched.schedule()
     assert (s1, 1) in chosen and s1.blocks[:2] == s0.blocks[:2]  # two shared prompt blocks
+
+
+def test_sliding_window_gives_back_the_blocks_behind_the_window() -> None:
+    """window 6, blocks of 4, chunks of 8: a 40-token sequence holds at most
+    ceil((8 + 6 - 1) / 4) + 1 = 5 blocks at any step (the allocator has 6 and the sequence
+    needs 10 without the window); the blocks behind the window point at the null block and
+    every position a later query may see stays in a block of its own."""
+    null = 6
+    sched = Scheduler(6, 4, max_num_batched_tokens=8, window=6, null_block=null)
+    seq = _seq(list(range(30)))
+    sched.add([seq])
+    most = 0
+    while len(seq.tokens) < 40:
+        chosen = sched.schedule()
+        assert chosen, "the sequence must always fit"
+        _run(sched, chosen)
+        live = [b for b in seq.blocks if b != null]
+        most = max(most, len(live))
+        assert sched.allocator.num_used == len(live) == len(set(live))
+        assert seq.blocks[: seq.n_freed] == [null] * seq.n_freed
+        oldest_seen = max(0, seq.n_cached - 6 + 1)  # the next query's oldest key
+        assert seq.n_freed * 4 <= oldest_seen  # no block a later query reads is given back
+        assert (seq.n_freed + 1) * 4 > oldest_seen - 4  # and none is held needlessly
+    assert most <= 5
+    sched.finish(seq)
+    assert sched.allocator.num_used == 0  # the freed entries are not freed twice
+
+
+def test_window_check_fits_counts_the_window_not_the_length() -> None:
+    check_fits(30, 10, 64, 4, 6, window=6, chunk=8)  # 5 blocks at once
+    with pytest.raises(LmforgeError, match="needs 10 KV blocks"):
+        check_fits(30, 10, 64, 4, 6)
+    with pytest.raises(LmforgeError, match="needs 7 KV blocks"):
+        check_fits(30, 10, 64, 4, 6, window=6, chunk=16)
+
+
+def test_window_prefix_hit_holds_only_the_windows_blocks() -> None:
+    """A cached 8-block prefix: the sequence taking it holds the blocks its window needs (a
+    long hit that is not trimmed could exceed the pool and wait forever)."""
+    null = 12
+    sched = Scheduler(12, 4, max_num_batched_tokens=64, window=6, null_block=null)
+    a = _seq(list(range(33)))
+    sched.add([a])
+    _run(sched, sched.schedule())
+    sched.finish(a)  # its 8 full blocks stay cached (registered before they were given back)
+    b = _seq(list(range(33)), rid="b")
+    sched.add([b])
+    chosen = sched.schedule()
+    assert chosen == [(b, 1)] and sched.allocator.hits >= 7
+    assert b.n_freed == (32 - 6 + 1) // 4 and sched.allocator.num_used <= 4

@@ -214,8 +214,9 @@ def paged_window_attention(
     Writes k, v (N, K, E) at ``ctx.slots`` of layer ``layer``'s pages, then each sequence's
     queries q (N, H, E) (RoPE and scales applied) attend to the keys whose position p satisfies
     0 ≤ q_pos − p < ``window`` -> (N, H, E). Sequences are taken one at a time from the
-    context's host lists (an eager step); the pages a sequence has are all kept (no block is
-    freed when it leaves the window)."""
+    context's host lists (an eager step); only the table's blocks from the one holding the
+    first query's oldest key are read (the engine may have given the blocks before it back:
+    their entries point at its scratch block)."""
     k_pages, v_pages = ctx.k_cache[layer], ctx.v_cache[layer]  # (NB, BS, K, E)
     kv, e = k_pages.shape[-2], k_pages.shape[-1]
     k_pages.view(-1, kv, e).index_copy_(0, ctx.slots, k.to(k_pages.dtype))
@@ -225,12 +226,15 @@ def paged_window_attention(
     tables = ctx.tables_list if ctx.tables_list is not None else ctx.block_tables.tolist()
     out = torch.empty_like(q)
     row = 0
+    bs = k_pages.shape[1]
     for n, total, table in zip(q_lens, ctx_lens, tables, strict=True):
-        blocks = torch.as_tensor(table, device=q.device)
-        keys = k_pages[blocks].reshape(-1, kv, e)[:total]  # (C, K, E)
-        vals = v_pages[blocks].reshape(-1, kv, e)[:total]  # (C, K, E)
+        first = max(0, total - n - window + 1) // bs  # the block of the first query's oldest key
+        blocks = torch.as_tensor(table[first : -(-total // bs)], device=q.device)
+        keys = k_pages[blocks].reshape(-1, kv, e)[: total - first * bs]  # (C, K, E)
+        vals = v_pages[blocks].reshape(-1, kv, e)[: total - first * bs]  # (C, K, E)
         q_pos = torch.arange(total - n, total, device=q.device)[:, None]  # (n, 1)
-        d = q_pos - torch.arange(total, device=q.device)[None, :]  # (n, C) query − key position
+        k_pos = torch.arange(first * bs, total, device=q.device)[None, :]  # (1, C)
+        d = q_pos - k_pos  # (n, C) query − key position
         mask = (d >= 0) & (d < window)
         o = F.scaled_dot_product_attention(
             q[row : row + n].transpose(0, 1)[None].to(keys.dtype),  # (1, H, n, E)

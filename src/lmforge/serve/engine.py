@@ -24,7 +24,9 @@ fit now waits. Speculative decoding is a mode of the engine (``Engine(speculativ
 Hybrid layer patterns (``model.layers``): linear layers (G, M, L) keep one recurrent-state
 slot per running sequence (:class:`~lmforge.model.linear_attention.StatePool`, ``max_num_seqs``
 slots; prefix cache off, preemption recomputes from a zeroed slot); W layers read the window
-of their pages; S layers page their indexer keys beside their K/V (same blocks: a prefix hit
+of their pages, and where every paged layer is a W layer the blocks behind a sequence's window
+go back to the pool as it grows (:meth:`Scheduler.trim_window`: a sequence holds its window's
+blocks, not its length's); S layers page their indexer keys beside their K/V (same blocks: a prefix hit
 serves both) and select their top-k keys per sequence; hybrids, like MLA models, decode through
 the compiled step and CUDA graphs (:mod:`lmforge.serve.compiled`), DSA (S) layers included.
 
@@ -221,11 +223,16 @@ class Engine:
         )  # fmt: skip
         if self.speculative is not None:  # its proposer's CUDA graphs follow the engine's
             self.speculative.graphs_default(self.runner.use_graphs)
+        # every paged layer a sliding window (W, with or without linear layers): blocks behind
+        # a sequence's window go back to the pool; an A or S layer needs every page
+        kv_kinds = {c for c in cfg.layer_types if c not in "GML"}
+        self.window = cfg.window if kv_kinds == {"W"} and cfg.attention_type != "mla" else None
         self.scheduler = Scheduler(
             self.runner.num_blocks, block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_cache=enable_prefix_cache,
             num_state_slots=0 if self.runner.states is None else self.runner.states.num_slots,
+            window=self.window, null_block=self.runner.num_blocks,  # (the scratch block)
         )  # fmt: skip
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -235,7 +242,7 @@ class Engine:
         self.lock = threading.RLock()  # step / add / abort / update_weights from several threads
         self.startup_line = self.runner.describe()
         if not cfg.full_attention_only:
-            self.startup_line += ", " + _hybrid_memory(self.runner, cfg)
+            self.startup_line += ", " + _hybrid_memory(self.runner, cfg, self.window)
         if self.speculative is not None:
             name = type(self.speculative.draft).__name__
             self.startup_line += f", speculative decoding ({name}, k={self.speculative.k}, batch 1)"
@@ -299,7 +306,7 @@ class Engine:
         if any(t < 0 or t >= self.config.vocab_size for t in prompt):
             raise LmforgeError(f"prompt token ids must be in [0, {self.config.vocab_size})")
         check_fits(len(prompt), params.max_tokens, self.config.context_length, self.block_size,
-                   self.allocator.num_blocks)  # fmt: skip
+                   self.allocator.num_blocks, self.window, self.max_num_batched_tokens)  # fmt: skip
         if self.speculative is not None and params.n != 1:
             raise LmforgeError("speculative decoding serves one sample per request (n = 1)")
         if self.speculative is not None and params.penalised:
@@ -590,6 +597,7 @@ class Engine:
                 break
         else:  # rejected drafts' KV stays in the pages and is overwritten later
             self.scheduler.register_full_blocks(seq)
+            self.scheduler.trim_window(seq)
         spec.accepted_in(seq, old_len, n_acc_i, k)
         return True
 
@@ -634,7 +642,7 @@ def _top_logprobs(
     return tops
 
 
-def _hybrid_memory(runner: ModelRunner, cfg: Any) -> str:
+def _hybrid_memory(runner: ModelRunner, cfg: Any, window: int | None) -> str:
     """The startup line's memory part for a hybrid layer pattern: KV bytes per token (the paged
     cache holds pages for the K/V layers only) and recurrent-state bytes per sequence (constant
     in its length), and which serving choices the pattern forces."""
@@ -649,7 +657,12 @@ def _hybrid_memory(runner: ModelRunner, cfg: Any) -> str:
             "prefix cache off: states are recomputed)"
         )
     if "W" in cfg.layer_types:
-        parts.append(f"window {cfg.window} (masked torch path; out-of-window blocks kept)")
+        kept = (
+            "blocks behind each sequence's window given back"
+            if window
+            else ("every block kept: the A/S layers read them")
+        )
+        parts.append(f"window {cfg.window} (masked torch path; {kept})")
     if "S" in cfg.layer_types:
         index = cfg.layer_types.count("S") * cfg.dsa_index_dim * runner.kv_dtype.itemsize
         parts.append(f"DSA top-{cfg.dsa_topk} (indexer keys {index} B of the KV per token)")

@@ -30,6 +30,14 @@ the :class:`~lmforge.serve.model_runner.ModelRunner` turns its decision into ten
    The engine turns the prefix cache off for such models: a cached block holds K/V, not the
    recurrent state after it.
 
+4. **Sliding windows** (``window``: every paged layer attends to its last ``window`` keys, e.g.
+   pattern ``W`` or ``GGGW``): blocks whose positions all lie before ``n_cached − window + 1``
+   are seen by no later query, so they are given back as the sequence grows (after the step's
+   full blocks are registered: a finished sequence's prefix stays findable while it is cached);
+   their table entries point at ``null_block`` (the runner's scratch block, finite values that
+   the window mask hides). A sequence then holds at most ``ceil((chunk + window − 1) / BS) + 1``
+   blocks, whatever its length (:func:`check_fits`).
+
 Sample i > 0 of an n-sample request waits until sample 0 has prefilled the prompt, then shares
 its prompt blocks through the prefix cache instead of recomputing them.
 """
@@ -48,15 +56,26 @@ from lmforge.utils.errors import LmforgeError
 __all__ = ["Scheduler", "Seq", "StepInputs", "check_fits"]
 
 
-def check_fits(n_prompt: int, max_tokens: int, context: int, block_size: int, blocks: int) -> None:
+def check_fits(
+    n_prompt: int,
+    max_tokens: int,
+    context: int,
+    block_size: int,
+    blocks: int,
+    window: int | None = None,
+    chunk: int = 0,
+) -> None:
     """Raise :class:`LmforgeError` (one line) unless a request can ever run: a non-empty prompt
-    that leaves room for one token, and a longest sequence within ``blocks`` KV blocks."""
+    that leaves room for one token, and a longest sequence within ``blocks`` KV blocks (with a
+    ``window``, the blocks it holds at once: its window and one ``chunk`` of new tokens)."""
     if not n_prompt:
         raise LmforgeError("the prompt needs at least one token")
     if n_prompt >= context:
         raise LmforgeError(f"prompt has {n_prompt} tokens; the model's context is {context} "
                            "(at least one token must be generated)")  # fmt: skip
     need = math.ceil(min(n_prompt + max_tokens, context) / block_size)
+    if window is not None:  # blocks behind the window are given back as the sequence grows
+        need = min(need, math.ceil((chunk + window - 1) / block_size) + 1)
     if need > blocks:
         raise LmforgeError(f"request needs {need} KV blocks, the cache has {blocks}")
 
@@ -94,6 +113,8 @@ class Seq:
     " :class:`~lmforge.vision.serving.ImagePrompt`; None for text"
     state_slot: int | None = None
     "the recurrent-state slot held while running (hybrid models), else None"
+    n_freed: int = 0
+    "leading blocks given back (behind a sliding window); their entries are the null block"
 
     def key_tokens(self, start: int, stop: int) -> list[Any]:
         """``tokens[start:stop]`` as prefix-cache keys hold them: an image slot is its image's
@@ -148,8 +169,12 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         enable_prefix_cache: bool = True,
         num_state_slots: int = 0,
+        window: int | None = None,
+        null_block: int = -1,
     ) -> None:
         self.block_size = block_size
+        self.window = window
+        self.null_block = null_block
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots))[::-1]
         self.max_num_seqs = max_num_seqs
@@ -196,13 +221,14 @@ class Scheduler:
     def release(self, seq: Seq) -> None:
         """Free ``seq``'s blocks; its tokens are kept (a preempted sequence recomputes)."""
         if seq.blocks:
-            self.allocator.free_all(seq.blocks)
+            self.allocator.free_all(seq.blocks[seq.n_freed :])
         if seq.state_slot is not None:  # a recomputed sequence restarts from a zeroed slot
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = None
         seq.blocks = []
         seq.n_cached = 0
         seq.n_hashed = 0
+        seq.n_freed = 0
 
     def ensure_blocks(self, seq: Seq, n_tokens: int) -> bool:
         """Give ``seq`` blocks for its first ``n_tokens`` slots; False (nothing kept) if short."""
@@ -229,6 +255,7 @@ class Scheduler:
             seq.blocks.append(block)
         seq.n_hashed = len(seq.blocks)
         seq.n_cached = seq.n_hashed * self.block_size
+        self.trim_window(seq)  # a long cached prefix: only its window's blocks are held
 
     def register_full_blocks(self, seq: Seq) -> None:
         """Register the blocks of ``seq`` that became full (prefix cache)."""
@@ -244,6 +271,18 @@ class Scheduler:
         for i in range(seq.n_hashed, full):
             self.allocator.register(seq.blocks[i], seq.keys[i])
         seq.n_hashed = full
+
+    def trim_window(self, seq: Seq) -> None:
+        """With a sliding ``window``: give back ``seq``'s leading blocks that no later query
+        sees (every position before ``n_cached − window + 1``); their entries become the null
+        block. Nothing without a window."""
+        if self.window is None:
+            return
+        dead = min(max(0, seq.n_cached - self.window + 1) // self.block_size, len(seq.blocks))
+        for i in range(seq.n_freed, dead):
+            self.allocator.free(seq.blocks[i])
+            seq.blocks[i] = self.null_block
+        seq.n_freed = max(seq.n_freed, dead)
 
     # ------------------------------------------------------------ the decision
     def _preempt(self) -> Seq | None:
@@ -343,6 +382,7 @@ class Scheduler:
         for seq, n in chosen:
             seq.n_cached += n
             self.register_full_blocks(seq)
+            self.trim_window(seq)
         return [(i, seq) for i, (seq, _) in enumerate(chosen) if seq.n_cached == len(seq.tokens)]
 
 
