@@ -42,6 +42,9 @@
 #              (A) vs 3:1 GDN (GGGA) vs 3:1 GDN with a sliding-window layer (GGGW: every paged
 #              layer windowed, so its blocks behind the window go back), 32k prompt + 512 new at
 #              batch 1 and 32; decode steps timed apart from prefill; memory per sequence
+#   window-attn  issue 35: benchmarks/window_attention.py, the W layers' training kernel
+#              (windowed FlashAttention-2, f+b) against SDPA with the window mask and SDPA
+#              causal, T 4k-16k, windows 512-4096 (~3 minutes: fits beside a short part)
 #   hybrid-quality  issue 35: benchmarks/hybrid_quality.py --family hybrids (full attention, 3:1
 #              GDN / Mamba-2 / SWA hybrids, all-linear: validation curves at equal parameters and
 #              tokens; carry .carry/mq)
@@ -94,7 +97,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b layers-long hybrid-quality dsa-quality mla mla-quality mtp quant quant-more vision
+             layers layers-b layers-long window-attn hybrid-quality dsa-quality mla mla-quality mtp quant quant-more vision
              vision-train)
 FAILED=()
 
@@ -259,6 +262,12 @@ part_layers-long() {  # issue 35: 32k context + 512 new, batch 1 and 32: A vs GG
     have layers-long benchmarks/serve_hybrid.py && step serve-hybrid-long 560 "$PY" \
         benchmarks/serve_hybrid.py --patterns A,GGGA,GGGW --batch 1,32 --prompt 32768 \
         --new 512 --repeats 1 --out "$o/serve_hybrid_long"
+}
+
+part_window-attn() {  # issue 35: windowed flash attention (f+b) vs SDPA mask / SDPA causal
+    local o="${OUT:-runs/h200}"
+    have window-attn benchmarks/window_attention.py && step window-attention 240 "$PY" \
+        benchmarks/window_attention.py --out "$o/window_attention"
 }
 
 part_hybrid-quality() {  # issue 35: full vs 3:1 GDN, Mamba-2, SWA hybrids vs all-linear curves

@@ -50,8 +50,9 @@ def test_attention_kernels_compile_for_sm90(kind, e) -> None:
     kernel = {"fwd": ft._attn_fwd, "dkdv": ft._attn_bwd_dkdv, "dq": ft._attn_bwd_dq}[kind]
     table = {"fwd": ft._FWD_CONFIGS, "dkdv": ft._DKDV_CONFIGS, "dq": ft._DQ_CONFIGS}[kind]
     bm, bn, warps, stages = table[ft._dim_class(e)][0]
-    for causal in (True, False):
-        constexprs = {"HEAD_DIM": e, "CAUSAL": causal, "BLOCK_M": bm, "BLOCK_N": bn}
+    for causal, windowed in ((True, False), (False, False), (True, True)):
+        constexprs = {"HEAD_DIM": e, "CAUSAL": causal, "BLOCK_M": bm, "BLOCK_N": bn,
+                      "WINDOWED": windowed}  # fmt: skip
         compiled = _compile(
             kernel, "bf16", constexprs, warps, stages, {"L": "*fp32", "Dl": "*fp32"}
         )

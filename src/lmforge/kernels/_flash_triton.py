@@ -9,6 +9,11 @@ are written contiguous; L and D are (B, H, T) float32. Work split:
     of one key/value head and loops over the query heads of its group (GQA without atomics and
     without repeating K/V); ``_dq`` mirrors the forward loop. P is recomputed from L in both.
 Rows past T are handled by loading L = +inf there (so P = 0), keys past S by the masked loop.
+Sliding window (``window`` W > 0, causal only: query i sees keys i − W < j ≤ i): the loops start
+at the first tile the window reaches (forward, dq) or stop at the last row that sees the key tile
+(dkdv); tiles crossing the window's edge take the masked loop with the window in the mask, the
+tiles wholly inside it the unmasked one. A row can see none of a window-edge tile's keys, so the
+forward keeps the running max finite there (an all −∞ row would give exp2(−∞ + ∞)).
 Block shapes, warps and stages are autotuned over a handful of Hopper-friendly configs per
 head-dim class; under ``TRITON_INTERPRET=1`` one small fixed config runs instead.
 """
@@ -31,8 +36,8 @@ LN2 = 0.6931471805599453
 @triton.jit
 def _fwd_inner(
     acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, lo, hi, T_K,
-    qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    qk_scale, WINDOW,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -50,11 +55,17 @@ def _fwd_inner(
             keep = offs_n[None, :] < T_K
             if CAUSAL:
                 keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            if WINDOWED:
+                keep = keep & (offs_m[:, None] - offs_n[None, :] < WINDOW)
             qk = tl.where(keep, qk, float("-inf"))
         # The scale is applied inside the exponent (one FMA per score) rather than to the tile.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BM, BN)
-        alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        if WINDOWED:  # a row that has seen no key yet: subtract 0, not −∞ (P and alpha stay 0)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])  # (BM, BN)
+        alpha = tl.math.exp2(m_i - m_use)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)  # (BM, E)
@@ -64,7 +75,18 @@ def _fwd_inner(
 
 # Lengths and head counts are not specialised on (no recompile per sequence length); strides
 # still are, since their 16-alignment lets loads vectorise.
-_LENGTH_ARGS = ["H", "GROUP", "T_Q", "T_K", "T_BUCKET"]
+_LENGTH_ARGS = ["H", "GROUP", "T_Q", "T_K", "T_BUCKET", "WINDOW"]
+
+
+@triton.jit
+def _window_tiles(start_m, diag, WINDOW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Key tiles of query tile [start_m, start_m + BLOCK_M) under a window: [lo_w, lo_full)
+    # cross the window's edge (some row sees only part of them), [lo_full, diag) are seen whole
+    # by every row; both bounds multiples of BLOCK_N, lo_w <= lo_full <= diag.
+    lo_w = tl.maximum(start_m - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    lo_full = (tl.maximum(start_m + BLOCK_M - WINDOW, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo_full = tl.minimum(tl.maximum(lo_full, lo_w), diag)
+    return tl.minimum(lo_w, lo_full), lo_full
 
 
 @triton.jit(do_not_specialize=_LENGTH_ARGS)
@@ -74,8 +96,9 @@ def _attn_fwd(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    H, GROUP, T_Q, T_K, T_BUCKET,
+    H, GROUP, T_Q, T_K, T_BUCKET, WINDOW,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     if CAUSAL:  # longest rows first: the last query tiles carry the most key tiles
@@ -102,13 +125,21 @@ def _attn_fwd(
     else:
         lo = T_K // BLOCK_N * BLOCK_N
         hi = T_K
+    start = 0
+    if WINDOWED:  # tiles crossing the window's edge (masked), then those wholly inside it
+        lo_w, lo_full = _window_tiles(start_m, lo, WINDOW, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _fwd_inner(
+            acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, lo_w,
+            lo_full, T_K, qk_scale, WINDOW, True, CAUSAL, BLOCK_N, WINDOWED,
+        )  # fmt: skip
+        start = lo_full
     acc, m_i, l_i = _fwd_inner(
-        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, lo, T_K,
-        qk_scale, False, CAUSAL, BLOCK_N,
+        acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start, lo, T_K,
+        qk_scale, WINDOW, False, CAUSAL, BLOCK_N, WINDOWED,
     )  # fmt: skip
     acc, m_i, l_i = _fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, lo, hi, T_K,
-        qk_scale, True, CAUSAL, BLOCK_N,
+        qk_scale, WINDOW, True, CAUSAL, BLOCK_N, WINDOWED,
     )  # fmt: skip
     acc = acc / l_i[:, None]
     row_ok = offs_m < T_Q
@@ -145,8 +176,8 @@ def _attn_bwd_delta(
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qm, stride_dom, offs_n, offs_d, lo, hi,
-    T_Q, qk_scale,
-    MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+    T_Q, qk_scale, WINDOW,
+    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -165,7 +196,10 @@ def _dkdv_inner(
         qk_t = tl.dot(k, tl.trans(q))  # (BN, BM) = (q kᵀ)ᵀ
         s_t = qk_t * qk_scale - lse2[None, :]
         if MASKED:  # mask before exp2 so entries above the diagonal never overflow
-            s_t = tl.where(offs_m[None, :] >= offs_n[:, None], s_t, float("-inf"))
+            keep = offs_m[None, :] >= offs_n[:, None]
+            if WINDOWED:
+                keep = keep & (offs_m[None, :] - offs_n[:, None] < WINDOW)
+            s_t = tl.where(keep, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t)
         dv = tl.dot(p_t.to(do.dtype), do, dv)  # (BN, E)
         dp_t = tl.dot(v, tl.trans(do))  # (BN, BM)
@@ -182,8 +216,9 @@ def _attn_bwd_dkdv(
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
-    H, KV_HEADS, GROUP, T_Q, T_K, T_BUCKET,
+    H, KV_HEADS, GROUP, T_Q, T_K, T_BUCKET, WINDOW,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
     start_n = tl.program_id(0) * BLOCK_N
@@ -204,6 +239,14 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
+    # rows a causal tile's unmasked loop covers, and (window) the rows that see any of its keys
+    hi_full = T_Q
+    hi_w = T_Q
+    if WINDOWED:  # rows >= start_n + WINDOW miss the tile's first key: masked up to the last
+        hi_w = tl.minimum(start_n + BLOCK_N + WINDOW - 1, T_Q)  # row seeing its last key
+        hi_full = tl.minimum(
+            tl.maximum((start_n + WINDOW) // BLOCK_M * BLOCK_M, start_n + BLOCK_N), hi_w
+        )
     for g in range(GROUP):  # the query heads sharing this key/value head
         h = kvh * GROUP + g
         q_base = Q + b * stride_qb + h * stride_qh
@@ -213,16 +256,24 @@ def _attn_bwd_dkdv(
             # rows above start_n see none of this tile; the first BLOCK_N rows cross the diagonal
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, L + row0, Dl + row0, stride_qm, stride_dom,
-                offs_n, offs_d, start_n, start_n + BLOCK_N, T_Q, qk_scale, True, BLOCK_M,
+                offs_n, offs_d, start_n, start_n + BLOCK_N, T_Q, qk_scale, WINDOW, True,
+                BLOCK_M, WINDOWED,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, L + row0, Dl + row0, stride_qm, stride_dom,
-                offs_n, offs_d, start_n + BLOCK_N, T_Q, T_Q, qk_scale, False, BLOCK_M,
+                offs_n, offs_d, start_n + BLOCK_N, hi_full, T_Q, qk_scale, WINDOW, False,
+                BLOCK_M, WINDOWED,
             )  # fmt: skip
+            if WINDOWED:  # the rows where the window's edge crosses the tile
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, L + row0, Dl + row0, stride_qm, stride_dom,
+                    offs_n, offs_d, hi_full, hi_w, T_Q, qk_scale, WINDOW, True, BLOCK_M,
+                    WINDOWED,
+                )  # fmt: skip
         else:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, L + row0, Dl + row0, stride_qm, stride_dom,
-                offs_n, offs_d, 0, T_Q, T_Q, qk_scale, False, BLOCK_M,
+                offs_n, offs_d, 0, T_Q, T_Q, qk_scale, WINDOW, False, BLOCK_M, WINDOWED,
             )  # fmt: skip
     dk = dk * sm_scale
     out_off = b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -233,8 +284,8 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_inner(
     dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, lo, hi, T_K,
-    qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    qk_scale, WINDOW,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -253,6 +304,8 @@ def _dq_inner(
             keep = offs_n[None, :] < T_K
             if CAUSAL:
                 keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            if WINDOWED:
+                keep = keep & (offs_m[:, None] - offs_n[None, :] < WINDOW)
             s = tl.where(keep, s, float("-inf"))
         p = tl.math.exp2(s)
         dp = tl.dot(do, tl.trans(v))  # (BM, BN)
@@ -269,8 +322,9 @@ def _attn_bwd_dq(
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
-    H, GROUP, T_Q, T_K, T_BUCKET,
+    H, GROUP, T_Q, T_K, T_BUCKET, WINDOW,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(BLOCK_M % BLOCK_N == 0)
     if CAUSAL:
@@ -305,13 +359,21 @@ def _attn_bwd_dq(
     else:
         lo = T_K // BLOCK_N * BLOCK_N
         hi = T_K
+    start = 0
+    if WINDOWED:
+        lo_w, lo_full = _window_tiles(start_m, lo, WINDOW, BLOCK_M, BLOCK_N)
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, lo_w,
+            lo_full, T_K, qk_scale, WINDOW, True, CAUSAL, BLOCK_N, WINDOWED,
+        )  # fmt: skip
+        start = lo_full
     dq = _dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, lo, T_K,
-        qk_scale, False, CAUSAL, BLOCK_N,
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, start, lo,
+        T_K, qk_scale, WINDOW, False, CAUSAL, BLOCK_N, WINDOWED,
     )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, lo, hi, T_K,
-        qk_scale, True, CAUSAL, BLOCK_N,
+        qk_scale, WINDOW, True, CAUSAL, BLOCK_N, WINDOWED,
     )  # fmt: skip
     dq = dq * sm_scale
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
@@ -366,7 +428,7 @@ def _tuned(kind: str, dim_class: str):
             triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in table[dim_class]
         ]
-        key = ["HEAD_DIM", "CAUSAL", "GROUP", "T_BUCKET"]
+        key = ["HEAD_DIM", "CAUSAL", "WINDOWED", "GROUP", "T_BUCKET"]
         _TUNERS[kind, dim_class] = triton.autotune(configs=configs, key=key)(kernel)
     return _TUNERS[kind, dim_class]
 
@@ -408,9 +470,10 @@ def _bucket(t: int) -> int:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (B, H, T, E) contiguous and L (B, H, T) float32 for 4-D q, k, v."""
+    """O (B, H, T, E) contiguous and L (B, H, T) float32 for 4-D q, k, v; ``window`` > 0
+    (causal): each query sees itself and the window − 1 keys before it."""
     b, h, t_q, e = q.shape
     kv, t_k = k.shape[1], k.shape[2]
     out = torch.empty((b, h, t_q, e), dtype=q.dtype, device=q.device)
@@ -422,10 +485,17 @@ def forward(
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        h, h // kv, t_q, t_k, _bucket(max(t_q, t_k)),
-        HEAD_DIM=e, CAUSAL=causal,
+        h, h // kv, t_q, t_k, _bucket(max(t_q, t_k)), window,
+        HEAD_DIM=e, CAUSAL=causal, WINDOWED=_windowed(causal, window, t_k),
     )  # fmt: skip
     return out, lse
+
+
+def _windowed(causal: bool, window: int, t_k: int) -> bool:
+    """Whether the kernels take the window path (a window shorter than the keys)."""
+    if window and not causal:
+        raise ValueError("flash attention: a sliding window needs causal attention")
+    return 0 < window < t_k
 
 
 def backward(
@@ -436,6 +506,7 @@ def backward(
     lse: torch.Tensor,
     dout: torch.Tensor,
     causal: bool,
+    window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (contiguous, input dtype) from the saved O and L and the incoming dO."""
     b, h, t_q, e = q.shape
@@ -457,6 +528,7 @@ def backward(
     dv = torch.empty((b, kv, t_k, e), dtype=v.dtype, device=q.device)
     scale = 1.0 / math.sqrt(e)
     bucket = _bucket(max(t_q, t_k))
+    windowed = _windowed(causal, window, t_k)
     _launch(
         "dkdv", _attn_bwd_dkdv, t_k, b * kv, "BLOCK_N",
         q, k, v, dout, lse, delta, dk, dv, scale,
@@ -465,8 +537,8 @@ def backward(
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
-        h, kv, h // kv, t_q, t_k, bucket,
-        HEAD_DIM=e, CAUSAL=causal,
+        h, kv, h // kv, t_q, t_k, bucket, window,
+        HEAD_DIM=e, CAUSAL=causal, WINDOWED=windowed,
     )  # fmt: skip
     _launch(
         "dq", _attn_bwd_dq, t_q, b * h, "BLOCK_M",
@@ -476,7 +548,7 @@ def backward(
         v.stride(0), v.stride(1), v.stride(2),
         dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        h, h // kv, t_q, t_k, bucket,
-        HEAD_DIM=e, CAUSAL=causal,
+        h, h // kv, t_q, t_k, bucket, window,
+        HEAD_DIM=e, CAUSAL=causal, WINDOWED=windowed,
     )  # fmt: skip
     return dq, dk, dv

@@ -9,7 +9,9 @@ tensor is ever materialised. Backward recomputes P tile by tile from L:
     D_i = Σ_e dO_ie·O_ie       dV_j = Σ_i P_ij dO_i      dP_ij = dO_i·v_j
     dS_ij = P_ij (dP_ij − D_i) dQ_i = s Σ_j dS_ij k_j   dK_j = s Σ_i dS_ij q_i
 Causal masking is top-left aligned (key j visible to query i iff j ≤ i, as SDPA's ``is_causal``);
-tiles entirely above the diagonal are skipped. Grouped-query attention maps query head h to
+tiles entirely above the diagonal are skipped. A sliding window W (causal, Triton backend: the
+W layers of ``model.layers`` train through it) narrows that to i − W < j ≤ i, and the tiles
+wholly outside it are skipped too (compute O(T·W), not O(T²)). Grouped-query attention maps query head h to
 key/value head h // (H / K) without repeating K/V in memory.
 
 Two implementations share this algorithm:
@@ -36,13 +38,18 @@ from lmforge.kernels._ops import _define, _unit_stride
 
 
 # -- the custom ops (torch.ops.lmforge.*) --------------------------------------------------
-def _flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+def _flash_attn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int = 0
+) -> tuple[Tensor, Tensor]:
     from lmforge.kernels import _flash_triton
 
-    return _flash_triton.forward(_unit_stride(q), _unit_stride(k), _unit_stride(v), causal)
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    return _flash_triton.forward(q, k, v, causal, window)
 
 
-def _flash_attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+def _flash_attn_fwd_fake(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int = 0
+) -> tuple[Tensor, Tensor]:
     b, h, t, e = q.shape
     out = q.new_empty((b, h, t, e))  # (B, H, T, E)
     lse = q.new_empty((b, h, t), dtype=torch.float32)  # (B, H, T)
@@ -50,35 +57,50 @@ def _flash_attn_fwd_fake(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> tuple
 
 
 def _flash_attn_bwd(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    causal: bool,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     from lmforge.kernels import _flash_triton
 
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    return _flash_triton.backward(q, k, v, out.contiguous(), lse.contiguous(), dout, causal)
+    return _flash_triton.backward(q, k, v, out.contiguous(), lse.contiguous(), dout, causal, window)
 
 
 def _flash_attn_bwd_fake(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    causal: bool,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _flash_setup(ctx, inputs, output) -> None:
-    q, k, v, causal = inputs
+    q, k, v, causal, *window = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero-filled dL for the logsumexp output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal = causal
+    ctx.window = window[0] if window else 0
 
 
 def _flash_backward(ctx, dout, _dlse):
     if dout is None:
-        return None, None, None, None
+        return None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = flash_attn_bwd(q, k, v, out, lse, dout, ctx.causal)
-    return dq, dk, dv, None
+    dq, dk, dv = flash_attn_bwd(q, k, v, out, lse, dout, ctx.causal, ctx.window)
+    return dq, dk, dv, None, None
 
 
 flash_attn_fwd = _define(
@@ -124,9 +146,14 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def attention_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Naive softmax attention (materialises the T × S scores) in the inputs' dtype.
+    """Naive softmax attention (materialises the T × S scores) in the inputs' dtype; with a
+    ``window`` (causal), query i sees keys i − window < j ≤ i.
 
     Pass float64 tensors to get the ground truth the tests compare against. GQA is handled by
     repeating K/V heads, which is fine for a reference.
@@ -140,6 +167,8 @@ def attention_reference(
     if is_causal:
         t, s = scores.shape[-2:]
         keep = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
+        if window is not None:
+            keep &= torch.ones(t, s, dtype=torch.bool, device=q.device).triu(1 - window)
         scores = scores.masked_fill(~keep, float("-inf"))
     out = scores.softmax(-1) @ v4  # (B, H, T, E)
     return out.reshape(q.shape)
@@ -346,11 +375,13 @@ def flash_attention(
     v: torch.Tensor,
     is_causal: bool = True,
     backend: Literal["triton", "torch"] = "triton",
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact attention O = softmax(q kᵀ/√E) v with FlashAttention-2 tiling; differentiable.
 
     q (B, H, T, E), k/v (B, K, S, E) with H % K == 0 (GQA), or (…, T, E) forms. ``backend``
-    picks the Triton kernels or the pure-PyTorch tiles. Raises KernelUnsupportedError (a
+    picks the Triton kernels or the pure-PyTorch tiles. ``window`` (causal, Triton backend):
+    query i sees keys i − window < j ≤ i only, and the kernels skip the tiles outside it. Raises KernelUnsupportedError (a
     ValueError) for inputs the chosen backend cannot run. Under autocast the inputs are cast to
     the autocast dtype first (here, outside the op: custom ops do not see autocast).
 
@@ -362,9 +393,13 @@ def flash_attention(
     this package is imported.
     """
     q, k, v = _autocast(q, k, v)
+    if window is not None and (window <= 0 or not is_causal or backend != "triton"):
+        raise KernelUnsupportedError(
+            f"flash_attention: a window ({window}) must be positive, causal, on the triton backend"
+        )
     if backend == "triton":
         _check_triton(q, k, v)
-        out, _ = flash_attn_fwd(_as_4d(q), _as_4d(k), _as_4d(v), bool(is_causal))
+        out, _ = flash_attn_fwd(_as_4d(q), _as_4d(k), _as_4d(v), bool(is_causal), window or 0)
         return out.reshape(q.shape)  # (…, H, T, E)
     if backend == "torch":
         return FlashAttentionTorch.apply(q, k, v, is_causal)

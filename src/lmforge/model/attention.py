@@ -366,7 +366,11 @@ class CausalSelfAttention(nn.Module):
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         t = q.shape[-2]
         if self.window is not None and self.window < t:
-            # The flash kernel has no window: an explicit (T, T) mask, through SDPA.
+            # lmforge's flash kernel skips the tiles outside the window (torch's SDPA has no
+            # window: under it a W layer would cost full attention); where the kernel does not
+            # run (CPU) or the backend is the reference, an explicit (T, T) mask
+            if self.backend != "reference" and flash_supported(q, k, v):
+                return flash_attention(q, k, v, is_causal=True, window=self.window)
             return self._masked(q, k, v, sliding_window_mask(t, self.window, q.device))
         if self.backend == "flash" and flash_supported(q, k, v):
             return flash_attention(q, k, v, is_causal=True)
