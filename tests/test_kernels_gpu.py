@@ -39,7 +39,7 @@ def _assert_like_peer(got, peer, want, dtype, what) -> None:
         assert e <= max(2 * pe, FLOOR[dtype] * scale), f"{what}[{i}]: {e:.3g} vs peer {pe:.3g}"
 
 
-def _attention_case(b, h, kv, t, s, e, causal, dtype, layout="bhte"):
+def _attention_case(b, h, kv, t, s, e, causal, dtype, layout="bhte", window=None):
     from lmforge.kernels import attention_reference, flash_attention
 
     gen = torch.Generator(device="cuda").manual_seed(t * 7 + e)
@@ -53,20 +53,24 @@ def _attention_case(b, h, kv, t, s, e, causal, dtype, layout="bhte"):
         v = torch.randn(b, kv, s, e, device="cuda", generator=gen, dtype=dtype)
     do = torch.randn(b, h, t, e, device="cuda", generator=gen, dtype=dtype)
     ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-    ref = attention_reference(*ref_in, is_causal=causal)
+    ref = attention_reference(*ref_in, is_causal=causal, window=window)
     want = [ref, *torch.autograd.grad(ref, ref_in, do.double())]
     ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     if layout == "bthe":
         ins = [x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v)]  # fmt: skip
         assert ins[0].stride(-1) == 1 and not ins[0].is_contiguous()
-    out = flash_attention(*ins, is_causal=causal)
+    out = flash_attention(*ins, is_causal=causal, window=window)
     assert out.shape == q.shape and out.dtype == dtype
     got = [out, *torch.autograd.grad(out, ins, do)]
     p_in = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     group = h // kv
+    mask = None  # the peer: SDPA with the window as an explicit mask
+    if window is not None:
+        d = torch.arange(t, device="cuda")[:, None] - torch.arange(s, device="cuda")[None, :]
+        mask = (d >= 0) & (d < window)
     po = F.scaled_dot_product_attention(
         p_in[0], p_in[1].repeat_interleave(group, 1), p_in[2].repeat_interleave(group, 1),
-        is_causal=causal,
+        attn_mask=mask, is_causal=causal and mask is None,
     )  # fmt: skip
     peer = [po, *torch.autograd.grad(po, p_in, do)]
     for a, p in zip(got[1:], ins):
@@ -80,6 +84,13 @@ def _attention_case(b, h, kv, t, s, e, causal, dtype, layout="bhte"):
 def test_flash_attention_gpu_bf16(e, causal, shape) -> None:
     b, h, kv, t = shape
     _attention_case(b, h, kv, t, t, e, causal, torch.bfloat16)
+
+
+@pytest.mark.parametrize("e, window", [(64, 1), (128, 100), (128, 256), (64, 700)])
+def test_flash_attention_gpu_sliding_window(e, window) -> None:
+    """The W layers' kernel: the window inside a tile, across tiles, a tile multiple, wide."""
+    _attention_case(2, 8, 2, 1000, 1000, e, True, torch.bfloat16, window=window)
+    _attention_case(1, 4, 4, 777, 777, e, True, torch.float32, window=window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
