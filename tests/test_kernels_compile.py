@@ -113,7 +113,12 @@ else:
         return [
             ("flash_attn_fwd causal", (ops.flash_attn_fwd, (q, k, v, True))),
             ("flash_attn_fwd full", (ops.flash_attn_fwd, (q, k, v, False))),
+            ("flash_attn_fwd window", (ops.flash_attn_fwd, (q, k, v, True, 6))),
             ("flash_attn_bwd", (ops.flash_attn_bwd, (*qkv, out, lse, _randn(*out.shape), True))),
+            (
+                "flash_attn_bwd window",
+                (ops.flash_attn_bwd, (*qkv, out, lse, _randn(*out.shape), True, 6)),
+            ),
             ("rms_norm_fwd", (ops.rms_norm_fwd, (x, w, 1e-5, None))),
             ("rms_norm_fwd bf16 out", (ops.rms_norm_fwd, (x, w, 1e-5, torch.bfloat16))),
             ("rms_norm_bwd", (ops.rms_norm_bwd, (x.detach(), w.detach(), rstd, _randn(10, 24)))),
