@@ -67,8 +67,8 @@ def check(device: str, dtype: torch.dtype) -> bool:
     gen = torch.Generator(device=device).manual_seed(0)
     for b, h, kv, t, e, w in ((2, 8, 2, 1000, 128, 256), (1, 4, 4, 777, 64, 100),
                               (1, 2, 1, 515, 128, 512), (1, 2, 2, 333, 64, 1)):  # fmt: skip
-        if device == "cpu":
-            t, e = min(t, 70), 16
+        if device == "cpu":  # the interpreter: tiny shapes, windows still shorter than T
+            t, e, w = min(t, 70), 16, min(w, 20)
         q = torch.randn(b, h, t, e, device=device, generator=gen, dtype=dtype)
         k = torch.randn(b, kv, t, e, device=device, generator=gen, dtype=dtype)
         v = torch.randn(b, kv, t, e, device=device, generator=gen, dtype=dtype)
