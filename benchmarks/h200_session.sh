@@ -55,9 +55,10 @@
 #              carry .carry/mq, the Gutenberg shards made as benchmarks/mtp.py's docstring says)
 #   mtp        issue 36: benchmarks/mtp.py (MTP training vs none; MTP self-speculative decoding;
 #              carry .carry/mq)
-#   quant      issue 37: benchmarks/quant.py --part speed --tune --profile: the GEMV launch sweep,
-#              then bf16, int4, int8, fp8 and the peers in one run (engines built side by side,
-#              timed one at a time)
+#   quant      issue 37: benchmarks/quant.py --part speed --tune --profile: the GEMV launch sweep
+#              (with torch's tinygemm int4 kernel per shape as the peer), then bf16, int4, int8,
+#              fp8 and the peers (int4-tinygemm, int4-torch-ref, the compiled bf16 decoder) in one
+#              run (engines built side by side, timed one at a time)
 #   quant-more issue 37: benchmarks/quant.py --part gemv (the int4/int8/fp8 GEMV launches swept on
 #              TinyLlama's shapes: the winners go into lmforge/quant/_gemv_triton.py's TABLE
 #              before the next `quant`), then benchmarks/kv_quant.py (the quantized KV cache)
