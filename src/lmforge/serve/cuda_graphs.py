@@ -75,8 +75,7 @@ class DecodeGraphs:
         dev = runner.device
         self.scratch = cache.num_blocks - 1  # the cache holds one block the allocator never gives
         self.width = math.ceil(runner.config.context_length / runner.block_size)
-        rows = getattr(runner, "decode_rows", runner.max_num_seqs)
-        self.sizes = bucket_sizes(min(max_batch or rows, 512))
+        self.sizes = bucket_sizes(min(max_batch or runner.decode_rows, 512))
         top = self.sizes[-1]
         bs = runner.block_size
         self.tokens = torch.zeros(top, dtype=torch.long, device=dev)
