@@ -119,7 +119,7 @@ else:
         with pytest.raises(KernelUnsupportedError, match="causal"):
             flash_attention(q, k, v, is_causal=False, window=window)
 
-    def test_windowed_attention_layer_trains_through_the_kernel() -> None:
+    def test_windowed_attention_layer_trains_through_the_kernel(monkeypatch) -> None:
         """A W layer of the model (backend sdpa, the default) runs the windowed flash kernel
         where it runs (here the interpreter) and matches the masked reference backend."""
         from lmforge.model import ModelConfig, TransformerLM
@@ -138,12 +138,9 @@ else:
             calls.append(kw.get("window"))
             return real(*a, **kw)
 
-        attn_mod.flash_attention = spy
-        try:
-            out = model(ids)
-            out.float().sum().backward()
-        finally:
-            attn_mod.flash_attention = real
+        monkeypatch.setattr(attn_mod, "flash_attention", spy)
+        out = model(ids)
+        out.float().sum().backward()
         assert calls == [7]  # the W layer; the A layer takes SDPA (backend sdpa)
         want = ref(ids)
         want.float().sum().backward()

@@ -86,13 +86,13 @@ def _flash_attn_bwd_fake(
 
 
 def _flash_setup(ctx, inputs, output) -> None:
-    q, k, v, causal, *window = inputs
+    q, k, v, causal, window = inputs  # (torch fills in the defaulted window)
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero-filled dL for the logsumexp output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal = causal
-    ctx.window = window[0] if window else 0
+    ctx.window = window
 
 
 def _flash_backward(ctx, dout, _dlse):
