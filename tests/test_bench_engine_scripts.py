@@ -30,7 +30,7 @@ def _run(script: str, *args: str, env: dict | None = None) -> str:
 def test_serve_hybrid_quick_reports_decode_apart_and_memory() -> None:
     out = _run("serve_hybrid.py", "--device", "cpu", "--quick", "--patterns", "A,GGGW")
     assert "check GGGW: engine greedy == lmforge.generate: ok" in out
-    assert "blocks behind each sequence's window given back" in out  # GGGW: only W pages
+    assert "blocks behind each window given back" in out  # GGGW: only W pages
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["A"], ["GGGW"])]
     assert [(r[0], r[1]) for r in rows] == [("A", "1"), ("A", "4"), ("GGGW", "1"), ("GGGW", "4")]
 

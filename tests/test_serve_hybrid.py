@@ -67,7 +67,7 @@ def test_window_only_patterns_serve_sequences_longer_than_the_cache(layers: str)
     model = _model(layers)
     prompts = [_prompt(29, 3), _prompt(23, 4)]
     eng = Engine(model, block_size=4, num_blocks=8, max_num_batched_tokens=8)
-    assert eng.window == 5 and "blocks behind each sequence's window given back" in eng.startup_line
+    assert eng.window == 5 and "blocks behind each window given back" in eng.startup_line
     want = [greedy_generate_reference(model, p, 40 - len(p)) for p in prompts]
     for p in prompts:
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=40 - len(p), ignore_eos=True))

@@ -658,9 +658,9 @@ def _hybrid_memory(runner: ModelRunner, cfg: Any, window: int | None) -> str:
         )
     if "W" in cfg.layer_types:
         kept = (
-            "blocks behind each sequence's window given back"
+            "blocks behind each window given back"
             if window
-            else ("every block kept: the A/S layers read them")
+            else "every block kept: A/S layers read them"
         )
         parts.append(f"window {cfg.window} (masked torch path; {kept})")
     if "S" in cfg.layer_types:
