@@ -159,7 +159,9 @@ def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False
         done = min(got.values())  # tokens each sequence has
         while eng.has_unfinished():
             if profile and r == repeats - 1 and params.max_tokens - done == 11:
-                _serve_bench().profile_steps(eng, "decode steps", n_steps=10, top=12)
+                import serve  # the sibling script: its profiler table
+
+                serve.profile_steps(eng, "decode steps", n_steps=10, top=12)
                 done += 10
                 continue
             t0 = clock.mark()
@@ -172,18 +174,6 @@ def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False
     return {"prefill_s": statistics.median(prefill_ms) / 1e3,
             "step_ms": statistics.median(steps_ms), "steps": len(steps_ms),
             "peak_blocks": peak}  # fmt: skip
-
-
-def _serve_bench():
-    """benchmarks/serve.py as a module (its profiler table)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "_serve_bench", Path(__file__).with_name("serve.py")
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def main() -> int:

@@ -105,18 +105,6 @@ def _check(kw: dict, device: str) -> bool:
     return same and fast and eng.stats["preemptions"] > 0
 
 
-def _clock():
-    """benchmarks/mla_engine.py as a module: its prefill-apart decode-step timer."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "_mla_engine_bench", Path(__file__).with_name("mla_engine.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> int:
     a = _parser().parse_args()
     if a.quick:
@@ -127,7 +115,8 @@ def main() -> int:
     from lmforge.serve.model_runner import kv_bytes_per_block
 
     batches = [int(b) for b in str(a.batch).split(",")]
-    timer = _clock()
+    import mla_engine  # the sibling script (benchmarks/ is on sys.path when one runs)
+
     context = a.prompt + a.new + 16
     ok = True
     chosen = {k: v for k, v in PATTERNS.items() if k.replace(" ", "-") in a.patterns.split(",")}
@@ -154,7 +143,7 @@ def main() -> int:
         state = 0 if states is None else states.bytes_per_slot()
         per_block = kv_bytes_per_block(model, eng.block_size, eng.runner.kv_dtype)
         for b in batches:
-            t = timer._time(eng, prompts[:b], params, a.device, a.repeats)
+            t = mla_engine._time(eng, prompts[:b], params, a.device, a.repeats)
             kv_seq = t["peak_blocks"] * per_block / b
             rows.append({
                 "kind": name, "batch": b,
