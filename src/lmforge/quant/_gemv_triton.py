@@ -259,10 +259,21 @@ class QuantGemvConfig:
 # (format, N, K, group) -> config; shapes not listed take :func:`_default_config` (one group or
 # chunk an iteration, ~two waves of programs; fp8: torch._scaled_mm, see Fp8Linear). Entries:
 # launches of ``benchmarks/quant.py --part gemv`` that beat the default by more than 2% of
-# their own time and buy more than 2% of a decode step. The H100 sweep of 2026-12-05 (dot
-# kernel only) found neither: its best, TinyLlama's q|k|v at split 8, took 6.58 -> 6.15 us
-# (int4) and 5.93 -> 5.74 us (int8) a call, 0.7% and 0.3% of the step.
-TABLE: dict[tuple[str, int, int, int], QuantGemvConfig] = {}
+# their own time and buy more than 2% of a decode step (22 launches a step). From the H100 sweep
+# of 2026-12-05 (commit 8071224, TinyLlama's shapes, us a call default -> best): int4 q|k|v
+# 6.50 -> 4.43, o 5.34 -> 4.07, w1|w3 14.59 -> 11.57, w2 9.92 -> 7.55 (2.5-5.9% of the int4
+# step each); fp8 18-32% faster than torch._scaled_mm on every shape. int8's best launches saved
+# 0.4-2.0% of its step (q|k|v 5.96 -> 4.79 us, 1.97%), so int8 keeps the default.
+TABLE: dict[tuple[str, int, int, int], QuantGemvConfig] = {
+    ("int4", 2560, 2048, 128): QuantGemvConfig(8, sub=1, block_n=32, warps=4, rows_kernel=True),
+    ("int4", 2048, 2048, 128): QuantGemvConfig(8, sub=1, block_n=32, warps=4, rows_kernel=True),
+    ("int4", 11264, 2048, 128): QuantGemvConfig(4, sub=2, block_n=32, warps=4, rows_kernel=True),
+    ("int4", 2048, 5632, 128): QuantGemvConfig(8, sub=1, block_n=64, warps=8, rows_kernel=True),
+    ("fp8", 2560, 2048, 2048): QuantGemvConfig(8, sub=2, block_n=16, warps=2, rows_kernel=True),
+    ("fp8", 2048, 2048, 2048): QuantGemvConfig(8, sub=2, block_n=32, warps=4, rows_kernel=True),
+    ("fp8", 11264, 2048, 2048): QuantGemvConfig(2, sub=4, block_n=16, warps=2, rows_kernel=True),
+    ("fp8", 2048, 5632, 5632): QuantGemvConfig(8, sub=2, block_n=16, warps=2, rows_kernel=True),
+}
 
 
 def _sm_count(device: torch.device) -> int:
