@@ -69,6 +69,43 @@ def test_one_hot_drafts_are_exact_too() -> None:
     assert _chi2_pvalue(counts, p[0]) > 1e-3
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_one_hot_drafts_without_q_draw_what_the_explicit_q_draws(k: int) -> None:
+    """verify(q=None) (the n-gram and MTP proposers: q never built) takes the same random
+    numbers and the same residual values as verify with the explicit one-hot q: identical
+    draws, rejected and bonus rows alike (drafts of probability 0, 1 and in between)."""
+    n, p = 4_000, _dists(4, k)[0]
+    g = torch.Generator().manual_seed(9)
+    draft = torch.randint(0, p.shape[1], (n, k), generator=g)
+    q = torch.nn.functional.one_hot(draft, p.shape[1]).float()  # (n, k, V)
+    pb = p.expand(n, -1, -1)
+    a = verify(pb, q, draft, torch.Generator().manual_seed(11))
+    b = verify(pb, None, draft, torch.Generator().manual_seed(11))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert 0 < int((a[0] == k).sum()) < n and int((a[0] == 0).sum()) > 0  # every case ran
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_verify_is_rejection_sampling_on_one_hot_rows(k: int) -> None:
+    """verify_greedy (the engine's path for greedy requests) against verify on the one-hot
+    distributions a greedy request samples from, drafts agreeing with the argmax for 0..k."""
+    from lmforge.serve.speculative import verify_greedy, verify_probs
+
+    g = torch.Generator().manual_seed(12)
+    for trial in range(40):
+        logits = torch.randn(k + 1, V, generator=g)
+        best = logits.argmax(-1)
+        agree = trial % (k + 1)  # leading drafts equal to the argmax
+        draft = best[:k].clone()
+        if agree < k:
+            draft[agree] = (best[agree] + 1 + trial) % V  # a different token there
+        want = verify(verify_probs(logits, SamplingParams(temperature=0))[None], None,
+                      draft[None], torch.Generator().manual_seed(trial))  # fmt: skip
+        got = verify_greedy(logits, draft)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert int(got[0]) == agree
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculative_is_token_identical(k: int) -> None:
     target, small = _model(0), _model(1, layers=1)

@@ -278,10 +278,19 @@ class MTPDraft:
         self.host_reads = 0
 
     def propose(
-        self, hidden: torch.Tensor, tokens: Sequence[int], k: int, key: object = None
-    ) -> list[int]:
+        self,
+        hidden: torch.Tensor,
+        tokens: Sequence[int],
+        k: int,
+        key: object = None,
+        *,
+        on_device: bool = False,
+    ) -> list[int] | torch.Tensor:
         """k drafts after ``tokens`` (n + 1 ids) given the target's hidden states (n, D) of
-        ``tokens[:n]``; ``key`` (any object naming the sequence) turns on the step caches."""
+        ``tokens[:n]``; ``key`` (any object naming the sequence) turns on the step caches.
+        ``on_device``: a cached proposal comes back as the program's (k,) device tensor, read
+        nothing on the host (the engine feeds it to the verify forward and reads it with the
+        verify's results); valid until the next proposal. Other proposals are lists."""
         if k < 1:
             return []
         if key is None or self.new_cache is None:
@@ -289,12 +298,12 @@ class MTPDraft:
             self.rows_computed += k * n
             ids = torch.tensor([list(tokens)], dtype=torch.long, device=hidden.device)
             return mtp_draft(self.mtp, hidden[None], ids, k, self.embed, self.head)[0].tolist()
-        return self._propose_cached(hidden, list(tokens), k, key)
+        return self._propose_cached(hidden, list(tokens), k, key, on_device)
 
     @torch.inference_mode()
     def _propose_cached(
-        self, hidden: torch.Tensor, seq: list[int], k: int, key: object
-    ) -> list[int]:
+        self, hidden: torch.Tensor, seq: list[int], k: int, key: object, on_device: bool
+    ) -> list[int] | torch.Tensor:
         n = hidden.shape[0]
         if len(seq) != n + 1:
             raise ValueError(f"MTPDraft: tokens must be one longer than hidden ({n}), got"
@@ -311,20 +320,25 @@ class MTPDraft:
         rows = max(max(n - s for s in starts), 1)
         self.rows_computed += sum(n - s for s in starts)
         lo = self._tok_ok  # the committed tokens the device has not seen yet (drafts after them)
-        self._tok[lo : n + 1].copy_(torch.tensor(seq[lo : n + 1], dtype=torch.long))
-        self._ctl.copy_(torch.tensor([n, *starts], dtype=torch.long))
+        # from pinned memory without blocking (a pageable copy waits for the queued work)
+        pin = self._tok.is_cuda
+        fresh = torch.tensor(seq[lo : n + 1], dtype=torch.long, pin_memory=pin)
+        self._tok[lo : n + 1].copy_(fresh, non_blocking=pin)
+        self._ctl.copy_(torch.tensor([n, *starts], dtype=torch.long, pin_memory=pin),
+                        non_blocking=pin)  # fmt: skip
         buffer = self.source
         if self.graphs and buffer is not None and rows <= 2 * kk and _prefix_of(hidden, buffer):
             self._graph(kk, buffer).replay()  # steady state: 2k rows a step, one launch
             self.replays += 1
         else:  # the first proposal of a sequence (n rows), or catching up: eager, exact rows
             self._program(hidden, kk, rows)
-        self.host_reads += 1
-        drafts = self._drafts[:k].tolist()  # the one read of a proposal
         for j in range(kk):  # step j + 1's positions <= n - j - 1 read committed tokens only
             self._final[j] = max(n - j, 0)
         self._tok_ok = n + 1
-        return drafts
+        if on_device:
+            return self._drafts[:k]
+        self.host_reads += 1
+        return self._drafts[:k].tolist()  # the one read of a proposal
 
     def _ensure(self, kk: int, hidden: torch.Tensor) -> None:
         """The step caches, output buffers and control tensors for ``kk`` steps."""

@@ -551,7 +551,7 @@ class Engine:
         proposer has drafts: one target forward over its last token and the k drafts, exact
         rejection sampling (:func:`~lmforge.serve.speculative.verify`), 1 to k + 1 tokens
         emitted. False (nothing done): a plain step instead (prefill, or no drafts)."""
-        from lmforge.serve.speculative import propose, verify, verify_probs
+        from lmforge.serve.speculative import propose, verify, verify_greedy, verify_probs
 
         (seq, n), spec = chosen[0], self.speculative
         assert spec is not None
@@ -561,33 +561,41 @@ class Engine:
         room = min(p.max_tokens - seq.n_out, self.config.context_length - len(seq.tokens))
         k = max(0, min(spec.k, room - 1))
         gen = seq.generator if seq.generator is not None else self.generator
-        drafts, q = (
-            propose(spec, seq, k, p, gen, self.block_size, self.config.vocab_size)
-            if k
-            else ([], None)
-        )
-        if not drafts or not self.scheduler.ensure_blocks(seq, seq.n_cached + 1 + len(drafts)):
+        drafts, q = propose(spec, seq, k, p, gen, self.block_size) if k else ([], None)
+        on_device = isinstance(drafts, torch.Tensor)  # MTP drafts: read with the results below
+        k = drafts.numel() if on_device else len(drafts)
+        if not k or not self.scheduler.ensure_blocks(seq, seq.n_cached + 1 + k):
             return False
-        old_len, k = len(seq.tokens), len(drafts)
-        seq.tokens.extend(drafts)  # the verify forward's inputs; taken back below
+        old_len = len(seq.tokens)
+        seq.tokens.extend([0] * k if on_device else drafts)  # the verify forward's inputs
         batch = self._batch([(seq, k + 1)])
-        del seq.tokens[old_len:]
+        del seq.tokens[old_len:]  # taken back: the emitted tokens are appended below
+        d = drafts if on_device else _to_device(drafts, self.device)  # (k,)
+        if on_device:
+            batch.tokens[1:].copy_(d)  # the placeholders' rows get the drafts on the device
         # k + 1 decode rows: the compiled step and graphs (an MTP proposer's tap is fed there too)
         if self.runner.states is None and batch.image_rows is None:
             batch = as_decode_rows(batch)
         else:
             batch.last_rows = torch.arange(k + 1, device=self.device)  # logits of every row
         logits = self._forward(batch)  # (k+1, V)
-        d = torch.tensor(drafts, device=self.device)  # (k,)
-        n_acc, nxt = verify(verify_probs(logits, p)[None], q[None], d[None], gen)  # (1,), (1,)
+        if p.greedy:  # (1,), (1,)
+            n_acc, nxt = verify_greedy(logits, d)
+        else:
+            qb = None if q is None else q[None]
+            n_acc, nxt = verify(verify_probs(logits, p)[None], qb, d[None], gen)
         lp = logprobs_of(logits, [p] * (k + 1))  # (k+1, V)
         lp_d = lp[:k].gather(1, d[:, None])[:, 0]  # (k,) each draft's logprob at its row
         lp_n = lp.index_select(0, n_acc).gather(1, nxt[:, None])[:, 0]  # (1,) the last token's
-        # one device-to-host read (a sync) for all of it; ids < 2^53 are exact in float64
-        vals = torch.cat([n_acc.double(), nxt.double(), lp_d.double(), lp_n.double()]).tolist()
+        # one device-to-host read (a sync) for all of it (and the device drafts); ids < 2^53
+        # are exact in float64
+        parts = [n_acc.double(), nxt.double(), lp_d.double(), lp_n.double()]
+        vals = torch.cat(parts + ([d.double()] if on_device else [])).tolist()
+        if on_device:
+            drafts = [int(x) for x in vals[3 + k :]]
         n_acc_i = int(vals[0])
         emitted = [*drafts[:n_acc_i], int(vals[1])]
-        lp_l = [*vals[2 : 2 + n_acc_i], vals[-1]]
+        lp_l = [*vals[2 : 2 + n_acc_i], vals[2 + k]]
         spec.stats.drafted += k
         spec.stats.accepted += n_acc_i
         tops = _top_logprobs(lp, [p] * (k + 1))
@@ -671,6 +679,14 @@ def _hybrid_memory(runner: ModelRunner, cfg: Any, window: int | None) -> str:
 
 class QueueFull(LmforgeError):
     """The engine's waiting queue is at ``max_queue`` (the server answers 429)."""
+
+
+def _to_device(ids: list[int], device: torch.device) -> torch.Tensor:
+    """Token ids as a long tensor on ``device``. On CUDA through pinned memory without
+    blocking: a copy from pageable memory waits for the stream's queued work (a sync)."""
+    if device.type != "cuda":
+        return torch.tensor(ids, dtype=torch.long, device=device)
+    return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 def _speculative(spec: Any, model: nn.Module) -> Speculative:

@@ -64,31 +64,53 @@ __all__ = [
 
 def verify(
     p: torch.Tensor,
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     draft: torch.Tensor,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection-sample B rows of k draft tokens: ``(n_accepted (B,), next token (B,))``.
 
     p (B, k+1, V) target probabilities (row i: after the prefix and drafts < i), q (B, k, V) the
-    draft's, draft (B, k) long. Row b emits ``draft[b, :n_accepted[b]]`` then its next token.
-    Vectorised over rows (the χ² test draws 10⁵ of them at once).
+    draft's, or None for one-hot drafts (q(x) = 1 at the draft: the n-gram and MTP proposers,
+    computed without building q), draft (B, k) long. Row b emits ``draft[b, :n_accepted[b]]``
+    then its next token. Vectorised over rows (the χ² test draws 10⁵ of them at once). With
+    q None the draws are those of the explicit one-hot q, bit for bit (same random numbers, same
+    residual values).
     """
-    b, k, _ = q.shape
+    b, k = draft.shape
     px = p[:, :k].gather(2, draft[..., None])[..., 0]  # (B, k)
-    qx = q.gather(2, draft[..., None])[..., 0]  # (B, k)
     u = torch.rand(b, k, generator=generator, device=p.device, dtype=p.dtype)
-    ok = u * qx < px  # u < p/q without dividing by a zero q
+    if q is None:
+        ok = u < px  # u · 1 < p(x)
+    else:
+        ok = u * q.gather(2, draft[..., None])[..., 0] < px  # u < p/q without dividing by 0
     n_acc = ok.long().cumprod(dim=1).sum(dim=1)  # (B,) accepted before the first rejection
-    pad_q = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)  # (B, k+1, V): q_k = 0 -> bonus
     rows = torch.arange(b, device=p.device)
-    residual = (p[rows, n_acc] - pad_q[rows, n_acc]).clamp_min(0)  # (B, V)
+    target = p[rows, n_acc]  # (B, V)
+    if q is None:  # p minus the one-hot draft, clamped: the draft's entry zeroed (bonus row: p)
+        at = draft.gather(1, n_acc.clamp_max(k - 1)[:, None])  # (B, 1)
+        keep = torch.where(n_acc[:, None] < k, 0.0, target.gather(1, at))
+        residual = target.scatter(1, at, keep.to(target.dtype))
+    else:
+        pad_q = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)  # (B, k+1, V): q_k = 0: bonus
+        residual = (target - pad_q[rows, n_acc]).clamp_min(0)  # (B, V)
     mass = residual.sum(-1, keepdim=True)
     # p == q at a rejected position has zero residual mass, yet was rejected with probability 0;
     # guard the division anyway (fall back to p).
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[rows, n_acc])
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), target)
     nxt = torch.multinomial(residual, 1, generator=generator)[:, 0]  # (B,)
     return n_acc, nxt
+
+
+def verify_greedy(logits: torch.Tensor, draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for a greedy request, from the target's (k+1, V) logits and the (k,)
+    drafts: its distribution is one-hot at the argmax, so a draft is accepted while it equals
+    the argmax and the next token is the argmax after the last accepted one (what ``verify``
+    computes from the one-hot rows, without the vocabulary-wide tensors or random draws).
+    Returns ``(n_accepted (1,), next token (1,))``."""
+    best = logits.argmax(-1)  # (k+1,)
+    n_acc = (best[:-1] == draft).long().cumprod(0).sum(0, keepdim=True)  # (1,)
+    return n_acc, best.index_select(0, n_acc)
 
 
 class NgramDraft:
@@ -289,24 +311,19 @@ def propose(
     params: SamplingParams,
     gen: torch.Generator,
     block_size: int,
-    vocab_size: int,
-) -> tuple[list[int], torch.Tensor | None]:
-    """Up to k drafts after ``seq.tokens`` and their draft distributions q (k, V)."""
+) -> tuple[list[int] | torch.Tensor, torch.Tensor | None]:
+    """Up to k drafts after ``seq.tokens`` and their draft distributions q (k, V); q is None
+    for the one-hot proposers (n-gram, MTP: q(x) = 1 at each draft, see :func:`verify`). MTP
+    drafts stay on the device ((k,) long, read nothing on the host: ``MTPDraft.propose``'s
+    ``on_device``) unless the proposal fell back to the reference."""
     tokens = seq.tokens
     if isinstance(spec.draft, MTPDraft):
         n = len(tokens) - 1  # the target computed tokens[:n]; tokens[n] is its last sample
         if spec.tap is None or n < 1:
             return [], None
-        drafts = spec.draft.propose(spec.tap.hidden[:n], tokens, k, key=seq)
-        q = nn.functional.one_hot(torch.tensor(drafts, device=gen.device), vocab_size).float()
-        return drafts, q  # greedy drafts: q one-hot (k, V)
+        return spec.draft.propose(spec.tap.hidden[:n], tokens, k, key=seq, on_device=True), None
     if isinstance(spec.draft, NgramDraft):
-        drafts = spec.draft.propose(tokens, k)
-        if not drafts:
-            return [], None
-        # one-hot rows (k, V), not a (V, V) identity: 49,152² floats would be 9.7 GB.
-        q = nn.functional.one_hot(torch.tensor(drafts, device=gen.device), vocab_size).float()
-        return drafts, q
+        return spec.draft.propose(tokens, k), None
     ctx = spec.draft.model.config.context_length
     max_len = min(len(tokens) + params.max_tokens + spec.k + 1, ctx + spec.k + 1)
     drf = spec._paged(seq, max_len, block_size)

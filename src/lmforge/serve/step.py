@@ -75,10 +75,13 @@ def as_decode_rows(batch: StepBatch) -> StepBatch:
     n = batch.q_lens[0]
     end = batch.ctx_lens_list[0]
     ctx = [end - n + 1 + i for i in range(n)]
+    # from the staged (1,) ctx_lens on the device: a tensor built from the host list would be
+    # a copy from pageable memory, which waits for the queued work (a sync) on CUDA
+    steps = torch.arange(1 - n, 1, dtype=torch.int32, device=batch.ctx_lens.device)
     return dataclasses.replace(
         batch,
         block_tables=batch.block_tables.expand(n, -1).contiguous(),  # (n, M)
-        ctx_lens=torch.tensor(ctx, dtype=torch.int32, device=batch.ctx_lens.device),
+        ctx_lens=batch.ctx_lens[:1] + steps,  # (n,) int32
         last_rows=torch.arange(n, device=batch.last_rows.device),
         q_lens=[1] * n,
         ctx_lens_list=ctx,
