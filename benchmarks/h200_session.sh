@@ -12,7 +12,9 @@
 #   parallel   benchmarks/parallel.py on 1 GPU, then on every GPU (torchrun) when there are two+
 #   serve      benchmarks/serve.py --only check,prefill,throughput,gemv,decode --profile, then
 #              --only server: the user's `lmforge serve` against Engine(model) and the compiled
-#              peer, issue 33's targets (fastapi/uvicorn/openai wheels in .whl/)   (issues 22, 33)
+#              peer, issue 33's targets (fastapi/uvicorn/openai wheels in .whl/)   (issues 22, 33;
+#              openai < 3: 3.x imports httpx2, which the device lacks; fastapi 0.165 needs
+#              opentelemetry-api, starlette, pydantic(-core), annotated-types, typing-inspection)
 #   moe        benchmarks/moe.py --train --profile   (issue 25)
 #   scaling    benchmarks/scaling*.py         (issue 24)
 #   posttrain  benchmarks/weight_sync.py, benchmarks/posttrain_rl.py and benchmarks/rollout.py

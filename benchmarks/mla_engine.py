@@ -27,6 +27,7 @@ printed above the table, says which path ran, and the correctness check requires
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -132,17 +133,30 @@ class _Clock:
         return 1e3 * (b - a)
 
 
+def prefill_steps(n: int, prompt: int, budget: int = 2048) -> int:
+    """A bound on the engine steps that prefill ``n`` prompts of ``prompt`` tokens at ``budget``
+    tokens a step (the engine's ``max_num_batched_tokens``): the tokens :func:`_time` adds to
+    each request, which the model's context must also hold."""
+    return -(-n * prompt // budget) + 2
+
+
 def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False) -> dict:
     """One warm-up ``generate`` on two prompts; then, ``repeats`` times, every prompt added at
     once and stepped: the prefill phase (until every request has its first token) timed as a
-    whole, then each decode step (all ``len(prompts)`` sequences decoding) on its own. Fresh
-    prompts each repeat (no prefix-cache hits). ``profile``: the last repeat's final 10 decode
-    steps go to torch.profiler (benchmarks/serve.py's kernel table) instead of the clock.
-    Returns the prefill seconds (median over repeats), the median decode step in ms over
-    every timed decode step, and the most KV blocks the engine held after any step."""
+    whole, then each decode step (all ``len(prompts)`` sequences decoding) on its own. Chunked
+    prefill lets the first sequences decode while later ones still prefill (64 prompts of 16k
+    take ~500 steps of 2,048 tokens), so each request gets that many tokens on top of
+    ``params.max_tokens``: every sequence is still running when the decode phase starts, and
+    about ``params.max_tokens`` full-batch steps follow. Fresh prompts each repeat (no
+    prefix-cache hits). ``profile``: the last repeat's first 10 decode steps go to
+    torch.profiler (benchmarks/serve.py's kernel table) instead of the clock. Returns the
+    prefill seconds (median over repeats), the median decode step in ms over every timed
+    full-batch decode step, and the most KV blocks the engine held after any step."""
     from lmforge.serve import SamplingParams
 
     eng.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    extra = prefill_steps(len(prompts), max(map(len, prompts)), eng.max_num_batched_tokens)
+    params = dataclasses.replace(params, max_tokens=params.max_tokens + extra)
     clock, prefill_ms, steps_ms, peak = _Clock(device), [], [], 0
     for r in range(repeats):
         g = torch.Generator().manual_seed(100 + r)
@@ -156,21 +170,22 @@ def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False
                 got[o.request_id] = len(o.outputs[0].token_ids) if o.outputs else 0
             peak = max(peak, eng.allocator.num_used)
         prefill_ms.append(clock.ms(t0, clock.mark()))
-        done = min(got.values())  # tokens each sequence has
-        while eng.has_unfinished():
-            if profile and r == repeats - 1 and params.max_tokens - done == 11:
-                import serve  # the sibling script: its profiler table
+        if profile and r == repeats - 1:
+            import serve  # the sibling script: its profiler table
 
-                serve.profile_steps(eng, "decode steps", n_steps=10, top=12)
-                done += 10
-                continue
+            serve.profile_steps(eng, "decode steps", n_steps=10, top=12)
+        while eng.has_unfinished():
             t0 = clock.mark()
             outs = eng.step()
             t1 = clock.mark()
-            done += 1
             peak = max(peak, eng.allocator.num_used)
             if len(outs) == len(batch) and not any(o.finished for o in outs):
                 steps_ms.append(clock.ms(t0, t1))  # a full-batch decode step
+    if not steps_ms:
+        raise RuntimeError(
+            "no full-batch decode step was seen: the engine never ran every "
+            "sequence in one step (max_num_seqs or the KV pool too small?)"
+        )
     return {"prefill_s": statistics.median(prefill_ms) / 1e3,
             "step_ms": statistics.median(steps_ms), "steps": len(steps_ms),
             "peak_blocks": peak}  # fmt: skip
@@ -184,7 +199,7 @@ def main() -> int:
     from lmforge.model import ModelConfig, TransformerLM
     from lmforge.serve import Engine, SamplingParams
 
-    configs = _configs(a, a.prompt + a.new + 16)
+    configs = _configs(a, a.prompt + a.new + prefill_steps(a.batch, a.prompt) + 16)
     ok = True
     for name, kw in configs.items():
         good = _check(kw, a.device)

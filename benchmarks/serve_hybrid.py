@@ -117,7 +117,7 @@ def main() -> int:
     batches = [int(b) for b in str(a.batch).split(",")]
     import mla_engine  # the sibling script (benchmarks/ is on sys.path when one runs)
 
-    context = a.prompt + a.new + 16
+    context = a.prompt + a.new + 16 + max(mla_engine.prefill_steps(b, a.prompt) for b in batches)
     ok = True
     chosen = {k: v for k, v in PATTERNS.items() if k.replace(" ", "-") in a.patterns.split(",")}
     for name, layers in chosen.items():
