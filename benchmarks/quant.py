@@ -17,9 +17,10 @@ GPTQ; fp32.
 
 Part ``gemv`` (CUDA): the int4 (g128) and int8 (per channel) decode GEMVs alone on TinyLlama's
 four layer shapes at batch 1, inside a CUDA graph, against the bf16 GEMV on the same shape: the
-default launch and a sweep (the tensor-core dot kernel and the CUDA-core row kernel; groups or
-K chunks a loop iteration, rows a program, split-K, warps), each launch checked against float64
-first, timed on weight copies larger than L2; a launch more than 2% faster than the default goes
+shipped launch (TABLE's, else the default) and a sweep (the tensor-core dot kernel, and for
+int4 the CUDA-core row kernel; groups or K chunks a loop iteration, rows a program, split-K,
+warps), each launch checked against float64 first, timed on weight copies larger than L2; a
+launch more than 2% faster than the shipped one goes
 into ``lmforge.quant._gemv_triton.TABLE`` (``--part speed --tune`` builds the engines with them
 in the same run). fp8 (W8A8, per channel): the row kernel's launches against the module's own
 batch-1 path (the row rounded to e4m3, ``torch._scaled_mm``), which stays unless beaten by 2%.
@@ -694,7 +695,7 @@ def gemv_sweep(args: argparse.Namespace) -> list[dict]:
                 for sub in (1, 2, 4, 8) if chunks % sub == 0
                 for split in splits if split <= chunks // sub
                 for warps in (4, 8)
-            ] + _row_launches(chunks, splits)  # fmt: skip
+            ] + (_row_launches(chunks, splits) if fmt == "int4" else [])  # fmt: skip
             ok = _correct(f"{name} {fmt}", cands, run, want)
             times = bench._graph_us([lambda i, cfg=cfg: run(cfg, i) for cfg in ok])
             timed = list(zip(times, ok, strict=True))

@@ -18,16 +18,17 @@ together); split-K partial sums (SPLIT, M, N) fp32 are added by the caller (enou
 the SMs at batch 1). Launches per weight shape: :data:`TABLE`, else one group an iteration and
 about two waves of programs (:func:`quant_gemv_config`).
 
-A launch may send batch 1 (one row of x) to a CUDA-core kernel instead
-(``QuantGemvConfig.rows_kernel``; ``_int4_gemv_row_kernel``, ``_byte_gemv_row_kernel``): each
-code dequantized in registers (q·s + m) and multiplied into a (BLOCK_N, chunk) fp32 accumulator,
-one reduction along K at the end. The dot kernel's int4 path stages the unpacked codes through
-shared memory for the tensor cores (14 ``st.shared``, 30 ``ld.shared`` and 9 barriers a group in
-its sm_90 PTX, 96 registers); the row kernels' loops have no shared memory and no barrier (32
-rows × 4 warps: int4 64 registers; one-byte codes, in 64-wide K chunks, 39-56). Which is faster per shape is the GPU
-sweep's to say. fp8 e4m3 weights have the row kernel only (the int8 one's: one byte a code;
-batch 1, weight-only or W8A8 with the row's e4m3 codes and scale), used for the shapes whose
-("fp8", N, K, K) TABLE entry says it beat ``torch._scaled_mm``. The reference is
+An int4 launch may send batch 1 (one row of x) to a CUDA-core kernel instead
+(``QuantGemvConfig.rows_kernel``, ``_int4_gemv_row_kernel``): each code dequantized in
+registers (q·s + m) and multiplied into a (BLOCK_N, chunk) fp32 accumulator, one reduction
+along K at the end. The dot kernel's int4 path stages the unpacked codes through shared memory
+for the tensor cores (14 ``st.shared``, 30 ``ld.shared`` and 9 barriers a group in its sm_90
+PTX, 96 registers); the row kernel's loop has no shared memory and no barrier (64 registers at
+32 rows × 4 warps). The H100 sweep picked it on every TinyLlama shape (20-30% faster); int8's
+row launches saved under 2% of its step and were removed. fp8 e4m3 weights have a row kernel
+only (``_fp8_gemv_row_kernel``: batch 1, weight-only or W8A8 with the row's e4m3 codes and
+scale), used for the shapes whose ("fp8", N, K, K) TABLE entry says it beat
+``torch._scaled_mm``. The reference is
 :func:`gemv_reference` (float64). Exercised by ``pytest tests/test_quant_kernels.py``
 (TRITON_INTERPRET=1 on CPU) and ``benchmarks/quant.py``.
 
@@ -169,18 +170,17 @@ def _int4_gemv_row_kernel(
 
 
 @triton.jit
-def _byte_gemv_row_kernel(
+def _fp8_gemv_row_kernel(
     x_ptr, q_ptr, s_ptr, xs_ptr, out_ptr,
     N, K,
-    stride_qn, stride_sn, stride_os,
-    G: tl.constexpr, GROUPED: tl.constexpr, PER_ROW: tl.constexpr, X_SCALE: tl.constexpr,
-    BLOCK_K: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_qn, stride_os,
+    PER_ROW: tl.constexpr, X_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # one decode row (M = 1) of one-byte codes (int8, or fp8 e4m3) on the CUDA cores, as
-    # _int4_gemv_row_kernel. Scales: one per (row, group of G inputs) applied in the loop
-    # (GROUPED), else one per row (PER_ROW) or one for the tensor, applied after the sum.
-    # X_SCALE: x holds e4m3 codes whose row scale is at xs_ptr (fp8 W8A8: Σ x_q·w_q in fp32,
-    # then both scales, as torch._scaled_mm computes it)
+    # one decode row (M = 1) of e4m3 codes on the CUDA cores, as _int4_gemv_row_kernel; the
+    # scale, one per row (PER_ROW) or one for the tensor, applied after the sum. X_SCALE: x
+    # holds e4m3 codes whose row scale is at xs_ptr (W8A8: Σ x_q·w_q in fp32, then both scales,
+    # as torch._scaled_mm computes it)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     split = tl.num_programs(1)
@@ -195,45 +195,15 @@ def _byte_gemv_row_kernel(
             # x read in the codes' (BN, BK) shape and layout (every row the same, from L1): a
             # (BK,) load would be converted through shared memory every iteration
             x = tl.load(x_ptr + k0 + rk[None, :] + 0 * rn_c[:, None]).to(tl.float32)
-            if GROUPED:
-                s = tl.load(s_ptr + rn_c * stride_sn + k0 // G).to(tl.float32)[:, None]
-                acc += q.to(tl.float32) * s * x
-            else:
-                acc += q.to(tl.float32) * x
+            acc += q.to(tl.float32) * x
     y = tl.sum(acc, axis=1)  # (BN,)
-    if not GROUPED:
-        if PER_ROW:
-            y = y * tl.load(s_ptr + rn_c * stride_sn).to(tl.float32)
-        else:
-            y = y * tl.load(s_ptr).to(tl.float32)
+    if PER_ROW:
+        y = y * tl.load(s_ptr + rn_c)
+    else:
+        y = y * tl.load(s_ptr)
     if X_SCALE:
         y = y * tl.load(xs_ptr)
     tl.store(out_ptr + pid_s * stride_os + rn, y, mask=rn < N)
-
-
-def _byte_rows(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    group_size: int,
-    block_k: int,
-    cfg: QuantGemvConfig,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """``_byte_gemv_row_kernel`` over one row of x into ``out`` (SPLIT, 1, N): int8 (scales
-    (N, K/G)) or fp8 (scales (N,) or (1,)) codes."""
-    n, k = qweight.shape
-    grouped = group_size < k
-    _byte_gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
-        x, qweight, scales, scales if x_scale is None else x_scale, out,
-        n, k,
-        qweight.stride(0), scales.stride(0), out.stride(0),
-        G=group_size if grouped else 1, GROUPED=grouped, PER_ROW=scales.shape[0] > 1,
-        X_SCALE=x_scale is not None, BLOCK_K=block_k, SUB=cfg.sub, BLOCK_N=cfg.block_n,
-        num_warps=cfg.warps, num_stages=cfg.stages,
-    )  # fmt: skip
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,9 +221,10 @@ class QuantGemvConfig:
     stages: int = 3
     "num_stages"
     rows_kernel: bool = False
-    """a one-row x (batch-1 decode) takes the CUDA-core kernel (``_*_gemv_row_kernel``: codes
-    dequantized in registers, no tensor-core dot) with this launch; more rows take the dot
-    kernel's default launch with the same split (the partials' shape depends on the split only)"""
+    """int4 and fp8: a one-row x (batch-1 decode) takes the CUDA-core kernel
+    (``_int4_gemv_row_kernel``, ``_fp8_gemv_row_kernel``: codes dequantized in registers, no
+    tensor-core dot) with this launch; int4's larger batches take the dot kernel's default
+    launch with the same split (the partials' shape depends on the split only)"""
 
 
 # (format, N, K, group) -> config; shapes not listed take :func:`_default_config` (one group or
@@ -397,12 +368,10 @@ def int8_gemv_partials(
     bk = int8_block_k(group_size)
     cfg = config or quant_gemv_config("int8", n, k, group_size, x.device)
     assert (k // bk) % cfg.sub == 0, (k, bk, cfg)
+    if cfg.rows_kernel:
+        raise ValueError("int8 has no row kernel (the H100 sweep found it under 2% of a step)")
     out = torch.empty(cfg.split, m, n, device=x.device, dtype=torch.float32)  # (SPLIT, M, N)
-    if cfg.rows_kernel and m > 1:  # the dot kernel's default launch, the same split
-        cfg = QuantGemvConfig(cfg.split)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split)
-    if cfg.rows_kernel:  # 64-wide K chunks: a (BN, BK) fp32 accumulator in few registers
-        return _byte_rows(x, qweight, scales, None, group_size, min(64, bk), cfg, out)
     _int8_gemv_kernel[grid](
         x, qweight, scales, out,
         m, n, k,
@@ -435,7 +404,14 @@ def fp8_gemv_partials(
     cfg = config or quant_gemv_config("fp8", n, k, k, x.device)
     assert (k // bk) % cfg.sub == 0, (k, bk, cfg)
     out = torch.empty(cfg.split, 1, n, device=x.device, dtype=torch.float32)  # (SPLIT, 1, N)
-    return _byte_rows(x, qweight, scales, x_scale, k, bk, cfg, out)
+    _fp8_gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split)](
+        x, qweight, scales, scales if x_scale is None else x_scale, out,
+        n, k,
+        qweight.stride(0), out.stride(0),
+        PER_ROW=scales.numel() > 1, X_SCALE=x_scale is not None, BLOCK_K=bk, SUB=cfg.sub,
+        BLOCK_N=cfg.block_n, num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return out
 
 
 def fp8_split(n: int, k: int, device: torch.device) -> int:
