@@ -59,18 +59,28 @@ else:
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
         return torch.autograd.grad(out, inputs, g), g
 
-    # (B, H, K, T, S, E), causal; interpreter tiles are 32×16 / 16×32, so 37, 50, 70 are ragged.
+    # (B, H, K, T, S, E), causal, dtype, window; interpreter tiles are 32×16 / 16×32, so 37, 50,
+    # 70 are ragged. Windows (causal, query i sees keys i − window < j ≤ i): inside one tile,
+    # across tile edges, a multiple of the tiles, 1 (each query sees itself), and the model's W
+    # layer (window < T, GQA)
     ATTN_CASES = [
-        ((1, 2, 1, 37, 37, 16), True, torch.float32),
-        ((2, 2, 2, 50, 50, 32), False, torch.float32),
-        ((1, 2, 1, 33, 70, 16), True, torch.float32),
-        ((1, 1, 1, 70, 33, 16), True, torch.float16),
-        ((1, 2, 1, 70, 33, 16), False, torch.float16),
-        ((1, 2, 1, 37, 37, 16), True, torch.float16),
+        ((1, 2, 1, 37, 37, 16), True, torch.float32, None),
+        ((2, 2, 2, 50, 50, 32), False, torch.float32, None),
+        ((1, 2, 1, 33, 70, 16), True, torch.float32, None),
+        ((1, 1, 1, 70, 33, 16), True, torch.float16, None),
+        ((1, 2, 1, 70, 33, 16), False, torch.float16, None),
+        ((1, 2, 1, 37, 37, 16), True, torch.float16, None),
+        ((1, 2, 1, 70, 70, 16), True, torch.float32, 5),
+        ((2, 4, 2, 96, 96, 32), True, torch.float32, 33),
+        ((1, 2, 2, 64, 64, 16), True, torch.float32, 16),
+        ((1, 1, 1, 45, 45, 16), True, torch.float32, 1),
+        ((1, 2, 1, 70, 70, 16), True, torch.float16, 20),
     ]
 
-    @pytest.mark.parametrize("shape, causal, dtype", ATTN_CASES)
-    def test_flash_attention_triton_interpreted(shape, causal, dtype) -> None:
+    @pytest.mark.parametrize("shape, causal, dtype, window", ATTN_CASES)
+    def test_flash_attention_triton_interpreted(shape, causal, dtype, window) -> None:
+        """Forward and every gradient against the float64 reference (with a window: the kernels
+        skip the tiles outside it and mask its edge; a window without causal is refused)."""
         b, h, kv, t, s, e = shape
         gen = torch.Generator().manual_seed(0)
         q = torch.randn(b, h, t, e, generator=gen).to(dtype)
@@ -79,45 +89,17 @@ else:
         ins = [x.clone().requires_grad_() for x in (q, k, v)]
         ref_in = [x.double().requires_grad_() for x in (q, k, v)]
         assert flash_supported(*ins)
-        out = flash_attention(*ins, is_causal=causal)
-        ref = attention_reference(*ref_in, is_causal=causal)
+        out = flash_attention(*ins, is_causal=causal, window=window)
+        ref = attention_reference(*ref_in, is_causal=causal, window=window)
         _close(out, ref, dtype, "O")
         got, g = _grads(out, ins)
         want = torch.autograd.grad(ref, ref_in, g.double())
         for name, a, w in zip("qkv", got, want):
             assert a.dtype == dtype
             _close(a, w, dtype, f"d{name}")
-
-    # (B, H, K, T, E, window): the window inside one tile, across tile edges, a multiple of
-    # the tiles, 1 (each query sees itself), and the model's W layer (window < T, GQA)
-    WINDOW_CASES = [
-        ((1, 2, 1, 70, 16), 5, torch.float32),
-        ((2, 4, 2, 96, 32), 33, torch.float32),
-        ((1, 2, 2, 64, 16), 16, torch.float32),
-        ((1, 1, 1, 45, 16), 1, torch.float32),
-        ((1, 2, 1, 70, 16), 20, torch.float16),
-    ]
-
-    @pytest.mark.parametrize("shape, window, dtype", WINDOW_CASES)
-    def test_flash_attention_sliding_window_interpreted(shape, window, dtype) -> None:
-        """Query i sees keys i − window < j ≤ i: forward and every gradient against the float64
-        masked reference (the kernels skip the tiles outside the window and mask its edge)."""
-        b, h, kv, t, e = shape
-        gen = torch.Generator().manual_seed(3)
-        q = torch.randn(b, h, t, e, generator=gen).to(dtype)
-        k = torch.randn(b, kv, t, e, generator=gen).to(dtype)
-        v = torch.randn(b, kv, t, e, generator=gen).to(dtype)
-        ins = [x.clone().requires_grad_() for x in (q, k, v)]
-        ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-        out = flash_attention(*ins, is_causal=True, window=window)
-        ref = attention_reference(*ref_in, is_causal=True, window=window)
-        _close(out, ref, dtype, "O")
-        got, g = _grads(out, ins)
-        want = torch.autograd.grad(ref, ref_in, g.double())
-        for name, a, w in zip("qkv", got, want):
-            _close(a, w, dtype, f"d{name}")
-        with pytest.raises(KernelUnsupportedError, match="causal"):
-            flash_attention(q, k, v, is_causal=False, window=window)
+        if window is not None:
+            with pytest.raises(KernelUnsupportedError, match="causal"):
+                flash_attention(q, k, v, is_causal=False, window=window)
 
     def test_windowed_attention_layer_trains_through_the_kernel(monkeypatch) -> None:
         """A W layer of the model (backend sdpa, the default) runs the windowed flash kernel

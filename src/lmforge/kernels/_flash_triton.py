@@ -141,6 +141,8 @@ def _attn_fwd(
         acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, lo, hi, T_K,
         qk_scale, WINDOW, True, CAUSAL, BLOCK_N, WINDOWED,
     )  # fmt: skip
+    if WINDOWED:  # padding rows past T + W − 1 see no key: l = 0 there (never stored)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     row_ok = offs_m < T_Q
     o_ptrs = Out + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
