@@ -124,3 +124,10 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
+
+
+def staged(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a host tensor for a ``non_blocking=True`` copy to ``device``: pinned when
+    it is CUDA (a copy from pageable memory waits for the stream's queued work: a sync). The
+    caching host allocator keeps the pinned block until the copy has read it."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")

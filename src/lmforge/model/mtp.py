@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmforge.kernels._common import staged
 from lmforge.model.kv_cache import KVCache
 from lmforge.model.layers import Linear, RMSNorm
 from lmforge.utils.errors import LmforgeError
@@ -320,12 +321,9 @@ class MTPDraft:
         rows = max(max(n - s for s in starts), 1)
         self.rows_computed += sum(n - s for s in starts)
         lo = self._tok_ok  # the committed tokens the device has not seen yet (drafts after them)
-        # from pinned memory without blocking (a pageable copy waits for the queued work)
-        pin = self._tok.is_cuda
-        fresh = torch.tensor(seq[lo : n + 1], dtype=torch.long, pin_memory=pin)
-        self._tok[lo : n + 1].copy_(fresh, non_blocking=pin)
-        self._ctl.copy_(torch.tensor([n, *starts], dtype=torch.long, pin_memory=pin),
-                        non_blocking=pin)  # fmt: skip
+        dev = self._tok.device  # copies from pinned memory: no wait for the queued work
+        self._tok[lo : n + 1].copy_(staged(seq[lo : n + 1], torch.long, dev), non_blocking=True)
+        self._ctl.copy_(staged([n, *starts], torch.long, dev), non_blocking=True)
         buffer = self.source
         if self.graphs and buffer is not None and rows <= 2 * kk and _prefix_of(hidden, buffer):
             self._graph(kk, buffer).replay()  # steady state: 2k rows a step, one launch

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from lmforge.kernels._common import ensure_interpreter_compat, interpreting
+from lmforge.kernels._common import ensure_interpreter_compat, interpreting, staged
 from lmforge.serve._attention_triton import _load_values, kernel_view, quant_code
 
 LOG2E = 1.4426950408889634
@@ -247,11 +247,7 @@ def prefill_plan(
     short.sort(key=lambda x: -x[0])
     short_seq = [x[1] for x in short]
     ints = cu + [x[1] for x in tiles] + [x[2] for x in tiles] + short_seq + [0] * len(short_seq)
-    host = torch.tensor(ints, dtype=torch.int32)
-    if device.type == "cuda":  # the caching host allocator keeps the pinned copy alive
-        dev = host.pin_memory().to(device, non_blocking=True)
-    else:
-        dev = host.to(device)
+    dev = staged(ints, torch.int32, device).to(device, non_blocking=True)
     return PrefillPlan(dev, len(q_lens), len(tiles), len(short_seq), block_m)
 
 

@@ -570,9 +570,9 @@ class Engine:
         seq.tokens.extend([0] * k if on_device else drafts)  # the verify forward's inputs
         batch = self._batch([(seq, k + 1)])
         del seq.tokens[old_len:]  # taken back: the emitted tokens are appended below
-        d = drafts if on_device else _to_device(drafts, self.device)  # (k,)
         if on_device:
-            batch.tokens[1:].copy_(d)  # the placeholders' rows get the drafts on the device
+            batch.tokens[1:].copy_(drafts)  # the placeholders' rows get the drafts
+        d = batch.tokens[1:]  # (k,) the drafts, on the device (staged with the step's inputs)
         # k + 1 decode rows: the compiled step and graphs (an MTP proposer's tap is fed there too)
         if self.runner.states is None and batch.image_rows is None:
             batch = as_decode_rows(batch)
@@ -679,14 +679,6 @@ def _hybrid_memory(runner: ModelRunner, cfg: Any, window: int | None) -> str:
 
 class QueueFull(LmforgeError):
     """The engine's waiting queue is at ``max_queue`` (the server answers 429)."""
-
-
-def _to_device(ids: list[int], device: torch.device) -> torch.Tensor:
-    """Token ids as a long tensor on ``device``. On CUDA through pinned memory without
-    blocking: a copy from pageable memory waits for the stream's queued work (a sync)."""
-    if device.type != "cuda":
-        return torch.tensor(ids, dtype=torch.long, device=device)
-    return torch.tensor(ids, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
 
 
 def _speculative(spec: Any, model: nn.Module) -> Speculative:
