@@ -135,12 +135,12 @@ class _Clock:
 
 def prefill_steps(n: int, prompt: int, budget: int = 2048) -> int:
     """A bound on the engine steps that prefill ``n`` prompts of ``prompt`` tokens at ``budget``
-    tokens a step (the engine's ``max_num_batched_tokens``): the tokens :func:`_time` adds to
+    tokens a step (the engine's ``max_num_batched_tokens``): the tokens :func:`time_decode` adds to
     each request, which the model's context must also hold."""
     return -(-n * prompt // budget) + 2
 
 
-def _time(eng, prompts, params, device: str, repeats: int, profile: bool = False) -> dict:
+def time_decode(eng, prompts, params, device: str, repeats: int, profile: bool = False) -> dict:
     """One warm-up ``generate`` on two prompts; then, ``repeats`` times, every prompt added at
     once and stepped: the prefill phase (until every request has its first token) timed as a
     whole, then each decode step (all ``len(prompts)`` sequences decoding) on its own. Chunked
@@ -215,7 +215,7 @@ def main() -> int:
         cfg = ModelConfig(**kw)
         model = TransformerLM(cfg, device=a.device, dtype=dtype).eval()
         eng = Engine(model, max_num_seqs=a.batch, kv_memory_fraction=a.kv_fraction)
-        t = _time(eng, prompts, params, a.device, a.repeats, a.profile and a.device == "cuda")
+        t = time_decode(eng, prompts, params, a.device, a.repeats, a.profile and a.device == "cuda")
         rows.append({
             "kind": name,
             "kv_bytes_per_token": _kv_bytes(cfg),

@@ -445,8 +445,9 @@ def speed(args: argparse.Namespace) -> list[dict]:
 
             kinds.append("torchao-int4")
         except Exception as e:
-            print(f"torchao not usable ({type(e).__name__}: {e}); int4 peer = Int4Linear's torch "
-                  "dequantize-then-matmul reference, compiled in the same engine step")  # fmt: skip
+            print(f"torchao not usable ({type(e).__name__}: {e}); int4 peers = its kernel, torch's"
+                  " tinygemm, on our codes, and Int4Linear's torch dequantize-then-matmul"
+                  " reference, each compiled in the same engine step")  # fmt: skip
         kinds += ["int4-torch-ref", "int4-tinygemm"]
     kinds += [k for k in ("int8", "fp8") if k in args.formats]
     # the KV cache sized for the runs (every engine holds its cache at once): 64 sequences of

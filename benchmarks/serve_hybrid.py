@@ -13,7 +13,9 @@ timed as a whole, then every full-batch decode step on its own (``benchmarks/mla
 clock: CUDA events, host work between steps included): the median decode step (ms/token of
 each sequence) and batch / step tokens/s. Memory per sequence as the engine held it: the most
 KV blocks in use after any step × bytes per block / batch (W-only patterns give the blocks
-behind the window back, so theirs stays at the window's whatever the context), plus the
+behind the window back, so theirs stays at the window's whatever the context; every request
+decodes ``mla_engine.prefill_steps`` extra tokens so that all are running when the timed
+steps start, 1.5% of the context at 32 × 32k, counted here too), plus the
 recurrent-state bytes per sequence (constant in its length); the KV bytes per token the engine
 reports beside it. Every pattern runs the engine's
 defaults: CUDA graphs around the compiled decode step (linear layers' slot-state recurrence,
@@ -143,7 +145,7 @@ def main() -> int:
         state = 0 if states is None else states.bytes_per_slot()
         per_block = kv_bytes_per_block(model, eng.block_size, eng.runner.kv_dtype)
         for b in batches:
-            t = mla_engine._time(eng, prompts[:b], params, a.device, a.repeats)
+            t = mla_engine.time_decode(eng, prompts[:b], params, a.device, a.repeats)
             kv_seq = t["peak_blocks"] * per_block / b
             rows.append({
                 "kind": name, "batch": b,
