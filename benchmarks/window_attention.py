@@ -53,12 +53,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mask(t: int, w: int, device: str) -> torch.Tensor:
-    i = torch.arange(t, device=device)
-    d = i[:, None] - i[None, :]
-    return (d >= 0) & (d < w)  # (T, T)
-
-
 def check(device: str, dtype: torch.dtype) -> bool:
     """The windowed kernel against the float64 masked reference (O and every gradient)."""
     from lmforge.kernels import attention_reference, flash_attention
@@ -105,6 +99,7 @@ def _fb_ms(fn, ins, do, iters: int) -> float:
 
 def bench(a: argparse.Namespace) -> list[dict]:
     from lmforge.kernels import flash_attention
+    from lmforge.model.attention import sliding_window_mask
 
     rows = []
     h, kv, e = a.heads, a.kv_heads, a.dim
@@ -121,7 +116,7 @@ def bench(a: argparse.Namespace) -> list[dict]:
                 continue
             ours = _fb_ms(lambda q, k, v, w=w: flash_attention(q, k, v, window=w), ins, do,
                           a.iters)  # fmt: skip
-            mask = _mask(t, w, "cuda")
+            mask = sliding_window_mask(t, w, torch.device("cuda"))  # (T, T) the W layer's
             try:
                 masked = _fb_ms(lambda q, k, v, m=mask: F.scaled_dot_product_attention(
                     q, k, v, attn_mask=m, enable_gqa=h != kv), ins, do, a.iters)  # fmt: skip
