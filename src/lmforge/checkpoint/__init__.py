@@ -1,10 +1,7 @@
 """Checkpoint I/O below the trainer: a model's weights, optimizer state, trainer state, config and
 tokenizer in one folder written atomically (:mod:`lmforge.checkpoint.io`), and loading one for
-inference. ``lmforge.train`` (saving and resuming), ``lmforge.posttrain`` and the inference and
-tool packages read and write checkpoints through this package, so none of them needs the
-trainer to load a model.
-
-This is the public API of ``lmforge.checkpoint``.
+inference. ``lmforge.train``, ``lmforge.posttrain`` and the inference and tool packages read
+and write checkpoints through this package, so none of them needs the trainer to load a model.
 """
 
 from __future__ import annotations

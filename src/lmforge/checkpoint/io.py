@@ -2,24 +2,20 @@
 
 Layout of one checkpoint folder (``out_dir/checkpoints/step_0001000/``)::
 
-    model.safetensors      full fp32 model state, the single-device parameter names; a tied
-                           weight is stored once (under its first name) and the aliases are
-                           listed in the file's metadata ("tied": {"lm_head.weight": "token_embeddings.weight"})
+    model.safetensors      full fp32 model state, single-device parameter names; a tied weight
+                           once, its aliases in the metadata ("tied": {"lm_head.weight": ...})
     optimizer.safetensors  optimizer state tensors flattened as "state.{param_index}.{name}";
                            param_groups and non-tensor state in the file's metadata (JSON)
-    trainer_state.json     iteration, learning-rate schedule, the data sampler's generator state
-                           of every data-parallel replica ("samplers": {dp_rank: PCG64 state}),
-                           RNG states of the main process (torch/cuda/numpy/python as integer
-                           lists), loss-spike statistics
+    trainer_state.json     iteration, schedule, every data-parallel replica's sampler state
+                           ("samplers": {dp_rank: PCG64 state}), the main process's RNG states
+                           (torch/cuda/numpy/python as integer lists), loss-spike statistics
     config.toml            the resolved run config
     tokenizer/             copy of the run's tokenizer folder (when data.tokenizer is set)
     meta.json              {"format": "lmforge-checkpoint-v1", "iteration", "val_loss", ...};
                            written last, so its presence marks a complete checkpoint
 
-Atomicity: everything is written into ``.tmp-step_…`` beside the target, each file fsynced,
-then the folder is renamed into place and the parent fsynced. A crash at any moment leaves the
-previous checkpoints untouched; keep-last-K pruning runs only after the rename. Nothing is
-pickled: weights load with safetensors only.
+Atomicity (:func:`write_folder_atomically`): a crash at any moment leaves the previous
+checkpoints untouched; keep-last-K pruning runs only after the rename. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -62,10 +58,8 @@ _TIED_PAIRS = (("lm_head.weight", "token_embeddings.weight"),)
 
 def split_tied(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Drop repeated tensors (tied weights) from a state dict: (unique tensors, alias → kept name).
-
-    A repeat is the same storage, or, for the LM head / embedding pair, an equal copy (the
-    model's ``state_dict`` hands out the tied head as a copy of the embedding).
-    """
+    A repeat is the same storage or, for the LM head / embedding pair, an equal copy (the
+    model's ``state_dict`` hands out the tied head as a copy)."""
     seen: dict[tuple, str] = {}
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -194,14 +188,10 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     extra_dir: str | Path | None = None,
 ) -> Path:
-    """Write a checkpoint folder at ``path`` atomically; return its path.
-
-    ``model`` is a module or an already-gathered full state dict (``strategy.full_state_dict()``);
-    ``optimizer`` likewise an optimizer or its (gathered) ``state_dict()``.
-    ``config`` (a RunConfig) is written as ``config.toml``; ``tokenizer_dir`` is copied to
-    ``tokenizer/``. The files of ``extra_dir`` (per-rank optimizer shards staged by other
-    ranks) are moved in, and ``extra_dir`` removed, before the rename. Exercised by ``pytest tests/test_checkpoint.py``.
-    """
+    """Write a checkpoint folder at ``path`` atomically; return its path. ``model`` is a module
+    or an already-gathered full state dict, ``optimizer`` an optimizer or its (gathered)
+    ``state_dict()``. The files of ``extra_dir`` (per-rank optimizer shards staged by other
+    ranks) are moved in before the rename. Exercised by ``pytest tests/test_checkpoint.py``."""
     state = model.state_dict() if isinstance(model, nn.Module) else model
     final = Path(path)
 
@@ -238,9 +228,7 @@ def load_checkpoint(
     load_model: Callable[[dict[str, torch.Tensor]], None] | None = None,
 ) -> int:
     """Restore model (and optimizer) from the checkpoint folder ``path``; return its iteration.
-
-    ``load_model`` replaces ``model.load_state_dict`` (a strategy's ``load_full_state_dict``).
-    """
+    ``load_model`` replaces ``model.load_state_dict`` (a strategy's ``load_full_state_dict``)."""
     p = Path(path)
     if not (p / "meta.json").is_file():
         raise LmforgeError(f"{p} is not a complete checkpoint (meta.json missing)")
@@ -328,13 +316,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_for_inference(path: str | Path, device: str = "cpu") -> tuple[TransformerLM, Any]:
-    """Load a model (eval mode) and its tokenizer (or None) from a checkpoint or run folder.
-
-    Builds ``TransformerLM`` from ``[model]`` of the checkpoint's ``config.toml``, loads
-    ``model.safetensors`` and, when present, ``tokenizer/`` with ``Tokenizer.load``. Missing or
-    corrupt files and a config/weights mismatch raise one-line :class:`LmforgeError`.
-    Exercised by ``pytest tests/test_checkpoint.py`` and ``lmforge generate --checkpoint DIR``.
-    """
+    """Load a model (eval mode, built from the checkpoint's ``config.toml``) and its tokenizer (or
+    None) from a checkpoint or run folder; missing or corrupt files and a config/weights
+    mismatch are one-line :class:`LmforgeError`. Exercised by ``lmforge generate``."""
     from lmforge.model import ModelConfig, TransformerLM
     from lmforge.utils.runtime import resolve_device
 

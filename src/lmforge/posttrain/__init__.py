@@ -1,9 +1,7 @@
 """Post-training: SFT, DPO and variants, reward models and PPO, the GRPO family with verifiable
 rewards, Pipeline RL with in-flight weight updates, and distillation — each an objective of the
-one :class:`lmforge.train.Trainer`, rollouts on :class:`lmforge.serve.Engine`.
-
-This is the public API of ``lmforge.posttrain``; everything else is internal. Commands:
-``lmforge sft``, ``lmforge dpo``, ``lmforge rl``, ``lmforge distill``.
+one :class:`lmforge.train.Trainer`, rollouts on :class:`lmforge.serve.Engine`. The public API
+(everything else is internal); commands ``lmforge sft | dpo | rl | distill``.
 """
 
 from __future__ import annotations

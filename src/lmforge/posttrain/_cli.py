@@ -2,13 +2,10 @@
 :mod:`lmforge.posttrain.commands` (so torch is imported only when a command runs).
 
 Every command reads the one run-config tree (:class:`lmforge.config.RunConfig`): its own branch
-(``[sft]``, ``[dpo]``, ``[rl]``, ``[distill]``) and ``[train]`` (learning rate, schedule, steps,
-micro-batch, accumulation, clipping, ``out_dir``, device, seed: the Trainer's). Precedence, low
-to high: the tree's defaults, the command's defaults (:data:`COMMAND_DEFAULTS`), ``--config
-FILE``, dotted overrides (``--train.warmup_steps=20``, ``--dpo.reference=online``), the
-command's short flags (``--lr`` is ``train.lr``, ``--model`` is ``sft.model``, ...; each flag's
-help names its key). Every value is checked as the config loads, before any model is read: a
-mistake is one line. The resolved tree is written to ``OUT/config.toml``, so
+(``[sft]``, ``[dpo]``, ``[rl]``, ``[distill]``) and the Trainer's ``[train]``. Precedence, low
+to high: the tree's defaults, :data:`COMMAND_DEFAULTS`, ``--config FILE``, dotted overrides
+(``--dpo.reference=online``), the command's short flags (``--lr`` is ``train.lr``; each flag's
+help names its key). The resolved tree is written to ``OUT/config.toml``, so
 ``--config OUT/config.toml`` repeats a run. Presets: ``configs/posttrain/``.
 Exercised by ``pytest tests/test_posttrain_config.py``.
 """
@@ -70,8 +67,6 @@ Data: JSONL with {"text"} (or SFT records); on-policy uses their prompts and sam
 Teacher and student must share the vocabulary. Outputs in --out: model/, metrics.jsonl.
 """
 
-# What each command changes in [train] (a preset under the config file, the overrides and flags):
-# post-training runs small learning rates without weight decay, in fp32 on the CPU by default.
 _POST = {"device": "cpu", "precision": "fp32", "weight_decay": 0.0, "min_lr": 0.0,
          "schedule": "constant", "warmup_steps": 0, "grad_accum": 1, "log_every": 1,
          "eval_every": 0, "plot": False}  # fmt: skip
@@ -86,13 +81,13 @@ COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {
     "distill": {"train": {**_POST, "out_dir": "runs/distill", "lr": 1e-4, "beta2": 0.999,
                           "batch_size": 8, "max_steps": 100, "save_every": 50}},
 }  # fmt: skip
-"""The ``[train]`` values each command starts from (AdamW β2 and schedule as the loops they
-replaced: torch's default β2 0.999 for SFT/DPO/distillation, 0.99 for RL)."""
+"""The ``[train]`` values each command starts from, under the config file, overrides and flags:
+small learning rates without weight decay, fp32 on the CPU; β2 0.999 (torch's default) for
+SFT/DPO/distillation, 0.99 for RL."""
 
 
 def _flag(p: argparse.ArgumentParser, flag: str, key: str, help: str = "", **kw: Any) -> None:
-    # A short flag for a dotted key: recorded only when given (argparse.SUPPRESS), so the file
-    # and the dotted overrides sit between it and the defaults.
+    # recorded only when given (SUPPRESS): file and overrides sit between it and the defaults
     kw.setdefault("default", argparse.SUPPRESS)
     if "choices" not in kw:
         kw.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())

@@ -1,19 +1,18 @@
 """Chat templates: ChatML by default, the model's own template when it has one.
 
-The model's own template is either a transformers tokenizer's (``apply_chat_template``) or a
-Jinja template string attached to any other tokenizer with :func:`attach_template` (what
-``load_model`` does with a GGUF file's ``tokenizer.chat_template`` or a checkpoint's
-``chat_template.jinja``); the string is rendered in a sandbox with the globals transformers
-gives templates (``raise_exception``, ``bos_token``, ``eos_token``), so both render the same text.
+The model's own template is a transformers tokenizer's (``apply_chat_template``) or a Jinja
+string attached to any other tokenizer with :func:`attach_template` (a GGUF file's or a
+checkpoint's ``chat_template.jinja``), rendered in a sandbox with the globals transformers gives
+templates (``raise_exception``, ``bos_token``, ``eos_token``), so both render the same text.
 
-A conversation is a list of ``{"role": ..., "content": ...}`` messages. :func:`chat_example`
-turns it into an :class:`~lmforge.posttrain.core.Example` whose trainable tokens are the
-assistant replies (content and end-of-turn marker), never the role headers or other turns.
+:func:`chat_example` turns a list of ``{"role", "content"}`` messages into an
+:class:`~lmforge.posttrain.core.Example` whose trainable tokens are the assistant replies
+(content and end-of-turn marker), never the role headers or other turns.
 
-Simplification: the conversation is rendered piece by piece and each piece is tokenized on its
-own, so a BPE merge across a piece boundary is not made (the same rule TRL's assistant masks
-follow). With a tokenizer template, the pieces are the differences between renderings of
-growing prefixes of the conversation. Exercised by ``pytest tests/test_posttrain_core.py -k chat``.
+Simplification: each piece of the conversation is tokenized on its own, so no BPE merge crosses
+a piece boundary (as TRL's assistant masks); with a tokenizer template, the pieces are the
+differences between renderings of growing prefixes. Exercised by ``pytest
+tests/test_posttrain_core.py -k chat``.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ def check_messages(messages: Any, where: str = "conversation") -> list[dict[str,
 
 
 def chatml_header(role: str) -> str:
-    """ChatML's turn opening for ``role``."""
     return f"<|im_start|>{role}\n"
 
 
@@ -59,10 +57,8 @@ def render_chatml(messages: Sequence[Mapping[str, str]], add_generation_prompt: 
 
 
 def attach_template(tokenizer: Any, template: str | None) -> Any:
-    """``tokenizer`` carrying the Jinja chat ``template`` (as ``tokenizer.chat_template``).
-
-    A transformers tokenizer keeps its own; ``None`` or an empty template attaches nothing.
-    """
+    """``tokenizer`` carrying the Jinja chat ``template`` as ``tokenizer.chat_template`` (a
+    transformers tokenizer keeps its own; ``None`` or an empty template attaches nothing)."""
     if tokenizer is not None and template and not hasattr(tokenizer, "apply_chat_template"):
         tokenizer.chat_template = template
     return tokenizer

@@ -1,7 +1,6 @@
 """The bodies of ``lmforge sft | dpo | rl | distill`` (argument parsing and the config tree in
 ``_cli``): each loads its model and data, builds its objective and runs it in the one
-:class:`~lmforge.train.Trainer` (fast AdamW, schedule, clipping, accumulation, metrics.jsonl,
-checkpoints and exact resume: rerunning a command resumes from ``train.out_dir``).
+:class:`~lmforge.train.Trainer` (rerunning a command resumes from ``train.out_dir``).
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ if TYPE_CHECKING:
 def _setup(
     cfg: RunConfig, threads: int | None, data: str = "", default_threads: int | None = None
 ) -> tuple[Any, Path]:
-    """A check of the file at the dotted key ``data`` (``"sft.data"``), threads and the runtime
-    (device, rank), before any model is read; (runtime, output folder)."""
+    """(runtime, output folder), after checking the file at the dotted key ``data``
+    (``"sft.data"``) and setting the threads, before any model is read."""
     if data:
         branch, name = data.split(".")
         p = Path(getattr(getattr(cfg, branch), name))
@@ -83,8 +82,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _measured_once(f: Path, resumed: bool, write: bool, measure: Callable[[], Any]) -> Any:
-    # A measurement of the starting policy: taken by the first attempt (written to ``f`` when
-    # ``write``: rank 0), read back from ``f`` by a resumed one.
+    # the starting policy's measurement: taken (and written by rank 0) once, read back on resume
     if resumed and f.is_file():
         return json.loads(f.read_text(encoding="utf-8"))
     value = measure()
@@ -95,8 +93,7 @@ def _measured_once(f: Path, resumed: bool, write: bool, measure: Callable[[], An
 
 
 def _with_model_config(cfg: RunConfig, model: torch.nn.Module) -> RunConfig:
-    # The checkpoints' config.toml names the model actually trained (an imported one included;
-    # not a wrapper such as the reward model or PPO's policy with value head).
+    # config.toml names the model trained (an import too; not a reward or value-head wrapper)
     mc = getattr(model, "config", None)
     return dataclasses.replace(cfg, model=mc) if isinstance(mc, ModelConfig) else cfg
 
@@ -128,9 +125,6 @@ def _summary(out: Path, summary: dict[str, Any], first_last: bool = False) -> in
     _write_json(out / "summary.json", summary)
     print(json.dumps(summary))
     return 0
-
-
-# ---------------------------------------------------------------------------------------------
 
 
 def run_sft(cfg: RunConfig, threads: int | None = None) -> int:
@@ -220,16 +214,12 @@ def run_distill(cfg: RunConfig, threads: int | None = None) -> int:
     return _summary(out, {}, True)
 
 
-# ---------------------------------------------------------------------------------------------
-
-
 _TOY_TASKS = ("arithmetic", "scratchpad")  # a tiny model warm-started here, char tokenizer
 
 
 def arithmetic_start(cfg: RunConfig, runtime: Any) -> tuple[Any, Any, Any]:
     """(task, tokenizer, model): ``rl.model`` when given, else a tiny model warm-started here
-    by the SFT objective on the task's carry-dropping mixture (a Trainer run of its own in
-    ``OUT/warm_start``: resumable, and skipped when finished)."""
+    (:func:`~lmforge.posttrain.rl.warm_start` in ``OUT/warm_start``)."""
     rc, tc = cfg.rl, cfg.train
     cls = ScratchpadAdditionTask if rc.task == "scratchpad" else ArithmeticTask
     task = cls(digits=rc.digits)

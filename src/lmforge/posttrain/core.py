@@ -1,10 +1,9 @@
 """Building blocks shared by every post-training objective: model calls, tokenization with a
 response mask, per-token log-probs and entropy, masked reductions.
 
-Everything works on any module mapping token ids to logits: an lmforge ``TransformerLM`` (called
-as ``model(ids)``), or a transformers model (called as ``model(input_ids=...)`` and read through
-``.logits``). Tokenizers are anything with ``encode(str) -> list[int]`` (lmforge's ``Tokenizer``)
-or a transformers tokenizer (``encode(text, add_special_tokens=False)``).
+Everything works on any module mapping token ids to logits (an lmforge ``TransformerLM`` or a
+transformers model) and any tokenizer with ``encode(str) -> list[int]`` (lmforge's or a
+transformers one, called with ``add_special_tokens=False``).
 
 Shape legend: B batch, T sequence, V vocab.
 Exercised by ``pytest tests/test_posttrain_core.py``.
@@ -35,11 +34,9 @@ def model_logits(
     input_ids: torch.Tensor,
     attention: Any | None = None,
 ) -> torch.Tensor:
-    """Logits (B, T, V) of token ids (B, T) under any token-ids → logits module.
-
-    ``attention`` is optional packing information (a :class:`~lmforge.posttrain.packing.Packed`
-    mask object, see there); without it every row is one causal sequence starting at position 0.
-    """
+    """Logits (B, T, V) of token ids (B, T) under any token-ids → logits module. ``attention``:
+    optional :class:`~lmforge.posttrain.packing.Packed` information; without it every row is
+    one causal sequence starting at position 0."""
     if attention is not None:
         return attention.logits(model, input_ids)
     if is_lmforge_model(model):
@@ -58,11 +55,8 @@ def token_logprobs(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """log_softmax(logits / T)[label] per position, in float32: (B, T, V), (B, T) -> (B, T).
-
-    T ≤ 0 (greedy) counts as 1, as the rollout contract says. Labels equal to :data:`IGNORE`
-    give 0. This is the exact definition the rollout engine records, so at learning rate 0
-    every importance ratio is 1.
-    """
+    T ≤ 0 (greedy) counts as 1 and :data:`IGNORE` labels give 0: the exact definition the
+    rollout engine records (:mod:`lmforge.posttrain.rollout`)."""
     t = 1.0 if temperature <= 0 else float(temperature)
     scaled = logits.float() / t if t != 1.0 else logits.float()
     safe = labels.clamp_min(0)
@@ -88,11 +82,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 def masked_sum_normalize(
     x: torch.Tensor, mask: torch.Tensor, constant: float, dim: int | None = None
 ) -> torch.Tensor:
-    """Sum of ``x`` where ``mask`` is true, divided by a fixed ``constant`` (not the count).
-
-    Dr. GRPO's aggregation: a constant normalizer keeps long and short responses weighted by
-    their token counts instead of inflating the short ones' per-token gradient.
-    """
+    """Sum of ``x`` where ``mask`` is true, divided by a fixed ``constant`` (not the count): Dr.
+    GRPO's aggregation, which does not inflate short responses' per-token gradient."""
     if constant <= 0:
         raise ValueError(f"constant must be positive, got {constant}")
     m = mask.to(x.dtype)
@@ -127,8 +118,7 @@ def sequence_logprobs(
     return logp, ent
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenization
+# -- Tokenization
 
 
 def set_random_state(rng: Any, state: Any) -> None:
@@ -196,7 +186,6 @@ class Batch:
         return self.labels != IGNORE
 
     def to(self, device: torch.device | str) -> Batch:
-        """The same batch on ``device``."""
         return Batch(self.input_ids.to(device), self.labels.to(device))
 
 

@@ -1,11 +1,9 @@
-"""Logit distillation from a teacher: on a corpus (the teacher scores fixed sequences) or
-on-policy (the student samples, the teacher scores every sampled token, as in GKD / on-policy
-distillation). Losses: forward KL, reverse KL, generalised JSD, with a temperature
+"""Logit distillation from a teacher, on a corpus (the teacher scores fixed sequences) or
+on-policy (the student samples on the serving engine, the teacher scores every sampled token,
+as in GKD): forward KL, reverse KL or generalised JSD with a temperature
 (:func:`lmforge.posttrain.losses.distill_token_loss`). Teacher and student can differ in size;
-their vocabularies must match. :class:`DistillObjective` runs in the one Trainer loop;
-on-policy samples come from the serving engine. Exercised by ``pytest tests/test_posttrain_distill.py``.
-
-Shape legend: B batch, T tokens, V vocab.
+their vocabularies must match. Shape legend: B batch, T tokens, V vocab.
+Exercised by ``pytest tests/test_posttrain_distill.py``.
 """
 
 from __future__ import annotations
@@ -63,9 +61,8 @@ def distill_loss(
 
 class DistillObjective:
     """Distillation as a :class:`~lmforge.train.Objective`: ``batch_size`` sequences per
-    micro-batch, drawn from ``corpus`` (examples picked by a seeded RNG) or, on-policy, sampled
-    by the student on the serving engine from ``prompts`` (seeded per request, so a resumed run
-    samples the same); loss summed over target tokens with their count as weight."""
+    micro-batch from ``corpus`` or, on-policy, sampled by the student from ``prompts`` (seeded,
+    so a resumed run samples the same); loss summed over target tokens, their count the weight."""
 
     name = "distill"
 
@@ -127,5 +124,4 @@ class DistillObjective:
         return {"rng": self.rng.getstate()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
         set_random_state(self.rng, state["rng"])

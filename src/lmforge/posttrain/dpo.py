@@ -4,12 +4,10 @@ Data: JSONL (or .jsonl.gz) records ``{"prompt", "chosen", "rejected"}``, or HH-R
 ``{"chosen", "rejected"}`` full dialogues (``\\n\\nHuman: … \\n\\nAssistant: …``), split at their
 last common ``\\n\\nAssistant:`` into a shared prompt and the two final replies.
 
-:class:`DPOObjective` (the reference policy's log-probs cached once, or a frozen copy per batch)
-and :class:`RewardModelObjective` run in the one Trainer loop. Metrics: loss, reward accuracy
-(implicit reward of chosen > rejected), reward margin, on training batches and on a held-out
-split. Exercised by ``pytest tests/test_posttrain_dpo.py``.
-
-Shape legend: B pairs, T tokens.
+:class:`DPOObjective` and :class:`RewardModelObjective` run in the one Trainer loop. Metrics:
+reward accuracy (implicit reward of chosen > rejected) and margin, on training batches and on
+a held-out split. Shape legend: B pairs, T tokens.
+Exercised by ``pytest tests/test_posttrain_dpo.py``.
 """
 
 from __future__ import annotations
@@ -83,8 +81,8 @@ def pair_batch(pairs: Sequence[tuple[list[int], list[int], list[int]]], pad_id: 
 def _pair_scores(
     model: nn.Module, chunk: Sequence[Any], cfg: DPOConfig, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The chosen and the rejected responses' scores (B,) each: summed response log-probs from
-    # one forward of 2B rows (IPO and SimPO: averaged over the response tokens).
+    # chosen and rejected scores (B,) each from one forward of 2B rows: summed response
+    # log-probs (IPO and SimPO: averaged over the response tokens)
     batch = pair_batch(chunk, pad_id).to(next(model.parameters()).device)
     logp, _ = sequence_logprobs(model, batch.input_ids, batch.labels)
     s = (logp * batch.mask).sum(-1)  # (2B,)
@@ -149,9 +147,8 @@ def preference_accuracy(
 
 
 class _PairObjective:
-    """What the preference objectives share: training pairs in a shuffled order per epoch,
-    ``batch_size`` at a time (the last batch of an epoch may be smaller), whose order, position
-    and RNG are the resume state; held-out pairs."""
+    """What the preference objectives share: training pairs, ``batch_size`` at a time, in an
+    order shuffled per epoch (order, position and RNG are the resume state); held-out pairs."""
 
     def __init__(
         self,
@@ -183,7 +180,6 @@ class _PairObjective:
         return {"stream": {"rng": self.rng.getstate(), "order": list(self.order), "pos": self.pos}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
         set_random_state(self.rng, state["stream"]["rng"])
         self.order, self.pos = list(state["stream"]["order"]), int(state["stream"]["pos"])
 
@@ -194,15 +190,11 @@ def steps_per_epoch(n_pairs: int, batch_size: int) -> int:
 
 
 class DPOObjective(_PairObjective):
-    """DPO, IPO, cDPO or SimPO as a :class:`~lmforge.train.Objective`.
-
-    A micro-batch is ``batch_size`` pairs (chosen and rejected scored in one forward of 2B rows);
-    ``loss`` is the sum of the per-pair losses with weight B. The reference policy's scores are
-    computed once from the starting weights (``reference="cached"``, the default; they are part
-    of the objective's state, so a resumed run keeps the starting policy's scores) or by a frozen
-    copy of the starting model on every batch (``"online"``). ``evaluate`` reports the held-out
-    preference accuracy and margin of the implicit reward.
-    """
+    """DPO, IPO, cDPO or SimPO as a :class:`~lmforge.train.Objective`: ``batch_size`` pairs a
+    micro-batch, ``loss`` the sum of the per-pair losses with weight B. The reference policy's
+    scores are computed once from the starting weights (``reference="cached"``; kept in the
+    objective's state, so a resumed run keeps them) or by a frozen copy of the starting model
+    on every batch (``"online"``)."""
 
     name = "dpo"
 
@@ -299,21 +291,17 @@ class DPOObjective(_PairObjective):
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
         super().load_state_dict(state)
         if "ref_train" in state:
             self.ref_train, self.ref_eval = state["ref_train"], state["ref_eval"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Reward model
+# -- Reward model
 
 
 class RewardModel(nn.Module):
-    """An LM with a scalar head: the score of a sequence is the head applied to the last
-    response token's final hidden state (the LM head is dropped from the computation: its
-    logits are not used). Works on lmforge models (``forward_hidden``) and transformers models
-    (``output_hidden_states``)."""
+    """An LM (lmforge or transformers) with a scalar head on the last response token's final
+    hidden state (the LM head's logits are not computed)."""
 
     def __init__(self, lm: nn.Module, hidden_size: int) -> None:
         super().__init__()
@@ -372,7 +360,6 @@ class RewardModelObjective(_PairObjective):
         self._hits: list[float] = []
 
     def next_batch(self) -> list[Any]:
-        """The next pairs."""
         return [self.train_pairs[j] for j in self._next_indices()]
 
     def batch_weight(self, batch: list[Any]) -> float:

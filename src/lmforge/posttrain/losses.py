@@ -1,6 +1,5 @@
-"""Loss math for preference optimisation, RL with verifiable rewards, PPO and distillation.
-
-Pure functions of tensors (no model, no state), each tested on hand-computed cases.
+"""Loss math for preference optimisation, RL with verifiable rewards, PPO and distillation: pure
+functions of tensors, each tested on hand-computed cases.
 
 RL losses are built from three separable choices, so any combination can be made:
 
@@ -34,8 +33,7 @@ Normalizer = Literal["std", "mean", "none"]
 Reweight = Literal["none", "ratio", "clip", "seq_clip"]
 Aggregation = Literal["seq_mean", "token_mean", "constant"]
 
-# ---------------------------------------------------------------------------------------------
-# Preference optimisation
+# -- Preference optimisation
 
 
 def dpo_loss(
@@ -47,13 +45,11 @@ def dpo_loss(
     kind: Literal["dpo", "ipo", "cdpo"] = "dpo",
     label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair loss (B,) and implicit rewards (B,), (B,) from summed sequence log-probs (B,).
-
-    h = (π_c − ref_c) − (π_r − ref_r). DPO: −log σ(β h). cDPO (conservative, labels flipped
+    """Per-pair loss (B,) and implicit rewards β·(π − ref) (B,), (B,) from summed sequence
+    log-probs (B,). h = (π_c − ref_c) − (π_r − ref_r). DPO: −log σ(β h). cDPO (labels flipped
     with probability ε = ``label_smoothing``): −(1−ε) log σ(β h) − ε log σ(−β h). IPO:
-    (h − 1/(2β))², with h from per-token *average* log-probs as in the IPO paper (the caller
-    passes averages). Rewards are β·(π − ref) for chosen and rejected.
-    """
+    (h − 1/(2β))², h from per-token *average* log-probs as in the IPO paper (the caller passes
+    averages)."""
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)  # (B,)
     if kind == "ipo":
         loss = (h - 1.0 / (2.0 * beta)) ** 2
@@ -70,10 +66,8 @@ def dpo_loss(
 def simpo_loss(
     avg_chosen: torch.Tensor, avg_rejected: torch.Tensor, beta: float = 2.0, gamma: float = 0.5
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SimPO (reference-free): −log σ(β·avg_c − β·avg_r − γ) from per-token average log-probs (B,).
-
-    Returns the per-pair loss and the rewards β·avg (chosen, rejected).
-    """
+    """SimPO (reference-free): −log σ(β·avg_c − β·avg_r − γ) from per-token average log-probs (B,);
+    the per-pair loss and the rewards β·avg (chosen, rejected)."""
     loss = -F.logsigmoid(beta * (avg_chosen - avg_rejected) - gamma)
     return loss, beta * avg_chosen.detach(), beta * avg_rejected.detach()
 
@@ -83,8 +77,7 @@ def bradley_terry_loss(score_chosen: torch.Tensor, score_rejected: torch.Tensor)
     return -F.logsigmoid(score_chosen - score_rejected)
 
 
-# ---------------------------------------------------------------------------------------------
-# Advantages
+# -- Advantages
 
 
 def group_advantages(
@@ -94,14 +87,12 @@ def group_advantages(
     eps: float = 1e-6,
     std: Literal["sample", "population"] = "sample",
 ) -> torch.Tensor:
-    """Advantages (G, N) of rewards (G, N), one row per prompt's group of N samples.
-
-    baseline ``mean``: r − mean(group); ``loo``: r − mean of the *other* N−1 samples (RLOO);
-    ``none``: r. normalizer ``std``: divide by the group's std + eps, by default the *sample*
+    """Advantages (G, N) of rewards (G, N), one row per prompt's group of N samples. Baseline
+    ``mean``: r − mean(group); ``loo``: r − mean of the *other* N−1 samples (RLOO);
+    ``none``: r. Normalizer ``std``: divide by the group's std + eps, by default the *sample*
     (unbiased, N−1) std as TRL, verl and the CS336 reference compute it; ``std="population"``
     (N) gives advantages smaller by √((N−1)/N) (1/√2 at N = 2), lmforge's choice before;
-    ``mean``: divide by the group's mean reward + eps (MaxRL); ``none``: no division (Dr. GRPO).
-    """
+    ``mean``: divide by the group's mean reward + eps (MaxRL); ``none``: no division (Dr. GRPO)."""
     if std not in ("sample", "population"):
         raise ValueError(f"unknown std {std!r} (sample, population)")
     r = rewards.float()
@@ -143,8 +134,7 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, cache: int) -> torch.T
     return out.clamp_min(-1.0)
 
 
-# ---------------------------------------------------------------------------------------------
-# Per-token policy losses and aggregation
+# -- Per-token policy losses and aggregation
 
 
 def policy_token_loss(
@@ -156,12 +146,9 @@ def policy_token_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token policy loss (B, T) and the "clipped" indicator (B, T).
-
+    """Per-token policy loss (B, T) and the "clipped" indicator (B, T), 0 where masked.
     ``logp``/``old_logp`` (B, T): log-probs of the sampled tokens under the current policy and
-    the one that sampled them; ``advantages`` (B,) per sequence or (B, T) per token. Masked
-    positions give 0.
-    """
+    the one that sampled them; ``advantages`` (B,) per sequence or (B, T) per token."""
     adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, T) or (B, 1)
     adv = adv.expand_as(logp)
     m = mask.to(logp.dtype)
@@ -192,13 +179,10 @@ def aggregate(
     mode: Aggregation = "seq_mean",
     constant: float | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """``(loss_sum, weight)`` of a per-token loss (B, T) so that loss = loss_sum / weight.
-
-    ``seq_mean``: Σ_i mean_t(loss_i) over weight B; ``token_mean``: Σ loss over weight = number
-    of tokens; ``constant``: Σ_i Σ_t loss_i,t / constant over weight B (Dr. GRPO, constant = the
-    generation budget). Returning a sum and a weight lets gradient accumulation divide by the
-    weight of the whole batch (:func:`lmforge.train.objective.forward_backward`).
-    """
+    """``(loss_sum, weight)`` of a per-token loss (B, T), loss = loss_sum / weight (so gradient
+    accumulation divides by the whole batch's weight). ``seq_mean``: Σ_i mean_t(loss_i) over
+    weight B; ``token_mean``: Σ loss over weight = number of tokens; ``constant``:
+    Σ_i Σ_t loss_i,t / constant over weight B (Dr. GRPO, constant = the generation budget)."""
     if mode == "seq_mean":
         return masked_mean(token_loss, mask, dim=-1).sum(), float(token_loss.shape[0])
     if mode == "token_mean":
@@ -244,8 +228,7 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# PPO
+# -- PPO
 
 
 def gae(
@@ -256,10 +239,8 @@ def gae(
     lam: float = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens: advantages and returns (B, T).
-
     δ_t = r_t + γ V_{t+1} − V_t (V after the last valid token is 0), A_t = δ_t + γλ A_{t+1};
-    returns = A + V. Masked (padding) positions give 0 and do not carry values across.
-    """
+    returns = A + V. Masked (padding) positions give 0 and do not carry values across."""
     b, t = rewards.shape
     m = mask.to(values.dtype)
     adv = torch.zeros_like(values)
@@ -301,8 +282,7 @@ def kl_penalized_rewards(
     return rewards + scores[:, None] * last.to(logp.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Distillation
+# -- Distillation
 
 
 def distill_token_loss(
@@ -312,13 +292,11 @@ def distill_token_loss(
     temperature: float = 1.0,
     beta: float = 0.5,
 ) -> torch.Tensor:
-    """Per-position divergence (…,) between teacher p and student q over the vocabulary.
-
-    ``forward``: KL(p‖q) (mode covering); ``reverse``: KL(q‖p) (mode seeking); ``jsd``: the
-    generalised JSD of GKD, β·KL(p‖m) + (1−β)·KL(q‖m) with m = β·p + (1−β)·q (β=0.5 is the JSD;
-    β → 0 tends to forward KL / β up to scaling). Both distributions are softened by the
-    temperature, and the result is scaled by T² to keep gradient magnitudes comparable.
-    """
+    """Per-position divergence (…,) between teacher p and student q over the vocabulary, both
+    softened by the temperature T, scaled by T² (comparable gradient magnitudes). ``forward``:
+    KL(p‖q) (mode covering); ``reverse``: KL(q‖p) (mode seeking); ``jsd``: GKD's generalised
+    JSD β·KL(p‖m) + (1−β)·KL(q‖m), m = β·p + (1−β)·q (β=0.5: the JSD; β → 0: forward KL / β
+    up to scaling)."""
     if student_logits.shape[-1] != teacher_logits.shape[-1]:
         raise ValueError(
             f"student vocabulary {student_logits.shape[-1]} != teacher's {teacher_logits.shape[-1]}"

@@ -2,14 +2,11 @@
 
 ``load_model(spec)``: an lmforge checkpoint or run folder (:func:`lmforge.hf.load_pretrained`),
 a GGUF file (:func:`lmforge.hf.gguf.import_gguf`: an lmforge ``TransformerLM`` dequantised to
-float32, the file's tokenizer and its chat template), or a transformers folder (``config.json``
-without ``config.toml``: kept as a transformers model with its transformers tokenizer, the
-"any module mapping token ids to logits" case). The chat template that is not held by a
-transformers tokenizer travels on the tokenizer as ``chat_template``
-(:func:`lmforge.posttrain.chat.attach_template`). ``save_model`` writes an lmforge checkpoint
-folder (``config.toml`` + ``model.safetensors`` + the tokenizer + ``chat_template.jinja``,
-loadable here and by ``lmforge serve``) or a transformers ``save_pretrained`` folder, into a
-temporary folder renamed at the end.
+float32 with the file's tokenizer and chat template), or a transformers folder (``config.json``
+without ``config.toml``: kept as a transformers model and tokenizer). A chat template not held
+by a transformers tokenizer travels as ``tokenizer.chat_template``. ``save_model`` writes an
+lmforge checkpoint folder (loadable here and by ``lmforge serve``) or a transformers
+``save_pretrained`` folder, atomically.
 """
 
 from __future__ import annotations

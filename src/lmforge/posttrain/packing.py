@@ -2,17 +2,13 @@
 
 Each packed row holds whole examples back to back; every example restarts its RoPE positions at
 0 and attends only to its own earlier tokens (a block-diagonal causal mask), so a packed batch
-computes exactly what the examples would one by one (tested: same per-token losses and
-gradients, up to float rounding).
+computes the same per-token losses and gradients as the examples one by one (tested).
 
 How the mask reaches the model without touching ``lmforge.model``: ``TransformerLM.forward``
-accepts a ``kv_cache`` object whose ``begin`` returns (positions, mask) and whose ``update``
-returns the keys/values the layer attends over. :class:`_BlockDiagonalMask` is such an object
-that stores nothing: ``begin`` hands out the per-example positions and the block-diagonal mask,
-``update`` returns the layer's own keys/values. Every attention backend then runs its masked
-path (torch SDPA with a boolean mask; the ``reference`` backend its own math). A transformers
-model gets ``position_ids`` and a 4-D additive mask (B, 1, T, T), which its eager and SDPA
-attention take as is.
+accepts a ``kv_cache`` object; :class:`_BlockDiagonalMask` is one that stores nothing (``begin``
+hands out the per-example positions and the mask, ``update`` returns the layer's own
+keys/values), so every attention backend runs its masked path. A transformers model gets
+``position_ids`` and a 4-D additive mask (B, 1, T, T).
 
 Shape legend: B batch (packed rows), T packed length, K kv-heads, E head dim.
 Exercised by ``pytest tests/test_posttrain_sft.py -k packing``.
@@ -67,7 +63,6 @@ class Packed:
     "(B, T) long: which input example each position came from (-1 on padding)"
 
     def to(self, device: torch.device | str) -> Packed:
-        """The same packing on ``device``."""
         index = None if self.index is None else self.index.to(device)
         return Packed(self.segments.to(device), self.positions.to(device), index)
 
@@ -105,10 +100,8 @@ class Packed:
 
 
 def pack(examples: Sequence[Example], max_len: int, pad_id: int = 0) -> tuple[Batch, Packed]:
-    """Greedy first-fit packing of examples (as shifted inputs/labels) into rows of ≤ ``max_len``.
-
-    Examples longer than ``max_len`` inputs are truncated. Rows are right-padded to the longest.
-    """
+    """Greedy first-fit packing of examples (as shifted inputs/labels) into rows of ≤ ``max_len``
+    (longer examples truncated), right-padded to the longest row."""
     if max_len <= 0:
         raise ValueError(f"max_len must be positive, got {max_len}")
     pairs = [ex.shifted() for ex in examples]

@@ -4,16 +4,14 @@ Two processes (``torch.multiprocessing``, spawn), joined by a ``torch.distribute
 on CPU; NCCL when each has its own GPU):
 
 - the **engine** decodes batches of ``prompts_per_step × group_size`` rollouts continuously on
-  :class:`lmforge.serve.Engine` (:func:`~lmforge.posttrain.rollout.rollout_engine`), stepping it
-  itself. Before every engine step it checks the
-  trainer's published version; when newer, it receives the weights (bucketed broadcast,
-  :mod:`lmforge.posttrain.weight_sync`; or, ``transport="shared"`` on one device, copies them
-  out of buckets shared with the trainer) and swaps them in **mid-sequence**, keeping the KV
-  cache; every token records the version that sampled it. Finished batches go to a queue.
+  :class:`lmforge.serve.Engine` (:func:`~lmforge.posttrain.rollout.rollout_engine`). Before every
+  engine step it checks the trainer's published version; when newer, it receives the weights
+  (bucketed broadcast, :mod:`lmforge.posttrain.weight_sync`; or, ``transport="shared"`` on one
+  device, copies them out of buckets shared with the trainer) and swaps them in
+  **mid-sequence**, keeping the KV cache; every token records the version that sampled it.
 - the **trainer** (:class:`PipelineObjective` in the one Trainer) takes finished batches as they
-  arrive, scores them, drops (or down-weights) rollouts whose oldest token is more than
-  ``max_lag`` versions behind, runs one optimizer step, publishes the new version and
-  broadcasts the weights.
+  arrive, scores them, drops (or down-weights) rollouts more than ``max_lag`` versions behind,
+  runs one optimizer step and publishes the new weights.
 
 The importance ratio uses the engine's recorded log-probs (the behaviour policy, possibly mixed
 across versions within a sequence), clipped as in GRPO; that is what makes lag tolerable.
@@ -23,21 +21,16 @@ The engine runs on credit: it starts a batch only when the trainer has taken all
 ``queue_size`` of the batches it finished (``queue_size=0``: it samples batch k+1 while the
 trainer trains on batch k, so no token is more than one version old).
 
-Any task and any lmforge model: the engine process rebuilds the trainer's model from its config
-and state dict (:func:`rebuild_model`: tied embeddings, head_dim, QK-norm, RoPE scaling come with
-the config) and draws prompts from a picklable prompt source — :class:`TaskPrompts` for the toy
-tasks, :class:`ListPrompts` over a fixed list of records (GSM8K, MATH) — that yields token ids,
-so the engine never needs the tokenizer (it stops on the EOS ids it is given). A source drawn in
-the engine gives the same prompts, in the same order, as its twin drawn by a synchronous run of
-the same seed (:func:`item_stream`). The trainer decodes and scores with the task's reward.
-
-Resume after ``kill -9`` (the Trainer's checkpoints, ``train.save_every``): the engine
-process exits when its trainer dies; what a rerun restores: :class:`PipelineObjective`.
+Any task and any lmforge model: the engine process rebuilds the trainer's model
+(:func:`rebuild_model`) and draws token ids from a picklable prompt source (:class:`TaskPrompts`,
+:class:`ListPrompts`), so it never needs the tokenizer; a source drawn in the engine gives the
+same prompts, in order, as its twin in a synchronous run of the same seed (:func:`item_stream`).
+The trainer decodes and scores with the task's reward. Resume after ``kill -9``:
+:class:`PipelineObjective`.
 
 Simplification: one engine; a batch is started whole (the engine batches its rows
-continuously). Weights are the model's parameters: buffers (an MoE
-router's bias) are not sent. Placement across hosts belongs to an existing launcher (torchrun,
-Ray), not to this module.
+continuously). Only parameters are sent, not buffers (an MoE router's bias). Placement across
+hosts belongs to a launcher (torchrun, Ray), not to this module.
 Exercised by ``pytest tests/test_posttrain_pipeline.py``, ``pytest tests/test_posttrain_resume.py
 -k pipeline`` and ``lmforge rl --pipeline``.
 """
@@ -131,16 +124,12 @@ class PipelineConfig:
                    **derived)  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
-# Prompt sources: picklable, so the engine process draws the prompts itself
+# -- Prompt sources: picklable, so the engine process draws the prompts itself
 
 
 class TaskPrompts:
-    """The toy tasks' prompt stream: ``task.sample(n, random.Random(seed))``.
-
-    Calling it gives the items (the stream ``GRPOObjective`` draws with a ``random.Random(seed)``
-    of the same seed); :meth:`draw` gives the items and their prompt token ids (the task's own
-    tokenizer, which pickles)."""
+    """The toy tasks' prompt stream ``task.sample(n, random.Random(seed))``, as ``GRPOObjective``
+    draws it; :meth:`draw` adds the prompts' token ids (the task's tokenizer, which pickles)."""
 
     def __init__(self, task: Any, seed: int) -> None:
         self.task = task
@@ -157,11 +146,9 @@ class TaskPrompts:
 
 
 class ListPrompts:
-    """Items of a fixed list drawn like ``random.Random(seed).sample(items, n)``, ``n`` per call.
-
-    ``items`` are records with a ``prompt`` text (GSM8K, MATH). Calling it gives the items;
-    :meth:`with_token_ids` (in the trainer, which holds the tokenizer) encodes every prompt once,
-    so that :meth:`draw` in the engine process hands out token ids without a tokenizer."""
+    """Records with a ``prompt`` text (GSM8K, MATH) drawn like ``random.Random(seed).sample``,
+    ``n`` per call. :meth:`with_token_ids` (in the trainer, which holds the tokenizer) encodes
+    every prompt once, so :meth:`draw` in the engine process needs no tokenizer."""
 
     def __init__(self, items: Sequence[dict[str, Any]], seed: int) -> None:
         if not items:
@@ -205,8 +192,7 @@ def item_stream(prompts: Any) -> Callable[[int], list[dict[str, Any]]]:
     return copy.deepcopy(prompts)
 
 
-# ---------------------------------------------------------------------------------------------
-# The engine process
+# -- The engine process
 
 
 def _free_port() -> int:
@@ -225,12 +211,9 @@ def _init(rank: int, port: int, backend: str) -> None:
 def rebuild_model(
     model_cfg: Any, state: dict[str, torch.Tensor], device: str | torch.device
 ) -> nn.Module:
-    """The trainer's lmforge model rebuilt from its config and state dict on ``device``.
-
-    The config carries every shape option (head_dim, GQA, QK-norm, RoPE θ and scaling, tying,
-    MoE), so ``TransformerLM(config)`` is the same module; the RoPE tables are recomputed (they
-    are not in a state dict); the dtype is the state's. A tied model stays tied (one Parameter),
-    so both sides list the same parameters for the bucketed broadcast."""
+    """The trainer's lmforge model rebuilt from its config and state dict on ``device``, in the
+    state's dtype (the config carries every shape option; RoPE tables are recomputed). A tied
+    model stays tied, so both sides list the same parameters for the bucketed broadcast."""
     from lmforge.model import TransformerLM
 
     dtype = state["token_embeddings.weight"].dtype
@@ -242,7 +225,7 @@ def rebuild_model(
 @torch.no_grad()
 def weight_fingerprint(model: nn.Module) -> torch.Tensor:
     """(P, 2) float64 on the CPU: each parameter's sum and sum of magnitudes (a cheap check
-    that two processes hold the same weights; see :func:`fingerprint_mismatch`)."""
+    that two processes hold the same weights)."""
     rows = [torch.stack([p.sum(dtype=torch.float64), p.abs().sum(dtype=torch.float64)])
             for p in model.parameters()]  # fmt: skip
     return torch.stack(rows).cpu()
@@ -271,17 +254,11 @@ def _bucket_device(cfg: PipelineConfig, device: torch.device | str) -> torch.dev
 
 
 def _engine_main(link: _Link, *args: Any) -> None:
-    """The engine process (:func:`_engine_loop` on ``link`` and ``args``): decode forever,
-    swapping weights in between decode steps.
-
-    It runs on credit (``consumed``, see the module docstring). Each payload carries the
-    engine's time breakdown for that batch: decoding (``gen_s``, weight receives included),
-    receiving weights (``recv_s``) and idling for credit or queue room (``idle_s``); with the
-    serve engine also its decode-only and prefill-carrying step seconds. A failure is sent to
-    the trainer as one line instead of a batch. It exits on its own when the trainer
-    process (``parent``) is gone (a ``kill -9``), so a resumed run starts a fresh engine (at the
-    trainer's batch count and version: :class:`PipelineObjective`).
-    """
+    """The engine process: :func:`_engine_loop` (decode forever on credit, swapping weights in
+    between decode steps), its failure sent to the trainer as one line. Each batch carries the
+    engine's seconds decoding (``gen_s``, receives included), receiving weights (``recv_s``) and
+    idling for credit or queue room (``idle_s``). It exits when the trainer (``parent``) is gone,
+    so a resumed run starts a fresh engine (:class:`PipelineObjective`)."""
     import torch.distributed as dist
 
     try:
@@ -319,17 +296,15 @@ def _engine_loop(link: _Link, cfg: PipelineConfig, model_cfg: Any, state_file: s
 
     model = rebuild_model(model_cfg, load_model_state(state_file), device)
     start = consumed.value  # batches the trainer already trained on (a resumed run: > 0)
-    # The engine's sampling generator is not checkpointed (its position depends on batches
-    # lost in flight): each attempt seeds its own stream from the batch it starts at.
+    # not checkpointed (it depends on batches lost in flight): seeded from the starting batch
     engine = rollout_engine(model, eos_ids, seed=cfg.seed + 1 + 1_000_003 * start)
     engine.update_weights({}, published.value)  # the checkpoint's weights carry its version
     layout = bucket_layout(model.named_parameters(), cfg.bucket_mib << 20)
     buckets = [] if shared is not None else layout.empty_buckets(_bucket_device(cfg, device))
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
                             n=cfg.group_size, stop_token_ids=tuple(eos_ids))  # fmt: skip
-    # Warm up (first-call allocations, kernel compilation) before joining the group: the
-    # trainer's clock starts when the group forms, and a synchronous run's engine is warm by
-    # then too. A copy of the prompt source, so the stream itself is untouched.
+    # warm up before joining the group (the trainer's clock starts then, as a synchronous run's
+    # engine is warm by then), on a copy of the prompt source so the stream is untouched
     engine.generate(copy.deepcopy(prompts).draw(1)[1], SamplingParams(max_tokens=2))
     out_q.put(("ready",))
     _init(1, port, cfg.backend)
@@ -430,18 +405,15 @@ def _take(out_q: Any, proc: Any, timeout: float = 600.0) -> tuple[Any, ...]:
         return msg
 
 
-# ---------------------------------------------------------------------------------------------
-# The trainer
+# -- The trainer
 
 
 def check_inputs(model: nn.Module, cfg: PipelineConfig, prompts: Any = None,
                  tokenizer: Any = None) -> Any:  # fmt: skip
-    """:func:`run_pipeline`'s checks of what it is given, each a one-line :class:`LmforgeError`.
-
-    Cheap (no engine, no forward), so a command runs them before its first evaluation; run
-    again by :func:`run_pipeline`. Returns ``prompts``: a :class:`ListPrompts` with its token ids
-    (encoded here with ``tokenizer`` when it has none), checked to fit the model's context and
-    to hold ``prompts_per_step`` problems; any other source as given."""
+    """:func:`run_pipeline`'s checks of its inputs, each a one-line :class:`LmforgeError`; cheap,
+    so a command runs them before its first evaluation. Returns ``prompts``: a
+    :class:`ListPrompts` with its token ids (encoded with ``tokenizer`` when missing), checked
+    against the model's context and ``prompts_per_step``; any other source as given."""
     if cfg.transport not in ("broadcast", "shared"):
         raise LmforgeError(f"unknown weight transport {cfg.transport!r} (broadcast, shared)")
     if not is_lmforge_model(model):
@@ -483,34 +455,26 @@ def run_pipeline(
     ref_model: nn.Module | None = None,
     run_config: Any = None,
 ) -> list[dict[str, Any]]:
-    """Train ``model`` (an lmforge ``TransformerLM``: a checkpoint, a GGUF/HF import or one made
-    here) with Pipeline RL.
+    """Train ``model`` (an lmforge ``TransformerLM``) with Pipeline RL.
 
-    The task: by default ``cfg.task`` (a toy task: its prompts, tokenizer, exact-match reward and
-    held-out set). Any other task passes ``prompts`` (a picklable source with ``draw(n)``:
-    :class:`ListPrompts` with token ids, :class:`TaskPrompts`), ``tokenizer`` (decodes the
-    replies for the reward), ``reward_fn(item, text)`` and optionally ``eos_ids`` (default: the
-    tokenizer's), ``eval_fn() -> accuracy`` (default: none) and ``ref_model`` (the frozen
-    policy of ``cfg.kl_coef``'s KL term). ``reward_fn`` alone replaces a toy task's reward.
+    The task: by default ``cfg.task`` (a toy task: its prompts, tokenizer, reward and held-out
+    set). Any other task passes ``prompts`` (a picklable source with ``draw(n)``),
+    ``tokenizer`` (decodes the replies), ``reward_fn(item, text)`` and optionally ``eos_ids``
+    (default: the tokenizer's), ``eval_fn() -> accuracy`` and ``ref_model`` (for
+    ``cfg.kl_coef``). ``reward_fn`` alone replaces a toy task's reward.
 
     The first and every ``eval_every``-th record hold ``sync_check``: the largest |π_θ/μ − 1|
-    over the ``sync_check_tokens`` tokens of rows sampled wholly by the current version (lag 0,
-    no mid-sequence swap) before the step — 0 up to rounding when the engine's rebuilt model is
-    the trainer's (the first batch is all lag 0; later ones often have no such row) — and
-    ``weight_check``: :func:`fingerprint_mismatch` between the engine's weights when it started
-    that batch and the trainer's at the version it then held (``weight_check_version``; 0 up to
-    rounding when every broadcast arrived intact).
+    over the ``sync_check_tokens`` tokens of rows sampled wholly by the current version — 0 up
+    to rounding when the engine's rebuilt model is the trainer's — and ``weight_check``:
+    :func:`fingerprint_mismatch` between the engine's weights when it started that batch and the
+    trainer's at that version (``weight_check_version``; 0 up to rounding when every broadcast
+    arrived intact). The trainer side: :class:`PipelineObjective` under ``run_config``'s
+    ``[train]`` (else one built from ``cfg`` in a temporary folder).
 
-    The trainer side is :class:`PipelineObjective` in the one Trainer (``run_config``: its
-    ``[train]``, else one built from ``cfg`` in a temporary folder); one optimizer step per
-    rollout batch and epoch, the weights published before the next batch is taken.
-
-    Each record has the trainer's time breakdown (``wait_s`` for a batch, ``score_s``,
-    ``broadcast_s``) and the engine's for
-    that batch (``engine_gen_s``, ``engine_recv_s``, ``engine_idle_s``; ``engine_serve_*`` with
-    the serve engine). ``time_s`` leaves out ``on_step(record, model)``, called after every step
-    (the engine keeps decoding meanwhile, so keep it short: the benchmark only snapshots the
-    weights there).
+    Each record has the trainer's seconds (``wait_s`` for a batch, ``score_s``, ``broadcast_s``)
+    and the engine's for that batch (``engine_gen_s``, ``engine_recv_s``, ``engine_idle_s``;
+    ``engine_serve_*`` with the serve engine). ``time_s`` leaves out ``on_step(record, model)``,
+    called after every step (the engine keeps decoding meanwhile, so keep it short).
     """
     import torch.multiprocessing as mp
 
@@ -572,16 +536,14 @@ def run_pipeline(
             objective.paused += time.perf_counter() - t_pause
         history.append(rec)
 
-    # Built (and restored from the latest checkpoint) before the engine starts: a resumed
-    # engine starts from the restored weights, version, batch count and prompt stream.
+    # restored before the engine starts: a resumed engine starts from what it restored
     trainer = Trainer(run_config, model=model, objective=objective, callbacks=[record])
     ctx = mp.get_context("spawn")
     link = _Link(ctx.Value("i", objective.version), ctx.Value("i", objective.batches),
                  ctx.Value("b", False), ctx.Queue(maxsize=cfg.queue_size + 1),
                  ctx.Value("i", objective.version))  # fmt: skip
     port = _free_port()
-    # The weights go to the engine through a file, not the process arguments: pickled tensors
-    # travel through /dev/shm, which containers often keep at 64 MB (a 135 M model is 540 MB).
+    # a file, not process arguments: pickled tensors travel through /dev/shm (often 64 MB)
     handoff = tempfile.mkdtemp(prefix="lmforge-pipeline-")
     state_file = os.path.join(handoff, "state.safetensors")
     save_model_state(state_file, model.state_dict())  # a tied head once; the engine re-ties it
@@ -660,9 +622,8 @@ def pipeline_run_config(cfg: PipelineConfig, out_dir: str, progress: bool, devic
 
 @dataclasses.dataclass
 class _Link:
-    """What the trainer and the engine process share: the published version, the batches the
-    trainer has taken (the engine's credit), the stop flag, the queue of finished batches and
-    the version the engine copied out of shared buckets."""
+    """What the trainer and the engine process share (``consumed``: the engine's credit;
+    ``acked``: the version the engine copied out of shared buckets)."""
 
     published: Any
     consumed: Any
@@ -672,25 +633,21 @@ class _Link:
 
 
 class PipelineObjective(GRPOObjective):
-    """Pipeline RL's trainer side as a :class:`~lmforge.train.Objective`: the GRPO family's
-    loss, micro-batches and metrics (:class:`~lmforge.posttrain.rl.GRPOObjective`) with its own
-    rollouts: before the step that starts a new
-    rollout batch it publishes the weights of the last step (a bucketed broadcast or shared
-    buckets), takes the next finished batch from the engine process, scores it and drops (or
-    down-weights) rollouts older than ``max_lag`` versions. ``link`` and ``proc`` (the engine
-    process) are attached by :func:`run_pipeline` once the Trainer has restored the checkpoint,
-    since the engine starts from what it restored.
+    """Pipeline RL's trainer side: :class:`~lmforge.posttrain.rl.GRPOObjective`'s loss,
+    micro-batches and metrics with its own rollouts. Before the step that starts a new rollout
+    batch it publishes the last step's weights, takes the engine's next finished batch, scores
+    it and drops (or down-weights) rollouts older than ``max_lag`` versions. ``link`` and
+    ``proc`` (the engine process) are attached by :func:`run_pipeline` once the Trainer has
+    restored the checkpoint, since the engine starts from what it restored.
 
-    Resume after ``kill -9``: the checkpoint holds the learner (weights, optimizer, schedule,
-    step), the version and batch counters, the staleness histogram, the position of the prompt
-    stream (a twin of the engine's source, advanced one draw per batch taken) and, mid-batch
-    (``epochs`` > 1), the batch being trained on. The resumed engine starts from the
-    checkpoint's weights as the next version, at the next batch of the stream: prompts, batch
-    and version numbering continue exactly as uninterrupted (a mid-batch resume adds one
-    version). Not exact: the rollouts themselves. Batches in flight at the kill are sampled
-    again, wholly by the checkpoint's weights, with a new sampling stream; and even two
-    uninterrupted runs differ there, since where a weight swap lands mid-sequence depends on
-    timing."""
+    Resume after ``kill -9``: the checkpoint holds the learner, the version and batch counters,
+    the staleness histogram, the prompt stream's position (a twin of the engine's source, one
+    draw per batch taken) and, mid-batch (``epochs`` > 1), the batch being trained on. The
+    resumed engine starts from the checkpoint's weights as the next version, at the next batch:
+    prompts, batch and version numbering continue exactly (a mid-batch resume adds one
+    version). Not exact: the rollouts. Batches in flight at the kill are sampled again with a
+    new sampling stream; even two uninterrupted runs differ, since where a weight swap lands
+    mid-sequence depends on timing."""
 
     def __init__(self, cfg: PipelineConfig, model: nn.Module, tokenizer: Any, reward_fn: Any,
                  eos: list[int], prompts: Any, layout: Any, shared: list[torch.Tensor] | None,
@@ -704,8 +661,7 @@ class PipelineObjective(GRPOObjective):
                          ref_model=ref_model, target=cfg.target or 0.0)  # fmt: skip
         self.name = f"pipeline {cfg.algo}"
         self.cfg, self.model, self.layout, self.shared = cfg, model, layout, shared
-        # A twin of the engine's prompt stream, one draw per batch taken, whose RNG is saved
-        # (TaskPrompts, ListPrompts; a source without an ``rng`` is not resumable)
+        # a twin of the engine's prompt stream, its RNG saved (a source without one can't resume)
         self.prompts = item_stream(prompts) if hasattr(prompts, "rng") else None
         self.link: _Link | None = None
         self.proc: Any = None
@@ -740,8 +696,7 @@ class PipelineObjective(GRPOObjective):
                             self.proc)  # fmt: skip
             self.version += 1
             link.published.value = self.version  # after the pack: a whole version
-        # the engine fingerprints batch k (k = 1 or a multiple of eval_every) at a version in
-        # [k - 1 - queue_size - 1, k - 1]: keep the trainer's fingerprints of those versions
+        # the engine fingerprints batch k at a version in [k - queue_size - 2, k - 1]: keep those
         ahead = range(self.batches + 1, self.batches + self.cfg.queue_size + 3)
         checked = any(k % self.cfg.eval_every == 0 for k in ahead)
         self.fingerprints[self.version] = weight_fingerprint(self.model) if checked else None
@@ -819,9 +774,8 @@ class PipelineObjective(GRPOObjective):
         return {"eval_accuracy": acc}
 
     def state_dict(self) -> dict:
-        """The GRPO state (batch, passes left, samples seen), the version and batch counters, the
-        staleness histogram and the prompt stream's RNG (the class docstring says what a resume
-        reproduces)."""
+        """The GRPO state, the version and batch counters, the staleness histogram and the prompt
+        stream's RNG (the class docstring says what a resume reproduces)."""
         return {**super().state_dict(), "version": self.version, "batches": self.batches,
                 "hist": dict(self.hist_total),
                 "prompt_rng": self.prompts.rng.getstate() if self.prompts else None}  # fmt: skip
@@ -874,8 +828,7 @@ def _sync_check(
     model: nn.Module, s: Any, version: int, cfg: PipelineConfig, device: torch.device
 ) -> tuple[float, int]:
     """(max |π_θ/μ − 1|, tokens checked) over the rows sampled wholly by ``version``."""
-    # Rows sampled wholly by the current version: a row with a mid-sequence swap keeps KV
-    # entries of the older weights, so its later tokens need not have ratio 1.
+    # a row with a mid-sequence swap keeps older KV entries: its later tokens need not have ratio 1
     whole = ((s.versions == version) | (s.versions < 0)).all(dim=1)  # (B,)
     rows = whole.nonzero().flatten()
     worst, count = 0.0, 0

@@ -6,10 +6,8 @@ iteration: sample one completion per prompt, score it (a verifiable reward or a 
 model — any ``reward_fn(item, text)``), build per-token rewards = −β·(log π_old − log π_ref)
 plus the score on the last token, run GAE with the old values, whiten the advantages, then
 ``epochs`` passes of the clipped policy loss (token mean) + ``vf_coef`` × the clipped value loss.
-Exercised by ``pytest tests/test_posttrain_losses.py -k "gae or value"`` (the math) and
-``lmforge rl --task arithmetic --algo ppo``.
-
-Shape legend: B batch, T tokens, D model dim.
+Shape legend: B batch, T tokens, D model dim. Exercised by ``pytest
+tests/test_posttrain_losses.py -k "gae or value"`` and ``lmforge rl --algo ppo``.
 """
 
 from __future__ import annotations
@@ -68,16 +66,11 @@ class PolicyWithValue(nn.Module):
 
 
 class PPOObjective(_RolloutObjective):
-    """PPO (policy + value head) as a :class:`~lmforge.train.Objective`; the Trainer's model is
-    the :class:`PolicyWithValue`.
-
-    Every ``epochs`` steps :meth:`before_step` samples ``prompts_per_step × samples_per_prompt``
-    completions on the serving engine (which shares ``policy.lm``), scores them, and computes
-    KL-penalised per-token rewards against the frozen starting policy, GAE advantages
-    (whitened) and returns under the current value head; each step is one pass over that batch
-    (clipped policy loss + ``vf_coef`` × clipped value loss, one micro-batch of weight 1). The
-    prompt/seed RNG and the rollout batch are the objective's state (exact resume).
-    """
+    """PPO (the iteration of the module docstring) as a :class:`~lmforge.train.Objective`; the
+    Trainer's model is the :class:`PolicyWithValue`. Every ``epochs`` steps :meth:`before_step`
+    samples ``prompts_per_step × samples_per_prompt`` completions on the serving engine (which
+    shares ``policy.lm``); each step is one pass over that batch (one micro-batch of weight 1).
+    The prompt/seed RNG and the rollout batch are the objective's state (exact resume)."""
 
     name = "ppo"
 
@@ -172,7 +165,6 @@ class PPOObjective(_RolloutObjective):
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
         self._load_loop_state(state)
         device = next(self.policy.parameters()).device
         if "batch" in state:

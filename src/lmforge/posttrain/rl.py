@@ -60,14 +60,12 @@ from lmforge.utils.errors import LmforgeError
 
 @dataclasses.dataclass
 class Samples:
-    """A batch of scored completions ready for the loss.
-
-    ``batch`` holds prompt+completion inputs and labels (IGNORE outside the completion);
-    ``old_logp`` (B, T) the engine's log-probs at the label positions; ``versions`` (B, T) the
-    policy version of each completion token (−1 elsewhere); ``advantages`` (B,); ``weights``
-    (B,) per-sequence loss weights (staleness down-weighting; 1 by default); ``rewards`` (B,);
-    ``lengths`` (B,); ``truncated`` (B,) bool (ended by the length limit).
-    """
+    """A batch of scored completions ready for the loss: ``batch`` holds prompt+completion
+    inputs and labels (IGNORE outside the completion); ``old_logp`` (B, T) the engine's
+    log-probs at the label positions; ``versions`` (B, T) the policy version of each completion
+    token (−1 elsewhere); ``advantages`` (B,); ``weights`` (B,) per-sequence loss weights
+    (staleness down-weighting; 1 by default); ``rewards`` (B,); ``lengths`` (B,); ``truncated``
+    (B,) bool (ended by the length limit)."""
 
     batch: Batch
     old_logp: torch.Tensor
@@ -82,7 +80,6 @@ class Samples:
         return self.batch.input_ids.shape[0]
 
     def select(self, idx: torch.Tensor | Sequence[int]) -> Samples:
-        """The rows ``idx``."""
         idx = torch.as_tensor(idx, dtype=torch.long)
         return _samples_from({k: v[idx] for k, v in _samples_state(self).items()})
 
@@ -181,10 +178,9 @@ def evaluate_accuracy(
 
 
 def overlong_budget(answer_tokens: int, algo: Algorithm) -> tuple[int, int]:
-    """``(max_tokens, overlong_cache)`` for a task whose good answers take ``answer_tokens``:
-    DAPO's soft penalty ramps over the last ``cache`` tokens of the budget, so the budget is the
-    answer length plus the cache (a full-length good answer is never penalised); algorithms
-    without the overlong terms get the answer length and no cache."""
+    """``(max_tokens, overlong_cache)`` for good answers of ``answer_tokens``: the answer length
+    plus DAPO's penalty ramp (a full-length good answer is never penalised); algorithms without
+    the overlong terms get the answer length and no cache."""
     if not algo.overlong_filter:
         return answer_tokens, 0
     cache = max(2, answer_tokens // 4)
@@ -224,9 +220,8 @@ def _samples_from(d: dict[str, torch.Tensor]) -> Samples:
 
 
 class _RolloutObjective:
-    """What the rollout objectives (:class:`GRPOObjective`, PPO's) share: the greedy held-out
-    evaluation on the engine, which ends the run once it reaches ``target``, and the resume
-    state of the rollout loop (prompt/seed RNG, passes left over the batch, samples, stats)."""
+    """What :class:`GRPOObjective` and PPO's share: the greedy held-out evaluation (ending the run
+    at ``target``) and the rollout loop's resume state (RNG, passes left, samples, stats)."""
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict[str, float]:
@@ -241,8 +236,7 @@ class _RolloutObjective:
     def _sample(
         self, version: int, n: int, temperature: float, max_tokens: int
     ) -> tuple[list[dict[str, Any]], list[list[int]], list[Any], float]:
-        # The next prompts (the objective's RNG) and n completions of each under policy
-        # ``version``: (items, prompt ids, engine outputs, seconds spent sampling)
+        # (items, prompt ids, n completions of each under ``version``, seconds spent sampling)
         items = self.draw(self.prompts_per_step, self.rng)
         prompts = [encode_text(self.tokenizer, it["prompt"]) for it in items]
         t = time.perf_counter()
@@ -262,21 +256,13 @@ class _RolloutObjective:
 
 class GRPOObjective(_RolloutObjective):
     """The GRPO family (REINFORCE, RLOO, GRPO, Dr. GRPO, DAPO, GSPO, MaxRL) as a
-    :class:`~lmforge.train.Objective`.
+    :class:`~lmforge.train.Objective` (the module docstring gives the loop and the loss).
 
-    Every ``epochs`` optimizer steps, :meth:`before_step` samples a rollout batch on the serving
-    engine (:func:`~lmforge.posttrain.rollout.rollout_engine`, which shares the trained module:
-    its policy version is bumped to the step count first), scores it and computes group
-    advantages; each step then takes one pass over that batch in micro-batches of
-    ``micro_batch`` sequences (:meth:`micro_batches` says how many; off-policy after the first
-    pass: the engine's recorded log-probs are the importance-sampling denominators). Loss:
-    :func:`~lmforge.posttrain.losses.policy_token_loss` aggregated as the algorithm says (its
-    weight: sequences, or tokens for ``token_mean``), plus an optional k3 KL to ``ref_model``.
-
-    Exact resume: the state holds the RNG that picks prompts and per-request sampling seeds (so
-    the engine's own generator is never used), the current rollout batch and the pass within it.
-    ``draw(n, rng)`` gives n training items; ``eval_items`` are scored greedily by
-    :meth:`evaluate`.
+    The serving engine shares the trained module (its policy version is bumped to the step count
+    before sampling); each step takes one pass over the rollout batch in micro-batches of
+    ``micro_batch`` sequences. ``draw(n, rng)`` gives n training items; ``eval_items`` are scored
+    greedily by :meth:`evaluate`. Exact resume: the state holds the RNG that picks prompts and
+    per-request sampling seeds, the current rollout batch and the pass within it.
     """
 
     def __init__(
@@ -433,7 +419,6 @@ class GRPOObjective(_RolloutObjective):
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
         self._load_loop_state(state)
         self.samples = _samples_from(state["samples"]) if "samples" in state else None
 
@@ -442,10 +427,9 @@ def warm_start(
     model: nn.Module, task: Any, steps: int, out_dir: str, seed: int = 0, batch: int = 64,
     device: str = "cpu", progress: bool = False,
 ) -> None:  # fmt: skip
-    """The arithmetic tasks' supervised warm start, as an SFT objective in the Trainer: ``steps``
-    AdamW steps (lr 3e-3, constant, no clipping) of ``batch`` items whose answers follow the
-    task's warm-up mixture (``task.warmup_answer``: carries dropped part of the time). A run
-    folder of its own (``out_dir``): resumable, and a rerun of a finished one does nothing."""
+    """The arithmetic tasks' supervised warm start (SFT in the Trainer): ``steps`` AdamW steps of
+    ``batch`` items answered by ``task.warmup_answer``, in a run folder of its own (resumable; a
+    rerun of a finished one does nothing)."""
     from lmforge.train import Trainer
 
     tok = task.tokenizer()
@@ -487,11 +471,9 @@ def train_grpo(
     on_step: Callable[[dict[str, Any], nn.Module], None] | None = None,
     progress: bool = False,
 ) -> list[dict[str, Any]]:
-    """Synchronous GRPO-family RL of ``model``: :class:`GRPOObjective` (rollouts on the serving
-    engine) in the one Trainer, run into ``out_dir``; one record per iteration (the ``train``
-    records of its metrics.jsonl, with ``time_s`` that leaves out ``on_step(record, model)``
-    and the evaluations, and ``eval_accuracy`` where one ran). For benchmarks and tests that
-    compare modes; ``lmforge rl`` builds the same from the config tree."""
+    """Synchronous GRPO-family RL of ``model`` (:class:`GRPOObjective` in the Trainer, into
+    ``out_dir``) for benchmarks and tests; one record per iteration (its ``train`` record, with
+    ``time_s`` that leaves out ``on_step(record, model)``, and ``eval_accuracy`` where one ran)."""
     from lmforge.train import Trainer
 
     eos = [tokenizer.eos_id] if getattr(tokenizer, "eos_id", None) is not None else []

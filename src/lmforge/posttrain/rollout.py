@@ -6,11 +6,7 @@ log_softmax(logits / T)[token_i]`` over the full vocabulary in float32, T the re
 temperature (1 for greedy), before any top-k / top-p / min-p truncation — exactly what
 :func:`lmforge.posttrain.core.token_logprobs` computes in the trainer, so at learning rate 0
 every importance ratio is 1 (up to paged-KV vs full-forward rounding; tested in
-``tests/test_posttrain_resume.py``). Each token records the engine's ``policy_version``; the
-trainer bumps it after every optimizer step with ``update_weights({}, version)`` (the module is
-shared, so only the version moves), and Pipeline RL's engine process copies new weights in
-between two engine steps, keeping the running sequences' KV cache. Sampling is seeded per
-request (:func:`sample`).
+``tests/test_posttrain_resume.py``). Each token records the engine's ``policy_version``.
 """
 
 from __future__ import annotations
@@ -38,29 +34,23 @@ def rollout_kv_blocks(
     max_num_seqs: int = 256,
     fraction: float = ROLLOUT_KV_FRACTION,
 ) -> int:
-    """KV blocks for a rollout engine that shares its device with a trainer.
-
-    Enough for ``max_num_seqs`` full contexts (more only helps the prefix cache), capped at
-    ``fraction`` of ``free_bytes``; at least one full context (the engine refuses less). A
-    serving engine takes most of the free memory instead; here the trainer's reference model,
-    optimizer state and activations are allocated after the engine, so it must leave them room.
-    """
+    """KV blocks for a rollout engine that shares its device with a trainer (whose reference
+    model, optimizer state and activations are allocated after the engine): enough for
+    ``max_num_seqs`` full contexts, capped at ``fraction`` of ``free_bytes``, at least one full
+    context (the engine refuses less)."""
     per_seq = -(-context_length // block_size)
     cap = int(fraction * free_bytes) // max(bytes_per_block, 1)
     return max(per_seq, min(max_num_seqs * per_seq, cap))
 
 
-# ---------------------------------------------------------------------------------------------
-# The one engine
+# -- The one engine
 
 
 def rollout_engine(model: nn.Module, eos_ids: Iterable[int] = (), seed: int = 0) -> Any:
     """A :class:`lmforge.serve.Engine` sampling from ``model`` itself (no copy: the trainer
-    updates the weights in place and bumps the engine's ``policy_version`` with
-    ``update_weights({}, version)``). On CUDA the KV cache is sized by :func:`rollout_kv_blocks`
-    (the trainer needs the rest of the memory) and decode runs through CUDA graphs, which read
-    the updated weights in place. Requests pass ``stop_token_ids``; the engine's own EOS is the
-    first of ``eos_ids``."""
+    updates the weights in place and bumps ``policy_version`` with ``update_weights({},
+    version)``). On CUDA the KV cache is sized by :func:`rollout_kv_blocks` and decode runs
+    through CUDA graphs (which read the weights in place). The engine's EOS: ``eos_ids[0]``."""
     from lmforge.serve import Engine
 
     if not is_lmforge_model(model):
@@ -88,9 +78,8 @@ def sample(engine: Any, prompts: Sequence[Sequence[int]], rng: random.Random, ve
            n: int = 1, temperature: float = 1.0, max_tokens: int,
            eos_ids: Sequence[int] = ()) -> list[Any]:  # fmt: skip
     """``n`` completions per prompt under policy ``version`` (the shared module's weights), each
-    request seeded (``SamplingParams.seed``) from ``rng`` in order, so a resumed run samples
-    exactly what the uninterrupted one did: the RL and on-policy distillation objectives'
-    rollouts."""
+    request seeded from ``rng`` in order, so a resumed run samples exactly what the
+    uninterrupted one did."""
     from lmforge.serve import SamplingParams
 
     engine.update_weights({}, version)  # the module is shared: only the version moves

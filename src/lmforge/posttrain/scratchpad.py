@@ -1,22 +1,19 @@
 """Addition with a worked (scratchpad) answer: the arithmetic task with long responses.
 
-Prompt ``"457+168="`` as in :class:`~lmforge.posttrain.tasks.ArithmeticTask`; the response works
-the columns from the least significant one, ``x+y+c=ts`` each (digits, carry in, two-digit column
-total), then ``=`` and the zero-padded sum::
+Prompt ``"457+168="``; the response works the columns from the least significant one,
+``x+y+c=ts`` each (digits, carry in, two-digit column total), then ``=`` and the padded sum::
 
     7+8+0=155+6+1=124+1+1=06=0625
 
-Why this task: the RL regime Pipeline RL is built for has responses much longer than prompts
-(reasoning chains), so generation is a large share of an iteration. Here a 3-digit response is
-30 tokens against an 8-token prompt. Measured on the CPU (1 thread, 32 × 8 rollouts a step):
-generation is 34% of a synchronous GRPO iteration, against 29% with the plain 5-token answers —
-training cost grows with the sequence about as fast as decoding does, so longer answers do not
-raise the share much further on this machine.
+Why: Pipeline RL's regime has responses much longer than prompts (reasoning chains), so
+generation is a large share of an iteration; here a 3-digit response is 30 tokens against an
+8-token prompt. Measured on the CPU (1 thread, 32 × 8 rollouts a step): generation is 34% of a
+synchronous GRPO iteration, against 29% with the 5-token answers (training cost grows with the
+sequence about as fast as decoding does).
 
-Reward: 1 when the text after the last ``=`` is the sum (the final answer, as GSM8K checkers
-read it; the working is not graded), format 1 when the whole response has the worked layout.
-The weak start is the parent's: the warm-start mixture forgets every carry (carry-in written as
-0, the sum of the column units) a fraction ``carry_drop`` of the time.
+Reward: 1 when the text after the last ``=`` is the sum (the working is not graded), format 1
+for the worked layout. The weak start is the parent's: the warm-start mixture forgets every
+carry a fraction ``carry_drop`` of the time.
 Exercised by ``pytest tests/test_posttrain_pipe_regime.py``.
 """
 

@@ -3,8 +3,7 @@ optionally packed without cross-attention (:mod:`lmforge.posttrain.packing`).
 
 Data: JSONL records, either ``{"messages": [{"role", "content"}, ...]}`` (rendered with the
 tokenizer's chat template or ChatML) or ``{"prompt": ..., "response": ...}`` (prompt through the
-chat template when ``chat`` is on, raw otherwise). Loss: token-level mean over every assistant
-token of the optimizer step; :class:`SFTObjective` runs in the one Trainer loop.
+chat template when ``chat`` is on, raw otherwise).
 Exercised by ``pytest tests/test_posttrain_sft.py`` and ``lmforge sft --help``.
 """
 
@@ -54,10 +53,9 @@ def examples_from_records(
 
 
 class SFTObjective:
-    """SFT as a :class:`~lmforge.train.Objective`: ``batch_size`` examples per micro-batch,
-    drawn in a shuffled order that is reshuffled at the end of each pass, packed (with masks, no
-    attention across examples) or padded. Loss: the sum of −log p over target tokens, weighted
-    by their count, so a step's loss is the token-level mean over all its micro-batches."""
+    """SFT as a :class:`~lmforge.train.Objective`: ``batch_size`` examples per micro-batch in an
+    order reshuffled every pass, packed or padded. Loss: the sum of −log p over target tokens,
+    weighted by their count, so a step's loss is the token-level mean over its micro-batches."""
 
     name = "sft"
 
@@ -118,6 +116,5 @@ class SFTObjective:
         return {"rng": self.rng.getstate(), "order": list(self.order)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
         set_random_state(self.rng, state["rng"])
         self.order = list(state["order"])

@@ -1,10 +1,10 @@
 """Verifiable tasks and rewards: GSM8K and MATH checkers, a format reward, and the CPU-sized
 arithmetic task with its character tokenizer.
 
-A reward function takes ``(item, response_text)`` and returns a :class:`Reward` (total and its
-components); ``item`` is the task's record (it holds the reference answer). GSM8K and MATH
-answers are parsed and normalised with ``lmforge.eval.answers`` so training rewards and
-evaluation agree. Exercised by ``pytest tests/test_posttrain_rl.py -k reward``.
+A reward function maps ``(item, response_text)`` (``item``: the task's record, holding the
+reference answer) to a :class:`Reward`. GSM8K and MATH answers are parsed with
+``lmforge.eval.answers`` so training rewards and evaluation agree.
+Exercised by ``pytest tests/test_posttrain_rl.py -k reward``.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ def math_reward(item: dict[str, Any], text: str, format_weight: float = 0.0) -> 
     return Reward(ans + format_weight * fmt, ans, fmt)
 
 
-# ---------------------------------------------------------------------------------------------
-# The arithmetic task
+# -- The arithmetic task
 
 
 class CharTokenizer:
@@ -106,21 +105,17 @@ class CharTokenizer:
 
 @dataclasses.dataclass(frozen=True)
 class ArithmeticTask:
-    """Addition of two ``digits``-digit numbers: prompt ``"07+45="``, answer ``"052"``.
+    """Addition of two ``digits``-digit numbers: prompt ``"07+45="``, answer ``"052"`` (operands
+    zero-padded to ``digits``, the sum to ``digits + 1``: the reward is an exact string match).
 
-    Operands are zero-padded to ``digits`` characters and the sum to ``digits + 1``, so every
-    answer has the same length and the reward is an exact string match.
+    The pairs are split once, deterministically, into a held-out set (index a·10^d + b with
+    ``(index · 2654435761) mod 2^32 < 2^32 / holdout_every``) and the training pairs, so held-out
+    accuracy measures generalisation, not memorisation.
 
-    The pairs are split once, deterministically, into a held-out set (every pair whose index
-    a·10^d + b has ``(index · 2654435761) mod 2^32 < 2^32 / holdout_every``) and the training
-    pairs, so held-out accuracy measures generalisation, not memorisation.
-
-    The weak starting model: :meth:`warmup_answer` gives the supervised warm start answers in
-    which a fraction ``carry_drop`` of the examples *forget every carry* (digit-wise sums mod
-    10, the classic school error), the rest are correct. A model fitted to that mixture answers
-    greedily with the carry-less sum, right only on the pairs that need no carry (about
-    0.55^digits of them), while it still gives the right answer some probability: the setting
-    where RL with a verifiable reward has something to select, as with a pretrained LM.
+    The weak start: a fraction ``carry_drop`` of :meth:`warmup_answer`'s answers *forget every
+    carry* (the school error), so the warm-started model answers greedily with the carry-less
+    sum (right on about 0.55^digits of the pairs) but still gives the right answer some
+    probability: RL has something to select.
     """
 
     digits: int = 3
@@ -128,7 +123,6 @@ class ArithmeticTask:
     carry_drop: float = 0.6
 
     def tokenizer(self) -> CharTokenizer:
-        """The task's tokenizer."""
         return CharTokenizer()
 
     @property
@@ -178,8 +172,7 @@ class ArithmeticTask:
         return Reward(ans, ans, fmt)
 
 
-# ---------------------------------------------------------------------------------------------
-# Datasets on disk
+# -- Datasets on disk
 
 
 def read_jsonl(path: str | Path, where: str = "") -> list[dict[str, Any]]:
@@ -189,8 +182,7 @@ def read_jsonl(path: str | Path, where: str = "") -> list[dict[str, Any]]:
     return [rec for _, rec in iter_jsonl(path, f"{where or 'data'} file")]
 
 
-# ---------------------------------------------------------------------------------------------
-# GSM8K as a chat task: the prompt the policy sees, and the SFT target made from a train answer
+# -- GSM8K as a chat task: the prompt the policy sees, and the SFT target made from a train answer
 
 GSM8K_INSTRUCTION = " Think step by step, then give the final answer after '####'."
 "appended to every GSM8K question (SFT, RL and evaluation use the same prompt)"
@@ -205,8 +197,7 @@ def gsm8k_user_message(question: str) -> str:
 
 def gsm8k_sft_response(answer: str) -> str:
     """A GSM8K train ``answer`` as an assistant reply: the worked solution without the dataset's
-    ``<<48/2=24>>`` calculator annotations, ending in ``#### N`` — the last number, which is what
-    ``lmforge.eval``'s GSM8K checker reads. A record without ``#### N`` is a one-line error."""
+    ``<<48/2=24>>`` calculator annotations, ending in ``#### N`` (what the checker reads)."""
     body, sep, tail = answer.rpartition("####")
     if not sep or not tail.strip():
         raise LmforgeError("GSM8K answer has no '#### N' line")

@@ -1,12 +1,10 @@
 """Bucketed weight transfer from a trainer to a rollout engine.
 
-Sending one message per tensor costs one launch (or one collective, or one IPC round trip) per
-tensor — hundreds for a 1B model. Here the named tensors are laid out once into a few flat
-buckets of about ``bucket_bytes`` each (same dtype per bucket); a sync packs the trainer's
-tensors into the buckets (one ``torch.cat`` per bucket), moves each bucket as one message
-(a device copy, a ``dist.broadcast`` over gloo/NCCL, or a copy from a CUDA-IPC-shared buffer),
-and the receiver copies slices of it into its parameters.
-
+One message per tensor costs one launch, collective or IPC round trip per tensor (hundreds for
+a 1B model). Here the named tensors are laid out once into a few flat buckets of about
+``bucket_bytes`` (one dtype each); a sync packs them (one ``torch.cat`` per bucket), moves each
+bucket as one message (a device copy, a ``dist.broadcast``, or a copy from a CUDA-IPC-shared
+buffer), and the receiver copies slices of it into its parameters.
 Exercised by ``pytest tests/test_posttrain_pipeline.py -k bucket`` and
 ``python benchmarks/weight_sync.py`` (one GPU).
 """
@@ -30,7 +28,6 @@ class BucketLayout:
 
     @property
     def num_buckets(self) -> int:
-        """Number of buckets."""
         return len(self.sizes)
 
     def empty_buckets(self, device: torch.device | str) -> list[torch.Tensor]:
@@ -96,10 +93,8 @@ def broadcast_model(
     group: object | None = None,
 ) -> None:
     """Broadcast ``model``'s parameters from rank ``src`` to every rank's ``model`` in buckets
-    (``torch.distributed``: gloo on CPU, NCCL on GPUs). The sender packs, everyone receives
-    into the same-shaped buffers, the receivers copy out. ``layout`` comes from
-    ``bucket_layout(model.named_parameters())`` on every rank. The buckets may live on another
-    device than the model (CPU buffers for gloo when both processes share one GPU)."""
+    (``layout``: ``bucket_layout(model.named_parameters())`` on every rank). The buckets may live
+    on another device than the model (CPU buffers for gloo when both processes share one GPU)."""
     import torch.distributed as dist
 
     params = dict(model.named_parameters())  # tied weights once (the layout's names)

@@ -1,8 +1,6 @@
-"""The one Trainer and what it runs: objectives (pretraining's LM objective here; SFT, preference,
-RL and distillation objectives in ``lmforge.posttrain``), losses, optimizer, schedules, data
-loading and checkpoints.
-
-This is the public API; everything else in ``lmforge.train`` is internal.
+"""The one Trainer and what it runs: objectives (pretraining's here, post-training's in
+``lmforge.posttrain``), losses, optimizer, schedules, data loading and checkpoints. The public
+API; everything else in ``lmforge.train`` is internal.
 """
 
 # ruff: noqa: F401 (the imports for type checkers below are the names __all__ exports)

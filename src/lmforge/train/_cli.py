@@ -17,7 +17,6 @@ metrics.jsonl, loss_curve.png, checkpoints/step_NNNNNNN/.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the ``train`` subcommand."""
     p = sub.add_parser(
         "train",
         help="pretrain a Transformer LM from a TOML config",

@@ -7,8 +7,8 @@ sidecar ``NAME.bin.json`` written by ``lmforge tokenizer encode``::
      "tokenizer_sha256": "...", "documents": D, "bytes": total UTF-8 bytes}
 
 Shards are memory-mapped (``np.memmap``), never read whole. Training draws random windows
-(:class:`MixtureSampler`, whose whole position is one NumPy PCG64 state, saved in checkpoints for
-exact resume); evaluation walks fixed, non-overlapping windows (:func:`eval_batches`).
+(:class:`MixtureSampler`); evaluation walks fixed, non-overlapping windows (:func:`eval_batches`).
+Exercised by ``pytest tests/test_train_data.py``.
 """
 
 from __future__ import annotations
@@ -49,11 +49,8 @@ class TokenShard:
 
 
 def open_shard(path: str | Path) -> TokenShard:
-    """Memory-map ``path`` (a ``.bin`` shard) after checking its sidecar ``path.json``.
-
-    A missing or inconsistent sidecar (format, dtype, count vs file size) raises one line.
-    Exercised by ``pytest tests/test_train_data.py``.
-    """
+    """Memory-map ``path`` (a ``.bin`` shard) after checking its sidecar ``path.json``; a missing
+    or inconsistent sidecar (format, dtype, count vs file size) raises one line."""
     p = Path(path)
     side = p.with_name(p.name + ".json")
     if not p.is_file():
@@ -133,12 +130,9 @@ def get_batch(
     device: str,
     rng: np.random.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample ``batch_size`` random windows: x (B, T) and y (B, T) = x shifted left by one.
-
-    Starts are uniform over ``[0, len − T − 1]``, so every window and its target fit. ``rng``
-    makes the draw reproducible (the global NumPy RNG otherwise). An invalid or unavailable
-    ``device`` raises :class:`LmforgeError`. Exercised by ``pytest tests/test_train_data.py``.
-    """
+    """Sample ``batch_size`` random windows: x (B, T) and y (B, T) = x shifted left by one,
+    starts uniform over ``[0, len − T − 1]``; ``rng`` makes the draw reproducible (else the
+    global NumPy RNG). An invalid or unavailable ``device`` raises :class:`LmforgeError`."""
     dev = resolve_device(device)
     data = np.asarray(dataset) if not isinstance(dataset, np.ndarray) else dataset
     n = int(data.shape[0])
@@ -160,15 +154,10 @@ def get_batch(
 
 
 class MixtureSampler:
-    """Random training windows drawn from several sources by weight.
-
-    Each sequence of a batch first picks a source with probability ``weights[i]`` (normalised;
-    default proportional to the source's token count), then a shard of that source proportional
-    to its length, then a uniform window inside that shard (windows never cross shards). All
-    draws come from one ``np.random.Generator`` (PCG64): :meth:`state_dict` is the whole data
-    position, so a resumed run sees exactly the batches an uninterrupted run would have seen.
-    Exercised by ``pytest tests/test_train_data.py``.
-    """
+    """Random training windows: each sequence picks a source with probability ``weights[i]``
+    (normalised; default: token counts), a shard of it proportional to its length, then a
+    uniform window in that shard. All draws come from one PCG64 generator: :meth:`state_dict` is
+    the whole data position, so a resumed run sees exactly the uninterrupted run's batches."""
 
     def __init__(
         self,
@@ -218,8 +207,7 @@ class MixtureSampler:
             k = self.rng.choice(len(shards), p=self._shard_p[s]) if len(shards) > 1 else 0
             start = int(self.rng.integers(0, len(shards[k]) - T))
             out[b] = shards[k].tokens[start : start + T + 1]
-        # A corrupt shard (ids past the vocabulary) fails here with one line, on the host, rather
-        # than as a device-side assert or an out-of-range read inside a fused loss kernel.
+        # ids past the vocabulary fail here, not as a device-side assert inside a fused loss
         if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
             bad = int(out.max())
             raise LmforgeError(
@@ -240,19 +228,15 @@ class MixtureSampler:
         return self.rng.bit_generator.state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict`."""
         self.rng.bit_generator.state = state
 
 
 def eval_batches(
     shards: Sequence[TokenShard], batch_size: int, context_length: int, max_batches: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Fixed sequential windows for validation: the same batches every call.
-
-    Non-overlapping windows of ``T + 1`` tokens stepping by ``T`` through each shard in order;
-    at most ``max_batches`` batches of up to ``batch_size`` windows (the last may be smaller).
-    Yields x (b, T), y (b, T) int64 arrays. Exercised by ``pytest tests/test_train_data.py``.
-    """
+    """Fixed sequential windows for validation, the same batches every call: windows of
+    ``T + 1`` tokens stepping by ``T`` through each shard in order, at most ``max_batches``
+    batches of up to ``batch_size`` windows. Yields x (b, T), y (b, T) int64 arrays."""
     T = context_length
     buf_x: list[np.ndarray] = []
     buf_y: list[np.ndarray] = []

@@ -1,10 +1,9 @@
 """One resolved fast path: every ``auto`` of a run turned into what runs, in one pure function.
 
-:func:`resolve_fast_path` takes the model and train configs and the runtime (device type, world
-size, parallel strategy, whether Triton is installed) and returns a :class:`FastPath`, a frozen
-record the trainer builds the model, the optimizer and the step from; nothing else in the
-trainer decides a backend. An explicit setting the runtime cannot honour is refused with one
-line naming what it needs; ``auto`` silently takes the measured-best path that is correct here.
+:func:`resolve_fast_path` maps the model and train configs and the :class:`FastPathRuntime` to a
+:class:`FastPath`, the frozen record the trainer builds the model, optimizer and step from (no
+other code decides a backend). An explicit setting the runtime cannot honour is refused with one
+line naming what it needs; ``auto`` takes the measured-best path that is correct here.
 
 What holds where (measured on an H200, GPT-2-small, batch 32×1024, compiled; RESULTS.md):
 
@@ -118,8 +117,7 @@ def strategy_kind(
     pcfg: ParallelConfig, world_size: int, process_group: bool = False
 ) -> StrategyKind:
     """The strategy :func:`lmforge.parallel.build_strategy` builds for this layout
-    (``process_group``: a default group is already joined, e.g. a single-rank NCCL group, so
-    even one process runs the distributed strategy)."""
+    (``process_group``: a default group is already joined, see :func:`_group_joined`)."""
     if pcfg.ep != 1:  # expert parallelism: a bad layout stops here with one line
         from lmforge.parallel.ep import check_expert_layout
 
@@ -137,8 +135,7 @@ def strategy_kind(
 
 
 def _choose(setting: str, name: str, blockers: list[str], auto_wants: bool) -> bool:
-    # An on/off/auto switch: "on" needs every blocker cleared (else one line naming them),
-    # "auto" is on where nothing blocks and it is the measured-best choice.
+    # "on" needs every blocker cleared (else one line naming them); "auto" where none blocks
     if setting == "off":
         return False
     if setting == "on":
@@ -205,9 +202,8 @@ def resolve_fast_path(
         {"fused": "on", "reference": "off"}.get(tc.loss, "auto"), "train.loss=fused", blockers, cuda
     )
 
-    # The sync-free step needs lmforge's AdamW with step_if (not ZeRO-1's sharded wrapper, not
-    # TP/PP); on a CPU nothing runs ahead of the host, so only master weights (whose clipping
-    # must happen inside the update) turn it on there.
+    # Sync-free needs lmforge's AdamW (not ZeRO-1's wrapper, not TP/PP); on a CPU only master
+    # weights (whose clipping must happen inside the update) turn it on.
     sync_free = kind in ("single", "ddp", "fsdp", "ep") and (cuda or master)
     clip_in_update = sync_free and kind in ("single", "ddp")
     graph = bool(tc.cuda_graph) and sync_free and cuda and kind == "single"
@@ -226,7 +222,7 @@ def resolve_fast_path(
     )
 
 
-# Runtime facts the trainer reads once (kept here, beside the resolver that consumes them).
+# -- runtime facts the trainer reads once, beside the resolver that consumes them
 
 
 def _auto_device(device: str) -> str:
@@ -236,9 +232,8 @@ def _auto_device(device: str) -> str:
 
 
 def _group_joined() -> bool:
-    # A single-rank process group joined before the trainer (e.g. one NCCL rank): the run then
-    # goes through the distributed strategy even on one process. A larger group joined by a
-    # caller that asks for one process (world_size 1) does not make this run distributed.
+    # a single-rank group joined before the trainer (one NCCL rank) makes even one process run
+    # the distributed strategy; a larger group joined by a world_size-1 caller does not
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1
 

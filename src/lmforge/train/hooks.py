@@ -4,15 +4,11 @@ A mixture-of-experts model (``model.moe``) moves its DeepSeek-V3 selection bias 
 (on every rank, so data-parallel replicas keep equal biases) and logs its per-layer routing
 statistics (expert load, dropped share, router entropy) with every train record.
 
-Both do their device work in ``after_launch(trainer)``, which the trainer calls on every rank
-right after it has launched a step: the bias update's kernels (and its all-reduce) are queued
-behind that step's optimizer update and before the next step's forward, which is exactly
-"between steps" in stream order, without waiting for the step. The routing statistics of the
-step are snapshotted there too (a device copy, on log steps only). Their ``__call__`` at report
-time only reads what was snapshotted, so both are ``deferrable``: the sync-free loop may report
-a step one step late (while the next one runs) instead of waiting for every step, as it must
-for a callback that looks at the model. (Before, any callback forced that wait: one host sync
-per MoE step.)
+Both do their device work in ``after_launch(trainer)``, on every rank right after a step is
+launched: the bias update (and its all-reduce) is queued behind that step's optimizer update,
+"between steps" in stream order; the routing statistics are snapshotted (log steps only). Their
+``__call__`` only reads the snapshot, so both are ``deferrable``: the sync-free loop may report
+a step one step late instead of waiting for it (no host sync per MoE step).
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ class _MoEBiasUpdate:
         self.model = model
 
     def after_launch(self, trainer: Any) -> None:
-        # Loads summed over the ranks only when the run is distributed (a single-process run
-        # inside a joined process group, as the tests do, must not all-reduce alone).
+        # all-reduce only when distributed (not a single process inside a joined group)
         moe.update_expert_bias(self.model, distributed=trainer.strategy.world_size > 1)
 
     def __call__(self, trainer: Any, step: int, metrics: dict[str, Any]) -> None:
@@ -44,8 +39,8 @@ class _MoEBiasUpdate:
 
 
 class _MoEMetrics:
-    """Per-layer routing statistics of a log step's last forward into its train record: copied
-    on the device at launch, read to the host at report (log steps only)."""
+    """Per-layer routing statistics of a log step's last forward into its train record (copied
+    on the device at launch, read to the host at report)."""
 
     deferrable = True
 

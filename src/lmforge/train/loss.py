@@ -3,12 +3,10 @@
 The fused linear + cross-entropy kernel (``lmforge.kernels.fused_linear_cross_entropy``) computes
 the same value without materialising the (N, V) logits; this is its readable reference.
 
-The gradient is written out by hand (``softmax(z) − onehot(target)``, scaled per row) instead of
-being left to autograd: autograd's gradient of ``z.gather(target)`` is a scatter into a zero
-(N, V) float32 tensor, which torch.compile cannot fuse away — at GPT-2-small scale, batch 32 ×
-1024, that is 6.1 GiB of extra peak memory and two extra passes over it. The explicit form is
-pure element-wise math that the compiler fuses into one read of the logits and one write of
-their gradient (in the logits' dtype).
+The gradient is written out by hand (``softmax(z) − onehot(target)``, scaled per row): autograd's
+gradient of ``z.gather(target)`` is a scatter into a zero (N, V) float32 tensor torch.compile
+cannot fuse away (GPT-2-small, batch 32 × 1024: 6.1 GiB of extra peak memory); the explicit form
+fuses into one read of the logits and one write of their gradient.
 """
 
 from __future__ import annotations
@@ -66,14 +64,12 @@ def cross_entropy(
 ) -> torch.Tensor:
     """Mean negative log-likelihood of ``targets`` under ``logits``, plus an optional z-loss.
 
-    ``logits`` (..., V) in any float dtype, ``targets`` (...) int ids. Per token:
-    ``ℓ = logsumexp(z) − z[target]``, computed in fp32 after subtracting the row max, so logits
-    scaled ×1000 give the same finite result as ``F.cross_entropy``. Positions whose target is
-    ``ignore_index`` count neither in the sum nor in the mean. ``z_loss > 0`` adds
-    ``z_loss · mean(logsumexp(z)²)`` over the same positions (PaLM's stabiliser, which keeps the
-    softmax normaliser near 1). The gradient w.r.t. ``logits`` has the logits' dtype.
-    Simplification: mean reduction only; when every target is ignored the result is 0 (torch
-    returns NaN). Exercised by ``pytest tests/test_train_loss.py``.
+    ``logits`` (..., V) in any float dtype, ``targets`` (...) int ids. Per token
+    ``ℓ = logsumexp(z) − z[target]`` in fp32 (logits ×1000 stay finite); ``ignore_index``
+    positions count neither in the sum nor in the mean. ``z_loss > 0`` adds
+    ``z_loss · mean(logsumexp(z)²)`` (PaLM's stabiliser). The gradient has the logits' dtype.
+    Simplification: mean reduction only; all targets ignored gives 0 (torch: NaN).
+    Exercised by ``pytest tests/test_train_loss.py``.
     """
     V = logits.shape[-1]
     z = logits.reshape(-1, V)  # (N, V)

@@ -1,11 +1,10 @@
 """Metrics of a training run: ``metrics.jsonl`` (always), TensorBoard and W&B (when asked for).
 
 One JSON record per line: ``{"event": "attempt" | "plan" | "train" | "eval" | "skip" | "final",
-"step": …}``. The file is only ever appended to: each attempt at a run (the first, a resume
-after a kill, a rerun that found no checkpoint) starts with an ``attempt`` record at the step it
-starts from, and :func:`read_metrics` gives the run as if never interrupted (records of an
-earlier attempt past that step were redone and are left out of the view, never deleted). A full disk while writing ends the run with one
-line naming the folder and what was kept (:func:`disk_full_is_one_line`).
+"step": …}``. The file is only ever appended to: each attempt at a run (the first, a resume, a
+rerun that found no checkpoint) starts with an ``attempt`` record at its first step, and
+:func:`read_metrics` gives the run as if never interrupted. A full disk ends the run with one
+line (:func:`disk_full_is_one_line`).
 """
 
 from __future__ import annotations
@@ -64,8 +63,8 @@ class MetricsLogger:
             self.wandb = wandb.init(project=wandb_project, config=config, dir=str(out_dir))
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one record (a JSON line, flushed) and forward its numbers to TB / W&B."""
-        # One line per record, flushed, so a killed run loses at most the line being written.
+        """Append one record (a JSON line, flushed: a kill loses at most that line) and forward
+        its numbers to TB / W&B."""
         with disk_full_is_one_line(self.path.parent, "metrics.jsonl up to the previous line"):
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -78,7 +77,6 @@ class MetricsLogger:
             self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
-        """Close the file and the optional loggers."""
         try:
             self.file.close()
         except OSError:
@@ -153,9 +151,8 @@ def start_run_log(
     fast_summary: str,
     start_line: str,
 ) -> MetricsLogger:
-    """On rank 0: config.toml, an ``attempt`` and a ``plan`` record appended to metrics.jsonl
-    (an earlier attempt's records are kept: see the module docstring), and ``start_line`` on
-    stderr; the logger to use."""
+    """On rank 0: config.toml, an ``attempt`` and a ``plan`` record appended to metrics.jsonl,
+    and ``start_line`` on stderr; the logger to use."""
     tc = run_config.train
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(run_config, out_dir / "config.toml")

@@ -1,9 +1,8 @@
 """What the Trainer trains: an objective is a batch source plus a loss, with optional hooks.
 
-Every training phase is an :class:`Objective` of the one :class:`~lmforge.train.Trainer` loop:
-pretraining (:class:`LMObjective`), SFT, preference optimisation (DPO/IPO/cDPO/SimPO), reward
-models and RL (:mod:`lmforge.posttrain`), so all of them share the fast AdamW, the schedules,
-clipping, gradient accumulation, the parallel wrapping, ``metrics.jsonl`` and exact resume.
+Every training phase (pretraining's :class:`LMObjective`, the :mod:`lmforge.posttrain` ones) is
+an :class:`Objective` of the one :class:`~lmforge.train.Trainer` loop, so all of them share the
+fast AdamW, schedules, clipping, accumulation, parallel wrapping, metrics and exact resume.
 
 The contract (members marked optional are looked up with ``getattr``):
 
@@ -14,21 +13,20 @@ The contract (members marked optional are looked up with ``getattr``):
   Σ loss_sum / Σ weight over its micro-batches, so the gradient is the whole batch's however
   it is split (a mean of micro-batch means would over-weight small micro-batches).
 * ``state_dict()`` / ``load_state_dict(state)``: data position and RNG streams, for exact
-  resume (saved as ``objective.pt`` in each checkpoint; tensors, numbers, strings, lists, tuples
-  and dicts only: it is read back with ``torch.load(weights_only=True)``).
-* optional ``before_step(trainer, step)``: runs before each step's batches are drawn (rollouts,
-  reference refresh).
+  resume (``objective.pt``, read back with ``torch.load(weights_only=True)``: tensors, numbers,
+  strings and containers only).
+* optional ``before_step(trainer, step)``: runs before each step's batches are drawn (rollouts).
 * optional ``metrics() -> dict[str, float]``: logged with the step's ``train`` record.
 * optional ``evaluate(model) -> dict[str, float]``: at ``train.eval_every`` and at the end.
 * optional ``batch_weight(batch) -> float``: the weight ``loss`` will return, known without a
   forward; then each backward runs right after its forward with its final scale and frees its
   graph (otherwise all micro-batch graphs are kept until the total weight is known).
-* optional ``should_stop``: a bool the loop reads after each step (e.g. an RL target reached
-  in ``evaluate``): the run ends there with its final evaluation and checkpoint.
+* optional ``should_stop``: read after each step (e.g. an RL target reached): the run ends
+  there with its final evaluation and checkpoint.
 * optional ``micro_batches() -> int``: micro-batches of the next step (default
   ``train.grad_accum``), for objectives whose batch size varies (RL with dynamic sampling).
 
-Exercised by ``pytest tests/test_train_objective.py``.
+Exercised by ``pytest tests/test_posttrain_core.py -k accumulation``.
 """
 
 from __future__ import annotations
@@ -68,14 +66,10 @@ class Objective(Protocol):
 
 
 class LMObjective:
-    """Pretraining: next-token loss on windows of token shards.
-
-    ``sampler`` is the trainer's :class:`~lmforge.train.data.MixtureSampler`, ``loss_fn(model,
-    x, y)`` the trainer's mean next-token loss (fused, compiled or reference). Every micro-batch
-    has the same number of tokens, so ``loss`` returns the micro-batch mean with weight 1: the
-    step's loss is the mean of the means, exactly as before objectives existed, and the trainer
-    keeps its (x, y) fast paths (CUDA graph of the step, pipeline schedules) for it.
-    """
+    """Pretraining: next-token loss on windows of token shards (``sampler``: the trainer's
+    :class:`~lmforge.train.data.MixtureSampler`, ``loss_fn(model, x, y)``: its mean next-token
+    loss). Every micro-batch has the same number of tokens, so ``loss`` returns the micro-batch
+    mean with weight 1 and the trainer keeps its (x, y) fast paths (CUDA graph, pipelining)."""
 
     name = "lm"
 
@@ -110,20 +104,15 @@ class LMObjective:
         return {"sampler": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the sampler's position."""
         self.sampler.load_state_dict(state["sampler"])
 
 
 def forward_backward(
     strategy: Strategy, micro: Sequence[Any], objective: Any
 ) -> tuple[torch.Tensor, float]:
-    """Forward and backward of one step's micro-batches under ``objective``.
-
-    Gradients end as those of Σ loss_sum / Σ weight; returns (that loss, detached and averaged
-    over the data-parallel group, and Σ weight). With ``objective.batch_weight`` each backward
-    runs right after its forward with its final scale; without, the graphs are kept until the
-    total weight is known.
-    """
+    """Forward and backward of one step's micro-batches under ``objective``: gradients of
+    Σ loss_sum / Σ weight (see ``batch_weight`` in the module docstring); returns (that loss,
+    detached and averaged over the data-parallel group, and Σ weight)."""
     model = strategy.model
     weigh = getattr(objective, "batch_weight", None)
     n = len(micro)
@@ -144,8 +133,7 @@ def forward_backward(
             elif i < n - 1:
                 pending.append(loss_sum)
             else:
-                # The last micro-batch's backward runs inside the synchronising context; the
-                # kept graphs go with it (DDP reduces once, after the last backward).
+                # the kept graphs go backward in the synchronising context (DDP reduces once)
                 pending.append(loss_sum)
                 if weight_total > 0:
                     torch.autograd.backward([ls / weight_total for ls in pending])

@@ -1,12 +1,8 @@
 """AdamW (decoupled weight decay) as a ``torch.optim.Optimizer`` and global-norm gradient clipping.
 
-One reference, :func:`lmforge.kernels.adamw_reference_` (the formula read top to bottom, one
-tensor at a time; ``AdamW(foreach=False)`` runs it), and the fast paths: a multi-tensor path on
-``torch._foreach_*`` ops (a handful of kernels for all parameters of one device and dtype), the
-same update through ``torch.compile``, the device-gated update of :meth:`AdamW.step_if` (eager or
-compiled) and the Triton kernel. Every fast path is tested against the reference run in float64
-(``tests/test_optim.py``, ``tests/test_kernels_interp.py``), and the reference against
-``torch.optim.AdamW``.
+Every fast path (foreach, compiled, gated, Triton) is tested against the float64 reference
+:func:`lmforge.kernels.adamw_reference_` (``tests/test_optim.py``,
+``tests/test_kernels_interp.py``), and the reference against ``torch.optim.AdamW``.
 """
 
 from __future__ import annotations
@@ -38,24 +34,19 @@ class AdamW(torch.optim.Optimizer):
 
     State per parameter: ``step`` (0-d fp32 CPU tensor, as torch keeps it), ``exp_avg`` and
     ``exp_avg_sq`` (shaped like the parameter, in its dtype: fp32 master weights give fp32 state).
-    ``foreach=True`` (default) uses the multi-tensor path; ``False`` the reference
-    (:func:`lmforge.kernels.adamw_reference_`). ``compiled=True`` runs the same update through ``torch.compile`` (one fused
-    read-modify-write kernel per parameter instead of eight passes over memory; hyperparameters
-    travel as a device tensor so schedule changes never recompile). ``fused=True`` runs every
-    update of a group as one Triton launch (:func:`lmforge.kernels.adamw_multi_tensor_`: float32
-    tensors on CUDA, one read and one write of each); :meth:`step` then goes through
-    :meth:`step_if` (device-side step counts). Simplification: no amsgrad,
-    maximize, capturable or sparse gradients.
-    :meth:`step_if` applies the same update only where a device-side flag says so, without the
-    host ever reading it (the trainer's sync-free step).
+    ``foreach=True`` (default): multi-tensor ``torch._foreach_*`` kernels; ``False``: the
+    per-tensor reference. ``compiled=True``: the same update through ``torch.compile`` (one fused
+    kernel per parameter; hyperparameters travel as a device tensor, so schedule changes never
+    recompile). ``fused=True``: one Triton launch per group
+    (:func:`lmforge.kernels.adamw_multi_tensor_`, float32 on CUDA), via :meth:`step_if`.
+    :meth:`step_if` applies the update only where a device-side flag says so, without the host
+    reading it (the trainer's sync-free step). Simplification: no amsgrad, maximize, capturable
+    or sparse gradients.
 
-    Master weights: ``copies`` maps some of the (float32) parameters given to the optimizer to
-    the lower-precision tensors the model computes with (bf16 or fp16, same shape). For such a
-    master θ the gradient is read from its copy's ``.grad`` (upcast exactly), and after every
-    applied update the copy is overwritten with θ rounded to its dtype (in the same kernel on
-    the Triton path). :meth:`zero_grad` clears the copies' gradients too. The copies are not
-    part of :meth:`state_dict`: they are derived from the masters.
-    Exercised by ``pytest tests/test_optim.py`` and ``python benchmarks/train.py``.
+    Master weights: ``copies`` maps some float32 parameters to the lower-precision tensors the
+    model computes with (same shape). A master's gradient is read from its copy's ``.grad``
+    (upcast exactly), and every applied update rewrites the copy with θ rounded to its dtype.
+    :meth:`zero_grad` clears the copies' gradients too; :meth:`state_dict` leaves them out.
     """
 
     def __init__(
@@ -122,8 +113,7 @@ class AdamW(torch.optim.Optimizer):
         return params
 
     def _step_buckets(self, params: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
-        # Count the step of every parameter, then bucket them by (device, dtype, step count);
-        # the step count lives on the CPU, so reading it costs no device sync.
+        # Count each step, bucket by (device, dtype, step); CPU step counts: no device sync.
         buckets: dict[tuple, list[torch.Tensor]] = {}
         for p in params:
             state = self._state_for(p)
@@ -147,8 +137,7 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self.fused:
-            # The flag made on the parameters' device: a CPU flag would be copied to it with a
-            # synchronising (pageable) host-to-device copy every step.
+            # on the parameters' device: a CPU flag would cost a synchronising copy every step
             first = next((p for g in self.param_groups for p in g["params"]), None)
             device = first.device if first is not None else None
             self.step_if(torch.ones((), dtype=torch.bool, device=device))
@@ -178,17 +167,15 @@ class AdamW(torch.optim.Optimizer):
     ) -> None:
         """One update where the 0-d bool tensor ``ok`` is True; nothing at all where it is False.
 
-        The decision stays on the device: parameters, moments and step counts are written as
-        ``where(ok, new, old)``, so a skipped step (NaN/inf gradients included) leaves every
-        value bit-identical, and the host never waits for the GPU. The step counts move to the
-        parameters' device (as torch's ``capturable`` AdamW keeps them) and the bias corrections
-        are computed there in float64. With ``ok`` True the result equals :meth:`step`.
+        The decision stays on the device: every value is written as ``where(ok, new, old)``, so a
+        skipped step (NaN/inf gradients included) leaves it bit-identical and the host never
+        waits. Step counts move to the parameters' device (as torch's ``capturable`` AdamW keeps
+        them), bias corrections in float64 there. With ``ok`` True the result equals :meth:`step`.
 
         ``grad_scale`` (0-d device tensor) multiplies every gradient inside the update, as
-        gradient clipping would have scaled it in place (same fp32 product, one pass less over
-        the gradients). The hyperparameters (lr, λ, β, ε) live in one device tensor per group and
-        device; ``refresh=False`` uses it as it stands (a CUDA-graph capture must not record the
-        host-to-device copy; call :meth:`load_hyperparameters` before each replay instead).
+        clipping would in place (one pass less). ``refresh=False`` uses the device
+        hyperparameters as they stand (a CUDA-graph capture must not record the host-to-device
+        copy; call :meth:`load_hyperparameters` before each replay instead).
         """
         if refresh:
             self.load_hyperparameters()
@@ -230,8 +217,7 @@ class AdamW(torch.optim.Optimizer):
                     update = self._compiled_gated
                 update(
                     *args,
-                    # (1,) views: torch.compile treats 0-d CPU tensors as scalars and would not
-                    # write the incremented count back.
+                    # (1,) views: compiled, 0-d CPU counts are scalars never written back
                     [self.state[p]["step"].view(1) for p in ps],
                     hp_t,
                     ok.to(device),
@@ -393,13 +379,9 @@ def build_optimizer(
     lr_scales: Sequence[float] | None = None,
 ) -> AdamW:
     """The run's optimizer: AdamW over ``model``'s trainable parameters (or the given tensors,
-    e.g. a sharded strategy's local shards) with ``cfg``'s hyperparameters.
-
-    ``adamw`` is the resolved update path (``FastPath.adamw``: foreach, compiled or triton);
-    ``copies`` maps fp32 master tensors among the parameters to the bf16 copies the model
-    computes with (master weights). The one place parameter groups are formed, so per-parameter
-    learning-rate multipliers (muP) are added here.
-    """
+    e.g. a sharded strategy's local shards) with ``cfg``'s hyperparameters. ``adamw``: the
+    resolved ``FastPath.adamw``; ``copies``: master weights (see :class:`AdamW`); ``lr_scales``:
+    per-parameter learning-rate multipliers (muP), since parameter groups are formed only here."""
     if isinstance(model, nn.Module):
         params = [p for p in model.parameters() if p.requires_grad]
     else:

@@ -41,13 +41,10 @@ class TrainingPlan:
 def training_plan(
     model_cfg: ModelConfig, train_cfg: TrainConfig, world_size: int = 1
 ) -> TrainingPlan:
-    """Tokens per step, total tokens, parameters and FLOPs of a run.
-
-    FLOPs per token come from ``lmforge.model.accounting.flops_per_token(cfg, T)``
-    (6·N_matmul + 12·L·D·T, forward + backward, PaLM's MFU convention).
+    """Tokens per step, total tokens, parameters and FLOPs of a run (FLOPs per token:
+    ``lmforge.model.accounting.flops_per_token``, 6·N_matmul + 12·L·D·T, PaLM's MFU convention).
     ``world_size`` counts data-parallel replicas (simplification: tp/pp ranks are not separated).
-    Exercised by ``pytest tests/test_train_plan.py``; printed by ``lmforge train`` at start.
-    """
+    Exercised by ``pytest tests/test_train_plan.py``."""
     T = train_cfg.context_length or model_cfg.context_length
     tokens_per_step = train_cfg.batch_size * train_cfg.grad_accum * world_size * T
     from lmforge.model import accounting

@@ -1,10 +1,8 @@
 """The post-training branches of the run config: ``[sft]``, ``[dpo]``, ``[rl]`` and ``[distill]``.
 
-Optimisation (learning rate, schedule, steps, micro-batch size, accumulation, clipping, output
-folder, device, seed) lives in ``[train]``, shared with pretraining; these branches hold what
-only the objective reads: its data, model and loss. Every value is checked here, when the config
-loads, so a mistake is one line before any model is read. Presets: ``configs/posttrain/``.
-Pure data (no torch): importing it costs nothing.
+Optimisation lives in ``[train]``, shared with pretraining; these branches hold what only the
+objective reads: its data, model and loss. Every value is checked when the config loads, so a
+mistake is one line before any model is read. Pure data (no torch): importing it costs nothing.
 """
 
 from __future__ import annotations

@@ -2,19 +2,13 @@
 a run resumes from them, and what a rerun of a finished run returns.
 
 * :func:`save`: every rank calls it (the gathers are collectives); rank 0 writes the folder
-  atomically (:func:`lmforge.train.save_checkpoint`). A full disk stops the run with one line
-  naming the folder; the previous checkpoints are untouched.
-* :func:`restore_latest`: the newest checkpoint that loads; a corrupt one is reported and the
-  next older one tried. The config it was written with must equal this run's, except the loop
-  and logging keys (:data:`lmforge.train.state.FREE_KEYS`), unless
-  ``train.allow_config_change``.
-* :func:`finished_result`: a rerun of a run already at ``max_steps`` appends nothing and returns
-  the recorded final metrics.
+  atomically. A full disk stops the run with one line; the previous checkpoints are untouched.
+* :func:`restore_latest`: the newest checkpoint that loads (a corrupt one is reported and the
+  next older one tried), written under this run's config up to
+  :data:`lmforge.train.state.FREE_KEYS`, unless ``train.allow_config_change``.
 
-They take the parts of a run they read or write (strategy, optimizer, master weights, the
-loop's state as a dict), never the Trainer: the Trainer gathers its state
-(:func:`trainer_state`) and applies what a checkpoint gives back (``apply``).
-
+They take the parts of a run they read or write, never the Trainer: the Trainer gathers its
+state (:func:`trainer_state`) and applies what a checkpoint gives back (``apply``).
 Exercised by ``pytest tests/test_train_e2e.py tests/test_train_resume.py``.
 """
 
@@ -55,8 +49,7 @@ OBJECTIVE_FILE = "objective.pt"
 
 
 def _optimizer_is_per_rank(strategy: Strategy) -> bool:
-    # Single process, DDP and ZeRO-1 (whose state_dict gathers) have one optimizer state;
-    # FSDP, tensor and pipeline parallelism keep a different local state on every rank.
+    # one optimizer state (single, DDP, ZeRO-1 gathers) or one per rank (FSDP, TP, PP)
     if strategy.world_size == 1:
         return False
     return bool(getattr(strategy, "per_rank_optimizer_state", True))
@@ -65,8 +58,7 @@ def _optimizer_is_per_rank(strategy: Strategy) -> bool:
 def trainer_state(strategy: Strategy, dp_rank: int, sampler: Any, schedule: dict[str, Any],
                   stepper: Any) -> dict[str, Any]:  # fmt: skip
     """The loop's state a checkpoint holds: ``schedule``, every data-parallel replica's
-    ``sampler`` position (a collective; none for an objective's run, whose position is in its
-    ``objective.pt``), the RNG states and the step runner's skip statistics."""
+    ``sampler`` position (a collective; none for an objective), RNG states, skip statistics."""
     samplers: dict[str, Any] = {}
     if sampler is not None:
         mine = (dp_rank, sampler.state_dict())
@@ -86,12 +78,9 @@ def save(strategy: Strategy, optimizer: torch.optim.Optimizer, masters: dict[str
          run_config: Any, tokenizer_dir: str | None, tokens: int, keep_last: int,
          is_main: bool, val_loss: float | None = None) -> Path:  # fmt: skip
     """Checkpoint step ``step`` to ``out_dir/checkpoints/step_…`` and prune old ones.
-
-    ``state`` is :func:`trainer_state`'s; ``objective_state`` an objective's ``state_dict()``
-    (None when pretraining), saved as ``objective.pt``. With a per-rank optimizer state (FSDP,
-    TP, PP) rank r > 0 writes ``optimizer-rank{r}.safetensors`` into a staging folder that
-    rank 0 moves into the checkpoint before the atomic rename.
-    """
+    ``objective_state`` (None when pretraining) is saved as ``objective.pt``. With a per-rank
+    optimizer state (FSDP, TP, PP) rank r > 0 stages ``optimizer-rank{r}.safetensors`` for
+    rank 0 to move into the checkpoint before the atomic rename."""
     weights = strategy.full_state_dict()  # a collective in sharded strategies: every rank
     for name, (_, master) in masters.items():
         weights[name] = master  # the fp32 weights, not their bf16 copies
@@ -102,8 +91,7 @@ def save(strategy: Strategy, optimizer: torch.optim.Optimizer, masters: dict[str
     kept = "the earlier checkpoints in " + str(path.parent)
     with disk_full_is_one_line(path.parent, kept):
         if objective_state is not None and is_main:
-            # The objective's data position, RNG streams and buffers (rollouts, reference
-            # log-probs), moved into the checkpoint folder before its atomic rename.
+            # data position, RNG streams, buffers; moved in before the atomic rename
             staging.mkdir(parents=True, exist_ok=True)
             torch.save(objective_state, staging / OBJECTIVE_FILE)
         if per_rank:

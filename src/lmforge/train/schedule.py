@@ -1,6 +1,5 @@
-"""Learning-rate schedules as pure functions of the iteration number.
-
-Exercised by ``pytest tests/test_train_schedule.py``; the trainer calls :func:`lr_at` each step.
+"""Learning-rate schedules as pure functions of the iteration number (the trainer calls
+:func:`lr_at` each step). Exercised by ``pytest tests/test_train_schedule.py``.
 """
 
 from __future__ import annotations
@@ -11,12 +10,9 @@ import math
 def cosine_schedule(
     it: int, max_lr: float, min_lr: float, warmup_iters: int, cosine_cycle_iters: int
 ) -> float:
-    """Linear warm-up, then cosine decay from ``max_lr`` to ``min_lr``, then constant ``min_lr``.
-
-    ``it < warmup_iters``: ``max_lr · it / warmup_iters`` (0 at step 0). From ``warmup_iters`` to
-    ``cosine_cycle_iters`` (an absolute iteration, not a length): half a cosine from ``max_lr``
-    down to ``min_lr``. After ``cosine_cycle_iters``: ``min_lr``.
-    """
+    """Linear warm-up (``max_lr · it / warmup_iters``, 0 at step 0), then half a cosine from
+    ``max_lr`` down to ``min_lr`` until ``cosine_cycle_iters`` (an absolute iteration, not a
+    length), then constant ``min_lr``."""
     if it < warmup_iters:
         return max_lr * it / warmup_iters
     if it <= cosine_cycle_iters:
@@ -31,13 +27,9 @@ def cosine_schedule(
 def wsd_schedule(
     it: int, max_lr: float, min_lr: float, warmup_iters: int, total_iters: int, decay_iters: int
 ) -> float:
-    """Warmup-stable-decay: linear warm-up, ``max_lr`` held, then a linear decay to ``min_lr``.
-
-    ``it < warmup_iters``: ``max_lr · it / warmup_iters``. Stable at ``max_lr`` until
-    ``total_iters − decay_iters``; from there a straight line reaching ``min_lr`` at
-    ``total_iters``; ``min_lr`` afterwards. Simplification: linear decay (MiniCPM also tried
-    exponential and 1−√ shapes).
-    """
+    """Warmup-stable-decay: linear warm-up, ``max_lr`` until ``total_iters − decay_iters``, then
+    a straight line reaching ``min_lr`` at ``total_iters``; ``min_lr`` afterwards.
+    Simplification: linear decay (MiniCPM also tried exponential and 1−√ shapes)."""
     if it < warmup_iters:
         return max_lr * it / warmup_iters
     decay_start = max(total_iters - decay_iters, warmup_iters)

@@ -2,12 +2,10 @@
 
 * :func:`rng_state` / :func:`set_rng_state`: every RNG a step may draw from, for exact resume.
 * :class:`OutDirLock`: an exclusive ``fcntl.flock`` on ``out_dir/.lock`` held for the whole run,
-  so two runs never write one folder (the second stops with one line naming the holder's pid).
-  The kernel drops the lock when the holder dies (kill -9 included): no stale locks.
-* :func:`config_changes`: the dotted keys whose values differ between the config a checkpoint
-  was written with and this run's; a resume with changes stops unless
-  ``train.allow_config_change`` is true. Loop and logging keys (``train.max_steps``,
-  ``eval_every``, ``progress`` …) may change freely.
+  so two runs never write one folder; the kernel drops it when the holder dies (no stale locks).
+* :func:`config_changes`: the keys that differ between a checkpoint's config and this run's
+  (a resume with changes stops unless ``train.allow_config_change``; :data:`FREE_KEYS` may
+  change freely).
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ import torch
 from lmforge.utils.errors import LmforgeError
 
 # Keys a resumed run may change without train.allow_config_change: where and how long it runs
-# and what it logs, never what a step computes. (max_steps moves the end of a cosine schedule;
-# extending a run is the common case, and the checkpoint records the schedule it was on.)
+# and what it logs, never what a step computes (max_steps moves a cosine schedule's end, but
+# extending a run is the common case; the checkpoint records the schedule it was on).
 FREE_KEYS = frozenset(
     f"train.{k}"
     for k in (
@@ -33,7 +31,6 @@ FREE_KEYS = frozenset(
         "peak_tflops", "progress", "plot", "allow_config_change", "max_bad_steps",
     )
 ) | {"rl.iterations", "rl.target", "dpo.epochs"}  # fmt: skip
-# (the post-training keys that only move the end of a run, as train.max_steps does)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -48,11 +45,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted keys (outside :data:`FREE_KEYS`) whose values differ: ``"train.lr: 0.001 -> 0.002"``.
-
-    ``old`` and ``new`` are nested dicts as :func:`lmforge.utils.config.config_to_dict` gives;
-    a key present on one side only counts as changed.
-    """
+    """Dotted keys (outside :data:`FREE_KEYS`) whose values differ: ``"train.lr: 0.001 -> 0.002"``,
+    between nested dicts as ``config_to_dict`` gives (a key on one side only counts as changed)."""
     a, b = _flatten(old), _flatten(new)
     out = []
     for key in sorted(set(a) | set(b)):

@@ -1,24 +1,20 @@
 """One optimizer step, given a loss function and the skip rule: forward/backward, clip, update.
 
-:class:`StepRunner` runs the steps the trainer's loop asks for and keeps the skip statistics
-(running loss mean, consecutive bad steps). The skip rule (:func:`bad_step_reason`): a NaN/inf
-loss or gradient norm, or a loss above ``spike_factor × running mean`` once 10 good steps are
-in, skips the update.
+:class:`StepRunner` runs the loop's steps and keeps the skip statistics. The skip rule
+(:func:`bad_step_reason`): a NaN/inf loss or gradient norm, or a loss above ``spike_factor ×
+running mean`` once 10 good steps are in, skips the update.
 
 The sync-free step (``FastPath.sync_free``) never waits for the device: the skip decision, the
 running mean and the update are computed on the device (``AdamW.step_if``), the step's record
-travels to pinned host memory behind a CUDA event, and the loop reads it one step later while
-the device already runs the next step. (A host sync per step leaves the GPU idle while the host
-prepares the next batch and launches the next forward: ~6 ms of a 65 ms GPT-2-small step on an
-H200.) With ``FastPath.clip_in_update`` the norm is computed and AdamW scales each gradient by
-the clip factor as it reads it (one pass less over the gradients; with master weights the bf16
-gradients are never scaled in place). Otherwise the synchronous step reads loss and norm once
-and decides on the host.
+travels to pinned host memory behind a CUDA event, and the loop reads it one step later. (A host
+sync per step idles the GPU while the host prepares the next step: ~6 ms of a 65 ms GPT-2-small
+step on an H200.) With ``FastPath.clip_in_update`` AdamW scales each gradient by the clip factor
+as it reads it (one pass less; bf16 gradients are never scaled in place). Otherwise the
+synchronous step reads loss and norm once and decides on the host.
 
-``FastPath.cuda_graph`` goes one step further: after three warm-up steps on a side stream the
-whole step (forward, backward, norm, gated update, running mean, record) is captured once as a
-CUDA graph and replayed, with the batch copied into fixed input buffers and the learning rate
-written into AdamW's device hyperparameters before each replay.
+``FastPath.cuda_graph``: after three warm-up steps on a side stream the whole step is captured
+once as a CUDA graph and replayed, the batch copied into fixed input buffers and the learning
+rate into AdamW's device hyperparameters before each replay.
 Exercised by ``pytest tests/test_train_e2e.py -k sync_free`` and ``pytest -m gpu
 tests/test_train_gpu.py``.
 """
@@ -87,13 +83,9 @@ class _StepGraph:
 
 
 class StepRunner:
-    """Runs steps of ``strategy`` with ``optimizer``; holds the skip statistics.
-
-    ``loss_fn(model, x, y)`` is looked up through the callable given (the trainer passes a
-    lambda, so a test may swap its ``loss_fn``). ``sync_free``, ``clip_in_update`` and
-    ``cuda_graph`` come from the :class:`~lmforge.train.FastPath`; ``sync_free`` may be changed
-    between steps (tests compare both paths on a CPU).
-    """
+    """Runs steps of ``strategy`` with ``optimizer``; holds the skip statistics. ``sync_free``,
+    ``clip_in_update`` and ``cuda_graph`` come from the :class:`~lmforge.train.FastPath`;
+    ``sync_free`` may be changed between steps (tests compare both paths on a CPU)."""
 
     def __init__(
         self,
@@ -110,8 +102,7 @@ class StepRunner:
         forward_backward: Callable[[Sequence[Any]], torch.Tensor] | None = None,
     ) -> None:
         self.strategy = strategy
-        # An objective's step (lmforge.train.objective.forward_backward): micro-batches of any
-        # type, weighted; None = the strategy's (x, y) path with equal weights.
+        # objective.forward_backward (weighted micro-batches); None = the strategy's (x, y) path
         self.forward_backward = forward_backward
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -149,8 +140,7 @@ class StepRunner:
     def _body(
         self, micro: Sequence[Any], capturing: bool = False
     ) -> tuple[torch.Tensor, str | None]:
-        # Forward/backward, clip and update of one step; (record, host skip reason). Everything
-        # here is also what a CUDA graph captures, so no host reads on the sync-free path.
+        # (record, host skip reason); a CUDA graph captures this: no host reads when sync-free
         if self.forward_backward is not None:
             loss = self.forward_backward(micro)
         else:
@@ -222,8 +212,7 @@ class StepRunner:
             stream.wait_stream(cur)
             optimizer: AdamW = self.optimizer  # type: ignore[assignment]
             if self._graph_warmups < _GRAPH_WARMUP_STEPS:
-                # Warm-up on the capture stream: compilation, autotuning, lazy library set-up and
-                # optimizer state all happen here, outside the capture.
+                # compilation, autotuning, lazy set-up and optimizer state: outside the capture
                 with torch.cuda.stream(stream):
                     values, _ = self._body(micro)
                 cur.wait_stream(stream)
@@ -232,8 +221,7 @@ class StepRunner:
             static = [(x.clone(), y.clone()) for x, y in micro]
             optimizer.load_hyperparameters()
             cur.synchronize()
-            # The graph gets its own memory pool: hand the eager warm-up's cached blocks back
-            # first, so the footprint is one step's working set, not two.
+            # the graph gets its own memory pool: free the warm-up's cached blocks first
             torch.cuda.empty_cache()
             graph = torch.cuda.CUDAGraph()
             try:
@@ -261,10 +249,8 @@ class StepRunner:
     # -- reading a finished step
 
     def finish(self, pending: Pending) -> tuple[float, float, str | None]:
-        """Wait for a launched step's record; update the host counters; (loss, norm, reason).
-
-        Launched steps must be finished in order (the counters are updated step by step).
-        """
+        """Wait for a launched step's record and update the host counters (finish steps in launch
+        order); (loss, norm, reason)."""
         if pending.event is not None:
             pending.event.synchronize()
         vals = pending.values.tolist()

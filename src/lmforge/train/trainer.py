@@ -1,13 +1,11 @@
 """The one training loop: objective → step (forward/backward, clip, AdamW) → callbacks → logs,
 eval, saves. Every phase is an :class:`~lmforge.train.Objective` (:mod:`lmforge.train.objective`):
 pretraining's :class:`~lmforge.train.LMObjective` (built here from ``[model]`` and ``[data]``, with
-all the fast paths below), or one given with its model (SFT, DPO, reward models, RL,
-distillation in :mod:`lmforge.posttrain`: fast AdamW, schedules, clipping, accumulation,
-DDP/FSDP, metrics.jsonl and exact resume, without master weights, compile or the step graph).
+all the fast paths below), or one given with its model (:mod:`lmforge.posttrain`; without master
+weights, compile or the step graph).
 
 The model is built single-device with the backends of the run's :class:`~lmforge.train.FastPath`
-(:func:`~lmforge.train.resolve_fast_path`: every ``auto`` resolved once, in one pure function),
-then wrapped from outside in one fixed order:
+(:func:`~lmforge.train.resolve_fast_path`), then wrapped from outside in one fixed order:
 
     1. master weights (bf16 copies of fp32 masters, :func:`~lmforge.train.wrap.bf16_weight_copies`)
     2. activation checkpointing (each block's ``forward`` recomputed in backward; names unchanged)
@@ -15,15 +13,11 @@ then wrapped from outside in one fixed order:
     4. the parallelism :class:`~lmforge.parallel.Strategy` (``Strategy(model)`` on one process,
        ``lmforge.parallel.build_strategy`` under torchrun)
 
-Beside this loop: :mod:`~lmforge.train.step` (one step given ``loss_fn`` and the skip rule; the
-sync-free step, its CUDA graph), :mod:`~lmforge.train.metrics`, :mod:`~lmforge.train.state`
-(RNG, out_dir lock, config check), :mod:`~lmforge.train.resume` (checkpoints). Extension points:
-``callbacks``, modules' ``aux_loss()`` (added to the LM loss), :func:`~lmforge.train.build_optimizer`
-(parameter groups) and ``train.allow_config_change``.
-
-Exact resume: a checkpoint holds the fp32 master weights, optimizer state (gathered under ZeRO-1;
-per rank under FSDP/TP/PP), every replica's sampler state, the RNG states and the skip statistics
-(:mod:`~lmforge.train.resume`). A skipped step still consumes its data and advances the schedule.
+Beside this loop: :mod:`~lmforge.train.step` (one step, the skip rule, the sync-free step and
+its CUDA graph), :mod:`~lmforge.train.metrics`, :mod:`~lmforge.train.state`,
+:mod:`~lmforge.train.resume` (checkpoints; a skipped step still consumes its data and advances
+the schedule). Extension points: ``callbacks``, modules' ``aux_loss()`` (added to the LM loss),
+:func:`~lmforge.train.build_optimizer` (parameter groups) and ``train.allow_config_change``.
 Exercised by ``lmforge train --config configs/tiny.toml`` and ``pytest tests/test_train_e2e.py``.
 """
 
@@ -89,15 +83,12 @@ metrics.jsonl with the step's ``train`` record (written every ``train.log_every`
 
 
 class Trainer:
-    """One training run from a :class:`~lmforge.config.RunConfig`.
-
-    Uses only the ``model``, ``train``, ``data`` and ``parallel`` branches. ``Trainer(cfg,
-    runtime).run()`` returns the final metrics; construction builds the model, strategy,
-    optimizer and data and restores the latest intact checkpoint when ``train.resume`` is on.
-    ``Trainer(cfg, runtime, model=m, objective=o)`` trains ``m`` on objective ``o`` instead
-    (``o`` may be a factory called with the built trainer); ``[model]`` and ``[data]`` are then
-    not read. SIGINT / SIGTERM end a run with a checkpoint.
-    """
+    """One training run from a :class:`~lmforge.config.RunConfig` (its ``model``, ``train``,
+    ``data`` and ``parallel`` branches). Construction builds the model, strategy, optimizer and
+    data and restores the latest intact checkpoint; ``run()`` returns the final metrics.
+    ``Trainer(cfg, runtime, model=m, objective=o)`` trains ``m`` on objective ``o`` (or a factory
+    called with the built trainer); ``[model]`` and ``[data]`` are then not read. SIGINT /
+    SIGTERM end a run with a checkpoint."""
 
     def __init__(
         self,
@@ -118,8 +109,6 @@ class Trainer:
         self.device_type = torch.device(self.device).type
         self.T = tc.context_length or self.mcfg.context_length
         self.callbacks: list[Callback] = list(callbacks)
-        # Pretraining builds its model from [model] and reads [data]; an objective given here
-        # (post-training) brings its own model and data.
         self.pretraining = objective is None
         sources: list[Any] = []
         self.val_shards: list[TokenShard] = []
@@ -136,8 +125,7 @@ class Trainer:
             # Data first: a missing shard or a vocabulary mismatch fails before a big model.
             sources = [open_source(src, mc.vocab_size) for src in self.dcfg.train]
             self.val_shards = [s for src in self.dcfg.val for s in open_source(src, mc.vocab_size)]
-            # A shard shorter than one window gives no validation batch: refuse it by name rather
-            # than train with no validation and say nothing.
+            # a shard shorter than one window gives no validation batch: refuse it by name
             short = [s for s in self.val_shards if len(s) < self.T + 1]
             if short:
                 raise LmforgeError(
@@ -168,9 +156,8 @@ class Trainer:
         else:
             if model is None:
                 raise LmforgeError("a Trainer with an objective needs its model")
-            # The objective's model is trained as given: no master weights, compile, fused loss
-            # or step graph (they assume the pretraining batch); the fast AdamW and the
-            # sync-free step hold for any objective.
+            # no master weights, compile, fused loss or step graph (they assume the pretraining
+            # batch); the fast AdamW and the sync-free step hold for any objective
             plain = dataclasses.replace(
                 tc, master_weights="off", compile=False, loss="reference", cuda_graph=False
             )
@@ -192,10 +179,9 @@ class Trainer:
         if self.fast.compile:
             model.compile()
             self._ce = torch.compile(cross_entropy)
-            # Forward and loss in one graph: the (B, T, V) logits and their fp32 upcast stay inside
-            # it (fused by the compiler) instead of being materialised between two graphs.
+            # forward and loss in one graph: the (B, T, V) logits and their fp32 upcast stay inside
             self._model_loss = torch.compile(model_loss)
-            # Likewise hidden states + fused loss: the kernels are custom ops the compiler traces.
+            # likewise hidden states + fused loss (the kernels are custom ops the compiler traces)
             self._fused_loss = torch.compile(fused_model_loss)
         from lmforge.kernels import fused_linear_cross_entropy
 
@@ -215,12 +201,10 @@ class Trainer:
                     "model.mtp_depth > 0 on several processes needs train.loss=fused "
                     "(the reference loss path calls the wrapped model's forward, without MTP)"
                 )
-        # Master weights: the optimizer updates the fp32 masters in place of the model's bf16
-        # weights, reads the gradients from those, and writes them back.
+        # master weights: AdamW updates the fp32 masters, reading and rewriting the bf16 copies
         to_master = {id(p): m for p, m in self.masters.values()}
         copies = {m: p for p, m in self.masters.values()}
-        # muP's per-parameter LR scales ({} unless model.mup; an objective's model, e.g. a
-        # reward model or a transformers module, may have no lmforge config)
+        # muP's per-parameter LR scales ({} unless model.mup; an objective's model may have none)
         mup_scales = lr_multipliers(model) if hasattr(model, "config") else {}
         self.optimizer = self.strategy.make_optimizer(
             lambda ps: build_optimizer(
@@ -232,8 +216,7 @@ class Trainer:
             )
         )
         sync_free = self.fast.sync_free and isinstance(self.optimizer, AdamW)
-        # Data parallelism decides tokens per step and which windows a rank draws; tp/pp ranks
-        # of one replica must see the same batch (distributed strategies expose dp_size, mesh).
+        # tokens per step and windows follow the data-parallel rank (tp/pp ranks share a batch)
         dp_size = int(getattr(self.strategy, "dp_size", self.strategy.world_size))
         self.dp_rank = int(getattr(self.strategy, "dp_rank", self.strategy.rank))
         self.plan: TrainingPlan = (
@@ -273,8 +256,7 @@ class Trainer:
         self.out_dir = Path(tc.out_dir)
         self.iteration = 0
         self.current_lr = 0.0
-        # Set by a callback or an objective (e.g. an RL target reached): the loop ends after
-        # this step with its final evaluation and checkpoint.
+        # set by a callback (e.g. an RL target reached): the run ends after this step
         self.should_stop = False
         self.stop_signal: str | None = None  # SIGINT / SIGTERM received during run()
         self.resumed_from = resume.restore_latest(
@@ -296,8 +278,7 @@ class Trainer:
         elif str(self.dp_rank) in state.get("samplers", {}):
             self.sampler.load_state_dict(state["samplers"][str(self.dp_rank)])
         else:
-            # A replica the checkpoint did not have (more data-parallel ranks than before):
-            # a fresh stream, seeded by rank and step, so replicas still differ.
+            # a replica the checkpoint did not have: a fresh stream seeded by rank and step
             self.sampler = self.objective.sampler = self._new_sampler(it)
         set_rng_state(state["rng"])
         self.stepper.restore(
@@ -663,7 +644,5 @@ def train(
     cfg: RunConfig, runtime: Runtime | None = None, callbacks: Sequence[Callback] = ()
 ) -> dict[str, Any]:
     """Run one training job from a RunConfig; returns the final metrics (see :class:`Trainer`).
-
-    Exercised by ``lmforge train --config configs/tiny.toml`` and by ``lmforge demo``.
-    """
+    Exercised by ``lmforge train`` and ``lmforge demo``."""
     return Trainer(cfg, runtime, callbacks).run()

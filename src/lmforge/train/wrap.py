@@ -1,8 +1,5 @@
-"""What the trainer applies to the single-device model from outside, before compiling it.
-
-* :func:`apply_activation_checkpointing`: each block recomputed in backward (names unchanged).
-* :func:`bf16_weight_copies`: master weights — the matmul weights become bf16 copies of fp32
-  masters the optimizer keeps (``FastPath.master_weights``).
+"""What the trainer applies to the single-device model from outside, before compiling it:
+activation checkpointing and master weights (``FastPath.master_weights``), names unchanged.
 """
 
 from __future__ import annotations
@@ -32,12 +29,9 @@ def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute each block of ``model.layers`` in backward instead of storing its activations.
-
-    Each block's class is swapped for a subclass whose ``forward`` runs under
-    ``torch.utils.checkpoint`` (non-reentrant), so module and parameter names do not change and
-    checkpoints stay interchangeable. Returns ``model`` (modified in place).
-    """
+    """Recompute each block of ``model.layers`` in backward instead of storing its activations:
+    each block's class becomes a subclass whose ``forward`` runs under non-reentrant
+    ``torch.utils.checkpoint``, so names and checkpoints do not change. Returns ``model``."""
     for block in model.layers:
         block.__class__ = _checkpointed_class(type(block))
     return model
@@ -48,23 +42,20 @@ def bf16_weight_copies(model: nn.Module) -> dict[str, tuple[nn.Parameter, torch.
 
     Every :class:`~lmforge.model.layers.Linear` weight (not one tied to the token embedding, not
     an MoE router) and every MoE layer's stacked expert weights become a bf16 Parameter (same
-    object, same name); its fp32 values move to a master tensor the optimizer updates
-    (``AdamW(copies=…)``), rewriting the copy each step. Under bf16
-    autocast the forward and backward are then exactly those of fp32 weights — autocast would
-    round each weight to bf16 for its matmul, and its weight gradient comes out of the matmul
-    in bf16 — without the per-step cast kernels: ~170 fewer kernels a GPT-2-small step.
-    Embeddings and norm gains stay fp32. Returns ``{name: (copy parameter, fp32 master)}``.
+    object, same name); its fp32 values move to a master tensor AdamW updates (``copies=…``),
+    rewriting the copy each step. Under bf16 autocast this computes exactly what fp32 weights
+    would (autocast rounds each weight to bf16 for its matmul, whose weight gradient comes out
+    in bf16) without the per-step cast kernels: ~170 fewer a GPT-2-small step. Embeddings and
+    norm gains stay fp32. Returns ``{name: (copy parameter, fp32 master)}``.
     """
     linear = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
     embeddings = getattr(model, "token_embeddings", None)
     if embeddings is not None:
         linear.discard(id(embeddings.weight))  # tied LM head: the embedding stays fp32
     for layer in moe_layers(model):
-        # The stacked expert weights are matmul weights too (the layer casts them to bf16 every
-        # forward and their gradients back to fp32 every backward: ~450 MB of traffic and 6
-        # kernels per GPT-2-small MoE layer and step). The router stays fp32: its GEMM rounds
-        # the weight to the compute dtype itself (router_logits) and its weight gradient
-        # comes out in fp32, which a bf16 copy would round.
+        # Expert weights are matmul weights too (casting them costs ~450 MB of traffic and 6
+        # kernels per GPT-2-small MoE layer and step). The router stays fp32: router_logits
+        # rounds it itself and its fp32 weight gradient would be rounded by a bf16 copy.
         linear.update(id(w) for w in (layer.w1, layer.w2, layer.w3))
         linear.discard(id(layer.router.weight))
     out: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}
