@@ -28,6 +28,10 @@
 #              there (cat /tmp/smol/part.00 .carry/smol/part.01 > /tmp/smol/smol.gguf; sha256
 #              b179c952...db53); also .carry/gsm8k/{train,test}.jsonl, .carry/ggufwhl (the gguf
 #              wheel) and .carry/specdata (speculative.py --shared)
+#   grpo-step  issue 34: benchmarks/posttrain_grpo_step.py, one GRPO iteration's training step on
+#              GSM8K, the Trainer (fast AdamW) against the old hand loop (.carry/old/src: git
+#              archive 3eb7509^ src); the GGUF in halves as for smol, joined at /tmp/smol/smol.gguf;
+#              .carry/gsm8k/train.jsonl; .carry/ggufwhl (the gguf wheel)
 #   recipe-prep  (on the CPU machine with ../shared, not the GPU) the GPU tier's data + tokenizer
 #              (lmforge recipe run configs/recipes/h200.toml --until tokenizer), the benchmark
 #              files into .carry/recipe-eval.tar.gz and the pack for pretraining in .carry/recipe-a
@@ -99,7 +103,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
-EXTRA_PARTS=(smol recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
+EXTRA_PARTS=(smol grpo-step recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
              layers layers-b layers-long window-attn hybrid-quality dsa-quality mla mla-quality mtp quant quant-more vision
              vision-train)
 FAILED=()
@@ -214,6 +218,20 @@ part_posttrain() {
         [ -f "$f" ] && step "$(basename "$f" .py)" 540 "$PY" "$f"
     done
     [ -f benchmarks/rollout.py ] && step rollout 240 "$PY" benchmarks/rollout.py --profile
+}
+
+part_grpo-step() {   # issue 34: one GRPO iteration's step, Trainer vs the old loop, on the GPU
+    # the GGUF joined from its halves (call 1 copies .carry/smol/part.00 to /tmp/smol/, call 2
+    # carries part.01); the old loop's src in .carry/old/src (git archive 3eb7509^ src)
+    [ -f /tmp/smol/smol.gguf ] || cat /tmp/smol/part.00 .carry/smol/part.01 > /tmp/smol/smol.gguf
+    have grpo-step /tmp/smol/smol.gguf .carry/old/src/lmforge/__init__.py || return 0
+    if ls .carry/ggufwhl/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/lmforge-gguf .carry/ggufwhl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/lmforge-gguf"
+    fi
+    step grpo-step 540 "$PY" benchmarks/posttrain_grpo_step.py --device cuda \
+        --model /tmp/smol/smol.gguf --data .carry/gsm8k/train.jsonl --old-src .carry/old/src ${NEW_SRC:+--new-src "$NEW_SRC"} \
+        --out "${OUT:-runs/grpo-step}/grpo-step"
 }
 
 part_smol() {

@@ -59,6 +59,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--old-src", default=None, help="src/ of the pre-Trainer checkout (old side)")
+    ap.add_argument("--new-src", default=str(REPO / "src"), help="src/ of the new side")
     ap.add_argument("--side", choices=["both", "new", "old"], default="both")
     ap.add_argument("--batch", default=None, help="(internal) the saved rollout batch")
     ap.add_argument("--out", default=None, help="folder for batch.pt and results.json")
@@ -220,7 +221,12 @@ def _child(args: argparse.Namespace, side: str, src: str, out: Path) -> dict[str
            "--model", args.model, "--prompts", str(args.prompts), "--group", str(args.group),
            "--max-tokens", str(args.max_tokens), "--micro-batch", str(args.micro_batch),
            "--lr", str(args.lr), "--warmup", str(args.warmup), "--steps", str(args.steps)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": src}
+    rest = [
+        p
+        for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not Path(p, "lmforge").is_dir()
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, *rest])}  # keep e.g. the gguf reader
     done = subprocess.run(cmd, env=env)
     if done.returncode != 0:
         raise SystemExit(f"the {side} side failed (exit {done.returncode})")
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         f"reward {batch['reward']:.3f}, sampled in {batch['rollout_s']:.1f} s",
         flush=True,
     )
-    new = _child(args, "new", str(REPO / "src"), out)
+    new = _child(args, "new", str(Path(args.new_src).resolve()), out)
     old = _child(args, "old", str(Path(args.old_src).resolve()), out)
     # correctness: the same first loss, the same first update as torch's AdamW
     rel = abs(new["loss"] - old["loss"]) / max(abs(old["loss"]), 1e-12)

@@ -66,7 +66,8 @@ SWITCHES: dict[str, dict] = {
     "gdn": dict(layers="GGGA", n_layers=4),
     "mamba2": dict(layers="MMMA", n_layers=4),
     "linear": dict(layers="LLAA", n_layers=4),
-    "window": dict(layers="WWWA", n_layers=4, window=5),
+    "window": dict(layers="WWWA", n_layers=4, window=5),  # W layers in per-sequence rings
+    "window_only": dict(layers="WW", window=5),  # blocks behind the window go back
     "mixed": dict(layers="GMWA", n_layers=4, window=5, n_kv_heads=2),
     "mla_hybrid": dict(MLA, layers="GMLA", n_layers=4),
     # DeepSeek sparse attention: indexer keys paged beside K/V, top-4 of up to 31 keys per
@@ -221,7 +222,7 @@ def test_engine_equals_reference(switch: str, kw: dict, engine: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "switch", ["mup", "all", "mla", "mla_cla", "gqa_cla", "mha_cla", "window", "dsa"]
+    "switch", ["mup", "all", "mla", "mla_cla", "gqa_cla", "mha_cla", "window_only", "dsa"]
 )
 def test_prefix_cache_hit_serves_the_same_tokens(switch: str) -> None:
     """A second request that shares the first's prompt prefix takes its cached blocks (a hit),
@@ -239,10 +240,10 @@ def test_prefix_cache_hit_serves_the_same_tokens(switch: str) -> None:
     _check_logprobs(model, second, out.outputs[0])
 
 
-@pytest.mark.parametrize("switch", ["gdn", "mixed"])
+@pytest.mark.parametrize("switch", ["gdn", "mixed", "window"])
 def test_repeated_prompt_with_linear_layers_is_recomputed(switch: str) -> None:
-    """Linear layers turn the prefix cache off (a cached block holds K/V, not the recurrent
-    state after it): a repeated prompt takes no block from the cache and is still exact."""
+    """Linear layers and W rings turn the prefix cache off (a cached block holds K/V, not the
+    recurrent state or ring after it): a repeated prompt takes no cached block, still exact."""
     model = _model(SWITCHES[switch])
     (prompt,) = _prompts((17,))
     eng = Engine(model, block_size=4, num_blocks=96)

@@ -49,7 +49,7 @@ def test_repeated_prompt_is_recomputed_not_cached(layers: str) -> None:
 
 def test_window_model_keeps_the_prefix_cache() -> None:
     """A W-only pattern keeps K/V only: a repeated prompt hits the cache and is still exact."""
-    model = _model("WWWA")
+    model = _model("WW")
     prompt = _prompt(17)
     eng = Engine(model, block_size=4, num_blocks=64)
     want = greedy_generate_reference(model, prompt, 8)
@@ -89,11 +89,37 @@ def test_window_only_patterns_serve_sequences_longer_than_the_cache(layers: str)
     assert eng.allocator.hits == 7  # the prompt's 7 full blocks (28 of its 29 tokens)
 
 
-def test_window_with_full_attention_layers_keeps_every_block() -> None:
-    """WWWA: the A layer reads every page, so nothing is given back and a sequence longer
-    than the cache is refused in one line."""
-    eng = Engine(_model("WWWA"), block_size=4, num_blocks=8, max_num_batched_tokens=8)
-    assert eng.window is None and "every block kept" in eng.startup_line
+@pytest.mark.parametrize("layers", ["WWWA", "WAWA", "GWSA"])
+def test_window_beside_full_attention_keeps_w_layers_in_rings(layers: str) -> None:
+    """W beside A/S layers: the A/S layers page every token, the W layers keep a ring of
+    R = ceil((8 + 5 − 1) / 4) + 1 = 4 blocks (16 tokens) a sequence in its state slot. Two
+    40-token sequences (each wrapping its ring twice), chunked prefill of 8 tokens, then a pool
+    too small for both (one is preempted and recomputed into a reused ring): the reference
+    loop's greedy tokens every time. The shared pool holds the A/S layers' pages only."""
+    kw = {"dsa_topk": 4, "dsa_index_dim": 8} if "S" in layers else {}
+    model = _model(layers, **kw)
+    prompts = [_prompt(29, 3), _prompt(23, 4)]
+    want = [greedy_generate_reference(model, p, 40 - len(p)) for p in prompts]
+    for num_blocks, preempted in ((64, False), (14, True)):
+        eng = Engine(model, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=8)
+        states = eng.runner.states
+        n_paged, n_w = sum(c in "AS" for c in layers), layers.count("W")
+        assert eng.window is None and not eng.allocator.enable_prefix_cache
+        assert eng.cache.k.shape[0] == n_paged and states.ring_blocks == 4
+        assert states.ring_k.shape == (n_w, (states.num_slots + 1) * 4, 4, 4, 16)
+        assert "16-token ring per sequence" in eng.startup_line
+        for p in prompts:
+            params = SamplingParams(temperature=0, max_tokens=40 - len(p), ignore_eos=True)
+            eng.add_request(p, params)
+        outs = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                outs[o.request_id] = o.outputs[0].token_ids
+        assert [outs[k] for k in sorted(outs)] == want
+        assert (eng.stats["preemptions"] > 0) == preempted
+        assert sorted(eng.scheduler.free_state_slots) == list(range(states.num_slots))
+    # a sequence longer than the shared pool (the A/S layers need all its pages): one line
+    eng = Engine(model, block_size=4, num_blocks=8, max_num_batched_tokens=8)
     with pytest.raises(LmforgeError, match="needs 10 KV blocks, the cache has 8"):
         eng.add_request(_prompt(29), SamplingParams(max_tokens=11))
 
@@ -168,8 +194,9 @@ def test_sparse_layers_decode_and_speculative_recurrent_refused_in_one_line() ->
     for spec in (None, NgramDraft()):
         eng = Engine(model, block_size=4, num_blocks=64, speculative=spec)
         assert eng.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
-    with pytest.raises(LmforgeError, match="recurrent state"):
-        Engine(_model("GA"), block_size=4, num_blocks=64, speculative=NgramDraft())
+    for layers in ("GA", "WA"):  # a recurrent state, a W ring: neither rolls back
+        with pytest.raises(LmforgeError, match="per-sequence state of layers"):
+            Engine(_model(layers), block_size=4, num_blocks=64, speculative=NgramDraft())
 
 
 @pytest.mark.gpu

@@ -135,8 +135,10 @@ class CausalSelfAttention(nn.Module):
         self.produces_kv = produces_kv
         # the contiguous KVCache's layer (the producer's under CLA, else layer_idx)
         self.kv_index = layer_idx if kv_index is None else kv_index
-        # the engine's paged cache holds K/V layers only: this layer's page index there
+        # the engine's paged cache holds K/V layers only: this layer's page index there (a W
+        # layer beside A/S layers: its index among the W layers' rings, ``ring`` True)
         self.cache_index = self.kv_index
+        self.ring = False
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
         # a plain int: a derived head_dim is an int subclass (config._DerivedHeadDim), which
@@ -228,7 +230,15 @@ class CausalSelfAttention(nn.Module):
             if k is not None and v is not None:
                 k, v = k[0].transpose(0, 1), v[0].transpose(0, 1)
             if self.window is not None:  # the pages' keys within the window (torch path)
-                out = context.ops.attend_window(self.cache_index, q, k, v, context, self.window)
+                wctx = context
+                if self.ring:  # this layer's K/V live in per-sequence rings (StatePool)
+                    if context.ring is None:
+                        raise LmforgeError(
+                            f"layer {self.layer_idx} (W beside A/S layers) keeps its keys in "
+                            "per-sequence rings: the step context has none"
+                        )
+                    wctx = context.ring
+                out = context.ops.attend_window(self.cache_index, q, k, v, wctx, self.window)
             else:  # a CLA consumer (k, v None) reads its producer's pages, writes none
                 out = context.ops.attend(self.cache_index, q, k, v, context)  # (N, H, E)
             out = self._gated(out.reshape(b, t, h * e), x, context)  # (1, N, H·E)

@@ -250,3 +250,7 @@ class Context:
     index_cache: torch.Tensor | None = None
     "(L_S, NB, BS, E_I) indexer keys of the DSA (S) layers, in the K/V's blocks and slots;"
     " None for a model without S layers"
+    ring: Context | None = None
+    "the W layers' view of the step where W layers sit beside A/S layers: the same step over"
+    " their per-sequence rings (:meth:`~lmforge.model.linear_attention.StatePool.ring_context`:"
+    " cyclic block tables, ring slots, the rings as k_cache/v_cache); None otherwise"

@@ -198,12 +198,22 @@ class KVCache:
         return self.mask & (near | own[None])[:, None]  # (B, 1, T, S')
 
 
+def window_ring(layer_types: Sequence[str]) -> bool:
+    """Whether the engine keeps the W layers' keys/values in per-sequence rings: a pattern
+    mixing sliding-window (W) layers with A or S layers, which read every page, so the pages
+    behind a window cannot go back to the shared pool (``WWWA``; not ``W`` or ``GGGW``, where
+    the scheduler gives those blocks back instead)."""
+    return "W" in layer_types and any(c in "AS" for c in layer_types)
+
+
 def paged_kv_layers(layer_types: Sequence[str], upto: int | None = None) -> int:
     """How many blocks among the first ``upto`` (all when None) keep keys/values in the
     engine's paged cache: every layer but the linear ones (G, M, L), which keep a recurrent
-    state instead. A K/V layer's page index is this count over the blocks before it."""
+    state instead, and the W layers of a :func:`window_ring` pattern, which keep rings. A K/V
+    layer's page index is this count over the blocks before it."""
+    skip = "GMLW" if window_ring(layer_types) else "GML"
     kinds = layer_types if upto is None else layer_types[:upto]
-    return sum(1 for c in kinds if c not in "GML")
+    return sum(1 for c in kinds if c not in skip)
 
 
 def paged_window_attention(
@@ -223,7 +233,8 @@ def paged_window_attention(
     v_pages.view(-1, kv, e).index_copy_(0, ctx.slots, v.to(v_pages.dtype))
     ctx_lens = ctx.ctx_lens_list if ctx.ctx_lens_list is not None else ctx.ctx_lens.tolist()
     q_lens = ctx.q_lens if ctx.q_lens is not None else [1] * len(ctx_lens)
-    tables = ctx.tables_list if ctx.tables_list is not None else ctx.block_tables.tolist()
+    tables = ctx.tables_list if ctx.tables_list is not None else ctx.block_tables  # (a row's
+    # slice of the device table is read as is: no host copy)
     out = torch.empty_like(q)
     row = 0
     bs = k_pages.shape[1]

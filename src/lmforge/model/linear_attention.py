@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -542,11 +543,25 @@ class StatePool:
     :attr:`scratch_slot`, is never handed out: the padding rows of a CUDA graph and the
     compiled step's warm-up write there (as their KV goes to the cache's scratch block). Size
     per sequence is constant in its length (:meth:`bytes_per_slot`).
+
+    Rings (``ring``: a pattern with W layers beside A/S layers,
+    :func:`~lmforge.model.kv_cache.window_ring`): the W layers' keys and values, ``ring_k`` /
+    ``ring_v`` (L_W, (NS + 1)·R, BS, K, E), slot s owning blocks s·R … s·R + R − 1. Position p
+    of a sequence goes to its block s·R + (p // BS) mod R: the sequence's block table is that
+    cycle (:meth:`ring_context`), so the paged window kernels read it unchanged, and R =
+    ceil((chunk + window − 1) / BS) + 1 blocks hold every key a step's queries can see
+    (``chunk``: the most tokens of one sequence in a step), whatever the sequence's length.
     """
 
     def __init__(
-        self, mixers: dict[int, nn.Module], num_slots: int, device: torch.device, dtype: torch.dtype
+        self,
+        mixers: dict[int, nn.Module],
+        num_slots: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        ring: tuple[int, int, int, int, int] | None = None,
     ) -> None:
+        """``ring``: (W layers, blocks R per slot, block size BS, kv-heads K, head dim E)."""
         self.num_slots = num_slots
         self.scratch_slot = num_slots
         self.conv: dict[int, Tensor] = {}
@@ -556,11 +571,46 @@ class StatePool:
             if st.conv is not None:
                 self.conv[layer] = st.conv
             self.ssm[layer] = st.ssm
+        self.ring_k = self.ring_v = None
+        self.ring_blocks = 0
+        if ring is not None:
+            n_w, self.ring_blocks, bs, kv, e = ring
+            shape = (n_w, (num_slots + 1) * self.ring_blocks, bs, kv, e)
+            self.ring_k = torch.zeros(shape, device=device, dtype=dtype)
+            self.ring_v = torch.zeros(shape, device=device, dtype=dtype)
 
     def bytes_per_slot(self) -> int:
-        """Bytes of one sequence's states across all linear layers."""
+        """Bytes of one sequence's states across all linear layers (and W layers' rings)."""
         total = sum(t[0].numel() * t.element_size() for t in self.conv.values())
+        if self.ring_k is not None:
+            total += 2 * self.ring_k[:, : self.ring_blocks].numel() * self.ring_k.element_size()
         return total + sum(t[0].numel() * t.element_size() for t in self.ssm.values())
+
+    def ring_context(self, ctx: Any, slots: Tensor) -> Any:
+        """``ctx`` (a :class:`~lmforge.model.context.Context`) as the W layers see it: their
+        rings as the pages, each sequence's block table the cycle of its slot's R blocks (as
+        wide as ``ctx``'s), its tokens' slots in that cycle. ``slots`` (S,) long: the step's
+        state slots. Device ops only in a decode step (a compiled step or CUDA graph runs it);
+        other steps read their token positions from the host lists."""
+        assert self.ring_k is not None
+        r, bs = self.ring_blocks, self.ring_k.shape[2]
+        dev = slots.device
+        width = ctx.block_tables.shape[1]
+        tables = (slots[:, None] * r + torch.arange(width, device=dev) % r).to(torch.int32)
+        if ctx.decode:
+            tok_slots, pos = slots, ctx.ctx_lens.long() - 1  # (S,): one token per sequence
+        else:
+            q_lens, ends = list(ctx.q_lens), list(ctx.ctx_lens_list)
+            tok_slots = torch.repeat_interleave(slots, torch.tensor(q_lens, device=dev))
+            pos = torch.tensor(
+                [p for n, end in zip(q_lens, ends, strict=True) for p in range(end - n, end)],
+                device=dev,
+            )  # (N,)
+        flat = (tok_slots * r + (pos // bs) % r) * bs + pos % bs
+        return dataclasses.replace(
+            ctx, slots=flat, block_tables=tables, tables_list=None, plan=None,
+            k_cache=self.ring_k, v_cache=self.ring_v, ring=None,
+        )  # fmt: skip
 
     def reset(self, slots: Tensor) -> None:
         """Zero the states of ``slots`` (long (n,)): their sequences start from token 0."""

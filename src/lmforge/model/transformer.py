@@ -80,7 +80,7 @@ from lmforge.model.attention import (
 from lmforge.model.config import ModelConfig
 from lmforge.model.context import Context
 from lmforge.model.fastpath import resolve_backends
-from lmforge.model.kv_cache import KVCache, paged_kv_layers
+from lmforge.model.kv_cache import KVCache, paged_kv_layers, window_ring
 from lmforge.model.layers import (
     Embedding,
     Linear,
@@ -174,6 +174,9 @@ def token_mixer(config: ModelConfig, layer_idx: int) -> nn.Module:
         attn.cache_index = layer_idx // k - (
             min(layer_idx, len(config.layer_types)) - paged_kv_layers(config.layer_types, layer_idx)
         )
+        if kind == "W" and window_ring(config.layer_types):  # W beside A/S: a ring per sequence
+            attn.ring = True
+            attn.cache_index = config.layer_types[:layer_idx].count("W")
         return attn
     if kind == "S":  # DeepSeek sparse attention (a CausalSelfAttention with a top-k indexer)
         from lmforge.model.sparse_attention import SparseAttention

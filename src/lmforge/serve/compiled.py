@@ -760,6 +760,8 @@ def decode_forward(
     if states is not None:
         assert state_slots is not None
         ctx.states = StepStates(states, state_slots, CompiledSlotOps())
+        if states.ring_k is not None:  # W layers beside A/S layers: their per-sequence rings
+            ctx.ring = states.ring_context(ctx, state_slots)
     return model(tokens[None], context=ctx)[0].float()  # (1, S) -> (S, V)
 
 

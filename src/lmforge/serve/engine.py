@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from lmforge.model.context import PagedKVCache
+from lmforge.model.kv_cache import window_ring
 from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.attention import kv_cache_dtype as kv_cache_dtype_of
 from lmforge.serve.blocks import BlockAllocator
@@ -199,13 +200,14 @@ class Engine:
         self.max_queue = max_queue
         self.tokenizer = tokenizer
         self.speculative: Speculative | None = None
-        recurrent = any(kind in "GML" for kind in cfg.layer_types)
-        if recurrent:  # a cached block holds K/V, not the recurrent state after it: recompute
+        # a cached block holds K/V, not the recurrent state (or W ring) after it: recompute
+        if any(kind in "GML" for kind in cfg.layer_types) or window_ring(cfg.layer_types):
             enable_prefix_cache = False
             if speculative is not None:
                 raise LmforgeError(
-                    f"speculative decoding cannot roll back the recurrent state of layers "
-                    f"{cfg.layers!r} (G/M/L): serve without --speculative"
+                    f"speculative decoding cannot roll back the per-sequence state of layers "
+                    f"{cfg.layers!r} (G/M/L states, W rings beside A/S): serve without "
+                    "--speculative"
                 )
         if speculative is not None:  # batch 1: the latency case the technique is for
             self.speculative = _speculative(speculative, self.model)
@@ -665,11 +667,11 @@ def _hybrid_memory(runner: ModelRunner, cfg: Any, window: int | None) -> str:
             "prefix cache off: states are recomputed)"
         )
     if "W" in cfg.layer_types:
-        kept = (
-            "blocks behind each window given back"
-            if window
-            else "every block kept: A/S layers read them"
-        )
+        if window:
+            kept = "blocks behind each window given back"
+        else:  # beside A/S layers: rings of R blocks a sequence, in the state slots
+            ring = runner.states.ring_blocks * runner.block_size  # type: ignore[union-attr]
+            kept = f"W layers' K/V in a {ring}-token ring per sequence"
         parts.append(f"window {cfg.window} (masked torch path; {kept})")
     if "S" in cfg.layer_types:
         index = cfg.layer_types.count("S") * cfg.dsa_index_dim * runner.kv_dtype.itemsize

@@ -41,7 +41,7 @@ from torch import nn
 
 from lmforge.model.cla import kv_cache_layers
 from lmforge.model.context import PagedKVCache
-from lmforge.model.kv_cache import paged_kv_layers
+from lmforge.model.kv_cache import paged_kv_layers, window_ring
 from lmforge.model.linear_attention import StatePool
 from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.scheduler import StepInputs
@@ -156,7 +156,10 @@ class ModelRunner:
         weights = next(model.parameters()).dtype  # the experts' dtype, whatever the KV's
         quantized_kv = dtype in (torch.float8_e4m3fn, torch.int8)
         compute = weights if quantized_kv else dtype  # what the linear layers' states hold
-        self.states = new_state_pool(model, max_num_seqs, device, compute)
+        self.states = new_state_pool(
+            model, max_num_seqs, device, compute, block_size=block_size,
+            chunk=max_num_batched_tokens,
+        )  # fmt: skip
         self.host_reads = self._host_reads(compute)
         if self.host_reads:  # a step that reads the device on the host can be neither
             self.use_graphs = want_compile = False
@@ -402,12 +405,27 @@ class ModelRunner:
 
 
 def new_state_pool(
-    model: nn.Module, num_slots: int, device: torch.device, dtype: torch.dtype
+    model: nn.Module,
+    num_slots: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    block_size: int = 16,
+    chunk: int = 2048,
 ) -> StatePool | None:
-    """The recurrent states of ``model``'s linear layers (G, M, L): ``num_slots`` sequences
-    (one slot per running sequence, so ``max_num_seqs``), or None for a model without them."""
+    """The recurrent states of ``model``'s linear layers (G, M, L) and, where W layers sit
+    beside A/S layers, the W layers' rings (R = ceil((``chunk`` + window − 1) / BS) + 1 blocks
+    a sequence; ``chunk``: the most tokens of one sequence in a step): ``num_slots`` sequences
+    (one slot per running sequence, so ``max_num_seqs``), or None for a model with neither."""
+    cfg = model.config
     mixers = {i: b.attn for i, b in enumerate(model.layers) if getattr(b, "recurrent", False)}
-    return StatePool(mixers, num_slots, device, dtype) if mixers else None
+    ring = None
+    if window_ring(cfg.layer_types):
+        blocks = math.ceil((chunk + cfg.window - 1) / block_size) + 1
+        ring = (cfg.layer_types.count("W"), blocks, block_size, cfg.kv_heads, int(cfg.head_dim))
+    if not mixers and ring is None:
+        return None
+    return StatePool(mixers, num_slots, device, dtype, ring=ring)
 
 
 def kv_blocks_for_memory(

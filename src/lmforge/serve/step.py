@@ -130,6 +130,8 @@ def forward_step(
         if batch.state_fresh is not None:
             states.reset(batch.state_fresh)
         ctx.states = StepStates(states, batch.state_slots)
+        if states.ring_k is not None:  # W layers beside A/S layers: their per-sequence rings
+            ctx.ring = states.ring_context(ctx, batch.state_slots)
     embeds = None
     if batch.image_rows is not None:  # a VLM's image slots: the one forward's input_embeds
         embeds = model.token_embeddings(batch.tokens[None])  # (1, N, D)
