@@ -46,7 +46,8 @@
 #              serve_hybrid.py for MMMA, LLLA, WWWA, GMWA, SSSA
 #   layers-long  issue 35: serving at long context, benchmarks/serve_hybrid.py: full attention
 #              (A) vs 3:1 GDN (GGGA) vs 3:1 GDN with a sliding-window layer (GGGW: every paged
-#              layer windowed, so its blocks behind the window go back), 32k prompt + 512 new at
+#              layer windowed, so its blocks behind the window go back) vs 3:1 sliding window
+#              : global (WWWA: the W layers in per-sequence rings), 32k prompt + 512 new at
 #              batch 1 and 32; decode steps timed apart from prefill; memory per sequence
 #   window-attn  issue 35: benchmarks/window_attention.py, the W layers' training kernel
 #              (windowed FlashAttention-2, f+b) against SDPA with the window mask and SDPA
@@ -278,10 +279,10 @@ part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, 
         benchmarks/serve_hybrid.py --patterns MMMA,LLLA,WWWA,GMWA,SSSA --out "$o/serve_hybrid_b"
 }
 
-part_layers-long() {  # issue 35: 32k context + 512 new, batch 1 and 32: A vs GGGA vs GGGW
+part_layers-long() {  # issue 35: 32k context + 512 new, batch 1 and 32: A, GGGA, GGGW, WWWA
     local o="${OUT:-runs/h200}"
     have layers-long benchmarks/serve_hybrid.py && step serve-hybrid-long 560 "$PY" \
-        benchmarks/serve_hybrid.py --patterns A,GGGA,GGGW --batch 1,32 --prompt 32768 \
+        benchmarks/serve_hybrid.py --patterns A,GGGA,GGGW,WWWA --batch 1,32 --prompt 32768 \
         --new 512 --repeats 1 --out "$o/serve_hybrid_long"
 }
 

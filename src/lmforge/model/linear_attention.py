@@ -550,7 +550,8 @@ class StatePool:
     of a sequence goes to its block s·R + (p // BS) mod R: the sequence's block table is that
     cycle (:meth:`ring_context`), so the paged window kernels read it unchanged, and R =
     ceil((chunk + window − 1) / BS) + 1 blocks hold every key a step's queries can see
-    (``chunk``: the most tokens of one sequence in a step), whatever the sequence's length.
+    (``chunk``: the most tokens of one sequence in a step), whatever the sequence's length (or
+    every block of the context where that is fewer: then nothing wraps).
     """
 
     def __init__(

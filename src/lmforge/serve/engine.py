@@ -26,7 +26,9 @@ slot per running sequence (:class:`~lmforge.model.linear_attention.StatePool`, `
 slots; prefix cache off, preemption recomputes from a zeroed slot); W layers read the window
 of their pages, and where every paged layer is a W layer the blocks behind a sequence's window
 go back to the pool as it grows (:meth:`Scheduler.trim_window`: a sequence holds its window's
-blocks, not its length's); S layers page their indexer keys beside their K/V (same blocks: a prefix hit
+blocks, not its length's), while W layers beside A/S layers keep their K/V in a ring per state
+slot (:meth:`StatePool.ring_context <lmforge.model.linear_attention.StatePool.ring_context>`;
+the shared pool pages the A/S layers only; prefix cache off); S layers page their indexer keys beside their K/V (same blocks: a prefix hit
 serves both) and select their top-k keys per sequence; hybrids, like MLA models, decode through
 the compiled step and CUDA graphs (:mod:`lmforge.serve.compiled`), DSA (S) layers included.
 

@@ -414,15 +414,27 @@ def new_state_pool(
     chunk: int = 2048,
 ) -> StatePool | None:
     """The recurrent states of ``model``'s linear layers (G, M, L) and, where W layers sit
-    beside A/S layers, the W layers' rings (R = ceil((``chunk`` + window − 1) / BS) + 1 blocks
-    a sequence; ``chunk``: the most tokens of one sequence in a step): ``num_slots`` sequences
-    (one slot per running sequence, so ``max_num_seqs``), or None for a model with neither."""
+    beside A/S layers, the W layers' rings: R = ceil((``chunk`` + window − 1) / BS) + 1 blocks
+    a sequence (``chunk``: the most tokens of one sequence in a step), or the whole context's
+    blocks where that is fewer. ``num_slots`` sequences (one slot per running sequence, so
+    ``max_num_seqs``); None for a model with neither. Rings that would not fit in the device's
+    free memory are refused in one line (they are reserved per slot, used or not)."""
     cfg = model.config
     mixers = {i: b.attn for i, b in enumerate(model.layers) if getattr(b, "recurrent", False)}
     ring = None
     if window_ring(cfg.layer_types):
-        blocks = math.ceil((chunk + cfg.window - 1) / block_size) + 1
-        ring = (cfg.layer_types.count("W"), blocks, block_size, cfg.kv_heads, int(cfg.head_dim))
+        whole = math.ceil(cfg.context_length / block_size)  # no position ever wraps
+        blocks = min(math.ceil((chunk + cfg.window - 1) / block_size) + 1, whole)
+        n_w = cfg.layer_types.count("W")
+        ring = (n_w, blocks, block_size, cfg.kv_heads, int(cfg.head_dim))
+        need = 2 * n_w * (num_slots + 1) * blocks * block_size * cfg.kv_heads * int(cfg.head_dim)
+        need *= dtype.itemsize
+        if device.type == "cuda" and need > torch.cuda.mem_get_info(device)[0]:
+            raise LmforgeError(
+                f"the W layers' rings need {need / 2**30:.1f} GiB ({num_slots} sequences x "
+                f"{blocks * block_size} tokens x {n_w} layers): lower --max-num-seqs (or "
+                "the engine's max_num_batched_tokens)"
+            )
     if not mixers and ring is None:
         return None
     return StatePool(mixers, num_slots, device, dtype, ring=ring)

@@ -36,7 +36,9 @@ the :class:`~lmforge.serve.model_runner.ModelRunner` turns its decision into ten
    full blocks are registered: a finished sequence's prefix stays findable while it is cached);
    their table entries point at ``null_block`` (the runner's scratch block, finite values that
    the window mask hides). A sequence then holds at most ``ceil((chunk + window − 1) / BS) + 1``
-   blocks, whatever its length (:func:`check_fits`).
+   blocks, whatever its length (:func:`check_fits`). W layers beside A/S layers (``WWWA``)
+   are not paged here: they keep a ring in the sequence's state slot (item 3), and the A/S
+   layers' blocks are kept whole.
 
 Sample i > 0 of an n-sample request waits until sample 0 has prefilled the prompt, then shares
 its prompt blocks through the prefix cache instead of recomputing them.
