@@ -175,11 +175,12 @@ def test_engine_speculative_decoding() -> None:
 
 
 def test_kv_bytes_count_the_indexer_keys() -> None:
-    """Per token: K and V of the A/W/S layers plus E_I per S layer, in the engine's pages, its
-    startup line and accounting.kv_cache_bytes_per_token."""
+    """Per token: K and V of the paged layers (A/S; the W layer beside them keeps a ring) plus
+    E_I per S layer, in the engine's pages, its startup line and
+    accounting.kv_cache_bytes_per_token."""
     model = _model("GSWS")
     eng = Engine(model, block_size=4, num_blocks=32)
-    kv, index = 3 * 2 * 2 * 16 * 4, 2 * 8 * 4  # 3 K/V layers, 2 kv heads, E 16; 2 S layers, fp32
+    kv, index = 2 * 2 * 2 * 16 * 4, 2 * 8 * 4  # 2 K/V layers, 2 kv heads, E 16; 2 S layers, fp32
     pages = sum(t[:, 0].numel() * t.element_size() for t in (eng.cache.k, eng.cache.v))
     assert pages + eng.cache.index_k[:, 0].numel() * 4 == 4 * (kv + index)
     assert f"KV {kv + index} B per token" in eng.startup_line

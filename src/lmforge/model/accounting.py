@@ -186,17 +186,19 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
     """Bytes of KV cache one token takes across all layers (the engine's paged cache): 2·K·E
     (GQA) or C + R (MLA) per KV-producing layer (all of them, or ceil(L / kv_share_every) with
     CLA), through :func:`lmforge.model.cla.kv_bytes_per_token`. Linear-attention layers (constant
-    state) count nothing; a DSA layer (S) counts its K/V and its E_I-wide indexer key."""
+    state) count nothing, nor do W layers beside A/S layers (a ring per sequence, constant in
+    its length); a DSA layer (S) counts its K/V and its E_I-wide indexer key."""
     from lmforge.model.cla import kv_bytes_per_token
+    from lmforge.model.kv_cache import paged_kv_layers
 
-    n_attn = sum(kind in "AW" for kind in cfg.layer_types)
+    n_sparse = cfg.layer_types.count("S")
+    n_attn = paged_kv_layers(cfg.layer_types) - n_sparse  # A and paged W layers
     if cfg.attention_type == "mla":
         return kv_bytes_per_token(
             "mla", n_layers=n_attn, kv_lora_rank=cfg.kv_lora_rank,
             qk_rope_head_dim=cfg.qk_rope_head_dim, kv_share_every=cfg.kv_share_every,
             dtype_bytes=dtype_bytes,
         )  # fmt: skip
-    n_sparse = cfg.layer_types.count("S")
     return n_sparse * cfg.dsa_index_dim * dtype_bytes + kv_bytes_per_token(
         "gqa", n_layers=n_attn + n_sparse, n_heads=cfg.n_heads, head_dim=int(cfg.head_dim),
         n_kv_heads=cfg.kv_heads, kv_share_every=cfg.kv_share_every, dtype_bytes=dtype_bytes,

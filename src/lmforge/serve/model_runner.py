@@ -417,8 +417,8 @@ def new_state_pool(
     beside A/S layers, the W layers' rings: R = ceil((``chunk`` + window − 1) / BS) + 1 blocks
     a sequence (``chunk``: the most tokens of one sequence in a step), or the whole context's
     blocks where that is fewer. ``num_slots`` sequences (one slot per running sequence, so
-    ``max_num_seqs``); None for a model with neither. Rings that would not fit in the device's
-    free memory are refused in one line (they are reserved per slot, used or not)."""
+    ``max_num_seqs``; with rings on CUDA, at most what half the free memory holds: a ring is
+    reserved per slot, used or not); None for a model with neither."""
     cfg = model.config
     mixers = {i: b.attn for i, b in enumerate(model.layers) if getattr(b, "recurrent", False)}
     ring = None
@@ -427,14 +427,16 @@ def new_state_pool(
         blocks = min(math.ceil((chunk + cfg.window - 1) / block_size) + 1, whole)
         n_w = cfg.layer_types.count("W")
         ring = (n_w, blocks, block_size, cfg.kv_heads, int(cfg.head_dim))
-        need = 2 * n_w * (num_slots + 1) * blocks * block_size * cfg.kv_heads * int(cfg.head_dim)
-        need *= dtype.itemsize
-        if device.type == "cuda" and need > torch.cuda.mem_get_info(device)[0]:
-            raise LmforgeError(
-                f"the W layers' rings need {need / 2**30:.1f} GiB ({num_slots} sequences x "
-                f"{blocks * block_size} tokens x {n_w} layers): lower --max-num-seqs (or "
-                "the engine's max_num_batched_tokens)"
-            )
+        per_slot = 2 * n_w * blocks * block_size * cfg.kv_heads * int(cfg.head_dim) * dtype.itemsize
+        if device.type == "cuda":  # rings are reserved per slot: at most half the free memory
+            fit = int(torch.cuda.mem_get_info(device)[0] // 2 // per_slot) - 1  # (+ scratch)
+            if fit < 1:
+                raise LmforgeError(
+                    f"one sequence's W-layer ring needs {per_slot / 2**30:.2f} GiB "
+                    f"({blocks * block_size} tokens x {n_w} layers), more than half the free "
+                    "device memory: lower the engine's max_num_batched_tokens"
+                )
+            num_slots = min(num_slots, fit)  # more sequences wait for a slot (FCFS)
     if not mixers and ring is None:
         return None
     return StatePool(mixers, num_slots, device, dtype, ring=ring)
