@@ -279,9 +279,22 @@ def paged_window_decode(
     can hold them are gathered, whatever the table width -> (S, H, E). Same math as
     :func:`paged_window_attention` (the prefill path)."""
     kv, e = k_pages.shape[-2], k_pages.shape[-1]
-    bs = k_pages.shape[1]
     k_pages.view(-1, kv, e).index_copy_(0, slots, k.to(k_pages.dtype))
     v_pages.view(-1, kv, e).index_copy_(0, slots, v.to(v_pages.dtype))
+    return window_decode(q, k_pages, v_pages, block_tables, ctx_lens, window)
+
+
+def window_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """The attention of :func:`paged_window_decode` over pages already written (the torch
+    reference of the decode kernel's window): q (S, H, E) -> (S, H, E)."""
+    kv, bs = k_pages.shape[-2], k_pages.shape[1]
     n = -(-(window - 1) // bs) + 1  # blocks a window can span
     last = ctx_lens.long() - 1  # (S,) the query's position
     cols = (last // bs)[:, None] - torch.arange(n - 1, -1, -1, device=q.device)  # (S, n)

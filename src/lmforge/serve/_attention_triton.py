@@ -67,6 +67,7 @@ def _paged_decode_kernel(
     scale,
     part_blocks,
     n_parts,
+    window,
     stride_qs,
     stride_qh,
     stride_kb,
@@ -91,8 +92,11 @@ def _paged_decode_kernel(
     part = tl.program_id(2)
     ctx = tl.load(lens_ptr + s)
     n_blocks = tl.cdiv(ctx, BS)
-    b_lo = part * part_blocks
-    b_hi = tl.minimum(b_lo + part_blocks, n_blocks)
+    # a sliding window (window > 0): the query (position ctx − 1) sees positions >= lo only;
+    # the blocks before lo's are never read (they may be given back: the null block)
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    b_lo = tl.maximum(part * part_blocks, lo // BS)
+    b_hi = tl.minimum(part * part_blocks + part_blocks, n_blocks)
     g = tl.arange(0, GP)
     e = tl.arange(0, EP)
     t = tl.arange(0, NT * BS)  # (TILE,) slots of NT consecutive table entries
@@ -113,7 +117,8 @@ def _paged_decode_kernel(
     for j in range(b_lo, b_hi, NT):
         blk = j + t_blk  # (TILE,) table index of each slot
         blk_ok = blk < b_hi
-        t_ok = blk_ok & (blk * BS + t_off < ctx)
+        pos = blk * BS + t_off  # (TILE,) the slot's position in its sequence
+        t_ok = blk_ok & (pos < ctx) & (pos >= lo)
         block = tl.load(bt_ptr + s * stride_bts + blk, mask=blk_ok, other=0).to(tl.int64)
         base = block * stride_kb + t_off * stride_kt + kh * stride_kh  # (TILE,) row starts
         if QUANT:  # rows of E + 4 bytes: 4-byte aligned (E % 4 == 0), which Triton cannot see
@@ -127,8 +132,9 @@ def _paged_decode_kernel(
             sv = tl.load((v_ptr + base + E).to(tl.pointer_type(tl.float32)), mask=t_ok, other=0.0)
             scores = scores * sk[None, :]
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
-        # Slot 0 of every tile is inside the context (j < b_hi <= cdiv(ctx, BS)), so m_new is
-        # finite and exp() never sees -inf - -inf.
+        # Every tile holds a slot inside the context and window (its first block j < b_hi <=
+        # cdiv(ctx, BS), and j >= lo // BS: lo itself when j is lo's block), so m_new is finite
+        # and exp() never sees -inf - -inf.
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # (GP,)
         p = tl.exp(scores - m_new[:, None])  # (GP, TILE)
         alpha = tl.exp(m - m_new)  # (GP,)
@@ -163,10 +169,13 @@ def paged_decode_triton(
     ctx_lens: torch.Tensor,
     *,
     n_parts: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q (S, H, E), caches (NB, BS, K, E), block_tables (S, M) int32, ctx_lens (S,) -> (S, H, E).
 
-    ``n_parts`` forces the partition count (tests); None picks it from the shapes.
+    ``n_parts`` forces the partition count (tests); None picks it from the shapes. ``window``
+    > 0: sliding-window attention (the query at position ctx − 1 sees the last ``window``
+    positions; blocks before them are skipped, never read), 0: the whole context.
     """
     if interpreting():
         ensure_interpreter_compat()
@@ -212,6 +221,7 @@ def paged_decode_triton(
         1.0 / (e**0.5),
         part_blocks,
         n_parts,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

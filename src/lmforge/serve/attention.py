@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.model.context import Context, StepOps
+from lmforge.model.kv_cache import window_decode as window_decode_reference
 
 if TYPE_CHECKING:
     from lmforge.serve._prefill_triton import PrefillPlan
@@ -366,14 +367,18 @@ def paged_decode(
     ctx_lens: torch.Tensor,
     *,
     use_triton: bool | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Decode attention (one query per sequence): the Triton kernel where it runs, else torch."""
+    """Decode attention (one query per sequence): the Triton kernel where it runs, else torch.
+    ``window`` > 0: each query sees its last ``window`` positions only (a W layer)."""
     if use_triton is None:
         use_triton = q.is_cuda and triton_decode_available(q.device)
     if use_triton:
         from lmforge.serve._attention_triton import paged_decode_triton
 
-        return paged_decode_triton(q, k_cache, v_cache, block_tables, ctx_lens)
+        return paged_decode_triton(q, k_cache, v_cache, block_tables, ctx_lens, window=window)
+    if window:
+        return window_decode_reference(q, k_cache, v_cache, block_tables, ctx_lens, window)
     return paged_decode_reference(q, k_cache, v_cache, block_tables, ctx_lens)
 
 
@@ -411,3 +416,25 @@ class PagedOps(StepOps):
             block_table_tensor=ctx.block_tables, ctx_lens_tensor=ctx.ctx_lens, plan=ctx.plan,
             use_triton=self.use_triton if ctx.plan is not None else False,
         )  # (N, H, E)  # fmt: skip
+
+    def attend_window(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: Context,
+        window: int,
+    ) -> torch.Tensor:
+        """A W layer: decode steps through the decode kernel with its window (the blocks before
+        the window are not read), where it runs; other steps as :meth:`StepOps.attend_window`."""
+        use = self.use_triton
+        if use is None:
+            use = q.is_cuda and triton_decode_available(q.device)
+        if not (ctx.decode and use):
+            return super().attend_window(layer, q, k, v, ctx, window)
+        kc, vc = ctx.k_cache[layer], ctx.v_cache[layer]
+        write_kv(kc, vc, ctx.slots, k, v)
+        return paged_decode(
+            q, kc, vc, ctx.block_tables, ctx.ctx_lens, use_triton=True, window=window
+        )  # (S, H, E)

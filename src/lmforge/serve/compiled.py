@@ -23,7 +23,8 @@ producing layer, none for a CLA consumer, then the absorbed attention in latent 
 Triton latent kernel on CUDA) is one mutating custom op over the latent cache,
 ``lmforge_serve::mla_decode_attention``; its projections, RMSNorm, RoPE and the absorption
 einsums are traced. A W layer's sliding-window decode is ``lmforge_serve::window_decode_attention``
-(the pages' last ceil((window − 1) / BS) + 1 blocks gathered on the device). A linear layer's
+(the paged decode kernel with the window: the blocks before it are skipped; off the kernel, the
+pages' last ceil((window − 1) / BS) + 1 blocks gathered on the device). A linear layer's
 (G, M, L) step reads its sequences' conv states by a traced gather from the state pool at the
 step's ``state_slots`` (a device tensor, staged like the block tables, so a CUDA graph replays
 it from a static buffer) and writes them back with ``lmforge_serve::write_rows``; the matrix
@@ -107,6 +108,7 @@ from lmforge.serve.attention import (
     paged_prefill,
     prefill_kernel_on,
     prefill_plan,
+    triton_decode_available,
     write_kv,
 )
 from lmforge.serve.step import StepBatch, forward_step
@@ -236,16 +238,21 @@ def _window_decode_attention(
     block_tables: torch.Tensor,
     ctx_lens: torch.Tensor,
     window: int,
+    use_triton: int,
 ) -> torch.Tensor:
-    """A W layer's decode: :func:`~lmforge.model.kv_cache.paged_window_decode` on layer
-    ``layer``'s pages of the (L, NB, BS, K, E) caches -> (S, H, E)."""
-    return paged_window_decode(
-        q, k, v, k_cache[layer], v_cache[layer], slots, block_tables, ctx_lens, window
-    ).contiguous()
+    """A W layer's decode on layer ``layer``'s pages of the (L, NB, BS, K, E) caches ->
+    (S, H, E): the paged decode kernel with its window where it runs, else
+    :func:`~lmforge.model.kv_cache.paged_window_decode`. ``use_triton``: -1 auto, 0 no, 1 yes."""
+    kc, vc = k_cache[layer], v_cache[layer]
+    if use_triton > 0 or (use_triton < 0 and q.is_cuda and triton_decode_available(q.device)):
+        write_kv(kc, vc, slots, k, v)
+        out = paged_decode(q, kc, vc, block_tables, ctx_lens, use_triton=True, window=window)
+        return out.contiguous()
+    return paged_window_decode(q, k, v, kc, vc, slots, block_tables, ctx_lens, window).contiguous()
 
 
 @_window_decode_attention.register_fake
-def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, window):
+def _(q, k, v, k_cache, v_cache, layer, slots, block_tables, ctx_lens, window, use_triton):
     return q.new_empty(q.shape)
 
 
@@ -618,7 +625,7 @@ class DecodeOps(StepOps):
     ) -> torch.Tensor:
         return torch.ops.lmforge_serve.window_decode_attention(
             q, k, v, ctx.k_cache, ctx.v_cache, layer, ctx.slots, ctx.block_tables, ctx.ctx_lens,
-            window,
+            window, self.use_triton,
         )  # (S, H, E)  # fmt: skip
 
     def attend_sparse(

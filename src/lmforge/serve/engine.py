@@ -674,7 +674,7 @@ def _hybrid_memory(runner: ModelRunner, cfg: Any, window: int | None) -> str:
         else:  # beside A/S layers: rings of R blocks a sequence, in the state slots
             ring = runner.states.ring_blocks * runner.block_size  # type: ignore[union-attr]
             kept = f"W layers' K/V in a {ring}-token ring per sequence"
-        parts.append(f"window {cfg.window} (masked torch path; {kept})")
+        parts.append(f"window {cfg.window} ({kept})")
     if "S" in cfg.layer_types:
         index = cfg.layer_types.count("S") * cfg.dsa_index_dim * runner.kv_dtype.itemsize
         parts.append(f"DSA top-{cfg.dsa_topk} (indexer keys {index} B of the KV per token)")
