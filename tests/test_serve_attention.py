@@ -76,8 +76,13 @@ def _window_setup(window, dtype=torch.float32, device="cpu"):
         want.append(torch.einsum("kgt,tke->kge", s.softmax(-1), vals).reshape(6, 16))
         for b in range(lo // 4):
             bt[i, b] = poison
-    return q.to(device), kc.to(device), vc.to(device), bt.to(device), lens_t.to(device), (
-        torch.stack(want)
+    return (
+        q.to(device),
+        kc.to(device),
+        vc.to(device),
+        bt.to(device),
+        lens_t.to(device),
+        (torch.stack(want)),
     )
 
 
