@@ -220,3 +220,18 @@ def test_hybrid_engine_on_cuda(layers: str) -> None:
         rows = torch.arange(len(p) - 1, len(seq) - 1)
         got = torch.tensor(o.outputs[0].logprobs)
         torch.testing.assert_close(got, lp[rows, o.outputs[0].token_ids].cpu(), atol=1e-3, rtol=0)
+
+
+def test_ring_chunk_bounds_a_ring_to_about_two_windows() -> None:
+    """With rings, one sequence computes at most max(window, 512) tokens a step (the budget
+    allowing), so a ring holds window + that chunk, not window + the whole budget: window 600,
+    budget 2048, 16-token blocks -> chunks of 600 and R = ceil(1199 / 16) + 1 = 76 blocks."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, context_length=2048, d_model=32, n_layers=2, n_heads=2,
+                      layers="WA", window=600)  # fmt: skip
+    eng = Engine(TransformerLM(cfg).eval(), block_size=16, num_blocks=256,
+                 max_num_batched_tokens=2048, max_num_seqs=2)  # fmt: skip
+    assert eng.runner.states.ring_blocks == 76 and eng.scheduler.max_seq_tokens == 600
+    eng.add_request(_prompt(1500), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    (_seq, n), *_ = eng.scheduler.schedule()
+    assert n == 600

@@ -55,7 +55,7 @@ from lmforge.model.mla import PagedLatentCache
 from lmforge.serve.attention import kv_cache_dtype as kv_cache_dtype_of
 from lmforge.serve.blocks import BlockAllocator
 from lmforge.serve.detok import StopMatcher, make_detokenizer, release
-from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory
+from lmforge.serve.model_runner import ModelRunner, StepBatch, kv_blocks_for_memory, ring_chunk
 from lmforge.serve.sampling import SamplingParams, apply_penalties, logprobs_of, sample_tokens
 from lmforge.serve.scheduler import Scheduler, Seq, check_fits
 from lmforge.serve.step import as_decode_rows
@@ -237,6 +237,8 @@ class Engine:
             enable_prefix_cache=enable_prefix_cache,
             num_state_slots=0 if self.runner.states is None else self.runner.states.num_slots,
             window=self.window, null_block=self.runner.num_blocks,  # (the scratch block)
+            max_seq_tokens=ring_chunk(cfg.window, self.max_num_batched_tokens)
+            if window_ring(cfg.layer_types) else None,  # a W ring holds window + one chunk
         )  # fmt: skip
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()

@@ -56,6 +56,7 @@ __all__ = [
     "kv_blocks_for_memory",
     "kv_bytes_per_block",
     "new_kv_cache",
+    "ring_chunk",
     "stage",
 ]
 
@@ -404,6 +405,13 @@ class ModelRunner:
         )
 
 
+def ring_chunk(window: int, budget: int) -> int:
+    """The most tokens one sequence computes in a step when W layers keep rings: the step's
+    token budget, but no more than max(window, 512), so a ring (window + this chunk) stays
+    about two windows long however large the budget; chunks never drop below 512 tokens."""
+    return min(budget, max(window, 512))
+
+
 def new_state_pool(
     model: nn.Module,
     num_slots: int,
@@ -424,6 +432,7 @@ def new_state_pool(
     ring = None
     if window_ring(cfg.layer_types):
         whole = math.ceil(cfg.context_length / block_size)  # no position ever wraps
+        chunk = ring_chunk(cfg.window, chunk)  # what the scheduler lets one sequence compute
         blocks = min(math.ceil((chunk + cfg.window - 1) / block_size) + 1, whole)
         n_w = cfg.layer_types.count("W")
         ring = (n_w, blocks, block_size, cfg.kv_heads, int(cfg.head_dim))

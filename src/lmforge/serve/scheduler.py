@@ -173,6 +173,7 @@ class Scheduler:
         num_state_slots: int = 0,
         window: int | None = None,
         null_block: int = -1,
+        max_seq_tokens: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.window = window
@@ -181,6 +182,8 @@ class Scheduler:
         self.free_state_slots = list(range(num_state_slots))[::-1]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max(max_num_batched_tokens, block_size)
+        self.max_seq_tokens = max_seq_tokens or self.max_num_batched_tokens
+        "the most tokens one sequence computes in a step (a ring's chunk; the budget otherwise)"
         self.allocator = BlockAllocator(num_blocks, enable_prefix_cache=enable_prefix_cache)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
@@ -314,7 +317,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if id(seq) in preempted:
                 continue  # preempted below to make room for an earlier one
-            n = min(len(seq.tokens) - seq.n_cached, budget)
+            n = min(len(seq.tokens) - seq.n_cached, budget, self.max_seq_tokens)
             if n <= 0:
                 continue
             while not self.ensure_blocks(seq, seq.n_cached + n):
@@ -340,7 +343,7 @@ class Scheduler:
             if self.num_state_slots and not self.free_state_slots:
                 break  # every recurrent-state slot is held: wait for one (FCFS)
             self._take_prefix(seq)
-            n = min(len(seq.tokens) - seq.n_cached, budget)
+            n = min(len(seq.tokens) - seq.n_cached, budget, self.max_seq_tokens)
             if not self.ensure_blocks(seq, seq.n_cached + n):
                 self.release(seq)  # give the prefix back: it waits whole (FCFS, no skipping)
                 break
