@@ -441,9 +441,9 @@ def new_state_pool(
             fit = int(torch.cuda.mem_get_info(device)[0] // 2 // per_slot) - 1  # (+ scratch)
             if fit < 1:
                 raise LmforgeError(
-                    f"one sequence's W-layer ring needs {per_slot / 2**30:.2f} GiB "
-                    f"({blocks * block_size} tokens x {n_w} layers), more than half the free "
-                    "device memory: lower the engine's max_num_batched_tokens"
+                    f"one sequence's W-layer ring needs {per_slot / 2**30:.2f} GiB (window "
+                    f"{cfg.window} + a {chunk}-token chunk, x {n_w} layers), more than half "
+                    "the free device memory"
                 )
             num_slots = min(num_slots, fit)  # more sequences wait for a slot (FCFS)
     if not mixers and ring is None:
