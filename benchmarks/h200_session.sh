@@ -224,8 +224,11 @@ part_posttrain() {
 part_grpo-step() {   # issue 34: one GRPO iteration's step, Trainer vs the old loop, on the GPU
     # the GGUF joined from its halves (call 1 copies .carry/smol/part.00 to /tmp/smol/, call 2
     # carries part.01); the old loop's src in .carry/old/src (git archive 3eb7509^ src)
-    [ -f /tmp/smol/smol.gguf ] || cat /tmp/smol/part.00 .carry/smol/part.01 > /tmp/smol/smol.gguf
-    have grpo-step /tmp/smol/smol.gguf .carry/old/src/lmforge/__init__.py || return 0
+    if [ ! -f /tmp/smol/smol.gguf ] && [ -f /tmp/smol/part.00 ] && [ -f .carry/smol/part.01 ]; then
+        cat /tmp/smol/part.00 .carry/smol/part.01 > /tmp/smol/smol.gguf.tmp &&
+            mv /tmp/smol/smol.gguf.tmp /tmp/smol/smol.gguf
+    fi
+    need grpo-step /tmp/smol/smol.gguf .carry/old/src/lmforge/__init__.py .carry/gsm8k/train.jsonl || return 0
     if ls .carry/ggufwhl/*.whl >/dev/null 2>&1; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/lmforge-gguf .carry/ggufwhl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/lmforge-gguf"
