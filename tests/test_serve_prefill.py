@@ -58,6 +58,25 @@ def _want(q, kc, vc, tables, q_lens, ctx):
     return torch.cat(out)  # (N, H, E) float64
 
 
+def _want_window(q, kc, vc, tables, q_lens, ctx, window):
+    """float64 sliding-window prefill: the row at position p sees keys p − window < n ≤ p."""
+    out, start = [], 0
+    for table, t, n in zip(tables, q_lens, ctx, strict=True):
+        pos_k = torch.arange(n)
+        blocks = torch.tensor(table)[pos_k // kc.shape[1]]
+        keys = kc[blocks, pos_k % kc.shape[1]].double()  # (n, K, E)
+        vals = vc[blocks, pos_k % kc.shape[1]].double()
+        qs = q[start : start + t].double()  # (t, H, E)
+        g = qs.shape[1] // keys.shape[1]
+        keys, vals = keys.repeat_interleave(g, 1), vals.repeat_interleave(g, 1)  # (n, H, E)
+        s = torch.einsum("the,nhe->htn", qs, keys) / qs.shape[-1] ** 0.5
+        d = torch.arange(n - t, n)[:, None] - pos_k[None, :]  # (t, n) query − key position
+        s = s.masked_fill(~((d >= 0) & (d < window)), float("-inf"))
+        out.append(torch.einsum("htn,nhe->the", s.softmax(-1), vals))
+        start += t
+    return torch.cat(out)
+
+
 def _kernel(q, kc, vc, bt, q_lens, ctx, block_m, block_n=None):
     from lmforge.serve._prefill_triton import paged_prefill_triton
 
@@ -207,6 +226,22 @@ else:
         torch.testing.assert_close(got.double(), _want(q, kc, vc, tables, q_lens, ctx),
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
 
+    @pytest.mark.parametrize("block_m", [16, 32])
+    @pytest.mark.parametrize("window", [1, 3, 8, 33])
+    @pytest.mark.parametrize("case", CASES)
+    def test_prefill_kernel_window_matches_float64(case, window, block_m) -> None:
+        """A W layer's prefill: each row sees its last ``window`` keys; the key tiles before
+        the tile's first window are skipped, rows whose window starts past a tile keep a
+        finite running max (no NaN), decode rows and chunks after a prefix alike."""
+        from lmforge.serve._prefill_triton import paged_prefill_triton
+
+        q, kc, vc, tables, bt, q_lens, ctx = _step(*case)
+        plan = prefill_plan(q_lens, ctx, q.device, block_m=block_m)
+        ctx_t = torch.tensor(ctx, dtype=torch.int32)
+        got = paged_prefill_triton(q, kc, vc, bt, ctx_t, plan, block_n=16, window=window)
+        want = _want_window(q, kc, vc, tables, q_lens, ctx, window)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
     def test_prefill_kernel_one_launch_for_all_chunks() -> None:
         """short_tiles=False (the benchmark's peer): decode rows in 32-row tiles, one launch."""
         from lmforge.serve._prefill_triton import paged_prefill_triton
@@ -261,7 +296,7 @@ def _compile_sm90(dtype: str, e: int, block_m: int, block_n: int, warps: int, st
 
     mma = {"bf16": tl.bfloat16, "fp16": tl.float16}[dtype]
     consts = dict(G=2, E=e, EP=max(16, triton.next_power_of_2(e)), BS=16, BLOCK_M=block_m,
-                  BLOCK_N=block_n, MMA=mma, PREC="tf32")  # fmt: skip
+                  BLOCK_N=block_n, MMA=mma, PREC="tf32", WINDOWED=False)  # fmt: skip
 
     def arg(name):  # the int inputs and stride_bts: do_not_specialize(_on_alignment)
         if name.endswith("_ptr"):

@@ -608,9 +608,10 @@ class StatePool:
                 device=dev,
             )  # (N,)
         flat = (tok_slots * r + (pos // bs) % r) * bs + pos % bs
+        # (the prefill plan's tiles depend on the lengths only: it is kept)
         return dataclasses.replace(
-            ctx, slots=flat, block_tables=tables, tables_list=None, plan=None,
-            k_cache=self.ring_k, v_cache=self.ring_v, ring=None,
+            ctx, slots=flat, block_tables=tables, tables_list=None, k_cache=self.ring_k,
+            v_cache=self.ring_v, ring=None,
         )  # fmt: skip
 
     def reset(self, slots: Tensor) -> None:

@@ -85,9 +85,9 @@ def _kv_tile(
 @triton.jit
 def _prefill_inner(
     acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, lo, hi, ctx, pos, stride_kb, stride_kt, e,
-    e_ok, qk_scale,
+    e_ok, qk_scale, window,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, MMA: tl.constexpr,
-    PREC: tl.constexpr, QUANT: tl.constexpr, E: tl.constexpr,
+    PREC: tl.constexpr, QUANT: tl.constexpr, E: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         k, v, n, sk, sv = _kv_tile(
@@ -99,8 +99,12 @@ def _prefill_inner(
             qk = qk * sk[None, :]
         if MASKED:  # causal (bottom-right) and the end of the context
             keep = (n[None, :] <= pos[:, None]) & (n[None, :] < ctx)
+            if WINDOWED:  # and the sliding window: keys pos − window < n only
+                keep = keep & (n[None, :] > pos[:, None] - window)
             qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)  # (BM,)
+        if WINDOWED:  # a row whose window starts past this tile has no key yet: a finite max
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # (exp2(−inf − 0) = 0 then)
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])  # (BM, BN)
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -123,10 +127,11 @@ _INT_INPUTS = ["bt_ptr", "ctx_ptr", "cu_ptr", "tile_seq_ptr", "tile_m_ptr"]
 @triton.jit(do_not_specialize=["stride_bts"], do_not_specialize_on_alignment=_INT_INPUTS)
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, cu_ptr, tile_seq_ptr, tile_m_ptr, out_ptr, qk_scale,
+    window,
     stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_bts, stride_on, stride_oh,
     G: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MMA: tl.constexpr, PREC: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     h = tl.program_id(0)
     tile = tl.program_id(1)
@@ -153,16 +158,23 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, EP], tl.float32)
     first = ctx - t_len + m0  # the tile's first row sees keys 0 .. first: no mask left of it
     last = tl.minimum(ctx, first + BLOCK_M)  # keys past the last row's position are never read
-    lo = (first + 1) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _prefill_inner(
-        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, 0, lo, ctx, pos, stride_kb, stride_kt,
-        e, e_ok, qk_scale, BS, BLOCK_N, False, MMA, PREC, QUANT, E,
-    )  # fmt: skip
-    acc, m_i, l_i = _prefill_inner(
-        acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, lo, last, ctx, pos, stride_kb, stride_kt,
-        e, e_ok, qk_scale, BS, BLOCK_N, True, MMA, PREC, QUANT, E,
-    )  # fmt: skip
-    out = acc / l_i[:, None]
+    if WINDOWED:  # keys before the first row's window are never read; every tile masked
+        lo = tl.maximum(first - window + 1, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _prefill_inner(
+            acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, lo, last, ctx, pos, stride_kb,
+            stride_kt, e, e_ok, qk_scale, window, BS, BLOCK_N, True, MMA, PREC, QUANT, E, True,
+        )  # fmt: skip
+    else:
+        lo = (first + 1) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _prefill_inner(
+            acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, 0, lo, ctx, pos, stride_kb,
+            stride_kt, e, e_ok, qk_scale, window, BS, BLOCK_N, False, MMA, PREC, QUANT, E, False,
+        )  # fmt: skip
+        acc, m_i, l_i = _prefill_inner(
+            acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, kh_off, lo, last, ctx, pos, stride_kb,
+            stride_kt, e, e_ok, qk_scale, window, BS, BLOCK_N, True, MMA, PREC, QUANT, E, False,
+        )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (a padding row past a window: no key)
     tl.store(
         out_ptr + rows[:, None] * stride_on + h * stride_oh + e[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -262,9 +274,12 @@ def paged_prefill_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q (N, H, E), caches (NB, BS, K, E), block_tables (S, M) int32, ctx_lens (S,) int32 and the
-    step's :class:`PrefillPlan` -> (N, H, E) in q's dtype."""
+    step's :class:`PrefillPlan` -> (N, H, E) in q's dtype. ``window`` > 0: sliding-window
+    attention (row at position p sees keys p − window < n ≤ p; the key tiles before the tile's
+    first window are never read)."""
     if interpreting():
         ensure_interpreter_compat()
     _n, h, e = q.shape
@@ -292,13 +307,14 @@ def paged_prefill_triton(
         assert n_tiles < 65536, f"{n_tiles} query tiles: more than CUDA's grid y limit"
         args = (
             q, kernel_view(k_cache), kernel_view(v_cache), block_tables, ctx_lens, cu, t_seq,
-            t_m, out, qk_scale,
+            t_m, out, qk_scale, window,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), out.stride(0), out.stride(1),
         )  # fmt: skip
         meta = dict(
-            G=h // kv_heads, E=e, EP=ep, BS=bs, BLOCK_M=block_m, MMA=mma, PREC=prec, QUANT=quant
-        )
+            G=h // kv_heads, E=e, EP=ep, BS=bs, BLOCK_M=block_m, MMA=mma, PREC=prec, QUANT=quant,
+            WINDOWED=window > 0,
+        )  # fmt: skip
         if interpreting():
             _paged_prefill_kernel[(h, n_tiles)](*args, **meta, BLOCK_N=block_n)
             continue

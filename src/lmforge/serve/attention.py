@@ -426,15 +426,25 @@ class PagedOps(StepOps):
         ctx: Context,
         window: int,
     ) -> torch.Tensor:
-        """A W layer: decode steps through the decode kernel with its window (the blocks before
-        the window are not read), where it runs; other steps as :meth:`StepOps.attend_window`."""
+        """A W layer through the kernels with its window (the blocks before the window are not
+        read): decode steps the decode kernel where it runs, other steps the varlen prefill
+        kernel where the step has its tile list; else :meth:`StepOps.attend_window`."""
         use = self.use_triton
         if use is None:
             use = q.is_cuda and triton_decode_available(q.device)
-        if not (ctx.decode and use):
+        if not (use if ctx.decode else ctx.plan is not None):
             return super().attend_window(layer, q, k, v, ctx, window)
         kc, vc = ctx.k_cache[layer], ctx.v_cache[layer]
         write_kv(kc, vc, ctx.slots, k, v)
-        return paged_decode(
-            q, kc, vc, ctx.block_tables, ctx.ctx_lens, use_triton=True, window=window
-        )  # (S, H, E)
+        if ctx.decode:
+            return paged_decode(
+                q, kc, vc, ctx.block_tables, ctx.ctx_lens, use_triton=True, window=window
+            )  # (S, H, E)
+        from lmforge.serve._prefill_triton import paged_prefill_triton
+
+        try:
+            return paged_prefill_triton(
+                q, kc, vc, ctx.block_tables, ctx.ctx_lens, ctx.plan, window=window
+            )  # (N, H, E)
+        except _triton_build_errors():  # the torch path (it writes the same keys again)
+            return super().attend_window(layer, q, k, v, ctx, window)
