@@ -287,7 +287,9 @@ else:
         assert launches["long"] > 0 and launches["short"] > 0  # decode rows were mixed in
 
 
-def _compile_sm90(dtype: str, e: int, block_m: int, block_n: int, warps: int, stages: int):
+def _compile_sm90(
+    dtype: str, e: int, block_m: int, block_n: int, warps: int, stages: int, windowed=False
+):
     """The prefill kernel lowered to a Hopper cubin (no GPU needed: Triton's bundled ptxas)."""
     import triton
     import triton.language as tl
@@ -296,7 +298,7 @@ def _compile_sm90(dtype: str, e: int, block_m: int, block_n: int, warps: int, st
 
     mma = {"bf16": tl.bfloat16, "fp16": tl.float16}[dtype]
     consts = dict(G=2, E=e, EP=max(16, triton.next_power_of_2(e)), BS=16, BLOCK_M=block_m,
-                  BLOCK_N=block_n, MMA=mma, PREC="tf32", WINDOWED=False)  # fmt: skip
+                  BLOCK_N=block_n, MMA=mma, PREC="tf32", QUANT=0, WINDOWED=windowed)  # fmt: skip
 
     def arg(name):  # the int inputs and stride_bts: do_not_specialize(_on_alignment)
         if name.endswith("_ptr"):
@@ -324,6 +326,9 @@ def test_prefill_kernel_compiles_for_sm90(e) -> None:
         assert "wgmma.mma_async" in long.asm["ptx"]
         short = _compile_sm90(dtype, e, SHORT_ROWS, *launch_config(SHORT_ROWS, e, 2))
         assert short.metadata.shared <= 232448
+    # a W layer's variant (the window's masked loop only), long tiles
+    windowed = _compile_sm90("bf16", e, bm, *launch_config(bm, e, 2), windowed=True)
+    assert windowed.metadata.shared <= 232448 and "wgmma.mma_async" in windowed.asm["ptx"]
 
 
 @pytest.mark.requires("triton")
