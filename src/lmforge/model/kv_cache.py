@@ -233,8 +233,8 @@ def paged_window_attention(
     v_pages.view(-1, kv, e).index_copy_(0, ctx.slots, v.to(v_pages.dtype))
     ctx_lens = ctx.ctx_lens_list if ctx.ctx_lens_list is not None else ctx.ctx_lens.tolist()
     q_lens = ctx.q_lens if ctx.q_lens is not None else [1] * len(ctx_lens)
-    tables = ctx.tables_list if ctx.tables_list is not None else ctx.block_tables  # (a row's
-    # slice of the device table is read as is: no host copy)
+    # host lists where the step has them, else the device table (a row slice: no host copy)
+    tables = ctx.tables_list if ctx.tables_list is not None else ctx.block_tables
     out = torch.empty_like(q)
     row = 0
     bs = k_pages.shape[1]

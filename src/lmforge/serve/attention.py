@@ -382,6 +382,29 @@ def paged_decode(
     return paged_decode_reference(q, k_cache, v_cache, block_tables, ctx_lens)
 
 
+def paged_window_decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    window: int,
+    *,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """A W layer's decode step on one layer's (NB, BS, K, E) pages: write k, v (S, K, E) at
+    ``slots``, then :func:`paged_decode` with the window (the kernel where it runs, the torch
+    reference of :mod:`lmforge.model.kv_cache` else) -> (S, H, E). The eager step and the
+    compiled step's custom op both call it."""
+    write_kv(k_cache, v_cache, slots, k, v)
+    return paged_decode(
+        q, k_cache, v_cache, block_tables, ctx_lens, use_triton=use_triton, window=window
+    )
+
+
 class PagedOps(StepOps):
     """The kernels a model's paged forward calls in an eager engine step: write the new keys
     and values into the layer's pages, then the decode kernel (one token per sequence) or the
@@ -427,19 +450,17 @@ class PagedOps(StepOps):
         window: int,
     ) -> torch.Tensor:
         """A W layer through the kernels with its window (the blocks before the window are not
-        read): decode steps the decode kernel where it runs, other steps the varlen prefill
-        kernel where the step has its tile list; else :meth:`StepOps.attend_window`."""
-        use = self.use_triton
-        if use is None:
-            use = q.is_cuda and triton_decode_available(q.device)
-        if not (use if ctx.decode else ctx.plan is not None):
-            return super().attend_window(layer, q, k, v, ctx, window)
+        read): decode steps :func:`paged_window_decode_step`, other steps the varlen prefill
+        kernel where the step has its tile list, else :meth:`StepOps.attend_window`."""
         kc, vc = ctx.k_cache[layer], ctx.v_cache[layer]
-        write_kv(kc, vc, ctx.slots, k, v)
         if ctx.decode:
-            return paged_decode(
-                q, kc, vc, ctx.block_tables, ctx.ctx_lens, use_triton=True, window=window
-            )  # (S, H, E)
+            return paged_window_decode_step(
+                q, k, v, kc, vc, ctx.slots, ctx.block_tables, ctx.ctx_lens, window,
+                use_triton=self.use_triton,
+            )  # (S, H, E)  # fmt: skip
+        if ctx.plan is None:
+            return super().attend_window(layer, q, k, v, ctx, window)
+        write_kv(kc, vc, ctx.slots, k, v)
         from lmforge.serve._prefill_triton import paged_prefill_triton
 
         try:

@@ -98,7 +98,6 @@ from torch import nn
 from lmforge.model import mup
 from lmforge.model.attention import CausalSelfAttention
 from lmforge.model.context import Context, PagedKVCache, StepOps
-from lmforge.model.kv_cache import paged_window_decode
 from lmforge.model.layers import RMSNorm, RotaryEmbedding, SwiGLU, _bare, _fusable
 from lmforge.model.linear_attention import SlotOps, StatePool, StepStates, slot_recurrence
 from lmforge.model.mla import PagedLatentCache, write_latent
@@ -106,9 +105,9 @@ from lmforge.model.sparse_attention import paged_sparse_attention, paged_sparse_
 from lmforge.serve.attention import (
     paged_decode,
     paged_prefill,
+    paged_window_decode_step,
     prefill_kernel_on,
     prefill_plan,
-    triton_decode_available,
     write_kv,
 )
 from lmforge.serve.step import StepBatch, forward_step
@@ -240,15 +239,14 @@ def _window_decode_attention(
     window: int,
     use_triton: int,
 ) -> torch.Tensor:
-    """A W layer's decode on layer ``layer``'s pages of the (L, NB, BS, K, E) caches ->
-    (S, H, E): the paged decode kernel with its window where it runs, else
-    :func:`~lmforge.model.kv_cache.paged_window_decode`. ``use_triton``: -1 auto, 0 no, 1 yes."""
-    kc, vc = k_cache[layer], v_cache[layer]
-    if use_triton > 0 or (use_triton < 0 and q.is_cuda and triton_decode_available(q.device)):
-        write_kv(kc, vc, slots, k, v)
-        out = paged_decode(q, kc, vc, block_tables, ctx_lens, use_triton=True, window=window)
-        return out.contiguous()
-    return paged_window_decode(q, k, v, kc, vc, slots, block_tables, ctx_lens, window).contiguous()
+    """A W layer's decode, :func:`~lmforge.serve.attention.paged_window_decode_step`, on layer
+    ``layer``'s pages of the (L, NB, BS, K, E) caches -> (S, H, E). ``use_triton``: -1 auto,
+    0 no, 1 yes."""
+    flag = None if use_triton < 0 else bool(use_triton)
+    return paged_window_decode_step(
+        q, k, v, k_cache[layer], v_cache[layer], slots, block_tables, ctx_lens, window,
+        use_triton=flag,
+    ).contiguous()  # fmt: skip
 
 
 @_window_decode_attention.register_fake
