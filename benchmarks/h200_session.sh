@@ -45,10 +45,11 @@
 #   layers-b   issue 35, call 2: benchmarks/linear_attention.py (vs FLA, SDPA; carry .whl) and
 #              serve_hybrid.py for MMMA, LLLA, WWWA, GMWA, SSSA
 #   layers-long  issue 35: serving at long context, benchmarks/serve_hybrid.py: full attention
-#              (A) vs 3:1 GDN (GGGA) vs 3:1 GDN with a sliding-window layer (GGGW: every paged
-#              layer windowed, so its blocks behind the window go back) vs 3:1 sliding window
-#              : global (WWWA: the W layers in per-sequence rings), 32k prompt + 512 new at
-#              batch 1 and 32; decode steps timed apart from prefill; memory per sequence
+#              (A) vs 3:1 GDN (GGGA), 32k prompt + 512 new at batch 1 and 32; decode steps
+#              timed apart from prefill; memory per sequence
+#   layers-long-b  the same for 3:1 GDN with a sliding-window layer (GGGW: every paged layer
+#              windowed, so its blocks behind the window go back) and 3:1 sliding window :
+#              global (WWWA: the W layers in per-sequence rings)
 #   window-attn  issue 35: benchmarks/window_attention.py, the W layers' training kernel
 #              (windowed FlashAttention-2, f+b) against SDPA with the window mask and SDPA
 #              causal, T 4k-16k, windows 512-4096 (~3 minutes: fits beside a short part)
@@ -57,7 +58,9 @@
 #              tokens; carry .carry/mq)
 #   dsa-quality  issue 35: benchmarks/hybrid_quality.py --family dsa (DSA warm start at top-k T/8
 #              against the dense continuation; carry .carry/mq)
-#   mla        issue 36: benchmarks/mla.py (latent paged kernel) and mla_engine.py, GPU tests
+#   mla        issue 36: mla_engine.py --kinds GQA-4,MLA (engine decode at batch 64 x 16k)
+#   mla-cla    issue 36: mla_engine.py --kinds MLA+CLA-2, benchmarks/mla.py (latent paged
+#              kernel), the MLA GPU tests
 #   mla-quality  issue 36: benchmarks/attention_quality.py (MHA/GQA/MLA/MLA+CLA validation curves;
 #              carry .carry/mq, the Gutenberg shards made as benchmarks/mtp.py's docstring says)
 #   mtp        issue 36: benchmarks/mtp.py (MTP training vs none; MTP self-speculative decoding;
@@ -105,7 +108,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol grpo-step recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b layers-long window-attn hybrid-quality dsa-quality mla mla-quality mtp quant quant-more vision
+             layers layers-b layers-long layers-long-b window-attn hybrid-quality dsa-quality mla mla-cla mla-quality mtp quant quant-more vision
              vision-train)
 FAILED=()
 
@@ -282,11 +285,20 @@ part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, 
         benchmarks/serve_hybrid.py --patterns MMMA,LLLA,WWWA,GMWA,SSSA --out "$o/serve_hybrid_b"
 }
 
-part_layers-long() {  # issue 35: 32k context + 512 new, batch 1 and 32: A, GGGA, GGGW, WWWA
+part_layers-long() {  # issue 35: 32k context + 512 new, batch 1 and 32: A and GGGA
     local o="${OUT:-runs/h200}"
+    # two patterns a call: each engine's compile and graph capture plus its check take minutes
+    # (four in one call would not fit 10 minutes); GGGW and WWWA in part layers-long-b
     have layers-long benchmarks/serve_hybrid.py && step serve-hybrid-long 560 "$PY" \
-        benchmarks/serve_hybrid.py --patterns A,GGGA,GGGW,WWWA --batch 1,32 --prompt 32768 \
+        benchmarks/serve_hybrid.py --patterns A,GGGA --batch 1,32 --prompt 32768 \
         --new 512 --repeats 1 --out "$o/serve_hybrid_long"
+}
+
+part_layers-long-b() {  # issue 35: the same for GGGW (trimmed W pages) and WWWA (W rings)
+    local o="${OUT:-runs/h200}"
+    have layers-long benchmarks/serve_hybrid.py && step serve-hybrid-long-b 560 "$PY" \
+        benchmarks/serve_hybrid.py --patterns GGGW,WWWA --batch 1,32 --prompt 32768 \
+        --new 512 --repeats 1 --out "$o/serve_hybrid_long_b"
 }
 
 part_window-attn() {  # issue 35: windowed flash attention (f+b) vs SDPA mask / SDPA causal
@@ -309,15 +321,23 @@ part_dsa-quality() {  # issue 35: the DSA warm start (top-k = T/8) against the d
         --family dsa --minutes 8 --out "$o/dsa_quality"
 }
 
-part_mla() {      # issue 36: the MLA kernel, engine decode GQA vs MLA vs MLA+CLA, GPU tests
+part_mla() {      # issue 36: engine decode at batch 64 x 16k, GQA-4 vs MLA (one device call)
     local o="${OUT:-runs/h200}"
-    # the engine rows first: decode steps timed apart from prefill, 64 sequences at 16k context
-    # (the 2026-12-05 H100 run timed batch 32 x 1k with prefill inside the step: not the
-    # issue's row), with each kind's decode kernels profiled
+    # decode steps timed apart from prefill, each kind's decode kernels profiled. The three
+    # engines' compile and graph capture (plus the three checks') ran past a 480 s limit on an
+    # H100 on 2026-12-06 after GQA's profile, so MLA + CLA-2 runs in part mla-cla
     have mla benchmarks/mla_engine.py &&
-        step mla-engine 420 "$PY" benchmarks/mla_engine.py --profile --out "$o/mla_engine"
+        step mla-engine 560 "$PY" benchmarks/mla_engine.py --profile --kinds GQA-4,MLA \
+            --out "$o/mla_engine"
+}
+
+part_mla-cla() {  # issue 36: MLA + CLA-2's engine row, the MLA kernel, the MLA GPU tests
+    local o="${OUT:-runs/h200}"
+    have mla benchmarks/mla_engine.py &&
+        step mla-cla-engine 300 "$PY" benchmarks/mla_engine.py --profile --kinds MLA+CLA-2 \
+            --out "$o/mla_cla_engine"
     have mla benchmarks/mla.py && step mla-kernel 120 "$PY" benchmarks/mla.py --out "$o/mla"
-    step mla-gpu-tests 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    step mla-gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_kernels_mla_decode.py tests/test_engine_switches.py tests/test_moe_deepseek.py
 }
 

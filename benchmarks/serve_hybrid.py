@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # runs without install
@@ -125,8 +126,10 @@ def main() -> int:
     for name, layers in chosen.items():
         if name.endswith("eager"):
             continue
+        t0 = time.perf_counter()
         good = _check(_kw(a, layers, context), a.device)
-        print(f"check {name}: engine greedy == lmforge.generate: {'ok' if good else 'FAILED'}")
+        print(f"check {name}: engine greedy == lmforge.generate: {'ok' if good else 'FAILED'} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
         ok &= good
     rows = []
     g = torch.Generator().manual_seed(2)
@@ -136,6 +139,7 @@ def main() -> int:
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     for name, layers in chosen.items():
         torch.manual_seed(0)
+        t0 = time.perf_counter()
         model = TransformerLM(ModelConfig(**_kw(a, layers, context)), device=a.device,
                               dtype=dtype).eval()  # fmt: skip
         eager = name.endswith("eager")
@@ -144,6 +148,7 @@ def main() -> int:
         states = eng.runner.states
         state = 0 if states is None else states.bytes_per_slot()
         per_block = kv_bytes_per_block(model, eng.block_size, eng.runner.kv_dtype)
+        print(f"{name}: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
         for b in batches:
             t = mla_engine.time_decode(eng, prompts[:b], params, a.device, a.repeats)
             kv_seq = t["peak_blocks"] * per_block / b
@@ -160,13 +165,18 @@ def main() -> int:
                 "prefill_s": t["prefill_s"],
                 "path": eng.startup_line,
             })  # fmt: skip
+            r = rows[-1]
+            print(f"{name} batch {b}: prefill {r['prefill_s']:.1f} s, decode {r['ms_per_step']:.3f}"
+                  f" ms/step over {r['decode_steps_timed']} steps, {r['bytes_per_seq'] / 2**20:.2f} "
+                  f"MiB/seq; {time.perf_counter() - t0:.0f} s since the build began",
+                  flush=True)  # fmt: skip
+        if a.out is not None:  # after every pattern: a run cut short keeps what it measured
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "results.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
+                                                            "rows": rows}, indent=2))  # fmt: skip
         del eng, model
         if a.device == "cuda":
             torch.cuda.empty_cache()
-    if a.out is not None:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "results.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
-                                                        "rows": rows}, indent=2))  # fmt: skip
     for r in rows:
         if r["batch"] == batches[0]:
             print(f"  {r['kind']}: {r['path']}")
