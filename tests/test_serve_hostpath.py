@@ -43,7 +43,7 @@ def test_packed_step_inputs_equal_the_per_field_tensors() -> None:
                 slots.append(seq.blocks[p // bs] * bs + p % bs)
             rows.append(len(toks) - 1)
         width = max(len(s.blocks) for s, _ in chosen)
-        tables = [s.blocks + [0] * (width - len(s.blocks)) for s, _ in chosen]
+        tables = [list(s.blocks) + [0] * (width - len(s.blocks)) for s, _ in chosen]
         ctx = [s.n_cached + n for s, n in chosen]
         assert torch.equal(batch.tokens, torch.tensor(toks))
         assert torch.equal(batch.positions, torch.tensor(pos))
@@ -59,6 +59,26 @@ def test_packed_step_inputs_equal_the_per_field_tensors() -> None:
     while engine.has_unfinished():
         engine.step()
     assert seen["mixed"] >= 2 and seen["decode"] >= 2  # chunked prefill + decode both checked
+
+
+def test_stage_copies_array_tables_and_snapshots_them() -> None:
+    """Block tables arrive as the scheduler's C arrays (ragged: padded with block 0); the staged
+    tensors and host lists equal the lists' and later appends to the arrays do not reach them."""
+    from array import array
+
+    from lmforge.serve.scheduler import StepInputs
+    from lmforge.serve.step import stage
+
+    tables = [array("i", [5, 9, 2]), array("i", [7]), array("i", range(20, 26))]
+    inp = StepInputs(tokens=[1, 2, 3], positions=[40, 3, 90], slots=[11, 29, 101],
+                     last_rows=[0, 1, 2], q_lens=[1, 1, 1], ctx_lens=[41, 4, 91],
+                     tables=tables)  # fmt: skip
+    batch = stage(inp, torch.device("cpu"))
+    want = [[5, 9, 2, 0, 0, 0], [7, 0, 0, 0, 0, 0], list(range(20, 26))]
+    assert torch.equal(batch.block_tables, torch.tensor(want, dtype=torch.int32))
+    assert batch.slots.tolist() == [11, 29, 101] and batch.ctx_lens.tolist() == [41, 4, 91]
+    tables[0].append(99)  # the scheduler grows a table after the step was staged
+    assert list(batch.tables_list[0]) == [5, 9, 2] and batch.block_tables.shape == (3, 6)
 
 
 @pytest.mark.parametrize("temps", [(0.7, 0.7, 0.7), (0.0, 0.0), (1.0,), (0.5, 1.3, 0.0)])

@@ -74,7 +74,7 @@ def test_preemption_by_recompute_frees_the_latest_and_resumes_it() -> None:
     chosen = sched.schedule()  # a's 5th token needs a 2nd block (1 free), then b's needs one
     assert [s for s, _ in chosen] == [a]
     assert sched.preemptions == 1 and list(sched.waiting) == [b]
-    assert b.blocks == [] and b.n_cached == 0 and b.tokens == [4, 5, 6, 7, 7]  # tokens kept
+    assert not b.blocks and b.n_cached == 0 and b.tokens == [4, 5, 6, 7, 7]  # tokens kept
     _run(sched, chosen)
     sched.finish(a)
     resumed = sched.schedule()
@@ -144,7 +144,7 @@ def test_sliding_window_gives_back_the_blocks_behind_the_window() -> None:
         live = [b for b in seq.blocks if b != null]
         most = max(most, len(live))
         assert sched.allocator.num_used == len(live) == len(set(live))
-        assert seq.blocks[: seq.n_freed] == [null] * seq.n_freed
+        assert list(seq.blocks[: seq.n_freed]) == [null] * seq.n_freed
         oldest_seen = max(0, seq.n_cached - 6 + 1)  # the next query's oldest key
         assert seq.n_freed * 4 <= oldest_seen  # no block a later query reads is given back
         assert (seq.n_freed + 1) * 4 > oldest_seen - 4  # and none is held needlessly

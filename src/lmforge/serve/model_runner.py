@@ -33,6 +33,7 @@ tests/test_serve_hostpath.py tests/test_serve_compiled_hybrid.py``.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -352,13 +353,13 @@ class ModelRunner:
         """The step's inputs on the device (:func:`stage`, through pinned buffers on CUDA)."""
         return stage(inputs, self.device, self._to_device)
 
-    def _to_device(self, longs: list[int], ints: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _to_device(self, longs: array, ints: array) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's int64 and int32 inputs on the device. On CUDA through persistent pinned
         staging buffers (grown as needed) with asynchronous copies; an event recorded after
         the copies is waited on before the buffers are refilled (a step whose sequences are
         all mid-prefill reads nothing back, so it does not synchronise by itself)."""
-        a = torch.tensor(longs, dtype=torch.long)
-        b = torch.tensor(ints, dtype=torch.int32)
+        a = torch.frombuffer(longs, dtype=torch.long)  # views of the C arrays (no conversion)
+        b = torch.frombuffer(ints, dtype=torch.int32)
         if self.device.type != "cuda":
             return a, b
         stage = self._stage

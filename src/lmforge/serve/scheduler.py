@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from array import array
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from lmforge.serve.blocks import BlockAllocator, BlockKey, block_keys
@@ -96,7 +97,8 @@ class Seq:
     arrival: int
     first: Seq | None = None
     "sample 0 of the same request (None for sample 0 itself)"
-    blocks: list[int] = dataclasses.field(default_factory=list)
+    blocks: array = dataclasses.field(default_factory=lambda: array("i"))
+    "block table, C ints: a step stages them by memory copies, not int by int"
     n_cached: int = 0
     "tokens whose KV is in the blocks"
     n_hashed: int = 0
@@ -147,8 +149,8 @@ class StepInputs:
     q_lens: list[int]
     ctx_lens: list[int]
     "tokens cached per sequence after the step"
-    tables: list[list[int]]
-    "each sequence's block table"
+    tables: list[Sequence[int]]
+    "each sequence's block table (the sequence's own ``array('i')``: staged by a memory copy)"
     image_rows: list[int] = dataclasses.field(default_factory=list)
     "rows of the step whose input is an image embedding, not the token's"
     image_parts: list[tuple[Any, int, int]] = dataclasses.field(default_factory=list)
@@ -230,7 +232,7 @@ class Scheduler:
         if seq.state_slot is not None:  # a recomputed sequence restarts from a zeroed slot
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = None
-        seq.blocks = []
+        seq.blocks = array("i")
         seq.n_cached = 0
         seq.n_hashed = 0
         seq.n_freed = 0

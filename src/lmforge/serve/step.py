@@ -12,6 +12,7 @@ Shape legend: N tokens in the step, S sequences, V vocab, M block-table width, D
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Callable
 
 import torch
@@ -142,22 +143,28 @@ def forward_step(
 def stage(
     inputs: StepInputs,
     device: torch.device,
-    copy: Callable[[list[int], list[int]], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    copy: Callable[[array, array], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> StepBatch:
     """A step's host lists as a :class:`StepBatch` on ``device``: two tensors (int64: tokens,
     positions, slots, rows; int32: context lengths, tables), one copy each (by ``copy``, e.g.
-    the runner's pinned staging); the fields are views of them."""
+    the runner's pinned staging); the fields are views of them. Both are built as C arrays:
+    the block tables (the scheduler's ``array('i')``) go in by memory copies, so 64 tables
+    of 1,000 blocks cost microseconds, not the ~6 ms of converting 64,000 Python ints."""
     tables = inputs.tables
     width = max(len(t) for t in tables)
     n_tok, n_seq = len(inputs.tokens), len(tables)
-    longs = inputs.tokens + inputs.positions + inputs.slots + inputs.last_rows
-    ints = inputs.ctx_lens.copy()
+    longs = array("q", inputs.tokens)
+    for part in (inputs.positions, inputs.slots, inputs.last_rows):
+        longs.extend(part)
+    ints = array("i", inputs.ctx_lens)
+    pad = array("i", bytes(4 * width))  # zeros
     for t in tables:
-        ints += t
-        ints += [0] * (width - len(t))
+        ints.extend(t)  # an array('i'): a memory copy
+        if len(t) < width:
+            ints.extend(pad[: width - len(t)])
     if copy is None:
-        dev64 = torch.tensor(longs, device=device)
-        dev32 = torch.tensor(ints, dtype=torch.int32, device=device)
+        dev64 = torch.frombuffer(longs, dtype=torch.long).to(device)
+        dev32 = torch.frombuffer(ints, dtype=torch.int32).to(device)
     else:
         dev64, dev32 = copy(longs, ints)
     batch = StepBatch(
@@ -169,7 +176,7 @@ def stage(
         last_rows=dev64[3 * n_tok :],
         q_lens=inputs.q_lens,
         ctx_lens_list=inputs.ctx_lens,
-        tables_list=[list(t) for t in tables],
+        tables_list=[t[:] for t in tables],  # snapshots: the scheduler appends later
     )
     if inputs.state_slots:  # a hybrid model's recurrent-state slots (few ints: not staged above)
         batch.state_slots = torch.tensor(inputs.state_slots, device=device)
