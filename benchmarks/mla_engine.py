@@ -244,7 +244,7 @@ def main() -> int:
             "path": eng.startup_line,
         })  # fmt: skip
         r = rows[-1]
-        print(f"{name}: engine built (compile, graphs) in {built:.0f} s; prefill {r['prefill_s']:.1f}"
+        print(f"[{name}] engine built (compile, graphs) in {built:.0f} s; prefill {r['prefill_s']:.1f}"
               f" s; decode {r['ms_per_step']:.3f} ms/step over {r['decode_steps_timed']} full-batch "
               f"steps ({r['tokens_per_s']:.0f} tok/s); {time.perf_counter() - t0:.0f} s in all",
               flush=True)  # fmt: skip

@@ -148,7 +148,7 @@ def main() -> int:
         states = eng.runner.states
         state = 0 if states is None else states.bytes_per_slot()
         per_block = kv_bytes_per_block(model, eng.block_size, eng.runner.kv_dtype)
-        print(f"{name}: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(f"[{name}] engine built in {time.perf_counter() - t0:.0f} s", flush=True)
         for b in batches:
             t = mla_engine.time_decode(eng, prompts[:b], params, a.device, a.repeats)
             kv_seq = t["peak_blocks"] * per_block / b
@@ -166,7 +166,7 @@ def main() -> int:
                 "path": eng.startup_line,
             })  # fmt: skip
             r = rows[-1]
-            print(f"{name} batch {b}: prefill {r['prefill_s']:.1f} s, decode {r['ms_per_step']:.3f}"
+            print(f"[{name}, batch {b}] prefill {r['prefill_s']:.1f} s, decode {r['ms_per_step']:.3f}"
                   f" ms/step over {r['decode_steps_timed']} steps, {r['bytes_per_seq'] / 2**20:.2f} "
                   f"MiB/seq; {time.perf_counter() - t0:.0f} s since the build began",
                   flush=True)  # fmt: skip
