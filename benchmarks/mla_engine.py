@@ -139,6 +139,15 @@ class _Clock:
         return 1e3 * (b - a)
 
 
+def save_rows(a: argparse.Namespace, rows: list[dict]) -> None:
+    """``rows`` so far (with the arguments) to ``a.out``/results.json, when ``--out`` is given."""
+    if a.out is None:
+        return
+    a.out.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"args": vars(a) | {"out": str(a.out)}, "rows": rows}, indent=2)
+    (a.out / "results.json").write_text(body)
+
+
 def prefill_steps(n: int, prompt: int, budget: int = 2048) -> int:
     """A bound on the engine steps that prefill ``n`` prompts of ``prompt`` tokens at ``budget``
     tokens a step (the engine's ``max_num_batched_tokens``): the tokens :func:`time_decode` adds to
@@ -248,10 +257,7 @@ def main() -> int:
               f" s; decode {r['ms_per_step']:.3f} ms/step over {r['decode_steps_timed']} full-batch "
               f"steps ({r['tokens_per_s']:.0f} tok/s); {time.perf_counter() - t0:.0f} s in all",
               flush=True)  # fmt: skip
-        if a.out is not None:  # after every kind: a run cut short keeps what it measured
-            a.out.mkdir(parents=True, exist_ok=True)
-            (a.out / "results.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
-                                                            "rows": rows}, indent=2))  # fmt: skip
+        save_rows(a, rows)  # after every kind: a run cut short keeps what it measured
         del eng, model
         if a.device == "cuda":
             torch.cuda.empty_cache()

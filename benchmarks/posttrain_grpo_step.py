@@ -17,8 +17,9 @@ must agree (relative 1e-4) and the first update of every watched parameter must 
 torch AdamW reference: |Δw_new − Δw_old| ≤ 1e-3 × max |Δw_old| + 2 ulp(w) element by element
 (:func:`update_agreement`). The ulp term is the rounding of ``w + Δw`` to fp32: at lr 2e-6 an
 update is ~2e-6 while one ulp of a weight of 0.3 is 3e-8, so two AdamW kernels that round their
-last operation differently disagree by 1.5% of the update on the elements where they do. Then ``--steps`` timed steps after ``--warmup`` untimed
-ones (CUDA events; medians). The table is printed last; ``--out`` keeps the batch and JSON.
+last operation differently disagree by 1.5% of the update on the elements where they do.
+Then ``--steps`` timed steps after ``--warmup`` untimed ones (CUDA events; medians). The table
+is printed last; ``--out`` keeps the batch and JSON.
 
 Run on a GPU host (torch 2.11, triton 3.6):
 

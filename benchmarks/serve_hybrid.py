@@ -37,7 +37,6 @@ the compiled step too. The startup line of each engine (printed above the table)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -170,10 +169,7 @@ def main() -> int:
                   f" ms/step over {r['decode_steps_timed']} steps, {r['bytes_per_seq'] / 2**20:.2f} "
                   f"MiB/seq; {time.perf_counter() - t0:.0f} s since the build began",
                   flush=True)  # fmt: skip
-        if a.out is not None:  # after every pattern: a run cut short keeps what it measured
-            a.out.mkdir(parents=True, exist_ok=True)
-            (a.out / "results.json").write_text(json.dumps({"args": vars(a) | {"out": str(a.out)},
-                                                            "rows": rows}, indent=2))  # fmt: skip
+        mla_engine.save_rows(a, rows)  # after every pattern: a run cut short keeps what it measured
         del eng, model
         if a.device == "cuda":
             torch.cuda.empty_cache()
