@@ -44,6 +44,9 @@
 #              HF hybrids; serve_hybrid.py A and GGGA, graphs vs eager
 #   layers-b   issue 35, call 2: benchmarks/linear_attention.py (vs FLA, SDPA; carry .whl) and
 #              serve_hybrid.py for MMMA, LLLA, WWWA, GMWA, SSSA
+#   linattn    issue 35: benchmarks/linear_attention.py alone (the layers-b kernels part, vs FLA
+#              and SDPA; carry .whl), then the sliding-window GPU tests (serve decode/prefill
+#              kernels with the window, the windowed training kernel)
 #   layers-long  issue 35: serving at long context, benchmarks/serve_hybrid.py: full attention
 #              (A) vs 3:1 GDN (GGGA), 32k prompt + 512 new at batch 1 and 32; decode steps
 #              timed apart from prefill; memory per sequence
@@ -108,7 +111,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol grpo-step recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b layers-long layers-long-b window-attn hybrid-quality dsa-quality mla mla-cla mla-quality mtp quant quant-more vision
+             layers layers-b linattn layers-long layers-long-b window-attn hybrid-quality dsa-quality mla mla-cla mla-quality mtp quant quant-more vision
              vision-train)
 FAILED=()
 
@@ -283,6 +286,14 @@ part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, 
         step linear-attention 300 "$PY" benchmarks/linear_attention.py --budget 240 --out "$o/linattn"
     have layers-b benchmarks/serve_hybrid.py && step serve-hybrid-b 260 "$PY" \
         benchmarks/serve_hybrid.py --patterns MMMA,LLLA,WWWA,GMWA,SSSA --out "$o/serve_hybrid_b"
+}
+
+part_linattn() {  # issue 35: the kernels vs FLA and SDPA alone, then the W layers' GPU tests
+    local o="${OUT:-runs/h200}"       # (carry .whl for FLA)
+    have linattn benchmarks/linear_attention.py &&
+        step linear-attention 330 "$PY" benchmarks/linear_attention.py --budget 250 --out "$o/linattn"
+    step window-gpu-tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_serve_attention.py tests/test_kernels_gpu.py -k "window or sliding_window"
 }
 
 part_layers-long() {  # issue 35: 32k context + 512 new, batch 1 and 32: A and GGGA

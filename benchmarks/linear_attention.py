@@ -160,8 +160,16 @@ def bench(args, device: str, start: float) -> tuple[list[dict], bool]:
         row, row_ok = _bench_one(T, args, device, fla)
         rows.append(row)
         ok = ok and row_ok
-        print(f"  T={T}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in row.items()))  # fmt: skip
+        print(f"  T={T} ({time.perf_counter() - start:.0f} s): "
+              + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in row.items()))  # fmt: skip
+        if args.out:  # each length's row kept as it finishes: a call cut short still has them
+            from lmforge.utils.io import atomic_write_text
+
+            args.out.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(
+                args.out / "rows.partial.json", json.dumps(rows, indent=1, default=str)
+            )
     return rows, ok
 
 
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     text = table(rows, args) + "\n\n" + decode_table(decode)
     if args.out:
-        from lmforge.utils.io import atomic_write
+        from lmforge.utils.io import atomic_write_text
 
         args.out.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -377,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
             "decode": decode,
             "ok": ok,
         }
-        atomic_write(args.out / "results.json", json.dumps(payload, indent=1, default=str))
-        atomic_write(args.out / "table.md", text + "\n")
+        atomic_write_text(args.out / "results.json", json.dumps(payload, indent=1, default=str))
+        atomic_write_text(args.out / "table.md", text + "\n")
     print("\nversions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print("correctness: " + ("ok" if ok else "FAILED"))
     print(text)
