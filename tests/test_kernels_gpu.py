@@ -32,9 +32,9 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def _assert_like_peer(got, peer, want, dtype, what) -> None:
+def _assert_like_peer(got, peer, want, dtype, what, grad_scale: float = 1.0) -> None:
     for i, (a, p, w) in enumerate(zip(got, peer, want)):
-        scale = max(1.0, w.abs().max().item())
+        scale = max(1.0, w.abs().max().item(), grad_scale if i else 1.0)
         e, pe = _err(a, w), _err(p, w)
         assert e <= max(2 * pe, FLOOR[dtype] * scale), f"{what}[{i}]: {e:.3g} vs peer {pe:.3g}"
 
@@ -75,7 +75,15 @@ def _attention_case(b, h, kv, t, s, e, causal, dtype, layout="bhte", window=None
     peer = [po, *torch.autograd.grad(po, p_in, do)]
     for a, p in zip(got[1:], ins):
         assert a.shape == p.shape and a.dtype == dtype
-    _assert_like_peer(got, peer, want, dtype, f"attention {dtype} {(b, h, kv, t, s, e, causal)}")
+    grad_scale = 1.0
+    if dtype == torch.float32 and window == 1:
+        # fp32 runs TF32 dots (documented in flash_attention.py). With a window of 1 every row's
+        # softmax has one entry, so dS = P (dP - D) cancels to exactly 0 and dq, dk are 0: their
+        # error is TF32's on the terms that cancel, scale · |dO·V| · |K| (or |Q|), not on 0.
+        dp = (do.double() * v.double().repeat_interleave(group, 1)).sum(-1).abs().max().item()
+        grad_scale = e**-0.5 * dp * max(q.abs().max().item(), k.abs().max().item())
+    what = f"attention {dtype} {(b, h, kv, t, s, e, causal)}"
+    _assert_like_peer(got, peer, want, dtype, what, grad_scale)
 
 
 @pytest.mark.parametrize("e", [64, 128])

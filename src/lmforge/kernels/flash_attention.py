@@ -381,9 +381,13 @@ def flash_attention(
 
     q (B, H, T, E), k/v (B, K, S, E) with H % K == 0 (GQA), or (…, T, E) forms. ``backend``
     picks the Triton kernels or the pure-PyTorch tiles. ``window`` (causal, Triton backend):
-    query i sees keys i − window < j ≤ i only, and the kernels skip the tiles outside it. Raises KernelUnsupportedError (a
-    ValueError) for inputs the chosen backend cannot run. Under autocast the inputs are cast to
-    the autocast dtype first (here, outside the op: custom ops do not see autocast).
+    query i sees keys i − window < j ≤ i only, and the kernels skip the tiles outside it. Raises
+    KernelUnsupportedError (a ValueError) for inputs the chosen backend cannot run. Under
+    autocast the inputs are cast to the autocast dtype first (here, outside the op: custom ops
+    do not see autocast). float32 inputs on a GPU run TF32 tensor-core dots (torch's
+    ``allow_tf32`` precision, about 3 decimal digits per product; the interpreter computes in
+    full float32): where the math cancels exactly (a window of 1, where dq and dk are 0) the
+    error is TF32's on the cancelling terms.
 
     The Triton backend is the custom op ``torch.ops.lmforge.flash_attn_fwd`` (backward
     ``flash_attn_bwd``), so ``torch.compile(fullgraph=True)`` traces through it; the checks and
