@@ -187,10 +187,10 @@ def main() -> int:
           f"{'tok/s':>10} {'ms/step':>9} {'vs A':>6} {'prefill s':>9}")  # fmt: skip
     base = {r["batch"]: r["ms_per_step"] for r in rows if r["kind"] == "A"}
     for r in rows:
-        rel = r["ms_per_step"] / base[r["batch"]] if r["batch"] in base else float("nan")
+        rel = f"{r['ms_per_step'] / base[r['batch']]:>5.2f}x" if r["batch"] in base else "     -"
         print(f"{r['kind']:<10} {r['batch']:>5} {r['kv_bytes_per_token']:>11} "
               f"{r['bytes_per_seq'] / 2**20:>9.2f} {r['state_bytes_per_seq'] / 2**20:>9.2f} "
-              f"{r['tokens_per_s']:>10.1f} {r['ms_per_step']:>9.3f} {rel:>5.2f}x "
+              f"{r['tokens_per_s']:>10.1f} {r['ms_per_step']:>9.3f} {rel} "
               f"{r['prefill_s']:>9.2f}")  # fmt: skip
     return 0 if ok else 1
 
