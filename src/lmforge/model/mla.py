@@ -238,17 +238,18 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, T, N+R)
         k = torch.cat([k_nope, k_rope], dim=-1)  # (B, H, S, N+R)
         if cfg.backend == "sdpa":
-            # A chunk after cached rows (T < S) is causal from the bottom right: SDPA's
-            # lower-right causal bias, not a dense (T, S) mask, so the fused kernels stay
-            # eligible; on CUDA V is zero-padded to the query/key width (N + R) because the
-            # flash backend wants one head dim (the engine's MLA prefill, a dense mask and
-            # unequal dims, took 226 s for 64 × 16k prompts on an H100, GQA-4's 15.5 s)
+            # A chunk after cached rows (T < S: the engine's chunked prefill) is causal from
+            # the bottom right: SDPA's lower-right causal bias, not a dense (T, S) mask, so the
+            # fused kernels stay eligible, and on CUDA V zero-padded to the query/key width
+            # (N + R) because the flash backend wants one head dim (with a dense mask and
+            # unequal dims the engine took 226 s to prefill 64 × 16k prompts on an H100,
+            # GQA-4 15.5 s). Training (T = S) keeps the plain causal call.
             from torch.nn.attention.bias import causal_lower_right
 
             causal = t == s
             mask = None if causal else causal_lower_right(t, s)
             ev, pad = v.shape[-1], q.shape[-1] - v.shape[-1]
-            if q.is_cuda and pad > 0:
+            if q.is_cuda and pad > 0 and not causal:
                 v = F.pad(v, (0, pad))  # (B, H, S, N+R): zero columns, sliced off below
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=cfg.softmax_scale
