@@ -291,7 +291,8 @@ part_layers-b() { # issue 35 (call 2 of 2): kernels vs FLA and SDPA; serving M, 
 part_linattn() {  # issue 35: the kernels vs FLA and SDPA alone, then the W layers' GPU tests
     local o="${OUT:-runs/h200}"       # (carry .whl for FLA)
     have linattn benchmarks/linear_attention.py &&
-        step linear-attention 330 "$PY" benchmarks/linear_attention.py --budget 250 --out "$o/linattn"
+        step linear-attention 330 "$PY" benchmarks/linear_attention.py --budget 250 --profile 8192 \
+            --out "$o/linattn"
     step window-gpu-tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_serve_attention.py tests/test_kernels_gpu.py -k "window or sliding_window"
 }

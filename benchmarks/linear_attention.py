@@ -22,6 +22,7 @@ events, medians (``lmforge.bench.timing.time_ms``). The ``ms/token`` column show
 
     PYTHONPATH=src python benchmarks/linear_attention.py
     PYTHONPATH=src python benchmarks/linear_attention.py --seqs 4096,16384 --out runs/linattn
+    PYTHONPATH=src python benchmarks/linear_attention.py --seqs 8192 --profile 8192   # + kernel tables
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/linear_attention.py --device cpu
 """
 
@@ -54,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget", type=float, default=300.0,
                    help="seconds: lengths not started by then are skipped (the table still prints)")  # fmt: skip
+    p.add_argument("--profile", type=int, default=0, metavar="T",
+                   help="after the timings, torch.profiler over 5 forwards of ours and of FLA's "
+                        "GDN at this T: each kernel's share, to compare the two")  # fmt: skip
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: tiny smoke run through TRITON_INTERPRET=1 (numbers mean nothing)")  # fmt: skip
     p.add_argument("--out", type=Path, help="directory for results.json and table.md")
@@ -260,6 +264,45 @@ def _bench_one(T: int, args, device: str, fla) -> tuple[dict, bool]:
     return row, ok
 
 
+def profile_forwards(args, T: int) -> str:
+    """torch.profiler over 5 GDN forwards at length T (B·T = ``args.tokens``), ours and FLA's
+    (where installed): each kernel's GPU time, so the two implementations' stages line up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lmforge.bench.timing import cuda_kernel_totals
+    from lmforge.kernels import gated_delta_rule
+
+    H, d, B = args.heads, args.dim, max(1, args.tokens // T)
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    q = F.normalize(r(B, T, H, d), dim=-1).bfloat16()
+    k = F.normalize(r(B, T, H, d), dim=-1).bfloat16()
+    v, g = r(B, T, H, d).bfloat16(), F.logsigmoid(r(B, T, H)) / 16
+    beta = torch.sigmoid(r(B, T, H)).bfloat16()
+    runs = {"ours": lambda: gated_delta_rule(q, k, v, g, beta, chunk_size=args.chunk,
+                                             backend="triton")}  # fmt: skip
+    fla, _ = _fla()
+    if fla is not None:
+        runs["FLA"] = lambda: fla[0](q, k, v, g, beta)
+    lines = [f"profile: GDN forward, T = {T}, B = {B}, 5 calls each (us per call)"]
+    with torch.no_grad():
+        for name, fn in runs.items():
+            fn()  # compiled and tuned before the profile
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            agg = cuda_kernel_totals(prof)
+            total = sum(us for _, us in agg.values())
+            lines += [f"\n{name}: GPU busy {total / 5:.1f} us per call", "",
+                      "| kernel | launches per call | us per call | share |", "|---|---:|---:|---:|"]  # fmt: skip
+            for kname, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:12]:
+                short = (kname if len(kname) <= 80 else kname[:77] + "...").replace("|", "/")
+                lines.append(f"| {short} | {cnt / 5:g} | {us / 5:.1f} | {us / max(total, 1e-9):.1%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def bench_decode(args, device: str) -> list[dict]:
     """One decoding token of a GDN head group: the fused Triton step vs the same math in torch,
     batch 1 and 32; GB/s counts one read and one write of the float32 state."""
@@ -374,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         pass
     text = table(rows, args) + "\n\n" + decode_table(decode)
+    if args.profile and device == "cuda":
+        text += "\n\n" + profile_forwards(args, args.profile)
     if args.out:
         from lmforge.utils.io import atomic_write_text
 
