@@ -45,8 +45,9 @@
 #   layers-b   issue 35, call 2: benchmarks/linear_attention.py (vs FLA, SDPA; carry .whl) and
 #              serve_hybrid.py for MMMA, LLLA, WWWA, GMWA, SSSA
 #   linattn    issue 35: benchmarks/linear_attention.py alone (the layers-b kernels part, vs FLA
-#              and SDPA; carry .whl), then the sliding-window GPU tests (serve decode/prefill
-#              kernels with the window, the windowed training kernel)
+#              and SDPA, then --profile 8192: kernel tables of our GDN forward and FLA's; carry
+#              .whl), then the sliding-window GPU tests (serve decode/prefill kernels with the
+#              window, the windowed training kernel)
 #   layers-long  issue 35: serving at long context, benchmarks/serve_hybrid.py: full attention
 #              (A) vs 3:1 GDN (GGGA), 32k prompt + 512 new at batch 1 and 32; decode steps
 #              timed apart from prefill; memory per sequence
