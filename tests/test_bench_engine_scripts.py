@@ -3,7 +3,8 @@ and its table) on a tiny model, so a device call is never the first run of a cha
 
 ``benchmarks/serve_hybrid.py`` (decode timed apart from prefill, memory per sequence, batch
 sizes per engine), ``benchmarks/mla_engine.py`` (the clock serve_hybrid borrows) and
-``benchmarks/window_attention.py`` (the windowed kernel's check, under Triton's interpreter).
+``benchmarks/window_attention.py`` (the windowed kernel's check, under Triton's interpreter) and
+``benchmarks/linear_attention.py`` (its float64 checks and the files it writes).
 """
 
 from __future__ import annotations
@@ -52,6 +53,22 @@ def test_window_attention_quick_checks_the_kernel() -> None:
     out = _run("window_attention.py", "--device", "cpu", "--quick",
                env={"TRITON_INTERPRET": "1"})  # fmt: skip
     assert out.count(" ok") == 4 and "FAILED" not in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_linear_attention_smoke_run_writes_its_results(tmp_path: Path) -> None:
+    """``linear_attention.py --device cpu`` (the interpreter): the float64 checks pass and the
+    results land in --out (each length's row as it finishes, then the whole run). The files
+    were never written before: the script called ``atomic_write``, a context manager."""
+    out = _run("linear_attention.py", "--device", "cpu", "--out", str(tmp_path),
+               env={"TRITON_INTERPRET": "1"})  # fmt: skip
+    assert "correctness: ok" in out
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["ok"] and [r["T"] for r in saved["rows"]] == [32, 64]
+    assert {"gated delta torch.float32", "ssd/linear torch.float32"} <= set(saved["correctness"])
+    partial = json.loads((tmp_path / "rows.partial.json").read_text())
+    assert [r["T"] for r in partial] == [32, 64]
+    assert "| 32 | 2 |" in (tmp_path / "table.md").read_text()
 
 
 def test_grpo_step_update_check_allows_one_ulp_not_a_real_difference() -> None:
