@@ -350,7 +350,7 @@ part_mla-cla() {  # issue 36: MLA + CLA-2's engine row, the MLA kernel, the MLA 
         step mla-cla-engine 300 "$PY" benchmarks/mla_engine.py --profile --kinds MLA+CLA-2 \
             --out "$o/mla_cla_engine"
     have mla benchmarks/mla.py && step mla-kernel 120 "$PY" benchmarks/mla.py --out "$o/mla"
-    step mla-gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+    step mla-gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_mla.py \
         tests/test_kernels_mla_decode.py tests/test_engine_switches.py tests/test_moe_deepseek.py
 }
 
