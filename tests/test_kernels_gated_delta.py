@@ -183,7 +183,7 @@ if not _CHILD:
 
         meta = dict(H=16, K=128, V=128, BT=64, BK=128, BV=64, PREC="tf32")
         extra = {
-            "_wy_fwd": dict(LOG_BT=6),
+            "_wy_fwd": dict(LOG_BT=6, STORE_T=True),
             "_state_fwd": dict(HAS_H0=True, STORE_HT=True),
             "_state_bwd": dict(HAS_DHT=True, STORE_DH0=True),
             "_output_fwd": dict(CUMSUM_G=False),

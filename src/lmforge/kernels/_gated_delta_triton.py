@@ -6,7 +6,8 @@ Layout, chunk tables, launch sizes and the kernels' shared prologues: ``_chunked
 Forward, three launches:
   1. ``_wy_fwd`` (chunks × heads, parallel): G = cumsum g in the chunk, A = strict-lower
      β_i e^{G_i−G_j} k_i·k_j, T = (I+A)⁻¹ by recursive doubling of diagonal blocks, W = T·diag(βe^G)·K and
-     U = T·diag(β)·V (the WY / UT form of the chunk's delta-rule products).
+     U = T·diag(β)·V (the WY / UT form of the chunk's delta-rule products); T itself is stored
+     only when the backward re-runs this step (its ``_grad`` reads it; ``STORE_T``).
   2. ``_state_fwd`` (V-blocks × sequences·heads, sequential over chunks): stores each chunk's start
      state h, δ = U − W·h (the corrected values), h ← e^{G_last} h + (e^{G_last−G}K)ᵀδ.
   3. ``_output_fwd`` (V-blocks × chunks × heads, parallel; shared with the SSD path):
@@ -55,7 +56,7 @@ def _wy_fwd(
     K_ptr, V_ptr, G_in, B_ptr, GC, TINV, W_ptr, U_ptr, CHUNKS, CU,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    LOG_BT: tl.constexpr,
+    LOG_BT: tl.constexpr, STORE_T: tl.constexpr,
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -87,7 +88,8 @@ def _wy_fwd(
         )
         TA = tl.dot(Tm, tl.where(off, A, 0.0), input_precision=PREC)
         Tm = Tm - tl.dot(TA, Tm, input_precision=PREC)
-    tl.store(TINV + ((i_c * H + i_h) * BT + rows[:, None]) * BT + rows[None, :], Tm)
+    if STORE_T:  # only the backward's _grad reads T; the forward's output needs W and U only
+        tl.store(TINV + ((i_c * H + i_h) * BT + rows[:, None]) * BT + rows[None, :], Tm)
 
     Tc = Tm.to(DT)
     xw = (k * (b * tl.exp(G))[:, None]).to(DT)
@@ -322,18 +324,19 @@ def _grad(
 
 
 # ------------------------------------------------------------------------------------- launch
-def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta):
+def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta, store_t=True):
     N, H, K, V, BT = cu.numel() - 1, meta["H"], meta["K"], meta["V"], meta["BT"]
     f32 = dict(device=k.device, dtype=torch.float32)
     gc = torch.empty(nc, H, BT, **f32)  # padded per-chunk cumulative decays
-    tinv = torch.empty(nc, H, BT, BT, **f32)
+    # the inverses (NC·H·BT² floats: 256 B per token and head at chunk 64), for the backward only
+    tinv = torch.empty((nc, H, BT, BT) if store_t else (0,), **f32)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     # The inverse's matmuls run in TF32 for bf16 inputs: T is rounded to bf16 right after, and
     # TF32's 10-bit mantissa is below that error.
     _wy_fwd[(nc, H)](
         k, v, g, beta, gc, tinv, w, u, chunks, cu, **meta,
-        LOG_BT=BT.bit_length() - 1, num_warps=4, num_stages=1,
+        LOG_BT=BT.bit_length() - 1, STORE_T=store_t, num_warps=4, num_stages=1,
     )  # fmt: skip
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     vn = torch.empty_like(v)
@@ -351,8 +354,8 @@ def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
     prepare()
     meta = kernel_meta(q, v, launch_chunk(q, chunk_size))
     chunks, coff, nc = chunk_tables(cu, meta["BT"], seq_len)
-    gc, _tinv, _w, hs, vn, ht = _wy_and_states(
-        k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta
+    gc, _, _w, hs, vn, ht = _wy_and_states(
+        k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta, store_t=False
     )
     o = torch.empty_like(v)
     grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
