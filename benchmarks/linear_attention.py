@@ -177,6 +177,24 @@ def bench(args, device: str, start: float) -> tuple[list[dict], bool]:
     return rows, ok
 
 
+def _timing_inputs(T: int, args, device: str) -> list[torch.Tensor]:
+    """The timed GDN inputs at length T (B = tokens // T), seeded by T, each requiring grad:
+    q, k L2-normalised and v (B, T, H, d) bf16, g = logsigmoid / 16 (B, T, H) float32, β in
+    (0, 1) bf16; then dO (B, T, H, d) bf16."""
+    B, H, d = max(1, args.tokens // T), args.heads, args.dim
+    gen = torch.Generator(device=device).manual_seed(T)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device=device, dtype=torch.bfloat16)
+
+    q = F.normalize(r(B, T, H, d).float(), dim=-1).bfloat16()
+    k = F.normalize(r(B, T, H, d).float(), dim=-1).bfloat16()
+    v = r(B, T, H, d)
+    g = F.logsigmoid(r(B, T, H).float()) / 16
+    beta = torch.sigmoid(r(B, T, H).float()).bfloat16()
+    return [x.requires_grad_() for x in (q, k, v, g, beta)] + [r(B, T, H, d)]
+
+
 def _bench_one(T: int, args, device: str, fla) -> tuple[dict, bool]:
     from lmforge.bench.timing import time_ms
     from lmforge.kernels import gated_delta_rule, linear_attention
@@ -184,17 +202,7 @@ def _bench_one(T: int, args, device: str, fla) -> tuple[dict, bool]:
     H, d, C = args.heads, args.dim, args.chunk
     ok = True
     B = max(1, args.tokens // T)
-    gen = torch.Generator(device=device).manual_seed(T)
-
-    def r(*s, gen=gen):
-        return torch.randn(*s, generator=gen, device=device, dtype=torch.bfloat16)
-
-    q = F.normalize(r(B, T, H, d).float(), dim=-1).bfloat16().requires_grad_()
-    k = F.normalize(r(B, T, H, d).float(), dim=-1).bfloat16().requires_grad_()
-    v = r(B, T, H, d).requires_grad_()
-    g = (F.logsigmoid(r(B, T, H).float()) / 16).requires_grad_()
-    beta = torch.sigmoid(r(B, T, H).float()).bfloat16().requires_grad_()
-    do = r(B, T, H, d)
+    q, k, v, g, beta, do = _timing_inputs(T, args, device)
     ins = [q, k, v, g, beta]
     row = {"T": T, "B": B}
 
@@ -272,13 +280,8 @@ def profile_forwards(args, T: int) -> str:
     from lmforge.bench.timing import cuda_kernel_totals
     from lmforge.kernels import gated_delta_rule
 
-    H, d, B = args.heads, args.dim, max(1, args.tokens // T)
-    gen = torch.Generator(device="cuda").manual_seed(T)
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
-    q = F.normalize(r(B, T, H, d), dim=-1).bfloat16()
-    k = F.normalize(r(B, T, H, d), dim=-1).bfloat16()
-    v, g = r(B, T, H, d).bfloat16(), F.logsigmoid(r(B, T, H)) / 16
-    beta = torch.sigmoid(r(B, T, H)).bfloat16()
+    B = max(1, args.tokens // T)
+    q, k, v, g, beta, _ = (x.detach() for x in _timing_inputs(T, args, "cuda"))
     runs = {"ours": lambda: gated_delta_rule(q, k, v, g, beta, chunk_size=args.chunk,
                                              backend="triton")}  # fmt: skip
     fla, _ = _fla()

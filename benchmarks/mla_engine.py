@@ -143,9 +143,10 @@ def save_rows(a: argparse.Namespace, rows: list[dict]) -> None:
     """``rows`` so far (with the arguments) to ``a.out``/results.json, when ``--out`` is given."""
     if a.out is None:
         return
-    a.out.mkdir(parents=True, exist_ok=True)
+    from lmforge.utils.io import atomic_write_text
+
     body = json.dumps({"args": vars(a) | {"out": str(a.out)}, "rows": rows}, indent=2)
-    (a.out / "results.json").write_text(body)
+    atomic_write_text(a.out / "results.json", body)  # makes the folder; never half-written
 
 
 def prefill_steps(n: int, prompt: int, budget: int = 2048) -> int:
