@@ -239,11 +239,11 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope], dim=-1)  # (B, H, S, N+R)
         if cfg.backend == "sdpa":
             # A chunk after cached rows (T < S: the engine's chunked prefill) is causal from
-            # the bottom right: SDPA's lower-right causal bias, not a dense (T, S) mask, so the
-            # fused kernels stay eligible, and on CUDA V zero-padded to the query/key width
-            # (N + R) because the flash backend wants one head dim (with a dense mask and
-            # unequal dims the engine took 226 s to prefill 64 × 16k prompts on an H100,
-            # GQA-4 15.5 s). Training (T = S) keeps the plain causal call.
+            # the bottom right: SDPA's lower-right causal bias instead of a dense (T, S) mask,
+            # and on CUDA V zero-padded to the query/key width (N + R), since SDPA's flash
+            # backend takes one head dim. With the dense mask and unequal dims the engine took
+            # 226 s to prefill 64 × 16k prompts on an H100 (GQA-4: 15.5 s); that those kept the
+            # fused kernels out is inferred, not profiled. Training (T = S) is unchanged.
             from torch.nn.attention.bias import causal_lower_right
 
             causal = t == s
