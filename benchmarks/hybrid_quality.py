@@ -372,7 +372,12 @@ def _figure(results: list[dict[str, Any]], path: Path) -> None:
             ax.plot(steps, losses, label=f"{r['variant']} ({r['layers'][:8]})")
     ax.set_xlabel("step (equal tokens per step)")
     ax.set_ylabel("validation loss")
-    ax.set_title("lmforge hybrid layer patterns at equal parameters")
+    dsa = any("S" in r["layers"] for r in results)
+    ax.set_title(
+        "lmforge DSA warm start (after the dense base) vs the dense continuation"
+        if dsa
+        else "lmforge hybrid layer patterns at equal parameters"
+    )
     ax.legend()
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")

@@ -24,9 +24,10 @@ row can overflow. Matmuls take the input dtype (bf16 on the GPU: tensor cores, f
 float32 inputs use 3×TF32 dots (``PREC``: fp32-level accuracy on tensor cores; IEEE fp32 dots
 unrolled into FMAs took ptxas past 15 minutes per kernel). States
 stay float32 in registers; the per-chunk state snapshots are stored in the input dtype.
-Launches name ``num_stages``: 2 for the sequential state kernels (the next chunk's loads overlap
-this chunk's matmuls), 1 elsewhere — Triton's default of 3 would pipeline the short V loop of
-``_grad`` into 256 KiB of shared memory, more than an H100/H200 block may use (227 KiB).
+Launches name ``num_stages``: 2 or more for the sequential state kernels (the next chunk's
+loads overlap this chunk's matmuls; the forward's from ``FORWARD_LAUNCH``), 1 elsewhere —
+Triton's default of 3 would pipeline the short V loop of ``_grad`` into 256 KiB of shared
+memory, more than an H100/H200 block may use (227 KiB).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _wy_fwd(
     K_ptr, V_ptr, G_in, B_ptr, GC, TINV, W_ptr, U_ptr, CHUNKS, CU,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    LOG_BT: tl.constexpr, STORE_T: tl.constexpr,
+    LOG_BT: tl.constexpr, STORE_T: tl.constexpr, INV_LOW: tl.constexpr,
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -80,14 +81,20 @@ def _wy_fwd(
     # T = (I + A)⁻¹ by recursive doubling: with T_b the inverse of I + A's diagonal b×b blocks,
     # each 2b-block [[X, 0], [Y, Z]] has inverse T_b − T_b·[[0, 0], [Y, 0]]·T_b, exactly. log2(BT)
     # steps of two BT×BT matmuls (tensor cores) instead of a BT-step row-by-row substitution.
+    # INV_LOW: the steps' operands in the input dtype (bf16: half the tensor-core instructions
+    # of TF32), the sums still float32; otherwise TF32 (3×TF32 for float32 inputs).
     Tm = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     for s in tl.static_range(LOG_BT):
         half = 1 << s  # the block size before this step
         off = (rows[:, None] // (2 * half) == rows[None, :] // (2 * half)) & (
             rows[:, None] // half != rows[None, :] // half
         )
-        TA = tl.dot(Tm, tl.where(off, A, 0.0), input_precision=PREC)
-        Tm = Tm - tl.dot(TA, Tm, input_precision=PREC)
+        if INV_LOW:
+            TA = tl.dot(Tm.to(DT), tl.where(off, A, 0.0).to(DT))
+            Tm = Tm - tl.dot(TA.to(DT), Tm.to(DT))
+        else:
+            TA = tl.dot(Tm, tl.where(off, A, 0.0), input_precision=PREC)
+            Tm = Tm - tl.dot(TA, Tm, input_precision=PREC)
     if STORE_T:  # only the backward's _grad reads T; the forward's output needs W and U only
         tl.store(TINV + ((i_c * H + i_h) * BT + rows[:, None]) * BT + rows[None, :], Tm)
 
@@ -129,14 +136,15 @@ def _state_fwd(
         mtv = mt[:, None] & mv[None, :]
         w = tl.load(_tok(W_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
         u = tl.load(_tok(U_ptr, tt, i_h, vs, H, V), mask=mtv, other=0.0)
-        vn = u.to(tl.float32) - tl.dot(w, h.to(DT), input_precision=PREC)  # (BT, BV)
-        vn = vn.to(DT)
-        tl.store(_tok(VN, tt, i_h, vs, H, V), vn, mask=mtv)
-        G = tl.load(GC + (i_c * H + i_h) * BT + rows)
-        g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
         k = tl.load(_tok(K_ptr, tt, i_h, ks, H, K), mask=mtk, other=0.0)
-        kd = (k * tl.exp(g_last - G)[:, None]).to(DT)
-        h = h * tl.exp(g_last) + tl.dot(tl.trans(kd), vn, input_precision=PREC)
+        G = tl.load(GC + (i_c * H + i_h) * BT + rows)
+        g_last = tl.load(GC + (i_c * H + i_h) * BT + BT - 1)
+        vn = u.to(tl.float32) - tl.dot(w, h.to(DT), input_precision=PREC)  # (BT, BV)
+        tl.store(_tok(VN, tt, i_h, vs, H, V), vn.to(DT), mask=mtv)
+        # (e^{G_last−G}K)ᵀδ with the decay on δ's (BT, BV) tile, not on K's (BT, K) one: less
+        # work on the recurrence's critical path, more so when BV < K.
+        vd = (vn * tl.exp(g_last - G)[:, None]).to(DT)
+        h = h * tl.exp(g_last) + tl.dot(tl.trans(k), vd, input_precision=PREC)
     if STORE_HT:
         tl.store(HT + (n * H + i_h).to(tl.int64) * K * V + state_offs, h, mask=mkv)
 
@@ -202,15 +210,15 @@ def _state_bwd(
         w = tl.load(W_ptr + (tt[:, None] * H + i_h) * K + ks[None, :], mask=mtk, other=0.0)
         do = tl.load(DO + (tt[:, None] * H + i_h) * V + vs[None, :], mask=mtv, other=0.0)
         G = tl.load(GC + (i_c * H + i_h) * BT + rows)
-        g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
-        kd = (k * tl.exp(g_last - G)[:, None]).to(DT)
-        # dδ = s·Pᵀ dO (chunk-local, from _dv_local) + (e^{G_last−G} K) dh.
+        g_last = tl.load(GC + (i_c * H + i_h) * BT + BT - 1)
+        # dδ = s·Pᵀ dO (chunk-local, from _dv_local) + (e^{G_last−G} K) dh; the row decays go on
+        # the (BT, BV) tiles (the product here, dO below), not on the (BT, K) ones of K and Q.
         tok_v = (tt[:, None] * H + i_h) * V + vs[None, :]
         dvn = tl.load(DVN + tok_v, mask=mtv, other=0.0)
-        dvn += tl.dot(kd, dh.to(DT), input_precision=PREC)  # (BT, BV)
+        dvn += tl.dot(k, dh.to(DT), input_precision=PREC) * tl.exp(g_last - G)[:, None]
         tl.store(DVN + tok_v, dvn, mask=mtv)
-        qg = (q * (scale * tl.exp(G))[:, None]).to(DT)
-        dh = dh * tl.exp(g_last) + tl.dot(tl.trans(qg), do.to(DT), input_precision=PREC)
+        dog = (do.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(DT)
+        dh = dh * tl.exp(g_last) + tl.dot(tl.trans(q), dog, input_precision=PREC)
         dh -= tl.dot(tl.trans(w), dvn.to(DT), input_precision=PREC)
     if STORE_DH0:
         tl.store(DH0 + (n * H + i_h).to(tl.int64) * K * V + state_offs, dh, mask=mkv)
@@ -324,6 +332,39 @@ def _grad(
 
 
 # ------------------------------------------------------------------------------------- launch
+# Launch shapes of the forward's kernels (the backward re-runs the first two) for 2-byte inputs;
+# float32 inputs, the validation path, keep the fixed shapes below. 0 = the default choice:
+# ``wy_warps``, ``state_warps``, ``out_warps`` warps per program; ``state_bv``, ``out_bv`` the V
+# block (state: ``state_block``'s pick, output: ``kernel_meta``'s); ``state_stages`` the
+# sequential loop's pipelining (``state_stages``); ``wy_inv_low`` 1 = the inverse's doubling steps
+# on input-dtype operands. The values are the winners of ``benchmarks/linear_attention.py
+# --tune`` (H100, bf16, d = 128); only that sweep changes this dict.
+# The sweep of 2026-12-06 (T = 8192 and 65536, B·T = 32k, 16 heads): the bf16 inverse took
+# _wy_fwd from 1.134 to 1.027 ms of the forward at T = 8192, three pipeline stages the state
+# loop from 2.939 to 2.608 ms at 65536, whole-V output blocks 1.020 to 1.005 ms at 8192
+# (benchmarks/RESULTS.md). Unpipelined bf16 state kernels are not offered: on triton 3.6 + H100
+# one gave a wrong output and another an illegal memory access (a miscompile; fp32 is fine).
+FORWARD_LAUNCH: dict[str, int] = {
+    "wy_warps": 4,
+    "wy_inv_low": 1,
+    "state_bv": 32,
+    "state_warps": 4,
+    "state_stages": 3,
+    "out_bv": 128,
+    "out_warps": 4,
+}
+
+
+def _tuned(x: torch.Tensor, key: str, default: int) -> int:
+    """FORWARD_LAUNCH[key] for 2-byte inputs when set (non-zero), else ``default``."""
+    return (FORWARD_LAUNCH.get(key, 0) or default) if x.element_size() == 2 else default
+
+
+def _v_block(x: torch.Tensor, key: str, default: int, V: int) -> int:
+    """A tuned V block, no wider than V's power of two (a head dim of 64 gets 64, not 128)."""
+    return min(_tuned(x, key, default), max(default, 16, triton.next_power_of_2(V)))
+
+
 def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta, store_t=True):
     N, H, K, V, BT = cu.numel() - 1, meta["H"], meta["K"], meta["V"], meta["BT"]
     f32 = dict(device=k.device, dtype=torch.float32)
@@ -336,15 +377,18 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta, stor
     # TF32's 10-bit mantissa is below that error.
     _wy_fwd[(nc, H)](
         k, v, g, beta, gc, tinv, w, u, chunks, cu, **meta,
-        LOG_BT=BT.bit_length() - 1, STORE_T=store_t, num_warps=4, num_stages=1,
+        LOG_BT=BT.bit_length() - 1, STORE_T=store_t, INV_LOW=bool(_tuned(k, "wy_inv_low", 0)),
+        num_warps=_tuned(k, "wy_warps", 4), num_stages=1,
     )  # fmt: skip
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     vn = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if store_ht else None
     sm = state_block(meta, N * H, k.device)
+    sm = dict(sm, BV=_v_block(k, "state_bv", sm["BV"], V))
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, w, u, gc, h0, hs, vn, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=state_stages(k),
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=_tuned(k, "state_warps", 4),
+        num_stages=_tuned(k, "state_stages", state_stages(k)),
     )  # fmt: skip
     return gc, tinv, w, hs, vn, ht
 
@@ -358,9 +402,11 @@ def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
         k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta, store_t=False
     )
     o = torch.empty_like(v)
-    grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
+    om = dict(meta, BV=_v_block(q, "out_bv", meta["BV"], meta["V"]))
+    grid = (triton.cdiv(om["V"], om["BV"]), nc, om["H"])
     _output_fwd[grid](
-        q, k, vn, gc, hs, o, chunks, cu, scale, **meta, CUMSUM_G=False, num_warps=4, num_stages=1
+        q, k, vn, gc, hs, o, chunks, cu, scale, **om, CUMSUM_G=False,
+        num_warps=_tuned(q, "out_warps", 4), num_stages=1,
     )  # fmt: skip
     return o, ht
 

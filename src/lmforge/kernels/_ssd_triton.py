@@ -69,8 +69,9 @@ def _state_fwd(
         )
         G = tl.cumsum(tl.load(G_in + tt * H + i_h, mask=mt, other=0.0).to(tl.float32), 0)
         g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
-        kd = (k * tl.exp(g_last - G)[:, None]).to(DT)
-        h = h * tl.exp(g_last) + tl.dot(tl.trans(kd), v.to(DT), input_precision=PREC)
+        # the row decays on the (BT, BV) tile of V rather than on K's (BT, K) one
+        vd = (v.to(tl.float32) * tl.exp(g_last - G)[:, None]).to(DT)
+        h = h * tl.exp(g_last) + tl.dot(tl.trans(k), vd, input_precision=PREC)
     if STORE_HT:
         tl.store(HT + (n * H + i_h).to(tl.int64) * K * V + state_offs, h, mask=mkv)
 
@@ -110,8 +111,8 @@ def _state_bwd(
         )
         G = tl.cumsum(tl.load(G_in + tt * H + i_h, mask=mt, other=0.0).to(tl.float32), 0)
         g_last = tl.sum(tl.where(rows == BT - 1, G, 0.0), 0)
-        qg = (q * (scale * tl.exp(G))[:, None]).to(DT)
-        dh = dh * tl.exp(g_last) + tl.dot(tl.trans(qg), do.to(DT), input_precision=PREC)
+        dog = (do.to(tl.float32) * (scale * tl.exp(G))[:, None]).to(DT)
+        dh = dh * tl.exp(g_last) + tl.dot(tl.trans(q), dog, input_precision=PREC)
     if STORE_DH0:
         tl.store(DH0 + (n * H + i_h).to(tl.int64) * K * V + state_offs, dh, mask=mkv)
 
