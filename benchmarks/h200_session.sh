@@ -47,10 +47,7 @@
 #   linattn    issue 35: benchmarks/linear_attention.py alone (the layers-b kernels part, vs FLA
 #              and SDPA, then --profile 8192: kernel tables of our GDN forward and FLA's; carry
 #              .whl), then the sliding-window GPU tests (serve decode/prefill kernels with the
-#              window, the windowed training kernel)
-#   linattn-tune  issue 35: the same kernels part after a sweep of the GDN forward's launch
-#              shapes (--tune 8192,65536: warps, V blocks, stages, the inverse's precision;
-#              carry .whl), then --profile 8192
+#              window, the windowed training kernel) and the GDN bf16 GPU tests
 #   layers-long  issue 35: serving at long context, benchmarks/serve_hybrid.py: full attention
 #              (A) vs 3:1 GDN (GGGA), 32k prompt + 512 new at batch 1 and 32; decode steps
 #              timed apart from prefill; memory per sequence
@@ -115,7 +112,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 PARTS=(tests kernels train parallel serve moe scaling posttrain)
 EXTRA_PARTS=(smol grpo-step recipe-prep recipe-anchor recipe-a recipe-b recipe-gpu recipe-card
-             layers layers-b linattn linattn-tune layers-long layers-long-b window-attn hybrid-quality dsa-quality mla mla-cla mla-quality mtp quant quant-more vision
+             layers layers-b linattn layers-long layers-long-b window-attn hybrid-quality dsa-quality mla mla-cla mla-quality mtp quant quant-more vision
              vision-train)
 FAILED=()
 
@@ -299,13 +296,6 @@ part_linattn() {  # issue 35: the kernels vs FLA and SDPA alone, then the W laye
             --out "$o/linattn"
     step window-gpu-tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_serve_attention.py tests/test_kernels_gpu.py -k "window or sliding_window"
-}
-
-part_linattn-tune() {  # issue 35: sweep the GDN forward's launch shapes, then time with them
-    local o="${OUT:-runs/h200}"       # (carry .whl for FLA)
-    have linattn-tune benchmarks/linear_attention.py &&
-        step linear-attention-tune 560 "$PY" benchmarks/linear_attention.py --budget 420 \
-            --tune 8192,65536 --profile 8192 --out "$o/linattn_tune"
     step gdn-bf16-gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
         tests/test_kernels_gated_delta.py -k bf16
 }

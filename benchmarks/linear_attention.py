@@ -14,11 +14,7 @@ Then timings at a fixed token budget B·T (default 32k), 16 heads, head dim 128,
     (``fused_recurrent_gated_delta_rule``);
   * ours SSD — ``lmforge.kernels.linear_attention`` with a per-token decay (Mamba-2's core);
   * SDPA — ``F.scaled_dot_product_attention(is_causal=True)`` on the flash backend.
-Last, one decoding token (the fused Triton step vs torch) at batch 1 and 32. ``--tune T,T``
-first sweeps the GDN forward kernels' launch shapes (``_gated_delta_triton.FORWARD_LAUNCH``:
-warps, V blocks, pipelining, the inverse's operand precision) in child processes (a candidate
-that crashes its process is one error row), keeps each kernel's fastest and checks and times
-with it; ``--profile T`` adds torch.profiler kernel tables of ours and FLA's forward.
+Last, one decoding token (the fused Triton step vs torch) at batch 1 and 32.
 FLOP conventions (matmul FLOPs of the algorithm, per token and head, chunk C, head dim d):
 GDN forward 10·C·d + 6·d², forward + backward 4 × that; SSD forward 4·C·d + 4·d², forward +
 backward 3 ×; causal attention forward 4·T·d/2, forward + backward 3.5 ×. Times: warmup, CUDA
@@ -27,7 +23,6 @@ events, medians (``lmforge.bench.timing.time_ms``). The ``ms/token`` column show
     PYTHONPATH=src python benchmarks/linear_attention.py
     PYTHONPATH=src python benchmarks/linear_attention.py --seqs 4096,16384 --out runs/linattn
     PYTHONPATH=src python benchmarks/linear_attention.py --seqs 8192 --profile 8192   # + kernel tables
-    PYTHONPATH=src python benchmarks/linear_attention.py --tune 8192,65536   # sweep launches first
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/linear_attention.py --device cpu
 """
 
@@ -36,7 +31,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -64,12 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="T",
                    help="after the timings, torch.profiler over 5 forwards of ours and of FLA's "
                         "GDN at this T: each kernel's share, to compare the two")  # fmt: skip
-    p.add_argument("--tune", default="", metavar="T,T",
-                   help="first sweep the GDN forward kernels' launch shapes (FORWARD_LAUNCH) at "
-                        "these lengths, keep each kernel's fastest, then check and time with them")  # fmt: skip
-    p.add_argument("--tune-child", default="", help=argparse.SUPPRESS)
-    # test hook: the sweep's child process dies on its N-th new candidate (os._exit)
-    p.add_argument("--tune-crash-at", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: tiny smoke run through TRITON_INTERPRET=1 (numbers mean nothing)")  # fmt: skip
     p.add_argument("--out", type=Path, help="directory for results.json and table.md")
@@ -140,146 +128,6 @@ def check(device: str, chunk: int, big: bool) -> tuple[bool, dict]:
                 ok = False
                 print(f"  FAIL {name} {dtype}: {bad} above {tol}")
     return ok, report
-
-
-# ----------------------------------------------------------------------------- launch sweep
-# Candidates per kernel (keys of ``_gated_delta_triton.FORWARD_LAUNCH``): warps, V blocks,
-# pipelining stages of the sequential state loop, the inverse's operand precision. No
-# unpipelined (num_stages = 1) bf16 state kernel: on triton 3.6 + H100 (2026-12-06) it gave a
-# wrong output at 4 warps (9.4e-2 off) and an illegal memory access at 8.
-TUNE_GRID: dict[str, list[dict[str, int]]] = {
-    "_wy_fwd": [dict(wy_warps=w, wy_inv_low=lo) for lo in (0, 1) for w in (4, 8)],
-    "_state_fwd": [
-        dict(state_bv=bv, state_warps=w, state_stages=st)
-        for bv in (32, 64)
-        for w in (4, 8)
-        for st in (2, 3)
-    ],
-    "_output_fwd": [dict(out_bv=bv, out_warps=w) for bv in (64, 128) for w in (4, 8)],
-}
-
-
-def _tune_key(row: dict) -> str:
-    return row["kernel"] + json.dumps(row["launch"], sort_keys=True)
-
-
-def tune(args, device: str, prior: list[dict], progress: Path | None) -> tuple[list[dict], dict]:
-    """Coordinate sweep of the GDN forward's launch shapes: each kernel's candidates
-    (``TUNE_GRID``) timed through the whole forward at the ``--tune`` lengths, the others at
-    their current choice; the fastest (sum over lengths) is kept before the next kernel's sweep.
-    A candidate whose output differs from the default launch's by more than 2e-2 (relative to
-    max(1, max |o|)) or that fails is not chosen. ``prior`` rows (an earlier process's, a crash
-    included) are reused, not re-run; ``progress`` gets the rows so far and the candidate being
-    tried before each run. Returns (rows, the chosen launch)."""
-    from lmforge.bench.timing import time_ms
-    from lmforge.kernels import _gated_delta_triton as mod
-    from lmforge.kernels import gated_delta_rule
-    from lmforge.utils.io import atomic_write_text
-
-    lengths = [int(t) for t in args.tune.split(",")]
-    inputs = {T: [x.detach() for x in _timing_inputs(T, args, device)[:5]] for T in lengths}
-    known = {_tune_key(r): r for r in prior}
-
-    def fwd(T: int) -> torch.Tensor:
-        return gated_delta_rule(*inputs[T], chunk_size=args.chunk, backend="triton")[0]
-
-    rows: list[dict] = []
-    with torch.no_grad():
-        base = {T: fwd(T).double() for T in lengths}  # the default launch's outputs
-        for kernel, cands in TUNE_GRID.items():
-            best: tuple[float, dict] | None = None
-            before = {key: mod.FORWARD_LAUNCH[key] for key in cands[0]}
-            for cand in cands:
-                mod.FORWARD_LAUNCH.update(cand)
-                row: dict = {"kernel": kernel, "launch": dict(cand), "chosen": False}
-                if _tune_key(row) in known:
-                    row = dict(known[_tune_key(row)], chosen=False)
-                else:
-                    if progress:
-                        state = {"rows": rows, "trying": row}
-                        atomic_write_text(progress, json.dumps(state, default=str))
-                    if len(rows) == args.tune_crash_at:  # the test hook: die mid-candidate
-                        print("crash hook", file=sys.stderr, flush=True)
-                        os._exit(3)
-                    try:
-                        row["diff"] = max(_rel_err(fwd(T), base[T]) for T in lengths)
-                        row["ms"] = {str(T): time_ms(functools.partial(fwd, T), iters=args.iters,
-                                                     device=device) for T in lengths}  # fmt: skip
-                    except Exception as e:  # e.g. out of shared memory or registers
-                        row["error"] = f"{type(e).__name__}: {str(e)[:100]}"
-                rows.append(row)
-                if "ms" in row and row["diff"] <= 2e-2:
-                    total = sum(row["ms"].values())
-                    if best is None or total < best[0]:
-                        best = (total, cand)
-                print(f"  tune {kernel} {cand}: "
-                      + (row.get("error") or f"diff {row['diff']:.1e}, ms "
-                         + ", ".join(f"{t}: {m:.3f}" for t, m in row["ms"].items())))  # fmt: skip
-            mod.FORWARD_LAUNCH.update(best[1] if best else before)
-            for row in rows:
-                if row["kernel"] == kernel and best is not None and row["launch"] == best[1]:
-                    row["chosen"] = True
-    if progress:
-        done = {"rows": rows, "launch": dict(mod.FORWARD_LAUNCH)}
-        atomic_write_text(progress, json.dumps(done, default=str))
-    return rows, dict(mod.FORWARD_LAUNCH)
-
-
-def tune_in_children(args, argv: list[str]) -> tuple[list[dict], dict]:
-    """The sweep in child processes: a candidate that kills its process (an illegal memory
-    access leaves the CUDA context unusable) is recorded as an error and the sweep goes on in a
-    fresh child from the rows measured so far. Applies the chosen launch here and returns
-    (rows, launch)."""
-    import subprocess
-    import tempfile
-
-    from lmforge.kernels import _gated_delta_triton as mod
-    from lmforge.utils.io import atomic_write_text
-
-    progress = Path(tempfile.mkdtemp(prefix="gdn_tune_")) / "progress.json"
-    rows: list[dict] = []
-    for _attempt in range(sum(len(c) for c in TUNE_GRID.values()) + 1):
-        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--tune-child", str(progress)]
-        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
-        state = json.loads(progress.read_text()) if progress.exists() else {"rows": rows}
-        if proc.returncode == 0 and "launch" in state:
-            mod.FORWARD_LAUNCH.update(state["launch"])
-            return state["rows"], state["launch"]
-        trying = state.get("trying")
-        if trying is None:  # failed before any candidate: nothing to skip, so give up
-            raise RuntimeError("the launch sweep failed: " + proc.stderr.strip()[-400:])
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        print(f"  tune {trying['kernel']} {trying['launch']}: killed its process ({last[:120]})")
-        rows = state["rows"] + [dict(trying, error=f"crashed the process: {last[:100]}")]
-        atomic_write_text(progress, json.dumps({"rows": rows}, default=str))
-    raise RuntimeError("the launch sweep did not finish")
-
-
-def tune_table(rows: list[dict], launch: dict[str, int]) -> str:
-    """The sweep's rows as a markdown table, then the chosen launch."""
-    lengths = next((list(r["ms"]) for r in rows if "ms" in r), [])
-    lines = [
-        "launch sweep: GDN forward ms with each kernel's candidates, the other kernels at their "
-        "choice so far; * = kept",
-        "",
-        "| kernel | launch | " + " | ".join(f"T={t} ms" for t in lengths)
-        + " | sum | max diff vs default |",
-        "|---|---|" + "---|" * (len(lengths) + 2),
-    ]  # fmt: skip
-    for r in rows:
-        launch_s = ", ".join(f"{k.split('_', 1)[1]}={v}" for k, v in r["launch"].items())
-        if "error" in r:
-            err = r["error"].replace("|", "/").replace("\n", " ")
-            lines.append(f"| {r['kernel']} | {launch_s} | {err} |")
-            continue
-        mark = " *" if r["chosen"] else ""
-        lines.append(
-            f"| {r['kernel']}{mark} | {launch_s} | "
-            + " | ".join(f"{r['ms'][t]:.3f}" for t in lengths)
-            + f" | {sum(r['ms'].values()):.3f} | {r['diff']:.1e} |"
-        )
-    lines.append("\nchosen FORWARD_LAUNCH: " + json.dumps(launch))
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------ timings
@@ -551,16 +399,6 @@ def main(argv: list[str] | None = None) -> int:
             16,
             1,
         )
-    if args.tune_child:  # one process of the sweep (see tune_in_children)
-        path = Path(args.tune_child)
-        prior = json.loads(path.read_text())["rows"] if path.exists() else []
-        tune(args, device, prior, path)
-        return 0
-    tuned = None
-    if args.tune:  # before the correctness check, so it checks the launch that is timed
-        argv = sys.argv[1:] if argv is None else list(argv)
-        tuned = tune_in_children(args, argv)
-        print(tune_table(*tuned))
     ok, report = check(device, args.chunk, big=device == "cuda")
     print(f"correctness done at {time.perf_counter() - start:.0f} s")
     rows, ok_bench = bench(args, device, start)
@@ -581,12 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         versions["fla"] = getattr(fla, "__version__", "?")
     except Exception:
         pass
-    from lmforge.kernels._gated_delta_triton import FORWARD_LAUNCH
-
-    text = table(rows, args) + "\n\nGDN forward launch: " + json.dumps(FORWARD_LAUNCH)
-    text += "\n\n" + decode_table(decode)
-    if tuned:
-        text += "\n\n" + tune_table(*tuned)
+    text = table(rows, args) + "\n\n" + decode_table(decode)
     if args.profile and device == "cuda":
         text += "\n\n" + profile_forwards(args, args.profile)
     if args.out:
@@ -598,8 +431,6 @@ def main(argv: list[str] | None = None) -> int:
             "correctness": report,
             "rows": rows,
             "decode": decode,
-            "launch": FORWARD_LAUNCH,
-            "tune": tuned[0] if tuned else None,
             "ok": ok,
         }
         atomic_write_text(args.out / "results.json", json.dumps(payload, indent=1, default=str))

@@ -59,22 +59,12 @@ def test_window_attention_quick_checks_the_kernel() -> None:
 def test_linear_attention_smoke_run_writes_its_results(tmp_path: Path) -> None:
     """``linear_attention.py --device cpu`` (the interpreter): the float64 checks pass and the
     results land in --out (each length's row as it finishes, then the whole run). The files
-    were never written before: the script called ``atomic_write``, a context manager. With
-    ``--tune``, the launch sweep runs in child processes first: a candidate that kills its
-    process (the test hook ``--tune-crash-at``: as an illegal memory access would) is one error
-    row, the sweep goes on in a fresh child, and the chosen launch is the one timed."""
+    were never written before: the script called ``atomic_write``, a context manager."""
     out = _run("linear_attention.py", "--device", "cpu", "--out", str(tmp_path),
-               "--tune", "32", "--tune-crash-at", "5", env={"TRITON_INTERPRET": "1"})  # fmt: skip
+               env={"TRITON_INTERPRET": "1"})  # fmt: skip
     assert "correctness: ok" in out
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["ok"] and [r["T"] for r in saved["rows"]] == [32, 64]
-    tune = saved["tune"]
-    assert len(tune) == 16 and ["error" in r for r in tune].count(True) == 1
-    assert "crashed the process" in tune[5]["error"]
-    assert [r["chosen"] for r in tune].count(True) == 3  # one launch kept per kernel
-    chosen = {k: v for r in tune if r["chosen"] for k, v in r["launch"].items()}
-    assert {k: saved["launch"][k] for k in chosen} == chosen
-    assert "chosen FORWARD_LAUNCH" in (tmp_path / "table.md").read_text()
     assert {"gated delta torch.float32", "ssd/linear torch.float32"} <= set(saved["correctness"])
     partial = json.loads((tmp_path / "rows.partial.json").read_text())
     assert [r["T"] for r in partial] == [32, 64]

@@ -174,34 +174,27 @@ if not _CHILD:
     @pytest.mark.skipif(not _HAS_TRITON, reason="triton is not installed")
     @pytest.mark.parametrize(
         "kernel",
-        ["_wy_fwd", "_wy_fwd-tf32", "_state_fwd", "_output_fwd", "_dv_local", "_state_bwd",
-         "_grad", "_step"],
-    )  # fmt: skip
+        ["_wy_fwd", "_state_fwd", "_output_fwd", "_dv_local", "_state_bwd", "_grad", "_step"],
+    )
     def test_kernels_compile_for_sm90(kernel: str) -> None:
         # Hopper lowering on the CPU (no GPU): bf16, d = 128, chunk 64, the launches' warps,
-        # stages and blocks (the forward's from FORWARD_LAUNCH; "-tf32": the inverse in TF32).
+        # stages and V blocks (forward state loop 3 stages deep; the output kernel all of V).
         from _sm90 import compile_sm90, ptxas_registers
         from lmforge.kernels import _gated_delta_triton as mod
 
-        fl = mod.FORWARD_LAUNCH
         meta = dict(H=16, K=128, V=128, BT=64, BK=128, BV=64, PREC="tf32")
-        warps, stages = (8 if kernel == "_grad" else 4), 1
-        if kernel.startswith("_wy_fwd"):
-            low = kernel == "_wy_fwd" and bool(fl["wy_inv_low"])
-            meta |= dict(LOG_BT=6, STORE_T=True, INV_LOW=low)
-            warps = fl["wy_warps"]
-        elif kernel == "_state_fwd":
-            meta |= dict(HAS_H0=True, STORE_HT=True, BV=fl["state_bv"])
-            warps, stages = fl["state_warps"], fl["state_stages"]
-        elif kernel == "_state_bwd":
-            meta |= dict(HAS_DHT=True, STORE_DH0=True)
-            stages = 2
-        elif kernel == "_output_fwd":
-            meta |= dict(CUMSUM_G=False, BV=fl["out_bv"])
-            warps = fl["out_warps"]
-        elif kernel == "_step":  # no matmul: the decode step is a state read and write
+        extra = {
+            "_wy_fwd": dict(LOG_BT=6, STORE_T=True),
+            "_state_fwd": dict(HAS_H0=True, STORE_HT=True, BV=32),
+            "_state_bwd": dict(HAS_DHT=True, STORE_DH0=True),
+            "_output_fwd": dict(CUMSUM_G=False, BV=128),
+        }.get(kernel, {})
+        if kernel == "_step":  # no matmul: the decode step is a state read and write
             meta = dict(H=16, K=128, V=128, BK=128, BV=32, DELTA=True)
-        compiled = compile_sm90(getattr(mod, kernel.split("-")[0]), meta, _sm90_arg, warps, stages)
+        stages = {"_state_fwd": mod._FWD_STATE_STAGES, "_state_bwd": 2}.get(kernel, 1)
+        compiled = compile_sm90(
+            getattr(mod, kernel), meta | extra, _sm90_arg, 8 if kernel == "_grad" else 4, stages
+        )
         assert compiled.metadata.shared <= 232448  # the shared memory a block may use on H100/H200
         assert kernel == "_step" or "wgmma" in compiled.asm["ptx"]  # Hopper tensor cores
         ptxas_registers(compiled.asm["ptx"])  # ptxas accepts it
@@ -217,27 +210,12 @@ if not _CHILD:
         _compare(_chunked(chunk, "triton"), *case[:5], case[5], device="cuda", tol=2e-4)
 
     @pytest.mark.gpu
-    @pytest.mark.parametrize(
-        "launch",
-        [{}, dict(wy_warps=8, wy_inv_low=1, state_bv=64, state_warps=8, state_stages=3,
-                  out_bv=128, out_warps=8)],
-        ids=["default-launch", "other-launch"],
-    )  # fmt: skip
-    def test_gpu_triton_bf16_forward_backward_vs_float64(launch: dict) -> None:
-        # bf16 operands: tensor cores, fp32 accumulation and states; with the default launch
-        # shapes and with the other end of the --tune sweep's candidates.
-        from lmforge.kernels import _gated_delta_triton as mod
-
-        saved = dict(mod.FORWARD_LAUNCH)
-        try:
-            mod.FORWARD_LAUNCH.update(launch)
-            _compare(
-                _chunked(64, "triton"), 2, 512, 4, 128, 128, dtype=torch.bfloat16,
-                device="cuda", tol=5e-2,
-            )  # fmt: skip
-        finally:
-            mod.FORWARD_LAUNCH.clear()
-            mod.FORWARD_LAUNCH.update(saved)
+    def test_gpu_triton_bf16_forward_backward_vs_float64() -> None:
+        # bf16 operands: tensor cores, fp32 accumulation and states.
+        _compare(
+            _chunked(64, "triton"), 2, 512, 4, 128, 128, dtype=torch.bfloat16, device="cuda",
+            tol=5e-2,
+        )  # fmt: skip
 
 else:
 
@@ -246,29 +224,13 @@ else:
     def test_triton_matches_reference(case, chunk: int) -> None:
         _compare(_chunked(chunk, "triton"), *case[:5], case[5])
 
-    def test_triton_half_every_forward_launch_choice() -> None:
-        # The tunable launch shapes (``FORWARD_LAUNCH``, 2-byte inputs only): other V blocks for
-        # the state and output kernels, no pipelining and the inverse's doubling steps on the
-        # other operand precision give the float64 reference's result to half-precision accuracy, forward and
-        # backward, and the default launch's output to within a few roundings. float16: the
-        # interpreter has no bf16 matmul (numpy), the GPU tests and the --tune sweep cover bf16.
-        from lmforge.kernels import _gated_delta_triton as mod
-
-        cu = [0, 5, 42, 60]
-        run = _chunked(16, "triton")
-        xs = _inputs(1, 60, 2, 16, 32, len(cu) - 1, dtype=torch.float16)
-        cu_t = torch.tensor(cu, dtype=torch.int32)
-        want = run(*xs, cu_t)[0].double()
-        saved = dict(mod.FORWARD_LAUNCH)
-        try:
-            flip = 1 - mod.FORWARD_LAUNCH["wy_inv_low"]  # the other inverse precision
-            mod.FORWARD_LAUNCH.update(wy_inv_low=flip, state_bv=16, out_bv=32, state_stages=1)
-            got = run(*xs, cu_t)[0].double()
-            assert 0 < (got - want).abs().max().item() <= 5e-3 * max(1.0, want.abs().max().item())
-            _compare(run, 1, 60, 2, 16, 32, cu, dtype=torch.float16, tol=1e-2)
-        finally:
-            mod.FORWARD_LAUNCH.clear()
-            mod.FORWARD_LAUNCH.update(saved)
+    def test_triton_float16_matches_reference() -> None:
+        # 2-byte inputs take their own launch choices (the inverse's doubling steps on 2-byte
+        # operands, the output kernel's whole-V block, a 3-deep state loop): forward and every
+        # gradient against float64 to half-precision accuracy. float16, as the interpreter has
+        # no bf16 matmul (numpy); the GPU tests cover bf16.
+        _compare(_chunked(16, "triton"), 1, 60, 2, 16, 32, [0, 5, 42, 60], dtype=torch.float16,
+                 tol=1e-2)  # fmt: skip
 
     def test_triton_without_states() -> None:
         q, k, v, g, beta, _ = _inputs(1, 40, 2, 16, 16, 1)

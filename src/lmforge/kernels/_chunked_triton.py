@@ -165,7 +165,7 @@ def state_stages(x: torch.Tensor) -> int:
     """Pipelining the sequential chunk loop (next chunk's loads during this chunk's matmuls) fits
     in shared memory for 2-byte inputs; float32 (the validation path) runs unpipelined. Never 1
     for bf16: on triton 3.6 + H100 the unpipelined bf16 GDN state kernel was miscompiled (a
-    wrong output at 4 warps, an illegal memory access at 8; ``linear_attention.py --tune``)."""
+    wrong output at 4 warps, an illegal memory access at 8; benchmarks/RESULTS.md)."""
     return 1 if x.dtype == torch.float32 else 2
 
 

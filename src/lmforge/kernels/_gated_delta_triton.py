@@ -25,7 +25,7 @@ float32 inputs use 3×TF32 dots (``PREC``: fp32-level accuracy on tensor cores; 
 unrolled into FMAs took ptxas past 15 minutes per kernel). States
 stay float32 in registers; the per-chunk state snapshots are stored in the input dtype.
 Launches name ``num_stages``: 2 or more for the sequential state kernels (the next chunk's
-loads overlap this chunk's matmuls; the forward's from ``FORWARD_LAUNCH``), 1 elsewhere —
+loads overlap this chunk's matmuls; the forward's three deep for 2-byte inputs), 1 elsewhere —
 Triton's default of 3 would pipeline the short V loop of ``_grad`` into 256 KiB of shared
 memory, more than an H100/H200 block may use (227 KiB).
 """
@@ -57,7 +57,7 @@ def _wy_fwd(
     K_ptr, V_ptr, G_in, B_ptr, GC, TINV, W_ptr, U_ptr, CHUNKS, CU,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    LOG_BT: tl.constexpr, STORE_T: tl.constexpr, INV_LOW: tl.constexpr,
+    LOG_BT: tl.constexpr, STORE_T: tl.constexpr,
 ):  # fmt: skip
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -81,20 +81,17 @@ def _wy_fwd(
     # T = (I + A)⁻¹ by recursive doubling: with T_b the inverse of I + A's diagonal b×b blocks,
     # each 2b-block [[X, 0], [Y, Z]] has inverse T_b − T_b·[[0, 0], [Y, 0]]·T_b, exactly. log2(BT)
     # steps of two BT×BT matmuls (tensor cores) instead of a BT-step row-by-row substitution.
-    # INV_LOW: the steps' operands in the input dtype (bf16: half the tensor-core instructions
-    # of TF32), the sums still float32; otherwise TF32 (3×TF32 for float32 inputs).
+    # The steps' operands in the input dtype, the sums float32: bf16 inputs take half the
+    # tensor-core instructions of TF32 operands (_wy_fwd 455 → 351 µs at T = 8192 × 4, 16 heads,
+    # H100; T is rounded to bf16 right after anyway), float32 ones stay 3×TF32 (``PREC``).
     Tm = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     for s in tl.static_range(LOG_BT):
         half = 1 << s  # the block size before this step
         off = (rows[:, None] // (2 * half) == rows[None, :] // (2 * half)) & (
             rows[:, None] // half != rows[None, :] // half
         )
-        if INV_LOW:
-            TA = tl.dot(Tm.to(DT), tl.where(off, A, 0.0).to(DT))
-            Tm = Tm - tl.dot(TA.to(DT), Tm.to(DT))
-        else:
-            TA = tl.dot(Tm, tl.where(off, A, 0.0), input_precision=PREC)
-            Tm = Tm - tl.dot(TA, Tm, input_precision=PREC)
+        TA = tl.dot(Tm.to(DT), tl.where(off, A, 0.0).to(DT), input_precision=PREC)
+        Tm = Tm - tl.dot(TA.to(DT), Tm.to(DT), input_precision=PREC)
     if STORE_T:  # only the backward's _grad reads T; the forward's output needs W and U only
         tl.store(TINV + ((i_c * H + i_h) * BT + rows[:, None]) * BT + rows[None, :], Tm)
 
@@ -332,37 +329,10 @@ def _grad(
 
 
 # ------------------------------------------------------------------------------------- launch
-# Launch shapes of the forward's kernels (the backward re-runs the first two) for 2-byte inputs;
-# float32 inputs, the validation path, keep the fixed shapes below. 0 = the default choice:
-# ``wy_warps``, ``state_warps``, ``out_warps`` warps per program; ``state_bv``, ``out_bv`` the V
-# block (state: ``state_block``'s pick, output: ``kernel_meta``'s); ``state_stages`` the
-# sequential loop's pipelining (``state_stages``); ``wy_inv_low`` 1 = the inverse's doubling steps
-# on input-dtype operands. The values are the winners of ``benchmarks/linear_attention.py
-# --tune`` (H100, bf16, d = 128); only that sweep changes this dict.
-# The sweep of 2026-12-06 (T = 8192 and 65536, B·T = 32k, 16 heads): the bf16 inverse took
-# _wy_fwd from 1.134 to 1.027 ms of the forward at T = 8192, three pipeline stages the state
-# loop from 2.939 to 2.608 ms at 65536, whole-V output blocks 1.020 to 1.005 ms at 8192
-# (benchmarks/RESULTS.md). Unpipelined bf16 state kernels are not offered: on triton 3.6 + H100
-# one gave a wrong output and another an illegal memory access (a miscompile; fp32 is fine).
-FORWARD_LAUNCH: dict[str, int] = {
-    "wy_warps": 4,
-    "wy_inv_low": 1,
-    "state_bv": 32,
-    "state_warps": 4,
-    "state_stages": 3,
-    "out_bv": 128,
-    "out_warps": 4,
-}
-
-
-def _tuned(x: torch.Tensor, key: str, default: int) -> int:
-    """FORWARD_LAUNCH[key] for 2-byte inputs when set (non-zero), else ``default``."""
-    return (FORWARD_LAUNCH.get(key, 0) or default) if x.element_size() == 2 else default
-
-
-def _v_block(x: torch.Tensor, key: str, default: int, V: int) -> int:
-    """A tuned V block, no wider than V's power of two (a head dim of 64 gets 64, not 128)."""
-    return min(_tuned(x, key, default), max(default, 16, triton.next_power_of_2(V)))
+# The forward's state loop pipelines three chunks deep for 2-byte inputs (2.94 → 2.61 ms of the
+# GDN forward at T = 65,536 on an H100, level at 8192); the backward's keeps ``state_stages``.
+# Never unpipelined in bf16 (see ``state_stages``).
+_FWD_STATE_STAGES = 3
 
 
 def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta, store_t=True):
@@ -373,22 +343,18 @@ def _wy_and_states(k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta, stor
     tinv = torch.empty((nc, H, BT, BT) if store_t else (0,), **f32)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    # The inverse's matmuls run in TF32 for bf16 inputs: T is rounded to bf16 right after, and
-    # TF32's 10-bit mantissa is below that error.
     _wy_fwd[(nc, H)](
         k, v, g, beta, gc, tinv, w, u, chunks, cu, **meta,
-        LOG_BT=BT.bit_length() - 1, STORE_T=store_t, INV_LOW=bool(_tuned(k, "wy_inv_low", 0)),
-        num_warps=_tuned(k, "wy_warps", 4), num_stages=1,
+        LOG_BT=BT.bit_length() - 1, STORE_T=store_t, num_warps=4, num_stages=1,
     )  # fmt: skip
     hs = k.new_empty(nc, H, K, V)  # (NC, H, K, V) state at each chunk's start
     vn = torch.empty_like(v)
     ht = torch.empty(N, H, K, V, **f32) if store_ht else None
     sm = state_block(meta, N * H, k.device)
-    sm = dict(sm, BV=_v_block(k, "state_bv", sm["BV"], V))
+    stages = _FWD_STATE_STAGES if k.element_size() == 2 else state_stages(k)
     _state_fwd[(triton.cdiv(V, sm["BV"]), N * H)](
         k, w, u, gc, h0, hs, vn, ht, cu, coff, **sm,
-        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=_tuned(k, "state_warps", 4),
-        num_stages=_tuned(k, "state_stages", state_stages(k)),
+        HAS_H0=h0 is not None, STORE_HT=store_ht, num_warps=4, num_stages=stages,
     )  # fmt: skip
     return gc, tinv, w, hs, vn, ht
 
@@ -402,11 +368,13 @@ def forward(q, k, v, g, beta, scale, h0, cu, chunk_size, store_ht, seq_len=0):
         k, v, g, beta, cu, chunks, coff, nc, h0, store_ht, meta, store_t=False
     )
     o = torch.empty_like(v)
-    om = dict(meta, BV=_v_block(q, "out_bv", meta["BV"], meta["V"]))
-    grid = (triton.cdiv(om["V"], om["BV"]), nc, om["H"])
+    # 2-byte inputs: one program takes all of V up to 128, so QKᵀ is formed once per chunk, not
+    # once per V block (1.020 → 1.005 ms of the forward at T = 8192 × 4 on an H100).
+    if q.element_size() == 2:
+        meta = dict(meta, BV=min(128, max(16, triton.next_power_of_2(meta["V"]))))
+    grid = (triton.cdiv(meta["V"], meta["BV"]), nc, meta["H"])
     _output_fwd[grid](
-        q, k, vn, gc, hs, o, chunks, cu, scale, **om, CUMSUM_G=False,
-        num_warps=_tuned(q, "out_warps", 4), num_stages=1,
+        q, k, vn, gc, hs, o, chunks, cu, scale, **meta, CUMSUM_G=False, num_warps=4, num_stages=1
     )  # fmt: skip
     return o, ht
 
